@@ -1,0 +1,49 @@
+"""Mapping between torch dtypes and safetensors dtype names, and raw tensor bytes."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from mtpquant.checkpoint.writer import PlannedTensor
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["planned", "st_dtype", "tensor_bytes", "torch_dtype"]
+
+
+def _table() -> dict[str, torch.dtype]:
+    import torch
+
+    return {
+        "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32,
+        "I64": torch.int64, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32,
+        "F64": torch.float64, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+        "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64,
+    }
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a safetensors dtype name."""
+    return _table()[name]
+
+
+def st_dtype(dtype: torch.dtype) -> str:
+    """The safetensors dtype name of a torch dtype."""
+    for k, v in _table().items():
+        if v == dtype:
+            return k
+    raise ValueError(f"dtype {dtype} has no safetensors name")
+
+
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    """Little-endian raw bytes of a tensor, as safetensors stores them."""
+    import torch
+
+    flat = t.detach().contiguous().reshape(-1)
+    return flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
+
+
+def planned(name: str, t: torch.Tensor) -> PlannedTensor:
+    """A PlannedTensor whose bytes come from an in-memory tensor."""
+    return PlannedTensor(name, st_dtype(t.dtype), tuple(t.shape), lambda: tensor_bytes(t))

@@ -1,0 +1,101 @@
+"""The shard index (``model.safetensors.index.json``): path safety and consistency checks."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import PurePosixPath
+from typing import Any
+
+from mtpquant.checkpoint.header import ShardHeader
+from mtpquant.errors import CheckpointError
+
+__all__ = ["INDEX_NAME", "SINGLE_NAME", "Problem", "build_index", "check_shard_name", "parse_index", "validate_index"]
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One integrity defect: a stable code and a one-line message naming file and tensor."""
+
+    code: str
+    message: str
+
+
+def check_shard_name(name: Any, where: str = INDEX_NAME) -> str:
+    """A shard name must be a plain relative path ending in ``.safetensors``, without ``..``."""
+    ok = isinstance(name, str) and name.endswith(".safetensors") and "\\" not in name and "\x00" not in name
+    if ok:
+        p = PurePosixPath(name)
+        ok = not p.is_absolute() and ".." not in p.parts and name == p.as_posix() and not name.startswith("/")
+        ok = ok and not (len(name) > 1 and name[1] == ":")
+    if not ok:
+        raise CheckpointError(f"{where}: shard name {name!r} is not a relative .safetensors file name")
+    return str(name)
+
+
+def parse_index(raw: Any) -> tuple[dict[str, str], int | None]:
+    """The weight map and declared total_size of an index, with shard names checked."""
+    if not isinstance(raw, Mapping) or not isinstance(raw.get("weight_map"), Mapping):
+        raise CheckpointError(f"{INDEX_NAME}: no 'weight_map' object")
+    weight_map: dict[str, str] = {}
+    for tensor, shard in raw["weight_map"].items():
+        weight_map[str(tensor)] = check_shard_name(shard)
+    meta = raw.get("metadata") or {}
+    total = meta.get("total_size") if isinstance(meta, Mapping) else None
+    if total is not None and (not isinstance(total, int) or isinstance(total, bool)):
+        try:
+            total = int(total)
+        except (TypeError, ValueError):
+            raise CheckpointError(f"{INDEX_NAME}: metadata.total_size {total!r} is not an integer") from None
+    return weight_map, total
+
+
+def validate_index(
+    weight_map: Mapping[str, str],
+    total_size: int | None,
+    headers: Mapping[str, ShardHeader],
+    missing_shards: set[str],
+) -> list[Problem]:
+    """Every indexed name exists in its shard; every shard tensor is indexed; sizes add up."""
+    problems: list[Problem] = []
+    for shard in sorted(missing_shards):
+        problems.append(Problem("missing_shard", f"{INDEX_NAME}: shard {shard!r} does not exist"))
+    for tensor, shard in weight_map.items():
+        header = headers.get(shard)
+        if header is not None and tensor not in header.tensors:
+            problems.append(
+                Problem("missing_tensor", f"{INDEX_NAME}: tensor {tensor!r} is mapped to {shard} but {shard} does not contain it")
+            )
+    for shard, header in headers.items():
+        for tensor in header.tensors:
+            mapped = weight_map.get(tensor)
+            if mapped is None:
+                problems.append(Problem("unindexed_tensor", f"{shard}: tensor {tensor!r} is not listed in {INDEX_NAME}"))
+            elif mapped != shard:
+                problems.append(
+                    Problem("duplicate_tensor", f"{shard}: tensor {tensor!r} also appears in {mapped}, where the index maps it")
+                )
+    if total_size is not None and not missing_shards:
+        actual = sum(e.nbytes for h in headers.values() for e in h.tensors.values())
+        if total_size != actual:
+            problems.append(
+                Problem("total_size", f"{INDEX_NAME}: metadata.total_size is {total_size} but the tensors hold {actual} bytes")
+            )
+    return problems
+
+
+def build_index(headers: Mapping[str, ShardHeader], extra_metadata: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """An index for a set of shard headers; ``total_size`` is the sum of tensor bytes."""
+    weight_map: dict[str, str] = {}
+    total = 0
+    for shard in sorted(headers):
+        for name, entry in headers[shard].tensors.items():
+            if name in weight_map:
+                raise CheckpointError(f"{shard}: tensor {name!r} also appears in {weight_map[name]}")
+            weight_map[name] = shard
+            total += entry.nbytes
+    metadata: dict[str, Any] = {"total_size": total, **(extra_metadata or {})}
+    return {"metadata": metadata, "weight_map": dict(sorted(weight_map.items()))}

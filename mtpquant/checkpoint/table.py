@@ -1,0 +1,185 @@
+"""A checkpoint opened header-first: config, index, and a table of every tensor, no tensor data.
+
+``Checkpoint.open`` reads ``config.json``, the index and each shard's header (two small reads per
+shard) and classifies every tensor. Tensor data is read only on request, one shard at a time.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import defaultdict
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from mtpquant.checkpoint.header import ShardHeader, TensorEntry, parse_header, read_header_length
+from mtpquant.checkpoint.index import INDEX_NAME, SINGLE_NAME, Problem, check_shard_name, parse_index, validate_index
+from mtpquant.checkpoint.source import CheckpointSource, open_source, read_json
+from mtpquant.errors import CheckpointError, ConfigError
+from mtpquant.families import ModelSpec, TensorClass, resolve
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["PICKLE_SUFFIXES", "Checkpoint"]
+
+log = logging.getLogger(__name__)
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
+
+
+@dataclass
+class Checkpoint:
+    """Header-level view of one checkpoint: its config, family, shards and tensor table."""
+
+    source: CheckpointSource
+    config: dict[str, Any]
+    spec: ModelSpec
+    shards: list[str]
+    headers: dict[str, ShardHeader]
+    tensors: dict[str, TensorEntry]
+    index: dict[str, Any] | None
+    problems: list[Problem] = field(default_factory=list)
+    main_prefix: str = ""
+
+    # ---- opening ------------------------------------------------------------------------------
+    @classmethod
+    def open(
+        cls,
+        ref: str | os.PathLike[str] | CheckpointSource,
+        *,
+        revision: str | None = None,
+        token: str | None = None,
+        strict: bool = True,
+    ) -> Checkpoint:
+        """Open a checkpoint from a path, a Hub repo id or a source.
+
+        With ``strict`` any index defect raises ``CheckpointError``; otherwise defects are
+        collected in ``problems`` (inspect reports them all). Malformed headers always raise.
+        """
+        source = ref if hasattr(ref, "read_range") else open_source(ref, revision, token)  # type: ignore[arg-type]
+        files = source.list_files()
+        _refuse_pickles(source.label, files)
+        if "config.json" not in files:
+            raise ConfigError(f"{source.label}: config.json is missing")
+        config = read_json(source, "config.json")
+        if not isinstance(config, dict):
+            raise ConfigError("config.json: top level must be a JSON object")
+        spec = resolve(config)
+
+        index: dict[str, Any] | None = None
+        if INDEX_NAME in files:
+            raw_index = read_json(source, INDEX_NAME)
+            weight_map, total_size = parse_index(raw_index)
+            index = raw_index
+            shards = sorted(set(weight_map.values()))
+        elif SINGLE_NAME in files:
+            weight_map, total_size = {}, None
+            shards = [SINGLE_NAME]
+        else:
+            raise CheckpointError(f"{source.label}: no {INDEX_NAME} and no {SINGLE_NAME}")
+
+        present = set(files)
+        missing = {s for s in shards if s not in present}
+        headers: dict[str, ShardHeader] = {}
+        for shard in shards:
+            if shard in missing:
+                continue
+            headers[shard] = read_shard_header(source, shard)
+        if index is None:
+            weight_map = {n: SINGLE_NAME for n in headers[SINGLE_NAME].tensors}
+
+        problems = validate_index(weight_map, total_size, headers, missing)
+        if index is not None:
+            stray = sorted(f for f in files if f.endswith(".safetensors") and f not in set(shards) and "/" not in f)
+            problems += [Problem("stray_shard", f"{s}: shard exists but {INDEX_NAME} does not reference it") for s in stray]
+        fatal = [p for p in problems if p.code != "stray_shard"]
+        if strict and fatal:
+            raise CheckpointError(fatal[0].message)
+
+        tensors: dict[str, TensorEntry] = {}
+        for shard, header in headers.items():
+            for name, entry in header.tensors.items():
+                if weight_map.get(name, shard) == shard:
+                    tensors[name] = entry
+        ckpt = cls(source, config, spec, shards, headers, tensors, index, problems)
+        ckpt.main_prefix = spec.main_prefix_for(tensors)
+        log.debug("opened %s: %d tensors in %d shards", source.label, len(tensors), len(shards))
+        return ckpt
+
+    # ---- queries ------------------------------------------------------------------------------
+    @property
+    def label(self) -> str:
+        """Path or repo id of the checkpoint."""
+        return self.source.label
+
+    def classify(self, name: str) -> str:
+        """Class of a tensor: main / mtp / vision / embed / lm_head / other."""
+        return self.spec.classify(name, self.main_prefix)
+
+    def by_class(self) -> dict[str, list[TensorEntry]]:
+        """Tensors grouped by class, each group sorted by name."""
+        groups: dict[str, list[TensorEntry]] = defaultdict(list)
+        for name in sorted(self.tensors):
+            groups[self.classify(name)].append(self.tensors[name])
+        return dict(groups)
+
+    def mtp_tensors(self) -> list[TensorEntry]:
+        """Every ``mtp.*`` tensor present, sorted by name."""
+        return [e for n, e in sorted(self.tensors.items()) if self.classify(n) == TensorClass.MTP]
+
+    @property
+    def total_bytes(self) -> int:
+        """Sum of tensor bytes."""
+        return sum(e.nbytes for e in self.tensors.values())
+
+    # ---- data ---------------------------------------------------------------------------------
+    def read_raw(self, entry: TensorEntry) -> bytes:
+        """The tensor's bytes exactly as stored."""
+        return self.source.read_range(entry.shard, entry.start, entry.end)
+
+    def read_tensor(self, name: str) -> torch.Tensor:
+        """One tensor, decoded by safetensors from its stored bytes."""
+        from safetensors.torch import load
+
+        entry = self.tensors[name]
+        return load(_single_tensor_blob(entry, self.read_raw(entry)))[name]
+
+    def iter_raw(self, names: Iterable[str]) -> Iterator[tuple[TensorEntry, bytes]]:
+        """Stored bytes of many tensors, grouped by shard and in file order (one shard at a time)."""
+        by_shard: dict[str, list[TensorEntry]] = defaultdict(list)
+        for name in names:
+            entry = self.tensors[name]
+            by_shard[entry.shard].append(entry)
+        for shard in sorted(by_shard):
+            for entry in sorted(by_shard[shard], key=lambda e: e.start):
+                yield entry, self.read_raw(entry)
+
+
+def read_shard_header(source: CheckpointSource, shard: str) -> ShardHeader:
+    """Parse one shard's header with exactly two reads: the length prefix, then the JSON."""
+    check_shard_name(shard, where=source.label)
+    size = source.file_size(shard)
+    n = read_header_length(shard, source.read_range(shard, 0, min(size, 8)), size)
+    return parse_header(shard, source.read_range(shard, 8, 8 + n), size)
+
+
+def _single_tensor_blob(entry: TensorEntry, data: bytes) -> bytes:
+    import json
+    import struct
+
+    header = json.dumps({entry.name: {"dtype": entry.dtype, "shape": list(entry.shape), "data_offsets": [0, len(data)]}})
+    raw = header.encode() + b" " * (-len(header) % 8)
+    return struct.pack("<Q", len(raw)) + raw + data
+
+
+def _refuse_pickles(label: str, files: list[str]) -> None:
+    pickles = [f for f in files if f.endswith(PICKLE_SUFFIXES)]
+    has_safetensors = any(f.endswith(".safetensors") for f in files)
+    if pickles and not has_safetensors:
+        raise CheckpointError(
+            f"{label}: {pickles[0]} is a pickle checkpoint; mtpquant never loads pickles (convert it to safetensors)"
+        )
+    for f in pickles:
+        log.warning("%s: ignoring pickle file %s (never loaded)", label, f)

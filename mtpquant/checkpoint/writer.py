@@ -1,0 +1,284 @@
+"""Every output file goes through here: temp sibling directory, byte-budget shards, atomic JSON.
+
+An output is built in ``.<name>.mtpquant-partial-<id>/`` next to its destination and renamed into
+place by ``finalize`` once every header re-opens and the index checks out; nothing that looks like
+a finished checkpoint exists before that. Shards are streamed: the header is computed from the plan,
+then tensor bytes are written one tensor at a time, so memory stays at one tensor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import struct
+import uuid
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from mtpquant.checkpoint.header import ShardHeader, tensor_nbytes
+from mtpquant.checkpoint.index import INDEX_NAME, build_index, check_shard_name
+from mtpquant.checkpoint.source import LocalSource
+from mtpquant.errors import CheckpointError, OutputExistsError
+
+__all__ = [
+    "PARTIAL_MARK",
+    "OutputDir",
+    "PlannedTensor",
+    "atomic_write_bytes",
+    "atomic_write_json",
+    "find_stale_partials",
+    "plan_shards",
+    "write_safetensors",
+]
+
+log = logging.getLogger(__name__)
+
+PARTIAL_MARK = ".mtpquant-partial-"
+_OWNER_FILE = ".mtpquant-owner"
+
+
+@dataclass(frozen=True)
+class PlannedTensor:
+    """A tensor to write: its header facts plus a callable that produces its bytes when needed."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    produce: Callable[[], bytes]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of tensor data."""
+        return tensor_nbytes(self.dtype, self.shape)
+
+
+def _fsync_dir(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write a file via temp file + fsync + ``os.replace``; a crash leaves the old file or none."""
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        with tmp.open("wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    _fsync_dir(path.parent)
+
+
+def atomic_write_json(path: Path, obj: Any) -> None:
+    """Atomic JSON write, indented, with a trailing newline."""
+    atomic_write_bytes(path, (json.dumps(obj, indent=2, ensure_ascii=False) + "\n").encode("utf-8"))
+
+
+def write_safetensors(path: Path, tensors: Iterable[PlannedTensor], metadata: Mapping[str, str] | None = None) -> None:
+    """Stream a safetensors file: header from the plan, then each tensor's bytes in order."""
+    plan = list(tensors)
+    header: dict[str, Any] = {}
+    if metadata:
+        header["__metadata__"] = dict(metadata)
+    offset = 0
+    for t in plan:
+        header[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
+        offset += t.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)
+    with path.open("wb") as fh:
+        fh.write(struct.pack("<Q", len(raw)))
+        fh.write(raw)
+        for t in plan:
+            data = t.produce()
+            if len(data) != t.nbytes:
+                raise CheckpointError(f"{path.name}: tensor {t.name!r} produced {len(data)} bytes, expected {t.nbytes}")
+            fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def plan_shards(tensors: Iterable[PlannedTensor], max_bytes: int) -> list[list[PlannedTensor]]:
+    """Greedy split into shards under a byte budget, keeping order; an oversized tensor goes alone."""
+    shards: list[list[PlannedTensor]] = []
+    current: list[PlannedTensor] = []
+    size = 0
+    for t in tensors:
+        if current and size + t.nbytes > max_bytes:
+            shards.append(current)
+            current, size = [], 0
+        current.append(t)
+        size += t.nbytes
+    if current:
+        shards.append(current)
+    return shards
+
+
+def find_stale_partials(final: Path) -> list[Path]:
+    """Leftover temp dirs of earlier runs for ``final`` whose owning process is gone."""
+    stale = []
+    for p in final.parent.glob(f".{final.name}{PARTIAL_MARK}*"):
+        owner = p / _OWNER_FILE
+        try:
+            pid = int(owner.read_text().strip())
+        except (OSError, ValueError):
+            pid = -1
+        if pid <= 0 or not _pid_alive(pid):
+            stale.append(p)
+    return sorted(stale)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class OutputDir:
+    """A checkpoint being built in a temp sibling directory of ``final``."""
+
+    def __init__(self, final: Path | str, *, overwrite: bool = False) -> None:
+        self.final = Path(final).absolute()
+        self.overwrite = overwrite
+        if self.final.exists() and not overwrite:
+            raise OutputExistsError(f"{self.final}: output already exists (use --overwrite to replace it)")
+        self.final.parent.mkdir(parents=True, exist_ok=True)
+        for stale in find_stale_partials(self.final):
+            log.warning("removing leftover temporary directory of an interrupted run: %s", stale)
+            shutil.rmtree(stale, ignore_errors=True)
+        self.path = self.final.parent / f".{self.final.name}{PARTIAL_MARK}{uuid.uuid4().hex[:12]}"
+        self.path.mkdir()
+        (self.path / _OWNER_FILE).write_text(str(os.getpid()))
+        self.linked: list[str] = []
+        self.copied: list[str] = []
+        self.bytes_written = 0
+        self._done = False
+
+    # ---- context management -------------------------------------------------------------------
+    def __enter__(self) -> OutputDir:
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+        if not self._done:
+            self.abort()
+
+    def abort(self) -> None:
+        """Remove the temp directory; the destination is untouched."""
+        shutil.rmtree(self.path, ignore_errors=True)
+        self._done = True
+
+    # ---- writing ------------------------------------------------------------------------------
+    def _target(self, relname: str) -> Path:
+        if relname.endswith(".safetensors"):
+            check_shard_name(relname, where=str(self.final))
+        p = (self.path / relname).resolve()
+        if self.path.resolve() not in p.parents:
+            raise CheckpointError(f"{relname}: refusing to write outside the output directory")
+        p.parent.mkdir(parents=True, exist_ok=True)
+        return p
+
+    def write_shard(self, relname: str, tensors: Iterable[PlannedTensor], metadata: Mapping[str, str] | None = None) -> None:
+        """Write one safetensors shard (streamed)."""
+        target = self._target(relname)
+        write_safetensors(target, tensors, metadata)
+        self.bytes_written += target.stat().st_size
+
+    def write_shards(
+        self,
+        tensors: Iterable[PlannedTensor],
+        *,
+        max_bytes: int,
+        pattern: str = "model-{index:05d}-of-{count:05d}.safetensors",
+        metadata: Mapping[str, str] | None = None,
+    ) -> list[str]:
+        """Split ``tensors`` under the byte budget and write them; returns the shard names."""
+        groups = plan_shards(tensors, max_bytes)
+        names = [pattern.format(index=i + 1, count=len(groups)) for i in range(len(groups))]
+        for name, group in zip(names, groups):
+            self.write_shard(name, group, metadata)
+        return names
+
+    def write_json(self, relname: str, obj: Any) -> None:
+        """Atomic JSON file."""
+        data = (json.dumps(obj, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
+        atomic_write_bytes(self._target(relname), data)
+        self.bytes_written += len(data)
+
+    def write_text(self, relname: str, text: str) -> None:
+        """Atomic text file."""
+        data = text.encode("utf-8")
+        atomic_write_bytes(self._target(relname), data)
+        self.bytes_written += len(data)
+
+    def link_file(self, src: Path, relname: str | None = None, *, link: bool = True) -> str:
+        """Hard-link ``src`` into the output (fallback: copy); returns the relative name."""
+        relname = relname or src.name
+        target = self._target(relname)
+        if link:
+            try:
+                os.link(src, target)
+                self.linked.append(relname)
+                return relname
+            except OSError as exc:
+                log.info("hard link of %s failed (%s); copying", src, exc.strerror)
+        shutil.copyfile(src, target)
+        self.copied.append(relname)
+        self.bytes_written += target.stat().st_size
+        return relname
+
+    # ---- finishing ----------------------------------------------------------------------------
+    def shard_headers(self) -> dict[str, ShardHeader]:
+        """Re-read every shard header in the temp directory."""
+        from mtpquant.checkpoint.table import read_shard_header
+
+        source = LocalSource(self.path)
+        return {
+            f: read_shard_header(source, f) for f in source.list_files() if f.endswith(".safetensors") and "/" not in f
+        }
+
+    def write_index(self, extra_metadata: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """Build the index from the shards actually on disk and write it."""
+        index = build_index(self.shard_headers(), extra_metadata)
+        self.write_json(INDEX_NAME, index)
+        return index
+
+    def finalize(self, verify: Callable[[Path], None] | None = None) -> Path:
+        """Verify the temp directory (headers, index, ``verify``) and rename it into place."""
+        from mtpquant.checkpoint.table import Checkpoint
+
+        Checkpoint.open(self.path, strict=True)
+        if verify is not None:
+            verify(self.path)
+        (self.path / _OWNER_FILE).unlink(missing_ok=True)
+        _fsync_dir(self.path)
+        trash: Path | None = None
+        if self.final.exists():
+            if not self.overwrite:
+                raise OutputExistsError(f"{self.final}: output appeared while converting; not replacing it")
+            trash = self.final.parent / f".{self.final.name}.mtpquant-old-{uuid.uuid4().hex[:8]}"
+            os.replace(self.final, trash)
+        os.replace(self.path, self.final)
+        _fsync_dir(self.final.parent)
+        self._done = True
+        if trash is not None:
+            shutil.rmtree(trash, ignore_errors=True)
+        log.info("wrote %s", self.final)
+        return self.final

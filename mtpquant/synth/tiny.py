@@ -1,0 +1,298 @@
+"""Tiny random-weight checkpoints in the exact real layouts of each family (for tests and demos).
+
+The main model comes from the transformers class of its family (so it loads and runs there), its
+tensors renamed and split exactly as real Hub checkpoints store them (Qwen3.5-MoE: fused 3-D main
+experts; Qwen3-Next: per-expert experts), plus the ``mtp.*`` tensors with their real shapes and
+zero-centred norms. Dimensions are small, but head dims are real (256 full attention, 128 linear
+attention) and every Linear input dimension is a multiple of 16.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mtpquant.checkpoint.index import INDEX_NAME, SINGLE_NAME
+from mtpquant.checkpoint.dtypes import planned
+from mtpquant.checkpoint.writer import OutputDir
+from mtpquant.families import FAMILIES, resolve
+
+__all__ = ["TINY_VARIANTS", "TinySpec", "make_tiny_checkpoint", "tiny_config", "tiny_tokenizer"]
+
+log = logging.getLogger(__name__)
+
+_TEXT_BASE: dict[str, Any] = {
+    "hidden_size": 128,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 256,
+    "linear_num_key_heads": 1,
+    "linear_num_value_heads": 2,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_conv_kernel_dim": 4,
+    "intermediate_size": 256,
+    "num_hidden_layers": 4,
+    "full_attention_interval": 4,
+    "vocab_size": 512,
+    "rms_norm_eps": 1e-6,
+    "hidden_act": "silu",
+    "max_position_embeddings": 4096,
+    "attention_bias": False,
+    "attn_output_gate": True,
+}
+_MOE: dict[str, Any] = {
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 64,
+    "shared_expert_intermediate_size": 64,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+}
+_VISION: dict[str, Any] = {
+    "depth": 1,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_heads": 2,
+    "in_channels": 3,
+    "patch_size": 16,
+    "spatial_merge_size": 2,
+    "temporal_patch_size": 2,
+    "num_position_embeddings": 64,
+    "hidden_act": "gelu_pytorch_tanh",
+    "deepstack_visual_indexes": [],
+}
+_ROPE = {"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25,
+         "mrope_interleaved": True, "mrope_section": [11, 11, 10]}
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    """Which tiny checkpoint to build."""
+
+    family: str = "qwen3_5"  # qwen3_5 | qwen3_5_moe | qwen3_next
+    text_only: bool = False  # Qwen3_5ForCausalLM-style re-export (no wrapper, no vision)
+    text_only_prefix: str = "model.language_model."  # or "model." for model.layers.* re-exports
+    tied: bool = False
+    shards: int = 1
+    # "hf": model-00001-of-00003.safetensors; "qwen": model.safetensors-00001-of-00003.safetensors
+    naming: str = "hf"
+    mtp: bool = True
+    seed: int = 0
+    vocab_size: int = 512
+    hidden_size: int = 128
+
+
+TINY_VARIANTS: dict[str, TinySpec] = {
+    "qwen3_5": TinySpec("qwen3_5", shards=2),
+    "qwen3_5-tied": TinySpec("qwen3_5", tied=True),
+    "qwen3_5-text": TinySpec("qwen3_5", text_only=True, text_only_prefix="model."),
+    "qwen3_5_moe": TinySpec("qwen3_5_moe", shards=3, naming="qwen"),
+    "qwen3_next": TinySpec("qwen3_next", shards=2),
+}
+
+
+def tiny_config(spec: TinySpec) -> dict[str, Any]:
+    """The config.json of a tiny checkpoint, shaped like the real one of its family."""
+    text = dict(_TEXT_BASE, vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
+                tie_word_embeddings=spec.tied)
+    n = text["num_hidden_layers"]
+    text["layer_types"] = [
+        "full_attention" if (i + 1) % text["full_attention_interval"] == 0 else "linear_attention" for i in range(n)
+    ]
+    if spec.family != "qwen3_5":
+        text |= _MOE
+    if spec.family == "qwen3_next":
+        text.pop("attn_output_gate")
+        text.pop("layer_types")
+        return {
+            "architectures": ["Qwen3NextForCausalLM"],
+            "model_type": "qwen3_next",
+            **text,
+            "partial_rotary_factor": 0.25,
+            "rope_theta": 10_000_000.0,
+            "rope_scaling": None,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+            "dtype": "bfloat16",
+        }
+    moe = spec.family == "qwen3_5_moe"
+    text |= {
+        "model_type": "qwen3_5_moe_text" if moe else "qwen3_5_text",
+        "mtp_num_hidden_layers": 1 if spec.mtp else 0,
+        "mtp_use_dedicated_embeddings": False,
+        "rope_parameters": dict(_ROPE),
+        "mamba_ssm_dtype": "float32",
+        "eos_token_id": 2,
+        "dtype": "bfloat16",
+    }
+    if not spec.mtp:
+        text.pop("mtp_num_hidden_layers")
+    if spec.text_only:
+        arch = "Qwen3_5MoeForCausalLM" if moe else "Qwen3_5ForCausalLM"
+        return {"architectures": [arch], **text}
+    vision = dict(_VISION, out_hidden_size=spec.hidden_size,
+                  model_type="qwen3_5_moe_vision" if moe else "qwen3_5_vision")
+    return {
+        "architectures": ["Qwen3_5MoeForConditionalGeneration" if moe else "Qwen3_5ForConditionalGeneration"],
+        "model_type": "qwen3_5_moe" if moe else "qwen3_5",
+        "text_config": text,
+        "vision_config": vision,
+        "tie_word_embeddings": spec.tied,
+        "image_token_id": spec.vocab_size - 4,
+        "video_token_id": spec.vocab_size - 3,
+        "vision_start_token_id": spec.vocab_size - 2,
+        "vision_end_token_id": spec.vocab_size - 1,
+    }
+
+
+def _main_state_dict(spec: TinySpec, config: dict[str, Any]) -> dict[str, Any]:
+    """Random weights from the family's transformers class, in its in-memory naming."""
+    import torch
+    import transformers
+
+    model_spec = resolve(config)
+    family = model_spec.family
+    torch.manual_seed(spec.seed)
+    cls_name = family.text_class if spec.text_only or family.wrapper_class is None else family.wrapper_class
+    cls = getattr(transformers, cls_name)
+    cfg_cls = cls.config_class
+    hf_config = cfg_cls.from_dict(copy.deepcopy(config))
+    model = cls(hf_config)
+    # Real Qwen3.5 checkpoints keep the Gated DeltaNet A_log and gated norm in float32.
+    keep_f32 = (".linear_attn.A_log", ".linear_attn.norm.weight") if family.key != "qwen3_next" else ()
+    sd = {
+        k: v.detach().to(torch.float32 if k.endswith(keep_f32) else torch.bfloat16).contiguous()
+        for k, v in model.state_dict().items()
+    }
+    if spec.tied:
+        sd.pop("lm_head.weight", None)
+    return sd
+
+
+def _disk_layout(spec: TinySpec, sd: dict[str, Any]) -> dict[str, Any]:
+    """Rename/split in-memory tensors into the family's on-disk layout."""
+    out: dict[str, Any] = {}
+    for name, t in sd.items():
+        if spec.text_only and name.startswith("model.") and spec.text_only_prefix == "model.":
+            name = name.replace("model.language_model.", "model.", 1)
+        if spec.family == "qwen3_next" and ".mlp.experts." in name:
+            # transformers keeps experts fused in memory; Qwen3-Next checkpoints store them per expert.
+            stem = name.rsplit(".experts.", 1)[0] + ".experts."
+            if name.endswith("gate_up_proj"):
+                inter = t.shape[1] // 2
+                for e in range(t.shape[0]):
+                    out[f"{stem}{e}.gate_proj.weight"] = t[e, :inter].contiguous()
+                    out[f"{stem}{e}.up_proj.weight"] = t[e, inter:].contiguous()
+            elif name.endswith("down_proj"):
+                for e in range(t.shape[0]):
+                    out[f"{stem}{e}.down_proj.weight"] = t[e].contiguous()
+            continue
+        out[name] = t
+    return out
+
+
+def _mtp_tensors(spec: TinySpec, config: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    gen = torch.Generator().manual_seed(spec.seed + 1)
+    shapes = resolve(config).expected_mtp_shapes()
+    out = {}
+    for name, shape in shapes.items():
+        if len(shape) == 1:  # zero-centred RMSNorm weights: near 0 means identity
+            t = torch.randn(shape, generator=gen) * 0.02
+        else:
+            t = torch.randn(shape, generator=gen) * (1.0 / shape[-1] ** 0.5)
+        out[name] = t.to(torch.bfloat16)
+    return out
+
+
+def _assign_shards(names: list[str], spec: TinySpec) -> dict[str, int]:
+    """Shard number per tensor: main tensors spread in order; MTP split over first and last shard."""
+    count = spec.shards
+    main = [n for n in names if not n.startswith("mtp.")]
+    mtp = [n for n in names if n.startswith("mtp.")]
+    where = {n: min(count - 1, i * count // max(1, len(main))) for i, n in enumerate(main)}
+    for n in mtp:
+        # Like Qwen3.5-4B: the MTP MLP sits in the first shard, the rest in the last.
+        where[n] = 0 if (count > 1 and ".mlp." in n) else count - 1
+    return where
+
+
+def tiny_tokenizer(vocab_size: int) -> Any:
+    """A byte-level BPE tokenizer trained on offline text shipped with CPython."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from mtpquant.corpus import offline_corpus
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|pad|>", "<|bos|>", "<|endoftext|>"]
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - 4, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(offline_corpus(limit_chars=400_000), trainer=trainer)
+    return tok
+
+
+def _tokenizer_files(vocab_size: int) -> dict[str, str]:
+    tok = tiny_tokenizer(vocab_size)
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<|bos|>",
+        "eos_token": "<|endoftext|>",
+        "pad_token": "<|pad|>",
+        "model_max_length": 4096,
+    }
+    return {"tokenizer.json": tok.to_str(), "tokenizer_config.json": json.dumps(config, indent=2) + "\n"}
+
+
+def make_tiny_checkpoint(
+    out: Path | str, spec: TinySpec | str = "qwen3_5", *, overwrite: bool = False, tokenizer: bool = True
+) -> Path:
+    """Write a tiny checkpoint of ``spec`` (or a TINY_VARIANTS name) to ``out``; returns ``out``."""
+    if isinstance(spec, str):
+        spec = TINY_VARIANTS[spec]
+    if spec.family not in {f.key for f in FAMILIES}:
+        raise ValueError(f"unknown family {spec.family!r}")
+    config = tiny_config(spec)
+    tensors = _disk_layout(spec, _main_state_dict(spec, config))
+    if spec.mtp:
+        tensors |= _mtp_tensors(spec, config)
+    names = sorted(tensors)
+    where = _assign_shards(names, spec)
+    count = spec.shards
+    with OutputDir(Path(out), overwrite=overwrite) as od:
+        for i in range(count):
+            if count == 1:
+                shard = SINGLE_NAME
+            elif spec.naming == "qwen":
+                shard = f"model.safetensors-{i + 1:05d}-of-{count:05d}.safetensors"
+            else:
+                shard = f"model-{i + 1:05d}-of-{count:05d}.safetensors"
+            od.write_shard(shard, [planned(n, tensors[n]) for n in names if where[n] == i], {"format": "pt"})
+        if count > 1:
+            od.write_index()
+        od.write_json("config.json", config)
+        od.write_json("generation_config.json", {"eos_token_id": 2, "do_sample": False})
+        if tokenizer:
+            for fname, text in _tokenizer_files(spec.vocab_size).items():
+                od.write_text(fname, text)
+        return od.finalize()
+
+
+def describe(path: Path) -> Mapping[str, Any]:
+    """Small summary used by scripts: shard names and tensor count."""
+    idx = path / INDEX_NAME
+    if idx.exists():
+        wm = json.loads(idx.read_text())["weight_map"]
+        return {"shards": sorted(set(wm.values())), "tensors": len(wm)}
+    return {"shards": [SINGLE_NAME]}
