@@ -162,6 +162,8 @@ class MtpDeclaration:
     def describe(self) -> str:
         """Human form, e.g. ``text_config.mtp_num_hidden_layers = 1``."""
         if self.key is None:
+            if self.layers == 0:
+                return "not declared"
             return f"not in config (engines default to {self.layers} layer)"
         return f"{self.key} = {self.value!r}"
 

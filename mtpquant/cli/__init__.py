@@ -1,0 +1,62 @@
+"""The ``mtpquant`` command line: argument parsing and printing only; the work is in the API."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Sequence
+
+from mtpquant import __version__
+from mtpquant.errors import MtpquantError
+
+__all__ = ["main"]
+
+# Subcommand modules, each with `register(subparsers)` setting `func(args) -> int` on its parser.
+COMMANDS = ("convert", "graft", "inspect", "validate", "publish", "tiny")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser with every subcommand registered."""
+    parser = argparse.ArgumentParser(
+        prog="mtpquant",
+        description="Quantize Qwen checkpoints to NVFP4 without losing their MTP layer; repair, inspect, validate, publish.",
+    )
+    parser.add_argument("--version", action="version", version=f"mtpquant {__version__}")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
+    parser.add_argument("-q", "--quiet", action="store_true", help="only errors; no progress bars")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in COMMANDS:
+        try:
+            module = importlib.import_module(f"mtpquant.cli.{name}_cmd")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"mtpquant.cli.{name}_cmd":
+                raise
+            continue
+        module.register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI; returns the process exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    level = logging.ERROR if args.quiet else (logging.WARNING, logging.INFO, logging.DEBUG)[min(args.verbose + 1, 2)]
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    if args.quiet:
+        import os
+
+        os.environ["TQDM_DISABLE"] = "1"
+    try:
+        return int(args.func(args))
+    except MtpquantError as exc:
+        print(f"mtpquant: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("mtpquant: interrupted; no output was left behind", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,184 @@
+"""Quantization metadata: ``hf_quant_config.json`` and ``config.json`` ``quantization_config``.
+
+Reads both forms engines accept (ModelOpt's nested ``quantization`` block and the flat
+``quantization_config``; compressed-tensors' ``ignore`` list) into one view, and edits exclusion
+lists in both files so they always agree.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "HF_QUANT_CONFIG",
+    "MTP_CT_PATTERNS",
+    "MTP_MODELOPT_PATTERNS",
+    "QuantMetadata",
+    "read_quant_metadata",
+    "with_exclusions",
+    "without_exclusions",
+]
+
+HF_QUANT_CONFIG = "hf_quant_config.json"
+# Patterns every engine resolves to "the whole MTP": vLLM expands `mtp*` to `mtp` and `mtp.*`;
+# compressed-tensors matches only exact names or `re:` regexes.
+MTP_MODELOPT_PATTERNS = ("mtp*",)
+MTP_CT_PATTERNS = (r"re:^mtp\..*",)
+
+
+@dataclass(frozen=True)
+class QuantMetadata:
+    """The quantization a checkpoint declares, however it is spelled."""
+
+    method: str  # "modelopt" | "compressed-tensors" | other quant_method
+    algo: str  # "NVFP4", "FP8", "MIXED_PRECISION", "W4A16_NVFP4", "nvfp4-pack-quantized", ...
+    group_size: int | None
+    kv_cache_algo: str | None
+    exclude: tuple[str, ...]
+    quantized_layers: Mapping[str, Any] = field(default_factory=dict)
+    declared_in: tuple[str, ...] = ()
+    # exclusion lists per file, to report disagreement between config.json and hf_quant_config.json
+    exclude_by_file: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+
+    @property
+    def is_modelopt(self) -> bool:
+        """ModelOpt format (vLLM ``modelopt``/``modelopt_fp4``/``modelopt_mixed``)."""
+        return self.method.lower().startswith("modelopt")
+
+    @property
+    def is_compressed_tensors(self) -> bool:
+        """compressed-tensors format (llm-compressor)."""
+        return self.method == "compressed-tensors"
+
+    @property
+    def vllm_method(self) -> str:
+        """The vLLM quantization method name this metadata selects."""
+        if self.is_compressed_tensors:
+            return "compressed-tensors"
+        if self.is_modelopt:
+            algo = self.algo.upper()
+            if algo == "MIXED_PRECISION":
+                return "modelopt_mixed"
+            if "FP4" in algo:
+                return "modelopt_fp4"
+            return "modelopt"
+        return self.method
+
+
+def _modelopt_from_hfq(hfq: Mapping[str, Any]) -> dict[str, Any] | None:
+    q = hfq.get("quantization")
+    if not isinstance(q, Mapping):
+        return None
+    return {
+        "algo": str(q.get("quant_algo") or ""),
+        "group_size": q.get("group_size"),
+        "kv": q.get("kv_cache_quant_algo"),
+        "exclude": tuple(q.get("exclude_modules") or ()),
+        "layers": q.get("quantized_layers") or {},
+    }
+
+
+def read_quant_metadata(config: Mapping[str, Any], hf_quant_config: Mapping[str, Any] | None) -> QuantMetadata | None:
+    """The declared quantization, preferring ``config.json`` as vLLM does; None when unquantized."""
+    qc = config.get("quantization_config")
+    text = config.get("text_config")
+    if qc is None and isinstance(text, Mapping):
+        qc = text.get("quantization_config")
+    by_file: dict[str, tuple[str, ...]] = {}
+    hfq = _modelopt_from_hfq(hf_quant_config) if hf_quant_config else None
+    if hfq is not None:
+        by_file[HF_QUANT_CONFIG] = hfq["exclude"]
+    if isinstance(qc, Mapping):
+        method = str(qc.get("quant_method") or "")
+        ignore = tuple(qc.get("ignore") or qc.get("exclude_modules") or ())
+        by_file["config.json"] = ignore
+        if method == "compressed-tensors":
+            fmt = str(qc.get("format") or "")
+            kv = qc.get("kv_cache_scheme")
+            return QuantMetadata(method, fmt, _ct_group_size(qc), "FP8" if kv else None, ignore,
+                                 declared_in=("config.json",), exclude_by_file=by_file)
+        if "quantization" in qc and isinstance(qc["quantization"], Mapping):
+            nested = _modelopt_from_hfq(qc) or {}
+            by_file["config.json"] = nested.get("exclude", ())
+            return QuantMetadata(method or "modelopt", nested.get("algo", ""), nested.get("group_size"),
+                                 nested.get("kv"), nested.get("exclude", ()), nested.get("layers", {}),
+                                 ("config.json",), by_file)
+        layers = qc.get("quantized_layers") or (hfq or {}).get("layers") or {}
+        declared = ("config.json", HF_QUANT_CONFIG) if hfq else ("config.json",)
+        kv = qc.get("kv_cache_quant_algo") or (hfq or {}).get("kv")
+        return QuantMetadata(method, str(qc.get("quant_algo") or (hfq or {}).get("algo") or ""),
+                             qc.get("group_size", (hfq or {}).get("group_size")), kv, ignore, layers, declared, by_file)
+    if hfq is not None:
+        return QuantMetadata("modelopt", hfq["algo"], hfq["group_size"], hfq["kv"], hfq["exclude"], hfq["layers"],
+                             (HF_QUANT_CONFIG,), by_file)
+    return None
+
+
+def _ct_group_size(qc: Mapping[str, Any]) -> int | None:
+    groups = qc.get("config_groups")
+    if isinstance(groups, Mapping):
+        for g in groups.values():
+            w = g.get("weights") if isinstance(g, Mapping) else None
+            if isinstance(w, Mapping) and isinstance(w.get("group_size"), int):
+                return int(w["group_size"])
+    return None
+
+
+def _merge(existing: Iterable[str], add: Iterable[str]) -> list[str]:
+    out = list(existing)
+    for p in add:
+        if p not in out:
+            out.append(p)
+    return out
+
+
+def _edit(
+    config: Mapping[str, Any],
+    hf_quant_config: Mapping[str, Any] | None,
+    modelopt: Iterable[str],
+    ct: Iterable[str],
+    remove: bool,
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    cfg = copy.deepcopy(dict(config))
+    hfq = copy.deepcopy(dict(hf_quant_config)) if hf_quant_config is not None else None
+    modelopt, ct = list(modelopt), list(ct)
+
+    def apply(lst: Iterable[str], patterns: list[str]) -> list[str]:
+        return [p for p in lst if p not in patterns] if remove else _merge(lst, patterns)
+
+    if hfq is not None and isinstance(hfq.get("quantization"), dict):
+        q = hfq["quantization"]
+        q["exclude_modules"] = apply(q.get("exclude_modules") or [], modelopt)
+    qc = cfg.get("quantization_config")
+    if isinstance(qc, dict):
+        if qc.get("quant_method") == "compressed-tensors":
+            qc["ignore"] = apply(qc.get("ignore") or [], ct)
+        elif isinstance(qc.get("quantization"), dict):
+            qc["quantization"]["exclude_modules"] = apply(qc["quantization"].get("exclude_modules") or [], modelopt)
+        else:
+            key = "ignore" if "ignore" in qc or "exclude_modules" not in qc else "exclude_modules"
+            qc[key] = apply(qc.get(key) or [], modelopt)
+    return cfg, hfq
+
+
+def with_exclusions(
+    config: Mapping[str, Any],
+    hf_quant_config: Mapping[str, Any] | None,
+    modelopt: Iterable[str] = MTP_MODELOPT_PATTERNS,
+    ct: Iterable[str] = MTP_CT_PATTERNS,
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """Copies of both files with patterns appended (ModelOpt forms and compressed-tensors forms)."""
+    return _edit(config, hf_quant_config, modelopt, ct, remove=False)
+
+
+def without_exclusions(
+    config: Mapping[str, Any],
+    hf_quant_config: Mapping[str, Any] | None,
+    modelopt: Iterable[str] = MTP_MODELOPT_PATTERNS,
+    ct: Iterable[str] = MTP_CT_PATTERNS,
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """Copies of both files with the given patterns removed from every exclusion list."""
+    return _edit(config, hf_quant_config, modelopt, ct, remove=True)

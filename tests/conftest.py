@@ -1,0 +1,84 @@
+"""Shared fixtures: tiny real-layout checkpoints built once per session, guarded read-only."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from mtpquant.synth.tiny import make_tiny_checkpoint
+
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# A copy of shared/fixtures/real-layouts (tables of real Hub checkpoints), so a bare clone can test.
+REAL_LAYOUTS = Path(__file__).resolve().parent / "fixtures" / "real-layouts"
+
+
+def _fingerprint(root: Path) -> str:
+    h = hashlib.sha256()
+    for p in sorted(root.rglob("*")):
+        h.update(str(p.relative_to(root)).encode())
+        if p.is_file():
+            h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+@pytest.fixture(scope="session")
+def tiny_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[str], Path]]:
+    """Build (once) and return the path of a tiny checkpoint variant; fails if a test writes into it."""
+    root = tmp_path_factory.mktemp("tiny")
+    built: dict[str, tuple[Path, str]] = {}
+
+    def get(variant: str) -> Path:
+        if variant not in built:
+            path = make_tiny_checkpoint(root / variant, variant)
+            built[variant] = (path, _fingerprint(path))
+        return built[variant][0]
+
+    yield get
+    for variant, (path, fp) in built.items():
+        assert _fingerprint(path) == fp, f"a test modified the shared tiny checkpoint {variant}"
+
+
+@pytest.fixture(scope="session")
+def naive_export_factory(
+    tiny_factory: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Callable[[str], Path]]:
+    """A real modelopt NVFP4 export of a tiny variant, made the naive way (MTP lost, still declared)."""
+    from tests.support.naive_export import naive_modelopt_export
+
+    root = tmp_path_factory.mktemp("naive")
+    built: dict[str, tuple[Path, str]] = {}
+
+    def get(variant: str) -> Path:
+        if variant not in built:
+            path = naive_modelopt_export(tiny_factory(variant), root / variant)
+            built[variant] = (path, _fingerprint(path))
+        return built[variant][0]
+
+    yield get
+    for variant, (path, fp) in built.items():
+        assert _fingerprint(path) == fp, f"a test modified the shared naive export {variant}"
+
+
+@pytest.fixture
+def tiny_copy(tiny_factory: Callable[[str], Path], tmp_path: Path) -> Callable[[str], Path]:
+    """A private, writable copy of a tiny checkpoint variant."""
+
+    def get(variant: str) -> Path:
+        dst = tmp_path / f"copy-{variant}"
+        shutil.copytree(tiny_factory(variant), dst)
+        return dst
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def real_layouts() -> Path:
+    """The directory of real checkpoint layout tables (shared fixtures)."""
+    return REAL_LAYOUTS

@@ -1,0 +1,166 @@
+"""Header table, index validation (one test per defect class) and lazy reads."""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from mtpquant.checkpoint.index import INDEX_NAME
+from mtpquant.checkpoint.source import LocalSource
+from mtpquant.checkpoint.table import Checkpoint
+from mtpquant.errors import CheckpointError, ConfigError
+
+MOE_SHARDS = [f"model.safetensors-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+
+
+def _index(path: Path) -> dict:
+    return json.loads((path / INDEX_NAME).read_text())
+
+
+def _write_index(path: Path, index: dict) -> None:
+    (path / INDEX_NAME).write_text(json.dumps(index))
+
+
+def _header_bytes(path: Path) -> int:
+    return sum(8 + struct.unpack("<Q", p.read_bytes()[:8])[0] for p in path.glob("*.safetensors"))
+
+
+def test_header_table_reads_no_tensor_data(tiny_factory: Callable[[str], Path]) -> None:
+    path = tiny_factory("qwen3_5_moe")
+    source = LocalSource(path)
+    ckpt = Checkpoint.open(source)
+    json_bytes = (path / "config.json").stat().st_size + (path / INDEX_NAME).stat().st_size
+    assert source.bytes_read == _header_bytes(path) + json_bytes
+    assert ckpt.shards == MOE_SHARDS
+    assert len(ckpt.mtp_tensors()) == 17 + 3 * 4
+    assert {e.shard for e in ckpt.mtp_tensors()} == {MOE_SHARDS[0], MOE_SHARDS[2]}
+
+
+def test_header_table_with_unreadable_data_region(tiny_copy: Callable[[str], Path]) -> None:
+    path = tiny_copy("qwen3_5-tied")
+    shard = path / "model.safetensors"
+    raw = shard.read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    shard.write_bytes(raw[: 8 + n] + b"\xff" * (len(raw) - 8 - n))  # data garbage, header intact
+    ckpt = Checkpoint.open(path)
+    assert len(ckpt.tensors) == 91
+    assert ckpt.by_class()["mtp"][0].name == "mtp.fc.weight"
+
+
+def test_lazy_tensor_read_matches_safetensors(tiny_factory: Callable[[str], Path]) -> None:
+    from safetensors import safe_open
+
+    path = tiny_factory("qwen3_5")
+    ckpt = Checkpoint.open(path)
+    entry = ckpt.tensors["mtp.fc.weight"]
+    with safe_open(path / entry.shard, framework="pt") as fh:
+        expected = fh.get_tensor("mtp.fc.weight")
+    assert torch.equal(ckpt.read_tensor("mtp.fc.weight"), expected)
+    assert expected.shape == (128, 256) and expected.dtype == torch.bfloat16
+    shards_seen = [e.shard for e, _ in ckpt.iter_raw(n for n in ckpt.tensors if n.startswith("mtp."))]
+    assert shards_seen == sorted(shards_seen)  # grouped by shard: one shard open at a time
+
+
+def test_missing_shard(tiny_copy: Callable[[str], Path]) -> None:
+    path = tiny_copy("qwen3_5_moe")
+    (path / MOE_SHARDS[1]).unlink()
+    with pytest.raises(CheckpointError) as err:
+        Checkpoint.open(path)
+    assert str(err.value) == f"{INDEX_NAME}: shard '{MOE_SHARDS[1]}' does not exist"
+
+
+def test_indexed_name_absent_from_shard(tiny_copy: Callable[[str], Path]) -> None:
+    path = tiny_copy("qwen3_5_moe")
+    index = _index(path)
+    index["weight_map"]["mtp.ghost.weight"] = MOE_SHARDS[2]
+    _write_index(path, index)
+    with pytest.raises(CheckpointError) as err:
+        Checkpoint.open(path)
+    assert str(err.value) == (
+        f"{INDEX_NAME}: tensor 'mtp.ghost.weight' is mapped to {MOE_SHARDS[2]} but {MOE_SHARDS[2]} does not contain it"
+    )
+
+
+def test_shard_tensor_not_indexed(tiny_copy: Callable[[str], Path]) -> None:
+    path = tiny_copy("qwen3_5_moe")
+    index = _index(path)
+    del index["weight_map"]["mtp.fc.weight"]
+    _write_index(path, index)
+    with pytest.raises(CheckpointError) as err:
+        Checkpoint.open(path)
+    assert str(err.value) == f"{MOE_SHARDS[2]}: tensor 'mtp.fc.weight' is not listed in {INDEX_NAME}"
+
+
+def test_name_in_two_shards(tiny_copy: Callable[[str], Path]) -> None:
+    from safetensors.torch import load_file, save_file
+
+    path = tiny_copy("qwen3_5_moe")
+    first = path / MOE_SHARDS[0]
+    tensors = load_file(first)
+    tensors["mtp.fc.weight"] = torch.zeros(128, 256, dtype=torch.bfloat16)
+    save_file(tensors, first)
+    index = _index(path)
+    index["metadata"]["total_size"] += 128 * 256 * 2
+    _write_index(path, index)
+    with pytest.raises(CheckpointError) as err:
+        Checkpoint.open(path)
+    assert str(err.value) == f"{MOE_SHARDS[0]}: tensor 'mtp.fc.weight' also appears in {MOE_SHARDS[2]}, where the index maps it"
+
+
+@pytest.mark.parametrize("bad", ["../model-00001.safetensors", "/etc/model.safetensors", "sub/../../x.safetensors",
+                                 "model-00001.bin", "C:\\model.safetensors"])
+def test_unsafe_shard_names(tiny_copy: Callable[[str], Path], bad: str) -> None:
+    path = tiny_copy("qwen3_5_moe")
+    index = _index(path)
+    index["weight_map"]["mtp.fc.weight"] = bad
+    _write_index(path, index)
+    with pytest.raises(CheckpointError) as err:
+        Checkpoint.open(path)
+    assert str(err.value) == f"{INDEX_NAME}: shard name {bad!r} is not a relative .safetensors file name"
+
+
+def test_total_size_mismatch(tiny_copy: Callable[[str], Path]) -> None:
+    path = tiny_copy("qwen3_5_moe")
+    index = _index(path)
+    actual = index["metadata"]["total_size"]
+    index["metadata"]["total_size"] = 0
+    _write_index(path, index)
+    with pytest.raises(CheckpointError) as err:
+        Checkpoint.open(path)
+    assert str(err.value) == f"{INDEX_NAME}: metadata.total_size is 0 but the tensors hold {actual} bytes"
+
+
+def test_non_strict_collects_all_problems(tiny_copy: Callable[[str], Path]) -> None:
+    path = tiny_copy("qwen3_5_moe")
+    index = _index(path)
+    del index["weight_map"]["mtp.fc.weight"]
+    index["weight_map"]["mtp.ghost.weight"] = MOE_SHARDS[0]
+    _write_index(path, index)
+    ckpt = Checkpoint.open(path, strict=False)
+    assert sorted(p.code for p in ckpt.problems) == ["missing_tensor", "unindexed_tensor"]
+
+
+def test_pickle_checkpoint_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "pytorch_model.bin").write_bytes(b"\x80\x04not really")
+    with pytest.raises(CheckpointError) as err:
+        Checkpoint.open(tmp_path)
+    assert "pytorch_model.bin is a pickle checkpoint; mtpquant never loads pickles" in str(err.value)
+
+
+def test_missing_config(tiny_copy: Callable[[str], Path]) -> None:
+    path = tiny_copy("qwen3_5-tied")
+    (path / "config.json").unlink()
+    with pytest.raises(ConfigError, match=r"config.json is missing$"):
+        Checkpoint.open(path)
+
+
+def test_text_only_prefix_detected(tiny_factory: Callable[[str], Path]) -> None:
+    ckpt = Checkpoint.open(tiny_factory("qwen3_5-text"))
+    assert ckpt.main_prefix == "model."
+    assert set(ckpt.by_class()) == {"main", "embed", "lm_head", "mtp"}
