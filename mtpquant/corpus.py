@@ -15,9 +15,30 @@ __all__ = ["STDLIB_MODULES", "offline_corpus", "offline_documents"]
 
 # A fixed, ordered choice so the corpus is the same on every machine with the same Python.
 STDLIB_MODULES = (
-    "textwrap", "argparse", "json.decoder", "json.encoder", "pathlib", "functools", "dataclasses",
-    "heapq", "bisect", "fractions", "statistics", "string", "shlex", "difflib", "csv", "queue",
-    "calendar", "ipaddress", "configparser", "gettext", "locale", "tokenize", "ast", "inspect",
+    "textwrap",
+    "argparse",
+    "json.decoder",
+    "json.encoder",
+    "pathlib",
+    "functools",
+    "dataclasses",
+    "heapq",
+    "bisect",
+    "fractions",
+    "statistics",
+    "string",
+    "shlex",
+    "difflib",
+    "csv",
+    "queue",
+    "calendar",
+    "ipaddress",
+    "configparser",
+    "gettext",
+    "locale",
+    "tokenize",
+    "ast",
+    "inspect",
 )
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from mtpquant.synth.tiny import make_tiny_checkpoint
+from mtpquant.testing.hubserver import LocalHub
 
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -82,3 +83,12 @@ def tiny_copy(tiny_factory: Callable[[str], Path], tmp_path: Path) -> Callable[[
 def real_layouts() -> Path:
     """The directory of real checkpoint layout tables (shared fixtures)."""
     return REAL_LAYOUTS
+
+
+@pytest.fixture
+def local_hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[LocalHub]:
+    """A local server in the Hub's URL layout; the real huggingface_hub client is pointed at it."""
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    with LocalHub(tmp_path / "hub-root") as server, server.client_env(tmp_path / "hf_home"):
+        yield server
+    assert server.errors == []

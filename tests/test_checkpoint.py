@@ -109,11 +109,22 @@ def test_name_in_two_shards(tiny_copy: Callable[[str], Path]) -> None:
     _write_index(path, index)
     with pytest.raises(CheckpointError) as err:
         Checkpoint.open(path)
-    assert str(err.value) == f"{MOE_SHARDS[0]}: tensor 'mtp.fc.weight' also appears in {MOE_SHARDS[2]}, where the index maps it"
+    assert (
+        str(err.value)
+        == f"{MOE_SHARDS[0]}: tensor 'mtp.fc.weight' also appears in {MOE_SHARDS[2]}, where the index maps it"
+    )
 
 
-@pytest.mark.parametrize("bad", ["../model-00001.safetensors", "/etc/model.safetensors", "sub/../../x.safetensors",
-                                 "model-00001.bin", "C:\\model.safetensors"])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "../model-00001.safetensors",
+        "/etc/model.safetensors",
+        "sub/../../x.safetensors",
+        "model-00001.bin",
+        "C:\\model.safetensors",
+    ],
+)
 def test_unsafe_shard_names(tiny_copy: Callable[[str], Path], bad: str) -> None:
     path = tiny_copy("qwen3_5_moe")
     index = _index(path)

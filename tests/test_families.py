@@ -20,7 +20,9 @@ LAYOUTS = [
 
 
 @pytest.mark.parametrize(("model", "config_file", "family", "n_mtp"), LAYOUTS, ids=[x[0] for x in LAYOUTS])
-def test_registry_derives_real_mtp_set(real_layouts: Path, model: str, config_file: str, family: str, n_mtp: int) -> None:
+def test_registry_derives_real_mtp_set(
+    real_layouts: Path, model: str, config_file: str, family: str, n_mtp: int
+) -> None:
     config = json.loads((real_layouts / config_file).read_text())
     spec = resolve(config)
     assert spec.family.key == family
@@ -56,8 +58,14 @@ def test_mtp_declaration_key_and_value(real_layouts: Path) -> None:
 
 
 def test_text_only_reexports_are_recognised() -> None:
-    base = {"hidden_size": 64, "num_attention_heads": 1, "num_key_value_heads": 1, "head_dim": 256,
-            "intermediate_size": 64, "mtp_num_hidden_layers": 1}
+    base = {
+        "hidden_size": 64,
+        "num_attention_heads": 1,
+        "num_key_value_heads": 1,
+        "head_dim": 256,
+        "intermediate_size": 64,
+        "mtp_num_hidden_layers": 1,
+    }
     dense = resolve({"architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", **base})
     assert dense.family.key == "qwen3_5" and not dense.wrapped
     assert dense.mtp.describe() == "mtp_num_hidden_layers = 1"
@@ -72,8 +80,13 @@ def test_unsupported_architecture_lists_supported() -> None:
         resolve({"architectures": ["LlamaForCausalLM"], "model_type": "llama"})
     msg = str(err.value)
     assert msg.startswith("config.json: unsupported architecture LlamaForCausalLM; supported: ")
-    for arch in ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration", "Qwen3NextForCausalLM",
-                 "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"):
+    for arch in (
+        "Qwen3_5ForConditionalGeneration",
+        "Qwen3_5MoeForConditionalGeneration",
+        "Qwen3NextForCausalLM",
+        "Qwen3_5ForCausalLM",
+        "Qwen3_5MoeForCausalLM",
+    ):
         assert arch in msg
     assert "\n" not in msg
 

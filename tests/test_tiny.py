@@ -29,7 +29,9 @@ def _pattern(name: str) -> str:
 def test_same_naming_rules_as_real_checkpoint(
     tiny_factory: Callable[[str], Path], real_layouts: Path, variant: str, model: str, config_file: str
 ) -> None:
-    rows = expand_layout(real_layouts / f"{model}_weights_table.md", json.loads((real_layouts / config_file).read_text()))
+    rows = expand_layout(
+        real_layouts / f"{model}_weights_table.md", json.loads((real_layouts / config_file).read_text())
+    )
     real = {_pattern(r.name): (r.dtype, len(r.shape)) for r in rows}
     ckpt = Checkpoint.open(tiny_factory(variant))
     tiny = {_pattern(n): (e.dtype, len(e.shape)) for n, e in ckpt.tensors.items()}

@@ -21,7 +21,9 @@ def _config(tiny_factory: Callable[[str], Path]) -> dict:
 
 
 def test_shards_under_byte_budget_and_finalize(tmp_path: Path, tiny_factory: Callable[[str], Path]) -> None:
-    tensors = [planned(f"model.language_model.layers.{i}.mlp.up_proj.weight", torch.full((16, 16), float(i))) for i in range(5)]
+    tensors = [
+        planned(f"model.language_model.layers.{i}.mlp.up_proj.weight", torch.full((16, 16), float(i))) for i in range(5)
+    ]
     assert [len(s) for s in plan_shards(tensors, 2 * 1024)] == [2, 2, 1]  # 1 KiB each in float32
     final = tmp_path / "out"
     od = OutputDir(final)
@@ -62,7 +64,9 @@ def test_overwrite_replaces_atomically(tmp_path: Path, tiny_factory: Callable[[s
     od.link_file(tiny_factory("qwen3_5-tied") / "config.json")
     od.finalize()
     assert not (final / "old.txt").exists()
-    assert (final / "model.safetensors").stat().st_ino == (tiny_factory("qwen3_5-tied") / "model.safetensors").stat().st_ino
+    assert (final / "model.safetensors").stat().st_ino == (
+        tiny_factory("qwen3_5-tied") / "model.safetensors"
+    ).stat().st_ino
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
 
 
@@ -70,7 +74,10 @@ def test_finalize_refuses_broken_output(tmp_path: Path, tiny_factory: Callable[[
     od = OutputDir(tmp_path / "out")
     od.write_shards([planned("model.language_model.norm.weight", torch.ones(16))], max_bytes=1 << 20)
     od.write_json("config.json", _config(tiny_factory))
-    od.write_json("model.safetensors.index.json", {"metadata": {"total_size": 64}, "weight_map": {"x": "model-00001-of-00001.safetensors"}})
+    od.write_json(
+        "model.safetensors.index.json",
+        {"metadata": {"total_size": 64}, "weight_map": {"x": "model-00001-of-00001.safetensors"}},
+    )
     with pytest.raises(CheckpointError):
         od.finalize()
     assert not (tmp_path / "out").exists()
@@ -80,7 +87,7 @@ def test_finalize_refuses_broken_output(tmp_path: Path, tiny_factory: Callable[[
 
 def test_refuses_paths_outside_output(tmp_path: Path) -> None:
     od = OutputDir(tmp_path / "out")
-    with pytest.raises(CheckpointError, match="not a relative .safetensors file name"):
+    with pytest.raises(CheckpointError, match=r"not a relative \.safetensors file name"):
         od.write_shard("../evil.safetensors", [])
     with pytest.raises(CheckpointError, match="refusing to write outside the output directory"):
         od.write_json("../evil.json", {})

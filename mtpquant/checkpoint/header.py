@@ -146,9 +146,7 @@ def _entry(shard: str, name: str, info: Any, data_start: int, data_len: int) -> 
         )
     expected = tensor_nbytes(dtype, tuple(shape))
     if end - begin != expected:
-        raise CheckpointError(
-            f"{where}: holds {end - begin} bytes but {dtype} x {shape} needs {expected} bytes"
-        )
+        raise CheckpointError(f"{where}: holds {end - begin} bytes but {dtype} x {shape} needs {expected} bytes")
     return TensorEntry(name, dtype, tuple(shape), shard, data_start + begin, data_start + end)
 
 

@@ -67,22 +67,33 @@ def validate_index(
         header = headers.get(shard)
         if header is not None and tensor not in header.tensors:
             problems.append(
-                Problem("missing_tensor", f"{INDEX_NAME}: tensor {tensor!r} is mapped to {shard} but {shard} does not contain it")
+                Problem(
+                    "missing_tensor",
+                    f"{INDEX_NAME}: tensor {tensor!r} is mapped to {shard} but {shard} does not contain it",
+                )
             )
     for shard, header in headers.items():
         for tensor in header.tensors:
             mapped = weight_map.get(tensor)
             if mapped is None:
-                problems.append(Problem("unindexed_tensor", f"{shard}: tensor {tensor!r} is not listed in {INDEX_NAME}"))
+                problems.append(
+                    Problem("unindexed_tensor", f"{shard}: tensor {tensor!r} is not listed in {INDEX_NAME}")
+                )
             elif mapped != shard:
                 problems.append(
-                    Problem("duplicate_tensor", f"{shard}: tensor {tensor!r} also appears in {mapped}, where the index maps it")
+                    Problem(
+                        "duplicate_tensor",
+                        f"{shard}: tensor {tensor!r} also appears in {mapped}, where the index maps it",
+                    )
                 )
     if total_size is not None and not missing_shards:
         actual = sum(e.nbytes for h in headers.values() for e in h.tensors.values())
         if total_size != actual:
             problems.append(
-                Problem("total_size", f"{INDEX_NAME}: metadata.total_size is {total_size} but the tensors hold {actual} bytes")
+                Problem(
+                    "total_size",
+                    f"{INDEX_NAME}: metadata.total_size is {total_size} but the tensors hold {actual} bytes",
+                )
             )
     return problems
 

@@ -104,16 +104,24 @@ class HubSource:
     and ranged reads of shard headers and tensors through ``HfFileSystem``.
     """
 
-    def __init__(self, repo_id: str, revision: str | None = None, token: str | None = None) -> None:
+    def __init__(
+        self, repo_id: str, revision: str | None = None, token: str | None = None, endpoint: str | None = None
+    ) -> None:
         from huggingface_hub import HfApi, HfFileSystem
 
         self.repo_id = repo_id
         self.revision = revision or "main"
-        self.label = f"{repo_id}@{self.revision}"
+        self.label = repo_id if self.revision == "main" else f"{repo_id}@{self.revision}"
         self.bytes_read = 0
         self._token = token
-        self._api = HfApi(token=token)
-        self._fs = HfFileSystem(token=token)
+        # The endpoint and cache are read when the source is made (huggingface_hub reads its own
+        # constants at import time), so HF_ENDPOINT / HF_HUB_CACHE set later still apply.
+        self.endpoint = endpoint or os.environ.get("HF_ENDPOINT") or None
+        self.cache_dir = os.environ.get("HF_HUB_CACHE") or (
+            str(Path(os.environ["HF_HOME"]) / "hub") if os.environ.get("HF_HOME") else None
+        )
+        self._api = HfApi(endpoint=self.endpoint, token=token)
+        self._fs = HfFileSystem(endpoint=self.endpoint, token=token, skip_instance_cache=True)
         self._sizes: dict[str, int] | None = None
 
     def _listing(self) -> dict[str, int]:
@@ -122,9 +130,7 @@ class HubSource:
 
             try:
                 items = self._api.list_repo_tree(self.repo_id, revision=self.revision, recursive=True)
-                self._sizes = {
-                    it.path: int(getattr(it, "size", 0) or 0) for it in items if hasattr(it, "size")
-                }
+                self._sizes = {it.path: int(getattr(it, "size", 0) or 0) for it in items if hasattr(it, "size")}
             except HfHubHTTPError as exc:
                 raise CheckpointError(f"{self.label}: cannot list the repo ({_short(exc)})") from None
         return self._sizes
@@ -148,8 +154,11 @@ class HubSource:
         """An HTTP range read of ``[start, end)`` through HfFileSystem (no caching block)."""
         if end <= start:
             return b""
-        path = f"{self.repo_id}@{self.revision}/{relpath}" if self.revision else f"{self.repo_id}/{relpath}"
-        data = self._fs.cat_file(path, start=start, end=end)
+        from urllib.parse import quote
+
+        path = f"{self.repo_id}@{quote(self.revision, safe='')}/{relpath}"
+        # cache_type="none": fetch exactly [start, end) instead of fsspec's 5 MiB read-ahead
+        data = self._fs.cat_file(path, start=start, end=end, cache_type="none")
         self.bytes_read += len(data)
         return bytes(data)
 
@@ -157,7 +166,16 @@ class HubSource:
         """Download the file into the HF cache (revision-aware) and return its path."""
         from huggingface_hub import hf_hub_download
 
-        path = Path(hf_hub_download(self.repo_id, relpath, revision=self.revision, token=self._token))
+        path = Path(
+            hf_hub_download(
+                self.repo_id,
+                relpath,
+                revision=self.revision,
+                token=self._token,
+                endpoint=self.endpoint,
+                cache_dir=self.cache_dir,
+            )
+        )
         self.bytes_read += path.stat().st_size
         return path
 

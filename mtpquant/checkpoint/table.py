@@ -58,7 +58,7 @@ class Checkpoint:
         With ``strict`` any index defect raises ``CheckpointError``; otherwise defects are
         collected in ``problems`` (inspect reports them all). Malformed headers always raise.
         """
-        source = ref if hasattr(ref, "read_range") else open_source(ref, revision, token)  # type: ignore[arg-type]
+        source: CheckpointSource = open_source(ref, revision, token) if isinstance(ref, (str, os.PathLike)) else ref
         files = source.list_files()
         _refuse_pickles(source.label, files)
         if "config.json" not in files:
@@ -88,12 +88,14 @@ class Checkpoint:
                 continue
             headers[shard] = read_shard_header(source, shard)
         if index is None:
-            weight_map = {n: SINGLE_NAME for n in headers[SINGLE_NAME].tensors}
+            weight_map = dict.fromkeys(headers[SINGLE_NAME].tensors, SINGLE_NAME)
 
         problems = validate_index(weight_map, total_size, headers, missing)
         if index is not None:
             stray = sorted(f for f in files if f.endswith(".safetensors") and f not in set(shards) and "/" not in f)
-            problems += [Problem("stray_shard", f"{s}: shard exists but {INDEX_NAME} does not reference it") for s in stray]
+            problems += [
+                Problem("stray_shard", f"{s}: shard exists but {INDEX_NAME} does not reference it") for s in stray
+            ]
         fatal = [p for p in problems if p.code != "stray_shard"]
         if strict and fatal:
             raise CheckpointError(fatal[0].message)
@@ -169,7 +171,9 @@ def _single_tensor_blob(entry: TensorEntry, data: bytes) -> bytes:
     import json
     import struct
 
-    header = json.dumps({entry.name: {"dtype": entry.dtype, "shape": list(entry.shape), "data_offsets": [0, len(data)]}})
+    header = json.dumps(
+        {entry.name: {"dtype": entry.dtype, "shape": list(entry.shape), "data_offsets": [0, len(data)]}}
+    )
     raw = header.encode() + b" " * (-len(header) % 8)
     return struct.pack("<Q", len(raw)) + raw + data
 

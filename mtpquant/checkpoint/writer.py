@@ -195,7 +195,9 @@ class OutputDir:
         p.parent.mkdir(parents=True, exist_ok=True)
         return p
 
-    def write_shard(self, relname: str, tensors: Iterable[PlannedTensor], metadata: Mapping[str, str] | None = None) -> None:
+    def write_shard(
+        self, relname: str, tensors: Iterable[PlannedTensor], metadata: Mapping[str, str] | None = None
+    ) -> None:
         """Write one safetensors shard (streamed)."""
         target = self._target(relname)
         write_safetensors(target, tensors, metadata)

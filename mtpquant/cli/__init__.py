@@ -21,7 +21,9 @@ def build_parser() -> argparse.ArgumentParser:
     """The top-level parser with every subcommand registered."""
     parser = argparse.ArgumentParser(
         prog="mtpquant",
-        description="Quantize Qwen checkpoints to NVFP4 without losing their MTP layer; repair, inspect, validate, publish.",
+        description=(
+            "Quantize Qwen checkpoints to NVFP4 without losing their MTP layer; repair, inspect, validate, publish."
+        ),
     )
     parser.add_argument("--version", action="version", version=f"mtpquant {__version__}")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")

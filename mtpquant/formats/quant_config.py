@@ -98,22 +98,52 @@ def read_quant_metadata(config: Mapping[str, Any], hf_quant_config: Mapping[str,
         if method == "compressed-tensors":
             fmt = str(qc.get("format") or "")
             kv = qc.get("kv_cache_scheme")
-            return QuantMetadata(method, fmt, _ct_group_size(qc), "FP8" if kv else None, ignore,
-                                 declared_in=("config.json",), exclude_by_file=by_file)
+            return QuantMetadata(
+                method,
+                fmt,
+                _ct_group_size(qc),
+                "FP8" if kv else None,
+                ignore,
+                declared_in=("config.json",),
+                exclude_by_file=by_file,
+            )
         if "quantization" in qc and isinstance(qc["quantization"], Mapping):
             nested = _modelopt_from_hfq(qc) or {}
             by_file["config.json"] = nested.get("exclude", ())
-            return QuantMetadata(method or "modelopt", nested.get("algo", ""), nested.get("group_size"),
-                                 nested.get("kv"), nested.get("exclude", ()), nested.get("layers", {}),
-                                 ("config.json",), by_file)
+            return QuantMetadata(
+                method or "modelopt",
+                nested.get("algo", ""),
+                nested.get("group_size"),
+                nested.get("kv"),
+                nested.get("exclude", ()),
+                nested.get("layers", {}),
+                ("config.json",),
+                by_file,
+            )
         layers = qc.get("quantized_layers") or (hfq or {}).get("layers") or {}
         declared = ("config.json", HF_QUANT_CONFIG) if hfq else ("config.json",)
         kv = qc.get("kv_cache_quant_algo") or (hfq or {}).get("kv")
-        return QuantMetadata(method, str(qc.get("quant_algo") or (hfq or {}).get("algo") or ""),
-                             qc.get("group_size", (hfq or {}).get("group_size")), kv, ignore, layers, declared, by_file)
+        return QuantMetadata(
+            method,
+            str(qc.get("quant_algo") or (hfq or {}).get("algo") or ""),
+            qc.get("group_size", (hfq or {}).get("group_size")),
+            kv,
+            ignore,
+            layers,
+            declared,
+            by_file,
+        )
     if hfq is not None:
-        return QuantMetadata("modelopt", hfq["algo"], hfq["group_size"], hfq["kv"], hfq["exclude"], hfq["layers"],
-                             (HF_QUANT_CONFIG,), by_file)
+        return QuantMetadata(
+            "modelopt",
+            hfq["algo"],
+            hfq["group_size"],
+            hfq["kv"],
+            hfq["exclude"],
+            hfq["layers"],
+            (HF_QUANT_CONFIG,),
+            by_file,
+        )
     return None
 
 

@@ -15,7 +15,10 @@ from typing import Any
 
 __all__ = ["LayoutRow", "expand_layout", "parse_table"]
 
-_ROW = re.compile(r"^\| `(?P<name>[^`]+)`(?P<counts>[^|]*)\| `\[(?P<shape>[^\]]*)\]` \| `torch\.(?P<dtype>\w+)` \|[^|]*\| (?P<file>[^|]+) \|")
+_ROW = re.compile(
+    r"^\| `(?P<name>[^`]+)`(?P<counts>[^|]*)\| `\[(?P<shape>[^\]]*)\]` "
+    r"\| `torch\.(?P<dtype>\w+)` \|[^|]*\| (?P<file>[^|]+) \|"
+)
 _COUNT = re.compile(r"×(\d+) (layers|experts|blocks)")
 _DTYPES = {"bfloat16": "BF16", "float32": "F32", "float16": "F16", "uint8": "U8", "float8_e4m3fn": "F8_E4M3"}
 

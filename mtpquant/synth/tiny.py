@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mtpquant.checkpoint.index import INDEX_NAME, SINGLE_NAME
 from mtpquant.checkpoint.dtypes import planned
+from mtpquant.checkpoint.index import INDEX_NAME, SINGLE_NAME
 from mtpquant.checkpoint.writer import OutputDir
 from mtpquant.families import FAMILIES, resolve
 
@@ -68,8 +68,13 @@ _VISION: dict[str, Any] = {
     "hidden_act": "gelu_pytorch_tanh",
     "deepstack_visual_indexes": [],
 }
-_ROPE = {"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25,
-         "mrope_interleaved": True, "mrope_section": [11, 11, 10]}
+_ROPE = {
+    "rope_type": "default",
+    "rope_theta": 10_000_000.0,
+    "partial_rotary_factor": 0.25,
+    "mrope_interleaved": True,
+    "mrope_section": [11, 11, 10],
+}
 
 
 @dataclass(frozen=True)
@@ -100,8 +105,7 @@ TINY_VARIANTS: dict[str, TinySpec] = {
 
 def tiny_config(spec: TinySpec) -> dict[str, Any]:
     """The config.json of a tiny checkpoint, shaped like the real one of its family."""
-    text = dict(_TEXT_BASE, vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
-                tie_word_embeddings=spec.tied)
+    text = dict(_TEXT_BASE, vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, tie_word_embeddings=spec.tied)
     n = text["num_hidden_layers"]
     text["layer_types"] = [
         "full_attention" if (i + 1) % text["full_attention_interval"] == 0 else "linear_attention" for i in range(n)
@@ -137,8 +141,9 @@ def tiny_config(spec: TinySpec) -> dict[str, Any]:
     if spec.text_only:
         arch = "Qwen3_5MoeForCausalLM" if moe else "Qwen3_5ForCausalLM"
         return {"architectures": [arch], **text}
-    vision = dict(_VISION, out_hidden_size=spec.hidden_size,
-                  model_type="qwen3_5_moe_vision" if moe else "qwen3_5_vision")
+    vision = dict(
+        _VISION, out_hidden_size=spec.hidden_size, model_type="qwen3_5_moe_vision" if moe else "qwen3_5_vision"
+    )
     return {
         "architectures": ["Qwen3_5MoeForConditionalGeneration" if moe else "Qwen3_5ForConditionalGeneration"],
         "model_type": "qwen3_5_moe" if moe else "qwen3_5",
@@ -236,7 +241,9 @@ def tiny_tokenizer(vocab_size: int) -> Any:
     tok.decoder = decoders.ByteLevel()
     specials = ["<|pad|>", "<|bos|>", "<|endoftext|>"]
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size - 4, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        vocab_size=vocab_size - 4,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(offline_corpus(limit_chars=400_000), trainer=trainer)

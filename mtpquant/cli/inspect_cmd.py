@@ -1,0 +1,41 @@
+"""``mtpquant inspect PATH|REPO_ID``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from mtpquant.inspect.render import render_text
+from mtpquant.inspect.report import EXIT_DECLARED_MISSING, EXIT_EXCLUSIONS, EXIT_INDEX, inspect_checkpoint
+
+EPILOG = f"""exit codes with --strict: 0 healthy; {EXIT_DECLARED_MISSING} MTP declared but missing (or incomplete,
+or present but undeclared); {EXIT_EXCLUSIONS} exclusions inconsistent with the tensors; {EXIT_INDEX} index corrupt.
+Without --strict the exit code is 0 whenever a report could be produced. Errors reading the
+checkpoint (bad header, no config) exit 3."""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add the ``inspect`` subcommand."""
+    p = sub.add_parser(
+        "inspect",
+        help="is MTP in the checkpoint, in what precision, and will vLLM/SGLang load it?",
+        description="Reads only config.json, hf_quant_config.json, the index and safetensors headers.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("checkpoint", help="local directory or Hub repo id (org/name)")
+    p.add_argument("--revision", help="Hub revision (branch, tag or commit)")
+    p.add_argument("--json", action="store_true", help="print the JSON report (schema: docs/inspect.md)")
+    p.add_argument("--strict", action="store_true", help="non-zero exit codes for problems (see below)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Inspect and print."""
+    report = inspect_checkpoint(args.checkpoint, revision=args.revision, token=os.environ.get("HF_TOKEN"))
+    if args.json:
+        print(json.dumps(report.to_json(), indent=2))
+    else:
+        print(render_text(report))
+    return report.strict_exit_code() if args.strict else 0

@@ -1,0 +1,170 @@
+"""How serving engines decide, per module, whether to build it quantized.
+
+Mirrors vLLM 0.32's rules (``ModelOptQuantConfigBase.is_layer_excluded`` and
+``apply_vllm_mapper`` in ``quantization/modelopt.py``, ``is_layer_skipped`` in
+``quantization/utils/quant_utils.py``, compressed-tensors ``should_ignore_layer``) and SGLang's
+Qwen3.5 MTP loader, as described in shared/reference/qwen-mtp.md. Pure functions on names.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from fnmatch import fnmatch
+
+from mtpquant.formats.quant_config import QuantMetadata
+
+__all__ = [
+    "EngineModule",
+    "FusedShardsError",
+    "ct_ignored",
+    "engine_modules",
+    "expand_modelopt_patterns",
+    "modelopt_excluded",
+    "vllm_builds_quantized",
+]
+
+# vLLM packs these checkpoint Linears into one module; the shards must agree on precision.
+PACKED = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+    "in_proj_qkvz": ("in_proj_qkv", "in_proj_z"),
+    "in_proj_ba": ("in_proj_b", "in_proj_a"),
+}
+# Modules vLLM builds without any quantization config (router and shared-expert gate).
+ALWAYS_UNQUANTIZED = ("mlp.gate", "mlp.shared_expert_gate")
+
+
+class FusedShardsError(ValueError):
+    """vLLM refuses a fused module whose shards disagree on being excluded."""
+
+
+@dataclass(frozen=True)
+class EngineModule:
+    """One module as the engine builds it: its prefix and the checkpoint Linears it holds."""
+
+    prefix: str
+    members: tuple[str, ...]  # checkpoint module names (tensor name without `.weight` etc.)
+    kind: str  # "linear" | "packed" | "experts" | "unquantized"
+
+
+def expand_modelopt_patterns(patterns: Sequence[str]) -> list[str]:
+    """vLLM's ``apply_vllm_mapper`` rewrite: ``X*`` (X not ending in '.') becomes ``X`` and ``X.*``."""
+    out: list[str] = []
+    for p in patterns:
+        if len(p) >= 2 and p[-1] == "*" and p[-2] != ".":
+            out += [p[:-1], p[:-1] + ".*"]
+        else:
+            out.append(p)
+    return out
+
+
+def _packed_base(prefix: str) -> tuple[str, tuple[str, ...]] | None:
+    base, _, last = prefix.rpartition(".")
+    shards = PACKED.get(last)
+    return (base, shards) if shards else None
+
+
+def modelopt_excluded(prefix: str, patterns: Sequence[str]) -> bool:
+    """ModelOpt-format exclusion as vLLM resolves it: exact (fused-aware), substring, fnmatch."""
+    expanded = expand_modelopt_patterns(patterns)
+    if not expanded:
+        return False
+    packed = _packed_base(prefix)
+    if packed is not None:
+        base, shards = packed
+        hits = [f"{base}.{s}" in expanded for s in shards]
+        if any(hits) and not all(hits):
+            raise FusedShardsError(
+                f"some but not all shards of {prefix} are excluded ({', '.join(s for s, h in zip(shards, hits) if h)})"
+            )
+        if all(hits):
+            return True
+    elif prefix in expanded:
+        return True
+    if any(p != prefix and p in prefix for p in expanded):
+        return True
+    return any(fnmatch(prefix, p) for p in expanded)
+
+
+def _ct_match(name: str, patterns: Sequence[str]) -> bool:
+    for p in patterns:
+        if p.startswith("re:"):
+            if re.match(p[3:], name):
+                return True
+        elif p == name:
+            return True
+    return False
+
+
+def ct_ignored(prefix: str, patterns: Sequence[str]) -> bool:
+    """compressed-tensors ``ignore``: exact names or ``re:`` regexes only; fused shards must agree."""
+    packed = _packed_base(prefix)
+    if packed is not None:
+        base, shards = packed
+        hits = [_ct_match(f"{base}.{s}", patterns) for s in shards]
+        if any(hits) and not all(hits):
+            raise FusedShardsError(f"some but not all shards of {prefix} are in the compressed-tensors ignore list")
+        return all(hits)
+    return _ct_match(prefix, patterns)
+
+
+def _mixed_quantized(prefix: str, meta: QuantMetadata) -> bool:
+    layers = meta.quantized_layers
+    packed = _packed_base(prefix)
+    if packed is not None:
+        base, shards = packed
+        hits = [f"{base}.{s}" in layers for s in shards]
+        if any(hits) and not all(hits):
+            raise FusedShardsError(f"some but not all shards of {prefix} are listed in quantized_layers")
+        return all(hits)
+    if prefix.endswith(".experts"):
+        return any(k.startswith(prefix + ".") for k in layers)
+    return prefix in layers
+
+
+def vllm_builds_quantized(module: EngineModule, meta: QuantMetadata | None) -> tuple[bool, str]:
+    """Whether vLLM builds the module quantized, and a short reason. Raises FusedShardsError."""
+    if meta is None:
+        return False, "checkpoint declares no quantization"
+    if module.kind == "unquantized":
+        return False, "vLLM builds it without a quantization config"
+    if meta.is_compressed_tensors:
+        ignored = ct_ignored(module.prefix, meta.exclude)
+        return (not ignored, "in compressed-tensors ignore" if ignored else "not in compressed-tensors ignore")
+    if meta.is_modelopt and meta.algo.upper() == "MIXED_PRECISION":
+        q = _mixed_quantized(module.prefix, meta)
+        return q, "listed in quantized_layers" if q else "absent from quantized_layers"
+    if meta.is_modelopt:
+        if module.prefix == "mtp.fc" and meta.vllm_method == "modelopt_fp4":
+            excluded = modelopt_excluded(module.prefix, meta.exclude)
+            return False, "excluded" if excluded else "forced unquantized by vLLM's mtp.fc workaround"
+        excluded = modelopt_excluded(module.prefix, meta.exclude)
+        return (not excluded, "excluded" if excluded else "not excluded")
+    return True, f"quant_method {meta.method!r}"
+
+
+def engine_modules(linear_names: Sequence[str]) -> list[EngineModule]:
+    """Group checkpoint Linear module names into the modules vLLM builds (packed, experts)."""
+    out: dict[str, EngineModule] = {}
+    reverse = {shard: packed for packed, shards in PACKED.items() for shard in shards}
+    for name in sorted(linear_names):
+        base, _, last = name.rpartition(".")
+        m = re.match(r"^(.*\.mlp\.experts)(\.\d+\.\w+|\.gate_up_proj|\.down_proj)$", name)
+        if m:
+            prefix = m.group(1)
+            prev = out.get(prefix)
+            out[prefix] = EngineModule(prefix, (*(prev.members if prev else ()), name), "experts")
+            continue
+        if any(name.endswith("." + u) for u in ALWAYS_UNQUANTIZED):
+            out[name] = EngineModule(name, (name,), "unquantized")
+            continue
+        packed = reverse.get(last)
+        if packed is not None:
+            prefix = f"{base}.{packed}"
+            prev = out.get(prefix)
+            out[prefix] = EngineModule(prefix, (*(prev.members if prev else ()), name), "packed")
+            continue
+        out[name] = EngineModule(name, (name,), "linear")
+    return list(out.values())

@@ -1,0 +1,73 @@
+"""On-disk precision of each Linear module, read from tensor names and dtypes in the header table."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from mtpquant.checkpoint.header import TensorEntry
+
+__all__ = ["PRECISION_SUFFIXES", "UNQUANTIZED_PRECISIONS", "linear_modules", "module_of", "module_precision"]
+
+# Tensor name suffixes that belong to one Linear module's weight and its quantization scales.
+PRECISION_SUFFIXES = (
+    ".weight_scale_inv",
+    ".weight_global_scale",
+    ".input_global_scale",
+    ".weight_scale_2",
+    ".weight_scale",
+    ".weight_packed",
+    ".input_scale",
+    ".weight",
+)
+UNQUANTIZED_PRECISIONS = frozenset({"BF16", "F16", "F32"})
+_FUSED_EXPERT_PARAMS = (".experts.gate_up_proj", ".experts.down_proj")
+
+
+def module_of(name: str) -> str:
+    """Module name of a tensor (``a.b.q_proj.weight_scale`` -> ``a.b.q_proj``)."""
+    for suffix in PRECISION_SUFFIXES:
+        if name.endswith(suffix):
+            return name[: -len(suffix)]
+    return name
+
+
+def linear_modules(tensors: Mapping[str, TensorEntry]) -> list[str]:
+    """Checkpoint Linear modules: 2-D weights (or packed weights), plus fused 3-D expert params."""
+    mods = set()
+    for name, e in tensors.items():
+        if name.endswith(_FUSED_EXPERT_PARAMS) and len(e.shape) == 3:
+            mods.add(name)
+        elif (name.endswith(".weight") and len(e.shape) == 2) or name.endswith(".weight_packed"):
+            mod = module_of(name)
+            if not mod.endswith(("embed_tokens", "pos_embed")):
+                mods.add(mod)
+    return sorted(mods)
+
+
+def module_precision(tensors: Mapping[str, Any], module: str) -> str:
+    """BF16/F16/F32, NVFP4 (ModelOpt layout), NVFP4-CT (compressed-tensors), FP8, FP8-block, missing, other."""
+    if module.endswith(_FUSED_EXPERT_PARAMS):
+        e = tensors.get(module)
+        return "missing" if e is None else (e.dtype if e.dtype in UNQUANTIZED_PRECISIONS else f"other ({e.dtype})")
+    if module + ".weight_packed" in tensors:
+        return "NVFP4-CT" if module + ".weight_global_scale" in tensors else "other (weight_packed)"
+    w = tensors.get(module + ".weight")
+    if w is None:
+        return "missing"
+    scale = tensors.get(module + ".weight_scale")
+    if w.dtype == "U8" and scale is not None and scale.dtype == "F8_E4M3" and module + ".weight_scale_2" in tensors:
+        return "NVFP4"
+    if w.dtype == "F8_E4M3":
+        if module + ".weight_scale_inv" in tensors:
+            return "FP8-block"
+        if scale is not None:
+            return "FP8"
+    if w.dtype in UNQUANTIZED_PRECISIONS and scale is None and module + ".weight_scale_inv" not in tensors:
+        return str(w.dtype)
+    return f"other ({w.dtype})"
+
+
+def is_quantized(precision: str) -> bool:
+    """True for quantized on-disk formats (not BF16/F16/F32, not missing)."""
+    return precision not in UNQUANTIZED_PRECISIONS and precision != "missing"

@@ -1,0 +1,373 @@
+"""``inspect``: is the MTP in the checkpoint, in what precision, and will vLLM / SGLang load it?
+
+Reads only config.json, hf_quant_config.json, the index and the safetensors headers, from a
+directory or a Hub repo (through the checkpoint layer, which counts the bytes it fetched).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from mtpquant.checkpoint.source import CheckpointSource, read_json
+from mtpquant.checkpoint.table import Checkpoint
+from mtpquant.formats.quant_config import HF_QUANT_CONFIG, QuantMetadata, read_quant_metadata
+from mtpquant.inspect.engines import FusedShardsError, engine_modules, vllm_builds_quantized
+from mtpquant.inspect.precision import is_quantized, linear_modules, module_of, module_precision
+
+__all__ = [
+    "EXIT_DECLARED_MISSING",
+    "EXIT_EXCLUSIONS",
+    "EXIT_INDEX",
+    "SCHEMA_VERSION",
+    "InspectReport",
+    "inspect_checkpoint",
+]
+
+log = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+# --strict exit codes (documented in docs/inspect.md and the CLI help).
+EXIT_DECLARED_MISSING = 10
+EXIT_EXCLUSIONS = 11
+EXIT_INDEX = 12
+
+NUM_SPECULATIVE_TOKENS = 3
+
+
+@dataclass
+class ModuleReport:
+    """One MTP module as vLLM builds it: on-disk precision vs the precision vLLM expects."""
+
+    module: str
+    members: list[str]
+    disk: str  # precision on disk (BF16, NVFP4, FP8, FP8-block, NVFP4-CT, mixed, missing)
+    vllm_quantized: bool | None  # None when vLLM refuses the module outright
+    reason: str
+    consistent: bool
+
+
+@dataclass
+class Finding:
+    """A failure or warning with the category that decides its --strict exit code."""
+
+    category: str  # "declared_missing" | "exclusions" | "index" | "note"
+    message: str
+
+
+@dataclass
+class InspectReport:
+    """Everything inspect found; ``to_json`` gives the documented schema."""
+
+    checkpoint: str
+    family: str
+    architecture: str
+    mtp_declared: bool
+    mtp_declaration: str
+    mtp_expected_tensors: int
+    mtp_present_tensors: int
+    mtp_bytes: int
+    mtp_shards: list[str]
+    mtp_missing: list[str]
+    mtp_unexpected: list[str]
+    mtp_modules: list[ModuleReport]
+    mtp_precision: str
+    quantization: dict[str, Any]
+    main_model: dict[str, Any]
+    vision: dict[str, Any]
+    index: dict[str, Any]
+    verdicts: dict[str, str]
+    serve_commands: dict[str, str]
+    failures: list[Finding] = field(default_factory=list)
+    warnings: list[Finding] = field(default_factory=list)
+    bytes_fetched: int = 0
+    checkpoint_bytes: int = 0
+    seconds: float = 0.0
+
+    @property
+    def healthy(self) -> bool:
+        """No failure: the MTP is present when declared, metadata agrees with tensors, index intact."""
+        return not self.failures
+
+    @property
+    def failure_messages(self) -> list[str]:
+        """One-line reasons, failures first."""
+        return [f.message for f in self.failures]
+
+    def strict_exit_code(self) -> int:
+        """0, or the --strict code of the most severe category found (index, missing, exclusions)."""
+        cats = {f.category for f in (*self.failures, *self.warnings)}
+        for cat, code in (
+            ("index", EXIT_INDEX),
+            ("declared_missing", EXIT_DECLARED_MISSING),
+            ("exclusions", EXIT_EXCLUSIONS),
+        ):
+            if cat in cats:
+                return code
+        return 0
+
+    @property
+    def exit_code(self) -> int:
+        """Exit code under --strict."""
+        return self.strict_exit_code()
+
+    def to_json(self) -> dict[str, Any]:
+        """The stable JSON form (schema in docs/inspect.md)."""
+        data = asdict(self)
+        data["schema_version"] = SCHEMA_VERSION
+        data["healthy"] = self.healthy
+        return data
+
+
+def _read_hf_quant_config(source: CheckpointSource) -> dict[str, Any] | None:
+    if not source.exists(HF_QUANT_CONFIG):
+        return None
+    raw = read_json(source, HF_QUANT_CONFIG)
+    return raw if isinstance(raw, dict) else None
+
+
+def _group_precision(tensors: dict[str, Any], members: list[str]) -> str:
+    precs = {module_precision(tensors, m) for m in members}
+    return precs.pop() if len(precs) == 1 else "mixed"
+
+
+def _module_reports(
+    ckpt: Checkpoint, names: list[str], meta: QuantMetadata | None
+) -> tuple[list[ModuleReport], list[Finding]]:
+    reports: list[ModuleReport] = []
+    findings: list[Finding] = []
+    for mod in engine_modules(names):
+        disk = _group_precision(ckpt.tensors, list(mod.members))
+        try:
+            q, reason = vllm_builds_quantized(mod, meta)
+        except FusedShardsError as exc:
+            reports.append(ModuleReport(mod.prefix, list(mod.members), disk, None, str(exc), False))
+            findings.append(Finding("exclusions", f"vLLM will fail to load: {exc}"))
+            continue
+        disk_q = disk != "mixed" and is_quantized(disk)
+        consistent = disk != "mixed" and disk != "missing" and q == disk_q
+        if disk == "missing":
+            consistent = True  # reported through the missing-tensor check
+        if mod.kind == "unquantized" and disk_q:
+            reason = "vLLM builds it unquantized, but it is quantized on disk"
+        reports.append(ModuleReport(mod.prefix, list(mod.members), disk, q, reason, consistent))
+        if not consistent:
+            if disk == "mixed":
+                msg = f"vLLM will fail to load: {mod.prefix} mixes precisions across its tensors"
+            elif q:
+                msg = f"vLLM will fail to load: {mod.prefix} is {disk} on disk but declared quantized"
+            else:
+                msg = f"vLLM will fail to load: {mod.prefix} is {disk} on disk but excluded from quantization"
+            findings.append(Finding("exclusions", msg))
+    return reports, findings
+
+
+def _mtp_section(ckpt: Checkpoint, meta: QuantMetadata | None, report: dict[str, Any]) -> list[Finding]:
+    findings: list[Finding] = []
+    spec = ckpt.spec
+    expected = spec.expected_mtp_shapes()
+    present = ckpt.mtp_tensors()
+    present_names = {e.name for e in present}
+    present_modules = {module_of(n) for n in present_names}
+    missing = []
+    for name in expected:
+        mod = module_of(name)
+        if name in present_names or (name.endswith(".weight") and mod + ".weight_packed" in present_names):
+            continue
+        missing.append(name)
+    expected_modules = {module_of(n) for n in expected}
+    unexpected = sorted(n for n in present_names if module_of(n) not in expected_modules)
+    report.update(
+        mtp_declared=spec.mtp.declared,
+        mtp_declaration=spec.mtp.describe(),
+        mtp_expected_tensors=len(expected),
+        mtp_present_tensors=len(present),
+        mtp_bytes=sum(e.nbytes for e in present),
+        mtp_shards=sorted({e.shard for e in present}),
+        mtp_missing=missing,
+        mtp_unexpected=unexpected,
+    )
+    mods = linear_modules({e.name: e for e in present})
+    reports, mod_findings = _module_reports(ckpt, mods, meta) if present else ([], [])
+    report["mtp_modules"] = reports
+    precs = sorted({r.disk for r in reports})
+    report["mtp_precision"] = (
+        "absent" if not present else (precs[0] if len(precs) == 1 else "mixed: " + ", ".join(precs))
+    )
+    if spec.mtp.declared and not present:
+        findings.append(
+            Finding("declared_missing", "MTP declared but missing: speculative decoding will accept nothing")
+        )
+    elif spec.mtp.declared and missing:
+        findings.append(
+            Finding(
+                "declared_missing",
+                f"MTP incomplete: {len(missing)} of {len(expected)} expected tensors missing (first: {missing[0]})",
+            )
+        )
+    elif not spec.mtp.declared and present:
+        findings.append(
+            Finding(
+                "declared_missing",
+                f"MTP present ({len(present)} tensors) but not declared in config.json: engines will not use it",
+            )
+        )
+    if unexpected and spec.mtp.declared:
+        findings.append(
+            Finding("declared_missing", f"unexpected MTP tensor {unexpected[0]} ({len(unexpected)} in all)")
+        )
+    findings += mod_findings
+    del present_modules
+    return findings
+
+
+def _main_section(ckpt: Checkpoint, meta: QuantMetadata | None) -> tuple[dict[str, Any], dict[str, Any], list[Finding]]:
+    groups = ckpt.by_class()
+    main_tensors = {e.name: e for cls in ("main", "lm_head") for e in groups.get(cls, [])}
+    mods = linear_modules(main_tensors)
+    reports, findings = _module_reports(ckpt, mods, meta)
+    precs = Counter(module_precision(ckpt.tensors, m) for m in mods)
+    quantized = sum(n for p, n in precs.items() if is_quantized(p))
+    bad = [r for r in reports if not r.consistent]
+    main = {
+        "linear_modules": len(mods),
+        "quantized": quantized,
+        "unquantized": len(mods) - quantized,
+        "precisions": dict(sorted(precs.items())),
+        "inconsistent_modules": [r.module for r in bad],
+    }
+    vision_entries = groups.get("vision", [])
+    vprecs = Counter(module_precision(ckpt.tensors, m) for m in linear_modules({e.name: e for e in vision_entries}))
+    vision = {
+        "present": bool(vision_entries),
+        "tensors": len(vision_entries),
+        "precisions": dict(sorted(vprecs.items())),
+        "expected": ckpt.spec.family.has_vision and ckpt.spec.wrapped,
+    }
+    if len(findings) > 3:  # keep the list readable: the first few plus a count
+        rest = len(findings) - 3
+        findings = [
+            *findings[:3],
+            Finding("exclusions", f"... and {rest} more main-model modules whose metadata disagrees with the tensors"),
+        ]
+    return main, vision, findings
+
+
+def _verdicts(report: dict[str, Any], ref: str) -> tuple[dict[str, str], dict[str, str], list[Finding]]:
+    notes: list[Finding] = []
+    present = report["mtp_present_tensors"] > 0
+    mods: list[ModuleReport] = report["mtp_modules"]
+    # modules vLLM refuses outright (fused shards disagree) come first: that is the load error users see
+    broken = sorted((m for m in mods if not m.consistent), key=lambda m: m.vllm_quantized is not None)
+    if report["mtp_declared"] and not present:
+        msg = "MTP declared but missing: speculative decoding will accept nothing"
+        return {"vllm": msg, "sglang": msg}, {}, notes
+    if not report["mtp_declared"]:
+        msg = "no MTP declared: speculative decoding with MTP is not available"
+        if present:
+            msg = "MTP tensors present but not declared: engines will not use them"
+        return {"vllm": msg, "sglang": msg}, {}, notes
+    if report["mtp_missing"]:
+        msg = f"MTP incomplete ({len(report['mtp_missing'])} tensors missing): engines will fail or accept nothing"
+        return {"vllm": msg, "sglang": msg}, {}, notes
+    if broken:
+        vllm = f"vLLM will fail to load: {broken[0].module} is {broken[0].disk} on disk but " + (
+            "declared quantized" if broken[0].vllm_quantized else "excluded from quantization"
+        )
+        if broken[0].vllm_quantized is None:
+            vllm = f"vLLM will fail to load: {broken[0].reason}"
+    else:
+        vllm = f"vLLM: MTP loads ({report['mtp_precision']})"
+        if any("mtp.fc workaround" in m.reason for m in mods):
+            vllm += (
+                "; mtp.fc is not covered by the exclusions and loads only through vLLM's hard-coded mtp.fc workaround"
+            )
+            notes.append(
+                Finding(
+                    "exclusions",
+                    "exclusions do not cover mtp.fc: only vLLM's hard-coded modelopt_fp4 workaround keeps it "
+                    "unquantized (run `mtpquant graft --fix-metadata`)",
+                )
+            )
+    quantized_mtp = any(is_quantized(m.disk) for m in mods)
+    if quantized_mtp:
+        sglang = "SGLang: MTP is quantized; SGLang will not use it (it serves only a BF16 MTP)"
+    else:
+        sglang = "SGLang: MTP loads (BF16)"
+    n = NUM_SPECULATIVE_TOKENS
+    serve: dict[str, str] = {}
+    if not broken:
+        serve["vllm"] = f'vllm serve {ref} --speculative-config \'{{"method":"mtp","num_speculative_tokens":{n}}}\''
+    if not quantized_mtp:
+        serve["sglang"] = (
+            f"python -m sglang.launch_server --model-path {ref} --speculative-algorithm NEXTN "
+            f"--speculative-num-steps {n} --speculative-eagle-topk 1 --speculative-num-draft-tokens {n + 1}"
+        )
+    return {"vllm": vllm, "sglang": sglang}, serve, notes
+
+
+def inspect_checkpoint(
+    ref: str | os.PathLike[str] | CheckpointSource, *, revision: str | None = None, token: str | None = None
+) -> InspectReport:
+    """Inspect a checkpoint directory or Hub repo from metadata and headers only."""
+    t0 = time.perf_counter()
+    ckpt = Checkpoint.open(ref, revision=revision, token=token, strict=False)
+    hfq = _read_hf_quant_config(ckpt.source)
+    meta = read_quant_metadata(ckpt.config, hfq)
+    report: dict[str, Any] = {}
+    failures: list[Finding] = []
+    warnings: list[Finding] = []
+    failures += _mtp_section(ckpt, meta, report)
+    main, vision, main_findings = _main_section(ckpt, meta)
+    failures += main_findings
+    index_problems = [p for p in ckpt.problems if p.code != "stray_shard"]
+    failures += [Finding("index", p.message) for p in index_problems]
+    warnings += [Finding("note", p.message) for p in ckpt.problems if p.code == "stray_shard"]
+    label = ckpt.label
+    verdicts, serve, notes = _verdicts(report, label)
+    warnings += notes
+    if meta is not None and len(set(meta.exclude_by_file.values())) > 1:
+        warnings.append(
+            Finding("note", "config.json and hf_quant_config.json list different exclusions; vLLM reads config.json")
+        )
+    if vision["expected"] and not vision["present"]:
+        warnings.append(Finding("note", "vision tower (model.visual.*) is missing: image input will not work"))
+    if index_problems:
+        verdicts = dict.fromkeys(verdicts, f"index corrupt: {index_problems[0].message}")
+        serve = {}
+    quant = {
+        "method": meta.method if meta else None,
+        "vllm_method": meta.vllm_method if meta else None,
+        "algorithm": meta.algo if meta else None,
+        "group_size": meta.group_size if meta else None,
+        "kv_cache": meta.kv_cache_algo if meta else None,
+        "exclude": list(meta.exclude) if meta else [],
+        "declared_in": list(meta.declared_in) if meta else [],
+    }
+    index = {
+        "shards": len(ckpt.shards),
+        "tensors": len(ckpt.tensors),
+        "problems": [p.message for p in ckpt.problems],
+        "intact": not index_problems,
+    }
+    return InspectReport(
+        checkpoint=label,
+        family=ckpt.spec.family.display,
+        architecture=ckpt.spec.architecture,
+        quantization=quant,
+        main_model=main,
+        vision=vision,
+        index=index,
+        verdicts=verdicts,
+        serve_commands=serve,
+        failures=failures,
+        warnings=warnings,
+        bytes_fetched=ckpt.source.bytes_read,
+        checkpoint_bytes=ckpt.total_bytes,
+        seconds=round(time.perf_counter() - t0, 3),
+        **report,
+    )

@@ -1,0 +1,566 @@
+"""Reference forward of Qwen's built-in MTP layer, as vLLM and SGLang compute it.
+
+One module serves calibration (modelopt wraps its ``nn.Linear`` children; hooks read their inputs)
+and validation (teacher-forced logits, chained drafting). Parameter names, prefixed with ``mtp.``,
+are exactly the checkpoint tensor names, so a checkpoint's ``mtp.*`` tensors load without renaming.
+
+The building blocks are written out here rather than imported from
+``transformers.models.qwen3_5.modeling_qwen3_5``: this floor must import without transformers
+(``inspect`` and ``graft`` stay light). ``tests/test_mtp_module.py`` checks each block against
+transformers' ``Qwen3_5RMSNorm``, ``apply_rotary_pos_emb``, ``Qwen3_5Attention`` and
+``Qwen3_5MoeSparseMoeBlock``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = [
+    "DraftResult",
+    "KVCache",
+    "MtpConfig",
+    "MtpLayer",
+    "MtpLayoutError",
+    "TeacherForcedResult",
+    "draft_chain",
+    "mtp_logits",
+    "mtp_tensor_shapes",
+    "teacher_forced",
+]
+
+MTP_PREFIX = "mtp."
+
+# Defaults of transformers' Qwen3_5TextConfig / Qwen3_5MoeTextConfig / Qwen3NextConfig (5.x) for keys
+# that real configs may omit; vLLM uses the same values (`getattr(config, "norm_topk_prob", True)`).
+_DEFAULT_HEAD_DIM = 256
+_DEFAULT_RMS_NORM_EPS = 1e-6
+_DEFAULT_PARTIAL_ROTARY_FACTOR = 0.25  # `kwargs.setdefault("partial_rotary_factor", 0.25)`
+_DEFAULT_ROPE_THETA = 10_000.0  # `RotaryEmbeddingConfigMixin.default_theta`
+
+
+class MtpLayoutError(ValueError):
+    """The ``mtp.*`` tensors do not match the layout the config implies."""
+
+
+@dataclass(frozen=True)
+class MtpConfig:
+    """Dimensions of one Qwen3.5 / Qwen3-Next MTP layer."""
+
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    partial_rotary_factor: float
+    rope_theta: float
+    vocab_size: int
+    intermediate_size: int | None = None
+    num_experts: int | None = None
+    num_experts_per_tok: int | None = None
+    moe_intermediate_size: int | None = None
+    shared_expert_intermediate_size: int | None = None
+    norm_topk_prob: bool = True
+
+    def __post_init__(self) -> None:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads {self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads {self.num_key_value_heads}"
+            )
+        rot = self.rotary_dim
+        if rot <= 0 or rot % 2 or rot > self.head_dim:
+            raise ValueError(f"rotary dim {rot} (head_dim {self.head_dim} × {self.partial_rotary_factor})")
+        if self.is_moe:
+            missing = [
+                name
+                for name in (
+                    "num_experts_per_tok",
+                    "moe_intermediate_size",
+                    "shared_expert_intermediate_size",
+                )
+                if getattr(self, name) is None
+            ]
+            if missing:
+                raise ValueError(f"MoE MTP config lacks {', '.join(missing)}")
+            assert self.num_experts is not None and self.num_experts_per_tok is not None
+            if not 0 < self.num_experts_per_tok <= self.num_experts:
+                raise ValueError(f"num_experts_per_tok {self.num_experts_per_tok} of {self.num_experts}")
+        elif self.intermediate_size is None:
+            raise ValueError("dense MTP config lacks intermediate_size")
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether the MTP's MLP is a sparse MoE block."""
+        return self.num_experts is not None
+
+    @property
+    def rotary_dim(self) -> int:
+        """Number of leading head dims that rotate (``int(head_dim * partial_rotary_factor)``)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @classmethod
+    def from_text_config(cls, cfg: Mapping[str, Any]) -> MtpConfig:
+        """Read a Qwen3.5 ``text_config`` (or its wrapper), or a Qwen3-Next top-level config."""
+        text = cfg.get("text_config")
+        if isinstance(text, Mapping):
+            cfg = text
+        required = ["hidden_size", "num_attention_heads", "num_key_value_heads", "vocab_size"]
+        is_moe = cfg.get("num_experts") is not None
+        if is_moe:
+            required += ["num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size"]
+        else:
+            required.append("intermediate_size")
+        missing = [k for k in required if cfg.get(k) is None]
+        if missing:
+            raise ValueError(f"config lacks {', '.join(missing)}")
+        act = cfg.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act {act!r} is not supported (Qwen MTP uses silu)")
+        if cfg.get("attn_output_gate", True) is not True:
+            raise ValueError("attn_output_gate false is not supported (every Qwen3.5/Qwen3-Next MTP has it)")
+
+        rope = cfg.get("rope_parameters") or {}
+        legacy = cfg.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type") or legacy.get("rope_type") or legacy.get("type") or "default"
+        if rope_type != "default":
+            raise ValueError(f"rope_type {rope_type!r} is not supported (only default RoPE)")
+        # transformers moves top-level rope_theta / partial_rotary_factor into rope_parameters with
+        # setdefault, so rope_parameters wins where both are present.
+        rope_theta = rope.get("rope_theta", cfg.get("rope_theta", _DEFAULT_ROPE_THETA))
+        partial = rope.get(
+            "partial_rotary_factor", cfg.get("partial_rotary_factor", _DEFAULT_PARTIAL_ROTARY_FACTOR)
+        )
+
+        def opt_int(key: str) -> int | None:
+            value = cfg.get(key)
+            return None if value is None else int(value)
+
+        return cls(
+            hidden_size=int(cfg["hidden_size"]),
+            num_attention_heads=int(cfg["num_attention_heads"]),
+            num_key_value_heads=int(cfg["num_key_value_heads"]),
+            head_dim=int(cfg.get("head_dim") or _DEFAULT_HEAD_DIM),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", _DEFAULT_RMS_NORM_EPS)),
+            partial_rotary_factor=float(partial),
+            rope_theta=float(rope_theta),
+            vocab_size=int(cfg["vocab_size"]),
+            intermediate_size=opt_int("intermediate_size"),
+            num_experts=opt_int("num_experts"),
+            num_experts_per_tok=opt_int("num_experts_per_tok") if is_moe else None,
+            moe_intermediate_size=opt_int("moe_intermediate_size") if is_moe else None,
+            shared_expert_intermediate_size=opt_int("shared_expert_intermediate_size") if is_moe else None,
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+        )
+
+
+def mtp_tensor_shapes(cfg: MtpConfig) -> dict[str, tuple[int, ...]]:
+    """Every ``mtp.*`` checkpoint tensor name with its shape (15 dense, 17 + 3E MoE)."""
+    H, hd = cfg.hidden_size, cfg.head_dim
+    nq, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    p = MTP_PREFIX
+    lp = f"{p}layers.0."
+    shapes: dict[str, tuple[int, ...]] = {
+        f"{p}fc.weight": (H, 2 * H),
+        f"{p}pre_fc_norm_embedding.weight": (H,),
+        f"{p}pre_fc_norm_hidden.weight": (H,),
+        f"{p}norm.weight": (H,),
+        f"{lp}input_layernorm.weight": (H,),
+        f"{lp}post_attention_layernorm.weight": (H,),
+        f"{lp}self_attn.q_proj.weight": (2 * nq * hd, H),
+        f"{lp}self_attn.k_proj.weight": (nkv * hd, H),
+        f"{lp}self_attn.v_proj.weight": (nkv * hd, H),
+        f"{lp}self_attn.o_proj.weight": (H, nq * hd),
+        f"{lp}self_attn.q_norm.weight": (hd,),
+        f"{lp}self_attn.k_norm.weight": (hd,),
+    }
+
+    def mlp(prefix: str, inter: int) -> None:
+        shapes[f"{prefix}gate_proj.weight"] = (inter, H)
+        shapes[f"{prefix}up_proj.weight"] = (inter, H)
+        shapes[f"{prefix}down_proj.weight"] = (H, inter)
+
+    if cfg.is_moe:
+        assert cfg.num_experts is not None and cfg.moe_intermediate_size is not None
+        assert cfg.shared_expert_intermediate_size is not None
+        shapes[f"{lp}mlp.gate.weight"] = (cfg.num_experts, H)
+        for e in range(cfg.num_experts):
+            mlp(f"{lp}mlp.experts.{e}.", cfg.moe_intermediate_size)
+        mlp(f"{lp}mlp.shared_expert.", cfg.shared_expert_intermediate_size)
+        shapes[f"{lp}mlp.shared_expert_gate.weight"] = (1, H)
+    else:
+        assert cfg.intermediate_size is not None
+        mlp(f"{lp}mlp.", cfg.intermediate_size)
+    return shapes
+
+
+class ZeroCentredRMSNorm(nn.Module):
+    """``y = x / rms(x) * (1 + w)`` in float32, cast back to x's dtype (transformers' Qwen3_5RMSNorm)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        # Zero means identity: the checkpoint stores w, not 1 + w.
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Normalise the last dim."""
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * (1.0 + self.weight.float())).type_as(x)
+
+
+@dataclass(frozen=True)
+class KVCache:
+    """The MTP layer's own cache: post-norm, post-RoPE keys and values, ``[B, kv_heads, S, head_dim]``."""
+
+    key: Tensor
+    value: Tensor
+
+    @property
+    def length(self) -> int:
+        """Number of cached positions."""
+        return int(self.key.shape[2])
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _rope_cos_sin(
+    positions: Tensor, rotary_dim: int, theta: float, dtype: torch.dtype
+) -> tuple[Tensor, Tensor]:
+    """cos/sin ``[B, T, rotary_dim]`` of plain (rotate_half) RoPE, computed in float32.
+
+    Qwen3.5's interleaved M-RoPE gives every section the same position for text-only input, so it
+    reduces to this (transformers ``Qwen3_5TextRotaryEmbedding`` with 3 equal position rows).
+    """
+    exponent = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device=positions.device).float() / rotary_dim
+    inv_freq = 1.0 / (theta**exponent)
+    freqs = positions.float()[..., None] * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _apply_partial_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate the first ``cos.shape[-1]`` dims of x ``[B, heads, T, head_dim]``; pass the rest."""
+    rot = cos.shape[-1]
+    cos, sin = cos[:, None], sin[:, None]
+    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    return torch.cat((x_rot * cos + _rotate_half(x_rot) * sin, x_pass), dim=-1)
+
+
+class MtpAttention(nn.Module):
+    """Qwen3.5 gated full attention (``Qwen3_5Attention``) with an explicit, immutable KV cache."""
+
+    def __init__(self, cfg: MtpConfig) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.rotary_dim = cfg.rotary_dim
+        self.rope_theta = cfg.rope_theta
+        H, hd = cfg.hidden_size, cfg.head_dim
+        self.q_proj = nn.Linear(H, 2 * self.num_heads * hd, bias=False)
+        self.k_proj = nn.Linear(H, self.num_kv_heads * hd, bias=False)
+        self.v_proj = nn.Linear(H, self.num_kv_heads * hd, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * hd, H, bias=False)
+        self.q_norm = ZeroCentredRMSNorm(hd, cfg.rms_norm_eps)
+        self.k_norm = ZeroCentredRMSNorm(hd, cfg.rms_norm_eps)
+
+    def forward(self, x: Tensor, positions: Tensor, past_kv: KVCache | None) -> tuple[Tensor, KVCache]:
+        """x ``[B, T, H]``, positions ``[B, T]``; attends causally over ``past_kv`` then x."""
+        B, T, _ = x.shape
+        nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        # q_proj rows hold, per head, head_dim query rows then head_dim gate rows.
+        query, gate = self.q_proj(x).view(B, T, nh, 2 * hd).chunk(2, dim=-1)
+        gate = gate.reshape(B, T, nh * hd)
+        q = self.q_norm(query).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x).view(B, T, nkv, hd)).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, nkv, hd).transpose(1, 2)
+        cos, sin = _rope_cos_sin(positions, self.rotary_dim, self.rope_theta, q.dtype)
+        q = _apply_partial_rope(q, cos, sin)
+        k = _apply_partial_rope(k, cos, sin)
+
+        past = 0
+        if past_kv is not None:
+            past = past_kv.length
+            k = torch.cat((past_kv.key, k), dim=2)
+            v = torch.cat((past_kv.value, v), dim=2)
+        mask = None
+        if past:
+            # Row i (cache index past + i) sees every cached entry and the new rows up to itself.
+            key_idx = torch.arange(past + T, device=x.device)
+            query_idx = torch.arange(T, device=x.device) + past
+            mask = key_idx[None, :] <= query_idx[:, None]
+        out = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            is_causal=mask is None and T > 1,
+            scale=hd**-0.5,
+            enable_gqa=nh != nkv,
+        )
+        out = out.transpose(1, 2).reshape(B, T, nh * hd)
+        return self.o_proj(out * torch.sigmoid(gate)), KVCache(k, v)
+
+
+class MtpMLP(nn.Module):
+    """SiLU-gated MLP: ``down(silu(gate(x)) * up(x))``; also one expert and the shared expert."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Apply the MLP."""
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MtpSparseMoe(nn.Module):
+    """Softmax top-k router over per-expert MLPs plus a sigmoid-gated shared expert.
+
+    Mirrors transformers ``Qwen3NextSparseMoeBlock`` / ``Qwen3_5MoeSparseMoeBlock`` and vLLM's
+    ``FusedMoE(renormalize=norm_topk_prob)``; experts are separate modules here because the MTP
+    checkpoint stores them per expert.
+    """
+
+    def __init__(self, cfg: MtpConfig) -> None:
+        super().__init__()
+        assert cfg.num_experts is not None and cfg.num_experts_per_tok is not None
+        assert cfg.moe_intermediate_size is not None and cfg.shared_expert_intermediate_size is not None
+        H = cfg.hidden_size
+        self.norm_topk_prob = cfg.norm_topk_prob
+        self.gate = nn.Linear(H, cfg.num_experts, bias=False)
+        # modelopt (`_QuantSparseSequentialMoe`, transformers>=5 path) recognises an MoE block by
+        # gate.top_k + gate.num_experts and, with `moe_calib_experts_ratio`, raises gate.top_k during
+        # calibration so every expert sees tokens; so top_k lives on the gate and forward reads it.
+        router: Any = self.gate
+        router.top_k = cfg.num_experts_per_tok
+        router.num_experts = cfg.num_experts
+        self.experts = nn.ModuleList(MtpMLP(H, cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
+        self.shared_expert = MtpMLP(H, cfg.shared_expert_intermediate_size)
+        self.shared_expert_gate = nn.Linear(H, 1, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x ``[..., H]`` → ``[..., H]``."""
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        probs = F.softmax(self.gate(flat), dim=-1, dtype=torch.float32)
+        top_k: int = cast(Any, self.gate).top_k
+        weights, chosen = torch.topk(probs, top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(flat.dtype)
+        routed = torch.zeros_like(flat)
+        for e in torch.unique(chosen).tolist():
+            token, slot = torch.where(chosen == e)
+            out = self.experts[e](flat[token]) * weights[token, slot, None]
+            routed.index_add_(0, token, out.to(routed.dtype))
+        shared = torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+        return (routed + shared).reshape(shape)
+
+
+class MtpDecoderLayer(nn.Module):
+    """One full-attention decoder layer: norm → gated attention → add → norm → MLP/MoE → add."""
+
+    def __init__(self, cfg: MtpConfig) -> None:
+        super().__init__()
+        self.input_layernorm = ZeroCentredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = MtpAttention(cfg)
+        self.post_attention_layernorm = ZeroCentredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp: nn.Module
+        if cfg.is_moe:
+            self.mlp = MtpSparseMoe(cfg)
+        else:
+            assert cfg.intermediate_size is not None
+            self.mlp = MtpMLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x: Tensor, positions: Tensor, past_kv: KVCache | None) -> tuple[Tensor, KVCache]:
+        """Apply the layer; returns the new hidden and the extended cache."""
+        attn, cache = self.self_attn(self.input_layernorm(x), positions, past_kv)
+        x = x + attn
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, cache
+
+
+class MtpLayer(nn.Module):
+    """Qwen's MTP layer; ``"mtp." + name`` of every parameter is its checkpoint tensor name."""
+
+    def __init__(self, cfg: MtpConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        H = cfg.hidden_size
+        self.fc = nn.Linear(2 * H, H, bias=False)
+        self.pre_fc_norm_embedding = ZeroCentredRMSNorm(H, cfg.rms_norm_eps)
+        self.pre_fc_norm_hidden = ZeroCentredRMSNorm(H, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList([MtpDecoderLayer(cfg)])
+        self.norm = ZeroCentredRMSNorm(H, cfg.rms_norm_eps)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Compute dtype of the projections (that of ``fc.weight``)."""
+        return self.fc.weight.dtype
+
+    @classmethod
+    def from_state_dict(
+        cls,
+        cfg: MtpConfig,
+        tensors: Mapping[str, Tensor],
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> MtpLayer:
+        """Build from the checkpoint's ``mtp.*`` tensors after checking names and shapes exactly.
+
+        The tensors are adopted, not copied, unless ``dtype``/``device`` asks for a conversion.
+        Raises MtpLayoutError naming each missing, unexpected or misshapen tensor.
+        """
+        expected = mtp_tensor_shapes(cfg)
+        problems: list[str] = []
+        missing = sorted(set(expected) - set(tensors))
+        unexpected = sorted(set(tensors) - set(expected))
+        misshapen = sorted(
+            f"{name} {tuple(tensors[name].shape)} (expected {expected[name]})"
+            for name in set(expected) & set(tensors)
+            if tuple(tensors[name].shape) != expected[name]
+        )
+        for label, names in (("missing", missing), ("unexpected", unexpected), ("misshapen", misshapen)):
+            if names:
+                shown = ", ".join(names[:8]) + (f", … ({len(names) - 8} more)" if len(names) > 8 else "")
+                problems.append(f"{len(names)} {label}: {shown}")
+        if problems:
+            raise MtpLayoutError("MTP tensors do not match the config: " + "; ".join(problems))
+
+        with torch.device("meta"):
+            layer = cls(cfg)
+        state = {name[len(MTP_PREFIX) :]: t.to(device=device, dtype=dtype) for name, t in tensors.items()}
+        layer.load_state_dict(state, strict=True, assign=True)
+        layer.requires_grad_(False)
+        return layer.eval()
+
+    def forward(
+        self,
+        hidden: Tensor,
+        next_tokens_embeds: Tensor,
+        positions: Tensor | None = None,
+        past_kv: KVCache | None = None,
+    ) -> tuple[Tensor, KVCache]:
+        """One causal pass over T new rows.
+
+        Args:
+            hidden: the target's hidden state after its final norm, ``h_t``, ``[B, T, H]``.
+            next_tokens_embeds: ``embed_tokens(x_{t+1})``, ``[B, T, H]``.
+            positions: ``[B, T]`` or ``[T]``; defaults to ``past_kv.length + arange(T)``.
+            past_kv: this layer's cache of earlier rows (never modified).
+
+        Returns:
+            ``(m, cache)``: ``m`` after ``mtp.norm`` ``[B, T, H]`` (logits = target ``lm_head(m)``
+            predict ``x_{t+2}``) and the cache extended by the T rows.
+        """
+        if hidden.shape != next_tokens_embeds.shape or hidden.dim() != 3:
+            raise ValueError(
+                f"hidden {tuple(hidden.shape)} and next_tokens_embeds "
+                f"{tuple(next_tokens_embeds.shape)} must both be [B, T, H]"
+            )
+        B, T, _ = hidden.shape
+        start = 0 if past_kv is None else past_kv.length
+        if positions is None:
+            positions = torch.arange(start, start + T, device=hidden.device)
+        if positions.dim() == 1:
+            positions = positions[None].expand(B, T)
+        dtype = self.dtype
+        # Embedding first, hidden second (vLLM Qwen3_5MultiTokenPredictor.forward).
+        e = self.pre_fc_norm_embedding(next_tokens_embeds).to(dtype)
+        h = self.pre_fc_norm_hidden(hidden).to(dtype)
+        z = self.fc(torch.cat((e, h), dim=-1))
+        z, cache = self.layers[0](z, positions, past_kv)
+        return self.norm(z), cache
+
+
+def mtp_logits(mtp_out: Tensor, lm_head_weight: Tensor) -> Tensor:
+    """Logits from the MTP output with the target's ``lm_head`` ``[V, H]``, in the head's dtype."""
+    return F.linear(mtp_out.to(lm_head_weight.dtype), lm_head_weight)
+
+
+@dataclass(frozen=True)
+class TeacherForcedResult:
+    """MTP outputs for every row of a sequence; row t's logits predict ``x_{t+2}``."""
+
+    mtp_out: Tensor
+    logits: Tensor
+    past_kv: KVCache
+
+
+def teacher_forced(
+    layer: MtpLayer,
+    hidden: Tensor,
+    next_tokens: Tensor,
+    embed_fn: Callable[[Tensor], Tensor],
+    lm_head_weight: Tensor,
+    positions: Tensor | None = None,
+) -> TeacherForcedResult:
+    """One causal pass over ``h_0..h_{T-1}`` ``[B, T, H]`` and ``x_1..x_T`` ``[B, T]`` (k = 1)."""
+    with torch.no_grad():
+        out, cache = layer(hidden, embed_fn(next_tokens), positions)
+        return TeacherForcedResult(out, mtp_logits(out, lm_head_weight), cache)
+
+
+@dataclass(frozen=True)
+class DraftResult:
+    """A chain of k greedy drafts: tokens ``[B, k]``, logits ``[B, k, V]``, MTP outputs ``[B, k, H]``."""
+
+    tokens: Tensor
+    logits: Tensor
+    mtp_out: Tensor
+    past_kv: KVCache
+
+
+def draft_chain(
+    layer: MtpLayer,
+    hidden: Tensor,
+    next_tokens: Tensor,
+    embed_fn: Callable[[Tensor], Tensor],
+    lm_head_weight: Tensor,
+    k: int,
+    past_kv: KVCache | None = None,
+    positions: Tensor | None = None,
+) -> DraftResult:
+    """Draft k tokens greedily, reusing the one layer and its cache as the engines do.
+
+    Step 1 runs the rows ``hidden`` ``[B, T, H]`` / ``next_tokens`` ``[B, T]`` (T >= 1; usually the
+    rows accepted since the last step) and drafts from the last row. Step j+1 feeds step j's own
+    post-norm output as ``h`` and its argmax token as the input token, at position + 1.
+    """
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    if positions is None:
+        start = 0 if past_kv is None else past_kv.length
+        positions = torch.arange(start, start + hidden.shape[1], device=hidden.device)
+    if positions.dim() == 1:
+        positions = positions[None].expand(hidden.shape[0], -1)
+    tokens: list[Tensor] = []
+    logits: list[Tensor] = []
+    outs: list[Tensor] = []
+    with torch.no_grad():
+        h, x, pos, cache = hidden, next_tokens, positions, past_kv
+        for _ in range(k):
+            out, cache = layer(h, embed_fn(x), pos, cache)
+            last = out[:, -1:]
+            step_logits = mtp_logits(last, lm_head_weight)
+            token = step_logits.argmax(dim=-1)
+            tokens.append(token)
+            logits.append(step_logits)
+            outs.append(last)
+            h, x, pos = last, token, pos[:, -1:] + 1
+    assert cache is not None
+    return DraftResult(torch.cat(tokens, 1), torch.cat(logits, 1), torch.cat(outs, 1), cache)

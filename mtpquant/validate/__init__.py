@@ -1,0 +1,1 @@
+"""Validation: acceptance and distribution metrics for an MTP head before and after quantization."""

@@ -1,0 +1,216 @@
+"""Acceptance arithmetic and logit-distribution metrics; pure functions, no model code.
+
+Definitions follow what the engines report (vLLM spec-decode metrics):
+- greedy verification: the target scores k + 1 positions in one pass; the longest prefix of the
+  drafts equal to the target's greedy tokens is accepted, plus one token of the target's own.
+- acceptance rate = accepted / drafted tokens.
+- mean acceptance length AL = 1 + accepted / verification steps (tokens emitted per step).
+- acceptance at draft position i = steps whose first i drafts were all accepted / steps that
+  drafted at least i tokens (unconditional, as vLLM's per-position counters).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "AcceptanceStats",
+    "LogitComparison",
+    "StepRecord",
+    "Summary",
+    "Verification",
+    "acceptance_by_k",
+    "acceptance_stats",
+    "compare_logits",
+    "kl_per_position",
+    "summarize",
+    "token_agreement",
+    "top1_agreement",
+    "verify_greedy",
+]
+
+
+@dataclass(frozen=True)
+class Verification:
+    """Outcome of one greedy verification step."""
+
+    accepted: int
+    emitted: tuple[int, ...]
+
+
+def verify_greedy(drafts: Sequence[int], target_greedy: Sequence[int]) -> Verification:
+    """Accept the longest prefix of ``drafts`` matching ``target_greedy``, plus one target token.
+
+    ``target_greedy`` holds the target's greedy token at each of the ``len(drafts) + 1`` positions
+    it scores (after the context, then after each draft).
+    """
+    if len(target_greedy) != len(drafts) + 1:
+        raise ValueError(f"target_greedy needs {len(drafts) + 1} tokens, got {len(target_greedy)}")
+    n = 0
+    while n < len(drafts) and drafts[n] == target_greedy[n]:
+        n += 1
+    return Verification(accepted=n, emitted=(*drafts[:n], target_greedy[n]))
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One verification step: how many tokens were drafted and how many of them were accepted."""
+
+    drafted: int
+    accepted: int
+
+    def __post_init__(self) -> None:
+        if self.drafted < 1 or not 0 <= self.accepted <= self.drafted:
+            raise ValueError(f"invalid step: drafted {self.drafted}, accepted {self.accepted}")
+
+    def truncated(self, k: int) -> StepRecord:
+        """The same step had only the first k tokens been drafted (greedy chains share prefixes)."""
+        return StepRecord(drafted=min(self.drafted, k), accepted=min(self.accepted, k))
+
+
+@dataclass(frozen=True)
+class AcceptanceStats:
+    """Acceptance over a run of verification steps; per-position tuples are for positions 1..K."""
+
+    num_steps: int
+    num_drafted: int
+    num_accepted: int
+    acceptance_rate: float
+    mean_acceptance_length: float
+    drafted_per_position: tuple[int, ...]
+    accepted_per_position: tuple[int, ...]
+    acceptance_per_position: tuple[float, ...]
+
+
+def acceptance_stats(records: Sequence[StepRecord]) -> AcceptanceStats:
+    """Aggregate step records into rates, AL and per-position acceptance."""
+    if not records:
+        raise ValueError("no verification steps")
+    max_k = max(r.drafted for r in records)
+    drafted_pos = tuple(sum(1 for r in records if r.drafted >= i) for i in range(1, max_k + 1))
+    accepted_pos = tuple(sum(1 for r in records if r.accepted >= i) for i in range(1, max_k + 1))
+    num_drafted = sum(r.drafted for r in records)
+    num_accepted = sum(r.accepted for r in records)
+    return AcceptanceStats(
+        num_steps=len(records),
+        num_drafted=num_drafted,
+        num_accepted=num_accepted,
+        acceptance_rate=num_accepted / num_drafted,
+        mean_acceptance_length=1.0 + num_accepted / len(records),
+        drafted_per_position=drafted_pos,
+        accepted_per_position=accepted_pos,
+        acceptance_per_position=tuple(a / d for a, d in zip(accepted_pos, drafted_pos)),
+    )
+
+
+def acceptance_by_k(records: Sequence[StepRecord], max_k: int | None = None) -> tuple[AcceptanceStats, ...]:
+    """Stats for k = 1..max_k drafts per step, from records of a run with at least max_k drafts.
+
+    Valid for greedy chained drafting, where the first k drafts do not depend on how many follow.
+    """
+    if not records:
+        raise ValueError("no verification steps")
+    available = min(r.drafted for r in records)
+    if max_k is None:
+        max_k = available
+    if not 1 <= max_k <= available:
+        raise ValueError(f"max_k {max_k} outside 1..{available} (fewest drafts in one step)")
+    return tuple(acceptance_stats([r.truncated(k) for r in records]) for k in range(1, max_k + 1))
+
+
+@dataclass(frozen=True)
+class Summary:
+    """Mean, median and 99th percentile (linear interpolation between order statistics)."""
+
+    count: int
+    mean: float
+    median: float
+    p99: float
+
+
+def _quantile(sorted_values: Sequence[float], q: float) -> float:
+    pos = q * (len(sorted_values) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
+def summarize(values: Tensor | Sequence[float]) -> Summary:
+    """Summarise a 1-D set of values (NumPy's default 'linear' quantiles)."""
+    flat = sorted(float(v) for v in (values.flatten().tolist() if isinstance(values, Tensor) else values))
+    if not flat:
+        raise ValueError("nothing to summarise")
+    return Summary(
+        count=len(flat),
+        mean=math.fsum(flat) / len(flat),
+        median=_quantile(flat, 0.5),
+        p99=_quantile(flat, 0.99),
+    )
+
+
+def _rows(ref: Tensor, cand: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor]:
+    if ref.shape != cand.shape:
+        raise ValueError(f"logit shapes differ: {tuple(ref.shape)} vs {tuple(cand.shape)}")
+    ref2, cand2 = ref.reshape(-1, ref.shape[-1]), cand.reshape(-1, cand.shape[-1])
+    if mask is not None:
+        keep = mask.reshape(-1).to(torch.bool)
+        ref2, cand2 = ref2[keep], cand2[keep]
+    return ref2, cand2
+
+
+def kl_per_position(ref: Tensor, cand: Tensor, mask: Tensor | None = None, chunk_rows: int = 256) -> Tensor:
+    """KL(ref || cand) in nats per position, float64; logits ``[..., V]``, mask ``[...]``."""
+    ref2, cand2 = _rows(ref, cand, mask)
+    out = []
+    for start in range(0, ref2.shape[0], chunk_rows):
+        logp = torch.log_softmax(ref2[start : start + chunk_rows].double(), dim=-1)
+        logq = torch.log_softmax(cand2[start : start + chunk_rows].double(), dim=-1)
+        p = logp.exp()
+        # Terms with p = 0 contribute 0 (also where the reference masked a token to -inf).
+        terms = torch.where(p > 0, p * (logp - logq), torch.zeros_like(p))
+        out.append(terms.sum(dim=-1))
+    return torch.cat(out) if out else torch.zeros(0, dtype=torch.float64)
+
+
+def top1_agreement(ref: Tensor, cand: Tensor, mask: Tensor | None = None) -> float:
+    """Fraction of positions where both logits have the same argmax."""
+    ref2, cand2 = _rows(ref, cand, mask)
+    if ref2.shape[0] == 0:
+        raise ValueError("no positions to compare")
+    return float((ref2.argmax(dim=-1) == cand2.argmax(dim=-1)).double().mean())
+
+
+def token_agreement(candidate: Tensor, reference: Tensor, mask: Tensor | None = None) -> float:
+    """Fraction of positions where two token-id tensors agree (e.g. MTP argmax vs target greedy)."""
+    if candidate.shape != reference.shape:
+        raise ValueError(f"token shapes differ: {tuple(candidate.shape)} vs {tuple(reference.shape)}")
+    same = candidate == reference
+    if mask is not None:
+        same = same[mask.to(torch.bool)]
+    if same.numel() == 0:
+        raise ValueError("no positions to compare")
+    return float(same.double().mean())
+
+
+@dataclass(frozen=True)
+class LogitComparison:
+    """A candidate's logits against a reference's at the same positions."""
+
+    num_positions: int
+    top1_agreement: float
+    kl: Summary
+
+
+def compare_logits(ref: Tensor, cand: Tensor, mask: Tensor | None = None) -> LogitComparison:
+    """Top-1 agreement and KL(ref || cand) summary over all (or the masked) positions."""
+    kl = kl_per_position(ref, cand, mask)
+    return LogitComparison(
+        num_positions=int(kl.shape[0]),
+        top1_agreement=top1_agreement(ref, cand, mask),
+        kl=summarize(kl),
+    )

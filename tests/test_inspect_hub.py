@@ -1,0 +1,45 @@
+"""inspect on a Hub repo: the real huggingface_hub client against a local Hub-layout server."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from mtpquant.inspect.report import inspect_checkpoint
+from mtpquant.testing.hubserver import LocalHub
+
+Factory = Callable[[str], Path]
+_VOLATILE = {"checkpoint", "bytes_fetched", "seconds", "serve_commands"}
+
+
+def _comparable(report: object) -> dict:
+    data = report.to_json()  # type: ignore[attr-defined]
+    return {k: v for k, v in data.items() if k not in _VOLATILE}
+
+
+def _upload(hub: LocalHub, repo: str, path: Path) -> None:
+    hub.create_repo(repo, {p.relative_to(path).as_posix(): p for p in path.rglob("*") if p.is_file()})
+
+
+def test_hub_report_equals_local_and_reads_under_one_percent(local_hub: LocalHub, tiny_factory: Factory) -> None:
+    path = tiny_factory("qwen3_5_moe")
+    _upload(local_hub, "org/tiny-moe", path)
+    local = inspect_checkpoint(path)
+    local_hub.reset_counters()
+    remote = inspect_checkpoint("org/tiny-moe")
+    assert _comparable(remote) == _comparable(local)
+    assert remote.checkpoint == "org/tiny-moe"
+    assert "vllm serve org/tiny-moe" in remote.serve_commands["vllm"]
+    served = local_hub.bytes_served  # everything the server sent: listings, JSON, header ranges
+    assert served < 0.01 * local.checkpoint_bytes, (served, local.checkpoint_bytes)
+    assert 0 < remote.bytes_fetched <= served
+    resolves = [r for r in local_hub.requests if r.kind == "resolve" and r.filename.endswith(".safetensors")]
+    assert resolves and all(r.range for r in resolves)  # only ranged reads of shards, never a whole shard
+
+
+def test_hub_declared_but_missing_and_revision(local_hub: LocalHub, naive_export_factory: Factory) -> None:
+    _upload(local_hub, "org/quant", naive_export_factory("qwen3_next"))
+    local_hub.create_branch("org/quant", "v2")
+    r = inspect_checkpoint("org/quant", revision="v2")
+    assert r.verdicts["vllm"] == "MTP declared but missing: speculative decoding will accept nothing"
+    assert r.checkpoint == "org/quant@v2"
