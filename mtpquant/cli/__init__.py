@@ -14,7 +14,7 @@ from mtpquant.errors import MtpquantError
 __all__ = ["main"]
 
 # Subcommand modules, each with `register(subparsers)` setting `func(args) -> int` on its parser.
-COMMANDS = ("convert", "graft", "inspect", "validate", "publish", "tiny")
+COMMANDS = ("demo", "convert", "graft", "inspect", "validate", "publish", "tiny")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,6 +55,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except MtpquantError as exc:
         print(f"mtpquant: error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except BrokenPipeError:  # output piped into `head` and the like
+        return 0
     except KeyboardInterrupt:
         print("mtpquant: interrupted; no output was left behind", file=sys.stderr)
         return 130
