@@ -140,9 +140,11 @@ def _entry(shard: str, name: str, info: Any, data_start: int, data_len: int) -> 
     ):
         raise CheckpointError(f"{where}: data_offsets {offsets!r} is not a pair of integers")
     begin, end = offsets
-    if begin < 0 or end < begin or end > data_len:
+    if begin < 0 or end < begin:
+        raise CheckpointError(f"{where}: data_offsets [{begin}, {end}] are not an increasing pair")
+    if end > data_len:
         raise CheckpointError(
-            f"{where}: data_offsets [{begin}, {end}] are out of bounds (data region is {data_len} bytes)"
+            f"{where}: data_offsets [{begin}, {end}] run past the end of the data ({data_len} bytes): truncated file?"
         )
     expected = tensor_nbytes(dtype, tuple(shape))
     if end - begin != expected:

@@ -107,6 +107,7 @@ class Checkpoint:
                     tensors[name] = entry
         ckpt = cls(source, config, spec, shards, headers, tensors, index, problems)
         ckpt.main_prefix = spec.main_prefix_for(tensors)
+        _check_config_matches_tensors(ckpt)
         log.debug("opened %s: %d tensors in %d shards", source.label, len(tensors), len(shards))
         return ckpt
 
@@ -187,3 +188,31 @@ def _refuse_pickles(label: str, files: list[str]) -> None:
         )
     for f in pickles:
         log.warning("%s: ignoring pickle file %s (never loaded)", label, f)
+
+
+_UNQUANTIZED_DTYPES = ("BF16", "F16", "F32")
+
+
+def _check_config_matches_tensors(ckpt: Checkpoint) -> None:
+    """Refuse a config that contradicts the tensors (hidden size, vocabulary, MTP shapes)."""
+    spec = ckpt.spec
+    embed = ckpt.tensors.get(ckpt.main_prefix + "embed_tokens.weight")
+    if embed is not None and embed.dtype in _UNQUANTIZED_DTYPES and len(embed.shape) == 2:
+        want = (spec.text.get("vocab_size"), spec.text.get("hidden_size"))
+        if want != embed.shape:
+            raise ConfigError(
+                f"config.json: vocab_size {want[0]} / hidden_size {want[1]} contradict "
+                f"{embed.name} of shape {list(embed.shape)} in {embed.shard}"
+            )
+    try:
+        expected = spec.expected_mtp_shapes()
+    except ConfigError:
+        if any(n.startswith("mtp.") for n in ckpt.tensors):
+            raise
+        return
+    for name, shape in expected.items():
+        entry = ckpt.tensors.get(name)
+        if entry is not None and entry.dtype in _UNQUANTIZED_DTYPES and entry.shape != shape:
+            raise ConfigError(
+                f"config.json implies {name} of shape {list(shape)}, but {entry.shard} holds {list(entry.shape)}"
+            )
