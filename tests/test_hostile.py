@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import filecmp
+import itertools
 import json
 import struct
 from pathlib import Path
@@ -86,7 +87,7 @@ def test_mutated_header_bytes_never_crash(minimal: Path, tmp_path: Path, data: s
         assert "\n" not in str(exc) and str(exc).startswith(SHARD_A)
     else:  # a mutation that still parses must describe a consistent layout
         ends = sorted((e.start, e.end) for e in parsed.tensors.values())
-        assert all(a[1] <= b[0] for a, b in zip(ends, ends[1:]))
+        assert all(a[1] <= b[0] for a, b in itertools.pairwise(ends))
 
 
 _JSON = st.recursive(
@@ -135,8 +136,8 @@ def test_valid_shards_round_trip(tmp_path_factory: pytest.TempPathFactory, tenso
     from safetensors import safe_open
 
     from mtpquant.checkpoint.header import tensor_nbytes
-    from mtpquant.checkpoint.table import read_shard_header
     from mtpquant.checkpoint.source import LocalSource
+    from mtpquant.checkpoint.table import read_shard_header
     from mtpquant.checkpoint.writer import PlannedTensor, write_safetensors
 
     d = tmp_path_factory.mktemp("rt")
