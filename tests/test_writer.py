@@ -115,3 +115,31 @@ def test_atomic_json_keeps_old_file_on_failure(tmp_path: Path) -> None:
         atomic_write_json(target, {"a": object()})
     assert json.loads(target.read_text()) == {"a": 1}
     assert [p.name for p in tmp_path.iterdir()] == ["config.json"]
+
+
+@pytest.mark.parametrize("fail_at", [1, 2, 3, 5, 8])
+def test_disk_full_at_any_write_leaves_nothing(
+    tmp_path: Path, tiny_factory: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch, fail_at: int
+) -> None:
+    import errno
+
+    from mtpquant.checkpoint import writer
+
+    calls = {"n": 0}
+    real = writer._write
+
+    def flaky(fh: object, data: bytes) -> None:
+        calls["n"] += 1
+        if calls["n"] == fail_at:
+            raise OSError(errno.ENOSPC, "No space left on device", str(getattr(fh, "name", "")))
+        real(fh, data)
+
+    monkeypatch.setattr(writer, "_write", flaky)
+    final = tmp_path / "out"
+    tensors = [planned(f"model.language_model.layers.{i}.mlp.up_proj.weight", torch.ones(16, 16)) for i in range(4)]
+    with pytest.raises(OSError, match="No space left on device"), OutputDir(final) as od:
+        od.write_shards(tensors, max_bytes=2048)
+        od.write_json("config.json", _config(tiny_factory))
+        od.write_index()
+        od.finalize()
+    assert list(tmp_path.iterdir()) == []  # nothing half-written, no temp dir left

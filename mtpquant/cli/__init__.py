@@ -57,6 +57,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.exit_code
     except BrokenPipeError:  # output piped into `head` and the like
         return 0
+    except OSError as exc:  # disk full, permissions, ...: one line, the temp output already removed
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"mtpquant: error: {where}{exc.strerror or exc}", file=sys.stderr)
+        return 6
     except KeyboardInterrupt:
         print("mtpquant: interrupted; no output was left behind", file=sys.stderr)
         return 130
