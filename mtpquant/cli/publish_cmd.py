@@ -1,0 +1,100 @@
+"""``mtpquant publish OUT --repo ORG/NAME``."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from mtpquant.hub.card import human_size
+from mtpquant.hub.publish import EXIT_REFUSED, EXIT_UPLOAD, PublishOptions, PublishResult, publish
+
+EPILOG = f"""Before anything is uploaded, OUT must pass the checks of `mtpquant inspect` (MTP present when
+declared, exclusions consistent with the tensors, index intact); --force publishes a failing OUT anyway
+and the card says so. An incomplete OUT (a shard or tensor the index names is absent) is never published.
+
+The card (README.md) is generated from OUT's facts; a README.md written or edited by a person is kept
+unless --overwrite-card. Remote *.safetensors and index files that OUT does not have are deleted in the
+same commit. The token comes from HF_TOKEN or `hf auth login`; HF_ENDPOINT selects another Hub server.
+
+exit codes: 0 published (or dry run done); 2 bad options (malformed --repo, --create-pr with --revision);
+4 unsupported architecture; {EXIT_REFUSED} refused (not a directory, unreadable or incomplete checkpoint,
+checks failed without --force, a file holding the Hub token); {EXIT_UPLOAD} the Hub refused the upload
+or could not be reached."""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add the ``publish`` subcommand."""
+    p = sub.add_parser(
+        "publish",
+        help="check OUT, write its model card and upload it to the Hub",
+        description="Gate OUT through the inspect checks, generate its model card and upload it with huggingface_hub.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("out", metavar="OUT", type=Path, help="checkpoint directory to publish (e.g. convert's OUT)")
+    p.add_argument("--repo", required=True, metavar="ORG/NAME", help="Hub model repo to publish to")
+    p.add_argument(
+        "--private", action="store_true", help="create the repo private (an existing repo keeps its visibility)"
+    )
+    p.add_argument(
+        "--revision", metavar="BRANCH", help="branch to commit to (created from main if missing), or refs/pr/N"
+    )
+    p.add_argument("--create-pr", action="store_true", help="open a pull request against main instead of committing")
+    p.add_argument(
+        "--commit-message", metavar="MSG", help="commit title (default: 'Upload NAME with mtpquant VERSION')"
+    )
+    p.add_argument("--dry-run", action="store_true", help="print the file list and the card; upload and write nothing")
+    p.add_argument("--force", action="store_true", help="publish even if the inspect checks fail (the card says so)")
+    p.add_argument("--overwrite-card", action="store_true", help="replace a README.md written by a person")
+    p.set_defaults(func=run)
+
+
+def render_plan(result: PublishResult) -> str:
+    """The dry-run text: target, gate, file list with sizes, then the full card."""
+    where = result.repo_id + (f" (revision {result.revision})" if result.revision else "")
+    gate = "passed" if result.healthy else "FAILED, publishing anyway (--force): " + "; ".join(result.gate_failures)
+    width = max([len(f.path) for f in result.files] + [4])
+    lines = [
+        f"dry run: nothing uploaded, nothing written; would publish to {where}",
+        f"checks: {gate}",
+        *(f"  {v}" for v in result.verdicts.values()),
+        f"files: {len(result.files)}, {human_size(result.total_bytes)}",
+    ]
+    for f in result.files:
+        lines.append(f"  {f.path.ljust(width)}  {human_size(f.size).rjust(10)}" + (f"  ({f.note})" if f.note else ""))
+    lines += [
+        "",
+        f"----- README.md ({result.card_action}) -----",
+        result.card.rstrip("\n"),
+        "----- end of README.md -----",
+    ]
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Publish and print the commit URL (or, with --dry-run, the plan and the card)."""
+    opts = PublishOptions(
+        out=args.out,
+        repo=args.repo,
+        private=args.private,
+        revision=args.revision,
+        create_pr=args.create_pr,
+        commit_message=args.commit_message,
+        dry_run=args.dry_run,
+        force=args.force,
+        overwrite_card=args.overwrite_card,
+    )
+    result = publish(opts)
+    if result.dry_run:
+        print(render_plan(result))
+        return 0
+    if result.forced:
+        print("published with --force despite: " + "; ".join(result.gate_failures))
+    print(
+        f"published {len(result.files)} files ({human_size(result.total_bytes)}) to {result.repo_id}; "
+        f"card {result.card_action}"
+    )
+    if result.pr_url:
+        print(f"pull request: {result.pr_url}")
+    print(f"commit: {result.commit_url}")
+    return 0

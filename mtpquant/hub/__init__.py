@@ -1,0 +1,33 @@
+"""Hub publishing (``mtpquant publish``): ``card`` builds the model card, ``publish`` gates and uploads.
+
+The entry point is ``mtpquant.hub.publish.publish(PublishOptions) -> PublishResult``. It is not re-exported
+here: a package attribute named ``publish`` would shadow the ``mtpquant.hub.publish`` module.
+"""
+
+from __future__ import annotations
+
+from mtpquant.hub.card import build_card, card_origin, validate_card_metadata
+from mtpquant.hub.publish import (
+    EXIT_REFUSED,
+    EXIT_UPLOAD,
+    PublishFile,
+    PublishOptions,
+    PublishRefusedError,
+    PublishResult,
+    PublishUsageError,
+    UploadError,
+)
+
+__all__ = [
+    "EXIT_REFUSED",
+    "EXIT_UPLOAD",
+    "PublishFile",
+    "PublishOptions",
+    "PublishRefusedError",
+    "PublishResult",
+    "PublishUsageError",
+    "UploadError",
+    "build_card",
+    "card_origin",
+    "validate_card_metadata",
+]

@@ -1,0 +1,595 @@
+"""publish: gate, card and upload, with the real huggingface_hub client against LocalHub (no patching)."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import yaml
+from huggingface_hub import HfApi, ModelCard
+from huggingface_hub.repocard import REGEX_YAML_BLOCK, metadata_load
+
+from mtpquant.cli import main as cli
+from mtpquant.hub.card import card_origin, human_size, validate_card_metadata
+from mtpquant.hub.publish import (
+    EXIT_REFUSED,
+    EXIT_UPLOAD,
+    PublishOptions,
+    PublishRefusedError,
+    PublishUsageError,
+    UploadError,
+    publish,
+)
+from mtpquant.inspect.report import inspect_checkpoint
+from mtpquant.testing.hubserver import LocalHub
+from tests.support.quants import with_mtp
+
+Factory = Callable[[str], Path]
+REPO = "org/tiny-qwen3_5-NVFP4"
+VARIANT = "qwen3_5"
+TOKEN = "hf_PublishTestTokenDoNotLeak0123456789"
+WRITE_KINDS = {"create_repo", "preupload", "commit", "branch", "discussions", "delete_repo"}
+
+
+# ---- fixtures ---------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def healthy_template(
+    naive_export_factory: Factory, tiny_factory: Factory, tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    """A healthy NVFP4 quant with its BF16 MTP (built once; tests publish private copies)."""
+    return with_mtp(naive_export_factory(VARIANT), tiny_factory(VARIANT), tmp_path_factory.mktemp("pub") / "quant")
+
+
+@pytest.fixture
+def out(healthy_template: Path, tmp_path: Path) -> Path:
+    dst = tmp_path / "OUT"
+    shutil.copytree(healthy_template, dst)
+    return dst
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _recipe_with_convert_header(src: str) -> str:
+    """The resolved recipe exactly as convert writes it into OUT (its own header function)."""
+    from mtpquant.pipeline.convert import _recipe_header
+    from mtpquant.pipeline.recipes import load_recipe
+
+    return load_recipe("qwen3_5-nvfp4").to_yaml(_recipe_header(SimpleNamespace(src=src)))  # type: ignore[arg-type]
+
+
+def _acceptance(accepted: tuple[int, ...], tf: float) -> dict:
+    """An ``acceptance`` block exactly as validate writes it, from step records (3 drafts per step)."""
+    from mtpquant.validate.metrics import StepRecord, acceptance_by_k
+    from mtpquant.validate.run import AcceptanceResult
+
+    records = [StepRecord(drafted=3, accepted=a) for a in accepted]
+    return AcceptanceResult(by_k=list(acceptance_by_k(records, 3)), teacher_forced_agreement=tf).to_json()
+
+
+REF_ACCEPTED = (3, 2, 0, 1, 3, 0, 2, 1)
+CAND_ACCEPTED = (3, 2, 0, 1, 2, 0, 2, 1)
+
+
+def _validation_report(src: Path, out: Path) -> dict:
+    """A pair-mode report.json in validate's schema (mtpquant.validate.run.validate)."""
+    side = {"family": VARIANT, "mtp": {"present": True, "error": None, "precision": "BF16", "emulated_activations": []}}
+    return {
+        "schema": 1,
+        "mtpquant_version": "0.1.0",
+        "created": "2026-11-29T12:00:00+00:00",
+        "mode": "pair",
+        "settings": {"k": 3, "num_prompts": 8, "max_len": 256, "activations": "off"},
+        "reference": {**side, "checkpoint": str(src), "acceptance": _acceptance(REF_ACCEPTED, 0.8)},
+        "candidate": {**side, "checkpoint": str(out), "acceptance": _acceptance(CAND_ACCEPTED, 0.75)},
+        "comparison": {"mtp": {"positions": 120, "top1_agreement": 1.0, "kl": {"mean": 0.0, "median": 0.0}}},
+        "verdict": {"status": "pass", "reasons": ["AL 1.75 / 2.25 / 2.50 for k = 1..3; within the allowed drop"]},
+        "notes": [f"Activations were not quantized (--activations off); hidden states from {src}/hidden.safetensors"],
+    }
+
+
+def _add_provenance(out: Path, tmp_path: Path) -> None:
+    """What convert leaves in OUT (the resolved recipe naming SRC), a source with a card, and a validation report."""
+    src = tmp_path / "hf_home" / "hub" / "models--Qwen--Qwen3.5-0.8B" / "snapshots" / "0123abc"
+    src.mkdir(parents=True)
+    (src / "README.md").write_text("---\nlicense: apache-2.0\nlibrary_name: transformers\n---\n# Qwen3.5-0.8B\n")
+    (out / "mtpquant_recipe.yaml").write_text(_recipe_with_convert_header(str(src)))
+    (out / "validation").mkdir()
+    report = _validation_report(src, out)
+    (out / "validation" / "report.json").write_text(json.dumps(report))
+    (out / "validation" / "report.md").write_text("# validation\n")
+
+
+def _server_files(hub: LocalHub, repo: str = REPO, revision: str = "main") -> dict[str, bytes]:
+    return _tree(hub.repo_dir(repo, revision))
+
+
+def _writes(hub: LocalHub) -> list[str]:
+    return [r.kind for r in hub.requests if r.kind in WRITE_KINDS]
+
+
+# ---- the upload -------------------------------------------------------------------------------------------------
+def test_publish_uploads_exact_files_and_a_truthful_card(local_hub: LocalHub, out: Path, tmp_path: Path) -> None:
+    _add_provenance(out, tmp_path)
+    (out / ".mtpquant-partial-x").mkdir()  # an interrupted write's temp dir: never uploaded
+    (out / ".mtpquant-partial-x" / "junk.safetensors").write_bytes(b"x")
+    local_files = {k: v for k, v in _tree(out).items() if not k.startswith(".")}
+
+    result = publish(PublishOptions(out=out, repo=REPO, private=True))
+
+    assert result.card_action == "generated" and result.healthy and not result.forced
+    served = _server_files(local_hub)
+    assert served == {**local_files, "README.md": (out / "README.md").read_bytes()}  # exact files, exact bytes
+    assert served["README.md"].decode() == result.card
+    assert {f.path: f.size for f in result.files} == {k: len(v) for k, v in served.items()}
+    sha = local_hub.commit_sha(REPO)
+    assert (result.commit_oid, result.commit_url) == (sha, f"{local_hub.endpoint}/{REPO}/commit/{sha}")
+    api = HfApi(endpoint=local_hub.endpoint, token=False)
+    assert api.model_info(REPO).private is True
+    assert [c.title for c in api.list_repo_commits(REPO)] == ["Upload tiny-qwen3_5-NVFP4 with mtpquant 0.1.0"]
+    kinds = [r.kind for r in local_hub.requests]
+    assert kinds.count("commit") == 1 and "validate_yaml" in kinds  # one commit; README went through validate-yaml
+
+    # The card as the Hub reads it: YAML block first, metadata that validates, then the body.
+    readme = local_hub.repo_dir(REPO) / "README.md"
+    text = readme.read_text()
+    assert REGEX_YAML_BLOCK.search(text) is not None
+    meta = metadata_load(readme)
+    assert meta == ModelCard.load(readme).data.to_dict() == yaml.safe_load(REGEX_YAML_BLOCK.search(text).group(2))
+    assert meta == {
+        "base_model": "Qwen/Qwen3.5-0.8B",
+        "base_model_relation": "quantized",
+        "library_name": "transformers",
+        "license": "apache-2.0",
+        "pipeline_tag": "image-text-to-text",
+        "tags": ["nvfp4", "modelopt", "mtp", "speculative-decoding", "qwen3_5", "mtpquant"],
+    }
+    assert validate_card_metadata(meta) == []
+    assert card_origin(text) == "generated"
+    body = ModelCard.load(readme).text
+    report = inspect_checkpoint(out)
+    for needle in (
+        "| Mode | `keep` |",
+        f"| Present | all {report.mtp_expected_tensors} expected tensors (",
+        "| Precision | BF16 |",
+        "| Shard(s) | `mtp.safetensors` |",
+        "| vLLM | vLLM: MTP loads (BF16) |",
+        "`modelopt` `NVFP4` (vLLM loads it as `modelopt_fp4`), group size 16",
+        "Recipe `qwen3_5-nvfp4`: scheme `nvfp4`, targets `all`, calibration `max` on 128 samples",
+        "name: qwen3_5-nvfp4",  # the resolved recipe itself
+        "- Vision tower (`model.visual.*`): 21 tensors, kept as is (6 BF16).",
+        "`mtp*`",
+        "Verdict: **pass**: AL 1.75 / 2.25 / 2.50 for k = 1..3; within the allowed drop.",
+        "(8 prompts, k = 1..3, activations off)",
+        "| 1 | 1.75 | 1.75 | +0.00 | 75.0 % | 75.0 % |",
+        "| 3 | 2.50 | 2.38 | -0.12 | 50.0 % | 45.8 % |",
+        "| draft position (k = 3) | acceptance reference | this checkpoint |",
+        "| 3 | 25.0 % | 12.5 % |",
+        "MTP's top-1 agrees with the reference MTP's 100.0 % of the time; mean KL(reference || this) 0",
+        "teacher-forced agreement 75.0 % (reference 80.0 %)",
+        "- Note: Activations were not quantized (--activations off); hidden states from .../hidden.safetensors",
+        "Full report: [`validation/report.md`](validation/report.md).",
+        f'vllm serve {REPO} --speculative-config \'{{"method":"mtp","num_speculative_tokens":3}}\'',
+        f"python -m sglang.launch_server --model-path {REPO} --speculative-algorithm NEXTN",
+        "Produced by mtpquant 0.1.0 `convert` (the exact command line is not recorded)",
+        "mtpquant convert SRC OUT --recipe mtpquant_recipe.yaml",
+        "Source checkpoint: a local directory named `0123abc`.",
+        "# source: .../0123abc",  # the recipe header, its local directory shortened
+        "Base model `Qwen/Qwen3.5-0.8B` from mtpquant_recipe.yaml (source).",
+        "Licence `apache-2.0`, carried over from the source card",
+    ):
+        assert needle in body, needle
+    assert str(out) not in text and str(tmp_path) not in text  # no local directories in the public card
+
+
+def test_existing_repo_keeps_other_files_and_loses_stale_shards(local_hub: LocalHub, out: Path) -> None:
+    local_hub.create_repo(REPO, {"model-00001-of-00009.safetensors": b"stale", "notes.txt": "mine"})
+    publish(PublishOptions(out=out, repo=REPO))
+    served = _server_files(local_hub)
+    assert "model-00001-of-00009.safetensors" not in served  # never mix shards of two conversions
+    assert served["notes.txt"] == b"mine"
+    assert set(served) == {*_tree(out), "notes.txt"}
+
+
+def test_create_pr_leaves_main_untouched(local_hub: LocalHub, out: Path) -> None:
+    local_hub.create_repo(REPO, {"notes.txt": "main"})
+    main_sha = local_hub.commit_sha(REPO)
+    result = publish(PublishOptions(out=out, repo=REPO, create_pr=True, commit_message="NVFP4 with MTP"))
+    assert (result.pr_revision, result.pr_url) == ("refs/pr/1", f"{local_hub.endpoint}/{REPO}/discussions/1")
+    assert local_hub.commit_sha(REPO) == main_sha and set(_server_files(local_hub)) == {"notes.txt"}
+    assert _server_files(local_hub, revision="refs/pr/1") == {**_tree(out), "notes.txt": b"main"}
+    assert result.commit_oid == local_hub.commit_sha(REPO, "refs/pr/1")
+    commits = HfApi(endpoint=local_hub.endpoint, token=False).list_repo_commits(REPO, revision="refs/pr/1")
+    assert commits[0].title == "NVFP4 with MTP"
+    with pytest.raises(PublishUsageError, match="cannot be combined with --revision"):
+        publish(PublishOptions(out=out, repo=REPO, create_pr=True, revision="dev"))
+
+
+def test_revision_branch_is_created_and_named_in_the_serve_commands(local_hub: LocalHub, out: Path) -> None:
+    result = publish(PublishOptions(out=out, repo=REPO, revision="nvfp4"))
+    assert _server_files(local_hub, revision="nvfp4") == _tree(out)
+    assert _server_files(local_hub) == {}  # main stays empty
+    assert result.commit_oid == local_hub.commit_sha(REPO, "nvfp4")
+    assert '"num_speculative_tokens":3}\' --revision nvfp4' in result.card
+    # again, into the now existing branch: a new commit on it, nothing else
+    (out / "notes.txt").write_text("second")
+    publish(PublishOptions(out=out, repo=REPO, revision="nvfp4"))
+    assert _server_files(local_hub, revision="nvfp4")["notes.txt"] == b"second"
+
+
+def test_hf_endpoint_is_read_when_publishing(
+    local_hub: LocalHub, out: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # huggingface_hub's constants point at local_hub; HF_ENDPOINT set later must still win.
+    with LocalHub(tmp_path / "other-hub") as other:
+        monkeypatch.setenv("HF_ENDPOINT", other.endpoint)
+        result = publish(PublishOptions(out=out, repo=REPO))
+        assert _server_files(other) == _tree(out) and result.commit_url.startswith(other.endpoint)
+        assert other.errors == []
+    assert local_hub.requests == []
+
+
+def test_dry_run_prints_files_and_card_and_sends_nothing(
+    local_hub: LocalHub, out: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    before = _tree(out)
+    assert cli(["publish", str(out), "--repo", REPO, "--dry-run"]) == 0
+    printed = capsys.readouterr().out
+    assert local_hub.requests == []  # no HTTP at all
+    assert _tree(out) == before  # and nothing written
+    assert f"would publish to {REPO}" in printed and "checks: passed" in printed
+    lines = printed.splitlines()
+    for name, data in before.items():  # every file, with its size
+        assert any(ln.split() == [name, *human_size(len(data)).split()] for ln in lines), name
+    assert "model card (generated)" in printed
+    card = printed.split("----- README.md (generated) -----\n", 1)[1].split("\n----- end of README.md -----", 1)[0]
+    assert validate_card_metadata(metadata_load_text(card)) == []
+    # the printed card is the one a real publish uploads
+    result = publish(PublishOptions(out=out, repo=REPO))
+    assert result.card.rstrip("\n") == card
+
+
+def test_out_given_as_dot(local_hub: LocalHub, out: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(out)
+    card = publish(PublishOptions(out=Path("."), repo=REPO, dry_run=True)).card
+    assert f"vllm serve {REPO} --speculative-config" in card
+    assert f"python -m sglang.launch_server --model-path {REPO} --speculative-algorithm NEXTN" in card
+
+
+def metadata_load_text(text: str) -> dict:
+    m = REGEX_YAML_BLOCK.search(text)
+    return yaml.safe_load(m.group(2)) if m else {}
+
+
+# ---- refusals ---------------------------------------------------------------------------------------------------
+def test_gate_refuses_declared_but_missing_mtp_and_force_overrides(
+    local_hub: LocalHub, naive_export_factory: Factory, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    naive = tmp_path / "naive"
+    shutil.copytree(naive_export_factory(VARIANT), naive)
+    with pytest.raises(PublishRefusedError) as err:
+        publish(PublishOptions(out=naive, repo=REPO))
+    msg = str(err.value)
+    assert "\n" not in msg and "MTP declared but missing" in msg and "--force" in msg
+    assert cli(["publish", str(naive), "--repo", REPO]) == EXIT_REFUSED
+    stderr = capsys.readouterr().err.strip().splitlines()
+    assert stderr[-1].startswith("mtpquant: error: refusing to publish") and "MTP declared but missing" in stderr[-1]
+    assert local_hub.requests == [] and not (naive / "README.md").exists()
+
+    result = publish(PublishOptions(out=naive, repo=REPO, force=True))
+    assert result.forced and not result.healthy
+    card = _server_files(local_hub)["README.md"].decode()
+    assert "**Published with `--force`**" in card
+    assert "> - MTP declared but missing: speculative decoding will accept nothing" in card
+    assert "| Mode | `missing` |" in card and "vLLM: no MTP serve command" in card
+    assert "| Present | none of 15 expected tensors |" in card
+    meta = metadata_load_text(card)
+    assert "mtp" not in meta["tags"] and "speculative-decoding" not in meta["tags"]  # the tags don't lie either
+    assert validate_card_metadata(meta) == []
+    assert "Published with --force despite" in HfApi(endpoint=local_hub.endpoint).list_repo_commits(REPO)[0].message
+
+
+@pytest.mark.parametrize(
+    "repo",
+    [
+        "noslash",
+        "a/b/c",
+        "-org/x",
+        "org/x-",
+        "org/.x",
+        "org/x..y",
+        "org--x/y",
+        "org/x.git",
+        "org/x y",
+        "org/",
+        "/x",
+        "org/x?y",
+        "org/" + "a" * 97,
+        "",
+    ],
+)
+def test_malformed_repo_ids_are_refused_before_anything(local_hub: LocalHub, out: Path, repo: str) -> None:
+    with pytest.raises(PublishUsageError) as err:
+        publish(PublishOptions(out=out, repo=repo))
+    assert "\n" not in str(err.value) and err.value.exit_code == 2
+    assert local_hub.requests == [] and not (out / "README.md").exists()
+
+
+def test_cli_exit_code_for_a_malformed_repo(local_hub: LocalHub, out: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli(["publish", str(out), "--repo", "not a repo"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("mtpquant: error: --repo 'not a repo': not a Hub model id")
+    assert local_hub.requests == []
+
+
+def test_incomplete_out_is_refused_even_with_force(local_hub: LocalHub, out: Path, tmp_path: Path) -> None:
+    (out / "mtp.safetensors").unlink()  # listed in the index, gone from disk
+    for force in (False, True):
+        with pytest.raises(PublishRefusedError, match=r"incomplete: .*shard 'mtp\.safetensors' does not exist"):
+            publish(PublishOptions(out=out, repo=REPO, force=force))
+    with pytest.raises(PublishRefusedError, match="not a directory"):
+        publish(PublishOptions(out=tmp_path / "nope", repo=REPO))
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(PublishRefusedError, match="not a directory"):
+        publish(PublishOptions(out=tmp_path / "file", repo=REPO, dry_run=True))
+    (out / "model.safetensors").write_bytes((out / "model.safetensors").read_bytes()[:1000])  # truncated
+    with pytest.raises(PublishRefusedError, match=r"refusing to publish .*model\.safetensors"):
+        publish(PublishOptions(out=out, repo=REPO, force=True))
+    (out / "config.json").unlink()
+    with pytest.raises(PublishRefusedError, match=r"config\.json is missing"):
+        publish(PublishOptions(out=out, repo=REPO, force=True))
+    assert local_hub.requests == []
+
+
+def test_symlink_out_of_out_is_refused(local_hub: LocalHub, out: Path, tmp_path: Path) -> None:
+    (tmp_path / "secret.txt").write_text("private")
+    (out / "notes.txt").symlink_to(tmp_path / "secret.txt")
+    with pytest.raises(PublishRefusedError, match="symlink points outside OUT"):
+        publish(PublishOptions(out=out, repo=REPO))
+    assert local_hub.requests == []
+
+
+# ---- the card kept, regenerated, overwritten ---------------------------------------------------------------------
+def test_person_written_card_is_kept_unless_overwrite_card(local_hub: LocalHub, out: Path) -> None:
+    mine = "---\nlicense: mit\n---\n\n# My own card\n"
+    (out / "README.md").write_text(mine)
+    result = publish(PublishOptions(out=out, repo=REPO))
+    assert result.card_action == "kept" and _server_files(local_hub)["README.md"] == mine.encode()
+    assert (out / "README.md").read_text() == mine
+
+    result = publish(PublishOptions(out=out, repo=REPO, overwrite_card=True))
+    assert result.card_action == "overwritten" and card_origin(result.card) == "generated"
+    assert "license: mit" in result.card  # the licence of the card it replaced is carried over
+    assert _server_files(local_hub)["README.md"].decode() == result.card == (out / "README.md").read_text()
+
+    assert publish(PublishOptions(out=out, repo=REPO)).card_action == "regenerated"  # ours: regenerated freely
+    edited = (out / "README.md").read_text().replace("## Serving", "## Serving\n\nTested on 8xB200 by me.")
+    (out / "README.md").write_text(edited)
+    assert card_origin(edited) == "edited"
+    result = publish(PublishOptions(out=out, repo=REPO))
+    assert result.card_action == "kept" and _server_files(local_hub)["README.md"].decode() == edited
+
+
+def test_kept_card_with_broken_metadata_is_refused(local_hub: LocalHub, out: Path) -> None:
+    (out / "README.md").write_text("---\n- just\n- a list\n---\n# card\n")
+    with pytest.raises(PublishRefusedError, match=r"metadata block does not parse.*--overwrite-card"):
+        publish(PublishOptions(out=out, repo=REPO))
+    assert local_hub.requests == []
+    assert publish(PublishOptions(out=out, repo=REPO, overwrite_card=True)).card_action == "overwritten"
+
+
+# ---- the token ---------------------------------------------------------------------------------------------------
+def _debug_everything(caplog: pytest.LogCaptureFixture) -> None:
+    for name in (None, "huggingface_hub", "httpx", "httpcore", "mtpquant", "hf_xet"):
+        caplog.set_level(logging.DEBUG, logger=name)
+
+
+def test_token_is_sent_but_never_printed_logged_or_written(
+    tmp_path: Path, out: Path, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _debug_everything(caplog)
+    other = "hf_SomeOtherTokenInTheCommandLine42"
+    (out / "mtpquant_summary.json").write_text(
+        json.dumps({"source": "Qwen/Qwen3.5-0.8B", "command": f"mtpquant convert SRC OUT --token {other}"})
+    )
+    with LocalHub(tmp_path / "hub", token=TOKEN) as hub, hub.client_env(tmp_path / "home", token=TOKEN):
+        assert cli(["-vv", "publish", str(out), "--repo", REPO, "--private"]) == 0
+        printed = capsys.readouterr()
+        assert hub.requests and all(r.has_auth and r.status < 400 for r in hub.requests)
+        served = _server_files(hub)
+        assert hub.errors == []
+    assert "commit: " in printed.out
+    card = served["README.md"].decode()
+    assert "mtpquant convert SRC OUT --token ***" in card and other not in card  # token-shaped text is masked too
+    everything = [printed.out, printed.err, caplog.text, *(v.decode("utf-8", "replace") for v in served.values())]
+    everything += [r.getMessage() for r in caplog.records]
+    assert all(TOKEN not in text for text in everything)
+    assert any("uploading" in r.getMessage() for r in caplog.records)  # logs were captured at all
+
+
+def test_wrong_token_fails_in_one_line_without_the_token_and_uploads_nothing(
+    tmp_path: Path, out: Path, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _debug_everything(caplog)
+    wrong = "hf_WrongTokenAlsoSecret987654321"
+    with LocalHub(tmp_path / "hub", token=TOKEN) as hub, hub.client_env(tmp_path / "home", token=wrong):
+        with pytest.raises(UploadError) as err:
+            publish(PublishOptions(out=out, repo=REPO))
+        assert cli(["publish", str(out), "--repo", REPO]) == EXIT_UPLOAD
+        printed = capsys.readouterr()
+        # explicit token argument, wrong as well
+        with pytest.raises(UploadError) as err2:
+            publish(PublishOptions(out=out, repo=REPO, token=wrong + "X"))
+        assert {r.status for r in hub.requests} == {401} and all(r.has_auth for r in hub.requests)
+        assert not hub.repo_dir(REPO).exists()  # nothing created, nothing committed
+        assert hub.errors == []
+    msg = str(err.value)
+    assert "\n" not in msg and "HTTP 401" in msg and "creating the repo" in msg and "HF_TOKEN" in msg
+    assert err.value.__cause__ is None and err.value.__context__ is None  # the client's exception is not attached
+    texts = [msg, repr(err.value), str(err2.value), printed.out, printed.err, caplog.text]
+    assert all(wrong not in t and TOKEN not in t for t in texts)
+    assert printed.err.strip().splitlines()[-1].startswith("mtpquant: error: publishing to")
+
+
+def test_a_file_holding_the_token_is_never_uploaded(tmp_path: Path, out: Path) -> None:
+    (out / "convert.log").write_text(f"HF_TOKEN={TOKEN}\n")
+    with LocalHub(tmp_path / "hub", token=TOKEN) as hub, hub.client_env(tmp_path / "home", token=TOKEN):
+        for force in (False, True):
+            with pytest.raises(PublishRefusedError) as err:
+                publish(PublishOptions(out=out, repo=REPO, force=force))
+            assert "convert.log contains the Hub token" in str(err.value) and TOKEN not in str(err.value)
+        assert hub.requests == []
+
+
+def test_provenance_from_a_hub_source_and_from_a_summary_file(out: Path) -> None:
+    (out / "mtpquant_recipe.yaml").write_text(_recipe_with_convert_header("Qwen/Qwen3.5-27B@dev"))
+    card = publish(PublishOptions(out=out, repo=REPO, dry_run=True)).card
+    assert metadata_load_text(card)["base_model"] == "Qwen/Qwen3.5-27B"
+    assert "mtpquant convert Qwen/Qwen3.5-27B OUT --recipe mtpquant_recipe.yaml --revision dev" in card
+    assert "Source checkpoint: `Qwen/Qwen3.5-27B` at revision `dev`." in card
+
+    summary = {
+        "source": {"repo_id": "Qwen/Qwen3.6-27B", "revision": "abc1234"},
+        "command": ["mtpquant", "convert", "Qwen/Qwen3.6-27B", "out dir", "--mtp", "keep"],
+        "mtpquant_version": "9.9.9",
+        "license": "Qwen Research License",
+    }
+    (out / "mtpquant_summary.json").write_text(json.dumps(summary))
+    (out / "LICENSE").write_text("Qwen RESEARCH LICENSE AGREEMENT\n")
+    card = publish(PublishOptions(out=out, repo=REPO, dry_run=True)).card
+    meta = metadata_load_text(card)
+    assert meta["license_link"] == "LICENSE"
+    assert (meta["base_model"], meta["license"], meta["license_name"]) == (
+        "Qwen/Qwen3.6-27B",
+        "other",
+        "qwen-research-license",
+    )
+    assert validate_card_metadata(meta) == []
+    assert (
+        "Produced by mtpquant 9.9.9 with:" in card and "mtpquant convert Qwen/Qwen3.6-27B 'out dir' --mtp keep" in card
+    )
+
+
+def test_unreachable_hub_is_one_line(
+    out: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens there
+    assert cli(["publish", str(out), "--repo", REPO]) == EXIT_UPLOAD
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == (
+        f"mtpquant: error: publishing to {REPO} failed while creating the repo: ConnectError: [Errno 111] "
+        "Connection refused"
+    )
+
+
+# ---- the card's facts in other modes, and the metadata checks ----------------------------------------------------
+def test_quantized_mtp_card_carries_the_sglang_caveat(out: Path) -> None:
+    from mtpquant.hub.card import CardFacts, build_card, read_provenance
+
+    report = inspect_checkpoint(out)
+    mods = [
+        dataclasses.replace(m, disk="NVFP4", vllm_quantized=True) if m.module != "mtp.fc" else m
+        for m in report.mtp_modules
+    ]
+    quantized = dataclasses.replace(
+        report,
+        mtp_modules=mods,
+        mtp_precision="mixed: BF16, NVFP4",
+        verdicts={
+            "vllm": "vLLM: MTP loads (mixed: BF16, NVFP4)",
+            "sglang": "SGLang: MTP is quantized; SGLang will not use it (it serves only a BF16 MTP)",
+        },
+        serve_commands={"vllm": report.serve_commands["vllm"]},
+    )
+    facts = CardFacts(
+        repo_id=REPO,
+        report=quantized,
+        family_key=VARIANT,
+        config={},
+        hf_quant_config=None,
+        provenance=read_provenance(out),
+        license=None,
+        validation=None,
+    )
+    text = str(build_card(facts))
+    assert "| Mode | `quantize` |" in text
+    assert "**SGLang and a quantized MTP**" in text and "serves only a BF16 MTP" in text
+    assert f"python -m sglang.launch_server --model-path {REPO}\n" in text  # served without speculative decoding
+    assert "NEXTN" not in text
+    assert validate_card_metadata(metadata_load_text(text)) == []
+    assert "license" not in metadata_load_text(text) and "base_model" not in metadata_load_text(text)
+
+
+def test_validation_report_single_mode_and_unreadable(out: Path, tmp_path: Path) -> None:
+    (out / "validation").mkdir()
+    report = _validation_report(tmp_path, out)
+    single = {k: v for k, v in report.items() if k not in ("candidate", "comparison")}
+    single["mode"] = "single"
+    (out / "validation" / "report.json").write_text(json.dumps(single))
+    card = publish(PublishOptions(out=out, repo=REPO, dry_run=True)).card
+    assert "measured this checkpoint with greedy verification" in card
+    assert "| 2 | 2.25 | 62.5 % |" in card and "| draft position (k = 3) | acceptance |" in card
+    assert "Full report: [`validation/report.json`](validation/report.json)." in card
+
+    (out / "validation" / "report.json").write_text('{"something": "else"}')
+    card = publish(PublishOptions(out=out, repo=REPO, dry_run=True)).card
+    assert "its figures are in a format this card does not read" in card
+    (out / "validation" / "report.json").write_text("not json")
+    assert "format this card does not read" in publish(PublishOptions(out=out, repo=REPO, dry_run=True)).card
+
+
+def test_card_metadata_validator_knows_the_hub_field_types(local_hub: LocalHub) -> None:
+    # LocalHub's validate-yaml endpoint is a stub: it answers "no errors" to anything (checked here), so the
+    # card is validated by mtpquant itself, against the field types the Hub enforces.
+    local_hub.create_repo(REPO)
+    bad_card = b"---\nlicense: Apache 2.0\nbase_model_relation: quantised\ntags: nvfp4\n---\n# x\n"
+    HfApi(endpoint=local_hub.endpoint, token=False).upload_file(
+        path_or_fileobj=bad_card, path_in_repo="README.md", repo_id=REPO
+    )
+    assert [r.status for r in local_hub.requests if r.kind == "validate_yaml"] == [200]
+    assert len(validate_card_metadata(metadata_load_text(bad_card.decode()))) == 4
+
+    good = {
+        "base_model": "Qwen/Qwen3.5-27B",
+        "base_model_relation": "quantized",
+        "license": "other",
+        "license_name": "qwen-research",
+        "license_link": "LICENSE",
+        "tags": ["nvfp4"],
+        "library_name": "transformers",
+        "pipeline_tag": "text-generation",
+    }
+    assert validate_card_metadata(good) == []
+    bad = [
+        {"license": "Apache 2.0"},
+        {"license": "other"},
+        {"license": "other", "license_name": "Qwen Research"},
+        {"base_model": "not a repo"},
+        {"base_model": "/abs/path/model"},
+        {"base_model_relation": "quantized"},
+        {"base_model": "a/b", "base_model_relation": "quantised"},
+        {"tags": "nvfp4"},
+        {"tags": ["ok", 3]},
+        {"library_name": ""},
+        {"pipeline_tag": "magic"},
+        {"language": []},
+    ]
+    for meta in bad:
+        assert validate_card_metadata(meta), meta
+
+
+def test_card_seal_detects_any_edit(out: Path) -> None:
+    card = publish(PublishOptions(out=out, repo=REPO, dry_run=True)).card
+    assert card_origin(card) == "generated"
+    assert card_origin(card.replace("BF16", "bf16", 1)) == "edited"
+    assert card_origin("# a card\n") == "person"
+    digest = hashlib.sha256(card.encode()).hexdigest()
+    assert digest not in card  # the seal is over the card with a zero hash, not a self-reference
