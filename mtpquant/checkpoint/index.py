@@ -41,8 +41,11 @@ def parse_index(raw: Any) -> tuple[dict[str, str], int | None]:
     if not isinstance(raw, Mapping) or not isinstance(raw.get("weight_map"), Mapping):
         raise CheckpointError(f"{INDEX_NAME}: no 'weight_map' object")
     weight_map: dict[str, str] = {}
+    checked: set[str] = set()  # a real index names a few dozen shards for up to ~10^5 tensors
     for tensor, shard in raw["weight_map"].items():
-        weight_map[str(tensor)] = check_shard_name(shard)
+        if not (isinstance(shard, str) and shard in checked):
+            checked.add(check_shard_name(shard))
+        weight_map[str(tensor)] = shard
     meta = raw.get("metadata") or {}
     total = meta.get("total_size") if isinstance(meta, Mapping) else None
     if total is not None and (not isinstance(total, int) or isinstance(total, bool)):
