@@ -238,6 +238,7 @@ class OutputDir:
         """Hard-link ``src`` into the output (fallback: copy); returns the relative name."""
         relname = relname or src.name
         target = self._target(relname)
+        src = src.resolve()  # os.link would link a symlink itself (HF cache snapshots are symlinks)
         if link:
             try:
                 os.link(src, target)

@@ -1,0 +1,134 @@
+"""``mtpquant graft``: repair a quant that lost its MTP (argument parsing and printing only)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from typing import Any
+
+__all__ = ["parse_size", "register"]
+
+_EPILOG = """\
+examples:
+  mtpquant graft ./Qwen3.5-27B-NVFP4 --from Qwen/Qwen3.5-27B --out ./Qwen3.5-27B-NVFP4-MTP
+  mtpquant graft ./Qwen3.5-27B-NVFP4 --from ./Qwen3.5-27B --in-place
+  mtpquant graft ./Qwen3.5-397B-A17B-NVFP4 --fix-metadata --in-place
+
+exit codes: 0 done (or nothing to do), 3 QUANT/SRC is not a valid checkpoint, 4 unsupported
+architecture, 5 OUT exists, 6 graft refused (SRC has no MTP, QUANT has a different MTP without
+--replace, --mtp quantize), 8 the result failed verification (nothing put in place), 9 lineage
+mismatch (SRC and QUANT are different models).
+"""
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """``5GB`` / ``500MiB`` / ``1000000`` -> bytes."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+    if not m or m.group(2).upper() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 5GB, 500MiB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``graft`` subcommand."""
+    p = subparsers.add_parser(
+        "graft",
+        help="add SRC's MTP to a quant that lost it, writing only the MTP bytes",
+        description=(
+            "Repair an existing quant whose MTP was dropped or mis-declared: copy SRC's mtp.* tensors "
+            "byte for byte into new shard(s), hard-link every other file, rewrite the index and the MTP "
+            "declaration and exclusions. --fix-metadata repairs declaration and exclusions only."
+        ),
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("quant", metavar="QUANT", help="the quant to repair: a local directory or a Hub repo id")
+    p.add_argument("--from", dest="source", metavar="SRC",
+                   help="the checkpoint that still has the MTP (the BF16 original): directory or Hub repo id")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--out", metavar="OUT", help="write the repaired checkpoint here (must not exist)")
+    where.add_argument("--in-place", action="store_true",
+                       help="repair QUANT itself: built beside it, verified, then swapped in atomically "
+                       "(a kill leaves QUANT as it was, or repaired)")
+    p.add_argument("--mtp", choices=("keep", "quantize"), default="keep",
+                   help="keep: copy SRC's MTP as it is (default); quantize: refused, see the message")
+    p.add_argument("--replace", action="store_true", help="replace an MTP QUANT already has")
+    p.add_argument("--fix-metadata", action="store_true",
+                   help="repair the MTP declaration and exclusions only; touches no tensor file")
+    p.add_argument("--revision", metavar="REV", help="QUANT's Hub revision (branch, tag or commit)")
+    p.add_argument("--from-revision", dest="source_revision", metavar="REV", help="SRC's Hub revision")
+    p.add_argument("--max-shard-size", type=parse_size, default="5GB", metavar="SIZE",
+                   help="byte budget per new MTP shard (default 5GB)")
+    p.add_argument("--copy", action="store_true", help="copy untouched files instead of hard-linking them")
+    p.add_argument("--dry-run", action="store_true", help="check and plan, print the plan, write nothing")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.set_defaults(func=run)
+
+
+def _human(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if size < 1000 or unit == "TB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.2f} {unit}"
+        size /= 1000
+    return f"{n} B"
+
+
+def run(args: argparse.Namespace) -> int:
+    """Build the options, call the API, print the summary."""
+    from mtpquant.pipeline.graft import GraftOptions, graft
+
+    options = GraftOptions(
+        quant=args.quant,
+        source=args.source,
+        out=args.out,
+        in_place=args.in_place,
+        mtp=args.mtp,
+        replace=args.replace,
+        fix_metadata=args.fix_metadata,
+        revision=args.revision,
+        source_revision=args.source_revision,
+        max_shard_bytes=args.max_shard_size,
+        link=not args.copy,
+        dry_run=args.dry_run,
+    )
+    result = graft(options)
+    if args.json:
+        print(json.dumps(result.to_json(), indent=2))
+        return 0
+    out = sys.stdout
+    print(result.message, file=out)
+    if result.action in ("grafted", "replaced", "metadata", "planned"):
+        if result.mtp_tensors:
+            print(f"  MTP: {result.mtp_tensors} tensors, {_human(result.mtp_bytes)}", file=out)
+        if result.source:
+            fetched = f"  fetched from SRC: {_human(result.src_bytes_fetched)}"
+            if result.src_shards_downloaded:
+                fetched += f" (downloaded whole: {', '.join(result.src_shards_downloaded)})"
+            print(fetched, file=out)
+        if result.action != "planned":
+            print(f"  written: {_human(result.bytes_written)}; new shards: {', '.join(result.new_shards) or '-'}",
+                  file=out)
+            print(f"  hard-linked: {len(result.linked)} file(s); copied: {len(result.copied)}", file=out)
+            for name in result.copied:
+                print(f"    copied (hard link failed): {name}", file=out)
+            for name in result.rewritten:
+                print(f"    rewritten without the old MTP: {name}", file=out)
+            for name in result.dropped:
+                print(f"    dropped (old MTP only): {name}", file=out)
+        for change in result.metadata_changes:
+            print(f"  metadata: {change}", file=out)
+        if result.verified_with:
+            print(f"  verified: {', '.join(result.verified_with)}", file=out)
+        if result.commit:
+            print(f"  put in place by: {result.commit}", file=out)
+    for name in result.cleaned:
+        print(f"  cleaned up after an interrupted run: {name}", file=out)
+    for warning in result.warnings:
+        print(f"  warning: {warning}", file=out)
+    return 0

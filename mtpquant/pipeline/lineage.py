@@ -1,0 +1,219 @@
+"""Lineage: may SRC's MTP be grafted into QUANT? Same family, same dimensions, matching MTP shapes.
+
+Everything here reads headers and configs only (one small tensor at most, for a soft weight check),
+so a refusal costs nothing and happens before any byte is written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from mtpquant.checkpoint.table import Checkpoint
+from mtpquant.errors import MtpquantError
+from mtpquant.families import ModelSpec, is_mtp_name, resolve
+
+__all__ = [
+    "FLOAT_DTYPES",
+    "GraftError",
+    "LineageError",
+    "LineageReport",
+    "check_lineage",
+    "mtp_layer_count",
+]
+
+log = logging.getLogger(__name__)
+
+# Unquantized storage dtypes: what an MTP kept "as is" must be stored in.
+FLOAT_DTYPES = frozenset({"BF16", "F16", "F32"})
+
+# Dimensions that must agree for the MTP of one to fit the other (missing in either: mismatch).
+_CORE_KEYS = (
+    "hidden_size",
+    "vocab_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "num_hidden_layers",
+)
+_DENSE_KEYS = ("intermediate_size",)
+_MOE_KEYS = ("num_experts", "moe_intermediate_size", "shared_expert_intermediate_size")
+# Compared only where both configs have them (some exporters drop keys they do not use).
+_EXTRA_KEYS = (
+    "num_experts_per_tok",
+    "linear_num_key_heads",
+    "linear_num_value_heads",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
+    "full_attention_interval",
+    "attn_output_gate",
+    "layer_types",
+)
+_MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.")
+_QUANT_SUFFIXES = (
+    ".weight_scale",
+    ".weight_scale_2",
+    ".weight_scale_inv",
+    ".input_scale",
+    ".weight_packed",
+    ".weight_global_scale",
+    ".input_global_scale",
+)
+
+
+class GraftError(MtpquantError):
+    """graft refuses: SRC has no (usable) MTP, QUANT already has a different one, unsupported mode."""
+
+    exit_code = 6
+
+
+class LineageError(MtpquantError):
+    """SRC and QUANT are not the same model (architecture, dimensions or MTP shapes differ)."""
+
+    exit_code = 9
+
+
+@dataclass(frozen=True)
+class LineageReport:
+    """What the lineage check established."""
+
+    family: str
+    mtp_layers: int  # MTP depth taken from SRC's tensors
+    expected: dict[str, tuple[int, ...]] = field(repr=False)  # MTP names/shapes QUANT's config implies
+    mtp_bytes: int = 0
+    warnings: tuple[str, ...] = ()
+
+
+def mtp_layer_count(names: Any) -> int:
+    """Number of MTP decoder layers a tensor name set holds (highest ``mtp.layers.N`` + 1)."""
+    layers = [int(m.group(1)) for n in names if (m := _MTP_LAYER.match(n))]
+    return max(layers) + 1 if layers else 0
+
+
+def _spec_with_layers(spec: ModelSpec, layers: int) -> ModelSpec:
+    """``spec`` as if its config declared ``layers`` MTP layers (families without a key: unchanged)."""
+    if spec.family.mtp_key is None or spec.mtp.layers == layers:
+        return spec
+    return resolve(spec.mtp_config_update(layers))
+
+
+def _fmt(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _dim_differences(quant: Mapping[str, Any], src: Mapping[str, Any], moe: bool) -> list[str]:
+    core = _CORE_KEYS + (_MOE_KEYS if moe else _DENSE_KEYS)
+    diffs = [f"{k} {_fmt(quant.get(k))} vs {_fmt(src.get(k))}" for k in core if quant.get(k) != src.get(k)]
+    diffs += [
+        f"{k} {_fmt(quant[k])} vs {_fmt(src[k])}" for k in _EXTRA_KEYS if k in quant and k in src and quant[k] != src[k]
+    ]
+    return diffs
+
+
+def _is_quantized_module(tensors: Mapping[str, Any], weight_name: str) -> bool:
+    stem = weight_name[: -len(".weight")] if weight_name.endswith(".weight") else weight_name
+    return any(stem + s in tensors for s in _QUANT_SUFFIXES)
+
+
+def _final_norm_warning(quant: Checkpoint, src: Checkpoint) -> str | None:
+    """Soft check that both hold the same weights: the (never quantized) final norm, byte for byte."""
+    qname, sname = quant.main_prefix + "norm.weight", src.main_prefix + "norm.weight"
+    q, s = quant.tensors.get(qname), src.tensors.get(sname)
+    if q is None or s is None or q.dtype != s.dtype or q.shape != s.shape:
+        return None
+    if hashlib.sha256(quant.read_raw(q)).digest() != hashlib.sha256(src.read_raw(s)).digest():
+        return (
+            f"{qname} differs between QUANT and SRC: QUANT may come from another fine-tune of this "
+            "architecture; its MTP from SRC may draft poorly"
+        )
+    return None
+
+
+def check_lineage(quant: Checkpoint, src: Checkpoint, *, weight_check: bool = True) -> LineageReport:
+    """Refuse (one line naming every differing field) unless SRC's MTP fits QUANT.
+
+    Checks the family, the dimensions (hidden size, vocab, heads, head dims, experts, layer count),
+    the MTP depth, and that SRC holds exactly the unquantized MTP tensors QUANT's config implies.
+    """
+    qs, ss = quant.spec, src.spec
+    if qs.family.key != ss.family.key:
+        raise LineageError(
+            f"lineage mismatch: QUANT is {qs.family.display} ({qs.architecture}), SRC is "
+            f"{ss.family.display} ({ss.architecture})"
+        )
+    diffs = _dim_differences(qs.text, ss.text, qs.family.moe)
+    src_mtp = {e.name: e for e in src.mtp_tensors()}
+    if not src_mtp:
+        from mtpquant.pipeline.errors import MtpModeError
+
+        raise MtpModeError(
+            f"{src.label}: SRC has no mtp.* tensors (its config: {ss.mtp.describe()}); graft needs the original "
+            "checkpoint that still has its MTP"
+        )
+    layers = mtp_layer_count(src_mtp)
+    if qs.mtp.declared and layers and qs.mtp.layers != layers:
+        diffs.append(f"MTP layers {qs.mtp.layers} ({qs.mtp.describe()}) vs {layers} in SRC's tensors")
+    # Shapes of tensors both hold unquantized (embeddings, norms, vision, ...): a cheap second opinion.
+    for name in sorted(set(quant.tensors) & set(src.tensors)):
+        q, s = quant.tensors[name], src.tensors[name]
+        if is_mtp_name(name) or q.dtype not in FLOAT_DTYPES or s.dtype not in FLOAT_DTYPES:
+            continue
+        if _is_quantized_module(quant.tensors, name):
+            continue
+        if q.shape != s.shape:
+            diffs.append(f"{name} shape {list(q.shape)} vs {list(s.shape)}")
+            if len(diffs) > 8:
+                break
+    if diffs:
+        raise LineageError("lineage mismatch between QUANT and SRC: " + "; ".join(diffs))
+
+    expected = _spec_with_layers(qs, layers).expected_mtp_shapes()
+    missing = sorted(set(expected) - set(src_mtp))
+    extra = sorted(set(src_mtp) - set(expected))
+    if extra:
+        quantized = [n for n in extra if n.endswith(_QUANT_SUFFIXES)]
+        if quantized:
+            raise GraftError(
+                f"{src.label}: SRC's MTP is quantized ({quantized[0]}); graft copies an unquantized MTP: "
+                "point --from at the BF16 original"
+            )
+        raise LineageError(
+            f"lineage mismatch: SRC has MTP tensors QUANT's config does not imply ({len(extra)}, first {extra[0]})"
+        )
+    if missing:
+        raise GraftError(
+            f"{src.label}: SRC's MTP is incomplete: {len(missing)} of {len(expected)} tensors missing "
+            f"(first {missing[0]})"
+        )
+    shape_diffs = [
+        f"{n} {list(src_mtp[n].shape)} in SRC vs {list(shape)} implied by QUANT"
+        for n, shape in sorted(expected.items())
+        if src_mtp[n].shape != shape
+    ]
+    if shape_diffs:
+        raise LineageError("lineage mismatch in MTP shapes: " + "; ".join(shape_diffs[:4]))
+    odd = sorted(n for n, e in src_mtp.items() if e.dtype not in FLOAT_DTYPES)
+    if odd:
+        raise GraftError(
+            f"{src.label}: SRC's MTP tensor {odd[0]} is {src_mtp[odd[0]].dtype}; graft copies an unquantized "
+            "MTP: point --from at the BF16 original"
+        )
+
+    warnings: list[str] = []
+    if weight_check:
+        warning = _final_norm_warning(quant, src)
+        if warning:
+            log.warning("%s", warning)
+            warnings.append(warning)
+    return LineageReport(
+        family=qs.family.key,
+        mtp_layers=layers,
+        expected=expected,
+        mtp_bytes=sum(e.nbytes for e in src_mtp.values()),
+        warnings=tuple(warnings),
+    )

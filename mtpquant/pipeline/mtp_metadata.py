@@ -1,0 +1,271 @@
+"""The metadata side of an MTP repair: its declaration in config.json and its quantization exclusions.
+
+Engines decide per module whether a Linear is quantized from the exclusion lists, so an MTP kept
+unquantized must be covered in every file that declares quantization: ``hf_quant_config.json``
+``exclude_modules`` and ``config.json`` ``quantization_config.ignore``. Matching follows the engines
+(``mtpquant.inspect.engines``): ModelOpt lists by exact name, substring or fnmatch with ``X*`` also
+covering ``X`` and ``X.*``; compressed-tensors lists by exact name or ``re:`` regex only.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from mtpquant.errors import ConfigError
+from mtpquant.families import ModelSpec, is_mtp_name, resolve
+from mtpquant.formats.quant_config import (
+    HF_QUANT_CONFIG,
+    MTP_CT_PATTERNS,
+    MTP_MODELOPT_PATTERNS,
+    read_quant_metadata,
+    with_exclusions,
+)
+from mtpquant.inspect.engines import FusedShardsError, ct_ignored, modelopt_excluded
+
+__all__ = [
+    "MetadataPlan",
+    "mtp_modules",
+    "plan_metadata",
+    "uncovered_modules",
+]
+
+_QUANT_SUFFIXES = (".weight_scale", ".weight_scale_inv", ".weight_packed", ".weight_global_scale")
+_FLOAT = frozenset({"BF16", "F16", "F32"})
+_LAYER = re.compile(r"^(mtp\.layers\.\d+)\.")
+
+
+def mtp_modules(tensors: Mapping[str, Any]) -> dict[str, bool]:
+    """Every MTP Linear module (and vLLM's fused names for them) -> whether it is stored unquantized.
+
+    ``tensors`` maps names to objects with ``dtype`` and ``shape`` (header entries). A module is a
+    Linear when it has a 2-D ``weight`` (or a compressed-tensors ``weight_packed``).
+    """
+    modules: dict[str, bool] = {}
+    for name, entry in tensors.items():
+        if not is_mtp_name(name):
+            continue
+        for suffix in (".weight", ".weight_packed"):
+            if name.endswith(suffix) and len(entry.shape) == 2:
+                stem = name[: -len(suffix)]
+                quantized = suffix == ".weight_packed" or entry.dtype not in _FLOAT
+                quantized = quantized or any(stem + s in tensors for s in _QUANT_SUFFIXES)
+                modules[stem] = modules.get(stem, True) and not quantized
+    # vLLM fuses q/k/v into qkv_proj and gate/up into gate_up_proj and matches exclusions on those
+    # prefixes too (vllm/model_executor/models/qwen3_next_mtp.py, packed_modules_mapping).
+    fused: dict[str, list[str]] = {}
+    for stem in modules:
+        m = _LAYER.match(stem)
+        if not m:
+            continue
+        layer = m.group(1)
+        groups: tuple[tuple[tuple[str, ...], str], ...] = (
+            (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "self_attn.qkv_proj"),
+            (("mlp.gate_proj", "mlp.up_proj"), "mlp.gate_up_proj"),
+            (("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"), "mlp.shared_expert.gate_up_proj"),
+        )
+        for members, fused_name in groups:
+            if stem[len(layer) + 1 :] in members:
+                fused.setdefault(f"{layer}.{fused_name}", []).append(stem)
+        if stem.startswith(layer + ".mlp.experts."):
+            fused.setdefault(f"{layer}.mlp.experts", []).append(stem)
+    for fused_name, group in fused.items():
+        modules[fused_name] = all(modules[m] for m in group)
+    return dict(sorted(modules.items()))
+
+
+def uncovered_modules(modules: Iterable[str], patterns: Iterable[str], compressed_tensors: bool) -> list[str]:
+    """Modules that no exclusion pattern covers, by the matching rules of the list's format."""
+    patterns = list(patterns)
+    match = ct_ignored if compressed_tensors else modelopt_excluded
+    out = []
+    for m in modules:
+        try:
+            covered = match(m, patterns)
+        except FusedShardsError:  # some members of a fused module excluded, some not: not covered
+            covered = False
+        if not covered:
+            out.append(m)
+    return out
+
+
+@dataclass
+class MetadataPlan:
+    """New contents of config.json / hf_quant_config.json (None: unchanged) and what changed."""
+
+    config: dict[str, Any] | None = None
+    hf_quant_config: dict[str, Any] | None = None
+    changes: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def changed_files(self) -> list[str]:
+        """Names of the JSON files this plan rewrites."""
+        out = []
+        if self.hf_quant_config is not None:
+            out.append(HF_QUANT_CONFIG)
+        if self.config is not None:
+            out.append("config.json")
+        return out
+
+
+def _insert_after(target: dict[str, Any], key: str, value: Any, order: list[str]) -> dict[str, Any]:
+    """``target`` with ``key`` inserted where ``order`` (the reference key order) puts it."""
+    if key in target:
+        return {**target, key: value}
+    anchor = None
+    if key in order:
+        for k in reversed(order[: order.index(key)]):
+            if k in target:
+                anchor = k
+                break
+    if anchor is None and key in order and any(k in target for k in order):
+        # key comes first in the reference order: put it first
+        return {key: value, **target}
+    out: dict[str, Any] = {}
+    for k, v in target.items():
+        out[k] = v
+        if k == anchor:
+            out[key] = value
+    if key not in out:
+        out[key] = value
+    return out
+
+
+def restore_declaration(spec: ModelSpec, layers: int, reference: Mapping[str, Any] | None) -> dict[str, Any]:
+    """A copy of ``spec.config`` declaring ``layers`` MTP layers, at the key position ``reference`` uses.
+
+    The position matters for "extract then graft == keep, bit for bit": the key goes back where
+    SRC's config has it rather than at the end.
+    """
+    key = spec.family.mtp_key
+    config = copy.deepcopy(dict(spec.config))
+    if key is None:
+        return config
+    ref_text: Mapping[str, Any] = {}
+    if reference is not None:
+        ref_text = reference.get("text_config", reference) if spec.wrapped else reference
+        if not isinstance(ref_text, Mapping):
+            ref_text = {}
+    if spec.wrapped:
+        config["text_config"] = _insert_after(config["text_config"], key, layers, list(ref_text))
+    else:
+        config = _insert_after(config, key, layers, list(ref_text))
+    assert resolve(config).mtp.layers == layers  # same result as spec.mtp_config_update(layers)
+    return config
+
+
+def _patterns(where: str, value: Any) -> list[str]:
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(isinstance(p, str) for p in value):
+        raise ConfigError(f"{where} must be a list of strings, got {str(value)[:60]!r}")
+    return list(value)
+
+
+def _exclusion_lists(config: Mapping[str, Any], hfq: Mapping[str, Any] | None) -> list[tuple[str, bool, list[str]]]:
+    """(file, is_compressed_tensors, patterns) for every exclusion list the files declare."""
+    out: list[tuple[str, bool, list[str]]] = []
+    if hfq is not None and isinstance(hfq.get("quantization"), Mapping):
+        q = hfq["quantization"]
+        out.append(
+            (
+                HF_QUANT_CONFIG,
+                False,
+                _patterns(f"{HF_QUANT_CONFIG}: quantization.exclude_modules", q.get("exclude_modules")),
+            )
+        )
+    qc = config.get("quantization_config")
+    if isinstance(qc, Mapping):
+        where = "config.json: quantization_config"
+        if qc.get("quant_method") == "compressed-tensors":
+            out.append(("config.json", True, _patterns(f"{where}.ignore", qc.get("ignore"))))
+        elif isinstance(qc.get("quantization"), Mapping):
+            nested = qc["quantization"].get("exclude_modules")
+            out.append(("config.json", False, _patterns(f"{where}.quantization.exclude_modules", nested)))
+        else:
+            key = "ignore" if qc.get("ignore") is not None else "exclude_modules"
+            out.append(("config.json", False, _patterns(f"{where}.{key}", qc.get(key))))
+    return out
+
+
+def plan_metadata(
+    spec: ModelSpec,
+    hf_quant_config: Mapping[str, Any] | None,
+    tensors: Mapping[str, Any],
+    *,
+    mtp_layers: int,
+    reference_config: Mapping[str, Any] | None = None,
+) -> MetadataPlan:
+    """What config.json / hf_quant_config.json need so that the MTP in ``tensors`` is declared and excluded.
+
+    ``tensors`` is the full tensor table of the result (name -> header entry). Unquantized MTP
+    modules must be excluded everywhere quantization is declared; when every MTP module is
+    unquantized the family patterns are added (``mtp*``; ``re:^mtp\\..*`` for compressed-tensors),
+    otherwise the exact names of the uncovered unquantized modules.
+    """
+    plan = MetadataPlan()
+    config: dict[str, Any] = copy.deepcopy(dict(spec.config))
+    if mtp_layers > 0 and spec.family.mtp_key is not None and spec.mtp.layers != mtp_layers:
+        config = restore_declaration(spec, mtp_layers, reference_config)
+        where = f"text_config.{spec.family.mtp_key}" if spec.wrapped else spec.family.mtp_key
+        before = "absent" if spec.mtp.key is None else repr(spec.mtp.value)
+        plan.changes.append(f"config.json: {where} = {mtp_layers} (was {before})")
+
+    modules = mtp_modules(tensors)
+    unquantized = [m for m, plain in modules.items() if plain]
+    all_plain = len(unquantized) == len(modules)
+    hfq = copy.deepcopy(dict(hf_quant_config)) if hf_quant_config is not None else None
+    meta = read_quant_metadata(config, hfq)
+    if meta is not None and unquantized:
+        lists = _exclusion_lists(config, hfq)
+        missing = {f: uncovered_modules(unquantized, pats, ct) for f, ct, pats in lists}
+        if any(missing.values()):
+            if all_plain:
+                modelopt, ct = list(MTP_MODELOPT_PATTERNS), list(MTP_CT_PATTERNS)
+            else:
+                # exact names of real modules; vLLM treats a fused group as excluded when all members are
+                real = _module_stems(tensors)
+                names = sorted({m for ms in missing.values() for m in ms if m in real})
+                modelopt, ct = names, names
+            new_config, new_hfq = with_exclusions(config, hfq, modelopt, ct)
+            for f, is_ct, pats in _exclusion_lists(new_config, new_hfq):
+                old = next((p for g, _, p in lists if g == f), [])
+                added = [p for p in pats if p not in old]
+                if added:
+                    what = "ignore" if f == "config.json" else "exclude_modules"
+                    plan.changes.append(f"{f}: {what} += {', '.join(added)}")
+                still = uncovered_modules(unquantized, pats, is_ct)
+                if still:
+                    plan.warnings.append(f"{f}: MTP module {still[0]} is still not excluded")
+            config, hfq = new_config, new_hfq
+    quantized_but_excluded = [
+        (f, m)
+        for f, ct, pats in _exclusion_lists(config, hfq)
+        for m, plain in modules.items()
+        if not plain and not uncovered_modules([m], pats, ct)
+    ]
+    if quantized_but_excluded:
+        f, m = quantized_but_excluded[0]
+        plan.warnings.append(
+            f"{f}: MTP module {m} is stored quantized but excluded; engines will fail to load it "
+            "(exclusions are only ever added here, never removed)"
+        )
+    if config != spec.config:
+        plan.config = config
+    if hfq is not None and hfq != hf_quant_config:
+        plan.hf_quant_config = hfq
+    return plan
+
+
+def _module_stems(tensors: Mapping[str, Any]) -> set[str]:
+    """Module names that own a ``weight`` (or ``weight_packed``) tensor."""
+    out = set()
+    for n in tensors:
+        for suffix in (".weight", ".weight_packed"):
+            if n.endswith(suffix):
+                out.add(n[: -len(suffix)])
+    return out

@@ -1,0 +1,121 @@
+"""graft with SRC and QUANT on a Hub: LocalHub serves them to the real huggingface_hub client."""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from mtpquant.checkpoint.source import HubSource
+from mtpquant.checkpoint.table import Checkpoint
+from mtpquant.cli import main
+from mtpquant.inspect.report import inspect_checkpoint
+from mtpquant.pipeline.errors import MtpModeError
+from mtpquant.pipeline.graft import GraftOptions, graft
+from mtpquant.testing.hubserver import LocalHub
+from tests.test_graft import tensor_digests, tree_state
+
+Factory = Callable[[str], Path]
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def hub(tmp_path: Path) -> Iterator[LocalHub]:
+    with LocalHub(tmp_path / "hub") as server, server.client_env(tmp_path / "hf_home"):
+        yield server
+    assert server.errors == []
+
+
+def publish(hub: LocalHub, repo: str, path: Path, revision: str = "main") -> None:
+    files = {p.name: p for p in path.iterdir() if p.is_file()}
+    hub.create_repo(repo, files, revision=revision, exist_ok=True)
+
+
+def served(hub: LocalHub, repo: str, filename: str | None = None) -> int:
+    """Response body bytes the server sent for one repo (one file of it)."""
+    return sum(r.body_bytes for r in hub.requests if r.repo_id == repo and (filename is None or r.filename == filename))
+
+
+def test_hub_src_is_read_by_ranges_only_its_mtp(
+    hub: LocalHub, naive_export_factory: Factory, tiny_factory: Factory, tmp_path: Path
+) -> None:
+    src = tiny_factory("qwen3_5_moe")  # 3 shards; the MTP sits in the first and the last
+    publish(hub, "org/src", src)
+    hub.reset_counters()
+    out = tmp_path / "out"
+    result = graft(GraftOptions(quant=naive_export_factory("qwen3_5_moe"), source="org/src", out=out))
+    assert result.source is not None and result.source.startswith("org/src")
+    fetched = served(hub, "org/src")
+    assert result.mtp_bytes <= fetched <= 1.1 * result.mtp_bytes  # within 10 % of the MTP bytes
+    assert result.src_bytes_fetched <= fetched < result.src_bytes_fetched + 16 * 1024  # + the repo listing
+    assert result.src_shards_downloaded == []
+    middle = "model.safetensors-00002-of-00003.safetensors"
+    assert served(hub, "org/src", middle) < 64 * 1024  # its header, never its tensors
+    assert tensor_digests(out, mtp=True) == tensor_digests(src, mtp=True)
+    assert inspect_checkpoint(out).healthy
+
+
+def test_hub_quant_and_hub_src_with_revisions(
+    hub: LocalHub,
+    naive_export_factory: Factory,
+    tiny_factory: Factory,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    naive, src = naive_export_factory("qwen3_5"), tiny_factory("qwen3_5")
+    publish(hub, "org/src", naive)  # main: an MTP-less upload ...
+    publish(hub, "org/src", src, revision="bf16")  # ... the original on a branch
+    publish(hub, "org/quant", naive, revision="v2")
+    hub.create_repo("org/quant", {"README.md": "placeholder"}, exist_ok=True)
+    with pytest.raises(MtpModeError, match="has no mtp"):
+        graft(GraftOptions(quant="org/quant", revision="v2", source="org/src", out=tmp_path / "x"))
+    assert not (tmp_path / "x").exists()
+    ref = tmp_path / "ref"
+    graft(GraftOptions(quant=naive, source=src, out=ref))
+    out = tmp_path / "out"
+    result = graft(GraftOptions(quant="org/quant", revision="v2", source="org/src", source_revision="bf16", out=out))
+    assert result.quant == "org/quant@v2" and result.source == "org/src@bf16"
+    assert tree_state(out) == tree_state(ref)  # same result as from local copies
+    assert result.mtp_bytes <= result.src_bytes_fetched <= 1.1 * result.mtp_bytes
+    assert result.quant_bytes_fetched >= (naive / "model.safetensors").stat().st_size  # QUANT had to come down
+    capsys.readouterr()
+    rc = main(
+        ["-q", "graft", "org/quant", "--revision", "v2", "--from", "org/src", "--from-revision", "bf16", "--in-place"]
+    )
+    err = capsys.readouterr().err.strip()
+    assert rc == 6 and "--in-place needs a local QUANT directory" in err and len(err.splitlines()) == 1, (rc, err)
+
+
+def test_ranged_reads_failing_fall_back_to_downloading_only_mtp_shards(
+    hub: LocalHub,
+    naive_export_factory: Factory,
+    tiny_factory: Factory,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    src = tiny_factory("qwen3_5_moe")
+    publish(hub, "org/src", src)
+    data_start: dict[str, int] = {}
+    real = HubSource.read_range
+
+    def headers_only(self: HubSource, relpath: str, start: int, end: int) -> bytes:
+        """A server (or proxy) that answers header reads but fails every ranged read of tensor data."""
+        if relpath in data_start and start >= data_start[relpath]:
+            raise OSError("416 Range Not Satisfiable")
+        data = real(self, relpath, start, end)
+        if (start, end) == (0, 8) and relpath.endswith(".safetensors"):
+            data_start[relpath] = 8 + struct.unpack("<Q", data)[0]
+        return data
+
+    monkeypatch.setattr(HubSource, "read_range", headers_only)
+    hub.reset_counters()
+    out = tmp_path / "out"
+    result = graft(GraftOptions(quant=naive_export_factory("qwen3_5_moe"), source="org/src", out=out))
+    holding = sorted({e.shard for e in Checkpoint.open(src).mtp_tensors()})
+    assert sorted(result.src_shards_downloaded) == holding and len(holding) == 2
+    for shard in holding:
+        assert served(hub, "org/src", shard) >= (src / shard).stat().st_size
+    assert served(hub, "org/src", "model.safetensors-00002-of-00003.safetensors") < 64 * 1024
+    assert tensor_digests(out, mtp=True) == tensor_digests(src, mtp=True)
