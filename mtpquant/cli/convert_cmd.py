@@ -1,0 +1,132 @@
+"""``mtpquant convert SRC OUT``: NVFP4 through nvidia-modelopt, the MTP kept, quantized, extracted or dropped."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+EPILOG = """MTP modes (default: keep when SRC has an MTP, else drop):
+  keep      every mtp.* tensor copied byte for byte into mtp-*.safetensors, excluded as mtp*
+  quantize  MTP Linears to NVFP4 (or --mtp-format fp8) with calibrated input scales; mtp.fc, norms,
+            router and shared_expert_gate stay BF16. vLLM serves it; SGLang serves only a BF16 MTP.
+  extract   OUT without MTP (declaration set to 0); the MTP goes to --mtp-out (default OUT-mtp)
+  drop      no MTP in OUT, declaration set to 0
+
+Calibration data (default: offline text shipped with CPython, tokenised with SRC's tokenizer and chat
+template): --calib-data FILE (.txt paragraphs, or .jsonl with "text" or "messages"), or a `datasets`
+name (needs the datasets package).
+
+exit codes: 0 done; 2 bad recipe, flag or calibration data; 3 unreadable checkpoint or config;
+4 unsupported architecture; 5 OUT exists (use --overwrite) or is SRC; 6 the MTP mode does not fit SRC
+(or SRC is already quantized); 7 a Linear's input dimension is not a multiple of 16; 8 the output
+failed verification (nothing was published); 130 interrupted (nothing was published)."""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add the ``convert`` subcommand."""
+    p = sub.add_parser(
+        "convert",
+        help="quantize a BF16 Qwen checkpoint to NVFP4 with modelopt, keeping its MTP layer",
+        description=(
+            "Quantize SRC (a local directory or a Hub repo id) to NVFP4 through nvidia-modelopt and write OUT. "
+            "Nothing appears at OUT until the output is complete and verified (inspect verdict clean)."
+        ),
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("src", metavar="SRC", help="source checkpoint: local directory or Hub repo id (org/name)")
+    p.add_argument("out", metavar="OUT", help="output directory (must not exist unless --overwrite)")
+    p.add_argument("--recipe", metavar="NAME|PATH", help="built-in recipe name or YAML file (default: by family)")
+    p.add_argument("--mtp", choices=("keep", "quantize", "extract", "drop"), help="what to do with the MTP layer")
+    p.add_argument("--keep-mtp", action="store_true", help="same as --mtp keep")
+    p.add_argument("--mtp-format", choices=("nvfp4", "fp8"), help="format of the MTP Linears with --mtp quantize")
+    p.add_argument("--mtp-out", metavar="DIR", type=Path, help="where --mtp extract writes the MTP (default OUT-mtp)")
+    p.add_argument("--calib-data", metavar="PATH|DATASET", help="calibration text (default: offline CPython text)")
+    p.add_argument("--calib-samples", metavar="N", type=int, help="calibration rows (default: the recipe's)")
+    p.add_argument("--calib-seq-len", metavar="L", type=int, help="tokens per calibration row (default: the recipe's)")
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda", "auto"),
+        default="auto",
+        help="cuda uses accelerate device_map=auto (GPU sharding, CPU/disk offload); default auto",
+    )
+    p.add_argument("--max-shard-size", metavar="SIZE", help="output shard budget, e.g. 5GB, 500MiB (default 5GB)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        metavar="KEY=VALUE",
+        action="append",
+        default=[],
+        help="override a recipe value, e.g. --set calibration.batch_size=4 (repeatable)",
+    )
+    p.add_argument("--revision", help="Hub revision of SRC (branch, tag or commit)")
+    p.add_argument("--dry-run", action="store_true", help="print the plan (from headers only) and write nothing")
+    p.add_argument("--overwrite", action="store_true", help="replace OUT (and --mtp-out) if they exist")
+    p.add_argument("--json", action="store_true", help="print the result (or plan) as JSON")
+    p.set_defaults(func=run)
+
+
+def _argv(args: argparse.Namespace) -> list[str]:
+    """The convert command line, rebuilt from the parsed flags (recorded in OUT's recipe header)."""
+    argv = ["convert", args.src, str(args.out)]
+    for flag in (
+        "recipe",
+        "mtp",
+        "mtp_format",
+        "mtp_out",
+        "calib_data",
+        "calib_samples",
+        "calib_seq_len",
+        "max_shard_size",
+        "revision",
+    ):
+        value = getattr(args, flag)
+        if value is not None:
+            argv += [f"--{flag.replace('_', '-')}", str(value)]
+    if args.keep_mtp:
+        argv.append("--keep-mtp")
+    if args.device != "auto":
+        argv += ["--device", args.device]
+    for item in args.overrides:
+        argv += ["--set", item]
+    return argv
+
+
+def run(args: argparse.Namespace) -> int:
+    """Convert and print the summary."""
+    import logging
+    import os
+
+    from mtpquant.pipeline import ConvertOptions, convert
+    from mtpquant.pipeline.errors import RecipeError
+
+    if args.keep_mtp and args.mtp not in (None, "keep"):
+        raise RecipeError(f"--keep-mtp contradicts --mtp {args.mtp}")
+    options = ConvertOptions(
+        src=args.src,
+        out=Path(args.out),
+        recipe=args.recipe,
+        mtp="keep" if args.keep_mtp else args.mtp,
+        mtp_format=args.mtp_format,
+        mtp_out=args.mtp_out,
+        calib_data=args.calib_data,
+        calib_samples=args.calib_samples,
+        calib_seq_len=args.calib_seq_len,
+        device=args.device,
+        max_shard_size=args.max_shard_size,
+        overrides=tuple(args.overrides),
+        dry_run=args.dry_run,
+        overwrite=args.overwrite,
+        revision=args.revision,
+        progress=os.environ.get("TQDM_DISABLE", "") in {"", "0"},
+        command=("mtpquant", *_argv(args)),
+    )
+    # The summary is printed below; keep the library's copy of it out of the log.
+    logging.getLogger("mtpquant.pipeline.convert.summary").setLevel(logging.WARNING)
+    result = convert(options)
+    if args.json:
+        print(json.dumps(result.plan.to_json() if result.dry_run else result.to_json(), indent=2, default=str))
+    else:
+        print("\n".join(result.summary_lines()))
+    return 0

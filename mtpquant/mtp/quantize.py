@@ -1,0 +1,223 @@
+"""The MTP layer's Linear weights and activation scales, quantized to NVFP4 or FP8 (ModelOpt layout).
+
+Mirrors what nvidia-modelopt 0.47 does to a Linear it calibrates with ``max`` and exports, in pure
+torch (``mtpquant.formats``), so the result is byte-identical to modelopt's own export of the same
+module calibrated on the same activations (``tests/test_convert_mtp_quantize.py`` proves it):
+
+- weight amax = max|W|; NVFP4 ``weight_scale_2 = amax / (6 * 448)``, shared by the Linears fed by one
+  input (q/k/v; gate/up of the dense MLP, of the shared expert and of each routed expert), as
+  ``preprocess_linear_fusion`` does at export; FP8 keeps one ``weight_scale`` per Linear (modelopt
+  does not fuse FP8 scales).
+- input amax = the largest |x| a Linear saw during calibration; routed experts share one amax per
+  projection kind (``sync_moe_expert_amax``), fused groups share the max; ``input_scale = amax /
+  (6 * 448)`` (FP8: ``amax / 448``).
+- ``mtp.fc``, the norms, the router ``mlp.gate`` and ``mlp.shared_expert_gate`` stay in the source
+  precision and are excluded from quantization by exact name.
+
+Calibration (``MtpCalibrator``) runs the reference MTP forward (``mtpquant.mtp.module``) on the
+target's post-final-norm hidden states and the next tokens' embeddings, exactly the inputs engines
+feed it, and records each Linear's input amax with forward pre-hooks.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from mtpquant.formats.fp8 import fp8_scale_from_amax, quantize_fp8_per_tensor
+from mtpquant.formats.nvfp4 import input_scale_from_amax, quantize_nvfp4, shared_global_scale
+from mtpquant.mtp.module import MTP_PREFIX, MtpLayer
+
+__all__ = [
+    "MTP_FORMATS",
+    "MtpCalibrator",
+    "MtpQuantResult",
+    "mtp_excluded_modules",
+    "mtp_expert_input_groups",
+    "mtp_fused_groups",
+    "mtp_linear_modules",
+    "mtp_quantized_modules",
+    "quantize_mtp",
+]
+
+MTP_FORMATS = ("nvfp4", "fp8")
+
+# Linears of the MTP that stay unquantized (module names without the "mtp." prefix, anchored).
+_UNQUANTIZED = re.compile(r"^(fc|layers\.\d+\.mlp\.gate|layers\.\d+\.mlp\.shared_expert_gate)$")
+# Suffixes of Linears that share one input and so one weight_scale_2 / input_scale.
+_FUSED_SUFFIXES = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+_EXPERT = re.compile(r"^(?P<moe>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>\w+)$")
+
+
+def mtp_linear_modules(weight_shapes: Mapping[str, Sequence[int]]) -> list[str]:
+    """Checkpoint module names of every MTP Linear (2-D ``mtp.*.weight``), sorted."""
+    return sorted(
+        n[: -len(".weight")]
+        for n, s in weight_shapes.items()
+        if n.startswith(MTP_PREFIX) and n.endswith(".weight") and len(s) == 2
+    )
+
+
+def _is_unquantized(module: str) -> bool:
+    return bool(_UNQUANTIZED.match(module[len(MTP_PREFIX) :]))
+
+
+def mtp_excluded_modules(modules: Sequence[str]) -> list[str]:
+    """The MTP Linears kept in BF16 (``mtp.fc``, router, shared_expert_gate): exact names to exclude."""
+    return sorted(m for m in modules if _is_unquantized(m))
+
+
+def mtp_quantized_modules(modules: Sequence[str]) -> list[str]:
+    """The MTP Linears quantize mode quantizes (attention, MLP, shared and routed experts)."""
+    return sorted(m for m in modules if not _is_unquantized(m))
+
+
+def mtp_fused_groups(modules: Sequence[str]) -> list[list[str]]:
+    """Groups of quantized Linears fed by one input: q/k/v, gate/up (dense, shared, each expert)."""
+    present = set(mtp_quantized_modules(modules))
+    groups: list[list[str]] = []
+    seen: set[str] = set()
+    for m in sorted(present):
+        parent, _, leaf = m.rpartition(".")
+        for suffixes in _FUSED_SUFFIXES:
+            if leaf in suffixes:
+                group = [f"{parent}.{s}" for s in suffixes if f"{parent}.{s}" in present]
+                if m not in seen:
+                    groups.append(group)
+                    seen.update(group)
+    for m in sorted(present - seen):
+        groups.append([m])
+    return sorted(groups)
+
+
+def mtp_expert_input_groups(modules: Sequence[str]) -> list[list[str]]:
+    """Routed-expert Linears that share one input amax: per MoE block, each projection kind over all experts."""
+    groups: dict[tuple[str, str], list[str]] = defaultdict(list)
+    for m in mtp_quantized_modules(modules):
+        match = _EXPERT.match(m)
+        if match:
+            groups[(match["moe"], match["proj"])].append(m)
+    return [sorted(v, key=_natural) for _, v in sorted(groups.items())]
+
+
+def _natural(name: str) -> list[object]:
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
+
+
+class MtpCalibrator:
+    """Records the input amax of every MTP Linear while the layer runs on real activations."""
+
+    def __init__(self, layer: MtpLayer) -> None:
+        self.layer = layer
+        self.linears: dict[str, nn.Linear] = {
+            MTP_PREFIX + name: mod for name, mod in layer.named_modules() if isinstance(mod, nn.Linear)
+        }
+        self.amax: dict[str, Tensor] = {}
+        self.rows = 0
+
+    def _hook(self, name: str) -> object:
+        def record(_module: nn.Module, args: tuple[Tensor, ...]) -> None:
+            x = args[0]
+            if x.numel() == 0:
+                return
+            # Same reduction as modelopt's MaxCalibrator (`reduce_amax`), in the input's dtype.
+            local = x.detach().abs().amax().float().cpu()
+            prev = self.amax.get(name)
+            self.amax[name] = local if prev is None else torch.maximum(prev, local)
+
+        return record
+
+    @contextmanager
+    def recording(self) -> Iterator[MtpCalibrator]:
+        """Hooks attached for the duration of the block."""
+        handles = [mod.register_forward_pre_hook(self._hook(name)) for name, mod in self.linears.items()]  # type: ignore[arg-type]
+        try:
+            yield self
+        finally:
+            for h in handles:
+                h.remove()
+
+    @torch.no_grad()
+    def observe(self, hidden: Tensor, next_token_embeds: Tensor, positions: Tensor | None = None) -> None:
+        """Run the MTP on ``h_t`` (post-final-norm) and ``embed(x_{t+1})``, ``[B, T, H]`` each."""
+        device = self.layer.fc.weight.device
+        with self.recording():
+            self.layer(hidden.to(device), next_token_embeds.to(device), positions)
+        self.rows += int(hidden.shape[0] * hidden.shape[1])
+
+
+@dataclass(frozen=True)
+class MtpQuantResult:
+    """Quantized MTP tensors (ModelOpt layout) plus the names that stay as in the source."""
+
+    tensors: dict[str, Tensor]  # new tensors: <module>.weight, .weight_scale, [.weight_scale_2], [.input_scale]
+    quantized_modules: list[str]
+    excluded_modules: list[str]  # exact names to list in exclude_modules / ignore
+    kept_tensors: list[str]  # source tensor names copied unchanged (fc, norms, router, ...)
+    fmt: str
+
+
+def _input_amax(modules: Sequence[str], observed: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """Observed input amax with modelopt's sharing: experts per kind, then fused groups."""
+    amax = {m: observed[m].float() for m in modules if m in observed}
+    for group in mtp_expert_input_groups(modules):
+        seen = [amax[m] for m in group if m in amax]
+        if seen:
+            shared = torch.stack(seen).amax()
+            for m in group:
+                amax[m] = shared
+    for group in mtp_fused_groups(modules):
+        seen = [amax[m] for m in group if m in amax]
+        if seen:
+            shared = torch.stack(seen).amax()
+            for m in group:
+                amax[m] = shared
+    missing = [m for m in modules if m not in amax]
+    if missing:
+        raise ValueError(f"MTP calibration recorded no activations for {missing[0]} ({len(missing)} Linears in all)")
+    return amax
+
+
+def quantize_mtp(
+    weights: Mapping[str, Tensor],
+    input_amax: Mapping[str, Tensor] | None,
+    fmt: str = "nvfp4",
+    *,
+    activations: bool = True,
+) -> MtpQuantResult:
+    """Quantize the MTP Linears of ``weights`` (the source ``mtp.*`` tensors, BF16).
+
+    ``input_amax`` maps module names (``mtp.layers.0.self_attn.q_proj``) to the calibrated input
+    amax; required when ``activations`` (W4A4 / FP8 W8A8), ignored otherwise.
+    """
+    if fmt not in MTP_FORMATS:
+        raise ValueError(f"MTP format {fmt!r} is not one of {', '.join(MTP_FORMATS)}")
+    modules = mtp_linear_modules({n: tuple(t.shape) for n, t in weights.items()})
+    quantized = mtp_quantized_modules(modules)
+    excluded = mtp_excluded_modules(modules)
+    amax = _input_amax(quantized, input_amax or {}) if activations else {}
+    out: dict[str, Tensor] = {}
+    if fmt == "nvfp4":
+        for group in mtp_fused_groups(modules):
+            g = shared_global_scale([weights[m + ".weight"] for m in group])
+            for m in group:
+                q = quantize_nvfp4(weights[m + ".weight"], weight_scale_2=g)
+                out[m + ".weight"] = q.packed
+                out[m + ".weight_scale"] = q.weight_scale
+                out[m + ".weight_scale_2"] = q.weight_scale_2
+    else:
+        for m in quantized:
+            w8, scale = quantize_fp8_per_tensor(weights[m + ".weight"])
+            out[m + ".weight"] = w8
+            out[m + ".weight_scale"] = scale
+    for m in quantized if activations else ():
+        out[m + ".input_scale"] = input_scale_from_amax(amax[m]) if fmt == "nvfp4" else fp8_scale_from_amax(amax[m])
+    quantized_weights = {m + ".weight" for m in quantized}
+    kept = sorted(n for n in weights if n not in quantized_weights)
+    return MtpQuantResult(out, quantized, excluded, kept, fmt)

@@ -1,0 +1,497 @@
+"""``convert``: a BF16 Qwen checkpoint to NVFP4 through nvidia-modelopt, keeping (or quantizing,
+extracting, dropping) its MTP layer, with every output verified before it appears.
+
+Steps: plan from headers (``plan.py``; ``--dry-run`` stops there) -> calibration data in the model's
+own tokenizer -> load the main model with transformers -> ``mtq.quantize`` with the recipe's config
+and a forward loop over the calibration rows (quantize mode also runs the MTP on the post-final-norm
+hidden states and next-token embeddings of the same rows) -> ``export_hf_checkpoint`` into a scratch
+directory inside the output's temp directory -> main shards, MTP per mode, configs, carried files,
+resolved recipe, index -> inspect verdict -> rename into place.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import gc
+import logging
+import os
+import resource
+import shutil
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mtpquant import __version__
+from mtpquant.checkpoint.table import Checkpoint
+from mtpquant.checkpoint.writer import OutputDir
+from mtpquant.families import TensorClass, is_mtp_name
+from mtpquant.formats.quant_config import HF_QUANT_CONFIG, with_exclusions, without_exclusions
+from mtpquant.pipeline.errors import CalibrationDataError, OutputVerificationError
+from mtpquant.pipeline.mtp_modes import MtpOutcome
+from mtpquant.pipeline.plan import RECIPE_FILE, ConvertOptions, ConvertPlan, plan_convert
+
+__all__ = ["ConvertOptions", "ConvertPlan", "ConvertResult", "convert", "peak_rss_bytes", "plan_convert"]
+
+log = logging.getLogger(__name__)
+# The end-of-run summary; the CLI prints it itself and quiets this logger.
+summary_log = logging.getLogger(__name__ + ".summary")
+
+SCRATCH = ".modelopt-export"
+OFFLOAD = ".offload"
+
+
+@dataclass
+class ConvertResult:
+    """What convert did: paths, sizes, tensor counts per class, timings, peak memory."""
+
+    plan: ConvertPlan
+    dry_run: bool = False
+    output: Path | None = None
+    mtp_output: Path | None = None
+    output_bytes: int = 0
+    mtp_output_bytes: int = 0
+    tensor_counts: dict[str, int] = field(default_factory=dict)
+    quantized_linears: int = 0
+    unquantized_linears: int = 0
+    mtp_tensors: int = 0
+    mtp_precision: str = ""
+    timings: dict[str, float] = field(default_factory=dict)
+    peak_rss_bytes: int = 0
+    peak_gpu_bytes: int = 0
+    calibration_rows: int = 0
+    calibration_tokens: int = 0
+    verdicts: dict[str, str] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def mode(self) -> str:
+        """The MTP mode that ran."""
+        return self.plan.mode
+
+    def summary_lines(self) -> list[str]:
+        """The human summary (the CLI prints it; convert logs it)."""
+        if self.dry_run:
+            return ["dry run: nothing written", *self.plan.lines()]
+        p = self.plan
+        counts = ", ".join(f"{k} {v}" for k, v in sorted(self.tensor_counts.items()))
+        t = self.timings
+        lines = [
+            f"wrote {self.output} ({_size(self.output_bytes)} from {_size(p.source_bytes)}; recipe {p.recipe.name}, "
+            f"MTP {p.mode})",
+            f"tensors    {counts}; {self.quantized_linears} Linears NVFP4, {self.unquantized_linears} unquantized",
+        ]
+        if self.mtp_output is not None:
+            lines.append(f"MTP        extracted to {self.mtp_output} ({_size(self.mtp_output_bytes)})")
+        elif self.mtp_tensors:
+            lines.append(f"MTP        {self.mtp_tensors} tensors, {self.mtp_precision}")
+        else:
+            lines.append("MTP        none in the output")
+        lines.append(f"calib      {self.calibration_rows} rows, {self.calibration_tokens} tokens")
+        lines.append("time       " + ", ".join(f"{k} {v:.1f}s" for k, v in t.items()))
+        mem = f"peak RSS {_size(self.peak_rss_bytes)}"
+        if self.peak_gpu_bytes:
+            mem += f", peak GPU {_size(self.peak_gpu_bytes)}"
+        lines.append(f"memory     {mem}")
+        lines += [f"verdict    {v}" for v in self.verdicts.values()]
+        lines += [f"note       {n}" for n in self.notes]
+        return lines
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain data for ``--json``."""
+        data = {k: v for k, v in asdict(self).items() if k != "plan"}
+        data["plan"] = self.plan.to_json()
+        data["output"] = str(self.output) if self.output else None
+        data["mtp_output"] = str(self.mtp_output) if self.mtp_output else None
+        data["mode"] = self.mode
+        return data
+
+
+def _size(n: int) -> str:
+    for unit, f in (("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):
+        if n >= f:
+            return f"{n / f:.2f} {unit}"
+    return f"{n} B"
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident memory of this process so far."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
+class _Timer:
+    def __init__(self) -> None:
+        self.timings: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.timings[name] = self.timings.get(name, 0.0) + time.perf_counter() - t0
+
+
+def _tqdm(progress: bool, **kwargs: Any) -> Any:
+    from tqdm.auto import tqdm
+
+    return tqdm(disable=not progress or None, **kwargs)
+
+
+def _local_source(plan: ConvertPlan, options: ConvertOptions, ckpt: Checkpoint) -> tuple[Path, Checkpoint]:
+    """A local directory for SRC: itself, or a snapshot of the Hub repo in the HF cache."""
+    if not plan.is_remote:
+        return Path(plan.src), ckpt
+    from huggingface_hub import snapshot_download
+
+    from mtpquant.checkpoint.table import PICKLE_SUFFIXES
+
+    log.info("downloading %s (HF cache)", plan.src)
+    path = Path(
+        snapshot_download(
+            repo_id=getattr(ckpt.source, "repo_id", plan.src),
+            revision=options.revision,
+            cache_dir=getattr(ckpt.source, "cache_dir", None),
+            endpoint=getattr(ckpt.source, "endpoint", None),
+            ignore_patterns=[f"*{s}" for s in PICKLE_SUFFIXES],
+        )
+    )
+    return path, Checkpoint.open(path, strict=True)
+
+
+def _forward_loop(
+    data: Any, batch_size: int, device: Any, progress: bool, mtp_calibrator: Any | None
+) -> Callable[[Any], None]:
+    """The calibration forward loop modelopt calls with the model."""
+    import torch
+
+    from mtpquant.pipeline.main_model import base_model
+
+    def loop(model: Any) -> None:
+        decoder = base_model(model)
+        embed = model.get_input_embeddings()
+        bar = _tqdm(progress, total=data.samples, desc="calibrate", unit="row")
+        with torch.no_grad():
+            for batch in data.batches(batch_size):
+                ids = batch.to(device)
+                out = decoder(input_ids=ids, use_cache=False)
+                if mtp_calibrator is not None:
+                    # h_t after the final norm, and the embedding of x_{t+1}: the MTP's exact inputs.
+                    hidden = out.last_hidden_state[:, :-1]
+                    mtp_calibrator.observe(hidden, embed(ids[:, 1:]))
+                bar.update(int(batch.shape[0]))
+        bar.close()
+
+    return loop
+
+
+def _output_config(
+    src_config: dict[str, Any], exported: dict[str, Any], declared_layers: int, ckpt: Checkpoint
+) -> dict[str, Any]:
+    """The source config, MTP declaration per mode, plus modelopt's ``quantization_config``."""
+    config = copy.deepcopy(src_config)
+    key = ckpt.spec.family.mtp_key
+    if key is not None:
+        target = config["text_config"] if ckpt.spec.wrapped else config
+        if declared_layers > 0:
+            target[key] = declared_layers
+        elif key in target:
+            # Explicit 0 (in place, not removed): no engine can default it back to one layer, and a
+            # later graft restores the value at the same position (extract + graft == keep).
+            target[key] = 0
+    qc = exported.get("quantization_config")
+    if qc is not None:
+        config["quantization_config"] = copy.deepcopy(qc)
+    return config
+
+
+def _mode_exclusions(
+    config: dict[str, Any], hfq: dict[str, Any] | None, modelopt: list[str], ct: list[str]
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    from mtpquant.formats.quant_config import MTP_CT_PATTERNS, MTP_MODELOPT_PATTERNS
+
+    config, hfq = without_exclusions(config, hfq, MTP_MODELOPT_PATTERNS, MTP_CT_PATTERNS)
+    if modelopt or ct:
+        config, hfq = with_exclusions(config, hfq, modelopt, ct)
+    return config, hfq
+
+
+def _verifier(plan: ConvertPlan, src: Checkpoint, expect_mtp: set[str]) -> Callable[[Path], None]:
+    """The finalize check: inspect verdict clean for the mode, exact MTP and vision tensor sets."""
+
+    def verify(path: Path) -> None:
+        from mtpquant.inspect.report import inspect_checkpoint
+
+        out = Checkpoint.open(path, strict=True)
+        where = f"{plan.out}: verification failed"
+        mtp = {n for n in out.tensors if is_mtp_name(n)}
+        if mtp != expect_mtp:
+            extra = sorted(mtp - expect_mtp) or sorted(expect_mtp - mtp)
+            raise OutputVerificationError(f"{where}: MTP tensor set differs from the plan (first: {extra[0]})")
+        if plan.mode == "keep":
+            _same_bytes(out, src, sorted(mtp), where)
+        vision_src = {e.name for e in src.by_class().get(TensorClass.VISION, [])}
+        vision_out = {e.name for e in out.by_class().get(TensorClass.VISION, [])}
+        if vision_src != vision_out:
+            raise OutputVerificationError(f"{where}: vision tensors differ from the source")
+        _same_bytes(out, src, sorted(vision_src), where)
+        report = inspect_checkpoint(path)
+        findings = list(report.failures)
+        if plan.mode in {"extract", "drop"} and src.spec.family.mtp_key is None and not mtp:
+            # Qwen3-Next has no config key to un-declare its MTP (engines assume one layer), so
+            # "declared but missing" is the expected verdict of an output without MTP.
+            findings = [f for f in findings if getattr(f, "category", "") != "declared_missing"]
+        if findings:
+            raise OutputVerificationError(f"{where}: {getattr(findings[0], 'message', findings[0])}")
+        if plan.mode in {"keep", "quantize"} and not report.mtp_declared:
+            raise OutputVerificationError(f"{where}: the output does not declare its MTP")
+        verify.report = report  # type: ignore[attr-defined]
+
+    return verify
+
+
+def _count(path: Path) -> tuple[dict[str, int], int, int, int]:
+    from mtpquant.pipeline.assemble import quantized_modules_of
+
+    ckpt = Checkpoint.open(path, strict=True)
+    counts: dict[str, int] = {}
+    for name in ckpt.tensors:
+        cls = ckpt.classify(name)
+        counts[cls] = counts.get(cls, 0) + 1
+    quantized = {m for m in quantized_modules_of(ckpt.tensors) if not is_mtp_name(m)}
+    linears = {
+        n[: -len(".weight")]
+        for n, e in ckpt.tensors.items()
+        if n.endswith(".weight")
+        and len(e.shape) == 2
+        and not is_mtp_name(n)
+        and ckpt.classify(n) != TensorClass.VISION
+        and ckpt.classify(n) != TensorClass.EMBED
+    }
+    size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    return counts, len(quantized), len(linears - quantized), size
+
+
+def convert(options: ConvertOptions) -> ConvertResult:
+    """Convert SRC to an NVFP4 checkpoint at OUT; see the module docstring. Raises MtpquantError."""
+    timer = _Timer()
+    t_start = time.perf_counter()
+    with timer("plan"):
+        plan, ckpt = plan_convert(options)
+    for line in plan.lines():
+        log.debug("plan: %s", line)
+    if options.dry_run:
+        return ConvertResult(plan, dry_run=True, timings=timer.timings, notes=list(plan.notes))
+    progress = options.progress and os.environ.get("TQDM_DISABLE", "") in {"", "0"}
+    result = ConvertResult(plan, notes=list(plan.notes))
+    if plan.is_remote:
+        from mtpquant.pipeline.main_model import library_progress
+
+        with timer("download"), library_progress(progress):
+            src_dir, ckpt = _local_source(plan, options, ckpt)
+    else:
+        src_dir = Path(plan.src)
+
+    from mtpquant.pipeline.main_model import library_progress
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(library_progress(progress))
+        od = stack.enter_context(OutputDir(plan.out, overwrite=options.overwrite))
+        mtp_od = stack.enter_context(OutputDir(plan.mtp_out, overwrite=options.overwrite)) if plan.mtp_out else None
+        outcome = _run(plan, ckpt, src_dir, od, mtp_od, timer, progress, result, options.command)
+        with timer("verify"):
+            verify = _verifier(plan, ckpt, set(outcome.names))
+            if mtp_od is not None:
+                mtp_path = mtp_od.finalize(_mtp_dir_verifier(plan, ckpt))
+                result.mtp_output = mtp_path
+            try:
+                out_path = od.finalize(verify)
+            except BaseException:
+                if mtp_od is not None and result.mtp_output is not None:
+                    shutil.rmtree(result.mtp_output, ignore_errors=True)
+                raise
+        result.output = out_path
+        report = getattr(verify, "report", None)
+        if report is not None:
+            result.verdicts = dict(report.verdicts)
+            result.mtp_precision = str(report.mtp_precision)
+    counts, quantized, unquantized, size = _count(out_path)
+    result.tensor_counts = counts
+    result.quantized_linears = quantized
+    result.unquantized_linears = unquantized
+    result.output_bytes = size
+    result.mtp_tensors = counts.get(TensorClass.MTP, 0)
+    if result.mtp_output is not None:
+        result.mtp_output_bytes = sum(p.stat().st_size for p in result.mtp_output.rglob("*") if p.is_file())
+    result.timings = {**timer.timings, "total": time.perf_counter() - t_start}
+    result.peak_rss_bytes = peak_rss_bytes()
+    for line in result.summary_lines():
+        summary_log.info("%s", line)
+    return result
+
+
+def _mtp_dir_verifier(plan: ConvertPlan, src: Checkpoint) -> Callable[[Path], None]:
+    expected = set(plan.mtp_tensors)
+
+    def verify(path: Path) -> None:
+        out = Checkpoint.open(path, strict=True)
+        if set(out.tensors) != expected:
+            diff = sorted(set(out.tensors) ^ expected)
+            raise OutputVerificationError(f"{plan.mtp_out}: verification failed: MTP tensor set differs ({diff[0]})")
+        _same_bytes(out, src, sorted(expected), f"{plan.mtp_out}: verification failed")
+
+    return verify
+
+
+def _same_bytes(out: Checkpoint, src: Checkpoint, names: list[str], where: str) -> None:
+    """Copied tensors must be the source's exact bytes (dtype, shape and data)."""
+    for name in names:
+        a, b = out.tensors[name], src.tensors[name]
+        if (a.dtype, a.shape) != (b.dtype, b.shape) or out.read_raw(a) != src.read_raw(b):
+            raise OutputVerificationError(f"{where}: {name} differs from the source")
+
+
+def _run(
+    plan: ConvertPlan,
+    ckpt: Checkpoint,
+    src_dir: Path,
+    od: OutputDir,
+    mtp_od: OutputDir | None,
+    timer: _Timer,
+    progress: bool,
+    result: ConvertResult,
+    command: Sequence[str],
+) -> MtpOutcome:
+    """Everything between planning and finalize; returns what the MTP mode wrote."""
+    import torch
+
+    from mtpquant.pipeline import mtp_modes
+    from mtpquant.pipeline.assemble import (
+        carry_files,
+        main_tensor_plan,
+        mixed_precision_config,
+        quantized_modules_of,
+        with_progress,
+    )
+    from mtpquant.pipeline.calibration import build_calibration_data, load_tokenizer
+    from mtpquant.pipeline.main_model import (
+        export_quantized,
+        input_device,
+        load_main_model,
+        quantize_main_model,
+        source_dtype,
+    )
+
+    recipe = plan.recipe
+    cal = recipe.calibration
+    family = ckpt.spec.family
+    with timer("tokenize"):
+        tokenizer = load_tokenizer(src_dir)
+        data = build_calibration_data(tokenizer, cal.data, cal.samples, cal.seq_len, chat_template=cal.chat_template)
+        vocab = ckpt.spec.text.get("vocab_size")
+        if isinstance(vocab, int) and int(data.input_ids.max()) >= vocab:
+            raise CalibrationDataError(
+                f"the tokenizer produced id {int(data.input_ids.max())} but the model's vocabulary has {vocab} entries"
+            )
+    result.calibration_rows = data.samples
+    result.calibration_tokens = data.samples * data.seq_len
+
+    with timer("load"):
+        model = load_main_model(src_dir, ckpt.spec, plan.device, od.path / OFFLOAD)
+    device = input_device(model)
+    if plan.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+
+    calibrator = None
+    if plan.mode == "quantize":
+        from mtpquant.mtp.quantize import MtpCalibrator
+
+        with timer("mtp"):
+            layer = mtp_modes.load_mtp_layer(ckpt, device=device if device.type != "meta" else None)
+            calibrator = MtpCalibrator(layer)
+
+    with timer("calibrate"):
+        loop = _forward_loop(data, cal.batch_size, device, progress, calibrator)
+        quantize_main_model(model, recipe.to_modelopt_config(family), loop)
+    scratch = od.path / SCRATCH
+    with timer("export"):
+        export_quantized(model, scratch, source_dtype(ckpt.spec))
+    if plan.device == "cuda":
+        result.peak_gpu_bytes = int(torch.cuda.max_memory_allocated())
+    del model
+    gc.collect()
+
+    exported = Checkpoint.open(scratch, strict=True)
+    exported_hfq = _read_json(scratch / HF_QUANT_CONFIG)
+    with timer("write"):
+        main = main_tensor_plan(exported, ckpt)
+        bar = _tqdm(progress, total=sum(t.nbytes for t in main.tensors), desc="write", unit="B", unit_scale=True)
+        od.write_shards(with_progress(main.tensors, bar), max_bytes=plan.max_shard_bytes, metadata={"format": "pt"})
+        bar.close()
+
+    with timer("mtp"):
+        if plan.mode == "keep":
+            outcome = mtp_modes.keep_mtp(od, ckpt, plan.max_shard_bytes)
+        elif plan.mode == "quantize":
+            assert calibrator is not None
+            outcome = mtp_modes.quantize_mtp_into(
+                od,
+                ckpt,
+                calibrator.layer,
+                calibrator.amax,
+                plan.mtp_format,
+                recipe.quantization.activations,
+                plan.max_shard_bytes,
+                recipe.quantization.quant_algo,
+            )
+        elif plan.mode == "extract":
+            assert mtp_od is not None
+            outcome = mtp_modes.extract_mtp(mtp_od, ckpt, plan.max_shard_bytes, plan.out.name)
+        else:
+            outcome = mtp_modes.drop_mtp(ckpt)
+    for note in outcome.notes:
+        if note not in result.notes:
+            result.notes.append(note)
+
+    with timer("write"):
+        config = _output_config(ckpt.config, exported.config, outcome.declared_layers, ckpt)
+        config, hfq = _mode_exclusions(config, exported_hfq, outcome.exclude_modelopt, outcome.exclude_ct)
+        if outcome.quantized_layers and hfq is not None:
+            from modelopt.torch.export.convert_hf_config import convert_hf_quant_config_format
+
+            main_modules = quantized_modules_of(t.name for t in main.tensors)
+            hfq = mixed_precision_config(hfq, main_modules, recipe.quantization.quant_algo, outcome.quantized_layers)
+            config["quantization_config"] = convert_hf_quant_config_format(hfq)
+        od.write_json("config.json", config)
+        if hfq is not None:
+            od.write_json(HF_QUANT_CONFIG, hfq)
+        carry_files(od, src_dir, plan.carried_files)
+        od.write_text(RECIPE_FILE, recipe.to_yaml(_recipe_header(plan, command)))
+        shutil.rmtree(scratch, ignore_errors=True)
+        shutil.rmtree(od.path / OFFLOAD, ignore_errors=True)
+        od.write_index()
+    return outcome
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    import json
+
+    if not path.exists():
+        return None
+    data = json.loads(path.read_text(encoding="utf-8"))
+    return data if isinstance(data, dict) else None
+
+
+def _recipe_header(plan: ConvertPlan, command: Sequence[str] = ()) -> str:
+    """The comment header above the resolved recipe (hub/card.py reads ``source`` and ``command``)."""
+    import shlex
+
+    lines = [f"Resolved recipe written by mtpquant {__version__} convert.", f"source: {plan.src}"]
+    if command:
+        lines.append(f"command: {shlex.join(command)}")
+    lines.append(f"Reuse with: mtpquant convert SRC OUT --recipe {RECIPE_FILE}")
+    return "\n".join(lines)

@@ -1,0 +1,471 @@
+"""Convert, step 1: the plan, from config.json and safetensors headers only, and every early refusal.
+
+Nothing here loads a tensor or imports torch: ``--dry-run`` prints this plan (also for a Hub repo,
+through ranged header reads) and stops. The refusals are one line each and happen before any output
+directory exists: unsupported architecture, an already quantized source, an MTP mode the source
+cannot serve (no MTP, incomplete MTP), a Linear the recipe would quantize whose input dimension is
+not a multiple of 16, an existing output without ``--overwrite``, an output that is the source.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mtpquant.checkpoint.index import INDEX_NAME
+from mtpquant.checkpoint.source import LocalSource, read_json
+from mtpquant.checkpoint.table import PICKLE_SUFFIXES, Checkpoint
+from mtpquant.errors import OutputExistsError
+from mtpquant.families import TensorClass
+from mtpquant.formats.quant_config import HF_QUANT_CONFIG, read_quant_metadata
+from mtpquant.pipeline.errors import (
+    CalibrationDataError,
+    DeviceError,
+    IndivisibleDimensionError,
+    MtpModeError,
+    RecipeError,
+    SourceQuantizedError,
+)
+from mtpquant.pipeline.recipes import (
+    MTP_FORMATS,
+    Recipe,
+    apply_overrides,
+    default_recipe_name,
+    load_recipe,
+    parse_size,
+    quantizer_enabled,
+)
+
+__all__ = [
+    "CONVERT_MODES",
+    "ConvertOptions",
+    "ConvertPlan",
+    "carried_files",
+    "check_calibration_source",
+    "plan_convert",
+    "resolve_device",
+]
+
+log = logging.getLogger(__name__)
+
+CONVERT_MODES = ("keep", "quantize", "extract", "drop")
+BLOCK = 16
+# Files convert writes itself (or must not copy) instead of carrying them over from the source.
+_REWRITTEN = {"config.json", HF_QUANT_CONFIG, INDEX_NAME, "README.md", "README", "model_card.md"}
+RECIPE_FILE = "mtpquant_recipe.yaml"
+
+
+@dataclass(frozen=True)
+class ConvertOptions:
+    """Everything ``convert`` needs; the CLI builds one from its flags (None: take the recipe's value)."""
+
+    src: str
+    out: Path
+    recipe: str | None = None
+    mtp: str | None = None  # keep | quantize | extract | drop; None: the recipe's (auto: keep if present)
+    mtp_format: str | None = None  # nvfp4 | fp8 (quantize mode)
+    mtp_out: Path | None = None  # extract mode; default OUT-mtp
+    calib_data: str | None = None  # offline | file | datasets name
+    calib_samples: int | None = None
+    calib_seq_len: int | None = None
+    device: str = "auto"  # cpu | cuda | auto
+    max_shard_size: str | int | None = None
+    overrides: tuple[str, ...] = ()  # --set section.key=value
+    dry_run: bool = False
+    overwrite: bool = False
+    revision: str | None = None
+    progress: bool = True
+    command: tuple[str, ...] = ()  # the command line, recorded in OUT's recipe header (the CLI sets it)
+
+
+@dataclass(frozen=True)
+class ConvertPlan:
+    """What convert will do, decided from headers only."""
+
+    src: str
+    out: Path
+    mtp_out: Path | None
+    family: str
+    family_display: str
+    architecture: str
+    recipe: Recipe
+    mode: str
+    mtp_format: str
+    device: str
+    max_shard_bytes: int
+    source_tensors: int
+    source_bytes: int
+    source_shards: int
+    mtp_tensors: tuple[str, ...]
+    mtp_bytes: int
+    mtp_declaration: str
+    mtp_quantized: tuple[str, ...]  # quantize mode: MTP Linears to quantize
+    vision_tensors: int
+    vision_bytes: int
+    quantized_modules: tuple[str, ...]  # main-model Linears (checkpoint names) the recipe quantizes
+    unquantized_modules: tuple[str, ...]  # main-model Linears left in the source precision
+    carried_files: tuple[str, ...]
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def is_remote(self) -> bool:
+        """Whether SRC is a Hub repo (downloaded before conversion)."""
+        return not Path(self.src).exists()
+
+    def lines(self) -> list[str]:
+        """The human-readable plan (``--dry-run`` output)."""
+        r = self.recipe
+        q = r.quantization
+        scheme = "NVFP4 W4A4" if q.activations else "NVFP4 W4A16 (weights only)"
+        out = [
+            f"source     {self.src}: {self.family_display} ({self.architecture}), {self.source_tensors} tensors, "
+            f"{_mb(self.source_bytes)} in {self.source_shards} shard(s)",
+            f"recipe     {r.name} ({r.source}): {scheme}, {q.targets} Linears, {q.algorithm} calibration",
+            f"main       {len(self.quantized_modules)} Linears -> NVFP4; {len(self.unquantized_modules)} Linears stay "
+            f"in source precision{_examples(self.unquantized_modules)}",
+        ]
+        if self.vision_tensors:
+            out.append(
+                f"vision     {self.vision_tensors} tensors ({_mb(self.vision_bytes)}) copied unchanged, not quantized"
+            )
+        out.append(
+            f"MTP        {self.mtp_declaration}; {len(self.mtp_tensors)} tensors ({_mb(self.mtp_bytes)}) in source"
+        )
+        out.append("mode       " + self.mode_line())
+        c = r.calibration
+        out.append(
+            f"calib      {c.samples} x {c.seq_len} tokens from {c.data}, batch {c.batch_size}"
+            f"{', chat template' if c.chat_template else ''}; device {self.device}"
+        )
+        out.append(f"output     {self.out} (shards <= {_mb(self.max_shard_bytes)})")
+        if self.mtp_out is not None:
+            out.append(f"MTP output {self.mtp_out}")
+        out.append(f"carry      {', '.join(self.carried_files) or '(no other files)'}")
+        out += [f"note       {n}" for n in self.notes]
+        return out
+
+    def mode_line(self) -> str:
+        """One line saying what the MTP mode does."""
+        n = len(self.mtp_tensors)
+        if self.mode == "keep":
+            return f"keep: {n} MTP tensors copied byte for byte into mtp-*.safetensors, excluded as mtp*"
+        if self.mode == "quantize":
+            return (
+                f"quantize: {len(self.mtp_quantized)} MTP Linears -> {self.mtp_format.upper()} with calibrated input "
+                "scales; mtp.fc, norms, router, shared_expert_gate stay BF16 (excluded by name). "
+                "SGLang will not serve a quantized MTP"
+            )
+        if self.mode == "extract":
+            return f"extract: main output without MTP; {n} MTP tensors to {self.mtp_out} (graft them back later)"
+        return "drop: no MTP in the output and no MTP declaration" + (
+            " (speculative decoding with MTP is gone)" if n else ""
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain-data form for ``--json``."""
+        return {
+            "src": self.src,
+            "out": str(self.out),
+            "mtp_out": str(self.mtp_out) if self.mtp_out else None,
+            "family": self.family,
+            "architecture": self.architecture,
+            "recipe": self.recipe.name,
+            "mode": self.mode,
+            "mtp_format": self.mtp_format,
+            "device": self.device,
+            "max_shard_bytes": self.max_shard_bytes,
+            "source": {"tensors": self.source_tensors, "bytes": self.source_bytes, "shards": self.source_shards},
+            "mtp": {"tensors": len(self.mtp_tensors), "bytes": self.mtp_bytes, "declaration": self.mtp_declaration},
+            "vision": {"tensors": self.vision_tensors, "bytes": self.vision_bytes},
+            "main": {"quantized": len(self.quantized_modules), "unquantized": len(self.unquantized_modules)},
+            "calibration": self.recipe.to_dict()["calibration"],
+            "carried_files": list(self.carried_files),
+            "notes": list(self.notes),
+        }
+
+
+def _mb(n: int) -> str:
+    if n >= 10**9:
+        return f"{n / 10**9:.2f} GB"
+    if n >= 10**6:
+        return f"{n / 10**6:.1f} MB"
+    return f"{n / 10**3:.1f} kB"
+
+
+def _examples(mods: Sequence[str]) -> str:
+    leaves = sorted({m.rsplit(".", 1)[-1] if "layers." in m else m for m in mods})
+    return f" ({', '.join(leaves[:6])}{', ...' if len(leaves) > 6 else ''})" if leaves else ""
+
+
+def resolve_device(device: str) -> str:
+    """``auto`` -> ``cuda`` when torch sees a GPU, else ``cpu``."""
+    if device not in {"cpu", "cuda", "auto"}:
+        raise DeviceError(f"--device must be cpu, cuda or auto, got {device!r}")
+    if device == "cpu":
+        return "cpu"
+    import torch
+
+    if torch.cuda.is_available():
+        return "cuda"
+    if device == "cuda":
+        raise DeviceError("--device cuda: no CUDA device is visible to torch")
+    return "cpu"
+
+
+def carried_files(files: Sequence[str]) -> list[str]:
+    """Source files copied unchanged: everything but weights, index, configs rewritten here, cards."""
+    out = []
+    for f in files:
+        if f in _REWRITTEN or f.endswith((".safetensors", *PICKLE_SUFFIXES)):
+            continue
+        if f == RECIPE_FILE or f.endswith(".safetensors.index.json"):
+            continue
+        out.append(f)
+    return sorted(out)
+
+
+def _linear_modules(ckpt: Checkpoint) -> dict[str, tuple[int, ...]]:
+    """Main-model Linear modules (checkpoint names) -> weight shape, from the header table."""
+    mods: dict[str, tuple[int, ...]] = {}
+    for name, e in ckpt.tensors.items():
+        cls = ckpt.classify(name)
+        if cls in (TensorClass.MTP, TensorClass.VISION, TensorClass.EMBED):
+            continue
+        if name.endswith(".weight") and len(e.shape) == 2:
+            mods[name[: -len(".weight")]] = e.shape
+        elif name.endswith((".experts.gate_up_proj", ".experts.down_proj")) and len(e.shape) == 3:
+            mods[name] = e.shape  # fused 3-D experts (Qwen3.5-MoE): [E, out, in]
+    return mods
+
+
+def _quantizer_name(module: str) -> str:
+    # Fused 3-D experts get `<experts>.gate_up_proj_weight_quantizer` in modelopt; either spelling
+    # matches the same patterns (`*weight_quantizer`, `*.experts.*`).
+    return f"{module}.weight_quantizer"
+
+
+def _resolve_recipe(options: ConvertOptions, family: Any) -> Recipe:
+    recipe = load_recipe(options.recipe or default_recipe_name(family))
+    recipe = apply_overrides(recipe, options.overrides, "--set")
+    flags: list[str] = []
+    if options.calib_data is not None:
+        flags.append(f"calibration.data={_yaml_str(options.calib_data)}")
+    if options.calib_samples is not None:
+        flags.append(f"calibration.samples={int(options.calib_samples)}")
+    if options.calib_seq_len is not None:
+        flags.append(f"calibration.seq_len={int(options.calib_seq_len)}")
+    if options.max_shard_size is not None:
+        parse_size(options.max_shard_size)
+        flags.append(f"output.max_shard_size={_yaml_str(str(options.max_shard_size))}")
+    if options.mtp is not None:
+        flags.append(f"mtp.mode={options.mtp}")
+    if options.mtp_format is not None:
+        flags.append(f"mtp.format={options.mtp_format}")
+    recipe = apply_overrides(recipe, flags, "command-line flags")
+    recipe.check_family(family)
+    check_calibration_source(recipe.calibration.data)
+    return recipe
+
+
+def check_calibration_source(data: str) -> None:
+    """Refuse early a calibration file that does not exist or a dataset name without `datasets`."""
+    import importlib.util
+
+    if data == "offline" or Path(data).is_file():
+        return
+    if Path(data).suffix.lower() in {".txt", ".jsonl", ".json"} or data.startswith((".", "/", "~")):
+        raise CalibrationDataError(f"{data}: calibration data file does not exist")
+    if importlib.util.find_spec("datasets") is None:
+        raise CalibrationDataError(
+            f"calibration data {data!r} is not a file, and loading it as a dataset needs the `datasets` package "
+            "(pip install datasets), which is not installed"
+        )
+
+
+def _yaml_str(value: str) -> str:
+    import json
+
+    return json.dumps(value)
+
+
+def _check_output(path: Path, src: Path | None, overwrite: bool, what: str) -> None:
+    if src is not None:
+        a, b = path.resolve(), src.resolve()
+        if a == b or b in a.parents or a in b.parents:
+            raise OutputExistsError(f"{path}: {what} must not be the source directory, inside it, or contain it")
+    if path.exists() and not overwrite:
+        raise OutputExistsError(f"{path}: output already exists (use --overwrite to replace it)")
+
+
+def _check_not_quantized(ckpt: Checkpoint) -> None:
+    hfq = read_json(ckpt.source, HF_QUANT_CONFIG) if ckpt.source.exists(HF_QUANT_CONFIG) else None
+    meta = read_quant_metadata(ckpt.config, hfq if isinstance(hfq, dict) else None)
+    if meta is not None:
+        raise SourceQuantizedError(
+            f"{ckpt.label}: already quantized ({meta.method} {meta.algo}); convert needs the BF16 checkpoint "
+            "(to add a missing MTP to an existing quant, use `mtpquant graft`)"
+        )
+    packed = next((n for n, e in ckpt.tensors.items() if e.dtype in {"U8", "F8_E4M3", "I8"}), None)
+    if packed is not None:
+        raise SourceQuantizedError(
+            f"{ckpt.label}: tensor {packed} is {ckpt.tensors[packed].dtype}; convert needs a BF16 checkpoint"
+        )
+
+
+def _choose_mode(recipe: Recipe, ckpt: Checkpoint, notes: list[str]) -> str:
+    mode = recipe.mtp.mode
+    present = ckpt.mtp_tensors()
+    expected = ckpt.spec.expected_mtp_shapes()
+    label = ckpt.label
+    if mode == "auto":
+        if present:
+            return "keep"
+        if ckpt.spec.mtp.declared:
+            notes.append(
+                f"the source declares an MTP ({ckpt.spec.mtp.describe()}) but has no mtp.* tensors: converting "
+                "without MTP and removing the declaration; `mtpquant graft` can add one later"
+            )
+        return "drop"
+    if mode in {"keep", "quantize", "extract"}:
+        flag = f"--mtp {mode}"
+        if not present:
+            raise MtpModeError(
+                f"{label}: has no MTP tensors (mtp.*), so {flag} has nothing to work on; use --mtp drop to convert "
+                "without MTP, or add one with `mtpquant graft`"
+            )
+        names = {e.name for e in present}
+        missing = [n for n in expected if n not in names]
+        if missing:
+            raise MtpModeError(
+                f"{label}: MTP incomplete, {len(missing)} of {len(expected)} expected tensors missing (first: "
+                f"{missing[0]}); use --mtp drop, or repair the source with `mtpquant graft`"
+            )
+        wrong = [n for n in expected if tuple(ckpt.tensors[n].shape) != tuple(expected[n])]
+        if wrong:
+            n = wrong[0]
+            raise MtpModeError(
+                f"{label}: MTP tensor {n} has shape {list(ckpt.tensors[n].shape)}, the config implies "
+                f"{list(expected[n])}"
+            )
+        extra = sorted(names - set(expected))
+        if extra and mode == "quantize":
+            raise MtpModeError(f"{label}: unexpected MTP tensor {extra[0]}; --mtp quantize needs the exact layout")
+        if extra:
+            notes.append(f"{len(extra)} MTP tensors beyond the expected layout are copied too (first: {extra[0]})")
+        bad_dtype = sorted(n for n in names if ckpt.tensors[n].dtype not in {"BF16", "F16", "F32"})
+        if bad_dtype and mode == "quantize":
+            raise MtpModeError(
+                f"{label}: MTP tensor {bad_dtype[0]} is {ckpt.tensors[bad_dtype[0]].dtype}; "
+                "--mtp quantize needs a BF16/F16/F32 MTP"
+            )
+    return mode
+
+
+def plan_convert(options: ConvertOptions, ckpt: Checkpoint | None = None) -> tuple[ConvertPlan, Checkpoint]:
+    """Build the plan and run every early refusal; returns the plan and the opened source."""
+    if ckpt is None:
+        ckpt = Checkpoint.open(options.src, revision=options.revision, strict=True)
+    spec = ckpt.spec
+    family = spec.family
+    local_src = ckpt.source.root if isinstance(ckpt.source, LocalSource) else None
+    out = Path(options.out).expanduser()
+    recipe = _resolve_recipe(options, family)
+    _check_not_quantized(ckpt)
+    notes: list[str] = []
+    mode = _choose_mode(recipe, ckpt, notes)
+    if options.mtp_out is not None and mode != "extract":
+        raise RecipeError(f"--mtp-out is only used with --mtp extract (mode is {mode})")
+    mtp_format = recipe.mtp.format
+    if mtp_format not in MTP_FORMATS:
+        raise RecipeError(f"--mtp-format must be one of {', '.join(MTP_FORMATS)}")
+
+    # Which main Linears the recipe quantizes, and their block divisibility.
+    quant_cfg = recipe.to_modelopt_config(family)["quant_cfg"]
+    linears = _linear_modules(ckpt)
+    quantized = sorted(m for m in linears if quantizer_enabled(_quantizer_name(m), quant_cfg))
+    unquantized = sorted(set(linears) - set(quantized))
+    for m in quantized:
+        in_dim = linears[m][-1]
+        if in_dim % BLOCK:
+            raise IndivisibleDimensionError(
+                f"{m}: input dimension {in_dim} is not a multiple of {BLOCK} (the NVFP4 block size); keep it in BF16 "
+                f"with --set 'quantization.exclude=[\"{m}\"]' or use another recipe"
+            )
+    mtp_quantized: tuple[str, ...] = ()
+    if mode == "quantize":
+        from mtpquant.mtp.quantize import mtp_linear_modules, mtp_quantized_modules
+
+        shapes = {e.name: e.shape for e in ckpt.mtp_tensors()}
+        mtp_quantized = tuple(mtp_quantized_modules(mtp_linear_modules(shapes)))
+        if mtp_format == "nvfp4":
+            for m in mtp_quantized:
+                in_dim = shapes[m + ".weight"][-1]
+                if in_dim % BLOCK:
+                    raise IndivisibleDimensionError(
+                        f"{m}: input dimension {in_dim} is not a multiple of {BLOCK} (the NVFP4 block size); use "
+                        "--mtp-format fp8 or --mtp keep"
+                    )
+        notes.append("SGLang serves only a BF16 MTP: it will not use this quantized MTP (vLLM will)")
+        if mtp_format == "fp8":
+            notes.append("FP8 MTP with an NVFP4 main model is written as MIXED_PRECISION (vLLM modelopt_mixed)")
+    if mode == "drop" and ckpt.mtp_tensors():
+        notes.append("--mtp drop: the output has no MTP; speculative decoding with MTP will not be available")
+    if mode in {"extract", "drop"} and family.mtp_key is None:
+        notes.append(
+            f"{family.display} declares no MTP key in config.json (engines assume {family.mtp_default_layers} layer); "
+            "the output cannot un-declare it, so do not enable MTP speculative decoding on it"
+        )
+
+    _check_output(out, local_src, options.overwrite, "OUT")
+    mtp_out: Path | None = None
+    if mode == "extract":
+        mtp_out = Path(options.mtp_out).expanduser() if options.mtp_out else out.with_name(out.name + "-mtp")
+        if mtp_out.resolve() == out.resolve():
+            raise OutputExistsError(f"{mtp_out}: --mtp-out must differ from OUT")
+        _check_output(mtp_out, local_src, options.overwrite, "--mtp-out")
+    device = (
+        resolve_device(options.device)
+        if not options.dry_run
+        else (options.device if options.device != "auto" else _auto_device_name())
+    )
+    groups = ckpt.by_class()
+    vision = groups.get(TensorClass.VISION, [])
+    mtp = ckpt.mtp_tensors()
+    plan = ConvertPlan(
+        src=ckpt.label if local_src is None else str(local_src),
+        out=out,
+        mtp_out=mtp_out,
+        family=family.key,
+        family_display=family.display,
+        architecture=spec.architecture,
+        recipe=recipe,
+        mode=mode,
+        mtp_format=mtp_format,
+        device=device,
+        max_shard_bytes=parse_size(recipe.output.max_shard_size),
+        source_tensors=len(ckpt.tensors),
+        source_bytes=ckpt.total_bytes,
+        source_shards=len(ckpt.shards),
+        mtp_tensors=tuple(e.name for e in mtp),
+        mtp_bytes=sum(e.nbytes for e in mtp),
+        mtp_declaration=spec.mtp.describe(),
+        mtp_quantized=mtp_quantized,
+        vision_tensors=len(vision),
+        vision_bytes=sum(e.nbytes for e in vision),
+        quantized_modules=tuple(quantized),
+        unquantized_modules=tuple(unquantized),
+        carried_files=tuple(carried_files(ckpt.source.list_files())),
+        notes=tuple(notes),
+    )
+    return plan, ckpt
+
+
+def _auto_device_name() -> str:
+    """``auto`` for a dry run, without importing torch when no GPU driver is present."""
+    if not Path("/proc/driver/nvidia").exists() and not os.environ.get("CUDA_VISIBLE_DEVICES"):
+        return "cpu"
+    return resolve_device("auto")

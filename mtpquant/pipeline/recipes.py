@@ -1,0 +1,436 @@
+"""Convert recipes: validated YAML shipped in ``mtpquant/recipes/``, resolvable by name or path.
+
+A recipe says what the main model becomes (scheme, which Linears, calibration algorithm, extra
+exclusions), how it is calibrated, and what happens to the MTP. Unknown keys are errors naming the
+key and the file; ``--set section.key=value`` overrides any leaf. ``to_modelopt_config`` turns the
+quantization section into the ``mtq.quantize`` config dict, starting from modelopt's own entries so
+its list of never-quantize modules (routers, conv1d, vision, ``mtp.*``) is kept.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import fnmatch
+import importlib.resources
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mtpquant.families import Family
+from mtpquant.pipeline.errors import RecipeError
+
+__all__ = [
+    "CALIBRATION_ALGORITHMS",
+    "DEFAULT_RECIPES",
+    "MODELOPT_NVFP4_DISABLED",
+    "MTP_FORMATS",
+    "MTP_MODES",
+    "SCHEMES",
+    "TARGETS",
+    "CalibrationSection",
+    "MtpSection",
+    "OutputSection",
+    "QuantizationSection",
+    "Recipe",
+    "apply_overrides",
+    "builtin_recipe_names",
+    "default_recipe_name",
+    "load_recipe",
+    "nvfp4_quantizer_cfg",
+    "parse_size",
+    "quantizer_enabled",
+    "recipe_from_mapping",
+]
+
+SCHEMA_VERSION = 1
+SCHEMES = ("nvfp4", "nvfp4_w4a16")
+TARGETS = ("all", "experts")
+CALIBRATION_ALGORITHMS = ("max",)
+MTP_MODES = ("auto", "keep", "quantize", "extract", "drop")
+MTP_FORMATS = ("nvfp4", "fp8")
+
+# The recipe each family converts with when none is named.
+DEFAULT_RECIPES = {
+    "qwen3_5": "qwen3_5-nvfp4",
+    "qwen3_5_moe": "qwen3_5_moe-nvfp4",
+    "qwen3_next": "qwen3_next-nvfp4",
+}
+
+# Routed-expert Linears as modelopt names their quantizers (fused 3-D and per-expert experts);
+# mirrors the enable patterns of modelopt's NVFP4_EXPERTS_ONLY_CFG.
+_EXPERT_QUANTIZER_PATTERNS = ("*.experts.*", "*block_sparse_moe*")
+
+
+@dataclass(frozen=True)
+class QuantizationSection:
+    """What the main model becomes."""
+
+    scheme: str = "nvfp4"  # nvfp4 (W4A4) | nvfp4_w4a16 (weights only)
+    targets: str = "all"  # all Linears | routed experts only
+    algorithm: str = "max"
+    group_size: int = 16
+    exclude: tuple[str, ...] = ()  # extra module-name patterns (fnmatch) left in BF16
+
+    @property
+    def activations(self) -> bool:
+        """Whether activations are quantized too (W4A4)."""
+        return self.scheme == "nvfp4"
+
+    @property
+    def quant_algo(self) -> str:
+        """The ``quant_algo`` modelopt writes for this scheme."""
+        return "NVFP4" if self.activations else "W4A16_NVFP4"
+
+
+@dataclass(frozen=True)
+class CalibrationSection:
+    """Calibration data: where from, how much."""
+
+    data: str = "offline"  # offline | a .txt/.jsonl path | a `datasets` name
+    samples: int = 128
+    seq_len: int = 512
+    batch_size: int = 1
+    chat_template: bool = True  # render samples with the tokenizer's chat template when it has one
+
+
+@dataclass(frozen=True)
+class MtpSection:
+    """What happens to the MTP layer."""
+
+    mode: str = "auto"  # auto: keep when the source has an MTP, else drop
+    format: str = "nvfp4"  # quantize mode: nvfp4 | fp8
+
+
+@dataclass(frozen=True)
+class OutputSection:
+    """Output layout."""
+
+    max_shard_size: str = "5GB"
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A validated recipe."""
+
+    name: str
+    description: str = ""
+    families: tuple[str, ...] = ()  # empty: every family
+    quantization: QuantizationSection = field(default_factory=QuantizationSection)
+    calibration: CalibrationSection = field(default_factory=CalibrationSection)
+    mtp: MtpSection = field(default_factory=MtpSection)
+    output: OutputSection = field(default_factory=OutputSection)
+    source: str = field(default="<built>", compare=False)
+
+    # ---- serialisation --------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict in the YAML schema (without ``source``)."""
+        data = dataclasses.asdict(self)
+        data.pop("source")
+        return _lists(data)
+
+    def to_yaml(self, header: str = "") -> str:
+        """The recipe as YAML, with an optional comment header."""
+        import yaml
+
+        body = yaml.safe_dump({"schema": SCHEMA_VERSION, **self.to_dict()}, sort_keys=False)
+        lines = [f"# {line}" if line else "#" for line in header.splitlines()]
+        return ("\n".join(lines) + "\n" if lines else "") + body
+
+    # ---- checks ---------------------------------------------------------------------------------
+    def check_family(self, family: Family) -> None:
+        """Refuse a recipe written for other families."""
+        if self.families and family.key not in self.families:
+            raise RecipeError(
+                f"recipe {self.name!r} is for {', '.join(self.families)}, but the source is {family.key} "
+                f"(use --recipe {DEFAULT_RECIPES.get(family.key, 'nvfp4-w4a16')})"
+            )
+        if self.quantization.targets == "experts" and not family.moe:
+            raise RecipeError(f"recipe {self.name!r} quantizes only MoE experts, but {family.display} is dense")
+
+    # ---- modelopt -------------------------------------------------------------------------------
+    def to_modelopt_config(self, family: Family) -> dict[str, Any]:
+        """The ``mtq.quantize`` config: modelopt's NVFP4 entries, the family's and recipe's exclusions."""
+        kinds = ("weight", "input") if self.quantization.activations else ("weight",)
+        entries: list[dict[str, Any]] = [{"quantizer_name": "*", "enable": False}]
+        prefixes = ("*",) if self.quantization.targets == "all" else _EXPERT_QUANTIZER_PATTERNS
+        for prefix in prefixes:
+            for kind in kinds:
+                entries.append({"quantizer_name": f"{prefix}{kind}_quantizer", "cfg": nvfp4_quantizer_cfg()})
+        # modelopt's own never-quantize list (routers, conv1d, lm_head, vision, mtp.*, BatchNorm...).
+        entries += copy.deepcopy(MODELOPT_NVFP4_DISABLED)
+        for pattern in (*family.unquantized, *self.quantization.exclude):
+            entries.append({"quantizer_name": _module_to_quantizer_pattern(pattern), "enable": False})
+        return {"quant_cfg": entries, "algorithm": self.quantization.algorithm}
+
+
+def nvfp4_quantizer_cfg() -> dict[str, Any]:
+    """modelopt's NVFP4 quantizer attributes (E2M1 values, dynamic 16-element blocks, E4M3 scales)."""
+    return {"num_bits": (2, 1), "effective_bits": 4.5, "block_sizes": {-1: 16, "type": "dynamic", "scale_bits": (4, 3)}}
+
+
+# The `enable: False` entries of modelopt 0.47's `mtq.NVFP4_DEFAULT_CFG`, copied so that planning
+# (``--dry-run``) needs no modelopt import; tests/test_recipes.py fails if modelopt's list changes.
+MODELOPT_NVFP4_DISABLED: list[dict[str, Any]] = [
+    {"quantizer_name": "*block_sparse_moe.gate*", "enable": False},
+    {"quantizer_name": "*linear_attn.conv1d*", "enable": False},
+    {"quantizer_name": "*self_attention.conv1d*", "enable": False},
+    {"quantizer_name": "*linear_attn.in_proj_a*", "enable": False},
+    {"quantizer_name": "*linear_attn.in_proj_b*", "enable": False},
+    {"quantizer_name": "*lm_head*", "enable": False},
+    {"quantizer_name": "*mixer.conv1d*", "enable": False},
+    {"quantizer_name": "*mlp.gate.*", "enable": False},
+    {"quantizer_name": "*mlp.shared_expert_gate.*", "enable": False},
+    {"quantizer_name": "*output_layer*", "enable": False},
+    {"quantizer_name": "*proj_out.*", "enable": False},
+    {"quantizer_name": "*router*", "enable": False},
+    {"quantizer_name": "mtp.*", "enable": False},
+    {"quantizer_name": "output.*", "enable": False},
+    {"quantizer_name": "*embed_vision*", "enable": False},
+    {"quantizer_name": "*vision_tower*", "enable": False},
+    {"quantizer_name": "*visual*", "enable": False},
+    {"quantizer_name": "*vision_model*", "enable": False},
+    {"quantizer_name": "*multi_modal_projector*", "enable": False},
+    {"quantizer_name": "*", "parent_class": "nn.BatchNorm1d", "enable": False},
+    {"quantizer_name": "*", "parent_class": "nn.BatchNorm2d", "enable": False},
+    {"quantizer_name": "*", "parent_class": "nn.BatchNorm3d", "enable": False},
+    {"quantizer_name": "*", "parent_class": "nn.LeakyReLU", "enable": False},
+    {"quantizer_name": "*", "parent_class": "nn.Embedding", "enable": False},
+]
+
+
+def _module_to_quantizer_pattern(pattern: str) -> str:
+    """Module-name pattern -> quantizer-name pattern (``*.mlp.gate`` -> ``*.mlp.gate.*``)."""
+    return pattern if pattern.endswith(".*") else pattern + ".*"
+
+
+def quantizer_enabled(quantizer_name: str, quant_cfg: Sequence[Mapping[str, Any]]) -> bool:
+    """Whether a modelopt quant_cfg enables a quantizer (entries in order, the last match wins).
+
+    Entries restricted to a ``parent_class`` are skipped: they address BatchNorm/Embedding/LeakyReLU
+    modules, never the Linear weights this is used to plan.
+    """
+    enabled = False
+    for entry in quant_cfg:
+        if "parent_class" in entry:
+            continue
+        if not fnmatch.fnmatchcase(quantizer_name, str(entry.get("quantizer_name", ""))):
+            continue
+        if "enable" in entry:
+            enabled = bool(entry["enable"])
+        elif "cfg" in entry:
+            cfg = entry["cfg"]
+            enabled = bool(cfg.get("enable", True)) if isinstance(cfg, Mapping) else True
+    return enabled
+
+
+def _lists(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {k: _lists(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_lists(v) for v in obj]
+    return obj
+
+
+# ---- parsing and validation --------------------------------------------------------------------
+_SECTIONS: dict[str, type] = {
+    "quantization": QuantizationSection,
+    "calibration": CalibrationSection,
+    "mtp": MtpSection,
+    "output": OutputSection,
+}
+_CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
+    ("quantization", "scheme"): SCHEMES,
+    ("quantization", "targets"): TARGETS,
+    ("quantization", "algorithm"): CALIBRATION_ALGORITHMS,
+    ("mtp", "mode"): MTP_MODES,
+    ("mtp", "format"): MTP_FORMATS,
+}
+_POSITIVE = {("calibration", "samples"), ("calibration", "seq_len"), ("calibration", "batch_size")}
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    return {f.name: f for f in dataclasses.fields(cls)}
+
+
+def _coerce(where: str, key: str, value: Any, default: Any) -> Any:
+    """Check a leaf against the type of its default."""
+    if isinstance(default, bool):
+        if not isinstance(value, bool):
+            raise RecipeError(f"{where}: {key} must be true or false, got {value!r}")
+        return value
+    if isinstance(default, int):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise RecipeError(f"{where}: {key} must be an integer, got {value!r}")
+        return value
+    if isinstance(default, tuple):
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise RecipeError(f"{where}: {key} must be a list of strings, got {value!r}")
+        return tuple(value)
+    if isinstance(default, str):
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and key == "max_shard_size":
+            return str(value)
+        if not isinstance(value, str):
+            raise RecipeError(f"{where}: {key} must be a string, got {value!r}")
+        return value
+    return value
+
+
+def recipe_from_mapping(raw: Any, source: str) -> Recipe:
+    """Validate a parsed YAML mapping into a Recipe; unknown keys are one-line errors naming the key."""
+    if not isinstance(raw, Mapping):
+        raise RecipeError(f"{source}: a recipe must be a YAML mapping")
+    top = _field_types(Recipe)
+    allowed_top = {*top, "schema"} - {"source"}
+    for key in raw:
+        if key not in allowed_top:
+            raise RecipeError(f"{source}: unknown key {key!r} (allowed: {', '.join(sorted(allowed_top))})")
+    schema = raw.get("schema", SCHEMA_VERSION)
+    if schema != SCHEMA_VERSION:
+        raise RecipeError(f"{source}: schema {schema!r} is not supported (this mtpquant reads schema {SCHEMA_VERSION})")
+    name = raw.get("name")
+    if not isinstance(name, str) or not name:
+        raise RecipeError(f"{source}: 'name' is required and must be a non-empty string")
+    kwargs: dict[str, Any] = {"name": name, "source": source}
+    if "description" in raw:
+        kwargs["description"] = _coerce(source, "description", raw["description"], "")
+    if "families" in raw:
+        families = _coerce(source, "families", raw["families"], ())
+        from mtpquant.families import FAMILIES
+
+        known = {f.key for f in FAMILIES}
+        for fam in families:
+            if fam not in known:
+                raise RecipeError(f"{source}: families: unknown family {fam!r} (known: {', '.join(sorted(known))})")
+        kwargs["families"] = families
+    for section, cls in _SECTIONS.items():
+        if section not in raw or raw[section] is None:
+            continue
+        body = raw[section]
+        if not isinstance(body, Mapping):
+            raise RecipeError(f"{source}: {section} must be a mapping")
+        fields = _field_types(cls)
+        defaults = cls()
+        values: dict[str, Any] = {}
+        for key, value in body.items():
+            if key not in fields:
+                raise RecipeError(
+                    f"{source}: unknown key '{section}.{key}' (allowed: {', '.join(f'{section}.{k}' for k in fields)})"
+                )
+            values[key] = _coerce(source, f"{section}.{key}", value, getattr(defaults, key))
+            choices = _CHOICES.get((section, key))
+            if choices and values[key] not in choices:
+                raise RecipeError(f"{source}: {section}.{key} must be one of {', '.join(choices)}, got {value!r}")
+            if (section, key) in _POSITIVE and values[key] <= 0:
+                raise RecipeError(f"{source}: {section}.{key} must be positive, got {value!r}")
+        kwargs[section] = cls(**values)
+    recipe = Recipe(**kwargs)
+    if recipe.quantization.group_size != 16:
+        raise RecipeError(f"{source}: quantization.group_size must be 16 (NVFP4 blocks are 16 elements)")
+    parse_size(recipe.output.max_shard_size, f"{source}: output.max_shard_size")
+    return recipe
+
+
+def _builtin_dir() -> Any:
+    return importlib.resources.files("mtpquant") / "recipes"
+
+
+def builtin_recipe_names() -> list[str]:
+    """Names of the recipes shipped with the package."""
+    return sorted(p.name[: -len(".yaml")] for p in _builtin_dir().iterdir() if p.name.endswith(".yaml"))
+
+
+def load_recipe(ref: str | Path) -> Recipe:
+    """A recipe by built-in name or by path to a YAML file."""
+    import yaml
+
+    text: str
+    ref_s = str(ref)
+    path = Path(ref_s).expanduser()
+    if path.is_file():
+        source = str(path)
+        text = path.read_text(encoding="utf-8")
+    elif ref_s.endswith((".yaml", ".yml")) or "/" in ref_s:
+        raise RecipeError(f"{ref_s}: recipe file does not exist")
+    else:
+        resource = _builtin_dir() / f"{ref_s}.yaml"
+        if not resource.is_file():
+            raise RecipeError(f"unknown recipe {ref_s!r}; built-in recipes: {', '.join(builtin_recipe_names())}")
+        source = f"mtpquant/recipes/{ref_s}.yaml"
+        text = resource.read_text(encoding="utf-8")
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" (line {mark.line + 1})" if mark is not None else ""
+        raise RecipeError(f"{source}: not valid YAML{where}") from None
+    return recipe_from_mapping(raw, source)
+
+
+def apply_overrides(recipe: Recipe, overrides: Iterable[str], where: str = "--set") -> Recipe:
+    """Apply ``section.key=value`` overrides (values parsed as YAML scalars/lists)."""
+    import yaml
+
+    data: dict[str, Any] = {"schema": SCHEMA_VERSION, **recipe.to_dict()}
+    applied = False
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise RecipeError(f"{where} {item!r}: expected key=value (for example calibration.samples=64)")
+        try:
+            parsed = yaml.safe_load(value) if value.strip() else ""
+        except yaml.YAMLError:
+            parsed = value
+        parts = key.split(".")
+        label = f"{where} {key}" if where == "--set" else where
+        node: Any = data
+        for i, part in enumerate(parts[:-1]):
+            if not isinstance(node, dict) or part not in node or not isinstance(node[part], dict):
+                raise RecipeError(f"{label}: unknown key {'.'.join(parts[: i + 1])!r}")
+            node = node[part]
+        leaf = parts[-1]
+        if not isinstance(node, dict) or leaf not in node:
+            raise RecipeError(f"{label}: unknown key {key!r}")
+        node[leaf] = parsed
+        applied = True
+    if not applied:
+        return recipe
+    return recipe_from_mapping(data, f"{recipe.source} + {where}")
+
+
+def default_recipe_name(family: Family) -> str:
+    """The recipe a family converts with when none is named."""
+    return DEFAULT_RECIPES.get(family.key, "nvfp4-w4a16")
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_UNITS = {
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
+
+
+def parse_size(value: str | int, where: str = "--max-shard-size") -> int:
+    """Bytes from ``5GB`` / ``500MiB`` / ``1000000`` (GB = 10^9, GiB = 2^30, as huggingface_hub)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        size = value
+    else:
+        m = _SIZE.match(str(value))
+        if not m:
+            raise RecipeError(f"{where}: {value!r} is not a size (for example 5GB, 500MiB or a byte count)")
+        size = int(float(m.group(1)) * _UNITS[(m.group(2) or "B").upper()])
+    if size <= 0:
+        raise RecipeError(f"{where}: size must be positive, got {value!r}")
+    return size

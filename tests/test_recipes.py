@@ -1,0 +1,167 @@
+"""Recipes: shipped YAML validated, resolvable by name or path, overridable; modelopt config mapping."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from mtpquant.families import FAMILIES
+from mtpquant.pipeline.errors import RecipeError
+from mtpquant.pipeline.recipes import (
+    MODELOPT_NVFP4_DISABLED,
+    apply_overrides,
+    builtin_recipe_names,
+    default_recipe_name,
+    load_recipe,
+    parse_size,
+    quantizer_enabled,
+    recipe_from_mapping,
+)
+
+FAMILY = {f.key: f for f in FAMILIES}
+
+
+def test_builtin_recipes_load_and_cover_the_issue() -> None:
+    names = builtin_recipe_names()
+    assert names == [
+        "nvfp4-w4a16",
+        "qwen3_5-nvfp4",
+        "qwen3_5_moe-experts-nvfp4",
+        "qwen3_5_moe-nvfp4",
+        "qwen3_next-nvfp4",
+    ]
+    for name in names:
+        recipe = load_recipe(name)
+        assert recipe.name == name
+        assert recipe.source == f"mtpquant/recipes/{name}.yaml"
+        # Round trip: the resolved YAML written into OUT is itself a valid recipe.
+        import yaml
+
+        again = recipe_from_mapping(yaml.safe_load(recipe.to_yaml("header")), "again")
+        assert again == recipe
+    assert load_recipe("nvfp4-w4a16").quantization.quant_algo == "W4A16_NVFP4"
+    assert load_recipe("qwen3_5_moe-experts-nvfp4").quantization.targets == "experts"
+
+
+def test_default_recipe_per_family() -> None:
+    assert default_recipe_name(FAMILY["qwen3_5"]) == "qwen3_5-nvfp4"
+    assert default_recipe_name(FAMILY["qwen3_5_moe"]) == "qwen3_5_moe-nvfp4"
+    assert default_recipe_name(FAMILY["qwen3_next"]) == "qwen3_next-nvfp4"
+    for family in FAMILIES:
+        load_recipe(default_recipe_name(family)).check_family(family)
+        load_recipe("nvfp4-w4a16").check_family(family)
+
+
+def test_recipe_by_path_and_unknown_keys(tmp_path: Path) -> None:
+    path = tmp_path / "r.yaml"
+    path.write_text("schema: 1\nname: r\ncalibration:\n  samples: 8\n")
+    recipe = load_recipe(str(path))
+    assert recipe.calibration.samples == 8 and recipe.calibration.seq_len == 512 and recipe.source == str(path)
+    path.write_text("name: r\nquantisation: {}\n")
+    with pytest.raises(RecipeError, match=r"r\.yaml: unknown key 'quantisation' \(allowed: "):
+        load_recipe(str(path))
+    path.write_text("name: r\nmtp:\n  mode: maybe\n")
+    with pytest.raises(RecipeError, match=r"mtp\.mode must be one of auto, keep, quantize, extract, drop, got 'maybe'"):
+        load_recipe(str(path))
+    path.write_text("name: r\ncalibration:\n  samples: many\n")
+    with pytest.raises(RecipeError, match=r"calibration\.samples must be an integer, got 'many'"):
+        load_recipe(str(path))
+    path.write_text("name: [unclosed\n")
+    with pytest.raises(RecipeError, match=r"not valid YAML \(line \d+\)"):
+        load_recipe(str(path))
+    with pytest.raises(RecipeError, match="recipe file does not exist"):
+        load_recipe(str(tmp_path / "missing.yaml"))
+
+
+def test_overrides() -> None:
+    recipe = load_recipe("qwen3_5-nvfp4")
+    changed = apply_overrides(
+        recipe,
+        [
+            "calibration.samples=16",
+            'quantization.exclude=["*.mlp.down_proj"]',
+            "mtp.mode=quantize",
+            "output.max_shard_size=500MiB",
+        ],
+    )
+    assert changed.calibration.samples == 16
+    assert changed.quantization.exclude == ("*.mlp.down_proj",)
+    assert changed.mtp.mode == "quantize"
+    assert parse_size(changed.output.max_shard_size) == 500 * 2**20
+    assert recipe.calibration.samples == 128  # frozen: the original is unchanged
+    with pytest.raises(RecipeError, match=r"--set nope\.x: unknown key 'nope'"):
+        apply_overrides(recipe, ["nope.x=1"])
+    with pytest.raises(RecipeError, match="expected key=value"):
+        apply_overrides(recipe, ["calibration.samples"])
+
+
+def test_parse_size() -> None:
+    assert parse_size("5GB") == 5 * 10**9
+    assert parse_size("1.5 MiB") == int(1.5 * 2**20)
+    assert parse_size(1234) == 1234
+    for bad in ("0", "-1GB", "5 parsecs"):
+        with pytest.raises(RecipeError):
+            parse_size(bad)
+
+
+def test_disabled_list_matches_installed_modelopt() -> None:
+    """Planning uses a copy of modelopt's never-quantize entries; it must equal the installed one."""
+    mtq = pytest.importorskip("modelopt.torch.quantization")
+    base = mtq.NVFP4_DEFAULT_CFG["quant_cfg"]
+    disabled = [e for e in base if e.get("enable") is False and (e["quantizer_name"] != "*" or "parent_class" in e)]
+    assert disabled == MODELOPT_NVFP4_DISABLED
+    ours = load_recipe("qwen3_5-nvfp4").to_modelopt_config(FAMILY["qwen3_5"])
+    weight = next(e for e in base if e.get("quantizer_name") == "*weight_quantizer")
+    assert {"quantizer_name": "*weight_quantizer", "cfg": weight["cfg"]} in ours["quant_cfg"]
+    assert ours["algorithm"] == mtq.NVFP4_DEFAULT_CFG["algorithm"] == "max"
+
+
+@pytest.mark.parametrize(
+    ("recipe", "family", "quantizer", "enabled"),
+    [
+        ("qwen3_5-nvfp4", "qwen3_5", "model.language_model.layers.3.self_attn.q_proj.weight_quantizer", True),
+        ("qwen3_5-nvfp4", "qwen3_5", "model.language_model.layers.3.self_attn.q_proj.input_quantizer", True),
+        ("qwen3_5-nvfp4", "qwen3_5", "model.language_model.layers.0.linear_attn.in_proj_a.weight_quantizer", False),
+        ("qwen3_5-nvfp4", "qwen3_5", "model.visual.blocks.0.attn.qkv.weight_quantizer", False),
+        ("qwen3_5-nvfp4", "qwen3_5", "lm_head.weight_quantizer", False),
+        ("qwen3_5_moe-nvfp4", "qwen3_5_moe", "model.language_model.layers.0.mlp.gate.weight_quantizer", False),
+        ("qwen3_5_moe-nvfp4", "qwen3_5_moe", "model.language_model.layers.0.mlp.gate_up_proj.weight_quantizer", True),
+        (
+            "qwen3_5_moe-nvfp4",
+            "qwen3_5_moe",
+            "model.language_model.layers.0.mlp.shared_expert_gate.weight_quantizer",
+            False,
+        ),
+        (
+            "qwen3_5_moe-experts-nvfp4",
+            "qwen3_5_moe",
+            "model.language_model.layers.0.mlp.experts.gate_up_proj_weight_quantizer",
+            True,
+        ),
+        (
+            "qwen3_5_moe-experts-nvfp4",
+            "qwen3_5_moe",
+            "model.language_model.layers.0.mlp.shared_expert.gate_proj.weight_quantizer",
+            False,
+        ),
+        (
+            "qwen3_5_moe-experts-nvfp4",
+            "qwen3_5_moe",
+            "model.language_model.layers.3.self_attn.q_proj.weight_quantizer",
+            False,
+        ),
+        ("qwen3_next-nvfp4", "qwen3_next", "model.layers.0.linear_attn.in_proj_ba.weight_quantizer", False),
+        ("qwen3_next-nvfp4", "qwen3_next", "model.layers.0.linear_attn.in_proj_qkvz.weight_quantizer", True),
+        ("nvfp4-w4a16", "qwen3_next", "model.layers.0.linear_attn.in_proj_qkvz.weight_quantizer", True),
+        ("nvfp4-w4a16", "qwen3_next", "model.layers.0.linear_attn.in_proj_qkvz.input_quantizer", False),
+    ],
+)
+def test_quantizer_selection(recipe: str, family: str, quantizer: str, enabled: bool) -> None:
+    cfg = load_recipe(recipe).to_modelopt_config(FAMILY[family])
+    assert quantizer_enabled(quantizer, cfg["quant_cfg"]) is enabled
+
+
+def test_family_mismatch() -> None:
+    with pytest.raises(RecipeError, match=r"quantizes only MoE experts, but Qwen3\.5 / Qwen3\.6 dense is dense"):
+        apply_overrides(load_recipe("qwen3_5_moe-experts-nvfp4"), ["families=[]"]).check_family(FAMILY["qwen3_5"])
