@@ -152,3 +152,57 @@ def test_valid_shards_round_trip(tmp_path_factory: pytest.TempPathFactory, tenso
     }
     with safe_open(d / "s.safetensors", framework="pt") as fh:  # the safetensors library agrees
         assert set(fh.keys()) == set(tensors)
+
+
+# ---- every command that reads a checkpoint refuses the corpus in one line and writes nothing ------
+def _snapshot(root: Path) -> set[str]:
+    return {str(p.relative_to(root)) for p in root.rglob("*")}
+
+
+def _refuses(argv: list[str], workdir: Path, capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    before = _snapshot(workdir)
+    code = cli(argv)
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err + captured.out
+    assert _snapshot(workdir) == before, "a refused command wrote something"
+    return code, captured.err
+
+
+@pytest.mark.parametrize("case", sorted(EXPECTED))
+def test_convert_refuses_bad_source(case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, err = _refuses(["convert", str(CORPUS / case), str(tmp_path / "out"), "--keep-mtp"], tmp_path, capsys)
+    assert code != 0
+    assert err.startswith("mtpquant: error: ") and err.count("\n") == 1
+    if case not in INDEX_CASES | {"config-contradicts-tensors"}:
+        assert _message(case) in err
+
+
+@pytest.mark.parametrize("case", sorted(EXPECTED))
+def test_graft_refuses_bad_quant_and_bad_source(
+    case: str, tmp_path: Path, minimal: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for quant, src in ((CORPUS / case, minimal), (minimal, CORPUS / case)):
+        code, err = _refuses(
+            ["graft", str(quant), "--from", str(src), "--out", str(tmp_path / "out")], tmp_path, capsys
+        )
+        assert code != 0
+        assert err.startswith("mtpquant: error: ") and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("case", sorted(EXPECTED))
+def test_publish_refuses_bad_output(case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, err = _refuses(["publish", str(CORPUS / case), "--repo", "org/name", "--dry-run"], tmp_path, capsys)
+    assert code != 0
+    assert err.startswith("mtpquant: error: ") and err.count("\n") == 1
+
+
+def test_trust_remote_code_is_never_enabled() -> None:
+    import re
+
+    package = Path(__file__).resolve().parents[1] / "mtpquant"
+    for path in package.rglob("*.py"):
+        text = path.read_text()
+        assert not re.search(r"trust_remote_code\s*=\s*True", text), path
+        for call in re.finditer(r"\.from_pretrained\(", text):
+            window = text[call.end() : call.end() + 300]
+            assert "trust_remote_code=False" in window, f"{path}: from_pretrained without trust_remote_code=False"

@@ -68,7 +68,7 @@ def load_tokenizer(path: str | Path) -> Any:
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(str(path))
+        return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
     except Exception as exc:  # transformers raises many types here; all mean "no usable tokenizer"
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else exc.__class__.__name__
         raise CalibrationDataError(

@@ -108,7 +108,8 @@ def load_main_model(src: Path, spec: ModelSpec, device: str, offload_dir: Path |
             offload_dir.mkdir(parents=True, exist_ok=True)
             kwargs["offload_folder"] = str(offload_dir)
     with modelopt_quiet():
-        model = cls.from_pretrained(str(src), **kwargs)
+        # the supported families never need remote code: never run code shipped with a checkpoint
+        model = cls.from_pretrained(str(src), trust_remote_code=False, **kwargs)
     model.eval()
     model.requires_grad_(False)
     return model
