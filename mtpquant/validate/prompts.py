@@ -1,0 +1,129 @@
+"""Validation prompts: offline real text (code and prose) held out from the tiny model's training text.
+
+The default prompts come from :mod:`mtpquant.corpus` (CPython's pydoc topics and stdlib source), so
+they exist on every machine. A fixed part of that corpus is *held out*: the tiny model shipped in
+``mtpquant/assets`` never trained on it (``scripts/train_tiny_mtp.py`` trains on
+``training_documents()``), so acceptance measured on the default prompts is measured on unseen text.
+User prompts come from a file: plain text (one prompt per blank-line-separated paragraph block) or
+JSON lines (``{"text": ...}`` or ``{"prompt": ...}`` per line).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+from mtpquant.corpus import offline_documents
+
+__all__ = [
+    "HELD_OUT_STDLIB",
+    "default_prompts",
+    "held_out_documents",
+    "is_held_out",
+    "load_prompts",
+    "training_documents",
+]
+
+log = logging.getLogger(__name__)
+
+# Code held out from training: two whole stdlib modules.
+HELD_OUT_STDLIB = ("difflib", "ipaddress")
+# Prose held out from training: every pydoc topic whose position in the sorted topic list is 9 mod 10.
+_PYDOC_HELD_OUT_MOD = 10
+_PYDOC_HELD_OUT_REM = 9
+
+
+def is_held_out(name: str, pydoc_position: int) -> bool:
+    """Whether a corpus document (by name, and its position among pydoc topics) is held out."""
+    if name.startswith("stdlib:"):
+        return name.removeprefix("stdlib:") in HELD_OUT_STDLIB
+    return pydoc_position % _PYDOC_HELD_OUT_MOD == _PYDOC_HELD_OUT_REM
+
+
+def _split() -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    train: list[tuple[str, str]] = []
+    held: list[tuple[str, str]] = []
+    pydoc_pos = 0
+    for name, text in offline_documents("mixed"):
+        pos = -1
+        if name.startswith("pydoc:"):
+            pos = pydoc_pos
+            pydoc_pos += 1
+        (held if is_held_out(name, pos) else train).append((name, text))
+    return train, held
+
+
+def training_documents() -> list[tuple[str, str]]:
+    """(name, text) of the corpus documents the tiny model may train on (all but the held-out ones)."""
+    return _split()[0]
+
+
+def held_out_documents() -> list[tuple[str, str]]:
+    """(name, text) of the held-out corpus documents, in corpus order (prose and code interleaved)."""
+    return _split()[1]
+
+
+def _chunks(text: str, size: int) -> list[str]:
+    """Split text at line boundaries into pieces of about ``size`` characters (at least 1 line each)."""
+    out: list[str] = []
+    current: list[str] = []
+    length = 0
+    for line in text.splitlines(keepends=True):
+        current.append(line)
+        length += len(line)
+        if length >= size:
+            out.append("".join(current))
+            current, length = [], 0
+    if current and length >= size // 4:
+        out.append("".join(current))
+    return out
+
+
+def default_prompts(num_prompts: int = 32, chars: int = 600) -> list[str]:
+    """``num_prompts`` held-out pieces of about ``chars`` characters, alternating code and prose."""
+    if num_prompts < 1:
+        raise ValueError(f"num_prompts must be >= 1, got {num_prompts}")
+    held = held_out_documents()
+    code = [c for name, text in held if name.startswith("stdlib:") for c in _chunks(text, chars)]
+    prose = [c for name, text in held if name.startswith("pydoc:") for c in _chunks(text, chars)]
+    out: list[str] = []
+    # Spread picks over each list so prompts come from many documents, not the first one.
+    for i in range(num_prompts):
+        pool = code if i % 2 == 0 else prose
+        j = i // 2
+        n_pool = (num_prompts + 1 - i % 2) // 2
+        out.append(pool[(j * len(pool)) // max(1, n_pool)])
+    return [p for p in out if p.strip()]
+
+
+def load_prompts(path: Path | str, num_prompts: int | None = None) -> list[str]:
+    """Prompts from a user file: ``.jsonl`` (``text`` or ``prompt`` key) or plain text blocks."""
+    path = Path(path)
+    raw = path.read_text(encoding="utf-8")
+    prompts: list[str] = []
+    if path.suffix in {".jsonl", ".json"}:
+        for lineno, line in enumerate(raw.splitlines(), 1):
+            if not line.strip():
+                continue
+            obj = json.loads(line)
+            if isinstance(obj, str):
+                prompts.append(obj)
+            elif isinstance(obj, dict) and isinstance(text := obj.get("text", obj.get("prompt")), str):
+                prompts.append(text)
+            else:
+                raise ValueError(f"{path}:{lineno}: expected a string or an object with 'text' or 'prompt'")
+    else:
+        prompts = [block.strip("\n") for block in raw.split("\n\n\n")]
+        if len(prompts) == 1:
+            prompts = [block.strip("\n") for block in raw.split("\n\n")]
+    prompts = [p for p in prompts if p.strip()]
+    if not prompts:
+        raise ValueError(f"{path}: no prompts")
+    log.info("%s: %d prompts", path, len(prompts))
+    return _take(prompts, num_prompts)
+
+
+def _take(prompts: Sequence[str], n: int | None) -> list[str]:
+    return list(prompts if n is None else prompts[:n])

@@ -1,0 +1,247 @@
+"""Write a validation report: ``report.json``, ``report.md`` and PNG plots (matplotlib, Agg backend).
+
+Files in the report directory (each written atomically):
+
+- ``report.json``: the schema documented in ``docs/validate.md`` (``schema: mtpquant.validate/1``);
+- ``report.md``: verdict, acceptance table (k, AL, rate, per-position acceptance) for each pair,
+  the comparison on identical inputs, notes; it embeds the plots;
+- ``acceptance.png``: per-position acceptance at k = K and AL per k, reference vs candidate;
+- ``kl.png`` (pair mode, when both MTPs exist): distribution of per-position KL(ref || cand) for
+  the MTP and the main model.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+from pathlib import Path
+from typing import Any
+
+from torch import Tensor
+
+from mtpquant.checkpoint.writer import atomic_write_bytes, atomic_write_json
+from mtpquant.validate.run import ValidationReport
+
+__all__ = ["acceptance_table", "render_markdown", "write_report"]
+
+log = logging.getLogger(__name__)
+
+# KL values are floored here on the log-scale histogram; exact zeros are counted separately.
+_KL_FLOOR = 1e-12
+
+
+def _al(side: dict[str, Any]) -> list[float]:
+    acc = side.get("acceptance")
+    return [row["mean_acceptance_length"] for row in acc["by_k"]] if acc else []
+
+
+def _per_position(side: dict[str, Any]) -> list[float]:
+    acc = side.get("acceptance")
+    return list(acc["by_k"][-1]["acceptance_per_position"]) if acc else []
+
+
+def acceptance_table(data: dict[str, Any]) -> str:
+    """A plain-text table of AL and per-position acceptance per k (what the CLI prints)."""
+    sides = [("reference", data["reference"])]
+    if data["mode"] == "pair":
+        sides.append(("candidate", data["candidate"]))
+    else:
+        sides = [("checkpoint", data["reference"])]
+    lines = [f"{'':<11} {'k':>2} {'AL':>6} {'rate':>7}  per-position acceptance"]
+    for label, side in sides:
+        acc = side.get("acceptance")
+        if not acc:
+            lines.append(f"{label:<11}  -  MTP unavailable: {side['mtp']['error']}")
+            continue
+        for row in acc["by_k"]:
+            pos = " ".join(f"{100 * a:5.1f}%" for a in row["acceptance_per_position"])
+            lines.append(
+                f"{label:<11} {row['k']:>2} {row['mean_acceptance_length']:6.3f} "
+                f"{100 * row['acceptance_rate']:6.1f}%  {pos}"
+            )
+            label = ""
+    cmp = data.get("comparison") or {}
+    if cmp.get("mtp"):
+        m = cmp["mtp"]
+        lines.append(
+            f"MTP on identical inputs: top-1 agreement {100 * m['top1_agreement']:.2f} %, "
+            f"KL(ref||cand) mean {m['kl']['mean']:.3g} (p99 {m['kl']['p99']:.3g})"
+        )
+    if cmp.get("main"):
+        m = cmp["main"]
+        lines.append(
+            f"Main model on identical inputs: top-1 agreement {100 * m['top1_agreement']:.2f} %, "
+            f"KL(ref||cand) mean {m['kl']['mean']:.3g} (p99 {m['kl']['p99']:.3g})"
+        )
+    if cmp.get("al_delta_by_k"):
+        lines.append(
+            "AL change per k: "
+            + ", ".join(
+                f"k={k}: {d:+.3f} (MTP {m:+.3f}, target {t:+.3f})"
+                for k, (d, m, t) in enumerate(
+                    zip(cmp["al_delta_by_k"], cmp["al_delta_from_mtp_by_k"], cmp["al_delta_from_target_by_k"]), 1
+                )
+            )
+        )
+    return "\n".join(lines)
+
+
+def render_markdown(data: dict[str, Any], plots: dict[str, str]) -> str:
+    """report.md: verdict, tables, comparison, plots and notes."""
+    v = data["verdict"]
+    s = data["settings"]
+    out = [f"# MTP validation: {v['status'].upper()}", ""]
+    out += [f"- {r}" for r in v["reasons"]]
+    out += [
+        "",
+        f"Mode: {data['mode']}; k = 1..{s['k']}; {s['num_prompts']} sequences of {s['max_len']} tokens; "
+        f"prompts: {s['prompts']}; device {s['device']} ({s['dtype']}); activations {s['activations']}.",
+        "",
+    ]
+    sides = [("Reference", data["reference"])] if data["mode"] == "pair" else [("Checkpoint", data["reference"])]
+    if data["mode"] == "pair":
+        sides.append(("Candidate", data["candidate"]))
+    for title, side in sides:
+        out += [f"## {title}: `{side['checkpoint']}`", ""]
+        out.append(
+            f"Family {side['family']}; target from {side['target_source']}; MTP precision {side['mtp']['precision']}."
+        )
+        out.append("")
+        acc = side.get("acceptance")
+        if not acc:
+            out += [f"**MTP unavailable:** {side['mtp']['error']}", ""]
+            continue
+        K = len(acc["by_k"])
+        out.append("| k | AL | acceptance rate | " + " | ".join(f"pos {i}" for i in range(1, K + 1)) + " |")
+        out.append("|---|---|---|" + "---|" * K)
+        for row in acc["by_k"]:
+            pos = [f"{100 * a:.1f} %" for a in row["acceptance_per_position"]] + [""] * (K - row["k"])
+            out.append(
+                f"| {row['k']} | {row['mean_acceptance_length']:.3f} | {100 * row['acceptance_rate']:.1f} % | "
+                + " | ".join(pos)
+                + " |"
+            )
+        out += ["", f"Teacher-forced MTP agreement with the target: {100 * acc['teacher_forced_agreement']:.1f} %.", ""]
+    cmp = data.get("comparison")
+    if cmp:
+        out += [
+            "## Comparison on identical inputs",
+            "",
+            "| | positions | top-1 agreement | KL mean | KL median | KL p99 | KL max |",
+        ]
+        out.append("|---|---|---|---|---|---|---|")
+        for key, title in (
+            ("mtp", "MTP (reference target's hidden states)"),
+            ("main", "main model (reference sequences)"),
+        ):
+            m = cmp.get(key)
+            if m and m.get("kl"):
+                kl = m["kl"]
+                out.append(
+                    f"| {title} | {m['positions']} | {100 * m['top1_agreement']:.2f} % | {kl['mean']:.3g} | "
+                    f"{kl['median']:.3g} | {kl['p99']:.3g} | {kl['max']:.3g} |"
+                )
+        if cmp.get("al_delta_by_k"):
+            out += ["", "| k | AL change | from the MTP | from the target |", "|---|---|---|---|"]
+            for k, (d, m, t) in enumerate(
+                zip(cmp["al_delta_by_k"], cmp["al_delta_from_mtp_by_k"], cmp["al_delta_from_target_by_k"]), 1
+            ):
+                out.append(f"| {k} | {d:+.4f} | {m:+.4f} | {t:+.4f} |")
+        out.append("")
+    for name, title in (("acceptance", "Acceptance"), ("kl", "KL distribution")):
+        if name in plots:
+            out += [f"![{title}]({plots[name]})", ""]
+    if data.get("notes"):
+        out += ["## Notes", ""] + [f"- {n}" for n in data["notes"]] + [""]
+    t = data.get("timing", {})
+    if t:
+        out.append(
+            f"Time {t.get('total_s', 0):.1f} s ({t.get('tokens_per_second', 0):.1f} sequence tokens/s); "
+            f"mtpquant {data['mtpquant_version']}, schema {data['schema']}."
+        )
+    return "\n".join(out) + "\n"
+
+
+def _png(fig: Any) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+    return buf.getvalue()
+
+
+def _acceptance_plot(data: dict[str, Any]) -> bytes | None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sides = [("reference" if data["mode"] == "pair" else "checkpoint", data["reference"])]
+    if data["mode"] == "pair":
+        sides.append(("candidate", data["candidate"]))
+    sides = [(label, side) for label, side in sides if side.get("acceptance")]
+    if not sides:
+        return None
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.4))
+    width = 0.8 / len(sides)
+    for i, (label, side) in enumerate(sides):
+        pos = _per_position(side)
+        xs = [p + 1 + (i - (len(sides) - 1) / 2) * width for p in range(len(pos))]
+        ax1.bar(xs, [100 * a for a in pos], width=width, label=label)
+        al = _al(side)
+        ax2.plot(range(1, len(al) + 1), al, marker="o", label=label)
+    K = data["settings"]["k"]
+    ax1.set(xlabel="draft position", ylabel="acceptance (%)", title=f"per-position acceptance (k={K})", ylim=(0, 100))
+    ax1.set_xticks(range(1, K + 1))
+    ax2.set(xlabel="k (drafts per step)", ylabel="mean acceptance length", title="AL per k")
+    ax2.set_xticks(range(1, K + 1))
+    ax1.legend()
+    ax2.legend()
+    try:
+        return _png(fig)
+    finally:
+        plt.close(fig)
+
+
+def _kl_plot(report: ValidationReport) -> bytes | None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    series: list[tuple[str, Tensor]] = [
+        (label, kl)
+        for label, kl in (("MTP", report.mtp_kl), ("main model", report.main_kl))
+        if kl is not None and kl.numel()
+    ]
+    if not series:
+        return None
+    fig, ax = plt.subplots(figsize=(6, 3.4))
+    values = [np.clip(kl.double().numpy(), _KL_FLOOR, None) for _, kl in series]
+    top = max(float(v.max()) for v in values)
+    bins: Any = np.logspace(np.log10(_KL_FLOOR), np.log10(max(top, _KL_FLOOR * 10)), 50)
+    for (label, kl), v in zip(series, values):
+        zeros = int((kl == 0).sum())
+        ax.hist(v, bins=bins, alpha=0.6, label=f"{label} ({zeros} of {kl.numel()} exactly 0)")
+    ax.set_xscale("log")
+    ax.set(xlabel="KL(ref || cand) per position (nats; 0 shown at 1e-12)", ylabel="positions", title="KL distribution")
+    ax.legend()
+    try:
+        return _png(fig)
+    finally:
+        plt.close(fig)
+
+
+def write_report(report: ValidationReport, directory: Path | str) -> Path:
+    """Write report.json, report.md and the plots into ``directory`` (created if needed)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    plots: dict[str, str] = {}
+    for name, make in (("acceptance", lambda: _acceptance_plot(report.data)), ("kl", lambda: _kl_plot(report))):
+        png = make()
+        if png is not None:
+            atomic_write_bytes(directory / f"{name}.png", png)
+            plots[name] = f"{name}.png"
+    atomic_write_json(directory / "report.json", report.data)
+    atomic_write_bytes(directory / "report.md", render_markdown(report.data, plots).encode("utf-8"))
+    log.info("wrote report to %s", directory)
+    return directory

@@ -1,0 +1,507 @@
+"""validate: greedy replay arithmetic, chained drafting from the cache, loaders, hidden files, report, CLI.
+
+Fast tests on hand-made data and the random-weight tiny checkpoints; the trained model, ``convert``
+and the before/after verdicts are in ``test_validate_tiny.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from mtpquant.checkpoint.table import Checkpoint
+from mtpquant.cli import main
+from mtpquant.formats.fp8 import quantize_fp8_per_tensor
+from mtpquant.formats.nvfp4 import (
+    dequantize_nvfp4,
+    input_scale_from_amax,
+    quantize_nvfp4,
+    to_compressed_tensors,
+)
+from mtpquant.mtp.module import KVCache, MtpConfig, MtpLayer, draft_chain
+from mtpquant.validate.load import CheckpointWeights, MtpBundle, load_mtp, load_target
+from mtpquant.validate.metrics import StepRecord, acceptance_stats
+from mtpquant.validate.prompts import (
+    default_prompts,
+    held_out_documents,
+    load_prompts,
+    training_documents,
+)
+from mtpquant.validate.report import acceptance_table, write_report
+from mtpquant.validate.run import (
+    SequenceRecord,
+    TargetRun,
+    ValidateOptions,
+    ValidationReport,
+    _verdict,
+    evaluate_acceptance,
+    replay_greedy,
+    validate,
+)
+
+CPU = torch.device("cpu")
+
+
+# ---- greedy replay on hand-computed examples ------------------------------------------------------
+# tokens[0:2] is the prompt; the rest is the target's own greedy continuation.
+TOKENS = [10, 11, 12, 13, 14, 15, 16, 17]
+DRAFTS = {1: [13, 99, 15], 3: [15, 16, 17], 5: [42, 17, 0]}
+
+
+def _drafts(t: int, n: int) -> list[int]:
+    return DRAFTS[t][:n]
+
+
+def test_replay_greedy_k1() -> None:
+    # t=1 drafts 13 (= tokens[3]) ok -> t=3; 15 ok -> t=5; 42 != 17 -> t=6; nothing left to verify.
+    records = replay_greedy(TOKENS, 2, 1, _drafts)
+    assert records == [StepRecord(1, 1), StepRecord(1, 1), StepRecord(1, 0)]
+    stats = acceptance_stats(records)
+    assert stats.mean_acceptance_length == pytest.approx(1 + 2 / 3)
+    assert stats.acceptance_rate == pytest.approx(2 / 3)
+
+
+def test_replay_greedy_k2() -> None:
+    # t=1: [13, 99] vs [13, 14] -> 1 accepted, t=3; [15, 16] vs [15, 16] -> 2, t=6; stop.
+    records = replay_greedy(TOKENS, 2, 2, _drafts)
+    assert records == [StepRecord(2, 1), StepRecord(2, 2)]
+    stats = acceptance_stats(records)
+    assert stats.mean_acceptance_length == 2.5
+    assert stats.acceptance_per_position == (1.0, 0.5)
+
+
+def test_replay_greedy_k3_truncates_at_the_end() -> None:
+    # t=1: [13, 99, 15] -> 1 accepted (15 after a miss does not count), t=3; 3 left: all accepted.
+    records = replay_greedy(TOKENS, 2, 3, _drafts)
+    assert records == [StepRecord(3, 1), StepRecord(3, 3)]
+    assert acceptance_stats(records).mean_acceptance_length == 3.0
+    # Fewer tokens than k left to verify: the last step drafts only what can be checked.
+    assert replay_greedy(TOKENS[:7], 2, 3, _drafts) == [StepRecord(3, 1), StepRecord(2, 2)]
+
+
+def test_replay_greedy_too_short() -> None:
+    assert replay_greedy([1, 2, 3], 2, 1, _drafts) == []
+    with pytest.raises(ValueError):
+        replay_greedy(TOKENS, 0, 1, _drafts)
+
+
+# ---- chained drafting from the teacher-forced cache ----------------------------------------------
+_SMALL = {
+    "hidden_size": 32,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 16,
+    "intermediate_size": 48,
+    "vocab_size": 6,
+    "partial_rotary_factor": 0.5,
+}
+
+
+def _small_bundle(seed: int) -> MtpBundle:
+    cfg = MtpConfig.from_text_config(_SMALL)
+    gen = torch.Generator().manual_seed(seed)
+    layer = MtpLayer(cfg)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * (0.05 if p.dim() == 1 else 0.4))
+    layer.eval()
+    return MtpBundle(layer, torch.randn(6, 32, generator=gen), torch.randn(6, 32, generator=gen), {})
+
+
+def _naive_acceptance(bundle: MtpBundle, seq: SequenceRecord, k: int) -> list[StepRecord]:
+    """The engine loop written out: each step re-runs the MTP over the accepted rows, then chains."""
+    tokens, P = seq.tokens.tolist(), seq.prompt_len
+    T, t = len(tokens), P - 1
+    records = []
+    while T - t - 2 >= 1:
+        n = min(k, T - t - 2)
+        _, cache = bundle.layer(seq.hidden[None, :t], bundle.embed(seq.tokens[None, 1 : t + 1])) if t else (None, None)
+        h, x, pos, d = seq.hidden[None, t : t + 1], seq.tokens[None, t + 1 : t + 2], t, []
+        for _ in range(n):
+            m, cache = bundle.layer(h, bundle.embed(x), torch.tensor([pos]), cache)
+            x = (m @ bundle.lm_head_weight.T).argmax(-1)
+            d.append(int(x))
+            h, pos = m, pos + 1
+        a = 0
+        while a < n and d[a] == tokens[t + 2 + a]:
+            a += 1
+        records.append(StepRecord(n, a))
+        t += a + 1
+    return records
+
+
+def test_acceptance_equals_naive_engine_loop() -> None:
+    bundle = _small_bundle(0)
+    gen = torch.Generator().manual_seed(1)
+    seqs = []
+    for T, P in ((12, 3), (9, 1), (15, 6)):
+        tokens = torch.randint(0, 6, (T,), generator=gen)
+        seqs.append(SequenceRecord(tokens, P, torch.randn(T, 32, generator=gen)))
+    run = TargetRun("synthetic", seqs)
+    with torch.no_grad():
+        result = evaluate_acceptance(bundle, run, 3, progress=False)
+        for k in (1, 2, 3):
+            naive = [r for s in seqs for r in _naive_acceptance(bundle, s, k)]
+            assert result.by_k[k - 1] == acceptance_stats(naive)
+    assert result.by_k[0].num_accepted > 0  # a 6-token vocabulary accepts some drafts
+
+
+def test_truncated_teacher_forced_cache_equals_prefix_pass() -> None:
+    bundle = _small_bundle(2)
+    gen = torch.Generator().manual_seed(3)
+    hidden, tokens = torch.randn(1, 10, 32, generator=gen), torch.randint(0, 6, (1, 11), generator=gen)
+    with torch.no_grad():
+        _, full = bundle.layer(hidden, bundle.embed(tokens[:, 1:]))
+        for t in (1, 4, 9):
+            _, prefix = bundle.layer(hidden[:, :t], bundle.embed(tokens[:, 1 : t + 1]))
+            cut = KVCache(full.key[:, :, :t], full.value[:, :, :t])
+            torch.testing.assert_close(cut.key, prefix.key, rtol=0, atol=1e-6)
+            a = draft_chain(
+                bundle.layer,
+                hidden[:, t : t + 1],
+                tokens[:, t + 1 : t + 2],
+                bundle.embed,
+                bundle.lm_head_weight,
+                3,
+                past_kv=cut,
+            )
+            b = draft_chain(
+                bundle.layer,
+                hidden[:, t : t + 1],
+                tokens[:, t + 1 : t + 2],
+                bundle.embed,
+                bundle.lm_head_weight,
+                3,
+                past_kv=prefix,
+            )
+            torch.testing.assert_close(a.logits, b.logits, rtol=0, atol=1e-5)
+
+
+# ---- loading quantized checkpoints ----------------------------------------------------------------
+MTP_LINEARS = (
+    "mtp.layers.0.self_attn.q_proj",
+    "mtp.layers.0.self_attn.k_proj",
+    "mtp.layers.0.self_attn.v_proj",
+    "mtp.layers.0.self_attn.o_proj",
+    "mtp.layers.0.mlp.gate_proj",
+    "mtp.layers.0.mlp.up_proj",
+    "mtp.layers.0.mlp.down_proj",
+)
+
+
+def _rewrite(src: Path, dst: Path, change: Callable[[dict[str, torch.Tensor]], None]) -> Path:
+    """Copy a checkpoint into one ``model.safetensors`` after ``change`` edits its tensors."""
+    shutil.copytree(src, dst)
+    tensors: dict[str, torch.Tensor] = {}
+    for shard in sorted(dst.glob("*.safetensors")):
+        tensors |= load_file(shard)
+        shard.unlink()
+    (dst / "model.safetensors.index.json").unlink(missing_ok=True)
+    change(tensors)
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+def _quantize_mtp(kind: str) -> Callable[[dict[str, torch.Tensor]], None]:
+    def change(t: dict[str, torch.Tensor]) -> None:
+        for m in MTP_LINEARS:
+            w = t.pop(f"{m}.weight")
+            s_in = input_scale_from_amax(torch.tensor(3.0))
+            if kind == "nvfp4":
+                t |= {f"{m}.{k}": v for k, v in quantize_nvfp4(w).tensors().items()}
+                t[f"{m}.input_scale"] = s_in
+            elif kind == "nvfp4-ct":
+                t |= {f"{m}.{k}": v for k, v in to_compressed_tensors(quantize_nvfp4(w), s_in).items()}
+            elif kind == "fp8":
+                q, s = quantize_fp8_per_tensor(w)
+                t |= {f"{m}.weight": q, f"{m}.weight_scale": s, f"{m}.input_scale": torch.tensor(0.01)}
+            else:  # fp8-block, 128x128 with a ragged edge
+                rows, cols = w.shape
+                scale = torch.rand((rows + 127) // 128, (cols + 127) // 128) * 0.01 + 0.001
+                full = scale.repeat_interleave(128, 0)[:rows].repeat_interleave(128, 1)[:, :cols]
+                q = (w.float() / full).clamp(-448, 448).to(torch.float8_e4m3fn)
+                t |= {f"{m}.weight": q, f"{m}.weight_scale_inv": scale}
+
+    return change
+
+
+@pytest.fixture(scope="module")
+def quantized_mtp(tiny_factory: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("qmtp")
+    src = tiny_factory("qwen3_5")
+    return {k: _rewrite(src, root / k, _quantize_mtp(k)) for k in ("nvfp4", "nvfp4-ct", "fp8", "fp8-block")}
+
+
+@pytest.mark.parametrize("kind", ["nvfp4", "nvfp4-ct", "fp8", "fp8-block"])
+def test_dequantization_is_exact(
+    kind: str, quantized_mtp: dict[str, Path], tiny_factory: Callable[[str], Path]
+) -> None:
+    weights = CheckpointWeights.open(quantized_mtp[kind])
+    source = Checkpoint.open(tiny_factory("qwen3_5"))
+    stored = load_file(quantized_mtp[kind] / "model.safetensors")
+    assert set(weights.formats) == set(MTP_LINEARS)
+    assert {f.kind for f in weights.formats.values()} == {kind}
+    for m in MTP_LINEARS:
+        got = weights.tensor(f"{m}.weight")
+        if kind == "nvfp4":
+            want = dequantize_nvfp4(stored[f"{m}.weight"], stored[f"{m}.weight_scale"], stored[f"{m}.weight_scale_2"])
+            assert torch.equal(got, want)
+        ref = source.read_tensor(f"{m}.weight").float()
+        assert got.shape == ref.shape
+        rel = float((got - ref).norm() / ref.norm())
+        assert rel < (0.2 if kind.startswith("nvfp4") else 0.05), (m, rel)
+    assert weights.precision_summary()["mtp"] == {kind: 7, "bf16": 1}  # fc stays BF16
+
+
+def test_compressed_tensors_equals_modelopt(quantized_mtp: dict[str, Path]) -> None:
+    a, b = CheckpointWeights.open(quantized_mtp["nvfp4"]), CheckpointWeights.open(quantized_mtp["nvfp4-ct"])
+    for m in MTP_LINEARS:
+        # 1 / (1 / s) may differ from s by one ulp: equal up to float32 rounding.
+        torch.testing.assert_close(a.tensor(f"{m}.weight"), b.tensor(f"{m}.weight"), rtol=2e-7, atol=0)
+        assert b.formats[m].input_scale == pytest.approx(a.formats[m].input_scale, rel=1e-6)
+
+
+def test_activation_emulation_hooks(quantized_mtp: dict[str, Path]) -> None:
+    weights = CheckpointWeights.open(quantized_mtp["nvfp4"])
+    off, _ = load_mtp(weights)
+    emu, _ = load_mtp(weights, activations="emulate")
+    assert off is not None and emu is not None
+    assert off.emulated == [] and sorted(emu.emulated) == sorted(MTP_LINEARS)
+    gen = torch.Generator().manual_seed(0)
+    h = torch.randn(1, 5, 128, generator=gen)
+    x = torch.randint(0, 500, (1, 5), generator=gen)
+    with torch.no_grad():
+        a, _ = off.layer(h, off.embed(x))
+        b, _ = emu.layer(h, emu.embed(x))
+    assert not torch.equal(a, b)
+    assert float((a - b).norm() / a.norm()) < 0.5
+
+
+def test_missing_and_partial_mtp(
+    tiny_factory: Callable[[str], Path], naive_export_factory: Callable[[str], Path], tmp_path: Path
+) -> None:
+    bundle, reason = load_mtp(CheckpointWeights.open(naive_export_factory("qwen3_5")))
+    assert bundle is None and reason is not None and "no mtp.* tensors" in reason
+
+    def drop_fc(t: dict[str, torch.Tensor]) -> None:
+        del t["mtp.fc.weight"]
+
+    partial = _rewrite(tiny_factory("qwen3_5"), tmp_path / "partial", drop_fc)
+    bundle, reason = load_mtp(CheckpointWeights.open(partial))
+    assert bundle is None and reason is not None and "mtp.fc.weight" in reason
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["qwen3_5_moe", "qwen3_next", "qwen3_5-tied"])
+def test_target_matches_transformers_from_pretrained(variant: str, tiny_factory: Callable[[str], Path]) -> None:
+    """Re-fused experts, tied heads and the wrapper prefix give transformers' own model, exactly."""
+    import transformers
+
+    path = tiny_factory(variant)
+    target = load_target(CheckpointWeights.open(path), device=CPU, dtype=torch.float32)
+    config = json.loads((path / "config.json").read_text())
+    cls = getattr(transformers, config["architectures"][0])
+    ref = cls.from_pretrained(path, dtype=torch.float32).eval()
+    body: Any = ref.model.language_model if hasattr(ref.model, "language_model") else ref.model
+    ids = torch.randint(0, 400, (1, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = body(input_ids=ids).last_hidden_state
+    torch.testing.assert_close(target.hidden(ids), want, rtol=0, atol=1e-5)
+    torch.testing.assert_close(target.lm_head_weight, ref.get_output_embeddings().weight, rtol=0, atol=0)
+    seq = target.greedy(ids[:, :8], 6)
+    assert torch.equal(seq[:, :8], ids[:, :8])
+    # The continuation is the target's own greedy choice under a single causal pass.
+    assert torch.equal(target.logits(target.hidden(seq))[0, 7:-1].argmax(-1), seq[0, 8:])
+
+
+@pytest.mark.slow
+def test_modelopt_export_loads(
+    naive_export_factory: Callable[[str], Path], tiny_factory: Callable[[str], Path]
+) -> None:
+    """A real modelopt NVFP4 export (fused experts exported per expert) loads; outputs stay close."""
+    ids = torch.randint(0, 400, (1, 16), generator=torch.Generator().manual_seed(0))
+    src = load_target(CheckpointWeights.open(tiny_factory("qwen3_5_moe")), device=CPU, dtype=torch.float32)
+    weights = CheckpointWeights.open(naive_export_factory("qwen3_5_moe"))
+    assert {f.kind for f in weights.formats.values()} == {"nvfp4"}
+    quant = load_target(weights, device=CPU, dtype=torch.float32)
+    emulated = load_target(weights, device=CPU, dtype=torch.float32, activations="emulate")
+    assert any(".mlp.experts" in m for m in emulated.emulated)
+    a, b, c = src.hidden(ids), quant.hidden(ids), emulated.hidden(ids)
+    assert torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0) > 0.9
+    assert not torch.equal(b, c)
+
+
+# ---- hidden files, verdicts, report, CLI ----------------------------------------------------------
+def test_save_and_reuse_hidden_states(tiny_factory: Callable[[str], Path], tmp_path: Path) -> None:
+    ckpt = tiny_factory("qwen3_5")
+    common: dict[str, Any] = {"num_prompts": 2, "max_len": 24, "device": "cpu", "progress": False}
+    direct = validate(ValidateOptions(ckpt, save_hidden=tmp_path / "h.safetensors", **common))
+    again = validate(ValidateOptions(ckpt, hidden=tmp_path / "h.safetensors", **common))
+    assert direct.data["reference"]["acceptance"] == again.data["reference"]["acceptance"]
+    assert again.data["reference"]["target_source"].startswith("hidden file")
+    # A pair against the reference target only: MTP-only comparison, identical MTPs.
+    pair = validate(ValidateOptions(ckpt, ckpt, hidden=tmp_path / "h.safetensors", **common))
+    assert pair.data["comparison"]["mtp"]["kl"]["max"] == 0.0
+    assert pair.data["comparison"]["main"] is None
+    save_file({"x": torch.zeros(1)}, tmp_path / "other.safetensors")
+    with pytest.raises(Exception, match="not an mtpquant hidden-state file"):
+        validate(ValidateOptions(ckpt, hidden=tmp_path / "other.safetensors", **common))
+
+
+def _fake(al_ref: list[float], al_cand: list[float] | None, error: str | None = None) -> dict[str, Any]:
+    def side(al: list[float] | None, err: str | None) -> dict[str, Any]:
+        by_k = [{"mean_acceptance_length": a} for a in al] if al else []
+        return {"mtp": {"error": err}, "acceptance": {"by_k": by_k} if al else None}
+
+    data = {"mode": "pair" if al_cand is not None or error else "single", "reference": side(al_ref, None)}
+    if data["mode"] == "pair":
+        data["candidate"] = side(al_cand, error)
+    return data
+
+
+def test_verdicts() -> None:
+    opts = ValidateOptions("ref", warn_al_drop=0.1)
+    assert _verdict(opts, _fake([1.8, 2.4], None))["status"] == "pass"
+    assert _verdict(opts, _fake([1.01, 1.01], None))["status"] == "fail"
+    assert _verdict(opts, _fake([1.8, 2.4], [1.78, 2.35]))["status"] == "pass"
+    warn = _verdict(opts, _fake([1.8, 2.4], [1.75, 2.25]))
+    assert warn["status"] == "warn" and "k=2" in warn["reasons"][0]
+    assert _verdict(opts, _fake([1.8, 2.4], [1.0, 1.0]))["status"] == "fail"
+    missing = _verdict(opts, _fake([1.8, 2.4], None, error="MTP declared but no mtp.* tensors"))
+    assert missing["status"] == "fail" and "candidate" in missing["reasons"][0]
+    assert _verdict(ValidateOptions("ref", warn_al_drop=0.2), _fake([1.8, 2.4], [1.75, 2.25]))["status"] == "pass"
+
+
+def test_report_files(tmp_path: Path) -> None:
+    by_k = [
+        {
+            "k": k,
+            "mean_acceptance_length": 1 + 0.5 * k,
+            "acceptance_rate": 0.5,
+            "acceptance_per_position": [0.6, 0.4, 0.3][:k],
+        }
+        for k in (1, 2, 3)
+    ]
+    side = {
+        "checkpoint": "x",
+        "family": "qwen3_5",
+        "target_source": "model",
+        "mtp": {"error": None, "precision": {"bf16": 8}},
+        "acceptance": {"by_k": by_k, "teacher_forced_agreement": 0.5},
+    }
+    cmp = {
+        "mtp": {"positions": 4, "top1_agreement": 1.0, "kl": {"mean": 0.0, "median": 0.0, "p99": 0.0, "max": 0.0}},
+        "main": {"positions": 4, "top1_agreement": 0.5, "kl": {"mean": 0.1, "median": 0.1, "p99": 0.2, "max": 0.2}},
+        "al_delta_by_k": [0.0, 0.1, 0.0],
+        "al_delta_from_mtp_by_k": [0.0, 0.0, 0.0],
+        "al_delta_from_target_by_k": [0.0, 0.1, 0.0],
+    }
+    data = {
+        "schema": "mtpquant.validate/1",
+        "mtpquant_version": "0",
+        "mode": "pair",
+        "settings": {
+            "k": 3,
+            "num_prompts": 1,
+            "max_len": 8,
+            "prompts": "p",
+            "device": "cpu",
+            "dtype": "float32",
+            "activations": "off",
+        },
+        "reference": side,
+        "candidate": side,
+        "comparison": cmp,
+        "verdict": {"status": "pass", "reasons": ["ok"]},
+        "notes": ["a note"],
+        "timing": {"total_s": 1.0, "tokens_per_second": 8.0},
+    }
+    report = ValidationReport(
+        data, mtp_kl=torch.zeros(4, dtype=torch.float64), main_kl=torch.tensor([0.1, 0.2, 0.1, 0.05])
+    )
+    write_report(report, tmp_path / "r")
+    files = {p.name for p in (tmp_path / "r").iterdir()}
+    assert files == {"report.json", "report.md", "acceptance.png", "kl.png"}
+    for png in ("acceptance.png", "kl.png"):
+        assert (tmp_path / "r" / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    md = (tmp_path / "r" / "report.md").read_text()
+    assert "![Acceptance](acceptance.png)" in md and "![KL distribution](kl.png)" in md
+    assert json.loads((tmp_path / "r" / "report.json").read_text()) == data
+    assert "candidate    1  1.500" in acceptance_table(data)
+
+
+def test_cli_single_checkpoint_json(tiny_factory: Callable[[str], Path], capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(
+        [
+            "-q",
+            "validate",
+            str(tiny_factory("qwen3_5")),
+            "--num-prompts",
+            "1",
+            "--max-len",
+            "16",
+            "--device",
+            "cpu",
+            "--k",
+            "2",
+            "--json",
+        ]
+    )
+    data = json.loads(capsys.readouterr().out)
+    assert data["mode"] == "single" and data["schema"] == "mtpquant.validate/1"
+    assert len(data["reference"]["acceptance"]["by_k"]) == 2
+    assert rc == {"pass": 0, "warn": 1, "fail": 6}[data["verdict"]["status"]]
+
+
+def test_cli_missing_mtp_fails(naive_export_factory: Callable[[str], Path], capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(
+        [
+            "-q",
+            "validate",
+            str(naive_export_factory("qwen3_5")),
+            "--num-prompts",
+            "1",
+            "--max-len",
+            "12",
+            "--device",
+            "cpu",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert rc == 6 and "FAIL" in out and "no mtp.* tensors" in out
+
+
+def test_bad_options() -> None:
+    for kwargs in ({"k": 0}, {"max_len": 2}, {"activations": "w4"}, {"hidden": Path("a"), "save_hidden": Path("b")}):
+        with pytest.raises(Exception, match="--"):
+            validate(ValidateOptions("unused", **kwargs))
+
+
+# ---- prompts ------------------------------------------------------------------------------------
+def test_default_prompts_are_held_out() -> None:
+    held = {name for name, _ in held_out_documents()}
+    train = {name for name, _ in training_documents()}
+    assert held and train and not held & train
+    assert {"stdlib:difflib", "stdlib:ipaddress"} <= held
+    prompts = default_prompts(8)
+    assert prompts == default_prompts(8) and len(prompts) == 8
+    code = "".join(text for name, text in held_out_documents() if name.startswith("stdlib:"))
+    prose = "".join(text for name, text in held_out_documents() if name.startswith("pydoc:"))
+    assert all(p in code for p in prompts[0::2]) and all(p in prose for p in prompts[1::2])
+
+
+def test_load_prompts(tmp_path: Path) -> None:
+    (tmp_path / "p.jsonl").write_text('{"text": "a b"}\n"plain"\n\n{"prompt": "c"}\n')
+    assert load_prompts(tmp_path / "p.jsonl") == ["a b", "plain", "c"]
+    (tmp_path / "p.txt").write_text("first\nprompt\n\nsecond\n")
+    assert load_prompts(tmp_path / "p.txt", 1) == ["first\nprompt"]
+    (tmp_path / "bad.jsonl").write_text("[1]\n")
+    with pytest.raises(ValueError, match=r"bad\.jsonl:1"):
+        load_prompts(tmp_path / "bad.jsonl")
