@@ -236,8 +236,8 @@ def test_inspect_does_not_import_torch() -> None:
     import sys
 
     code = (
-        "import sys; from mtpquant.inspect.report import inspect_checkpoint; "
-        "print('torch' in sys.modules, 'transformers' in sys.modules)"
+        "import sys; from mtpquant.inspect.report import inspect_checkpoint; import mtpquant.cli; "
+        "mtpquant.cli.build_parser(); print('torch' in sys.modules, 'transformers' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]

@@ -1,30 +1,71 @@
-"""``mtpquant demo``: the main job on the embedded default checkpoint."""
+"""``mtpquant demo``: the main job on the embedded default checkpoint.
+
+Converts the shipped tiny Qwen3.5 (whose MTP is trained) to NVFP4 with ``--keep-mtp``, validates
+the quant's MTP drafts against the source, writes the report into the output, and inspects it.
+"""
 
 from __future__ import annotations
 
 import argparse
-import logging
 from pathlib import Path
-
-from mtpquant.inspect.render import render_text
-from mtpquant.inspect.report import inspect_checkpoint
-from mtpquant.synth.tiny import make_tiny_checkpoint
-
-log = logging.getLogger(__name__)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the ``demo`` subcommand."""
-    p = sub.add_parser("demo", help="run the main job on the embedded tiny checkpoint")
+    p = sub.add_parser(
+        "demo",
+        help="convert --keep-mtp, validate and inspect the embedded tiny model",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--workdir", type=Path, default=Path("runs/demo"), help="where outputs go (default runs/demo)")
+    p.add_argument("--device", choices=("cpu", "cuda", "auto"), default="auto")
+    p.add_argument("--num-prompts", type=int, default=16, help="validation prompts (default 16)")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    """Build the tiny default checkpoint and inspect it."""
-    src = args.workdir / "source"
-    if not src.exists():
-        make_tiny_checkpoint(src, "qwen3_5")
-    report = inspect_checkpoint(src)
-    print(render_text(report))
-    return 0 if report.healthy else 1
+    """Convert, validate, inspect; print each step's summary."""
+    from mtpquant.inspect.render import render_text
+    from mtpquant.inspect.report import inspect_checkpoint
+    from mtpquant.pipeline.convert import ConvertOptions, convert
+    from mtpquant.synth.train import TINY_MTP_ASSET
+    from mtpquant.validate.report import acceptance_table
+    from mtpquant.validate.run import ValidateOptions, validate
+
+    out = args.workdir / "tiny-qwen3_5-nvfp4"
+    print(f"== convert {TINY_MTP_ASSET.name} -> {out} (NVFP4, --keep-mtp)")
+    result = convert(
+        ConvertOptions(
+            src=str(TINY_MTP_ASSET),
+            out=out,
+            mtp="keep",
+            calib_samples=16,
+            calib_seq_len=128,
+            device=args.device,
+            overwrite=True,
+            progress=not args.quiet,
+            command=("mtpquant", "convert", str(TINY_MTP_ASSET), str(out), "--keep-mtp"),
+        )
+    )
+    print("\n".join(result.summary_lines()))
+    report_dir = out / "validation"
+    print(f"\n== validate {TINY_MTP_ASSET.name} (reference) vs {out.name} (candidate)")
+    report = validate(
+        ValidateOptions(
+            reference=str(TINY_MTP_ASSET),
+            candidate=str(out),
+            num_prompts=args.num_prompts,
+            report_dir=report_dir,
+            device=args.device,
+            progress=not args.quiet,
+        )
+    )
+    print(acceptance_table(report.data))
+    verdict = report.data["verdict"]
+    print(f"verdict: {verdict['status'].upper()}: " + "; ".join(verdict["reasons"]))
+    print(f"report: {report_dir / 'report.md'}")
+    print(f"\n== inspect {out}")
+    inspection = inspect_checkpoint(out)
+    print(render_text(inspection))
+    return 0 if inspection.healthy and report.status != "fail" else 1

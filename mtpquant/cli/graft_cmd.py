@@ -22,8 +22,18 @@ architecture, 5 OUT exists, 6 graft refused (SRC has no MTP, QUANT has a differe
 mismatch (SRC and QUANT are different models).
 """
 
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 
 
 def parse_size(text: str) -> int:
@@ -48,22 +58,41 @@ def register(subparsers: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("quant", metavar="QUANT", help="the quant to repair: a local directory or a Hub repo id")
-    p.add_argument("--from", dest="source", metavar="SRC",
-                   help="the checkpoint that still has the MTP (the BF16 original): directory or Hub repo id")
+    p.add_argument(
+        "--from",
+        dest="source",
+        metavar="SRC",
+        help="the checkpoint that still has the MTP (the BF16 original): directory or Hub repo id",
+    )
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--out", metavar="OUT", help="write the repaired checkpoint here (must not exist)")
-    where.add_argument("--in-place", action="store_true",
-                       help="repair QUANT itself: built beside it, verified, then swapped in atomically "
-                       "(a kill leaves QUANT as it was, or repaired)")
-    p.add_argument("--mtp", choices=("keep", "quantize"), default="keep",
-                   help="keep: copy SRC's MTP as it is (default); quantize: refused, see the message")
+    where.add_argument(
+        "--in-place",
+        action="store_true",
+        help="repair QUANT itself: built beside it, verified, then swapped in atomically "
+        "(a kill leaves QUANT as it was, or repaired)",
+    )
+    p.add_argument(
+        "--mtp",
+        choices=("keep", "quantize"),
+        default="keep",
+        help="keep: copy SRC's MTP as it is (default); quantize: refused, see the message",
+    )
     p.add_argument("--replace", action="store_true", help="replace an MTP QUANT already has")
-    p.add_argument("--fix-metadata", action="store_true",
-                   help="repair the MTP declaration and exclusions only; touches no tensor file")
+    p.add_argument(
+        "--fix-metadata",
+        action="store_true",
+        help="repair the MTP declaration and exclusions only; touches no tensor file",
+    )
     p.add_argument("--revision", metavar="REV", help="QUANT's Hub revision (branch, tag or commit)")
     p.add_argument("--from-revision", dest="source_revision", metavar="REV", help="SRC's Hub revision")
-    p.add_argument("--max-shard-size", type=parse_size, default="5GB", metavar="SIZE",
-                   help="byte budget per new MTP shard (default 5GB)")
+    p.add_argument(
+        "--max-shard-size",
+        type=parse_size,
+        default="5GB",
+        metavar="SIZE",
+        help="byte budget per new MTP shard (default 5GB)",
+    )
     p.add_argument("--copy", action="store_true", help="copy untouched files instead of hard-linking them")
     p.add_argument("--dry-run", action="store_true", help="check and plan, print the plan, write nothing")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -112,8 +141,10 @@ def run(args: argparse.Namespace) -> int:
                 fetched += f" (downloaded whole: {', '.join(result.src_shards_downloaded)})"
             print(fetched, file=out)
         if result.action != "planned":
-            print(f"  written: {_human(result.bytes_written)}; new shards: {', '.join(result.new_shards) or '-'}",
-                  file=out)
+            print(
+                f"  written: {_human(result.bytes_written)}; new shards: {', '.join(result.new_shards) or '-'}",
+                file=out,
+            )
             print(f"  hard-linked: {len(result.linked)} file(s); copied: {len(result.copied)}", file=out)
             for name in result.copied:
                 print(f"    copied (hard link failed): {name}", file=out)

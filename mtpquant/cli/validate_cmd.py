@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from mtpquant.validate.load import ACTIVATION_MODES
+from mtpquant.validate import ACTIVATION_MODES
 
 # Exit codes: 0 pass, 1 warn (AL dropped more than allowed), 6 fail (MTP missing or broken).
 EXIT_WARN = 1

@@ -43,6 +43,7 @@ from mtpquant.families import TensorClass
 from mtpquant.formats.fp8 import FP8_E4M3_MAX, dequantize_fp8_block, dequantize_fp8_per_tensor
 from mtpquant.formats.nvfp4 import dequantize_nvfp4, from_compressed_tensors, quantize_activation_nvfp4
 from mtpquant.mtp.module import MtpConfig, MtpLayer, MtpLayoutError
+from mtpquant.validate import ACTIVATION_MODES
 
 __all__ = [
     "ACTIVATION_MODES",
@@ -58,7 +59,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-ACTIVATION_MODES = ("off", "emulate")
 
 # Tensor suffixes that carry quantization parameters of the Linear ``<m>`` they follow.
 _SCALE_SUFFIXES = (

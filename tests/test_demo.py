@@ -1,0 +1,20 @@
+"""The README's main job: convert --keep-mtp, validate and inspect the embedded trained tiny model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from mtpquant.cli import main as cli
+
+
+def test_demo_main_job(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli(["-q", "demo", "--workdir", str(tmp_path), "--num-prompts", "4", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "MTP on identical inputs: top-1 agreement 100.00 %, KL(ref||cand) mean 0" in out
+    assert "vLLM: MTP loads (BF16)" in out and "verdict: healthy" in out
+    report = json.loads((tmp_path / "tiny-qwen3_5-nvfp4" / "validation" / "report.json").read_text())
+    assert report["verdict"]["status"] in ("pass", "warn")  # 4 prompts: the target-side AL drop is noisy
+    assert (tmp_path / "tiny-qwen3_5-nvfp4" / "validation" / "report.md").exists()
