@@ -33,6 +33,7 @@ __all__ = [
     "atomic_write_bytes",
     "atomic_write_json",
     "find_stale_partials",
+    "fsync_dir",
     "plan_shards",
     "write_safetensors",
 ]
@@ -58,7 +59,8 @@ class PlannedTensor:
         return tensor_nbytes(self.dtype, self.shape)
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """fsync a directory so renames in it survive a crash (best effort)."""
     with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY)
         try:
@@ -85,7 +87,7 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         with contextlib.suppress(OSError):
             tmp.unlink()
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def atomic_write_json(path: Path, obj: Any) -> None:
@@ -275,7 +277,7 @@ class OutputDir:
         if verify is not None:
             verify(self.path)
         (self.path / _OWNER_FILE).unlink(missing_ok=True)
-        _fsync_dir(self.path)
+        fsync_dir(self.path)
         trash: Path | None = None
         if self.final.exists():
             if not self.overwrite:
@@ -283,7 +285,7 @@ class OutputDir:
             trash = self.final.parent / f".{self.final.name}.mtpquant-old-{uuid.uuid4().hex[:8]}"
             os.replace(self.final, trash)
         os.replace(self.path, self.final)
-        _fsync_dir(self.final.parent)
+        fsync_dir(self.final.parent)
         self._done = True
         if trash is not None:
             shutil.rmtree(trash, ignore_errors=True)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from typing import Any
+
+from mtpquant.units import format_bytes, parse_bytes
 
 __all__ = ["parse_size", "register"]
 
@@ -22,26 +23,13 @@ architecture, 5 OUT exists, 6 graft refused (SRC has no MTP, QUANT has a differe
 mismatch (SRC and QUANT are different models).
 """
 
-_UNITS = {
-    "": 1,
-    "B": 1,
-    "KB": 10**3,
-    "MB": 10**6,
-    "GB": 10**9,
-    "TB": 10**12,
-    "KIB": 2**10,
-    "MIB": 2**20,
-    "GIB": 2**30,
-    "TIB": 2**40,
-}
-
 
 def parse_size(text: str) -> int:
-    """``5GB`` / ``500MiB`` / ``1000000`` -> bytes."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
-    if not m or m.group(2).upper() not in _UNITS:
+    """``5GB`` / ``500MiB`` / ``1000000`` -> bytes (argparse type)."""
+    size = parse_bytes(text)
+    if size is None:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 5GB, 500MiB)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+    return size
 
 
 def register(subparsers: Any) -> None:
@@ -99,15 +87,6 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=run)
 
 
-def _human(n: int) -> str:
-    size = float(n)
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if size < 1000 or unit == "TB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.2f} {unit}"
-        size /= 1000
-    return f"{n} B"
-
-
 def run(args: argparse.Namespace) -> int:
     """Build the options, call the API, print the summary."""
     from mtpquant.pipeline.graft import GraftOptions, graft
@@ -134,15 +113,15 @@ def run(args: argparse.Namespace) -> int:
     print(result.message, file=out)
     if result.action in ("grafted", "replaced", "metadata", "planned"):
         if result.mtp_tensors:
-            print(f"  MTP: {result.mtp_tensors} tensors, {_human(result.mtp_bytes)}", file=out)
+            print(f"  MTP: {result.mtp_tensors} tensors, {format_bytes(result.mtp_bytes)}", file=out)
         if result.source:
-            fetched = f"  fetched from SRC: {_human(result.src_bytes_fetched)}"
+            fetched = f"  fetched from SRC: {format_bytes(result.src_bytes_fetched)}"
             if result.src_shards_downloaded:
                 fetched += f" (downloaded whole: {', '.join(result.src_shards_downloaded)})"
             print(fetched, file=out)
         if result.action != "planned":
             print(
-                f"  written: {_human(result.bytes_written)}; new shards: {', '.join(result.new_shards) or '-'}",
+                f"  written: {format_bytes(result.bytes_written)}; new shards: {', '.join(result.new_shards) or '-'}",
                 file=out,
             )
             print(f"  hard-linked: {len(result.linked)} file(s); copied: {len(result.copied)}", file=out)

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from mtpquant import __version__
 from mtpquant.checkpoint.source import looks_like_repo_id
+from mtpquant.units import format_bytes
 
 if TYPE_CHECKING:
     from huggingface_hub import ModelCard
@@ -119,12 +120,7 @@ def is_repo_id(value: Any) -> bool:
 
 def human_size(n: int) -> str:
     """Bytes as B / KB / MB / GB / TB (binary multiples), e.g. ``2.13 MB``."""
-    size = float(n)
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if size < 1024 or unit == "TB":
-            return f"{int(size)} B" if unit == "B" else f"{size:.2f} {unit}"
-        size /= 1024
-    return f"{n} B"  # pragma: no cover
+    return format_bytes(n)
 
 
 # ---- what OUT says about itself --------------------------------------------------------------------------------

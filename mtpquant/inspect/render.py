@@ -3,17 +3,9 @@
 from __future__ import annotations
 
 from mtpquant.inspect.report import InspectReport
+from mtpquant.units import format_bytes
 
 __all__ = ["render_text"]
-
-
-def _size(n: int) -> str:
-    size = float(n)
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if size < 1024 or unit == "TB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.2f} {unit}"
-        size /= 1024
-    return f"{n} B"
 
 
 def render_text(r: InspectReport) -> str:
@@ -26,7 +18,7 @@ def render_text(r: InspectReport) -> str:
         ("MTP declared", r.mtp_declaration),
         (
             "MTP present",
-            f"{r.mtp_present_tensors}/{r.mtp_expected_tensors} tensors, {_size(r.mtp_bytes)}"
+            f"{r.mtp_present_tensors}/{r.mtp_expected_tensors} tensors, {format_bytes(r.mtp_bytes)}"
             + (f" in {', '.join(r.mtp_shards)}" if r.mtp_shards else ""),
         ),
         ("MTP precision", r.mtp_precision),
@@ -53,7 +45,7 @@ def render_text(r: InspectReport) -> str:
             f"{r.index['shards']} shards, {r.index['tensors']} tensors, "
             + ("intact" if r.index["intact"] else "CORRUPT"),
         ),
-        ("read", f"{_size(r.bytes_fetched)} of {_size(r.checkpoint_bytes)} in {r.seconds:.2f} s"),
+        ("read", f"{format_bytes(r.bytes_fetched)} of {format_bytes(r.checkpoint_bytes)} in {r.seconds:.2f} s"),
     ]
     width = max(len(k) for k, _ in rows)
     lines = [f"{k.ljust(width)}  {v}" for k, v in rows]

@@ -31,7 +31,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from mtpquant.checkpoint.index import INDEX_NAME
-from mtpquant.checkpoint.writer import OutputDir, find_stale_partials
+from mtpquant.checkpoint.writer import OutputDir, find_stale_partials, fsync_dir
 
 __all__ = [
     "JOURNAL",
@@ -54,15 +54,6 @@ _OWNER_FILE = ".mtpquant-owner"
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
 _UNSUPPORTED = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EXDEV, errno.EPERM}
-
-
-def _fsync_dir(path: Path) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 def exchange_dirs(a: Path, b: Path) -> bool:
@@ -154,12 +145,12 @@ def commit_exchange(od: OutputDir, root: Path) -> None:
     with contextlib.suppress(OSError):
         od.path.chmod(stat.S_IMODE(root.stat().st_mode))
     _clear_owner(od)
-    _fsync_dir(od.path)
+    fsync_dir(od.path)
     if not exchange_dirs(od.path, root):
         # the probe said yes; a filesystem that changed its mind is an error, not a reason to mix
         (od.path / _OWNER_FILE).write_text(str(os.getpid()))
         raise OSError(errno.ENOTSUP, "atomic directory exchange failed", str(root))
-    _fsync_dir(root.parent)
+    fsync_dir(root.parent)
 
 
 def commit_files(od: OutputDir, root: Path, new_files: list[str], json_files: list[str]) -> None:
@@ -180,11 +171,11 @@ def commit_files(od: OutputDir, root: Path, new_files: list[str], json_files: li
             raise FileExistsError(f"{dest}: appeared while grafting; not replacing it")
         dest.parent.mkdir(parents=True, exist_ok=True)
         (od.path / name).rename(dest)
-    _fsync_dir(root)
+    fsync_dir(root)
     ordered = [j for j in json_files if j != INDEX_NAME] + [j for j in json_files if j == INDEX_NAME]
     for name in ordered:
         os.replace(od.path / name, root / name)  # written there by atomic_write_json, fsynced
-        _fsync_dir(root)
+        fsync_dir(root)
 
 
 def clean_interrupted(root: Path, staging_final: Path) -> list[str]:
@@ -213,7 +204,7 @@ def clean_interrupted(root: Path, staging_final: Path) -> list[str]:
                     p.unlink()
                     removed.append(name)
                     log.warning("%s: removed %s, left behind by an interrupted in-place graft", root, name)
-        _fsync_dir(root)
+        fsync_dir(root)
         with contextlib.suppress(OSError):
             (stale / JOURNAL).unlink()
         shutil.rmtree(stale, ignore_errors=True)

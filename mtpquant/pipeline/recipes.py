@@ -13,7 +13,6 @@ import copy
 import dataclasses
 import fnmatch
 import importlib.resources
-import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +20,7 @@ from typing import Any
 
 from mtpquant.families import Family
 from mtpquant.pipeline.errors import RecipeError
+from mtpquant.units import parse_bytes
 
 __all__ = [
     "CALIBRATION_ALGORITHMS",
@@ -408,29 +408,9 @@ def default_recipe_name(family: Family) -> str:
     return DEFAULT_RECIPES.get(family.key, "nvfp4-w4a16")
 
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
-_UNITS = {
-    "B": 1,
-    "KB": 10**3,
-    "MB": 10**6,
-    "GB": 10**9,
-    "TB": 10**12,
-    "KIB": 2**10,
-    "MIB": 2**20,
-    "GIB": 2**30,
-    "TIB": 2**40,
-}
-
-
 def parse_size(value: str | int, where: str = "--max-shard-size") -> int:
     """Bytes from ``5GB`` / ``500MiB`` / ``1000000`` (GB = 10^9, GiB = 2^30, as huggingface_hub)."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        size = value
-    else:
-        m = _SIZE.match(str(value))
-        if not m:
-            raise RecipeError(f"{where}: {value!r} is not a size (for example 5GB, 500MiB or a byte count)")
-        size = int(float(m.group(1)) * _UNITS[(m.group(2) or "B").upper()])
-    if size <= 0:
-        raise RecipeError(f"{where}: size must be positive, got {value!r}")
+    size = parse_bytes(value)
+    if size is None:
+        raise RecipeError(f"{where}: {value!r} is not a positive size (for example 5GB, 500MiB or a byte count)")
     return size

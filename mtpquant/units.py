@@ -1,0 +1,43 @@
+"""Byte sizes: parsing ``5GB`` / ``500MiB`` and printing ``2.13 MB`` (one place for both)."""
+
+from __future__ import annotations
+
+import re
+
+__all__ = ["format_bytes", "parse_bytes"]
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+# GB = 10^9 and GiB = 2^30, as huggingface_hub's max_shard_size reads them.
+_UNITS = {
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
+
+
+def parse_bytes(value: str | int) -> int | None:
+    """Bytes from ``5GB`` / ``500MiB`` / ``1000000`` or an int; None when it is not a positive size."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        size = value
+    else:
+        m = _SIZE.match(str(value))
+        if not m:
+            return None
+        size = int(float(m.group(1)) * _UNITS[(m.group(2) or "B").upper()])
+    return size if size > 0 else None
+
+
+def format_bytes(n: int) -> str:
+    """Bytes as B / KB / MB / GB / TB in binary multiples, e.g. ``2.13 MB``."""
+    size = float(n)
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if size < 1024 or unit == "TB":
+            return f"{int(size)} B" if unit == "B" else f"{size:.2f} {unit}"
+        size /= 1024
+    return f"{n} B"  # pragma: no cover
