@@ -22,7 +22,10 @@ pytestmark = pytest.mark.slow
 SEED = 20260501
 
 
-def test_sigkill_leaves_no_output_and_rerun_succeeds(tiny_factory: Callable[[str], Path], tmp_path: Path) -> None:
+@pytest.mark.parametrize("point", range(3))
+def test_sigkill_leaves_no_output_and_rerun_succeeds(
+    tiny_factory: Callable[[str], Path], tmp_path: Path, point: int
+) -> None:
     src = tiny_factory("qwen3_5_moe")
     out = tmp_path / "out"
     args = [
@@ -51,7 +54,7 @@ def test_sigkill_leaves_no_output_and_rerun_succeeds(tiny_factory: Callable[[str
         assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
         assert time.monotonic() < deadline
         time.sleep(0.02)
-    time.sleep(random.Random(SEED).uniform(0.0, 2.0))
+    time.sleep(random.Random(SEED + point).uniform(0.0, 2.0))  # several seeded kill points
     finished_first = proc.poll() is not None
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=30)

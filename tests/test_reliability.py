@@ -1,0 +1,137 @@
+"""Faults at the command level: disk full mid-command, and no writes outside OUT / cache / temp."""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from mtpquant.checkpoint import writer
+from mtpquant.checkpoint.writer import PARTIAL_MARK
+from mtpquant.cli import main as cli
+
+Factory = Callable[[str], Path]
+
+
+def _fail_at(monkeypatch: pytest.MonkeyPatch, n: int) -> None:
+    calls = {"n": 0}
+    real = writer._write
+
+    def flaky(fh: object, data: bytes) -> None:
+        calls["n"] += 1
+        if calls["n"] == n:
+            raise OSError(errno.ENOSPC, "No space left on device", str(getattr(fh, "name", "")))
+        real(fh, data)
+
+    monkeypatch.setattr(writer, "_write", flaky)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_graft_disk_full_at_random_write(
+    naive_export_factory: Factory,
+    tiny_factory: Factory,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    seed: int,
+) -> None:
+    quant, src = naive_export_factory("qwen3_5"), tiny_factory("qwen3_5")  # built before the fault is armed
+    capsys.readouterr()
+    _fail_at(monkeypatch, random.Random(seed).randint(1, 4))
+    out = tmp_path / "out"
+    code = cli(["graft", str(quant), "--from", str(src), "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code != 0
+    assert err.count("\n") == 1 and "No space left on device" in err and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []  # nothing half-written, no temp dir left
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_convert_disk_full_at_random_write(
+    tiny_factory: Factory,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    seed: int,
+) -> None:
+    src = tiny_factory("qwen3_5")  # built before the fault is armed
+    capsys.readouterr()
+    _fail_at(monkeypatch, random.Random(seed).randint(1, 6))
+    out = tmp_path / "out"
+    argv = [
+        "-q",
+        "convert",
+        str(src),
+        str(out),
+        "--keep-mtp",
+        "--calib-samples",
+        "2",
+        "--calib-seq-len",
+        "32",
+        "--device",
+        "cpu",
+    ]
+    code = cli(argv)
+    err = capsys.readouterr().err
+    assert code != 0
+    assert "Traceback" not in err
+    assert err.splitlines()[-1].startswith("mtpquant: error: ") and "No space left on device" in err.splitlines()[-1]
+    assert not out.exists() and not list(tmp_path.glob(f".*{PARTIAL_MARK}*"))
+
+
+def test_commands_write_nowhere_but_out_cache_and_temp(
+    naive_export_factory: Factory, tiny_factory: Factory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    home, cwd, tmp, work = (tmp_path / d for d in ("home", "cwd", "tmp", "work"))
+    for d in (home, cwd, tmp, work):
+        d.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    monkeypatch.setenv("HF_HOME", str(home / ".cache" / "huggingface"))
+    monkeypatch.chdir(cwd)
+    src, quant = tiny_factory("qwen3_5"), naive_export_factory("qwen3_5")
+    assert (
+        cli(
+            [
+                "-q",
+                "convert",
+                str(src),
+                str(work / "conv"),
+                "--keep-mtp",
+                "--calib-samples",
+                "2",
+                "--calib-seq-len",
+                "32",
+                "--device",
+                "cpu",
+            ]
+        )
+        == 0
+    )
+    assert cli(["graft", str(quant), "--from", str(src), "--out", str(work / "graft")]) == 0
+    assert cli(
+        [
+            "-q",
+            "validate",
+            str(src),
+            str(work / "conv"),
+            "--num-prompts",
+            "2",
+            "--max-len",
+            "24",
+            "--report-dir",
+            str(work / "report"),
+            "--device",
+            "cpu",
+        ]
+    ) in (0, 1, 6)  # random MTP: fail
+    assert cli(["inspect", str(work / "conv")]) == 0
+    assert sorted(p.name for p in work.iterdir()) == ["conv", "graft", "report"]
+    assert list(cwd.iterdir()) == []
+    leftovers = [p for p in home.rglob("*") if p.is_file() and ".cache" not in p.parts]
+    assert leftovers == []
+    assert os.listdir(tmp) == [] or all(not p.name.startswith(".") for p in tmp.iterdir())
