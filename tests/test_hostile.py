@@ -206,3 +206,32 @@ def test_trust_remote_code_is_never_enabled() -> None:
         for call in re.finditer(r"\.from_pretrained\(", text):
             window = text[call.end() : call.end() + 300]
             assert "trust_remote_code=False" in window, f"{path}: from_pretrained without trust_remote_code=False"
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(key=st.sampled_from(["weight_map", "metadata"]), value=_JSON, tensor=st.text(max_size=30))
+def test_commands_on_mutated_index_never_crash_or_write(
+    minimal: Path, tmp_path_factory: pytest.TempPathFactory, key: str, value: object, tensor: str
+) -> None:
+    import contextlib
+    import io
+    import shutil
+
+    root = tmp_path_factory.mktemp("cmd")
+    d = root / "ckpt"
+    shutil.copytree(minimal, d)
+    index = json.loads((d / "model.safetensors.index.json").read_text())
+    if key == "weight_map":
+        index["weight_map"][tensor] = value
+    else:
+        index[key] = value
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    before = _snapshot(root)
+    for argv in (["inspect", str(d), "--strict"], ["graft", str(d), "--from", str(minimal), "--out", str(root / "o")]):
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            code = cli(argv)  # an uncaught exception would fail the test here
+        assert "Traceback" not in err.getvalue()
+        if code != 0:
+            assert _snapshot(root) == before
+    shutil.rmtree(root)
