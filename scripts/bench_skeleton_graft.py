@@ -304,9 +304,9 @@ def section(rows: list[dict[str, Any]], runs: int, base_rss: int, m: dict[str, A
             why.append(
                 f"{r['layout']}: {100 * (total - copy) / total:.0f} % of the profiled graft is not the MTP copy; "
                 f"{p.get('Checkpoint.open', 0.0):.1f} s go to {p['calls'].get('Checkpoint.open', 0)} "
-                f"`Checkpoint.open` calls (each parses and validates every header entry of the "
-                f"{r['quant_tensors']:,}-tensor quant) and {p.get('inspect verification', 0.0):.1f} s to the "
-                "inspect verification"
+                f"`Checkpoint.open` calls (QUANT, SRC and the result: the {r['quant_tensors']:,}-tensor "
+                "quant's headers are parsed once, the result re-parses only what graft wrote and validates "
+                f"its whole index) and {p.get('inspect verification', 0.0):.1f} s to the inspect verification"
             )
         if why:
             lines += [
@@ -315,9 +315,11 @@ def section(rows: list[dict[str, Any]], runs: int, base_rss: int, m: dict[str, A
                 "not. " + "; ".join(why) + ". That work grows with the quant's tensor count, not with "
                 "the MTP bytes (a fine-grained MoE quant has 4 header entries per expert Linear), and for a "
                 "small MTP fixed costs (opens, verification read-back, fsyncs, process start-up) dwarf a "
-                "sub-second `cp`. Opening QUANT once and reusing its table for the lineage check, the "
-                "plan and the verification, and checking shard names once per shard rather than once per "
-                "index entry, would remove most of it.",
+                "sub-second `cp`. graft opens QUANT once and reuses its table for the lineage check, the "
+                "plan and the verification (a hard-linked shard keeps its parsed header only while it is "
+                "the same inode, size and mtime); what remains per tensor is the index validation, the "
+                "exclusion check and the inspect verdict over every module; for a small MTP, the keep "
+                "copy itself (see the keep-mode section) and the fsyncs.",
             ]
     lines.append("")
     return "\n".join(lines)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import struct
 from collections.abc import Callable
 from pathlib import Path
@@ -64,6 +66,37 @@ def test_lazy_tensor_read_matches_safetensors(tiny_factory: Callable[[str], Path
     assert expected.shape == (128, 256) and expected.dtype == torch.bfloat16
     shards_seen = [e.shard for e, _ in ckpt.iter_raw(n for n in ckpt.tensors if n.startswith("mtp."))]
     assert shards_seen == sorted(shards_seen)  # grouped by shard: one shard open at a time
+
+
+def test_reuse_takes_headers_only_of_the_same_unchanged_file(tiny_copy: Callable[[str], Path], tmp_path: Path) -> None:
+    path = tiny_copy("qwen3_5_moe")
+    first = Checkpoint.open(path)
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    for f in path.iterdir():
+        if f.suffix == ".safetensors":
+            os.link(f, linked / f.name)
+        else:
+            shutil.copyfile(f, linked / f.name)
+    again = Checkpoint.open(linked, reuse=first)
+    assert all(again.headers[s] is first.headers[s] for s in MOE_SHARDS)  # hard links: not re-parsed
+    assert again.tensors == first.tensors and again.problems == first.problems
+    # a copy (another inode) and a file modified since (another mtime) are parsed again
+    (linked / MOE_SHARDS[0]).unlink()
+    shutil.copyfile(path / MOE_SHARDS[0], linked / MOE_SHARDS[0])
+    st = (linked / MOE_SHARDS[1]).stat()
+    os.utime(linked / MOE_SHARDS[1], ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+    third = Checkpoint.open(linked, reuse=first)
+    assert third.headers[MOE_SHARDS[0]] is not first.headers[MOE_SHARDS[0]]
+    assert third.headers[MOE_SHARDS[1]] is not first.headers[MOE_SHARDS[1]]
+    assert third.headers[MOE_SHARDS[2]] is first.headers[MOE_SHARDS[2]]
+    assert third.headers[MOE_SHARDS[0]] == first.headers[MOE_SHARDS[0]]  # same content, parsed anew
+    # a hostile rewrite of a linked shard in place is caught: its header is parsed, and refused
+    raw = bytearray((linked / MOE_SHARDS[2]).read_bytes())
+    raw[8] = ord("[")
+    (linked / MOE_SHARDS[2]).write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match="header is not valid JSON"):
+        Checkpoint.open(linked, reuse=first)
 
 
 def test_missing_shard(tiny_copy: Callable[[str], Path]) -> None:

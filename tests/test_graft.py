@@ -25,7 +25,7 @@ import pytest
 from mtpquant.checkpoint.header import TensorEntry
 from mtpquant.checkpoint.index import INDEX_NAME
 from mtpquant.checkpoint.table import Checkpoint
-from mtpquant.checkpoint.writer import OutputDir, PlannedTensor
+from mtpquant.checkpoint.writer import PARTIAL_MARK, OutputDir, PlannedTensor
 from mtpquant.cli import main
 from mtpquant.families import is_mtp_name
 from mtpquant.formats.quant_config import HF_QUANT_CONFIG
@@ -277,6 +277,39 @@ def test_multi_shard_quant_and_declaration_restored_in_place_of_origin(tiny_fact
     for shard in Checkpoint.open(stripped).shards:
         assert (out / shard).stat().st_ino == (stripped / shard).stat().st_ino
     assert inspect_checkpoint(out).healthy
+
+
+@pytest.mark.parametrize("link", [True, False])
+def test_graft_parses_quant_headers_once_and_reverifies_what_it_wrote(
+    tiny_factory: Factory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, link: bool
+) -> None:
+    """QUANT's shard headers are parsed once; the verification re-parses every file graft wrote and
+    reuses a header only for a hard link to the very QUANT shard it came from (a copy is re-parsed)."""
+    import mtpquant.checkpoint.table as table
+
+    src = tiny_factory("qwen3_5")
+    stripped = strip_mtp(src, tmp_path / "stripped", keep_declaration=False)
+    quant_shards = Checkpoint.open(stripped).shards
+    parsed: list[tuple[str, str]] = []
+    real = table.read_shard_header
+
+    def spy(source: Any, shard: str) -> Any:
+        parsed.append((source.label, shard))
+        return real(source, shard)
+
+    monkeypatch.setattr(table, "read_shard_header", spy)
+    out = tmp_path / "out"
+    result = graft(GraftOptions(quant=stripped, source=src, out=out, link=link))
+    monkeypatch.undo()
+    assert sorted(s for label, s in parsed if label == str(stripped)) == quant_shards  # once each
+    built = [(label, s) for label, s in parsed if label not in (str(stripped), str(src))]
+    assert built and all(PARTIAL_MARK in label for label, _ in built)  # the temp directory of OUT
+    verified = [s for _, s in built]
+    for shard in result.new_shards:  # written: re-read after writing and again by the verification
+        assert verified.count(shard) == 2
+    for shard in quant_shards:  # linked: reused (same inode); copied: parsed again
+        assert verified.count(shard) == (0 if link else 1)
+    assert (result.linked if link else result.copied) and inspect_checkpoint(out).healthy
 
 
 @pytest.mark.slow

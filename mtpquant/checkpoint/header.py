@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import struct
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any
 
 from mtpquant.errors import CheckpointError
@@ -125,6 +126,29 @@ def parse_header(shard: str, header_bytes: bytes, file_size: int) -> ShardHeader
 
 
 def _entry(shard: str, name: str, info: Any, data_start: int, data_len: int) -> TensorEntry:
+    # Fast path for a well-formed entry (every header of a real checkpoint): the same checks as
+    # ``_checked_entry`` with exact types and no per-entry message formatting. Anything unusual
+    # (bools, subclasses, any defect) goes to ``_checked_entry``, which accepts or refuses it with
+    # the one-line error; an entry returned here is exactly the one ``_checked_entry`` would return.
+    if type(info) is dict:
+        dtype: Any = info.get("dtype")
+        shape, offsets = info.get("shape"), info.get("data_offsets")
+        bits = DTYPE_BITS.get(dtype) if type(dtype) is str else None
+        if bits is not None and type(shape) is list and type(offsets) is list and len(offsets) == 2:
+            begin, end = offsets
+            if type(begin) is int and type(end) is int and 0 <= begin <= end <= data_len:
+                n = 1
+                for d in shape:
+                    if type(d) is not int or d < 0:
+                        break
+                    n *= d
+                else:
+                    if end - begin == (n * bits + 7) // 8:
+                        return TensorEntry(name, dtype, tuple(shape), shard, data_start + begin, data_start + end)
+    return _checked_entry(shard, name, info, data_start, data_len)
+
+
+def _checked_entry(shard: str, name: str, info: Any, data_start: int, data_len: int) -> TensorEntry:
     where = f"{shard}: tensor {name!r}"
     if not isinstance(info, dict):
         raise CheckpointError(f"{where}: header entry is not an object")
@@ -152,10 +176,13 @@ def _entry(shard: str, name: str, info: Any, data_start: int, data_len: int) -> 
     return TensorEntry(name, dtype, tuple(shape), shard, data_start + begin, data_start + end)
 
 
+_START_END = attrgetter("start", "end")
+
+
 def _check_layout(shard: str, tensors: dict[str, TensorEntry], data_start: int, data_len: int) -> None:
     cursor = data_start
     previous = None
-    for entry in sorted(tensors.values(), key=lambda e: (e.start, e.end)):
+    for entry in sorted(tensors.values(), key=_START_END):
         if entry.start < cursor:
             raise CheckpointError(f"{shard}: tensors {previous!r} and {entry.name!r} overlap")
         if entry.start > cursor:

@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING, Any
 
 from mtpquant.checkpoint.header import ShardHeader, TensorEntry, parse_header, read_header_length
 from mtpquant.checkpoint.index import INDEX_NAME, SINGLE_NAME, Problem, check_shard_name, parse_index, validate_index
-from mtpquant.checkpoint.source import CheckpointSource, open_source, read_json
+from mtpquant.checkpoint.source import CheckpointSource, LocalSource, open_source, read_json
 from mtpquant.errors import CheckpointError, ConfigError
-from mtpquant.families import ModelSpec, TensorClass, resolve
+from mtpquant.families import ModelSpec, is_mtp_name, resolve
 
 if TYPE_CHECKING:
     import torch
@@ -42,6 +42,10 @@ class Checkpoint:
     index: dict[str, Any] | None
     problems: list[Problem] = field(default_factory=list)
     main_prefix: str = ""
+    # (device, inode, size, mtime_ns) of each local shard, taken before its header was read (empty for Hub
+    # sources): lets a later open of a directory holding hard links to these shards reuse their
+    # parsed headers (``Checkpoint.open(..., reuse=...)``).
+    fingerprints: dict[str, tuple[int, int, int, int]] = field(default_factory=dict)
 
     # ---- opening ------------------------------------------------------------------------------
     @classmethod
@@ -52,11 +56,17 @@ class Checkpoint:
         revision: str | None = None,
         token: str | None = None,
         strict: bool = True,
+        reuse: Checkpoint | None = None,
     ) -> Checkpoint:
         """Open a checkpoint from a path, a Hub repo id or a source.
 
         With ``strict`` any index defect raises ``CheckpointError``; otherwise defects are
         collected in ``problems`` (inspect reports them all). Malformed headers always raise.
+
+        ``reuse``: an already-open local checkpoint whose validated shard headers may stand in for
+        re-parsing a shard of the same name that is the very same file, unchanged (same device, inode,
+        size and mtime as when ``reuse`` read it: a hard link graft made). Every other shard is read and
+        parsed; the index and every cross-shard check run in full either way.
         """
         source: CheckpointSource = open_source(ref, revision, token) if isinstance(ref, (str, os.PathLike)) else ref
         files = source.list_files()
@@ -83,10 +93,15 @@ class Checkpoint:
         present = set(files)
         missing = {s for s in shards if s not in present}
         headers: dict[str, ShardHeader] = {}
+        fingerprints: dict[str, tuple[int, int, int, int]] = {}
         for shard in shards:
             if shard in missing:
                 continue
-            headers[shard] = read_shard_header(source, shard)
+            fp = shard_fingerprint(source, shard)
+            if fp is not None:
+                fingerprints[shard] = fp
+            known = _reusable_header(reuse, shard, fp)
+            headers[shard] = known if known is not None else read_shard_header(source, shard)
         if index is None:
             weight_map = dict.fromkeys(headers[SINGLE_NAME].tensors, SINGLE_NAME)
 
@@ -105,7 +120,7 @@ class Checkpoint:
             for name, entry in header.tensors.items():
                 if weight_map.get(name, shard) == shard:
                     tensors[name] = entry
-        ckpt = cls(source, config, spec, shards, headers, tensors, index, problems)
+        ckpt = cls(source, config, spec, shards, headers, tensors, index, problems, fingerprints=fingerprints)
         ckpt.main_prefix = spec.main_prefix_for(tensors)
         _check_config_matches_tensors(ckpt)
         log.debug("opened %s: %d tensors in %d shards", source.label, len(tensors), len(shards))
@@ -130,7 +145,9 @@ class Checkpoint:
 
     def mtp_tensors(self) -> list[TensorEntry]:
         """Every ``mtp.*`` tensor present, sorted by name."""
-        return [e for n, e in sorted(self.tensors.items()) if self.classify(n) == TensorClass.MTP]
+        # classify() answers MTP exactly for the names is_mtp_name() accepts (its first test): filter
+        # with that, then sort the few MTP names only, not the whole table
+        return [self.tensors[n] for n in sorted(n for n in self.tensors if is_mtp_name(n))]
 
     @property
     def total_bytes(self) -> int:
@@ -166,6 +183,28 @@ def read_shard_header(source: CheckpointSource, shard: str) -> ShardHeader:
     size = source.file_size(shard)
     n = read_header_length(shard, source.read_range(shard, 0, min(size, 8)), size)
     return parse_header(shard, source.read_range(shard, 8, 8 + n), size)
+
+
+def shard_fingerprint(source: CheckpointSource, shard: str) -> tuple[int, int, int, int] | None:
+    """(device, inode, size, mtime_ns) of a local shard (the file a symlink points to); None for a remote one."""
+    if not isinstance(source, LocalSource):
+        return None
+    check_shard_name(shard, where=source.label)
+    try:
+        st = source.local_path(shard).stat()
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def _reusable_header(reuse: Checkpoint | None, shard: str, fp: tuple[int, int, int, int] | None) -> ShardHeader | None:
+    """``reuse``'s parsed header of ``shard`` when this file is the one it parsed, unchanged."""
+    if reuse is None or fp is None:
+        return None
+    header = reuse.headers.get(shard)
+    if header is None or reuse.fingerprints.get(shard) != fp or header.file_size != fp[2]:
+        return None
+    return header
 
 
 def _single_tensor_blob(entry: TensorEntry, data: bytes) -> bytes:

@@ -269,11 +269,17 @@ class OutputDir:
         self.write_json(INDEX_NAME, index)
         return index
 
-    def finalize(self, verify: Callable[[Path], None] | None = None) -> Path:
-        """Verify the temp directory (headers, index, ``verify``) and rename it into place."""
+    def finalize(self, verify: Callable[[Path], None] | None = None, *, opened: bool = False) -> Path:
+        """Verify the temp directory (headers, index, ``verify``) and rename it into place.
+
+        ``opened``: the caller has just opened the finished temp directory with
+        ``Checkpoint.open(strict=True)`` itself (as its own verification) and written nothing since,
+        so that open is not repeated here.
+        """
         from mtpquant.checkpoint.table import Checkpoint
 
-        Checkpoint.open(self.path, strict=True)
+        if not opened:
+            Checkpoint.open(self.path, strict=True)
         if verify is not None:
             verify(self.path)
         (self.path / _OWNER_FILE).unlink(missing_ok=True)

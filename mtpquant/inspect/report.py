@@ -311,11 +311,20 @@ def _verdicts(report: dict[str, Any], ref: str) -> tuple[dict[str, str], dict[st
 
 
 def inspect_checkpoint(
-    ref: str | os.PathLike[str] | CheckpointSource, *, revision: str | None = None, token: str | None = None
+    ref: str | os.PathLike[str] | CheckpointSource,
+    *,
+    revision: str | None = None,
+    token: str | None = None,
+    checkpoint: Checkpoint | None = None,
 ) -> InspectReport:
-    """Inspect a checkpoint directory or Hub repo from metadata and headers only."""
+    """Inspect a checkpoint directory or Hub repo from metadata and headers only.
+
+    ``checkpoint``: ``ref`` already opened with ``Checkpoint.open`` (a caller that has just opened
+    and validated it, graft's verification say), used instead of opening it again. Its ``problems``
+    are what a non-strict open finds: a strict open that succeeded collects the same list.
+    """
     t0 = time.perf_counter()
-    ckpt = Checkpoint.open(ref, revision=revision, token=token, strict=False)
+    ckpt = checkpoint if checkpoint is not None else Checkpoint.open(ref, revision=revision, token=token, strict=False)
     hfq = _read_hf_quant_config(ckpt.source)
     meta = read_quant_metadata(ckpt.config, hfq)
     report: dict[str, Any] = {}

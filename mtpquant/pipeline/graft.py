@@ -293,7 +293,10 @@ def _verify(
     def fail(reason: str) -> OutputVerificationError:
         return OutputVerificationError(f"the result failed verification and was not put in place: {reason}")
 
-    ckpt = Checkpoint.open(path, strict=True)
+    # Every file graft wrote (new MTP shards, rewritten shards, index, JSON) is read and parsed again;
+    # a hard link to a QUANT shard reuses the header parsed when QUANT was opened, but only when it is
+    # that very file, unchanged since (device, inode, size, mtime). The index checks run in full.
+    ckpt = Checkpoint.open(path, strict=True, reuse=quant)
     checks = ["headers+index"]
     present = {e.name: e.shape for e in ckpt.mtp_tensors()}
     if set(present) != set(expected):
@@ -315,9 +318,9 @@ def _verify(
     if leftover.changes:
         raise fail(f"metadata still incomplete ({leftover.changes[0]})")
     checks.append("exclusions")
-    report = inspect_checkpoint(path)
+    report = inspect_checkpoint(path, checkpoint=ckpt)
     if not report.healthy:
-        baseline = set(inspect_checkpoint(quant.source).failure_messages)
+        baseline = set(inspect_checkpoint(quant.source, checkpoint=quant).failure_messages)
         new = [m for m in report.failure_messages if m not in baseline]
         if new:
             raise fail(f"inspect: {new[0]}")
@@ -424,7 +427,7 @@ def _write(
     result.dropped = sorted(plan.drop)
     result.verified_with = verify(od.path)
     if target.mode == "out":
-        od.finalize()
+        od.finalize(opened=True)  # verify() opened the finished directory strictly, just now
     else:
         assert target.root is not None
         if inplace.snapshot(target.root) != target.before:
