@@ -63,23 +63,30 @@ def child(quant: str, source: str, out: str, mode: str) -> int:
     """One graft in this fresh process; prints its measurements as one JSON line."""
     from mtpquant.pipeline.graft import GraftOptions, graft
 
-    opts = GraftOptions(quant=quant, source=source, out=out) if mode == "out" else \
-        GraftOptions(quant=quant, source=source, in_place=True)
+    opts = (
+        GraftOptions(quant=quant, source=source, out=out)
+        if mode == "out"
+        else GraftOptions(quant=quant, source=source, in_place=True)
+    )
     io0 = proc_io()
     t0 = time.perf_counter()
     result = graft(opts)
     seconds = time.perf_counter() - t0
     io1 = proc_io()
-    print(json.dumps({
-        "graft_s": seconds,
-        "wchar": io1.get("wchar", 0) - io0.get("wchar", 0),
-        "bytes_written": result.bytes_written,
-        "mtp_bytes": result.mtp_bytes,
-        "linked": len(result.linked),
-        "copied": len(result.copied),
-        "commit": result.commit,
-        "action": result.action,
-    }))
+    print(
+        json.dumps(
+            {
+                "graft_s": seconds,
+                "wchar": io1.get("wchar", 0) - io0.get("wchar", 0),
+                "bytes_written": result.bytes_written,
+                "mtp_bytes": result.mtp_bytes,
+                "linked": len(result.linked),
+                "copied": len(result.copied),
+                "commit": result.commit,
+                "action": result.action,
+            }
+        )
+    )
     return 0
 
 
@@ -100,10 +107,14 @@ def _strip(src: Path, dst: Path) -> Path:
     ckpt = Checkpoint.open(src)
     with OutputDir(dst) as od:
         for shard in ckpt.shards:
-            entries = sorted((e for e in ckpt.headers[shard].tensors.values() if not is_mtp_name(e.name)),
-                             key=lambda e: e.start)
-            od.write_shard(shard, [PlannedTensor(e.name, e.dtype, e.shape, lambda e=e: ckpt.read_raw(e))
-                                   for e in entries], ckpt.headers[shard].metadata)
+            entries = sorted(
+                (e for e in ckpt.headers[shard].tensors.values() if not is_mtp_name(e.name)), key=lambda e: e.start
+            )
+            od.write_shard(
+                shard,
+                [PlannedTensor(e.name, e.dtype, e.shape, lambda e=e: ckpt.read_raw(e)) for e in entries],
+                ckpt.headers[shard].metadata,
+            )
         od.write_index()
         for f in ckpt.source.list_files():
             if not f.endswith(".safetensors") and f != "model.safetensors.index.json":
@@ -128,8 +139,12 @@ def make_synthetic(root: Path, main_bytes: int) -> tuple[Path, Path]:
     config |= {"intermediate_size": 6144, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 256}
     spec = resolve(config)
     H, inter, V = 2048, 6144, 32768
-    per_layer = {"mlp.gate_proj.weight": (inter, H), "mlp.up_proj.weight": (inter, H),
-                 "mlp.down_proj.weight": (H, inter), "self_attn.o_proj.weight": (H, 2048)}
+    per_layer = {
+        "mlp.gate_proj.weight": (inter, H),
+        "mlp.up_proj.weight": (inter, H),
+        "mlp.down_proj.weight": (H, inter),
+        "self_attn.o_proj.weight": (H, 2048),
+    }
     layer_bytes = sum(a * b * 2 for a, b in per_layer.values())
     layers = max(1, (main_bytes - 2 * V * H * 2) // layer_bytes)
     config["num_hidden_layers"] = int(layers)
@@ -199,8 +214,12 @@ def bench_pair(name: str, src: Path, quant: Path, root: Path, runs: int, modes: 
 
     flat = root / f"{name}-mtp.bin"
     mtp_bytes = write_flat(flat, _mtp_bytes(src))
-    row: dict[str, Any] = {"name": name, "mtp_bytes": mtp_bytes, "rest_bytes": Checkpoint.open(quant).total_bytes,
-                           "modes": {}}
+    row: dict[str, Any] = {
+        "name": name,
+        "mtp_bytes": mtp_bytes,
+        "rest_bytes": Checkpoint.open(quant).total_bytes,
+        "modes": {},
+    }
     for mode in modes:
         data = []
         for i in range(runs):
@@ -234,9 +253,9 @@ def section(rows: list[dict[str, Any]], runs: int, m: dict[str, Any]) -> str:
         "same shards) for generated checkpoints whose every byte is real. Per run: this benchmark's files "
         "evicted from the page cache, `cp` + `sync` of a flat file holding exactly the MTP bytes timed, files "
         "evicted again, then `graft` in a fresh process (`--in-place` on a hard-linked copy of QUANT). "
-        "\"written\" is every byte the graft process handed to write(2) during the graft() call "
-        "(/proc/self/io wchar: MTP shards, index, JSON); \"graft()\" excludes interpreter start-up, "
-        f"\"process\" includes it. Medians of {runs} runs.",
+        '"written" is every byte the graft process handed to write(2) during the graft() call '
+        '(/proc/self/io wchar: MTP shards, index, JSON); "graft()" excludes interpreter start-up, '
+        f'"process" includes it. Medians of {runs} runs.',
         "",
         machine_line(m),
         "",
@@ -288,8 +307,11 @@ def main() -> int:
             row = bench_pair(name, src, quant, root, args.runs, modes)
             rows.append(row)
             for mode, data in row["modes"].items():
-                print(f"{name} {mode}: graft {statistics.median(d['graft_s'] for d in data):.3f} s, "
-                      f"cp+sync {statistics.median(d['cp_sync_s'] for d in data):.3f} s", file=sys.stderr)
+                print(
+                    f"{name} {mode}: graft {statistics.median(d['graft_s'] for d in data):.3f} s, "
+                    f"cp+sync {statistics.median(d['cp_sync_s'] for d in data):.3f} s",
+                    file=sys.stderr,
+                )
         m = machine(root)
     text = section(rows, args.runs, m)
     print(text)

@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _benchlib import (
     LAYOUTS,
     command_line,
+    drop_cache,
     fmt_bytes,
     machine,
     machine_line,
@@ -51,17 +52,6 @@ from mtpquant.synth.skeleton import find_layout, make_skeleton
 HEADING = "## keep-mode MTP copy vs cp"
 TARGET = 0.5
 MAX_SHARD_BYTES = 5 * 10**9
-
-
-def drop_cache(paths: list[Path]) -> None:
-    """Evict these files' pages from the page cache (they are clean: everything was fsynced)."""
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def copier() -> tuple[str, Any]:

@@ -14,7 +14,6 @@ import argparse
 import datetime as _dt
 import json
 import os
-import platform
 import resource
 import shlex
 import statistics
@@ -30,6 +29,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from _benchlib import machine  # noqa: E402
 
 from mtpquant.formats.nvfp4 import NVFP4Weight, quantize_nvfp4  # noqa: E402
 
@@ -118,28 +119,14 @@ def _peak(impl: str, args: argparse.Namespace) -> float:
 
 
 def _machine() -> dict[str, Any]:
-    mem_kib = 0
-    model = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                mem_kib = int(line.split()[1])
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     import importlib.metadata as md
 
+    m = machine()
     return {
-        "nproc": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-        "ram_gib": mem_kib / 2**20,
-        "cpu": model,
+        **m,
         "torch": torch.__version__,
         "modelopt": md.version("nvidia-modelopt"),
         "torch_threads": torch.get_num_threads(),
-        "load": os.getloadavg() if hasattr(os, "getloadavg") else None,
     }
 
 

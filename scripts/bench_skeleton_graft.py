@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _benchlib import (
     LAYOUTS,
     command_line,
+    drop_cache,
     fmt_bytes,
     import_rss,
     machine,
@@ -115,17 +116,6 @@ def child(quant: str, source: str, out: str, mode: str, profile: str | None) -> 
 
 
 # ---------------------------------------------------------------------------------------------- parent
-
-
-def drop_cache(paths: list[Path]) -> None:
-    """Evict these (clean, fsynced) files' pages from the page cache."""
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def _inodes(path: Path) -> dict[str, int]:
