@@ -22,7 +22,7 @@ _UNITS = {
 
 
 def parse_bytes(value: str | int) -> int | None:
-    """Bytes from ``5GB`` / ``500MiB`` / ``1000000`` or an int; None when it is not a positive size."""
+    """Bytes from ``5GB`` / ``500MiB`` / ``1000000`` or an int; None when it is not a size at all."""
     if isinstance(value, int) and not isinstance(value, bool):
         size = value
     else:
@@ -30,7 +30,7 @@ def parse_bytes(value: str | int) -> int | None:
         if not m:
             return None
         size = int(float(m.group(1)) * _UNITS[(m.group(2) or "B").upper()])
-    return size if size > 0 else None
+    return size
 
 
 def format_bytes(n: int) -> str:

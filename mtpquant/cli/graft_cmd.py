@@ -27,7 +27,7 @@ mismatch (SRC and QUANT are different models).
 def parse_size(text: str) -> int:
     """``5GB`` / ``500MiB`` / ``1000000`` -> bytes (argparse type)."""
     size = parse_bytes(text)
-    if size is None:
+    if size is None or size <= 0:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 5GB, 500MiB)")
     return size
 

@@ -412,5 +412,7 @@ def parse_size(value: str | int, where: str = "--max-shard-size") -> int:
     """Bytes from ``5GB`` / ``500MiB`` / ``1000000`` (GB = 10^9, GiB = 2^30, as huggingface_hub)."""
     size = parse_bytes(value)
     if size is None:
-        raise RecipeError(f"{where}: {value!r} is not a positive size (for example 5GB, 500MiB or a byte count)")
+        raise RecipeError(f"{where}: {value!r} is not a size (for example 5GB, 500MiB or a byte count)")
+    if size <= 0:
+        raise RecipeError(f"{where}: size must be positive, got {value!r}")
     return size
