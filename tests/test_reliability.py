@@ -18,16 +18,25 @@ Factory = Callable[[str], Path]
 
 
 def _fail_at(monkeypatch: pytest.MonkeyPatch, n: int) -> None:
+    """Disk full at the n-th write, counting plain writes and in-kernel tensor copies alike."""
     calls = {"n": 0}
-    real = writer._write
+    real_write, real_copy = writer._write, writer._copy_range
 
-    def flaky(fh: object, data: bytes) -> None:
+    def check(fh: object) -> None:
         calls["n"] += 1
         if calls["n"] == n:
             raise OSError(errno.ENOSPC, "No space left on device", str(getattr(fh, "name", "")))
-        real(fh, data)
 
-    monkeypatch.setattr(writer, "_write", flaky)
+    def flaky_write(fh: object, data: bytes) -> None:
+        check(fh)
+        real_write(fh, data)
+
+    def flaky_copy(fh: object, src: Path, start: int, end: int) -> None:
+        check(fh)
+        real_copy(fh, src, start, end)
+
+    monkeypatch.setattr(writer, "_write", flaky_write)
+    monkeypatch.setattr(writer, "_copy_range", flaky_copy)
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -41,7 +50,7 @@ def test_graft_disk_full_at_random_write(
 ) -> None:
     quant, src = naive_export_factory("qwen3_5"), tiny_factory("qwen3_5")  # built before the fault is armed
     capsys.readouterr()
-    _fail_at(monkeypatch, random.Random(seed).randint(1, 4))
+    _fail_at(monkeypatch, random.Random(seed).randint(1, 12))
     out = tmp_path / "out"
     code = cli(["graft", str(quant), "--from", str(src), "--out", str(out)])
     err = capsys.readouterr().err

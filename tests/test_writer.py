@@ -143,3 +143,30 @@ def test_disk_full_at_any_write_leaves_nothing(
         od.write_index()
         od.finalize()
     assert list(tmp_path.iterdir()) == []  # nothing half-written, no temp dir left
+
+
+@pytest.mark.parametrize("kernel_copy", [True, False])
+def test_tensors_copied_from_a_local_file_range(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kernel_copy: bool
+) -> None:
+    import os
+
+    from mtpquant.checkpoint.writer import PlannedTensor, write_safetensors
+
+    blob = tmp_path / "blob.bin"
+    payload = os.urandom(4096)
+    blob.write_bytes(b"x" * 100 + payload + b"y" * 50)
+    if not kernel_copy:  # filesystems without copy_file_range take the read/write fallback
+        monkeypatch.delattr(os, "copy_file_range")
+    tensors = [
+        PlannedTensor("a", "U8", (4096,), lambda: b"", (blob, 100, 4196)),
+        planned("b", torch.arange(4, dtype=torch.int64)),
+        PlannedTensor("c", "U8", (50,), lambda: b"", (blob, 4196, 4246)),
+    ]
+    write_safetensors(tmp_path / "s.safetensors", tensors)
+    from safetensors.torch import load_file
+
+    got = load_file(tmp_path / "s.safetensors")
+    assert bytes(got["a"].numpy().tobytes()) == payload
+    assert torch.equal(got["b"], torch.arange(4, dtype=torch.int64))
+    assert bytes(got["c"].numpy().tobytes()) == b"y" * 50

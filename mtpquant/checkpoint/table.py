@@ -11,6 +11,7 @@ import os
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mtpquant.checkpoint.header import ShardHeader, TensorEntry, parse_header, read_header_length
@@ -158,6 +159,13 @@ class Checkpoint:
     def read_raw(self, entry: TensorEntry) -> bytes:
         """The tensor's bytes exactly as stored."""
         return self.source.read_range(entry.shard, entry.start, entry.end)
+
+    def local_range(self, entry: TensorEntry) -> tuple[Path, int, int] | None:
+        """(file, start, end) of a tensor on a local disk, counted as read; None for remote sources."""
+        if not isinstance(self.source, LocalSource):
+            return None
+        self.source.bytes_read += entry.nbytes
+        return self.source.local_path(entry.shard), entry.start, entry.end
 
     def read_tensor(self, name: str) -> torch.Tensor:
         """One tensor, decoded by safetensors from its stored bytes."""

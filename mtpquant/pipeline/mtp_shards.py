@@ -23,7 +23,8 @@ MTP_SHARD_METADATA = {"format": "pt"}
 
 
 def _raw(ckpt: Checkpoint, entry: TensorEntry) -> PlannedTensor:
-    return PlannedTensor(entry.name, entry.dtype, entry.shape, lambda: ckpt.read_raw(entry))
+    # local sources are copied in the kernel (copy_file_range), remote ones through ranged reads
+    return PlannedTensor(entry.name, entry.dtype, entry.shape, lambda: ckpt.read_raw(entry), ckpt.local_range(entry))
 
 
 def mtp_planned_tensors(ckpt: Checkpoint, names: Iterable[str] | None = None) -> list[PlannedTensor]:
