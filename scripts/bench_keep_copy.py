@@ -176,11 +176,11 @@ def section(rows: list[dict[str, Any]], runs: int, warm: bool, m: dict[str, Any]
         f"since mtpquant's writer fsyncs every shard: {verdict(worst_sync)}; against plain `cp`, whose copy "
         f'may still sit in dirty page cache when it returns: {verdict(worst_plain)}. "written" is every byte '
         "the writer put in the new shards (tensor bytes plus the safetensors header). `cp` (coreutils "
-        "9.1) copies in the kernel with copy_file_range; the keep copy reads each tensor into a fresh Python "
-        "bytes object and writes it out (one tensor in memory at a time): a new allocation per tensor, "
-        "page-faulted in and copied twice. The last column is the same byte ranges copied through one "
-        "reused 16 MiB buffer (`readinto`), fsynced: what a Python copy reaches without per-tensor "
-        "allocations (or use `os.copy_file_range` for local sources).",
+        "9.1) copies one flat file in the kernel with copy_file_range; the keep copy also uses "
+        "copy_file_range for local sources, but tensor by tensor in name order (the deterministic MTP "
+        "shard layout that makes extract + graft equal keep), so it reads the source in many ranges out "
+        "of file order after the page cache was dropped, plus one fsync per shard. The last column is the "
+        "same byte ranges copied through one reused 16 MiB buffer (`readinto`), fsynced.",
         "",
     ]
     return "\n".join(lines)
