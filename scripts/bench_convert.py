@@ -13,8 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import re
 import subprocess
 import sys
 import tempfile
@@ -22,10 +20,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _benchlib import BENCHMARKS as DOC
+from _benchlib import machine as host_facts
+from _benchlib import write_section
+
 ROOT = Path(__file__).resolve().parents[1]
-DOC = ROOT / "docs" / "BENCHMARKS.md"
-START = "<!-- bench_convert:start -->"
-END = "<!-- bench_convert:end -->"
+HEADING = "## convert (tiny checkpoints, CPU)"
 FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 
 
@@ -64,32 +64,17 @@ def child(src: str, out: str, mode: str, samples: int, seq_len: int) -> None:
 
 
 def machine() -> dict[str, Any]:
-    """Facts about this machine and the library versions."""
+    """Facts about this machine (scripts/_benchlib.py) and the library versions."""
     import importlib.metadata as md
 
-    cpu = platform.processor() or ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    mem = ""
-    try:
-        kb = int(re.search(r"MemTotal:\s+(\d+)", Path("/proc/meminfo").read_text()).group(1))  # type: ignore[union-attr]
-        mem = f"{kb / 2**20:.0f} GiB"
-    except (OSError, AttributeError):
-        pass
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    versions = {p: md.version(p) for p in ("torch", "transformers", "nvidia-modelopt")}
+    m = host_facts()
     return {
-        "cpu": cpu,
-        "cores": cores,
-        "memory": mem,
-        "python": platform.python_version(),
-        "load": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
-        **versions,
+        "cpu": m["cpu"],
+        "cores": m["nproc"],
+        "memory": f"{m['ram_gib']:.0f} GiB",
+        "python": m["python"],
+        "load": m["load"][0] if m["load"] else None,
+        **{p: md.version(p) for p in ("torch", "transformers", "nvidia-modelopt")},
     }
 
 
@@ -135,8 +120,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def markdown(rows: list[dict[str, Any]], facts: dict[str, Any], command: str, samples: int, seq_len: int) -> str:
     lines = [
-        START,
-        "## convert (tiny checkpoints, CPU)",
+        HEADING,
         "",
         f"Command: `{command}`",
         "",
@@ -172,24 +156,8 @@ def markdown(rows: list[dict[str, Any]], facts: dict[str, Any], command: str, sa
         "On CPU the peak memory of a real model is its BF16 size plus one quantized copy of the largest layer "
         "group during export; `--device cuda` uses accelerate's device_map with CPU/disk offload and modelopt's "
         "streaming export for models larger than memory.",
-        END,
     ]
     return "\n".join(lines) + "\n"
-
-
-def write_doc(section: str) -> None:
-    DOC.parent.mkdir(parents=True, exist_ok=True)
-    text = DOC.read_text() if DOC.exists() else "# Benchmarks\n\n"
-    heading = "## convert (tiny checkpoints, CPU)"
-    if START not in text and heading in text and END in text:
-        text = text.replace(heading, START + "\n" + heading, 1)  # a marker lost by another writer
-    if START in text and END in text:
-        before, rest = text.split(START, 1)
-        after = rest.split(END, 1)[1].lstrip("\n")
-        text = before + section + ("\n" + after if after else "")
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    DOC.write_text(text)
 
 
 def main() -> None:
@@ -209,7 +177,7 @@ def main() -> None:
     rows = run(args)
     if args.write_doc:
         command = " ".join(["python scripts/bench_convert.py", *sys.argv[1:]])
-        write_doc(markdown(rows, facts, command, args.calib_samples, args.calib_seq_len))
+        write_section(HEADING, markdown(rows, facts, command, args.calib_samples, args.calib_seq_len))
         print(f"updated {DOC}")
 
 

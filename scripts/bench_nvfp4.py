@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
-import os
 import resource
 import shlex
 import statistics
@@ -30,7 +29,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from _benchlib import machine  # noqa: E402
+from _benchlib import machine, write_section  # noqa: E402
 
 from mtpquant.formats.nvfp4 import NVFP4Weight, quantize_nvfp4  # noqa: E402
 
@@ -166,23 +165,6 @@ def _section(args: argparse.Namespace, rows: list[tuple[str, list[float], float 
     return "\n".join(lines)
 
 
-def _write_section(path: Path, section: str) -> None:
-    """Insert or replace our section, leaving every other section as it is."""
-    text = path.read_text() if path.exists() else "# Benchmarks\n\n"
-    lines = text.splitlines(keepends=True)
-    start = next((i for i, line in enumerate(lines) if line.rstrip() == HEADING), None)
-    if start is None:
-        new = text.rstrip("\n") + "\n\n" + section
-    else:
-        end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
-        tail = "".join(lines[end:])
-        new = "".join(lines[:start]) + section + ("\n" + tail if tail else "")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(new)
-    os.replace(tmp, path)
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", type=int, default=5120)
@@ -216,7 +198,7 @@ def main() -> int:
     section = _section(args, rows, _machine())
     print(section)
     if not args.no_write:
-        _write_section(args.output, section)
+        write_section(HEADING, section, args.output)
         print(f"written to {args.output}")
     return 0
 
