@@ -12,13 +12,12 @@ from __future__ import annotations
 import copy
 import json
 import logging
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from mtpquant.checkpoint.dtypes import planned
-from mtpquant.checkpoint.index import INDEX_NAME, SINGLE_NAME
+from mtpquant.checkpoint.index import SINGLE_NAME
 from mtpquant.checkpoint.writer import OutputDir
 from mtpquant.families import FAMILIES, resolve
 
@@ -294,12 +293,3 @@ def make_tiny_checkpoint(
             for fname, text in _tokenizer_files(spec.vocab_size).items():
                 od.write_text(fname, text)
         return od.finalize()
-
-
-def describe(path: Path) -> Mapping[str, Any]:
-    """Small summary used by scripts: shard names and tensor count."""
-    idx = path / INDEX_NAME
-    if idx.exists():
-        wm = json.loads(idx.read_text())["weight_map"]
-        return {"shards": sorted(set(wm.values())), "tensors": len(wm)}
-    return {"shards": [SINGLE_NAME]}
