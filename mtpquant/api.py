@@ -12,6 +12,7 @@ __all__ = [
     "ConvertOptions",
     "GraftOptions",
     "PublishOptions",
+    "ValidateOptions",
     "convert",
     "fix_metadata",
     "graft",
@@ -30,6 +31,7 @@ _WHERE = {
     "GraftOptions": "mtpquant.pipeline.graft",
     "fix_metadata": "mtpquant.pipeline.graft",
     "validate": "mtpquant.validate.run",
+    "ValidateOptions": "mtpquant.validate.run",
     "publish": "mtpquant.hub.publish",
     "PublishOptions": "mtpquant.hub.publish",
 }

@@ -1,41 +1,259 @@
-"""Error types: every user-facing failure is one line naming the file or tensor and what is wrong."""
+"""Every error type and the one exit-code table.
+
+Each user-facing failure is an ``MtpquantError``: one line naming the file, tensor, repo or server and what
+is wrong. The CLI prints ``str(error)`` and exits with ``error.exit_code``; each cause has its own code
+(``ExitCode``), documented in the README and ``mtpquant --help``.
+"""
 
 from __future__ import annotations
 
+from enum import IntEnum, unique
+
 __all__ = [
+    "CalibrationDataError",
     "CheckpointError",
     "ConfigError",
+    "DeviceError",
+    "EngineAnswerError",
+    "EngineModelError",
+    "EngineSpecDecodeError",
+    "EngineStartError",
+    "EngineUnreachableError",
+    "ExitCode",
+    "GraftError",
+    "HubAccessError",
+    "HubRefusedError",
+    "HubUnreachableError",
+    "IndivisibleDimensionError",
+    "LineageError",
+    "MtpModeError",
     "MtpquantError",
     "OutputExistsError",
+    "OutputVerificationError",
+    "PublishRefusedError",
+    "RecipeError",
+    "SourceQuantizedError",
     "UnsupportedArchitectureError",
+    "UploadError",
+    "UsageError",
+    "exit_code_table",
 ]
+
+
+@unique
+class ExitCode(IntEnum):
+    """Process exit codes, one per cause."""
+
+    OK = 0
+    INTERNAL = 1  # an unexpected error (a bug): reported with its type
+    USAGE = 2  # a bad flag, option, recipe, calibration data or device
+    CHECKPOINT = 3  # a checkpoint is malformed or its config is missing / contradicts its tensors
+    ARCHITECTURE = 4  # not one of the supported Qwen families
+    OUTPUT_EXISTS = 5  # the output exists (or is the source) and may not be replaced
+    MTP_MODE = 6  # the MTP mode needs an MTP the source does not have
+    INDIVISIBLE = 7  # a Linear to quantize has an input dimension that is not a multiple of 16
+    VERIFICATION = 8  # the finished output failed its own verification (nothing was put in place)
+    LINEAGE = 9  # graft: SRC and QUANT are not the same model
+    INSPECT_MTP = 10  # inspect: MTP declared but missing / incomplete / present but undeclared
+    INSPECT_EXCLUSIONS = 11  # inspect: exclusions disagree with the tensors (an engine will fail to load)
+    INSPECT_INDEX = 12  # inspect: index corrupt (what loaders enforce)
+    PUBLISH_REFUSED = 13  # publish: checks failed, a secret in a file, nothing publishable
+    UPLOAD = 14  # publish: the Hub refused the upload
+    SOURCE_QUANTIZED = 15  # convert: the source is already quantized
+    GRAFT_REFUSED = 16  # graft: an existing different MTP, an unusable SRC MTP, an unsupported layout
+    VALIDATE_WARN = 17  # validate: acceptance dropped more than allowed
+    VALIDATE_FAIL = 18  # validate: the MTP is missing or broken (acceptance ~0)
+    IO = 19  # the operating system refused: disk full, permissions, ... (nothing half-written)
+    INSPECT_FORMAT = 20  # inspect: an engine refuses the checkpoint's quantization format outright
+    HUB_UNREACHABLE = 30  # the Hub (or mirror) cannot be reached or timed out
+    HUB_ACCESS = 31  # the repo, revision or file does not exist, or is gated / private / needs a token
+    HUB_REFUSED = 32  # the Hub refused the request or rate-limited it beyond the retries
+    ENGINE_UNREACHABLE = 40  # the engine server cannot be reached
+    ENGINE_ANSWER = 41  # the server is not a vLLM OpenAI server, or answered something unexpected
+    ENGINE_MODEL = 42  # the server serves another model than asked
+    ENGINE_SPEC_DECODE = 43  # the server has no speculative decoding configured (counters absent or still)
+    ENGINE_START = 44  # the engine server failed to start (its log is named)
+    INTERRUPTED = 130  # Ctrl-C: nothing left behind
+
+
+_MEANING = {
+    ExitCode.OK: "success (inspect: healthy; validate: pass)",
+    ExitCode.INTERNAL: "unexpected internal error",
+    ExitCode.USAGE: "bad flag, option, recipe, calibration data or device",
+    ExitCode.CHECKPOINT: "malformed checkpoint, or config missing / contradicting the tensors",
+    ExitCode.ARCHITECTURE: "unsupported architecture",
+    ExitCode.OUTPUT_EXISTS: "output exists (or is the source)",
+    ExitCode.MTP_MODE: "MTP mode does not fit the source",
+    ExitCode.INDIVISIBLE: "a Linear's input dimension is not a multiple of 16",
+    ExitCode.VERIFICATION: "the finished output failed verification; nothing was put in place",
+    ExitCode.LINEAGE: "graft: SRC and QUANT are not the same model",
+    ExitCode.INSPECT_MTP: "inspect: MTP declared but missing, incomplete, or present but undeclared",
+    ExitCode.INSPECT_EXCLUSIONS: "inspect: exclusions disagree with the tensors",
+    ExitCode.INSPECT_INDEX: "inspect: index corrupt",
+    ExitCode.PUBLISH_REFUSED: "publish refused (checks failed, a secret in a file, nothing to publish)",
+    ExitCode.UPLOAD: "the Hub refused the upload",
+    ExitCode.SOURCE_QUANTIZED: "convert: the source is already quantized",
+    ExitCode.GRAFT_REFUSED: "graft refused (different MTP present, unusable SRC MTP)",
+    ExitCode.VALIDATE_WARN: "validate: acceptance dropped more than allowed",
+    ExitCode.VALIDATE_FAIL: "validate: MTP missing or broken",
+    ExitCode.IO: "operating-system error (disk full, permissions)",
+    ExitCode.INSPECT_FORMAT: "inspect: an engine refuses the quantization format",
+    ExitCode.HUB_UNREACHABLE: "Hub unreachable or timed out",
+    ExitCode.HUB_ACCESS: "Hub repo/file not found, gated, private, or bad token",
+    ExitCode.HUB_REFUSED: "Hub refused the request or rate-limited it",
+    ExitCode.ENGINE_UNREACHABLE: "engine server unreachable",
+    ExitCode.ENGINE_ANSWER: "not a vLLM OpenAI server, or an unexpected answer",
+    ExitCode.ENGINE_MODEL: "the server serves another model",
+    ExitCode.ENGINE_SPEC_DECODE: "the server has no speculative decoding configured",
+    ExitCode.ENGINE_START: "the engine server failed to start",
+    ExitCode.INTERRUPTED: "interrupted",
+}
+
+
+def exit_code_table() -> str:
+    """The exit codes as ``--help`` prints them."""
+    return "\n".join(f"  {int(code):>3}  {_MEANING[code]}" for code in ExitCode)
 
 
 class MtpquantError(Exception):
     """Base class; the CLI prints ``str(error)`` as one line and exits with ``exit_code``."""
 
-    exit_code = 1
+    exit_code: int = ExitCode.INTERNAL
+
+
+class UsageError(MtpquantError):
+    """A flag or option is invalid, or options contradict each other."""
+
+    exit_code = ExitCode.USAGE
+
+
+class RecipeError(UsageError):
+    """A recipe is unknown, malformed, has an unknown key, or does not fit the source family."""
+
+
+class CalibrationDataError(UsageError):
+    """Calibration data cannot be read or tokenised."""
+
+
+class DeviceError(UsageError):
+    """The requested device is not available."""
 
 
 class CheckpointError(MtpquantError):
     """A checkpoint is malformed: bad header, bad index, missing shard, refused pickle, ..."""
 
-    exit_code = 3
+    exit_code = ExitCode.CHECKPOINT
 
 
 class ConfigError(MtpquantError):
     """A config is missing, unreadable or contradicts the tensors."""
 
-    exit_code = 3
+    exit_code = ExitCode.CHECKPOINT
 
 
 class UnsupportedArchitectureError(MtpquantError):
     """The checkpoint is not one of the supported Qwen families."""
 
-    exit_code = 4
+    exit_code = ExitCode.ARCHITECTURE
 
 
 class OutputExistsError(MtpquantError):
-    """The output path exists and ``--overwrite`` was not given."""
+    """The output path exists (and ``--overwrite`` was not given), or is the source."""
 
-    exit_code = 5
+    exit_code = ExitCode.OUTPUT_EXISTS
+
+
+class MtpModeError(MtpquantError):
+    """The requested MTP mode needs an MTP the source does not have (or has only in part)."""
+
+    exit_code = ExitCode.MTP_MODE
+
+
+class IndivisibleDimensionError(MtpquantError):
+    """A Linear the recipe quantizes has an input dimension that is not a multiple of the block size."""
+
+    exit_code = ExitCode.INDIVISIBLE
+
+
+class OutputVerificationError(MtpquantError):
+    """The output failed verification (inspect verdict, index, tensor set) and was not published."""
+
+    exit_code = ExitCode.VERIFICATION
+
+
+class LineageError(MtpquantError):
+    """SRC and QUANT are not the same model (architecture, dimensions or MTP shapes differ)."""
+
+    exit_code = ExitCode.LINEAGE
+
+
+class SourceQuantizedError(MtpquantError):
+    """The source is already quantized; convert needs the BF16 checkpoint."""
+
+    exit_code = ExitCode.SOURCE_QUANTIZED
+
+
+class GraftError(MtpquantError):
+    """graft refuses: SRC's MTP unusable, QUANT already has a different one, an unsupported layout."""
+
+    exit_code = ExitCode.GRAFT_REFUSED
+
+
+class PublishRefusedError(MtpquantError):
+    """publish refuses: OUT is not publishable (checks failed, a secret in a file, nothing to upload)."""
+
+    exit_code = ExitCode.PUBLISH_REFUSED
+
+
+class UploadError(MtpquantError):
+    """The Hub refused the upload."""
+
+    exit_code = ExitCode.UPLOAD
+
+
+class HubUnreachableError(MtpquantError):
+    """The Hub (or the mirror in HF_ENDPOINT) cannot be reached, or did not answer in time."""
+
+    exit_code = ExitCode.HUB_UNREACHABLE
+
+
+class HubAccessError(MtpquantError):
+    """The repo, revision or file does not exist, or is gated / private / needs a (valid) token."""
+
+    exit_code = ExitCode.HUB_ACCESS
+
+
+class HubRefusedError(MtpquantError):
+    """The Hub refused the request (an error status, an answer that is not what it should be, rate limits)."""
+
+    exit_code = ExitCode.HUB_REFUSED
+
+
+class EngineUnreachableError(MtpquantError):
+    """The engine server cannot be reached."""
+
+    exit_code = ExitCode.ENGINE_UNREACHABLE
+
+
+class EngineAnswerError(MtpquantError):
+    """The server is not a vLLM OpenAI-compatible server, or answered something unexpected."""
+
+    exit_code = ExitCode.ENGINE_ANSWER
+
+
+class EngineModelError(MtpquantError):
+    """The server serves another model than the one asked for."""
+
+    exit_code = ExitCode.ENGINE_MODEL
+
+
+class EngineSpecDecodeError(MtpquantError):
+    """The server has no speculative decoding configured: its counters are absent or did not move."""
+
+    exit_code = ExitCode.ENGINE_SPEC_DECODE
+
+
+class EngineStartError(MtpquantError):
+    """The engine server failed to start (the message names its log)."""
+
+    exit_code = ExitCode.ENGINE_START

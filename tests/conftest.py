@@ -12,12 +12,15 @@ import pytest
 
 from mtpquant.synth.tiny import make_tiny_checkpoint
 from mtpquant.testing.hubserver import LocalHub
+from tests.support.engine import EnginePool
 
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 # A copy of shared/fixtures/real-layouts (tables of real Hub checkpoints), so a bare clone can test.
 REAL_LAYOUTS = Path(__file__).resolve().parent / "fixtures" / "real-layouts"
+# Quants made by the peers' own tools (scripts/make_peer_fixtures.py), committed.
+PEER_FIXTURES = Path(__file__).resolve().parent / "fixtures" / "peers"
 
 
 def _fingerprint(root: Path) -> str:
@@ -83,6 +86,31 @@ def tiny_copy(tiny_factory: Callable[[str], Path], tmp_path: Path) -> Callable[[
 def real_layouts() -> Path:
     """The directory of real checkpoint layout tables (shared fixtures)."""
     return REAL_LAYOUTS
+
+
+@pytest.fixture(scope="session")
+def peer_quant() -> Iterator[Callable[[str], Path]]:
+    """The path of a committed peer quant (tests/fixtures/peers/NAME); fails if a test writes into one."""
+    seen: dict[str, str] = {}
+
+    def get(name: str) -> Path:
+        path = PEER_FIXTURES / name
+        seen.setdefault(name, _fingerprint(path))
+        return path
+
+    yield get
+    for name, fp in seen.items():
+        assert _fingerprint(PEER_FIXTURES / name) == fp, f"a test modified the committed peer quant {name}"
+
+
+@pytest.fixture(scope="session")
+def vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EnginePool]:
+    """Real vLLM CPU servers, shared by the engine tests (the engine environment is built when missing)."""
+    from tests.support.vllm_env import ensure_vllm_env
+
+    pool = EnginePool(ensure_vllm_env(), tmp_path_factory.mktemp("vllm-logs"))
+    yield pool
+    pool.close()
 
 
 @pytest.fixture

@@ -168,15 +168,34 @@ def test_unsafe_shard_names(tiny_copy: Callable[[str], Path], bad: str) -> None:
     assert str(err.value) == f"{INDEX_NAME}: shard name {bad!r} is not a relative .safetensors file name"
 
 
-def test_total_size_mismatch(tiny_copy: Callable[[str], Path]) -> None:
+@pytest.mark.parametrize("declared", [0, 12345, "3.1 MB", None])
+def test_wrong_total_size_is_advisory(tiny_copy: Callable[[str], Path], declared: object) -> None:
+    # No loader reads total_size (llm-compressor writes it from file sizes, AutoRound as 0): a warning, never a
+    # refusal, even with strict=True.
     path = tiny_copy("qwen3_5_moe")
     index = _index(path)
     actual = index["metadata"]["total_size"]
-    index["metadata"]["total_size"] = 0
+    index["metadata"]["total_size"] = declared
     _write_index(path, index)
-    with pytest.raises(CheckpointError) as err:
-        Checkpoint.open(path)
-    assert str(err.value) == f"{INDEX_NAME}: metadata.total_size is 0 but the tensors hold {actual} bytes"
+    ckpt = Checkpoint.open(path, strict=True)
+    if declared is None:  # an index without total_size is fine
+        assert ckpt.problems == []
+        return
+    (problem,) = ckpt.problems
+    assert problem.code == "total_size" and not problem.fatal
+    assert problem.message == (
+        f"{INDEX_NAME}: metadata.total_size is {declared!r} but the tensors hold {actual} bytes "
+        "(advisory: no loader reads it)"
+    )
+
+
+def test_stray_shard_is_advisory(tiny_copy: Callable[[str], Path]) -> None:
+    path = tiny_copy("qwen3_5_moe")
+    shutil.copyfile(path / MOE_SHARDS[0], path / "extra.safetensors")
+    ckpt = Checkpoint.open(path, strict=True)
+    (problem,) = ckpt.problems
+    assert not problem.fatal
+    assert problem.message == f"extra.safetensors: shard exists but {INDEX_NAME} does not reference it"
 
 
 def test_non_strict_collects_all_problems(tiny_copy: Callable[[str], Path]) -> None:

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
+from mtpquant.errors import CalibrationDataError
 from mtpquant.pipeline.calibration import build_calibration_data, load_tokenizer
-from mtpquant.pipeline.errors import CalibrationDataError
 from mtpquant.pipeline.plan import check_calibration_source
 
 TEMPLATE = "{% for m in messages %}<|bos|>{{ m['role'] }}\n{{ m['content'] }}<|endoftext|>{% endfor %}"

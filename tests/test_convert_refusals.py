@@ -10,6 +10,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from mtpquant.cli import main
+from mtpquant.errors import ExitCode
 from mtpquant.synth.tiny import TinySpec, make_tiny_checkpoint
 
 Factory = Callable[[str], Path]
@@ -57,7 +58,7 @@ def test_mtp_mode_on_source_without_mtp(
 ) -> None:
     src = make_tiny_checkpoint(tmp_path / "no-mtp", TinySpec("qwen3_5", mtp=False), tokenizer=False)
     code, msg = _run(capsys, str(src), str(work / "out"), "--mtp", mode)
-    assert code == 6
+    assert code == ExitCode.MTP_MODE
     assert msg == (
         f"{src}: has no MTP tensors (mtp.*), so --mtp {mode} has nothing to work on; use --mtp drop to convert "
         "without MTP, or add one with `mtpquant graft`"
@@ -68,7 +69,8 @@ def test_mtp_mode_on_source_without_mtp(
 def test_keep_mtp_flag_on_source_without_mtp(tmp_path: Path, work: Path, capsys: pytest.CaptureFixture[str]) -> None:
     src = make_tiny_checkpoint(tmp_path / "no-mtp", TinySpec("qwen3_5_moe", mtp=False), tokenizer=False)
     code, msg = _run(capsys, str(src), str(work / "out"), "--keep-mtp")
-    assert code == 6 and "--mtp keep has nothing to work on; use --mtp drop" in msg and "mtpquant graft" in msg
+    assert code == ExitCode.MTP_MODE
+    assert "--mtp keep has nothing to work on; use --mtp drop" in msg and "mtpquant graft" in msg
     _nothing_written(work)
 
 
@@ -91,7 +93,7 @@ def test_incomplete_mtp(tiny_copy: Factory, work: Path, capsys: pytest.CaptureFi
     save_file(tensors, shard, metadata={"format": "pt"})
     (src / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index["weight_map"]}))
     code, msg = _run(capsys, str(src), str(work / "out"), "--mtp", "keep")
-    assert code == 6
+    assert code == ExitCode.MTP_MODE
     assert msg == (
         f"{src}: MTP incomplete, 1 of 15 expected tensors missing (first: {victim}); use --mtp drop, or repair "
         "the source with `mtpquant graft`"
@@ -143,7 +145,7 @@ def test_already_quantized_source(tiny_copy: Factory, work: Path, capsys: pytest
     config["quantization_config"] = {"quant_method": "modelopt", "quant_algo": "NVFP4", "ignore": []}
     (src / "config.json").write_text(json.dumps(config))
     code, msg = _run(capsys, str(src), str(work / "out"))
-    assert code == 6
+    assert code == ExitCode.SOURCE_QUANTIZED
     assert msg == (
         f"{src}: already quantized (modelopt NVFP4); convert needs the BF16 checkpoint (to add a missing MTP to an "
         "existing quant, use `mtpquant graft`)"

@@ -27,6 +27,7 @@ from mtpquant.checkpoint.index import INDEX_NAME
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.checkpoint.writer import PARTIAL_MARK, OutputDir, PlannedTensor
 from mtpquant.cli import main
+from mtpquant.errors import ExitCode
 from mtpquant.families import is_mtp_name
 from mtpquant.formats.quant_config import HF_QUANT_CONFIG
 from mtpquant.inspect.report import inspect_checkpoint
@@ -411,7 +412,8 @@ def test_replace_needs_flag_and_then_swaps_the_mtp(
     capsys.readouterr()
     rc = main(["-q", "graft", str(grafted), "--from", str(src2), "--in-place"])
     err = capsys.readouterr().err.strip()
-    assert rc == 6 and "already has an MTP" in err and "--replace" in err and len(err.splitlines()) == 1
+    assert rc == ExitCode.GRAFT_REFUSED
+    assert "already has an MTP" in err and "--replace" in err and len(err.splitlines()) == 1
     assert tree_state(tmp_path) == state
     out = tmp_path / "replaced"
     result = graft(GraftOptions(quant=grafted, source=src2, out=out, replace=True))
@@ -497,28 +499,39 @@ def test_refusals_are_one_line_and_write_nothing(
     (bad_meta / HF_QUANT_CONFIG).write_text(json.dumps(hfq))
     out = str(tmp_path / "out")
     cases = [
-        (["graft", str(bad_meta), "--from", str(src), "--in-place"], 3, "must be a list of strings"),
-        (["graft", str(quant), "--from", str(tiny_factory("qwen3_5_moe")), "--out", out], 9, "Qwen3.5 / Qwen3.6 MoE"),
+        (["graft", str(bad_meta), "--from", str(src), "--in-place"], ExitCode.CHECKPOINT, "must be a list of strings"),
+        (
+            ["graft", str(quant), "--from", str(tiny_factory("qwen3_5_moe")), "--out", out],
+            ExitCode.LINEAGE,
+            "Qwen3.5 / Qwen3.6 MoE",
+        ),
         (
             ["graft", str(quant), "--from", str(other_dims), "--out", out],
-            9,
+            ExitCode.LINEAGE,
             "lineage mismatch between QUANT and SRC: hidden_size 128 vs 256",
         ),
-        (["graft", str(quant), "--from", str(lying), "--out", out], 3, "contradict"),
+        (["graft", str(quant), "--from", str(lying), "--out", out], ExitCode.CHECKPOINT, "contradict"),
         (
             ["graft", str(quant), "--from", str(naive_export_factory("qwen3_5")), "--out", out],
-            6,
+            ExitCode.MTP_MODE,
             "has no mtp.* tensors",
         ),
-        (["graft", str(quant), "--from", str(src), "--out", str(tmp_path / "exists")], 5, "already exists"),
-        (["graft", str(tmp_path / "empty"), "--from", str(src), "--out", out], 3, "config.json is missing"),
-        (["graft", str(tmp_path / "nowhere"), "--from", str(src), "--out", out], 3, "no such directory"),
-        (["graft", str(hostile), "--from", str(src), "--out", out], 3, "not a relative .safetensors"),
-        (["graft", str(quant), "--from", str(hostile), "--in-place"], 3, "not a relative .safetensors"),
-        (["graft", str(missing_shard), "--from", str(src), "--in-place"], 3, "does not exist"),
-        (["graft", str(quant), "--from", str(src), "--out", out, "--mtp", "quantize"], 6, "convert"),
-        (["graft", str(quant), "--fix-metadata", "--in-place"], 6, "no mtp.* tensors"),
-        (["graft", str(quant), "--from", str(src), "--fix-metadata", "--in-place"], 6, "takes no --from"),
+        (
+            ["graft", str(quant), "--from", str(src), "--out", str(tmp_path / "exists")],
+            ExitCode.OUTPUT_EXISTS,
+            "already exists",
+        ),
+        (
+            ["graft", str(tmp_path / "empty"), "--from", str(src), "--out", out],
+            ExitCode.CHECKPOINT,
+            "config.json is missing",
+        ),
+        (["graft", str(tmp_path / "nowhere"), "--from", str(src), "--out", out], ExitCode.CHECKPOINT, "no such dir"),
+        (["graft", str(hostile), "--from", str(src), "--out", out], ExitCode.CHECKPOINT, "not a relative .safetensors"),
+        (["graft", str(quant), "--from", str(hostile), "--in-place"], ExitCode.CHECKPOINT, "not a relative .safet"),
+        (["graft", str(missing_shard), "--from", str(src), "--in-place"], ExitCode.CHECKPOINT, "does not exist"),
+        (["graft", str(quant), "--fix-metadata", "--in-place"], ExitCode.GRAFT_REFUSED, "no mtp.* tensors"),
+        (["graft", str(quant), "--from", str(src), "--fix-metadata", "--in-place"], ExitCode.USAGE, "takes no --from"),
     ]
     state = tree_state(tmp_path)
     for argv, code, text in cases:

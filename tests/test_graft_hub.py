@@ -11,8 +11,8 @@ import pytest
 from mtpquant.checkpoint.source import HubSource
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.cli import main
+from mtpquant.errors import ExitCode, MtpModeError
 from mtpquant.inspect.report import inspect_checkpoint
-from mtpquant.pipeline.errors import MtpModeError
 from mtpquant.pipeline.graft import GraftOptions, graft
 from mtpquant.testing.hubserver import LocalHub
 from tests.test_graft import tensor_digests, tree_state
@@ -85,7 +85,8 @@ def test_hub_quant_and_hub_src_with_revisions(
         ["-q", "graft", "org/quant", "--revision", "v2", "--from", "org/src", "--from-revision", "bf16", "--in-place"]
     )
     err = capsys.readouterr().err.strip()
-    assert rc == 6 and "--in-place needs a local QUANT directory" in err and len(err.splitlines()) == 1, (rc, err)
+    assert rc == ExitCode.USAGE, (rc, err)
+    assert "--in-place needs a local QUANT directory" in err and len(err.splitlines()) == 1, (rc, err)
 
 
 def test_ranged_reads_failing_fall_back_to_downloading_only_mtp_shards(

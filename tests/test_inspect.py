@@ -216,7 +216,8 @@ def test_cli_json_and_strict_exit_codes(
     naive_export_factory: Factory, tiny_factory: Factory, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert cli(["inspect", str(naive_export_factory("qwen3_5")), "--strict"]) == EXIT_DECLARED_MISSING
-    assert cli(["inspect", str(naive_export_factory("qwen3_5"))]) == 0
+    # without --strict a FAIL finding still exits non-zero: `inspect X && deploy` must not deploy it
+    assert cli(["inspect", str(naive_export_factory("qwen3_5"))]) == EXIT_DECLARED_MISSING
     capsys.readouterr()
     assert cli(["inspect", str(tiny_factory("qwen3_next")), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)

@@ -17,10 +17,9 @@ from huggingface_hub import HfApi, ModelCard
 from huggingface_hub.repocard import REGEX_YAML_BLOCK, metadata_load
 
 from mtpquant.cli import main as cli
+from mtpquant.errors import ExitCode
 from mtpquant.hub.card import card_origin, human_size, validate_card_metadata
 from mtpquant.hub.publish import (
-    EXIT_REFUSED,
-    EXIT_UPLOAD,
     PublishOptions,
     PublishRefusedError,
     PublishUsageError,
@@ -279,7 +278,7 @@ def test_gate_refuses_declared_but_missing_mtp_and_force_overrides(
         publish(PublishOptions(out=naive, repo=REPO))
     msg = str(err.value)
     assert "\n" not in msg and "MTP declared but missing" in msg and "--force" in msg
-    assert cli(["publish", str(naive), "--repo", REPO]) == EXIT_REFUSED
+    assert cli(["publish", str(naive), "--repo", REPO]) == ExitCode.PUBLISH_REFUSED
     stderr = capsys.readouterr().err.strip().splitlines()
     assert stderr[-1].startswith("mtpquant: error: refusing to publish") and "MTP declared but missing" in stderr[-1]
     assert local_hub.requests == [] and not (naive / "README.md").exists()
@@ -423,7 +422,7 @@ def test_wrong_token_fails_in_one_line_without_the_token_and_uploads_nothing(
     with LocalHub(tmp_path / "hub", token=TOKEN) as hub, hub.client_env(tmp_path / "home", token=wrong):
         with pytest.raises(UploadError) as err:
             publish(PublishOptions(out=out, repo=REPO))
-        assert cli(["publish", str(out), "--repo", REPO]) == EXIT_UPLOAD
+        assert cli(["publish", str(out), "--repo", REPO]) == ExitCode.UPLOAD
         printed = capsys.readouterr()
         # explicit token argument, wrong as well
         with pytest.raises(UploadError) as err2:
@@ -482,7 +481,7 @@ def test_unreachable_hub_is_one_line(
     out: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens there
-    assert cli(["publish", str(out), "--repo", REPO]) == EXIT_UPLOAD
+    assert cli(["publish", str(out), "--repo", REPO]) == ExitCode.UPLOAD
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == (
         f"mtpquant: error: publishing to {REPO} failed while creating the repo: ConnectError: [Errno 111] "

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from mtpquant.errors import RecipeError
 from mtpquant.families import FAMILIES
-from mtpquant.pipeline.errors import RecipeError
 from mtpquant.pipeline.recipes import (
     MODELOPT_NVFP4_DISABLED,
     apply_overrides,

@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.cli import main
+from mtpquant.errors import ExitCode
 from mtpquant.formats.fp8 import quantize_fp8_per_tensor
 from mtpquant.formats.nvfp4 import (
     dequantize_nvfp4,
@@ -457,7 +458,7 @@ def test_cli_single_checkpoint_json(tiny_factory: Callable[[str], Path], capsys:
     data = json.loads(capsys.readouterr().out)
     assert data["mode"] == "single" and data["schema"] == "mtpquant.validate/1"
     assert len(data["reference"]["acceptance"]["by_k"]) == 2
-    assert rc == {"pass": 0, "warn": 1, "fail": 6}[data["verdict"]["status"]]
+    assert rc == {"pass": 0, "warn": ExitCode.VALIDATE_WARN, "fail": ExitCode.VALIDATE_FAIL}[data["verdict"]["status"]]
 
 
 def test_cli_missing_mtp_fails(naive_export_factory: Callable[[str], Path], capsys: pytest.CaptureFixture[str]) -> None:
@@ -475,7 +476,7 @@ def test_cli_missing_mtp_fails(naive_export_factory: Callable[[str], Path], caps
         ]
     )
     out = capsys.readouterr().out
-    assert rc == 6 and "FAIL" in out and "no mtp.* tensors" in out
+    assert rc == ExitCode.VALIDATE_FAIL and "FAIL" in out and "no mtp.* tensors" in out
 
 
 def test_bad_options() -> None:

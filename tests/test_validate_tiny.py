@@ -17,6 +17,7 @@ import pytest
 
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.cli import main
+from mtpquant.errors import ExitCode
 from mtpquant.families import TensorClass
 from mtpquant.synth.train import TINY_MTP_ASSET
 from mtpquant.validate.run import ValidateOptions, ValidationReport, validate
@@ -141,6 +142,6 @@ def test_dropped_mtp_is_a_failure(
     _, hidden, _ = keep_pair
     drop = converted("drop")
     argv = ["-q", "validate", str(ASSET), str(drop), "--hidden", str(hidden), "--num-prompts", "3", "--device", "cpu"]
-    assert main(argv) == 6
+    assert main(argv) == ExitCode.VALIDATE_FAIL
     out = capsys.readouterr().out
     assert "verdict: FAIL: candidate: the checkpoint has no MTP layer" in out

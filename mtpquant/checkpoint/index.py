@@ -1,4 +1,11 @@
-"""The shard index (``model.safetensors.index.json``): path safety and consistency checks."""
+"""The shard index (``model.safetensors.index.json``): path safety and consistency checks.
+
+Every check is classified by what the loaders (transformers, vLLM, SGLang) enforce. What they enforce, or
+what makes loaders disagree about which tensors a checkpoint holds, is *fatal*: a shard the index names is
+missing, a tensor is missing from its shard, a shard tensor is absent from the index, a tensor sits in two
+shards, an unsafe shard name. What no loader reads is *advisory* (a warning, never a refusal):
+``metadata.total_size`` (peers write it from file sizes, or as 0), shards the index does not reference.
+"""
 
 from __future__ import annotations
 
@@ -10,10 +17,23 @@ from typing import Any
 from mtpquant.checkpoint.header import ShardHeader
 from mtpquant.errors import CheckpointError
 
-__all__ = ["INDEX_NAME", "SINGLE_NAME", "Problem", "build_index", "check_shard_name", "parse_index", "validate_index"]
+__all__ = [
+    "ADVISORY_CODES",
+    "INDEX_NAME",
+    "SINGLE_NAME",
+    "Problem",
+    "build_index",
+    "check_shard_name",
+    "parse_index",
+    "validate_index",
+]
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
+
+
+# Problem codes no loader enforces: reported as warnings, never a refusal.
+ADVISORY_CODES = frozenset({"total_size", "stray_shard"})
 
 
 @dataclass(frozen=True)
@@ -22,6 +42,11 @@ class Problem:
 
     code: str
     message: str
+
+    @property
+    def fatal(self) -> bool:
+        """Whether loaders enforce it (False: advisory, a warning at most)."""
+        return self.code not in ADVISORY_CODES
 
 
 def check_shard_name(name: Any, where: str = INDEX_NAME) -> str:
@@ -36,8 +61,8 @@ def check_shard_name(name: Any, where: str = INDEX_NAME) -> str:
     return str(name)
 
 
-def parse_index(raw: Any) -> tuple[dict[str, str], int | None]:
-    """The weight map and declared total_size of an index, with shard names checked."""
+def parse_index(raw: Any) -> tuple[dict[str, str], Any]:
+    """The weight map and the declared ``metadata.total_size`` (as written) of an index, shard names checked."""
     if not isinstance(raw, Mapping) or not isinstance(raw.get("weight_map"), Mapping):
         raise CheckpointError(f"{INDEX_NAME}: no 'weight_map' object")
     weight_map: dict[str, str] = {}
@@ -47,18 +72,12 @@ def parse_index(raw: Any) -> tuple[dict[str, str], int | None]:
             checked.add(check_shard_name(shard))
         weight_map[str(tensor)] = shard
     meta = raw.get("metadata") or {}
-    total = meta.get("total_size") if isinstance(meta, Mapping) else None
-    if total is not None and (not isinstance(total, int) or isinstance(total, bool)):
-        try:
-            total = int(total)
-        except (TypeError, ValueError):
-            raise CheckpointError(f"{INDEX_NAME}: metadata.total_size {total!r} is not an integer") from None
-    return weight_map, total
+    return weight_map, meta.get("total_size") if isinstance(meta, Mapping) else None
 
 
 def validate_index(
     weight_map: Mapping[str, str],
-    total_size: int | None,
+    total_size: Any,
     headers: Mapping[str, ShardHeader],
     missing_shards: set[str],
 ) -> list[Problem]:
@@ -91,14 +110,24 @@ def validate_index(
                 )
     if total_size is not None and not missing_shards:
         actual = sum(e.nbytes for h in headers.values() for e in h.tensors.values())
-        if total_size != actual:
+        if _as_int(total_size) != actual:
             problems.append(
                 Problem(
                     "total_size",
-                    f"{INDEX_NAME}: metadata.total_size is {total_size} but the tensors hold {actual} bytes",
+                    f"{INDEX_NAME}: metadata.total_size is {total_size!r} but the tensors hold {actual} bytes "
+                    "(advisory: no loader reads it)",
                 )
             )
     return problems
+
+
+def _as_int(value: Any) -> int | None:
+    if isinstance(value, bool):
+        return None
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None
 
 
 def build_index(headers: Mapping[str, ShardHeader], extra_metadata: Mapping[str, Any] | None = None) -> dict[str, Any]:

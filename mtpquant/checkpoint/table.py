@@ -61,8 +61,9 @@ class Checkpoint:
     ) -> Checkpoint:
         """Open a checkpoint from a path, a Hub repo id or a source.
 
-        With ``strict`` any index defect raises ``CheckpointError``; otherwise defects are
-        collected in ``problems`` (inspect reports them all). Malformed headers always raise.
+        With ``strict`` a fatal index defect (one loaders enforce) raises ``CheckpointError``; every defect,
+        fatal or advisory, is collected in ``problems`` (inspect reports them all). Malformed headers always
+        raise.
 
         ``reuse``: an already-open local checkpoint whose validated shard headers may stand in for
         re-parsing a shard of the same name that is the very same file, unchanged (same device, inode,
@@ -112,7 +113,7 @@ class Checkpoint:
             problems += [
                 Problem("stray_shard", f"{s}: shard exists but {INDEX_NAME} does not reference it") for s in stray
             ]
-        fatal = [p for p in problems if p.code != "stray_shard"]
+        fatal = [p for p in problems if p.fatal]
         if strict and fatal:
             raise CheckpointError(fatal[0].message)
 

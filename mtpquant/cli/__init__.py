@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 
 from mtpquant import __version__
-from mtpquant.errors import MtpquantError
+from mtpquant.errors import ExitCode, MtpquantError, exit_code_table
 
 __all__ = ["main"]
 
@@ -24,6 +24,8 @@ def build_parser() -> argparse.ArgumentParser:
         description=(
             "Quantize Qwen checkpoints to NVFP4 without losing their MTP layer; repair, inspect, validate, publish."
         ),
+        epilog="exit codes:\n" + exit_code_table(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"mtpquant {__version__}")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
@@ -60,10 +62,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as exc:  # disk full, permissions, ...: one line, the temp output already removed
         where = f"{exc.filename}: " if exc.filename else ""
         print(f"mtpquant: error: {where}{exc.strerror or exc}", file=sys.stderr)
-        return 6
+        return int(ExitCode.IO)
     except KeyboardInterrupt:
         print("mtpquant: interrupted; no output was left behind", file=sys.stderr)
-        return 130
+        return int(ExitCode.INTERRUPTED)
 
 
 if __name__ == "__main__":

@@ -98,8 +98,8 @@ def run(args: argparse.Namespace) -> int:
     import logging
     import os
 
+    from mtpquant.errors import RecipeError
     from mtpquant.pipeline import ConvertOptions, convert
-    from mtpquant.pipeline.errors import RecipeError
 
     if args.keep_mtp and args.mtp not in (None, "keep"):
         raise RecipeError(f"--keep-mtp contradicts --mtp {args.mtp}")

@@ -17,10 +17,10 @@ examples:
   mtpquant graft ./Qwen3.5-27B-NVFP4 --from ./Qwen3.5-27B --in-place
   mtpquant graft ./Qwen3.5-397B-A17B-NVFP4 --fix-metadata --in-place
 
-exit codes: 0 done (or nothing to do), 3 QUANT/SRC is not a valid checkpoint, 4 unsupported
-architecture, 5 OUT exists, 6 graft refused (SRC has no MTP, QUANT has a different MTP without
---replace, --mtp quantize), 8 the result failed verification (nothing put in place), 9 lineage
-mismatch (SRC and QUANT are different models).
+exit codes: 0 done (or nothing to do), 2 bad options, 3 QUANT/SRC is not a valid checkpoint,
+4 unsupported architecture, 5 OUT exists, 6 SRC has no MTP, 8 the result failed verification (nothing
+put in place), 9 lineage mismatch (SRC and QUANT are different models), 16 graft refused (QUANT has a
+different MTP without --replace, SRC's MTP is quantized or incomplete). All: `mtpquant --help`.
 """
 
 
@@ -60,12 +60,6 @@ def register(subparsers: Any) -> None:
         help="repair QUANT itself: built beside it, verified, then swapped in atomically "
         "(a kill leaves QUANT as it was, or repaired)",
     )
-    p.add_argument(
-        "--mtp",
-        choices=("keep", "quantize"),
-        default="keep",
-        help="keep: copy SRC's MTP as it is (default); quantize: refused, see the message",
-    )
     p.add_argument("--replace", action="store_true", help="replace an MTP QUANT already has")
     p.add_argument(
         "--fix-metadata",
@@ -96,7 +90,6 @@ def run(args: argparse.Namespace) -> int:
         source=args.source,
         out=args.out,
         in_place=args.in_place,
-        mtp=args.mtp,
         replace=args.replace,
         fix_metadata=args.fix_metadata,
         revision=args.revision,

@@ -7,12 +7,19 @@ import json
 import os
 
 from mtpquant.inspect.render import render_text
-from mtpquant.inspect.report import EXIT_DECLARED_MISSING, EXIT_EXCLUSIONS, EXIT_INDEX, inspect_checkpoint
+from mtpquant.inspect.report import (
+    EXIT_DECLARED_MISSING,
+    EXIT_EXCLUSIONS,
+    EXIT_FORMAT,
+    EXIT_INDEX,
+    inspect_checkpoint,
+)
 
-EPILOG = f"""exit codes with --strict: 0 healthy; {EXIT_DECLARED_MISSING} MTP declared but missing (or incomplete,
-or present but undeclared); {EXIT_EXCLUSIONS} exclusions inconsistent with the tensors; {EXIT_INDEX} index corrupt.
-Without --strict the exit code is 0 whenever a report could be produced. Errors reading the
-checkpoint (bad header, no config) exit 3."""
+EPILOG = f"""exit codes: 0 healthy; {EXIT_INDEX} index corrupt; {EXIT_FORMAT} an engine refuses the quantization
+format; {EXIT_DECLARED_MISSING} MTP declared but missing (or incomplete, or present but undeclared);
+{EXIT_EXCLUSIONS} exclusions inconsistent with the tensors (the most severe FAIL finding decides). --strict also
+counts warnings that carry one of these causes (e.g. an MTP that loads only through vLLM's mtp.fc workaround).
+Errors reading the checkpoint (bad header, no config) exit 3. All exit codes: `mtpquant --help`."""
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -27,7 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("checkpoint", help="local directory or Hub repo id (org/name)")
     p.add_argument("--revision", help="Hub revision (branch, tag or commit)")
     p.add_argument("--json", action="store_true", help="print the JSON report (schema: docs/inspect.md)")
-    p.add_argument("--strict", action="store_true", help="non-zero exit codes for problems (see below)")
+    p.add_argument("--strict", action="store_true", help="warnings with a cause also set the exit code (see below)")
     p.set_defaults(func=run)
 
 
@@ -38,4 +45,4 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(report.to_json(), indent=2))
     else:
         print(render_text(report))
-    return report.strict_exit_code() if args.strict else 0
+    return report.exit_code(strict=args.strict)

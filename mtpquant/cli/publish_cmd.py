@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from mtpquant.errors import ExitCode
 from mtpquant.hub.card import human_size
-from mtpquant.hub.publish import EXIT_REFUSED, EXIT_UPLOAD, PublishOptions, PublishResult, publish
+from mtpquant.hub.publish import PublishOptions, PublishResult, publish
 
 EPILOG = f"""Before anything is uploaded, OUT must pass the checks of `mtpquant inspect` (MTP present when
 declared, exclusions consistent with the tensors, index intact); --force publishes a failing OUT anyway
@@ -17,9 +18,10 @@ unless --overwrite-card. Remote *.safetensors and index files that OUT does not 
 same commit. The token comes from HF_TOKEN or `hf auth login`; HF_ENDPOINT selects another Hub server.
 
 exit codes: 0 published (or dry run done); 2 bad options (malformed --repo, --create-pr with --revision);
-4 unsupported architecture; {EXIT_REFUSED} refused (not a directory, unreadable or incomplete checkpoint,
-checks failed without --force, a file holding the Hub token); {EXIT_UPLOAD} the Hub refused the upload
-or could not be reached."""
+4 unsupported architecture; {int(ExitCode.PUBLISH_REFUSED)} refused (not a directory, unreadable or incomplete
+checkpoint, checks failed without --force, a file holding the Hub token); {int(ExitCode.UPLOAD)} the Hub
+refused the upload.
+All exit codes: `mtpquant --help`."""
 
 
 def register(sub: argparse._SubParsersAction) -> None:

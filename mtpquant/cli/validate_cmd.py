@@ -6,11 +6,10 @@ import argparse
 import json
 from pathlib import Path
 
+from mtpquant.errors import ExitCode
 from mtpquant.validate import ACTIVATION_MODES
 
-# Exit codes: 0 pass, 1 warn (AL dropped more than allowed), 6 fail (MTP missing or broken).
-EXIT_WARN = 1
-EXIT_FAIL = 6
+EXIT_BY_STATUS = {"pass": ExitCode.OK, "warn": ExitCode.VALIDATE_WARN, "fail": ExitCode.VALIDATE_FAIL}
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -22,7 +21,7 @@ def register(sub: argparse._SubParsersAction) -> None:
             "With one checkpoint: its MTP acceptance per draft position, acceptance rate and mean acceptance "
             "length for k = 1..K under greedy verification. With REFERENCE and CANDIDATE: both, plus MTP and "
             "main-model top-1 agreement and KL(ref || cand) on identical inputs, and a verdict. "
-            "Exit status: 0 pass, 1 warn, 6 fail."
+            f"Exit status: 0 pass, {int(ExitCode.VALIDATE_WARN)} warn, {int(ExitCode.VALIDATE_FAIL)} fail."
         ),
     )
     p.add_argument("reference", help="checkpoint directory or Hub repo id (alone: the checkpoint to evaluate)")
@@ -78,4 +77,4 @@ def run(args: argparse.Namespace) -> int:
         print(f"verdict: {verdict['status'].upper()}: " + "; ".join(verdict["reasons"]))
         if args.report_dir is not None:
             print(f"report: {args.report_dir / 'report.md'}")
-    return {"pass": 0, "warn": EXIT_WARN, "fail": EXIT_FAIL}[report.status]
+    return int(EXIT_BY_STATUS[report.status])

@@ -42,6 +42,10 @@ class QuantMetadata:
     declared_in: tuple[str, ...] = ()
     # exclusion lists per file, to report disagreement between config.json and hf_quant_config.json
     exclude_by_file: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    # AutoRound's own format: which blocks are quantized, per-layer overrides, the element type
+    blocks: tuple[str, ...] = ()
+    extra_config: Mapping[str, Any] = field(default_factory=dict)
+    data_type: str | None = None
 
     @property
     def is_modelopt(self) -> bool:
@@ -54,10 +58,17 @@ class QuantMetadata:
         return self.method == "compressed-tensors"
 
     @property
+    def is_auto_round(self) -> bool:
+        """AutoRound's own ``auto-round`` format (vLLM: ``inc``)."""
+        return self.method == "auto-round"
+
+    @property
     def vllm_method(self) -> str:
         """The vLLM quantization method name this metadata selects."""
         if self.is_compressed_tensors:
             return "compressed-tensors"
+        if self.is_auto_round:
+            return "inc"  # vLLM's INCConfig.override_quantization_method takes over auto-round
         if self.is_modelopt:
             algo = self.algo.upper()
             if algo == "MIXED_PRECISION":
@@ -120,6 +131,8 @@ def read_quant_metadata(config: Mapping[str, Any], hf_quant_config: Mapping[str,
                 ("config.json",),
                 by_file,
             )
+        if method == "auto-round":
+            return _auto_round(qc, by_file)
         layers = qc.get("quantized_layers") or (hfq or {}).get("layers") or {}
         declared = ("config.json", HF_QUANT_CONFIG) if hfq else ("config.json",)
         kv = qc.get("kv_cache_quant_algo") or (hfq or {}).get("kv")
@@ -145,6 +158,30 @@ def read_quant_metadata(config: Mapping[str, Any], hf_quant_config: Mapping[str,
             by_file,
         )
     return None
+
+
+def _auto_round(qc: Mapping[str, Any], by_file: dict[str, tuple[str, ...]]) -> QuantMetadata:
+    """AutoRound's format: ``block_name_to_quantize`` (comma-separated or a list) and ``extra_config``."""
+    blocks = qc.get("block_name_to_quantize") or qc.get("to_quant_block_names") or ()
+    if isinstance(blocks, str):
+        blocks = blocks.split(",")
+    extra = qc.get("extra_config")
+    data_type = qc.get("data_type")
+    bits = qc.get("bits")
+    group = qc.get("group_size")
+    algo = f"{data_type or 'int'}{bits}" if bits is not None else str(data_type or "")
+    return QuantMetadata(
+        "auto-round",
+        algo,
+        group if isinstance(group, int) and not isinstance(group, bool) else None,
+        None,
+        (),
+        declared_in=("config.json",),
+        exclude_by_file=by_file,
+        blocks=tuple(str(b) for b in blocks if isinstance(b, str)),
+        extra_config=dict(extra) if isinstance(extra, Mapping) else {},
+        data_type=str(data_type) if isinstance(data_type, str) else None,
+    )
 
 
 def _ct_group_size(qc: Mapping[str, Any]) -> int | None:

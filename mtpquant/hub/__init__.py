@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from mtpquant.hub.card import build_card, card_origin, validate_card_metadata
 from mtpquant.hub.publish import (
-    EXIT_REFUSED,
-    EXIT_UPLOAD,
     PublishFile,
     PublishOptions,
     PublishRefusedError,
@@ -19,8 +17,6 @@ from mtpquant.hub.publish import (
 )
 
 __all__ = [
-    "EXIT_REFUSED",
-    "EXIT_UPLOAD",
     "PublishFile",
     "PublishOptions",
     "PublishRefusedError",

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from mtpquant import __version__
-from mtpquant.errors import CheckpointError, ConfigError, MtpquantError
+from mtpquant.errors import CheckpointError, ConfigError, PublishRefusedError, UploadError, UsageError
 from mtpquant.hub.card import (
     CARD_NAME,
     CardFacts,
@@ -47,8 +47,6 @@ from mtpquant.hub.card import (
 )
 
 __all__ = [
-    "EXIT_REFUSED",
-    "EXIT_UPLOAD",
     "PublishFile",
     "PublishOptions",
     "PublishRefusedError",
@@ -62,8 +60,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-EXIT_REFUSED = 13
-EXIT_UPLOAD = 14
 # Weight files whose remote copies are replaced as a set (see module docstring).
 _REPLACED_REMOTE = ["*.safetensors", "*.safetensors.index.json"]
 # Hidden files and folders (temp dirs of interrupted writes, caches) are never uploaded.
@@ -76,22 +72,8 @@ _LICENSE_FILES = ("LICENSE", "LICENSE.txt", "LICENSE.md")
 _BRANCH_RE = re.compile(r"[A-Za-z0-9._/-]+")
 
 
-class PublishUsageError(MtpquantError):
+class PublishUsageError(UsageError):
     """The options are malformed: a repo id the Hub would refuse, ``--create-pr`` with a branch, ..."""
-
-    exit_code = 2
-
-
-class PublishRefusedError(MtpquantError):
-    """OUT may not be published: not a directory, incomplete, or failing the inspect checks without --force."""
-
-    exit_code = EXIT_REFUSED
-
-
-class UploadError(MtpquantError):
-    """The Hub refused the upload or could not be reached (nothing was committed by the failed call)."""
-
-    exit_code = EXIT_UPLOAD
 
 
 @dataclass(frozen=True)

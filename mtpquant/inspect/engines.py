@@ -2,27 +2,32 @@
 
 Mirrors vLLM 0.32's rules (``ModelOptQuantConfigBase.is_layer_excluded`` and
 ``apply_vllm_mapper`` in ``quantization/modelopt.py``, ``is_layer_skipped`` in
-``quantization/utils/quant_utils.py``, compressed-tensors ``should_ignore_layer``) and SGLang's
-Qwen3.5 MTP loader, as described in shared/reference/qwen-mtp.md. Pure functions on names.
+``quantization/utils/quant_utils.py``, compressed-tensors ``should_ignore_layer``, AutoRound's format
+through ``quantization/inc/inc.py`` and ``inc/config_parser.py``) and SGLang's Qwen3.5 MTP loader, as
+described in shared/reference/qwen-mtp.md. Pure functions on names.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from fnmatch import fnmatch
+from typing import Any
 
 from mtpquant.formats.quant_config import QuantMetadata
 
 __all__ = [
+    "INC_DATA_TYPES",
     "EngineModule",
     "FusedShardsError",
+    "auto_round_quantized",
     "ct_ignored",
     "engine_modules",
     "expand_modelopt_patterns",
     "modelopt_excluded",
     "vllm_builds_quantized",
+    "vllm_format_refusal",
 ]
 
 # vLLM packs these checkpoint Linears into one module; the shards must agree on precision.
@@ -34,6 +39,9 @@ PACKED = {
 }
 # Modules vLLM builds without any quantization config (router and shared-expert gate).
 ALWAYS_UNQUANTIZED = ("mlp.gate", "mlp.shared_expert_gate")
+# Element types vLLM 0.32's INC (AutoRound) config accepts: INCConfig.SUPPORTED_DTYPES, plus the mx_fp family.
+INC_DATA_TYPES = ("int", "fp", "mx_fp")
+_REGEX_CHARS = set(r"*+?^$()[]{}|\\")
 
 
 class FusedShardsError(ValueError):
@@ -124,6 +132,56 @@ def _mixed_quantized(prefix: str, meta: QuantMetadata) -> bool:
     return prefix in layers
 
 
+def vllm_format_refusal(meta: QuantMetadata | None) -> str | None:
+    """Why vLLM refuses the checkpoint's quantization format outright (before any MTP question), or None."""
+    if meta is None or not meta.is_auto_round:
+        return None
+    dt = meta.data_type or "int"
+    if dt in INC_DATA_TYPES or "mx_fp" in dt:
+        return None
+    return (
+        f"vLLM 0.32 does not support auto-round data_type {dt!r} (INC supports {', '.join(INC_DATA_TYPES)}): "
+        "the checkpoint will not load"
+    )
+
+
+def _extra_bits(prefix: str, extra: Mapping[str, Any]) -> int | None:
+    """``bits`` of the extra_config entry for ``prefix`` (exact, suffix, then regex key), as INC resolves it."""
+    for key in (prefix, f"model.{prefix}"):
+        cfg = extra.get(key)
+        if isinstance(cfg, dict):
+            return int(cfg.get("bits", 16))
+    for key, cfg in extra.items():
+        if isinstance(cfg, dict) and prefix.endswith(f".{key}"):
+            return int(cfg.get("bits", 16))
+    for key, cfg in extra.items():
+        if isinstance(cfg, dict) and any(c in _REGEX_CHARS for c in key):
+            try:
+                if re.search(key, prefix):
+                    return int(cfg.get("bits", 16))
+            except re.error:
+                continue
+    return None
+
+
+def auto_round_quantized(prefix: str, meta: QuantMetadata) -> tuple[bool, str]:
+    """AutoRound: an ``extra_config`` entry decides (bits >= 16: unquantized); else ``block_name_to_quantize``."""
+    packed = _packed_base(prefix)
+    names = [f"{packed[0]}.{s}" for s in packed[1]] if packed else [prefix]
+    bits = {_extra_bits(n, meta.extra_config) for n in names}
+    if len(bits) > 1:
+        raise FusedShardsError(f"the shards of {prefix} have different bits in the auto-round extra_config")
+    (b,) = bits
+    if b is not None:
+        return b < 16, f"auto-round extra_config bits {b}"
+    if meta.blocks:
+        inside = any(prefix.startswith(block) for block in meta.blocks)
+        return inside, ("inside" if inside else "outside") + " auto-round block_name_to_quantize"
+    if prefix == "lm_head" or prefix.endswith(".lm_head"):
+        return False, "vLLM builds lm_head unquantized for auto-round"
+    return True, "auto-round quantizes every Linear"
+
+
 def vllm_builds_quantized(module: EngineModule, meta: QuantMetadata | None) -> tuple[bool, str]:
     """Whether vLLM builds the module quantized, and a short reason. Raises FusedShardsError."""
     if meta is None:
@@ -142,6 +200,8 @@ def vllm_builds_quantized(module: EngineModule, meta: QuantMetadata | None) -> t
             return False, "excluded" if excluded else "forced unquantized by vLLM's mtp.fc workaround"
         excluded = modelopt_excluded(module.prefix, meta.exclude)
         return (not excluded, "excluded" if excluded else "not excluded")
+    if meta.is_auto_round:
+        return auto_round_quantized(module.prefix, meta)
     return True, f"quant_method {meta.method!r}"
 
 

@@ -15,13 +15,15 @@ from typing import Any
 
 from mtpquant.checkpoint.source import CheckpointSource, read_json
 from mtpquant.checkpoint.table import Checkpoint
+from mtpquant.errors import ExitCode
 from mtpquant.formats.quant_config import HF_QUANT_CONFIG, QuantMetadata, read_quant_metadata
-from mtpquant.inspect.engines import FusedShardsError, engine_modules, vllm_builds_quantized
+from mtpquant.inspect.engines import FusedShardsError, engine_modules, vllm_builds_quantized, vllm_format_refusal
 from mtpquant.inspect.precision import is_quantized, linear_modules, module_of, module_precision
 
 __all__ = [
     "EXIT_DECLARED_MISSING",
     "EXIT_EXCLUSIONS",
+    "EXIT_FORMAT",
     "EXIT_INDEX",
     "SCHEMA_VERSION",
     "InspectReport",
@@ -31,10 +33,17 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
-# --strict exit codes (documented in docs/inspect.md and the CLI help).
-EXIT_DECLARED_MISSING = 10
-EXIT_EXCLUSIONS = 11
-EXIT_INDEX = 12
+# Exit codes by finding category (documented in docs/inspect.md and the CLI help), most severe first.
+EXIT_INDEX = int(ExitCode.INSPECT_INDEX)
+EXIT_FORMAT = int(ExitCode.INSPECT_FORMAT)
+EXIT_DECLARED_MISSING = int(ExitCode.INSPECT_MTP)
+EXIT_EXCLUSIONS = int(ExitCode.INSPECT_EXCLUSIONS)
+_SEVERITY = (
+    ("index", EXIT_INDEX),
+    ("format", EXIT_FORMAT),
+    ("declared_missing", EXIT_DECLARED_MISSING),
+    ("exclusions", EXIT_EXCLUSIONS),
+)
 
 NUM_SPECULATIVE_TOKENS = 3
 
@@ -55,7 +64,7 @@ class ModuleReport:
 class Finding:
     """A failure or warning with the category that decides its --strict exit code."""
 
-    category: str  # "declared_missing" | "exclusions" | "index" | "note"
+    category: str  # "declared_missing" | "exclusions" | "index" | "format" | "note"
     message: str
 
 
@@ -98,22 +107,18 @@ class InspectReport:
         """One-line reasons, failures first."""
         return [f.message for f in self.failures]
 
-    def strict_exit_code(self) -> int:
-        """0, or the --strict code of the most severe category found (index, missing, exclusions)."""
-        cats = {f.category for f in (*self.failures, *self.warnings)}
-        for cat, code in (
-            ("index", EXIT_INDEX),
-            ("declared_missing", EXIT_DECLARED_MISSING),
-            ("exclusions", EXIT_EXCLUSIONS),
-        ):
+    def exit_code(self, *, strict: bool = False) -> int:
+        """0, or the code of the most severe category among the failures (with ``strict``: warnings too)."""
+        found = [*self.failures, *self.warnings] if strict else self.failures
+        cats = {f.category for f in found}
+        for cat, code in _SEVERITY:
             if cat in cats:
                 return code
         return 0
 
-    @property
-    def exit_code(self) -> int:
-        """Exit code under --strict."""
-        return self.strict_exit_code()
+    def strict_exit_code(self) -> int:
+        """The exit code under ``--strict``: warnings with a category count too."""
+        return self.exit_code(strict=True)
 
     def to_json(self) -> dict[str, Any]:
         """The stable JSON form (schema in docs/inspect.md)."""
@@ -333,18 +338,27 @@ def inspect_checkpoint(
     failures += _mtp_section(ckpt, meta, report)
     main, vision, main_findings = _main_section(ckpt, meta)
     failures += main_findings
-    index_problems = [p for p in ckpt.problems if p.code != "stray_shard"]
+    index_problems = [p for p in ckpt.problems if p.fatal]
     failures += [Finding("index", p.message) for p in index_problems]
-    warnings += [Finding("note", p.message) for p in ckpt.problems if p.code == "stray_shard"]
+    warnings += [Finding("note", p.message) for p in ckpt.problems if not p.fatal]
     label = ckpt.label
     verdicts, serve, notes = _verdicts(report, label)
     warnings += notes
+    if main_findings and verdicts["vllm"].startswith("vLLM: MTP loads"):
+        # the MTP would load, but the main model does not: that is what a user sees
+        verdicts["vllm"] = main_findings[0].message
+        serve.pop("vllm", None)
     if meta is not None and len(set(meta.exclude_by_file.values())) > 1:
         warnings.append(
             Finding("note", "config.json and hf_quant_config.json list different exclusions; vLLM reads config.json")
         )
     if vision["expected"] and not vision["present"]:
         warnings.append(Finding("note", "vision tower (model.visual.*) is missing: image input will not work"))
+    refusal = vllm_format_refusal(meta)
+    if refusal is not None:
+        failures.append(Finding("format", f"vLLM will fail to load: {refusal}"))
+        verdicts["vllm"] = f"vLLM will fail to load: {refusal}"
+        serve.pop("vllm", None)
     if index_problems:
         verdicts = dict.fromkeys(verdicts, f"index corrupt: {index_problems[0].message}")
         serve = {}
@@ -360,7 +374,8 @@ def inspect_checkpoint(
     index = {
         "shards": len(ckpt.shards),
         "tensors": len(ckpt.tensors),
-        "problems": [p.message for p in ckpt.problems],
+        "problems": [p.message for p in index_problems],
+        "warnings": [p.message for p in ckpt.problems if not p.fatal],
         "intact": not index_problems,
     }
     return InspectReport(

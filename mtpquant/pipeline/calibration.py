@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mtpquant.pipeline.errors import CalibrationDataError
+from mtpquant.errors import CalibrationDataError
 
 if TYPE_CHECKING:
     import torch

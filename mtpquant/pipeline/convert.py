@@ -28,9 +28,9 @@ from typing import Any
 from mtpquant import __version__
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.checkpoint.writer import OutputDir
+from mtpquant.errors import CalibrationDataError, OutputVerificationError
 from mtpquant.families import TensorClass, is_mtp_name
 from mtpquant.formats.quant_config import HF_QUANT_CONFIG, with_exclusions, without_exclusions
-from mtpquant.pipeline.errors import CalibrationDataError, OutputVerificationError
 from mtpquant.pipeline.mtp_modes import MtpOutcome
 from mtpquant.pipeline.plan import RECIPE_FILE, ConvertOptions, ConvertPlan, plan_convert
 

@@ -34,11 +34,10 @@ from mtpquant.checkpoint.index import INDEX_NAME, SINGLE_NAME
 from mtpquant.checkpoint.source import CheckpointSource, LocalSource, read_json
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.checkpoint.writer import OutputDir, PlannedTensor
-from mtpquant.errors import CheckpointError, OutputExistsError
+from mtpquant.errors import CheckpointError, OutputExistsError, OutputVerificationError, UsageError
 from mtpquant.formats.quant_config import HF_QUANT_CONFIG
 from mtpquant.inspect.report import inspect_checkpoint
 from mtpquant.pipeline import inplace
-from mtpquant.pipeline.errors import OutputVerificationError
 from mtpquant.pipeline.lineage import GraftError, LineageError, LineageReport, check_lineage, mtp_layer_count
 from mtpquant.pipeline.mtp_metadata import MetadataPlan, plan_metadata
 from mtpquant.pipeline.mtp_shards import write_mtp_shards
@@ -56,7 +55,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
-MTP_MODES = ("keep", "quantize")
 
 
 @dataclass(frozen=True)
@@ -67,7 +65,6 @@ class GraftOptions:
     source: str | os.PathLike[str] | None = None  # SRC: a directory or Hub repo id (None with fix_metadata)
     out: str | os.PathLike[str] | None = None
     in_place: bool = False
-    mtp: str = "keep"  # keep | quantize
     replace: bool = False
     fix_metadata: bool = False
     revision: str | None = None  # QUANT's Hub revision
@@ -208,6 +205,7 @@ class _Plan:
     strays: list[str] = field(default_factory=list)  # unreferenced *.safetensors in QUANT
     metadata: MetadataPlan = field(default_factory=MetadataPlan)
     mtp_layers: int = 0
+    index_fix: str | None = None  # QUANT's index declares a wrong total_size: the change line that corrects it
 
 
 def _weight_map(ckpt: Checkpoint) -> dict[str, str]:
@@ -223,6 +221,19 @@ def _read_hfq(ckpt: Checkpoint) -> dict[str, Any] | None:
     if not isinstance(raw, dict):
         raise CheckpointError(f"{ckpt.label}: {HF_QUANT_CONFIG} is not a JSON object")
     return raw
+
+
+def _total_size_fix(ckpt: Checkpoint) -> str | None:
+    """The change line when QUANT's index declares a wrong ``metadata.total_size`` (None when it is right).
+
+    No loader reads total_size (peers write it from file sizes, or as 0), so it is no reason to refuse;
+    but what graft writes carries the right one.
+    """
+    if ckpt.index is None or not any(p.code == "total_size" for p in ckpt.problems):
+        return None
+    meta = ckpt.index.get("metadata")
+    old = meta.get("total_size") if isinstance(meta, dict) else None
+    return f"{INDEX_NAME}: metadata.total_size = {ckpt.total_bytes} (was {old!r})"
 
 
 def _strays(ckpt: Checkpoint, weight_map: dict[str, str]) -> list[str]:
@@ -297,6 +308,9 @@ def _verify(
     # a hard link to a QUANT shard reuses the header parsed when QUANT was opened, but only when it is
     # that very file, unchanged since (device, inode, size, mtime). The index checks run in full.
     ckpt = Checkpoint.open(path, strict=True, reuse=quant)
+    wrong_total = [p.message for p in ckpt.problems if p.code == "total_size"]
+    if wrong_total:
+        raise fail(wrong_total[0])
     checks = ["headers+index"]
     present = {e.name: e.shape for e in ckpt.mtp_tensors()}
     if set(present) != set(expected):
@@ -392,9 +406,8 @@ def _write(
         entries.sort(key=lambda e: e.start)
         od.write_shard(shard, [_copy_of(quant, e) for e in entries], quant.headers[shard].metadata or None)
         result.rewritten.append(shard)
-    json_files = (
-        [*plan.metadata.changed_files, INDEX_NAME] if plan.add or plan.removed else list(plan.metadata.changed_files)
-    )
+    rewrite_index = bool(plan.add or plan.removed or plan.index_fix)
+    json_files = [*plan.metadata.changed_files, INDEX_NAME] if rewrite_index else list(plan.metadata.changed_files)
     written = set(result.new_shards) | set(plan.rewrite)
     skip = written | set(plan.drop) | set(json_files)
     carried_strays = set(plan.strays) if target.mode == "in-place" else set()  # --out leaves strays behind
@@ -449,22 +462,14 @@ def _copy_of(ckpt: Checkpoint, entry: TensorEntry) -> PlannedTensor:
 
 
 def _check_options(options: GraftOptions) -> None:
-    if options.mtp not in MTP_MODES:
-        raise GraftError(f"--mtp {options.mtp!r}: graft supports {', '.join(MTP_MODES)}")
-    if options.mtp == "quantize":
-        raise GraftError(
-            "graft --mtp quantize needs the BF16 target model and calibration data to calibrate the MTP's "
-            "activation scales, which graft does not run: use `mtpquant convert SRC OUT --mtp quantize`, "
-            "or graft with --mtp keep (BF16 MTP, served by vLLM and SGLang)"
-        )
     if (options.out is None) == (not options.in_place):
-        raise GraftError("give exactly one of --out OUT or --in-place")
+        raise UsageError("give exactly one of --out OUT or --in-place")
     if options.fix_metadata and options.source is not None:
-        raise GraftError("--fix-metadata takes no --from: it repairs metadata only and touches no tensor file")
+        raise UsageError("--fix-metadata takes no --from: it repairs metadata only and touches no tensor file")
     if not options.fix_metadata and options.source is None:
-        raise GraftError("give --from SRC (the checkpoint that still has the MTP), or --fix-metadata")
+        raise UsageError("give --from SRC (the checkpoint that still has the MTP), or --fix-metadata")
     if options.max_shard_bytes <= 0:
-        raise GraftError("--max-shard-size must be positive")
+        raise UsageError("--max-shard-size must be positive")
 
 
 def _check_out(options: GraftOptions, quant: Checkpoint) -> None:
@@ -482,7 +487,7 @@ def _check_out(options: GraftOptions, quant: Checkpoint) -> None:
 def _open_quant(options: GraftOptions) -> Checkpoint:
     quant = Checkpoint.open(options.quant, revision=options.revision, token=options.token)
     if options.in_place and not isinstance(quant.source, LocalSource):
-        raise GraftError(f"{quant.label}: --in-place needs a local QUANT directory; for a Hub repo use --out")
+        raise UsageError(f"{quant.label}: --in-place needs a local QUANT directory; for a Hub repo use --out")
     return quant
 
 
@@ -541,6 +546,7 @@ def graft(options: GraftOptions) -> GraftResult:
             plan.metadata = plan_metadata(
                 quant.spec, hfq, quant.tensors, mtp_layers=lineage.mtp_layers, reference_config=src.config
             )
+            _plan_index_fix(plan)
             if not plan.metadata.changes:
                 result.action = "noop"
                 result.message = (
@@ -566,6 +572,7 @@ def graft(options: GraftOptions) -> GraftResult:
     table: dict[str, Any] = {n: e for n, e in quant.tensors.items() if n not in set(plan.removed)}
     table.update({e.name: e for e in src_mtp})
     plan.metadata = plan_metadata(quant.spec, hfq, table, mtp_layers=lineage.mtp_layers, reference_config=src.config)
+    _plan_index_fix(plan)
     result.metadata_changes = list(plan.metadata.changes)
     result.warnings += plan.metadata.warnings
     result.action = "replaced" if plan.removed else "grafted"
@@ -608,6 +615,7 @@ def _fix_metadata(options: GraftOptions, plan: _Plan, result: GraftResult) -> Gr
         )
     layers = mtp_layer_count(names) or quant.spec.mtp.layers
     plan.metadata = plan_metadata(quant.spec, plan.hfq, quant.tensors, mtp_layers=layers)
+    _plan_index_fix(plan)
     result.warnings += plan.metadata.warnings
     result.mtp_tensors = len(names)
     result.mtp_bytes = sum(quant.tensors[n].nbytes for n in names)
@@ -620,6 +628,13 @@ def _fix_metadata(options: GraftOptions, plan: _Plan, result: GraftResult) -> Gr
         result.message = f"would change: {'; '.join(plan.metadata.changes)}"
         return result
     return _metadata_only(options, plan, result, layers, "repaired MTP metadata")
+
+
+def _plan_index_fix(plan: _Plan) -> None:
+    """Add the total_size correction (when QUANT's is wrong) to the metadata changes."""
+    plan.index_fix = _total_size_fix(plan.quant)
+    if plan.index_fix is not None:
+        plan.metadata.changes.append(plan.index_fix)
 
 
 def _metadata_only(options: GraftOptions, plan: _Plan, result: GraftResult, layers: int, what: str) -> GraftResult:

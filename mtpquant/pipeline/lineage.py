@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mtpquant.checkpoint.table import Checkpoint
-from mtpquant.errors import MtpquantError
+from mtpquant.errors import GraftError, LineageError
 from mtpquant.families import ModelSpec, is_mtp_name, resolve
 
 __all__ = [
@@ -63,18 +63,6 @@ _QUANT_SUFFIXES = (
     ".weight_global_scale",
     ".input_global_scale",
 )
-
-
-class GraftError(MtpquantError):
-    """graft refuses: SRC has no (usable) MTP, QUANT already has a different one, unsupported mode."""
-
-    exit_code = 6
-
-
-class LineageError(MtpquantError):
-    """SRC and QUANT are not the same model (architecture, dimensions or MTP shapes differ)."""
-
-    exit_code = 9
 
 
 @dataclass(frozen=True)
@@ -149,7 +137,7 @@ def check_lineage(quant: Checkpoint, src: Checkpoint, *, weight_check: bool = Tr
     diffs = _dim_differences(qs.text, ss.text, qs.family.moe)
     src_mtp = {e.name: e for e in src.mtp_tensors()}
     if not src_mtp:
-        from mtpquant.pipeline.errors import MtpModeError
+        from mtpquant.errors import MtpModeError
 
         raise MtpModeError(
             f"{src.label}: SRC has no mtp.* tensors (its config: {ss.mtp.describe()}); graft needs the original "

@@ -19,17 +19,17 @@ from typing import Any
 from mtpquant.checkpoint.index import INDEX_NAME
 from mtpquant.checkpoint.source import LocalSource, read_json
 from mtpquant.checkpoint.table import PICKLE_SUFFIXES, Checkpoint
-from mtpquant.errors import OutputExistsError
-from mtpquant.families import TensorClass
-from mtpquant.formats.quant_config import HF_QUANT_CONFIG, read_quant_metadata
-from mtpquant.pipeline.errors import (
+from mtpquant.errors import (
     CalibrationDataError,
     DeviceError,
     IndivisibleDimensionError,
     MtpModeError,
+    OutputExistsError,
     RecipeError,
     SourceQuantizedError,
 )
+from mtpquant.families import TensorClass
+from mtpquant.formats.quant_config import HF_QUANT_CONFIG, read_quant_metadata
 from mtpquant.pipeline.recipes import (
     MTP_FORMATS,
     Recipe,

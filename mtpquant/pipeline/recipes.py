@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mtpquant.errors import RecipeError
 from mtpquant.families import Family
-from mtpquant.pipeline.errors import RecipeError
 from mtpquant.units import parse_bytes
 
 __all__ = [

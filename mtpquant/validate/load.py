@@ -38,7 +38,7 @@ import torch
 from torch import Tensor, nn
 
 from mtpquant.checkpoint.table import Checkpoint
-from mtpquant.errors import ConfigError, MtpquantError
+from mtpquant.errors import CheckpointError, ConfigError
 from mtpquant.families import TensorClass
 from mtpquant.formats.fp8 import FP8_E4M3_MAX, dequantize_fp8_block, dequantize_fp8_per_tensor
 from mtpquant.formats.nvfp4 import dequantize_nvfp4, from_compressed_tensors, quantize_activation_nvfp4
@@ -75,10 +75,8 @@ _KV_SCALE_SUFFIXES = ("k_scale", "v_scale")
 _FLOAT_DTYPES = {"BF16", "F16", "F32", "F64"}
 
 
-class ValidateLoadError(MtpquantError):
+class ValidateLoadError(CheckpointError):
     """A checkpoint cannot be loaded for evaluation (unknown quantization layout, bad shapes, ...)."""
-
-    exit_code = 3
 
 
 def resolve_device(device: str) -> torch.device:

@@ -35,7 +35,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from mtpquant import __version__
-from mtpquant.errors import ConfigError, MtpquantError
+from mtpquant.errors import ConfigError, UsageError
 from mtpquant.mtp.module import KVCache, draft_chain, mtp_logits
 from mtpquant.validate.load import (
     ACTIVATION_MODES,
@@ -73,10 +73,8 @@ HIDDEN_FORMAT = "mtpquant.hidden/1"
 _LOGIT_CHUNK = 256
 
 
-class ValidateError(MtpquantError):
+class ValidateError(UsageError):
     """Validation cannot run (bad options, mismatched hidden-state file, ...)."""
-
-    exit_code = 2
 
 
 @dataclass(frozen=True)

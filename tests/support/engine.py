@@ -1,0 +1,96 @@
+"""Real vLLM servers for the engine tests, shared across tests: one per (checkpoint, K), a few alive at once.
+
+Servers start lazily through mtpquant's own launcher (``mtpquant.engine.launch``) from the engine
+environment ``tests/support/vllm_env.py`` builds; the least recently used one is stopped when a new one
+would exceed ``max_alive`` (each CPU server holds a couple of GB). Logs land in the session's temp dir.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mtpquant.engine.client import EngineClient
+from mtpquant.engine.launch import VllmServer, free_port, server_args
+from mtpquant.errors import EngineStartError
+
+__all__ = ["CPU_ENV", "EnginePool", "RunningServer", "prompt_ids"]
+
+# What the CPU backend needs for the tiny models (shared/reference/vllm-cpu.md).
+CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
+MAX_MODEL_LEN = 512
+
+
+@dataclass
+class RunningServer:
+    """A started server, its client and the model name it serves."""
+
+    server: VllmServer
+    client: EngineClient
+    model: str
+    started_s: float
+
+
+@dataclass
+class EnginePool:
+    """Lazily started vLLM servers keyed by (checkpoint, K); K None means no speculative decoding."""
+
+    python: Path
+    logs: Path
+    max_alive: int = 2
+    alive: OrderedDict[tuple[str, int | None], RunningServer] = field(default_factory=OrderedDict)
+    startup_seconds: list[float] = field(default_factory=list)
+
+    def _server(self, checkpoint: Path, k: int | None) -> VllmServer:
+        port = free_port()
+        name = f"{checkpoint.name}-k{k}-{port}.log"
+        args = server_args(str(checkpoint), port, k=k, max_model_len=MAX_MODEL_LEN, cpu=True)
+        return VllmServer(self.python, args, self.logs / name, port=port, startup_timeout=300, env=CPU_ENV)
+
+    def get(self, checkpoint: Path, k: int | None) -> RunningServer:
+        """A running server for ``checkpoint`` with ``k`` MTP drafts (started if needed)."""
+        key = (str(checkpoint), k)
+        if key in self.alive:
+            self.alive.move_to_end(key)
+            return self.alive[key]
+        while len(self.alive) >= self.max_alive:
+            _, old = self.alive.popitem(last=False)
+            old.server.stop()
+        server = self._server(checkpoint, k)
+        t0 = time.monotonic()
+        server.start()
+        self.startup_seconds.append(time.monotonic() - t0)
+        client = EngineClient(server.url)
+        running = RunningServer(server, client, str(checkpoint), self.startup_seconds[-1])
+        self.alive[key] = running
+        return running
+
+    def start_failure(self, checkpoint: Path, k: int | None) -> EngineStartError:
+        """The error of a server that must fail to start (it is stopped either way)."""
+        server = self._server(checkpoint, k)
+        try:
+            server.start()
+        except EngineStartError as exc:
+            return exc
+        server.stop()
+        raise AssertionError(f"vLLM started {checkpoint} (k={k}), which was expected to fail")
+
+    def close(self) -> None:
+        """Stop every server."""
+        while self.alive:
+            _, running = self.alive.popitem()
+            running.server.stop()
+
+
+def prompt_ids(checkpoint: Path, n: int, max_len: int = 96) -> tuple[list[list[int]], list[int]]:
+    """The built-in validate path's first ``n`` default prompts as token ids (prompt <= half of ``max_len``),
+    and how many tokens to generate for each (the rest of ``max_len``), as ``validate`` uses them."""
+    from tokenizers import Tokenizer
+
+    from mtpquant.validate.prompts import default_prompts
+
+    tok = Tokenizer.from_file(str(checkpoint / "tokenizer.json"))
+    ids = [tok.encode(p, add_special_tokens=False).ids[: max_len // 2] for p in default_prompts(n)]
+    return ids, [max_len - len(i) for i in ids]

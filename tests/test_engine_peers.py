@@ -1,0 +1,62 @@
+"""The real vLLM CPU engine on the peers' quants: does it do what inspect predicts?
+
+Each committed dense peer quant is served with MTP speculative decoding (k = 2). A quant inspect calls
+healthy must load and draft (accepted tokens > 0); one it predicts to fail must fail to start, with the
+error inspect names. AutoRound's ``llm_compressor``-format quant, repaired by ``graft --fix-metadata``,
+must then draft. The MoE peer quants are NVFP4 MoE, which vLLM 0.32's CPU backend cannot run at all (its
+NVFP4 MoE emulation needs Triton, which has no CPU backend): they are engine-tested only on a GPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from mtpquant.api import GraftOptions, graft, inspect_checkpoint
+from mtpquant.engine.measure import measure
+from tests.support.engine import EnginePool, prompt_ids
+
+pytestmark = pytest.mark.engine
+
+Factory = Callable[[str], Path]
+K = 2
+
+
+def _drafts(vllm: EnginePool, path: Path) -> None:
+    running = vllm.get(path, K)
+    ids, n = prompt_ids(path, 4)
+    m = measure(running.client, running.model, ids, n)
+    assert m.k == K and m.other_requests == 0
+    assert m.stats.num_steps > 0 and m.stats.num_accepted > 0, m.stats  # loads, and its MTP drafts usefully
+
+
+@pytest.mark.parametrize("name", ["llmcompressor-nvfp4-dense", "modelopt-hfptq-dense"])
+def test_healthy_peer_quant_loads_and_drafts(vllm: EnginePool, peer_quant: Factory, name: str) -> None:
+    path = peer_quant(name)
+    assert inspect_checkpoint(path).verdicts["vllm"] == "vLLM: MTP loads (BF16)"
+    _drafts(vllm, path)
+
+
+def test_autoround_quant_fails_as_predicted_and_drafts_once_repaired(
+    vllm: EnginePool, peer_quant: Factory, tmp_path: Path
+) -> None:
+    path = peer_quant("autoround-nvfp4-llmc-dense")
+    assert inspect_checkpoint(path).verdicts["vllm"] == (
+        "vLLM will fail to load: mtp.fc is BF16 on disk but declared quantized"
+    )
+    err = vllm.start_failure(path, K)
+    # vLLM built mtp.fc quantized (weight_packed, ...) and found a plain BF16 weight
+    assert "There is no module or parameter named 'fc.weight' in Qwen3_5MultiTokenPredictor" in str(err)
+    fixed = tmp_path / "fixed"
+    graft(GraftOptions(quant=path, out=fixed, fix_metadata=True))
+    assert inspect_checkpoint(fixed).verdicts["vllm"] == "vLLM: MTP loads (BF16)"
+    _drafts(vllm, fixed)
+
+
+def test_autoround_native_format_is_refused_as_predicted(vllm: EnginePool, peer_quant: Factory) -> None:
+    path = peer_quant("autoround-nvfp4-native-dense")
+    assert "does not support auto-round data_type 'nv_fp'" in inspect_checkpoint(path).verdicts["vllm"]
+    err = vllm.start_failure(path, K)
+    assert "Unsupported data_type: nv_fp" in str(err)
