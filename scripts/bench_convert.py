@@ -36,7 +36,7 @@ def child(src: str, out: str, mode: str, samples: int, seq_len: int) -> None:
     logging.basicConfig(level=logging.WARNING)
     os.environ["TQDM_DISABLE"] = "1"
     t0 = time.perf_counter()
-    from mtpquant.pipeline import ConvertOptions, convert
+    from mtpquant.convert.run import ConvertOptions, convert
 
     imports = time.perf_counter() - t0
     result = convert(

@@ -61,7 +61,7 @@ _BLOCK = os.urandom(1 << 20)  # tensor bytes: one random MiB, repeated (real byt
 
 def child(quant: str, source: str, out: str, mode: str) -> int:
     """One graft in this fresh process; prints its measurements as one JSON line."""
-    from mtpquant.pipeline.graft import GraftOptions, graft
+    from mtpquant.graft.run import GraftOptions, graft
 
     opts = (
         GraftOptions(quant=quant, source=source, out=out)

@@ -57,9 +57,9 @@ MAX_SHARD_BYTES = 5 * 10**9
 def copier() -> tuple[str, Any]:
     """convert's shared ``write_mtp_shards`` if present, else the same copy through the writer."""
     try:
-        from mtpquant.pipeline.mtp_shards import write_mtp_shards
+        from mtpquant.surgery.shards import write_mtp_shards
 
-        return "mtpquant.pipeline.mtp_shards.write_mtp_shards", write_mtp_shards
+        return "mtpquant.surgery.shards.write_mtp_shards", write_mtp_shards
     except ImportError:
 
         def fallback(od: OutputDir, ckpt: Checkpoint, names: list[str], max_bytes: int) -> list[str]:

@@ -73,7 +73,7 @@ PROFILE_SPLIT = (
 def child(quant: str, source: str, out: str, mode: str, profile: str | None) -> int:
     """Run one graft in this (fresh) process and print its measurements as one JSON line."""
     t_import = time.perf_counter()
-    from mtpquant.pipeline.graft import GraftOptions, graft
+    from mtpquant.graft.run import GraftOptions, graft
 
     import_s = time.perf_counter() - t_import
     opts = (
@@ -330,9 +330,9 @@ def main() -> int:
         quant, source, out, mode = args.child
         return child(quant, source, out, mode, profile=args.profile_to)
     try:
-        import mtpquant.pipeline.graft  # noqa: F401
+        import mtpquant.graft.run  # noqa: F401
     except ImportError as exc:
-        print(f"mtpquant.pipeline.graft is not available yet ({exc}); nothing to benchmark", file=sys.stderr)
+        print(f"mtpquant.graft.run is not available yet ({exc}); nothing to benchmark", file=sys.stderr)
         return 3
     base_rss = import_rss("mtpquant, torch")
     rows = []

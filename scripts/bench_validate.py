@@ -72,7 +72,7 @@ def main() -> int:
     parser.add_argument("--no-write", action="store_true", help="print only; leave docs/BENCHMARKS.md alone")
     args = parser.parse_args()
 
-    from mtpquant.pipeline import ConvertOptions, convert
+    from mtpquant.convert.run import ConvertOptions, convert
 
     with tempfile.TemporaryDirectory(prefix="bench-validate-") as tmp:
         root = Path(tmp)

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from mtpquant.synth.tiny import make_tiny_checkpoint
-from mtpquant.testing.hubserver import LocalHub
 from tests.support.engine import EnginePool
+from tests.support.hubserver import LocalHub
 
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -21,10 +21,10 @@ import pytest
 import torch
 
 from mtpquant.checkpoint.table import Checkpoint
+from mtpquant.convert.run import ConvertOptions, ConvertResult, convert
 from mtpquant.formats.nvfp4 import dequantize_nvfp4
 from mtpquant.inspect.report import inspect_checkpoint
-from mtpquant.pipeline import ConvertOptions, ConvertResult, convert
-from mtpquant.pipeline.mtp_shards import MTP_SHARD_PATTERN
+from mtpquant.surgery.shards import MTP_SHARD_PATTERN
 
 pytestmark = pytest.mark.slow
 
@@ -352,7 +352,7 @@ def test_extract_directory(converted: Callable[[str, str], Run], family: str) ->
 
 
 def test_extract_then_graft_equals_keep(converted: Callable[[str, str], Run], tmp_path: Path) -> None:
-    graft_mod = pytest.importorskip("mtpquant.pipeline.graft")
+    graft_mod = pytest.importorskip("mtpquant.graft.run")
     run, keep = converted("qwen3_5", "extract"), converted("qwen3_5", "keep")
     out = tmp_path / "grafted"
     graft_mod.graft(

@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
+from mtpquant.convert.calibration import build_calibration_data, load_tokenizer
+from mtpquant.convert.plan import check_calibration_source
 from mtpquant.errors import CalibrationDataError
-from mtpquant.pipeline.calibration import build_calibration_data, load_tokenizer
-from mtpquant.pipeline.plan import check_calibration_source
 
 TEMPLATE = "{% for m in messages %}<|bos|>{{ m['role'] }}\n{{ m['content'] }}<|endoftext|>{% endfor %}"
 

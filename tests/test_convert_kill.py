@@ -15,7 +15,7 @@ import pytest
 
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.checkpoint.writer import PARTIAL_MARK
-from mtpquant.pipeline import ConvertOptions, convert
+from mtpquant.convert.run import ConvertOptions, convert
 
 pytestmark = pytest.mark.slow
 

@@ -30,8 +30,8 @@ from mtpquant.cli import main
 from mtpquant.errors import ExitCode
 from mtpquant.families import is_mtp_name
 from mtpquant.formats.quant_config import HF_QUANT_CONFIG
+from mtpquant.graft.run import GraftOptions, GraftResult, fix_metadata, graft
 from mtpquant.inspect.report import inspect_checkpoint
-from mtpquant.pipeline.graft import GraftOptions, GraftResult, fix_metadata, graft
 
 FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 Factory = Callable[[str], Path]
@@ -556,8 +556,8 @@ _DRIVER = textwrap.dedent(
     """
     import json, os, signal, sys
     import mtpquant.checkpoint.table as table
-    import mtpquant.pipeline.inplace as inplace
-    from mtpquant.pipeline.graft import GraftOptions, graft
+    import mtpquant.graft.inplace as inplace
+    from mtpquant.graft.run import GraftOptions, graft
 
     args = json.loads(sys.argv[1])
     kill_at, tags = args["kill_at"], []
@@ -737,8 +737,8 @@ def test_snapshot_of_symlinks_and_hidden_files(tiny_factory: Factory, tmp_path: 
 def test_without_directory_exchange_in_place_replace_is_refused(
     tiny_factory: Factory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import mtpquant.pipeline.inplace as inplace
-    from mtpquant.pipeline.graft import GraftError
+    import mtpquant.graft.inplace as inplace
+    from mtpquant.graft.run import GraftError
 
     monkeypatch.setattr(inplace, "exchange_supported", lambda scratch: False)
     src = tiny_factory("qwen3_5")

@@ -12,9 +12,9 @@ from mtpquant.checkpoint.source import HubSource
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.cli import main
 from mtpquant.errors import ExitCode, MtpModeError
+from mtpquant.graft.run import GraftOptions, graft
 from mtpquant.inspect.report import inspect_checkpoint
-from mtpquant.pipeline.graft import GraftOptions, graft
-from mtpquant.testing.hubserver import LocalHub
+from tests.support.hubserver import LocalHub
 from tests.test_graft import tensor_digests, tree_state
 
 Factory = Callable[[str], Path]

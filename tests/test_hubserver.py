@@ -32,7 +32,7 @@ from huggingface_hub.errors import (
 )
 from safetensors.torch import save_file
 
-from mtpquant.testing.hubserver import LocalHub
+from tests.support.hubserver import LocalHub
 
 REPO = "org/tiny"
 

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from mtpquant.inspect.report import inspect_checkpoint
-from mtpquant.testing.hubserver import LocalHub
+from tests.support.hubserver import LocalHub
 
 Factory = Callable[[str], Path]
 _VOLATILE = {"checkpoint", "bytes_fetched", "seconds", "serve_commands"}

@@ -27,7 +27,7 @@ from mtpquant.hub.publish import (
     publish,
 )
 from mtpquant.inspect.report import inspect_checkpoint
-from mtpquant.testing.hubserver import LocalHub
+from tests.support.hubserver import LocalHub
 from tests.support.quants import with_mtp
 
 Factory = Callable[[str], Path]
@@ -59,8 +59,8 @@ def _tree(root: Path) -> dict[str, bytes]:
 
 def _recipe_with_convert_header(src: str) -> str:
     """The resolved recipe exactly as convert writes it into OUT (its own header function)."""
-    from mtpquant.pipeline.convert import _recipe_header
-    from mtpquant.pipeline.recipes import load_recipe
+    from mtpquant.convert.recipes import load_recipe
+    from mtpquant.convert.run import _recipe_header
 
     return load_recipe("qwen3_5-nvfp4").to_yaml(_recipe_header(SimpleNamespace(src=src)))  # type: ignore[arg-type]
 

@@ -6,9 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from mtpquant.errors import RecipeError
-from mtpquant.families import FAMILIES
-from mtpquant.pipeline.recipes import (
+from mtpquant.convert.recipes import (
     MODELOPT_NVFP4_DISABLED,
     apply_overrides,
     builtin_recipe_names,
@@ -18,6 +16,8 @@ from mtpquant.pipeline.recipes import (
     quantizer_enabled,
     recipe_from_mapping,
 )
+from mtpquant.errors import RecipeError
+from mtpquant.families import FAMILIES
 
 FAMILY = {f.key: f for f in FAMILIES}
 

@@ -40,7 +40,7 @@ def _fingerprint(root: Path) -> str:
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[str], Path]]:
     """The trained asset converted with ``--mtp MODE`` (once per mode); the asset must stay untouched."""
-    from mtpquant.pipeline import ConvertOptions, convert
+    from mtpquant.convert.run import ConvertOptions, convert
 
     root = tmp_path_factory.mktemp("tiny-mtp-convert")
     before = _fingerprint(ASSET)

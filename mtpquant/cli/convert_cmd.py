@@ -98,8 +98,8 @@ def run(args: argparse.Namespace) -> int:
     import logging
     import os
 
+    from mtpquant.convert.run import ConvertOptions, convert
     from mtpquant.errors import RecipeError
-    from mtpquant.pipeline import ConvertOptions, convert
 
     if args.keep_mtp and args.mtp not in (None, "keep"):
         raise RecipeError(f"--keep-mtp contradicts --mtp {args.mtp}")
@@ -123,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
         command=("mtpquant", *_argv(args)),
     )
     # The summary is printed below; keep the library's copy of it out of the log.
-    logging.getLogger("mtpquant.pipeline.convert.summary").setLevel(logging.WARNING)
+    logging.getLogger("mtpquant.convert.run.summary").setLevel(logging.WARNING)
     result = convert(options)
     if args.json:
         print(json.dumps(result.plan.to_json() if result.dry_run else result.to_json(), indent=2, default=str))

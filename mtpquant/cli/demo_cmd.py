@@ -26,9 +26,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Convert, validate, inspect; print each step's summary."""
+    from mtpquant.convert.run import ConvertOptions, convert
     from mtpquant.inspect.render import render_text
     from mtpquant.inspect.report import inspect_checkpoint
-    from mtpquant.pipeline.convert import ConvertOptions, convert
     from mtpquant.synth.train import TINY_MTP_ASSET
     from mtpquant.validate.report import acceptance_table
     from mtpquant.validate.run import ValidateOptions, validate

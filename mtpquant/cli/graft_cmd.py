@@ -83,7 +83,7 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Build the options, call the API, print the summary."""
-    from mtpquant.pipeline.graft import GraftOptions, graft
+    from mtpquant.graft.run import GraftOptions, graft
 
     options = GraftOptions(
         quant=args.quant,

@@ -57,7 +57,7 @@ log = logging.getLogger(__name__)
 CARD_NAME = "README.md"
 # Where convert leaves its provenance (the first one present wins) and the resolved recipe.
 PROVENANCE_FILES = ("mtpquant_summary.json", "mtpquant.json")
-RECIPE_FILES = ("mtpquant_recipe.yaml",)  # mtpquant.pipeline.plan.RECIPE_FILE
+RECIPE_FILES = ("mtpquant_recipe.yaml",)  # mtpquant.convert.plan.RECIPE_FILE
 # A validation report inside OUT (written by `mtpquant validate ... --report-dir OUT/validation`).
 VALIDATION_REPORT = "validation/report.json"
 VALIDATION_MARKDOWN = "validation/report.md"
@@ -233,7 +233,7 @@ def _slug(text: str) -> str:
 def _recipe_header(text: str) -> dict[str, str]:
     """The ``# key: value`` comment lines convert puts above the resolved recipe (keys lower-cased).
 
-    convert writes (``mtpquant.pipeline.convert._recipe_header``)::
+    convert writes (``mtpquant.convert.run._recipe_header``)::
 
         # Resolved recipe written by mtpquant 0.1.0 convert.
         # source: Qwen/Qwen3.5-27B            (a repo id, ``repo@revision``, or a local path)

@@ -19,6 +19,15 @@ from typing import Any
 from mtpquant.checkpoint.index import INDEX_NAME
 from mtpquant.checkpoint.source import LocalSource, read_json
 from mtpquant.checkpoint.table import PICKLE_SUFFIXES, Checkpoint
+from mtpquant.convert.recipes import (
+    MTP_FORMATS,
+    Recipe,
+    apply_overrides,
+    default_recipe_name,
+    load_recipe,
+    parse_size,
+    quantizer_enabled,
+)
 from mtpquant.errors import (
     CalibrationDataError,
     DeviceError,
@@ -30,15 +39,6 @@ from mtpquant.errors import (
 )
 from mtpquant.families import TensorClass
 from mtpquant.formats.quant_config import HF_QUANT_CONFIG, read_quant_metadata
-from mtpquant.pipeline.recipes import (
-    MTP_FORMATS,
-    Recipe,
-    apply_overrides,
-    default_recipe_name,
-    load_recipe,
-    parse_size,
-    quantizer_enabled,
-)
 
 __all__ = [
     "CONVERT_MODES",

@@ -11,7 +11,7 @@ Plan from headers, refuse early, then act:
    add the exclusions in ``config.json`` and ``hf_quant_config.json``;
 4. verify the result (headers, index, MTP bytes against SRC, the inspect checks) before it is put
    in place: ``--out`` by renaming a temp sibling, ``--in-place`` by an atomic directory exchange
-   (see ``mtpquant.pipeline.inplace``).
+   (see ``mtpquant.graft.inplace``).
 
 ``--fix-metadata`` runs step 3's metadata part alone and touches no tensor file.
 """
@@ -36,11 +36,11 @@ from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.checkpoint.writer import OutputDir, PlannedTensor
 from mtpquant.errors import CheckpointError, OutputExistsError, OutputVerificationError, UsageError
 from mtpquant.formats.quant_config import HF_QUANT_CONFIG
+from mtpquant.graft import inplace
+from mtpquant.graft.lineage import GraftError, LineageError, LineageReport, check_lineage, mtp_layer_count
 from mtpquant.inspect.report import inspect_checkpoint
-from mtpquant.pipeline import inplace
-from mtpquant.pipeline.lineage import GraftError, LineageError, LineageReport, check_lineage, mtp_layer_count
-from mtpquant.pipeline.mtp_metadata import MetadataPlan, plan_metadata
-from mtpquant.pipeline.mtp_shards import write_mtp_shards
+from mtpquant.surgery.metadata import MetadataPlan, plan_metadata
+from mtpquant.surgery.shards import write_mtp_shards
 
 __all__ = [
     "DEFAULT_MAX_SHARD_BYTES",

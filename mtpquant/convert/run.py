@@ -28,11 +28,11 @@ from typing import Any
 from mtpquant import __version__
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.checkpoint.writer import OutputDir
+from mtpquant.convert.plan import RECIPE_FILE, ConvertOptions, ConvertPlan, plan_convert
 from mtpquant.errors import CalibrationDataError, OutputVerificationError
 from mtpquant.families import TensorClass, is_mtp_name
 from mtpquant.formats.quant_config import HF_QUANT_CONFIG, with_exclusions, without_exclusions
-from mtpquant.pipeline.mtp_modes import MtpOutcome
-from mtpquant.pipeline.plan import RECIPE_FILE, ConvertOptions, ConvertPlan, plan_convert
+from mtpquant.surgery.modes import MtpOutcome
 
 __all__ = ["ConvertOptions", "ConvertPlan", "ConvertResult", "convert", "peak_rss_bytes", "plan_convert"]
 
@@ -169,7 +169,7 @@ def _forward_loop(
     """The calibration forward loop modelopt calls with the model."""
     import torch
 
-    from mtpquant.pipeline.main_model import base_model
+    from mtpquant.convert.model import base_model
 
     def loop(model: Any) -> None:
         decoder = base_model(model)
@@ -255,7 +255,7 @@ def _verifier(plan: ConvertPlan, src: Checkpoint, expect_mtp: set[str]) -> Calla
 
 
 def _count(path: Path) -> tuple[dict[str, int], int, int, int]:
-    from mtpquant.pipeline.assemble import quantized_modules_of
+    from mtpquant.convert.assemble import quantized_modules_of
 
     ckpt = Checkpoint.open(path, strict=True)
     counts: dict[str, int] = {}
@@ -289,14 +289,14 @@ def convert(options: ConvertOptions) -> ConvertResult:
     progress = options.progress and os.environ.get("TQDM_DISABLE", "") in {"", "0"}
     result = ConvertResult(plan, notes=list(plan.notes))
     if plan.is_remote:
-        from mtpquant.pipeline.main_model import library_progress
+        from mtpquant.convert.model import library_progress
 
         with timer("download"), library_progress(progress):
             src_dir, ckpt = _local_source(plan, options, ckpt)
     else:
         src_dir = Path(plan.src)
 
-    from mtpquant.pipeline.main_model import library_progress
+    from mtpquant.convert.model import library_progress
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(library_progress(progress))
@@ -369,22 +369,22 @@ def _run(
     """Everything between planning and finalize; returns what the MTP mode wrote."""
     import torch
 
-    from mtpquant.pipeline import mtp_modes
-    from mtpquant.pipeline.assemble import (
+    from mtpquant.convert.assemble import (
         carry_files,
         main_tensor_plan,
         mixed_precision_config,
         quantized_modules_of,
         with_progress,
     )
-    from mtpquant.pipeline.calibration import build_calibration_data, load_tokenizer
-    from mtpquant.pipeline.main_model import (
+    from mtpquant.convert.calibration import build_calibration_data, load_tokenizer
+    from mtpquant.convert.model import (
         export_quantized,
         input_device,
         load_main_model,
         quantize_main_model,
         source_dtype,
     )
+    from mtpquant.surgery import modes as mtp_modes
 
     recipe = plan.recipe
     cal = recipe.calibration

@@ -24,7 +24,7 @@ from typing import Any
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.checkpoint.writer import OutputDir, PlannedTensor
 from mtpquant.formats.quant_config import MTP_CT_PATTERNS, MTP_MODELOPT_PATTERNS
-from mtpquant.pipeline.mtp_shards import mtp_planned_tensors, write_mtp_shards, write_planned_mtp
+from mtpquant.surgery.shards import mtp_planned_tensors, write_mtp_shards, write_planned_mtp
 
 __all__ = [
     "MtpOutcome",
@@ -96,8 +96,8 @@ def quantize_mtp_into(
     main_algo: str,
 ) -> MtpOutcome:
     """Quantize the MTP Linears (modelopt math) and write them, the rest byte for byte."""
+    from mtpquant.convert.assemble import planned_tensor
     from mtpquant.mtp.quantize import quantize_mtp
-    from mtpquant.pipeline.assemble import planned_tensor
 
     weights = {"mtp." + n: p.detach().cpu() for n, p in layer.named_parameters()}
     result = quantize_mtp(weights, input_amax, fmt, activations=activations)
