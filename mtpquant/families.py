@@ -286,19 +286,6 @@ class ModelSpec:
         """Class of one tensor name: main / mtp / vision / embed / lm_head / other."""
         return classify_tensor(name, main_prefix or self.main_prefix, self.family.has_vision)
 
-    def mtp_config_update(self, layers: int) -> dict[str, Any]:
-        """A copy of ``config`` with the MTP declaration set to ``layers`` (0 removes it)."""
-        config = _deep_copy(self.config)
-        key = self.family.mtp_key
-        if key is None:
-            return config
-        target = config["text_config"] if self.wrapped else config
-        if layers > 0:
-            target[key] = layers
-        else:
-            target.pop(key, None)
-        return config
-
 
 def classify_tensor(name: str, main_prefix: str, has_vision: bool = True) -> str:
     """Class of a tensor name given the main-model prefix."""
@@ -313,14 +300,6 @@ def classify_tensor(name: str, main_prefix: str, has_vision: bool = True) -> str
             return TensorClass.EMBED
         return TensorClass.MAIN
     return TensorClass.OTHER
-
-
-def _deep_copy(obj: Any) -> Any:
-    if isinstance(obj, Mapping):
-        return {k: _deep_copy(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_deep_copy(v) for v in obj]
-    return obj
 
 
 def _identify(config: Mapping[str, Any]) -> tuple[Family, str]:

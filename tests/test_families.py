@@ -107,11 +107,21 @@ def test_mtp_detection_is_anchored() -> None:
     assert classify_tensor("something.else", "model.") == "other"
 
 
-def test_config_update_sets_and_removes_declaration(real_layouts: Path) -> None:
+def test_one_declaration_rule_sets_and_undeclares(real_layouts: Path) -> None:
+    from mtpquant.surgery.metadata import declare_mtp
+
     config = json.loads((real_layouts / "Qwen3.5-4B_config.json").read_text())
     spec = resolve(config)
-    dropped = spec.mtp_config_update(0)
-    assert "mtp_num_hidden_layers" not in dropped["text_config"]
+    dropped = declare_mtp(spec, 0)
+    # un-declared in place: an explicit 0 at the same position, so no engine defaults it back to one layer
+    assert dropped["text_config"]["mtp_num_hidden_layers"] == 0
+    assert list(dropped["text_config"]) == list(config["text_config"])
     assert config["text_config"]["mtp_num_hidden_layers"] == 1  # the source mapping is untouched
     assert resolve(dropped).mtp.declared is False
-    assert spec.mtp_config_update(1)["text_config"]["mtp_num_hidden_layers"] == 1
+    assert declare_mtp(spec, 1)["text_config"]["mtp_num_hidden_layers"] == 1
+    # an absent key is restored where the reference config has it (extract + graft == keep)
+    absent = json.loads(json.dumps(config))
+    del absent["text_config"]["mtp_num_hidden_layers"]
+    restored = declare_mtp(resolve(absent), 1, reference=config)
+    assert list(restored["text_config"]) == list(config["text_config"])
+    assert declare_mtp(resolve(absent), 0) == absent  # nothing to un-declare

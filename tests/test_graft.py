@@ -107,7 +107,9 @@ def strip_mtp(src: Path, dst: Path, *, keep_declaration: bool = True) -> Path:
             )
             od.write_shard(shard, [_raw(ckpt, e) for e in entries], ckpt.headers[shard].metadata)
         od.write_index()
-        config = ckpt.config if keep_declaration else ckpt.spec.mtp_config_update(0)
+        config = json.loads(json.dumps(ckpt.config))
+        if not keep_declaration:  # as some exporters leave it: the key removed, not set to 0
+            del config["text_config"]["mtp_num_hidden_layers"]
         od.write_json("config.json", config)
         for f in ckpt.source.list_files():
             if not f.endswith(".safetensors") and f not in ("config.json", INDEX_NAME):

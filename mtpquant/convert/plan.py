@@ -32,13 +32,13 @@ from mtpquant.errors import (
     CalibrationDataError,
     DeviceError,
     IndivisibleDimensionError,
-    MtpModeError,
     OutputExistsError,
     RecipeError,
     SourceQuantizedError,
 )
 from mtpquant.families import TensorClass
 from mtpquant.formats.quant_config import HF_QUANT_CONFIG, read_quant_metadata
+from mtpquant.surgery.modes import BLOCK, MODE_NAMES, MODES, MtpMode, choose_mode
 
 __all__ = [
     "CONVERT_MODES",
@@ -52,8 +52,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-CONVERT_MODES = ("keep", "quantize", "extract", "drop")
-BLOCK = 16
+CONVERT_MODES = MODE_NAMES
 # Files convert writes itself (or must not copy) instead of carrying them over from the source.
 _REWRITTEN = {"config.json", HF_QUANT_CONFIG, INDEX_NAME, "README.md", "README", "model_card.md"}
 RECIPE_FILE = "mtpquant_recipe.yaml"
@@ -148,22 +147,14 @@ class ConvertPlan:
         out += [f"note       {n}" for n in self.notes]
         return out
 
+    @property
+    def mtp_mode(self) -> MtpMode:
+        """The mode object (``surgery.modes``) that does the MTP part of this plan."""
+        return MODES[self.mode]
+
     def mode_line(self) -> str:
         """One line saying what the MTP mode does."""
-        n = len(self.mtp_tensors)
-        if self.mode == "keep":
-            return f"keep: {n} MTP tensors copied byte for byte into mtp-*.safetensors, excluded as mtp*"
-        if self.mode == "quantize":
-            return (
-                f"quantize: {len(self.mtp_quantized)} MTP Linears -> {self.mtp_format.upper()} with calibrated input "
-                "scales; mtp.fc, norms, router, shared_expert_gate stay BF16 (excluded by name). "
-                "SGLang will not serve a quantized MTP"
-            )
-        if self.mode == "extract":
-            return f"extract: main output without MTP; {n} MTP tensors to {self.mtp_out} (graft them back later)"
-        return "drop: no MTP in the output and no MTP declaration" + (
-            " (speculative decoding with MTP is gone)" if n else ""
-        )
+        return self.mtp_mode.plan_line(self)
 
     def to_json(self) -> dict[str, Any]:
         """Plain-data form for ``--json``."""
@@ -316,55 +307,6 @@ def _check_not_quantized(ckpt: Checkpoint) -> None:
         )
 
 
-def _choose_mode(recipe: Recipe, ckpt: Checkpoint, notes: list[str]) -> str:
-    mode = recipe.mtp.mode
-    present = ckpt.mtp_tensors()
-    expected = ckpt.spec.expected_mtp_shapes()
-    label = ckpt.label
-    if mode == "auto":
-        if present:
-            return "keep"
-        if ckpt.spec.mtp.declared:
-            notes.append(
-                f"the source declares an MTP ({ckpt.spec.mtp.describe()}) but has no mtp.* tensors: converting "
-                "without MTP and removing the declaration; `mtpquant graft` can add one later"
-            )
-        return "drop"
-    if mode in {"keep", "quantize", "extract"}:
-        flag = f"--mtp {mode}"
-        if not present:
-            raise MtpModeError(
-                f"{label}: has no MTP tensors (mtp.*), so {flag} has nothing to work on; use --mtp drop to convert "
-                "without MTP, or add one with `mtpquant graft`"
-            )
-        names = {e.name for e in present}
-        missing = [n for n in expected if n not in names]
-        if missing:
-            raise MtpModeError(
-                f"{label}: MTP incomplete, {len(missing)} of {len(expected)} expected tensors missing (first: "
-                f"{missing[0]}); use --mtp drop, or repair the source with `mtpquant graft`"
-            )
-        wrong = [n for n in expected if tuple(ckpt.tensors[n].shape) != tuple(expected[n])]
-        if wrong:
-            n = wrong[0]
-            raise MtpModeError(
-                f"{label}: MTP tensor {n} has shape {list(ckpt.tensors[n].shape)}, the config implies "
-                f"{list(expected[n])}"
-            )
-        extra = sorted(names - set(expected))
-        if extra and mode == "quantize":
-            raise MtpModeError(f"{label}: unexpected MTP tensor {extra[0]}; --mtp quantize needs the exact layout")
-        if extra:
-            notes.append(f"{len(extra)} MTP tensors beyond the expected layout are copied too (first: {extra[0]})")
-        bad_dtype = sorted(n for n in names if ckpt.tensors[n].dtype not in {"BF16", "F16", "F32"})
-        if bad_dtype and mode == "quantize":
-            raise MtpModeError(
-                f"{label}: MTP tensor {bad_dtype[0]} is {ckpt.tensors[bad_dtype[0]].dtype}; "
-                "--mtp quantize needs a BF16/F16/F32 MTP"
-            )
-    return mode
-
-
 def plan_convert(options: ConvertOptions, ckpt: Checkpoint | None = None) -> tuple[ConvertPlan, Checkpoint]:
     """Build the plan and run every early refusal; returns the plan and the opened source."""
     if ckpt is None:
@@ -375,13 +317,15 @@ def plan_convert(options: ConvertOptions, ckpt: Checkpoint | None = None) -> tup
     out = Path(options.out).expanduser()
     recipe = _resolve_recipe(options, family)
     _check_not_quantized(ckpt)
-    notes: list[str] = []
-    mode = _choose_mode(recipe, ckpt, notes)
-    if options.mtp_out is not None and mode != "extract":
-        raise RecipeError(f"--mtp-out is only used with --mtp extract (mode is {mode})")
     mtp_format = recipe.mtp.format
     if mtp_format not in MTP_FORMATS:
         raise RecipeError(f"--mtp-format must be one of {', '.join(MTP_FORMATS)}")
+    mtp_mode, auto_notes = choose_mode(recipe.mtp.mode, ckpt)
+    mode = mtp_mode.name
+    if options.mtp_out is not None and not mtp_mode.writes_side_output:
+        raise RecipeError(f"--mtp-out is only used with --mtp extract (mode is {mode})")
+    checked = mtp_mode.check(ckpt, mtp_format)
+    notes = [*auto_notes, *checked.notes]
 
     # Which main Linears the recipe quantizes, and their block divisibility.
     quant_cfg = recipe.to_modelopt_config(family)["quant_cfg"]
@@ -395,34 +339,10 @@ def plan_convert(options: ConvertOptions, ckpt: Checkpoint | None = None) -> tup
                 f"{m}: input dimension {in_dim} is not a multiple of {BLOCK} (the NVFP4 block size); keep it in BF16 "
                 f"with --set 'quantization.exclude=[\"{m}\"]' or use another recipe"
             )
-    mtp_quantized: tuple[str, ...] = ()
-    if mode == "quantize":
-        from mtpquant.mtp.quantize import mtp_linear_modules, mtp_quantized_modules
-
-        shapes = {e.name: e.shape for e in ckpt.mtp_tensors()}
-        mtp_quantized = tuple(mtp_quantized_modules(mtp_linear_modules(shapes)))
-        if mtp_format == "nvfp4":
-            for m in mtp_quantized:
-                in_dim = shapes[m + ".weight"][-1]
-                if in_dim % BLOCK:
-                    raise IndivisibleDimensionError(
-                        f"{m}: input dimension {in_dim} is not a multiple of {BLOCK} (the NVFP4 block size); use "
-                        "--mtp-format fp8 or --mtp keep"
-                    )
-        notes.append("SGLang serves only a BF16 MTP: it will not use this quantized MTP (vLLM will)")
-        if mtp_format == "fp8":
-            notes.append("FP8 MTP with an NVFP4 main model is written as MIXED_PRECISION (vLLM modelopt_mixed)")
-    if mode == "drop" and ckpt.mtp_tensors():
-        notes.append("--mtp drop: the output has no MTP; speculative decoding with MTP will not be available")
-    if mode in {"extract", "drop"} and family.mtp_key is None:
-        notes.append(
-            f"{family.display} declares no MTP key in config.json (engines assume {family.mtp_default_layers} layer); "
-            "the output cannot un-declare it, so do not enable MTP speculative decoding on it"
-        )
 
     _check_output(out, local_src, options.overwrite, "OUT")
     mtp_out: Path | None = None
-    if mode == "extract":
+    if mtp_mode.writes_side_output:
         mtp_out = Path(options.mtp_out).expanduser() if options.mtp_out else out.with_name(out.name + "-mtp")
         if mtp_out.resolve() == out.resolve():
             raise OutputExistsError(f"{mtp_out}: --mtp-out must differ from OUT")
@@ -453,7 +373,7 @@ def plan_convert(options: ConvertOptions, ckpt: Checkpoint | None = None) -> tup
         mtp_tensors=tuple(e.name for e in mtp),
         mtp_bytes=sum(e.nbytes for e in mtp),
         mtp_declaration=spec.mtp.describe(),
-        mtp_quantized=mtp_quantized,
+        mtp_quantized=checked.quantized,
         vision_tensors=len(vision),
         vision_bytes=sum(e.nbytes for e in vision),
         quantized_modules=tuple(quantized),

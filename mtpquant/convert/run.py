@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from mtpquant import __version__
 from mtpquant.checkpoint.table import Checkpoint
@@ -32,7 +32,7 @@ from mtpquant.convert.plan import RECIPE_FILE, ConvertOptions, ConvertPlan, plan
 from mtpquant.errors import CalibrationDataError, OutputVerificationError
 from mtpquant.families import TensorClass, is_mtp_name
 from mtpquant.formats.quant_config import HF_QUANT_CONFIG, with_exclusions, without_exclusions
-from mtpquant.surgery.modes import MtpOutcome
+from mtpquant.surgery.modes import ExtractMode, MtpOutcome, WriteContext, load_mtp_layer, same_bytes
 
 __all__ = ["ConvertOptions", "ConvertPlan", "ConvertResult", "convert", "peak_rss_bytes", "plan_convert"]
 
@@ -189,20 +189,12 @@ def _forward_loop(
     return loop
 
 
-def _output_config(
-    src_config: dict[str, Any], exported: dict[str, Any], declared_layers: int, ckpt: Checkpoint
-) -> dict[str, Any]:
-    """The source config, MTP declaration per mode, plus modelopt's ``quantization_config``."""
-    config = copy.deepcopy(src_config)
-    key = ckpt.spec.family.mtp_key
-    if key is not None:
-        target = config["text_config"] if ckpt.spec.wrapped else config
-        if declared_layers > 0:
-            target[key] = declared_layers
-        elif key in target:
-            # Explicit 0 (in place, not removed): no engine can default it back to one layer, and a
-            # later graft restores the value at the same position (extract + graft == keep).
-            target[key] = 0
+def _output_config(ckpt: Checkpoint, exported: dict[str, Any], declared_layers: int) -> dict[str, Any]:
+    """The source config with the MTP declared per mode (the one rule, ``declare_mtp``), plus modelopt's
+    ``quantization_config``."""
+    from mtpquant.surgery.metadata import declare_mtp
+
+    config = declare_mtp(ckpt.spec, declared_layers)
     qc = exported.get("quantization_config")
     if qc is not None:
         config["quantization_config"] = copy.deepcopy(qc)
@@ -220,34 +212,32 @@ def _mode_exclusions(
     return config, hfq
 
 
-def _verifier(plan: ConvertPlan, src: Checkpoint, expect_mtp: set[str]) -> Callable[[Path], None]:
-    """The finalize check: inspect verdict clean for the mode, exact MTP and vision tensor sets."""
+def _verifier(plan: ConvertPlan, src: Checkpoint, outcome: MtpOutcome) -> Callable[[Path], None]:
+    """The finalize check: exact MTP and vision tensor sets, the mode's own checks, a clean inspect verdict."""
 
     def verify(path: Path) -> None:
         from mtpquant.inspect.report import inspect_checkpoint
 
+        mode = plan.mtp_mode
         out = Checkpoint.open(path, strict=True)
         where = f"{plan.out}: verification failed"
         mtp = {n for n in out.tensors if is_mtp_name(n)}
+        expect_mtp = set(outcome.names)
         if mtp != expect_mtp:
             extra = sorted(mtp - expect_mtp) or sorted(expect_mtp - mtp)
             raise OutputVerificationError(f"{where}: MTP tensor set differs from the plan (first: {extra[0]})")
-        if plan.mode == "keep":
-            _same_bytes(out, src, sorted(mtp), where)
+        mode.verify(out, src, outcome, where)
         vision_src = {e.name for e in src.by_class().get(TensorClass.VISION, [])}
         vision_out = {e.name for e in out.by_class().get(TensorClass.VISION, [])}
         if vision_src != vision_out:
             raise OutputVerificationError(f"{where}: vision tensors differ from the source")
-        _same_bytes(out, src, sorted(vision_src), where)
+        same_bytes(out, src, sorted(vision_src), where)
         report = inspect_checkpoint(path)
-        findings = list(report.failures)
-        if plan.mode in {"extract", "drop"} and src.spec.family.mtp_key is None and not mtp:
-            # Qwen3-Next has no config key to un-declare its MTP (engines assume one layer), so
-            # "declared but missing" is the expected verdict of an output without MTP.
-            findings = [f for f in findings if getattr(f, "category", "") != "declared_missing"]
+        allowed = mode.allowed_findings(src) if not mtp else frozenset()
+        findings = [f for f in report.failures if f.category not in allowed]
         if findings:
-            raise OutputVerificationError(f"{where}: {getattr(findings[0], 'message', findings[0])}")
-        if plan.mode in {"keep", "quantize"} and not report.mtp_declared:
+            raise OutputVerificationError(f"{where}: {findings[0].message}")
+        if mode.declares and not report.mtp_declared:
             raise OutputVerificationError(f"{where}: the output does not declare its MTP")
         verify.report = report  # type: ignore[attr-defined]
 
@@ -304,9 +294,12 @@ def convert(options: ConvertOptions) -> ConvertResult:
         mtp_od = stack.enter_context(OutputDir(plan.mtp_out, overwrite=options.overwrite)) if plan.mtp_out else None
         outcome = _run(plan, ckpt, src_dir, od, mtp_od, timer, progress, result, options.command)
         with timer("verify"):
-            verify = _verifier(plan, ckpt, set(outcome.names))
+            verify = _verifier(plan, ckpt, outcome)
             if mtp_od is not None:
-                mtp_path = mtp_od.finalize(_mtp_dir_verifier(plan, ckpt))
+                extract = cast(ExtractMode, plan.mtp_mode)
+                where = f"{plan.mtp_out}: verification failed"
+                expected = set(plan.mtp_tensors)
+                mtp_path = mtp_od.finalize(lambda p: extract.verify_side_output(p, ckpt, expected, where))
                 result.mtp_output = mtp_path
             try:
                 out_path = od.finalize(verify)
@@ -332,27 +325,6 @@ def convert(options: ConvertOptions) -> ConvertResult:
     for line in result.summary_lines():
         summary_log.info("%s", line)
     return result
-
-
-def _mtp_dir_verifier(plan: ConvertPlan, src: Checkpoint) -> Callable[[Path], None]:
-    expected = set(plan.mtp_tensors)
-
-    def verify(path: Path) -> None:
-        out = Checkpoint.open(path, strict=True)
-        if set(out.tensors) != expected:
-            diff = sorted(set(out.tensors) ^ expected)
-            raise OutputVerificationError(f"{plan.mtp_out}: verification failed: MTP tensor set differs ({diff[0]})")
-        _same_bytes(out, src, sorted(expected), f"{plan.mtp_out}: verification failed")
-
-    return verify
-
-
-def _same_bytes(out: Checkpoint, src: Checkpoint, names: list[str], where: str) -> None:
-    """Copied tensors must be the source's exact bytes (dtype, shape and data)."""
-    for name in names:
-        a, b = out.tensors[name], src.tensors[name]
-        if (a.dtype, a.shape) != (b.dtype, b.shape) or out.read_raw(a) != src.read_raw(b):
-            raise OutputVerificationError(f"{where}: {name} differs from the source")
 
 
 def _run(
@@ -384,7 +356,6 @@ def _run(
         quantize_main_model,
         source_dtype,
     )
-    from mtpquant.surgery import modes as mtp_modes
 
     recipe = plan.recipe
     cal = recipe.calibration
@@ -406,13 +377,13 @@ def _run(
     if plan.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
 
+    mode = plan.mtp_mode
     calibrator = None
-    if plan.mode == "quantize":
+    if mode.needs_calibration:
         from mtpquant.mtp.quantize import MtpCalibrator
 
         with timer("mtp"):
-            layer = mtp_modes.load_mtp_layer(ckpt, device=device if device.type != "meta" else None)
-            calibrator = MtpCalibrator(layer)
+            calibrator = MtpCalibrator(load_mtp_layer(ckpt, device=device if device.type != "meta" else None))
 
     with timer("calibrate"):
         loop = _forward_loop(data, cal.batch_size, device, progress, calibrator)
@@ -434,31 +405,21 @@ def _run(
         bar.close()
 
     with timer("mtp"):
-        if plan.mode == "keep":
-            outcome = mtp_modes.keep_mtp(od, ckpt, plan.max_shard_bytes)
-        elif plan.mode == "quantize":
-            assert calibrator is not None
-            outcome = mtp_modes.quantize_mtp_into(
-                od,
-                ckpt,
-                calibrator.layer,
-                calibrator.amax,
-                plan.mtp_format,
-                recipe.quantization.activations,
-                plan.max_shard_bytes,
-                recipe.quantization.quant_algo,
-            )
-        elif plan.mode == "extract":
-            assert mtp_od is not None
-            outcome = mtp_modes.extract_mtp(mtp_od, ckpt, plan.max_shard_bytes, plan.out.name)
-        else:
-            outcome = mtp_modes.drop_mtp(ckpt)
-    for note in outcome.notes:
-        if note not in result.notes:
-            result.notes.append(note)
+        ctx = WriteContext(
+            od,
+            ckpt,
+            plan.max_shard_bytes,
+            mtp_od=mtp_od,
+            out_name=plan.out.name,
+            calibrator=calibrator,
+            fmt=plan.mtp_format,
+            activations=recipe.quantization.activations,
+            main_algo=recipe.quantization.quant_algo,
+        )
+        outcome = mode.write(ctx)
 
     with timer("write"):
-        config = _output_config(ckpt.config, exported.config, outcome.declared_layers, ckpt)
+        config = _output_config(ckpt, exported.config, mode.declared_layers(ckpt))
         config, hfq = _mode_exclusions(config, exported_hfq, outcome.exclude_modelopt, outcome.exclude_ct)
         if outcome.quantized_layers and hfq is not None:
             from modelopt.torch.export.convert_hf_config import convert_hf_quant_config_format

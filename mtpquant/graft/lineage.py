@@ -86,7 +86,9 @@ def _spec_with_layers(spec: ModelSpec, layers: int) -> ModelSpec:
     """``spec`` as if its config declared ``layers`` MTP layers (families without a key: unchanged)."""
     if spec.family.mtp_key is None or spec.mtp.layers == layers:
         return spec
-    return resolve(spec.mtp_config_update(layers))
+    from mtpquant.surgery.metadata import declare_mtp
+
+    return resolve(declare_mtp(spec, layers))
 
 
 def _fmt(value: Any) -> str:

@@ -5,7 +5,7 @@ Plan from headers, refuse early, then act:
 1. open QUANT and SRC header-first; check lineage (family, dimensions, MTP shapes) before any write;
 2. read only SRC's ``mtp.*`` tensors (byte ranges from the header table, locally or by ranged Hub
    reads, falling back to downloading just the shards that hold them) and write them into new
-   ``mtp-*.safetensors`` shards with ``write_mtp_shards``, the same writer convert's keep mode uses;
+   ``mtp-*.safetensors`` shards through convert's keep mode (``surgery.modes``), the same code;
 3. hard-link every untouched file (copy where links fail, reported), rewrite the index (existing
    entries unchanged, MTP entries added, ``total_size`` updated), restore the MTP declaration and
    add the exclusions in ``config.json`` and ``hf_quant_config.json``;
@@ -40,7 +40,7 @@ from mtpquant.graft import inplace
 from mtpquant.graft.lineage import GraftError, LineageError, LineageReport, check_lineage, mtp_layer_count
 from mtpquant.inspect.report import inspect_checkpoint
 from mtpquant.surgery.metadata import MetadataPlan, plan_metadata
-from mtpquant.surgery.shards import write_mtp_shards
+from mtpquant.surgery.modes import MODES, WriteContext
 
 __all__ = [
     "DEFAULT_MAX_SHARD_BYTES",
@@ -394,7 +394,11 @@ def _write(
     # New bytes first, into an empty directory: nothing can be written through a link to QUANT.
     if plan.add and src is not None:
         mtp_entries = {n: src.tensors[n] for n in plan.add}
-        result.new_shards = write_mtp_shards(od, src, sorted(plan.add), options.max_shard_bytes)
+        # graft puts the MTP back the way convert's keep mode writes it (the same code, so extract + graft == keep)
+        keep = MODES["keep"].write(WriteContext(od, src, options.max_shard_bytes))
+        if keep.names != sorted(plan.add):
+            raise GraftError("internal: keep mode wrote other MTP tensors than graft planned")
+        result.new_shards = keep.shards
         headers = od.shard_headers()
         for shard in result.new_shards:
             for name in headers[shard].tensors:

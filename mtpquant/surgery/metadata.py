@@ -28,6 +28,7 @@ from mtpquant.inspect.engines import FusedShardsError, ct_ignored, modelopt_excl
 
 __all__ = [
     "MetadataPlan",
+    "declare_mtp",
     "mtp_modules",
     "plan_metadata",
     "uncovered_modules",
@@ -135,15 +136,23 @@ def _insert_after(target: dict[str, Any], key: str, value: Any, order: list[str]
     return out
 
 
-def restore_declaration(spec: ModelSpec, layers: int, reference: Mapping[str, Any] | None) -> dict[str, Any]:
-    """A copy of ``spec.config`` declaring ``layers`` MTP layers, at the key position ``reference`` uses.
+def declare_mtp(spec: ModelSpec, layers: int, reference: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """A copy of ``spec.config`` declaring ``layers`` MTP layers: the one declaration rule convert and graft use.
 
-    The position matters for "extract then graft == keep, bit for bit": the key goes back where
-    SRC's config has it rather than at the end.
+    ``layers > 0``: the family's key (``text_config.mtp_num_hidden_layers``) set to it; a key that is absent
+    goes where ``reference`` (SRC's config) has it, else at the end. The position matters for "extract then
+    graft == keep, bit for bit". ``layers == 0``: a key that is present is set to 0 in place (not removed: no
+    engine can then default it back to one layer, and a later graft restores the value at the same position);
+    an absent key stays absent. Families without a key (Qwen3-Next, engines assume one layer) are unchanged.
     """
     key = spec.family.mtp_key
     config = copy.deepcopy(dict(spec.config))
     if key is None:
+        return config
+    if layers <= 0:
+        target = config["text_config"] if spec.wrapped else config
+        if key in target:
+            target[key] = 0
         return config
     ref_text: Mapping[str, Any] = {}
     if reference is not None:
@@ -154,7 +163,7 @@ def restore_declaration(spec: ModelSpec, layers: int, reference: Mapping[str, An
         config["text_config"] = _insert_after(config["text_config"], key, layers, list(ref_text))
     else:
         config = _insert_after(config, key, layers, list(ref_text))
-    assert resolve(config).mtp.layers == layers  # same result as spec.mtp_config_update(layers)
+    assert resolve(config).mtp.layers == layers
     return config
 
 
@@ -210,7 +219,7 @@ def plan_metadata(
     plan = MetadataPlan()
     config: dict[str, Any] = copy.deepcopy(dict(spec.config))
     if mtp_layers > 0 and spec.family.mtp_key is not None and spec.mtp.layers != mtp_layers:
-        config = restore_declaration(spec, mtp_layers, reference_config)
+        config = declare_mtp(spec, mtp_layers, reference_config)
         where = f"text_config.{spec.family.mtp_key}" if spec.wrapped else spec.family.mtp_key
         before = "absent" if spec.mtp.key is None else repr(spec.mtp.value)
         plan.changes.append(f"config.json: {where} = {mtp_layers} (was {before})")

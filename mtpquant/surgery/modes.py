@@ -1,17 +1,19 @@
-"""Convert, the MTP: one code path per mode (keep, quantize, extract, drop).
+"""The MTP modes, one object each: keep, quantize, extract, drop.
 
-Each path writes its MTP tensors (if any) and returns an ``MtpOutcome`` saying how the main
-output's metadata must change: how many MTP layers ``config.json`` declares, which exclusions both
-quantization files list, and (FP8 MTP beside an NVFP4 model) the per-module quantized layers.
+Each mode owns everything that depends on it: its refusal checks and notes (at plan time, from headers),
+its plan line, what it writes, how its output is verified, and how the output declares the MTP. Convert
+and graft dispatch through ``MODES``; graft puts an MTP back the way ``keep`` writes it, which is why
+``convert --mtp extract`` followed by ``graft`` gives the same files as ``convert --mtp keep``.
 
-- keep: every ``mtp.*`` tensor byte for byte into ``mtp-*`` shards (``write_mtp_shards``, the layout
-  graft reproduces); exclusions ``mtp*`` (and ``re:^mtp\\..*`` for compressed-tensors metadata).
-- quantize: the MTP Linears to NVFP4 / FP8 from ``mtpquant.mtp.quantize`` with input scales from the
-  calibration pass; ``mtp.fc``, router, ``shared_expert_gate`` excluded by exact name; norms and
-  those Linears copied byte for byte.
-- extract: nothing MTP in the main output, the declaration removed; the MTP goes to its own
-  directory (its own OutputDir): the same shards, an index, the source config, a README.
-- drop: nothing MTP, the declaration removed, a warning.
+- keep: every ``mtp.*`` tensor byte for byte into ``mtp-*`` shards (``shards.write_mtp_shards``); the
+  MTP declared; excluded as ``mtp*`` (and ``re:^mtp\\..*`` for compressed-tensors metadata); verified
+  byte for byte against the source.
+- quantize: the MTP Linears to NVFP4 / FP8 (``mtpquant.mtp.quantize``) with input scales from the
+  calibration pass; ``mtp.fc``, router, ``shared_expert_gate`` excluded by exact name; norms and those
+  Linears copied byte for byte. Needs calibration (the MTP runs on the target's hidden states).
+- extract: nothing MTP in the main output, the declaration set to 0; the MTP goes to its own directory
+  (its own OutputDir): the same shards, an index, the source config, a README.
+- drop: nothing MTP, the declaration set to 0.
 """
 
 from __future__ import annotations
@@ -19,61 +21,86 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, ClassVar, Protocol
 
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.checkpoint.writer import OutputDir, PlannedTensor
+from mtpquant.errors import IndivisibleDimensionError, MtpModeError, OutputVerificationError
 from mtpquant.formats.quant_config import MTP_CT_PATTERNS, MTP_MODELOPT_PATTERNS
 from mtpquant.surgery.shards import mtp_planned_tensors, write_mtp_shards, write_planned_mtp
 
 __all__ = [
+    "MODES",
+    "MODE_NAMES",
+    "ModeCheck",
+    "MtpMode",
     "MtpOutcome",
-    "drop_mtp",
-    "extract_mtp",
-    "keep_mtp",
+    "WriteContext",
+    "choose_mode",
     "load_mtp_layer",
-    "quantize_mtp_into",
+    "same_bytes",
 ]
 
 log = logging.getLogger(__name__)
 
+BLOCK = 16  # NVFP4 block size: a quantized Linear's input dimension must be a multiple of it
+_FLOAT = frozenset({"BF16", "F16", "F32"})
+
+
+class PlanView(Protocol):
+    """What a mode's plan line reads of the convert plan."""
+
+    @property
+    def mtp_tensors(self) -> tuple[str, ...]: ...
+    @property
+    def mtp_quantized(self) -> tuple[str, ...]: ...
+    @property
+    def mtp_format(self) -> str: ...
+    @property
+    def mtp_out(self) -> Path | None: ...
+
+
+@dataclass(frozen=True)
+class ModeCheck:
+    """What a mode's plan-time checks found: notes for the user, and (quantize) the Linears it quantizes."""
+
+    notes: tuple[str, ...] = ()
+    quantized: tuple[str, ...] = ()
+
+
+@dataclass
+class WriteContext:
+    """What a mode needs to write its MTP: the outputs, the source, and (quantize) the calibration."""
+
+    od: OutputDir
+    ckpt: Checkpoint
+    max_bytes: int
+    mtp_od: OutputDir | None = None  # extract: the MTP's own directory
+    out_name: str = ""  # extract: the main output's name, for the MTP directory's README
+    calibrator: Any = None  # quantize: the MtpCalibrator that ran during calibration
+    fmt: str = "nvfp4"  # quantize: nvfp4 | fp8
+    activations: bool = True  # quantize: W4A4 (input scales) or weights only
+    main_algo: str = "NVFP4"  # the main model's quant_algo (an FP8 MTP beside it makes MIXED_PRECISION)
+
 
 @dataclass
 class MtpOutcome:
-    """What one MTP mode wrote and how the main output's metadata must change."""
+    """What a mode wrote into OUT and how OUT's metadata must change."""
 
-    mode: str
-    declared_layers: int  # MTP layers config.json declares (0: remove the declaration)
-    shards: list[str] = field(default_factory=list)  # mtp-* shards written into OUT
     names: list[str] = field(default_factory=list)  # mtp.* tensor names written into OUT
-    tensors: int = 0
-    bytes: int = 0
+    shards: list[str] = field(default_factory=list)  # the mtp-* shards holding them
     exclude_modelopt: list[str] = field(default_factory=list)
     exclude_ct: list[str] = field(default_factory=list)
     quantized_layers: dict[str, dict[str, Any]] = field(default_factory=dict)  # for MIXED_PRECISION
-    quantized_modules: list[str] = field(default_factory=list)
-    mtp_out_tensors: int = 0
-    notes: list[str] = field(default_factory=list)
 
 
-def _declared(ckpt: Checkpoint) -> int:
-    return max(1, ckpt.spec.mtp.layers)
-
-
-def keep_mtp(od: OutputDir, ckpt: Checkpoint, max_bytes: int) -> MtpOutcome:
-    """Copy every ``mtp.*`` tensor unchanged into its own shards; exclude ``mtp*``."""
-    entries = ckpt.mtp_tensors()
-    shards = write_mtp_shards(od, ckpt, [e.name for e in entries], max_bytes)
-    return MtpOutcome(
-        "keep",
-        _declared(ckpt),
-        shards=shards,
-        names=sorted(e.name for e in entries),
-        tensors=len(entries),
-        bytes=sum(e.nbytes for e in entries),
-        exclude_modelopt=list(MTP_MODELOPT_PATTERNS),
-        exclude_ct=list(MTP_CT_PATTERNS),
-    )
+def same_bytes(out: Checkpoint, src: Checkpoint, names: list[str], where: str) -> None:
+    """Copied tensors must be the source's exact bytes (dtype, shape and data)."""
+    for name in names:
+        a, b = out.tensors[name], src.tensors[name]
+        if (a.dtype, a.shape) != (b.dtype, b.shape) or out.read_raw(a) != src.read_raw(b):
+            raise OutputVerificationError(f"{where}: {name} differs from the source")
 
 
 def load_mtp_layer(ckpt: Checkpoint, device: Any = None) -> Any:
@@ -85,69 +112,239 @@ def load_mtp_layer(ckpt: Checkpoint, device: Any = None) -> Any:
     return MtpLayer.from_state_dict(cfg, tensors, device=device)
 
 
-def quantize_mtp_into(
-    od: OutputDir,
-    ckpt: Checkpoint,
-    layer: Any,
-    input_amax: Mapping[str, Any],
-    fmt: str,
-    activations: bool,
-    max_bytes: int,
-    main_algo: str,
-) -> MtpOutcome:
-    """Quantize the MTP Linears (modelopt math) and write them, the rest byte for byte."""
-    from mtpquant.convert.assemble import planned_tensor
-    from mtpquant.mtp.quantize import quantize_mtp
+class MtpMode:
+    """One MTP mode. Subclasses set the class attributes and override what differs."""
 
-    weights = {"mtp." + n: p.detach().cpu() for n, p in layer.named_parameters()}
-    result = quantize_mtp(weights, input_amax, fmt, activations=activations)
-    planned: list[PlannedTensor] = [planned_tensor(n, t) for n, t in result.tensors.items()]
-    kept = [n for n in result.kept_tensors if n in ckpt.tensors]
-    planned += mtp_planned_tensors(ckpt, kept)
-    shards = write_planned_mtp(od, planned, max_bytes)
-    outcome = MtpOutcome(
-        "quantize",
-        _declared(ckpt),
-        shards=shards,
-        names=sorted(t.name for t in planned),
-        tensors=len(planned),
-        bytes=sum(t.nbytes for t in planned),
-        exclude_modelopt=list(result.excluded_modules),
-        quantized_modules=list(result.quantized_modules),
-    )
-    layer_algo = "FP8" if fmt == "fp8" else main_algo
-    if layer_algo != main_algo:
-        outcome.quantized_layers = {m: {"quant_algo": layer_algo} for m in result.quantized_modules}
-    outcome.notes.append(
-        f"MTP quantized to {fmt.upper()} ({len(result.quantized_modules)} Linears); SGLang serves only a BF16 MTP "
-        "and will not use it, vLLM will"
-    )
-    return outcome
+    name: ClassVar[str]
+    declares: ClassVar[bool]  # the output declares the MTP (engines will expect it)
+    needs_mtp: ClassVar[bool] = True  # refused for a source without a (complete) MTP
+    needs_calibration: ClassVar[bool] = False  # the MTP runs during calibration (quantize)
+    writes_side_output: ClassVar[bool] = False  # the MTP goes to a directory of its own (extract)
+
+    # ---- plan time ---------------------------------------------------------------------------------
+    def check(self, ckpt: Checkpoint, fmt: str) -> ModeCheck:
+        """Refuse (one line) a source this mode cannot work on; notes for the plan (``fmt``: quantize's)."""
+        del fmt
+        if not self.needs_mtp:
+            return ModeCheck(self._family_notes(ckpt))
+        names = _check_mtp_complete(ckpt, f"--mtp {self.name}")
+        extra = sorted(names - set(ckpt.spec.expected_mtp_shapes()))
+        notes = []
+        if extra:
+            notes.append(f"{len(extra)} MTP tensors beyond the expected layout are copied too (first: {extra[0]})")
+        return ModeCheck((*notes, *self._family_notes(ckpt)))
+
+    def _family_notes(self, ckpt: Checkpoint) -> tuple[str, ...]:
+        family = ckpt.spec.family
+        if self.declares or family.mtp_key is not None:
+            return ()
+        return (
+            f"{family.display} declares no MTP key in config.json (engines assume {family.mtp_default_layers} layer); "
+            "the output cannot un-declare it, so do not enable MTP speculative decoding on it",
+        )
+
+    def plan_line(self, plan: PlanView) -> str:
+        """One line saying what the mode does (the plan's ``mode`` line)."""
+        raise NotImplementedError
+
+    # ---- the output --------------------------------------------------------------------------------
+    def declared_layers(self, ckpt: Checkpoint) -> int:
+        """MTP layers the output's config declares (0: un-declared, set to 0 where the family has a key)."""
+        return max(1, ckpt.spec.mtp.layers) if self.declares else 0
+
+    def write(self, ctx: WriteContext) -> MtpOutcome:
+        """Write the MTP (if any) and say how OUT's metadata changes."""
+        raise NotImplementedError
+
+    def verify(self, out: Checkpoint, src: Checkpoint, outcome: MtpOutcome, where: str) -> None:
+        """Mode-specific checks of the finished OUT (beyond the common ones convert runs)."""
+        del out, src, outcome, where
+
+    def allowed_findings(self, ckpt: Checkpoint) -> frozenset[str]:
+        """inspect finding categories the output may have by design (Qwen3-Next without MTP: declared_missing)."""
+        if not self.declares and ckpt.spec.family.mtp_key is None:
+            # Qwen3-Next has no config key to un-declare its MTP (engines assume one layer)
+            return frozenset({"declared_missing"})
+        return frozenset()
 
 
-def extract_mtp(mtp_od: OutputDir, ckpt: Checkpoint, max_bytes: int, out_name: str) -> MtpOutcome:
-    """Write the MTP to its own directory (shards, index, source config, README); none in OUT."""
-    entries = ckpt.mtp_tensors()
-    write_mtp_shards(mtp_od, ckpt, [e.name for e in entries], max_bytes)
-    mtp_od.write_index()
-    mtp_od.write_json("config.json", ckpt.config)
-    mtp_od.write_text("README.md", _extract_readme(ckpt, len(entries), out_name, mtp_od.final.name))
-    outcome = MtpOutcome("extract", 0, mtp_out_tensors=len(entries), bytes=sum(e.nbytes for e in entries))
-    outcome.notes.append(
-        f"MTP ({len(entries)} tensors) extracted to {mtp_od.final}; the main output declares no MTP "
-        f"(put it back with `mtpquant graft`)"
-    )
-    return outcome
+def _check_mtp_complete(ckpt: Checkpoint, flag: str) -> set[str]:
+    """The source's MTP tensor names, refusing an MTP that is absent, incomplete or shaped otherwise."""
+    label = ckpt.label
+    present = {e.name for e in ckpt.mtp_tensors()}
+    expected = ckpt.spec.expected_mtp_shapes()
+    if not present:
+        raise MtpModeError(
+            f"{label}: has no MTP tensors (mtp.*), so {flag} has nothing to work on; use --mtp drop to convert "
+            "without MTP, or add one with `mtpquant graft`"
+        )
+    missing = [n for n in expected if n not in present]
+    if missing:
+        raise MtpModeError(
+            f"{label}: MTP incomplete, {len(missing)} of {len(expected)} expected tensors missing (first: "
+            f"{missing[0]}); use --mtp drop, or repair the source with `mtpquant graft`"
+        )
+    wrong = [n for n in expected if tuple(ckpt.tensors[n].shape) != tuple(expected[n])]
+    if wrong:
+        n = wrong[0]
+        raise MtpModeError(
+            f"{label}: MTP tensor {n} has shape {list(ckpt.tensors[n].shape)}, the config implies {list(expected[n])}"
+        )
+    return present
 
 
-def drop_mtp(ckpt: Checkpoint) -> MtpOutcome:
-    """No MTP in the output, declaration removed; warn when one existed."""
-    outcome = MtpOutcome("drop", 0)
+class KeepMode(MtpMode):
+    """Every ``mtp.*`` tensor byte for byte; excluded as ``mtp*`` / ``re:^mtp\\..*``."""
+
+    name = "keep"
+    declares = True
+
+    def plan_line(self, plan: PlanView) -> str:
+        n = len(plan.mtp_tensors)
+        return f"keep: {n} MTP tensors copied byte for byte into mtp-*.safetensors, excluded as mtp*"
+
+    def write(self, ctx: WriteContext) -> MtpOutcome:
+        names = sorted(e.name for e in ctx.ckpt.mtp_tensors())
+        shards = write_mtp_shards(ctx.od, ctx.ckpt, names, ctx.max_bytes)
+        return MtpOutcome(names, shards, list(MTP_MODELOPT_PATTERNS), list(MTP_CT_PATTERNS))
+
+    def verify(self, out: Checkpoint, src: Checkpoint, outcome: MtpOutcome, where: str) -> None:
+        same_bytes(out, src, sorted(outcome.names), where)
+
+
+class QuantizeMode(MtpMode):
+    """The MTP Linears quantized with calibrated input scales; the rest byte for byte."""
+
+    name = "quantize"
+    declares = True
+    needs_calibration = True
+
+    def check(self, ckpt: Checkpoint, fmt: str) -> ModeCheck:
+        from mtpquant.mtp.quantize import mtp_linear_modules, mtp_quantized_modules
+
+        label = ckpt.label
+        names = _check_mtp_complete(ckpt, "--mtp quantize")
+        extra = sorted(names - set(ckpt.spec.expected_mtp_shapes()))
+        if extra:
+            raise MtpModeError(f"{label}: unexpected MTP tensor {extra[0]}; --mtp quantize needs the exact layout")
+        bad_dtype = sorted(n for n in names if ckpt.tensors[n].dtype not in _FLOAT)
+        if bad_dtype:
+            raise MtpModeError(
+                f"{label}: MTP tensor {bad_dtype[0]} is {ckpt.tensors[bad_dtype[0]].dtype}; "
+                "--mtp quantize needs a BF16/F16/F32 MTP"
+            )
+        shapes = {e.name: e.shape for e in ckpt.mtp_tensors()}
+        quantized = tuple(mtp_quantized_modules(mtp_linear_modules(shapes)))
+        if fmt == "nvfp4":
+            for m in quantized:
+                in_dim = shapes[m + ".weight"][-1]
+                if in_dim % BLOCK:
+                    raise IndivisibleDimensionError(
+                        f"{m}: input dimension {in_dim} is not a multiple of {BLOCK} (the NVFP4 block size); use "
+                        "--mtp-format fp8 or --mtp keep"
+                    )
+        notes = ["SGLang serves only a BF16 MTP: it will not use this quantized MTP (vLLM will)"]
+        if fmt == "fp8":
+            notes.append("FP8 MTP with an NVFP4 main model is written as MIXED_PRECISION (vLLM modelopt_mixed)")
+        return ModeCheck(tuple(notes), quantized)
+
+    def plan_line(self, plan: PlanView) -> str:
+        return (
+            f"quantize: {len(plan.mtp_quantized)} MTP Linears -> {plan.mtp_format.upper()} with calibrated input "
+            "scales; mtp.fc, norms, "
+            "router, shared_expert_gate stay BF16 (excluded by name). SGLang will not serve a quantized MTP"
+        )
+
+    def write(self, ctx: WriteContext) -> MtpOutcome:
+        from mtpquant.convert.assemble import planned_tensor
+        from mtpquant.mtp.quantize import quantize_mtp
+
+        assert ctx.calibrator is not None, "quantize mode needs the calibrator that ran during calibration"
+        layer = ctx.calibrator.layer
+        weights = {"mtp." + n: p.detach().cpu() for n, p in layer.named_parameters()}
+        result = quantize_mtp(weights, ctx.calibrator.amax, ctx.fmt, activations=ctx.activations)
+        planned: list[PlannedTensor] = [planned_tensor(n, t) for n, t in result.tensors.items()]
+        kept = [n for n in result.kept_tensors if n in ctx.ckpt.tensors]
+        planned += mtp_planned_tensors(ctx.ckpt, kept)
+        shards = write_planned_mtp(ctx.od, planned, ctx.max_bytes)
+        outcome = MtpOutcome(sorted(t.name for t in planned), shards, list(result.excluded_modules))
+        layer_algo = "FP8" if ctx.fmt == "fp8" else ctx.main_algo
+        if layer_algo != ctx.main_algo:
+            outcome.quantized_layers = {m: {"quant_algo": layer_algo} for m in result.quantized_modules}
+        return outcome
+
+
+class ExtractMode(MtpMode):
+    """The MTP to a directory of its own; none in OUT, and OUT declares none."""
+
+    name = "extract"
+    declares = False
+    writes_side_output = True
+
+    def plan_line(self, plan: PlanView) -> str:
+        n = len(plan.mtp_tensors)
+        return f"extract: main output without MTP; {n} MTP tensors to {plan.mtp_out} (graft them back later)"
+
+    def write(self, ctx: WriteContext) -> MtpOutcome:
+        assert ctx.mtp_od is not None, "extract mode writes into its own output directory"
+        ckpt = ctx.ckpt
+        names = sorted(e.name for e in ckpt.mtp_tensors())
+        write_mtp_shards(ctx.mtp_od, ckpt, names, ctx.max_bytes)
+        ctx.mtp_od.write_index()
+        ctx.mtp_od.write_json("config.json", ckpt.config)
+        ctx.mtp_od.write_text("README.md", _extract_readme(ckpt, len(names), ctx.out_name, ctx.mtp_od.final.name))
+        return MtpOutcome()
+
+    def verify_side_output(self, path: Path, src: Checkpoint, expected: set[str], where: str) -> None:
+        """The MTP directory holds exactly the source's MTP tensors, byte for byte."""
+        out = Checkpoint.open(path, strict=True)
+        if set(out.tensors) != expected:
+            diff = sorted(set(out.tensors) ^ expected)
+            raise OutputVerificationError(f"{where}: MTP tensor set differs ({diff[0]})")
+        same_bytes(out, src, sorted(expected), where)
+
+
+class DropMode(MtpMode):
+    """No MTP in the output, and no declaration."""
+
+    name = "drop"
+    declares = False
+    needs_mtp = False
+
+    def check(self, ckpt: Checkpoint, fmt: str) -> ModeCheck:
+        base = super().check(ckpt, fmt)
+        if ckpt.mtp_tensors():
+            note = "--mtp drop: the output has no MTP; speculative decoding with MTP will not be available"
+            return ModeCheck((note, *base.notes))
+        return base
+
+    def plan_line(self, plan: PlanView) -> str:
+        return "drop: no MTP in the output and no MTP declaration" + (
+            " (speculative decoding with MTP is gone)" if plan.mtp_tensors else ""
+        )
+
+    def write(self, ctx: WriteContext) -> MtpOutcome:
+        del ctx  # nothing MTP is written
+        return MtpOutcome()
+
+
+MODES: Mapping[str, MtpMode] = {m.name: m for m in (KeepMode(), QuantizeMode(), ExtractMode(), DropMode())}
+MODE_NAMES = tuple(MODES)
+
+
+def choose_mode(requested: str, ckpt: Checkpoint) -> tuple[MtpMode, tuple[str, ...]]:
+    """The mode for a recipe's ``mtp.mode`` (``auto``: keep when the source has an MTP, else drop), plus a
+    note when ``auto`` drops an MTP the source declares but lacks."""
+    if requested != "auto":
+        return MODES[requested], ()
     if ckpt.mtp_tensors():
-        msg = "--mtp drop: the MTP layer is not in the output; speculative decoding with MTP is gone"
-        log.warning(msg)
-        outcome.notes.append(msg)
-    return outcome
+        return MODES["keep"], ()
+    if ckpt.spec.mtp.declared:
+        return MODES["drop"], (
+            f"the source declares an MTP ({ckpt.spec.mtp.describe()}) but has no mtp.* tensors: converting "
+            "without MTP and removing the declaration; `mtpquant graft` can add one later",
+        )
+    return MODES["drop"], ()
 
 
 def _extract_readme(ckpt: Checkpoint, count: int, out_name: str, mtp_name: str) -> str:
