@@ -10,23 +10,41 @@ import json
 import logging
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 from mtpquant.errors import CheckpointError
 
-__all__ = ["CheckpointSource", "HubSource", "LocalSource", "open_source"]
+__all__ = ["CheckpointSource", "HubSource", "LocalSource", "SourceRef", "open_source"]
 
 log = logging.getLogger(__name__)
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+# .../models--org--name/snapshots/<commit>/ : a checkpoint in the HF cache
+_HF_CACHE_SNAPSHOT = re.compile(r"models--([A-Za-z0-9][\w.-]*)--([\w.-]+)/snapshots/([0-9a-f]{40})/")
+
+
+@dataclass(frozen=True)
+class SourceRef:
+    """Where a checkpoint came from, for provenance: a Hub repo (and the commit it resolved to) or a directory."""
+
+    repo_id: str | None = None
+    revision: str | None = None
+    commit: str | None = None  # the Hub commit sha the revision resolved to
+    path: str | None = None  # a local directory (absolute)
 
 
 class CheckpointSource(Protocol):
-    """Read access to the files of one checkpoint."""
+    """Read access to the files of one checkpoint.
+
+    ``local_root`` is the checkpoint's own directory on this machine, or None for a remote one: the only
+    place anything above this module learns whether a checkpoint is remote.
+    """
 
     label: str
     bytes_read: int
+    local_root: Path | None
 
     def list_files(self) -> list[str]:
         """Relative paths of every file."""
@@ -48,6 +66,22 @@ class CheckpointSource(Protocol):
         """A local path holding the file (downloads it for a remote source)."""
         ...
 
+    def local_dir(self, ignore_patterns: list[str]) -> Path:
+        """A local directory holding the whole checkpoint (a snapshot in the HF cache for a remote source)."""
+        ...
+
+    def local_extent(self, relpath: str, start: int, end: int) -> tuple[Path, int, int] | None:
+        """(file, start, end) of bytes already on this disk (copied in the kernel), counted as read; None if remote."""
+        ...
+
+    def fingerprint(self, relpath: str) -> tuple[int, int, int, int] | None:
+        """(device, inode, size, mtime_ns) of a local file (the one a symlink points to); None for a remote one."""
+        ...
+
+    def ref(self) -> SourceRef:
+        """Where the checkpoint came from (provenance)."""
+        ...
+
 
 class LocalSource:
     """A checkpoint directory on disk."""
@@ -56,6 +90,7 @@ class LocalSource:
         self.root = Path(root)
         self.label = str(self.root)
         self.bytes_read = 0
+        self.local_root: Path | None = self.root
         if not self.root.is_dir():
             raise CheckpointError(f"{self.root}: not a checkpoint directory")
 
@@ -96,6 +131,32 @@ class LocalSource:
         """The file's own path."""
         return self._path(relpath)
 
+    def local_dir(self, ignore_patterns: list[str]) -> Path:
+        """The directory itself."""
+        del ignore_patterns
+        return self.root
+
+    def local_extent(self, relpath: str, start: int, end: int) -> tuple[Path, int, int] | None:
+        """The file and range themselves."""
+        self.bytes_read += end - start
+        return self._path(relpath), start, end
+
+    def fingerprint(self, relpath: str) -> tuple[int, int, int, int] | None:
+        """stat of the file (following a symlink)."""
+        try:
+            st = self._path(relpath).stat()
+        except OSError:
+            return None
+        return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+    def ref(self) -> SourceRef:
+        """A repo id when the directory is a snapshot in the HF cache, else the path."""
+        resolved = self.root.resolve()
+        m = _HF_CACHE_SNAPSHOT.search(resolved.as_posix() + "/")
+        if m:
+            return SourceRef(repo_id=f"{m.group(1)}/{m.group(2)}", commit=m.group(3), path=str(resolved))
+        return SourceRef(path=str(resolved))
+
 
 class HubSource:
     """A model repo on the Hub (or any server in the Hub's URL layout, via ``HF_ENDPOINT``).
@@ -123,6 +184,8 @@ class HubSource:
         self._api = HfApi(endpoint=self.endpoint, token=token)
         self._fs = HfFileSystem(endpoint=self.endpoint, token=token, skip_instance_cache=True)
         self._sizes: dict[str, int] | None = None
+        self._commit: str | None = None
+        self.local_root: Path | None = None
 
     def _listing(self) -> dict[str, int]:
         if self._sizes is None:
@@ -178,6 +241,46 @@ class HubSource:
         )
         self.bytes_read += path.stat().st_size
         return path
+
+
+    def local_dir(self, ignore_patterns: list[str]) -> Path:
+        """``snapshot_download`` of the revision into the HF cache (resumable, revision-aware)."""
+        from huggingface_hub import snapshot_download
+
+        log.info("downloading %s (HF cache)", self.label)
+        path = Path(
+            snapshot_download(
+                repo_id=self.repo_id,
+                revision=self.revision,
+                token=self._token,
+                cache_dir=self.cache_dir,
+                endpoint=self.endpoint,
+                ignore_patterns=ignore_patterns,
+            )
+        )
+        self._commit = path.name  # snapshots/<commit sha>
+        return path
+
+    def local_extent(self, relpath: str, start: int, end: int) -> tuple[Path, int, int] | None:
+        """Remote: no local bytes (reads go through ``read_range``)."""
+        del relpath, start, end
+        return None
+
+    def fingerprint(self, relpath: str) -> tuple[int, int, int, int] | None:
+        """Remote: no local file."""
+        del relpath
+        return None
+
+    def ref(self) -> SourceRef:
+        """The repo, the revision asked for, and the commit it resolved to (one model_info call if not known)."""
+        if self._commit is None:
+            from huggingface_hub.errors import HfHubHTTPError
+
+            try:
+                self._commit = self._api.model_info(self.repo_id, revision=self.revision).sha
+            except HfHubHTTPError as exc:
+                log.warning("%s: could not resolve the commit (%s)", self.label, _short(exc))
+        return SourceRef(repo_id=self.repo_id, revision=self.revision, commit=self._commit)
 
 
 def _short(exc: Exception) -> str:

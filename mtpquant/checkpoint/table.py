@@ -11,14 +11,16 @@ import os
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mtpquant.checkpoint.header import ShardHeader, TensorEntry, parse_header, read_header_length
 from mtpquant.checkpoint.index import INDEX_NAME, SINGLE_NAME, Problem, check_shard_name, parse_index, validate_index
-from mtpquant.checkpoint.source import CheckpointSource, LocalSource, open_source, read_json
+from mtpquant.checkpoint.source import CheckpointSource, open_source, read_json
 from mtpquant.errors import CheckpointError, ConfigError
 from mtpquant.families import ModelSpec, is_mtp_name, resolve
+from mtpquant.formats.quant_config import HF_QUANT_CONFIG, QuantMetadata, read_quant_metadata
 
 if TYPE_CHECKING:
     import torch
@@ -163,10 +165,23 @@ class Checkpoint:
 
     def local_range(self, entry: TensorEntry) -> tuple[Path, int, int] | None:
         """(file, start, end) of a tensor on a local disk, counted as read; None for remote sources."""
-        if not isinstance(self.source, LocalSource):
+        return self.source.local_extent(entry.shard, entry.start, entry.end)
+
+    # ---- quantization metadata (the one reader) ----------------------------------------------------
+    @cached_property
+    def hf_quant_config(self) -> dict[str, Any] | None:
+        """``hf_quant_config.json`` (ModelOpt's), or None when the checkpoint has none."""
+        if not self.source.exists(HF_QUANT_CONFIG):
             return None
-        self.source.bytes_read += entry.nbytes
-        return self.source.local_path(entry.shard), entry.start, entry.end
+        raw = read_json(self.source, HF_QUANT_CONFIG)
+        if not isinstance(raw, dict):
+            raise CheckpointError(f"{self.label}: {HF_QUANT_CONFIG} is not a JSON object")
+        return raw
+
+    @cached_property
+    def quant_metadata(self) -> QuantMetadata | None:
+        """The quantization the checkpoint declares (config.json first, as vLLM reads it); None: unquantized."""
+        return read_quant_metadata(self.config, self.hf_quant_config)
 
     def read_tensor(self, name: str) -> torch.Tensor:
         """One tensor, decoded by safetensors from its stored bytes."""
@@ -196,14 +211,8 @@ def read_shard_header(source: CheckpointSource, shard: str) -> ShardHeader:
 
 def shard_fingerprint(source: CheckpointSource, shard: str) -> tuple[int, int, int, int] | None:
     """(device, inode, size, mtime_ns) of a local shard (the file a symlink points to); None for a remote one."""
-    if not isinstance(source, LocalSource):
-        return None
     check_shard_name(shard, where=source.label)
-    try:
-        st = source.local_path(shard).stat()
-    except OSError:
-        return None
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    return source.fingerprint(shard)
 
 
 def _reusable_header(reuse: Checkpoint | None, shard: str, fp: tuple[int, int, int, int] | None) -> ShardHeader | None:

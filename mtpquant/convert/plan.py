@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 from mtpquant.checkpoint.index import INDEX_NAME
-from mtpquant.checkpoint.source import LocalSource, read_json
 from mtpquant.checkpoint.table import PICKLE_SUFFIXES, Checkpoint
 from mtpquant.convert.recipes import (
     MTP_FORMATS,
@@ -37,7 +36,7 @@ from mtpquant.errors import (
     SourceQuantizedError,
 )
 from mtpquant.families import TensorClass
-from mtpquant.formats.quant_config import HF_QUANT_CONFIG, read_quant_metadata
+from mtpquant.formats.quant_config import HF_QUANT_CONFIG
 from mtpquant.surgery.modes import BLOCK, MODE_NAMES, MODES, MtpMode, choose_mode
 
 __all__ = [
@@ -110,10 +109,6 @@ class ConvertPlan:
     carried_files: tuple[str, ...]
     notes: tuple[str, ...] = field(default_factory=tuple)
 
-    @property
-    def is_remote(self) -> bool:
-        """Whether SRC is a Hub repo (downloaded before conversion)."""
-        return not Path(self.src).exists()
 
     def lines(self) -> list[str]:
         """The human-readable plan (``--dry-run`` output)."""
@@ -293,8 +288,7 @@ def _check_output(path: Path, src: Path | None, overwrite: bool, what: str) -> N
 
 
 def _check_not_quantized(ckpt: Checkpoint) -> None:
-    hfq = read_json(ckpt.source, HF_QUANT_CONFIG) if ckpt.source.exists(HF_QUANT_CONFIG) else None
-    meta = read_quant_metadata(ckpt.config, hfq if isinstance(hfq, dict) else None)
+    meta = ckpt.quant_metadata
     if meta is not None:
         raise SourceQuantizedError(
             f"{ckpt.label}: already quantized ({meta.method} {meta.algo}); convert needs the BF16 checkpoint "
@@ -313,7 +307,7 @@ def plan_convert(options: ConvertOptions, ckpt: Checkpoint | None = None) -> tup
         ckpt = Checkpoint.open(options.src, revision=options.revision, strict=True)
     spec = ckpt.spec
     family = spec.family
-    local_src = ckpt.source.root if isinstance(ckpt.source, LocalSource) else None
+    local_src = ckpt.source.local_root
     out = Path(options.out).expanduser()
     recipe = _resolve_recipe(options, family)
     _check_not_quantized(ckpt)

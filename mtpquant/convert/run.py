@@ -142,25 +142,12 @@ def _tqdm(progress: bool, **kwargs: Any) -> Any:
     return tqdm(disable=not progress or None, **kwargs)
 
 
-def _local_source(plan: ConvertPlan, options: ConvertOptions, ckpt: Checkpoint) -> tuple[Path, Checkpoint]:
-    """A local directory for SRC: itself, or a snapshot of the Hub repo in the HF cache."""
-    if not plan.is_remote:
-        return Path(plan.src), ckpt
-    from huggingface_hub import snapshot_download
-
+def _local_source(ckpt: Checkpoint) -> tuple[Path, Checkpoint]:
+    """A local directory for SRC (transformers loads from one): itself, or a snapshot in the HF cache."""
     from mtpquant.checkpoint.table import PICKLE_SUFFIXES
 
-    log.info("downloading %s (HF cache)", plan.src)
-    path = Path(
-        snapshot_download(
-            repo_id=getattr(ckpt.source, "repo_id", plan.src),
-            revision=options.revision,
-            cache_dir=getattr(ckpt.source, "cache_dir", None),
-            endpoint=getattr(ckpt.source, "endpoint", None),
-            ignore_patterns=[f"*{s}" for s in PICKLE_SUFFIXES],
-        )
-    )
-    return path, Checkpoint.open(path, strict=True)
+    path = ckpt.source.local_dir([f"*{s}" for s in PICKLE_SUFFIXES])
+    return path, (ckpt if ckpt.source.local_root is not None else Checkpoint.open(path, strict=True))
 
 
 def _forward_loop(
@@ -278,15 +265,13 @@ def convert(options: ConvertOptions) -> ConvertResult:
         return ConvertResult(plan, dry_run=True, timings=timer.timings, notes=list(plan.notes))
     progress = options.progress and os.environ.get("TQDM_DISABLE", "") in {"", "0"}
     result = ConvertResult(plan, notes=list(plan.notes))
-    if plan.is_remote:
-        from mtpquant.convert.model import library_progress
-
-        with timer("download"), library_progress(progress):
-            src_dir, ckpt = _local_source(plan, options, ckpt)
-    else:
-        src_dir = Path(plan.src)
-
     from mtpquant.convert.model import library_progress
+
+    if ckpt.source.local_root is None:
+        with timer("download"), library_progress(progress):
+            src_dir, ckpt = _local_source(ckpt)
+    else:
+        src_dir, ckpt = _local_source(ckpt)
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(library_progress(progress))
@@ -397,7 +382,7 @@ def _run(
     gc.collect()
 
     exported = Checkpoint.open(scratch, strict=True)
-    exported_hfq = _read_json(scratch / HF_QUANT_CONFIG)
+    exported_hfq = exported.hf_quant_config
     with timer("write"):
         main = main_tensor_plan(exported, ckpt)
         bar = _tqdm(progress, total=sum(t.nbytes for t in main.tensors), desc="write", unit="B", unit_scale=True)
@@ -436,15 +421,6 @@ def _run(
         shutil.rmtree(od.path / OFFLOAD, ignore_errors=True)
         od.write_index()
     return outcome
-
-
-def _read_json(path: Path) -> dict[str, Any] | None:
-    import json
-
-    if not path.exists():
-        return None
-    data = json.loads(path.read_text(encoding="utf-8"))
-    return data if isinstance(data, dict) else None
 
 
 def _recipe_header(plan: ConvertPlan, command: Sequence[str] = ()) -> str:

@@ -31,7 +31,7 @@ from typing import Any, cast
 
 from mtpquant.checkpoint.header import TensorEntry
 from mtpquant.checkpoint.index import INDEX_NAME, SINGLE_NAME
-from mtpquant.checkpoint.source import CheckpointSource, LocalSource, read_json
+from mtpquant.checkpoint.source import CheckpointSource, SourceRef
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.checkpoint.writer import OutputDir, PlannedTensor
 from mtpquant.errors import CheckpointError, OutputExistsError, OutputVerificationError, UsageError
@@ -141,6 +141,24 @@ class _TrackedSource:
     def local_path(self, relpath: str) -> Path:
         return self.inner.local_path(relpath)
 
+    @property
+    def local_root(self) -> Path | None:
+        return self.inner.local_root
+
+    def local_dir(self, ignore_patterns: list[str]) -> Path:
+        return self.inner.local_dir(ignore_patterns)
+
+    def local_extent(self, relpath: str, start: int, end: int) -> tuple[Path, int, int] | None:
+        # every MTP byte goes through read_range, where it is checksummed for the write-back check
+        del relpath, start, end
+        return None
+
+    def fingerprint(self, relpath: str) -> tuple[int, int, int, int] | None:
+        return self.inner.fingerprint(relpath)
+
+    def ref(self) -> SourceRef:
+        return self.inner.ref()
+
     def read_range(self, relpath: str, start: int, end: int) -> bytes:
         if relpath in self._local:
             data = _read_local(self._local[relpath], relpath, start, end)
@@ -212,15 +230,6 @@ def _weight_map(ckpt: Checkpoint) -> dict[str, str]:
     if ckpt.index is not None:
         return {str(k): str(v) for k, v in ckpt.index["weight_map"].items()}
     return dict.fromkeys(ckpt.tensors, SINGLE_NAME)
-
-
-def _read_hfq(ckpt: Checkpoint) -> dict[str, Any] | None:
-    if not ckpt.source.exists(HF_QUANT_CONFIG):
-        return None
-    raw = read_json(ckpt.source, HF_QUANT_CONFIG)
-    if not isinstance(raw, dict):
-        raise CheckpointError(f"{ckpt.label}: {HF_QUANT_CONFIG} is not a JSON object")
-    return raw
 
 
 def _total_size_fix(ckpt: Checkpoint) -> str | None:
@@ -328,7 +337,7 @@ def _verify(
         checks.append("mtp-bytes")
     if ckpt.spec.mtp.layers != mtp_layers:
         raise fail(f"config.json declares {ckpt.spec.mtp.describe()}, the tensors hold {mtp_layers} MTP layers")
-    leftover = plan_metadata(ckpt.spec, _read_hfq(ckpt), ckpt.tensors, mtp_layers=mtp_layers)
+    leftover = plan_metadata(ckpt.spec, ckpt.hf_quant_config, ckpt.tensors, mtp_layers=mtp_layers)
     if leftover.changes:
         raise fail(f"metadata still incomplete ({leftover.changes[0]})")
     checks.append("exclusions")
@@ -363,7 +372,8 @@ class _Target:
 def _open_target(options: GraftOptions, quant: Checkpoint, plan: _Plan, result: GraftResult) -> _Target:
     if options.out is not None:
         return _Target(OutputDir(Path(options.out)), "out", None, "rename")
-    root = Path(cast(LocalSource, quant.source).root).resolve()
+    assert quant.source.local_root is not None  # --in-place was refused for a remote QUANT
+    root = quant.source.local_root.resolve()
     if root.stat().st_dev != root.parent.stat().st_dev:
         raise GraftError(f"{root}: is a mount point; --in-place needs to build next to it: use --out")
     result.cleaned = inplace.clean_stale(root)
@@ -482,15 +492,15 @@ def _check_out(options: GraftOptions, quant: Checkpoint) -> None:
     out = Path(options.out).absolute()
     if os.path.lexists(out):
         raise OutputExistsError(f"{out}: output already exists; graft never overwrites (choose a new --out)")
-    if isinstance(quant.source, LocalSource):
-        root = quant.source.root.resolve()
+    if quant.source.local_root is not None:
+        root = quant.source.local_root.resolve()
         if out.resolve() == root or root in out.resolve().parents:
             raise GraftError(f"{out}: --out must not be inside QUANT")
 
 
 def _open_quant(options: GraftOptions) -> Checkpoint:
     quant = Checkpoint.open(options.quant, revision=options.revision, token=options.token)
-    if options.in_place and not isinstance(quant.source, LocalSource):
+    if options.in_place and quant.source.local_root is None:
         raise UsageError(f"{quant.label}: --in-place needs a local QUANT directory; for a Hub repo use --out")
     return quant
 
@@ -506,7 +516,8 @@ def _identical_mtp(quant: Checkpoint, src: Checkpoint) -> bool:
 def _finish(result: GraftResult, t0: float, quant: Checkpoint, src: Checkpoint | None) -> GraftResult:
     if result.action == "noop" and result.mode == "in-place":
         # an earlier run may have been killed after putting its result in place: tidy up after it
-        result.cleaned = inplace.clean_stale(Path(cast(LocalSource, quant.source).root).resolve())
+        assert quant.source.local_root is not None
+        result.cleaned = inplace.clean_stale(quant.source.local_root.resolve())
     result.quant_bytes_fetched = quant.source.bytes_read
     if src is not None:
         result.src_bytes_fetched = src.source.bytes_read
@@ -527,7 +538,7 @@ def graft(options: GraftOptions) -> GraftResult:
     quant = _open_quant(options)
     _check_out(options, quant)
     mode = "out" if options.out is not None else "in-place"
-    hfq = _read_hfq(quant)
+    hfq = quant.hf_quant_config
     weight_map = _weight_map(quant)
     plan = _Plan(quant, hfq, weight_map)
     result = GraftResult(quant.label, None, None, mode, "planned", "")

@@ -23,7 +23,6 @@ logged, printed, written into the card or put into an exception message (errors 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import re
@@ -194,25 +193,17 @@ def _refuse_secrets(out: Path, files: list[PublishFile], secrets: list[str]) -> 
             )
 
 
-def _load_json(path: Path) -> dict[str, Any] | None:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
-def _gate(out: Path, force: bool) -> Any:
+def _gate(out: Path, force: bool) -> tuple[Any, Any]:
     """Inspect OUT; refuse an incomplete OUT always, an unhealthy one unless ``force``."""
     from mtpquant.checkpoint.table import Checkpoint
     from mtpquant.inspect.report import inspect_checkpoint
 
-    # Headers only, twice (a few small reads): inspect's findings carry no problem codes.
-    incomplete = [p.message for p in Checkpoint.open(out, strict=False).problems if p.code in _INCOMPLETE]
+    ckpt = Checkpoint.open(out, strict=False)
+    incomplete = [p.message for p in ckpt.problems if p.code in _INCOMPLETE]
     if incomplete:
         more = f" (and {len(incomplete) - 1} more)" if len(incomplete) > 1 else ""
         raise PublishRefusedError(f"refusing to publish {out}: incomplete: {incomplete[0]}{more}")
-    report = inspect_checkpoint(out)
+    report = inspect_checkpoint(out, checkpoint=ckpt)
     if not report.healthy:
         msgs = report.failure_messages
         more = f" (and {len(msgs) - 1} more)" if len(msgs) > 1 else ""
@@ -222,7 +213,7 @@ def _gate(out: Path, force: bool) -> Any:
                 "or pass --force to publish it anyway, with the card saying so"
             )
         log.warning("publishing despite failed checks (--force): %s%s", msgs[0], more)
-    return report
+    return ckpt, report
 
 
 def _existing_card(out: Path) -> str | None:
@@ -264,16 +255,14 @@ def publish(opts: PublishOptions) -> PublishResult:
         raise PublishRefusedError(f"{out}: not a directory (publish uploads a checkpoint directory)")
     files = plan_files(out)
     try:
-        report = _gate(out, opts.force)
+        ckpt, report = _gate(out, opts.force)
     except (CheckpointError, ConfigError) as exc:
         raise PublishRefusedError(f"refusing to publish {out}: {exc}") from None
     forced = not report.healthy
 
-    config = _load_json(out / "config.json") or {}
-    hfq = _load_json(out / "hf_quant_config.json")
-    from mtpquant.families import resolve
-
-    family_key = resolve(config).family.key
+    config = ckpt.config
+    hfq = ckpt.hf_quant_config
+    family_key = ckpt.spec.family.key
     existing = _existing_card(out)
     origin = card_origin(existing) if existing is not None else None
     provenance = read_provenance(out)

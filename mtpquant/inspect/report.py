@@ -13,10 +13,10 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from mtpquant.checkpoint.source import CheckpointSource, read_json
+from mtpquant.checkpoint.source import CheckpointSource
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.errors import ExitCode
-from mtpquant.formats.quant_config import HF_QUANT_CONFIG, QuantMetadata, read_quant_metadata
+from mtpquant.formats.quant_config import QuantMetadata
 from mtpquant.inspect.engines import FusedShardsError, engine_modules, vllm_builds_quantized, vllm_format_refusal
 from mtpquant.inspect.precision import is_quantized, linear_modules, module_of, module_precision
 
@@ -126,13 +126,6 @@ class InspectReport:
         data["schema_version"] = SCHEMA_VERSION
         data["healthy"] = self.healthy
         return data
-
-
-def _read_hf_quant_config(source: CheckpointSource) -> dict[str, Any] | None:
-    if not source.exists(HF_QUANT_CONFIG):
-        return None
-    raw = read_json(source, HF_QUANT_CONFIG)
-    return raw if isinstance(raw, dict) else None
 
 
 def _group_precision(tensors: dict[str, Any], members: list[str]) -> str:
@@ -330,8 +323,7 @@ def inspect_checkpoint(
     """
     t0 = time.perf_counter()
     ckpt = checkpoint if checkpoint is not None else Checkpoint.open(ref, revision=revision, token=token, strict=False)
-    hfq = _read_hf_quant_config(ckpt.source)
-    meta = read_quant_metadata(ckpt.config, hfq)
+    meta = ckpt.quant_metadata
     report: dict[str, Any] = {}
     failures: list[Finding] = []
     warnings: list[Finding] = []
