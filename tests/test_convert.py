@@ -337,6 +337,7 @@ def test_extract_directory(converted: Callable[[str, str], Run], family: str) ->
         "config.json",
         "model.safetensors.index.json",
         "mtp-00001-of-00001.safetensors",
+        "mtpquant_provenance.json",
     ]
     assert json.loads((mtp_dir / "config.json").read_text()) == json.loads((run.src / "config.json").read_text())
     index = json.loads((mtp_dir / "model.safetensors.index.json").read_text())

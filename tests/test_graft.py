@@ -32,6 +32,7 @@ from mtpquant.families import is_mtp_name
 from mtpquant.formats.quant_config import HF_QUANT_CONFIG
 from mtpquant.graft.run import GraftOptions, GraftResult, fix_metadata, graft
 from mtpquant.inspect.report import inspect_checkpoint
+from mtpquant.provenance import PROVENANCE_FILE, read_provenance
 
 FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 Factory = Callable[[str], Path]
@@ -48,7 +49,11 @@ def tensor_digests(path: Path, *, mtp: bool | None = None) -> dict[str, str]:
 
 
 def tree_state(root: Path) -> dict[str, str]:
-    """Every file under ``root`` (hidden ones too) -> sha256 of its bytes (symlinks: their target)."""
+    """Every file under ``root`` (hidden ones too) -> sha256 of its bytes (symlinks: their target).
+
+    The provenance file is the one file whose bytes differ from run to run by design (time, the source's path
+    or repo): it stands for the steps it records.
+    """
     out: dict[str, str] = {}
     for dirpath, dirnames, filenames in os.walk(root):
         for name in dirnames + filenames:
@@ -56,6 +61,8 @@ def tree_state(root: Path) -> dict[str, str]:
             rel = p.relative_to(root).as_posix()
             if p.is_symlink():
                 out[rel] = "-> " + os.readlink(p)
+            elif name == PROVENANCE_FILE and p.is_file():
+                out[rel] = "provenance: " + ", ".join(s.tool for s in read_provenance(p.parent).steps)
             elif p.is_file():
                 out[rel] = hashlib.sha256(p.read_bytes()).hexdigest()
             else:

@@ -9,7 +9,6 @@ import logging
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -18,7 +17,7 @@ from huggingface_hub.repocard import REGEX_YAML_BLOCK, metadata_load
 
 from mtpquant.cli import main as cli
 from mtpquant.errors import ExitCode
-from mtpquant.hub.card import card_origin, human_size, validate_card_metadata
+from mtpquant.hub.card import card_origin, validate_card_metadata
 from mtpquant.hub.publish import (
     PublishOptions,
     PublishRefusedError,
@@ -27,6 +26,7 @@ from mtpquant.hub.publish import (
     publish,
 )
 from mtpquant.inspect.report import inspect_checkpoint
+from mtpquant.units import format_bytes
 from tests.support.hubserver import LocalHub
 from tests.support.quants import with_mtp
 
@@ -57,54 +57,48 @@ def _tree(root: Path) -> dict[str, bytes]:
     return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
-def _recipe_with_convert_header(src: str) -> str:
-    """The resolved recipe exactly as convert writes it into OUT (its own header function)."""
-    from mtpquant.convert.recipes import load_recipe
-    from mtpquant.convert.run import _recipe_header
-
-    return load_recipe("qwen3_5-nvfp4").to_yaml(_recipe_header(SimpleNamespace(src=src)))  # type: ignore[arg-type]
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 
-def _acceptance(accepted: tuple[int, ...], tf: float) -> dict:
-    """An ``acceptance`` block exactly as validate writes it, from step records (3 drafts per step)."""
-    from mtpquant.validate.metrics import StepRecord, acceptance_by_k
-    from mtpquant.validate.run import AcceptanceResult
+@pytest.fixture(scope="module")
+def converted_template(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A real `convert --keep-mtp` of the trained tiny model, from a source laid out as an HF-cache snapshot of
+    Qwen/Qwen3.5-0.8B with its card, plus a real pair-mode `validate` report in OUT/validation."""
+    from mtpquant.api import ConvertOptions, ValidateOptions, convert, validate
+    from mtpquant.synth.train import TINY_MTP_ASSET
 
-    records = [StepRecord(drafted=3, accepted=a) for a in accepted]
-    return AcceptanceResult(by_k=list(acceptance_by_k(records, 3)), teacher_forced_agreement=tf).to_json()
-
-
-REF_ACCEPTED = (3, 2, 0, 1, 3, 0, 2, 1)
-CAND_ACCEPTED = (3, 2, 0, 1, 2, 0, 2, 1)
-
-
-def _validation_report(src: Path, out: Path) -> dict:
-    """A pair-mode report.json in validate's schema (mtpquant.validate.run.validate)."""
-    side = {"family": VARIANT, "mtp": {"present": True, "error": None, "precision": "BF16", "emulated_activations": []}}
-    return {
-        "schema": 1,
-        "mtpquant_version": "0.1.0",
-        "created": "2026-11-29T12:00:00+00:00",
-        "mode": "pair",
-        "settings": {"k": 3, "num_prompts": 8, "max_len": 256, "activations": "off"},
-        "reference": {**side, "checkpoint": str(src), "acceptance": _acceptance(REF_ACCEPTED, 0.8)},
-        "candidate": {**side, "checkpoint": str(out), "acceptance": _acceptance(CAND_ACCEPTED, 0.75)},
-        "comparison": {"mtp": {"positions": 120, "top1_agreement": 1.0, "kl": {"mean": 0.0, "median": 0.0}}},
-        "verdict": {"status": "pass", "reasons": ["AL 1.75 / 2.25 / 2.50 for k = 1..3; within the allowed drop"]},
-        "notes": [f"Activations were not quantized (--activations off); hidden states from {src}/hidden.safetensors"],
-    }
-
-
-def _add_provenance(out: Path, tmp_path: Path) -> None:
-    """What convert leaves in OUT (the resolved recipe naming SRC), a source with a card, and a validation report."""
-    src = tmp_path / "hf_home" / "hub" / "models--Qwen--Qwen3.5-0.8B" / "snapshots" / "0123abc"
-    src.mkdir(parents=True)
+    root = tmp_path_factory.mktemp("made")
+    src = root / "hf_home" / "hub" / "models--Qwen--Qwen3.5-0.8B" / "snapshots" / COMMIT
+    shutil.copytree(TINY_MTP_ASSET, src)
     (src / "README.md").write_text("---\nlicense: apache-2.0\nlibrary_name: transformers\n---\n# Qwen3.5-0.8B\n")
-    (out / "mtpquant_recipe.yaml").write_text(_recipe_with_convert_header(str(src)))
-    (out / "validation").mkdir()
-    report = _validation_report(src, out)
-    (out / "validation" / "report.json").write_text(json.dumps(report))
-    (out / "validation" / "report.md").write_text("# validation\n")
+    out = root / "tiny-NVFP4"
+    command = ("mtpquant", "convert", str(src), str(out), "--keep-mtp", "--calib-samples", "4")
+    convert(
+        ConvertOptions(
+            src=str(src),
+            out=out,
+            mtp="keep",
+            calib_samples=4,
+            calib_seq_len=32,
+            device="cpu",
+            progress=False,
+            command=command,
+        )
+    )
+    validate(
+        ValidateOptions(
+            src, out, num_prompts=4, max_len=48, k=3, device="cpu", report_dir=out / "validation", progress=False
+        )
+    )
+    return src, out
+
+
+@pytest.fixture
+def made(converted_template: tuple[Path, Path], tmp_path: Path) -> Path:
+    """A private copy of the converted OUT (with its provenance file and validation report)."""
+    dst = tmp_path / "tiny-NVFP4"
+    shutil.copytree(converted_template[1], dst)
+    return dst
 
 
 def _server_files(hub: LocalHub, repo: str = REPO, revision: str = "main") -> dict[str, bytes]:
@@ -116,8 +110,11 @@ def _writes(hub: LocalHub) -> list[str]:
 
 
 # ---- the upload -------------------------------------------------------------------------------------------------
-def test_publish_uploads_exact_files_and_a_truthful_card(local_hub: LocalHub, out: Path, tmp_path: Path) -> None:
-    _add_provenance(out, tmp_path)
+def test_publish_uploads_exact_files_and_a_truthful_card(
+    local_hub: LocalHub, made: Path, converted_template: tuple[Path, Path]
+) -> None:
+    out = made
+    src = converted_template[0]
     (out / ".mtpquant-partial-x").mkdir()  # an interrupted write's temp dir: never uploaded
     (out / ".mtpquant-partial-x" / "junk.safetensors").write_bytes(b"x")
     local_files = {k: v for k, v in _tree(out).items() if not k.startswith(".")}
@@ -155,38 +152,43 @@ def test_publish_uploads_exact_files_and_a_truthful_card(local_hub: LocalHub, ou
     assert card_origin(text) == "generated"
     body = ModelCard.load(readme).text
     report = inspect_checkpoint(out)
+    # the validation figures are the real report's, exactly
+    vr = json.loads((out / "validation" / "report.json").read_text())
+    ref, cand = vr["reference"]["acceptance"]["by_k"], vr["candidate"]["acceptance"]["by_k"]
+    k1 = f"| 1 | {ref[0]['mean_acceptance_length']:.2f} | {cand[0]['mean_acceptance_length']:.2f} |"
+    pos3 = [f"{100 * a:.1f} %" for a in (ref[2]["acceptance_per_position"][2], cand[2]["acceptance_per_position"][2])]
+    modelopt = next(s for s in json.loads((out / "mtpquant_provenance.json").read_text())["steps"])["versions"]
     for needle in (
         "| Mode | `keep` |",
         f"| Present | all {report.mtp_expected_tensors} expected tensors (",
         "| Precision | BF16 |",
-        "| Shard(s) | `mtp.safetensors` |",
+        "| Shard(s) | `mtp-00001-of-00001.safetensors` |",
         "| vLLM | vLLM: MTP loads (BF16) |",
         "`modelopt` `NVFP4` (vLLM loads it as `modelopt_fp4`), group size 16",
-        "Recipe `qwen3_5-nvfp4`: scheme `nvfp4`, targets `all`, calibration `max` on 128 samples",
+        "Recipe `qwen3_5-nvfp4`: scheme `nvfp4`, targets `all`, calibration `max` on 4 samples x 32 tokens",
         "name: qwen3_5-nvfp4",  # the resolved recipe itself
         "- Vision tower (`model.visual.*`): 21 tensors, kept as is (6 BF16).",
         "`mtp*`",
-        "Verdict: **pass**: AL 1.75 / 2.25 / 2.50 for k = 1..3; within the allowed drop.",
-        "(8 prompts, k = 1..3, activations off)",
-        "| 1 | 1.75 | 1.75 | +0.00 | 75.0 % | 75.0 % |",
-        "| 3 | 2.50 | 2.38 | -0.12 | 50.0 % | 45.8 % |",
+        f"Verdict: **{vr['verdict']['status']}**: {vr['verdict']['reasons'][0]}.",
+        "(4 prompts, k = 1..3, activations off)",
+        k1,
         "| draft position (k = 3) | acceptance reference | this checkpoint |",
-        "| 3 | 25.0 % | 12.5 % |",
+        f"| 3 | {pos3[0]} | {pos3[1]} |",
         "MTP's top-1 agrees with the reference MTP's 100.0 % of the time; mean KL(reference || this) 0",
-        "teacher-forced agreement 75.0 % (reference 80.0 %)",
-        "- Note: Activations were not quantized (--activations off); hidden states from .../hidden.safetensors",
+        "- Note: Activations were not quantized (--activations off)",
         "Full report: [`validation/report.md`](validation/report.md).",
         f'vllm serve {REPO} --speculative-config \'{{"method":"mtp","num_speculative_tokens":3}}\'',
         f"python -m sglang.launch_server --model-path {REPO} --speculative-algorithm NEXTN",
-        "Produced by mtpquant 0.1.0 `convert` (the exact command line is not recorded)",
-        "mtpquant convert SRC OUT --recipe mtpquant_recipe.yaml",
-        "Source checkpoint: a local directory named `0123abc`.",
-        "# source: .../0123abc",  # the recipe header, its local directory shortened
-        "Base model `Qwen/Qwen3.5-0.8B` from mtpquant_recipe.yaml (source).",
+        f"Produced by mtpquant 0.1.0 `convert` (nvidia-modelopt {modelopt['nvidia-modelopt']}, transformers "
+        f"{modelopt['transformers']}) with:",
+        "mtpquant convert Qwen/Qwen3.5-0.8B tiny-NVFP4 --keep-mtp --calib-samples 4",  # local dirs by name
+        f"Source checkpoint: `Qwen/Qwen3.5-0.8B` at revision `{COMMIT}`.",
+        "# source: .../" + COMMIT,  # the recipe's comment header, its local directory shortened
+        "Base model `Qwen/Qwen3.5-0.8B` from the provenance file (source).",
         "Licence `apache-2.0`, carried over from the source card",
     ):
         assert needle in body, needle
-    assert str(out) not in text and str(tmp_path) not in text  # no local directories in the public card
+    assert str(out) not in text and str(src) not in text and str(src.parents[4]) not in text  # nothing local
 
 
 def test_existing_repo_keeps_other_files_and_loses_stale_shards(local_hub: LocalHub, out: Path) -> None:
@@ -247,7 +249,7 @@ def test_dry_run_prints_files_and_card_and_sends_nothing(
     assert f"would publish to {REPO}" in printed and "checks: passed" in printed
     lines = printed.splitlines()
     for name, data in before.items():  # every file, with its size
-        assert any(ln.split() == [name, *human_size(len(data)).split()] for ln in lines), name
+        assert any(ln.split() == [name, *format_bytes(len(data)).split()] for ln in lines), name
     assert "model card (generated)" in printed
     card = printed.split("----- README.md (generated) -----\n", 1)[1].split("\n----- end of README.md -----", 1)[0]
     assert validate_card_metadata(metadata_load_text(card)) == []
@@ -396,9 +398,10 @@ def test_token_is_sent_but_never_printed_logged_or_written(
 ) -> None:
     _debug_everything(caplog)
     other = "hf_SomeOtherTokenInTheCommandLine42"
-    (out / "mtpquant_summary.json").write_text(
-        json.dumps({"source": "Qwen/Qwen3.5-0.8B", "command": f"mtpquant convert SRC OUT --token {other}"})
-    )
+    from mtpquant.provenance import PROVENANCE_FILE, Provenance, Step
+
+    step = Step("convert", ("mtpquant", "convert", "SRC", "OUT", "--token", other), mode="keep")
+    (out / PROVENANCE_FILE).write_bytes(Provenance((step,)).to_bytes())
     with LocalHub(tmp_path / "hub", token=TOKEN) as hub, hub.client_env(tmp_path / "home", token=TOKEN):
         assert cli(["-vv", "publish", str(out), "--repo", REPO, "--private"]) == 0
         printed = capsys.readouterr()
@@ -448,33 +451,38 @@ def test_a_file_holding_the_token_is_never_uploaded(tmp_path: Path, out: Path) -
         assert hub.requests == []
 
 
-def test_provenance_from_a_hub_source_and_from_a_summary_file(out: Path) -> None:
-    (out / "mtpquant_recipe.yaml").write_text(_recipe_with_convert_header("Qwen/Qwen3.5-27B@dev"))
-    card = publish(PublishOptions(out=out, repo=REPO, dry_run=True)).card
-    assert metadata_load_text(card)["base_model"] == "Qwen/Qwen3.5-27B"
-    assert "mtpquant convert Qwen/Qwen3.5-27B OUT --recipe mtpquant_recipe.yaml --revision dev" in card
-    assert "Source checkpoint: `Qwen/Qwen3.5-27B` at revision `dev`." in card
+def test_provenance_from_a_hub_source_and_an_unknown_licence(made: Path) -> None:
+    from mtpquant.checkpoint.source import SourceRef
+    from mtpquant.provenance import PROVENANCE_FILE, Provenance, Step
 
-    summary = {
-        "source": {"repo_id": "Qwen/Qwen3.6-27B", "revision": "abc1234"},
-        "command": ["mtpquant", "convert", "Qwen/Qwen3.6-27B", "out dir", "--mtp", "keep"],
-        "mtpquant_version": "9.9.9",
-        "license": "Qwen Research License",
-    }
-    (out / "mtpquant_summary.json").write_text(json.dumps(summary))
-    (out / "LICENSE").write_text("Qwen RESEARCH LICENSE AGREEMENT\n")
-    card = publish(PublishOptions(out=out, repo=REPO, dry_run=True)).card
+    # as convert records a Hub SRC: the repo, the revision asked for, the commit it resolved to
+    step = Step(
+        "convert",
+        ("mtpquant", "convert", "Qwen/Qwen3.6-27B", "/home/me/out dir", "--mtp", "keep", "--revision", "dev"),
+        source=SourceRef(repo_id="Qwen/Qwen3.6-27B", revision="dev", commit="f" * 40),
+        mode="keep",
+        recipe="qwen3_5-nvfp4",
+        recipe_file="mtpquant_recipe.yaml",
+        mtpquant_version="9.9.9",
+    )
+    (made / PROVENANCE_FILE).write_bytes(Provenance((step,)).to_bytes())
+    config = json.loads((made / "config.json").read_text())
+    config["license"] = "Qwen Research License"  # not a Hub licence id
+    (made / "config.json").write_text(json.dumps(config))
+    (made / "LICENSE").write_text("Qwen RESEARCH LICENSE AGREEMENT\n")
+    card = publish(PublishOptions(out=made, repo=REPO, dry_run=True)).card
     meta = metadata_load_text(card)
-    assert meta["license_link"] == "LICENSE"
-    assert (meta["base_model"], meta["license"], meta["license_name"]) == (
+    assert (meta["base_model"], meta["license"], meta["license_name"], meta["license_link"]) == (
         "Qwen/Qwen3.6-27B",
         "other",
         "qwen-research-license",
+        "LICENSE",
     )
     assert validate_card_metadata(meta) == []
-    assert (
-        "Produced by mtpquant 9.9.9 with:" in card and "mtpquant convert Qwen/Qwen3.6-27B 'out dir' --mtp keep" in card
-    )
+    assert "Produced by mtpquant 9.9.9 `convert`" in card
+    assert "mtpquant convert Qwen/Qwen3.6-27B 'out dir' --mtp keep --revision dev" in card  # no /home/me
+    assert f"Source checkpoint: `Qwen/Qwen3.6-27B` at revision `{'f' * 40}`." in card
+    assert "/home/me" not in card
 
 
 def test_unreachable_hub_is_one_line(
@@ -491,7 +499,8 @@ def test_unreachable_hub_is_one_line(
 
 # ---- the card's facts in other modes, and the metadata checks ----------------------------------------------------
 def test_quantized_mtp_card_carries_the_sglang_caveat(out: Path) -> None:
-    from mtpquant.hub.card import CardFacts, build_card, read_provenance
+    from mtpquant.hub.card import CardFacts, build_card
+    from mtpquant.provenance import read_provenance
 
     report = inspect_checkpoint(out)
     mods = [
@@ -527,22 +536,28 @@ def test_quantized_mtp_card_carries_the_sglang_caveat(out: Path) -> None:
     assert "license" not in metadata_load_text(text) and "base_model" not in metadata_load_text(text)
 
 
-def test_validation_report_single_mode_and_unreadable(out: Path, tmp_path: Path) -> None:
-    (out / "validation").mkdir()
-    report = _validation_report(tmp_path, out)
-    single = {k: v for k, v in report.items() if k not in ("candidate", "comparison")}
-    single["mode"] = "single"
-    (out / "validation" / "report.json").write_text(json.dumps(single))
-    card = publish(PublishOptions(out=out, repo=REPO, dry_run=True)).card
-    assert "measured this checkpoint with greedy verification" in card
-    assert "| 2 | 2.25 | 62.5 % |" in card and "| draft position (k = 3) | acceptance |" in card
-    assert "Full report: [`validation/report.json`](validation/report.json)." in card
+def test_validation_report_single_mode_and_unreadable(made: Path) -> None:
+    from mtpquant.api import ValidateOptions, validate
 
-    (out / "validation" / "report.json").write_text('{"something": "else"}')
-    card = publish(PublishOptions(out=out, repo=REPO, dry_run=True)).card
+    shutil.rmtree(made / "validation")
+    validate(
+        ValidateOptions(
+            made, num_prompts=2, max_len=40, k=3, device="cpu", report_dir=made / "validation", progress=False
+        )
+    )
+    report = json.loads((made / "validation" / "report.json").read_text())
+    card = publish(PublishOptions(out=made, repo=REPO, dry_run=True)).card
+    assert "measured this checkpoint with greedy verification" in card
+    k2 = report["reference"]["acceptance"]["by_k"][1]
+    assert f"| 2 | {k2['mean_acceptance_length']:.2f} | {100 * k2['acceptance_rate']:.1f} % |" in card
+    assert "| draft position (k = 3) | acceptance |" in card
+    assert "Full report: [`validation/report.md`](validation/report.md)." in card
+
+    (made / "validation" / "report.json").write_text('{"something": "else"}')
+    card = publish(PublishOptions(out=made, repo=REPO, dry_run=True)).card
     assert "its figures are in a format this card does not read" in card
-    (out / "validation" / "report.json").write_text("not json")
-    assert "format this card does not read" in publish(PublishOptions(out=out, repo=REPO, dry_run=True)).card
+    (made / "validation" / "report.json").write_text("not json")
+    assert "format this card does not read" in publish(PublishOptions(out=made, repo=REPO, dry_run=True)).card
 
 
 def test_card_metadata_validator_knows_the_hub_field_types(local_hub: LocalHub) -> None:

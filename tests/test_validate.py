@@ -40,11 +40,23 @@ from mtpquant.validate.run import (
     SequenceRecord,
     TargetRun,
     ValidateOptions,
-    ValidationReport,
-    _verdict,
     evaluate_acceptance,
     replay_greedy,
     validate,
+    verdict,
+)
+from mtpquant.validate.schema import (
+    Acceptance,
+    AcceptanceRow,
+    Agreement,
+    Comparison,
+    KlSummary,
+    MtpInfo,
+    Report,
+    Settings,
+    Side,
+    ValidationReport,
+    Verdict,
 )
 
 CPU = torch.device("cpu")
@@ -345,85 +357,66 @@ def test_save_and_reuse_hidden_states(tiny_factory: Callable[[str], Path], tmp_p
     common: dict[str, Any] = {"num_prompts": 2, "max_len": 24, "device": "cpu", "progress": False}
     direct = validate(ValidateOptions(ckpt, save_hidden=tmp_path / "h.safetensors", **common))
     again = validate(ValidateOptions(ckpt, hidden=tmp_path / "h.safetensors", **common))
-    assert direct.data["reference"]["acceptance"] == again.data["reference"]["acceptance"]
-    assert again.data["reference"]["target_source"].startswith("hidden file")
+    assert direct.to_json()["reference"]["acceptance"] == again.to_json()["reference"]["acceptance"]
+    assert again.to_json()["reference"]["target_source"].startswith("hidden file")
     # A pair against the reference target only: MTP-only comparison, identical MTPs.
     pair = validate(ValidateOptions(ckpt, ckpt, hidden=tmp_path / "h.safetensors", **common))
-    assert pair.data["comparison"]["mtp"]["kl"]["max"] == 0.0
-    assert pair.data["comparison"]["main"] is None
+    assert pair.to_json()["comparison"]["mtp"]["kl"]["max"] == 0.0
+    assert pair.to_json()["comparison"]["main"] is None
     save_file({"x": torch.zeros(1)}, tmp_path / "other.safetensors")
     with pytest.raises(Exception, match="not an mtpquant hidden-state file"):
         validate(ValidateOptions(ckpt, hidden=tmp_path / "other.safetensors", **common))
 
 
-def _fake(al_ref: list[float], al_cand: list[float] | None, error: str | None = None) -> dict[str, Any]:
-    def side(al: list[float] | None, err: str | None) -> dict[str, Any]:
-        by_k = [{"mean_acceptance_length": a} for a in al] if al else []
-        return {"mtp": {"error": err}, "acceptance": {"by_k": by_k} if al else None}
+def _row(k: int, al: float, per_position: list[float] | None = None) -> AcceptanceRow:
+    pos = tuple(per_position or [0.5] * k)
+    return AcceptanceRow(k, 10, 10 * k, round(10 * (al - 1)), (al - 1) / k, al, (10,) * k, (5,) * k, pos)
 
-    data = {"mode": "pair" if al_cand is not None or error else "single", "reference": side(al_ref, None)}
-    if data["mode"] == "pair":
-        data["candidate"] = side(al_cand, error)
-    return data
+
+def _side(al: list[float] | None, err: str | None = None, per_position: list[list[float]] | None = None) -> Side:
+    acc = (
+        Acceptance(tuple(_row(k, a, (per_position or [None] * len(al))[k - 1]) for k, a in enumerate(al, 1)), 0.5)
+        if al
+        else None
+    )
+    return Side("x", "qwen3_5", {}, "model", 1, 8, 4, MtpInfo(al is not None, err, {"bf16": 8}), acc)
+
+
+def _fake(
+    al_ref: list[float], al_cand: list[float] | None, error: str | None = None
+) -> tuple[Side, Side | None]:
+    pair = al_cand is not None or error is not None
+    return _side(al_ref), (_side(al_cand, error) if pair else None)
 
 
 def test_verdicts() -> None:
     opts = ValidateOptions("ref", warn_al_drop=0.1)
-    assert _verdict(opts, _fake([1.8, 2.4], None))["status"] == "pass"
-    assert _verdict(opts, _fake([1.01, 1.01], None))["status"] == "fail"
-    assert _verdict(opts, _fake([1.8, 2.4], [1.78, 2.35]))["status"] == "pass"
-    warn = _verdict(opts, _fake([1.8, 2.4], [1.75, 2.25]))
-    assert warn["status"] == "warn" and "k=2" in warn["reasons"][0]
-    assert _verdict(opts, _fake([1.8, 2.4], [1.0, 1.0]))["status"] == "fail"
-    missing = _verdict(opts, _fake([1.8, 2.4], None, error="MTP declared but no mtp.* tensors"))
-    assert missing["status"] == "fail" and "candidate" in missing["reasons"][0]
-    assert _verdict(ValidateOptions("ref", warn_al_drop=0.2), _fake([1.8, 2.4], [1.75, 2.25]))["status"] == "pass"
+    assert verdict(opts, *_fake([1.8, 2.4], None)).status == "pass"
+    assert verdict(opts, *_fake([1.01, 1.01], None)).status == "fail"
+    assert verdict(opts, *_fake([1.8, 2.4], [1.78, 2.35])).status == "pass"
+    warn = verdict(opts, *_fake([1.8, 2.4], [1.75, 2.25]))
+    assert warn.status == "warn" and "k=2" in warn.reasons[0]
+    assert verdict(opts, *_fake([1.8, 2.4], [1.0, 1.0])).status == "fail"
+    missing = verdict(opts, *_fake([1.8, 2.4], None, error="MTP declared but no mtp.* tensors"))
+    assert missing.status == "fail" and "candidate" in missing.reasons[0]
+    assert verdict(ValidateOptions("ref", warn_al_drop=0.2), *_fake([1.8, 2.4], [1.75, 2.25])).status == "pass"
 
 
 def test_report_files(tmp_path: Path) -> None:
-    by_k = [
-        {
-            "k": k,
-            "mean_acceptance_length": 1 + 0.5 * k,
-            "acceptance_rate": 0.5,
-            "acceptance_per_position": [0.6, 0.4, 0.3][:k],
-        }
-        for k in (1, 2, 3)
-    ]
-    side = {
-        "checkpoint": "x",
-        "family": "qwen3_5",
-        "target_source": "model",
-        "mtp": {"error": None, "precision": {"bf16": 8}},
-        "acceptance": {"by_k": by_k, "teacher_forced_agreement": 0.5},
-    }
-    cmp = {
-        "mtp": {"positions": 4, "top1_agreement": 1.0, "kl": {"mean": 0.0, "median": 0.0, "p99": 0.0, "max": 0.0}},
-        "main": {"positions": 4, "top1_agreement": 0.5, "kl": {"mean": 0.1, "median": 0.1, "p99": 0.2, "max": 0.2}},
-        "al_delta_by_k": [0.0, 0.1, 0.0],
-        "al_delta_from_mtp_by_k": [0.0, 0.0, 0.0],
-        "al_delta_from_target_by_k": [0.0, 0.1, 0.0],
-    }
-    data = {
-        "schema": "mtpquant.validate/1",
-        "mtpquant_version": "0",
-        "mode": "pair",
-        "settings": {
-            "k": 3,
-            "num_prompts": 1,
-            "max_len": 8,
-            "prompts": "p",
-            "device": "cpu",
-            "dtype": "float32",
-            "activations": "off",
-        },
-        "reference": side,
-        "candidate": side,
-        "comparison": cmp,
-        "verdict": {"status": "pass", "reasons": ["ok"]},
-        "notes": ["a note"],
-        "timing": {"total_s": 1.0, "tokens_per_second": 8.0},
-    }
+    side = _side([1.5, 2.0, 2.5], per_position=[[0.6], [0.6, 0.4], [0.6, 0.4, 0.3]])
+    cmp = Comparison(
+        mtp=Agreement(4, 1.0, KlSummary(0.0, 0.0, 0.0, 0.0)),
+        candidate_mtp_on_reference_target=side.acceptance,
+        al_delta_by_k=(0.0, 0.1, 0.0),
+        al_delta_from_mtp_by_k=(0.0, 0.0, 0.0),
+        al_delta_from_target_by_k=(0.0, 0.1, 0.0),
+        acceptance_delta_per_position=(0.0, 0.0, 0.0),
+        main=Agreement(4, 0.5, KlSummary(0.1, 0.1, 0.2, 0.2)),
+    )
+    settings = Settings(3, 1, 8, "p", "cpu", "float32", "off", None, 0.1, 1.02)
+    data = Report(
+        "0", "now", "pair", settings, side, Verdict("pass", ("ok",)), side, cmp, {"total_s": 1.0}, ("a note",)
+    )
     report = ValidationReport(
         data, mtp_kl=torch.zeros(4, dtype=torch.float64), main_kl=torch.tensor([0.1, 0.2, 0.1, 0.05])
     )
@@ -434,7 +427,8 @@ def test_report_files(tmp_path: Path) -> None:
         assert (tmp_path / "r" / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     md = (tmp_path / "r" / "report.md").read_text()
     assert "![Acceptance](acceptance.png)" in md and "![KL distribution](kl.png)" in md
-    assert json.loads((tmp_path / "r" / "report.json").read_text()) == data
+    written = json.loads((tmp_path / "r" / "report.json").read_text())
+    assert written == data.to_json() and Report.from_json(written) == data  # the schema round-trips exactly
     assert "candidate    1  1.500" in acceptance_table(data)
 
 

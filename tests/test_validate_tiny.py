@@ -20,7 +20,8 @@ from mtpquant.cli import main
 from mtpquant.errors import ExitCode
 from mtpquant.families import TensorClass
 from mtpquant.synth.train import TINY_MTP_ASSET
-from mtpquant.validate.run import ValidateOptions, ValidationReport, validate
+from mtpquant.validate.run import ValidateOptions, validate
+from mtpquant.validate.schema import ValidationReport
 
 pytestmark = pytest.mark.slow
 
@@ -88,7 +89,7 @@ def test_asset_layout() -> None:
 
 
 def test_trained_mtp_is_accepted(keep_pair: tuple[ValidationReport, Path, Path]) -> None:
-    ref = keep_pair[0].data["reference"]["acceptance"]
+    ref = keep_pair[0].to_json()["reference"]["acceptance"]
     assert ref["by_k"][0]["acceptance_rate"] >= 0.40
     als = [row["mean_acceptance_length"] for row in ref["by_k"]]
     assert als == sorted(als)  # more drafts never lower AL under greedy chains
@@ -96,7 +97,7 @@ def test_trained_mtp_is_accepted(keep_pair: tuple[ValidationReport, Path, Path])
 
 def test_keep_mode_mtp_identical_difference_only_from_target(keep_pair: tuple[ValidationReport, Path, Path]) -> None:
     report, _, report_dir = keep_pair
-    data = report.data
+    data = report.to_json()
     cmp = data["comparison"]
     assert cmp["mtp"]["kl"] == {"mean": 0.0, "median": 0.0, "p99": 0.0, "max": 0.0}
     assert cmp["mtp"]["top1_agreement"] == 1.0
@@ -124,12 +125,12 @@ def test_quantize_mode_reports_a_measured_difference(
     _, hidden, _ = keep_pair
     quant = converted("quantize")
     assert _main_bytes(quant) == _main_bytes(converted("keep"))  # so the saved targets are this quant's
-    data = validate(ValidateOptions(ASSET, quant, hidden=hidden, **COMMON)).data
+    data = validate(ValidateOptions(ASSET, quant, hidden=hidden, **COMMON)).to_json()
     cmp = data["comparison"]
     assert data["candidate"]["mtp"]["precision"] == {"nvfp4": 7, "bf16": 1}  # fc stays BF16
     assert cmp["mtp"]["kl"]["mean"] > 0 and cmp["mtp"]["kl"]["max"] > 0
     assert cmp["mtp"]["top1_agreement"] > 0.5
-    emulated = validate(ValidateOptions(ASSET, quant, hidden=hidden, activations="emulate", **COMMON)).data
+    emulated = validate(ValidateOptions(ASSET, quant, hidden=hidden, activations="emulate", **COMMON)).to_json()
     assert len(emulated["candidate"]["mtp"]["emulated_activations"]) == 7
     assert emulated["comparison"]["mtp"]["kl"]["mean"] != cmp["mtp"]["kl"]["mean"]
 

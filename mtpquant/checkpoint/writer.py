@@ -33,6 +33,7 @@ __all__ = [
     "PlannedTensor",
     "atomic_write_bytes",
     "atomic_write_json",
+    "atomic_write_safetensors",
     "find_stale_partials",
     "fsync_dir",
     "plan_shards",
@@ -156,6 +157,22 @@ def write_safetensors(path: Path, tensors: Iterable[PlannedTensor], metadata: Ma
             _write(fh, data)
         fh.flush()
         os.fsync(fh.fileno())
+
+
+def atomic_write_safetensors(
+    path: Path, tensors: Iterable[PlannedTensor], metadata: Mapping[str, str] | None = None
+) -> None:
+    """A standalone safetensors file via temp file + fsync + ``os.replace`` + directory fsync."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        write_safetensors(tmp, tensors, metadata)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    fsync_dir(path.parent)
 
 
 def plan_shards(tensors: Iterable[PlannedTensor], max_bytes: int) -> list[list[PlannedTensor]]:

@@ -61,9 +61,9 @@ def run(args: argparse.Namespace) -> int:
             progress=not args.quiet,
         )
     )
-    print(acceptance_table(report.data))
-    verdict = report.data["verdict"]
-    print(f"verdict: {verdict['status'].upper()}: " + "; ".join(verdict["reasons"]))
+    print(acceptance_table(report.report))
+    verdict = report.report.verdict
+    print(f"verdict: {verdict.status.upper()}: " + "; ".join(verdict.reasons))
     print(f"report: {report_dir / 'report.md'}")
     print(f"\n== inspect {out}")
     inspection = inspect_checkpoint(out)

@@ -6,8 +6,8 @@ import argparse
 from pathlib import Path
 
 from mtpquant.errors import ExitCode
-from mtpquant.hub.card import human_size
 from mtpquant.hub.publish import PublishOptions, PublishResult, publish
+from mtpquant.units import format_bytes
 
 EPILOG = f"""Before anything is uploaded, OUT must pass the checks of `mtpquant inspect` (MTP present when
 declared, exclusions consistent with the tensors, index intact); --force publishes a failing OUT anyway
@@ -60,10 +60,10 @@ def render_plan(result: PublishResult) -> str:
         f"dry run: nothing uploaded, nothing written; would publish to {where}",
         f"checks: {gate}",
         *(f"  {v}" for v in result.verdicts.values()),
-        f"files: {len(result.files)}, {human_size(result.total_bytes)}",
+        f"files: {len(result.files)}, {format_bytes(result.total_bytes)}",
     ]
     for f in result.files:
-        lines.append(f"  {f.path.ljust(width)}  {human_size(f.size).rjust(10)}" + (f"  ({f.note})" if f.note else ""))
+        lines.append(f"  {f.path.ljust(width)}  {format_bytes(f.size).rjust(10)}" + (f"  ({f.note})" if f.note else ""))
     lines += [
         "",
         f"----- README.md ({result.card_action}) -----",
@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
     if result.forced:
         print("published with --force despite: " + "; ".join(result.gate_failures))
     print(
-        f"published {len(result.files)} files ({human_size(result.total_bytes)}) to {result.repo_id}; "
+        f"published {len(result.files)} files ({format_bytes(result.total_bytes)}) to {result.repo_id}; "
         f"card {result.card_action}"
     )
     if result.pr_url:

@@ -70,11 +70,11 @@ def run(args: argparse.Namespace) -> int:
     )
     report = validate(opts)
     if args.json:
-        print(json.dumps(report.data, indent=2))
+        print(json.dumps(report.to_json(), indent=2))
     else:
-        print(acceptance_table(report.data))
-        verdict = report.data["verdict"]
-        print(f"verdict: {verdict['status'].upper()}: " + "; ".join(verdict["reasons"]))
+        print(acceptance_table(report.report))
+        verdict = report.report.verdict
+        print(f"verdict: {verdict.status.upper()}: " + "; ".join(verdict.reasons))
         if args.report_dir is not None:
             print(f"report: {args.report_dir / 'report.md'}")
     return int(EXIT_BY_STATUS[report.status])

@@ -37,6 +37,7 @@ from mtpquant.errors import (
 )
 from mtpquant.families import TensorClass
 from mtpquant.formats.quant_config import HF_QUANT_CONFIG
+from mtpquant.provenance import PROVENANCE_FILE
 from mtpquant.surgery.modes import BLOCK, MODE_NAMES, MODES, MtpMode, choose_mode
 
 __all__ = [
@@ -53,7 +54,7 @@ log = logging.getLogger(__name__)
 
 CONVERT_MODES = MODE_NAMES
 # Files convert writes itself (or must not copy) instead of carrying them over from the source.
-_REWRITTEN = {"config.json", HF_QUANT_CONFIG, INDEX_NAME, "README.md", "README", "model_card.md"}
+_REWRITTEN = {"config.json", HF_QUANT_CONFIG, INDEX_NAME, PROVENANCE_FILE, "README.md", "README", "model_card.md"}
 RECIPE_FILE = "mtpquant_recipe.yaml"
 
 

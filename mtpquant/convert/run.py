@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import gc
 import logging
 import os
@@ -32,6 +33,7 @@ from mtpquant.convert.plan import RECIPE_FILE, ConvertOptions, ConvertPlan, plan
 from mtpquant.errors import CalibrationDataError, OutputVerificationError
 from mtpquant.families import TensorClass, is_mtp_name
 from mtpquant.formats.quant_config import HF_QUANT_CONFIG, with_exclusions, without_exclusions
+from mtpquant.provenance import PROVENANCE_FILE, Provenance, Step
 from mtpquant.surgery.modes import ExtractMode, MtpOutcome, WriteContext, load_mtp_layer, same_bytes
 
 __all__ = ["ConvertOptions", "ConvertPlan", "ConvertResult", "convert", "peak_rss_bytes", "plan_convert"]
@@ -267,17 +269,30 @@ def convert(options: ConvertOptions) -> ConvertResult:
     result = ConvertResult(plan, notes=list(plan.notes))
     from mtpquant.convert.model import library_progress
 
-    if ckpt.source.local_root is None:
+    source = ckpt.source
+    if source.local_root is None:
         with timer("download"), library_progress(progress):
             src_dir, ckpt = _local_source(ckpt)
     else:
         src_dir, ckpt = _local_source(ckpt)
+    step = Step(
+        "convert",
+        tuple(options.command),
+        source=source.ref(),  # a Hub source: the repo, the revision asked for and the commit downloaded
+        mode=plan.mode,
+        recipe=plan.recipe.name,
+        recipe_file=RECIPE_FILE,
+    )
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(library_progress(progress))
         od = stack.enter_context(OutputDir(plan.out, overwrite=options.overwrite))
         mtp_od = stack.enter_context(OutputDir(plan.mtp_out, overwrite=options.overwrite)) if plan.mtp_out else None
         outcome = _run(plan, ckpt, src_dir, od, mtp_od, timer, progress, result, options.command)
+        od.write_text(PROVENANCE_FILE, Provenance((step,)).to_bytes().decode("utf-8"))
+        if mtp_od is not None:
+            sidecar = dataclasses.replace(step, recipe_file=None)
+            mtp_od.write_text(PROVENANCE_FILE, Provenance((sidecar,)).to_bytes().decode("utf-8"))
         with timer("verify"):
             verify = _verifier(plan, ckpt, outcome)
             if mtp_od is not None:
@@ -424,7 +439,7 @@ def _run(
 
 
 def _recipe_header(plan: ConvertPlan, command: Sequence[str] = ()) -> str:
-    """The comment header above the resolved recipe (hub/card.py reads ``source`` and ``command``)."""
+    """The comment header above the resolved recipe, for a person reading it (the card reads the provenance file)."""
     import shlex
 
     lines = [f"Resolved recipe written by mtpquant {__version__} convert.", f"source: {plan.src}"]

@@ -39,6 +39,7 @@ from mtpquant.formats.quant_config import HF_QUANT_CONFIG
 from mtpquant.graft import inplace
 from mtpquant.graft.lineage import GraftError, LineageError, LineageReport, check_lineage, mtp_layer_count
 from mtpquant.inspect.report import inspect_checkpoint
+from mtpquant.provenance import PROVENANCE_FILE, Step, source_provenance
 from mtpquant.surgery.metadata import MetadataPlan, plan_metadata
 from mtpquant.surgery.modes import MODES, WriteContext
 
@@ -73,6 +74,7 @@ class GraftOptions:
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
     link: bool = True  # hard-link untouched files (False: copy them)
     dry_run: bool = False
+    command: tuple[str, ...] = ()  # the command line, recorded in the provenance file (the CLI sets it)
 
 
 @dataclass
@@ -422,6 +424,7 @@ def _write(
         result.rewritten.append(shard)
     rewrite_index = bool(plan.add or plan.removed or plan.index_fix)
     json_files = [*plan.metadata.changed_files, INDEX_NAME] if rewrite_index else list(plan.metadata.changed_files)
+    json_files.insert(0, PROVENANCE_FILE)  # graft's step added to what QUANT records
     written = set(result.new_shards) | set(plan.rewrite)
     skip = written | set(plan.drop) | set(json_files)
     carried_strays = set(plan.strays) if target.mode == "in-place" else set()  # --out leaves strays behind
@@ -447,6 +450,8 @@ def _write(
         od.write_json(HF_QUANT_CONFIG, plan.metadata.hf_quant_config)
     if plan.metadata.config is not None:
         od.write_json("config.json", plan.metadata.config)
+    step = Step("graft", options.command, source=src.source.ref() if src is not None else None, mode="keep")
+    od.write_text(PROVENANCE_FILE, source_provenance(quant.source).then(step).to_bytes().decode("utf-8"))
     if INDEX_NAME in json_files:
         od.write_json(INDEX_NAME, _new_index(plan, mtp_entries, new_shard_of))
     result.linked = sorted(od.linked)

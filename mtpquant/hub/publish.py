@@ -39,11 +39,12 @@ from mtpquant.hub.card import (
     card_origin,
     is_repo_id,
     read_license,
-    read_provenance,
+    read_recipe,
     read_validation,
     redact,
     validate_card_metadata,
 )
+from mtpquant.provenance import source_provenance
 
 __all__ = [
     "PublishFile",
@@ -265,7 +266,7 @@ def publish(opts: PublishOptions) -> PublishResult:
     family_key = ckpt.spec.family.key
     existing = _existing_card(out)
     origin = card_origin(existing) if existing is not None else None
-    provenance = read_provenance(out)
+    provenance = source_provenance(ckpt.source)
     facts = CardFacts(
         repo_id=opts.repo,
         report=report,
@@ -275,6 +276,7 @@ def publish(opts: PublishOptions) -> PublishResult:
         provenance=provenance,
         license=read_license(provenance, config, existing),
         validation=read_validation(out),
+        recipe=read_recipe(out, provenance),
         revision=opts.revision if not opts.create_pr else None,
         forced=forced,
         license_file=next((f.path for f in files if f.path in _LICENSE_FILES), None),

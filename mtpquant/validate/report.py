@@ -17,10 +17,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from torch import Tensor
-
 from mtpquant.checkpoint.writer import atomic_write_bytes, atomic_write_json
-from mtpquant.validate.run import ValidationReport
+from mtpquant.validate.schema import REPORT_SCHEMA, Report, Side, ValidationReport, sides
 
 __all__ = ["acceptance_table", "render_markdown", "write_report"]
 
@@ -30,134 +28,116 @@ log = logging.getLogger(__name__)
 _KL_FLOOR = 1e-12
 
 
-def _al(side: dict[str, Any]) -> list[float]:
-    acc = side.get("acceptance")
-    return [row["mean_acceptance_length"] for row in acc["by_k"]] if acc else []
+def _al(side: Side) -> list[float]:
+    return side.acceptance.al if side.acceptance else []
 
 
-def _per_position(side: dict[str, Any]) -> list[float]:
-    acc = side.get("acceptance")
-    return list(acc["by_k"][-1]["acceptance_per_position"]) if acc else []
+def _per_position(side: Side) -> list[float]:
+    return list(side.acceptance.by_k[-1].acceptance_per_position) if side.acceptance else []
 
 
-def acceptance_table(data: dict[str, Any]) -> str:
+def acceptance_table(report: Report) -> str:
     """A plain-text table of AL and per-position acceptance per k (what the CLI prints)."""
-    sides = [("reference", data["reference"])]
-    if data["mode"] == "pair":
-        sides.append(("candidate", data["candidate"]))
-    else:
-        sides = [("checkpoint", data["reference"])]
     lines = [f"{'':<11} {'k':>2} {'AL':>6} {'rate':>7}  per-position acceptance"]
-    for label, side in sides:
-        acc = side.get("acceptance")
-        if not acc:
-            lines.append(f"{label:<11}  -  MTP unavailable: {side['mtp']['error']}")
+    for label, side in sides(report):
+        if not side.acceptance:
+            lines.append(f"{label:<11}  -  MTP unavailable: {side.mtp.error}")
             continue
-        for row in acc["by_k"]:
-            pos = " ".join(f"{100 * a:5.1f}%" for a in row["acceptance_per_position"])
+        for row in side.acceptance.by_k:
+            pos = " ".join(f"{100 * a:5.1f}%" for a in row.acceptance_per_position)
             lines.append(
-                f"{label:<11} {row['k']:>2} {row['mean_acceptance_length']:6.3f} "
-                f"{100 * row['acceptance_rate']:6.1f}%  {pos}"
+                f"{label:<11} {row.k:>2} {row.mean_acceptance_length:6.3f} {100 * row.acceptance_rate:6.1f}%  {pos}"
             )
             label = ""
-    cmp = data.get("comparison") or {}
-    if cmp.get("mtp"):
-        m = cmp["mtp"]
-        lines.append(
-            f"MTP on identical inputs: top-1 agreement {100 * m['top1_agreement']:.2f} %, "
-            f"KL(ref||cand) mean {m['kl']['mean']:.3g} (p99 {m['kl']['p99']:.3g})"
-        )
-    if cmp.get("main"):
-        m = cmp["main"]
-        lines.append(
-            f"Main model on identical inputs: top-1 agreement {100 * m['top1_agreement']:.2f} %, "
-            f"KL(ref||cand) mean {m['kl']['mean']:.3g} (p99 {m['kl']['p99']:.3g})"
-        )
-    if cmp.get("al_delta_by_k"):
+    cmp = report.comparison
+    for title, m in (("MTP", cmp.mtp if cmp else None), ("Main model", cmp.main if cmp else None)):
+        if m is not None and m.kl is not None:
+            lines.append(
+                f"{title} on identical inputs: top-1 agreement {100 * m.top1_agreement:.2f} %, "
+                f"KL(ref||cand) mean {m.kl.mean:.3g} (p99 {m.kl.p99:.3g})"
+            )
+    if cmp is not None and cmp.al_delta_by_k:
         lines.append(
             "AL change per k: "
             + ", ".join(
                 f"k={k}: {d:+.3f} (MTP {m:+.3f}, target {t:+.3f})"
                 for k, (d, m, t) in enumerate(
-                    zip(cmp["al_delta_by_k"], cmp["al_delta_from_mtp_by_k"], cmp["al_delta_from_target_by_k"]), 1
+                    zip(cmp.al_delta_by_k, cmp.al_delta_from_mtp_by_k, cmp.al_delta_from_target_by_k), 1
                 )
             )
         )
     return "\n".join(lines)
 
 
-def render_markdown(data: dict[str, Any], plots: dict[str, str]) -> str:
+def render_markdown(report: Report, plots: dict[str, str]) -> str:
     """report.md: verdict, tables, comparison, plots and notes."""
-    v = data["verdict"]
-    s = data["settings"]
-    out = [f"# MTP validation: {v['status'].upper()}", ""]
-    out += [f"- {r}" for r in v["reasons"]]
+    v = report.verdict
+    s = report.settings
+    out = [f"# MTP validation: {v.status.upper()}", ""]
+    out += [f"- {r}" for r in v.reasons]
     out += [
         "",
-        f"Mode: {data['mode']}; k = 1..{s['k']}; {s['num_prompts']} sequences of {s['max_len']} tokens; "
-        f"prompts: {s['prompts']}; device {s['device']} ({s['dtype']}); activations {s['activations']}.",
+        f"Mode: {report.mode}; k = 1..{s.k}; {s.num_prompts} sequences of {s.max_len} tokens; "
+        f"prompts: {s.prompts}; device {s.device} ({s.dtype}); activations {s.activations}.",
         "",
     ]
-    sides = [("Reference", data["reference"])] if data["mode"] == "pair" else [("Checkpoint", data["reference"])]
-    if data["mode"] == "pair":
-        sides.append(("Candidate", data["candidate"]))
-    for title, side in sides:
-        out += [f"## {title}: `{side['checkpoint']}`", ""]
-        out.append(
-            f"Family {side['family']}; target from {side['target_source']}; MTP precision {side['mtp']['precision']}."
-        )
+    for label, side in sides(report):
+        out += [f"## {label.capitalize()}: `{side.checkpoint}`", ""]
+        precision = dict(side.mtp.precision) if side.mtp.precision is not None else None
+        out.append(f"Family {side.family}; target from {side.target_source}; MTP precision {precision}.")
         out.append("")
-        acc = side.get("acceptance")
+        acc = side.acceptance
         if not acc:
-            out += [f"**MTP unavailable:** {side['mtp']['error']}", ""]
+            out += [f"**MTP unavailable:** {side.mtp.error}", ""]
             continue
-        K = len(acc["by_k"])
+        K = len(acc.by_k)
         out.append("| k | AL | acceptance rate | " + " | ".join(f"pos {i}" for i in range(1, K + 1)) + " |")
         out.append("|---|---|---|" + "---|" * K)
-        for row in acc["by_k"]:
-            pos = [f"{100 * a:.1f} %" for a in row["acceptance_per_position"]] + [""] * (K - row["k"])
+        for row in acc.by_k:
+            pos = [f"{100 * a:.1f} %" for a in row.acceptance_per_position] + [""] * (K - row.k)
             out.append(
-                f"| {row['k']} | {row['mean_acceptance_length']:.3f} | {100 * row['acceptance_rate']:.1f} % | "
+                f"| {row.k} | {row.mean_acceptance_length:.3f} | {100 * row.acceptance_rate:.1f} % | "
                 + " | ".join(pos)
                 + " |"
             )
-        out += ["", f"Teacher-forced MTP agreement with the target: {100 * acc['teacher_forced_agreement']:.1f} %.", ""]
-    cmp = data.get("comparison")
-    if cmp:
+        if acc.teacher_forced_agreement is not None:
+            out += ["", f"Teacher-forced MTP agreement with the target: {100 * acc.teacher_forced_agreement:.1f} %."]
+        out.append("")
+    cmp = report.comparison
+    if cmp is not None and (cmp.mtp is not None or cmp.main is not None):
         out += [
             "## Comparison on identical inputs",
             "",
             "| | positions | top-1 agreement | KL mean | KL median | KL p99 | KL max |",
         ]
         out.append("|---|---|---|---|---|---|---|")
-        for key, title in (
-            ("mtp", "MTP (reference target's hidden states)"),
-            ("main", "main model (reference sequences)"),
+        for m, title in (
+            (cmp.mtp, "MTP (reference target's hidden states)"),
+            (cmp.main, "main model (reference sequences)"),
         ):
-            m = cmp.get(key)
-            if m and m.get("kl"):
-                kl = m["kl"]
+            if m is not None and m.kl is not None:
+                kl = m.kl
                 out.append(
-                    f"| {title} | {m['positions']} | {100 * m['top1_agreement']:.2f} % | {kl['mean']:.3g} | "
-                    f"{kl['median']:.3g} | {kl['p99']:.3g} | {kl['max']:.3g} |"
+                    f"| {title} | {m.positions} | {100 * m.top1_agreement:.2f} % | {kl.mean:.3g} | "
+                    f"{kl.median:.3g} | {kl.p99:.3g} | {kl.max:.3g} |"
                 )
-        if cmp.get("al_delta_by_k"):
+        if cmp.al_delta_by_k:
             out += ["", "| k | AL change | from the MTP | from the target |", "|---|---|---|---|"]
-            for k, (d, m, t) in enumerate(
-                zip(cmp["al_delta_by_k"], cmp["al_delta_from_mtp_by_k"], cmp["al_delta_from_target_by_k"]), 1
+            for k, (d, m2, t) in enumerate(
+                zip(cmp.al_delta_by_k, cmp.al_delta_from_mtp_by_k, cmp.al_delta_from_target_by_k), 1
             ):
-                out.append(f"| {k} | {d:+.4f} | {m:+.4f} | {t:+.4f} |")
+                out.append(f"| {k} | {d:+.4f} | {m2:+.4f} | {t:+.4f} |")
         out.append("")
     for name, title in (("acceptance", "Acceptance"), ("kl", "KL distribution")):
         if name in plots:
             out += [f"![{title}]({plots[name]})", ""]
-    if data.get("notes"):
-        out += ["## Notes", ""] + [f"- {n}" for n in data["notes"]] + [""]
-    t = data.get("timing", {})
-    if t:
+    if report.notes:
+        out += ["## Notes", ""] + [f"- {n}" for n in report.notes] + [""]
+    timing = report.timing
+    if timing:
         out.append(
-            f"Time {t.get('total_s', 0):.1f} s ({t.get('tokens_per_second', 0):.1f} sequence tokens/s); "
-            f"mtpquant {data['mtpquant_version']}, schema {data['schema']}."
+            f"Time {timing.get('total_s', 0):.1f} s ({timing.get('tokens_per_second', 0):.1f} sequence tokens/s); "
+            f"mtpquant {report.mtpquant_version}, schema {REPORT_SCHEMA}."
         )
     return "\n".join(out) + "\n"
 
@@ -168,27 +148,24 @@ def _png(fig: Any) -> bytes:
     return buf.getvalue()
 
 
-def _acceptance_plot(data: dict[str, Any]) -> bytes | None:
+def _acceptance_plot(report: Report) -> bytes | None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    sides = [("reference" if data["mode"] == "pair" else "checkpoint", data["reference"])]
-    if data["mode"] == "pair":
-        sides.append(("candidate", data["candidate"]))
-    sides = [(label, side) for label, side in sides if side.get("acceptance")]
-    if not sides:
+    shown = [(label, side) for label, side in sides(report) if side.acceptance]
+    if not shown:
         return None
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.4))
-    width = 0.8 / len(sides)
-    for i, (label, side) in enumerate(sides):
+    width = 0.8 / len(shown)
+    for i, (label, side) in enumerate(shown):
         pos = _per_position(side)
-        xs = [p + 1 + (i - (len(sides) - 1) / 2) * width for p in range(len(pos))]
+        xs = [p + 1 + (i - (len(shown) - 1) / 2) * width for p in range(len(pos))]
         ax1.bar(xs, [100 * a for a in pos], width=width, label=label)
         al = _al(side)
         ax2.plot(range(1, len(al) + 1), al, marker="o", label=label)
-    K = data["settings"]["k"]
+    K = report.settings.k
     ax1.set(xlabel="draft position", ylabel="acceptance (%)", title=f"per-position acceptance (k={K})", ylim=(0, 100))
     ax1.set_xticks(range(1, K + 1))
     ax2.set(xlabel="k (drafts per step)", ylabel="mean acceptance length", title="AL per k")
@@ -208,7 +185,7 @@ def _kl_plot(report: ValidationReport) -> bytes | None:
     import matplotlib.pyplot as plt
     import numpy as np
 
-    series: list[tuple[str, Tensor]] = [
+    series: list[tuple[str, Any]] = [
         (label, kl)
         for label, kl in (("MTP", report.mtp_kl), ("main model", report.main_kl))
         if kl is not None and kl.numel()
@@ -236,12 +213,12 @@ def write_report(report: ValidationReport, directory: Path | str) -> Path:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     plots: dict[str, str] = {}
-    for name, make in (("acceptance", lambda: _acceptance_plot(report.data)), ("kl", lambda: _kl_plot(report))):
+    for name, make in (("acceptance", lambda: _acceptance_plot(report.report)), ("kl", lambda: _kl_plot(report))):
         png = make()
         if png is not None:
             atomic_write_bytes(directory / f"{name}.png", png)
             plots[name] = f"{name}.png"
-    atomic_write_json(directory / "report.json", report.data)
-    atomic_write_bytes(directory / "report.md", render_markdown(report.data, plots).encode("utf-8"))
+    atomic_write_json(directory / "report.json", report.to_json())
+    atomic_write_bytes(directory / "report.md", render_markdown(report.report, plots).encode("utf-8"))
     log.info("wrote report to %s", directory)
     return directory

@@ -1,0 +1,452 @@
+"""The card's text: metadata through huggingface_hub's ``ModelCardData``, then the Markdown sections (MTP,
+what was quantized, what stayed BF16, validation, serving, provenance), sealed with the generated-card marker.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from mtpquant import __version__
+from mtpquant.hub.card.facts import (
+    CardFacts,
+    base_model,
+    is_quantized_precision,
+    mtp_mode,
+    public_command,
+    public_text,
+)
+from mtpquant.hub.card.marker import MARKER, ZERO_HASH, seal
+from mtpquant.hub.card.metadata import redact
+from mtpquant.units import format_bytes
+
+if TYPE_CHECKING:
+    from huggingface_hub import ModelCard
+
+    from mtpquant.inspect.report import InspectReport
+    from mtpquant.validate.schema import Side
+
+__all__ = ["build_card", "card_data"]
+
+
+def _mapping(value: Any) -> Mapping[str, Any]:
+    return value if isinstance(value, Mapping) else {}
+
+
+def _tags(facts: CardFacts) -> list[str]:
+    q = facts.report.quantization
+    algo = str(q.get("algorithm") or "").upper()
+    tags: list[str] = []
+    if "NVFP4" in algo or (algo == "MIXED_PRECISION" and "NVFP4" in json.dumps(facts.hf_quant_config or {})):
+        tags.append("nvfp4")
+    if q.get("method") == "modelopt":
+        tags.append("modelopt")
+    elif q.get("method"):
+        tags.append(str(q["method"]))
+    if facts.report.mtp_present_tensors:
+        tags += ["mtp", "speculative-decoding"]
+    tags += [facts.family_key, "mtpquant"]
+    return list(dict.fromkeys(tags))
+
+
+def card_data(facts: CardFacts) -> dict[str, Any]:
+    """The card's metadata (``ModelCardData`` fields), only with what is known."""
+    from huggingface_hub import ModelCardData
+
+    base, _, _ = base_model(facts)
+    lic = facts.license
+    quantized = bool(facts.report.quantization.get("method"))
+    data = ModelCardData(
+        base_model=base,
+        base_model_relation="quantized" if base and quantized else None,
+        library_name="transformers",
+        pipeline_tag="image-text-to-text" if facts.report.vision.get("present") else "text-generation",
+        license=lic.license if lic else None,
+        license_name=lic.license_name if lic else None,
+        license_link=(lic.license_link or (facts.license_file if lic.license == "other" else None)) if lic else None,
+        tags=_tags(facts),
+    )
+    return dict(data.to_dict())
+
+
+def _md_escape(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{100 * x:.1f} %"
+
+
+def _quant_line(facts: CardFacts) -> str:
+    q = facts.report.quantization
+    if not q.get("method"):
+        return "This checkpoint carries no quantization metadata: its Linear layers are not quantized."
+    producer = (facts.hf_quant_config or {}).get("producer") if facts.hf_quant_config else None
+    prod = ""
+    if isinstance(producer, Mapping) and producer.get("name"):
+        prod = f", exported by {producer.get('name')} {producer.get('version') or ''}".rstrip()
+    kv = q.get("kv_cache") or "not quantized"
+    return (
+        f"Quantization: `{q['method']}` `{q.get('algorithm')}` (vLLM loads it as `{q.get('vllm_method')}`), "
+        f"group size {q.get('group_size')}, KV cache {kv}{prod}."
+    )
+
+
+def _recipe_lines(facts: CardFacts) -> list[str]:
+    if facts.recipe is None:
+        return ["The resolved recipe is not recorded in this checkpoint."]
+    recipe = facts.recipe.data
+    lines = []
+    quant = _mapping(recipe.get("quantization"))
+    calib = _mapping(recipe.get("calibration"))
+    if quant:
+        lines.append(
+            f"Recipe `{recipe.get('name', facts.recipe.file)}`: scheme `{quant.get('scheme')}`, targets "
+            f"`{quant.get('targets')}`, calibration `{quant.get('algorithm')}`"
+            + (
+                f" on {calib.get('samples')} samples x {calib.get('seq_len')} tokens of `{calib.get('data')}` data"
+                if calib
+                else ""
+            )
+            + "."
+        )
+    lines += ["", f"<details><summary>Resolved recipe (<code>{facts.recipe.file}</code>)</summary>", ""]
+    lines += ["```yaml", public_text(facts.recipe.text).rstrip("\n"), "```", "", "</details>"]
+    return lines
+
+
+def _bf16_lines(facts: CardFacts) -> list[str]:
+    r = facts.report
+    main = r.main_model
+    lines = []
+    precs = ", ".join(f"{n} {p}" for p, n in main.get("precisions", {}).items())
+    lines.append(
+        f"- Main model: {main.get('quantized', 0)} of {main.get('linear_modules', 0)} Linear modules quantized "
+        f"({precs or 'none'})."
+    )
+    if r.vision.get("present"):
+        vp = ", ".join(f"{n} {p}" for p, n in r.vision.get("precisions", {}).items())
+        lines.append(f"- Vision tower (`model.visual.*`): {r.vision.get('tensors')} tensors, kept as is ({vp}).")
+    elif r.vision.get("expected"):
+        lines.append("- Vision tower: **missing** (image input will not work).")
+    if r.mtp_present_tensors:
+        lines.append(f"- MTP layer: {r.mtp_precision}.")
+    excl = [str(x) for x in r.quantization.get("exclude") or []]
+    if excl:
+        # patterns (mtp*, model.visual*, re:...) say the most; exact module names follow
+        first = sorted(excl, key=lambda x: "*" not in x and not x.startswith("re:"))
+        shown = ", ".join(f"`{_md_escape(x)}`" for x in first[:8])
+        more = f" and {len(excl) - 8} more" if len(excl) > 8 else ""
+        lines.append(f"- Excluded from quantization ({len(excl)} patterns): {shown}{more}.")
+        if len(excl) > 8:
+            lines += ["", "<details><summary>All exclusions</summary>", "", "```text", *excl, "```", "", "</details>"]
+    return lines
+
+
+def _present_text(r: InspectReport) -> str:
+    size = format_bytes(r.mtp_bytes)
+    n, expected = r.mtp_present_tensors, r.mtp_expected_tensors
+    if n == 0:
+        return f"none of {expected} expected tensors"
+    if r.mtp_missing:
+        return f"{n} tensors ({size}); {len(r.mtp_missing)} of {expected} expected tensors missing"
+    if n == expected:
+        return f"all {expected} expected tensors ({size})"
+    return f"all {expected} expected weights, {n} tensors with their scales ({size})"
+
+
+def _mtp_table(facts: CardFacts) -> list[str]:
+    r = facts.report
+    shards = ", ".join(f"`{s}`" for s in r.mtp_shards) or "none"
+    rows = [
+        ("Mode", f"`{mtp_mode(facts)}`"),
+        ("Declared", _md_escape(r.mtp_declaration)),
+        (
+            "Present",
+            _present_text(r),
+        ),
+        ("Precision", r.mtp_precision),
+        ("Shard(s)", shards),
+        ("vLLM", _md_escape(r.verdicts.get("vllm", "unknown"))),
+        ("SGLang", _md_escape(r.verdicts.get("sglang", "unknown"))),
+    ]
+    lines = ["| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows)]
+    if r.mtp_modules:
+        lines += ["", "| MTP module (as vLLM builds it) | on disk | vLLM builds it | consistent |", "|---|---|---|---|"]
+        for m in r.mtp_modules:
+            built = "refused" if m.vllm_quantized is None else ("quantized" if m.vllm_quantized else "unquantized")
+            lines.append(f"| `{m.module}` | {m.disk} | {built} | {'yes' if m.consistent else 'NO'} |")
+    return lines
+
+
+def _figures(side: Side | None) -> tuple[dict[int, float], dict[int, float], tuple[float, ...], float | None]:
+    """AL and rate by k, per-position acceptance of the run with the most drafts, teacher-forced agreement."""
+    if side is None or side.acceptance is None:
+        return {}, {}, (), None
+    rows = side.acceptance.by_k
+    last = max(rows, key=lambda r: r.k)
+    return (
+        {r.k: r.mean_acceptance_length for r in rows},
+        {r.k: r.acceptance_rate for r in rows},
+        tuple(last.acceptance_per_position),
+        side.acceptance.teacher_forced_agreement,
+    )
+
+
+def _validation_lines(facts: CardFacts) -> list[str]:
+    v = facts.validation
+    if v is None:
+        return [
+            "No validation report was found in this checkpoint, so draft acceptance was not measured here "
+            "(`mtpquant validate SRC OUT --report-dir OUT/validation` before publishing adds it)."
+        ]
+    link = f"[`{v.markdown or v.file}`]({v.markdown or v.file})"
+    rep = v.report
+    if rep is None:
+        return [f"A validation report is included ({link}), but its figures are in a format this card does not read."]
+    pair = rep.pair and rep.candidate is not None
+    sub, ref = rep.subject, (rep.reference if pair else None)
+    s = rep.settings
+    head = [f"{s.num_prompts} prompts" if s.num_prompts else None, f"k = 1..{s.k}" if s.k else None]
+    if s.activations:
+        head.append(f"activations {s.activations}")
+    made = (
+        f" (mtpquant {rep.mtpquant_version}" + (f", {rep.created}" if rep.created else "") + ")"
+        if rep.mtpquant_version
+        else ""
+    )
+    engine = f" through {rep.engine[0].name} {rep.engine[0].version}" if rep.engine else ""
+    what = "this checkpoint against its reference" if pair else "this checkpoint"
+    lines = [
+        f"`mtpquant validate`{made} measured {what}{engine} with greedy verification as the engines do it"
+        + (" (" + ", ".join(h for h in head if h) + ")" if any(head) else "")
+        + ".",
+        "",
+    ]
+    reasons = "; ".join(public_text(r) for r in rep.verdict.reasons)
+    lines += [f"Verdict: **{rep.verdict.status}**" + (f": {_md_escape(reasons)}" if reasons else "") + ".", ""]
+    for label, side in (("reference", ref), ("this checkpoint", sub)):
+        if side is not None and side.mtp.error:
+            lines += [f"MTP of {label} not evaluated: {_md_escape(public_text(side.mtp.error))}.", ""]
+    sub_al, sub_rate, sub_pos, sub_tf = _figures(sub)
+    ref_al, ref_rate, ref_pos, ref_tf = _figures(ref)
+    ks = sorted(set(sub_al) | set(ref_al))
+    if ks and ref is not None:
+        lines += [
+            "| k | AL reference | AL this checkpoint | change | acceptance rate reference | this checkpoint |",
+            "|---|---|---|---|---|---|",
+        ]
+        for k in ks:
+            a, b = ref_al.get(k), sub_al.get(k)
+            delta = f"{b - a:+.2f}" if a is not None and b is not None else "n/a"
+            rates = f"{_pct(ref_rate.get(k))} | {_pct(sub_rate.get(k))}"
+            lines.append(f"| {k} | {_fmt(a)} | {_fmt(b)} | {delta} | {rates} |")
+        lines.append("")
+    elif ks:
+        lines += ["| k | acceptance length (AL) | acceptance rate |", "|---|---|---|"]
+        lines += [f"| {k} | {_fmt(sub_al.get(k))} | {_pct(sub_rate.get(k))} |" for k in ks]
+        lines.append("")
+    positions = max(len(sub_pos), len(ref_pos))
+    if positions:
+
+        def at(pos: tuple[float, ...], i: int) -> float | None:
+            return pos[i] if i < len(pos) else None
+
+        if ref is not None:
+            lines += [f"| draft position (k = {positions}) | acceptance reference | this checkpoint |", "|---|---|---|"]
+            lines += [f"| {i + 1} | {_pct(at(ref_pos, i))} | {_pct(at(sub_pos, i))} |" for i in range(positions)]
+        else:
+            lines += [f"| draft position (k = {positions}) | acceptance |", "|---|---|"]
+            lines += [f"| {i + 1} | {_pct(at(sub_pos, i))} |" for i in range(positions)]
+        lines.append("")
+    extra = []
+    cmp_mtp = rep.comparison.mtp if rep.comparison is not None else None
+    if cmp_mtp is not None:
+        extra.append(
+            f"on identical inputs the MTP's top-1 agrees with the reference MTP's {_pct(cmp_mtp.top1_agreement)} of "
+            "the time"
+        )
+        if cmp_mtp.kl is not None:
+            extra.append(f"mean KL(reference || this) {cmp_mtp.kl.mean:.4g}")
+    if sub_tf is not None:
+        extra.append(
+            f"teacher-forced agreement {_pct(sub_tf)}" + (f" (reference {_pct(ref_tf)})" if ref_tf is not None else "")
+        )
+    if extra:
+        joined = "; ".join(extra)
+        lines += [joined[0].upper() + joined[1:] + ".", ""]
+    lines += [f"- Note: {_md_escape(public_text(n))}" for n in rep.notes]
+    if rep.notes:
+        lines.append("")
+    lines.append(f"Full report: {link}.")
+    return lines
+
+
+def _fmt(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.2f}"
+
+
+def _with_revision(cmd: str, revision: str | None) -> str:
+    return f"{cmd} --revision {shlex.quote(revision)}" if revision and revision != "main" else cmd
+
+
+def _for_repo(cmd: str, label: str, repo: str) -> str:
+    """inspect's serve command for the local path ``label``, pointed at the Hub repo instead."""
+    for flag in ("vllm serve ", "--model-path "):
+        cmd = cmd.replace(flag + label, flag + repo, 1)
+    return cmd
+
+
+def _serving_lines(facts: CardFacts) -> list[str]:
+    r = facts.report
+    repo = facts.repo_id
+    cmds = {
+        engine: _with_revision(_for_repo(cmd, r.checkpoint, repo), facts.revision)
+        for engine, cmd in r.serve_commands.items()
+    }
+    lines: list[str] = []
+    if "vllm" in cmds:
+        lines += ["vLLM, with the MTP as draft model:", "", "```bash", cmds["vllm"], "```", ""]
+    else:
+        lines += [f"vLLM: no MTP serve command: {_md_escape(r.verdicts.get('vllm', 'unknown'))}.", ""]
+    quantized_mtp = any(is_quantized_precision(m.disk) for m in r.mtp_modules)
+    if "sglang" in cmds:
+        lines += ["SGLang (NEXTN speculative decoding):", "", "```bash", cmds["sglang"], "```", ""]
+    elif quantized_mtp:
+        plain = _with_revision(f"python -m sglang.launch_server --model-path {repo}", facts.revision)
+        lines += [
+            f"> **SGLang and a quantized MTP**: this checkpoint's MTP is {r.mtp_precision}. SGLang keeps `mtp.fc` "
+            "as a plain Linear and drops the quantization config of the whole Qwen MTP layer on "
+            "`modelopt_fp4`/`modelopt_mixed` checkpoints: it serves only a BF16 MTP, so it will not use this one "
+            "for speculative decoding. Use vLLM for MTP speculative decoding, or serve it in SGLang without it:",
+            "",
+            "```bash",
+            plain,
+            "```",
+            "",
+        ]
+    else:
+        lines += [f"SGLang: no MTP serve command: {_md_escape(r.verdicts.get('sglang', 'unknown'))}.", ""]
+    return lines
+
+
+def _reproduce_lines(facts: CardFacts) -> list[str]:
+    steps = facts.provenance.steps
+    lines: list[str] = []
+    if not steps:
+        lines += ["This checkpoint does not record the mtpquant command that produced it (no provenance file).", ""]
+    for step in steps:
+        version = f"mtpquant {step.mtpquant_version}" if step.mtpquant_version else "mtpquant (version not recorded)"
+        libs = ", ".join(f"{k} {v}" for k, v in step.versions.items() if k in ("nvidia-modelopt", "transformers"))
+        if step.command:
+            lines += [
+                f"{'Produced' if step is facts.provenance.origin else 'Then changed'} by {version} `{step.tool}`"
+                + (f" ({libs})" if libs else "")
+                + " with:",
+                "",
+                "```bash",
+                public_command(step),
+                "```",
+                "",
+            ]
+        else:
+            lines += [f"{step.tool} by {version} (the exact command line is not recorded).", ""]
+    origin = facts.provenance.origin
+    src = origin.source if origin is not None else None
+    if src is not None and (src.repo_id or src.path):
+        at = src.commit or src.revision
+        rev = f" at revision `{at}`" if at else ""
+        where = f"`{src.repo_id}`" if src.repo_id else f"a local directory named `{Path(src.path or '').name}`"
+        lines += [f"Source checkpoint: {where}{rev}.", ""]
+    lines.append(f"Card generated and published by mtpquant {__version__} (`mtpquant publish`).")
+    return lines
+
+
+def _forced_lines(facts: CardFacts) -> list[str]:
+    if not facts.forced:
+        return []
+    r = facts.report
+    lines = [
+        "> [!WARNING]",
+        "> **Published with `--force`**: this checkpoint failed mtpquant's pre-publication checks "
+        "(`mtpquant inspect`). It was uploaded anyway, as it is:",
+    ]
+    lines += [f"> - {_md_escape(m)}" for m in r.failure_messages]
+    lines.append("")
+    return lines
+
+
+def build_card(facts: CardFacts) -> ModelCard:
+    """The card for OUT: metadata plus a Markdown body, sealed with the generated-card marker."""
+    from huggingface_hub import ModelCard, ModelCardData
+
+    r = facts.report
+    meta = card_data(facts)
+    base, _, base_origin = base_model(facts)
+    name = facts.repo_id.split("/")[-1]
+    scheme = r.quantization.get("algorithm") or "unquantized"
+    mtp_phrase = {
+        "keep": f"its Multi-Token-Prediction (MTP) layer kept in {r.mtp_precision}",
+        "quantize": f"its Multi-Token-Prediction (MTP) layer quantized ({r.mtp_precision})",
+        "drop": "no Multi-Token-Prediction (MTP) layer (dropped on purpose; no MTP speculative decoding)",
+        "missing": "its Multi-Token-Prediction (MTP) layer **declared but missing**",
+    }.get(mtp_mode(facts), f"MTP: {r.mtp_precision}")
+    of = f"[`{base}`](https://huggingface.co/{base})" if base else "a base model that is not recorded"
+    lines = [
+        MARKER.format(digest=ZERO_HASH, version=__version__),
+        "",
+        f"# {name}",
+        "",
+        f"{scheme} checkpoint of {of} ({r.family}, `{r.architecture}`) with {mtp_phrase}. "
+        "Made with mtpquant and checked by `mtpquant inspect` before upload.",
+        "",
+        *_forced_lines(facts),
+        "## MTP layer (speculative decoding)",
+        "",
+        *_mtp_table(facts),
+        "",
+        "## What was quantized, and how",
+        "",
+        _quant_line(facts),
+        "",
+        *_recipe_lines(facts),
+        "",
+        "### What stayed in BF16 (or as in the source)",
+        "",
+        *_bf16_lines(facts),
+        "",
+        "## Validation",
+        "",
+        *_validation_lines(facts),
+        "",
+        "## Serving",
+        "",
+        *_serving_lines(facts),
+        "## Provenance",
+        "",
+        *_reproduce_lines(facts),
+        "",
+    ]
+    if base:
+        lines += [f"Base model `{base}` from {base_origin}."]
+    else:
+        lines += [
+            "Base model: unknown (no provenance file names it and config.json has no Hub id), so the card's "
+            "metadata names none."
+        ]
+    lic = facts.license
+    if lic is not None:
+        lic_text = lic.license if lic.license != "other" else f"other ({lic.license_name})"
+        lines += ["", f"Licence `{lic_text}`, carried over from {lic.origin}: the licence of the base model applies."]
+    elif facts.license_file:
+        lines += ["", f"Licence: see [`{facts.license_file}`]({facts.license_file}), carried over from the source."]
+    else:
+        lines += ["", "Licence: not recorded in the source metadata; the licence of the base model applies."]
+    body = "\n".join(lines).rstrip("\n") + "\n"
+    data = ModelCardData(**meta)
+    card = ModelCard("---\n" + data.to_yaml() + "\n---\n\n" + body)
+    sealed = seal(redact(str(card)))
+    return ModelCard(sealed)

@@ -1,0 +1,217 @@
+"""What the card says, gathered from OUT as typed data: the inspect report, the provenance file, the resolved
+recipe, a validation report (``validate.schema.Report``), the licence. A fact that is not known is left out of
+the metadata and said to be unknown in the body; what goes public names local directories by their base name.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import shlex
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from mtpquant.checkpoint.source import looks_like_repo_id
+from mtpquant.hub.card.metadata import CARD_NAME, LicenseInfo, is_repo_id, license_from_mapping, redact
+from mtpquant.provenance import Provenance, Step
+
+if TYPE_CHECKING:
+    from mtpquant.inspect.report import InspectReport
+    from mtpquant.validate.schema import Report
+
+__all__ = [
+    "VALIDATION_MARKDOWN",
+    "VALIDATION_REPORT",
+    "CardFacts",
+    "Recipe",
+    "Validation",
+    "base_model",
+    "mtp_mode",
+    "public_command",
+    "public_text",
+    "read_license",
+    "read_recipe",
+    "read_validation",
+]
+
+log = logging.getLogger(__name__)
+
+# A validation report inside OUT (written by `mtpquant validate ... --report-dir OUT/validation`).
+VALIDATION_REPORT = "validation/report.json"
+VALIDATION_MARKDOWN = "validation/report.md"
+_HF_CACHE_SNAPSHOT = re.compile(r"models--([A-Za-z0-9][\w.-]*)--([\w.-]+)[/\\]snapshots[/\\]")
+_ABS_PATH = re.compile(r"(?<![\w.])/(?:[^\s/'\"`]+/)+([^\s/'\"`]+)")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """The resolved recipe convert wrote into OUT: its file name, text and parsed YAML."""
+
+    file: str
+    text: str
+    data: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class Validation:
+    """A validation report found in OUT: the typed report, or None when it is in a shape this card does not read."""
+
+    file: str
+    markdown: str | None
+    report: Report | None
+
+
+@dataclass(frozen=True)
+class CardFacts:
+    """Everything the card says, gathered by ``publish`` before it builds the card."""
+
+    repo_id: str
+    report: InspectReport
+    family_key: str
+    config: Mapping[str, Any]
+    hf_quant_config: Mapping[str, Any] | None
+    provenance: Provenance
+    license: LicenseInfo | None
+    validation: Validation | None
+    recipe: Recipe | None = None
+    revision: str | None = None
+    forced: bool = False
+    license_file: str | None = None  # a LICENSE file shipped in OUT (carried over from the source)
+
+
+# ---- reading OUT ---------------------------------------------------------------------------------------------------
+def read_recipe(out: Path, provenance: Provenance) -> Recipe | None:
+    """The resolved recipe the provenance names (``mtpquant_recipe.yaml``), parsed; None when absent."""
+    import yaml
+
+    origin = provenance.origin
+    name = origin.recipe_file if origin is not None else None
+    if not name or not (out / name).is_file():
+        return None
+    try:
+        text = (out / name).read_text(encoding="utf-8")
+        data = yaml.safe_load(text)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        log.warning("%s: not readable as YAML (%s); the card omits it", name, exc)
+        return None
+    return Recipe(name, text, data if isinstance(data, dict) else {})
+
+
+def read_validation(out: Path) -> Validation | None:
+    """The validation report in OUT (``validation/report.json``), typed; None when there is none."""
+    from mtpquant.validate.schema import Report
+
+    path = out / VALIDATION_REPORT
+    if not path.is_file():
+        return None
+    md = VALIDATION_MARKDOWN if (out / VALIDATION_MARKDOWN).is_file() else None
+    try:
+        report: Report | None = Report.from_json(json.loads(path.read_text(encoding="utf-8")))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        log.warning("%s: not a validation report this card reads (%s)", path, exc)
+        report = None
+    return Validation(VALIDATION_REPORT, md, report)
+
+
+def _safe_read(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return ""
+
+
+def _front_matter(text: str) -> dict[str, Any]:
+    import yaml
+    from huggingface_hub.repocard import REGEX_YAML_BLOCK
+
+    m = REGEX_YAML_BLOCK.search(text)
+    if not m:
+        return {}
+    try:
+        data = yaml.safe_load(m.group(2))
+    except yaml.YAMLError:
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _license_from_card_text(text: str, origin: str) -> LicenseInfo | None:
+    meta = _front_matter(text)
+    return license_from_mapping(meta, origin) if meta else None
+
+
+def read_license(provenance: Provenance, config: Mapping[str, Any], existing_card: str | None) -> LicenseInfo | None:
+    """The source model's licence: the source's card (a local SRC), OUT's previous card, or config.json."""
+    origin = provenance.origin
+    src_dir = origin.source.path if origin is not None and origin.source is not None else None
+    if src_dir and (Path(src_dir) / CARD_NAME).is_file():
+        lic = _license_from_card_text(_safe_read(Path(src_dir) / CARD_NAME), f"the source card ({CARD_NAME} of SRC)")
+        if lic is not None:
+            return lic
+    if existing_card is not None:
+        lic = _license_from_card_text(existing_card, f"the previous {CARD_NAME} in OUT")
+        if lic is not None:
+            return lic
+    return license_from_mapping(config, "config.json")
+
+
+# ---- derived facts -------------------------------------------------------------------------------------------------
+def _repo_from_path(value: str) -> str | None:
+    m = _HF_CACHE_SNAPSHOT.search(value)
+    return f"{m.group(1)}/{m.group(2)}" if m else None
+
+
+def base_model(facts: CardFacts) -> tuple[str | None, str | None, str]:
+    """(Hub id, revision, where it was found) of the base model, when one is known."""
+    explicit, revision = facts.provenance.base_model
+    if explicit:
+        return explicit, revision, "the provenance file (--base-model)"
+    origin = facts.provenance.origin
+    src = origin.source if origin is not None else None
+    if src is not None and src.repo_id:
+        return src.repo_id, src.commit or src.revision, "the provenance file (source)"
+    name = facts.config.get("_name_or_path")
+    if isinstance(name, str):
+        derived = name if is_repo_id(name) and looks_like_repo_id(name) else _repo_from_path(name)
+        if derived is not None:
+            return derived, None, "config.json (_name_or_path)"
+    return None, None, ""
+
+
+def mtp_mode(facts: CardFacts) -> str:
+    """The MTP mode: as recorded, else worked out from the checkpoint (a quant other tools made)."""
+    recorded = facts.provenance.mode
+    if recorded:
+        return recorded
+    r = facts.report
+    if r.mtp_present_tensors == 0:
+        return "missing" if r.mtp_declared else "drop"
+    return "quantize" if any(is_quantized_precision(m.disk) for m in r.mtp_modules) else "keep"
+
+
+def is_quantized_precision(p: str) -> bool:
+    """Whether an inspect precision label is a quantized format."""
+    return p not in ("BF16", "F16", "FP16", "F32", "missing", "absent")
+
+
+def public_text(text: str) -> str:
+    """Free text fit for a public card: absolute local paths shortened to ``.../<last component>``, tokens masked."""
+    return redact(_ABS_PATH.sub(r".../\1", text))
+
+
+def _public_arg(arg: str, step: Step) -> str:
+    """One command-line argument for the public card: a local directory by its base name (``--x=/a/b``: ``--x=b``)."""
+    src = step.source
+    if src is not None and src.repo_id and src.path and arg == src.path:
+        return src.repo_id
+    flag, eq, value = arg.partition("=") if arg.startswith("--") else ("", "", arg)
+    if value.startswith(("/", "~")) or (len(value) > 1 and value[1] == ":"):
+        value = Path(value).name or value
+    return f"{flag}{eq}{value}"
+
+
+def public_command(step: Step) -> str:
+    """A step's command line for the public card (local directories by base name, tokens masked)."""
+    return redact(shlex.join(_public_arg(a, step) for a in step.command))

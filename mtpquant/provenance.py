@@ -1,0 +1,205 @@
+"""Provenance: how a checkpoint directory was made, as data (``mtpquant_provenance.json``).
+
+``convert`` writes one step (the source and the Hub commit it resolved to, the command, the versions of
+mtpquant, nvidia-modelopt, transformers and torch, the MTP mode and the recipe); ``graft`` adds its step to
+what QUANT already records. ``publish`` reads it for the model card, as typed data. Schema
+``mtpquant.provenance/1``:
+
+    {"schema": ..., "steps": [{"tool", "created", "command": [...], "mtpquant_version", "versions": {...},
+      "source": {"repo_id", "revision", "commit", "path"}, "mode", "recipe", "recipe_file", "base_model",
+      "base_model_revision"}, ...]}
+
+Steps are oldest first; every field but ``tool`` may be null.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from mtpquant import __version__
+from mtpquant.checkpoint.source import CheckpointSource, LocalSource, SourceRef, read_json
+from mtpquant.errors import CheckpointError
+
+__all__ = [
+    "PROVENANCE_FILE",
+    "PROVENANCE_SCHEMA",
+    "Provenance",
+    "Step",
+    "library_versions",
+    "read_provenance",
+    "source_provenance",
+]
+
+log = logging.getLogger(__name__)
+
+PROVENANCE_FILE = "mtpquant_provenance.json"
+PROVENANCE_SCHEMA = "mtpquant.provenance/1"
+_LIBRARIES = ("nvidia-modelopt", "transformers", "torch", "huggingface_hub", "safetensors")
+
+
+def library_versions(names: Sequence[str] = _LIBRARIES) -> dict[str, str]:
+    """Installed versions of the libraries that shape an output (absent ones left out)."""
+    out = {}
+    for name in names:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return out
+
+
+def _ref_json(ref: SourceRef | None) -> dict[str, Any] | None:
+    if ref is None:
+        return None
+    return {"repo_id": ref.repo_id, "revision": ref.revision, "commit": ref.commit, "path": ref.path}
+
+
+def _ref_from(value: Any) -> SourceRef | None:
+    if not isinstance(value, Mapping):
+        return None
+
+    def s(key: str) -> str | None:
+        v = value.get(key)
+        return v if isinstance(v, str) and v else None
+
+    return SourceRef(repo_id=s("repo_id"), revision=s("revision"), commit=s("commit"), path=s("path"))
+
+
+@dataclass(frozen=True)
+class Step:
+    """One mtpquant run that produced or changed the directory."""
+
+    tool: str  # "convert" | "graft"
+    command: tuple[str, ...] = ()
+    source: SourceRef | None = None  # convert's SRC; graft's SRC (where the MTP came from)
+    mode: str | None = None  # the MTP mode (graft: keep)
+    recipe: str | None = None  # the recipe's name
+    recipe_file: str | None = None  # the resolved recipe written into the directory
+    base_model: str | None = None  # a Hub model id the user named (--base-model), or None
+    base_model_revision: str | None = None
+    mtpquant_version: str = __version__
+    versions: Mapping[str, str] = field(default_factory=library_versions)
+    created: str = field(default_factory=lambda: datetime.now(timezone.utc).isoformat(timespec="seconds"))
+
+    def to_json(self) -> dict[str, Any]:
+        """The step's JSON object."""
+        return {
+            "tool": self.tool,
+            "created": self.created,
+            "command": list(self.command),
+            "mtpquant_version": self.mtpquant_version,
+            "versions": dict(self.versions),
+            "source": _ref_json(self.source),
+            "mode": self.mode,
+            "recipe": self.recipe,
+            "recipe_file": self.recipe_file,
+            "base_model": self.base_model,
+            "base_model_revision": self.base_model_revision,
+        }
+
+    @classmethod
+    def from_json(cls, d: Any) -> Step:
+        """Read a step; ``ValueError`` when it is not one."""
+        if not isinstance(d, Mapping) or not isinstance(d.get("tool"), str):
+            raise ValueError("a provenance step needs a 'tool'")
+
+        def s(key: str) -> str | None:
+            v = d.get(key)
+            return v if isinstance(v, str) and v else None
+
+        command = d.get("command")
+        versions = d.get("versions")
+        return cls(
+            tool=str(d["tool"]),
+            command=tuple(str(c) for c in command) if isinstance(command, list) else (),
+            source=_ref_from(d.get("source")),
+            mode=s("mode"),
+            recipe=s("recipe"),
+            recipe_file=s("recipe_file"),
+            base_model=s("base_model"),
+            base_model_revision=s("base_model_revision"),
+            mtpquant_version=s("mtpquant_version") or "",
+            versions={str(k): str(v) for k, v in versions.items()} if isinstance(versions, Mapping) else {},
+            created=s("created") or "",
+        )
+
+
+@dataclass(frozen=True)
+class Provenance:
+    """Every recorded step, oldest first."""
+
+    steps: tuple[Step, ...] = ()
+
+    def then(self, step: Step) -> Provenance:
+        """This provenance with one more step. The same command run again (a rerun that completes an
+        interrupted one, which may have recorded its step already) replaces the last step instead."""
+        last = self.latest
+        if last is not None and (last.tool, last.command, last.source, last.mode) == (
+            step.tool,
+            step.command,
+            step.source,
+            step.mode,
+        ):
+            return Provenance((*self.steps[:-1], step))
+        return Provenance((*self.steps, step))
+
+    @property
+    def origin(self) -> Step | None:
+        """The step that made the checkpoint (the first convert), or the first step."""
+        return next((s for s in self.steps if s.tool == "convert"), self.steps[0] if self.steps else None)
+
+    @property
+    def latest(self) -> Step | None:
+        """The last step."""
+        return self.steps[-1] if self.steps else None
+
+    @property
+    def mode(self) -> str | None:
+        """The MTP mode the directory's MTP is in now (the last step that set one)."""
+        return next((s.mode for s in reversed(self.steps) if s.mode), None)
+
+    @property
+    def base_model(self) -> tuple[str | None, str | None]:
+        """The base model a step names explicitly, with its revision."""
+        for s in reversed(self.steps):
+            if s.base_model:
+                return s.base_model, s.base_model_revision
+        return None, None
+
+    def to_json(self) -> dict[str, Any]:
+        """The file's JSON."""
+        return {"schema": PROVENANCE_SCHEMA, "steps": [s.to_json() for s in self.steps]}
+
+    def to_bytes(self) -> bytes:
+        """The file's bytes."""
+        return (json.dumps(self.to_json(), indent=2) + "\n").encode("utf-8")
+
+    @classmethod
+    def from_json(cls, d: Any) -> Provenance:
+        """Read the file's JSON; ``ValueError`` for another schema."""
+        if not isinstance(d, Mapping) or d.get("schema") != PROVENANCE_SCHEMA or not isinstance(d.get("steps"), list):
+            raise ValueError(f"not an {PROVENANCE_SCHEMA} document")
+        return cls(tuple(Step.from_json(s) for s in d["steps"]))
+
+
+def source_provenance(source: CheckpointSource) -> Provenance:
+    """The provenance a checkpoint records (empty when there is none, or it is unreadable: warned)."""
+    if not source.exists(PROVENANCE_FILE):
+        return Provenance()
+    try:
+        return Provenance.from_json(read_json(source, PROVENANCE_FILE))
+    except (CheckpointError, ValueError) as exc:
+        log.warning("%s: %s is not readable (%s); ignoring it", source.label, PROVENANCE_FILE, exc)
+        return Provenance()
+
+
+def read_provenance(directory: Path) -> Provenance:
+    """The provenance recorded in a local directory."""
+    return source_provenance(LocalSource(Path(directory)))

@@ -1,0 +1,71 @@
+"""Hidden-state files: the target runs captured once (e.g. on a GPU), replayed anywhere (``--hidden``).
+
+A safetensors file (``format: mtpquant.hidden/1`` in its metadata): ``ref.tokens.NNNNN`` (int64 ``[T]``),
+``ref.hidden.NNNNN`` (``[T, H]``, post-final-norm), and in pair mode ``cand.*`` plus ``cand.hidden_on_ref.*``;
+metadata ``groups`` (source and prompt lengths per group) and ``meta`` (prompts, max_len, dtype, device).
+Written through the writer's atomic path (temp file, fsync, rename, directory fsync).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from mtpquant.checkpoint.writer import atomic_write_safetensors
+from mtpquant.errors import UsageError
+from mtpquant.validate.replay import SequenceRecord, TargetRun
+
+__all__ = ["HIDDEN_FORMAT", "HiddenFileError", "load_hidden", "save_hidden"]
+
+log = logging.getLogger(__name__)
+
+HIDDEN_FORMAT = "mtpquant.hidden/1"
+
+
+class HiddenFileError(UsageError):
+    """A file given as --hidden is not a hidden-state file (or does not fit the checkpoint)."""
+
+
+def save_hidden(path: Path, runs: dict[str, TargetRun], meta: dict[str, Any]) -> None:
+    """Write target runs (``ref``, optionally ``cand``) to a safetensors file, atomically."""
+    from mtpquant.checkpoint.dtypes import planned
+
+    tensors = []
+    info: dict[str, Any] = {}
+    for group, run in runs.items():
+        info[group] = {"source": run.source, "prompt_lens": [s.prompt_len for s in run.sequences]}
+        for i, s in enumerate(run.sequences):
+            tensors.append(planned(f"{group}.tokens.{i:05d}", s.tokens.contiguous()))
+            tensors.append(planned(f"{group}.hidden.{i:05d}", s.hidden.contiguous()))
+        for i, h in enumerate(run.hidden_on_ref or []):
+            tensors.append(planned(f"{group}.hidden_on_ref.{i:05d}", h.contiguous()))
+    metadata = {"format": HIDDEN_FORMAT, "groups": json.dumps(info), "meta": json.dumps(meta)}
+    atomic_write_safetensors(Path(path), tensors, metadata)
+    log.info("saved hidden states of %s to %s", ", ".join(runs), path)
+
+
+def load_hidden(path: Path) -> tuple[dict[str, TargetRun], dict[str, Any]]:
+    """Read a file written by :func:`save_hidden`: runs by group and the capture metadata."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as fh:
+        md = fh.metadata() or {}
+        if md.get("format") != HIDDEN_FORMAT:
+            raise HiddenFileError(f"{path}: not an mtpquant hidden-state file (format {md.get('format')!r})")
+        info = json.loads(md["groups"])
+        runs: dict[str, TargetRun] = {}
+        keys = set(fh.keys())
+        for group, g in info.items():
+            seqs = [
+                SequenceRecord(
+                    fh.get_tensor(f"{group}.tokens.{i:05d}"), int(p), fh.get_tensor(f"{group}.hidden.{i:05d}")
+                )
+                for i, p in enumerate(g["prompt_lens"])
+            ]
+            on_ref = None
+            if f"{group}.hidden_on_ref.00000" in keys:
+                on_ref = [fh.get_tensor(f"{group}.hidden_on_ref.{i:05d}") for i in range(len(seqs))]
+            runs[group] = TargetRun(str(g["source"]), seqs, on_ref)
+    return runs, json.loads(md.get("meta", "{}"))

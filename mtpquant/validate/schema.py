@@ -1,0 +1,536 @@
+"""The validation report as typed data: what ``validate`` builds, ``report.py`` writes and the model card reads.
+
+``Report.to_json()`` is ``report.json`` (``schema: mtpquant.validate/1``, documented in docs/validate.md);
+``Report.from_json()`` reads one back, refusing a document of another shape with ``ValueError``. This module
+imports nothing heavy (no torch): publishing reads reports without loading models.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+__all__ = [
+    "REPORT_SCHEMA",
+    "Acceptance",
+    "AcceptanceRow",
+    "Agreement",
+    "Comparison",
+    "EngineInfo",
+    "KlSummary",
+    "MtpInfo",
+    "Report",
+    "Settings",
+    "Side",
+    "ValidationReport",
+    "Verdict",
+    "sides",
+]
+
+REPORT_SCHEMA = "mtpquant.validate/1"
+
+
+def _req(d: Mapping[str, Any], key: str, kind: type | tuple[type, ...], where: str) -> Any:
+    value = d.get(key)
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if isinstance(value, bool) or not isinstance(value, kinds):
+        raise ValueError(
+            f"{where}.{key}: expected {' or '.join(k.__name__ for k in kinds)}, got {type(value).__name__}"
+        )
+    return value
+
+
+def _map(value: Any, where: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{where}: expected an object")
+    return value
+
+
+def _floats(value: Any, where: str) -> tuple[float, ...]:
+    if not isinstance(value, list) or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+        raise ValueError(f"{where}: expected a list of numbers")
+    return tuple(float(v) for v in value)
+
+
+def _ints(value: Any, where: str) -> tuple[int, ...]:
+    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        raise ValueError(f"{where}: expected a list of integers")
+    return tuple(value)
+
+
+@dataclass(frozen=True)
+class AcceptanceRow:
+    """Acceptance with k drafts per step (vLLM's counters' terms)."""
+
+    k: int
+    num_steps: int
+    num_drafted: int
+    num_accepted: int
+    acceptance_rate: float
+    mean_acceptance_length: float
+    drafted_per_position: tuple[int, ...]
+    accepted_per_position: tuple[int, ...]
+    acceptance_per_position: tuple[float, ...]
+
+    @classmethod
+    def of(cls, k: int, stats: Any) -> AcceptanceRow:
+        """From ``metrics.AcceptanceStats`` (or anything with its fields)."""
+        return cls(
+            k,
+            stats.num_steps,
+            stats.num_drafted,
+            stats.num_accepted,
+            stats.acceptance_rate,
+            stats.mean_acceptance_length,
+            tuple(stats.drafted_per_position),
+            tuple(stats.accepted_per_position),
+            tuple(stats.acceptance_per_position),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        """The ``by_k`` entry."""
+        return {
+            "k": self.k,
+            "num_steps": self.num_steps,
+            "num_drafted": self.num_drafted,
+            "num_accepted": self.num_accepted,
+            "acceptance_rate": self.acceptance_rate,
+            "mean_acceptance_length": self.mean_acceptance_length,
+            "drafted_per_position": list(self.drafted_per_position),
+            "accepted_per_position": list(self.accepted_per_position),
+            "acceptance_per_position": list(self.acceptance_per_position),
+        }
+
+    @classmethod
+    def from_json(cls, d: Any, where: str) -> AcceptanceRow:
+        """Read a ``by_k`` entry."""
+        d = _map(d, where)
+        return cls(
+            _req(d, "k", int, where),
+            _req(d, "num_steps", int, where),
+            _req(d, "num_drafted", int, where),
+            _req(d, "num_accepted", int, where),
+            float(_req(d, "acceptance_rate", (int, float), where)),
+            float(_req(d, "mean_acceptance_length", (int, float), where)),
+            _ints(d.get("drafted_per_position"), f"{where}.drafted_per_position"),
+            _ints(d.get("accepted_per_position"), f"{where}.accepted_per_position"),
+            _floats(d.get("acceptance_per_position"), f"{where}.acceptance_per_position"),
+        )
+
+
+@dataclass(frozen=True)
+class Acceptance:
+    """Acceptance for k = 1..K, plus the teacher-forced agreement (None when measured by an engine)."""
+
+    by_k: tuple[AcceptanceRow, ...]
+    teacher_forced_agreement: float | None = None
+
+    @property
+    def al(self) -> list[float]:
+        """Mean acceptance length per k."""
+        return [r.mean_acceptance_length for r in self.by_k]
+
+    def to_json(self) -> dict[str, Any]:
+        """The ``acceptance`` object."""
+        return {"teacher_forced_agreement": self.teacher_forced_agreement, "by_k": [r.to_json() for r in self.by_k]}
+
+    @classmethod
+    def from_json(cls, d: Any, where: str) -> Acceptance:
+        """Read an ``acceptance`` object."""
+        d = _map(d, where)
+        rows = d.get("by_k")
+        if not isinstance(rows, list) or not rows:
+            raise ValueError(f"{where}.by_k: expected a non-empty list")
+        tf = d.get("teacher_forced_agreement")
+        if tf is not None and not isinstance(tf, (int, float)):
+            raise ValueError(f"{where}.teacher_forced_agreement: expected a number or null")
+        return cls(
+            tuple(AcceptanceRow.from_json(r, f"{where}.by_k[{i}]") for i, r in enumerate(rows)),
+            None if tf is None else float(tf),
+        )
+
+
+@dataclass(frozen=True)
+class MtpInfo:
+    """The MTP of one side: present, why unusable, its precision (Linear count per storage kind)."""
+
+    present: bool
+    error: str | None = None
+    precision: Mapping[str, int] | None = None
+    emulated_activations: tuple[str, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        """The side's ``mtp`` object."""
+        return {
+            "present": self.present,
+            "error": self.error,
+            "precision": dict(self.precision) if self.precision is not None else None,
+            "emulated_activations": list(self.emulated_activations),
+        }
+
+    @classmethod
+    def from_json(cls, d: Any, where: str) -> MtpInfo:
+        """Read a side's ``mtp`` object."""
+        d = _map(d, where)
+        precision = d.get("precision")
+        error = d.get("error")
+        return cls(
+            bool(d.get("present")),
+            error if isinstance(error, str) and error else None,
+            dict(precision) if isinstance(precision, Mapping) else None,
+            tuple(str(x) for x in d.get("emulated_activations") or ()),
+        )
+
+
+@dataclass(frozen=True)
+class Side:
+    """One evaluated (target, MTP) pair: the single checkpoint, the reference or the candidate."""
+
+    checkpoint: str
+    family: str
+    precision: Mapping[str, Any]
+    target_source: str
+    sequences: int
+    tokens: int
+    generated_tokens: int
+    mtp: MtpInfo
+    acceptance: Acceptance | None
+
+    def to_json(self) -> dict[str, Any]:
+        """The ``reference`` / ``candidate`` object."""
+        return {
+            "checkpoint": self.checkpoint,
+            "family": self.family,
+            "precision": dict(self.precision),
+            "target_source": self.target_source,
+            "sequences": self.sequences,
+            "tokens": self.tokens,
+            "generated_tokens": self.generated_tokens,
+            "mtp": self.mtp.to_json(),
+            "acceptance": self.acceptance.to_json() if self.acceptance is not None else None,
+        }
+
+    @classmethod
+    def from_json(cls, d: Any, where: str) -> Side:
+        """Read a side."""
+        d = _map(d, where)
+        acc = d.get("acceptance")
+        return cls(
+            str(_req(d, "checkpoint", str, where)),
+            str(d.get("family") or ""),
+            dict(d.get("precision") or {}),
+            str(d.get("target_source") or ""),
+            int(d.get("sequences") or 0),
+            int(d.get("tokens") or 0),
+            int(d.get("generated_tokens") or 0),
+            MtpInfo.from_json(d.get("mtp"), f"{where}.mtp"),
+            None if acc is None else Acceptance.from_json(acc, f"{where}.acceptance"),
+        )
+
+
+@dataclass(frozen=True)
+class KlSummary:
+    """KL(ref || cand) per position, in nats."""
+
+    mean: float
+    median: float
+    p99: float
+    max: float
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """Candidate vs reference logits at identical positions."""
+
+    positions: int
+    top1_agreement: float
+    kl: KlSummary | None
+
+    def to_json(self) -> dict[str, Any]:
+        """The ``comparison.mtp`` / ``comparison.main`` object."""
+        kl = (
+            None
+            if self.kl is None
+            else {"mean": self.kl.mean, "median": self.kl.median, "p99": self.kl.p99, "max": self.kl.max}
+        )
+        return {"positions": self.positions, "top1_agreement": self.top1_agreement, "kl": kl}
+
+    @classmethod
+    def from_json(cls, d: Any, where: str) -> Agreement:
+        """Read an agreement object."""
+        d = _map(d, where)
+        kl = d.get("kl")
+        summary = None
+        if kl is not None:
+            k = _map(kl, f"{where}.kl")
+            summary = KlSummary(
+                *(float(_req(k, key, (int, float), f"{where}.kl")) for key in ("mean", "median", "p99", "max"))
+            )
+        return cls(
+            int(_req(d, "positions", int, where)), float(_req(d, "top1_agreement", (int, float), where)), summary
+        )
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Pair mode: the two sides on identical inputs and the AL change split into MTP and target parts."""
+
+    mtp: Agreement | None = None
+    candidate_mtp_on_reference_target: Acceptance | None = None
+    al_delta_by_k: tuple[float, ...] = ()
+    al_delta_from_mtp_by_k: tuple[float, ...] = ()
+    al_delta_from_target_by_k: tuple[float, ...] = ()
+    acceptance_delta_per_position: tuple[float, ...] = ()
+    main: Agreement | None = None
+    main_compared: bool = True  # False: both sides share the reference target (``main`` is null)
+
+    def to_json(self) -> dict[str, Any]:
+        """The ``comparison`` object (MTP keys only when both MTPs were usable)."""
+        out: dict[str, Any] = {}
+        if self.mtp is not None and self.candidate_mtp_on_reference_target is not None:
+            out["mtp"] = self.mtp.to_json()
+            out["candidate_mtp_on_reference_target"] = self.candidate_mtp_on_reference_target.to_json()
+            out["al_delta_by_k"] = list(self.al_delta_by_k)
+            out["al_delta_from_mtp_by_k"] = list(self.al_delta_from_mtp_by_k)
+            out["al_delta_from_target_by_k"] = list(self.al_delta_from_target_by_k)
+            out["acceptance_delta_per_position"] = list(self.acceptance_delta_per_position)
+        if self.main is not None:
+            out["main"] = self.main.to_json()
+        elif not self.main_compared:
+            out["main"] = None
+        return out
+
+    @classmethod
+    def from_json(cls, d: Any, where: str) -> Comparison:
+        """Read a ``comparison`` object."""
+        d = _map(d, where)
+        mtp = d.get("mtp")
+        cross = d.get("candidate_mtp_on_reference_target")
+        main = d.get("main")
+        return cls(
+            None if mtp is None else Agreement.from_json(mtp, f"{where}.mtp"),
+            None if cross is None else Acceptance.from_json(cross, f"{where}.candidate_mtp_on_reference_target"),
+            _floats(d.get("al_delta_by_k", []), f"{where}.al_delta_by_k"),
+            _floats(d.get("al_delta_from_mtp_by_k", []), f"{where}.al_delta_from_mtp_by_k"),
+            _floats(d.get("al_delta_from_target_by_k", []), f"{where}.al_delta_from_target_by_k"),
+            _floats(d.get("acceptance_delta_per_position", []), f"{where}.acceptance_delta_per_position"),
+            None if main is None else Agreement.from_json(main, f"{where}.main"),
+            not ("main" in d and main is None),
+        )
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How the evaluation ran."""
+
+    k: int
+    num_prompts: int
+    max_len: int
+    prompts: str
+    device: str
+    dtype: str
+    activations: str
+    hidden_file: str | None
+    warn_al_drop: float
+    broken_al: float
+
+    def to_json(self) -> dict[str, Any]:
+        """The ``settings`` object."""
+        return {
+            "k": self.k,
+            "num_prompts": self.num_prompts,
+            "max_len": self.max_len,
+            "prompts": self.prompts,
+            "device": self.device,
+            "dtype": self.dtype,
+            "activations": self.activations,
+            "hidden_file": self.hidden_file,
+            "warn_al_drop": self.warn_al_drop,
+            "broken_al": self.broken_al,
+        }
+
+    @classmethod
+    def from_json(cls, d: Any, where: str) -> Settings:
+        """Read ``settings``."""
+        d = _map(d, where)
+        hidden = d.get("hidden_file")
+        return cls(
+            int(_req(d, "k", int, where)),
+            int(_req(d, "num_prompts", int, where)),
+            int(d.get("max_len") or 0),
+            str(d.get("prompts") or ""),
+            str(d.get("device") or ""),
+            str(d.get("dtype") or ""),
+            str(d.get("activations") or "off"),
+            hidden if isinstance(hidden, str) else None,
+            float(d.get("warn_al_drop", 0.1)),
+            float(d.get("broken_al", 1.02)),
+        )
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """The serving engine that measured the acceptance (engine path only)."""
+
+    name: str  # "vllm"
+    version: str
+    url: str
+    model: str
+    k: int
+    k_source: str  # "server" (its per-position counters) | "--k"
+    sampling: Mapping[str, Any] = field(default_factory=dict)
+    server_args: tuple[str, ...] = ()
+    other_requests: int = 0  # requests other clients completed meanwhile (counted into the numbers)
+
+    def to_json(self) -> dict[str, Any]:
+        """One ``engine`` entry."""
+        return {
+            "name": self.name,
+            "version": self.version,
+            "url": self.url,
+            "model": self.model,
+            "k": self.k,
+            "k_source": self.k_source,
+            "sampling": dict(self.sampling),
+            "server_args": list(self.server_args),
+            "other_requests": self.other_requests,
+        }
+
+    @classmethod
+    def from_json(cls, d: Any, where: str) -> EngineInfo:
+        """Read an ``engine`` entry."""
+        d = _map(d, where)
+        return cls(
+            str(_req(d, "name", str, where)),
+            str(d.get("version") or ""),
+            str(d.get("url") or ""),
+            str(d.get("model") or ""),
+            int(_req(d, "k", int, where)),
+            str(d.get("k_source") or ""),
+            dict(d.get("sampling") or {}),
+            tuple(str(a) for a in d.get("server_args") or ()),
+            int(d.get("other_requests") or 0),
+        )
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """``pass`` | ``warn`` | ``fail``, and why."""
+
+    status: str
+    reasons: tuple[str, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        """The ``verdict`` object."""
+        return {"status": self.status, "reasons": list(self.reasons)}
+
+
+@dataclass(frozen=True)
+class Report:
+    """A whole validation report."""
+
+    mtpquant_version: str
+    created: str
+    mode: str  # "single" | "pair"
+    settings: Settings
+    reference: Side  # the single checkpoint in single mode
+    verdict: Verdict
+    candidate: Side | None = None
+    comparison: Comparison | None = None
+    timing: Mapping[str, float] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()
+    engine: tuple[EngineInfo, ...] = ()  # engine path: the server(s) that measured, one per side and K
+    predicted: Mapping[str, Any] | None = None  # --compare-reference: built-in prediction vs engine, per k
+
+    @property
+    def pair(self) -> bool:
+        """Reference vs candidate."""
+        return self.mode == "pair"
+
+    @property
+    def subject(self) -> Side:
+        """The side the verdict is about: the candidate (pair) or the one checkpoint."""
+        return self.candidate if self.pair and self.candidate is not None else self.reference
+
+    def to_json(self) -> dict[str, Any]:
+        """``report.json``."""
+        out: dict[str, Any] = {
+            "schema": REPORT_SCHEMA,
+            "mtpquant_version": self.mtpquant_version,
+            "created": self.created,
+            "mode": self.mode,
+            "settings": self.settings.to_json(),
+            "reference": self.reference.to_json(),
+        }
+        if self.candidate is not None:
+            out["candidate"] = self.candidate.to_json()
+            out["comparison"] = (self.comparison or Comparison()).to_json()
+        if self.engine:
+            out["engine"] = [e.to_json() for e in self.engine]
+        if self.predicted is not None:
+            out["predicted_vs_engine"] = dict(self.predicted)
+        out["timing"] = dict(self.timing)
+        out["notes"] = list(self.notes)
+        out["verdict"] = self.verdict.to_json()
+        return out
+
+    @classmethod
+    def from_json(cls, d: Any) -> Report:
+        """Read ``report.json``; ``ValueError`` for another schema or shape."""
+        d = _map(d, "report")
+        if d.get("schema") != REPORT_SCHEMA:
+            raise ValueError(f"report: schema {d.get('schema')!r} is not {REPORT_SCHEMA}")
+        mode = d.get("mode")
+        if mode not in ("single", "pair"):
+            raise ValueError(f"report.mode: {mode!r} is neither single nor pair")
+        verdict = _map(d.get("verdict"), "report.verdict")
+        candidate = d.get("candidate")
+        comparison = d.get("comparison")
+        timing = d.get("timing")
+        engine = d.get("engine") or []
+        predicted = d.get("predicted_vs_engine")
+        return cls(
+            str(d.get("mtpquant_version") or ""),
+            str(d.get("created") or ""),
+            str(mode),
+            Settings.from_json(d.get("settings"), "report.settings"),
+            Side.from_json(d.get("reference"), "report.reference"),
+            Verdict(
+                str(_req(verdict, "status", str, "report.verdict")), tuple(str(r) for r in verdict.get("reasons") or ())
+            ),
+            None if candidate is None else Side.from_json(candidate, "report.candidate"),
+            None if comparison is None else Comparison.from_json(comparison, "report.comparison"),
+            {str(k): float(v) for k, v in timing.items()} if isinstance(timing, Mapping) else {},
+            tuple(str(n) for n in d.get("notes") or ()),
+            tuple(EngineInfo.from_json(e, f"report.engine[{i}]") for i, e in enumerate(engine)),
+            dict(predicted) if isinstance(predicted, Mapping) else None,
+        )
+
+
+def sides(report: Report) -> Sequence[tuple[str, Side]]:
+    """(label, side) in display order: ``checkpoint`` alone, or ``reference`` then ``candidate``."""
+    if report.pair and report.candidate is not None:
+        return [("reference", report.reference), ("candidate", report.candidate)]
+    return [("checkpoint", report.reference)]
+
+
+@dataclass
+class ValidationReport:
+    """What ``validate`` returns: the typed report (``report.json``) plus per-position KL for the plots."""
+
+    report: Report
+    mtp_kl: Tensor | None = None
+    main_kl: Tensor | None = None
+
+    @property
+    def status(self) -> str:
+        """``pass``, ``warn`` or ``fail``."""
+        return self.report.verdict.status
+
+    def to_json(self) -> dict[str, Any]:
+        """The report as written to report.json."""
+        return self.report.to_json()
