@@ -1,6 +1,7 @@
 """The public Python API: everything the CLI does, as functions with typed options and results.
 
-Imports are lazy so that ``inspect`` and ``graft`` start without torch, transformers or modelopt.
+The CLI (``mtpquant.cli``) is a thin layer over this module and ``mtpquant.render`` (the text forms of the
+results). Imports are lazy so that ``inspect`` and ``graft`` start without torch, transformers or modelopt.
 """
 
 from __future__ import annotations
@@ -9,31 +10,55 @@ import importlib
 from typing import Any
 
 __all__ = [
+    "ACTIVATION_MODES",
+    "TINY_MTP_ASSET",
+    "TINY_VARIANTS",
     "ConvertOptions",
+    "ConvertPlan",
+    "ConvertResult",
     "GraftOptions",
+    "GraftResult",
+    "InspectReport",
     "PublishOptions",
+    "PublishResult",
+    "Report",
     "ValidateOptions",
+    "ValidationReport",
+    "builtin_recipe_names",
     "convert",
     "fix_metadata",
     "graft",
     "inspect_checkpoint",
     "make_tiny_checkpoint",
+    "plan_convert",
     "publish",
     "validate",
 ]
 
 _WHERE = {
+    "ACTIVATION_MODES": "mtpquant.validate",
+    "TINY_MTP_ASSET": "mtpquant.synth.train",
+    "TINY_VARIANTS": "mtpquant.synth.tiny",
+    "ConvertOptions": "mtpquant.convert.plan",
+    "ConvertPlan": "mtpquant.convert.plan",
+    "plan_convert": "mtpquant.convert.plan",
+    "builtin_recipe_names": "mtpquant.convert.recipes",
+    "ConvertResult": "mtpquant.convert.run",
+    "convert": "mtpquant.convert.run",
+    "GraftOptions": "mtpquant.graft.run",
+    "GraftResult": "mtpquant.graft.run",
+    "graft": "mtpquant.graft.run",
+    "fix_metadata": "mtpquant.graft.run",
+    "InspectReport": "mtpquant.inspect.report",
     "inspect_checkpoint": "mtpquant.inspect.report",
     "make_tiny_checkpoint": "mtpquant.synth.tiny",
-    "convert": "mtpquant.convert.run",
-    "ConvertOptions": "mtpquant.convert.run",
-    "graft": "mtpquant.graft.run",
-    "GraftOptions": "mtpquant.graft.run",
-    "fix_metadata": "mtpquant.graft.run",
-    "validate": "mtpquant.validate.run",
-    "ValidateOptions": "mtpquant.validate.run",
-    "publish": "mtpquant.hub.publish",
     "PublishOptions": "mtpquant.hub.publish",
+    "PublishResult": "mtpquant.hub.publish",
+    "publish": "mtpquant.hub.publish",
+    "Report": "mtpquant.validate.schema",
+    "ValidationReport": "mtpquant.validate.schema",
+    "ValidateOptions": "mtpquant.validate.run",
+    "validate": "mtpquant.validate.run",
 }
 
 

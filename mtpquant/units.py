@@ -1,4 +1,4 @@
-"""Byte sizes: parsing ``5GB`` / ``500MiB`` and printing ``2.13 MB`` (one place for both)."""
+"""Byte sizes: parsing ``5GB`` / ``500MiB`` and printing ``2.13 MB`` (decimal SI; one place for both)."""
 
 from __future__ import annotations
 
@@ -34,10 +34,16 @@ def parse_bytes(value: str | int) -> int | None:
 
 
 def format_bytes(n: int) -> str:
-    """Bytes as B / KB / MB / GB / TB in binary multiples, e.g. ``2.13 MB``."""
+    """Bytes in decimal SI units, labelled as such (``B``, ``kB``, ``MB``, ``GB``, ``TB``), e.g. ``2.13 MB``.
+
+    The one formatter: every size mtpquant prints goes through it. Decimal, as the Hub and ``max_shard_size``
+    ("5GB") count.
+    """
+    if n < 1000:
+        return f"{n} B"
     size = float(n)
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if size < 1024 or unit == "TB":
-            return f"{int(size)} B" if unit == "B" else f"{size:.2f} {unit}"
-        size /= 1024
-    return f"{n} B"  # pragma: no cover
+    for unit in ("kB", "MB", "GB", "TB"):
+        size /= 1000
+        if size < 1000 or unit == "TB":
+            return f"{size:.2f} {unit}"
+    raise AssertionError("unreachable")  # pragma: no cover

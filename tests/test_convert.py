@@ -24,6 +24,7 @@ from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.convert.run import ConvertOptions, ConvertResult, convert
 from mtpquant.formats.nvfp4 import dequantize_nvfp4
 from mtpquant.inspect.report import inspect_checkpoint
+from mtpquant.render import convert_text
 from mtpquant.surgery.shards import MTP_SHARD_PATTERN
 
 pytestmark = pytest.mark.slow
@@ -428,7 +429,7 @@ def test_result_summary(converted: Callable[[str, str], Run]) -> None:
     assert result.calibration_rows == 2 and result.calibration_tokens == 64
     assert result.quantized_linears == 25 and result.unquantized_linears == 7
     assert 0 < result.output_bytes < result.plan.source_bytes
-    text = "\n".join(result.summary_lines())
+    text = convert_text(result)
     assert "MTP        15 tensors, BF16" in text and "peak RSS" in text
     data = json.loads(json.dumps(result.to_json()))
     assert data["mode"] == "keep" and data["tensor_counts"]["mtp"] == 15

@@ -27,6 +27,7 @@ from mtpquant.formats.nvfp4 import (
     to_compressed_tensors,
 )
 from mtpquant.mtp.module import KVCache, MtpConfig, MtpLayer, draft_chain
+from mtpquant.render import acceptance_table
 from mtpquant.validate.load import CheckpointWeights, MtpBundle, load_mtp, load_target
 from mtpquant.validate.metrics import StepRecord, acceptance_stats
 from mtpquant.validate.prompts import (
@@ -35,7 +36,7 @@ from mtpquant.validate.prompts import (
     load_prompts,
     training_documents,
 )
-from mtpquant.validate.report import acceptance_table, write_report
+from mtpquant.validate.report import write_report
 from mtpquant.validate.run import (
     SequenceRecord,
     TargetRun,

@@ -98,8 +98,9 @@ def run(args: argparse.Namespace) -> int:
     import logging
     import os
 
-    from mtpquant.convert.run import ConvertOptions, convert
+    from mtpquant.api import ConvertOptions, convert
     from mtpquant.errors import RecipeError
+    from mtpquant.render import convert_text
 
     if args.keep_mtp and args.mtp not in (None, "keep"):
         raise RecipeError(f"--keep-mtp contradicts --mtp {args.mtp}")
@@ -128,5 +129,5 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result.plan.to_json() if result.dry_run else result.to_json(), indent=2, default=str))
     else:
-        print("\n".join(result.summary_lines()))
+        print(convert_text(result))
     return 0

@@ -26,12 +26,16 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Convert, validate, inspect; print each step's summary."""
-    from mtpquant.convert.run import ConvertOptions, convert
-    from mtpquant.inspect.render import render_text
-    from mtpquant.inspect.report import inspect_checkpoint
-    from mtpquant.synth.train import TINY_MTP_ASSET
-    from mtpquant.validate.report import acceptance_table
-    from mtpquant.validate.run import ValidateOptions, validate
+    from mtpquant.api import (
+        TINY_MTP_ASSET,
+        ConvertOptions,
+        ValidateOptions,
+        convert,
+        inspect_checkpoint,
+        validate,
+    )
+    from mtpquant.errors import ExitCode
+    from mtpquant.render import convert_text, inspect_text, validate_text
 
     out = args.workdir / "tiny-qwen3_5-nvfp4"
     print(f"== convert {TINY_MTP_ASSET.name} -> {out} (NVFP4, --keep-mtp)")
@@ -48,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
             command=("mtpquant", "convert", str(TINY_MTP_ASSET), str(out), "--keep-mtp"),
         )
     )
-    print("\n".join(result.summary_lines()))
+    print(convert_text(result))
     report_dir = out / "validation"
     print(f"\n== validate {TINY_MTP_ASSET.name} (reference) vs {out.name} (candidate)")
     report = validate(
@@ -61,11 +65,10 @@ def run(args: argparse.Namespace) -> int:
             progress=not args.quiet,
         )
     )
-    print(acceptance_table(report.report))
-    verdict = report.report.verdict
-    print(f"verdict: {verdict.status.upper()}: " + "; ".join(verdict.reasons))
-    print(f"report: {report_dir / 'report.md'}")
+    print(validate_text(report.report, report_dir))
     print(f"\n== inspect {out}")
     inspection = inspect_checkpoint(out)
-    print(render_text(inspection))
-    return 0 if inspection.healthy and report.status != "fail" else 1
+    print(inspect_text(inspection))
+    if not inspection.healthy:
+        return inspection.exit_code()
+    return int(ExitCode.VALIDATE_FAIL) if report.status == "fail" else 0

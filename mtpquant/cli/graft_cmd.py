@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from typing import Any
 
-from mtpquant.units import format_bytes, parse_bytes
+from mtpquant.units import parse_bytes
 
 __all__ = ["parse_size", "register"]
 
@@ -83,7 +82,8 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Build the options, call the API, print the summary."""
-    from mtpquant.graft.run import GraftOptions, graft
+    from mtpquant.api import GraftOptions, graft
+    from mtpquant.render import graft_text
 
     options = GraftOptions(
         quant=args.quant,
@@ -103,36 +103,5 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result.to_json(), indent=2))
         return 0
-    out = sys.stdout
-    print(result.message, file=out)
-    if result.action in ("grafted", "replaced", "metadata", "planned"):
-        if result.mtp_tensors:
-            print(f"  MTP: {result.mtp_tensors} tensors, {format_bytes(result.mtp_bytes)}", file=out)
-        if result.source:
-            fetched = f"  fetched from SRC: {format_bytes(result.src_bytes_fetched)}"
-            if result.src_shards_downloaded:
-                fetched += f" (downloaded whole: {', '.join(result.src_shards_downloaded)})"
-            print(fetched, file=out)
-        if result.action != "planned":
-            print(
-                f"  written: {format_bytes(result.bytes_written)}; new shards: {', '.join(result.new_shards) or '-'}",
-                file=out,
-            )
-            print(f"  hard-linked: {len(result.linked)} file(s); copied: {len(result.copied)}", file=out)
-            for name in result.copied:
-                print(f"    copied (hard link failed): {name}", file=out)
-            for name in result.rewritten:
-                print(f"    rewritten without the old MTP: {name}", file=out)
-            for name in result.dropped:
-                print(f"    dropped (old MTP only): {name}", file=out)
-        for change in result.metadata_changes:
-            print(f"  metadata: {change}", file=out)
-        if result.verified_with:
-            print(f"  verified: {', '.join(result.verified_with)}", file=out)
-        if result.commit:
-            print(f"  put in place by: {result.commit}", file=out)
-    for name in result.cleaned:
-        print(f"  cleaned up after an interrupted run: {name}", file=out)
-    for warning in result.warnings:
-        print(f"  warning: {warning}", file=out)
+    print(graft_text(result))
     return 0

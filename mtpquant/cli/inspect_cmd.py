@@ -6,14 +6,11 @@ import argparse
 import json
 import os
 
-from mtpquant.inspect.render import render_text
-from mtpquant.inspect.report import (
-    EXIT_DECLARED_MISSING,
-    EXIT_EXCLUSIONS,
-    EXIT_FORMAT,
-    EXIT_INDEX,
-    inspect_checkpoint,
-)
+from mtpquant.errors import ExitCode
+from mtpquant.render import inspect_text
+
+EXIT_INDEX, EXIT_FORMAT = int(ExitCode.INSPECT_INDEX), int(ExitCode.INSPECT_FORMAT)
+EXIT_DECLARED_MISSING, EXIT_EXCLUSIONS = int(ExitCode.INSPECT_MTP), int(ExitCode.INSPECT_EXCLUSIONS)
 
 EPILOG = f"""exit codes: 0 healthy; {EXIT_INDEX} index corrupt; {EXIT_FORMAT} an engine refuses the quantization
 format; {EXIT_DECLARED_MISSING} MTP declared but missing (or incomplete, or present but undeclared);
@@ -40,9 +37,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Inspect and print."""
+    from mtpquant.api import inspect_checkpoint
+
     report = inspect_checkpoint(args.checkpoint, revision=args.revision, token=os.environ.get("HF_TOKEN"))
     if args.json:
         print(json.dumps(report.to_json(), indent=2))
     else:
-        print(render_text(report))
+        print(inspect_text(report))
     return report.exit_code(strict=args.strict)

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from mtpquant.errors import ExitCode
-from mtpquant.hub.publish import PublishOptions, PublishResult, publish
+from mtpquant.render import publish_plan_text
 from mtpquant.units import format_bytes
 
 EPILOG = f"""Before anything is uploaded, OUT must pass the checks of `mtpquant inspect` (MTP present when
@@ -51,30 +51,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def render_plan(result: PublishResult) -> str:
-    """The dry-run text: target, gate, file list with sizes, then the full card."""
-    where = result.repo_id + (f" (revision {result.revision})" if result.revision else "")
-    gate = "passed" if result.healthy else "FAILED, publishing anyway (--force): " + "; ".join(result.gate_failures)
-    width = max([len(f.path) for f in result.files] + [4])
-    lines = [
-        f"dry run: nothing uploaded, nothing written; would publish to {where}",
-        f"checks: {gate}",
-        *(f"  {v}" for v in result.verdicts.values()),
-        f"files: {len(result.files)}, {format_bytes(result.total_bytes)}",
-    ]
-    for f in result.files:
-        lines.append(f"  {f.path.ljust(width)}  {format_bytes(f.size).rjust(10)}" + (f"  ({f.note})" if f.note else ""))
-    lines += [
-        "",
-        f"----- README.md ({result.card_action}) -----",
-        result.card.rstrip("\n"),
-        "----- end of README.md -----",
-    ]
-    return "\n".join(lines)
-
-
 def run(args: argparse.Namespace) -> int:
     """Publish and print the commit URL (or, with --dry-run, the plan and the card)."""
+    from mtpquant.api import PublishOptions, publish
+
     opts = PublishOptions(
         out=args.out,
         repo=args.repo,
@@ -88,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     )
     result = publish(opts)
     if result.dry_run:
-        print(render_plan(result))
+        print(publish_plan_text(result))
         return 0
     if result.forced:
         print("published with --force despite: " + "; ".join(result.gate_failures))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from mtpquant.synth.tiny import TINY_VARIANTS, make_tiny_checkpoint
+from mtpquant.synth.tiny import TINY_VARIANTS  # torch-free: the choices at start-up
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -19,6 +19,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Build the checkpoint and print its path."""
+    from mtpquant.api import make_tiny_checkpoint
+
     path = make_tiny_checkpoint(args.out, args.variant, overwrite=args.overwrite)
     print(path)
     return 0

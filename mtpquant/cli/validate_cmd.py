@@ -49,8 +49,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run validate and print the acceptance table (or the JSON report)."""
-    from mtpquant.validate.report import acceptance_table
-    from mtpquant.validate.run import ValidateOptions, validate
+    from mtpquant.api import ValidateOptions, validate
+    from mtpquant.render import validate_text
 
     opts = ValidateOptions(
         reference=args.reference,
@@ -72,9 +72,5 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report.to_json(), indent=2))
     else:
-        print(acceptance_table(report.report))
-        verdict = report.report.verdict
-        print(f"verdict: {verdict.status.upper()}: " + "; ".join(verdict.reasons))
-        if args.report_dir is not None:
-            print(f"report: {args.report_dir / 'report.md'}")
+        print(validate_text(report.report, args.report_dir))
     return int(EXIT_BY_STATUS[report.status])

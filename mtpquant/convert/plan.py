@@ -111,38 +111,6 @@ class ConvertPlan:
     notes: tuple[str, ...] = field(default_factory=tuple)
 
 
-    def lines(self) -> list[str]:
-        """The human-readable plan (``--dry-run`` output)."""
-        r = self.recipe
-        q = r.quantization
-        scheme = "NVFP4 W4A4" if q.activations else "NVFP4 W4A16 (weights only)"
-        out = [
-            f"source     {self.src}: {self.family_display} ({self.architecture}), {self.source_tensors} tensors, "
-            f"{_mb(self.source_bytes)} in {self.source_shards} shard(s)",
-            f"recipe     {r.name} ({r.source}): {scheme}, {q.targets} Linears, {q.algorithm} calibration",
-            f"main       {len(self.quantized_modules)} Linears -> NVFP4; {len(self.unquantized_modules)} Linears stay "
-            f"in source precision{_examples(self.unquantized_modules)}",
-        ]
-        if self.vision_tensors:
-            out.append(
-                f"vision     {self.vision_tensors} tensors ({_mb(self.vision_bytes)}) copied unchanged, not quantized"
-            )
-        out.append(
-            f"MTP        {self.mtp_declaration}; {len(self.mtp_tensors)} tensors ({_mb(self.mtp_bytes)}) in source"
-        )
-        out.append("mode       " + self.mode_line())
-        c = r.calibration
-        out.append(
-            f"calib      {c.samples} x {c.seq_len} tokens from {c.data}, batch {c.batch_size}"
-            f"{', chat template' if c.chat_template else ''}; device {self.device}"
-        )
-        out.append(f"output     {self.out} (shards <= {_mb(self.max_shard_bytes)})")
-        if self.mtp_out is not None:
-            out.append(f"MTP output {self.mtp_out}")
-        out.append(f"carry      {', '.join(self.carried_files) or '(no other files)'}")
-        out += [f"note       {n}" for n in self.notes]
-        return out
-
     @property
     def mtp_mode(self) -> MtpMode:
         """The mode object (``surgery.modes``) that does the MTP part of this plan."""
@@ -173,19 +141,6 @@ class ConvertPlan:
             "carried_files": list(self.carried_files),
             "notes": list(self.notes),
         }
-
-
-def _mb(n: int) -> str:
-    if n >= 10**9:
-        return f"{n / 10**9:.2f} GB"
-    if n >= 10**6:
-        return f"{n / 10**6:.1f} MB"
-    return f"{n / 10**3:.1f} kB"
-
-
-def _examples(mods: Sequence[str]) -> str:
-    leaves = sorted({m.rsplit(".", 1)[-1] if "layers." in m else m for m in mods})
-    return f" ({', '.join(leaves[:6])}{', ...' if len(leaves) > 6 else ''})" if leaves else ""
 
 
 def resolve_device(device: str) -> str:

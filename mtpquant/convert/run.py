@@ -35,6 +35,7 @@ from mtpquant.families import TensorClass, is_mtp_name
 from mtpquant.formats.quant_config import HF_QUANT_CONFIG, with_exclusions, without_exclusions
 from mtpquant.provenance import PROVENANCE_FILE, Provenance, Step
 from mtpquant.surgery.modes import ExtractMode, MtpOutcome, WriteContext, load_mtp_layer, same_bytes
+from mtpquant.units import format_bytes
 
 __all__ = ["ConvertOptions", "ConvertPlan", "ConvertResult", "convert", "peak_rss_bytes", "plan_convert"]
 
@@ -74,34 +75,6 @@ class ConvertResult:
         """The MTP mode that ran."""
         return self.plan.mode
 
-    def summary_lines(self) -> list[str]:
-        """The human summary (the CLI prints it; convert logs it)."""
-        if self.dry_run:
-            return ["dry run: nothing written", *self.plan.lines()]
-        p = self.plan
-        counts = ", ".join(f"{k} {v}" for k, v in sorted(self.tensor_counts.items()))
-        t = self.timings
-        lines = [
-            f"wrote {self.output} ({_size(self.output_bytes)} from {_size(p.source_bytes)}; recipe {p.recipe.name}, "
-            f"MTP {p.mode})",
-            f"tensors    {counts}; {self.quantized_linears} Linears NVFP4, {self.unquantized_linears} unquantized",
-        ]
-        if self.mtp_output is not None:
-            lines.append(f"MTP        extracted to {self.mtp_output} ({_size(self.mtp_output_bytes)})")
-        elif self.mtp_tensors:
-            lines.append(f"MTP        {self.mtp_tensors} tensors, {self.mtp_precision}")
-        else:
-            lines.append("MTP        none in the output")
-        lines.append(f"calib      {self.calibration_rows} rows, {self.calibration_tokens} tokens")
-        lines.append("time       " + ", ".join(f"{k} {v:.1f}s" for k, v in t.items()))
-        mem = f"peak RSS {_size(self.peak_rss_bytes)}"
-        if self.peak_gpu_bytes:
-            mem += f", peak GPU {_size(self.peak_gpu_bytes)}"
-        lines.append(f"memory     {mem}")
-        lines += [f"verdict    {v}" for v in self.verdicts.values()]
-        lines += [f"note       {n}" for n in self.notes]
-        return lines
-
     def to_json(self) -> dict[str, Any]:
         """Plain data for ``--json``."""
         data = {k: v for k, v in asdict(self).items() if k != "plan"}
@@ -110,13 +83,6 @@ class ConvertResult:
         data["mtp_output"] = str(self.mtp_output) if self.mtp_output else None
         data["mode"] = self.mode
         return data
-
-
-def _size(n: int) -> str:
-    for unit, f in (("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):
-        if n >= f:
-            return f"{n / f:.2f} {unit}"
-    return f"{n} B"
 
 
 def peak_rss_bytes() -> int:
@@ -261,8 +227,7 @@ def convert(options: ConvertOptions) -> ConvertResult:
     t_start = time.perf_counter()
     with timer("plan"):
         plan, ckpt = plan_convert(options)
-    for line in plan.lines():
-        log.debug("plan: %s", line)
+    log.debug("plan: %s", plan.to_json())
     if options.dry_run:
         return ConvertResult(plan, dry_run=True, timings=timer.timings, notes=list(plan.notes))
     progress = options.progress and os.environ.get("TQDM_DISABLE", "") in {"", "0"}
@@ -322,8 +287,8 @@ def convert(options: ConvertOptions) -> ConvertResult:
         result.mtp_output_bytes = sum(p.stat().st_size for p in result.mtp_output.rglob("*") if p.is_file())
     result.timings = {**timer.timings, "total": time.perf_counter() - t_start}
     result.peak_rss_bytes = peak_rss_bytes()
-    for line in result.summary_lines():
-        summary_log.info("%s", line)
+    summary_log.info("wrote %s (%s, MTP %s) in %.1f s", result.output, format_bytes(result.output_bytes), plan.mode,
+                     result.timings["total"])
     return result
 
 

@@ -20,7 +20,7 @@ from typing import Any
 from mtpquant.checkpoint.writer import atomic_write_bytes, atomic_write_json
 from mtpquant.validate.schema import REPORT_SCHEMA, Report, Side, ValidationReport, sides
 
-__all__ = ["acceptance_table", "render_markdown", "write_report"]
+__all__ = ["render_markdown", "write_report"]
 
 log = logging.getLogger(__name__)
 
@@ -34,39 +34,6 @@ def _al(side: Side) -> list[float]:
 
 def _per_position(side: Side) -> list[float]:
     return list(side.acceptance.by_k[-1].acceptance_per_position) if side.acceptance else []
-
-
-def acceptance_table(report: Report) -> str:
-    """A plain-text table of AL and per-position acceptance per k (what the CLI prints)."""
-    lines = [f"{'':<11} {'k':>2} {'AL':>6} {'rate':>7}  per-position acceptance"]
-    for label, side in sides(report):
-        if not side.acceptance:
-            lines.append(f"{label:<11}  -  MTP unavailable: {side.mtp.error}")
-            continue
-        for row in side.acceptance.by_k:
-            pos = " ".join(f"{100 * a:5.1f}%" for a in row.acceptance_per_position)
-            lines.append(
-                f"{label:<11} {row.k:>2} {row.mean_acceptance_length:6.3f} {100 * row.acceptance_rate:6.1f}%  {pos}"
-            )
-            label = ""
-    cmp = report.comparison
-    for title, m in (("MTP", cmp.mtp if cmp else None), ("Main model", cmp.main if cmp else None)):
-        if m is not None and m.kl is not None:
-            lines.append(
-                f"{title} on identical inputs: top-1 agreement {100 * m.top1_agreement:.2f} %, "
-                f"KL(ref||cand) mean {m.kl.mean:.3g} (p99 {m.kl.p99:.3g})"
-            )
-    if cmp is not None and cmp.al_delta_by_k:
-        lines.append(
-            "AL change per k: "
-            + ", ".join(
-                f"k={k}: {d:+.3f} (MTP {m:+.3f}, target {t:+.3f})"
-                for k, (d, m, t) in enumerate(
-                    zip(cmp.al_delta_by_k, cmp.al_delta_from_mtp_by_k, cmp.al_delta_from_target_by_k), 1
-                )
-            )
-        )
-    return "\n".join(lines)
 
 
 def render_markdown(report: Report, plots: dict[str, str]) -> str:

@@ -1,0 +1,275 @@
+"""Every result as text, for the CLI (and anyone who wants it): one place for the human-readable forms.
+
+``inspect_text`` (InspectReport), ``plan_lines`` / ``convert_text`` (ConvertPlan / ConvertResult),
+``graft_text`` (GraftResult), ``publish_plan_text`` (a dry-run PublishResult), ``acceptance_table`` and
+``validate_text`` (a validation Report). Imports only the result types; sizes through ``units.format_bytes``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from mtpquant.units import format_bytes
+from mtpquant.validate.schema import Report, sides
+
+if TYPE_CHECKING:
+    from mtpquant.convert.plan import ConvertPlan
+    from mtpquant.convert.run import ConvertResult
+    from mtpquant.graft.run import GraftResult
+    from mtpquant.hub.publish import PublishResult
+    from mtpquant.inspect.report import InspectReport
+
+__all__ = [
+    "acceptance_table",
+    "convert_text",
+    "graft_text",
+    "inspect_text",
+    "plan_lines",
+    "publish_plan_text",
+    "validate_text",
+]
+
+
+def inspect_text(r: InspectReport) -> str:
+    """The report as a compact text table."""
+    q = r.quantization
+    main = r.main_model
+    rows = [
+        ("checkpoint", r.checkpoint),
+        ("family", f"{r.family} ({r.architecture})"),
+        ("MTP declared", r.mtp_declaration),
+        (
+            "MTP present",
+            f"{r.mtp_present_tensors}/{r.mtp_expected_tensors} tensors, {format_bytes(r.mtp_bytes)}"
+            + (f" in {', '.join(r.mtp_shards)}" if r.mtp_shards else ""),
+        ),
+        ("MTP precision", r.mtp_precision),
+        (
+            "quantization",
+            "none"
+            if q["method"] is None
+            else f"{q['method']} {q['algorithm']} (vLLM: {q['vllm_method']}), group {q['group_size']}, "
+            f"KV cache {q['kv_cache'] or 'unquantized'}",
+        ),
+        (
+            "main Linears",
+            f"{main['quantized']} quantized, {main['unquantized']} unquantized "
+            + ", ".join(f"{k}: {v}" for k, v in main["precisions"].items()),
+        ),
+        (
+            "vision tower",
+            ("present, " + ", ".join(f"{k}: {v}" for k, v in r.vision["precisions"].items()))
+            if r.vision["present"]
+            else ("MISSING" if r.vision["expected"] else "none (text-only)"),
+        ),
+        (
+            "index",
+            f"{r.index['shards']} shards, {r.index['tensors']} tensors, "
+            + ("intact" if r.index["intact"] else "CORRUPT"),
+        ),
+        ("read", f"{format_bytes(r.bytes_fetched)} of {format_bytes(r.checkpoint_bytes)} in {r.seconds:.2f} s"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    lines = [f"{k.ljust(width)}  {v}" for k, v in rows]
+    if r.mtp_modules:
+        lines.append("")
+        lines.append(f"{'MTP module (as vLLM builds it)'.ljust(44)} {'on disk'.ljust(10)} {'vLLM builds'.ljust(12)} ok")
+        for m in r.mtp_modules:
+            built = "refused" if m.vllm_quantized is None else ("quantized" if m.vllm_quantized else "unquantized")
+            ok = "yes" if m.consistent else "NO: " + m.reason
+            lines.append(f"{m.module.ljust(44)} {m.disk.ljust(10)} {built.ljust(12)} {ok}")
+    if r.mtp_missing:
+        lines.append(
+            f"missing MTP tensors: {', '.join(r.mtp_missing[:5])}" + (" ..." if len(r.mtp_missing) > 5 else "")
+        )
+    if r.mtp_unexpected:
+        lines.append(
+            f"unexpected MTP tensors: {', '.join(r.mtp_unexpected[:5])}" + (" ..." if len(r.mtp_unexpected) > 5 else "")
+        )
+    lines.append("")
+    names = {"vllm": "vLLM", "sglang": "SGLang"}
+    lines += [
+        v if v.lower().startswith(engine) else f"{names.get(engine, engine)}: {v}" for engine, v in r.verdicts.items()
+    ]
+    for f in r.failures:
+        lines.append(f"FAIL  {f.message}")
+    for f in r.warnings:
+        lines.append(f"WARN  {f.message}")
+    if r.serve_commands:
+        lines.append("")
+        lines += [f"serve ({names.get(engine, engine)}): {cmd}" for engine, cmd in r.serve_commands.items()]
+    lines.append("")
+    lines.append("verdict: healthy" if r.healthy else f"verdict: {len(r.failures)} problem(s)")
+    return "\n".join(lines)
+
+
+def _examples(mods: Sequence[str]) -> str:
+    leaves = sorted({m.rsplit(".", 1)[-1] if "layers." in m else m for m in mods})
+    return f" ({', '.join(leaves[:6])}{', ...' if len(leaves) > 6 else ''})" if leaves else ""
+
+
+def plan_lines(plan: ConvertPlan) -> list[str]:
+    """The human-readable plan (``--dry-run`` output)."""
+    r = plan.recipe
+    q = r.quantization
+    scheme = "NVFP4 W4A4" if q.activations else "NVFP4 W4A16 (weights only)"
+    out = [
+        f"source     {plan.src}: {plan.family_display} ({plan.architecture}), {plan.source_tensors} tensors, "
+        f"{format_bytes(plan.source_bytes)} in {plan.source_shards} shard(s)",
+        f"recipe     {r.name} ({r.source}): {scheme}, {q.targets} Linears, {q.algorithm} calibration",
+        f"main       {len(plan.quantized_modules)} Linears -> NVFP4; {len(plan.unquantized_modules)} Linears stay "
+        f"in source precision{_examples(plan.unquantized_modules)}",
+    ]
+    if plan.vision_tensors:
+        out.append(
+            f"vision     {plan.vision_tensors} tensors ({format_bytes(plan.vision_bytes)}) copied unchanged, "
+            "not quantized"
+        )
+    out.append(
+        f"MTP        {plan.mtp_declaration}; {len(plan.mtp_tensors)} tensors ({format_bytes(plan.mtp_bytes)}) "
+        "in source"
+    )
+    out.append("mode       " + plan.mode_line())
+    c = r.calibration
+    out.append(
+        f"calib      {c.samples} x {c.seq_len} tokens from {c.data}, batch {c.batch_size}"
+        f"{', chat template' if c.chat_template else ''}; device {plan.device}"
+    )
+    out.append(f"output     {plan.out} (shards <= {format_bytes(plan.max_shard_bytes)})")
+    if plan.mtp_out is not None:
+        out.append(f"MTP output {plan.mtp_out}")
+    out.append(f"carry      {', '.join(plan.carried_files) or '(no other files)'}")
+    out += [f"note       {n}" for n in plan.notes]
+    return out
+
+
+def convert_text(result: ConvertResult) -> str:
+    """What convert did (or, for a dry run, the plan)."""
+    if result.dry_run:
+        return "\n".join(["dry run: nothing written", *plan_lines(result.plan)])
+    p = result.plan
+    counts = ", ".join(f"{k} {v}" for k, v in sorted(result.tensor_counts.items()))
+    t = result.timings
+    lines = [
+        f"wrote {result.output} ({format_bytes(result.output_bytes)} from {format_bytes(p.source_bytes)}; "
+        f"recipe {p.recipe.name}, "
+        f"MTP {p.mode})",
+        f"tensors    {counts}; {result.quantized_linears} Linears NVFP4, {result.unquantized_linears} unquantized",
+    ]
+    if result.mtp_output is not None:
+        lines.append(f"MTP        extracted to {result.mtp_output} ({format_bytes(result.mtp_output_bytes)})")
+    elif result.mtp_tensors:
+        lines.append(f"MTP        {result.mtp_tensors} tensors, {result.mtp_precision}")
+    else:
+        lines.append("MTP        none in the output")
+    lines.append(f"calib      {result.calibration_rows} rows, {result.calibration_tokens} tokens")
+    lines.append("time       " + ", ".join(f"{k} {v:.1f}s" for k, v in t.items()))
+    mem = f"peak RSS {format_bytes(result.peak_rss_bytes)}"
+    if result.peak_gpu_bytes:
+        mem += f", peak GPU {format_bytes(result.peak_gpu_bytes)}"
+    lines.append(f"memory     {mem}")
+    lines += [f"verdict    {v}" for v in result.verdicts.values()]
+    lines += [f"note       {n}" for n in result.notes]
+    return "\n".join(lines)
+
+
+def graft_text(result: GraftResult) -> str:
+    """What graft did (or would do)."""
+    lines: list[str] = []
+    lines.append(result.message)
+    if result.action in ("grafted", "replaced", "metadata", "planned"):
+        if result.mtp_tensors:
+            lines.append(f"  MTP: {result.mtp_tensors} tensors, {format_bytes(result.mtp_bytes)}")
+        if result.source:
+            fetched = f"  fetched from SRC: {format_bytes(result.src_bytes_fetched)}"
+            if result.src_shards_downloaded:
+                fetched += f" (downloaded whole: {', '.join(result.src_shards_downloaded)})"
+            lines.append(fetched)
+        if result.action != "planned":
+            lines.append(
+                f"  written: {format_bytes(result.bytes_written)}; new shards: {', '.join(result.new_shards) or '-'}"
+            )
+            lines.append(f"  hard-linked: {len(result.linked)} file(s); copied: {len(result.copied)}")
+            for name in result.copied:
+                lines.append(f"    copied (hard link failed): {name}")
+            for name in result.rewritten:
+                lines.append(f"    rewritten without the old MTP: {name}")
+            for name in result.dropped:
+                lines.append(f"    dropped (old MTP only): {name}")
+        for change in result.metadata_changes:
+            lines.append(f"  metadata: {change}")
+        if result.verified_with:
+            lines.append(f"  verified: {', '.join(result.verified_with)}")
+        if result.commit:
+            lines.append(f"  put in place by: {result.commit}")
+    for name in result.cleaned:
+        lines.append(f"  cleaned up after an interrupted run: {name}")
+    for warning in result.warnings:
+        lines.append(f"  warning: {warning}")
+    return "\n".join(lines)
+
+
+def publish_plan_text(result: PublishResult) -> str:
+    """The dry-run text: target, gate, file list with sizes, then the full card."""
+    where = result.repo_id + (f" (revision {result.revision})" if result.revision else "")
+    gate = "passed" if result.healthy else "FAILED, publishing anyway (--force): " + "; ".join(result.gate_failures)
+    width = max([len(f.path) for f in result.files] + [4])
+    lines = [
+        f"dry run: nothing uploaded, nothing written; would publish to {where}",
+        f"checks: {gate}",
+        *(f"  {v}" for v in result.verdicts.values()),
+        f"files: {len(result.files)}, {format_bytes(result.total_bytes)}",
+    ]
+    for f in result.files:
+        lines.append(f"  {f.path.ljust(width)}  {format_bytes(f.size).rjust(10)}" + (f"  ({f.note})" if f.note else ""))
+    lines += [
+        "",
+        f"----- README.md ({result.card_action}) -----",
+        result.card.rstrip("\n"),
+        "----- end of README.md -----",
+    ]
+    return "\n".join(lines)
+
+
+def acceptance_table(report: Report) -> str:
+    """A plain-text table of AL and per-position acceptance per k (what the CLI prints)."""
+    lines = [f"{'':<11} {'k':>2} {'AL':>6} {'rate':>7}  per-position acceptance"]
+    for label, side in sides(report):
+        if not side.acceptance:
+            lines.append(f"{label:<11}  -  MTP unavailable: {side.mtp.error}")
+            continue
+        for row in side.acceptance.by_k:
+            pos = " ".join(f"{100 * a:5.1f}%" for a in row.acceptance_per_position)
+            lines.append(
+                f"{label:<11} {row.k:>2} {row.mean_acceptance_length:6.3f} {100 * row.acceptance_rate:6.1f}%  {pos}"
+            )
+            label = ""
+    cmp = report.comparison
+    for title, m in (("MTP", cmp.mtp if cmp else None), ("Main model", cmp.main if cmp else None)):
+        if m is not None and m.kl is not None:
+            lines.append(
+                f"{title} on identical inputs: top-1 agreement {100 * m.top1_agreement:.2f} %, "
+                f"KL(ref||cand) mean {m.kl.mean:.3g} (p99 {m.kl.p99:.3g})"
+            )
+    if cmp is not None and cmp.al_delta_by_k:
+        lines.append(
+            "AL change per k: "
+            + ", ".join(
+                f"k={k}: {d:+.3f} (MTP {m:+.3f}, target {t:+.3f})"
+                for k, (d, m, t) in enumerate(
+                    zip(cmp.al_delta_by_k, cmp.al_delta_from_mtp_by_k, cmp.al_delta_from_target_by_k), 1
+                )
+            )
+        )
+    return "\n".join(lines)
+
+
+def validate_text(report: Report, report_dir: Path | None = None) -> str:
+    """The acceptance table, the verdict, and where the report files are."""
+    lines = [acceptance_table(report)]
+    lines.append(f"verdict: {report.verdict.status.upper()}: " + "; ".join(report.verdict.reasons))
+    if report_dir is not None:
+        lines.append(f"report: {report_dir / 'report.md'}")
+    return "\n".join(lines)
