@@ -26,6 +26,7 @@ from mtpquant.convert.recipes import (
     load_recipe,
     parse_size,
     quantizer_enabled,
+    with_values,
 )
 from mtpquant.errors import (
     CalibrationDataError,
@@ -109,6 +110,8 @@ class ConvertPlan:
     unquantized_modules: tuple[str, ...]  # main-model Linears left in the source precision
     carried_files: tuple[str, ...]
     notes: tuple[str, ...] = field(default_factory=tuple)
+    overwrite: bool = False  # an existing OUT (and MTP output) may be replaced
+    command: tuple[str, ...] = ()  # the command line, recorded in the provenance file and the recipe's header
 
 
     @property
@@ -192,22 +195,18 @@ def _quantizer_name(module: str) -> str:
 
 def _resolve_recipe(options: ConvertOptions, family: Any) -> Recipe:
     recipe = load_recipe(options.recipe or default_recipe_name(family))
-    recipe = apply_overrides(recipe, options.overrides, "--set")
-    flags: list[str] = []
-    if options.calib_data is not None:
-        flags.append(f"calibration.data={_yaml_str(options.calib_data)}")
-    if options.calib_samples is not None:
-        flags.append(f"calibration.samples={int(options.calib_samples)}")
-    if options.calib_seq_len is not None:
-        flags.append(f"calibration.seq_len={int(options.calib_seq_len)}")
+    recipe = apply_overrides(recipe, options.overrides, "--set")  # --set key=value: text by nature
+    flags: dict[tuple[str, str], Any] = {
+        ("calibration", "data"): options.calib_data,
+        ("calibration", "samples"): options.calib_samples,
+        ("calibration", "seq_len"): options.calib_seq_len,
+        ("output", "max_shard_size"): None if options.max_shard_size is None else str(options.max_shard_size),
+        ("mtp", "mode"): options.mtp,
+        ("mtp", "format"): options.mtp_format,
+    }
     if options.max_shard_size is not None:
-        parse_size(options.max_shard_size)
-        flags.append(f"output.max_shard_size={_yaml_str(str(options.max_shard_size))}")
-    if options.mtp is not None:
-        flags.append(f"mtp.mode={options.mtp}")
-    if options.mtp_format is not None:
-        flags.append(f"mtp.format={options.mtp_format}")
-    recipe = apply_overrides(recipe, flags, "command-line flags")
+        parse_size(options.max_shard_size)  # the flag's own message ("--max-shard-size: ... is not a size")
+    recipe = with_values(recipe, {k: v for k, v in flags.items() if v is not None}, "command-line flags")
     recipe.check_family(family)
     check_calibration_source(recipe.calibration.data)
     return recipe
@@ -226,12 +225,6 @@ def check_calibration_source(data: str) -> None:
             f"calibration data {data!r} is not a file, and loading it as a dataset needs the `datasets` package "
             "(pip install datasets), which is not installed"
         )
-
-
-def _yaml_str(value: str) -> str:
-    import json
-
-    return json.dumps(value)
 
 
 def _check_output(path: Path, src: Path | None, overwrite: bool, what: str) -> None:
@@ -330,6 +323,8 @@ def plan_convert(options: ConvertOptions, ckpt: Checkpoint | None = None) -> tup
         unquantized_modules=tuple(unquantized),
         carried_files=tuple(carried_files(ckpt.source.list_files())),
         notes=tuple(notes),
+        overwrite=options.overwrite,
+        command=tuple(options.command),
     )
     return plan, ckpt
 

@@ -43,6 +43,7 @@ __all__ = [
     "parse_size",
     "quantizer_enabled",
     "recipe_from_mapping",
+    "with_values",
 ]
 
 SCHEMA_VERSION = 1
@@ -251,6 +252,30 @@ _CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
 _POSITIVE = {("calibration", "samples"), ("calibration", "seq_len"), ("calibration", "batch_size")}
 
 
+def _checked_leaf(source: str, section: str, key: str, value: Any) -> Any:
+    """One leaf value, checked against its field's type, choices and sign (a recipe file's rules)."""
+    checked = _coerce(source, f"{section}.{key}", value, getattr(_SECTIONS[section](), key))
+    choices = _CHOICES.get((section, key))
+    if choices and checked not in choices:
+        raise RecipeError(f"{source}: {section}.{key} must be one of {', '.join(choices)}, got {value!r}")
+    if (section, key) in _POSITIVE and checked <= 0:
+        raise RecipeError(f"{source}: {section}.{key} must be positive, got {value!r}")
+    return checked
+
+
+def with_values(recipe: Recipe, values: Mapping[tuple[str, str], Any], where: str) -> Recipe:
+    """``recipe`` with typed leaves set (``(section, key) -> value``, e.g. the CLI's --calib-samples), each checked
+    by the same rules as a recipe file; no round trip through YAML text."""
+    if not values:
+        return recipe
+    source = f"{recipe.source} + {where}"
+    changed: dict[str, dict[str, Any]] = {}
+    for (section, key), value in values.items():
+        changed.setdefault(section, {})[key] = _checked_leaf(source, section, key, value)
+    sections = {name: dataclasses.replace(getattr(recipe, name), **kv) for name, kv in changed.items()}
+    return dataclasses.replace(recipe, source=source, **sections)
+
+
 def _field_types(cls: type) -> dict[str, Any]:
     return {f.name: f for f in dataclasses.fields(cls)}
 
@@ -314,19 +339,13 @@ def recipe_from_mapping(raw: Any, source: str) -> Recipe:
         if not isinstance(body, Mapping):
             raise RecipeError(f"{source}: {section} must be a mapping")
         fields = _field_types(cls)
-        defaults = cls()
         values: dict[str, Any] = {}
         for key, value in body.items():
             if key not in fields:
                 raise RecipeError(
                     f"{source}: unknown key '{section}.{key}' (allowed: {', '.join(f'{section}.{k}' for k in fields)})"
                 )
-            values[key] = _coerce(source, f"{section}.{key}", value, getattr(defaults, key))
-            choices = _CHOICES.get((section, key))
-            if choices and values[key] not in choices:
-                raise RecipeError(f"{source}: {section}.{key} must be one of {', '.join(choices)}, got {value!r}")
-            if (section, key) in _POSITIVE and values[key] <= 0:
-                raise RecipeError(f"{source}: {section}.{key} must be positive, got {value!r}")
+            values[key] = _checked_leaf(source, section, key, value)
         kwargs[section] = cls(**values)
     recipe = Recipe(**kwargs)
     if recipe.quantization.group_size != 16:

@@ -242,7 +242,7 @@ def convert(options: ConvertOptions) -> ConvertResult:
         src_dir, ckpt = _local_source(ckpt)
     step = Step(
         "convert",
-        tuple(options.command),
+        plan.command,
         source=source.ref(),  # a Hub source: the repo, the revision asked for and the commit downloaded
         mode=plan.mode,
         recipe=plan.recipe.name,
@@ -251,9 +251,9 @@ def convert(options: ConvertOptions) -> ConvertResult:
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(library_progress(progress))
-        od = stack.enter_context(OutputDir(plan.out, overwrite=options.overwrite))
-        mtp_od = stack.enter_context(OutputDir(plan.mtp_out, overwrite=options.overwrite)) if plan.mtp_out else None
-        outcome = _run(plan, ckpt, src_dir, od, mtp_od, timer, progress, result, options.command)
+        od = stack.enter_context(OutputDir(plan.out, overwrite=plan.overwrite))
+        mtp_od = stack.enter_context(OutputDir(plan.mtp_out, overwrite=plan.overwrite)) if plan.mtp_out else None
+        outcome = _run(plan, ckpt, src_dir, od, mtp_od, timer, progress, result)
         od.write_text(PROVENANCE_FILE, Provenance((step,)).to_bytes().decode("utf-8"))
         if mtp_od is not None:
             sidecar = dataclasses.replace(step, recipe_file=None)
@@ -301,7 +301,6 @@ def _run(
     timer: _Timer,
     progress: bool,
     result: ConvertResult,
-    command: Sequence[str],
 ) -> MtpOutcome:
     """Everything between planning and finalize; returns what the MTP mode wrote."""
     import torch
@@ -396,7 +395,7 @@ def _run(
         if hfq is not None:
             od.write_json(HF_QUANT_CONFIG, hfq)
         carry_files(od, src_dir, plan.carried_files)
-        od.write_text(RECIPE_FILE, recipe.to_yaml(_recipe_header(plan, command)))
+        od.write_text(RECIPE_FILE, recipe.to_yaml(_recipe_header(plan, plan.command)))
         shutil.rmtree(scratch, ignore_errors=True)
         shutil.rmtree(od.path / OFFLOAD, ignore_errors=True)
         od.write_index()
