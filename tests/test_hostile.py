@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from mtpquant.checkpoint.header import parse_header
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.cli import main as cli
-from mtpquant.errors import MtpquantError
+from mtpquant.errors import ExitCode, MtpquantError
 from mtpquant.synth.bad import BAD_CASES, SHARD_A, make_bad_corpus, make_minimal_checkpoint
 
 CORPUS = Path(__file__).resolve().parent / "fixtures" / "bad"
@@ -168,10 +168,17 @@ def _refuses(argv: list[str], workdir: Path, capsys: pytest.CaptureFixture[str])
     return code, captured.err
 
 
+def _code(case: str, publish: bool = False) -> int:
+    """The exit code a refusal of ``case`` must have."""
+    if case == "unsupported-architecture":
+        return ExitCode.ARCHITECTURE
+    return ExitCode.PUBLISH_REFUSED if publish else ExitCode.CHECKPOINT
+
+
 @pytest.mark.parametrize("case", sorted(EXPECTED))
 def test_convert_refuses_bad_source(case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, err = _refuses(["convert", str(CORPUS / case), str(tmp_path / "out"), "--keep-mtp"], tmp_path, capsys)
-    assert code != 0
+    assert code == _code(case)
     assert err.startswith("mtpquant: error: ") and err.count("\n") == 1
     if case not in INDEX_CASES | {"config-contradicts-tensors"}:
         assert _message(case) in err
@@ -185,14 +192,14 @@ def test_graft_refuses_bad_quant_and_bad_source(
         code, err = _refuses(
             ["graft", str(quant), "--from", str(src), "--out", str(tmp_path / "out")], tmp_path, capsys
         )
-        assert code != 0
+        assert code == _code(case), (quant, src)
         assert err.startswith("mtpquant: error: ") and err.count("\n") == 1
 
 
 @pytest.mark.parametrize("case", sorted(EXPECTED))
 def test_publish_refuses_bad_output(case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, err = _refuses(["publish", str(CORPUS / case), "--repo", "org/name", "--dry-run"], tmp_path, capsys)
-    assert code != 0
+    assert code == _code(case, publish=True)
     assert err.startswith("mtpquant: error: ") and err.count("\n") == 1
 
 

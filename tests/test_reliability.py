@@ -55,7 +55,7 @@ def test_graft_disk_full_at_random_write(
     out = tmp_path / "out"
     code = cli(["graft", str(quant), "--from", str(src), "--out", str(out)])
     err = capsys.readouterr().err
-    assert code != 0
+    assert code == ExitCode.IO
     assert err.count("\n") == 1 and "No space left on device" in err and "Traceback" not in err
     assert list(tmp_path.iterdir()) == []  # nothing half-written, no temp dir left
 
@@ -87,7 +87,7 @@ def test_convert_disk_full_at_random_write(
     ]
     code = cli(argv)
     err = capsys.readouterr().err
-    assert code != 0
+    assert code == ExitCode.IO
     assert "Traceback" not in err
     assert err.splitlines()[-1].startswith("mtpquant: error: ") and "No space left on device" in err.splitlines()[-1]
     assert not out.exists() and not list(tmp_path.glob(f".*{PARTIAL_MARK}*"))

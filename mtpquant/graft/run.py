@@ -22,25 +22,25 @@ import dataclasses
 import logging
 import os
 import time
-import zlib
-from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
 from mtpquant.checkpoint.header import TensorEntry
-from mtpquant.checkpoint.index import INDEX_NAME, SINGLE_NAME
-from mtpquant.checkpoint.source import CheckpointSource, SourceRef
+from mtpquant.checkpoint.index import INDEX_NAME
+from mtpquant.checkpoint.source import CheckpointSource
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.checkpoint.writer import OutputDir, PlannedTensor
-from mtpquant.errors import CheckpointError, OutputExistsError, OutputVerificationError, UsageError
+from mtpquant.errors import OutputExistsError, UsageError
 from mtpquant.formats.quant_config import HF_QUANT_CONFIG
 from mtpquant.graft import inplace
 from mtpquant.graft.lineage import GraftError, LineageError, LineageReport, check_lineage, mtp_layer_count
-from mtpquant.inspect.report import inspect_checkpoint
+from mtpquant.graft.plan import Plan, new_index, plan_index_fix, plan_shards, strays, weight_map_of
+from mtpquant.graft.source import TrackedSource
+from mtpquant.graft.verify import verify_result
 from mtpquant.provenance import PROVENANCE_FILE, Step, source_provenance
-from mtpquant.surgery.metadata import MetadataPlan, plan_metadata
+from mtpquant.surgery.metadata import plan_metadata
 from mtpquant.surgery.modes import MODES, WriteContext
 
 __all__ = [
@@ -110,253 +110,6 @@ class GraftResult:
         return dataclasses.asdict(self)
 
 
-# ---------------------------------------------------------------------------------------------- sources
-
-
-class _TrackedSource:
-    """SRC's source, hashing every MTP tensor read and downloading a shard whole if ranged reads fail.
-
-    Generic over ``CheckpointSource``: "download" is ``local_path``, which a local source answers with
-    its own file, so graft never needs to know where SRC lives.
-    """
-
-    def __init__(self, inner: CheckpointSource, entries: list[TensorEntry]) -> None:
-        self.inner = inner
-        self.label = inner.label
-        self.bytes_read = inner.bytes_read
-        self.hashes: dict[str, str] = {}
-        self.downloaded: list[str] = []
-        self._local: dict[str, Path] = {}
-        self._entries: dict[str, list[TensorEntry]] = defaultdict(list)
-        for e in sorted(entries, key=lambda e: e.start):
-            self._entries[e.shard].append(e)
-
-    def list_files(self) -> list[str]:
-        return self.inner.list_files()
-
-    def exists(self, relpath: str) -> bool:
-        return self.inner.exists(relpath)
-
-    def file_size(self, relpath: str) -> int:
-        return self.inner.file_size(relpath)
-
-    def local_path(self, relpath: str) -> Path:
-        return self.inner.local_path(relpath)
-
-    @property
-    def local_root(self) -> Path | None:
-        return self.inner.local_root
-
-    def local_dir(self, ignore_patterns: list[str]) -> Path:
-        return self.inner.local_dir(ignore_patterns)
-
-    def local_extent(self, relpath: str, start: int, end: int) -> tuple[Path, int, int] | None:
-        # every MTP byte goes through read_range, where it is checksummed for the write-back check
-        del relpath, start, end
-        return None
-
-    def fingerprint(self, relpath: str) -> tuple[int, int, int, int] | None:
-        return self.inner.fingerprint(relpath)
-
-    def ref(self) -> SourceRef:
-        return self.inner.ref()
-
-    def read_range(self, relpath: str, start: int, end: int) -> bytes:
-        if relpath in self._local:
-            data = _read_local(self._local[relpath], relpath, start, end)
-        else:
-            try:
-                data = self.inner.read_range(relpath, start, end)
-            except CheckpointError:
-                raise
-            except Exception as exc:
-                # Ranged reads failed (server without Range support, proxy, ...): fetch this shard only.
-                log.warning(
-                    "%s: ranged read of %s failed (%s); downloading that shard",
-                    self.label,
-                    relpath,
-                    str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
-                )
-                try:
-                    path = self.inner.local_path(relpath)
-                except Exception as exc2:
-                    raise CheckpointError(f"{self.label}: cannot read {relpath} ({type(exc2).__name__})") from None
-                self._local[relpath] = path
-                self.downloaded.append(relpath)
-                data = _read_local(path, relpath, start, end)
-        self.bytes_read = self.inner.bytes_read
-        for e in self._entries.get(relpath, ()):
-            if e.start >= start and e.end <= end:
-                self.hashes[e.name] = _checksum(memoryview(data)[e.start - start : e.end - start])
-        return data
-
-
-def _checksum(data: bytes | memoryview) -> str:
-    """Length + CRC-32 of tensor bytes: the write-back check guards against I/O and copy errors, not
-    adversaries, and CRC-32 runs ~4x faster than sha256 here (the check would otherwise cost more than
-    writing the MTP)."""
-    return f"{len(data)}:{zlib.crc32(data):08x}"
-
-
-def _read_local(path: Path, relpath: str, start: int, end: int) -> bytes:
-    with path.open("rb") as fh:
-        fh.seek(start)
-        data = fh.read(end - start)
-    if len(data) != end - start:
-        raise CheckpointError(f"{relpath}: truncated: wanted bytes {start}..{end}, file ends earlier")
-    return data
-
-
-# ---------------------------------------------------------------------------------------------- planning
-
-
-@dataclass
-class _Plan:
-    """The whole change, decided from headers before anything is written."""
-
-    quant: Checkpoint
-    hfq: dict[str, Any] | None
-    weight_map: dict[str, str]  # QUANT's current map (implied for a single-file checkpoint)
-    link: list[str] = field(default_factory=list)  # shards kept as they are
-    rewrite: dict[str, list[str]] = field(default_factory=dict)  # shard -> tensors kept (MTP removed)
-    drop: list[str] = field(default_factory=list)  # shards holding only the MTP being replaced
-    add: list[str] = field(default_factory=list)  # MTP tensor names to write
-    removed: list[str] = field(default_factory=list)  # QUANT's MTP tensors being replaced
-    strays: list[str] = field(default_factory=list)  # unreferenced *.safetensors in QUANT
-    metadata: MetadataPlan = field(default_factory=MetadataPlan)
-    mtp_layers: int = 0
-    index_fix: str | None = None  # QUANT's index declares a wrong total_size: the change line that corrects it
-
-
-def _weight_map(ckpt: Checkpoint) -> dict[str, str]:
-    if ckpt.index is not None:
-        return {str(k): str(v) for k, v in ckpt.index["weight_map"].items()}
-    return dict.fromkeys(ckpt.tensors, SINGLE_NAME)
-
-
-def _total_size_fix(ckpt: Checkpoint) -> str | None:
-    """The change line when QUANT's index declares a wrong ``metadata.total_size`` (None when it is right).
-
-    No loader reads total_size (peers write it from file sizes, or as 0), so it is no reason to refuse;
-    but what graft writes carries the right one.
-    """
-    if ckpt.index is None or not any(p.code == "total_size" for p in ckpt.problems):
-        return None
-    meta = ckpt.index.get("metadata")
-    old = meta.get("total_size") if isinstance(meta, dict) else None
-    return f"{INDEX_NAME}: metadata.total_size = {ckpt.total_bytes} (was {old!r})"
-
-
-def _strays(ckpt: Checkpoint, weight_map: dict[str, str]) -> list[str]:
-    referenced = set(weight_map.values())
-    return sorted(
-        f for f in ckpt.source.list_files() if f.endswith(".safetensors") and "/" not in f and f not in referenced
-    )
-
-
-def _plan_shards(plan: _Plan, removed: set[str]) -> None:
-    by_shard: dict[str, list[str]] = defaultdict(list)
-    for name, shard in plan.weight_map.items():
-        by_shard[shard].append(name)
-    for shard in sorted(by_shard):
-        names = by_shard[shard]
-        gone = [n for n in names if n in removed]
-        if not gone:
-            plan.link.append(shard)
-        elif len(gone) == len(names):
-            plan.drop.append(shard)
-        else:
-            plan.rewrite[shard] = sorted(n for n in names if n not in removed)
-
-
-def _new_index(plan: _Plan, mtp_entries: dict[str, TensorEntry], new_shard_of: dict[str, str]) -> dict[str, Any]:
-    """QUANT's index with the replaced MTP entries removed and the new ones added; total_size updated."""
-    removed = set(plan.removed)
-    weight_map = {n: s for n, s in plan.weight_map.items() if n not in removed}
-    weight_map.update(new_shard_of)
-    total = sum(plan.quant.tensors[n].nbytes for n in weight_map if n not in new_shard_of)
-    total += sum(mtp_entries[n].nbytes for n in new_shard_of)
-    old = plan.quant.index or {}
-    raw_meta = old.get("metadata")
-    meta: dict[str, Any] = dict(raw_meta) if isinstance(raw_meta, dict) else {}
-    metadata = {**meta, "total_size": total} if "total_size" in meta else {"total_size": total, **meta}
-    index = {k: v for k, v in old.items() if k not in ("metadata", "weight_map")}
-    # existing top-level key order kept; an index created here has build_index's layout
-    out: dict[str, Any] = {}
-    for key in [*list(old), "metadata", "weight_map"]:
-        if key in out:
-            continue
-        if key == "metadata":
-            out[key] = metadata
-        elif key == "weight_map":
-            out[key] = dict(sorted(weight_map.items()))
-        else:
-            out[key] = index[key]
-    return out
-
-
-# ---------------------------------------------------------------------------------------------- verification
-
-
-def _verify(
-    path: Path,
-    expected: dict[str, tuple[int, ...]],
-    src_hashes: dict[str, str] | None,
-    mtp_layers: int,
-    quant: Checkpoint,
-    result: GraftResult,
-) -> list[str]:
-    """Check the finished result where it was built; raise if it is not healthy. Returns checks run.
-
-    The inspect verdict must be clean, except for failures QUANT already had that graft does not
-    touch (a main-model defect, say): those stay, and are reported as warnings.
-    """
-
-    def fail(reason: str) -> OutputVerificationError:
-        return OutputVerificationError(f"the result failed verification and was not put in place: {reason}")
-
-    # Every file graft wrote (new MTP shards, rewritten shards, index, JSON) is read and parsed again;
-    # a hard link to a QUANT shard reuses the header parsed when QUANT was opened, but only when it is
-    # that very file, unchanged since (device, inode, size, mtime). The index checks run in full.
-    ckpt = Checkpoint.open(path, strict=True, reuse=quant)
-    wrong_total = [p.message for p in ckpt.problems if p.code == "total_size"]
-    if wrong_total:
-        raise fail(wrong_total[0])
-    checks = ["headers+index"]
-    present = {e.name: e.shape for e in ckpt.mtp_tensors()}
-    if set(present) != set(expected):
-        missing = sorted(set(expected) - set(present))
-        raise fail(f"MTP tensor set differs from what config.json implies (missing {missing[:1]})")
-    bad = [n for n, s in expected.items() if present[n] != s]
-    if bad:
-        raise fail(f"{bad[0]} has shape {list(present[bad[0]])}, expected {list(expected[bad[0]])}")
-    if src_hashes is not None:
-        if set(src_hashes) != set(expected):
-            raise fail("not every MTP tensor was read from SRC exactly once per byte range")
-        for entry, data in ckpt.iter_raw(sorted(src_hashes)):
-            if _checksum(data) != src_hashes[entry.name]:
-                raise fail(f"{entry.name} in {entry.shard} is not byte-identical to SRC")
-        checks.append("mtp-bytes")
-    if ckpt.spec.mtp.layers != mtp_layers:
-        raise fail(f"config.json declares {ckpt.spec.mtp.describe()}, the tensors hold {mtp_layers} MTP layers")
-    leftover = plan_metadata(ckpt.spec, ckpt.hf_quant_config, ckpt.tensors, mtp_layers=mtp_layers)
-    if leftover.changes:
-        raise fail(f"metadata still incomplete ({leftover.changes[0]})")
-    checks.append("exclusions")
-    report = inspect_checkpoint(path, checkpoint=ckpt)
-    if not report.healthy:
-        baseline = set(inspect_checkpoint(quant.source, checkpoint=quant).failure_messages)
-        new = [m for m in report.failure_messages if m not in baseline]
-        if new:
-            raise fail(f"inspect: {new[0]}")
-        for m in report.failure_messages:
-            warning = f"QUANT's own problem, not graft's to fix, remains: {m}"
-            log.warning("%s", warning)
-            result.warnings.append(warning)
-    checks.append("inspect")
-    return checks
-
-
 # ---------------------------------------------------------------------------------------------- writing
 
 
@@ -371,7 +124,7 @@ class _Target:
     before: dict[str, tuple[int, int, int]] = field(default_factory=dict)
 
 
-def _open_target(options: GraftOptions, quant: Checkpoint, plan: _Plan, result: GraftResult) -> _Target:
+def _open_target(options: GraftOptions, quant: Checkpoint, plan: Plan, result: GraftResult) -> _Target:
     if options.out is not None:
         return _Target(OutputDir(Path(options.out)), "out", None, "rename")
     assert quant.source.local_root is not None  # --in-place was refused for a remote QUANT
@@ -394,13 +147,13 @@ def _open_target(options: GraftOptions, quant: Checkpoint, plan: _Plan, result: 
 def _write(
     target: _Target,
     options: GraftOptions,
-    plan: _Plan,
+    plan: Plan,
     src: Checkpoint | None,
     result: GraftResult,
     verify: Callable[[Path], list[str]],
 ) -> None:
     od, quant = target.od, plan.quant
-    plan.strays = _strays(quant, plan.weight_map)  # after the clean-up of interrupted runs
+    plan.strays = strays(quant, plan.weight_map)  # after the clean-up of interrupted runs
     new_shard_of: dict[str, str] = {}
     mtp_entries: dict[str, TensorEntry] = {}
     # New bytes first, into an empty directory: nothing can be written through a link to QUANT.
@@ -453,7 +206,7 @@ def _write(
     step = Step("graft", options.command, source=src.source.ref() if src is not None else None, mode="keep")
     od.write_text(PROVENANCE_FILE, source_provenance(quant.source).then(step).to_bytes().decode("utf-8"))
     if INDEX_NAME in json_files:
-        od.write_json(INDEX_NAME, _new_index(plan, mtp_entries, new_shard_of))
+        od.write_json(INDEX_NAME, new_index(plan, mtp_entries, new_shard_of))
     result.linked = sorted(od.linked)
     result.copied = sorted(od.copied)
     result.dropped = sorted(plan.drop)
@@ -544,8 +297,8 @@ def graft(options: GraftOptions) -> GraftResult:
     _check_out(options, quant)
     mode = "out" if options.out is not None else "in-place"
     hfq = quant.hf_quant_config
-    weight_map = _weight_map(quant)
-    plan = _Plan(quant, hfq, weight_map)
+    weight_map = weight_map_of(quant)
+    plan = Plan(quant, hfq, weight_map)
     result = GraftResult(quant.label, None, None, mode, "planned", "")
     if options.fix_metadata:
         return _finish(_fix_metadata(options, plan, result), t0, quant, None)
@@ -554,7 +307,7 @@ def graft(options: GraftOptions) -> GraftResult:
     src = Checkpoint.open(options.source, revision=options.source_revision, token=options.token)
     result.source = src.label
     src_mtp = src.mtp_tensors()
-    tracked = _TrackedSource(src.source, src_mtp)
+    tracked = TrackedSource(src.source, src_mtp)
     src = dataclasses.replace(src, source=cast(CheckpointSource, tracked))
     lineage: LineageReport = check_lineage(quant, src)
     result.warnings += list(lineage.warnings)
@@ -566,7 +319,7 @@ def graft(options: GraftOptions) -> GraftResult:
             plan.metadata = plan_metadata(
                 quant.spec, hfq, quant.tensors, mtp_layers=lineage.mtp_layers, reference_config=src.config
             )
-            _plan_index_fix(plan)
+            plan_index_fix(plan)
             if not plan.metadata.changes:
                 result.action = "noop"
                 result.message = (
@@ -588,11 +341,11 @@ def graft(options: GraftOptions) -> GraftResult:
         plan.removed = sorted(e.name for e in existing)
     plan.add = sorted(e.name for e in src_mtp)
     plan.mtp_layers = lineage.mtp_layers
-    _plan_shards(plan, set(plan.removed))
+    plan_shards(plan, set(plan.removed))
     table: dict[str, Any] = {n: e for n, e in quant.tensors.items() if n not in set(plan.removed)}
     table.update({e.name: e for e in src_mtp})
     plan.metadata = plan_metadata(quant.spec, hfq, table, mtp_layers=lineage.mtp_layers, reference_config=src.config)
-    _plan_index_fix(plan)
+    plan_index_fix(plan)
     result.metadata_changes = list(plan.metadata.changes)
     result.warnings += plan.metadata.warnings
     result.action = "replaced" if plan.removed else "grafted"
@@ -613,7 +366,7 @@ def graft(options: GraftOptions) -> GraftResult:
             plan,
             src,
             result,
-            lambda p: _verify(p, lineage.expected, tracked.hashes, lineage.mtp_layers, quant, result),
+            lambda p: verify_result(p, lineage.expected, tracked.hashes, lineage.mtp_layers, quant, result.warnings),
         )
     result.src_shards_downloaded = list(tracked.downloaded)
     result.destination = str(target.root if target.root is not None else target.od.final)
@@ -626,7 +379,7 @@ def graft(options: GraftOptions) -> GraftResult:
     return _finish(result, t0, quant, src)
 
 
-def _fix_metadata(options: GraftOptions, plan: _Plan, result: GraftResult) -> GraftResult:
+def _fix_metadata(options: GraftOptions, plan: Plan, result: GraftResult) -> GraftResult:
     quant = plan.quant
     names = [e.name for e in quant.mtp_tensors()]
     if not names:
@@ -635,7 +388,7 @@ def _fix_metadata(options: GraftOptions, plan: _Plan, result: GraftResult) -> Gr
         )
     layers = mtp_layer_count(names) or quant.spec.mtp.layers
     plan.metadata = plan_metadata(quant.spec, plan.hfq, quant.tensors, mtp_layers=layers)
-    _plan_index_fix(plan)
+    plan_index_fix(plan)
     result.warnings += plan.metadata.warnings
     result.mtp_tensors = len(names)
     result.mtp_bytes = sum(quant.tensors[n].nbytes for n in names)
@@ -650,14 +403,7 @@ def _fix_metadata(options: GraftOptions, plan: _Plan, result: GraftResult) -> Gr
     return _metadata_only(options, plan, result, layers, "repaired MTP metadata")
 
 
-def _plan_index_fix(plan: _Plan) -> None:
-    """Add the total_size correction (when QUANT's is wrong) to the metadata changes."""
-    plan.index_fix = _total_size_fix(plan.quant)
-    if plan.index_fix is not None:
-        plan.metadata.changes.append(plan.index_fix)
-
-
-def _metadata_only(options: GraftOptions, plan: _Plan, result: GraftResult, layers: int, what: str) -> GraftResult:
+def _metadata_only(options: GraftOptions, plan: Plan, result: GraftResult, layers: int, what: str) -> GraftResult:
     """Write the JSON changes only; every tensor file is linked (--out) or left alone (--in-place)."""
     quant = plan.quant
     plan.link = sorted(set(plan.weight_map.values()))
@@ -666,7 +412,14 @@ def _metadata_only(options: GraftOptions, plan: _Plan, result: GraftResult, laye
     expected = {e.name: e.shape for e in quant.mtp_tensors()}
     target = _open_target(options, quant, plan, result)
     with target.od:
-        _write(target, options, plan, None, result, lambda p: _verify(p, expected, None, layers, quant, result))
+        _write(
+            target,
+            options,
+            plan,
+            None,
+            result,
+            lambda p: verify_result(p, expected, None, layers, quant, result.warnings),
+        )
     result.action = "metadata"
     result.destination = str(target.root if target.root is not None else target.od.final)
     result.commit = target.commit
