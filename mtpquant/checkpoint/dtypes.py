@@ -56,5 +56,6 @@ def tensor_bytes(t: torch.Tensor) -> bytes:
 
 
 def planned(name: str, t: torch.Tensor) -> PlannedTensor:
-    """A PlannedTensor whose bytes come from an in-memory tensor."""
-    return PlannedTensor(name, st_dtype(t.dtype), tuple(t.shape), lambda: tensor_bytes(t))
+    """A PlannedTensor whose bytes come from an in-memory tensor (on any device; 0-d tensors keep their shape)."""
+    data = t.detach().cpu().contiguous()
+    return PlannedTensor(name, st_dtype(data.dtype), tuple(data.shape), lambda: tensor_bytes(data))

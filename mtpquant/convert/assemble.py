@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mtpquant.checkpoint.dtypes import tensor_bytes
 from mtpquant.checkpoint.header import TensorEntry
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.checkpoint.writer import OutputDir, PlannedTensor
@@ -32,7 +31,6 @@ __all__ = [
     "carry_files",
     "main_tensor_plan",
     "mixed_precision_config",
-    "planned_tensor",
     "quantized_modules_of",
     "with_progress",
 ]
@@ -129,14 +127,6 @@ def with_progress(tensors: list[PlannedTensor], bar: Any) -> list[PlannedTensor]
         return PlannedTensor(t.name, t.dtype, t.shape, produce)
 
     return [wrap(t) for t in tensors]
-
-
-def planned_tensor(name: str, t: Any) -> PlannedTensor:
-    """A PlannedTensor from an in-memory torch tensor (0-d tensors keep their shape)."""
-    from mtpquant.checkpoint.dtypes import st_dtype
-
-    data = t.detach().cpu().contiguous()
-    return PlannedTensor(name, st_dtype(data.dtype), tuple(data.shape), lambda: tensor_bytes(data))
 
 
 def carry_files(od: OutputDir, src_root: Path, files: Iterable[str]) -> list[str]:

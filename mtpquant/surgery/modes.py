@@ -256,14 +256,14 @@ class QuantizeMode(MtpMode):
         )
 
     def write(self, ctx: WriteContext) -> MtpOutcome:
-        from mtpquant.convert.assemble import planned_tensor
+        from mtpquant.checkpoint.dtypes import planned as in_memory
         from mtpquant.mtp.quantize import quantize_mtp
 
         assert ctx.calibrator is not None, "quantize mode needs the calibrator that ran during calibration"
         layer = ctx.calibrator.layer
         weights = {"mtp." + n: p.detach().cpu() for n, p in layer.named_parameters()}
         result = quantize_mtp(weights, ctx.calibrator.amax, ctx.fmt, activations=ctx.activations)
-        planned: list[PlannedTensor] = [planned_tensor(n, t) for n, t in result.tensors.items()]
+        planned: list[PlannedTensor] = [in_memory(n, t) for n, t in result.tensors.items()]
         kept = [n for n in result.kept_tensors if n in ctx.ckpt.tensors]
         planned += mtp_planned_tensors(ctx.ckpt, kept)
         shards = write_planned_mtp(ctx.od, planned, ctx.max_bytes)
