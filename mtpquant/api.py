@@ -57,7 +57,7 @@ _WHERE = {
     "publish": "mtpquant.hub.publish",
     "Report": "mtpquant.validate.schema",
     "ValidationReport": "mtpquant.validate.schema",
-    "ValidateOptions": "mtpquant.validate.run",
+    "ValidateOptions": "mtpquant.validate.options",
     "validate": "mtpquant.validate.run",
 }
 

@@ -128,8 +128,7 @@ def plan_lines(plan: ConvertPlan) -> list[str]:
             "not quantized"
         )
     out.append(
-        f"MTP        {plan.mtp_declaration}; {len(plan.mtp_tensors)} tensors ({format_bytes(plan.mtp_bytes)}) "
-        "in source"
+        f"MTP        {plan.mtp_declaration}; {len(plan.mtp_tensors)} tensors ({format_bytes(plan.mtp_bytes)}) in source"
     )
     out.append("mode       " + plan.mode_line())
     c = r.calibration
@@ -263,6 +262,15 @@ def acceptance_table(report: Report) -> str:
                 )
             )
         )
+    for e in report.engine:
+        lines.append(f"engine: vllm {e.version} at {e.url}, model {e.model}, k={e.k} ({e.k_source})")
+    if report.predicted:
+        for label in ("reference", "candidate"):
+            for row in report.predicted.get(label) or []:
+                lines.append(
+                    f"{label} k={row['k']}: engine AL {row['engine_al']:.3f}, built-in prediction "
+                    f"{row['predicted_al']:.3f}, difference {row['difference']:+.3f}"
+                )
     return "\n".join(lines)
 
 

@@ -7,7 +7,8 @@ import json
 from pathlib import Path
 
 from mtpquant.errors import ExitCode
-from mtpquant.validate import ACTIVATION_MODES
+from mtpquant.validate import ACTIVATION_MODES  # torch-free: the choices at start-up
+from mtpquant.validate.options import ENGINES
 
 EXIT_BY_STATUS = {"pass": ExitCode.OK, "warn": ExitCode.VALIDATE_WARN, "fail": ExitCode.VALIDATE_FAIL}
 
@@ -24,14 +25,22 @@ def register(sub: argparse._SubParsersAction) -> None:
             f"Exit status: 0 pass, {int(ExitCode.VALIDATE_WARN)} warn, {int(ExitCode.VALIDATE_FAIL)} fail."
         ),
     )
-    p.add_argument("reference", help="checkpoint directory or Hub repo id (alone: the checkpoint to evaluate)")
+    p.add_argument(
+        "reference", nargs="?", help="checkpoint directory or Hub repo id (alone: the checkpoint to evaluate)"
+    )
     p.add_argument("candidate", nargs="?", help="the quantized checkpoint to compare against REFERENCE")
     p.add_argument("--prompts", type=Path, help="prompt file: .jsonl ({'text': ...}) or text blocks")
     p.add_argument("--num-prompts", type=int, default=32, help="number of prompts (default 32)")
     p.add_argument(
         "--max-len", type=int, default=128, help="tokens per sequence: prompt (<= half) + greedy continuation"
     )
-    p.add_argument("--k", type=int, default=3, help="evaluate k = 1..K drafts per step (default 3)")
+    p.add_argument(
+        "--k",
+        type=_ks,
+        default=(3, None),
+        metavar="K|K1,K2,..",
+        help="k = 1..K drafts per step (default 3), or the listed k values (--engine: one server each)",
+    )
     p.add_argument("--report-dir", type=Path, help="write report.json, report.md and plots here")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     p.add_argument(
@@ -44,7 +53,32 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--hidden", type=Path, metavar="FILE", help="use saved target hidden states instead of the targets")
     p.add_argument("--warn-al-drop", type=float, default=0.1, help="warn when AL drops more than this (default 0.1)")
     p.add_argument("--json", action="store_true", help="print report.json to stdout instead of the table")
+    e = p.add_argument_group("through a serving engine (vLLM's own speculative-decoding counters)")
+    e.add_argument("--server", metavar="URL", help="a running vLLM OpenAI server (the reference or the one checkpoint)")
+    e.add_argument("--candidate-server", metavar="URL", help="a second running server to compare (e.g. the NVFP4 one)")
+    e.add_argument("--served-model", metavar="NAME", help="the model name to ask for (default: the only one served)")
+    e.add_argument("--engine", choices=ENGINES, help="start the engine for CHECKPOINT [CANDIDATE] on 127.0.0.1")
+    e.add_argument("--vllm-python", type=Path, metavar="PATH", help="the python of the vLLM environment")
+    e.add_argument("--tensor-parallel-size", type=int, default=1, help="--engine: vLLM tensor parallelism")
+    e.add_argument(
+        "--engine-arg", action="append", default=[], metavar="ARG", help="--engine: one more vLLM server argument"
+    )
+    e.add_argument(
+        "--compare-reference", action="store_true", help="--engine: also the built-in prediction, side by side"
+    )
+    e.add_argument("--startup-timeout", type=float, default=900.0, help="--engine: seconds to wait for the server")
     p.set_defaults(func=run)
+
+
+def _ks(text: str) -> tuple[int, tuple[int, ...] | None]:
+    """``3`` -> (3, None): k = 1..3; ``1,3`` -> (3, (1, 3))."""
+    try:
+        values = tuple(sorted({int(v) for v in text.split(",") if v.strip()}))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not K or a list K1,K2,...") from None
+    if not values:
+        raise argparse.ArgumentTypeError("--k needs a value")
+    return (values[-1], values if "," in text else None)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -58,7 +92,8 @@ def run(args: argparse.Namespace) -> int:
         prompts_file=args.prompts,
         num_prompts=args.num_prompts,
         max_len=args.max_len,
-        k=args.k,
+        k=args.k[0],
+        ks=args.k[1],
         report_dir=args.report_dir,
         device=args.device,
         dtype=args.dtype,
@@ -67,6 +102,15 @@ def run(args: argparse.Namespace) -> int:
         hidden=args.hidden,
         warn_al_drop=args.warn_al_drop,
         progress=not args.quiet,
+        server=args.server,
+        candidate_server=args.candidate_server,
+        served_model=args.served_model,
+        engine=args.engine,
+        vllm_python=args.vllm_python,
+        tensor_parallel_size=args.tensor_parallel_size,
+        engine_args=tuple(args.engine_arg),
+        compare_reference=args.compare_reference,
+        startup_timeout=args.startup_timeout,
     )
     report = validate(opts)
     if args.json:

@@ -120,6 +120,14 @@ class EngineClient:
             raise EngineAnswerError(f"{self.url}/metrics: no vllm:* metrics (is this a vLLM server?)")
         return snap
 
+    def tokenize(self, model: str, text: str) -> list[int]:
+        """The server's own tokenization of ``text`` (no special tokens), as the built-in path tokenizes."""
+        body = self._json("/tokenize", payload={"model": model, "prompt": text, "add_special_tokens": False})
+        tokens = body.get("tokens") if isinstance(body, dict) else None
+        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+            raise EngineAnswerError(f"{self.url}/tokenize: no token list in the answer")
+        return [int(t) for t in tokens]
+
     def complete(self, model: str, prompts: Sequence[Sequence[int]], max_tokens: Sequence[int]) -> list[Completion]:
         """Greedy completions of token-id prompts (``temperature 0``, ``ignore_eos``), one request each."""
         out = []

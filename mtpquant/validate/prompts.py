@@ -15,7 +15,9 @@ import logging
 from collections.abc import Sequence
 from pathlib import Path
 
+from mtpquant.checkpoint.source import CheckpointSource
 from mtpquant.corpus import offline_documents
+from mtpquant.errors import ConfigError
 
 __all__ = [
     "HELD_OUT_STDLIB",
@@ -23,6 +25,8 @@ __all__ = [
     "held_out_documents",
     "is_held_out",
     "load_prompts",
+    "prompt_length",
+    "tokenize_prompts",
     "training_documents",
 ]
 
@@ -127,3 +131,25 @@ def load_prompts(path: Path | str, num_prompts: int | None = None) -> list[str]:
 
 def _take(prompts: Sequence[str], n: int | None) -> list[str]:
     return list(prompts if n is None else prompts[:n])
+
+
+def prompt_length(tokens: int, max_len: int) -> int:
+    """How much of a tokenized prompt a sequence of ``max_len`` tokens uses: at most half, at least one token;
+    the target generates the rest (the built-in and the engine paths use the same split)."""
+    return max(1, min(tokens, max_len // 2))
+
+
+def tokenize_prompts(source: CheckpointSource, prompts: Sequence[str], vocab: int | None = None) -> list[list[int]]:
+    """Token ids of each prompt with the checkpoint's own ``tokenizer.json`` (no special tokens, no template);
+    prompts shorter than two tokens are left out."""
+    from tokenizers import Tokenizer
+
+    if "tokenizer.json" not in source.list_files():
+        raise ConfigError(f"{source.label}: tokenizer.json is missing (validate needs the model's tokenizer)")
+    tok = Tokenizer.from_str(source.read_range("tokenizer.json", 0, source.file_size("tokenizer.json")).decode())
+    ids = [tok.encode(p, add_special_tokens=False).ids for p in prompts]
+    if vocab is not None:
+        for row in ids:
+            if row and max(row) >= vocab:
+                raise ConfigError(f"{source.label}: tokenizer produces id {max(row)} >= vocab size {vocab}")
+    return [row for row in ids if len(row) >= 2]

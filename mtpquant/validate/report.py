@@ -95,6 +95,36 @@ def render_markdown(report: Report, plots: dict[str, str]) -> str:
             ):
                 out.append(f"| {k} | {d:+.4f} | {m2:+.4f} | {t:+.4f} |")
         out.append("")
+    if report.engine:
+        out += [
+            "## Engine",
+            "",
+            "| side | engine | server | model | k | other requests meanwhile |",
+            "|---|---|---|---|---|---|",
+        ]
+        for e in report.engine:
+            out.append(f"| | vllm {e.version} | {e.url} | `{e.model}` | {e.k} ({e.k_source}) | {e.other_requests} |")
+        args = next((e.server_args for e in report.engine if e.server_args), ())
+        if args:
+            out += ["", "Server arguments: `" + " ".join(args) + "`."]
+        out += ["", f"Sampling: {dict(report.engine[0].sampling)} (greedy only).", ""]
+    if report.predicted:
+        out += [
+            "## Engine vs built-in prediction",
+            "",
+            f"{report.predicted.get('method', '')}.",
+            "",
+            "| side | k | engine AL | predicted AL | difference | engine rate | predicted rate |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for label in ("reference", "candidate"):
+            for row in report.predicted.get(label) or []:
+                out.append(
+                    f"| {label} | {row['k']} | {row['engine_al']:.3f} | {row['predicted_al']:.3f} | "
+                    f"{row['difference']:+.3f} | {100 * row['engine_acceptance_rate']:.1f} % | "
+                    f"{100 * row['predicted_acceptance_rate']:.1f} % |"
+                )
+        out.append("")
     for name, title in (("acceptance", "Acceptance"), ("kl", "KL distribution")):
         if name in plots:
             out += [f"![{title}]({plots[name]})", ""]

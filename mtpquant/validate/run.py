@@ -24,19 +24,15 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
 from mtpquant import __version__
-from mtpquant.errors import ConfigError, UsageError
 from mtpquant.validate.hidden import load_hidden, save_hidden
 from mtpquant.validate.load import (
-    ACTIVATION_MODES,
     CheckpointWeights,
     MtpBundle,
     TargetModel,
@@ -45,7 +41,8 @@ from mtpquant.validate.load import (
     load_target,
     resolve_device,
 )
-from mtpquant.validate.prompts import default_prompts, load_prompts
+from mtpquant.validate.options import ValidateError, ValidateOptions
+from mtpquant.validate.prompts import default_prompts, load_prompts, prompt_length, tokenize_prompts
 from mtpquant.validate.replay import (
     AcceptanceResult,
     SequenceRecord,
@@ -72,60 +69,9 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
-class ValidateError(UsageError):
-    """Validation cannot run (bad options, mismatched hidden-state file, ...)."""
-
-
-@dataclass(frozen=True)
-class ValidateOptions:
-    """Everything ``mtpquant validate`` does, as one frozen object (the CLI fills it)."""
-
-    reference: Path | str  # single mode: the checkpoint to evaluate
-    candidate: Path | str | None = None
-    prompts_file: Path | None = None
-    num_prompts: int = 32
-    max_len: int = 128  # tokens per sequence: prompt (at most half) + greedy continuation
-    k: int = 3
-    report_dir: Path | None = None
-    device: str = "auto"
-    dtype: str | None = None  # float32 on CPU, bfloat16 on CUDA unless given
-    activations: str = "off"  # off | emulate (W4A4: quantize Linear inputs with input_scale)
-    save_hidden: Path | None = None
-    hidden: Path | None = None
-    warn_al_drop: float = 0.1
-    broken_al: float = 1.02  # AL below this at k=1 means the MTP is broken (~0 % acceptance)
-    progress: bool = True
-
-    def check(self) -> None:
-        """Reject impossible settings with one-line errors."""
-        if self.k < 1:
-            raise ValidateError(f"--k must be >= 1, got {self.k}")
-        if self.max_len < 4:
-            raise ValidateError(f"--max-len must be >= 4, got {self.max_len}")
-        if self.num_prompts < 1:
-            raise ValidateError(f"--num-prompts must be >= 1, got {self.num_prompts}")
-        if self.activations not in ACTIVATION_MODES:
-            raise ValidateError(f"--activations must be one of {', '.join(ACTIVATION_MODES)}")
-        if self.hidden is not None and self.save_hidden is not None:
-            raise ValidateError("--hidden and --save-hidden exclude each other")
-        if self.warn_al_drop < 0:
-            raise ValidateError("--warn-al-drop must be >= 0")
-
-
-def _tokenize(path: Path | str, prompts: Sequence[str], weights: CheckpointWeights) -> list[list[int]]:
+def _tokenize(prompts: Sequence[str], weights: CheckpointWeights) -> list[list[int]]:
     """Token ids of each prompt with the checkpoint's own tokenizer (``tokenizer.json``)."""
-    source = weights.ckpt.source
-    if "tokenizer.json" not in source.list_files():
-        raise ConfigError(f"{weights.label}: tokenizer.json is missing (validate needs the model's tokenizer)")
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_str(source.read_range("tokenizer.json", 0, source.file_size("tokenizer.json")).decode())
-    ids = [tok.encode(p, add_special_tokens=False).ids for p in prompts]
-    vocab = int(weights.shape(weights.embed_name())[0])
-    for row in ids:
-        if row and max(row) >= vocab:
-            raise ConfigError(f"{path}: tokenizer produces id {max(row)} >= vocab size {vocab}")
-    return [row for row in ids if len(row) >= 2]
+    return tokenize_prompts(weights.ckpt.source, prompts, int(weights.shape(weights.embed_name())[0]))
 
 
 def capture(
@@ -140,7 +86,7 @@ def capture(
     """Greedy continuations and hidden states for each prompt (and over ``reference``'s sequences)."""
     seqs: list[SequenceRecord] = []
     for ids in tqdm(prompt_ids, desc=f"target {label}", unit="prompt", disable=not progress):
-        p = max(1, min(len(ids), max_len // 2))
+        p = prompt_length(len(ids), max_len)
         prompt = torch.tensor([list(ids[:p])], dtype=torch.long)
         tokens = target.greedy(prompt, max_len - p)
         hidden = target.hidden(tokens)[0].cpu()
@@ -165,27 +111,30 @@ def verdict(opts: ValidateOptions, reference: Side, candidate: Side | None) -> V
         return Verdict("fail", (f"reference: {reference.mtp.error}",))
     if subject.mtp.error or subject.acceptance is None:
         return Verdict("fail", (f"{name}: {subject.mtp.error}",))
-    al = subject.acceptance.al
-    if al[0] < opts.broken_al:
+    rows = subject.acceptance.by_k
+    al = [r.mean_acceptance_length for r in rows]
+    first = rows[0]  # k = 1 on the built-in path; the smallest k a server ran on the engine path
+    if first.mean_acceptance_length < opts.broken_al:
         status = "fail"
         reasons.append(
-            f"{name} MTP is broken: AL {al[0]:.3f} at k=1 (acceptance {100 * (al[0] - 1):.1f} %); engines will "
-            "draft for nothing and decode slower"
+            f"{name} MTP is broken: AL {first.mean_acceptance_length:.3f} at k={first.k} (acceptance "
+            f"{100 * first.acceptance_rate:.1f} %); engines will draft for nothing and decode slower"
         )
     if pair and reference.acceptance is not None:
-        ref_al = reference.acceptance.al
-        drops = [(k, r - c) for k, (r, c) in enumerate(zip(ref_al, al), 1)]
-        worst = max(drops, key=lambda kd: kd[1])
-        if worst[1] > opts.warn_al_drop:
+        ref_by_k = {r.k: r.mean_acceptance_length for r in reference.acceptance.by_k}
+        drops = [(r.k, ref_by_k[r.k], r.mean_acceptance_length) for r in rows if r.k in ref_by_k]
+        k, ref_al, cand_al = max(drops, key=lambda d: d[1] - d[2])
+        if ref_al - cand_al > opts.warn_al_drop:
             status = "fail" if status == "fail" else "warn"
             reasons.append(
-                f"AL drops by {worst[1]:.3f} at k={worst[0]} ({ref_al[worst[0] - 1]:.3f} -> "
-                f"{al[worst[0] - 1]:.3f}), more than {opts.warn_al_drop}"
+                f"AL drops by {ref_al - cand_al:.3f} at k={k} ({ref_al:.3f} -> {cand_al:.3f}), more than "
+                f"{opts.warn_al_drop}"
             )
     if not reasons:
+        ks = [r.k for r in rows]
+        span = f"k = 1..{len(ks)}" if ks == list(range(1, len(ks) + 1)) else f"k = {', '.join(map(str, ks))}"
         reasons.append(
-            f"AL {' / '.join(f'{a:.2f}' for a in al)} for k = 1..{len(al)}"
-            + ("; within the allowed drop" if pair else "")
+            f"AL {' / '.join(f'{a:.2f}' for a in al)} for {span}" + ("; within the allowed drop" if pair else "")
         )
     return Verdict(status, tuple(reasons))
 
@@ -258,7 +207,7 @@ def _targets(
     else:
         prompts = default_prompts(opts.num_prompts)
         prompts_desc = "default: held-out pydoc topics and stdlib source (mtpquant.validate.prompts)"
-    ids = _tokenize(opts.reference, prompts, ref_w)
+    ids = _tokenize(prompts, ref_w)
     if not ids:
         raise ValidateError("no prompt has at least 2 tokens")
     runs = {}
@@ -286,6 +235,12 @@ def validate(opts: ValidateOptions) -> ValidationReport:
     t_start = time.perf_counter()
     device = resolve_device(opts.device)
     dtype = compute_dtype(device, opts.dtype)
+    if opts.engine_path:
+        from mtpquant.validate.engine import validate_engine
+
+        return validate_engine(opts)
+    assert opts.reference is not None  # opts.check(): the built-in path needs a checkpoint
+    K = max(opts.k_values)
     ref_w = CheckpointWeights.open(opts.reference)
     cand_w = CheckpointWeights.open(opts.candidate) if opts.candidate is not None else None
     notes: list[str] = []
@@ -306,9 +261,7 @@ def validate(opts: ValidateOptions) -> ValidationReport:
     t0 = time.perf_counter()
     ref_mtp, ref_err = load_mtp(ref_w, dtype=dtype, device=device, activations=opts.activations)
     ref_acc = (
-        evaluate_acceptance(ref_mtp, runs["ref"], opts.k, progress=opts.progress, label="reference")
-        if ref_mtp
-        else None
+        evaluate_acceptance(ref_mtp, runs["ref"], K, progress=opts.progress, label="reference") if ref_mtp else None
     )
     reference = _side(ref_w, ref_mtp, ref_err, runs["ref"], ref_acc, ref_src)
     candidate: Side | None = None
@@ -318,9 +271,7 @@ def validate(opts: ValidateOptions) -> ValidationReport:
         cand_run = runs["cand"]
         cand_mtp, cand_err = load_mtp(cand_w, dtype=dtype, device=device, activations=opts.activations)
         cand_acc = (
-            evaluate_acceptance(cand_mtp, cand_run, opts.k, progress=opts.progress, label="candidate")
-            if cand_mtp
-            else None
+            evaluate_acceptance(cand_mtp, cand_run, K, progress=opts.progress, label="candidate") if cand_mtp else None
         )
         candidate = _side(cand_w, cand_mtp, cand_err, cand_run, cand_acc, cand_src)
         parts: dict[str, Any] = {}
@@ -328,12 +279,11 @@ def validate(opts: ValidateOptions) -> ValidationReport:
             mtp_cmp = compare_mtp(ref_mtp, cand_mtp, runs["ref"])
             mtp_kl = mtp_cmp.kl
             cross = evaluate_acceptance(
-                cand_mtp, runs["ref"], opts.k, progress=opts.progress, label="candidate on reference target"
+                cand_mtp, runs["ref"], K, progress=opts.progress, label="candidate on reference target"
             )
             ref_al = [s.mean_acceptance_length for s in ref_acc.by_k]
             cand_al = [s.mean_acceptance_length for s in cand_acc.by_k]
             cross_al = [s.mean_acceptance_length for s in cross.by_k]
-            K = opts.k
             parts.update(
                 mtp=mtp_cmp.typed(),
                 candidate_mtp_on_reference_target=cross.typed(),
@@ -367,7 +317,7 @@ def validate(opts: ValidateOptions) -> ValidationReport:
         created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         mode="pair" if candidate is not None else "single",
         settings=Settings(
-            k=opts.k,
+            k=K,
             num_prompts=len(runs["ref"].sequences),
             max_len=opts.max_len,
             prompts=prompts_desc,

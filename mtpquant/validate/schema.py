@@ -294,9 +294,12 @@ class Comparison:
         if self.mtp is not None and self.candidate_mtp_on_reference_target is not None:
             out["mtp"] = self.mtp.to_json()
             out["candidate_mtp_on_reference_target"] = self.candidate_mtp_on_reference_target.to_json()
+        if self.al_delta_by_k:  # the built-in path (with both MTPs) and the engine path (two servers)
             out["al_delta_by_k"] = list(self.al_delta_by_k)
+        if self.al_delta_from_mtp_by_k:  # the built-in path's split of the change
             out["al_delta_from_mtp_by_k"] = list(self.al_delta_from_mtp_by_k)
             out["al_delta_from_target_by_k"] = list(self.al_delta_from_target_by_k)
+        if self.acceptance_delta_per_position:
             out["acceptance_delta_per_position"] = list(self.acceptance_delta_per_position)
         if self.main is not None:
             out["main"] = self.main.to_json()

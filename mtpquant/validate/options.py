@@ -1,0 +1,95 @@
+"""``mtpquant validate``'s options, as one frozen object (torch-free: the engine path needs no model code)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mtpquant.errors import UsageError
+from mtpquant.validate import ACTIVATION_MODES
+
+__all__ = ["ENGINES", "ValidateError", "ValidateOptions"]
+
+ENGINES = ("vllm",)
+
+
+class ValidateError(UsageError):
+    """Validation cannot run (bad options, mismatched hidden-state file, ...)."""
+
+
+@dataclass(frozen=True)
+class ValidateOptions:
+    """Everything ``mtpquant validate`` does, as one frozen object (the CLI fills it)."""
+
+    reference: Path | str | None  # single mode: the checkpoint to evaluate (None: --server alone)
+    candidate: Path | str | None = None
+    prompts_file: Path | None = None
+    num_prompts: int = 32
+    max_len: int = 128  # tokens per sequence: prompt (at most half) + greedy continuation
+    k: int = 3
+    report_dir: Path | None = None
+    device: str = "auto"
+    dtype: str | None = None  # float32 on CPU, bfloat16 on CUDA unless given
+    activations: str = "off"  # off | emulate (W4A4: quantize Linear inputs with input_scale)
+    save_hidden: Path | None = None
+    hidden: Path | None = None
+    warn_al_drop: float = 0.1
+    broken_al: float = 1.02  # AL below this at k=1 means the MTP is broken (~0 % acceptance)
+    progress: bool = True
+    # ---- the engine path: a running server, or one mtpquant starts ------------------------------------------
+    ks: tuple[int, ...] | None = None  # explicit k values (--k 1,3); None: 1..k
+    server: str | None = None  # URL of a running vLLM server (the reference, or the one checkpoint)
+    candidate_server: str | None = None
+    served_model: str | None = None  # the model name to ask the server(s) for (default: the only one served)
+    engine: str | None = None  # "vllm": start the engine for REFERENCE [and CANDIDATE]
+    vllm_python: Path | None = None  # the python of the vLLM environment
+    tensor_parallel_size: int = 1
+    engine_args: tuple[str, ...] = ()
+    compare_reference: bool = False  # also run the built-in prediction and put both side by side
+    startup_timeout: float = 900.0
+    request_timeout: float = 600.0
+    env: dict[str, str] = field(default_factory=dict)  # extra environment for the servers mtpquant starts
+
+    @property
+    def k_values(self) -> tuple[int, ...]:
+        """The k values evaluated: --k N means 1..N, --k a,b,c those."""
+        return self.ks if self.ks else tuple(range(1, self.k + 1))
+
+    @property
+    def engine_path(self) -> bool:
+        """Whether acceptance is measured by a serving engine (a running server, or one started here)."""
+        return self.server is not None or self.engine is not None
+
+    def check(self) -> None:
+        """Reject impossible settings with one-line errors."""
+        if self.k < 1 or any(k < 1 for k in self.ks or ()):
+            raise ValidateError(f"--k must be >= 1, got {','.join(map(str, self.ks or (self.k,)))}")
+        if self.max_len < 4:
+            raise ValidateError(f"--max-len must be >= 4, got {self.max_len}")
+        if self.num_prompts < 1:
+            raise ValidateError(f"--num-prompts must be >= 1, got {self.num_prompts}")
+        if self.activations not in ACTIVATION_MODES:
+            raise ValidateError(f"--activations must be one of {', '.join(ACTIVATION_MODES)}")
+        if self.hidden is not None and self.save_hidden is not None:
+            raise ValidateError("--hidden and --save-hidden exclude each other")
+        if self.warn_al_drop < 0:
+            raise ValidateError("--warn-al-drop must be >= 0")
+        if self.server is not None and self.engine is not None:
+            raise ValidateError("--server and --engine exclude each other (measure a running server, or start one)")
+        if self.candidate_server is not None and self.server is None:
+            raise ValidateError("--candidate-server needs --server (the reference server)")
+        if self.engine is not None:
+            if self.engine not in ENGINES:
+                raise ValidateError(f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+            if self.vllm_python is None:
+                raise ValidateError("--engine vllm needs --vllm-python PATH (the python of the vLLM environment)")
+            if self.reference is None:
+                raise ValidateError("--engine vllm needs the CHECKPOINT to serve")
+        if self.engine_path and (self.hidden is not None or self.save_hidden is not None):
+            raise ValidateError("--hidden / --save-hidden belong to the built-in path, not to --server / --engine")
+        if self.compare_reference and self.engine is None:
+            raise ValidateError("--compare-reference needs --engine vllm (and a local checkpoint)")
+        if not self.engine_path and self.reference is None:
+            raise ValidateError("give a CHECKPOINT (or --server URL)")
+        if self.tensor_parallel_size < 1:
+            raise ValidateError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")

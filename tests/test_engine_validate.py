@@ -1,0 +1,208 @@
+"""validate through the real vLLM CPU engine: ``--engine vllm`` (servers mtpquant starts) and ``--server URL``.
+
+The trained tiny model's ``convert --keep-mtp`` and ``--mtp quantize`` outputs are measured by the engine's own
+counters for k = 1 and 3 and compared with the built-in prediction on the same prompts; a ``--mtp drop``
+output grafted back measures as the keep output does; the bad-input cases are one-line errors with their
+exit codes and nothing written into the report directory.
+"""
+
+from __future__ import annotations
+
+import http.server
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from mtpquant.api import ConvertOptions, GraftOptions, ValidateOptions, convert, graft, validate
+from mtpquant.cli import main as cli
+from mtpquant.engine.launch import free_port
+from mtpquant.errors import ExitCode
+from mtpquant.synth.train import TINY_MTP_ASSET
+from tests.support.engine import CPU_ENV, EnginePool
+
+pytestmark = pytest.mark.engine
+
+Factory = Callable[[str], Path]
+PROMPTS = 16
+MAX_LEN = 128
+
+
+@pytest.fixture(scope="module")
+def outputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """convert of the trained tiny model: keep, quantize (NVFP4 MTP) and drop, and drop grafted back."""
+    root = tmp_path_factory.mktemp("engine-validate")
+    out = {}
+    for mode in ("keep", "quantize", "drop"):
+        out[mode] = root / mode
+        convert(
+            ConvertOptions(
+                src=str(TINY_MTP_ASSET),
+                out=out[mode],
+                mtp=mode,
+                calib_samples=8,
+                calib_seq_len=128,
+                device="cpu",
+                progress=False,
+            )
+        )
+    out["grafted"] = root / "grafted"
+    graft(GraftOptions(quant=out["drop"], source=TINY_MTP_ASSET, out=out["grafted"]))
+    return out
+
+
+def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
+    capsys.readouterr()
+    code = cli(["-q", "validate", *argv])
+    return code, capsys.readouterr().err.strip()
+
+
+@pytest.mark.parametrize("mode", ["keep", "quantize"])
+def test_engine_measures_what_the_builtin_path_predicts(
+    outputs: dict[str, Path], vllm: EnginePool, tmp_path: Path, mode: str
+) -> None:
+    report_dir = tmp_path / "report"
+    result = validate(
+        ValidateOptions(
+            outputs[mode],
+            num_prompts=PROMPTS,
+            max_len=MAX_LEN,
+            ks=(1, 3),
+            device="cpu",
+            activations="emulate",  # the engine runs the W4A4 activations too
+            engine="vllm",
+            vllm_python=vllm.python,
+            env=CPU_ENV,
+            compare_reference=True,
+            report_dir=report_dir,
+            progress=False,
+        )
+    )
+    report = result.report
+    assert [e.k for e in report.engine] == [1, 3] and all(e.version == "0.32.0" for e in report.engine)
+    assert all(e.k_source == "server" and e.other_requests == 0 for e in report.engine)
+    assert "--speculative-config" in report.engine[0].server_args
+    rows = report.predicted["reference"] if report.predicted else []
+    assert [r["k"] for r in rows] == [1, 3]
+    for r in rows:  # the prediction matches what the engine accepts
+        assert abs(r["difference"]) <= 0.1, r
+    assert report.verdict.status == "pass"
+    files = sorted(p.name for p in report_dir.iterdir())
+    assert files == ["acceptance.png", "report.json", "report.md", "vllm-reference-k1.log", "vllm-reference-k3.log"]
+    md = (report_dir / "report.md").read_text()
+    assert "## Engine vs built-in prediction" in md and "greedy only" in md
+
+
+def test_server_pair_grafted_drop_measures_as_keep(
+    outputs: dict[str, Path], vllm: EnginePool, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    keep, grafted = vllm.get(outputs["keep"], 1), vllm.get(outputs["grafted"], 1)
+    code, err = _cli(
+        capsys,
+        str(outputs["keep"]),  # the tokenizer of the prompts (a local checkpoint: the built-in path's ids)
+        "--server",
+        keep.server.url,
+        "--candidate-server",
+        grafted.server.url,
+        "--num-prompts",
+        str(PROMPTS),
+        "--max-len",
+        str(MAX_LEN),
+        "--report-dir",
+        str(tmp_path / "r"),
+    )
+    assert code == 0, err
+    import json
+
+    data = json.loads((tmp_path / "r" / "report.json").read_text())
+    assert data["mode"] == "pair" and [e["k"] for e in data["engine"]] == [1, 1]
+    ref, cand = data["reference"]["acceptance"]["by_k"], data["candidate"]["acceptance"]["by_k"]
+    assert ref == cand and data["comparison"]["al_delta_by_k"] == [0.0]  # the same MTP, the same acceptance
+    assert ref[0]["num_accepted"] > 0
+
+
+def test_server_without_speculative_decoding_is_a_failure(
+    outputs: dict[str, Path], vllm: EnginePool, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    plain = vllm.get(outputs["drop"], None)  # the MTP is gone: served without speculative decoding
+    code, err = _cli(capsys, "--server", plain.server.url, "--num-prompts", "2", "--report-dir", str(tmp_path / "r"))
+    assert code == ExitCode.ENGINE_SPEC_DECODE
+    assert err == (
+        f"mtpquant: error: {plain.server.url}: {outputs['drop']} exports no speculative-decoding counters during 2 "
+        "requests: speculative decoding with MTP is not configured (start it with --speculative-config "
+        '\'{"method":"mtp","num_speculative_tokens":K}\')'
+    )
+    assert not (tmp_path / "r").exists()
+
+
+def test_server_serving_another_model(
+    outputs: dict[str, Path], vllm: EnginePool, capsys: pytest.CaptureFixture[str]
+) -> None:
+    keep = vllm.get(outputs["keep"], 1)
+    code, err = _cli(capsys, "--server", keep.server.url, "--served-model", "org/other")
+    assert code == ExitCode.ENGINE_MODEL
+    assert err == f"mtpquant: error: {keep.server.url}: serves {outputs['keep']}, not org/other"
+
+
+def test_unreachable_server(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    port = free_port()  # nothing listens there
+    code, err = _cli(capsys, "--server", f"http://127.0.0.1:{port}", "--report-dir", str(tmp_path / "r"))
+    assert code == ExitCode.ENGINE_UNREACHABLE
+    assert err == f"mtpquant: error: http://127.0.0.1:{port}: cannot connect (connection refused)"
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.fixture
+def not_vllm() -> Iterator[str]:
+    """A plain HTTP server on 127.0.0.1 (answers 404 everywhere): not an OpenAI-compatible vLLM server."""
+
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Quiet)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_server_that_is_not_vllm(not_vllm: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code, err = _cli(capsys, "--server", not_vllm)
+    assert code == ExitCode.ENGINE_ANSWER
+    assert err == f'mtpquant: error: {not_vllm}: not a vLLM server (no /version answering {{"version": ...}})'
+
+
+def test_engine_that_fails_to_start_names_its_log(
+    vllm: EnginePool,
+    peer_quant: Factory,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for key, value in CPU_ENV.items():
+        monkeypatch.setenv(key, value)
+    path = peer_quant("autoround-nvfp4-native-dense")  # vLLM 0.32 refuses its nv_fp data type
+    report_dir = tmp_path / "r"
+    code, err = _cli(
+        capsys,
+        str(path),
+        "--engine",
+        "vllm",
+        "--vllm-python",
+        str(vllm.python),
+        "--k",
+        "1",
+        "--device",
+        "cpu",
+        "--report-dir",
+        str(report_dir),
+    )
+    assert code == ExitCode.ENGINE_START
+    log = report_dir / "vllm-reference-k1.log"
+    # one line naming the cause (vLLM's own message; its set of types prints in any order) and the log
+    assert err.startswith("mtpquant: error: vLLM server exited with code 1 before it was ready: Unsupported data_type: nv_fp")
+    assert err.endswith(f"(log: {log})") and "\n" not in err
+    assert sorted(p.name for p in report_dir.iterdir()) == ["vllm-reference-k1.log"]  # the log, no report
