@@ -203,6 +203,8 @@ def test_engine_that_fails_to_start_names_its_log(
     assert code == ExitCode.ENGINE_START
     log = report_dir / "vllm-reference-k1.log"
     # one line naming the cause (vLLM's own message; its set of types prints in any order) and the log
-    assert err.startswith("mtpquant: error: vLLM server exited with code 1 before it was ready: Unsupported data_type: nv_fp")
+    assert err.startswith(
+        "mtpquant: error: vLLM server exited with code 1 before it was ready: Unsupported data_type: nv_fp"
+    )
     assert err.endswith(f"(log: {log})") and "\n" not in err
     assert sorted(p.name for p in report_dir.iterdir()) == ["vllm-reference-k1.log"]  # the log, no report
