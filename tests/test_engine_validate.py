@@ -208,3 +208,34 @@ def test_engine_that_fails_to_start_names_its_log(
     )
     assert err.endswith(f"(log: {log})") and "\n" not in err
     assert sorted(p.name for p in report_dir.iterdir()) == ["vllm-reference-k1.log"]  # the log, no report
+
+
+def test_ctrl_c_leaves_no_server_behind(outputs: dict[str, Path], vllm: EnginePool, tmp_path: Path) -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    report_dir = tmp_path / "r"
+    cmd = [sys.executable, "-m", "mtpquant", "-q", "validate", str(outputs["keep"]), "--engine", "vllm"]
+    cmd += ["--vllm-python", str(vllm.python), "--k", "1", "--device", "cpu", "--report-dir", str(report_dir)]
+    proc = subprocess.Popen(cmd, env={**os.environ, **CPU_ENV}, stderr=subprocess.PIPE, text=True)
+    log = report_dir / "vllm-reference-k1.log"
+    deadline = time.monotonic() + 300
+    while not (log.exists() and "Application startup complete" in log.read_text(errors="replace")):
+        assert proc.poll() is None and time.monotonic() < deadline, "the server never came up"
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)  # Ctrl-C while the measurement runs
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == ExitCode.INTERRUPTED, err
+    assert err.strip().splitlines()[-1] == "mtpquant: interrupted; no output was left behind"
+    port = log.read_text().split("--port ", 1)[1].split()[0]  # the log opens with the server's command line
+    pattern = f"api_server --model {outputs['keep']} --host 127.0.0.1 --port {port} "
+    for _ in range(60):  # the server and its engine-core workers are gone
+        alive = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split()
+        if not alive:
+            break
+        time.sleep(0.5)
+    assert alive == []
+    assert not (report_dir / "report.json").exists()
