@@ -10,7 +10,8 @@ Layouts are the ``NAME_weights_table.md`` + ``NAME_config*.json`` pairs in ``--l
 NAME is enough. Tensor data are holes (reads return zeros) and cost no disk. ``--quant`` writes the
 naive modelopt NVFP4 export of the same model instead (no MTP while config.json declares it).
 ``--mtp-data random`` gives the MTP tensors real bytes (they then occupy disk: 0.24 GB for
-Qwen3.5-4B, 1.7 GB for Qwen3.5-35B-A3B, 3.3 GB for Qwen3-Next-80B-A3B).
+Qwen3.5-4B, 1.7 GB for Qwen3.5-35B-A3B, 3.3 GB for Qwen3-Next-80B-A3B). ``--mtp-data normal`` gives every
+tensor random-normal weights and adds a tokenizer: a full-size model that converts (9.3 GB for Qwen3.5-4B).
 """
 
 from __future__ import annotations
@@ -33,7 +34,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layout", help="layout name, e.g. Qwen3.5-35B-A3B, Qwen3-Next-80B-A3B-Instruct, Qwen3.5-4B")
     parser.add_argument("--out", type=Path, help="output directory (must not exist unless --overwrite)")
     parser.add_argument("--quant", action="store_true", help="write the naive modelopt NVFP4 quant (MTP absent)")
-    parser.add_argument("--mtp-data", choices=("sparse", "random"), default="sparse")
+    parser.add_argument(
+        "--mtp-data",
+        choices=("sparse", "random", "normal"),
+        default="sparse",
+        help="sparse: holes; random: real bytes in the MTP; normal: every tensor random-normal, plus a tokenizer",
+    )
     parser.add_argument("--layouts", type=Path, default=DEFAULT_LAYOUTS, help="directory of layout tables")
     parser.add_argument("--overwrite", action="store_true")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -52,6 +58,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     result = make_skeleton(layout, args.out, quant=args.quant, mtp_data=args.mtp_data, overwrite=args.overwrite)
+    if args.mtp_data == "normal":  # a model that converts: the trained tiny model's tokenizer (ids < every vocab)
+        import shutil
+
+        from mtpquant.synth.train import TINY_MTP_ASSET
+
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copyfile(TINY_MTP_ASSET / name, result.path / name)
     if args.json:
         data = asdict(result)
         data["path"] = str(result.path)

@@ -426,6 +426,23 @@ def _random_fill(seed: int) -> Callable[[SkeletonTensor], bytes | None]:
     return fill
 
 
+def _normal_fill(seed: int) -> Callable[[SkeletonTensor], bytes | None]:
+    """Every tensor random-normal (std 0.02) in its own dtype: a model that runs, for measuring real bytes."""
+    import torch
+
+    from mtpquant.checkpoint.dtypes import tensor_bytes, torch_dtype
+
+    gen = torch.Generator().manual_seed(seed)
+
+    def fill(t: SkeletonTensor) -> bytes:
+        n = 1
+        for d in t.shape:
+            n *= d
+        return tensor_bytes((torch.randn(n, generator=gen) * 0.02).to(torch_dtype(t.dtype)))
+
+    return fill
+
+
 def make_skeleton(
     layout: Layout,
     out: Path | str,
@@ -437,18 +454,27 @@ def make_skeleton(
 ) -> SkeletonResult:
     """Write the skeleton (or, with ``quant``, the skeleton naive NVFP4 quant) of ``layout`` to ``out``.
 
-    ``mtp_data``: ``"sparse"`` (holes, reads as zeros) or ``"random"`` (real pseudo-random bytes in
-    every ``mtp.*`` tensor; the rest stays sparse). The quant has no MTP, so it ignores this.
+    ``mtp_data``: ``"sparse"`` (holes, reads as zeros), ``"random"`` (real pseudo-random bytes in every
+    ``mtp.*`` tensor; the rest stays sparse), or ``"normal"`` (every tensor random-normal in its dtype: a
+    full-size model that converts and runs, for measuring memory and bytes on real data; source only).
     """
-    if mtp_data not in ("sparse", "random"):
-        raise ValueError(f"mtp_data must be 'sparse' or 'random', not {mtp_data!r}")
+    if mtp_data not in ("sparse", "random", "normal"):
+        raise ValueError(f"mtp_data must be 'sparse', 'random' or 'normal', not {mtp_data!r}")
+    if mtp_data == "normal" and quant:
+        raise ValueError("random-normal weights are for the BF16 source, not the quant skeleton")
     t0 = time.perf_counter()
     hf_quant_config: dict[str, Any] | None = None
     if quant:
         config, hf_quant_config, tensors = plan_quant(layout)
     else:
         config, tensors = plan_source(layout)
-    fill = _random_fill(seed) if mtp_data == "random" and not quant else None
+    fill = (
+        _normal_fill(seed)
+        if mtp_data == "normal"
+        else _random_fill(seed)
+        if mtp_data == "random" and not quant
+        else None
+    )
     by_shard: dict[str, list[SkeletonTensor]] = defaultdict(list)
     for t in tensors:
         by_shard[t.shard].append(t)
