@@ -26,8 +26,10 @@ __all__ = [
     "HubUnreachableError",
     "IndivisibleDimensionError",
     "LineageError",
+    "MemoryPlanError",
     "MtpModeError",
     "MtpquantError",
+    "OutputBusyError",
     "OutputExistsError",
     "OutputVerificationError",
     "PublishRefusedError",
@@ -65,6 +67,8 @@ class ExitCode(IntEnum):
     VALIDATE_FAIL = 18  # validate: the MTP is missing or broken (acceptance ~0)
     IO = 19  # the operating system refused: disk full, permissions, ... (nothing half-written)
     INSPECT_FORMAT = 20  # inspect: an engine refuses the checkpoint's quantization format outright
+    OUTPUT_BUSY = 21  # another mtpquant run is writing the same output (its pid is named)
+    MEMORY = 22  # convert: the model cannot be placed under the memory caps (the needed and available sizes are named)
     HUB_UNREACHABLE = 30  # the Hub (or mirror) cannot be reached or timed out
     HUB_ACCESS = 31  # the repo, revision or file does not exist, or is gated / private / needs a token
     HUB_REFUSED = 32  # the Hub refused the request or rate-limited it beyond the retries
@@ -98,6 +102,8 @@ _MEANING = {
     ExitCode.VALIDATE_FAIL: "validate: MTP missing or broken",
     ExitCode.IO: "operating-system error (disk full, permissions)",
     ExitCode.INSPECT_FORMAT: "inspect: an engine refuses the quantization format",
+    ExitCode.OUTPUT_BUSY: "another mtpquant run is writing the same output (its pid is named)",
+    ExitCode.MEMORY: "convert: the model does not fit under the memory caps",
     ExitCode.HUB_UNREACHABLE: "Hub unreachable or timed out",
     ExitCode.HUB_ACCESS: "Hub repo/file not found, gated, private, or bad token",
     ExitCode.HUB_REFUSED: "Hub refused the request or rate-limited it",
@@ -161,6 +167,18 @@ class OutputExistsError(MtpquantError):
     """The output path exists (and ``--overwrite`` was not given), or is the source."""
 
     exit_code = ExitCode.OUTPUT_EXISTS
+
+
+class OutputBusyError(MtpquantError):
+    """Another live mtpquant run holds the output's lock (the message names its pid)."""
+
+    exit_code = ExitCode.OUTPUT_BUSY
+
+
+class MemoryPlanError(MtpquantError):
+    """The model cannot be placed under the memory caps (or the caps leave no room for one layer)."""
+
+    exit_code = ExitCode.MEMORY
 
 
 class MtpModeError(MtpquantError):

@@ -140,6 +140,7 @@ def plan_lines(plan: ConvertPlan) -> list[str]:
     if plan.mtp_out is not None:
         out.append(f"MTP output {plan.mtp_out}")
     out.append(f"carry      {', '.join(plan.carried_files) or '(no other files)'}")
+    out += plan.memory.lines()
     out += [f"note       {n}" for n in plan.notes]
     return out
 
@@ -163,7 +164,25 @@ def convert_text(result: ConvertResult) -> str:
         lines.append(f"MTP        {result.mtp_tensors} tensors, {result.mtp_precision}")
     else:
         lines.append("MTP        none in the output")
-    lines.append(f"calib      {result.calibration_rows} rows, {result.calibration_tokens} tokens")
+    calib = f"calib      {result.calibration_rows} rows, {result.calibration_tokens} tokens"
+    if result.layerwise:
+        calib += ", layer by layer"
+        if result.resumed_from_layer is not None:
+            calib += f" (resumed at layer {result.resumed_from_layer + 1})"
+    lines.append(calib)
+    if result.placement:
+        lines.append("placement  " + ", ".join(f"{n} modules on {d}" for d, n in sorted(result.placement.items())))
+    if result.bytes_written:
+        ratio = result.bytes_written / max(result.output_bytes, 1)
+        parts = [f"{ratio:.2f}x the output"]
+        if result.resume_bytes:
+            parts.append(f"resume state {format_bytes(result.resume_bytes)}")
+        if result.offload_bytes:
+            parts.append(f"offload copies {format_bytes(result.offload_bytes)}")
+        lines.append(
+            f"written    {format_bytes(result.bytes_written)} ({', '.join(parts)}); exported shards "
+            f"moved {result.shards_moved}, rewritten {result.shards_rewritten}"
+        )
     lines.append("time       " + ", ".join(f"{k} {v:.1f}s" for k, v in t.items()))
     mem = f"peak RSS {format_bytes(result.peak_rss_bytes)}"
     if result.peak_gpu_bytes:

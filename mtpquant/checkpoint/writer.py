@@ -2,8 +2,10 @@
 
 An output is built in ``.<name>.mtpquant-partial-<id>/`` next to its destination and renamed into
 place by ``finalize`` once every header re-opens and the index checks out; nothing that looks like
-a finished checkpoint exists before that. Shards are streamed: the header is computed from the plan,
-then tensor bytes are written one tensor at a time, so memory stays at one tensor.
+a finished checkpoint exists before that. While it is built, the run holds the destination's lock
+(``checkpoint.lock``): a second run on the same destination refuses at its start. Shards are
+streamed: the header is computed from the plan, then tensor bytes are written one tensor at a
+time, so memory stays at one tensor.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any
 
 from mtpquant.checkpoint.header import ShardHeader, tensor_nbytes
 from mtpquant.checkpoint.index import INDEX_NAME, build_index, check_shard_name
+from mtpquant.checkpoint.lock import OutputLock
 from mtpquant.checkpoint.source import LocalSource
 from mtpquant.errors import CheckpointError, OutputExistsError
 
@@ -218,18 +221,26 @@ def _pid_alive(pid: int) -> bool:
 class OutputDir:
     """A checkpoint being built in a temp sibling directory of ``final``."""
 
-    def __init__(self, final: Path | str, *, overwrite: bool = False) -> None:
+    def __init__(self, final: Path | str, *, overwrite: bool = False, lock: OutputLock | None = None) -> None:
+        """``lock``: the destination's lock, already taken by the caller (it passes to this object)."""
         self.final = Path(final).absolute()
         self.overwrite = overwrite
-        if self.final.exists() and not overwrite:
-            raise OutputExistsError(f"{self.final}: output already exists (use --overwrite to replace it)")
         self.final.parent.mkdir(parents=True, exist_ok=True)
-        for stale in find_stale_partials(self.final):
-            log.warning("removing leftover temporary directory of an interrupted run: %s", stale)
-            shutil.rmtree(stale, ignore_errors=True)
-        self.path = self.final.parent / f".{self.final.name}{PARTIAL_MARK}{uuid.uuid4().hex[:12]}"
-        self.path.mkdir()
-        (self.path / _OWNER_FILE).write_text(str(os.getpid()))
+        # first the lock: from here on no other live run writes this destination
+        self._lock = lock if lock is not None else OutputLock.acquire(self.final)
+        if self.final.exists() and not overwrite:
+            self._lock.release()
+            raise OutputExistsError(f"{self.final}: output already exists (use --overwrite to replace it)")
+        try:
+            for stale in find_stale_partials(self.final):
+                log.warning("removing leftover temporary directory of an interrupted run: %s", stale)
+                shutil.rmtree(stale, ignore_errors=True)
+            self.path = self.final.parent / f".{self.final.name}{PARTIAL_MARK}{uuid.uuid4().hex[:12]}"
+            self.path.mkdir()
+            (self.path / _OWNER_FILE).write_text(str(os.getpid()))
+        except BaseException:
+            self._lock.release()
+            raise
         self.linked: list[str] = []
         self.copied: list[str] = []
         self.bytes_written = 0
@@ -247,6 +258,7 @@ class OutputDir:
         """Remove the temp directory; the destination is untouched."""
         shutil.rmtree(self.path, ignore_errors=True)
         self._done = True
+        self._lock.release()
 
     # ---- writing ------------------------------------------------------------------------------
     def _target(self, relname: str) -> Path:
@@ -280,6 +292,23 @@ class OutputDir:
         for name, group in zip(names, groups):
             self.write_shard(name, group, metadata)
         return names
+
+    def adopt_file(self, src: Path, relname: str) -> str:
+        """Move a file that already lies inside the temp directory (an exported shard) to ``relname``.
+
+        A rename: no byte is written again. Its mode becomes what a file this process creates gets
+        (the umask's), whatever the writer chose (modelopt writes 0600). Returns the relative name.
+        """
+        src = Path(src).resolve()
+        if self.path.resolve() not in src.parents:
+            raise CheckpointError(f"{src}: only files inside the output's temporary directory can be moved into it")
+        target = self._target(relname)
+        if target != src:
+            os.replace(src, target)
+        umask = os.umask(0)
+        os.umask(umask)
+        target.chmod(0o666 & ~umask)
+        return relname
 
     def write_json(self, relname: str, obj: Any) -> None:
         """Atomic JSON file."""
@@ -352,5 +381,6 @@ class OutputDir:
         self._done = True
         if trash is not None:
             shutil.rmtree(trash, ignore_errors=True)
+        self._lock.release()
         log.info("wrote %s", self.final)
         return self.final

@@ -51,6 +51,18 @@ def register(sub: argparse._SubParsersAction) -> None:
         default="auto",
         help="cuda uses accelerate device_map=auto (GPU sharding, CPU/disk offload); default auto",
     )
+    p.add_argument(
+        "--max-memory",
+        metavar="SPEC",
+        help="per-device memory caps, e.g. cpu=8GiB or cuda:0=70GiB,cpu=200GiB: what does not fit stays on disk "
+        "(read from SRC's files) and calibration runs layer by layer (default: in memory when it fits, else "
+        "capped at 80%% of the free memory)",
+    )
+    p.add_argument(
+        "--layerwise",
+        action="store_true",
+        help="calibrate layer by layer (resumable after a kill) even when the model fits in memory",
+    )
     p.add_argument("--max-shard-size", metavar="SIZE", help="output shard budget, e.g. 5GB, 500MiB (default 5GB)")
     p.add_argument(
         "--set",
@@ -78,6 +90,7 @@ def _argv(args: argparse.Namespace) -> list[str]:
         "calib_data",
         "calib_samples",
         "calib_seq_len",
+        "max_memory",
         "max_shard_size",
         "revision",
     ):
@@ -88,6 +101,8 @@ def _argv(args: argparse.Namespace) -> list[str]:
         argv.append("--keep-mtp")
     if args.device != "auto":
         argv += ["--device", args.device]
+    if args.layerwise:
+        argv.append("--layerwise")
     for item in args.overrides:
         argv += ["--set", item]
     return argv
@@ -115,6 +130,8 @@ def run(args: argparse.Namespace) -> int:
         calib_samples=args.calib_samples,
         calib_seq_len=args.calib_seq_len,
         device=args.device,
+        max_memory=args.max_memory,
+        layerwise=args.layerwise,
         max_shard_size=args.max_shard_size,
         overrides=tuple(args.overrides),
         dry_run=args.dry_run,

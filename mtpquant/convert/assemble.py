@@ -1,7 +1,8 @@
 """Convert, the writing side: main-model shards from modelopt's export and the source, configs, files.
 
-modelopt's export lands in a scratch directory; the output shards are written from it tensor by
-tensor (sorted by name, under the byte budget), with three rules for where the bytes come from:
+modelopt exports into a scratch directory inside OUT's temporary directory. Each exported shard is
+then either moved into place (a rename: its bytes are written once) or, when some tensor in it must
+change, rewritten; three rules say where each tensor's bytes come from:
 
 - quantized Linears (and everything modelopt changed) come from the export;
 - the vision tower ``model.visual.*`` comes from the source, byte for byte (it is never quantized);
@@ -9,14 +10,16 @@ tensor (sorted by name, under the byte budget), with three rules for where the b
   gated norm in float32; transformers loads them as bfloat16) comes from the source in its original
   dtype when the export holds exactly the source values rounded to the export dtype.
 
-``config.json`` is the source's, with the MTP declaration set per mode and modelopt's
-``quantization_config`` added; ``hf_quant_config.json`` is modelopt's; both get the same exclusions.
+The export already applies the last rule itself (``model.export_quantized``), so on the supported
+families every shard is final as exported and moved. ``config.json`` is the source's, with the MTP
+declaration set per mode and modelopt's ``quantization_config`` added; ``hf_quant_config.json`` is
+modelopt's; both get the same exclusions.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,12 +30,11 @@ from mtpquant.checkpoint.writer import OutputDir, PlannedTensor
 from mtpquant.families import TensorClass, is_mtp_name
 
 __all__ = [
-    "MainTensorPlan",
+    "MainShards",
     "carry_files",
-    "main_tensor_plan",
     "mixed_precision_config",
+    "place_main_shards",
     "quantized_modules_of",
-    "with_progress",
 ]
 
 log = logging.getLogger(__name__)
@@ -41,14 +43,20 @@ _SCALE_SUFFIXES = (".weight_scale", ".weight_scale_2", ".input_scale", ".weight_
 
 
 @dataclass
-class MainTensorPlan:
-    """The main-model tensors to write and where each one's bytes come from."""
+class MainShards:
+    """The main-model shards of the output and how each one got there."""
 
-    tensors: list[PlannedTensor]
-    from_export: int = 0
-    from_source: int = 0
+    moved: list[str] = field(default_factory=list)  # exported shards renamed into place
+    rewritten: list[str] = field(default_factory=list)  # exported shards written again with changed tensors
+    extra: list[str] = field(default_factory=list)  # shards of source tensors the export lacks (vision)
     dtype_restored: list[str] = field(default_factory=list)
-    carried_vision: int = 0
+    from_source: int = 0
+    bytes_written: int = 0  # by this step (not the export)
+
+    @property
+    def shards(self) -> list[str]:
+        """Every main-model shard name."""
+        return sorted([*self.moved, *self.rewritten, *self.extra])
 
 
 def quantized_modules_of(names: Iterable[str]) -> list[str]:
@@ -56,54 +64,91 @@ def quantized_modules_of(names: Iterable[str]) -> list[str]:
     return sorted(n[: -len(".weight_scale")] for n in names if n.endswith(".weight_scale"))
 
 
-def _raw(ckpt: Checkpoint, entry: TensorEntry, name: str | None = None) -> PlannedTensor:
-    return PlannedTensor(name or entry.name, entry.dtype, entry.shape, lambda: ckpt.read_raw(entry))
+def _raw(ckpt: Checkpoint, entry: TensorEntry) -> PlannedTensor:
+    return PlannedTensor(entry.name, entry.dtype, entry.shape, lambda: ckpt.read_raw(entry), ckpt.local_range(entry))
 
 
 def _module(name: str) -> str:
     return name.rsplit(".", 1)[0]
 
 
-def main_tensor_plan(export: Checkpoint, src: Checkpoint) -> MainTensorPlan:
-    """Plan the main-model tensors of the output (no ``mtp.*``), sorted by name."""
+def _wanted_from_source(export: Checkpoint, src: Checkpoint, name: str, quantized: set[str]) -> TensorEntry | None:
+    """The source entry whose bytes the output must hold instead of the export's, if any."""
+    entry = export.tensors[name]
+    source = src.tensors.get(name)
+    if source is None or tuple(source.shape) != tuple(entry.shape):
+        return None
+    if src.classify(name) == TensorClass.VISION:
+        return source
+    if (
+        _module(name) not in quantized
+        and not name.endswith(_SCALE_SUFFIXES)
+        and source.dtype != entry.dtype
+        and _same_values(src, source, export, entry)
+    ):
+        return source
+    return None
+
+
+def place_main_shards(export: Checkpoint, src: Checkpoint, od: OutputDir, scratch: Path, bar: Any = None) -> MainShards:
+    """Put the exported main-model shards into ``od``: moved when final, rewritten when a tensor must change.
+
+    A shard needs rewriting when it holds an ``mtp.*`` tensor (never part of the main model) or a
+    tensor whose output bytes must come from the source and differ from the exported ones. Source
+    vision tensors the export lacks get shards of their own. Afterwards ``scratch`` holds no shard.
+    """
     quantized = set(quantized_modules_of(export.tensors))
-    plan = MainTensorPlan([])
-    chosen: dict[str, PlannedTensor] = {}
-    for name in sorted(export.tensors):
-        if is_mtp_name(name):
-            continue
-        entry = export.tensors[name]
-        source = src.tensors.get(name)
-        cls = src.classify(name)
-        if source is not None and cls == TensorClass.VISION and tuple(source.shape) == tuple(entry.shape):
-            chosen[name] = _raw(src, source)
-            plan.from_source += 1
-            continue
-        if (
-            source is not None
-            and _module(name) not in quantized
-            and not name.endswith(_SCALE_SUFFIXES)
-            and source.dtype != entry.dtype
-            and tuple(source.shape) == tuple(entry.shape)
-            and _same_values(src, source, export, entry)
-        ):
-            chosen[name] = _raw(src, source)
-            plan.from_source += 1
-            plan.dtype_restored.append(name)
-            continue
-        chosen[name] = _raw(export, entry)
-        plan.from_export += 1
-    for entry in src.by_class().get(TensorClass.VISION, []):
-        if entry.name not in chosen:
-            chosen[entry.name] = _raw(src, entry)
-            plan.from_source += 1
-            plan.carried_vision += 1
-    if plan.dtype_restored:
-        log.info(
-            "%d unquantized tensors keep their source dtype (e.g. %s)", len(plan.dtype_restored), plan.dtype_restored[0]
+    result = MainShards()
+    for shard in sorted(export.headers):
+        header = export.headers[shard]
+        planned: list[PlannedTensor] = []
+        changed = False
+        for name in sorted(header.tensors, key=lambda n: header.tensors[n].start):
+            if is_mtp_name(name):
+                changed = True
+                continue
+            entry = export.tensors[name]
+            source = _wanted_from_source(export, src, name, quantized)
+            if source is None:
+                planned.append(_raw(export, entry))
+                continue
+            result.from_source += 1
+            if source.dtype != entry.dtype:
+                result.dtype_restored.append(name)
+            if source.dtype != entry.dtype or src.read_raw(source) != export.read_raw(entry):
+                changed = True
+            planned.append(_raw(src, source))
+        if not changed:
+            od.adopt_file(scratch / shard, shard)
+            result.moved.append(shard)
+        else:
+            before = od.bytes_written
+            od.write_shard(shard, planned, header.metadata or None)
+            result.bytes_written += od.bytes_written - before
+            (scratch / shard).unlink()
+            result.rewritten.append(shard)
+        if bar is not None:
+            bar.update(1)
+    missing = [e for e in src.by_class().get(TensorClass.VISION, []) if e.name not in export.tensors]
+    if missing:
+        before = od.bytes_written
+        result.extra = od.write_shards(
+            [_raw(src, e) for e in sorted(missing, key=lambda e: e.name)],
+            max_bytes=max(1, max(h.file_size - h.data_start for h in export.headers.values())),
+            pattern="model-vision-{index:05d}-of-{count:05d}.safetensors",
+            metadata={"format": "pt"},
         )
-    plan.tensors = [chosen[n] for n in sorted(chosen)]
-    return plan
+        result.bytes_written += od.bytes_written - before
+        result.from_source += len(missing)
+    if result.dtype_restored:
+        log.info(
+            "%d unquantized tensors keep their source dtype (e.g. %s)", len(result.dtype_restored),
+            result.dtype_restored[0],
+        )
+    if result.rewritten:
+        log.info("%d exported shard(s) rewritten (a tensor had to change), %d moved", len(result.rewritten),
+                 len(result.moved))
+    return result
 
 
 def _same_values(src: Checkpoint, s: TensorEntry, export: Checkpoint, e: TensorEntry) -> bool:
@@ -113,20 +158,6 @@ def _same_values(src: Checkpoint, s: TensorEntry, export: Checkpoint, e: TensorE
     a = src.read_tensor(s.name)
     b = export.read_tensor(e.name)
     return bool(torch.equal(a.to(b.dtype), b)) if a.is_floating_point() and b.is_floating_point() else False
-
-
-def with_progress(tensors: list[PlannedTensor], bar: Any) -> list[PlannedTensor]:
-    """Wrap each tensor's producer so a tqdm bar advances by its bytes."""
-
-    def wrap(t: PlannedTensor) -> PlannedTensor:
-        def produce(inner: Callable[[], bytes] = t.produce) -> bytes:
-            data = inner()
-            bar.update(len(data))
-            return data
-
-        return PlannedTensor(t.name, t.dtype, t.shape, produce)
-
-    return [wrap(t) for t in tensors]
 
 
 def carry_files(od: OutputDir, src_root: Path, files: Iterable[str]) -> list[str]:

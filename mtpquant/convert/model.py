@@ -12,21 +12,26 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from mtpquant.convert.memory import MemoryPlan
 from mtpquant.families import ModelSpec
 
 __all__ = [
     "base_model",
+    "calibration_loop",
     "export_quantized",
+    "final_hidden_states",
     "input_device",
+    "is_offloaded",
     "library_progress",
     "load_main_model",
     "modelopt_quiet",
+    "placement",
     "quantize_main_model",
     "source_dtype",
 ]
@@ -78,10 +83,14 @@ def library_progress(enabled: bool) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def modelopt_quiet() -> Iterator[None]:
-    """Send what modelopt prints to the debug log (library code never prints)."""
+def modelopt_quiet(progress: bool = True) -> Iterator[None]:
+    """Send what modelopt prints to the debug log (library code never prints); without ``progress``, its
+    progress bars (stderr) too."""
     writer = _LogWriter(logging.getLogger("mtpquant.modelopt"))
-    with contextlib.redirect_stdout(writer):
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(contextlib.redirect_stdout(writer))
+        if not progress:
+            stack.enter_context(contextlib.redirect_stderr(writer))
         yield
     writer.flush()
 
@@ -96,23 +105,48 @@ def source_dtype(spec: ModelSpec) -> torch.dtype:
     return torch.bfloat16
 
 
-def load_main_model(src: Path, spec: ModelSpec, device: str, offload_dir: Path | None) -> Any:
-    """Load the main model with the family's transformers class (MTP tensors are skipped by it)."""
+def load_main_model(src: Path, spec: ModelSpec, memory: MemoryPlan, device: str, offload_dir: Path) -> Any:
+    """Load the main model with the family's transformers class (MTP tensors are skipped by it).
+
+    In memory on ``cpu``; otherwise through accelerate's ``device_map="auto"`` under the plan's caps,
+    with what does not fit left on disk (read from SRC's safetensors; ``offload_dir`` takes what
+    transformers must re-save, e.g. fused MoE experts).
+    """
     import transformers
 
     cls = getattr(transformers, spec.architecture)
     kwargs: dict[str, Any] = {"dtype": source_dtype(spec)}
-    if device == "cuda":
+    if memory.caps is not None or device == "cuda":
         kwargs["device_map"] = "auto"
-        if offload_dir is not None:
-            offload_dir.mkdir(parents=True, exist_ok=True)
-            kwargs["offload_folder"] = str(offload_dir)
+        if memory.caps is not None:
+            kwargs["max_memory"] = memory.caps.for_accelerate()
+        offload_dir.mkdir(parents=True, exist_ok=True)
+        kwargs["offload_folder"] = str(offload_dir)
     with modelopt_quiet():
         # the supported families never need remote code: never run code shipped with a checkpoint
         model = cls.from_pretrained(str(src), trust_remote_code=False, **kwargs)
     model.eval()
     model.requires_grad_(False)
+    placed = placement(model)
+    if placed:
+        log.info("accelerate placed the model: %s", ", ".join(f"{n} modules on {d}" for d, n in sorted(placed.items())))
     return model
+
+
+def placement(model: Any) -> dict[str, int]:
+    """Modules per device in accelerate's device map (empty when the model was loaded without one)."""
+    counts: dict[str, int] = {}
+    for device in (getattr(model, "hf_device_map", None) or {}).values():
+        key = f"cuda:{device}" if isinstance(device, int) else str(device)
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def is_offloaded(model: Any) -> bool:
+    """Whether accelerate offloads part of the model (to disk, or to CPU under a GPU)."""
+    from modelopt.torch.quantization.utils.core_utils import has_accelerate_offload
+
+    return bool(has_accelerate_offload(model))
 
 
 def base_model(model: Any) -> Any:
@@ -132,17 +166,151 @@ def input_device(model: Any) -> torch.device:
     return dev
 
 
-def quantize_main_model(model: Any, quant_cfg: dict[str, Any], forward_loop: Callable[[Any], None]) -> Any:
-    """``mtq.quantize`` with the recipe's config and the calibration forward loop."""
+def calibration_loop(
+    batches: Callable[[], Iterable[torch.Tensor]],
+    device: torch.device,
+    *,
+    bar: Any | None = None,
+    before_pass: Callable[[], None] | None = None,
+) -> Callable[[Any], None]:
+    """The forward loop modelopt calls with the model: every calibration batch through the whole model.
+
+    It calls the top-level model (modelopt's layer-wise mode stops that call early at the layer it
+    captures) and keeps one logit per row (the LM head is never quantized; its output is unused).
+    ``before_pass`` runs at the start of each pass (layer-wise calibration makes one per layer).
+    """
+
+    def loop(model: Any) -> None:
+        if before_pass is not None:
+            before_pass()
+        with torch.no_grad():
+            for batch in batches():
+                model(input_ids=batch.to(device), use_cache=False, logits_to_keep=1)
+                if bar is not None:
+                    bar.update(int(batch.shape[0]))
+
+    return loop
+
+
+def quantize_main_model(
+    model: Any,
+    quant_cfg: dict[str, Any],
+    forward_loop: Callable[[Any], None],
+    *,
+    layerwise_dir: str | None = None,
+    progress: bool = True,
+) -> Any:
+    """``mtq.quantize`` with the recipe's config and the calibration forward loop.
+
+    ``layerwise_dir``: calibrate layer by layer through modelopt's ``layerwise`` mode, keeping its
+    per-layer resume state there. With max calibration it captures each layer's inputs with the
+    quantizers off, so every layer sees the activations of the in-memory pass: the same amax.
+    """
     import modelopt.torch.quantization as mtq
 
-    with modelopt_quiet(), torch.no_grad():
-        return mtq.quantize(model, quant_cfg, forward_loop)
+    cfg = dict(quant_cfg)
+    if layerwise_dir is not None:
+        method = cfg.get("algorithm")
+        if method != "max":
+            raise ValueError(f"layer-wise calibration is wired for max calibration, not {method!r}")
+        cfg["algorithm"] = {
+            "method": "max",
+            "layerwise": {"enable": True, "checkpoint_dir": layerwise_dir, "calib_mutates_weights": False},
+        }
+    with modelopt_quiet(progress), torch.no_grad():
+        return mtq.quantize(model, cfg, forward_loop)
 
 
-def export_quantized(model: Any, export_dir: Path, dtype: torch.dtype) -> None:
-    """``export_hf_checkpoint`` into ``export_dir`` (streaming for offloaded models)."""
+def final_hidden_states(
+    model: Any, batches: Callable[[], Iterable[torch.Tensor]], device: torch.device
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Per batch, the MTP's calibration inputs: ``h_t`` after the final norm and the embedding of ``x_{t+1}``.
+
+    Runs after calibration with every quantizer off, so these are the hidden states of the source
+    model, exactly those the in-memory calibration pass computes (its quantizers only observe).
+    """
+    from modelopt.torch.quantization.conversion import set_quantizer_by_cfg_context
+
+    decoder = base_model(model)
+    embed = model.get_input_embeddings()
+    with set_quantizer_by_cfg_context(model, [{"quantizer_name": "*", "enable": False}]), torch.no_grad():
+        for batch in batches():
+            ids = batch.to(device)
+            hidden = decoder(input_ids=ids, use_cache=False).last_hidden_state[:, :-1]
+            yield hidden, embed(ids[:, 1:])
+
+
+def _source_precision_hooks(model: Any, src: Any) -> list[Any]:
+    """State-dict hooks that put back the source bytes of unquantized tensors whose dtype loading changed.
+
+    Qwen3.5 stores ``linear_attn.A_log`` and the gated norm in float32; transformers loads the whole
+    model in bfloat16. When the exported value is exactly the source value rounded, the export gets
+    the source tensor itself (same bytes, float32), so the exported shards are final as written.
+    """
+    from mtpquant.checkpoint.dtypes import torch_dtype
+
+    hooks = []
+    owners: dict[str, dict[str, Any]] = {}
+    for name, param in model.named_parameters():
+        entry = src.tensors.get(name)
+        if entry is None or not param.is_floating_point():
+            continue
+        src_dtype = torch_dtype(entry.dtype)
+        if src_dtype == param.dtype or not src_dtype.is_floating_point:
+            continue
+        module_name, _, leaf = name.rpartition(".")
+        owners.setdefault(module_name, {})[leaf] = entry
+    modules = dict(model.named_modules())
+    for module_name, leaves in owners.items():
+
+        def hook(
+            module: Any, state_dict: dict[str, Any], prefix: str, local_metadata: Any, leaves: dict[str, Any] = leaves
+        ) -> None:
+            del module, local_metadata
+            for leaf, entry in leaves.items():
+                value = state_dict.get(prefix + leaf)
+                if not isinstance(value, torch.Tensor) or value.is_meta or tuple(value.shape) != tuple(entry.shape):
+                    continue
+                original = src.read_tensor(entry.name)
+                if torch.equal(original.to(value.dtype), value.to(original.device)):
+                    state_dict[prefix + leaf] = original
+
+        hooks.append(modules[module_name].register_state_dict_post_hook(hook))
+    return hooks
+
+
+def _layer_progress_hooks(model: Any, bar: Any) -> list[Any]:
+    """Advance ``bar`` once per decoder layer as the export reads it."""
+    from modelopt.torch.quantization.utils.layerwise_calib import LayerActivationCollector
+
+    layers = LayerActivationCollector.get_decoder_layers(model) or []
+    seen: set[int] = set()
+
+    def hook(module: Any, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+        del state_dict, prefix, local_metadata
+        if id(module) not in seen:
+            seen.add(id(module))
+            bar.update(1)
+
+    return [layer.register_state_dict_post_hook(hook) for layer in layers]
+
+
+def export_quantized(
+    model: Any, export_dir: Path, dtype: torch.dtype, src: Any, max_shard_bytes: int, bar: Any | None = None
+) -> None:
+    """``export_hf_checkpoint`` into ``export_dir`` (modelopt streams an offloaded model layer by layer).
+
+    Unquantized tensors come out in their source dtype and bytes (``_source_precision_hooks``), so
+    the exported shards need no second write.
+    """
     from modelopt.torch.export import export_hf_checkpoint
 
-    with modelopt_quiet():
-        export_hf_checkpoint(model, dtype=dtype, export_dir=str(export_dir))
+    hooks = _source_precision_hooks(model, src)
+    if bar is not None:
+        hooks += _layer_progress_hooks(model, bar)
+    try:
+        with modelopt_quiet():
+            export_hf_checkpoint(model, dtype=dtype, export_dir=str(export_dir), max_shard_size=max_shard_bytes)
+    finally:
+        for h in hooks:
+            h.remove()

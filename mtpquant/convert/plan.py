@@ -18,6 +18,7 @@ from typing import Any
 
 from mtpquant.checkpoint.index import INDEX_NAME
 from mtpquant.checkpoint.table import PICKLE_SUFFIXES, Checkpoint
+from mtpquant.convert.memory import MemoryPlan, available_cpu_bytes, model_blocks, plan_memory
 from mtpquant.convert.recipes import (
     MTP_FORMATS,
     Recipe,
@@ -73,6 +74,8 @@ class ConvertOptions:
     calib_samples: int | None = None
     calib_seq_len: int | None = None
     device: str = "auto"  # cpu | cuda | auto
+    max_memory: str | None = None  # per-device caps, e.g. "cpu=8GiB" or "cuda:0=70GiB,cpu=200GiB"
+    layerwise: bool = False  # calibrate layer by layer (resumable) even when the model fits in memory
     max_shard_size: str | int | None = None
     overrides: tuple[str, ...] = ()  # --set section.key=value
     dry_run: bool = False
@@ -109,6 +112,7 @@ class ConvertPlan:
     quantized_modules: tuple[str, ...]  # main-model Linears (checkpoint names) the recipe quantizes
     unquantized_modules: tuple[str, ...]  # main-model Linears left in the source precision
     carried_files: tuple[str, ...]
+    memory: MemoryPlan
     notes: tuple[str, ...] = field(default_factory=tuple)
     overwrite: bool = False  # an existing OUT (and MTP output) may be replaced
     command: tuple[str, ...] = ()  # the command line, recorded in the provenance file and the recipe's header
@@ -142,6 +146,7 @@ class ConvertPlan:
             "main": {"quantized": len(self.quantized_modules), "unquantized": len(self.unquantized_modules)},
             "calibration": self.recipe.to_dict()["calibration"],
             "carried_files": list(self.carried_files),
+            "memory": self.memory.to_json(),
             "notes": list(self.notes),
         }
 
@@ -298,6 +303,14 @@ def plan_convert(options: ConvertOptions, ckpt: Checkpoint | None = None) -> tup
     groups = ckpt.by_class()
     vision = groups.get(TensorClass.VISION, [])
     mtp = ckpt.mtp_tensors()
+    memory = plan_memory(
+        _loaded_blocks(ckpt),
+        device=device,
+        max_memory=options.max_memory,
+        layerwise=options.layerwise,
+        shard_bytes=parse_size(recipe.output.max_shard_size),
+        available=_available_memory(device),
+    )
     plan = ConvertPlan(
         src=ckpt.label if local_src is None else str(local_src),
         out=out,
@@ -309,7 +322,7 @@ def plan_convert(options: ConvertOptions, ckpt: Checkpoint | None = None) -> tup
         mode=mode,
         mtp_format=mtp_format,
         device=device,
-        max_shard_bytes=parse_size(recipe.output.max_shard_size),
+        max_shard_bytes=memory.shard_bytes,
         source_tensors=len(ckpt.tensors),
         source_bytes=ckpt.total_bytes,
         source_shards=len(ckpt.shards),
@@ -322,11 +335,54 @@ def plan_convert(options: ConvertOptions, ckpt: Checkpoint | None = None) -> tup
         quantized_modules=tuple(quantized),
         unquantized_modules=tuple(unquantized),
         carried_files=tuple(carried_files(ckpt.source.list_files())),
+        memory=memory,
         notes=tuple(notes),
         overwrite=options.overwrite,
         command=tuple(options.command),
     )
     return plan, ckpt
+
+
+_LOAD_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def _loaded_bytes_per_element(ckpt: Checkpoint) -> int:
+    for cfg in (ckpt.spec.config, ckpt.spec.text):
+        value = cfg.get("dtype") or cfg.get("torch_dtype")
+        if value in _LOAD_DTYPE_BYTES:
+            return _LOAD_DTYPE_BYTES[str(value)]
+    return 2
+
+
+def _loaded_blocks(ckpt: Checkpoint) -> list[Any]:
+    """The main model's blocks as transformers loads them (every float tensor in the config's dtype; no MTP)."""
+    size = _loaded_bytes_per_element(ckpt)
+    entries = []
+    vision: dict[str, bool] = {}
+    for name, e in ckpt.tensors.items():
+        cls = ckpt.classify(name)
+        if cls == TensorClass.MTP:
+            continue
+        n = 1
+        for d in e.shape:
+            n *= d
+        entries.append((name, n * size if e.dtype in {"BF16", "F16", "F32", "F64"} else e.nbytes))
+        vision[name] = cls == TensorClass.VISION
+    return model_blocks(entries, is_vision=vision)
+
+
+def _available_memory(device: str) -> dict[str, int]:
+    """Free memory per device: the CPU's, and each GPU's when the device is cuda."""
+    out: dict[str, int] = {}
+    cpu = available_cpu_bytes()
+    if cpu is not None:
+        out["cpu"] = cpu
+    if device == "cuda":
+        import torch
+
+        for i in range(torch.cuda.device_count()):
+            out[f"cuda:{i}"] = int(torch.cuda.mem_get_info(i)[0])
+    return out
 
 
 def _auto_device_name() -> str:

@@ -1,12 +1,16 @@
 """``convert``: a BF16 Qwen checkpoint to NVFP4 through nvidia-modelopt, keeping (or quantizing,
 extracting, dropping) its MTP layer, with every output verified before it appears.
 
-Steps: plan from headers (``plan.py``; ``--dry-run`` stops there) -> calibration data in the model's
-own tokenizer -> load the main model with transformers -> ``mtq.quantize`` with the recipe's config
-and a forward loop over the calibration rows (quantize mode also runs the MTP on the post-final-norm
-hidden states and next-token embeddings of the same rows) -> ``export_hf_checkpoint`` into a scratch
-directory inside the output's temp directory -> main shards, MTP per mode, configs, carried files,
-resolved recipe, index -> inspect verdict -> rename into place.
+Steps: plan from headers (``plan.py``, with the memory plan of ``memory.py``; ``--dry-run`` stops
+there) -> OUT's lock and temporary directory -> calibration data in the model's own tokenizer ->
+the main model through transformers, in memory or placed by accelerate under the memory caps
+(the rest read from SRC's files) -> ``mtq.quantize`` with the recipe's config, in one pass or layer
+by layer (offloaded models, ``--layerwise``; resumable, ``resume.py``) -> quantize mode: the MTP
+calibrated on the post-final-norm hidden states and next-token embeddings of the same rows ->
+``export_hf_checkpoint`` (streaming for offloaded models) into a scratch directory inside OUT's
+temporary directory -> the exported shards moved into place (rewritten only where a tensor must
+change), MTP per mode, configs, carried files, resolved recipe, provenance, index -> inspect
+verdict -> rename into place -> the resume state removed.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from mtpquant import __version__
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.checkpoint.writer import OutputDir
 from mtpquant.convert.plan import RECIPE_FILE, ConvertOptions, ConvertPlan, plan_convert
+from mtpquant.convert.resume import ResumeState
 from mtpquant.errors import CalibrationDataError, OutputVerificationError
 from mtpquant.families import TensorClass, is_mtp_name
 from mtpquant.formats.quant_config import HF_QUANT_CONFIG, with_exclusions, without_exclusions
@@ -67,6 +72,14 @@ class ConvertResult:
     peak_gpu_bytes: int = 0
     calibration_rows: int = 0
     calibration_tokens: int = 0
+    layerwise: bool = False
+    resumed_from_layer: int | None = None  # 0-based first layer calibrated by this run, when it resumed
+    placement: dict[str, int] = field(default_factory=dict)  # accelerate's modules per device
+    bytes_written: int = 0  # by this process, all files (/proc/self/io wchar); 0 where unknown
+    resume_bytes: int = 0  # of those, into the layer-wise resume state (removed on success)
+    offload_bytes: int = 0  # of those, weights transformers re-saved for disk offload (fused MoE experts)
+    shards_moved: int = 0  # exported shards renamed into place
+    shards_rewritten: int = 0  # exported shards written again because a tensor had to change
     verdicts: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
@@ -89,6 +102,17 @@ def peak_rss_bytes() -> int:
     """Peak resident memory of this process so far."""
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
+def bytes_written_so_far() -> int:
+    """Bytes this process has written to files and pipes (Linux ``/proc/self/io`` wchar); 0 where unknown."""
+    try:
+        for line in Path("/proc/self/io").read_text().splitlines():
+            if line.startswith("wchar:"):
+                return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
 
 
 class _Timer:
@@ -116,32 +140,6 @@ def _local_source(ckpt: Checkpoint) -> tuple[Path, Checkpoint]:
 
     path = ckpt.source.local_dir([f"*{s}" for s in PICKLE_SUFFIXES])
     return path, (ckpt if ckpt.source.local_root is not None else Checkpoint.open(path, strict=True))
-
-
-def _forward_loop(
-    data: Any, batch_size: int, device: Any, progress: bool, mtp_calibrator: Any | None
-) -> Callable[[Any], None]:
-    """The calibration forward loop modelopt calls with the model."""
-    import torch
-
-    from mtpquant.convert.model import base_model
-
-    def loop(model: Any) -> None:
-        decoder = base_model(model)
-        embed = model.get_input_embeddings()
-        bar = _tqdm(progress, total=data.samples, desc="calibrate", unit="row")
-        with torch.no_grad():
-            for batch in data.batches(batch_size):
-                ids = batch.to(device)
-                out = decoder(input_ids=ids, use_cache=False)
-                if mtp_calibrator is not None:
-                    # h_t after the final norm, and the embedding of x_{t+1}: the MTP's exact inputs.
-                    hidden = out.last_hidden_state[:, :-1]
-                    mtp_calibrator.observe(hidden, embed(ids[:, 1:]))
-                bar.update(int(batch.shape[0]))
-        bar.close()
-
-    return loop
 
 
 def _output_config(ckpt: Checkpoint, exported: dict[str, Any], declared_layers: int) -> dict[str, Any]:
@@ -231,7 +229,11 @@ def convert(options: ConvertOptions) -> ConvertResult:
     if options.dry_run:
         return ConvertResult(plan, dry_run=True, timings=timer.timings, notes=list(plan.notes))
     progress = options.progress and os.environ.get("TQDM_DISABLE", "") in {"", "0"}
-    result = ConvertResult(plan, notes=list(plan.notes))
+    result = ConvertResult(plan, notes=[*plan.notes, *plan.memory.notes])
+    from mtpquant.convert.memory import return_freed_memory
+
+    return_freed_memory()
+    written_before = bytes_written_so_far()
     from mtpquant.convert.model import library_progress
 
     source = ckpt.source
@@ -253,7 +255,7 @@ def convert(options: ConvertOptions) -> ConvertResult:
         stack.enter_context(library_progress(progress))
         od = stack.enter_context(OutputDir(plan.out, overwrite=plan.overwrite))
         mtp_od = stack.enter_context(OutputDir(plan.mtp_out, overwrite=plan.overwrite)) if plan.mtp_out else None
-        outcome = _run(plan, ckpt, src_dir, od, mtp_od, timer, progress, result)
+        outcome, resume = _run(plan, ckpt, src_dir, od, mtp_od, timer, progress, result)
         od.write_text(PROVENANCE_FILE, Provenance((step,)).to_bytes().decode("utf-8"))
         if mtp_od is not None:
             sidecar = dataclasses.replace(step, recipe_file=None)
@@ -273,6 +275,9 @@ def convert(options: ConvertOptions) -> ConvertResult:
                     shutil.rmtree(result.mtp_output, ignore_errors=True)
                 raise
         result.output = out_path
+        if resume is not None:
+            result.resume_bytes = resume.bytes_written()
+            resume.remove()  # the output is in place: nothing to resume
         report = getattr(verify, "report", None)
         if report is not None:
             result.verdicts = dict(report.verdicts)
@@ -287,9 +292,27 @@ def convert(options: ConvertOptions) -> ConvertResult:
         result.mtp_output_bytes = sum(p.stat().st_size for p in result.mtp_output.rglob("*") if p.is_file())
     result.timings = {**timer.timings, "total": time.perf_counter() - t_start}
     result.peak_rss_bytes = peak_rss_bytes()
+    result.bytes_written = max(0, bytes_written_so_far() - written_before)
     summary_log.info("wrote %s (%s, MTP %s) in %.1f s", result.output, format_bytes(result.output_bytes), plan.mode,
                      result.timings["total"])
     return result
+
+
+def _resume_inputs(plan: ConvertPlan, src_dir: Path) -> dict[str, Any]:
+    """What layer-wise calibration depends on: a resume state is reused only when all of it is the same."""
+    import modelopt
+    import torch
+    import transformers
+
+    from mtpquant.convert.resume import source_stamp
+
+    return {
+        "source": str(src_dir.resolve()),
+        "files": source_stamp(src_dir),
+        "recipe": plan.recipe.to_yaml(""),
+        "mode": plan.mode,
+        "versions": [__version__, modelopt.__version__, torch.__version__, transformers.__version__],
+    }
 
 
 def _run(
@@ -301,22 +324,20 @@ def _run(
     timer: _Timer,
     progress: bool,
     result: ConvertResult,
-) -> MtpOutcome:
-    """Everything between planning and finalize; returns what the MTP mode wrote."""
+) -> tuple[MtpOutcome, ResumeState | None]:
+    """Everything between planning and finalize; returns what the MTP mode wrote and the resume state."""
     import torch
 
-    from mtpquant.convert.assemble import (
-        carry_files,
-        main_tensor_plan,
-        mixed_precision_config,
-        quantized_modules_of,
-        with_progress,
-    )
+    from mtpquant.convert.assemble import carry_files, mixed_precision_config, place_main_shards, quantized_modules_of
     from mtpquant.convert.calibration import build_calibration_data, load_tokenizer
     from mtpquant.convert.model import (
+        calibration_loop,
         export_quantized,
+        final_hidden_states,
         input_device,
+        is_offloaded,
         load_main_model,
+        placement,
         quantize_main_model,
         source_dtype,
     )
@@ -336,10 +357,39 @@ def _run(
     result.calibration_tokens = data.samples * data.seq_len
 
     with timer("load"):
-        model = load_main_model(src_dir, ckpt.spec, plan.device, od.path / OFFLOAD)
+        model = load_main_model(src_dir, ckpt.spec, plan.memory, plan.device, od.path / OFFLOAD)
+    result.placement = placement(model)
     device = input_device(model)
     if plan.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
+
+    layerwise = plan.memory.layerwise or is_offloaded(model)
+    result.layerwise = layerwise
+    resume: ResumeState | None = None
+    if layerwise:
+        resume = ResumeState.open(plan.out, _resume_inputs(plan, src_dir))
+        if resume.start_layer:
+            result.resumed_from_layer = resume.start_layer
+            log.info(
+                "resuming layer-wise calibration from layer %d of %d (layers 1-%d were finished by an earlier run; "
+                "state in %s)", resume.start_layer + 1, resume.num_layers, resume.start_layer, resume.path,
+            )
+
+    def batches() -> Iterator[Any]:
+        return data.batches(cal.batch_size)
+
+    with timer("calibrate"):
+        bar = None if layerwise else _tqdm(progress, total=data.samples, desc="calibrate", unit="row")
+        loop = calibration_loop(batches, device, bar=bar, before_pass=resume.prune if resume else None)
+        quantize_main_model(
+            model,
+            recipe.to_modelopt_config(family),
+            loop,
+            layerwise_dir=resume.checkpoint_dir if resume else None,
+            progress=progress,
+        )
+        if bar is not None:
+            bar.close()
 
     mode = plan.mtp_mode
     calibrator = None
@@ -348,13 +398,15 @@ def _run(
 
         with timer("mtp"):
             calibrator = MtpCalibrator(load_mtp_layer(ckpt, device=device if device.type != "meta" else None))
+            for hidden, embeds in final_hidden_states(model, batches, device):
+                calibrator.observe(hidden, embeds)
 
-    with timer("calibrate"):
-        loop = _forward_loop(data, cal.batch_size, device, progress, calibrator)
-        quantize_main_model(model, recipe.to_modelopt_config(family), loop)
     scratch = od.path / SCRATCH
     with timer("export"):
-        export_quantized(model, scratch, source_dtype(ckpt.spec))
+        layers = int(ckpt.spec.text.get("num_hidden_layers") or 0)
+        bar = _tqdm(progress, total=layers or None, desc="export", unit="layer")
+        export_quantized(model, scratch, source_dtype(ckpt.spec), ckpt, plan.max_shard_bytes, bar)
+        bar.close()
     if plan.device == "cuda":
         result.peak_gpu_bytes = int(torch.cuda.max_memory_allocated())
     del model
@@ -363,10 +415,8 @@ def _run(
     exported = Checkpoint.open(scratch, strict=True)
     exported_hfq = exported.hf_quant_config
     with timer("write"):
-        main = main_tensor_plan(exported, ckpt)
-        bar = _tqdm(progress, total=sum(t.nbytes for t in main.tensors), desc="write", unit="B", unit_scale=True)
-        od.write_shards(with_progress(main.tensors, bar), max_bytes=plan.max_shard_bytes, metadata={"format": "pt"})
-        bar.close()
+        main = place_main_shards(exported, ckpt, od, scratch)
+        result.shards_moved, result.shards_rewritten = len(main.moved), len(main.rewritten)
 
     with timer("mtp"):
         ctx = WriteContext(
@@ -388,7 +438,7 @@ def _run(
         if outcome.quantized_layers and hfq is not None:
             from modelopt.torch.export.convert_hf_config import convert_hf_quant_config_format
 
-            main_modules = quantized_modules_of(t.name for t in main.tensors)
+            main_modules = quantized_modules_of(exported.tensors)
             hfq = mixed_precision_config(hfq, main_modules, recipe.quantization.quant_algo, outcome.quantized_layers)
             config["quantization_config"] = convert_hf_quant_config_format(hfq)
         od.write_json("config.json", config)
@@ -397,9 +447,11 @@ def _run(
         carry_files(od, src_dir, plan.carried_files)
         od.write_text(RECIPE_FILE, recipe.to_yaml(_recipe_header(plan, plan.command)))
         shutil.rmtree(scratch, ignore_errors=True)
-        shutil.rmtree(od.path / OFFLOAD, ignore_errors=True)
+        offload = od.path / OFFLOAD
+        result.offload_bytes = sum(p.stat().st_size for p in offload.rglob("*") if p.is_file())
+        shutil.rmtree(offload, ignore_errors=True)
         od.write_index()
-    return outcome
+    return outcome, resume
 
 
 def _recipe_header(plan: ConvertPlan, command: Sequence[str] = ()) -> str:

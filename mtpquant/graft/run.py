@@ -29,6 +29,7 @@ from typing import Any, cast
 
 from mtpquant.checkpoint.header import TensorEntry
 from mtpquant.checkpoint.index import INDEX_NAME
+from mtpquant.checkpoint.lock import OutputLock
 from mtpquant.checkpoint.source import CheckpointSource
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.checkpoint.writer import OutputDir, PlannedTensor
@@ -131,9 +132,14 @@ def _open_target(options: GraftOptions, quant: Checkpoint, plan: Plan, result: G
     root = quant.source.local_root.resolve()
     if root.stat().st_dev != root.parent.stat().st_dev:
         raise GraftError(f"{root}: is a mount point; --in-place needs to build next to it: use --out")
-    result.cleaned = inplace.clean_stale(root)
-    before = inplace.snapshot(root)
-    od = OutputDir(root, overwrite=True)
+    lock = OutputLock.acquire(root)  # before the clean-up: a live run's temp directory is never a leftover
+    try:
+        result.cleaned = inplace.clean_stale(root)
+        before = inplace.snapshot(root)
+    except BaseException:
+        lock.release()
+        raise
+    od = OutputDir(root, overwrite=True, lock=lock)
     commit = "exchange" if inplace.exchange_supported(od.path) else "files"
     if commit == "files" and (plan.drop or plan.rewrite):
         od.abort()
@@ -275,7 +281,9 @@ def _finish(result: GraftResult, t0: float, quant: Checkpoint, src: Checkpoint |
     if result.action == "noop" and result.mode == "in-place":
         # an earlier run may have been killed after putting its result in place: tidy up after it
         assert quant.source.local_root is not None
-        result.cleaned = inplace.clean_stale(quant.source.local_root.resolve())
+        root = quant.source.local_root.resolve()
+        with OutputLock.acquire(root):
+            result.cleaned = inplace.clean_stale(root)
     result.quant_bytes_fetched = quant.source.bytes_read
     if src is not None:
         result.src_bytes_fetched = src.source.bytes_read

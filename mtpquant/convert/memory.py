@@ -1,0 +1,333 @@
+"""Convert's memory plan, from headers only: what the main model weighs, where it will sit, whether it fits.
+
+``--max-memory cpu=8GiB`` (or ``cuda:0=70GiB,cpu=200GiB``) caps what accelerate may place on each
+device; what does not fit stays on disk and is read from SRC's own safetensors when its layer runs
+(transformers' disk offload maps offloaded weights to the files they already lie in; fused MoE
+experts, which transformers converts while loading, are the exception: it re-saves those into the
+offload folder inside OUT's temporary directory). An offloaded model is calibrated layer by layer
+(modelopt's ``layerwise`` mode) and exported by modelopt's streaming writer, so memory holds the
+resident part plus about one layer and one shard.
+
+Without ``--max-memory``, a CPU plan whose in-memory peak would not fit in the memory this process
+can use (``MemAvailable``, and the cgroup limit in a container) caps itself at 80 % of it and
+offloads the rest; a machine that cannot hold even one layer and the buffers is refused with the
+needed and available sizes. The estimates are estimates: after loading, the log shows the device
+map accelerate actually chose.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mtpquant.errors import MemoryPlanError, UsageError
+from mtpquant.units import format_bytes, parse_bytes
+
+__all__ = [
+    "IN_MEMORY_PEAK_FACTOR",
+    "RUNTIME_BYTES",
+    "MemoryCaps",
+    "MemoryPlan",
+    "available_cpu_bytes",
+    "parse_max_memory",
+    "plan_memory",
+    "return_freed_memory",
+]
+
+# Peak resident memory of an in-memory convert, as a multiple of the main model's loaded bytes
+# (docs/BENCHMARKS.md, the full-size Qwen3.5-4B: the model plus modelopt's packed export state dict).
+IN_MEMORY_PEAK_FACTOR = 1.2
+# torch + transformers + modelopt, imported and running, before any weight (measured: ~0.9 GB).
+RUNTIME_BYTES = 1_000_000_000
+# Under a CPU cap the streaming export buffers one shard: shards are capped at this share of it.
+SHARD_SHARE_OF_CAP = 4
+_AUTO_SHARE = 0.8  # of the available memory, when convert caps itself
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_DEVICE = re.compile(r"^(cpu|cuda(?::\d+)?|\d+)$")
+
+
+@dataclass(frozen=True)
+class MemoryCaps:
+    """Per-device caps, in bytes: ``(("cuda:0", n), ("cpu", m))`` in the order given."""
+
+    caps: tuple[tuple[str, int], ...]
+
+    def get(self, device: str) -> int | None:
+        """The cap of one device (``cpu`` / ``cuda:N``), None if not capped."""
+        return dict(self.caps).get(device)
+
+    def gpu_caps(self) -> tuple[tuple[str, int], ...]:
+        """The GPU entries."""
+        return tuple((d, n) for d, n in self.caps if d.startswith("cuda"))
+
+    def for_accelerate(self) -> dict[int | str, int]:
+        """accelerate's ``max_memory``: GPU index -> bytes, ``"cpu"`` -> bytes."""
+        out: dict[int | str, int] = {}
+        for device, n in self.caps:
+            out["cpu" if device == "cpu" else int(device.split(":")[1])] = n
+        return out
+
+    def text(self) -> str:
+        """``cuda:0=70.00 GB, cpu=8.59 GB``."""
+        return ", ".join(f"{d}={format_bytes(n)}" for d, n in self.caps)
+
+
+_M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
+_MMAP_THRESHOLD = 1 << 20
+
+
+def return_freed_memory() -> bool:
+    """Make glibc give memory back to the system when large tensors are freed (``mallopt``; Linux only).
+
+    glibc serves allocations below its mmap threshold from its heap, and raises that threshold up to
+    32 MB as large blocks come and go; a layer-by-layer pass frees and allocates tens of MB per layer,
+    and the heap keeps the freed blocks: measured on the full-size Qwen3.5-4B under a 3 GiB cap, the
+    anonymous memory grew by ~130 MB per exported layer. With the threshold fixed at 1 MB every tensor
+    of a layer is its own mapping, returned when freed. Returns whether the setting was applied.
+    """
+    import ctypes
+    import ctypes.util
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD))
+    except (OSError, AttributeError):
+        return False
+
+
+def parse_max_memory(spec: str, where: str = "--max-memory") -> MemoryCaps:
+    """``cpu=8GiB`` / ``cuda:0=70GiB,cpu=200GiB`` -> MemoryCaps, or a one-line UsageError."""
+    caps: dict[str, int] = {}
+    for part in (p.strip() for p in spec.split(",")):
+        if not part:
+            continue
+        device, sep, size = part.partition("=")
+        device = device.strip().lower()
+        if not sep or not _DEVICE.match(device):
+            raise UsageError(f"{where}: {part!r} is not DEVICE=SIZE (DEVICE: cpu, cuda:N; e.g. cpu=8GiB)")
+        if device.isdigit():
+            device = f"cuda:{device}"
+        elif device == "cuda":
+            device = "cuda:0"
+        n = parse_bytes(size.strip())
+        if n is None or n <= 0:
+            raise UsageError(f"{where}: {size.strip()!r} is not a size (e.g. 8GiB, 500MB)")
+        if device in caps:
+            raise UsageError(f"{where}: {device} is given twice")
+        caps[device] = n
+    if not caps:
+        raise UsageError(f"{where}: no DEVICE=SIZE given (e.g. cpu=8GiB)")
+    return MemoryCaps(tuple(caps.items()))
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def available_cpu_bytes(meminfo: Path = Path("/proc/meminfo"), cgroup: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """Memory this process can still use: ``MemAvailable``, bounded by the cgroup (v2) limit; None if unknown."""
+    available: int | None = None
+    try:
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                available = int(line.split()[1]) * 1024
+                break
+    except (OSError, ValueError, IndexError):
+        available = None
+    limit, current = _read_int(cgroup / "memory.max"), _read_int(cgroup / "memory.current")
+    if limit is not None and current is not None:
+        room = max(limit - current, 0)
+        available = room if available is None else min(available, room)
+    return available
+
+
+@dataclass(frozen=True)
+class Block:
+    """A unit accelerate places whole: one decoder layer, the embedding, the vision tower, the rest."""
+
+    name: str
+    nbytes: int
+
+
+def model_blocks(entries: Iterable[tuple[str, int]], *, is_vision: Mapping[str, bool]) -> list[Block]:
+    """Blocks of the main model in placement order (vision, embedding, layers, the rest), from
+    ``(tensor name, loaded bytes)`` pairs; MTP tensors must be left out by the caller."""
+    layers: dict[int, int] = {}
+    vision = embed = rest = 0
+    for name, nbytes in entries:
+        m = _LAYER.search(name)
+        if is_vision.get(name):
+            vision += nbytes
+        elif "embed_tokens" in name:
+            embed += nbytes
+        elif m:
+            layers[int(m.group(1))] = layers.get(int(m.group(1)), 0) + nbytes
+        else:
+            rest += nbytes
+    blocks = [Block("vision", vision)] if vision else []
+    blocks.append(Block("embed", embed))
+    blocks += [Block(f"layer {i}", layers[i]) for i in sorted(layers)]
+    if rest:
+        blocks.append(Block("norm/lm_head", rest))
+    return blocks
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Where the main model sits during convert, and the estimated peak per device."""
+
+    model_bytes: int  # the main model as loaded (MTP excluded: transformers skips it)
+    largest_block: int  # the largest decoder layer
+    caps: MemoryCaps | None  # None: everything on the one device
+    capped_by: str  # "flag" | "auto" | "none"
+    resident: tuple[tuple[str, int], ...]  # device -> estimated bytes of weights resident there
+    disk_bytes: int  # weights left in SRC's files, read when their layer runs
+    peak: tuple[tuple[str, int], ...]  # device -> estimated peak
+    available: tuple[tuple[str, int], ...] = ()  # device -> what this machine has free (when known)
+    layerwise: bool = False
+    shard_bytes: int = 0  # output shard budget (reduced under a CPU cap)
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def offloaded(self) -> bool:
+        """Whether part of the model is expected off the compute device (disk, or CPU under a GPU)."""
+        return self.disk_bytes > 0 or (
+            any(d.startswith("cuda") for d, _ in self.resident) and dict(self.resident).get("cpu", 0) > 0
+        )
+
+    def lines(self) -> list[str]:
+        """The ``--dry-run`` lines."""
+        where = ", ".join(f"{d} {format_bytes(n)}" for d, n in self.resident if n)
+        if self.disk_bytes:
+            where += f", disk {format_bytes(self.disk_bytes)} (read from SRC's files as each layer runs)"
+        caps = {"flag": f"--max-memory {self.caps.text()}" if self.caps else "", "none": "no caps"}
+        caps["auto"] = f"capped by convert at {self.caps.text()}" if self.caps else ""
+        free = dict(self.available)
+        peaks = ", ".join(f"{d} ~{format_bytes(n)}" + (f" of {format_bytes(free[d])} free" if d in free else "")
+                          for d, n in self.peak)
+        out = [
+            f"memory     main model {format_bytes(self.model_bytes)} as loaded (largest decoder layer "
+            f"{format_bytes(self.largest_block)}); {caps[self.capped_by]}",
+            f"placement  {where}",
+            "peak       "
+            + peaks
+            + ("; layer-wise calibration (resumable)" if self.layerwise else "; calibration in one pass"),
+        ]
+        out += [f"note       {n}" for n in self.notes]
+        return out
+
+    def to_json(self) -> dict[str, object]:
+        """Plain data for ``--json``."""
+        return {
+            "model_bytes": self.model_bytes,
+            "largest_block": self.largest_block,
+            "caps": dict(self.caps.caps) if self.caps else None,
+            "capped_by": self.capped_by,
+            "resident": dict(self.resident),
+            "disk_bytes": self.disk_bytes,
+            "peak": dict(self.peak),
+            "available": dict(self.available),
+            "layerwise": self.layerwise,
+            "shard_bytes": self.shard_bytes,
+        }
+
+
+def _place(blocks: list[Block], caps: MemoryCaps) -> tuple[dict[str, int], int]:
+    """Greedy, in order, as accelerate's ``infer_auto_device_map`` does (an estimate of it)."""
+    room = dict(caps.caps)
+    order = [d for d, _ in caps.caps if d.startswith("cuda")] + (["cpu"] if "cpu" in room else [])
+    placed = dict.fromkeys(order, 0)
+    disk = 0
+    at = 0
+    for block in blocks:
+        while at < len(order) and placed[order[at]] + block.nbytes > room[order[at]]:
+            at += 1  # accelerate fills devices in order and never goes back
+        if at == len(order):
+            disk += block.nbytes
+        else:
+            placed[order[at]] += block.nbytes
+    return placed, disk
+
+
+def plan_memory(
+    blocks: list[Block],
+    *,
+    device: str,
+    max_memory: str | None,
+    layerwise: bool,
+    shard_bytes: int,
+    available: Mapping[str, int] | None = None,
+) -> MemoryPlan:
+    """The memory plan of a convert on ``device`` (cpu | cuda), from the model's blocks.
+
+    ``caps`` of the plan are what accelerate gets as ``max_memory`` (None: no device map on CPU;
+    accelerate's own defaults on CUDA). The placement is an estimate of accelerate's.
+    """
+    model = sum(b.nbytes for b in blocks)
+    # the working set is one decoder layer (the embedding and the vision tower stay where they are placed)
+    largest = max((b.nbytes for b in blocks if b.name.startswith("layer ")), default=0) or max(
+        (b.nbytes for b in blocks), default=0
+    )
+    avail = {k: v for k, v in (available or {}).items() if v is not None}
+    notes: list[str] = []
+    caps = parse_max_memory(max_memory) if max_memory else None
+    if caps is not None and device == "cpu" and caps.gpu_caps():
+        raise UsageError(f"--max-memory {max_memory}: names a GPU, but the device is cpu")
+    capped_by = "flag" if caps is not None else "none"
+    in_memory_peak = int(model * IN_MEMORY_PEAK_FACTOR) + RUNTIME_BYTES
+    if caps is None and device == "cpu" and "cpu" in avail and in_memory_peak > avail["cpu"]:
+        caps = _auto_cpu_cap(avail["cpu"], largest, shard_bytes)
+        capped_by = "auto"
+        notes.append(
+            f"the model needs ~{format_bytes(in_memory_peak)} in memory but {format_bytes(avail['cpu'])} is "
+            f"available: capped at cpu={format_bytes(caps.caps[0][1])}, the rest offloaded to disk "
+            "(set --max-memory to choose)"
+        )
+    if caps is None and device == "cpu":
+        return MemoryPlan(
+            model, largest, None, capped_by, (("cpu", model),), 0, (("cpu", in_memory_peak),),
+            tuple(avail.items()), layerwise, shard_bytes, tuple(notes),
+        )
+    # a device map: the caps given (or chosen), else what accelerate would take by default
+    estimate = caps
+    if estimate is None:  # cuda, no flag: accelerate's defaults (most of each GPU, then the CPU)
+        gpus = [(d, int(n * 0.9)) for d, n in avail.items() if d.startswith("cuda")] or [("cuda:0", model)]
+        estimate = MemoryCaps((*gpus, ("cpu", int(avail.get("cpu", model) * _AUTO_SHARE))))
+    elif device == "cuda" and estimate.get("cpu") is None and "cpu" in avail:
+        estimate = MemoryCaps((*estimate.caps, ("cpu", int(avail["cpu"] * _AUTO_SHARE))))
+    cpu_cap = caps.get("cpu") if caps is not None else None
+    if cpu_cap is not None:
+        shard_bytes = max(1, min(shard_bytes, cpu_cap // SHARD_SHARE_OF_CAP))
+    placed, disk = _place(blocks, estimate)
+    peak = {d: n + 2 * largest + (RUNTIME_BYTES + shard_bytes if d == "cpu" else 0) for d, n in placed.items()}
+    peak.setdefault("cpu", RUNTIME_BYTES + shard_bytes + 2 * largest)
+    plan = MemoryPlan(
+        model, largest, caps, capped_by, tuple(placed.items()), disk, tuple(peak.items()),
+        tuple(avail.items()), layerwise, shard_bytes, tuple(notes),
+    )
+    return dataclasses.replace(plan, layerwise=layerwise or plan.offloaded)
+
+
+def _auto_cpu_cap(available: int, largest: int, shard_bytes: int) -> MemoryCaps:
+    """A CPU cap that leaves room for the runtime, the working layer and one shard; or a MemoryPlanError."""
+    budget = int(available * _AUTO_SHARE)
+    shard = min(shard_bytes, budget // SHARD_SHARE_OF_CAP)
+    cap = budget - RUNTIME_BYTES - 2 * largest - shard
+    if cap < largest:
+        need = RUNTIME_BYTES + 3 * largest + min(shard_bytes, largest)
+        raise MemoryPlanError(
+            f"convert needs about {format_bytes(need)} of memory (one layer of {format_bytes(largest)} resident, "
+            f"one being calibrated, buffers), but only {format_bytes(available)} is available"
+        )
+    return MemoryCaps((("cpu", cap),))

@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# The CUDA check of convert and validate, for one GPU machine with torch (CUDA build) installed and no network.
+#
+#   scripts/gpu_check.sh [WHEELS_DIR] [WORK_DIR]
+#
+# WHEELS_DIR (default: gpu-wheels/ in the repository root) holds the wheels of everything mtpquant needs
+# except torch: nvidia-modelopt 0.47, transformers (>=5.7,<5.15), accelerate, safetensors, huggingface_hub,
+# tokenizers, tqdm, pyyaml, ... and mtpquant itself. Build it on a machine with network access (the same
+# Python minor version as the GPU machine's) with:  scripts/gpu_wheels.sh gpu-wheels 3.11
+# The check installs them into a venv that sees the system's torch (--system-site-packages), then, each step
+# timed and under a time bound (the whole check: under 8 minutes on one H100/H200 class GPU):
+#   1. writes the full-size Qwen3.5-4B (real layout, random-normal weights, 9.3 GB) into WORK_DIR
+#   2. converts the trained tiny model and that 4B with --device cuda
+#   3. converts both again with --device cuda --max-memory cuda:0=2GiB (forcing CPU/disk offload and
+#      layer-wise calibration), and checks the two 4B outputs are the same tensors, byte for byte
+#   4. validates the tiny model's quant against its source with --device cuda
+# and prints, per step, the wall time, the peak RSS and the peak GPU memory. Record what it prints in
+# docs/BENCHMARKS.md ("CUDA check"). Set GPU_CHECK_SKIP_INSTALL=1 to use the current python as it is.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+WHEELS=${1:-gpu-wheels}
+WORK=${2:-${TMPDIR:-/tmp}/mtpquant-gpu-check}
+DEVICE=${GPU_CHECK_DEVICE:-cuda}  # cpu: a dry run of this script's own logic on a machine without a GPU
+mkdir -p "$WORK"
+T0=$(date +%s)
+
+if [[ "${GPU_CHECK_SKIP_INSTALL:-0}" == "1" ]]; then
+  PY=${PYTHON:-python3}
+else
+  python3 -m venv --system-site-packages "$WORK/venv"
+  PY="$WORK/venv/bin/python"
+  "$PY" -m pip install -q --no-index --find-links "$WHEELS" --no-deps "$WHEELS"/mtpquant-*.whl
+  # mtpquant's requirements less torch (the system's CUDA build satisfies modelopt and accelerate)
+  "$PY" -m pip install -q --no-index --find-links "$WHEELS" \
+    "nvidia-modelopt==0.47.*" "transformers>=5.7,<5.15" "accelerate>=1.10" "safetensors>=0.6" \
+    "huggingface_hub>=1.5,<2" "tqdm>=4.66" "pyyaml>=6.0" "tokenizers>=0.22" "requests>=2.31" \
+    "matplotlib>=3.8" "prometheus-client>=0.20"
+fi
+export HF_HUB_OFFLINE=1 TQDM_DISABLE=1
+
+"$PY" - "$DEVICE" <<'EOF'
+import sys, torch
+if sys.argv[1] == "cuda":
+    assert torch.cuda.is_available(), "no CUDA device visible to torch"
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name(0)}, "
+          f"{torch.cuda.get_device_properties(0).total_memory / 1e9:.1f} GB")
+else:
+    print(f"torch {torch.__version__}, device {sys.argv[1]} (a dry run of the script)")
+EOF
+
+step() {  # step NAME TIMEOUT_S CMD...: run, time, keep the JSON result for the summary
+  local name=$1 limit=$2; shift 2
+  local t=$(date +%s%N)
+  if ! timeout "$limit" "$@" >"$WORK/$name.json" 2>"$WORK/$name.log"; then
+    echo "FAILED: $name (see $WORK/$name.log)"; tail -5 "$WORK/$name.log"; exit 1
+  fi
+  echo "$name $(( ($(date +%s%N) - t) / 1000000 ))" >>"$WORK/walls.txt"  # milliseconds
+}
+: >"$WORK/walls.txt"
+
+SRC4B="$WORK/qwen35-4b-normal"
+[[ -d "$SRC4B" ]] || step make-4b 240 "$PY" scripts/make_skeleton_checkpoint.py --layout Qwen3.5-4B --out "$SRC4B" \
+  --mtp-data normal --json
+TINY=mtpquant/assets/tiny-qwen3_5-mtp
+CAL=(--calib-samples 16 --calib-seq-len 256)
+C=("$PY" -m mtpquant convert --keep-mtp --device "$DEVICE" --overwrite --json)
+step tiny 60 "${C[@]}" "$TINY" "$WORK/tiny-q" "${CAL[@]}"
+step tiny-capped 60 "${C[@]}" "$TINY" "$WORK/tiny-q-capped" "${CAL[@]}" --max-memory cuda:0=2GiB
+step 4b 180 "${C[@]}" "$SRC4B" "$WORK/4b-q" "${CAL[@]}"
+step 4b-capped 240 "${C[@]}" "$SRC4B" "$WORK/4b-q-capped" "${CAL[@]}" --max-memory cuda:0=2GiB
+step validate 120 "$PY" -m mtpquant validate "$TINY" "$WORK/tiny-q" --device "$DEVICE" --json
+
+"$PY" - "$WORK" <<'EOF'
+import json, sys
+from pathlib import Path
+from mtpquant.checkpoint.table import Checkpoint
+from mtpquant.units import format_bytes
+work = Path(sys.argv[1])
+walls = {k: int(v) / 1000 for k, v in (line.split() for line in (work / "walls.txt").read_text().splitlines())}
+print(f"{'step':<12} {'wall':>8} {'peak RSS':>10} {'peak GPU':>10}  notes")
+for name in ("tiny", "tiny-capped", "4b", "4b-capped"):
+    r = json.loads((work / f"{name}.json").read_text())
+    notes = f"layer-wise, placement {r['placement']}" if r["layerwise"] else "in one pass"
+    print(f"{name:<12} {walls[name]:>7.1f}s {format_bytes(r['peak_rss_bytes']):>10} "
+          f"{format_bytes(r['peak_gpu_bytes']):>10}  {notes}; written {r['bytes_written'] / r['output_bytes']:.2f}x")
+v = json.loads((work / "validate.json").read_text())
+print(f"validate     {walls['validate']:>7.1f}s  verdict {v['verdict']['status']}: {v['verdict']['reasons'][0]}")
+a, b = Checkpoint.open(work / "4b-q", strict=True), Checkpoint.open(work / "4b-q-capped", strict=True)
+same = sorted(a.tensors) == sorted(b.tensors) and all(a.read_raw(e) == b.read_raw(b.tensors[n]) for n, e in a.tensors.items())
+print(f"4B in memory vs --max-memory cuda:0=2GiB: {'bit-identical' if same else 'DIFFERENT'} ({len(a.tensors)} tensors)")
+sys.exit(0 if same else 1)
+EOF
+echo "gpu check: $(( $(date +%s) - T0 )) s in all"
