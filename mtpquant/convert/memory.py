@@ -158,12 +158,16 @@ class Block:
 
     name: str
     nbytes: int
+    converted: int = 0  # bytes transformers converts while loading (per-expert tensors it fuses)
+
+
+_PER_EXPERT = re.compile(r"\.experts\.\d+\.")
 
 
 def model_blocks(entries: Iterable[tuple[str, int]], *, is_vision: Mapping[str, bool]) -> list[Block]:
     """Blocks of the main model in placement order (vision, embedding, layers, the rest), from
     ``(tensor name, loaded bytes)`` pairs; MTP tensors must be left out by the caller."""
-    layers: dict[int, int] = {}
+    layers: dict[int, list[int]] = {}
     vision = embed = rest = 0
     for name, nbytes in entries:
         m = _LAYER.search(name)
@@ -172,12 +176,14 @@ def model_blocks(entries: Iterable[tuple[str, int]], *, is_vision: Mapping[str, 
         elif "embed_tokens" in name:
             embed += nbytes
         elif m:
-            layers[int(m.group(1))] = layers.get(int(m.group(1)), 0) + nbytes
+            acc = layers.setdefault(int(m.group(1)), [0, 0])
+            acc[0] += nbytes
+            acc[1] += nbytes if _PER_EXPERT.search(name) else 0
         else:
             rest += nbytes
     blocks = [Block("vision", vision)] if vision else []
     blocks.append(Block("embed", embed))
-    blocks += [Block(f"layer {i}", layers[i]) for i in sorted(layers)]
+    blocks += [Block(f"layer {i}", layers[i][0], layers[i][1]) for i in sorted(layers)]
     if rest:
         blocks.append(Block("norm/lm_head", rest))
     return blocks
@@ -243,21 +249,23 @@ class MemoryPlan:
         }
 
 
-def _place(blocks: list[Block], caps: MemoryCaps) -> tuple[dict[str, int], int]:
-    """Greedy, in order, as accelerate's ``infer_auto_device_map`` does (an estimate of it)."""
+def _place(blocks: list[Block], caps: MemoryCaps) -> tuple[dict[str, int], int, int]:
+    """Greedy, in order, as accelerate's ``infer_auto_device_map`` does (an estimate of it); returns the
+    bytes per device, on disk, and of those on disk the ones transformers converts (re-saves) to offload."""
     room = dict(caps.caps)
     order = [d for d, _ in caps.caps if d.startswith("cuda")] + (["cpu"] if "cpu" in room else [])
     placed = dict.fromkeys(order, 0)
-    disk = 0
+    disk = resaved = 0
     at = 0
     for block in blocks:
         while at < len(order) and placed[order[at]] + block.nbytes > room[order[at]]:
             at += 1  # accelerate fills devices in order and never goes back
         if at == len(order):
             disk += block.nbytes
+            resaved += block.converted
         else:
             placed[order[at]] += block.nbytes
-    return placed, disk
+    return placed, disk, resaved
 
 
 def plan_memory(
@@ -309,7 +317,12 @@ def plan_memory(
     cpu_cap = caps.get("cpu") if caps is not None else None
     if cpu_cap is not None:
         shard_bytes = max(1, min(shard_bytes, cpu_cap // SHARD_SHARE_OF_CAP))
-    placed, disk = _place(blocks, estimate)
+    placed, disk, resaved = _place(blocks, estimate)
+    if resaved:
+        notes.append(
+            f"transformers fuses this checkpoint's per-expert tensors while loading: the ~{format_bytes(resaved)} of "
+            "them that go to disk are re-saved into OUT's temporary directory (written once, removed at the end)"
+        )
     peak = {d: n + 2 * largest + (RUNTIME_BYTES + shard_bytes if d == "cpu" else 0) for d, n in placed.items()}
     peak.setdefault("cpu", RUNTIME_BYTES + shard_bytes + 2 * largest)
     plan = MemoryPlan(

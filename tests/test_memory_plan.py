@@ -1,0 +1,145 @@
+"""convert's memory plan from headers: ``--max-memory`` parsing, placement estimate, auto-cap, refusal.
+
+The full-size layouts are sparse skeletons (no data on disk): the plan reads headers only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import mtpquant.convert.plan as plan_module
+from mtpquant.cli import main
+from mtpquant.convert.memory import MemoryCaps, parse_max_memory, plan_memory
+from mtpquant.convert.plan import ConvertOptions, _loaded_blocks, plan_convert
+from mtpquant.errors import ExitCode, MemoryPlanError, UsageError
+from mtpquant.render import plan_lines
+from mtpquant.synth.skeleton import find_layout, make_skeleton
+from mtpquant.units import format_bytes
+
+GiB = 2**30
+
+
+@pytest.fixture(scope="module")
+def qwen35_4b(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Iterator[Path]:
+    real_layouts = request.getfixturevalue("real_layouts")
+    yield make_skeleton(find_layout("Qwen3.5-4B", real_layouts), tmp_path_factory.mktemp("4b") / "src").path
+
+
+@pytest.fixture(scope="module")
+def qwen_next(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Iterator[Path]:
+    real_layouts = request.getfixturevalue("real_layouts")
+    layout = find_layout("Qwen3-Next-80B-A3B-Instruct", real_layouts)
+    yield make_skeleton(layout, tmp_path_factory.mktemp("next") / "src").path
+
+
+@pytest.mark.parametrize(
+    ("spec", "caps"),
+    [
+        ("cpu=8GiB", (("cpu", 8 * GiB),)),
+        ("cuda:0=70GiB,cpu=200GiB", (("cuda:0", 70 * GiB), ("cpu", 200 * GiB))),
+        ("0=1GB, cuda:1=500MB", (("cuda:0", 10**9), ("cuda:1", 5 * 10**8))),
+        ("CUDA=2GiB", (("cuda:0", 2 * GiB),)),
+    ],
+)
+def test_max_memory_specs(spec: str, caps: tuple[tuple[str, int], ...]) -> None:
+    parsed = parse_max_memory(spec)
+    assert parsed == MemoryCaps(caps)
+    assert parsed.for_accelerate() == {("cpu" if d == "cpu" else int(d[5:])): n for d, n in caps}
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("cpu", "'cpu' is not DEVICE=SIZE"),
+        ("gpu=1GB", "'gpu=1GB' is not DEVICE=SIZE"),
+        ("cpu=lots", "'lots' is not a size"),
+        ("cpu=0", "'0' is not a size"),
+        ("cpu=1GB,cpu=2GB", "cpu is given twice"),
+        (",", "no DEVICE=SIZE given"),
+    ],
+)
+def test_bad_max_memory_is_a_usage_error(spec: str, message: str) -> None:
+    with pytest.raises(UsageError, match=message) as err:
+        parse_max_memory(spec)
+    assert err.value.exit_code == ExitCode.USAGE
+    assert str(err.value).startswith("--max-memory: ")
+
+
+def test_a_gpu_cap_with_device_cpu_is_refused() -> None:
+    with pytest.raises(UsageError, match="names a GPU, but the device is cpu"):
+        plan_memory([], device="cpu", max_memory="cuda:0=1GiB", layerwise=False, shard_bytes=10**9)
+
+
+def test_dry_run_shows_placement_and_peak_of_the_full_size_4b(qwen35_4b: Path, tmp_path: Path) -> None:
+    plan, ckpt = plan_convert(
+        ConvertOptions(src=str(qwen35_4b), out=tmp_path / "out", dry_run=True, device="cpu", max_memory="cpu=3GiB")
+    )
+    mem = plan.memory
+    # every tensor but the MTP's (transformers skips it), in bfloat16 (the float32 A_log / norm too)
+    assert mem.model_bytes == sum(2 * e.numel for n, e in ckpt.tensors.items() if not n.startswith("mtp."))
+    # a linear-attention layer: in_proj_qkv, in_proj_z, out_proj, in_proj_a/b, conv1d, A_log, dt_bias, norm, MLP
+    layer = 8192 * 2560 + 4096 * 2560 + 2560 * 4096 + 2 * 32 * 2560 + 8192 * 4 + 32 + 32 + 128 + 3 * 9216 * 2560
+    assert mem.largest_block == 2 * (layer + 2 * 2560)  # and its two RMSNorms
+    assert mem.capped_by == "flag" and mem.layerwise and mem.offloaded
+    assert plan.max_shard_bytes == 3 * GiB // 4  # the streaming export buffers one shard: a quarter of the cap
+    lines = plan_lines(plan)
+    memory = "memory     main model 9.08 GB as loaded (largest decoder layer 225.85 MB); --max-memory cpu=3.22 GB"
+    assert memory in lines
+    assert "placement  cpu 3.06 GB, disk 6.02 GB (read from SRC's files as each layer runs)" in lines
+    peak = next(line for line in lines if line.startswith("peak "))
+    # resident + the working layer and its packed copy + the runtime (1 GB) + one shard buffer
+    assert peak.startswith("peak       cpu ~5.31 GB") and peak.endswith("; layer-wise calibration (resumable)")
+
+
+def test_in_memory_plan_of_the_4b(qwen35_4b: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(plan_module, "available_cpu_bytes", lambda: 64 * 10**9)
+    plan, _ = plan_convert(ConvertOptions(src=str(qwen35_4b), out=tmp_path / "out", dry_run=True, device="cpu"))
+    assert plan.memory.caps is None and not plan.memory.layerwise and plan.memory.capped_by == "none"
+    assert plan.max_shard_bytes == 5 * 10**9
+    assert "peak       cpu ~11.89 GB of 64.00 GB free; calibration in one pass" in plan_lines(plan)
+
+
+def test_a_model_too_large_for_the_machine_caps_itself(
+    qwen35_4b: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(plan_module, "available_cpu_bytes", lambda: 8 * 10**9)
+    plan, _ = plan_convert(ConvertOptions(src=str(qwen35_4b), out=tmp_path / "out", dry_run=True, device="cpu"))
+    mem = plan.memory
+    assert mem.capped_by == "auto" and mem.layerwise
+    # 80 % of 8 GB, less the runtime (1 GB), two layers being worked on and one shard buffer (a quarter)
+    assert mem.caps == MemoryCaps((("cpu", 6_400_000_000 - 1_000_000_000 - 2 * 225_847_680 - 1_600_000_000),))
+    assert any("capped at cpu=3.35 GB, the rest offloaded to disk" in n for n in mem.notes)
+
+
+def test_a_machine_that_cannot_hold_one_layer_is_refused_before_loading(
+    qwen35_4b: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(plan_module, "available_cpu_bytes", lambda: 1_500_000_000)
+    with pytest.raises(MemoryPlanError, match=r"needs about 1\.90 GB of memory .* only 1\.50 GB is available"):
+        plan_convert(ConvertOptions(src=str(qwen35_4b), out=tmp_path / "out", dry_run=True, device="cpu"))
+    assert main(["convert", str(qwen35_4b), str(tmp_path / "out"), "--device", "cpu"]) == ExitCode.MEMORY
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is available" in err[0]
+    assert not (tmp_path / "out").exists() and list(tmp_path.iterdir()) == []
+
+
+def test_per_expert_layouts_say_that_transformers_re_saves_offloaded_experts(qwen_next: Path, tmp_path: Path) -> None:
+    plan, ckpt = plan_convert(
+        ConvertOptions(src=str(qwen_next), out=tmp_path / "out", dry_run=True, device="cpu", max_memory="cpu=40GB")
+    )
+    blocks = _loaded_blocks(ckpt)
+    assert [b.name for b in blocks] == ["embed", *(f"layer {i}" for i in range(48)), "norm/lm_head"]
+    assert all(0 < b.converted < b.nbytes for b in blocks[1:-1])  # the routed experts, not attention or norms
+    resaved = 0
+    room = 40 * 10**9
+    for b in blocks:  # what the greedy placement leaves on disk
+        if b.nbytes <= room:
+            room -= b.nbytes
+        else:
+            room = -1
+            resaved += b.converted
+    note = next(n for n in plan.memory.notes if "per-expert" in n)
+    assert f"the ~{format_bytes(resaved)} of them that go to disk are re-saved into OUT's temporary directory" in note
