@@ -21,6 +21,8 @@ cd "$(dirname "$0")/.."
 WHEELS=${1:-gpu-wheels}
 WORK=${2:-${TMPDIR:-/tmp}/mtpquant-gpu-check}
 DEVICE=${GPU_CHECK_DEVICE:-cuda}  # cpu: a dry run of this script's own logic on a machine without a GPU
+CAP=cuda:0=2GiB
+[[ "$DEVICE" == "cpu" ]] && CAP=cpu=3GiB
 mkdir -p "$WORK"
 T0=$(date +%s)
 
@@ -58,16 +60,17 @@ step() {  # step NAME TIMEOUT_S CMD...: run, time, keep the JSON result for the 
 }
 : >"$WORK/walls.txt"
 
-SRC4B="$WORK/qwen35-4b-normal"
+SRC4B=${GPU_CHECK_SRC4B:-$WORK/qwen35-4b-normal}
 [[ -d "$SRC4B" ]] || step make-4b 240 "$PY" scripts/make_skeleton_checkpoint.py --layout Qwen3.5-4B --out "$SRC4B" \
   --mtp-data normal --json
 TINY=mtpquant/assets/tiny-qwen3_5-mtp
 CAL=(--calib-samples 16 --calib-seq-len 256)
+[[ "$DEVICE" == "cpu" ]] && CAL=(--calib-samples 4 --calib-seq-len 64)  # what the CPU benchmark uses
 C=("$PY" -m mtpquant convert --keep-mtp --device "$DEVICE" --overwrite --json)
 step tiny 60 "${C[@]}" "$TINY" "$WORK/tiny-q" "${CAL[@]}"
-step tiny-capped 60 "${C[@]}" "$TINY" "$WORK/tiny-q-capped" "${CAL[@]}" --max-memory cuda:0=2GiB
+step tiny-capped 60 "${C[@]}" "$TINY" "$WORK/tiny-q-capped" "${CAL[@]}" --max-memory "$CAP"
 step 4b 180 "${C[@]}" "$SRC4B" "$WORK/4b-q" "${CAL[@]}"
-step 4b-capped 240 "${C[@]}" "$SRC4B" "$WORK/4b-q-capped" "${CAL[@]}" --max-memory cuda:0=2GiB
+step 4b-capped 240 "${C[@]}" "$SRC4B" "$WORK/4b-q-capped" "${CAL[@]}" --max-memory "$CAP"
 step validate 120 "$PY" -m mtpquant validate "$TINY" "$WORK/tiny-q" --device "$DEVICE" --json
 
 "$PY" - "$WORK" <<'EOF'

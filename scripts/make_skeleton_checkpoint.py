@@ -58,13 +58,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     result = make_skeleton(layout, args.out, quant=args.quant, mtp_data=args.mtp_data, overwrite=args.overwrite)
-    if args.mtp_data == "normal":  # a model that converts: the trained tiny model's tokenizer (ids < every vocab)
-        import shutil
-
-        from mtpquant.synth.train import TINY_MTP_ASSET
-
-        for name in ("tokenizer.json", "tokenizer_config.json"):
-            shutil.copyfile(TINY_MTP_ASSET / name, result.path / name)
     if args.json:
         data = asdict(result)
         data["path"] = str(result.path)

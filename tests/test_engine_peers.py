@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from mtpquant.api import GraftOptions, graft, inspect_checkpoint
-from mtpquant.engine.measure import measure
+from mtpquant.validate.measure import measure
 from tests.support.engine import EnginePool, prompt_ids
 
 pytestmark = pytest.mark.engine

@@ -222,3 +222,27 @@ def test_quant_skeleton_is_the_declared_but_missing_case(real_layouts: Path, tmp
     assert report.main_model["quantized"] == 200 and report.main_model["inconsistent_modules"] == []
     assert report.quantization["algorithm"] == "NVFP4" and "lm_head" in report.quantization["exclude"]
     assert os.path.exists(result.path / "hf_quant_config.json")
+
+
+@pytest.mark.slow
+def test_normal_skeleton_is_a_full_size_model_with_real_weights_and_a_tokenizer(
+    real_layouts: Path, tmp_path: Path
+) -> None:
+    from mtpquant.checkpoint.table import Checkpoint
+    from mtpquant.convert.calibration import load_tokenizer
+
+    result = make_skeleton(find_layout("Qwen3.5-0.8B", real_layouts), tmp_path / "src", mtp_data="normal")
+    ckpt = Checkpoint.open(result.path, strict=True)
+    for shard in result.shards:  # every byte is on disk: no holes
+        st = (result.path / shard).stat()
+        assert st.st_blocks * 512 >= st.st_size
+    layer0 = "model.language_model.layers.0."
+    for name in (f"{layer0}mlp.down_proj.weight", f"{layer0}linear_attn.A_log", "mtp.fc.weight"):
+        t = ckpt.read_tensor(name).float()
+        assert ckpt.tensors[name].dtype == {"A_log": "F32"}.get(name.rsplit(".", 1)[-1], "BF16")
+        assert float((t != 0).float().mean()) > 0.999, name  # data, not holes
+        if t.numel() > 10_000:  # random-normal, std 0.02
+            assert abs(float(t.std()) - 0.02) < 0.0005 and abs(float(t.mean())) < 0.0005, name
+    tokenizer = load_tokenizer(result.path)
+    ids = tokenizer("def main():\n    return 0")["input_ids"]
+    assert 0 < max(ids) < ckpt.spec.text["vocab_size"]

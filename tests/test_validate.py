@@ -28,6 +28,7 @@ from mtpquant.formats.nvfp4 import (
 )
 from mtpquant.mtp.module import KVCache, MtpConfig, MtpLayer, draft_chain
 from mtpquant.render import acceptance_table
+from mtpquant.validate.builtin import SequenceRecord, TargetRun, evaluate_acceptance, replay_greedy
 from mtpquant.validate.load import CheckpointWeights, MtpBundle, load_mtp, load_target
 from mtpquant.validate.metrics import StepRecord, acceptance_stats
 from mtpquant.validate.prompts import (
@@ -37,15 +38,7 @@ from mtpquant.validate.prompts import (
     training_documents,
 )
 from mtpquant.validate.report import write_report
-from mtpquant.validate.run import (
-    SequenceRecord,
-    TargetRun,
-    ValidateOptions,
-    evaluate_acceptance,
-    replay_greedy,
-    validate,
-    verdict,
-)
+from mtpquant.validate.run import ValidateOptions, validate
 from mtpquant.validate.schema import (
     Acceptance,
     AcceptanceRow,
@@ -59,6 +52,7 @@ from mtpquant.validate.schema import (
     ValidationReport,
     Verdict,
 )
+from mtpquant.validate.verdict import verdict
 
 CPU = torch.device("cpu")
 

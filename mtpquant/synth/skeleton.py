@@ -456,7 +456,8 @@ def make_skeleton(
 
     ``mtp_data``: ``"sparse"`` (holes, reads as zeros), ``"random"`` (real pseudo-random bytes in every
     ``mtp.*`` tensor; the rest stays sparse), or ``"normal"`` (every tensor random-normal in its dtype: a
-    full-size model that converts and runs, for measuring memory and bytes on real data; source only).
+    full-size model that converts and runs, for measuring memory and bytes on real data; source only;
+    it also gets the trained tiny model's tokenizer).
     """
     if mtp_data not in ("sparse", "random", "normal"):
         raise ValueError(f"mtp_data must be 'sparse', 'random' or 'normal', not {mtp_data!r}")
@@ -494,6 +495,11 @@ def make_skeleton(
         od.write_json("config.json", config)
         if hf_quant_config is not None:
             od.write_json(HF_QUANT_CONFIG, hf_quant_config)
+        if mtp_data == "normal":  # a model that converts: the trained tiny model's tokenizer (ids < every vocab)
+            from mtpquant.synth.train import TINY_MTP_ASSET
+
+            for name in ("tokenizer.json", "tokenizer_config.json"):
+                od.link_file(TINY_MTP_ASSET / name, name, link=False)
         final = od.finalize()
     files = [p for p in final.iterdir() if p.is_file()]
     mtp = [t for t in tensors if is_mtp_name(t.name)]

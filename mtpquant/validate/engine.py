@@ -4,7 +4,7 @@
 The prompts and lengths are the built-in path's (the default held-out prompts, or ``--prompts``; tokenized with
 the checkpoint's ``tokenizer.json``, or by the server's ``/tokenize`` when only a URL is given; the first
 ``min(len, max_len / 2)`` tokens, then ``max_len`` minus that many generated greedily with ``ignore_eos``).
-Greedy only. The counters are read before and after and subtracted (``mtpquant.engine.measure``); they are
+Greedy only. The counters are read before and after and subtracted (``mtpquant.validate.measure``); they are
 server-wide, so traffic from other clients meanwhile is counted in and reported. With ``--engine vllm`` one
 server is started per k (vLLM's ``num_speculative_tokens`` is fixed per server) on 127.0.0.1, its log written
 into the report directory, and stopped afterwards (also on Ctrl-C or an error). ``--compare-reference`` also
@@ -25,8 +25,8 @@ from typing import Any
 from mtpquant import __version__
 from mtpquant.engine.client import EngineClient, ServerInfo
 from mtpquant.engine.launch import VllmServer, free_port, server_args
-from mtpquant.engine.measure import EngineMeasurement, measure
 from mtpquant.errors import EngineAnswerError
+from mtpquant.validate.measure import EngineMeasurement, measure
 from mtpquant.validate.options import ValidateError, ValidateOptions
 from mtpquant.validate.prompts import default_prompts, load_prompts, prompt_length, tokenize_prompts
 from mtpquant.validate.schema import (
@@ -201,9 +201,9 @@ def _device_is_cpu(opts: ValidateOptions) -> bool:
 
 def _compare(opts: ValidateOptions, report: Report) -> tuple[dict[str, Any], list[str]]:
     """The built-in prediction on the same prompts, beside what the engine measured, per side and k."""
-    from mtpquant.validate.run import validate
+    from mtpquant.validate.builtin import validate_builtin
 
-    builtin = validate(
+    builtin = validate_builtin(
         dataclasses.replace(
             opts, engine=None, server=None, candidate_server=None, compare_reference=False, report_dir=None
         )
@@ -241,7 +241,7 @@ def _compare(opts: ValidateOptions, report: Report) -> tuple[dict[str, Any], lis
 
 def validate_engine(opts: ValidateOptions) -> ValidationReport:
     """The engine path of ``validate`` (see the module docstring); writes the report directory when given."""
-    from mtpquant.validate.run import verdict
+    from mtpquant.validate.verdict import verdict
 
     opts.check()
     t_start = time.perf_counter()
