@@ -66,7 +66,9 @@ def _git_blob_sha1(data: bytes) -> str:
 
 
 def test_download_file_headers_and_listing(hub: LocalHub, tmp_path: Path) -> None:
-    repo_dir = hub.create_repo(REPO, {"config.json": '{"model_type": "qwen3"}', "sub/notes.txt": "hello\n"})
+    repo_dir = hub.create_repo(
+        REPO, {"config.json": '{"model_type": "qwen3"}', "sub/notes.txt": "hello\n"}, gitattributes=False
+    )
     api = _api(hub)
 
     path = hf_hub_download(
@@ -194,7 +196,14 @@ def test_create_repo_and_upload_folder_round_trip(hub: LocalHub, tmp_path: Path)
     assert info.oid == hub.commit_sha(REPO)
     repo_dir = hub.repo_dir(REPO)
     local = sorted(p.relative_to(src) for p in src.rglob("*") if p.is_file())
-    assert sorted(p.relative_to(repo_dir) for p in repo_dir.rglob("*") if p.is_file()) == local
+    # the Hub writes its default .gitattributes into a new repo; the rest is what was uploaded
+    assert sorted(p.relative_to(repo_dir) for p in repo_dir.rglob("*") if p.is_file()) == sorted(
+        [*local, Path(".gitattributes")]
+    )
+    # *.safetensors and *.bin are LFS by that .gitattributes: the client took the Git LFS path for those two
+    # (one batch, then a PUT and a verify each) and sent the rest inline in the commit
+    lfs = [r.kind for r in hub.requests if r.kind.startswith("lfs_")]
+    assert lfs[0] == "lfs_batch" and sorted(lfs[1:]) == ["lfs_upload"] * 2 + ["lfs_verify"] * 2, lfs
     for rel in local:
         assert (repo_dir / rel).read_bytes() == (src / rel).read_bytes(), rel
 
@@ -214,7 +223,7 @@ def test_create_repo_and_upload_folder_round_trip(hub: LocalHub, tmp_path: Path)
 
 
 def test_create_pr(hub: LocalHub, tmp_path: Path) -> None:
-    hub.create_repo(REPO, {"config.json": "{}", "old.txt": "old"})
+    hub.create_repo(REPO, {"config.json": "{}", "old.txt": "old"}, gitattributes=False)
     api = _api(hub)
     main_sha = hub.commit_sha(REPO)
 

@@ -16,13 +16,12 @@ from huggingface_hub import HfApi, ModelCard
 from huggingface_hub.repocard import REGEX_YAML_BLOCK, metadata_load
 
 from mtpquant.cli import main as cli
-from mtpquant.errors import ExitCode
+from mtpquant.errors import ExitCode, HubAccessError
 from mtpquant.hub.card import card_origin, validate_card_metadata
 from mtpquant.hub.publish import (
     PublishOptions,
     PublishRefusedError,
     PublishUsageError,
-    UploadError,
     publish,
 )
 from mtpquant.inspect.report import inspect_checkpoint
@@ -102,7 +101,8 @@ def made(converted_template: tuple[Path, Path], tmp_path: Path) -> Path:
 
 
 def _server_files(hub: LocalHub, repo: str = REPO, revision: str = "main") -> dict[str, bytes]:
-    return _tree(hub.repo_dir(repo, revision))
+    """The repo's files, less the ``.gitattributes`` the Hub itself writes into every new repo."""
+    return {k: v for k, v in _tree(hub.repo_dir(repo, revision)).items() if k != ".gitattributes"}
 
 
 def _writes(hub: LocalHub) -> list[str]:
@@ -405,7 +405,11 @@ def test_token_is_sent_but_never_printed_logged_or_written(
     with LocalHub(tmp_path / "hub", token=TOKEN) as hub, hub.client_env(tmp_path / "home", token=TOKEN):
         assert cli(["-vv", "publish", str(out), "--repo", REPO, "--private"]) == 0
         printed = capsys.readouterr()
-        assert hub.requests and all(r.has_auth and r.status < 400 for r in hub.requests)
+        assert hub.requests and all(r.status < 400 for r in hub.requests)
+        # the token goes to the Hub's API; an LFS object goes to the storage URL the batch API handed out,
+        # which (a presigned URL on the Hub) needs none
+        assert all(r.has_auth for r in hub.requests if r.kind != "lfs_upload")
+        assert any(r.kind == "lfs_upload" for r in hub.requests)
         served = _server_files(hub)
         assert hub.errors == []
     assert "commit: " in printed.out
@@ -423,12 +427,12 @@ def test_wrong_token_fails_in_one_line_without_the_token_and_uploads_nothing(
     _debug_everything(caplog)
     wrong = "hf_WrongTokenAlsoSecret987654321"
     with LocalHub(tmp_path / "hub", token=TOKEN) as hub, hub.client_env(tmp_path / "home", token=wrong):
-        with pytest.raises(UploadError) as err:
+        with pytest.raises(HubAccessError) as err:
             publish(PublishOptions(out=out, repo=REPO))
-        assert cli(["publish", str(out), "--repo", REPO]) == ExitCode.UPLOAD
+        assert cli(["publish", str(out), "--repo", REPO]) == ExitCode.HUB_ACCESS
         printed = capsys.readouterr()
         # explicit token argument, wrong as well
-        with pytest.raises(UploadError) as err2:
+        with pytest.raises(HubAccessError) as err2:
             publish(PublishOptions(out=out, repo=REPO, token=wrong + "X"))
         assert {r.status for r in hub.requests} == {401} and all(r.has_auth for r in hub.requests)
         assert not hub.repo_dir(REPO).exists()  # nothing created, nothing committed
@@ -489,11 +493,10 @@ def test_unreachable_hub_is_one_line(
     out: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens there
-    assert cli(["publish", str(out), "--repo", REPO]) == ExitCode.UPLOAD
+    assert cli(["publish", str(out), "--repo", REPO]) == ExitCode.HUB_UNREACHABLE
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == (
-        f"mtpquant: error: publishing to {REPO} failed while creating the repo: ConnectError: [Errno 111] "
-        "Connection refused"
+        f"mtpquant: error: publishing to {REPO}: cannot reach 127.0.0.1:9 ([Errno 111] Connection refused)"
     )
 
 

@@ -6,15 +6,18 @@ files, sizes and byte ranges, and the source counts the bytes it read so reports
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import re
+from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from mtpquant.errors import CheckpointError
+from mtpquant.errors import CheckpointError, MtpquantError
 
 __all__ = ["CheckpointSource", "HubSource", "LocalSource", "SourceRef", "open_source"]
 
@@ -44,6 +47,7 @@ class CheckpointSource(Protocol):
 
     label: str
     bytes_read: int
+    requests: int  # network requests made (0 for a local directory)
     local_root: Path | None
 
     def list_files(self) -> list[str]:
@@ -60,6 +64,10 @@ class CheckpointSource(Protocol):
 
     def read_range(self, relpath: str, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` of a file."""
+        ...
+
+    def plan_reads(self, relpath: str, ranges: list[tuple[int, int]]) -> None:
+        """Ranges of a file about to be read (a remote source merges them into few requests)."""
         ...
 
     def local_path(self, relpath: str) -> Path:
@@ -90,6 +98,7 @@ class LocalSource:
         self.root = Path(root)
         self.label = str(self.root)
         self.bytes_read = 0
+        self.requests = 0
         self.local_root: Path | None = self.root
         if not self.root.is_dir():
             raise CheckpointError(f"{self.root}: not a checkpoint directory")
@@ -127,6 +136,10 @@ class LocalSource:
             raise CheckpointError(f"{relpath}: truncated: wanted bytes {start}..{end}, file ends earlier")
         return data
 
+    def plan_reads(self, relpath: str, ranges: list[tuple[int, int]]) -> None:
+        """Local files: nothing to merge."""
+        del relpath, ranges
+
     def local_path(self, relpath: str) -> Path:
         """The file's own path."""
         return self._path(relpath)
@@ -161,19 +174,30 @@ class LocalSource:
 class HubSource:
     """A model repo on the Hub (or any server in the Hub's URL layout, via ``HF_ENDPOINT``).
 
-    Uses huggingface_hub for everything: the file list, small-file downloads through the HF cache,
-    and ranged reads of shard headers and tensors through ``HfFileSystem``.
+    Uses huggingface_hub for everything: the file list, small-file downloads through the HF cache, and
+    ranged reads of shard headers and tensors over its shared HTTP client (``mtpquant.hubhttp``: a
+    timeout, ``Retry-After``, checked lengths, one-line errors). Ranges announced with ``plan_reads``
+    are merged into as few requests as possible (adjacent tensors are one read) and served from a
+    bounded cache. ``requests`` counts every HTTP request this source made (redirects included).
     """
+
+    MERGE_GAP = 64 * 1024  # ranges this close are one read
+    MAX_SPAN = 256 * 1024 * 1024  # no single read larger than this
+    CACHE_BYTES = 512 * 1024 * 1024
 
     def __init__(
         self, repo_id: str, revision: str | None = None, token: str | None = None, endpoint: str | None = None
     ) -> None:
-        from huggingface_hub import HfApi, HfFileSystem
+        from huggingface_hub import HfApi
 
+        from mtpquant.hubhttp import configure_client
+
+        configure_client()
         self.repo_id = repo_id
         self.revision = revision or "main"
         self.label = repo_id if self.revision == "main" else f"{repo_id}@{self.revision}"
         self.bytes_read = 0
+        self.requests = 0
         self._token = token
         # The endpoint and cache are read when the source is made (huggingface_hub reads its own
         # constants at import time), so HF_ENDPOINT / HF_HUB_CACHE set later still apply.
@@ -182,24 +206,39 @@ class HubSource:
             str(Path(os.environ["HF_HOME"]) / "hub") if os.environ.get("HF_HOME") else None
         )
         self._api = HfApi(endpoint=self.endpoint, token=token)
-        self._fs = HfFileSystem(endpoint=self.endpoint, token=token, skip_instance_cache=True)
         self._sizes: dict[str, int] | None = None
         self._commit: str | None = None
+        self._planned: dict[str, list[tuple[int, int]]] = {}
+        self._cache: OrderedDict[tuple[str, int, int], bytes] = OrderedDict()
+        self._cached_bytes = 0
         self.local_root: Path | None = None
+
+    @contextlib.contextmanager
+    def _hub(self, what: str) -> Iterator[None]:
+        """Hub calls: errors as one line naming the repo; requests counted."""
+        from mtpquant.hubhttp import hub_errors, request_count
+
+        before = request_count()
+        try:
+            with hub_errors(self.label, what, self.endpoint):
+                yield
+        finally:
+            self.requests += request_count() - before
 
     def _listing(self) -> dict[str, int]:
         if self._sizes is None:
-            from huggingface_hub.errors import HfHubHTTPError
-
-            try:
-                items = self._api.list_repo_tree(self.repo_id, revision=self.revision, recursive=True)
-                self._sizes = {it.path: int(getattr(it, "size", 0) or 0) for it in items if hasattr(it, "size")}
-            except HfHubHTTPError as exc:
-                raise CheckpointError(f"{self.label}: cannot list the repo ({_short(exc)})") from None
+            with self._hub("listing the repo"):
+                items = list(self._api.list_repo_tree(self.repo_id, revision=self.revision, recursive=True))
+            # Hub-only files (.gitattributes, ...) are not part of the checkpoint, as a local directory's are not
+            self._sizes = {
+                it.path: int(getattr(it, "size", 0) or 0)
+                for it in items
+                if hasattr(it, "size") and not any(part.startswith(".") for part in it.path.split("/"))
+            }
         return self._sizes
 
     def list_files(self) -> list[str]:
-        """Relative paths of every file in the repo revision."""
+        """Relative paths of every file in the repo revision (hidden files left out)."""
         return sorted(self._listing())
 
     def exists(self, relpath: str) -> bool:
@@ -213,51 +252,83 @@ class HubSource:
         except KeyError:
             raise CheckpointError(f"{relpath}: file does not exist in {self.label}") from None
 
+    def plan_reads(self, relpath: str, ranges: list[tuple[int, int]]) -> None:
+        """Announce ranges about to be read: later reads inside them are served from merged requests."""
+        merged: list[list[int]] = []
+        for start, end in sorted(ranges):
+            if merged and start - merged[-1][1] <= self.MERGE_GAP and end - merged[-1][0] <= self.MAX_SPAN:
+                merged[-1][1] = max(merged[-1][1], end)
+            else:
+                merged.append([start, end])
+        self._planned[relpath] = sorted([*self._planned.get(relpath, []), *((a, b) for a, b in merged)])
+
+    def _fetch(self, relpath: str, start: int, end: int) -> bytes:
+        from huggingface_hub import hf_hub_url
+        from huggingface_hub.utils import build_hf_headers
+
+        from mtpquant.hubhttp import read_range
+
+        url = hf_hub_url(self.repo_id, relpath, revision=self.revision, endpoint=self.endpoint)
+        with self._hub(f"reading {relpath}"):
+            data, _ = read_range(
+                url, start, end, build_hf_headers(token=self._token), label=self.label, what=f"reading {relpath}"
+            )
+        self.bytes_read += len(data)
+        return data
+
     def read_range(self, relpath: str, start: int, end: int) -> bytes:
-        """An HTTP range read of ``[start, end)`` through HfFileSystem (no caching block)."""
+        """Bytes ``[start, end)``: from a cached merged read when planned, else one ranged GET."""
         if end <= start:
             return b""
-        from urllib.parse import quote
-
-        path = f"{self.repo_id}@{quote(self.revision, safe='')}/{relpath}"
-        # cache_type="none": fetch exactly [start, end) instead of fsspec's 5 MiB read-ahead
-        data = self._fs.cat_file(path, start=start, end=end, cache_type="none")
-        self.bytes_read += len(data)
-        return bytes(data)
+        for (path, a, b), data in self._cache.items():
+            if path == relpath and a <= start and end <= b:
+                self._cache.move_to_end((path, a, b))
+                return data[start - a : end - a]
+        span = next(((a, b) for a, b in self._planned.get(relpath, ()) if a <= start and end <= b), None)
+        if span is None:
+            return self._fetch(relpath, start, end)
+        data = self._fetch(relpath, *span)
+        self._cache[(relpath, span[0], span[1])] = data
+        self._cached_bytes += len(data)
+        while self._cached_bytes > self.CACHE_BYTES and len(self._cache) > 1:
+            _, old = self._cache.popitem(last=False)
+            self._cached_bytes -= len(old)
+        return data[start - span[0] : end - span[0]]
 
     def local_path(self, relpath: str) -> Path:
         """Download the file into the HF cache (revision-aware) and return its path."""
         from huggingface_hub import hf_hub_download
 
-        path = Path(
-            hf_hub_download(
-                self.repo_id,
-                relpath,
-                revision=self.revision,
-                token=self._token,
-                endpoint=self.endpoint,
-                cache_dir=self.cache_dir,
+        with self._hub(f"downloading {relpath}"):
+            path = Path(
+                hf_hub_download(
+                    self.repo_id,
+                    relpath,
+                    revision=self.revision,
+                    token=self._token,
+                    endpoint=self.endpoint,
+                    cache_dir=self.cache_dir,
+                )
             )
-        )
         self.bytes_read += path.stat().st_size
         return path
-
 
     def local_dir(self, ignore_patterns: list[str]) -> Path:
         """``snapshot_download`` of the revision into the HF cache (resumable, revision-aware)."""
         from huggingface_hub import snapshot_download
 
         log.info("downloading %s (HF cache)", self.label)
-        path = Path(
-            snapshot_download(
-                repo_id=self.repo_id,
-                revision=self.revision,
-                token=self._token,
-                cache_dir=self.cache_dir,
-                endpoint=self.endpoint,
-                ignore_patterns=ignore_patterns,
+        with self._hub("downloading the repo"):
+            path = Path(
+                snapshot_download(
+                    repo_id=self.repo_id,
+                    revision=self.revision,
+                    token=self._token,
+                    cache_dir=self.cache_dir,
+                    endpoint=self.endpoint,
+                    ignore_patterns=ignore_patterns,
+                )
             )
-        )
         self._commit = path.name  # snapshots/<commit sha>
         return path
 
@@ -274,17 +345,12 @@ class HubSource:
     def ref(self) -> SourceRef:
         """The repo, the revision asked for, and the commit it resolved to (one model_info call if not known)."""
         if self._commit is None:
-            from huggingface_hub.errors import HfHubHTTPError
-
             try:
-                self._commit = self._api.model_info(self.repo_id, revision=self.revision).sha
-            except HfHubHTTPError as exc:
-                log.warning("%s: could not resolve the commit (%s)", self.label, _short(exc))
+                with self._hub("resolving the commit"):
+                    self._commit = self._api.model_info(self.repo_id, revision=self.revision).sha
+            except MtpquantError as exc:
+                log.warning("%s", exc)
         return SourceRef(repo_id=self.repo_id, revision=self.revision, commit=self._commit)
-
-
-def _short(exc: Exception) -> str:
-    return str(exc).splitlines()[0] if str(exc) else exc.__class__.__name__
 
 
 def looks_like_repo_id(ref: str) -> bool:

@@ -190,12 +190,21 @@ class Checkpoint:
         entry = self.tensors[name]
         return load(_single_tensor_blob(entry, self.read_raw(entry)))[name]
 
-    def iter_raw(self, names: Iterable[str]) -> Iterator[tuple[TensorEntry, bytes]]:
-        """Stored bytes of many tensors, grouped by shard and in file order (one shard at a time)."""
+    def prefetch(self, names: Iterable[str]) -> dict[str, list[TensorEntry]]:
+        """Tell the source which tensors are about to be read (a remote one merges adjacent ones into one
+        request); returns them by shard, in file order."""
         by_shard: dict[str, list[TensorEntry]] = defaultdict(list)
         for name in names:
             entry = self.tensors[name]
             by_shard[entry.shard].append(entry)
+        for shard, entries in by_shard.items():
+            entries.sort(key=lambda e: e.start)
+            self.source.plan_reads(shard, [(e.start, e.end) for e in entries])
+        return by_shard
+
+    def iter_raw(self, names: Iterable[str]) -> Iterator[tuple[TensorEntry, bytes]]:
+        """Stored bytes of many tensors, grouped by shard and in file order (one shard at a time)."""
+        by_shard = self.prefetch(names)
         for shard in sorted(by_shard):
             for entry in sorted(by_shard[shard], key=lambda e: e.start):
                 yield entry, self.read_raw(entry)

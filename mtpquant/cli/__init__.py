@@ -60,13 +60,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.exit_code
     except BrokenPipeError:  # output piped into `head` and the like
         return 0
-    except OSError as exc:  # disk full, permissions, ...: one line, the temp output already removed
-        where = f"{exc.filename}: " if exc.filename else ""
-        print(f"mtpquant: error: {where}{exc.strerror or exc}", file=sys.stderr)
-        return int(ExitCode.IO)
     except KeyboardInterrupt:
         print("mtpquant: interrupted; no output was left behind", file=sys.stderr)
         return int(ExitCode.INTERRUPTED)
+    except Exception as exc:
+        hub = _hub_error(exc)  # a Hub failure the command did not translate itself: still one line
+        if hub is not None:
+            print(f"mtpquant: error: {hub}", file=sys.stderr)
+            return hub.exit_code
+        if not isinstance(exc, OSError):
+            raise
+        # disk full, permissions, ...: one line, the temp output already removed
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"mtpquant: error: {where}{exc.strerror or exc}", file=sys.stderr)
+        return int(ExitCode.IO)
+
+
+def _hub_error(exc: BaseException) -> MtpquantError | None:
+    """The one-line error for an exception raised by huggingface_hub or httpx, else None."""
+    if not type(exc).__module__.startswith(("huggingface_hub", "httpx", "httpcore")):
+        return None
+    from mtpquant.hubhttp import translate
+
+    return translate(exc, "the Hub", "a request")
 
 
 if __name__ == "__main__":

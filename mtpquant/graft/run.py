@@ -274,6 +274,8 @@ def _identical_mtp(quant: Checkpoint, src: Checkpoint) -> bool:
     q, s = {e.name: e for e in quant.mtp_tensors()}, {e.name: e for e in src.mtp_tensors()}
     if set(q) != set(s) or any((q[n].dtype, q[n].shape) != (s[n].dtype, s[n].shape) for n in q):
         return False
+    quant.prefetch(q)
+    src.prefetch(s)
     return all(quant.read_raw(q[n]) == src.read_raw(s[n]) for n in sorted(q))
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from mtpquant.checkpoint.header import TensorEntry
 from mtpquant.checkpoint.source import CheckpointSource, SourceRef
 from mtpquant.errors import CheckpointError
+from mtpquant.hubhttp import RangeIgnoredError
 
 __all__ = ["TrackedSource", "checksum"]
 
@@ -29,6 +30,7 @@ class TrackedSource:
         self.inner = inner
         self.label = inner.label
         self.bytes_read = inner.bytes_read
+        self.requests = inner.requests
         self.hashes: dict[str, str] = {}
         self.downloaded: list[str] = []
         self._local: dict[str, Path] = {}
@@ -47,6 +49,9 @@ class TrackedSource:
 
     def local_path(self, relpath: str) -> Path:
         return self.inner.local_path(relpath)
+
+    def plan_reads(self, relpath: str, ranges: list[tuple[int, int]]) -> None:
+        self.inner.plan_reads(relpath, ranges)
 
     @property
     def local_root(self) -> Path | None:
@@ -72,24 +77,20 @@ class TrackedSource:
         else:
             try:
                 data = self.inner.read_range(relpath, start, end)
-            except CheckpointError:
-                raise
-            except Exception as exc:
-                # Ranged reads failed (server without Range support, proxy, ...): fetch this shard only.
+            except RangeIgnoredError as exc:
+                # A server without Range support: fetch this shard only, whole.
                 log.warning(
                     "%s: ranged read of %s failed (%s); downloading that shard",
                     self.label,
                     relpath,
                     str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
                 )
-                try:
-                    path = self.inner.local_path(relpath)
-                except Exception as exc2:
-                    raise CheckpointError(f"{self.label}: cannot read {relpath} ({type(exc2).__name__})") from None
+                path = self.inner.local_path(relpath)
                 self._local[relpath] = path
                 self.downloaded.append(relpath)
                 data = _read_local(path, relpath, start, end)
         self.bytes_read = self.inner.bytes_read
+        self.requests = self.inner.requests
         for e in self._entries.get(relpath, ()):
             if e.start >= start and e.end <= end:
                 self.hashes[e.name] = checksum(memoryview(data)[e.start - start : e.end - start])

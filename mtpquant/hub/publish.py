@@ -31,7 +31,17 @@ from pathlib import Path
 from typing import Any
 
 from mtpquant import __version__
-from mtpquant.errors import CheckpointError, ConfigError, PublishRefusedError, UploadError, UsageError
+from mtpquant.errors import (
+    CheckpointError,
+    ConfigError,
+    HubAccessError,
+    HubRefusedError,
+    HubUnreachableError,
+    MtpquantError,
+    PublishRefusedError,
+    UploadError,
+    UsageError,
+)
 from mtpquant.hub.card import (
     CARD_NAME,
     CardFacts,
@@ -363,6 +373,9 @@ def _commit_message(opts: PublishOptions, result: PublishResult) -> tuple[str, s
 def _upload(opts: PublishOptions, out: Path, result: PublishResult, secrets: list[str]) -> PublishResult:
     from huggingface_hub import HfApi
 
+    from mtpquant.hubhttp import configure_client
+
+    configure_client()
     endpoint = _endpoint(opts)
     api = HfApi(endpoint=endpoint, token=opts.token, library_name="mtpquant", library_version=__version__)
     title, description = _commit_message(opts, result)
@@ -376,7 +389,7 @@ def _upload(opts: PublishOptions, out: Path, result: PublishResult, secrets: lis
         " as a pull request" if opts.create_pr else "",
     )
     step = "creating the repo"
-    message: str | None = None
+    failure: MtpquantError | None = None
     try:
         repo_url = api.create_repo(opts.repo, private=opts.private, exist_ok=True, repo_type="model")
         if opts.revision and opts.revision != "main" and not opts.revision.startswith("refs/pr/"):
@@ -395,10 +408,10 @@ def _upload(opts: PublishOptions, out: Path, result: PublishResult, secrets: lis
             delete_patterns=list(_REPLACED_REMOTE),
         )
     except Exception as exc:  # every client failure becomes one token-free line
-        message = _describe(exc, step, opts.repo, secrets)
-    if message is not None:
+        failure = _failure(exc, step, opts.repo, endpoint, secrets)
+    if failure is not None:
         # Raised outside the handler: the client's exception (which holds the request) is not chained.
-        raise UploadError(message)
+        raise failure
     log.info("committed %s", info.commit_url)
     return dataclasses.replace(
         result,
@@ -408,6 +421,24 @@ def _upload(opts: PublishOptions, out: Path, result: PublishResult, secrets: lis
         pr_revision=info.pr_revision,
         repo_url=str(repo_url),
     )
+
+
+def _failure(exc: Exception, step: str, repo: str, endpoint: str | None, secrets: list[str]) -> MtpquantError:
+    """The error to raise for a failed Hub call: unreachable (30), no access (31) and rate limits (32) as for
+    every Hub call; any other refusal of the upload is an UploadError (14)."""
+    from huggingface_hub.errors import HfHubHTTPError
+
+    from mtpquant.hubhttp import translate
+
+    status = getattr(getattr(exc, "response", None), "status_code", None) if isinstance(exc, HfHubHTTPError) else None
+    err = translate(exc, f"publishing to {repo}", step, endpoint)
+    if isinstance(err, HubUnreachableError):
+        return HubUnreachableError(redact(str(err), secrets))
+    if isinstance(err, HubAccessError) or status in (401, 403):
+        return HubAccessError(_describe(exc, step, repo, secrets))
+    if isinstance(err, HubRefusedError) and (status == 429 or status is None):
+        return HubRefusedError(redact(str(err), secrets))
+    return UploadError(_describe(exc, step, repo, secrets))
 
 
 def _describe(exc: Exception, step: str, repo: str, secrets: list[str]) -> str:

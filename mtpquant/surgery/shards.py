@@ -30,6 +30,7 @@ def _raw(ckpt: Checkpoint, entry: TensorEntry) -> PlannedTensor:
 def mtp_planned_tensors(ckpt: Checkpoint, names: Iterable[str] | None = None) -> list[PlannedTensor]:
     """Planned copies of the MTP tensors of ``ckpt`` (all ``mtp.*`` by default), sorted by name."""
     chosen = sorted(names) if names is not None else sorted(n for n in ckpt.tensors if is_mtp_name(n))
+    ckpt.prefetch(chosen)  # a remote source reads adjacent tensors in one request
     return [_raw(ckpt, ckpt.tensors[n]) for n in chosen]
 
 

@@ -41,9 +41,12 @@ class CommitsMixin:
         for item in data.get("files", []):
             path = item.get("path")
             st = rev.files.get(path) if rev is not None else None
-            oid = self._digest(st, "sha1git") if st is not None and self.hash_contents else None
-            # "regular" for everything: no LFS batch API and no Xet storage needed by the client.
-            files.append({"path": path, "uploadMode": "regular", "shouldIgnore": False, "oid": oid})
+            # as the Hub: LFS for what .gitattributes marks (and large files), inline ("regular") for the rest;
+            # the oid of what is there already: sha256 for an LFS file, the git blob sha1 for a regular one
+            mode = "lfs" if self.is_lfs_path(rev, str(path), item.get("size")) else "regular"
+            kind = "sha256" if mode == "lfs" else "sha1git"
+            oid = self._digest(st, kind) if st is not None and self.hash_contents else None
+            files.append({"path": path, "uploadMode": mode, "shouldIgnore": False, "oid": oid})
         return _json_response({"files": files, "commitOid": rev.sha if rev is not None else None})
 
     def _commit(self, req: _Request, repo_id: str, revision: str) -> _Response:
@@ -116,7 +119,7 @@ class CommitsMixin:
                 if source is None:
                     raise _HttpError(
                         400,
-                        f"LFS object {value.get('oid')} for {path} is unknown (LocalHub has no LFS upload)",
+                        f"LFS object {value.get('oid')} for {path} was never uploaded",
                     )
                 state[path] = source
                 touched.add(path)
@@ -145,6 +148,11 @@ class CommitsMixin:
         return state, touched
 
     def _find_lfs_object(self, repo_id: str, oid: str, size: Any) -> _Stat | None:
+        uploaded = self._lfs_object(oid)
+        if uploaded is not None:
+            st = uploaded.stat()
+            if size is None or st.st_size == size:
+                return _Stat(str(uploaded), st.st_size, st.st_mtime_ns, st.st_ino)
         for name in self._revision_names(repo_id):
             for st in self._scan(self.repo_dir(repo_id, name)).values():
                 if (size is None or st.size == size) and self._digest(st, "sha256") == oid:

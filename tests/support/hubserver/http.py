@@ -115,6 +115,10 @@ class _Response:
         return self.file[2] if self.file is not None else len(self.body)
 
 
+class _Hangup(Exception):
+    """Close the connection without an answer (the "hang" fault, once released)."""
+
+
 class _HttpError(Exception):
     def __init__(
         self,
@@ -285,6 +289,9 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             req.body = self._read_body()
             resp = hub._dispatch(req)
+        except _Hangup:
+            self.close_connection = True
+            return
         except _HttpError as e:
             resp = e.response()
         except Exception as e:
@@ -293,13 +300,16 @@ class _Handler(BaseHTTPRequestHandler):
         head = self.command == "HEAD"
         # Count before writing: a client may act on the last byte before this thread runs again.
         ticket = hub._record(req, resp, 0 if head else resp.length)
-        unsent = self._send(resp, head=head)
+        unsent = self._send(resp, head=head, drop=hub._faulty("drop", req.kind) and resp.status < 300)
         if unsent:
             hub._uncount(ticket, req.path, unsent)
 
-    def _send(self, resp: _Response, *, head: bool) -> int:
-        """Write the response; returns how many of the body bytes counted in advance were not written."""
+    def _send(self, resp: _Response, *, head: bool, drop: bool = False) -> int:
+        """Write the response; returns how many of the body bytes counted in advance were not written.
+
+        ``drop``: write the headers and half the body, then close the connection (a fault for tests)."""
         unsent = 0 if head else resp.length
+        stop_at = resp.length // 2 if drop else -1
         try:
             self.send_response(resp.status)
             for key, value in resp.headers.items():
@@ -308,6 +318,14 @@ class _Handler(BaseHTTPRequestHandler):
             self.end_headers()
             if head:
                 return 0
+            if drop:
+                body = resp.body if resp.file is None else Path(resp.file[0]).read_bytes()[resp.file[1] :]
+                self.wfile.write(body[:stop_at])
+                self.wfile.flush()
+                self.close_connection = True
+                with contextlib.suppress(OSError):
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                return resp.length - stop_at
             if resp.file is None:
                 self.wfile.write(resp.body)
                 return 0

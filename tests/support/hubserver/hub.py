@@ -15,6 +15,7 @@ from types import TracebackType
 from typing import Any
 from urllib.parse import quote
 
+from tests.support.hubserver.behaviour import DEFAULT_GITATTRIBUTES, BehaviourMixin
 from tests.support.hubserver.commits import CommitsMixin
 from tests.support.hubserver.http import (
     _HOST,
@@ -28,7 +29,7 @@ from tests.support.hubserver.routes import RoutesMixin
 from tests.support.hubserver.store import StoreMixin
 
 
-class LocalHub(StoreMixin, RoutesMixin, CommitsMixin):
+class LocalHub(StoreMixin, RoutesMixin, CommitsMixin, BehaviourMixin):
     """Threaded Hub-compatible HTTP server on 127.0.0.1 serving repos from ``root`` (see module docstring).
 
     Use as a context manager (or `start()` / `close()`)::
@@ -80,6 +81,7 @@ class LocalHub(StoreMixin, RoutesMixin, CommitsMixin):
         self._commits: dict[tuple[str, str], list[dict[str, Any]]] = {}
         self._discussions: dict[str, dict[int, dict[str, Any]]] = {}
         self._private: dict[str, bool] = {}
+        self._init_behaviour()
         self.root.mkdir(parents=True, exist_ok=True)
 
     # ------------------------------------------------------------------ lifecycle
@@ -98,6 +100,7 @@ class LocalHub(StoreMixin, RoutesMixin, CommitsMixin):
         server, self._server = self._server, None
         if server is None:
             return
+        self._hang.set()  # release handlers held by a "hang" fault
         server.shutdown()
         server.close_connections()
         server.server_close()
@@ -222,10 +225,12 @@ class LocalHub(StoreMixin, RoutesMixin, CommitsMixin):
         *,
         revision: str = "main",
         exist_ok: bool = False,
+        gitattributes: bool = True,
     ) -> Path:
         """Create (or with `exist_ok`, extend) a repo revision on disk.
 
-        `files` maps repo paths to bytes, text, or a local file to copy. Returns the revision directory.
+        `files` maps repo paths to bytes, text, or a local file to copy; a new repo also gets the Hub's default
+        ``.gitattributes`` (unless `gitattributes` is False or `files` has one). Returns the revision directory.
         """
         with self._lock:
             main = self.repo_dir(repo_id)
@@ -234,7 +239,10 @@ class LocalHub(StoreMixin, RoutesMixin, CommitsMixin):
             target = self.repo_dir(repo_id, revision)
             if target.exists() and not exist_ok:
                 raise FileExistsError(target)
+            new = not target.exists()
             target.mkdir(parents=True, exist_ok=True)
+            if new and gitattributes and ".gitattributes" not in (files or {}):
+                (target / ".gitattributes").write_text(DEFAULT_GITATTRIBUTES, encoding="utf-8")
             for rel, content in (files or {}).items():
                 dest = target / _clean_repo_path(rel)
                 dest.parent.mkdir(parents=True, exist_ok=True)
@@ -268,7 +276,7 @@ class LocalHub(StoreMixin, RoutesMixin, CommitsMixin):
         """Point ``huggingface_hub`` at this hub with an isolated ``HF_HOME`` for the duration of the block.
 
         Sets ``HF_ENDPOINT``, ``HF_HOME``, ``HF_HUB_CACHE``, ``HF_XET_CACHE``, ``HF_TOKEN_PATH``,
-        ``HF_HUB_DISABLE_TELEMETRY=1``, unsets ``HF_HUB_OFFLINE``/``TRANSFORMERS_OFFLINE`` and sets
+        ``HF_HUB_DISABLE_TELEMETRY=1``, ``HF_HUB_DISABLE_XET=1``, unsets ``HF_HUB_OFFLINE``/``TRANSFORMERS_OFFLINE`` and sets
         ``HF_TOKEN`` to `token` (or unsets it). Because ``huggingface_hub`` reads these at import time, if it
         is already imported the matching ``huggingface_hub.constants`` values (``ENDPOINT`` together with
         ``HUGGINGFACE_CO_URL_TEMPLATE``, cache/token paths, ``HF_HUB_OFFLINE``) and the endpoint of the
@@ -289,6 +297,7 @@ class LocalHub(StoreMixin, RoutesMixin, CommitsMixin):
             "HF_ENDPOINT": self.endpoint,
             **paths,
             "HF_HUB_DISABLE_TELEMETRY": "1",
+            "HF_HUB_DISABLE_XET": "1",  # LocalHub speaks Git LFS, not Xet (the Xet path is untested here)
             "HF_HUB_OFFLINE": None,
             "TRANSFORMERS_OFFLINE": None,
             "HUGGINGFACE_HUB_CACHE": None,
@@ -322,6 +331,7 @@ class LocalHub(StoreMixin, RoutesMixin, CommitsMixin):
                     "HF_STORED_TOKENS_PATH": str(home_path / "stored_tokens"),
                     "HF_HUB_OFFLINE": False,
                     "HF_HUB_DISABLE_TELEMETRY": True,
+                    "HF_HUB_DISABLE_XET": True,
                 }
                 for attr, new_value in values.items():
                     _set(constants, attr, new_value)

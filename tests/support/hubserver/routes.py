@@ -9,8 +9,9 @@ import shutil
 import struct
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qs
+from urllib.parse import parse_qs, quote
 
+from tests.support.hubserver.behaviour import DEFAULT_GITATTRIBUTES
 from tests.support.hubserver.http import (
     _TRUE,
     _HttpError,
@@ -42,7 +43,19 @@ class RoutesMixin:
             rev, rest = _split_revision(s[3:])
             req.revision = rev
             req.filename = "/".join(rest)
-            return self._resolve_file(req)
+            self._check_access(req)
+            return self._before(req) or self._resolve_file(req)
+        if len(s) == 6 and s[1].endswith(".git") and s[2:5] == ["info", "lfs", "objects"] and req.method == "POST":
+            req.kind = f"lfs_{s[5]}"
+            req.repo_id = f"{s[0]}/{s[1][: -len('.git')]}"
+            self._check_auth(req)
+            if s[5] == "batch":
+                return self._lfs_batch(req)
+            if s[5] == "verify":
+                return self._lfs_verify(req)
+        if len(s) == 2 and s[0] == ".localhub-lfs":
+            req.kind = "lfs_upload"
+            return self._lfs_put(req, s[1])
         self._check_auth(req)
         raise _HttpError(501, f"LocalHub does not implement {req.method} {req.path}")
 
@@ -74,21 +87,22 @@ class RoutesMixin:
             repo_id = req.repo_id = f"{s[1]}/{s[2]}"
             rest = s[3:]
             head, tail = (rest[0], rest[1:]) if rest else ("", [])
+            self._check_access(req)
             if not rest and get:
                 req.kind = "model_info"
-                return self._model_info(req, repo_id, None)
+                return self._before(req) or self._model_info(req, repo_id, None)
             if head == "revision" and tail and get:
                 req.kind = "model_info"
                 req.revision = "/".join(tail)
-                return self._model_info(req, repo_id, req.revision)
+                return self._before(req) or self._model_info(req, repo_id, req.revision)
             if head == "tree" and tail and get:
                 req.kind = "tree"
                 req.revision, path_segs = _split_revision(tail)
-                return self._tree(req, repo_id, req.revision, "/".join(path_segs))
+                return self._before(req) or self._tree(req, repo_id, req.revision, "/".join(path_segs))
             if head == "paths-info" and tail and post:
                 req.kind = "paths_info"
                 req.revision = "/".join(tail)
-                return self._paths_info(req, repo_id, req.revision)
+                return self._before(req) or self._paths_info(req, repo_id, req.revision)
             if head == "preupload" and tail and post:
                 req.kind = "preupload"
                 req.revision = "/".join(tail)
@@ -144,7 +158,7 @@ class RoutesMixin:
                     f"Range not satisfiable: {range_header}",
                     headers={**headers, "Content-Range": f"bytes */{st.size}"},
                 )
-            if isinstance(parsed, tuple):
+            if isinstance(parsed, tuple) and (self.ignore_range_from is None or parsed[0] < self.ignore_range_from):
                 start, end = parsed
                 headers["Content-Range"] = f"bytes {start}-{end}/{st.size}"
                 return _Response(206, headers, file=(st.path, start, end - start + 1))
@@ -254,7 +268,18 @@ class RoutesMixin:
                     entries[folder] = self._dir_entry(rev, folder, expand)
             if recursive or len(parts) == 1:
                 entries[rel] = self._file_entry(rev, rel, st, expand)
-        return _json_response(list(entries.values()))
+        listing = list(entries.values())
+        size = self.tree_page_size
+        if size is None:
+            return _json_response(listing)
+        cursor = int((req.query.get("cursor") or ["0"])[-1] or 0)
+        page = listing[cursor : cursor + size]
+        headers = {}
+        if cursor + size < len(listing):
+            query = "&".join(p for p in req.raw_query.split("&") if p and not p.startswith("cursor="))
+            url = f"{self.endpoint}{quote(req.path)}?{query}{'&' if query else ''}cursor={cursor + size}"
+            headers["Link"] = f'<{url}>; rel="next"'
+        return _json_response(page, headers=headers)
 
     def _paths_info(self, req: _Request, repo_id: str, revision: str) -> _Response:
         rev = self._resolve_rev(repo_id, revision)
@@ -334,6 +359,7 @@ class RoutesMixin:
                 # create_repo(exist_ok=True) reads "url" from the 409 body.
                 raise _HttpError(409, "You already created this model repo", extra={"url": url})
             main.mkdir(parents=True)
+            (main / ".gitattributes").write_text(DEFAULT_GITATTRIBUTES, encoding="utf-8")  # as the Hub does
             self._private[repo_id] = bool(data.get("private")) or data.get("visibility") == "private"
         return _json_response({"url": url, "name": repo_id, "id": repo_id})
 
