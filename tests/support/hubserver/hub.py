@@ -276,8 +276,8 @@ class LocalHub(StoreMixin, RoutesMixin, CommitsMixin, BehaviourMixin):
         """Point ``huggingface_hub`` at this hub with an isolated ``HF_HOME`` for the duration of the block.
 
         Sets ``HF_ENDPOINT``, ``HF_HOME``, ``HF_HUB_CACHE``, ``HF_XET_CACHE``, ``HF_TOKEN_PATH``,
-        ``HF_HUB_DISABLE_TELEMETRY=1``, ``HF_HUB_DISABLE_XET=1``, unsets ``HF_HUB_OFFLINE``/``TRANSFORMERS_OFFLINE`` and sets
-        ``HF_TOKEN`` to `token` (or unsets it). Because ``huggingface_hub`` reads these at import time, if it
+        ``HF_HUB_DISABLE_TELEMETRY=1``, ``HF_HUB_DISABLE_XET=1``, unsets ``HF_HUB_OFFLINE``/``TRANSFORMERS_OFFLINE``
+        and sets ``HF_TOKEN`` to `token` (or unsets it). Because ``huggingface_hub`` reads these at import time, if it
         is already imported the matching ``huggingface_hub.constants`` values (``ENDPOINT`` together with
         ``HUGGINGFACE_CO_URL_TEMPLATE``, cache/token paths, ``HF_HUB_OFFLINE``) and the endpoint of the
         module-level ``huggingface_hub.hf_api.api`` singleton (behind ``huggingface_hub.model_info`` & co.)
