@@ -237,8 +237,8 @@ def read_range(
                             "Retry-After); rerun later"
                         )
                     log.info(
-                        "%s: %s answered HTTP %d to a read of %s; waiting %g s (%s) before retry %d of %d",
-                        label, _host(url), resp.status_code, what, wait,
+                        "%s: %s: %s answered HTTP %d; waiting %g s (%s) before retry %d of %d",
+                        label, what, _host(url), resp.status_code, wait,
                         "Retry-After" if resp.headers.get("Retry-After") else "backoff", attempt + 1, MAX_RETRIES,
                     )
                     time.sleep(wait)

@@ -69,7 +69,12 @@ def inspect_text(r: InspectReport) -> str:
             f"{r.index['shards']} shards, {r.index['tensors']} tensors, "
             + ("intact" if r.index["intact"] else "CORRUPT"),
         ),
-        ("read", f"{format_bytes(r.bytes_fetched)} of {format_bytes(r.checkpoint_bytes)} in {r.seconds:.2f} s"),
+        (
+            "read",
+            f"{format_bytes(r.bytes_fetched)} of {format_bytes(r.checkpoint_bytes)}"
+            + (f" in {r.requests} requests" if r.requests else "")
+            + f" in {r.seconds:.2f} s",
+        ),
     ]
     width = max(len(k) for k, _ in rows)
     lines = [f"{k.ljust(width)}  {v}" for k, v in rows]
@@ -202,6 +207,8 @@ def graft_text(result: GraftResult) -> str:
             lines.append(f"  MTP: {result.mtp_tensors} tensors, {format_bytes(result.mtp_bytes)}")
         if result.source:
             fetched = f"  fetched from SRC: {format_bytes(result.src_bytes_fetched)}"
+            if result.src_requests:
+                fetched += f" in {result.src_requests} requests"
             if result.src_shards_downloaded:
                 fetched += f" (downloaded whole: {', '.join(result.src_shards_downloaded)})"
             lines.append(fetched)

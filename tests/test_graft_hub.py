@@ -77,6 +77,7 @@ def test_hub_quant_and_hub_src_with_revisions(
     result = graft(GraftOptions(quant="org/quant", revision="v2", source="org/src", source_revision="bf16", out=out))
     assert result.quant == "org/quant@v2" and result.source == "org/src@bf16"
     assert tree_state(out) == tree_state(ref)  # same result as from local copies
+    assert (hub.repo_dir("org/quant", "v2") / ".gitattributes").is_file() and not (out / ".gitattributes").exists()
     assert result.mtp_bytes <= result.src_bytes_fetched <= 1.1 * result.mtp_bytes
     assert result.quant_bytes_fetched >= (naive / "model.safetensors").stat().st_size  # QUANT had to come down
     capsys.readouterr()
@@ -111,3 +112,32 @@ def test_a_server_ignoring_range_for_tensor_data_makes_graft_download_only_the_m
         assert served(hub, "org/src", shard) >= (src / shard).stat().st_size
     assert served(hub, "org/src", "model.safetensors-00002-of-00003.safetensors") < 64 * 1024
     assert tensor_digests(out, mtp=True) == tensor_digests(src, mtp=True)
+
+
+def test_graft_from_the_hub_reads_a_1553_tensor_mtp_in_a_few_requests(
+    real_layouts: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Qwen3-Next-80B-A3B's MTP (1,553 tensors, 3.3 GB) from a Hub SRC: adjacent tensors are merged into one
+    ranged read, so the requests are about one per MTP shard, not one per tensor."""
+    from mtpquant.synth.skeleton import find_layout, make_skeleton
+
+    layout = find_layout("Qwen3-Next-80B-A3B-Instruct", real_layouts)
+    # hash_contents=False: stat-derived ids, so serving the 163 GB sparse skeleton never hashes it
+    with LocalHub(tmp_path / "hub", hash_contents=False) as hub, hub.client_env(tmp_path / "hf_home"):
+        src = make_skeleton(layout, hub.repo_dir("org/next"), mtp_data="random")  # served in place, not copied
+        quant = make_skeleton(layout, tmp_path / "quant", quant=True)
+        mtp = Checkpoint.open(src.path).mtp_tensors()
+        mtp_shards = {e.shard for e in mtp}
+        assert len(mtp) == 1553
+        hub.reset_counters()
+        out = tmp_path / "out"
+        assert main(["graft", str(quant.path), "--from", "org/next", "--out", str(out)]) == 0
+        printed = capsys.readouterr().out
+        reads = [r for r in hub.requests if r.kind == "resolve" and r.filename in mtp_shards and r.range]
+        header_reads = 2 * len(src.shards)  # the length prefix and the JSON header of every shard
+        assert len(reads) <= header_reads + len(mtp_shards) + 4, len(reads)
+        # beyond the shard reads: the listing, config.json, the index, the commit (model_info)
+        assert len(hub.requests) <= header_reads + len(mtp_shards) + 8, len(hub.requests)
+        assert f"in {len(hub.requests)} requests" in printed, printed.splitlines()[:4]
+        assert hub.errors == []
+    assert tensor_digests(out, mtp=True) == tensor_digests(src.path, mtp=True)

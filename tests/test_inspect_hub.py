@@ -9,7 +9,7 @@ from mtpquant.inspect.report import inspect_checkpoint
 from tests.support.hubserver import LocalHub
 
 Factory = Callable[[str], Path]
-_VOLATILE = {"checkpoint", "bytes_fetched", "seconds", "serve_commands"}
+_VOLATILE = {"checkpoint", "bytes_fetched", "requests", "seconds", "serve_commands"}
 
 
 def _comparable(report: object) -> dict:
@@ -33,6 +33,7 @@ def test_hub_report_equals_local_and_reads_under_one_percent(local_hub: LocalHub
     served = local_hub.bytes_served  # everything the server sent: listings, JSON, header ranges
     assert served < 0.01 * local.checkpoint_bytes, (served, local.checkpoint_bytes)
     assert 0 < remote.bytes_fetched <= served
+    assert remote.requests == len(local_hub.requests) and local.requests == 0  # every request counted
     resolves = [r for r in local_hub.requests if r.kind == "resolve" and r.filename.endswith(".safetensors")]
     assert resolves and all(r.range for r in resolves)  # only ranged reads of shards, never a whole shard
 

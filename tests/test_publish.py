@@ -124,6 +124,12 @@ def test_publish_uploads_exact_files_and_a_truthful_card(
     assert result.card_action == "generated" and result.healthy and not result.forced
     served = _server_files(local_hub)
     assert served == {**local_files, "README.md": (out / "README.md").read_bytes()}  # exact files, exact bytes
+    # the weights took the Hub's LFS path (the repo's .gitattributes marks *.safetensors): one batch call, then a
+    # PUT to the storage URL it handed out and a verify per shard; the JSON and the card went inline
+    shards = sorted(k for k in local_files if k.endswith(".safetensors"))
+    kinds = [r.kind for r in local_hub.requests]
+    assert kinds.count("lfs_batch") == 1 and kinds.count("lfs_upload") == kinds.count("lfs_verify") == len(shards)
+    assert shards and kinds.index("lfs_batch") < kinds.index("commit")
     assert served["README.md"].decode() == result.card
     assert {f.path: f.size for f in result.files} == {k: len(v) for k, v in served.items()}
     sha = local_hub.commit_sha(REPO)

@@ -182,8 +182,8 @@ class HubSource:
     """
 
     MERGE_GAP = 64 * 1024  # ranges this close are one read
-    MAX_SPAN = 256 * 1024 * 1024  # no single read larger than this
-    CACHE_BYTES = 512 * 1024 * 1024
+    MAX_SPAN = 1024 * 1024 * 1024  # no single read larger than this (the memory it takes)
+    CACHE_BYTES = MAX_SPAN  # readers go front to back (``PlannedTensor.read_order``): one span at a time
 
     def __init__(
         self, repo_id: str, revision: str | None = None, token: str | None = None, endpoint: str | None = None

@@ -59,6 +59,9 @@ class PlannedTensor:
     produce: Callable[[], bytes]
     # Where the bytes already lie on a local disk (file, start, end): copied in the kernel instead.
     source: tuple[Path, int, int] | None = None
+    # Where the bytes are read from (file, offset): a shard's tensors are produced in this order, each
+    # written at its own offset, so a remote source is read front to back (one merged request per span).
+    read_order: tuple[str, int] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -143,8 +146,23 @@ def write_safetensors(path: Path, tensors: Iterable[PlannedTensor], metadata: Ma
         offset += t.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
     raw += b" " * (-len(raw) % 8)
+    base = 8 + len(raw)
     with path.open("wb") as fh:
         _write(fh, struct.pack("<Q", len(raw)) + raw)
+        if any(t.read_order is not None for t in plan):
+            # produce in source order, each at its offset: the file comes out the same, read front to back
+            offsets = {t.name: header[t.name]["data_offsets"][0] for t in plan}
+            for t in sorted(plan, key=lambda t: t.read_order or ("", 0)):
+                data = t.produce()
+                if len(data) != t.nbytes:
+                    raise CheckpointError(
+                        f"{path.name}: tensor {t.name!r} produced {len(data)} bytes, expected {t.nbytes}"
+                    )
+                fh.seek(base + offsets[t.name])
+                _write(fh, data)
+            fh.flush()
+            os.fsync(fh.fileno())
+            return
         for t in plan:
             if t.source is not None:
                 src, start, end = t.source

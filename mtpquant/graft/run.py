@@ -92,6 +92,8 @@ class GraftResult:
     mtp_bytes: int = 0
     src_bytes_fetched: int = 0
     quant_bytes_fetched: int = 0
+    src_requests: int = 0  # network requests to SRC (a Hub repo), redirects included
+    quant_requests: int = 0
     bytes_written: int = 0
     new_shards: list[str] = field(default_factory=list)
     linked: list[str] = field(default_factory=list)
@@ -287,8 +289,10 @@ def _finish(result: GraftResult, t0: float, quant: Checkpoint, src: Checkpoint |
         with OutputLock.acquire(root):
             result.cleaned = inplace.clean_stale(root)
     result.quant_bytes_fetched = quant.source.bytes_read
+    result.quant_requests = quant.source.requests
     if src is not None:
         result.src_bytes_fetched = src.source.bytes_read
+        result.src_requests = src.source.requests
     result.seconds = round(time.perf_counter() - t0, 3)
     log.info("%s", result.message)
     return result

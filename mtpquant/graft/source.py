@@ -29,14 +29,20 @@ class TrackedSource:
     def __init__(self, inner: CheckpointSource, entries: list[TensorEntry]) -> None:
         self.inner = inner
         self.label = inner.label
-        self.bytes_read = inner.bytes_read
-        self.requests = inner.requests
         self.hashes: dict[str, str] = {}
         self.downloaded: list[str] = []
         self._local: dict[str, Path] = {}
         self._entries: dict[str, list[TensorEntry]] = defaultdict(list)
         for e in sorted(entries, key=lambda e: e.start):
             self._entries[e.shard].append(e)
+
+    @property
+    def bytes_read(self) -> int:
+        return self.inner.bytes_read
+
+    @property
+    def requests(self) -> int:
+        return self.inner.requests
 
     def list_files(self) -> list[str]:
         return self.inner.list_files()
@@ -89,8 +95,6 @@ class TrackedSource:
                 self._local[relpath] = path
                 self.downloaded.append(relpath)
                 data = _read_local(path, relpath, start, end)
-        self.bytes_read = self.inner.bytes_read
-        self.requests = self.inner.requests
         for e in self._entries.get(relpath, ()):
             if e.start >= start and e.end <= end:
                 self.hashes[e.name] = checksum(memoryview(data)[e.start - start : e.end - start])

@@ -94,6 +94,7 @@ class InspectReport:
     failures: list[Finding] = field(default_factory=list)
     warnings: list[Finding] = field(default_factory=list)
     bytes_fetched: int = 0
+    requests: int = 0  # network requests (a Hub repo); 0 for a local directory
     checkpoint_bytes: int = 0
     seconds: float = 0.0
 
@@ -383,6 +384,7 @@ def inspect_checkpoint(
         failures=failures,
         warnings=warnings,
         bytes_fetched=ckpt.source.bytes_read,
+        requests=ckpt.source.requests,
         checkpoint_bytes=ckpt.total_bytes,
         seconds=round(time.perf_counter() - t0, 3),
         **report,

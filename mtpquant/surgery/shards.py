@@ -23,8 +23,10 @@ MTP_SHARD_METADATA = {"format": "pt"}
 
 
 def _raw(ckpt: Checkpoint, entry: TensorEntry) -> PlannedTensor:
-    # local sources are copied in the kernel (copy_file_range), remote ones through ranged reads
-    return PlannedTensor(entry.name, entry.dtype, entry.shape, lambda: ckpt.read_raw(entry), ckpt.local_range(entry))
+    # local sources are copied in the kernel (copy_file_range); remote ones through ranged reads, front to back
+    local = ckpt.local_range(entry)
+    order = None if local is not None else (entry.shard, entry.start)
+    return PlannedTensor(entry.name, entry.dtype, entry.shape, lambda: ckpt.read_raw(entry), local, order)
 
 
 def mtp_planned_tensors(ckpt: Checkpoint, names: Iterable[str] | None = None) -> list[PlannedTensor]:

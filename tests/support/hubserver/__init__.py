@@ -21,10 +21,13 @@ reported as LFS files like on the Hub: ``X-Linked-Etag``/``X-Linked-Size`` heade
 tree listings), computed lazily and cached by file stat. For multi-GB repos pass ``hash_contents=False`` to
 get cheap stat-derived ids instead (then unchanged re-uploads are not detected as no-ops).
 
-Uploads never need LFS or Xet: the preupload endpoint answers ``"regular"`` for every file, so the client
-sends the contents base64-encoded inside the NDJSON commit payload, which the server writes byte-exact.
-Responses never carry ``X-Xet-Hash`` or ``xetHash``, so downloads stay on plain HTTP even with ``hf_xet``
-installed.
+Uploads take the Hub's paths: every new repo gets the Hub's default ``.gitattributes``; preupload answers
+``"lfs"`` for what it marks (``*.safetensors`` among them) and ``"regular"`` (contents inline in the NDJSON
+commit) for the rest; LFS objects go through the Git LFS batch API (basic transfer: PUT, verify). Xet is never
+offered: ``client_env`` sets ``HF_HUB_DISABLE_XET=1`` and responses never carry ``X-Xet-Hash`` or
+``xetHash``, so transfers stay on plain HTTP even with ``hf_xet`` installed (the Xet path itself is untested).
+Gated and private repos, 429 with ``Retry-After``, paginated tree listings and faults (no answer, HTML, a
+dropped connection, ``Range`` ignored) are in ``behaviour.py``.
 
 Client quirks (huggingface_hub 1.x) that callers must know:
 

@@ -222,6 +222,15 @@ class _Server(ThreadingHTTPServer):
             self.connections.add(request)
         super().process_request(request, client_address)
 
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that went away mid-request (reset, broken pipe) is not an error of the server."""
+        import sys
+
+        exc = sys.exc_info()[1]
+        if isinstance(exc, (ConnectionResetError, BrokenPipeError, TimeoutError)):
+            return
+        super().handle_error(request, client_address)
+
     def shutdown_request(self, request: Any) -> None:
         with self.connections_lock:
             self.connections.discard(request)
