@@ -180,3 +180,11 @@ def test_convert_from_an_unreachable_hub_writes_nothing(
     code, err = run(capsys, "convert", REPO, str(out), "--keep-mtp", "--device", "cpu")
     assert code == ExitCode.HUB_UNREACHABLE and "cannot reach" in one_line(err)
     assert not out.exists() and list(tmp_path.glob(".out*")) == []
+
+
+def test_a_paginated_tree_listing_is_followed(hub: LocalHub, capsys: pytest.CaptureFixture[str]) -> None:
+    hub.tree_page_size = 2  # the Hub pages its tree listings (Link: <...>; rel="next")
+    code, _ = run(capsys, "inspect", REPO, "--json")
+    pages = [r for r in hub.requests if r.kind == "tree"]
+    files = len([p for p in hub.repo_dir(REPO).iterdir() if p.is_file()])
+    assert code == 0 and len(pages) == -(-files // 2) > 1  # every page read, the checkpoint complete
