@@ -7,9 +7,12 @@ what QUANT already records. ``publish`` reads it for the model card, as typed da
 
     {"schema": ..., "steps": [{"tool", "created", "command": [...], "mtpquant_version", "versions": {...},
       "source": {"repo_id", "revision", "commit", "path"}, "mode", "recipe", "recipe_file", "base_model",
-      "base_model_revision"}, ...]}
+      "base_model_revision", "license": {"license", "license_name", "license_link"}}, ...]}
 
-Steps are oldest first; every field but ``tool`` may be null.
+Steps are oldest first; every field but ``tool`` may be null. The file goes to the Hub with the checkpoint, so
+it names local directories by their base name only (``mtpquant.public``): ``command`` as run with each local
+path shortened, ``source.path`` the source directory's name. ``license`` is the licence the source's own card
+declared (its README.md metadata), read when the step ran so the card does not need the source later.
 """
 
 from __future__ import annotations
@@ -24,16 +27,19 @@ from pathlib import Path
 from typing import Any
 
 from mtpquant import __version__
-from mtpquant.checkpoint.source import CheckpointSource, LocalSource, SourceRef, read_json
-from mtpquant.errors import CheckpointError
+from mtpquant.checkpoint.source import CheckpointSource, LocalSource, SourceRef, is_repo_id, read_json
+from mtpquant.errors import CheckpointError, UsageError
 
 __all__ = [
     "PROVENANCE_FILE",
     "PROVENANCE_SCHEMA",
+    "BaseModelError",
     "Provenance",
     "Step",
+    "check_base_model",
     "library_versions",
     "read_provenance",
+    "source_license",
     "source_provenance",
 ]
 
@@ -84,6 +90,7 @@ class Step:
     recipe_file: str | None = None  # the resolved recipe written into the directory
     base_model: str | None = None  # a Hub model id the user named (--base-model), or None
     base_model_revision: str | None = None
+    license: Mapping[str, str] | None = None  # the source card's licence fields, as declared there
     mtpquant_version: str = __version__
     versions: Mapping[str, str] = field(default_factory=library_versions)
     created: str = field(default_factory=lambda: datetime.now(timezone.utc).isoformat(timespec="seconds"))
@@ -102,6 +109,7 @@ class Step:
             "recipe_file": self.recipe_file,
             "base_model": self.base_model,
             "base_model_revision": self.base_model_revision,
+            "license": dict(self.license) if self.license else None,
         }
 
     @classmethod
@@ -116,6 +124,7 @@ class Step:
 
         command = d.get("command")
         versions = d.get("versions")
+        lic = d.get("license")
         return cls(
             tool=str(d["tool"]),
             command=tuple(str(c) for c in command) if isinstance(command, list) else (),
@@ -125,6 +134,7 @@ class Step:
             recipe_file=s("recipe_file"),
             base_model=s("base_model"),
             base_model_revision=s("base_model_revision"),
+            license={str(k): v for k, v in lic.items() if isinstance(v, str)} if isinstance(lic, Mapping) else None,
             mtpquant_version=s("mtpquant_version") or "",
             versions={str(k): str(v) for k, v in versions.items()} if isinstance(versions, Mapping) else {},
             created=s("created") or "",
@@ -173,6 +183,11 @@ class Provenance:
                 return s.base_model, s.base_model_revision
         return None, None
 
+    @property
+    def license(self) -> Mapping[str, str] | None:
+        """The licence the source's card declared (the first step that recorded one)."""
+        return next((s.license for s in self.steps if s.license), None)
+
     def to_json(self) -> dict[str, Any]:
         """The file's JSON."""
         return {"schema": PROVENANCE_SCHEMA, "steps": [s.to_json() for s in self.steps]}
@@ -203,3 +218,53 @@ def source_provenance(source: CheckpointSource) -> Provenance:
 def read_provenance(directory: Path) -> Provenance:
     """The provenance recorded in a local directory."""
     return source_provenance(LocalSource(Path(directory)))
+
+
+class BaseModelError(UsageError):
+    """``--base-model`` is not a Hub model id."""
+
+
+def check_base_model(repo_id: str | None, revision: str | None = None) -> tuple[str | None, str | None]:
+    """``--base-model`` / ``--base-model-revision`` as given, or a one-line error for a malformed value."""
+    if repo_id is None:
+        if revision is not None:
+            raise BaseModelError("--base-model-revision needs --base-model")
+        return None, None
+    if not is_repo_id(repo_id):
+        raise BaseModelError(
+            f"--base-model {repo_id!r}: not a Hub model id (ORG/NAME, letters, digits, '-', '_' and '.')"
+        )
+    if revision is not None and (not revision or any(c.isspace() for c in revision)):
+        raise BaseModelError(f"--base-model-revision {revision!r}: not a revision (a branch, tag or commit)")
+    return repo_id, revision
+
+
+_LICENSE_FIELDS = ("license", "license_name", "license_link")
+_CARD = "README.md"
+_CARD_LIMIT = 1024 * 1024
+
+
+def source_license(source: CheckpointSource) -> dict[str, str] | None:
+    """The licence fields a checkpoint's own card (README.md metadata) declares; None without a card or fields."""
+    import yaml
+    from huggingface_hub.repocard import REGEX_YAML_BLOCK
+
+    try:
+        if not source.exists(_CARD) or source.file_size(_CARD) > _CARD_LIMIT:
+            return None
+        text = source.read_range(_CARD, 0, source.file_size(_CARD)).decode("utf-8")
+        m = REGEX_YAML_BLOCK.search(text)
+        data = yaml.safe_load(m.group(2)) if m else None
+    except (CheckpointError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        log.warning("%s: %s not readable (%s); its licence is not recorded", source.label, _CARD, exc)
+        return None
+    if not isinstance(data, Mapping):
+        return None
+    lic = data.get("license")
+    if isinstance(lic, list) and len(lic) == 1:
+        lic = lic[0]
+    if not isinstance(lic, str) or not lic.strip():
+        return None
+    out = {"license": lic.strip()}
+    out |= {k: str(data[k]) for k in _LICENSE_FIELDS[1:] if isinstance(data.get(k), str) and data[k]}
+    return out

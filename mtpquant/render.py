@@ -53,16 +53,22 @@ def inspect_text(r: InspectReport) -> str:
             else f"{q['method']} {q['algorithm']} (vLLM: {q['vllm_method']}), group {q['group_size']}, "
             f"KV cache {q['kv_cache'] or 'unquantized'}",
         ),
-        (
-            "main Linears",
-            f"{main['quantized']} quantized, {main['unquantized']} unquantized "
-            + ", ".join(f"{k}: {v}" for k, v in main["precisions"].items()),
-        ),
-        (
-            "vision tower",
-            ("present, " + ", ".join(f"{k}: {v}" for k, v in r.vision["precisions"].items()))
-            if r.vision["present"]
-            else ("MISSING" if r.vision["expected"] else "none (text-only)"),
+        *(
+            [("contents", "the MTP layer alone (an MTP sidecar): no main model, no vision tower")]
+            if r.kind == "mtp-only"
+            else [
+                (
+                    "main Linears",
+                    f"{main['quantized']} quantized, {main['unquantized']} unquantized "
+                    + ", ".join(f"{k}: {v}" for k, v in main["precisions"].items()),
+                ),
+                (
+                    "vision tower",
+                    ("present, " + ", ".join(f"{k}: {v}" for k, v in r.vision["precisions"].items()))
+                    if r.vision["present"]
+                    else ("MISSING" if r.vision["expected"] else "none (text-only)"),
+                ),
+            ]
         ),
         (
             "index",

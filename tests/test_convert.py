@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from huggingface_hub import ModelCard
 import torch
 
 from mtpquant.checkpoint.table import Checkpoint
@@ -478,10 +479,17 @@ def test_hub_source_through_the_cli(
         assert ckpt.read_raw(ckpt.tensors[name]) == src_ckpt.read_raw(src_ckpt.tensors[name])
     header = (out / "mtpquant_recipe.yaml").read_text().splitlines()[:4]
     assert header[1] == "# source: org/tiny-next"
-    assert (
-        header[2] == f"# command: mtpquant {' '.join(argv[:2])} {out} --calib-samples 2 --calib-seq-len 32 --keep-mtp "
+    assert (  # OUT by its base name: the recipe goes public with OUT
+        header[2] == f"# command: mtpquant {' '.join(argv[:2])} out --calib-samples 2 --calib-seq-len 32 --keep-mtp "
         "--device cpu"
     )
+    # the base model is recorded (a Hub SRC) and joins the card's metadata: the quant appears under its base model
+    from mtpquant.hub.publish import PublishOptions, publish
+
+    card = publish(PublishOptions(out=out, repo="me/tiny-next-NVFP4", dry_run=True)).card
+    meta = ModelCard(card).data.to_dict()
+    assert (meta["base_model"], meta["base_model_relation"]) == ("org/tiny-next", "quantized")
+    assert str(tmp_path) not in card
 
 
 # ---------------------------------------------------------------------------------------------------------

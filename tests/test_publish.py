@@ -189,12 +189,20 @@ def test_publish_uploads_exact_files_and_a_truthful_card(
         f"{modelopt['transformers']}) with:",
         "mtpquant convert Qwen/Qwen3.5-0.8B tiny-NVFP4 --keep-mtp --calib-samples 4",  # local dirs by name
         f"Source checkpoint: `Qwen/Qwen3.5-0.8B` at revision `{COMMIT}`.",
-        "# source: .../" + COMMIT,  # the recipe's comment header, its local directory shortened
-        "Base model `Qwen/Qwen3.5-0.8B` from the provenance file (source).",
+        "# source: Qwen/Qwen3.5-0.8B",  # the recipe's comment header: the HF-cache snapshot by its repo id
+        f"Base model `Qwen/Qwen3.5-0.8B` at revision `{COMMIT}` from the provenance file (source).",
         "Licence `apache-2.0`, carried over from the source card",
     ):
         assert needle in body, needle
     assert str(out) not in text and str(src) not in text and str(src.parents[4]) not in text  # nothing local
+    # ... and no uploaded file names a local directory: provenance, recipe and validation report included
+    root = str(src.parents[4])
+    leaks = [k for k, v in served.items() if not k.endswith(".safetensors") and root.encode() in v]
+    assert leaks == []
+    recorded = json.loads(served["mtpquant_provenance.json"])["steps"][0]
+    assert recorded["command"][2:4] == ["Qwen/Qwen3.5-0.8B", "tiny-NVFP4"]
+    assert recorded["source"]["path"] == COMMIT  # the snapshot directory by its name
+    assert recorded["license"] == {"license": "apache-2.0"}  # read from the source card at convert time
 
 
 def test_existing_repo_keeps_other_files_and_loses_stale_shards(local_hub: LocalHub, out: Path) -> None:

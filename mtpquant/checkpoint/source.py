@@ -19,7 +19,16 @@ from typing import Any, Protocol
 
 from mtpquant.errors import CheckpointError, MtpquantError
 
-__all__ = ["CheckpointSource", "HubSource", "LocalSource", "SourceRef", "open_source"]
+__all__ = [
+    "REPO_ID_RE",
+    "CheckpointSource",
+    "HubSource",
+    "LocalSource",
+    "SourceRef",
+    "is_repo_id",
+    "looks_like_repo_id",
+    "open_source",
+]
 
 log = logging.getLogger(__name__)
 
@@ -351,6 +360,23 @@ class HubSource:
             except MtpquantError as exc:
                 log.warning("%s", exc)
         return SourceRef(repo_id=self.repo_id, revision=self.revision, commit=self._commit)
+
+
+# A full Hub repo id by the Hub's naming rules: namespace/name, each [A-Za-z0-9._-] not starting or ending with
+# '.' or '-', at most 96 characters, no '--' or '..', not ending in '.git'.
+_REPO_PART = r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9])?"
+REPO_ID_RE = re.compile(rf"{_REPO_PART}/{_REPO_PART}")
+
+
+def is_repo_id(value: object) -> bool:
+    """Whether ``value`` is a full Hub model id (``namespace/name``) by the Hub's naming rules."""
+    return (
+        isinstance(value, str)
+        and REPO_ID_RE.fullmatch(value) is not None
+        and ".." not in value
+        and "--" not in value
+        and not value.endswith(".git")
+    )
 
 
 def looks_like_repo_id(ref: str) -> bool:

@@ -147,6 +147,11 @@ class Checkpoint:
             groups[self.classify(name)].append(self.tensors[name])
         return dict(groups)
 
+    @property
+    def mtp_only(self) -> bool:
+        """An MTP sidecar: every tensor is ``mtp.*`` (``convert --mtp extract``'s MTP directory, say)."""
+        return bool(self.tensors) and all(is_mtp_name(n) for n in self.tensors)
+
     def mtp_tensors(self) -> list[TensorEntry]:
         """Every ``mtp.*`` tensor present, sorted by name."""
         # classify() answers MTP exactly for the names is_mtp_name() accepts (its first test): filter

@@ -17,6 +17,16 @@ __all__ = ["main"]
 COMMANDS = ("demo", "convert", "graft", "inspect", "validate", "publish", "tiny")
 
 
+def add_base_model_arguments(p: argparse.ArgumentParser) -> None:
+    """``--base-model`` and its revision (convert and publish): the card's ``base_model`` when SRC is a local copy."""
+    p.add_argument(
+        "--base-model",
+        metavar="ORG/NAME",
+        help="Hub id of the base model (when it is not recorded: SRC was a local copy), written into the card",
+    )
+    p.add_argument("--base-model-revision", metavar="REV", help="the base model's revision (branch, tag or commit)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser with every subcommand registered."""
     parser = argparse.ArgumentParser(

@@ -6,6 +6,8 @@ import argparse
 import json
 from pathlib import Path
 
+from mtpquant.cli import add_base_model_arguments
+
 EPILOG = """MTP modes (default: keep when SRC has an MTP, else drop):
   keep      every mtp.* tensor copied byte for byte into mtp-*.safetensors, excluded as mtp*
   quantize  MTP Linears to NVFP4 (or --mtp-format fp8) with calibrated input scales; mtp.fc, norms,
@@ -73,6 +75,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="override a recipe value, e.g. --set calibration.batch_size=4 (repeatable)",
     )
     p.add_argument("--revision", help="Hub revision of SRC (branch, tag or commit)")
+    add_base_model_arguments(p)
     p.add_argument("--dry-run", action="store_true", help="print the plan (from headers only) and write nothing")
     p.add_argument("--overwrite", action="store_true", help="replace OUT (and --mtp-out) if they exist")
     p.add_argument("--json", action="store_true", help="print the result (or plan) as JSON")
@@ -93,6 +96,8 @@ def _argv(args: argparse.Namespace) -> list[str]:
         "max_memory",
         "max_shard_size",
         "revision",
+        "base_model",
+        "base_model_revision",
     ):
         value = getattr(args, flag)
         if value is not None:
@@ -139,6 +144,8 @@ def run(args: argparse.Namespace) -> int:
         revision=args.revision,
         progress=os.environ.get("TQDM_DISABLE", "") in {"", "0"},
         command=("mtpquant", *_argv(args)),
+        base_model=args.base_model,
+        base_model_revision=args.base_model_revision,
     )
     # The summary is printed below; keep the library's copy of it out of the log.
     logging.getLogger("mtpquant.convert.run.summary").setLevel(logging.WARNING)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from mtpquant.cli import add_base_model_arguments
 from mtpquant.errors import ExitCode
 from mtpquant.render import publish_plan_text
 from mtpquant.units import format_bytes
@@ -48,7 +49,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dry-run", action="store_true", help="print the file list and the card; upload and write nothing")
     p.add_argument("--force", action="store_true", help="publish even if the inspect checks fail (the card says so)")
     p.add_argument("--overwrite-card", action="store_true", help="replace a README.md written by a person")
+    add_base_model_arguments(p)
     p.set_defaults(func=run)
+
+
+def _argv(args: argparse.Namespace) -> tuple[str, ...]:
+    """The publish command line as recorded with --base-model (no token: publish takes none on the command line)."""
+    argv = ["mtpquant", "publish", str(args.out), "--repo", args.repo]
+    for flag in ("revision", "base_model", "base_model_revision"):
+        if getattr(args, flag) is not None:
+            argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+    return tuple(argv)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -65,6 +76,9 @@ def run(args: argparse.Namespace) -> int:
         dry_run=args.dry_run,
         force=args.force,
         overwrite_card=args.overwrite_card,
+        base_model=args.base_model,
+        base_model_revision=args.base_model_revision,
+        command=_argv(args),
     )
     result = publish(opts)
     if result.dry_run:

@@ -39,7 +39,7 @@ from mtpquant.errors import (
 )
 from mtpquant.families import TensorClass
 from mtpquant.formats.quant_config import HF_QUANT_CONFIG
-from mtpquant.provenance import PROVENANCE_FILE
+from mtpquant.provenance import PROVENANCE_FILE, check_base_model
 from mtpquant.surgery.modes import BLOCK, MODE_NAMES, MODES, MtpMode, choose_mode
 
 __all__ = [
@@ -83,6 +83,8 @@ class ConvertOptions:
     revision: str | None = None
     progress: bool = True
     command: tuple[str, ...] = ()  # the command line, recorded in OUT's recipe header (the CLI sets it)
+    base_model: str | None = None  # the Hub id of the base model (SRC is a local copy of it), for the card
+    base_model_revision: str | None = None
 
 
 @dataclass(frozen=True)
@@ -116,6 +118,8 @@ class ConvertPlan:
     notes: tuple[str, ...] = field(default_factory=tuple)
     overwrite: bool = False  # an existing OUT (and MTP output) may be replaced
     command: tuple[str, ...] = ()  # the command line, recorded in the provenance file and the recipe's header
+    base_model: str | None = None  # --base-model
+    base_model_revision: str | None = None
 
 
     @property
@@ -148,6 +152,8 @@ class ConvertPlan:
             "carried_files": list(self.carried_files),
             "memory": self.memory.to_json(),
             "notes": list(self.notes),
+            "base_model": self.base_model,
+            "base_model_revision": self.base_model_revision,
         }
 
 
@@ -257,6 +263,7 @@ def _check_not_quantized(ckpt: Checkpoint) -> None:
 
 def plan_convert(options: ConvertOptions, ckpt: Checkpoint | None = None) -> tuple[ConvertPlan, Checkpoint]:
     """Build the plan and run every early refusal; returns the plan and the opened source."""
+    base_model, base_revision = check_base_model(options.base_model, options.base_model_revision)
     if ckpt is None:
         ckpt = Checkpoint.open(options.src, revision=options.revision, strict=True)
     spec = ckpt.spec
@@ -339,6 +346,8 @@ def plan_convert(options: ConvertOptions, ckpt: Checkpoint | None = None) -> tup
         notes=tuple(notes),
         overwrite=options.overwrite,
         command=tuple(options.command),
+        base_model=base_model,
+        base_model_revision=base_revision,
     )
     return plan, ckpt
 

@@ -25,12 +25,13 @@ import resource
 import shutil
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
 from mtpquant import __version__
+from mtpquant.checkpoint.source import SourceRef
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.checkpoint.writer import OutputDir
 from mtpquant.convert.plan import RECIPE_FILE, ConvertOptions, ConvertPlan, plan_convert
@@ -38,7 +39,8 @@ from mtpquant.convert.resume import ResumeState
 from mtpquant.errors import CalibrationDataError, OutputVerificationError
 from mtpquant.families import TensorClass, is_mtp_name
 from mtpquant.formats.quant_config import HF_QUANT_CONFIG, with_exclusions, without_exclusions
-from mtpquant.provenance import PROVENANCE_FILE, Provenance, Step
+from mtpquant.provenance import PROVENANCE_FILE, Provenance, Step, source_license
+from mtpquant.public import public_args, public_name, public_ref
 from mtpquant.surgery.modes import ExtractMode, MtpOutcome, WriteContext, load_mtp_layer, same_bytes
 from mtpquant.units import format_bytes
 
@@ -242,13 +244,17 @@ def convert(options: ConvertOptions) -> ConvertResult:
             src_dir, ckpt = _local_source(ckpt)
     else:
         src_dir, ckpt = _local_source(ckpt)
+    ref = source.ref()  # a Hub source: the repo, the revision asked for and the commit downloaded
     step = Step(
         "convert",
-        plan.command,
-        source=source.ref(),  # a Hub source: the repo, the revision asked for and the commit downloaded
+        public_args(plan.command, ref),  # the file goes public with OUT: local directories by base name
+        source=public_ref(ref),
         mode=plan.mode,
         recipe=plan.recipe.name,
         recipe_file=RECIPE_FILE,
+        base_model=plan.base_model,
+        base_model_revision=plan.base_model_revision,
+        license=source_license(source),
     )
 
     with contextlib.ExitStack() as stack:
@@ -445,7 +451,7 @@ def _run(
         if hfq is not None:
             od.write_json(HF_QUANT_CONFIG, hfq)
         carry_files(od, src_dir, plan.carried_files)
-        od.write_text(RECIPE_FILE, recipe.to_yaml(_recipe_header(plan, plan.command)))
+        od.write_text(RECIPE_FILE, recipe.to_yaml(_recipe_header(plan, ckpt.source.ref())))
         shutil.rmtree(scratch, ignore_errors=True)
         offload = od.path / OFFLOAD
         result.offload_bytes = sum(p.stat().st_size for p in offload.rglob("*") if p.is_file())
@@ -454,12 +460,13 @@ def _run(
     return outcome, resume
 
 
-def _recipe_header(plan: ConvertPlan, command: Sequence[str] = ()) -> str:
-    """The comment header above the resolved recipe, for a person reading it (the card reads the provenance file)."""
+def _recipe_header(plan: ConvertPlan, ref: SourceRef) -> str:
+    """The comment header above the resolved recipe, for a person reading it (the card reads the provenance file).
+    It goes public with OUT: local directories by their base name."""
     import shlex
 
-    lines = [f"Resolved recipe written by mtpquant {__version__} convert.", f"source: {plan.src}"]
-    if command:
-        lines.append(f"command: {shlex.join(command)}")
+    lines = [f"Resolved recipe written by mtpquant {__version__} convert.", f"source: {public_name(plan.src, ref)}"]
+    if plan.command:
+        lines.append(f"command: {shlex.join(public_args(plan.command, ref))}")
     lines.append(f"Reuse with: mtpquant convert SRC OUT --recipe {RECIPE_FILE}")
     return "\n".join(lines)

@@ -41,6 +41,7 @@ from mtpquant.graft.plan import Plan, new_index, plan_index_fix, plan_shards, st
 from mtpquant.graft.source import TrackedSource
 from mtpquant.graft.verify import verify_result
 from mtpquant.provenance import PROVENANCE_FILE, Step, source_provenance
+from mtpquant.public import public_args, public_ref
 from mtpquant.surgery.metadata import plan_metadata
 from mtpquant.surgery.modes import MODES, WriteContext
 
@@ -211,7 +212,9 @@ def _write(
         od.write_json(HF_QUANT_CONFIG, plan.metadata.hf_quant_config)
     if plan.metadata.config is not None:
         od.write_json("config.json", plan.metadata.config)
-    step = Step("graft", options.command, source=src.source.ref() if src is not None else None, mode="keep")
+    ref = src.source.ref() if src is not None else None
+    # the provenance goes public with OUT: local directories by their base name
+    step = Step("graft", public_args(options.command, ref), source=public_ref(ref), mode="keep")
     od.write_text(PROVENANCE_FILE, source_provenance(quant.source).then(step).to_bytes().decode("utf-8"))
     if INDEX_NAME in json_files:
         od.write_json(INDEX_NAME, new_index(plan, mtp_entries, new_shard_of))

@@ -27,6 +27,7 @@ import logging
 import os
 import re
 from dataclasses import dataclass, field
+from fnmatch import fnmatch
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +55,8 @@ from mtpquant.hub.card import (
     redact,
     validate_card_metadata,
 )
-from mtpquant.provenance import source_provenance
+from mtpquant.provenance import PROVENANCE_FILE, Step, check_base_model, source_provenance
+from mtpquant.public import local_path_needles, public_args, public_text
 
 __all__ = [
     "PublishFile",
@@ -72,8 +74,10 @@ log = logging.getLogger(__name__)
 
 # Weight files whose remote copies are replaced as a set (see module docstring).
 _REPLACED_REMOTE = ["*.safetensors", "*.safetensors.index.json"]
-# Hidden files and folders (temp dirs of interrupted writes, caches) are never uploaded.
+# Hidden files and folders (temp dirs of interrupted writes, caches) are never uploaded, nor the engine's server
+# logs validate keeps beside its report (they name local paths and ports; the report holds what they showed).
 _HIDDEN = [".*", "*/.*"]
+_LOCAL_ONLY = ["validation/logs/*"]
 # Index problems that make OUT incomplete (a file or tensor the index names is absent): refused, --force or not.
 _INCOMPLETE = frozenset({"missing_shard", "missing_tensor"})
 # Non-weight files up to this size are checked for the token before anything is sent.
@@ -101,6 +105,9 @@ class PublishOptions:
     overwrite_card: bool = False
     token: str | None = field(default=None, repr=False)  # None: huggingface_hub's usual sources
     endpoint: str | None = None  # None: HF_ENDPOINT read at call time, else huggingface_hub's default
+    base_model: str | None = None  # the Hub id of the base model, recorded in OUT's provenance and the card
+    base_model_revision: str | None = None
+    command: tuple[str, ...] = ()  # the command line, recorded with --base-model (the CLI sets it)
 
 
 @dataclass(frozen=True)
@@ -171,12 +178,13 @@ def _check_options(opts: PublishOptions) -> None:
 
 
 def plan_files(out: Path) -> list[PublishFile]:
-    """The files of OUT ``upload_folder`` will send, sorted; hidden files and folders are left out."""
+    """The files of OUT ``upload_folder`` will send, sorted; hidden files and folders and the engine's server
+    logs (``validation/logs/``) are left out."""
     root = out.resolve()
     files: list[PublishFile] = []
     for p in sorted(out.rglob("*")):
         rel = p.relative_to(out)
-        if any(part.startswith(".") for part in rel.parts):
+        if any(part.startswith(".") for part in rel.parts) or any(fnmatch(rel.as_posix(), g) for g in _LOCAL_ONLY):
             continue
         if p.is_symlink():
             target = p.resolve()
@@ -202,6 +210,31 @@ def _refuse_secrets(out: Path, files: list[PublishFile], secrets: list[str]) -> 
             raise PublishRefusedError(
                 f"{out}/{f.path} contains the Hub token; refusing to upload it (remove the token from the file)"
             )
+
+
+# Files carried from the source as they are (the tokenizer's vocabulary can hold any string): not scanned.
+_CARRIED_PREFIXES = ("tokenizer", "vocab", "merges", "special_tokens", "added_tokens", "chat_template", "preprocessor")
+_TEXT_SUFFIXES = (".json", ".md", ".yaml", ".yml", ".txt", ".jinja", ".log", ".csv")
+
+
+def _refuse_local_paths(out: Path, files: list[PublishFile], card: str) -> None:
+    """Refuse to upload a file that names a local directory by its absolute path (a user's directory layout is
+    private): the card, and every text file mtpquant or another tool wrote into OUT."""
+    needles = local_path_needles(out)
+    texts: list[tuple[str, bytes]] = [(CARD_NAME, card.encode("utf-8"))]
+    for f in files:
+        name = f.path.rsplit("/", 1)[-1]
+        if f.path == CARD_NAME or not f.path.endswith(_TEXT_SUFFIXES) or name.startswith(_CARRIED_PREFIXES):
+            continue
+        if f.size <= _SECRET_SCAN_LIMIT:
+            texts.append((f.path, (out / f.path).read_bytes()))
+    for path, data in texts:
+        for needle in needles:
+            if needle.encode("utf-8") in data:
+                raise PublishRefusedError(
+                    f"{out}/{path} names the local path {needle}...; refusing to upload it (a directory layout is "
+                    "private: name local directories by their base name, or remove the file)"
+                )
 
 
 def _gate(out: Path, force: bool) -> tuple[Any, Any]:
@@ -261,6 +294,7 @@ def _secrets(opts: PublishOptions) -> list[str]:
 def publish(opts: PublishOptions) -> PublishResult:
     """Gate, card and upload OUT to ``opts.repo`` (with ``dry_run``: everything but the upload and the write)."""
     _check_options(opts)
+    base, base_revision = check_base_model(opts.base_model, opts.base_model_revision)
     out = Path(opts.out)
     if not out.is_dir():
         raise PublishRefusedError(f"{out}: not a directory (publish uploads a checkpoint directory)")
@@ -277,6 +311,10 @@ def publish(opts: PublishOptions) -> PublishResult:
     existing = _existing_card(out)
     origin = card_origin(existing) if existing is not None else None
     provenance = source_provenance(ckpt.source)
+    if base is not None:  # recorded like convert's --base-model: a step of its own, written before the upload
+        command = public_args(opts.command or ("mtpquant", "publish", str(out), "--repo", opts.repo))
+        step = Step("publish", command, base_model=base, base_model_revision=base_revision)
+        provenance = provenance.then(step)
     facts = CardFacts(
         repo_id=opts.repo,
         report=report,
@@ -311,6 +349,7 @@ def publish(opts: PublishOptions) -> PublishResult:
     if any(s in card_text for s in secrets):
         raise PublishRefusedError(f"{out}/{CARD_NAME} contains the Hub token; refusing to upload it")
     _refuse_secrets(out, files, secrets)
+    _refuse_local_paths(out, files, card_text)
     card_bytes = card_text.encode("utf-8")
     note = {"kept": "card kept (written or edited by a person)"}.get(action, f"model card ({action})")
     listed = [f for f in files if f.path != CARD_NAME] + [PublishFile(CARD_NAME, len(card_bytes), note)]
@@ -333,9 +372,11 @@ def publish(opts: PublishOptions) -> PublishResult:
         )
         return result
 
-    if action != "kept":
-        from mtpquant.checkpoint.writer import atomic_write_bytes
+    from mtpquant.checkpoint.writer import atomic_write_bytes
 
+    if base is not None:
+        atomic_write_bytes(out / PROVENANCE_FILE, provenance.to_bytes())
+    if action != "kept":
         atomic_write_bytes(out / CARD_NAME, card_bytes)
     return _upload(opts, out, result, secrets)
 
@@ -364,7 +405,7 @@ def _metadata(card_text: str) -> dict[str, Any]:
 def _commit_message(opts: PublishOptions, result: PublishResult) -> tuple[str, str]:
     title = opts.commit_message or f"Upload {opts.repo.split('/')[-1]} with mtpquant {__version__}"
     lines = [f"Published by mtpquant {__version__} after `mtpquant inspect`:"]
-    lines += [f"- {v}" for v in result.verdicts.values()]
+    lines += [f"- {public_text(v)}" for v in result.verdicts.values()]
     if result.forced:
         lines.append("Published with --force despite: " + "; ".join(result.gate_failures))
     return title, "\n".join(lines)
@@ -404,7 +445,7 @@ def _upload(opts: PublishOptions, out: Path, result: PublishResult, secrets: lis
             create_pr=opts.create_pr,
             commit_message=title,
             commit_description=description,
-            ignore_patterns=list(_HIDDEN),
+            ignore_patterns=[*_HIDDEN, *_LOCAL_ONLY],
             delete_patterns=list(_REPLACED_REMOTE),
         )
     except Exception as exc:  # every client failure becomes one token-free line

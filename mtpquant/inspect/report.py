@@ -75,6 +75,7 @@ class InspectReport:
     checkpoint: str
     family: str
     architecture: str
+    kind: str  # "model" | "mtp-only" (an MTP sidecar: the MTP alone, to graft into a quant or load beside it)
     mtp_declared: bool
     mtp_declaration: str
     mtp_expected_tensors: int
@@ -337,6 +338,12 @@ def inspect_checkpoint(
     label = ckpt.label
     verdicts, serve, notes = _verdicts(report, label)
     warnings += notes
+    if ckpt.mtp_only and report["mtp_declared"] and not report["mtp_missing"]:
+        # nothing to serve on its own: say what it is for instead of what an engine would do with it as a model
+        what = f"MTP-only checkpoint ({report['mtp_precision']}), no model to serve"
+        use = f"graft it into a quant of its base model: mtpquant graft QUANT --from {label}"
+        verdicts = {"vllm": f"vLLM: {what}; {use}", "sglang": f"SGLang: {what}; {use}"}
+        serve = {}
     if main_findings and verdicts["vllm"].startswith("vLLM: MTP loads"):
         # the MTP would load, but the main model does not: that is what a user sees
         verdicts["vllm"] = main_findings[0].message
@@ -345,7 +352,7 @@ def inspect_checkpoint(
         warnings.append(
             Finding("note", "config.json and hf_quant_config.json list different exclusions; vLLM reads config.json")
         )
-    if vision["expected"] and not vision["present"]:
+    if vision["expected"] and not vision["present"] and not ckpt.mtp_only:
         warnings.append(Finding("note", "vision tower (model.visual.*) is missing: image input will not work"))
     refusal = vllm_format_refusal(meta)
     if refusal is not None:
@@ -375,6 +382,7 @@ def inspect_checkpoint(
         checkpoint=label,
         family=ckpt.spec.family.display,
         architecture=ckpt.spec.architecture,
+        kind="mtp-only" if ckpt.mtp_only else "model",
         quantization=quant,
         main_model=main,
         vision=vision,

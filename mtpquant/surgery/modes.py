@@ -348,10 +348,19 @@ def choose_mode(requested: str, ckpt: Checkpoint) -> tuple[MtpMode, tuple[str, .
 
 
 def _extract_readme(ckpt: Checkpoint, count: int, out_name: str, mtp_name: str) -> str:
-    decl = ckpt.spec.mtp.describe()
-    return f"""# MTP layer extracted by mtpquant
+    """The MTP directory's README: for a person reading it locally, sealed as a generated card so ``publish``
+    replaces it with the sidecar card; the source by its repo id or base name (the file may go public)."""
+    from mtpquant import __version__
+    from mtpquant.hub.card.marker import MARKER, ZERO_HASH, seal
+    from mtpquant.public import public_name
 
-This directory holds the Multi-Token-Prediction (MTP) layer of `{ckpt.label}`
+    decl = ckpt.spec.mtp.describe()
+    source = public_name(ckpt.label, ckpt.source.ref())
+    return seal(f"""{MARKER.format(digest=ZERO_HASH, version=__version__)}
+
+# MTP layer extracted by mtpquant
+
+This directory holds the Multi-Token-Prediction (MTP) layer of `{source}`
 ({ckpt.spec.family.display}): {count} `mtp.*` tensors under their original names, exactly the
 bytes of the source checkpoint, in `mtp-*.safetensors` shards with an index. `config.json` is the
 source's config (it declares the MTP: {decl}).
@@ -365,5 +374,6 @@ mtpquant graft {out_name} --from {mtp_name} --out {out_name}-with-mtp
 
 (or `--in-place` instead of `--out`). `convert --mtp extract` followed by `graft` gives the same
 tensor files, byte for byte, as `convert --mtp keep`. Check the result with
-`mtpquant inspect {out_name}-with-mtp`.
-"""
+`mtpquant inspect {out_name}-with-mtp`. `mtpquant publish` uploads this directory as an MTP sidecar
+repo, with a card of its own.
+""")

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from mtpquant.checkpoint.writer import atomic_write_bytes, atomic_write_json
+from mtpquant.public import public_json, public_text
 from mtpquant.validate.schema import REPORT_SCHEMA, Report, Side, ValidationReport, sides
 
 __all__ = ["render_markdown", "write_report"]
@@ -206,7 +207,8 @@ def _kl_plot(report: ValidationReport) -> bytes | None:
 
 
 def write_report(report: ValidationReport, directory: Path | str) -> Path:
-    """Write report.json, report.md and the plots into ``directory`` (created if needed)."""
+    """Write report.json, report.md and the plots into ``directory`` (created if needed). The report may be
+    published with a checkpoint (``publish`` uploads OUT/validation): local directories by their base name."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     plots: dict[str, str] = {}
@@ -215,7 +217,8 @@ def write_report(report: ValidationReport, directory: Path | str) -> Path:
         if png is not None:
             atomic_write_bytes(directory / f"{name}.png", png)
             plots[name] = f"{name}.png"
-    atomic_write_json(directory / "report.json", report.to_json())
-    atomic_write_bytes(directory / "report.md", render_markdown(report.report, plots).encode("utf-8"))
+    atomic_write_json(directory / "report.json", public_json(report.to_json()))
+    markdown = public_text(render_markdown(report.report, plots))
+    atomic_write_bytes(directory / "report.md", markdown.encode("utf-8"))
     log.info("wrote report to %s", directory)
     return directory

@@ -21,6 +21,7 @@ from mtpquant.hub.card.facts import (
 )
 from mtpquant.hub.card.marker import MARKER, ZERO_HASH, seal
 from mtpquant.hub.card.metadata import redact
+from mtpquant.hub.card.sidecar import sidecar_body, sidecar_data
 from mtpquant.units import format_bytes
 
 if TYPE_CHECKING:
@@ -381,11 +382,12 @@ def _forced_lines(facts: CardFacts) -> list[str]:
 
 def build_card(facts: CardFacts) -> ModelCard:
     """The card for OUT: metadata plus a Markdown body, sealed with the generated-card marker."""
-    from huggingface_hub import ModelCard, ModelCardData
 
+    if facts.report.kind == "mtp-only":
+        return _card(sidecar_data(facts), sidecar_body(facts))
     r = facts.report
     meta = card_data(facts)
-    base, _, base_origin = base_model(facts)
+    base, base_revision, base_origin = base_model(facts)
     name = facts.repo_id.split("/")[-1]
     scheme = r.quantization.get("algorithm") or "unquantized"
     mtp_phrase = {
@@ -431,11 +433,12 @@ def build_card(facts: CardFacts) -> ModelCard:
         "",
     ]
     if base:
-        lines += [f"Base model `{base}` from {base_origin}."]
+        at = f" at revision `{base_revision}`" if base_revision else ""
+        lines += [f"Base model `{base}`{at} from {base_origin}."]
     else:
         lines += [
             "Base model: unknown (no provenance file names it and config.json has no Hub id), so the card's "
-            "metadata names none."
+            "metadata names none (`mtpquant publish OUT --repo ID --base-model ORG/NAME` names it)."
         ]
     lic = facts.license
     if lic is not None:
@@ -445,8 +448,14 @@ def build_card(facts: CardFacts) -> ModelCard:
         lines += ["", f"Licence: see [`{facts.license_file}`]({facts.license_file}), carried over from the source."]
     else:
         lines += ["", "Licence: not recorded in the source metadata; the licence of the base model applies."]
+    return _card(meta, lines)
+
+
+def _card(meta: dict[str, Any], lines: list[str]) -> ModelCard:
+    """Metadata block and body, with any token masked, sealed with the generated-card marker."""
+    from huggingface_hub import ModelCard, ModelCardData
+
     body = "\n".join(lines).rstrip("\n") + "\n"
     data = ModelCardData(**meta)
     card = ModelCard("---\n" + data.to_yaml() + "\n---\n\n" + body)
-    sealed = seal(redact(str(card)))
-    return ModelCard(sealed)
+    return ModelCard(seal(redact(str(card))))

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 from mtpquant.checkpoint.source import looks_like_repo_id
 from mtpquant.hub.card.metadata import CARD_NAME, LicenseInfo, is_repo_id, license_from_mapping, redact
 from mtpquant.provenance import Provenance, Step
+from mtpquant.public import public_args
+from mtpquant.public import public_text as _public_text
 
 if TYPE_CHECKING:
     from mtpquant.inspect.report import InspectReport
@@ -43,7 +45,6 @@ log = logging.getLogger(__name__)
 VALIDATION_REPORT = "validation/report.json"
 VALIDATION_MARKDOWN = "validation/report.md"
 _HF_CACHE_SNAPSHOT = re.compile(r"models--([A-Za-z0-9][\w.-]*)--([\w.-]+)[/\\]snapshots[/\\]")
-_ABS_PATH = re.compile(r"(?<![\w.])/(?:[^\s/'\"`]+/)+([^\s/'\"`]+)")
 
 
 @dataclass(frozen=True)
@@ -116,13 +117,6 @@ def read_validation(out: Path) -> Validation | None:
     return Validation(VALIDATION_REPORT, md, report)
 
 
-def _safe_read(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError):
-        return ""
-
-
 def _front_matter(text: str) -> dict[str, Any]:
     import yaml
     from huggingface_hub.repocard import REGEX_YAML_BLOCK
@@ -143,11 +137,11 @@ def _license_from_card_text(text: str, origin: str) -> LicenseInfo | None:
 
 
 def read_license(provenance: Provenance, config: Mapping[str, Any], existing_card: str | None) -> LicenseInfo | None:
-    """The source model's licence: the source's card (a local SRC), OUT's previous card, or config.json."""
-    origin = provenance.origin
-    src_dir = origin.source.path if origin is not None and origin.source is not None else None
-    if src_dir and (Path(src_dir) / CARD_NAME).is_file():
-        lic = _license_from_card_text(_safe_read(Path(src_dir) / CARD_NAME), f"the source card ({CARD_NAME} of SRC)")
+    """The source model's licence: as the source's card declared it (recorded in the provenance when the
+    checkpoint was made), else OUT's previous card, else config.json."""
+    recorded = provenance.license
+    if recorded:
+        lic = license_from_mapping(recorded, f"the source card ({CARD_NAME} of SRC)")
         if lic is not None:
             return lic
     if existing_card is not None:
@@ -198,20 +192,9 @@ def is_quantized_precision(p: str) -> bool:
 
 def public_text(text: str) -> str:
     """Free text fit for a public card: absolute local paths shortened to ``.../<last component>``, tokens masked."""
-    return redact(_ABS_PATH.sub(r".../\1", text))
-
-
-def _public_arg(arg: str, step: Step) -> str:
-    """One command-line argument for the public card: a local directory by its base name (``--x=/a/b``: ``--x=b``)."""
-    src = step.source
-    if src is not None and src.repo_id and src.path and arg == src.path:
-        return src.repo_id
-    flag, eq, value = arg.partition("=") if arg.startswith("--") else ("", "", arg)
-    if value.startswith(("/", "~")) or (len(value) > 1 and value[1] == ":"):
-        value = Path(value).name or value
-    return f"{flag}{eq}{value}"
+    return redact(_public_text(text))
 
 
 def public_command(step: Step) -> str:
     """A step's command line for the public card (local directories by base name, tokens masked)."""
-    return redact(shlex.join(_public_arg(a, step) for a in step.command))
+    return redact(shlex.join(public_args(step.command, step.source)))

@@ -13,6 +13,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from mtpquant.checkpoint.source import is_repo_id
+
 __all__ = [
     "BASE_MODEL_RELATIONS",
     "CARD_NAME",
@@ -46,10 +48,6 @@ _PIPELINE_TAGS = frozenset({"text-generation", "image-text-to-text", "any-to-any
 _LIST_OF_STR_FIELDS = ("tags", "datasets", "metrics")
 _STR_OR_LIST_FIELDS = ("language", "base_model")
 _STR_FIELDS = ("library_name", "license_name", "license_link", "pipeline_tag", "model_name")
-# Hub repo id: namespace/name, each [A-Za-z0-9._-], not starting/ending with '.' or '-', no '--' or '..'.
-_REPO_PART = r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9])?"
-REPO_ID_RE = re.compile(rf"{_REPO_PART}/{_REPO_PART}")
-_HF_CACHE_SNAPSHOT = re.compile(r"models--([A-Za-z0-9][\w.-]*)--([\w.-]+)[/\\]snapshots[/\\]")
 
 # Secret-looking strings that must never reach a card, a log or an error: Hub tokens and `--token X`.
 _TOKEN_RE = re.compile(r"\bhf_[A-Za-z0-9]{8,}\b")
@@ -63,17 +61,6 @@ def redact(text: str, secrets: Iterable[str | None] = ()) -> str:
             text = text.replace(secret, "***")
     text = _TOKEN_FLAG_RE.sub(lambda m: m.group(1) + "***", text)
     return _TOKEN_RE.sub("hf_***", text)
-
-
-def is_repo_id(value: Any) -> bool:
-    """Whether ``value`` is a full Hub model id (``namespace/name``) by the Hub's naming rules."""
-    return (
-        isinstance(value, str)
-        and REPO_ID_RE.fullmatch(value) is not None
-        and ".." not in value
-        and "--" not in value
-        and not value.endswith(".git")
-    )
 
 
 @dataclass(frozen=True)
