@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from huggingface_hub import ModelCard
 import torch
+from huggingface_hub import ModelCard
 
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.convert.run import ConvertOptions, ConvertResult, convert

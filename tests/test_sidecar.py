@@ -103,8 +103,14 @@ def test_publish_then_graft_from_the_hub(
     assert result.card_action == "regenerated" and result.healthy
     served = {p.relative_to(hub.repo_dir(repo)).as_posix(): p.read_bytes() for p in hub.repo_dir(repo).rglob("*")}
     assert sorted(served) == sorted(
-        [".gitattributes", "README.md", "config.json", "model.safetensors.index.json"]
-        + ["mtp-00001-of-00001.safetensors", "mtpquant_provenance.json"]
+        [
+            ".gitattributes",
+            "README.md",
+            "config.json",
+            "model.safetensors.index.json",
+            "mtp-00001-of-00001.safetensors",
+            "mtpquant_provenance.json",
+        ]
     )
     card = ModelCard(served["README.md"].decode())
     meta = card.data.to_dict()
