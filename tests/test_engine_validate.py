@@ -49,6 +49,20 @@ def outputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         )
     out["grafted"] = root / "grafted"
     graft(GraftOptions(quant=out["drop"], source=TINY_MTP_ASSET, out=out["grafted"]))
+    for mode in ("keep", "quantize"):  # the same converts in the compressed-tensors layout
+        out[f"ct-{mode}"] = root / f"ct-{mode}"
+        convert(
+            ConvertOptions(
+                src=str(TINY_MTP_ASSET),
+                out=out[f"ct-{mode}"],
+                mtp=mode,
+                output_format="compressed-tensors",
+                calib_samples=8,
+                calib_seq_len=128,
+                device="cpu",
+                progress=False,
+            )
+        )
     return out
 
 
@@ -92,6 +106,36 @@ def test_engine_measures_what_the_builtin_path_predicts(
     assert files == ["acceptance.png", "report.json", "report.md", "vllm-reference-k1.log", "vllm-reference-k3.log"]
     md = (report_dir / "report.md").read_text()
     assert "## Engine vs built-in prediction" in md and "greedy only" in md
+
+
+@pytest.mark.parametrize("mode", ["keep", "quantize"])
+def test_compressed_tensors_outputs_load_and_draft(
+    outputs: dict[str, Path], vllm: EnginePool, tmp_path: Path, mode: str
+) -> None:
+    """vLLM serves the compressed-tensors outputs (its NVFP4 GEMM through the emulation kernel the engine
+    environment registers for the CPU, as for modelopt's) and drafts as the built-in path predicts."""
+    result = validate(
+        ValidateOptions(
+            outputs[f"ct-{mode}"],
+            num_prompts=8,
+            max_len=96,
+            ks=(2,),
+            device="cpu",
+            activations="emulate",
+            engine="vllm",
+            vllm_python=vllm.python,
+            env=CPU_ENV,
+            compare_reference=True,
+            report_dir=tmp_path / "report",
+            progress=False,
+        )
+    )
+    report = result.report
+    (row,) = report.predicted["reference"] if report.predicted else [None]
+    assert row is not None and row["k"] == 2 and row["engine_al"] > 1.5 and abs(row["difference"]) <= 0.15, row
+    assert report.verdict.status == "pass"
+    log = (tmp_path / "report" / "vllm-reference-k2.log").read_text()
+    assert "quantization=compressed-tensors" in log and "Using EmulationNvFp4LinearKernel for NVFP4 GEMM" in log
 
 
 def test_server_pair_grafted_drop_measures_as_keep(

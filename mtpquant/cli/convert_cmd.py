@@ -43,6 +43,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--mtp", choices=("keep", "quantize", "extract", "drop"), help="what to do with the MTP layer")
     p.add_argument("--keep-mtp", action="store_true", help="same as --mtp keep")
     p.add_argument("--mtp-format", choices=("nvfp4", "fp8"), help="format of the MTP Linears with --mtp quantize")
+    p.add_argument(
+        "--format",
+        dest="output_format",
+        choices=("modelopt", "compressed-tensors"),
+        default="modelopt",
+        help="checkpoint layout: modelopt (default) or compressed-tensors (nvfp4-pack-quantized, as llm-compressor)",
+    )
     p.add_argument("--mtp-out", metavar="DIR", type=Path, help="where --mtp extract writes the MTP (default OUT-mtp)")
     p.add_argument("--calib-data", metavar="PATH|DATASET", help="calibration text (default: offline CPython text)")
     p.add_argument("--calib-samples", metavar="N", type=int, help="calibration rows (default: the recipe's)")
@@ -104,6 +111,8 @@ def _argv(args: argparse.Namespace) -> list[str]:
             argv += [f"--{flag.replace('_', '-')}", str(value)]
     if args.keep_mtp:
         argv.append("--keep-mtp")
+    if args.output_format != "modelopt":
+        argv += ["--format", args.output_format]
     if args.device != "auto":
         argv += ["--device", args.device]
     if args.layerwise:
@@ -146,6 +155,7 @@ def run(args: argparse.Namespace) -> int:
         command=("mtpquant", *_argv(args)),
         base_model=args.base_model,
         base_model_revision=args.base_model_revision,
+        output_format=args.output_format,
     )
     # The summary is printed below; keep the library's copy of it out of the log.
     logging.getLogger("mtpquant.convert.run.summary").setLevel(logging.WARNING)

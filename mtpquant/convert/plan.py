@@ -18,6 +18,7 @@ from typing import Any
 
 from mtpquant.checkpoint.index import INDEX_NAME
 from mtpquant.checkpoint.table import PICKLE_SUFFIXES, Checkpoint
+from mtpquant.convert.ct_format import FORMATS, check_ct_recipe
 from mtpquant.convert.memory import MemoryPlan, available_cpu_bytes, model_blocks, plan_memory
 from mtpquant.convert.recipes import (
     MTP_FORMATS,
@@ -85,6 +86,7 @@ class ConvertOptions:
     command: tuple[str, ...] = ()  # the command line, recorded in OUT's recipe header (the CLI sets it)
     base_model: str | None = None  # the Hub id of the base model (SRC is a local copy of it), for the card
     base_model_revision: str | None = None
+    output_format: str = "modelopt"  # modelopt | compressed-tensors (``convert.ct_format``)
 
 
 @dataclass(frozen=True)
@@ -120,6 +122,7 @@ class ConvertPlan:
     command: tuple[str, ...] = ()  # the command line, recorded in the provenance file and the recipe's header
     base_model: str | None = None  # --base-model
     base_model_revision: str | None = None
+    output_format: str = "modelopt"  # modelopt | compressed-tensors
 
 
     @property
@@ -142,6 +145,7 @@ class ConvertPlan:
             "recipe": self.recipe.name,
             "mode": self.mode,
             "mtp_format": self.mtp_format,
+            "format": self.output_format,
             "device": self.device,
             "max_shard_bytes": self.max_shard_bytes,
             "source": {"tensors": self.source_tensors, "bytes": self.source_bytes, "shards": self.source_shards},
@@ -279,6 +283,11 @@ def plan_convert(options: ConvertOptions, ckpt: Checkpoint | None = None) -> tup
     mode = mtp_mode.name
     if options.mtp_out is not None and not mtp_mode.writes_side_output:
         raise RecipeError(f"--mtp-out is only used with --mtp extract (mode is {mode})")
+    if options.output_format not in FORMATS:
+        raise RecipeError(f"--format must be one of {', '.join(FORMATS)}, got {options.output_format!r}")
+    if options.output_format == "compressed-tensors":
+        q = recipe.quantization
+        check_ct_recipe(q.quant_algo, q.activations, mtp_format, mode)
     checked = mtp_mode.check(ckpt, mtp_format)
     notes = [*auto_notes, *checked.notes]
 
@@ -348,6 +357,7 @@ def plan_convert(options: ConvertOptions, ckpt: Checkpoint | None = None) -> tup
         command=tuple(options.command),
         base_model=base_model,
         base_model_revision=base_revision,
+        output_format=options.output_format,
     )
     return plan, ckpt
 

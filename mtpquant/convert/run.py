@@ -457,6 +457,12 @@ def _run(
         result.offload_bytes = sum(p.stat().st_size for p in offload.rglob("*") if p.is_file())
         shutil.rmtree(offload, ignore_errors=True)
         od.write_index()
+    if plan.output_format == "compressed-tensors":
+        from mtpquant.convert.ct_format import ct_tensor_names, to_compressed_tensors
+
+        with timer("format"):
+            to_compressed_tensors(od, plan.device)
+        outcome.names = ct_tensor_names(outcome.names)
     return outcome, resume
 
 

@@ -1,0 +1,112 @@
+"""The compressed-tensors output format (``convert --format compressed-tensors``).
+
+convert always exports through nvidia-modelopt; for this format the finished modelopt checkpoint in the
+output's temporary directory is then converted by the compressed-tensors library's own converter
+(``convert_checkpoint`` with ``ModelOptNvfp4Converter``): ``weight`` -> ``weight_packed``,
+``weight_scale_2`` -> ``weight_global_scale`` (its reciprocal), ``input_scale`` -> ``input_global_scale``
+(its reciprocal), format ``nvfp4-pack-quantized``, ``quantization_config.ignore`` for every Linear left
+unquantized. modelopt's ``mtp*`` exclusion becomes ``re:^mtp\\..*`` (the form compressed-tensors honours);
+other wildcard patterns become anchored ``re:`` patterns, exact names stay exact.
+
+The converter rewrites every shard (it loads one shard at a time), so this format writes the output twice.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import shutil
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from mtpquant.checkpoint.writer import OutputDir
+from mtpquant.errors import RecipeError
+from mtpquant.formats.quant_config import HF_QUANT_CONFIG, MTP_CT_PATTERNS, MTP_MODELOPT_PATTERNS
+
+__all__ = ["FORMATS", "check_ct_recipe", "ct_ignore", "ct_tensor_names", "to_compressed_tensors"]
+
+log = logging.getLogger(__name__)
+
+FORMATS = ("modelopt", "compressed-tensors")
+_SCRATCH = ".compressed-tensors"
+_RENAMED = {"weight_scale_2": "weight_global_scale", "input_scale": "input_global_scale"}
+
+
+def check_ct_recipe(quant_algo: str, activations: bool, mtp_format: str, mode: str) -> None:
+    """Refuse (at plan time) what compressed-tensors' ModelOpt-NVFP4 converter does not convert."""
+    if quant_algo != "NVFP4" or not activations:
+        raise RecipeError(
+            f"--format compressed-tensors converts NVFP4 W4A4 (the recipe is {quant_algo}"
+            f"{'' if activations else ', weights only'}); use --format modelopt for it"
+        )
+    if mode == "quantize" and mtp_format != "nvfp4":
+        raise RecipeError("--format compressed-tensors with --mtp quantize needs --mtp-format nvfp4")
+
+
+def ct_ignore(patterns: Iterable[str]) -> list[str]:
+    """modelopt exclusions as compressed-tensors ``ignore`` entries (in order, without duplicates).
+
+    vLLM matches the ignore list of a module it builds packed (``in_proj_ba``, ``qkv_proj``, ...) shard by shard,
+    so an excluded packed name also lists its shards' names.
+    """
+    from mtpquant.inspect.engines import PACKED
+
+    out: list[str] = []
+    for p in patterns:
+        if p in MTP_MODELOPT_PATTERNS:
+            out += MTP_CT_PATTERNS
+        elif p.startswith("re:") or not any(c in p for c in "*?["):
+            out.append(p)
+            base, _, last = p.rpartition(".")
+            out += [f"{base}.{shard}" if base else shard for shard in PACKED.get(last, ())]
+        else:
+            out.append("re:^" + re.escape(p).replace(r"\*", ".*").replace(r"\?", ".") + "$")
+    return list(dict.fromkeys(out))
+
+
+def ct_tensor_names(names: Sequence[str]) -> list[str]:
+    """The names modelopt-layout tensors get in the compressed-tensors layout (for the output's verification)."""
+    quantized = {n.rsplit(".", 1)[0] for n in names if n.endswith(".weight_scale_2")}
+    out = []
+    for n in names:
+        module, _, param = n.rpartition(".")
+        if module in quantized and param == "weight":
+            out.append(f"{module}.weight_packed")
+        else:
+            out.append(f"{module}.{_RENAMED.get(param, param)}" if module in quantized else n)
+    return sorted(out)
+
+
+def to_compressed_tensors(od: OutputDir, device: str) -> dict[str, Any]:
+    """Convert the modelopt checkpoint in ``od``'s temporary directory in place; returns its quantization_config.
+
+    ``od`` holds a finished modelopt checkpoint (shards, index, config.json, hf_quant_config.json). The
+    converter writes into a scratch directory inside it; its shards replace the modelopt ones (renames), its
+    ``quantization_config`` replaces modelopt's in config.json, and hf_quant_config.json is removed.
+    """
+    from compressed_tensors.entrypoints.convert import convert_checkpoint
+    from compressed_tensors.entrypoints.convert.converters.modelopt_nvfp4 import ModelOptNvfp4Converter
+
+    hfq = json.loads((od.path / HF_QUANT_CONFIG).read_text(encoding="utf-8"))
+    ignore = ct_ignore(hfq["quantization"].get("exclude_modules") or [])
+    scratch = od.path / _SCRATCH
+    converter = ModelOptNvfp4Converter(ignore=ignore, targets=["Linear"])
+    log.info("converting to compressed-tensors (nvfp4-pack-quantized) with compressed-tensors' ModelOpt converter")
+    from loguru import logger as ct_logger  # compressed-tensors logs through loguru: its notes stay out of ours
+
+    ct_logger.disable("compressed_tensors")
+    try:
+        convert_checkpoint(od.path, scratch, converter, max_workers=1, device=device)
+        converted = json.loads((scratch / "config.json").read_text(encoding="utf-8"))["quantization_config"]
+        for shard in sorted(scratch.glob("*.safetensors")):
+            od.adopt_file(shard, shard.name)
+    finally:
+        ct_logger.enable("compressed_tensors")
+        shutil.rmtree(scratch, ignore_errors=True)
+    config = json.loads((od.path / "config.json").read_text(encoding="utf-8"))
+    config["quantization_config"] = converted
+    od.write_json("config.json", config)
+    (od.path / HF_QUANT_CONFIG).unlink()
+    od.write_index()
+    return dict(converted)
