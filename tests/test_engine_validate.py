@@ -264,12 +264,15 @@ def test_ctrl_c_leaves_no_server_behind(outputs: dict[str, Path], vllm: EnginePo
     report_dir = tmp_path / "r"
     cmd = [sys.executable, "-m", "mtpquant", "-q", "validate", str(outputs["keep"]), "--engine", "vllm"]
     cmd += ["--vllm-python", str(vllm.python), "--k", "1", "--device", "cpu", "--report-dir", str(report_dir)]
+    cmd += ["--num-prompts", "32", "--max-len", "384"]  # a measurement long enough to be interrupted in
     proc = subprocess.Popen(cmd, env={**os.environ, **CPU_ENV}, stderr=subprocess.PIPE, text=True)
     log = report_dir / "vllm-reference-k1.log"
     deadline = time.monotonic() + 300
+    # the server is up: validate's health check passes within one poll of it and the measurement (32 prompts of
+    # up to 384 tokens: seconds) begins
     while not (log.exists() and "Application startup complete" in log.read_text(errors="replace")):
         assert proc.poll() is None and time.monotonic() < deadline, "the server never came up"
-        time.sleep(0.5)
+        time.sleep(0.05)
     proc.send_signal(signal.SIGINT)  # Ctrl-C while the measurement runs
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == ExitCode.INTERRUPTED, err
