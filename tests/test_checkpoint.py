@@ -227,3 +227,76 @@ def test_text_only_prefix_detected(tiny_factory: Callable[[str], Path]) -> None:
     ckpt = Checkpoint.open(tiny_factory("qwen3_5-text"))
     assert ckpt.main_prefix == "model."
     assert set(ckpt.by_class()) == {"main", "embed", "lm_head", "mtp"}
+
+
+# ---- the bulk layout check ------------------------------------------------------------------------------------
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+def _walk(entries: list[tuple[str, int, int]], data_len: int) -> str | None:
+    """The reference: sorted by (start, end), each start at the previous end, the last end at the data's end."""
+    cursor, previous = 0, None
+    for name, start, end in sorted(entries, key=lambda e: (e[1], e[2])):
+        if start < cursor:
+            return f"tensors {previous!r} and {name!r} overlap"
+        if start > cursor:
+            return f"{start - cursor} bytes before tensor {name!r} are unused"
+        cursor, previous = end, name
+    if cursor != data_len:
+        return "after the last tensor" if cursor < data_len else "truncated"
+    return None
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 12), st.integers(0, 6)), max_size=6),
+    st.integers(0, 3),
+)
+def test_bulk_layout_check_agrees_with_the_ordered_walk(spans: list[tuple[int, int]], slack: int) -> None:
+    """parse_header accepts a header exactly when the ordered walk does, and refuses it with the walk's message."""
+    from mtpquant.checkpoint.header import parse_header
+
+    entries = [(f"t{i}", start, start + length) for i, (start, length) in enumerate(spans)]
+    data_len = max((e for _, _, e in entries), default=0) + slack - (slack > 1) * 2
+    data_len = max(data_len, 0)
+    header = {n: {"dtype": "U8", "shape": [e - s], "data_offsets": [s, e]} for n, s, e in entries}
+    raw = json.dumps(header).encode()
+    expected = None if any(e > data_len for _, _, e in entries) else _walk(entries, data_len)
+    if any(e > data_len for _, _, e in entries):
+        with pytest.raises(CheckpointError, match="run past the end of the data"):
+            parse_header("s.safetensors", raw, 8 + len(raw) + data_len)
+    elif expected is None:
+        parsed = parse_header("s.safetensors", raw, 8 + len(raw) + data_len)
+        assert sorted(parsed.tensors) == sorted(header)
+    else:
+        with pytest.raises(CheckpointError) as err:
+            parse_header("s.safetensors", raw, 8 + len(raw) + data_len)
+        assert expected in str(err.value)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(0, 5), min_size=1, max_size=8), st.randoms(use_true_random=False), st.booleans())
+def test_bulk_layout_check_on_tilings(lengths: list[int], rnd, inside: bool) -> None:
+    """Any contiguous tiling (empty tensors included, in any header order) is accepted; an empty tensor placed
+    strictly inside another one is refused as an overlap, as the ordered walk refuses it."""
+    from mtpquant.checkpoint.header import parse_header
+
+    entries, cursor = [], 0
+    for i, n in enumerate(lengths):
+        entries.append((f"t{i}", cursor, cursor + n))
+        cursor += n
+    wide = [e for e in entries if e[2] - e[1] >= 2]
+    if inside and wide:
+        _, s, _ = wide[0]
+        entries.append(("empty", s + 1, s + 1))
+    rnd.shuffle(entries)
+    header = {n: {"dtype": "U8", "shape": [e - s], "data_offsets": [s, e]} for n, s, e in entries}
+    raw = json.dumps(header).encode()
+    expected = _walk(entries, cursor)
+    if expected is None:
+        assert len(parse_header("s.safetensors", raw, 8 + len(raw) + cursor).tensors) == len(entries)
+    else:
+        assert inside and wide and "overlap" in expected
+        with pytest.raises(CheckpointError, match="overlap"):
+            parse_header("s.safetensors", raw, 8 + len(raw) + cursor)

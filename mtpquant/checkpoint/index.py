@@ -65,12 +65,13 @@ def parse_index(raw: Any) -> tuple[dict[str, str], Any]:
     """The weight map and the declared ``metadata.total_size`` (as written) of an index, shard names checked."""
     if not isinstance(raw, Mapping) or not isinstance(raw.get("weight_map"), Mapping):
         raise CheckpointError(f"{INDEX_NAME}: no 'weight_map' object")
-    weight_map: dict[str, str] = {}
-    checked: set[str] = set()  # a real index names a few dozen shards for up to ~10^5 tensors
-    for tensor, shard in raw["weight_map"].items():
-        if not (isinstance(shard, str) and shard in checked):
-            checked.add(check_shard_name(shard))
-        weight_map[str(tensor)] = shard
+    weight_map: dict[str, str] = dict(raw["weight_map"])  # parsed JSON: the keys are strings
+    try:
+        shards = list(dict.fromkeys(weight_map.values()))  # a few dozen names for up to ~10^5 tensors, in order
+    except TypeError:  # a value that is not even hashable: check_shard_name names it
+        shards = list(weight_map.values())
+    for shard in shards:
+        check_shard_name(shard)
     meta = raw.get("metadata") or {}
     return weight_map, meta.get("total_size") if isinstance(meta, Mapping) else None
 
@@ -85,6 +86,32 @@ def validate_index(
     problems: list[Problem] = []
     for shard in sorted(missing_shards):
         problems.append(Problem("missing_shard", f"{INDEX_NAME}: shard {shard!r} does not exist"))
+    # Fast path (every intact checkpoint): the index maps exactly the tensors the headers hold, each to its shard,
+    # and no name is in two shards; compared as whole dicts. Anything else is found and named entry by entry.
+    held: dict[str, str] = {}
+    count = 0
+    for shard, header in headers.items():
+        held.update(dict.fromkeys(header.tensors, shard))
+        count += len(header.tensors)
+    if missing_shards or count != len(held) or held != weight_map:
+        problems += _mapping_problems(weight_map, headers)
+    if total_size is not None and not missing_shards:
+        # a parsed header's tensors tile its data region exactly (``header._check_layout``)
+        actual = sum(h.file_size - h.data_start for h in headers.values())
+        if _as_int(total_size) != actual:
+            problems.append(
+                Problem(
+                    "total_size",
+                    f"{INDEX_NAME}: metadata.total_size is {total_size!r} but the tensors hold {actual} bytes "
+                    "(advisory: no loader reads it)",
+                )
+            )
+    return problems
+
+
+def _mapping_problems(weight_map: Mapping[str, str], headers: Mapping[str, ShardHeader]) -> list[Problem]:
+    """Every disagreement between the index and the shard headers, one problem each."""
+    problems: list[Problem] = []
     for tensor, shard in weight_map.items():
         header = headers.get(shard)
         if header is not None and tensor not in header.tensors:
@@ -108,16 +135,6 @@ def validate_index(
                         f"{shard}: tensor {tensor!r} also appears in {mapped}, where the index maps it",
                     )
                 )
-    if total_size is not None and not missing_shards:
-        actual = sum(e.nbytes for h in headers.values() for e in h.tensors.values())
-        if _as_int(total_size) != actual:
-            problems.append(
-                Problem(
-                    "total_size",
-                    f"{INDEX_NAME}: metadata.total_size is {total_size!r} but the tensors hold {actual} bytes "
-                    "(advisory: no loader reads it)",
-                )
-            )
     return problems
 
 

@@ -15,7 +15,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mtpquant.checkpoint.header import ShardHeader, TensorEntry, parse_header, read_header_length
+from mtpquant.checkpoint.header import ShardHeader, TensorEntry, bulk_parse, parse_header, read_header_length
 from mtpquant.checkpoint.index import INDEX_NAME, SINGLE_NAME, Problem, check_shard_name, parse_index, validate_index
 from mtpquant.checkpoint.source import CheckpointSource, open_source, read_json
 from mtpquant.errors import CheckpointError, ConfigError
@@ -73,6 +73,11 @@ class Checkpoint:
         parsed; the index and every cross-shard check run in full either way.
         """
         source: CheckpointSource = open_source(ref, revision, token) if isinstance(ref, (str, os.PathLike)) else ref
+        with bulk_parse():  # the whole table at once, without the collector's passes over it
+            return cls._open(source, strict, reuse)
+
+    @classmethod
+    def _open(cls, source: CheckpointSource, strict: bool, reuse: Checkpoint | None) -> Checkpoint:
         files = source.list_files()
         _refuse_pickles(source.label, files)
         if "config.json" not in files:
@@ -120,10 +125,14 @@ class Checkpoint:
             raise CheckpointError(fatal[0].message)
 
         tensors: dict[str, TensorEntry] = {}
-        for shard, header in headers.items():
-            for name, entry in header.tensors.items():
-                if weight_map.get(name, shard) == shard:
-                    tensors[name] = entry
+        for header in headers.values():
+            tensors.update(header.tensors)
+        if len(tensors) != sum(len(h.tensors) for h in headers.values()):  # a name in several shards: the index's
+            tensors = {}
+            for shard, header in headers.items():
+                for name, entry in header.tensors.items():
+                    if weight_map.get(name, shard) == shard:
+                        tensors[name] = entry
         ckpt = cls(source, config, spec, shards, headers, tensors, index, problems, fingerprints=fingerprints)
         ckpt.main_prefix = spec.main_prefix_for(tensors)
         _check_config_matches_tensors(ckpt)
@@ -161,6 +170,9 @@ class Checkpoint:
     @property
     def total_bytes(self) -> int:
         """Sum of tensor bytes."""
+        if len(self.tensors) == sum(len(h.tensors) for h in self.headers.values()):
+            # every header's tensors are in the table, and they tile its data region exactly
+            return sum(h.file_size - h.data_start for h in self.headers.values())
         return sum(e.nbytes for e in self.tensors.values())
 
     # ---- data ---------------------------------------------------------------------------------
