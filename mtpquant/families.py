@@ -8,8 +8,9 @@ the modules NVFP4 must leave unquantized. Other modules ask the registry instead
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any
 
 from mtpquant.errors import ConfigError, UnsupportedArchitectureError
@@ -287,19 +288,29 @@ class ModelSpec:
         return classify_tensor(name, main_prefix or self.main_prefix, self.family.has_vision)
 
 
+@lru_cache(maxsize=32)
+def tensor_classifier(main_prefix: str, has_vision: bool = True) -> Callable[[str], str]:
+    """The class of a tensor name given the main-model prefix, as one function (a table classifies every name)."""
+    embed = main_prefix + "embed_tokens."
+    vision = VISION_PREFIX if has_vision else None
+
+    def classify(name: str) -> str:
+        if name.startswith(MTP_PREFIX):  # anchored, as is_mtp_name
+            return TensorClass.MTP
+        if vision is not None and name.startswith(vision):
+            return TensorClass.VISION
+        if name.startswith("lm_head."):
+            return TensorClass.LM_HEAD
+        if name.startswith(main_prefix):
+            return TensorClass.EMBED if name.startswith(embed) else TensorClass.MAIN
+        return TensorClass.OTHER
+
+    return classify
+
+
 def classify_tensor(name: str, main_prefix: str, has_vision: bool = True) -> str:
     """Class of a tensor name given the main-model prefix."""
-    if is_mtp_name(name):
-        return TensorClass.MTP
-    if has_vision and name.startswith(VISION_PREFIX):
-        return TensorClass.VISION
-    if name.startswith("lm_head."):
-        return TensorClass.LM_HEAD
-    if name.startswith(main_prefix):
-        if name.startswith(main_prefix + "embed_tokens."):
-            return TensorClass.EMBED
-        return TensorClass.MAIN
-    return TensorClass.OTHER
+    return tensor_classifier(main_prefix, has_vision)(name)
 
 
 def _identify(config: Mapping[str, Any]) -> tuple[Family, str]:

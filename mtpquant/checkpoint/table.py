@@ -19,7 +19,7 @@ from mtpquant.checkpoint.header import ShardHeader, TensorEntry, bulk_parse, par
 from mtpquant.checkpoint.index import INDEX_NAME, SINGLE_NAME, Problem, check_shard_name, parse_index, validate_index
 from mtpquant.checkpoint.source import CheckpointSource, open_source, read_json
 from mtpquant.errors import CheckpointError, ConfigError
-from mtpquant.families import ModelSpec, is_mtp_name, resolve
+from mtpquant.families import MTP_PREFIX, ModelSpec, is_mtp_name, resolve, tensor_classifier
 from mtpquant.formats.quant_config import HF_QUANT_CONFIG, QuantMetadata, read_quant_metadata
 
 if TYPE_CHECKING:
@@ -151,9 +151,11 @@ class Checkpoint:
 
     def by_class(self) -> dict[str, list[TensorEntry]]:
         """Tensors grouped by class, each group sorted by name."""
+        classify = tensor_classifier(self.main_prefix or self.spec.main_prefix, self.spec.family.has_vision)
         groups: dict[str, list[TensorEntry]] = defaultdict(list)
-        for name in sorted(self.tensors):
-            groups[self.classify(name)].append(self.tensors[name])
+        tensors = self.tensors
+        for name in sorted(tensors):
+            groups[classify(name)].append(tensors[name])
         return dict(groups)
 
     @property
@@ -165,7 +167,7 @@ class Checkpoint:
         """Every ``mtp.*`` tensor present, sorted by name."""
         # classify() answers MTP exactly for the names is_mtp_name() accepts (its first test): filter
         # with that, then sort the few MTP names only, not the whole table
-        return [self.tensors[n] for n in sorted(n for n in self.tensors if is_mtp_name(n))]
+        return [self.tensors[n] for n in sorted(n for n in self.tensors if n.startswith(MTP_PREFIX))]
 
     @property
     def total_bytes(self) -> int:

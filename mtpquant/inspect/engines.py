@@ -205,13 +205,16 @@ def vllm_builds_quantized(module: EngineModule, meta: QuantMetadata | None) -> t
     return True, f"quant_method {meta.method!r}"
 
 
+_EXPERT_RE = re.compile(r"^(.*\.mlp\.experts)(\.\d+\.\w+|\.gate_up_proj|\.down_proj)$")
+
+
 def engine_modules(linear_names: Sequence[str]) -> list[EngineModule]:
     """Group checkpoint Linear module names into the modules vLLM builds (packed, experts)."""
     out: dict[str, EngineModule] = {}
     reverse = {shard: packed for packed, shards in PACKED.items() for shard in shards}
     for name in sorted(linear_names):
         base, _, last = name.rpartition(".")
-        m = re.match(r"^(.*\.mlp\.experts)(\.\d+\.\w+|\.gate_up_proj|\.down_proj)$", name)
+        m = _EXPERT_RE.match(name) if ".mlp.experts." in name else None
         if m:
             prefix = m.group(1)
             prev = out.get(prefix)

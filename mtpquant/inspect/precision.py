@@ -36,13 +36,14 @@ def linear_modules(tensors: Mapping[str, TensorEntry]) -> list[str]:
     """Checkpoint Linear modules: 2-D weights (or packed weights), plus fused 3-D expert params."""
     mods = set()
     for name, e in tensors.items():
-        if name.endswith(_FUSED_EXPERT_PARAMS) and len(e.shape) == 3:
+        if name.endswith(".weight"):  # most names of a table: test this first
+            if len(e.shape) == 2:
+                mods.add(name[:-7])
+        elif name.endswith(".weight_packed"):
+            mods.add(name[:-14])
+        elif name.endswith(_FUSED_EXPERT_PARAMS) and len(e.shape) == 3:
             mods.add(name)
-        elif (name.endswith(".weight") and len(e.shape) == 2) or name.endswith(".weight_packed"):
-            mod = module_of(name)
-            if not mod.endswith(("embed_tokens", "pos_embed")):
-                mods.add(mod)
-    return sorted(mods)
+    return sorted(m for m in mods if not m.endswith(("embed_tokens", "pos_embed")))
 
 
 def module_precision(tensors: Mapping[str, Any], module: str) -> str:

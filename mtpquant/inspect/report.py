@@ -13,6 +13,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from mtpquant.checkpoint.header import bulk_parse
 from mtpquant.checkpoint.source import CheckpointSource
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.errors import ExitCode
@@ -130,18 +131,17 @@ class InspectReport:
         return data
 
 
-def _group_precision(tensors: dict[str, Any], members: list[str]) -> str:
-    precs = {module_precision(tensors, m) for m in members}
-    return precs.pop() if len(precs) == 1 else "mixed"
-
-
 def _module_reports(
-    ckpt: Checkpoint, names: list[str], meta: QuantMetadata | None
+    ckpt: Checkpoint, names: list[str], meta: QuantMetadata | None, precision: dict[str, str] | None = None
 ) -> tuple[list[ModuleReport], list[Finding]]:
+    """``precision``: each name's ``module_precision``, when the caller has it already."""
+    if precision is None:
+        precision = {m: module_precision(ckpt.tensors, m) for m in names}
     reports: list[ModuleReport] = []
     findings: list[Finding] = []
     for mod in engine_modules(names):
-        disk = _group_precision(ckpt.tensors, list(mod.members))
+        precs = {precision[m] for m in mod.members}
+        disk = precs.pop() if len(precs) == 1 else "mixed"
         try:
             q, reason = vllm_builds_quantized(mod, meta)
         except FusedShardsError as exc:
@@ -229,8 +229,9 @@ def _main_section(ckpt: Checkpoint, meta: QuantMetadata | None) -> tuple[dict[st
     groups = ckpt.by_class()
     main_tensors = {e.name: e for cls in ("main", "lm_head") for e in groups.get(cls, [])}
     mods = linear_modules(main_tensors)
-    reports, findings = _module_reports(ckpt, mods, meta)
-    precs = Counter(module_precision(ckpt.tensors, m) for m in mods)
+    precision = {m: module_precision(ckpt.tensors, m) for m in mods}
+    reports, findings = _module_reports(ckpt, mods, meta, precision)
+    precs = Counter(precision.values())
     quantized = sum(n for p, n in precs.items() if is_quantized(p))
     bad = [r for r in reports if not r.consistent]
     main = {
@@ -325,6 +326,11 @@ def inspect_checkpoint(
     """
     t0 = time.perf_counter()
     ckpt = checkpoint if checkpoint is not None else Checkpoint.open(ref, revision=revision, token=token, strict=False)
+    with bulk_parse():  # per-module records over a table of up to ~300,000 tensors
+        return _inspect(ckpt, t0)
+
+
+def _inspect(ckpt: Checkpoint, t0: float) -> InspectReport:
     meta = ckpt.quant_metadata
     report: dict[str, Any] = {}
     failures: list[Finding] = []
