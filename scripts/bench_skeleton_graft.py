@@ -59,7 +59,7 @@ RSS_MARGIN = 256 * 2**20
 # built-ins "|"-separated substrings of it).
 PROFILE_SPLIT = (
     ("Checkpoint.open", "checkpoint/table.py", "open"),
-    ("MTP copy (write_mtp_shards)", "pipeline/mtp_shards.py", "write_mtp_shards"),
+    ("MTP copy (write_mtp_shards)", "surgery/shards.py", "write_mtp_shards"),
     ("inspect verification", "inspect/report.py", "inspect_checkpoint"),
     ("checksums", "~", "crc32|_hashlib"),
     ("JSON parse", "json/decoder.py", "raw_decode"),
@@ -129,7 +129,7 @@ def _profile_split(stats_path: str) -> dict[str, Any]:
     out: dict[str, Any] = {"calls": {}}
     total = 0.0
     for (fname, _line, func), (_cc, nc, _tt, ct, _callers) in st.stats.items():  # type: ignore[attr-defined]
-        if func == "graft" and fname.endswith("pipeline/graft.py"):
+        if func == "graft" and fname.endswith("graft/run.py"):
             total = max(total, ct)
         for label, suffix, name in PROFILE_SPLIT:
             exact = func == name if suffix != "~" else any(part in func for part in name.split("|"))
