@@ -113,20 +113,30 @@ def _copy_range(fh: Any, src: Path, start: int, end: int) -> None:
             offset += len(data)
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write a file via temp file + fsync + ``os.replace``; a crash leaves the old file or none."""
+def _replace_atomically(path: Path, fill: Callable[[Path], None]) -> None:
+    """``fill`` writes (and fsyncs) a temp file beside ``path``, which then replaces ``path`` and the directory is
+    fsynced; a crash or an error leaves the old file or none, never a partial one."""
     tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
     try:
-        with tmp.open("wb") as fh:
-            _write(fh, data)
-            fh.flush()
-            os.fsync(fh.fileno())
+        fill(tmp)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             tmp.unlink()
         raise
     fsync_dir(path.parent)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write a file via temp file + fsync + ``os.replace``; a crash leaves the old file or none."""
+
+    def fill(tmp: Path) -> None:
+        with tmp.open("wb") as fh:
+            _write(fh, data)
+            fh.flush()
+            os.fsync(fh.fileno())
+
+    _replace_atomically(path, fill)
 
 
 def atomic_write_json(path: Path, obj: Any) -> None:
@@ -185,15 +195,7 @@ def atomic_write_safetensors(
 ) -> None:
     """A standalone safetensors file via temp file + fsync + ``os.replace`` + directory fsync."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
-    try:
-        write_safetensors(tmp, tensors, metadata)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
-    fsync_dir(path.parent)
+    _replace_atomically(path, lambda tmp: write_safetensors(tmp, tensors, metadata))
 
 
 def plan_shards(tensors: Iterable[PlannedTensor], max_bytes: int) -> list[list[PlannedTensor]]:
