@@ -244,19 +244,16 @@ _CARD = "README.md"
 _CARD_LIMIT = 1024 * 1024
 
 
-def source_license(source: CheckpointSource) -> dict[str, str] | None:
-    """The licence fields a checkpoint's own card (README.md metadata) declares; None without a card or fields."""
+def card_license_fields(text: str) -> dict[str, str] | None:
+    """The licence fields (``license``, ``license_name``, ``license_link``) a model card's metadata block declares;
+    None without a block, a readable one, or a licence."""
     import yaml
     from huggingface_hub.repocard import REGEX_YAML_BLOCK
 
+    m = REGEX_YAML_BLOCK.search(text)
     try:
-        if not source.exists(_CARD) or source.file_size(_CARD) > _CARD_LIMIT:
-            return None
-        text = source.read_range(_CARD, 0, source.file_size(_CARD)).decode("utf-8")
-        m = REGEX_YAML_BLOCK.search(text)
         data = yaml.safe_load(m.group(2)) if m else None
-    except (CheckpointError, UnicodeDecodeError, yaml.YAMLError) as exc:
-        log.warning("%s: %s not readable (%s); its licence is not recorded", source.label, _CARD, exc)
+    except yaml.YAMLError:
         return None
     if not isinstance(data, Mapping):
         return None
@@ -268,3 +265,15 @@ def source_license(source: CheckpointSource) -> dict[str, str] | None:
     out = {"license": lic.strip()}
     out |= {k: str(data[k]) for k in _LICENSE_FIELDS[1:] if isinstance(data.get(k), str) and data[k]}
     return out
+
+
+def source_license(source: CheckpointSource) -> dict[str, str] | None:
+    """The licence fields a checkpoint's own card (README.md metadata) declares; None without a card or fields."""
+    try:
+        if not source.exists(_CARD) or source.file_size(_CARD) > _CARD_LIMIT:
+            return None
+        text = source.read_range(_CARD, 0, source.file_size(_CARD)).decode("utf-8")
+    except (CheckpointError, UnicodeDecodeError) as exc:
+        log.warning("%s: %s not readable (%s); its licence is not recorded", source.label, _CARD, exc)
+        return None
+    return card_license_fields(text)

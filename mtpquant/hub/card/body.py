@@ -15,6 +15,8 @@ from mtpquant.hub.card.facts import (
     CardFacts,
     base_model,
     is_quantized_precision,
+    license_line,
+    license_metadata,
     mtp_mode,
     public_command,
     public_text,
@@ -58,16 +60,13 @@ def card_data(facts: CardFacts) -> dict[str, Any]:
     from huggingface_hub import ModelCardData
 
     base, _, _ = base_model(facts)
-    lic = facts.license
     quantized = bool(facts.report.quantization.get("method"))
     data = ModelCardData(
         base_model=base,
         base_model_relation="quantized" if base and quantized else None,
         library_name="transformers",
         pipeline_tag="image-text-to-text" if facts.report.vision.get("present") else "text-generation",
-        license=lic.license if lic else None,
-        license_name=lic.license_name if lic else None,
-        license_link=(lic.license_link or (facts.license_file if lic.license == "other" else None)) if lic else None,
+        **license_metadata(facts),
         tags=_tags(facts),
     )
     return dict(data.to_dict())
@@ -440,14 +439,11 @@ def build_card(facts: CardFacts) -> ModelCard:
             "Base model: unknown (no provenance file names it and config.json has no Hub id), so the card's "
             "metadata names none (`mtpquant publish OUT --repo ID --base-model ORG/NAME` names it)."
         ]
-    lic = facts.license
-    if lic is not None:
-        lic_text = lic.license if lic.license != "other" else f"other ({lic.license_name})"
-        lines += ["", f"Licence `{lic_text}`, carried over from {lic.origin}: the licence of the base model applies."]
-    elif facts.license_file:
-        lines += ["", f"Licence: see [`{facts.license_file}`]({facts.license_file}), carried over from the source."]
+    if facts.license is None and facts.license_file:
+        unknown = f"Licence: see [`{facts.license_file}`]({facts.license_file}), carried over from the source."
     else:
-        lines += ["", "Licence: not recorded in the source metadata; the licence of the base model applies."]
+        unknown = "Licence: not recorded in the source metadata; the licence of the base model applies."
+    lines += ["", license_line(facts, unknown)]
     return _card(meta, lines)
 
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from mtpquant.checkpoint.source import looks_like_repo_id
 from mtpquant.hub.card.metadata import CARD_NAME, LicenseInfo, is_repo_id, license_from_mapping, redact
-from mtpquant.provenance import Provenance, Step
+from mtpquant.provenance import Provenance, Step, card_license_fields
 from mtpquant.public import public_args
 from mtpquant.public import public_text as _public_text
 
@@ -31,6 +31,8 @@ __all__ = [
     "Recipe",
     "Validation",
     "base_model",
+    "license_line",
+    "license_metadata",
     "mtp_mode",
     "public_command",
     "public_text",
@@ -117,23 +119,27 @@ def read_validation(out: Path) -> Validation | None:
     return Validation(VALIDATION_REPORT, md, report)
 
 
-def _front_matter(text: str) -> dict[str, Any]:
-    import yaml
-    from huggingface_hub.repocard import REGEX_YAML_BLOCK
-
-    m = REGEX_YAML_BLOCK.search(text)
-    if not m:
-        return {}
-    try:
-        data = yaml.safe_load(m.group(2))
-    except yaml.YAMLError:
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
 def _license_from_card_text(text: str, origin: str) -> LicenseInfo | None:
-    meta = _front_matter(text)
-    return license_from_mapping(meta, origin) if meta else None
+    fields = card_license_fields(text)
+    return license_from_mapping(fields, origin) if fields else None
+
+
+def license_metadata(facts: CardFacts) -> dict[str, Any]:
+    """The card metadata's licence fields (``ModelCardData`` keyword arguments), None where not known."""
+    lic = facts.license
+    if lic is None:
+        return {"license": None, "license_name": None, "license_link": None}
+    link = lic.license_link or (facts.license_file if lic.license == "other" else None)
+    return {"license": lic.license, "license_name": lic.license_name, "license_link": link}
+
+
+def license_line(facts: CardFacts, unknown: str) -> str:
+    """The card body's licence sentence; ``unknown`` when no licence is recorded."""
+    lic = facts.license
+    if lic is None:
+        return unknown
+    text = lic.license if lic.license != "other" else f"other ({lic.license_name})"
+    return f"Licence `{text}`, carried over from {lic.origin}: the licence of the base model applies."
 
 
 def read_license(provenance: Provenance, config: Mapping[str, Any], existing_card: str | None) -> LicenseInfo | None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from mtpquant import __version__
-from mtpquant.hub.card.facts import CardFacts, base_model, public_command
+from mtpquant.hub.card.facts import CardFacts, base_model, license_line, license_metadata, public_command
 from mtpquant.hub.card.marker import MARKER, ZERO_HASH
 from mtpquant.units import format_bytes
 
@@ -24,13 +24,10 @@ def sidecar_data(facts: CardFacts) -> dict[str, Any]:
     from huggingface_hub import ModelCardData
 
     base, _, _ = base_model(facts)
-    lic = facts.license
     data = ModelCardData(
         base_model=base,
         base_model_relation=SIDECAR_RELATION if base else None,
-        license=lic.license if lic else None,
-        license_name=lic.license_name if lic else None,
-        license_link=(lic.license_link or (facts.license_file if lic.license == "other" else None)) if lic else None,
+        **license_metadata(facts),
         tags=["mtp", "mtp-sidecar", "speculative-decoding", facts.family_key, "mtpquant"],
     )
     return dict(data.to_dict())
@@ -103,11 +100,6 @@ def sidecar_body(facts: CardFacts) -> list[str]:
             "Base model: unknown (`mtpquant publish OUT --repo ID --base-model ORG/NAME` names it), so the card's "
             "metadata names none."
         )
-    lic = facts.license
-    if lic is not None:
-        lic_text = lic.license if lic.license != "other" else f"other ({lic.license_name})"
-        lines += ["", f"Licence `{lic_text}`, carried over from {lic.origin}: the licence of the base model applies."]
-    else:
-        lines += ["", "Licence: the licence of the base model applies."]
+    lines += ["", license_line(facts, "Licence: the licence of the base model applies.")]
     lines += ["", f"Card generated and published by mtpquant {__version__} (`mtpquant publish`)."]
     return lines
