@@ -197,44 +197,44 @@ def plan_files(out: Path) -> list[PublishFile]:
     return files
 
 
-def _refuse_secrets(out: Path, files: list[PublishFile], secrets: list[str]) -> None:
-    """Refuse to upload any non-weight file that holds the Hub token (a provenance file, a log, notes...)."""
-    needles = [s.encode("utf-8") for s in secrets if len(s) >= 8]
-    if not needles:
-        return
-    for f in files:
-        if f.path.endswith(".safetensors") or f.size > _SECRET_SCAN_LIMIT:
-            continue
-        data = (out / f.path).read_bytes()
-        if any(n in data for n in needles):
-            raise PublishRefusedError(
-                f"{out}/{f.path} contains the Hub token; refusing to upload it (remove the token from the file)"
-            )
-
-
-# Files carried from the source as they are (the tokenizer's vocabulary can hold any string): not scanned.
+# Files carried from the source as they are (the tokenizer's vocabulary can hold any string): not scanned for paths.
 _CARRIED_PREFIXES = ("tokenizer", "vocab", "merges", "special_tokens", "added_tokens", "chat_template", "preprocessor")
 _TEXT_SUFFIXES = (".json", ".md", ".yaml", ".yml", ".txt", ".jinja", ".log", ".csv")
 
 
-def _refuse_local_paths(out: Path, files: list[PublishFile], card: str) -> None:
-    """Refuse to upload a file that names a local directory by its absolute path (a user's directory layout is
-    private): the card, and every text file mtpquant or another tool wrote into OUT."""
-    needles = local_path_needles(out)
-    texts: list[tuple[str, bytes]] = [(CARD_NAME, card.encode("utf-8"))]
+def _refuse_private(out: Path, files: list[PublishFile], card: str, secrets: list[str]) -> None:
+    """Refuse to upload what must stay private, reading each non-weight file once: a file that holds the Hub token
+    (a provenance file, a log, notes...), checked first; then a file that names a local directory by its absolute
+    path (a user's directory layout is private): the card, and every text file mtpquant or another tool wrote."""
+    tokens = [s.encode("utf-8") for s in secrets if len(s) >= 8]
+    paths = [n.encode("utf-8") for n in local_path_needles(out)]
+
+    def named_path(data: bytes) -> str | None:
+        return next((n.decode("utf-8") for n in paths if n in data), None)
+
+    leak = named_path(card.encode("utf-8"))
+    first_leak = (CARD_NAME, leak) if leak else None
     for f in files:
-        name = f.path.rsplit("/", 1)[-1]
-        if f.path == CARD_NAME or not f.path.endswith(_TEXT_SUFFIXES) or name.startswith(_CARRIED_PREFIXES):
+        if f.path.endswith(".safetensors") or f.size > _SECRET_SCAN_LIMIT:
             continue
-        if f.size <= _SECRET_SCAN_LIMIT:
-            texts.append((f.path, (out / f.path).read_bytes()))
-    for path, data in texts:
-        for needle in needles:
-            if needle.encode("utf-8") in data:
-                raise PublishRefusedError(
-                    f"{out}/{path} names the local path {needle}...; refusing to upload it (a directory layout is "
-                    "private: name local directories by their base name, or remove the file)"
-                )
+        name = f.path.rsplit("/", 1)[-1]
+        scan_paths = f.path != CARD_NAME and f.path.endswith(_TEXT_SUFFIXES) and not name.startswith(_CARRIED_PREFIXES)
+        if not tokens and not (scan_paths and first_leak is None):
+            continue
+        data = (out / f.path).read_bytes()
+        if any(t in data for t in tokens):
+            raise PublishRefusedError(
+                f"{out}/{f.path} contains the Hub token; refusing to upload it (remove the token from the file)"
+            )
+        if scan_paths and first_leak is None:
+            leak = named_path(data)
+            first_leak = (f.path, leak) if leak else None
+    if first_leak is not None:
+        path, needle = first_leak
+        raise PublishRefusedError(
+            f"{out}/{path} names the local path {needle}...; refusing to upload it (a directory layout is "
+            "private: name local directories by their base name, or remove the file)"
+        )
 
 
 def _gate(out: Path, force: bool) -> tuple[Any, Any]:
@@ -348,8 +348,7 @@ def publish(opts: PublishOptions) -> PublishResult:
     secrets = _secrets(opts)
     if any(s in card_text for s in secrets):
         raise PublishRefusedError(f"{out}/{CARD_NAME} contains the Hub token; refusing to upload it")
-    _refuse_secrets(out, files, secrets)
-    _refuse_local_paths(out, files, card_text)
+    _refuse_private(out, files, card_text, secrets)
     card_bytes = card_text.encode("utf-8")
     note = {"kept": "card kept (written or edited by a person)"}.get(action, f"model card ({action})")
     listed = [f for f in files if f.path != CARD_NAME] + [PublishFile(CARD_NAME, len(card_bytes), note)]
