@@ -22,7 +22,7 @@ from typing import Any
 
 from mtpquant.checkpoint.writer import OutputDir
 from mtpquant.errors import RecipeError
-from mtpquant.formats.quant_config import HF_QUANT_CONFIG, MTP_CT_PATTERNS, MTP_MODELOPT_PATTERNS
+from mtpquant.formats.quant_config import MTP_CT_PATTERNS, MTP_MODELOPT_PATTERNS
 
 __all__ = ["FORMATS", "check_ct_recipe", "ct_ignore", "ct_tensor_names", "to_compressed_tensors"]
 
@@ -78,23 +78,21 @@ def ct_tensor_names(names: Sequence[str]) -> list[str]:
     return sorted(out)
 
 
-def to_compressed_tensors(od: OutputDir, device: str) -> dict[str, Any]:
-    """Convert the modelopt checkpoint in ``od``'s temporary directory in place; returns its quantization_config.
+def to_compressed_tensors(od: OutputDir, exclude: Sequence[str], device: str) -> dict[str, Any]:
+    """Convert the modelopt shards in ``od``'s temporary directory in place; returns the ``quantization_config``
+    that replaces modelopt's in config.json (the caller writes it).
 
-    ``od`` holds a finished modelopt checkpoint (shards, index, config.json, hf_quant_config.json). The
-    converter writes into a scratch directory inside it; its shards replace the modelopt ones (renames), its
-    ``quantization_config`` replaces modelopt's in config.json, and hf_quant_config.json is removed.
+    ``od`` holds the finished modelopt shards, their index and config.json; ``exclude`` is modelopt's
+    ``exclude_modules``. The converter writes into a scratch directory inside ``od``; its shards replace the
+    modelopt ones (renames) and the index is rebuilt from them.
     """
     from compressed_tensors.entrypoints.convert import convert_checkpoint
     from compressed_tensors.entrypoints.convert.converters.modelopt_nvfp4 import ModelOptNvfp4Converter
-
-    hfq = json.loads((od.path / HF_QUANT_CONFIG).read_text(encoding="utf-8"))
-    ignore = ct_ignore(hfq["quantization"].get("exclude_modules") or [])
-    scratch = od.path / _SCRATCH
-    converter = ModelOptNvfp4Converter(ignore=ignore, targets=["Linear"])
-    log.info("converting to compressed-tensors (nvfp4-pack-quantized) with compressed-tensors' ModelOpt converter")
     from loguru import logger as ct_logger  # compressed-tensors logs through loguru: its notes stay out of ours
 
+    scratch = od.path / _SCRATCH
+    converter = ModelOptNvfp4Converter(ignore=ct_ignore(exclude), targets=["Linear"])
+    log.info("converting to compressed-tensors (nvfp4-pack-quantized) with compressed-tensors' ModelOpt converter")
     ct_logger.disable("compressed_tensors")
     try:
         convert_checkpoint(od.path, scratch, converter, max_workers=1, device=device)
@@ -104,9 +102,5 @@ def to_compressed_tensors(od: OutputDir, device: str) -> dict[str, Any]:
     finally:
         ct_logger.enable("compressed_tensors")
         shutil.rmtree(scratch, ignore_errors=True)
-    config = json.loads((od.path / "config.json").read_text(encoding="utf-8"))
-    config["quantization_config"] = converted
-    od.write_json("config.json", config)
-    (od.path / HF_QUANT_CONFIG).unlink()
     od.write_index()
     return dict(converted)

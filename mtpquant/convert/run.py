@@ -448,7 +448,8 @@ def _run(
             hfq = mixed_precision_config(hfq, main_modules, recipe.quantization.quant_algo, outcome.quantized_layers)
             config["quantization_config"] = convert_hf_quant_config_format(hfq)
         od.write_json("config.json", config)
-        if hfq is not None:
+        ct_format = plan.output_format == "compressed-tensors"
+        if hfq is not None and not ct_format:  # compressed-tensors keeps its metadata in config.json only
             od.write_json(HF_QUANT_CONFIG, hfq)
         carry_files(od, src_dir, plan.carried_files)
         od.write_text(RECIPE_FILE, recipe.to_yaml(_recipe_header(plan, ckpt.source.ref())))
@@ -457,11 +458,14 @@ def _run(
         result.offload_bytes = sum(p.stat().st_size for p in offload.rglob("*") if p.is_file())
         shutil.rmtree(offload, ignore_errors=True)
         od.write_index()
-    if plan.output_format == "compressed-tensors":
+    if ct_format:
         from mtpquant.convert.ct_format import ct_tensor_names, to_compressed_tensors
 
+        assert hfq is not None, "an NVFP4 recipe always exports quantization metadata"
         with timer("format"):
-            to_compressed_tensors(od, plan.device)
+            exclude = hfq["quantization"].get("exclude_modules") or []
+            config["quantization_config"] = to_compressed_tensors(od, exclude, plan.device)
+            od.write_json("config.json", config)
         outcome.names = ct_tensor_names(outcome.names)
     return outcome, resume
 
