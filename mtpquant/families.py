@@ -295,7 +295,7 @@ def tensor_classifier(main_prefix: str, has_vision: bool = True) -> Callable[[st
     vision = VISION_PREFIX if has_vision else None
 
     def classify(name: str) -> str:
-        if name.startswith(MTP_PREFIX):  # anchored, as is_mtp_name
+        if is_mtp_name(name):
             return TensorClass.MTP
         if vision is not None and name.startswith(vision):
             return TensorClass.VISION

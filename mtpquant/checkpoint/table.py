@@ -19,7 +19,7 @@ from mtpquant.checkpoint.header import ShardHeader, TensorEntry, bulk_parse, par
 from mtpquant.checkpoint.index import INDEX_NAME, SINGLE_NAME, Problem, check_shard_name, parse_index, validate_index
 from mtpquant.checkpoint.source import CheckpointSource, open_source, read_json
 from mtpquant.errors import CheckpointError, ConfigError
-from mtpquant.families import MTP_PREFIX, ModelSpec, is_mtp_name, resolve, tensor_classifier
+from mtpquant.families import ModelSpec, is_mtp_name, resolve, tensor_classifier
 from mtpquant.formats.quant_config import HF_QUANT_CONFIG, QuantMetadata, read_quant_metadata
 
 if TYPE_CHECKING:
@@ -167,7 +167,7 @@ class Checkpoint:
         """Every ``mtp.*`` tensor present, sorted by name."""
         # classify() answers MTP exactly for the names is_mtp_name() accepts (its first test): filter
         # with that, then sort the few MTP names only, not the whole table
-        return [self.tensors[n] for n in sorted(n for n in self.tensors if n.startswith(MTP_PREFIX))]
+        return [self.tensors[n] for n in sorted(n for n in self.tensors if is_mtp_name(n))]
 
     @property
     def total_bytes(self) -> int:
