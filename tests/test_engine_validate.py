@@ -254,6 +254,22 @@ def test_engine_that_fails_to_start_names_its_log(
     assert sorted(p.name for p in report_dir.iterdir()) == ["vllm-reference-k1.log"]  # the log, no report
 
 
+def _requests_running(port: int) -> bool:
+    """Whether the vLLM server on ``port`` is serving a request now (its ``vllm:num_requests_running`` gauge)."""
+    import urllib.request
+
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # 127.0.0.1, never through a proxy
+    try:
+        with opener.open(f"http://127.0.0.1:{port}/metrics", timeout=2) as resp:
+            text = resp.read().decode()
+    except OSError:
+        return False  # not listening yet
+    return any(
+        line.startswith("vllm:num_requests_running") and float(line.rsplit(" ", 1)[1]) > 0
+        for line in text.splitlines()
+    )
+
+
 def test_ctrl_c_leaves_no_server_behind(outputs: dict[str, Path], vllm: EnginePool, tmp_path: Path) -> None:
     import os
     import signal
@@ -268,16 +284,19 @@ def test_ctrl_c_leaves_no_server_behind(outputs: dict[str, Path], vllm: EnginePo
     proc = subprocess.Popen(cmd, env={**os.environ, **CPU_ENV}, stderr=subprocess.PIPE, text=True)
     log = report_dir / "vllm-reference-k1.log"
     deadline = time.monotonic() + 300
-    # the server is up: validate's health check passes within one poll of it and the measurement (32 prompts of
-    # up to 384 tokens: seconds) begins
-    while not (log.exists() and "Application startup complete" in log.read_text(errors="replace")):
-        assert proc.poll() is None and time.monotonic() < deadline, "the server never came up"
+    # The server's own log is buffered, so it cannot say when the measurement runs; the server's gauge of running
+    # requests does (the log opens with the server's command line, written by mtpquant: its port).
+    while not (log.exists() and "--port " in log.read_text(errors="replace")):
+        assert proc.poll() is None and time.monotonic() < deadline, "the server was never started"
+        time.sleep(0.05)
+    port = log.read_text().split("--port ", 1)[1].split()[0]
+    while not _requests_running(int(port)):
+        assert proc.poll() is None and time.monotonic() < deadline, "no request ever ran on the server"
         time.sleep(0.05)
     proc.send_signal(signal.SIGINT)  # Ctrl-C while the measurement runs
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == ExitCode.INTERRUPTED, err
     assert err.strip().splitlines()[-1] == "mtpquant: interrupted; no output was left behind"
-    port = log.read_text().split("--port ", 1)[1].split()[0]  # the log opens with the server's command line
     pattern = f"api_server --model {outputs['keep']} --host 127.0.0.1 --port {port} "
     for _ in range(60):  # the server and its engine-core workers are gone
         alive = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split()
