@@ -281,7 +281,15 @@ def test_ctrl_c_leaves_no_server_behind(outputs: dict[str, Path], vllm: EnginePo
     cmd = [sys.executable, "-m", "mtpquant", "-q", "validate", str(outputs["keep"]), "--engine", "vllm"]
     cmd += ["--vllm-python", str(vllm.python), "--k", "1", "--device", "cpu", "--report-dir", str(report_dir)]
     cmd += ["--num-prompts", "32", "--max-len", "384"]  # a measurement long enough to be interrupted in
-    proc = subprocess.Popen(cmd, env={**os.environ, **CPU_ENV}, stderr=subprocess.PIPE, text=True)
+    # Ctrl-C as a terminal delivers it: SIGINT at its default disposition in the command, whatever this test process
+    # inherited (a non-interactive shell starts background jobs with SIGINT ignored, and exec keeps that)
+    proc = subprocess.Popen(
+        cmd,
+        env={**os.environ, **CPU_ENV},
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     log = report_dir / "vllm-reference-k1.log"
     deadline = time.monotonic() + 300
     # The server's own log is buffered, so it cannot say when the measurement runs; the server's gauge of running
