@@ -13,6 +13,7 @@ from mtpquant.mtp import (
     MtpLayer,
     MtpLayoutError,
     draft_chain,
+    draft_rows,
     mtp_logits,
     mtp_tensor_shapes,
     teacher_forced,
@@ -303,6 +304,34 @@ def test_draft_chain_feeds_own_output_and_argmax(case):
     assert torch.equal(step_hidden[2], result.mtp_out[:, 1:2])
 
 
+@pytest.mark.parametrize("chunk", [4, 64])
+def test_draft_rows_are_the_chains_from_each_row(case, chunk):
+    """Batched over rows (own prefix and chain by mask, chunked), the drafts are draft_chain's from each row."""
+    _raw, _cfg, _weights, layer = case
+    gen = torch.Generator().manual_seed(9)
+    table = torch.randn(50, 64, generator=gen)
+    lm_head = torch.randn(50, 64, generator=gen)
+    hidden = torch.randn(1, 12, 64, generator=gen)
+    tokens = torch.randint(0, 50, (1, 12), generator=gen)
+
+    def embed(ids):
+        return table[ids]
+
+    with torch.no_grad():
+        teacher = layer(hidden, embed(tokens))
+    rows = range(2, 11)
+    got = draft_rows(layer, teacher, rows, embed, lm_head, 3, chunk=chunk)
+    assert got.shape == (len(rows), 3)
+    _, cache = teacher
+    for i, t in enumerate(rows):
+        past = KVCache(cache.key[:, :, :t], cache.value[:, :, :t]) if t else None
+        want = draft_chain(layer, hidden[:, t : t + 1], tokens[:, t : t + 1], embed, lm_head, 3, past_kv=past)
+        assert got[i].tolist() == want.tokens[0].tolist(), f"row {t}"
+    assert draft_rows(layer, teacher, range(0), embed, lm_head, 3).shape == (0, 3)
+    with pytest.raises(ValueError, match="batch 1"):
+        draft_rows(layer, (teacher[0].expand(2, -1, -1), cache), rows, embed, lm_head, 3)
+
+
 def test_draft_chain_rejects_k0():
     cfg = MtpConfig.from_text_config(DENSE)
     layer = MtpLayer.from_state_dict(cfg, random_weights(cfg, 1))
@@ -492,9 +521,7 @@ def test_from_state_dict_errors_name_the_tensor():
     with pytest.raises(MtpLayoutError, match=r"unexpected: mtp\.layers\.0\.self_attn\.q_proj\.weight_scale"):
         MtpLayer.from_state_dict(cfg, extra)
     bad = {**weights, "mtp.fc.weight": torch.zeros(64, 64)}
-    with pytest.raises(
-        MtpLayoutError, match=r"misshapen: mtp\.fc\.weight \(64, 64\) \(expected \(64, 128\)\)"
-    ):
+    with pytest.raises(MtpLayoutError, match=r"misshapen: mtp\.fc\.weight \(64, 64\) \(expected \(64, 128\)\)"):
         MtpLayer.from_state_dict(cfg, bad)
     unprefixed = {k.removeprefix("mtp."): v for k, v in weights.items()}
     with pytest.raises(MtpLayoutError, match="15 missing"):

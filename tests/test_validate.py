@@ -26,9 +26,10 @@ from mtpquant.formats.nvfp4 import (
     quantize_nvfp4,
     to_compressed_tensors,
 )
-from mtpquant.mtp.module import KVCache, MtpConfig, MtpLayer, draft_chain
+from mtpquant.mtp.drafting import draft_chain
+from mtpquant.mtp.module import KVCache, MtpConfig, MtpLayer
 from mtpquant.render import acceptance_table
-from mtpquant.validate.builtin import SequenceRecord, TargetRun, evaluate_acceptance, replay_greedy
+from mtpquant.validate.builtin import SequenceRecord, TargetRun, capture, evaluate_acceptance, replay_greedy
 from mtpquant.validate.load import CheckpointWeights, MtpBundle, load_mtp, load_target
 from mtpquant.validate.metrics import StepRecord, acceptance_stats
 from mtpquant.validate.prompts import (
@@ -330,6 +331,36 @@ def test_target_matches_transformers_from_pretrained(variant: str, tiny_factory:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("variant", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
+def test_batched_generation_equals_one_prompt_at_a_time(variant: str, tiny_factory: Callable[[str], Path]) -> None:
+    """Prompts of one length generated together: the same tokens and acceptance; the same hidden states, bit for
+    bit on the dense family (the MoE experts see more rows per GEMM when batched, which rounds differently)."""
+    path = tiny_factory(variant)
+    weights = CheckpointWeights.open(path)
+    target = load_target(weights, device=CPU, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(4)
+    # Lengths 5, 9, 5, 20 (capped at max_len // 2 = 8), 5, 3: groups of 3, 2 and 1 prompts.
+    prompts = [torch.randint(0, 400, (n,), generator=gen).tolist() for n in (5, 9, 5, 20, 5, 3)]
+    one = capture(target, prompts, 16, label="one", progress=False, batch_size=1)
+    batched = capture(target, prompts, 16, label="batched", progress=False, batch_size=2)
+    assert [s.prompt_len for s in batched.sequences] == [5, 8, 5, 8, 5, 3]
+    atol = 0.0 if variant == "qwen3_5" else 1e-5
+    for a, b in zip(one.sequences, batched.sequences, strict=True):
+        assert torch.equal(a.tokens, b.tokens) and a.prompt_len == b.prompt_len
+        torch.testing.assert_close(a.hidden, b.hidden, rtol=0, atol=atol)
+    on_one = capture(target, prompts[:2], 16, label="c", reference=one, progress=False, batch_size=1)
+    on_batched = capture(target, prompts[:2], 16, label="c", reference=one, progress=False, batch_size=4)
+    assert on_one.hidden_on_ref is not None and on_batched.hidden_on_ref is not None
+    for a, b in zip(on_one.hidden_on_ref, on_batched.hidden_on_ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=atol)
+    bundle, reason = load_mtp(weights)
+    assert bundle is not None, reason
+    assert evaluate_acceptance(bundle, one, 3, progress=False) == evaluate_acceptance(
+        bundle, batched, 3, progress=False
+    )
+
+
+@pytest.mark.slow
 def test_modelopt_export_loads(
     naive_export_factory: Callable[[str], Path], tiny_factory: Callable[[str], Path]
 ) -> None:
@@ -377,9 +408,7 @@ def _side(al: list[float] | None, err: str | None = None, per_position: list[lis
     return Side("x", "qwen3_5", {}, "model", 1, 8, 4, MtpInfo(al is not None, err, {"bf16": 8}), acc)
 
 
-def _fake(
-    al_ref: list[float], al_cand: list[float] | None, error: str | None = None
-) -> tuple[Side, Side | None]:
+def _fake(al_ref: list[float], al_cand: list[float] | None, error: str | None = None) -> tuple[Side, Side | None]:
     pair = al_cand is not None or error is not None
     return _side(al_ref), (_side(al_cand, error) if pair else None)
 

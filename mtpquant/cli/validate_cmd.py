@@ -41,6 +41,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="K|K1,K2,..",
         help="k = 1..K drafts per step (default 3), or the listed k values (--engine: one server each)",
     )
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=16,
+        metavar="N",
+        help="prompts of one length generated together by the built-in path (default 16; lower it for memory)",
+    )
     p.add_argument("--report-dir", type=Path, help="write report.json, report.md and plots here")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     p.add_argument(
@@ -94,6 +101,7 @@ def run(args: argparse.Namespace) -> int:
         max_len=args.max_len,
         k=args.k[0],
         ks=args.k[1],
+        batch_size=args.batch_size,
         report_dir=args.report_dir,
         device=args.device,
         dtype=args.dtype,

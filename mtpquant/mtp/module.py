@@ -1,8 +1,9 @@
 """Reference forward of Qwen's built-in MTP layer, as vLLM and SGLang compute it.
 
 One module serves calibration (modelopt wraps its ``nn.Linear`` children; hooks read their inputs)
-and validation (teacher-forced logits, chained drafting). Parameter names, prefixed with ``mtp.``,
-are exactly the checkpoint tensor names, so a checkpoint's ``mtp.*`` tensors load without renaming.
+and validation (teacher-forced logits, chained drafting: ``mtpquant.mtp.drafting``). Parameter names,
+prefixed with ``mtp.``, are exactly the checkpoint tensor names, so a checkpoint's ``mtp.*`` tensors load
+without renaming.
 
 The building blocks are written out here rather than imported from
 ``transformers.models.qwen3_5.modeling_qwen3_5``: this floor must import without transformers
@@ -13,7 +14,7 @@ transformers' ``Qwen3_5RMSNorm``, ``apply_rotary_pos_emb``, ``Qwen3_5Attention``
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -22,16 +23,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 __all__ = [
-    "DraftResult",
     "KVCache",
     "MtpConfig",
     "MtpLayer",
     "MtpLayoutError",
-    "TeacherForcedResult",
-    "draft_chain",
-    "mtp_logits",
     "mtp_tensor_shapes",
-    "teacher_forced",
 ]
 
 MTP_PREFIX = "mtp."
@@ -133,9 +129,7 @@ class MtpConfig:
         # transformers moves top-level rope_theta / partial_rotary_factor into rope_parameters with
         # setdefault, so rope_parameters wins where both are present.
         rope_theta = rope.get("rope_theta", cfg.get("rope_theta", _DEFAULT_ROPE_THETA))
-        partial = rope.get(
-            "partial_rotary_factor", cfg.get("partial_rotary_factor", _DEFAULT_PARTIAL_ROTARY_FACTOR)
-        )
+        partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", _DEFAULT_PARTIAL_ROTARY_FACTOR))
 
         def opt_int(key: str) -> int | None:
             value = cfg.get(key)
@@ -233,9 +227,7 @@ def _rotate_half(x: Tensor) -> Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def _rope_cos_sin(
-    positions: Tensor, rotary_dim: int, theta: float, dtype: torch.dtype
-) -> tuple[Tensor, Tensor]:
+def _rope_cos_sin(positions: Tensor, rotary_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """cos/sin ``[B, T, rotary_dim]`` of plain (rotate_half) RoPE, computed in float32.
 
     Qwen3.5's interleaved M-RoPE gives every section the same position for text-only input, so it
@@ -274,8 +266,11 @@ class MtpAttention(nn.Module):
         self.q_norm = ZeroCentredRMSNorm(hd, cfg.rms_norm_eps)
         self.k_norm = ZeroCentredRMSNorm(hd, cfg.rms_norm_eps)
 
-    def forward(self, x: Tensor, positions: Tensor, past_kv: KVCache | None) -> tuple[Tensor, KVCache]:
-        """x ``[B, T, H]``, positions ``[B, T]``; attends causally over ``past_kv`` then x."""
+    def forward(
+        self, x: Tensor, positions: Tensor, past_kv: KVCache | None, attn_mask: Tensor | None = None
+    ) -> tuple[Tensor, KVCache]:
+        """x ``[B, T, H]``, positions ``[B, T]``; attends causally over ``past_kv`` then x, or where the bool
+        ``attn_mask`` ``[B, 1, T, past + T]`` allows (rows of one batch drafting from different prefixes)."""
         B, T, _ = x.shape
         nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
         # q_proj rows hold, per head, head_dim query rows then head_dim gate rows.
@@ -293,8 +288,8 @@ class MtpAttention(nn.Module):
             past = past_kv.length
             k = torch.cat((past_kv.key, k), dim=2)
             v = torch.cat((past_kv.value, v), dim=2)
-        mask = None
-        if past:
+        mask = attn_mask
+        if mask is None and past:
             # Row i (cache index past + i) sees every cached entry and the new rows up to itself.
             key_idx = torch.arange(past + T, device=x.device)
             query_idx = torch.arange(T, device=x.device) + past
@@ -385,9 +380,11 @@ class MtpDecoderLayer(nn.Module):
             assert cfg.intermediate_size is not None
             self.mlp = MtpMLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x: Tensor, positions: Tensor, past_kv: KVCache | None) -> tuple[Tensor, KVCache]:
+    def forward(
+        self, x: Tensor, positions: Tensor, past_kv: KVCache | None, attn_mask: Tensor | None = None
+    ) -> tuple[Tensor, KVCache]:
         """Apply the layer; returns the new hidden and the extended cache."""
-        attn, cache = self.self_attn(self.input_layernorm(x), positions, past_kv)
+        attn, cache = self.self_attn(self.input_layernorm(x), positions, past_kv, attn_mask)
         x = x + attn
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, cache
@@ -454,6 +451,7 @@ class MtpLayer(nn.Module):
         next_tokens_embeds: Tensor,
         positions: Tensor | None = None,
         past_kv: KVCache | None = None,
+        attn_mask: Tensor | None = None,
     ) -> tuple[Tensor, KVCache]:
         """One causal pass over T new rows.
 
@@ -462,6 +460,7 @@ class MtpLayer(nn.Module):
             next_tokens_embeds: ``embed_tokens(x_{t+1})``, ``[B, T, H]``.
             positions: ``[B, T]`` or ``[T]``; defaults to ``past_kv.length + arange(T)``.
             past_kv: this layer's cache of earlier rows (never modified).
+            attn_mask: bool ``[B, 1, T, past + T]`` replacing the causal mask (None: causal).
 
         Returns:
             ``(m, cache)``: ``m`` after ``mtp.norm`` ``[B, T, H]`` (logits = target ``lm_head(m)``
@@ -483,84 +482,5 @@ class MtpLayer(nn.Module):
         e = self.pre_fc_norm_embedding(next_tokens_embeds).to(dtype)
         h = self.pre_fc_norm_hidden(hidden).to(dtype)
         z = self.fc(torch.cat((e, h), dim=-1))
-        z, cache = self.layers[0](z, positions, past_kv)
+        z, cache = self.layers[0](z, positions, past_kv, attn_mask)
         return self.norm(z), cache
-
-
-def mtp_logits(mtp_out: Tensor, lm_head_weight: Tensor) -> Tensor:
-    """Logits from the MTP output with the target's ``lm_head`` ``[V, H]``, in the head's dtype."""
-    return F.linear(mtp_out.to(lm_head_weight.dtype), lm_head_weight)
-
-
-@dataclass(frozen=True)
-class TeacherForcedResult:
-    """MTP outputs for every row of a sequence; row t's logits predict ``x_{t+2}``."""
-
-    mtp_out: Tensor
-    logits: Tensor
-    past_kv: KVCache
-
-
-def teacher_forced(
-    layer: MtpLayer,
-    hidden: Tensor,
-    next_tokens: Tensor,
-    embed_fn: Callable[[Tensor], Tensor],
-    lm_head_weight: Tensor,
-    positions: Tensor | None = None,
-) -> TeacherForcedResult:
-    """One causal pass over ``h_0..h_{T-1}`` ``[B, T, H]`` and ``x_1..x_T`` ``[B, T]`` (k = 1)."""
-    with torch.no_grad():
-        out, cache = layer(hidden, embed_fn(next_tokens), positions)
-        return TeacherForcedResult(out, mtp_logits(out, lm_head_weight), cache)
-
-
-@dataclass(frozen=True)
-class DraftResult:
-    """A chain of k greedy drafts: tokens ``[B, k]``, logits ``[B, k, V]``, MTP outputs ``[B, k, H]``."""
-
-    tokens: Tensor
-    logits: Tensor
-    mtp_out: Tensor
-    past_kv: KVCache
-
-
-def draft_chain(
-    layer: MtpLayer,
-    hidden: Tensor,
-    next_tokens: Tensor,
-    embed_fn: Callable[[Tensor], Tensor],
-    lm_head_weight: Tensor,
-    k: int,
-    past_kv: KVCache | None = None,
-    positions: Tensor | None = None,
-) -> DraftResult:
-    """Draft k tokens greedily, reusing the one layer and its cache as the engines do.
-
-    Step 1 runs the rows ``hidden`` ``[B, T, H]`` / ``next_tokens`` ``[B, T]`` (T >= 1; usually the
-    rows accepted since the last step) and drafts from the last row. Step j+1 feeds step j's own
-    post-norm output as ``h`` and its argmax token as the input token, at position + 1.
-    """
-    if k < 1:
-        raise ValueError(f"k must be >= 1, got {k}")
-    if positions is None:
-        start = 0 if past_kv is None else past_kv.length
-        positions = torch.arange(start, start + hidden.shape[1], device=hidden.device)
-    if positions.dim() == 1:
-        positions = positions[None].expand(hidden.shape[0], -1)
-    tokens: list[Tensor] = []
-    logits: list[Tensor] = []
-    outs: list[Tensor] = []
-    with torch.no_grad():
-        h, x, pos, cache = hidden, next_tokens, positions, past_kv
-        for _ in range(k):
-            out, cache = layer(h, embed_fn(x), pos, cache)
-            last = out[:, -1:]
-            step_logits = mtp_logits(last, lm_head_weight)
-            token = step_logits.argmax(dim=-1)
-            tokens.append(token)
-            logits.append(step_logits)
-            outs.append(last)
-            h, x, pos = last, token, pos[:, -1:] + 1
-    assert cache is not None
-    return DraftResult(torch.cat(tokens, 1), torch.cat(logits, 1), torch.cat(outs, 1), cache)

@@ -48,6 +48,7 @@ __all__ = [
     "load_mtp",
     "load_target",
     "resolve_device",
+    "text_model_class",
 ]
 
 log = logging.getLogger(__name__)
@@ -200,7 +201,7 @@ class TargetModel:
         return nn.functional.linear(hidden.to(device=w.device, dtype=w.dtype), w).float()
 
     def greedy(self, prompt: Tensor, new_tokens: int) -> Tensor:
-        """The target's greedy continuation: ``prompt`` ``[1, P]`` followed by ``new_tokens`` tokens."""
+        """The target's greedy continuations: ``prompt`` ``[B, P]`` followed by ``new_tokens`` tokens per row."""
         if new_tokens < 1:
             return prompt
         ids = prompt.to(self.input_device)
@@ -276,6 +277,13 @@ def _device_map(model: nn.Module, device: torch.device, dtype: torch.dtype) -> d
     return device_map
 
 
+def text_model_class(weights: CheckpointWeights) -> Any:
+    """The family's transformers text class (``Qwen3_5ForCausalLM``, ...); importing it takes seconds."""
+    import transformers
+
+    return getattr(transformers, weights.spec.family.text_class)
+
+
 def load_target(
     weights: CheckpointWeights,
     *,
@@ -284,12 +292,11 @@ def load_target(
     activations: str = "off",
 ) -> TargetModel:
     """Build the family's transformers text model from the checkpoint and place it per device."""
-    import transformers
     from accelerate import dispatch_model, init_empty_weights
     from accelerate.utils import set_module_tensor_to_device
 
     family = weights.spec.family
-    cls = getattr(transformers, family.text_class)
+    cls = text_model_class(weights)
     hf_config = cls.config_class.from_dict(_text_config(weights))
     with init_empty_weights():
         model = cls(hf_config)

@@ -27,6 +27,7 @@ class ValidateOptions:
     num_prompts: int = 32
     max_len: int = 128  # tokens per sequence: prompt (at most half) + greedy continuation
     k: int = 3
+    batch_size: int = 16  # built-in path: prompts of one length generated together
     report_dir: Path | None = None
     device: str = "auto"
     dtype: str | None = None  # float32 on CPU, bfloat16 on CUDA unless given
@@ -68,6 +69,8 @@ class ValidateOptions:
             raise ValidateError(f"--max-len must be >= 4, got {self.max_len}")
         if self.num_prompts < 1:
             raise ValidateError(f"--num-prompts must be >= 1, got {self.num_prompts}")
+        if self.batch_size < 1:
+            raise ValidateError(f"--batch-size must be >= 1, got {self.batch_size}")
         if self.activations not in ACTIVATION_MODES:
             raise ValidateError(f"--activations must be one of {', '.join(ACTIVATION_MODES)}")
         if self.hidden is not None and self.save_hidden is not None:

@@ -1,10 +1,11 @@
 """Greedy speculative decoding replayed exactly as the engines run it, and comparisons on identical inputs.
 
-A target's greedy sequences (``TargetRun``) come from ``run.capture`` or a hidden-state file
+A target's greedy sequences (``TargetRun``) come from ``builtin.capture`` or a hidden-state file
 (``hidden``). On them the MTP layer drafts with its own KV cache, chaining for k > 1
-(``mtpquant.mtp.module.draft_chain``), and greedy verification accepts the longest matching prefix
-plus one target token (``replay_greedy``). ``compare_mtp`` / ``compare_main`` put two models' logits
-side by side at identical positions, with the tested metrics of ``metrics.py`` (KL, top-1 agreement).
+(``mtpquant.mtp.drafting.draft_rows``: the engines' chain from every row, batched over rows), and greedy
+verification accepts the longest matching prefix plus one target token (``replay_greedy``). ``compare_mtp`` /
+``compare_main`` put two models' logits side by side at identical positions, with the tested metrics of
+``metrics.py`` (KL, top-1 agreement).
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from mtpquant.errors import UsageError
-from mtpquant.mtp.module import KVCache, draft_chain, mtp_logits
+from mtpquant.mtp.drafting import draft_rows, mtp_logits
+from mtpquant.mtp.module import KVCache
 from mtpquant.validate.load import MtpBundle
 from mtpquant.validate.metrics import (
     AcceptanceStats,
@@ -145,7 +147,6 @@ def evaluate_acceptance(
     """Replay speculative decoding with greedy verification on every sequence, for k = 1..k_max."""
     records: list[list[StepRecord]] = [[] for _ in range(k_max)]
     tf_hits = tf_total = 0
-    device = bundle.embed_weight.device
     for seq in tqdm(run.sequences, desc=f"MTP {label}".rstrip(), unit="seq", disable=not progress):
         tokens = seq.tokens.tolist()
         T, P = len(tokens), seq.prompt_len
@@ -153,29 +154,14 @@ def evaluate_acceptance(
             continue
         out, cache = _tf_pass(bundle, seq)
         # Teacher-forced agreement over the continuation: row t predicts token t+2.
-        rows = slice(P - 1, T - 2)
-        tf_pred = mtp_logits(out[0, rows], bundle.lm_head_weight).argmax(-1).cpu()
+        rows = range(P - 1, T - 2)  # every row a step can draft from
+        tf_pred = mtp_logits(out[0, rows.start : rows.stop], bundle.lm_head_weight).argmax(-1).cpu()
         tf_hits += int((tf_pred == seq.tokens[P + 1 : T]).sum())
         tf_total += int(tf_pred.numel())
+        chains = draft_rows(bundle.layer, (out, cache), rows, bundle.embed, bundle.lm_head_weight, k_max).tolist()
 
-        chains: dict[int, list[int]] = {}
-
-        def drafts(
-            t: int, n: int, seq: SequenceRecord = seq, cache: KVCache = cache, chains: dict[int, list[int]] = chains
-        ) -> list[int]:
-            if t not in chains:
-                past = KVCache(cache.key[:, :, :t], cache.value[:, :, :t]) if t > 0 else None
-                res = draft_chain(
-                    bundle.layer,
-                    seq.hidden[None, t : t + 1].to(device),
-                    seq.tokens[None, t + 1 : t + 2].to(device),
-                    bundle.embed,
-                    bundle.lm_head_weight,
-                    k_max,
-                    past_kv=past,
-                )
-                chains[t] = res.tokens[0].tolist()
-            return chains[t][:n]
+        def drafts(t: int, n: int, chains: list[list[int]] = chains, first: int = rows.start) -> list[int]:
+            return chains[t - first][:n]
 
         for k in range(1, k_max + 1):
             records[k - 1].extend(replay_greedy(tokens, P, k, drafts))

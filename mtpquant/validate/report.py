@@ -134,7 +134,8 @@ def render_markdown(report: Report, plots: dict[str, str]) -> str:
     timing = report.timing
     if timing:
         out.append(
-            f"Time {timing.get('total_s', 0):.1f} s ({timing.get('tokens_per_second', 0):.1f} sequence tokens/s); "
+            f"Time {timing.get('total_s', 0):.1f} s, {timing.get('imports_s', 0):.1f} s of it importing model code "
+            f"({timing.get('tokens_per_second', 0):.1f} sequence tokens/s without it); "
             f"mtpquant {report.mtpquant_version}, schema {REPORT_SCHEMA}."
         )
     return "\n".join(out) + "\n"

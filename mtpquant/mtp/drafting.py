@@ -1,0 +1,152 @@
+"""Drafting with the MTP layer as the engines do: teacher-forced rows, chained greedy drafts.
+
+``draft_chain`` is the engines' loop for one step (the accepted rows, then the layer's own output and
+argmax fed back k - 1 times). ``draft_rows`` computes that chain from every row of one sequence at once, batched
+over rows: each row's queries see the teacher-forced cache up to their own row plus their own chain (an explicit
+mask), so the tokens are those of ``draft_chain`` from that row (tests/test_mtp_module.py) while the layer runs
+k passes instead of k per row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from mtpquant.mtp.module import KVCache, MtpLayer
+
+__all__ = [
+    "DraftResult",
+    "TeacherForcedResult",
+    "draft_chain",
+    "draft_rows",
+    "mtp_logits",
+    "teacher_forced",
+]
+
+
+def mtp_logits(mtp_out: Tensor, lm_head_weight: Tensor) -> Tensor:
+    """Logits from the MTP output with the target's ``lm_head`` ``[V, H]``, in the head's dtype."""
+    return F.linear(mtp_out.to(lm_head_weight.dtype), lm_head_weight)
+
+
+@dataclass(frozen=True)
+class TeacherForcedResult:
+    """MTP outputs for every row of a sequence; row t's logits predict ``x_{t+2}``."""
+
+    mtp_out: Tensor
+    logits: Tensor
+    past_kv: KVCache
+
+
+def teacher_forced(
+    layer: MtpLayer,
+    hidden: Tensor,
+    next_tokens: Tensor,
+    embed_fn: Callable[[Tensor], Tensor],
+    lm_head_weight: Tensor,
+    positions: Tensor | None = None,
+) -> TeacherForcedResult:
+    """One causal pass over ``h_0..h_{T-1}`` ``[B, T, H]`` and ``x_1..x_T`` ``[B, T]`` (k = 1)."""
+    with torch.no_grad():
+        out, cache = layer(hidden, embed_fn(next_tokens), positions)
+        return TeacherForcedResult(out, mtp_logits(out, lm_head_weight), cache)
+
+
+@dataclass(frozen=True)
+class DraftResult:
+    """A chain of k greedy drafts: tokens ``[B, k]``, logits ``[B, k, V]``, MTP outputs ``[B, k, H]``."""
+
+    tokens: Tensor
+    logits: Tensor
+    mtp_out: Tensor
+    past_kv: KVCache
+
+
+def draft_chain(
+    layer: MtpLayer,
+    hidden: Tensor,
+    next_tokens: Tensor,
+    embed_fn: Callable[[Tensor], Tensor],
+    lm_head_weight: Tensor,
+    k: int,
+    past_kv: KVCache | None = None,
+    positions: Tensor | None = None,
+) -> DraftResult:
+    """Draft k tokens greedily, reusing the one layer and its cache as the engines do.
+
+    Step 1 runs the rows ``hidden`` ``[B, T, H]`` / ``next_tokens`` ``[B, T]`` (T >= 1; usually the
+    rows accepted since the last step) and drafts from the last row. Step j+1 feeds step j's own
+    post-norm output as ``h`` and its argmax token as the input token, at position + 1.
+    """
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    if positions is None:
+        start = 0 if past_kv is None else past_kv.length
+        positions = torch.arange(start, start + hidden.shape[1], device=hidden.device)
+    if positions.dim() == 1:
+        positions = positions[None].expand(hidden.shape[0], -1)
+    tokens: list[Tensor] = []
+    logits: list[Tensor] = []
+    outs: list[Tensor] = []
+    with torch.no_grad():
+        h, x, pos, cache = hidden, next_tokens, positions, past_kv
+        for _ in range(k):
+            out, cache = layer(h, embed_fn(x), pos, cache)
+            last = out[:, -1:]
+            step_logits = mtp_logits(last, lm_head_weight)
+            token = step_logits.argmax(dim=-1)
+            tokens.append(token)
+            logits.append(step_logits)
+            outs.append(last)
+            h, x, pos = last, token, pos[:, -1:] + 1
+    assert cache is not None
+    return DraftResult(torch.cat(tokens, 1), torch.cat(logits, 1), torch.cat(outs, 1), cache)
+
+
+def draft_rows(
+    layer: MtpLayer,
+    teacher: tuple[Tensor, KVCache],
+    rows: range,
+    embed_fn: Callable[[Tensor], Tensor],
+    lm_head_weight: Tensor,
+    k: int,
+    *,
+    chunk: int = 64,
+) -> Tensor:
+    """The k greedy drafts ``draft_chain`` makes from each of ``rows`` of one sequence, ``[len(rows), k]``.
+
+    ``teacher`` is the layer's teacher-forced pass over the sequence (``layer(hidden, embed(x))`` with batch 1):
+    its output at row t is step 1 of row t's chain and its cache up to row t what the chain attends to. Steps
+    2..k run for ``chunk`` rows at a time, each row at its own position (t + step - 1) and masked to its own
+    prefix and chain.
+    """
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    out, cache = teacher
+    if out.shape[0] != 1:
+        raise ValueError(f"the teacher-forced pass must have batch 1, got {tuple(out.shape)}")
+    drafts: list[Tensor] = []
+    with torch.no_grad():
+        for start in range(rows.start, rows.stop, chunk):
+            t = torch.arange(start, min(start + chunk, rows.stop), device=out.device)
+            h = out[0, t][:, None]  # [R, 1, H]
+            token = mtp_logits(h, lm_head_weight).argmax(dim=-1)  # [R, 1]
+            steps = [token]
+            prefix = torch.arange(cache.length, device=out.device)[None, :] <= t[:, None]  # [R, L]
+            keys = [cache.key.expand(len(t), -1, -1, -1)]
+            values = [cache.value.expand(len(t), -1, -1, -1)]
+            for step in range(1, k):
+                past = KVCache(torch.cat(keys, dim=2), torch.cat(values, dim=2))
+                own = torch.ones(len(t), step, dtype=torch.bool, device=out.device)  # earlier chain rows + itself
+                mask = torch.cat((prefix, own), dim=1)[:, None, None, :]
+                h, new = layer(h, embed_fn(token), (t + step)[:, None], past, attn_mask=mask)
+                keys.append(new.key[:, :, -1:])
+                values.append(new.value[:, :, -1:])
+                token = mtp_logits(h, lm_head_weight).argmax(dim=-1)
+                steps.append(token)
+            drafts.append(torch.cat(steps, dim=1))
+    return torch.cat(drafts).cpu() if drafts else torch.zeros(0, k, dtype=torch.long)
