@@ -289,6 +289,34 @@ def test_multi_shard_quant_and_declaration_restored_in_place_of_origin(tiny_fact
     assert inspect_checkpoint(out).healthy
 
 
+def test_a_wrong_byte_in_the_copy_fails_verification_and_leaves_nothing(
+    tiny_factory: Factory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The MTP bytes in the written result are checksummed against SRC's: a copy that goes wrong (here the
+    kernel copy of one tensor shifted by a byte) is caught before anything is put in place."""
+    import mtpquant.checkpoint.writer as writer
+    from mtpquant.errors import OutputVerificationError
+
+    src = tiny_factory("qwen3_5")
+    stripped = strip_mtp(src, tmp_path / "stripped", keep_declaration=False)
+    real = writer._copy_range
+    spoiled: list[int] = []
+
+    def faulty(fh: Any, path: Path, start: int, end: int) -> None:
+        if not spoiled and end - start > 4096:  # one large tensor: its bytes shifted, same length
+            spoiled.append(start)
+            real(fh, path, start + 1, end)
+            fh.write(b"\x5a")
+            return
+        real(fh, path, start, end)
+
+    monkeypatch.setattr(writer, "_copy_range", faulty)
+    out = tmp_path / "out"
+    with pytest.raises(OutputVerificationError, match=r"^the result failed verification.*is not byte-identical to SRC"):
+        graft(GraftOptions(quant=stripped, source=src, out=out))
+    assert spoiled and not out.exists() and leftovers(tmp_path) == []
+
+
 @pytest.mark.parametrize("link", [True, False])
 def test_graft_parses_quant_headers_once_and_reverifies_what_it_wrote(
     tiny_factory: Factory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, link: bool

@@ -1,5 +1,9 @@
 """graft's view of SRC: every MTP byte read is checksummed (for the write-back check), and a shard is downloaded
 whole when ranged reads fail. Generic over ``CheckpointSource``: graft never needs to know where SRC lives.
+
+A local SRC is checksummed through a memory map of its file and its bytes are then copied in the kernel
+(``copy_file_range``, as ``cp`` does); a remote one is checksummed as its ranged reads arrive. Either way the
+verification checksums the bytes in the written result (``checksum_extent``) against these.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from mtpquant.checkpoint.source import CheckpointSource, SourceRef
 from mtpquant.errors import CheckpointError
 from mtpquant.hubhttp import RangeIgnoredError
 
-__all__ = ["TrackedSource", "checksum"]
+__all__ = ["TrackedSource", "checksum", "checksum_extent"]
 
 log = logging.getLogger(__name__)
 
@@ -67,9 +71,14 @@ class TrackedSource:
         return self.inner.local_dir(ignore_patterns)
 
     def local_extent(self, relpath: str, start: int, end: int) -> tuple[Path, int, int] | None:
-        # every MTP byte goes through read_range, where it is checksummed for the write-back check
-        del relpath, start, end
-        return None
+        # a local file's MTP tensors are checksummed here, in the file, before the kernel copies them
+        extent = self.inner.local_extent(relpath, start, end)
+        if extent is not None:
+            path, first, _last = extent
+            for e in self._entries.get(relpath, ()):
+                if e.start >= start and e.end <= end:
+                    self.hashes[e.name] = checksum_extent(path, first + e.start - start, first + e.end - start)
+        return extent
 
     def fingerprint(self, relpath: str) -> tuple[int, int, int, int] | None:
         return self.inner.fingerprint(relpath)
@@ -106,6 +115,26 @@ def checksum(data: bytes | memoryview) -> str:
     adversaries, and CRC-32 runs ~4x faster than sha256 here (the check would otherwise cost more than
     writing the MTP)."""
     return f"{len(data)}:{zlib.crc32(data):08x}"
+
+
+_CHECKSUM_CHUNK = 1 << 20
+
+
+def checksum_extent(path: Path, start: int, end: int) -> str:
+    """``checksum`` of bytes ``[start, end)`` of a local file, read in 1 MiB pieces into one reused buffer (the
+    bytes are never held whole)."""
+    buf = memoryview(bytearray(min(_CHECKSUM_CHUNK, max(end - start, 1))))
+    crc = 0
+    with path.open("rb", buffering=0) as fh:
+        fh.seek(start)
+        offset = start
+        while offset < end:
+            n = fh.readinto(buf[: min(len(buf), end - offset)])
+            if not n:
+                raise CheckpointError(f"{path.name}: truncated: wanted bytes {start}..{end}, file ends earlier")
+            crc = zlib.crc32(buf[:n], crc)
+            offset += n
+    return f"{end - start}:{crc:08x}"
 
 
 def _read_local(path: Path, relpath: str, start: int, end: int) -> bytes:
