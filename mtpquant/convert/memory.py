@@ -2,9 +2,9 @@
 
 ``--max-memory cpu=8GiB`` (or ``cuda:0=70GiB,cpu=200GiB``) caps what accelerate may place on each
 device; what does not fit stays on disk and is read from SRC's own safetensors when its layer runs
-(transformers' disk offload maps offloaded weights to the files they already lie in; fused MoE
-experts, which transformers converts while loading, are the exception: it re-saves those into the
-offload folder inside OUT's temporary directory). An offloaded model is calibrated layer by layer
+(transformers' disk offload maps offloaded weights to the files they already lie in; per-expert MoE
+tensors, which transformers fuses while loading, are fused from SRC's files whenever their layer runs:
+``offload.py``). An offloaded model is calibrated layer by layer
 (modelopt's ``layerwise`` mode) and exported by modelopt's streaming writer, so memory holds the
 resident part plus about one layer and one shard.
 
@@ -251,21 +251,21 @@ class MemoryPlan:
 
 def _place(blocks: list[Block], caps: MemoryCaps) -> tuple[dict[str, int], int, int]:
     """Greedy, in order, as accelerate's ``infer_auto_device_map`` does (an estimate of it); returns the
-    bytes per device, on disk, and of those on disk the ones transformers converts (re-saves) to offload."""
+    bytes per device, on disk, and of those on disk the ones transformers converts (fuses) while loading."""
     room = dict(caps.caps)
     order = [d for d, _ in caps.caps if d.startswith("cuda")] + (["cpu"] if "cpu" in room else [])
     placed = dict.fromkeys(order, 0)
-    disk = resaved = 0
+    disk = fused = 0
     at = 0
     for block in blocks:
         while at < len(order) and placed[order[at]] + block.nbytes > room[order[at]]:
             at += 1  # accelerate fills devices in order and never goes back
         if at == len(order):
             disk += block.nbytes
-            resaved += block.converted
+            fused += block.converted
         else:
             placed[order[at]] += block.nbytes
-    return placed, disk, resaved
+    return placed, disk, fused
 
 
 def plan_memory(
@@ -317,11 +317,12 @@ def plan_memory(
     cpu_cap = caps.get("cpu") if caps is not None else None
     if cpu_cap is not None:
         shard_bytes = max(1, min(shard_bytes, cpu_cap // SHARD_SHARE_OF_CAP))
-    placed, disk, resaved = _place(blocks, estimate)
-    if resaved:
+    placed, disk, fused = _place(blocks, estimate)
+    if fused:
         notes.append(
-            f"transformers fuses this checkpoint's per-expert tensors while loading: the ~{format_bytes(resaved)} of "
-            "them that go to disk are re-saved into OUT's temporary directory (written once, removed at the end)"
+            f"transformers fuses this checkpoint's per-expert tensors while loading: the ~{format_bytes(fused)} of "
+            "them that go to disk are read from SRC's per-expert tensors and fused each time their layer runs "
+            "(nothing re-saved)"
         )
     peak = {d: n + 2 * largest + (RUNTIME_BYTES + shard_bytes if d == "cpu" else 0) for d, n in placed.items()}
     peak.setdefault("cpu", RUNTIME_BYTES + shard_bytes + 2 * largest)

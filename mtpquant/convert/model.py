@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.convert.memory import MemoryPlan
 from mtpquant.families import ModelSpec
 
@@ -105,15 +106,18 @@ def source_dtype(spec: ModelSpec) -> torch.dtype:
     return torch.bfloat16
 
 
-def load_main_model(src: Path, spec: ModelSpec, memory: MemoryPlan, device: str, offload_dir: Path) -> Any:
+def load_main_model(src: Path, ckpt: Checkpoint, memory: MemoryPlan, device: str, offload_dir: Path) -> Any:
     """Load the main model with the family's transformers class (MTP tensors are skipped by it).
 
     In memory on ``cpu``; otherwise through accelerate's ``device_map="auto"`` under the plan's caps,
-    with what does not fit left on disk (read from SRC's safetensors; ``offload_dir`` takes what
-    transformers must re-save, e.g. fused MoE experts).
+    with what does not fit left on disk, read from SRC's safetensors (experts transformers fuses while
+    loading too: ``offload.py``; ``offload_dir`` takes whatever transformers must still re-save).
     """
     import transformers
 
+    from mtpquant.convert.offload import fused_offload, install_fused_loader
+
+    spec = ckpt.spec
     cls = getattr(transformers, spec.architecture)
     kwargs: dict[str, Any] = {"dtype": source_dtype(spec)}
     if memory.caps is not None or device == "cuda":
@@ -122,9 +126,10 @@ def load_main_model(src: Path, spec: ModelSpec, memory: MemoryPlan, device: str,
             kwargs["max_memory"] = memory.caps.for_accelerate()
         offload_dir.mkdir(parents=True, exist_ok=True)
         kwargs["offload_folder"] = str(offload_dir)
-    with modelopt_quiet():
+    with modelopt_quiet(), fused_offload(ckpt, src) as fused:
         # the supported families never need remote code: never run code shipped with a checkpoint
         model = cls.from_pretrained(str(src), trust_remote_code=False, **kwargs)
+    install_fused_loader(model, fused)
     model.eval()
     model.requires_grad_(False)
     placed = placement(model)

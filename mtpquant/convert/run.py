@@ -79,7 +79,7 @@ class ConvertResult:
     placement: dict[str, int] = field(default_factory=dict)  # accelerate's modules per device
     bytes_written: int = 0  # by this process, all files (/proc/self/io wchar); 0 where unknown
     resume_bytes: int = 0  # of those, into the layer-wise resume state (removed on success)
-    offload_bytes: int = 0  # of those, weights transformers re-saved for disk offload (fused MoE experts)
+    offload_bytes: int = 0  # of those, weights transformers re-saved for disk offload (none for the 3 families)
     shards_moved: int = 0  # exported shards renamed into place
     shards_rewritten: int = 0  # exported shards written again because a tensor had to change
     verdicts: dict[str, str] = field(default_factory=dict)
@@ -363,7 +363,7 @@ def _run(
     result.calibration_tokens = data.samples * data.seq_len
 
     with timer("load"):
-        model = load_main_model(src_dir, ckpt.spec, plan.memory, plan.device, od.path / OFFLOAD)
+        model = load_main_model(src_dir, ckpt, plan.memory, plan.device, od.path / OFFLOAD)
     result.placement = placement(model)
     device = input_device(model)
     if plan.device == "cuda":
