@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mtpquant.cli import main as cli
 from mtpquant.inspect.engines import FusedShardsError, ct_ignored, expand_modelopt_patterns, modelopt_excluded
@@ -41,6 +43,46 @@ def test_modelopt_matching_exact_substring_fnmatch() -> None:
     # the substring trap: layers.1 also matches layers.10
     assert modelopt_excluded("model.layers.10.mlp.down_proj", ["model.layers.1"])
     assert not modelopt_excluded("model.layers.10.mlp.down_proj", ["model.layers.1.*"])
+
+
+def _excluded_one_by_one(prefix: str, patterns: list[str]) -> bool:
+    """The rule pattern by pattern, as vLLM writes it (the compiled matcher must agree)."""
+    from fnmatch import fnmatch
+
+    expanded = expand_modelopt_patterns(patterns)
+    if not expanded:
+        return False
+    base, _, last = prefix.rpartition(".")
+    shards = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}.get(last)
+    if shards:
+        hits = [f"{base}.{s}" in expanded for s in shards]
+        if any(hits) and not all(hits):
+            raise FusedShardsError("partly")
+        if all(hits):
+            return True
+    elif prefix in expanded:
+        return True
+    return any(p != prefix and p in prefix for p in expanded) or any(fnmatch(prefix, p) for p in expanded)
+
+
+_PART = st.sampled_from(["model", "mtp", "layers", "0", "1", "10", "mlp", "experts", "3", "down_proj", "gate_up_proj",
+                         "qkv_proj", "q_proj", "fc", "*", "1*", "[0-9]", "?"])  # fmt: skip
+_NAME = st.lists(_PART, min_size=1, max_size=5).map(".".join)
+
+
+@settings(max_examples=400, deadline=None)
+@given(prefix=_NAME, patterns=st.lists(_NAME | _NAME.map(lambda s: s + "*"), max_size=6))
+def test_compiled_exclusions_agree_with_the_rule_pattern_by_pattern(prefix: str, patterns: list[str]) -> None:
+    prefix = prefix.replace("*", "x").replace("?", "y").replace("[0-9]", "7")  # module names have no glob characters
+    try:
+        want: bool | type = _excluded_one_by_one(prefix, patterns)
+    except FusedShardsError:
+        want = FusedShardsError
+    try:
+        got: bool | type = modelopt_excluded(prefix, patterns)
+    except FusedShardsError:
+        got = FusedShardsError
+    assert got == want, (prefix, patterns)
 
 
 def test_fused_group_partly_excluded_is_refused() -> None:

@@ -113,9 +113,10 @@ def _copy_range(fh: Any, src: Path, start: int, end: int) -> None:
             offset += len(data)
 
 
-def _replace_atomically(path: Path, fill: Callable[[Path], None]) -> None:
+def _replace_atomically(path: Path, fill: Callable[[Path], None], *, sync_dir: bool = True) -> None:
     """``fill`` writes (and fsyncs) a temp file beside ``path``, which then replaces ``path`` and the directory is
-    fsynced; a crash or an error leaves the old file or none, never a partial one."""
+    fsynced (unless ``sync_dir`` is False: a staging directory fsynced once when it is committed); a crash or an
+    error leaves the old file or none, never a partial one."""
     tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
     try:
         fill(tmp)
@@ -124,10 +125,11 @@ def _replace_atomically(path: Path, fill: Callable[[Path], None]) -> None:
         with contextlib.suppress(OSError):
             tmp.unlink()
         raise
-    fsync_dir(path.parent)
+    if sync_dir:
+        fsync_dir(path.parent)
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
+def atomic_write_bytes(path: Path, data: bytes, *, sync_dir: bool = True) -> None:
     """Write a file via temp file + fsync + ``os.replace``; a crash leaves the old file or none."""
 
     def fill(tmp: Path) -> None:
@@ -136,7 +138,7 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
             fh.flush()
             os.fsync(fh.fileno())
 
-    _replace_atomically(path, fill)
+    _replace_atomically(path, fill, sync_dir=sync_dir)
 
 
 def atomic_write_json(path: Path, obj: Any) -> None:
@@ -331,15 +333,16 @@ class OutputDir:
         return relname
 
     def write_json(self, relname: str, obj: Any) -> None:
-        """Atomic JSON file."""
+        """Atomic JSON file (replacing, never writing through, a file linked from elsewhere; the temp directory's
+        entries are fsynced once, when it is committed)."""
         data = (json.dumps(obj, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
-        atomic_write_bytes(self._target(relname), data)
+        atomic_write_bytes(self._target(relname), data, sync_dir=False)
         self.bytes_written += len(data)
 
     def write_text(self, relname: str, text: str) -> None:
-        """Atomic text file."""
+        """Atomic text file (as ``write_json``)."""
         data = text.encode("utf-8")
-        atomic_write_bytes(self._target(relname), data)
+        atomic_write_bytes(self._target(relname), data, sync_dir=False)
         self.bytes_written += len(data)
 
     def link_file(self, src: Path, relname: str | None = None, *, link: bool = True) -> str:

@@ -9,10 +9,11 @@ described in shared/reference/qwen-mtp.md. Pure functions on names.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from fnmatch import fnmatch
+from fnmatch import translate
 from typing import Any
 
 from mtpquant.formats.quant_config import QuantMetadata
@@ -74,11 +75,34 @@ def _packed_base(prefix: str) -> tuple[str, tuple[str, ...]] | None:
     return (base, shards) if shards else None
 
 
+@dataclass(frozen=True)
+class _Exclusions:
+    """A modelopt exclusion list compiled once: the expanded names, and one regex each for the substring and the
+    fnmatch tests (the same answers as testing pattern by pattern, in C)."""
+
+    expanded: frozenset[str]
+    ordered: tuple[str, ...]
+    substring: re.Pattern[str]
+    glob: re.Pattern[str]
+
+
+@functools.lru_cache(maxsize=64)
+def _exclusions(patterns: tuple[str, ...]) -> _Exclusions:
+    expanded = expand_modelopt_patterns(patterns)
+    return _Exclusions(
+        frozenset(expanded),
+        tuple(expanded),
+        re.compile("|".join(re.escape(p) for p in sorted(expanded, key=len, reverse=True))),
+        re.compile("|".join(f"(?:{translate(p)})" for p in expanded)),  # fnmatch: translate + match (POSIX case)
+    )
+
+
 def modelopt_excluded(prefix: str, patterns: Sequence[str]) -> bool:
     """ModelOpt-format exclusion as vLLM resolves it: exact (fused-aware), substring, fnmatch."""
-    expanded = expand_modelopt_patterns(patterns)
-    if not expanded:
+    if not patterns:
         return False
+    rules = _exclusions(tuple(patterns))
+    expanded = rules.expanded
     packed = _packed_base(prefix)
     if packed is not None:
         base, shards = packed
@@ -91,9 +115,12 @@ def modelopt_excluded(prefix: str, patterns: Sequence[str]) -> bool:
             return True
     elif prefix in expanded:
         return True
-    if any(p != prefix and p in prefix for p in expanded):
+    # a pattern other than the prefix itself inside it (the longest is tried first at each position, so a match
+    # equal to the whole prefix means no shorter pattern starts there; the others are then checked one by one)
+    found = rules.substring.search(prefix)
+    if found is not None and (found.group(0) != prefix or any(p != prefix and p in prefix for p in rules.ordered)):
         return True
-    return any(fnmatch(prefix, p) for p in expanded)
+    return rules.glob.match(prefix) is not None
 
 
 def _ct_match(name: str, patterns: Sequence[str]) -> bool:
