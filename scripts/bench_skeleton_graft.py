@@ -222,8 +222,8 @@ def section(rows: list[dict[str, Any]], runs: int, base_rss: int, m: dict[str, A
         machine_line(m),
         "",
         "| layout | mode | MTP tensors | MTP bytes | quant (tensors, bytes) | written | written / MTP | cp + fsync s "
-        "| graft() s | graft() / cp+fsync: ratio to the limit | process s | process / cp+fsync | graft() / cp (no fsync) "
-        "| peak RSS | RSS target |",
+        "| graft() s | graft() / cp+fsync: ratio to the limit | process s | process / cp+fsync "
+        "| graft() / cp (no fsync) | peak RSS | RSS target |",
         "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     misses: list[str] = []

@@ -292,25 +292,27 @@ def test_multi_shard_quant_and_declaration_restored_in_place_of_origin(tiny_fact
 def test_a_wrong_byte_in_the_copy_fails_verification_and_leaves_nothing(
     tiny_factory: Factory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The MTP bytes in the written result are checksummed against SRC's: a copy that goes wrong (here the
-    kernel copy of one tensor shifted by a byte) is caught before anything is put in place."""
+    """The MTP bytes in the written result are checksummed against those read from SRC (while copying): a write
+    that goes wrong after the bytes were read (here one byte of one piece flipped) is caught before anything is
+    put in place."""
     import mtpquant.checkpoint.writer as writer
     from mtpquant.errors import OutputVerificationError
 
     src = tiny_factory("qwen3_5")
     stripped = strip_mtp(src, tmp_path / "stripped", keep_declaration=False)
-    real = writer._copy_range
+    real = writer._write
     spoiled: list[int] = []
 
-    def faulty(fh: Any, path: Path, start: int, end: int) -> None:
-        if not spoiled and end - start > 4096:  # one large tensor: its bytes shifted, same length
-            spoiled.append(start)
-            real(fh, path, start + 1, end)
-            fh.write(b"\x5a")
+    def faulty(fh: Any, data: bytes | memoryview) -> None:
+        if not spoiled and isinstance(data, memoryview) and len(data) > 4096:  # a piece of one large MTP tensor
+            spoiled.append(len(data))
+            bad = bytearray(data)
+            bad[len(bad) // 2] ^= 0xFF
+            real(fh, bytes(bad))
             return
-        real(fh, path, start, end)
+        real(fh, data)
 
-    monkeypatch.setattr(writer, "_copy_range", faulty)
+    monkeypatch.setattr(writer, "_write", faulty)
     out = tmp_path / "out"
     with pytest.raises(OutputVerificationError, match=r"^the result failed verification.*is not byte-identical to SRC"):
         graft(GraftOptions(quant=stripped, source=src, out=out))

@@ -7,6 +7,7 @@ import os
 import random
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -28,13 +29,13 @@ def _fail_at(monkeypatch: pytest.MonkeyPatch, n: int) -> None:
         if calls["n"] == n:
             raise OSError(errno.ENOSPC, "No space left on device", str(getattr(fh, "name", "")))
 
-    def flaky_write(fh: object, data: bytes) -> None:
+    def flaky_write(fh: object, data: bytes | memoryview) -> None:
         check(fh)
         real_write(fh, data)
 
-    def flaky_copy(fh: object, src: Path, start: int, end: int) -> None:
+    def flaky_copy(fh: object, src: Path, start: int, end: int, observe: Any = None) -> None:
         check(fh)
-        real_copy(fh, src, start, end)
+        real_copy(fh, src, start, end, observe)
 
     monkeypatch.setattr(writer, "_write", flaky_write)
     monkeypatch.setattr(writer, "_copy_range", flaky_copy)

@@ -12,7 +12,7 @@ import logging
 import os
 import re
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -91,6 +91,11 @@ class CheckpointSource(Protocol):
         """(file, start, end) of bytes already on this disk (copied in the kernel), counted as read; None if remote."""
         ...
 
+    def copy_observer(self, relpath: str, start: int, end: int) -> Callable[[memoryview], None] | None:
+        """A function to see every piece of a local extent as it is copied (then copied through a buffer, not in the
+        kernel), or None to let the kernel copy it."""
+        ...
+
     def fingerprint(self, relpath: str) -> tuple[int, int, int, int] | None:
         """(device, inode, size, mtime_ns) of a local file (the one a symlink points to); None for a remote one."""
         ...
@@ -162,6 +167,11 @@ class LocalSource:
         """The file and range themselves."""
         self.bytes_read += end - start
         return self._path(relpath), start, end
+
+    def copy_observer(self, relpath: str, start: int, end: int) -> Callable[[memoryview], None] | None:
+        """None: nothing watches a plain local copy."""
+        del relpath, start, end
+        return None
 
     def fingerprint(self, relpath: str) -> tuple[int, int, int, int] | None:
         """stat of the file (following a symlink)."""
@@ -343,6 +353,11 @@ class HubSource:
 
     def local_extent(self, relpath: str, start: int, end: int) -> tuple[Path, int, int] | None:
         """Remote: no local bytes (reads go through ``read_range``)."""
+        del relpath, start, end
+        return None
+
+    def copy_observer(self, relpath: str, start: int, end: int) -> Callable[[memoryview], None] | None:
+        """Remote: no local copies."""
         del relpath, start, end
         return None
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import os
 from collections import defaultdict
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -185,6 +185,10 @@ class Checkpoint:
     def local_range(self, entry: TensorEntry) -> tuple[Path, int, int] | None:
         """(file, start, end) of a tensor on a local disk, counted as read; None for remote sources."""
         return self.source.local_extent(entry.shard, entry.start, entry.end)
+
+    def copy_observer(self, entry: TensorEntry) -> Callable[[memoryview], None] | None:
+        """What must see a local tensor's bytes as they are copied (a checksum), if anything."""
+        return self.source.copy_observer(entry.shard, entry.start, entry.end)
 
     # ---- quantization metadata (the one reader) ----------------------------------------------------
     @cached_property

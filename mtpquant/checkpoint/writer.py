@@ -62,6 +62,9 @@ class PlannedTensor:
     # Where the bytes are read from (file, offset): a shard's tensors are produced in this order, each
     # written at its own offset, so a remote source is read front to back (one merged request per span).
     read_order: tuple[str, int] | None = None
+    # With ``source``: sees every piece of the bytes as they are copied (through one reused buffer, not in the
+    # kernel), e.g. a checksum computed while writing.
+    observe: Callable[[memoryview], None] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -79,17 +82,39 @@ def fsync_dir(path: Path) -> None:
             os.close(fd)
 
 
-def _write(fh: Any, data: bytes) -> None:
+def _write(fh: Any, data: bytes | memoryview) -> None:
     """Every byte mtpquant writes goes through here (one seam for fault-injection tests)."""
     fh.write(data)
 
 
 _COPY_CHUNK = 64 * 1024 * 1024
+_OBSERVED_CHUNK = 1 << 20
 
 
-def _copy_range(fh: Any, src: Path, start: int, end: int) -> None:
+def _copy_observed(fh: Any, src: Path, start: int, end: int, observe: Callable[[memoryview], None]) -> None:
+    buf = memoryview(bytearray(min(_OBSERVED_CHUNK, max(end - start, 1))))
+    with src.open("rb", buffering=0) as s:
+        s.seek(start)
+        offset = start
+        while offset < end:
+            n = s.readinto(buf[: min(len(buf), end - offset)])
+            if not n:
+                raise CheckpointError(f"{src.name}: truncated: wanted bytes {start}..{end}, file ends earlier")
+            piece = buf[:n]
+            observe(piece)
+            _write(fh, piece)
+            offset += n
+
+
+def _copy_range(
+    fh: Any, src: Path, start: int, end: int, observe: Callable[[memoryview], None] | None = None
+) -> None:
     """Append bytes ``[start, end)`` of ``src`` to ``fh``: ``os.copy_file_range`` (no copy through
-    Python, what ``cp`` does), falling back to chunked reads through ``_write`` where unsupported."""
+    Python, what ``cp`` does), falling back to chunked reads through ``_write`` where unsupported; with
+    ``observe``, through one reused buffer, each piece shown to ``observe`` before it is written."""
+    if observe is not None:
+        _copy_observed(fh, src, start, end, observe)
+        return
     fh.flush()
     with src.open("rb") as s:
         offset = start
@@ -182,7 +207,7 @@ def write_safetensors(path: Path, tensors: Iterable[PlannedTensor], metadata: Ma
                     raise CheckpointError(
                         f"{path.name}: tensor {t.name!r} source holds {end - start} bytes, expected {t.nbytes}"
                     )
-                _copy_range(fh, src, start, end)
+                _copy_range(fh, src, start, end, t.observe)
                 continue
             data = t.produce()
             if len(data) != t.nbytes:

@@ -1,24 +1,25 @@
 """graft's view of SRC: every MTP byte read is checksummed (for the write-back check), and a shard is downloaded
 whole when ranged reads fail. Generic over ``CheckpointSource``: graft never needs to know where SRC lives.
 
-A local SRC is checksummed through a memory map of its file and its bytes are then copied in the kernel
-(``copy_file_range``, as ``cp`` does); a remote one is checksummed as its ranged reads arrive. Either way the
-verification checksums the bytes in the written result (``checksum_extent``) against these.
+A local SRC's MTP bytes are checksummed while they are copied (read once, through one reused buffer: the writer
+shows each piece to ``copy_observer``'s function before writing it); a remote one's as its ranged reads arrive.
+Either way the verification checksums the bytes in the written result (``digest.checksum_file``) against these.
 """
 
 from __future__ import annotations
 
 import logging
-import zlib
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
+from mtpquant.checkpoint.digest import Checksum, checksum
 from mtpquant.checkpoint.header import TensorEntry
 from mtpquant.checkpoint.source import CheckpointSource, SourceRef
 from mtpquant.errors import CheckpointError
 from mtpquant.hubhttp import RangeIgnoredError
 
-__all__ = ["TrackedSource", "checksum", "checksum_extent"]
+__all__ = ["TrackedSource"]
 
 log = logging.getLogger(__name__)
 
@@ -33,12 +34,18 @@ class TrackedSource:
     def __init__(self, inner: CheckpointSource, entries: list[TensorEntry]) -> None:
         self.inner = inner
         self.label = inner.label
-        self.hashes: dict[str, str] = {}
+        self._hashes: dict[str, str] = {}
+        self._running: dict[str, Checksum] = {}
         self.downloaded: list[str] = []
         self._local: dict[str, Path] = {}
         self._entries: dict[str, list[TensorEntry]] = defaultdict(list)
         for e in sorted(entries, key=lambda e: e.start):
             self._entries[e.shard].append(e)
+
+    @property
+    def hashes(self) -> dict[str, str]:
+        """Checksum of every MTP tensor read or copied so far, by name."""
+        return {**self._hashes, **{name: c.value() for name, c in self._running.items()}}
 
     @property
     def bytes_read(self) -> int:
@@ -71,14 +78,15 @@ class TrackedSource:
         return self.inner.local_dir(ignore_patterns)
 
     def local_extent(self, relpath: str, start: int, end: int) -> tuple[Path, int, int] | None:
-        # a local file's MTP tensors are checksummed here, in the file, before the kernel copies them
-        extent = self.inner.local_extent(relpath, start, end)
-        if extent is not None:
-            path, first, _last = extent
-            for e in self._entries.get(relpath, ()):
-                if e.start >= start and e.end <= end:
-                    self.hashes[e.name] = checksum_extent(path, first + e.start - start, first + e.end - start)
-        return extent
+        return self.inner.local_extent(relpath, start, end)
+
+    def copy_observer(self, relpath: str, start: int, end: int) -> Callable[[memoryview], None] | None:
+        # a local MTP tensor is checksummed as the writer copies it (read once); anything else is not watched
+        entry = next((e for e in self._entries.get(relpath, ()) if e.start == start and e.end == end), None)
+        if entry is None:
+            return None
+        running = self._running[entry.name] = Checksum()
+        return running.update
 
     def fingerprint(self, relpath: str) -> tuple[int, int, int, int] | None:
         return self.inner.fingerprint(relpath)
@@ -106,35 +114,8 @@ class TrackedSource:
                 data = _read_local(path, relpath, start, end)
         for e in self._entries.get(relpath, ()):
             if e.start >= start and e.end <= end:
-                self.hashes[e.name] = checksum(memoryview(data)[e.start - start : e.end - start])
+                self._hashes[e.name] = checksum(memoryview(data)[e.start - start : e.end - start])
         return data
-
-
-def checksum(data: bytes | memoryview) -> str:
-    """Length + CRC-32 of tensor bytes: the write-back check guards against I/O and copy errors, not
-    adversaries, and CRC-32 runs ~4x faster than sha256 here (the check would otherwise cost more than
-    writing the MTP)."""
-    return f"{len(data)}:{zlib.crc32(data):08x}"
-
-
-_CHECKSUM_CHUNK = 1 << 20
-
-
-def checksum_extent(path: Path, start: int, end: int) -> str:
-    """``checksum`` of bytes ``[start, end)`` of a local file, read in 1 MiB pieces into one reused buffer (the
-    bytes are never held whole)."""
-    buf = memoryview(bytearray(min(_CHECKSUM_CHUNK, max(end - start, 1))))
-    crc = 0
-    with path.open("rb", buffering=0) as fh:
-        fh.seek(start)
-        offset = start
-        while offset < end:
-            n = fh.readinto(buf[: min(len(buf), end - offset)])
-            if not n:
-                raise CheckpointError(f"{path.name}: truncated: wanted bytes {start}..{end}, file ends earlier")
-            crc = zlib.crc32(buf[:n], crc)
-            offset += n
-    return f"{end - start}:{crc:08x}"
 
 
 def _read_local(path: Path, relpath: str, start: int, end: int) -> bytes:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from mtpquant.checkpoint.digest import checksum, checksum_file
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.errors import OutputVerificationError
-from mtpquant.graft.source import checksum, checksum_extent
 from mtpquant.inspect.report import inspect_checkpoint
 from mtpquant.surgery.metadata import plan_metadata
 
@@ -54,7 +54,7 @@ def verify_result(
         for name in sorted(src_hashes):
             entry = ckpt.tensors[name]
             extent = ckpt.local_range(entry)  # the result is local: checksummed in the file, not copied out
-            got = checksum_extent(*extent) if extent is not None else checksum(ckpt.read_raw(entry))
+            got = checksum_file(*extent) if extent is not None else checksum(ckpt.read_raw(entry))
             if got != src_hashes[name]:
                 raise fail(f"{entry.name} in {entry.shard} is not byte-identical to SRC")
         checks.append("mtp-bytes")

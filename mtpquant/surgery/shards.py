@@ -23,10 +23,12 @@ MTP_SHARD_METADATA = {"format": "pt"}
 
 
 def _raw(ckpt: Checkpoint, entry: TensorEntry) -> PlannedTensor:
-    # local sources are copied in the kernel (copy_file_range); remote ones through ranged reads, front to back
+    # local sources are copied in the kernel (copy_file_range), or through a buffer when the source watches the
+    # bytes (graft's checksums); remote ones through ranged reads, front to back
     local = ckpt.local_range(entry)
     order = None if local is not None else (entry.shard, entry.start)
-    return PlannedTensor(entry.name, entry.dtype, entry.shape, lambda: ckpt.read_raw(entry), local, order)
+    observe = ckpt.copy_observer(entry) if local is not None else None
+    return PlannedTensor(entry.name, entry.dtype, entry.shape, lambda: ckpt.read_raw(entry), local, order, observe)
 
 
 def mtp_planned_tensors(ckpt: Checkpoint, names: Iterable[str] | None = None) -> list[PlannedTensor]:
