@@ -49,6 +49,7 @@ class Checkpoint:
     # sources): lets a later open of a directory holding hard links to these shards reuse their
     # parsed headers (``Checkpoint.open(..., reuse=...)``).
     fingerprints: dict[str, tuple[int, int, int, int]] = field(default_factory=dict)
+    _mtp_names: list[str] | None = field(default=None, init=False, repr=False, compare=False)
 
     # ---- opening ------------------------------------------------------------------------------
     @classmethod
@@ -161,13 +162,18 @@ class Checkpoint:
     @property
     def mtp_only(self) -> bool:
         """An MTP sidecar: every tensor is ``mtp.*`` (``convert --mtp extract``'s MTP directory, say)."""
-        return bool(self.tensors) and all(is_mtp_name(n) for n in self.tensors)
+        return bool(self.tensors) and len(self._mtp()) == len(self.tensors)
+
+    def _mtp(self) -> list[str]:
+        # classify() answers MTP exactly for the names is_mtp_name() accepts (its first test): filter with that,
+        # then sort the few MTP names only, not the whole table; once (the table does not change after open)
+        if self._mtp_names is None:
+            self._mtp_names = sorted(n for n in self.tensors if is_mtp_name(n))
+        return self._mtp_names
 
     def mtp_tensors(self) -> list[TensorEntry]:
         """Every ``mtp.*`` tensor present, sorted by name."""
-        # classify() answers MTP exactly for the names is_mtp_name() accepts (its first test): filter
-        # with that, then sort the few MTP names only, not the whole table
-        return [self.tensors[n] for n in sorted(n for n in self.tensors if is_mtp_name(n))]
+        return [self.tensors[n] for n in self._mtp()]
 
     @property
     def total_bytes(self) -> int:
