@@ -396,7 +396,17 @@ def test_save_and_reuse_hidden_states(tiny_factory: Callable[[str], Path], tmp_p
 
 def _row(k: int, al: float, per_position: list[float] | None = None) -> AcceptanceRow:
     pos = tuple(per_position or [0.5] * k)
-    return AcceptanceRow(k, 10, 10 * k, round(10 * (al - 1)), (al - 1) / k, al, (10,) * k, (5,) * k, pos)
+    return AcceptanceRow(
+        k=k,
+        num_steps=10,
+        num_drafted=10 * k,
+        num_accepted=round(10 * (al - 1)),
+        acceptance_rate=(al - 1) / k,
+        mean_acceptance_length=al,
+        drafted_per_position=(10,) * k,
+        accepted_per_position=(5,) * k,
+        acceptance_per_position=pos,
+    )
 
 
 def _side(al: list[float] | None, err: str | None = None, per_position: list[list[float]] | None = None) -> Side:

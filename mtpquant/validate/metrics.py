@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from mtpquant.validate.schema import AcceptanceStats
+
 __all__ = [
     "AcceptanceStats",
     "LogitComparison",
@@ -71,20 +73,6 @@ class StepRecord:
     def truncated(self, k: int) -> StepRecord:
         """The same step had only the first k tokens been drafted (greedy chains share prefixes)."""
         return StepRecord(drafted=min(self.drafted, k), accepted=min(self.accepted, k))
-
-
-@dataclass(frozen=True)
-class AcceptanceStats:
-    """Acceptance over a run of verification steps; per-position tuples are for positions 1..K."""
-
-    num_steps: int
-    num_drafted: int
-    num_accepted: int
-    acceptance_rate: float
-    mean_acceptance_length: float
-    drafted_per_position: tuple[int, ...]
-    accepted_per_position: tuple[int, ...]
-    acceptance_per_position: tuple[float, ...]
 
 
 def acceptance_stats(records: Sequence[StepRecord]) -> AcceptanceStats:

@@ -8,7 +8,7 @@ imports nothing heavy (no torch): publishing reads reports without loading model
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -18,6 +18,7 @@ __all__ = [
     "REPORT_SCHEMA",
     "Acceptance",
     "AcceptanceRow",
+    "AcceptanceStats",
     "Agreement",
     "Comparison",
     "EngineInfo",
@@ -63,10 +64,11 @@ def _ints(value: Any, where: str) -> tuple[int, ...]:
 
 
 @dataclass(frozen=True)
-class AcceptanceRow:
-    """Acceptance with k drafts per step (vLLM's counters' terms)."""
+class AcceptanceStats:
+    """Acceptance over a run of verification steps; per-position tuples are for positions 1..K (vLLM's counters'
+    terms). ``metrics.acceptance_stats`` computes it from step records, ``measure.engine_stats`` from an engine's
+    counters."""
 
-    k: int
     num_steps: int
     num_drafted: int
     num_accepted: int
@@ -76,49 +78,43 @@ class AcceptanceRow:
     accepted_per_position: tuple[int, ...]
     acceptance_per_position: tuple[float, ...]
 
+
+_STATS_FIELDS = tuple(f.name for f in fields(AcceptanceStats))
+
+
+@dataclass(frozen=True)
+class AcceptanceRow(AcceptanceStats):
+    """Acceptance with k drafts per step: the report's ``by_k`` entry."""
+
+    k: int
+
     @classmethod
-    def of(cls, k: int, stats: Any) -> AcceptanceRow:
-        """From ``metrics.AcceptanceStats`` (or anything with its fields)."""
-        return cls(
-            k,
-            stats.num_steps,
-            stats.num_drafted,
-            stats.num_accepted,
-            stats.acceptance_rate,
-            stats.mean_acceptance_length,
-            tuple(stats.drafted_per_position),
-            tuple(stats.accepted_per_position),
-            tuple(stats.acceptance_per_position),
-        )
+    def of(cls, k: int, stats: AcceptanceStats) -> AcceptanceRow:
+        """The row of ``stats`` for k."""
+        return cls(k=k, **{name: getattr(stats, name) for name in _STATS_FIELDS})
 
     def to_json(self) -> dict[str, Any]:
         """The ``by_k`` entry."""
-        return {
-            "k": self.k,
-            "num_steps": self.num_steps,
-            "num_drafted": self.num_drafted,
-            "num_accepted": self.num_accepted,
-            "acceptance_rate": self.acceptance_rate,
-            "mean_acceptance_length": self.mean_acceptance_length,
-            "drafted_per_position": list(self.drafted_per_position),
-            "accepted_per_position": list(self.accepted_per_position),
-            "acceptance_per_position": list(self.acceptance_per_position),
-        }
+        out: dict[str, Any] = {"k": self.k}
+        for name in _STATS_FIELDS:
+            value = getattr(self, name)
+            out[name] = list(value) if isinstance(value, tuple) else value
+        return out
 
     @classmethod
     def from_json(cls, d: Any, where: str) -> AcceptanceRow:
         """Read a ``by_k`` entry."""
         d = _map(d, where)
         return cls(
-            _req(d, "k", int, where),
-            _req(d, "num_steps", int, where),
-            _req(d, "num_drafted", int, where),
-            _req(d, "num_accepted", int, where),
-            float(_req(d, "acceptance_rate", (int, float), where)),
-            float(_req(d, "mean_acceptance_length", (int, float), where)),
-            _ints(d.get("drafted_per_position"), f"{where}.drafted_per_position"),
-            _ints(d.get("accepted_per_position"), f"{where}.accepted_per_position"),
-            _floats(d.get("acceptance_per_position"), f"{where}.acceptance_per_position"),
+            k=_req(d, "k", int, where),
+            num_steps=_req(d, "num_steps", int, where),
+            num_drafted=_req(d, "num_drafted", int, where),
+            num_accepted=_req(d, "num_accepted", int, where),
+            acceptance_rate=float(_req(d, "acceptance_rate", (int, float), where)),
+            mean_acceptance_length=float(_req(d, "mean_acceptance_length", (int, float), where)),
+            drafted_per_position=_ints(d.get("drafted_per_position"), f"{where}.drafted_per_position"),
+            accepted_per_position=_ints(d.get("accepted_per_position"), f"{where}.accepted_per_position"),
+            acceptance_per_position=_floats(d.get("acceptance_per_position"), f"{where}.acceptance_per_position"),
         )
 
 
