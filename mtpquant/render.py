@@ -152,6 +152,11 @@ def plan_lines(plan: ConvertPlan) -> list[str]:
         out.append(f"MTP output {plan.mtp_out}")
     out.append(f"carry      {', '.join(plan.carried_files) or '(no other files)'}")
     out += plan.memory.lines()
+    if plan.memory.layerwise:
+        out.append(
+            f"resume     state committed every {plan.resume_every} layer(s), "
+            f"~{format_bytes(plan.resume_activation_bytes)} of saved layer inputs a commit (--resume-every)"
+        )
     out += [f"note       {n}" for n in plan.notes]
     return out
 

@@ -72,6 +72,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="calibrate layer by layer (resumable after a kill) even when the model fits in memory",
     )
+    p.add_argument(
+        "--resume-every",
+        type=int,
+        metavar="N",
+        help="layer-wise calibration: commit the resume state every N layers, so a kill redoes at most N (default: "
+        "as often as keeps the saved layer inputs within 5%% of the output)",
+    )
     p.add_argument("--max-shard-size", metavar="SIZE", help="output shard budget, e.g. 5GB, 500MiB (default 5GB)")
     p.add_argument(
         "--set",
@@ -117,6 +124,8 @@ def _argv(args: argparse.Namespace) -> list[str]:
         argv += ["--device", args.device]
     if args.layerwise:
         argv.append("--layerwise")
+    if args.resume_every is not None:
+        argv += ["--resume-every", str(args.resume_every)]
     for item in args.overrides:
         argv += ["--set", item]
     return argv
@@ -146,6 +155,7 @@ def run(args: argparse.Namespace) -> int:
         device=args.device,
         max_memory=args.max_memory,
         layerwise=args.layerwise,
+        resume_every=args.resume_every,
         max_shard_size=args.max_shard_size,
         overrides=tuple(args.overrides),
         dry_run=args.dry_run,

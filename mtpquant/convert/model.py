@@ -203,13 +203,15 @@ def quantize_main_model(
     forward_loop: Callable[[Any], None],
     *,
     layerwise_dir: str | None = None,
+    save_every: int = 1,
     progress: bool = True,
 ) -> Any:
     """``mtq.quantize`` with the recipe's config and the calibration forward loop.
 
     ``layerwise_dir``: calibrate layer by layer through modelopt's ``layerwise`` mode, keeping its
-    per-layer resume state there. With max calibration it captures each layer's inputs with the
-    quantizers off, so every layer sees the activations of the in-memory pass: the same amax.
+    per-layer resume state there, committed every ``save_every`` layers. With max calibration it captures each
+    layer's inputs with the quantizers off, so every layer sees the activations of the in-memory pass: the same
+    amax.
     """
     import modelopt.torch.quantization as mtq
 
@@ -220,7 +222,12 @@ def quantize_main_model(
             raise ValueError(f"layer-wise calibration is wired for max calibration, not {method!r}")
         cfg["algorithm"] = {
             "method": "max",
-            "layerwise": {"enable": True, "checkpoint_dir": layerwise_dir, "calib_mutates_weights": False},
+            "layerwise": {
+                "enable": True,
+                "checkpoint_dir": layerwise_dir,
+                "save_every": save_every,
+                "calib_mutates_weights": False,
+            },
         }
     with modelopt_quiet(progress), torch.no_grad():
         return mtq.quantize(model, cfg, forward_loop)

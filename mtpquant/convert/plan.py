@@ -22,6 +22,7 @@ from mtpquant.convert.ct_format import FORMATS, check_ct_recipe
 from mtpquant.convert.memory import MemoryPlan, available_cpu_bytes, model_blocks, plan_memory
 from mtpquant.convert.recipes import (
     MTP_FORMATS,
+    CalibrationSection,
     Recipe,
     apply_overrides,
     default_recipe_name,
@@ -30,6 +31,7 @@ from mtpquant.convert.recipes import (
     quantizer_enabled,
     with_values,
 )
+from mtpquant.convert.resume import resume_interval
 from mtpquant.errors import (
     CalibrationDataError,
     DeviceError,
@@ -37,6 +39,7 @@ from mtpquant.errors import (
     OutputExistsError,
     RecipeError,
     SourceQuantizedError,
+    UsageError,
 )
 from mtpquant.families import TensorClass
 from mtpquant.formats.quant_config import HF_QUANT_CONFIG
@@ -77,6 +80,7 @@ class ConvertOptions:
     device: str = "auto"  # cpu | cuda | auto
     max_memory: str | None = None  # per-device caps, e.g. "cpu=8GiB" or "cuda:0=70GiB,cpu=200GiB"
     layerwise: bool = False  # calibrate layer by layer (resumable) even when the model fits in memory
+    resume_every: int | None = None  # layer-wise: commit the resume state every N layers (None: resume.resume_interval)
     max_shard_size: str | int | None = None
     overrides: tuple[str, ...] = ()  # --set section.key=value
     dry_run: bool = False
@@ -118,6 +122,8 @@ class ConvertPlan:
     carried_files: tuple[str, ...]
     memory: MemoryPlan
     notes: tuple[str, ...] = field(default_factory=tuple)
+    resume_every: int = 1  # layer-wise calibration commits its resume state every N layers
+    resume_activation_bytes: int = 0  # the layer inputs each commit saves (estimate)
     overwrite: bool = False  # an existing OUT (and MTP output) may be replaced
     command: tuple[str, ...] = ()  # the command line, recorded in the provenance file and the recipe's header
     base_model: str | None = None  # --base-model
@@ -155,6 +161,7 @@ class ConvertPlan:
             "calibration": self.recipe.to_dict()["calibration"],
             "carried_files": list(self.carried_files),
             "memory": self.memory.to_json(),
+            "resume_every": self.resume_every,
             "notes": list(self.notes),
             "base_model": self.base_model,
             "base_model_revision": self.base_model_revision,
@@ -327,6 +334,10 @@ def plan_convert(options: ConvertOptions, ckpt: Checkpoint | None = None) -> tup
         shard_bytes=parse_size(recipe.output.max_shard_size),
         available=_available_memory(device),
     )
+    if options.resume_every is not None and options.resume_every < 1:
+        raise UsageError(f"--resume-every must be >= 1, got {options.resume_every}")
+    layers = spec.dim("num_hidden_layers")
+    activations = _layer_inputs_bytes(ckpt, recipe.calibration)
     plan = ConvertPlan(
         src=ckpt.label if local_src is None else str(local_src),
         out=out,
@@ -353,6 +364,8 @@ def plan_convert(options: ConvertOptions, ckpt: Checkpoint | None = None) -> tup
         carried_files=tuple(carried_files(ckpt.source.list_files())),
         memory=memory,
         notes=tuple(notes),
+        resume_every=options.resume_every or resume_interval(layers, activations, memory.model_bytes),
+        resume_activation_bytes=activations,
         overwrite=options.overwrite,
         command=tuple(options.command),
         base_model=base_model,
@@ -363,6 +376,17 @@ def plan_convert(options: ConvertOptions, ckpt: Checkpoint | None = None) -> tup
 
 
 _LOAD_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def _layer_inputs_bytes(ckpt: Checkpoint, cal: CalibrationSection) -> int:
+    """What modelopt saves as one layer's inputs: per calibration token the hidden state and the rotary cos/sin
+    (a quarter of head_dim each) in the load dtype, and its position id; plus ~2 kB of file structure per batch."""
+    spec = ckpt.spec
+    head_dim = spec.text.get("head_dim")
+    rotary = 2 * (head_dim // 4) if isinstance(head_dim, int) and not isinstance(head_dim, bool) else 0
+    tokens = cal.samples * cal.seq_len
+    per_token = (spec.hidden_size + rotary) * _loaded_bytes_per_element(ckpt) + 8
+    return tokens * per_token + 2048 * -(-cal.samples // max(1, cal.batch_size))
 
 
 def _loaded_bytes_per_element(ckpt: Checkpoint) -> int:

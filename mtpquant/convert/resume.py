@@ -28,13 +28,33 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RESUME_MARK", "ResumeState", "resume_key"]
+__all__ = ["ACTIVATIONS_SHARE", "RESUME_MARK", "ResumeState", "resume_interval", "resume_key"]
 
 log = logging.getLogger(__name__)
 
 RESUME_MARK = ".mtpquant-resume-"
 _KEY_FILE = "key.json"
 _MANIFEST = "manifest.json"  # modelopt's: {"last_completed_layer": i, "num_layers": n, ...}
+
+
+ACTIVATIONS_SHARE = 0.05  # of the estimated output: what the saved layer inputs may add to the bytes written
+NVFP4_SHARE = 4.5 / 16  # NVFP4 output bytes per BF16 byte (4-bit values + one fp8 scale per 16)
+
+
+def resume_interval(layers: int, activation_bytes: int, model_bytes: int) -> int:
+    """How many layers modelopt calibrates between commits of the resume state (its ``save_every``).
+
+    Each commit saves the next layer's inputs: ``activation_bytes`` (every calibration row's hidden state). They
+    are written for every commit (then pruned), so commit every N layers with N the smallest that keeps them
+    within ``ACTIVATIONS_SHARE`` of the output (estimated from the main model's ``model_bytes``): on a large
+    model that is every layer or few, on a small one with a large calibration set rarely (its calibration is
+    short to redo). A kill resumes after the last commit.
+    """
+    if layers <= 1 or activation_bytes <= 0:
+        return 1
+    budget = ACTIVATIONS_SHARE * NVFP4_SHARE * model_bytes
+    commits = max(1, int(budget // activation_bytes))
+    return max(1, min(layers, -(-layers // commits)))
 
 
 def resume_key(inputs: Mapping[str, Any]) -> str:

@@ -317,6 +317,7 @@ def _resume_inputs(plan: ConvertPlan, src_dir: Path) -> dict[str, Any]:
         "files": source_stamp(src_dir),
         "recipe": plan.recipe.to_yaml(""),
         "mode": plan.mode,
+        "resume_every": plan.resume_every,  # modelopt refuses a state committed at another interval
         "versions": [__version__, modelopt.__version__, torch.__version__, transformers.__version__],
     }
 
@@ -373,6 +374,10 @@ def _run(
     result.layerwise = layerwise
     resume: ResumeState | None = None
     if layerwise:
+        log.info(
+            "layer-wise calibration commits its resume state every %d of %d layers (~%s of layer inputs a commit)",
+            plan.resume_every, ckpt.spec.dim("num_hidden_layers"), format_bytes(plan.resume_activation_bytes),
+        )
         resume = ResumeState.open(plan.out, _resume_inputs(plan, src_dir))
         if resume.start_layer:
             result.resumed_from_layer = resume.start_layer
@@ -392,6 +397,7 @@ def _run(
             recipe.to_modelopt_config(family),
             loop,
             layerwise_dir=resume.checkpoint_dir if resume else None,
+            save_every=plan.resume_every,
             progress=progress,
         )
         if bar is not None:
