@@ -7,7 +7,7 @@ sequence the engines' loop is replayed exactly (qwen-mtp.md, metrics.py):
 
 1. the MTP layer runs over the accepted rows ``(h_j, x_{j+1})`` (its own KV cache), drafts ``d_1``
    from the last row, then chains: its own post-norm output and ``d_i`` at position + 1 give
-   ``d_{i+1}`` (``mtpquant.mtp.module.draft_chain``);
+   ``d_{i+1}`` (``mtpquant.mtp.drafting``: ``draft_chain``, batched over rows by ``draft_rows``);
 2. greedy verification: the longest prefix of drafts equal to the target's own next tokens is
    accepted, plus one target token; the next step starts after it.
 
@@ -78,7 +78,7 @@ def _tokenize(prompts: Sequence[str], weights: CheckpointWeights) -> list[list[i
 
 def _batches(lengths: Sequence[int], batch_size: int) -> list[list[int]]:
     """Indices of equal ``lengths`` in chunks of at most ``batch_size``, in first-seen order (no padding: every
-    row of a batch is the same computation as it would be alone)."""
+    row of a batch has the inputs it would have alone)."""
     groups: dict[int, list[int]] = {}
     for i, n in enumerate(lengths):
         groups.setdefault(n, []).append(i)
