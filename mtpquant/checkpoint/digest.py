@@ -2,7 +2,7 @@
 
 The check guards against I/O and copy errors, not adversaries, and CRC-32 runs ~4x faster than sha256 here
 (the check would otherwise cost more than writing the MTP). ``Checksum`` is the running form, fed piece by
-piece while bytes are copied; ``checksum_file`` reads a file's range in 1 MiB pieces into one reused buffer.
+piece while bytes are copied; ``checksum_file`` reads a file's range in pieces (``source.file_pieces``).
 """
 
 from __future__ import annotations
@@ -10,11 +10,9 @@ from __future__ import annotations
 import zlib
 from pathlib import Path
 
-from mtpquant.errors import CheckpointError
+from mtpquant.checkpoint.source import file_pieces
 
 __all__ = ["Checksum", "checksum", "checksum_file"]
-
-_CHUNK = 1 << 20
 
 
 def checksum(data: bytes | memoryview) -> str:
@@ -41,15 +39,7 @@ class Checksum:
 
 def checksum_file(path: Path, start: int, end: int) -> str:
     """``checksum`` of bytes ``[start, end)`` of a local file (never held whole in memory)."""
-    buf = memoryview(bytearray(min(_CHUNK, max(end - start, 1))))
     running = Checksum()
-    with path.open("rb", buffering=0) as fh:
-        fh.seek(start)
-        offset = start
-        while offset < end:
-            n = fh.readinto(buf[: min(len(buf), end - offset)])
-            if not n:
-                raise CheckpointError(f"{path.name}: truncated: wanted bytes {start}..{end}, file ends earlier")
-            running.update(buf[:n])
-            offset += n
+    for piece in file_pieces(path, start, end, path.name):
+        running.update(piece)
     return running.value()

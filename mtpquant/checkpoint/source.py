@@ -105,6 +105,31 @@ class CheckpointSource(Protocol):
         ...
 
 
+def read_file_range(path: Path, start: int, end: int, label: str) -> bytes:
+    """Bytes ``[start, end)`` of a local file; a file that ends earlier is refused, naming ``label``."""
+    with path.open("rb") as fh:
+        fh.seek(start)
+        data = fh.read(end - start)
+    if len(data) != end - start:
+        raise CheckpointError(f"{label}: truncated: wanted bytes {start}..{end}, file ends earlier")
+    return data
+
+
+def file_pieces(path: Path, start: int, end: int, label: str, chunk: int = 1 << 20) -> Iterator[memoryview]:
+    """Bytes ``[start, end)`` of a local file in pieces of at most ``chunk``, read into one reused buffer (each piece
+    is valid until the next is read); a file that ends earlier is refused, naming ``label``."""
+    buf = memoryview(bytearray(min(chunk, max(end - start, 1))))
+    with path.open("rb", buffering=0) as fh:
+        fh.seek(start)
+        offset = start
+        while offset < end:
+            n = fh.readinto(buf[: min(len(buf), end - offset)])
+            if not n:
+                raise CheckpointError(f"{label}: truncated: wanted bytes {start}..{end}, file ends earlier")
+            yield buf[:n]
+            offset += n
+
+
 class LocalSource:
     """A checkpoint directory on disk."""
 
@@ -142,12 +167,8 @@ class LocalSource:
 
     def read_range(self, relpath: str, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` of a file."""
-        with self._path(relpath).open("rb") as fh:
-            fh.seek(start)
-            data = fh.read(end - start)
+        data = read_file_range(self._path(relpath), start, end, relpath)
         self.bytes_read += len(data)
-        if len(data) != end - start:
-            raise CheckpointError(f"{relpath}: truncated: wanted bytes {start}..{end}, file ends earlier")
         return data
 
     def plan_reads(self, relpath: str, ranges: list[tuple[int, int]]) -> None:

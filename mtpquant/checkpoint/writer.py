@@ -27,7 +27,7 @@ from typing import Any
 from mtpquant.checkpoint.header import ShardHeader, tensor_nbytes
 from mtpquant.checkpoint.index import INDEX_NAME, build_index, check_shard_name
 from mtpquant.checkpoint.lock import OutputLock
-from mtpquant.checkpoint.source import LocalSource
+from mtpquant.checkpoint.source import LocalSource, file_pieces
 from mtpquant.errors import CheckpointError, OutputExistsError
 
 __all__ = [
@@ -88,22 +88,12 @@ def _write(fh: Any, data: bytes | memoryview) -> None:
 
 
 _COPY_CHUNK = 64 * 1024 * 1024
-_OBSERVED_CHUNK = 1 << 20
 
 
 def _copy_observed(fh: Any, src: Path, start: int, end: int, observe: Callable[[memoryview], None]) -> None:
-    buf = memoryview(bytearray(min(_OBSERVED_CHUNK, max(end - start, 1))))
-    with src.open("rb", buffering=0) as s:
-        s.seek(start)
-        offset = start
-        while offset < end:
-            n = s.readinto(buf[: min(len(buf), end - offset)])
-            if not n:
-                raise CheckpointError(f"{src.name}: truncated: wanted bytes {start}..{end}, file ends earlier")
-            piece = buf[:n]
-            observe(piece)
-            _write(fh, piece)
-            offset += n
+    for piece in file_pieces(src, start, end, src.name):
+        observe(piece)
+        _write(fh, piece)
 
 
 def _copy_range(

@@ -15,8 +15,7 @@ from pathlib import Path
 
 from mtpquant.checkpoint.digest import Checksum, checksum
 from mtpquant.checkpoint.header import TensorEntry
-from mtpquant.checkpoint.source import CheckpointSource, SourceRef
-from mtpquant.errors import CheckpointError
+from mtpquant.checkpoint.source import CheckpointSource, SourceRef, read_file_range
 from mtpquant.hubhttp import RangeIgnoredError
 
 __all__ = ["TrackedSource"]
@@ -96,7 +95,7 @@ class TrackedSource:
 
     def read_range(self, relpath: str, start: int, end: int) -> bytes:
         if relpath in self._local:
-            data = _read_local(self._local[relpath], relpath, start, end)
+            data = read_file_range(self._local[relpath], start, end, relpath)
         else:
             try:
                 data = self.inner.read_range(relpath, start, end)
@@ -111,17 +110,8 @@ class TrackedSource:
                 path = self.inner.local_path(relpath)
                 self._local[relpath] = path
                 self.downloaded.append(relpath)
-                data = _read_local(path, relpath, start, end)
+                data = read_file_range(path, start, end, relpath)
         for e in self._entries.get(relpath, ()):
             if e.start >= start and e.end <= end:
                 self._hashes[e.name] = checksum(memoryview(data)[e.start - start : e.end - start])
         return data
-
-
-def _read_local(path: Path, relpath: str, start: int, end: int) -> bytes:
-    with path.open("rb") as fh:
-        fh.seek(start)
-        data = fh.read(end - start)
-    if len(data) != end - start:
-        raise CheckpointError(f"{relpath}: truncated: wanted bytes {start}..{end}, file ends earlier")
-    return data
