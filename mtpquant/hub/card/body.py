@@ -14,6 +14,7 @@ from mtpquant import __version__
 from mtpquant.hub.card.facts import (
     CardFacts,
     base_model,
+    base_model_link,
     is_quantized_precision,
     license_line,
     license_metadata,
@@ -395,7 +396,7 @@ def build_card(facts: CardFacts) -> ModelCard:
         "drop": "no Multi-Token-Prediction (MTP) layer (dropped on purpose; no MTP speculative decoding)",
         "missing": "its Multi-Token-Prediction (MTP) layer **declared but missing**",
     }.get(mtp_mode(facts), f"MTP: {r.mtp_precision}")
-    of = f"[`{base}`](https://huggingface.co/{base})" if base else "a base model that is not recorded"
+    of = base_model_link(base)
     lines = [
         MARKER.format(digest=ZERO_HASH, version=__version__),
         "",

@@ -180,6 +180,11 @@ def base_model(facts: CardFacts) -> tuple[str | None, str | None, str]:
     return None, None, ""
 
 
+def base_model_link(base: str | None, suffix: str = "") -> str:
+    """The card's phrase for the base model: a link to its Hub page, then ``suffix`` (a revision, say)."""
+    return f"[`{base}`](https://huggingface.co/{base}){suffix}" if base else "a base model that is not recorded"
+
+
 def mtp_mode(facts: CardFacts) -> str:
     """The MTP mode: as recorded, else worked out from the checkpoint (a quant other tools made)."""
     recorded = facts.provenance.mode

@@ -7,7 +7,14 @@ from __future__ import annotations
 from typing import Any
 
 from mtpquant import __version__
-from mtpquant.hub.card.facts import CardFacts, base_model, license_line, license_metadata, public_command
+from mtpquant.hub.card.facts import (
+    CardFacts,
+    base_model,
+    base_model_link,
+    license_line,
+    license_metadata,
+    public_command,
+)
 from mtpquant.hub.card.marker import MARKER, ZERO_HASH
 from mtpquant.units import format_bytes
 
@@ -39,7 +46,7 @@ def sidecar_body(facts: CardFacts) -> list[str]:
     repo = facts.repo_id
     base, revision, origin = base_model(facts)
     at = f" at revision `{revision}`" if revision else ""
-    of = f"[`{base}`](https://huggingface.co/{base}){at}" if base else "a base model that is not recorded"
+    of = base_model_link(base, at)
     shards = ", ".join(f"`{s}`" for s in r.mtp_shards)
     rev = f" --revision {facts.revision}" if facts.revision and facts.revision != "main" else ""
     lines = [
