@@ -262,16 +262,23 @@ def test_teacher_forced_logits(case):
     assert result.past_kv.length == 6
 
 
-def test_draft_chain_feeds_own_output_and_argmax(case):
-    raw, _cfg, weights, layer = case
-    gen = torch.Generator().manual_seed(8)
+def _drafting_inputs(seed, batch, length):
+    """An embedding function over a random 50-token table, a random head, hidden states and tokens."""
+    gen = torch.Generator().manual_seed(seed)
     table = torch.randn(50, 64, generator=gen)
     lm_head = torch.randn(50, 64, generator=gen)
-    hidden = torch.randn(2, 4, 64, generator=gen)
-    tokens = torch.randint(0, 50, (2, 4), generator=gen)
+    hidden = torch.randn(batch, length, 64, generator=gen)
+    tokens = torch.randint(0, 50, (batch, length), generator=gen)
 
     def embed(ids):
         return table[ids]
+
+    return embed, lm_head, hidden, tokens
+
+
+def test_draft_chain_feeds_own_output_and_argmax(case):
+    raw, _cfg, weights, layer = case
+    embed, lm_head, hidden, tokens = _drafting_inputs(8, 2, 4)
 
     seen_hidden, seen_embeds = [], []
     layer.pre_fc_norm_hidden.register_forward_pre_hook(lambda _m, a: seen_hidden.append(a[0].clone()))
@@ -308,15 +315,7 @@ def test_draft_chain_feeds_own_output_and_argmax(case):
 def test_draft_rows_are_the_chains_from_each_row(case, chunk):
     """Batched over rows (own prefix and chain by mask, chunked), the drafts are draft_chain's from each row."""
     _raw, _cfg, _weights, layer = case
-    gen = torch.Generator().manual_seed(9)
-    table = torch.randn(50, 64, generator=gen)
-    lm_head = torch.randn(50, 64, generator=gen)
-    hidden = torch.randn(1, 12, 64, generator=gen)
-    tokens = torch.randint(0, 50, (1, 12), generator=gen)
-
-    def embed(ids):
-        return table[ids]
-
+    embed, lm_head, hidden, tokens = _drafting_inputs(9, 1, 12)
     with torch.no_grad():
         teacher = layer(hidden, embed(tokens))
     rows = range(2, 11)
