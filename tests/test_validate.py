@@ -159,6 +159,14 @@ def test_acceptance_equals_naive_engine_loop() -> None:
         for k in (1, 2, 3):
             naive = [r for s in seqs for r in _naive_acceptance(bundle, s, k)]
             assert result.by_k[k - 1] == acceptance_stats(naive)
+        # teacher-forced agreement: one causal pass, row t's argmax against token t+2, over the continuation
+        hits = total = 0
+        for s in seqs:
+            m, _ = bundle.layer(s.hidden[None, :-1], bundle.embed(s.tokens[None, 1:]))
+            pred = (m[0] @ bundle.lm_head_weight.T).argmax(-1)
+            hits += int((pred[s.prompt_len - 1 : -1] == s.tokens[s.prompt_len + 1 :]).sum())
+            total += len(s.tokens) - s.prompt_len - 1
+    assert result.teacher_forced_agreement == hits / total
     assert result.by_k[0].num_accepted > 0  # a 6-token vocabulary accepts some drafts
 
 
