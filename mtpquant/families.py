@@ -17,6 +17,7 @@ from mtpquant.errors import ConfigError, UnsupportedArchitectureError
 
 __all__ = [
     "FAMILIES",
+    "FUSED_EXPERT_PIECES",
     "Family",
     "ModelSpec",
     "MtpDeclaration",
@@ -29,6 +30,11 @@ __all__ = [
 
 MTP_PREFIX = "mtp."
 VISION_PREFIX = "model.visual."
+
+
+# transformers' fused experts (``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj`` [E, H, I]): per expert, the
+# per-expert Linears it concatenates along the rows, in this order (the gate first), experts stacked in order.
+FUSED_EXPERT_PIECES = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
 
 
 def is_mtp_name(name: str) -> bool:

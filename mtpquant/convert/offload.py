@@ -29,6 +29,7 @@ import torch
 from accelerate.utils.offload import OffloadedWeightsLoader
 
 from mtpquant.checkpoint.table import Checkpoint
+from mtpquant.families import FUSED_EXPERT_PIECES
 
 __all__ = ["FUSED_ENTRY", "FusedWeightsLoader", "fused_entry", "fused_offload", "install_fused_loader"]
 
@@ -36,8 +37,7 @@ log = logging.getLogger(__name__)
 
 FUSED_ENTRY = "mtpquant_fused_experts"  # offload-index key: per expert, the (file, tensor) pieces in SRC
 
-_FUSED = re.compile(r"^(?P<stem>.+\.experts)\.(?P<proj>gate_up_proj|down_proj)$")
-_PIECES = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+_FUSED = re.compile(r"^(?P<stem>.+\.experts)\.(?P<proj>" + "|".join(FUSED_EXPERT_PIECES) + ")$")
 
 
 def fused_entry(target: str, param: torch.Tensor, ckpt: Checkpoint, src_dir: Path) -> dict[str, Any] | None:
@@ -47,7 +47,7 @@ def fused_entry(target: str, param: torch.Tensor, ckpt: Checkpoint, src_dir: Pat
     if m is None or param.dim() != 3:
         return None
     experts = int(param.shape[0])
-    pieces = _PIECES[m["proj"]]
+    pieces = FUSED_EXPERT_PIECES[m["proj"]]
     if f"{m['stem']}.{experts}.{pieces[0]}.weight" in ckpt.tensors:
         return None  # more experts in SRC than in the fused weight
     layout: list[list[list[str]]] = []

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from mtpquant.families import TensorClass
+from mtpquant.families import FUSED_EXPERT_PIECES, TensorClass
 from mtpquant.formats.fp8 import FP8_E4M3_MAX
 from mtpquant.formats.nvfp4 import quantize_activation_nvfp4
 from mtpquant.mtp.module import MtpConfig, MtpLayer, MtpLayoutError
@@ -147,7 +147,10 @@ def load_mtp(
 
 
 # ---- target model ---------------------------------------------------------------------------------
-_EXPERT_RE = re.compile(r"^(?P<stem>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+_PER_EXPERT_PROJS = {p for pieces in FUSED_EXPERT_PIECES.values() for p in pieces}
+_EXPERT_RE = re.compile(
+    r"^(?P<stem>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>" + "|".join(sorted(_PER_EXPERT_PROJS)) + r")\.weight$"
+)
 
 
 def _text_config(weights: CheckpointWeights) -> dict[str, Any]:
@@ -235,30 +238,21 @@ def _iter_target_tensors(
         yield target, weights.tensor(logical, dtype, fold_pre_quant=fold_pre_quant)
     for stem, by_expert in experts.items():
         count = max(by_expert) + 1
-        missing = [e for e in range(count) if set(by_expert.get(e, {})) != {"gate_proj", "up_proj", "down_proj"}]
+        missing = [e for e in range(count) if set(by_expert.get(e, {})) != _PER_EXPERT_PROJS]
         if missing:
             raise ValidateLoadError(f"{weights.label}: {stem}: experts {missing[:8]} lack gate/up/down tensors")
-        # transformers: gate_up_proj [E, 2I, H] with the gate first; down_proj [E, H, I].
-        yield (
-            f"{stem}.gate_up_proj",
-            torch.stack(
-                [
-                    torch.cat(
-                        [
-                            weights.tensor(by_expert[e]["gate_proj"], dtype, fold_pre_quant=fold_pre_quant),
-                            weights.tensor(by_expert[e]["up_proj"], dtype, fold_pre_quant=fold_pre_quant),
-                        ]
-                    )
-                    for e in range(count)
-                ]
-            ),
-        )
-        yield (
-            f"{stem}.down_proj",
-            torch.stack(
-                [weights.tensor(by_expert[e]["down_proj"], dtype, fold_pre_quant=fold_pre_quant) for e in range(count)]
-            ),
-        )
+        for fused, pieces in FUSED_EXPERT_PIECES.items():
+            yield (
+                f"{stem}.{fused}",
+                torch.stack(
+                    [
+                        torch.cat(
+                            [weights.tensor(by_expert[e][p], dtype, fold_pre_quant=fold_pre_quant) for p in pieces]
+                        )
+                        for e in range(count)
+                    ]
+                ),
+            )
 
 
 def _device_map(model: nn.Module, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
