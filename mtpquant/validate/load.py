@@ -103,8 +103,13 @@ def load_mtp(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     activations: str = "off",
+    shared: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[MtpBundle | None, str | None]:
-    """The MTP layer of a checkpoint, or ``(None, reason)`` when it is missing or malformed."""
+    """The MTP layer of a checkpoint, or ``(None, reason)`` when it is missing or malformed.
+
+    ``shared``: the target's embedding and LM head, already in memory (not read again: heal compares two MTP layers
+    of one target).
+    """
     if activations not in ACTIVATION_MODES:
         raise ValueError(f"activations must be one of {ACTIVATION_MODES}, got {activations!r}")
     names = weights.names(TensorClass.MTP)
@@ -136,10 +141,15 @@ def load_mtp(
             if quantize is not None:
                 modules[module.removeprefix("mtp.")].register_forward_pre_hook(_hook(quantize))
                 emulated.append(module)
+    if shared is None:
+        shared = (
+            weights.tensor(weights.embed_name(), dtype).to(device),
+            weights.tensor(weights.lm_head_name(), dtype).to(device),
+        )
     bundle = MtpBundle(
         layer=layer,
-        embed_weight=weights.tensor(weights.embed_name(), dtype).to(device),
-        lm_head_weight=weights.tensor(weights.lm_head_name(), dtype).to(device),
+        embed_weight=shared[0],
+        lm_head_weight=shared[1],
         precision=weights.precision_summary().get(TensorClass.MTP, {}),
         emulated=emulated,
     )
