@@ -19,6 +19,7 @@ from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.errors import ExitCode
 from mtpquant.graft.run import GraftOptions, fix_metadata, graft
 from mtpquant.inspect.report import inspect_checkpoint
+from tests.support.hubserver import LocalHub
 from tests.support.qwen4_exp_quants import make_qwen4_exp_quant
 
 ALIAS = (
@@ -238,3 +239,16 @@ def test_alias_is_refused_with_the_format_code(quants: Callable[[str], Path]) ->
     report = inspect_checkpoint(quants("alias"))
     assert report.exit_code() == int(ExitCode.INSPECT_FORMAT)
     assert report.architecture == "Qwen3_8FlashNextForConditionalGeneration"
+
+
+def test_hub_repo_gets_the_same_verdict_from_headers(quants: Callable[[str], Path], local_hub: LocalHub) -> None:
+    path = quants("nvidia-mixed-refreshed")
+    local_hub.create_repo(
+        "nvidia/q4-refreshed", {p.relative_to(path).as_posix(): p for p in path.rglob("*") if p.is_file()}
+    )
+    remote = inspect_checkpoint("nvidia/q4-refreshed")
+    local = inspect_checkpoint(path)
+    assert (remote.verdicts, remote.exit_code()) == (local.verdicts, 11)
+    assert [f.message for f in remote.failures] == [REFRESHED_FAILURE]
+    resolves = [r for r in local_hub.requests if r.kind == "resolve" and r.filename.endswith(".safetensors")]
+    assert resolves and all(r.range for r in resolves)  # headers only: ranged reads, never a whole shard

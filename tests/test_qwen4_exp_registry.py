@@ -14,10 +14,11 @@ from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.errors import ExitCode, MtpConfigError, MtpModeError
 from mtpquant.families import FAMILIES, family, mtp_config, resolve
 from mtpquant.synth.qwen4_exp import FULL_TEXT_CONFIG, TINY_TEXT_CONFIG, ngram_buffers, qwen4_exp_config
+from mtpquant.synth.tiny import TINY_VISION
 
 
 def _full() -> dict:
-    return qwen4_exp_config(FULL_TEXT_CONFIG)
+    return qwen4_exp_config(FULL_TEXT_CONFIG, TINY_VISION)
 
 
 def test_four_families_one_schema() -> None:
@@ -68,7 +69,7 @@ def test_depth_keys_fallback_and_engine_default() -> None:
     [("Qwen3_8FlashNextForConditionalGeneration", "qwen3_8_flash_next"), (None, "qwen3_8_flash_next_text")],
 )
 def test_day0_aliases_are_recognised(label: str | None, model_type: str) -> None:
-    cfg = qwen4_exp_config(FULL_TEXT_CONFIG, alias=True)
+    cfg = qwen4_exp_config(FULL_TEXT_CONFIG, TINY_VISION, alias=True)
     if label is None:
         cfg = dict(cfg["text_config"])
     spec = resolve(cfg)

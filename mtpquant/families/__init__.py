@@ -14,7 +14,7 @@ testing ``model_type`` or naming MTP tensors themselves.
 
 from __future__ import annotations
 
-from mtpquant.families.mtp_config import MtpConfig, config_int, mtp_config
+from mtpquant.families.mtp_config import MtpConfig, config_int
 from mtpquant.families.schema import (
     MTP_PREFIX,
     EngineRules,
@@ -32,6 +32,7 @@ from mtpquant.families.spec import (
     MtpDeclaration,
     TensorClass,
     classify_tensor,
+    mtp_config,
     resolve,
     supported_architectures,
     tensor_classifier,

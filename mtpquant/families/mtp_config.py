@@ -1,10 +1,10 @@
 """The MTP's config rules, torch-free: one parse of the dimensions the reference MTP forward needs.
 
-``mtp_config`` reads a Qwen3.5 ``text_config`` (or its wrapper) or a Qwen3-Next top-level config and refuses,
-with one line, anything the forward in ``mtpquant.mtp.module`` cannot compute (another activation, no output
-gate, a RoPE other than default, missing MoE keys, a family without a reference forward). Convert's plan and
-validate call it before anything loads, so every refusal happens at plan time; ``MtpLayer`` is built from the
-same object.
+``MtpConfig.from_text_config`` reads a Qwen3.5 ``text_config`` (or its wrapper) or a Qwen3-Next top-level
+config and refuses, with one line, anything the forward in ``mtpquant.mtp.module`` cannot compute (another
+activation, no output gate, a RoPE other than default, missing MoE keys); ``families.mtp_config`` adds the
+refusal of a family without a reference forward. Convert's plan and validate call it before anything loads, so
+every refusal happens at plan time; ``MtpLayer`` is built from the same object.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 
 from mtpquant.errors import ConfigError, MtpConfigError
 
-__all__ = ["MtpConfig", "config_int", "mtp_config"]
+__all__ = ["MtpConfig", "config_int"]
 
 # Defaults of transformers' Qwen3_5TextConfig / Qwen3_5MoeTextConfig / Qwen3NextConfig (5.x) for keys
 # that real configs may omit; vLLM uses the same values (`getattr(config, "norm_topk_prob", True)`).
@@ -89,19 +89,6 @@ class MtpConfig:
     def from_text_config(cls, cfg: Mapping[str, Any]) -> MtpConfig:
         """Read a Qwen3.5 ``text_config`` (or its wrapper), or a Qwen3-Next top-level config."""
         return _parse(cfg)
-
-
-def mtp_config(config: Mapping[str, Any]) -> MtpConfig:
-    """The reference forward's dimensions for ``config`` (a resolved family's), or one line saying why not.
-
-    Refuses a family without a reference MTP forward by name, then whatever ``MtpConfig`` refuses.
-    """
-    from mtpquant.families.spec import resolve
-
-    family = resolve(config).family
-    if not family.mtp_forward:
-        raise MtpConfigError(f"mtpquant has no reference MTP forward for {family.display} ({family.key}) yet")
-    return _parse(config)
 
 
 def _parse(cfg: Mapping[str, Any]) -> MtpConfig:

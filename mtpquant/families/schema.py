@@ -12,7 +12,8 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from fnmatch import fnmatchcase
+from fnmatch import translate
+from functools import lru_cache
 from typing import Any
 
 __all__ = [
@@ -49,7 +50,13 @@ def mtp_layer_count(names: Iterable[str]) -> int:
 
 def matches(name: str, patterns: tuple[str, ...]) -> bool:
     """fnmatch (case-sensitive) of a module name against any of the registry's patterns."""
-    return any(fnmatchcase(name, p) for p in patterns)
+    return bool(patterns) and _matcher(patterns)(name) is not None
+
+
+@lru_cache(maxsize=64)
+def _matcher(patterns: tuple[str, ...]) -> Callable[[str], Any]:
+    """The patterns as one compiled regex (fnmatch's own translation): one C call per name."""
+    return re.compile("|".join(f"(?:{translate(p)})" for p in patterns)).match
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
-from mtpquant.errors import ConfigError, UnsupportedArchitectureError
-from mtpquant.families.mtp_config import config_int
+from mtpquant.errors import ConfigError, MtpConfigError, UnsupportedArchitectureError
+from mtpquant.families.mtp_config import MtpConfig, config_int
 from mtpquant.families.qwen3 import QWEN3_FAMILIES
 from mtpquant.families.qwen4_exp import QWEN4_EXP
 from mtpquant.families.schema import Family, is_mtp_name
@@ -22,6 +22,7 @@ __all__ = [
     "MtpDeclaration",
     "TensorClass",
     "classify_tensor",
+    "mtp_config",
     "resolve",
     "supported_architectures",
     "tensor_classifier",
@@ -35,8 +36,8 @@ _PER_EXPERT_MTP = re.compile(r"^mtp\.layers\.\d+\.mlp\.experts\.\d+\.")
 
 
 def supported_architectures() -> list[str]:
-    """Every architecture name the registry accepts, sorted."""
-    return sorted(a for f in FAMILIES for a in f.architectures)
+    """Every canonical architecture name the registry accepts, sorted (day-0 aliases are accepted too)."""
+    return sorted(a for f in FAMILIES for a in f.architectures if a not in f.aliases)
 
 
 @dataclass(frozen=True)
@@ -221,3 +222,12 @@ def resolve(config: Mapping[str, Any]) -> ModelSpec:
     text: Mapping[str, Any] = config["text_config"] if wrapped else config
     mtp = _declaration(family, text, wrapped)
     return ModelSpec(family=family, architecture=arch, config=config, text=text, wrapped=wrapped, mtp=mtp)
+
+
+def mtp_config(config: Mapping[str, Any]) -> MtpConfig:
+    """The reference forward's dimensions for ``config``, or one line saying why not (a family without a
+    reference forward by name, then whatever ``MtpConfig`` refuses): every refusal before anything loads."""
+    family = resolve(config).family
+    if not family.mtp_forward:
+        raise MtpConfigError(f"mtpquant has no reference MTP forward for {family.display} ({family.key}) yet")
+    return MtpConfig.from_text_config(config)

@@ -9,6 +9,7 @@ described in shared/reference/qwen-mtp.md. Pure functions on names.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import re
 from collections.abc import Mapping, Sequence
@@ -158,6 +159,38 @@ def ct_ignored(
     return _ct_match(prefix, patterns)
 
 
+@dataclass(frozen=True)
+class _LayerIndex:
+    """quantized_layers keys sorted (prefix lookups by bisection) with their position in the file (vLLM takes the
+    first match in the file's order)."""
+
+    layers: Mapping[str, Any]  # kept alive with the index: the cache is keyed by its id
+    keys: tuple[str, ...]
+    order: Mapping[str, int]
+
+    def first_below(self, prefix: str) -> str | None:
+        """The first key (in file order) that starts with ``prefix``."""
+        i = bisect.bisect_left(self.keys, prefix)
+        found: list[str] = []
+        while i < len(self.keys) and self.keys[i].startswith(prefix):
+            found.append(self.keys[i])
+            i += 1
+        return min(found, key=self.order.__getitem__) if found else None
+
+
+_LAYER_INDEXES: dict[int, _LayerIndex] = {}
+
+
+def _layer_index(layers: Mapping[str, Any]) -> _LayerIndex:
+    index = _LAYER_INDEXES.get(id(layers))
+    if index is None or index.layers is not layers or len(index.keys) != len(layers):
+        if len(_LAYER_INDEXES) > 16:
+            _LAYER_INDEXES.clear()
+        index = _LayerIndex(layers, tuple(sorted(layers)), {k: i for i, k in enumerate(layers)})
+        _LAYER_INDEXES[id(layers)] = index
+    return index
+
+
 def mixed_algo(
     prefix: str, meta: QuantMetadata, packed_groups: Mapping[str, tuple[str, ...]] | None = None
 ) -> str | None:
@@ -183,15 +216,11 @@ def mixed_algo(
             raise FusedShardsError(f"mixed quant_algo within fused layer {prefix}: {', '.join(sorted(algos))}")
         if algos:
             return algos.pop()
-    below = next((k for k in layers if k.startswith(prefix + ".")), None)
-    if below is not None:
-        return algo(below)
-    if prefix.endswith(".experts"):
-        parent = prefix.rsplit(".experts", 1)[0] + "."
-        below = next((k for k in layers if k.startswith(parent)), None)
-        if below is not None:
-            return algo(below)
-    return None
+    index = _layer_index(layers)
+    below = index.first_below(prefix + ".")
+    if below is None and prefix.endswith(".experts"):
+        below = index.first_below(prefix.rsplit(".experts", 1)[0] + ".")
+    return None if below is None else algo(below)
 
 
 def vllm_format_refusal(meta: QuantMetadata | None) -> str | None:
@@ -392,11 +421,12 @@ _TABLE_SHARD = re.compile(r"^(.*)\.shard_\d+$")
 
 def engine_modules(linear_names: Sequence[str], rules: EngineRules = _QWEN3) -> list[EngineModule]:
     """Group checkpoint Linear module names into the modules vLLM builds (packed, experts, embedding tables)."""
-    out: dict[str, EngineModule] = {}
+    members: dict[str, list[str]] = {}
+    kinds: dict[str, str] = {}
 
     def add(prefix: str, name: str, kind: str) -> None:
-        prev = out.get(prefix)
-        out[prefix] = EngineModule(prefix, (*(prev.members if prev else ()), name), kind)
+        members.setdefault(prefix, []).append(name)
+        kinds[prefix] = kind
 
     # longest shard names first: "indexer.index_qk_proj" before a plain leaf
     shards = sorted(((s, p) for p, ss in rules.packed.items() for s in ss), key=lambda sp: -len(sp[0]))
@@ -412,12 +442,12 @@ def engine_modules(linear_names: Sequence[str], rules: EngineRules = _QWEN3) -> 
                 add(table, name, "embedding")
                 continue
         if matches(name, rules.built_unquantized):
-            out[name] = EngineModule(name, (name,), "unquantized")
+            members[name], kinds[name] = [name], "unquantized"
             continue
-        packed = next((p for sh, p in shards if name.endswith("." + sh)), None)
-        if packed is not None:
-            shard = next(sh for sh, p in shards if name.endswith("." + sh))
+        shard = next((sh for sh, _ in shards if name.endswith("." + sh)), None)
+        if shard is not None:
+            packed = next(p for sh, p in shards if sh == shard)
             add(f"{name[: -len(shard) - 1]}.{packed}", name, "packed")
             continue
-        out[name] = EngineModule(name, (name,), "linear")
-    return list(out.values())
+        members[name], kinds[name] = [name], "linear"
+    return [EngineModule(prefix, tuple(names), kinds[prefix]) for prefix, names in members.items()]

@@ -108,23 +108,9 @@ TINY_TEXT_CONFIG: dict[str, Any] = {
     "mtp_num_hidden_layers": 1,
 }
 
-_VISION: dict[str, Any] = {
-    "depth": 1,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_heads": 2,
-    "in_channels": 3,
-    "patch_size": 16,
-    "spatial_merge_size": 2,
-    "temporal_patch_size": 2,
-    "num_position_embeddings": 64,
-    "hidden_act": "gelu_pytorch_tanh",
-    "deepstack_visual_indexes": [],
-}
-
 
 def qwen4_exp_config(
-    text: Mapping[str, Any], *, alias: bool = False, tied: bool = False, vision: Mapping[str, Any] | None = None
+    text: Mapping[str, Any], vision: Mapping[str, Any], *, alias: bool = False, tied: bool = False
 ) -> dict[str, Any]:
     """A wrapper config.json for a Qwen4-Exp text config (``alias``: the day-0 ``qwen3_8_flash_next`` labels)."""
     t = copy.deepcopy(dict(text))
@@ -144,7 +130,7 @@ def qwen4_exp_config(
         "eos_token_id": 2 if vocab < 4096 else 248046,
         "dtype": "bfloat16",
     }
-    vis = dict(vision if vision is not None else _VISION)
+    vis = dict(vision)
     vis |= {"out_hidden_size": t["hidden_size"], "model_type": "qwen4_exp_vision"}
     return {
         "architectures": ["Qwen3_8FlashNextForConditionalGeneration" if alias else "Qwen4ExpForConditionalGeneration"],

@@ -54,7 +54,7 @@ _MOE: dict[str, Any] = {
     "decoder_sparse_step": 1,
     "mlp_only_layers": [],
 }
-_VISION: dict[str, Any] = {
+TINY_VISION: dict[str, Any] = {
     "depth": 1,
     "hidden_size": 64,
     "intermediate_size": 128,
@@ -113,7 +113,7 @@ def tiny_config(spec: TinySpec) -> dict[str, Any]:
         text = dict(TINY_TEXT_CONFIG, vocab_size=spec.vocab_size, hidden_size=spec.hidden_size)
         if not spec.mtp:
             text["mtp_num_hidden_layers"] = 0
-        return qwen4_exp_config(text, alias=spec.alias, tied=spec.tied)
+        return qwen4_exp_config(text, TINY_VISION, alias=spec.alias, tied=spec.tied)
     text = dict(_TEXT_BASE, vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, tie_word_embeddings=spec.tied)
     n = text["num_hidden_layers"]
     text["layer_types"] = [
@@ -151,7 +151,7 @@ def tiny_config(spec: TinySpec) -> dict[str, Any]:
         arch = "Qwen3_5MoeForCausalLM" if moe else "Qwen3_5ForCausalLM"
         return {"architectures": [arch], **text}
     vision = dict(
-        _VISION, out_hidden_size=spec.hidden_size, model_type="qwen3_5_moe_vision" if moe else "qwen3_5_vision"
+        TINY_VISION, out_hidden_size=spec.hidden_size, model_type="qwen3_5_moe_vision" if moe else "qwen3_5_vision"
     )
     return {
         "architectures": ["Qwen3_5MoeForConditionalGeneration" if moe else "Qwen3_5ForConditionalGeneration"],
