@@ -14,7 +14,7 @@ from mtpquant.errors import ExitCode, MtpquantError, exit_code_table
 __all__ = ["main"]
 
 # Subcommand modules, each with `register(subparsers)` setting `func(args) -> int` on its parser.
-COMMANDS = ("demo", "convert", "graft", "inspect", "validate", "publish", "tiny")
+COMMANDS = ("demo", "convert", "graft", "heal", "inspect", "validate", "publish", "tiny")
 
 
 def add_base_model_arguments(p: argparse.ArgumentParser) -> None:

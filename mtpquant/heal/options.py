@@ -18,8 +18,8 @@ class HealOptions:
     """Everything ``mtpquant heal`` takes; the CLI builds one of these and calls ``heal``.
 
     The default schedule is short: 64 calibration prompts of 64 tokens continued by the quantized target for 128
-    tokens (half greedily, half at ``temperature``), 200 steps of 8 sequences, then the held-out check on 32
-    prompts of validate's default (held-out) set.
+    tokens (half greedily, half at ``temperature``), 100 steps of 8 sequences at lr 1e-3 training the first two
+    chained drafts, then the held-out check on 32 prompts of validate's default (held-out) set.
     """
 
     quant: str | os.PathLike[str]
@@ -34,10 +34,10 @@ class HealOptions:
     temperature: float = 0.7  # the serving temperature of the sampled continuations
     sampled: float = 0.5  # share of the prompts continued at ``temperature`` (the rest greedily)
     # ---- the schedule ---------------------------------------------------------------------------------------
-    steps: int = 200
-    lr: float = 1e-4
+    steps: int = 100
+    lr: float = 1e-3
     batch_size: int = 8  # sequences per step
-    chain: int = 1  # MTP steps trained per row: k > 1 feeds the layer its own outputs, as the engines draft
+    chain: int = 2  # MTP steps trained per row: k > 1 feeds the layer its own outputs, as the engines draft
     seed: int = 0
     # ---- the held-out check -------------------------------------------------------------------------------
     check_prompts: int = 32
@@ -49,7 +49,7 @@ class HealOptions:
     dtype: str | None = None  # compute dtype: float32 on CPU, bfloat16 on CUDA unless given
     max_memory: str | None = None  # caps for the quantized target, e.g. "cpu=3GiB" (the rest read from disk)
     activations: str = "emulate"  # emulate W4A4 activation quantization as the engines run it | off
-    batch_prompts: int = 16  # prompts generated together
+    batch_prompts: int = 32  # prompts generated together
     # ---- the write ----------------------------------------------------------------------------------------
     revision: str | None = None  # QUANT's Hub revision
     source_revision: str | None = None  # SRC's Hub revision

@@ -77,7 +77,7 @@ def mtp_storage(quant: Checkpoint, formats: Mapping[str, object]) -> MtpStorage:
     if pre:
         raise HealRefusedError(f"{label}: {pre[0]} has an AWQ pre_quant_scale; heal cannot write that layout back")
     shapes = {e.name: e.shape for e in quant.mtp_tensors()}
-    expected = set(mtp_quantized_modules(mtp_linear_modules(_logical_shapes(shapes))))
+    expected = set(mtp_quantized_modules(mtp_linear_modules(_logical_shapes(shapes)), quant.spec.family.mtp))
     if set(mtp_formats) != expected:
         odd = sorted(set(mtp_formats) ^ expected)[0]
         raise HealRefusedError(
@@ -120,7 +120,7 @@ def export_mtp(
         # quantize as convert does: from the source's dtype (the healed float32 rounded to it), modelopt's math
         src_dtype = {n: torch_dtype(src.tensors[n].dtype) for n in healed if n in src.tensors}
         weights = {n: t.to(src_dtype.get(n, torch.bfloat16)) for n, t in healed.items()}
-        result = quantize_mtp(weights, None, storage.fmt, activations=False)
+        result = quantize_mtp(weights, None, storage.fmt, activations=False, layout=quant.spec.family.mtp)
         quantized = {m + ".weight" for m in storage.quantized}
         for name, tensor in result.tensors.items():
             out[name] = tensor

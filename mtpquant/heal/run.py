@@ -29,8 +29,7 @@ from mtpquant.heal.check import CheckResult
 from mtpquant.heal.options import HealOptions
 from mtpquant.heal.plan import HealPlan, plan_heal
 from mtpquant.heal.train import TrainLog
-from mtpquant.provenance import HealAl, HealRecord, Step
-from mtpquant.public import public_args, public_ref
+from mtpquant.provenance import HealAl, HealRecord
 
 __all__ = ["HealOptions", "HealPlan", "HealResult", "heal", "plan_heal"]
 

@@ -44,10 +44,10 @@ _KL_CHUNK_ROWS = 256
 class Schedule:
     """How the layer trains: AdamW, linear warm-up then cosine decay to ``min_lr_ratio`` x lr, clipped gradients."""
 
-    steps: int = 200
-    lr: float = 1e-4
+    steps: int = 100
+    lr: float = 1e-3
     batch_size: int = 8
-    chain: int = 1
+    chain: int = 2
     seed: int = 0
     warmup_share: float = 0.1
     min_lr_ratio: float = 0.1

@@ -17,7 +17,7 @@ from typing import Any
 from mtpquant.checkpoint.digest import checksum
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.errors import OutputVerificationError
-from mtpquant.graft.lineage import mtp_layer_count
+from mtpquant.families import mtp_layer_count
 from mtpquant.graft.plan import Plan, plan_index_fix, plan_shards, weight_map_of
 from mtpquant.graft.verify import verify_result
 from mtpquant.graft.write import NewMtp, Target, WriteLog, build
@@ -38,7 +38,7 @@ def heal_step(plan: HealPlan, src: Checkpoint, record: HealRecord | None) -> Ste
     return Step("heal", public_args(plan.options.command, ref), source=public_ref(ref), heal=record)
 
 
-def _verify(plan: HealPlan, quant: Checkpoint, hashes: dict[str, str], layers: int, warnings: list[str]) -> Any:
+def _verify(quant: Checkpoint, hashes: dict[str, str], layers: int, warnings: list[str]) -> Any:
     from mtpquant.inspect.report import inspect_checkpoint
 
     expected = {e.name: e.shape for e in quant.mtp_tensors()}
@@ -101,7 +101,7 @@ def write_healed(
     plan_index_fix(gplan)
     max_bytes = plan.options.max_shard_bytes
     new_mtp = NewMtp(tuple(names), lambda od: write_planned_mtp(od, tensors, max_bytes))
-    verify = _verify(plan, quant, hashes, gplan.mtp_layers, result.warnings)
+    verify = _verify(quant, hashes, gplan.mtp_layers, result.warnings)
     return build(target, gplan, new_mtp, heal_step(plan, src, None), result, verify, link=plan.options.link)
 
 
