@@ -76,7 +76,7 @@ def register(subparsers: Any) -> None:
     add_schedule_arguments(p)
     p.add_argument("--temperature", type=float, metavar="T", help="serving temperature of the sampled continuations "
                    "(default 0.7)")
-    p.add_argument("--check-prompts", type=int, metavar="N", help="held-out prompts of the check (default 32)")
+    p.add_argument("--check-prompts", type=int, metavar="N", help="held-out prompts of the check (default 64)")
     p.add_argument("--k", type=int, metavar="K", help="the check measures AL for k = 1..K (default 3)")
     p.add_argument("--force", action="store_true",
                    help="write the healed MTP even if the check does not show it better (the provenance says so)")

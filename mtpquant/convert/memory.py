@@ -212,8 +212,8 @@ class MemoryPlan:
             any(d.startswith("cuda") for d, _ in self.resident) and dict(self.resident).get("cpu", 0) > 0
         )
 
-    def lines(self) -> list[str]:
-        """The ``--dry-run`` lines."""
+    def lines(self, work: str | None = None) -> list[str]:
+        """The ``--dry-run`` lines; ``work`` replaces what the peak line says runs (convert: its calibration)."""
         where = ", ".join(f"{d} {format_bytes(n)}" for d, n in self.resident if n)
         if self.disk_bytes:
             where += f", disk {format_bytes(self.disk_bytes)} (read from SRC's files as each layer runs)"
@@ -228,7 +228,8 @@ class MemoryPlan:
             f"placement  {where}",
             "peak       "
             + peaks
-            + ("; layer-wise calibration (resumable)" if self.layerwise else "; calibration in one pass"),
+            + (f"; {work}" if work else "; layer-wise calibration (resumable)" if self.layerwise
+               else "; calibration in one pass"),
         ]
         out += [f"note       {n}" for n in self.notes]
         return out

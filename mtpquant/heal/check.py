@@ -1,11 +1,12 @@
 """heal's held-out check: the MTP's acceptance before and after, on prompts heal never trained on.
 
-The quantized target continues validate's default prompts (held out from the tiny model's training text and from
-heal's data) greedily; on those sequences the built-in replay (``validate.replay.evaluate_acceptance``, the engines'
-drafting and greedy verification) measures the AL of QUANT's MTP and of the healed one, for k = 1..K, each
-sequence counted on its own. The change is decided with a paired bootstrap over the sequences
-(``better_beyond_noise``): the healed MTP is better when, at every k, the lower end of the 95 % interval of
-AL(after) - AL(before) is above 0.
+The quantized target continues held-out prompts greedily: validate's default prompts (``validate.prompts``: text
+held out from the tiny model's training and from heal's data), cut into 300-character pieces so that 64 of them are
+all different (the prompts use at most half of a 128-token sequence, about 64 tokens, either way); on those
+sequences the built-in replay (``validate.replay.evaluate_acceptance``, the engines' drafting and greedy
+verification) measures the AL of QUANT's MTP and of the healed one, for k = 1..K, each sequence counted on its own.
+The change is decided with a paired bootstrap over the sequences (``better_beyond_noise``): the healed MTP is better
+when, at every k, the lower end of the 95 % interval of AL(after) - AL(before) is above 0.
 """
 
 from __future__ import annotations
@@ -17,11 +18,30 @@ from dataclasses import dataclass
 from mtpquant.validate.load import MtpBundle
 from mtpquant.validate.replay import ReplayError, TargetRun, evaluate_acceptance
 
-__all__ = ["CONFIDENCE", "AlChange", "CheckResult", "UnitCounts", "better_beyond_noise", "compare", "unit_counts"]
+__all__ = [
+    "CONFIDENCE",
+    "AlChange",
+    "CheckResult",
+    "UnitCounts",
+    "better_beyond_noise",
+    "check_prompts",
+    "compare",
+    "unit_counts",
+]
 
 CONFIDENCE = 0.95
 RESAMPLES = 2000
 MIN_UNITS = 5
+
+
+PROMPT_CHARS = 300
+
+
+def check_prompts(n: int) -> list[str]:
+    """``n`` held-out prompts, all different (validate's default prompts, in pieces of ``PROMPT_CHARS``)."""
+    from mtpquant.validate.prompts import default_prompts
+
+    return list(dict.fromkeys(default_prompts(n, chars=PROMPT_CHARS)))
 
 
 @dataclass(frozen=True)

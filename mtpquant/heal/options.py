@@ -19,7 +19,7 @@ class HealOptions:
 
     The default schedule is short: 64 calibration prompts of 64 tokens continued by the quantized target for 128
     tokens (half greedily, half at ``temperature``), 100 steps of 8 sequences at lr 1e-3 training the first two
-    chained drafts, then the held-out check on 32 prompts of validate's default (held-out) set.
+    chained drafts, then the held-out check on 64 prompts of validate's held-out text.
     """
 
     quant: str | os.PathLike[str]
@@ -40,7 +40,7 @@ class HealOptions:
     chain: int = 2  # MTP steps trained per row: k > 1 feeds the layer its own outputs, as the engines draft
     seed: int = 0
     # ---- the held-out check -------------------------------------------------------------------------------
-    check_prompts: int = 32
+    check_prompts: int = 64
     check_len: int = 128  # tokens per held-out sequence (prompt at most half, the target's greedy rest)
     k: int = 3  # the check measures AL for k = 1..k
     force: bool = False  # write the healed MTP even when the check does not show it better (the record says so)

@@ -67,10 +67,13 @@ class HealPlan:
             f"{o.new_tokens} tokens: {greedy} greedy, {o.samples - greedy} at temperature {o.temperature:g}",
             f"schedule   {o.steps} steps x {o.batch_size} sequences, lr {o.lr:g}, chain {o.chain}, seed {o.seed}; "
             f"{self.device}, {self.dtype}",
-            f"check      held-out AL at k = 1..{o.k} on {o.check_prompts} prompts of validate's default set, before "
+            f"check      held-out AL at k = 1..{o.k} on {o.check_prompts} prompts of validate's held-out text, before "
             "and after; nothing is written unless better beyond noise at every k"
             + (" (--force: written anyway)" if o.force else ""),
-            *self.memory.lines(),
+            *self.memory.lines(
+                "the quantized target, dequantized" + (": the layers on disk read from QUANT's files and "
+                                                       "dequantized as they run" if self.memory.disk_bytes else "")
+            ),
             f"training   ~{format_bytes(self.train_bytes)} (MTP + optimizer state, embedding and LM head in "
             f"{self.head_dtype}, one batch)",
             f"disk       {format_bytes(self.data_bytes)} of hidden states ({self.sequences} x {self.seq_len} tokens, "

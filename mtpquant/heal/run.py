@@ -30,6 +30,7 @@ from mtpquant.heal.options import HealOptions
 from mtpquant.heal.plan import HealPlan, plan_heal
 from mtpquant.heal.train import TrainLog
 from mtpquant.provenance import HealAl, HealRecord
+from mtpquant.public import public_text
 
 __all__ = ["HealOptions", "HealPlan", "HealResult", "heal", "plan_heal"]
 
@@ -94,7 +95,7 @@ def _record(plan: HealPlan, data: Any, check: CheckResult, forced: bool) -> Heal
     o = plan.options
     return HealRecord(
         precision=plan.storage.label,
-        data=data.source,
+        data=public_text(data.source),  # the record goes public with OUT: local paths by base name
         sequences=data.sequences,
         tokens=data.tokens,
         sampled=data.sampled,
@@ -158,12 +159,12 @@ def _heal(
 
     from mtpquant.convert.calibration import load_tokenizer
     from mtpquant.graft.write import commit
-    from mtpquant.heal.check import compare, unit_counts
+    from mtpquant.heal.check import check_prompts, compare, unit_counts
     from mtpquant.heal.data import collect, training_prompts
     from mtpquant.heal.write import record_step, write_healed
     from mtpquant.validate.builtin import capture
     from mtpquant.validate.load import CheckpointWeights, compute_dtype, load_mtp, load_target, resolve_device
-    from mtpquant.validate.prompts import default_prompts, tokenize_prompts
+    from mtpquant.validate.prompts import tokenize_prompts
 
     options = plan.options
     torch.set_flush_denormal(True)  # denormals in tiny AdamW updates make CPU kernels crawl
@@ -178,7 +179,7 @@ def _heal(
         model = load_target(weights, device=device, dtype=dtype, activations=options.activations,
                             max_memory=plan.memory.caps.for_accelerate() if plan.memory.caps else None)
     with timer("check_target"):
-        ids = tokenize_prompts(quant.source, default_prompts(options.check_prompts), vocab)
+        ids = tokenize_prompts(quant.source, check_prompts(options.check_prompts), vocab)
         held_out = capture(model, ids, options.check_len, label="held-out", progress=options.progress,
                            batch_size=options.batch_prompts)
     with timer("data"):
