@@ -18,7 +18,15 @@ from mtpquant.checkpoint.source import CheckpointSource
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.errors import ExitCode
 from mtpquant.formats.quant_config import QuantMetadata
-from mtpquant.inspect.engines import FusedShardsError, engine_modules, vllm_builds_quantized, vllm_format_refusal
+from mtpquant.inspect.engines import (
+    EngineModule,
+    FusedShardsError,
+    engine_modules,
+    sglang_builds_quantized,
+    sglang_mtp_build,
+    vllm_builds_quantized,
+    vllm_format_refusal,
+)
 from mtpquant.inspect.precision import is_quantized, linear_modules, module_of, module_precision
 
 __all__ = [
@@ -258,7 +266,61 @@ def _main_section(ckpt: Checkpoint, meta: QuantMetadata | None) -> tuple[dict[st
     return main, vision, findings
 
 
-def _verdicts(report: dict[str, Any], ref: str) -> tuple[dict[str, str], dict[str, str], list[Finding]]:
+# Precisions whose weight is packed (not the BF16 shape): SGLang cannot load them into a module it built in BF16.
+_PACKED_PRECISIONS = ("NVFP4", "NVFP4-CT")
+
+
+def _sglang_verdict(mods: list[ModuleReport], meta: QuantMetadata | None, precision: str) -> tuple[str, bool]:
+    """What SGLang does with this MTP (``inspect/engines.py``: its loader's rules), and whether it serves it
+    with NEXTN."""
+    built = {m.module: _sglang_build(m, meta) for m in mods}
+    for m in mods:
+        q, reason = built[m.module]
+        disk_q = m.disk != "mixed" and is_quantized(m.disk)
+        if m.disk == "missing" or (q == disk_q and m.disk != "mixed"):
+            continue
+        if q is None:
+            return f"SGLang will fail to load the MTP (NEXTN): {reason}", False
+        if m.disk == "mixed":
+            return f"SGLang will fail to load the MTP (NEXTN): {m.module} mixes precisions across its tensors", False
+        if q:
+            return (
+                f"SGLang will fail to load the MTP (NEXTN): it builds {m.module} quantized ({reason}), but it is "
+                f"{m.disk} on disk",
+                False,
+            )
+        if m.disk in _PACKED_PRECISIONS:
+            return (
+                f"SGLang will fail to load the MTP (NEXTN): {reason}, and the packed {m.disk} weight of {m.module} "
+                "does not fit a BF16 module; serve without speculative decoding, or with vLLM",
+                False,
+            )
+        return (
+            f"SGLang will draft with a wrong MTP (NEXTN): {reason}, and loads the {m.disk} values of {m.module} "
+            "without their scales",
+            False,
+        )
+    if any(is_quantized(m.disk) for m in mods):
+        _, why = sglang_mtp_build(meta)
+        return f"SGLang: MTP loads ({precision}; {why})", True
+    return f"SGLang: MTP loads ({precision})", True
+
+
+def _sglang_build(m: ModuleReport, meta: QuantMetadata | None) -> tuple[bool | None, str]:
+    module = EngineModule(m.module, tuple(m.members), _module_kind(m))
+    try:
+        return sglang_builds_quantized(module, meta)
+    except FusedShardsError as exc:
+        return None, str(exc)
+
+
+def _module_kind(m: ModuleReport) -> str:
+    return next((e.kind for e in engine_modules(m.members) if e.prefix == m.module), "linear")
+
+
+def _verdicts(
+    report: dict[str, Any], ref: str, meta: QuantMetadata | None
+) -> tuple[dict[str, str], dict[str, str], list[Finding]]:
     notes: list[Finding] = []
     present = report["mtp_present_tensors"] > 0
     mods: list[ModuleReport] = report["mtp_modules"]
@@ -294,16 +356,12 @@ def _verdicts(report: dict[str, Any], ref: str) -> tuple[dict[str, str], dict[st
                     "unquantized (run `mtpquant graft --fix-metadata`)",
                 )
             )
-    quantized_mtp = any(is_quantized(m.disk) for m in mods)
-    if quantized_mtp:
-        sglang = "SGLang: MTP is quantized; SGLang will not use it (it serves only a BF16 MTP)"
-    else:
-        sglang = "SGLang: MTP loads (BF16)"
+    sglang, sglang_serves = _sglang_verdict(mods, meta, report["mtp_precision"])
     n = NUM_SPECULATIVE_TOKENS
     serve: dict[str, str] = {}
     if not broken:
         serve["vllm"] = f'vllm serve {ref} --speculative-config \'{{"method":"mtp","num_speculative_tokens":{n}}}\''
-    if not quantized_mtp:
+    if sglang_serves:
         serve["sglang"] = (
             f"python -m sglang.launch_server --model-path {ref} --speculative-algorithm NEXTN "
             f"--speculative-num-steps {n} --speculative-eagle-topk 1 --speculative-num-draft-tokens {n + 1}"
@@ -342,7 +400,7 @@ def _inspect(ckpt: Checkpoint, t0: float) -> InspectReport:
     failures += [Finding("index", p.message) for p in index_problems]
     warnings += [Finding("note", p.message) for p in ckpt.problems if not p.fatal]
     label = ckpt.label
-    verdicts, serve, notes = _verdicts(report, label)
+    verdicts, serve, notes = _verdicts(report, label, meta)
     warnings += notes
     if ckpt.mtp_only and report["mtp_declared"] and not report["mtp_missing"]:
         # nothing to serve on its own: say what it is for instead of what an engine would do with it as a model
