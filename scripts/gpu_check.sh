@@ -14,7 +14,12 @@
 #   3. converts both again with --device cuda --max-memory cuda:0=2GiB (forcing CPU/disk offload and
 #      layer-wise calibration), and checks the two 4B outputs are the same tensors, byte for byte
 #   4. validates the tiny model's quant against its source with --device cuda
-#   5. (with GPU_CHECK_SGLANG_PYTHON, the python of an SGLang GPU environment, e.g. one made from the
+#   5. with GPU_CHECK_VLLM_PYTHON set (a python with vLLM >= 0.32, CUDA build): the Qwen3.8-Flash-Next
+#      (qwen4_exp) serve check, scripts/qwen4_exp_serve_check.py: vLLM started with MTP on the tiny qwen4_exp and
+#      on the published quant layouts (NVIDIA's MIXED_PRECISION, its refreshed metadata before and after
+#      `graft --fix-metadata`, ...), each outcome compared with inspect's verdict (the family has no CPU path in
+#      vLLM or SGLang, so this is its only engine check); GPU_CHECK_QWEN4_EXP=DIR adds a real checkpoint
+#   6. (with GPU_CHECK_SGLANG_PYTHON, the python of an SGLang GPU environment, e.g. one made from the
 #      lmsysorg/sglang image or `pip install sglang` on a machine with network) NVFP4 + SGLang, which no CPU can
 #      run (`Invalid quantization method on CPU: modelopt_fp4`): the tiny model converted in each MTP mode and
 #      format mtpquant writes (ModelOpt NVFP4 keep and quantize, FP8 MTP as MIXED_PRECISION, compressed-tensors
@@ -102,6 +107,12 @@ same = sorted(a.tensors) == sorted(b.tensors) and all(a.read_raw(e) == b.read_ra
 print(f"4B in memory vs --max-memory {sys.argv[2]}: {'bit-identical' if same else 'DIFFERENT'} ({len(a.tensors)} tensors)")
 sys.exit(0 if same else 1)
 EOF
+if [[ -n "${GPU_CHECK_VLLM_PYTHON:-}" ]]; then
+  Q4=()
+  [[ -n "${GPU_CHECK_QWEN4_EXP:-}" ]] && Q4=(--checkpoint "$GPU_CHECK_QWEN4_EXP")
+  timeout $(( 1800 * SCALE )) "$PY" scripts/qwen4_exp_serve_check.py --vllm-python "$GPU_CHECK_VLLM_PYTHON" \
+    --work "$WORK/qwen4-exp" "${Q4[@]}"
+fi
 
 if [[ -n "${GPU_CHECK_SGLANG_PYTHON:-}" ]]; then
   SGL=$GPU_CHECK_SGLANG_PYTHON

@@ -427,7 +427,7 @@ def test_quantize_mode_fp8_is_mixed_precision(tiny_factory: Callable[[str], Path
     assert result.mode == "quantize"
     # modelopt_mixed listing mtp.* modules: SGLang builds the MTP with it, module by module (mtp.fc plain BF16)
     assert report.verdicts["sglang"] == (
-        "SGLang: MTP loads (mixed: BF16, FP8; modelopt_mixed lists mtp.* modules in quantized_layers)"
+        "SGLang: MTP loads (mixed: BF16, FP8; quantized_layers lists the MTP)"
     )
     assert "NEXTN" in report.serve_commands["sglang"]
 
