@@ -386,8 +386,8 @@ def _label_refusal(ckpt: Checkpoint) -> str | None:
         return None
     where, alias, canon = unknown[0]
     return (
-        f"the day-0 label {alias!r} ({where}) is unknown to vLLM 0.32 and SGLang 0.5.23; the weights are "
-        f"{canon!r}'s: relabel with `mtpquant graft QUANT --fix-metadata`"
+        f"the day-0 label {alias} ({where}) is unknown to vLLM 0.32 and SGLang 0.5.23 (the weights are "
+        f"{canon}'s): relabel with `mtpquant graft QUANT --fix-metadata --out FIXED`"
     )
 
 
