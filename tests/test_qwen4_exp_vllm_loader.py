@@ -155,3 +155,13 @@ def test_mixed_precision_resolution_is_vllms(
             assert mixed_algo(prefix, meta, rules.packed) == want, (kind, prefix)
             checked += 1
     assert checked > 40
+
+
+def test_serve_check_script_still_runs() -> None:
+    """scripts/qwen4_exp_serve_check.py (the GPU serve check) imports and parses its flags on any machine."""
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "qwen4_exp_serve_check.py"
+    run = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and "--vllm-python" in run.stdout, run.stderr[-500:]
