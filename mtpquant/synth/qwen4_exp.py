@@ -19,6 +19,7 @@ from typing import Any
 
 __all__ = [
     "FULL_TEXT_CONFIG",
+    "ROPE_PARAMETERS",
     "TINY_TEXT_CONFIG",
     "main_tensors",
     "ngram_buffers",
@@ -26,7 +27,8 @@ __all__ = [
     "qwen4_exp_config",
 ]
 
-_ROPE = {
+# Qwen3.5's RoPE (interleaved M-RoPE over a quarter of each head), Qwen4-Exp's too
+ROPE_PARAMETERS: dict[str, Any] = {
     "rope_type": "default",
     "rope_theta": 10_000_000.0,
     "partial_rotary_factor": 0.25,
@@ -125,7 +127,7 @@ def qwen4_exp_config(
         "max_position_embeddings": 262144,
         "attention_bias": False,
         "norm_topk_prob": True,
-        "rope_parameters": dict(_ROPE),
+        "rope_parameters": dict(ROPE_PARAMETERS),
         "tie_word_embeddings": tied,
         "eos_token_id": 2 if vocab < 4096 else 248046,
         "dtype": "bfloat16",
