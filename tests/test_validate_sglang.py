@@ -206,6 +206,18 @@ def test_servers_that_do_not_draft_an_mtp_chain(
     assert not (tmp_path / "r").exists()
 
 
+def test_a_separate_draft_model_is_measured_and_named(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    with SglangReplay({"speculative_draft_model_path": "org/eagle-head"}) as server:
+        code, _, err = _cli(capsys, TINY, "--server", server.url, *ARGS, "--report-dir", str(tmp_path))
+    assert code == 0, err
+    data = json.loads((tmp_path / "report.json").read_text())
+    assert data["engine"][0]["speculative"]["draft_model"] == "org/eagle-head"
+    assert (
+        f"{server.url} drafts with org/eagle-head (its draft model), not necessarily with the MTP of {MODEL}"
+        in (data["notes"])
+    )
+
+
 def test_server_serving_another_model(capsys: pytest.CaptureFixture[str]) -> None:
     with SglangReplay() as server:
         code, _, err = _cli(capsys, TINY, "--server", server.url, "--served-model", "org/other")

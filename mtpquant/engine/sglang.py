@@ -165,11 +165,6 @@ class SglangClient(EngineClientBase):
                 f"{self.url}: {info.display} drafts with {spec.algorithm}, not with the checkpoint's MTP: "
                 f"start it with {fix}"
             )
-        if spec.draft_model is not None and spec.draft_model not in (info.model_path, model):
-            raise EngineSpecDecodeError(
-                f"{self.url}: {info.display} drafts with a separate model ({spec.draft_model}), not with the MTP of "
-                f"{model}: start it without --speculative-draft-model-path"
-            )
         if k is None or k < 1:
             raise EngineAnswerError(f"{self.url}/get_server_info: speculative_num_steps is {k!r}")
         if spec.adaptive:

@@ -148,7 +148,16 @@ def _running(
     m = measure(server, info, model, prompts, new, SAMPLING)
     args = server.server_args()
     engine_info = _engine_info(info, model, m, args, label, info.speculative, max(opts.k_values))
-    return _Measured(label, model, engine_info, m), ids
+    return _Measured(label, model, engine_info, m, _draft_notes(info, model)), ids
+
+
+def _draft_notes(info: ServerInfo, model: str) -> tuple[str, ...]:
+    """A server that names a draft model other than the one it serves drafts with that model, not (necessarily)
+    with the served checkpoint's own MTP: the numbers are that drafter's."""
+    draft = info.speculative.draft_model if info.speculative else None
+    if draft is None or draft in (model, info.model_path):
+        return ()
+    return (f"{info.url} drafts with {draft} (its draft model), not necessarily with the MTP of {model}",)
 
 
 def _started(
