@@ -4,7 +4,8 @@ The trained tiny model's ``--keep-mtp`` (BF16 MTP) and ``--mtp quantize`` (NVFP4
 heals (``tests/support/heal.py``, shared with tests/test_heal.py) are served by vLLM with MTP speculative decoding
 at k = 1 and 2; the engine's own counters give the AL of each on the same prompts, and validate's built-in replay
 predicts it. The improvement the engine measures (healed minus unhealed) is positive and agrees with the predicted
-improvement within 0.1 at each k.
+improvement within 0.1 at each k. The default heals take CPU-minutes: the test runs with ``MTPQUANT_HEAL_PROOF=1``
+(under the engine lock, like every engine test).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import pytest
 
 from mtpquant.api import ValidateOptions, validate
 from tests.support.engine import CPU_ENV, EnginePool
-from tests.support.heal import HealedTiny
+from tests.support.heal import HealedTiny, proof
 
 pytestmark = pytest.mark.engine
 
@@ -48,6 +49,7 @@ def _measure(path: Path, vllm: EnginePool, report_dir: Path) -> dict[int, dict[s
     return {int(r["k"]): {"engine": float(r["engine_al"]), "predicted": float(r["predicted_al"])} for r in rows}
 
 
+@proof
 @pytest.mark.parametrize("mode", ["keep", "quantize"])
 def test_engine_measures_the_heals_improvement(
     healed_tiny: HealedTiny, vllm: EnginePool, tmp_path: Path, mode: str

@@ -137,7 +137,7 @@ def _argv(args: argparse.Namespace) -> list[str]:
     if args.heal:
         argv.append("--heal")
         for key, value in schedule_options(args).items():
-            argv += [f"--heal-{key}", str(value)]
+            argv += [f"--heal-{key.replace('_', '-')}", str(value)]
     if args.resume_every is not None:
         argv += ["--resume-every", str(args.resume_every)]
     for item in args.overrides:

@@ -44,12 +44,14 @@ def add_schedule_arguments(p: argparse.ArgumentParser, prefix: str = "") -> None
                    help="train the first K chained drafts, as the engines draft (default 2)")
     p.add_argument(f"--{prefix}samples", dest="heal_samples", type=int, metavar="N",
                    help="calibration prompts the target continues (default 64)")
+    p.add_argument(f"--{prefix}check-prompts", dest="heal_check_prompts", type=int, metavar="N",
+                   help="held-out prompts of the before/after check (default 64)")
 
 
 def schedule_options(args: argparse.Namespace) -> dict[str, Any]:
     """The HealOptions fields the schedule flags set (only those given)."""
     fields = {"data": "heal_data", "steps": "heal_steps", "lr": "heal_lr", "seed": "heal_seed",
-              "chain": "heal_chain", "samples": "heal_samples"}
+              "chain": "heal_chain", "samples": "heal_samples", "check_prompts": "heal_check_prompts"}
     return {k: getattr(args, v) for k, v in fields.items() if getattr(args, v, None) is not None}
 
 
@@ -76,7 +78,6 @@ def register(subparsers: Any) -> None:
     add_schedule_arguments(p)
     p.add_argument("--temperature", type=float, metavar="T", help="serving temperature of the sampled continuations "
                    "(default 0.7)")
-    p.add_argument("--check-prompts", type=int, metavar="N", help="held-out prompts of the check (default 64)")
     p.add_argument("--k", type=int, metavar="K", help="the check measures AL for k = 1..K (default 3)")
     p.add_argument("--force", action="store_true",
                    help="write the healed MTP even if the check does not show it better (the provenance says so)")
@@ -104,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
     from mtpquant.render import heal_text
 
     extra: dict[str, Any] = schedule_options(args)
-    for name in ("temperature", "check_prompts", "k"):
+    for name in ("temperature", "k"):
         if getattr(args, name) is not None:
             extra[name] = getattr(args, name)
     options = HealOptions(
