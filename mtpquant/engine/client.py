@@ -1,4 +1,4 @@
-"""A running vLLM OpenAI-compatible server, over HTTP (requests): version, models, completions, counters.
+"""A running vLLM OpenAI-compatible server, over HTTP (``engine.http``): version, models, completions, counters.
 
 Every failure is one line naming the server: unreachable (connection refused, DNS, timeout), not a vLLM
 server (no ``/version`` with a version, no vLLM metrics), an unexpected answer. mtpquant never imports vLLM.
@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from mtpquant.engine.counters import CounterSnapshot, parse_metrics
-from mtpquant.errors import EngineAnswerError, EngineModelError, EngineUnreachableError
+from mtpquant.engine.http import METRICS_CAP, Answer, EngineHttp
+from mtpquant.errors import EngineAnswerError, EngineModelError
 
 __all__ = ["Completion", "EngineClient", "ServerInfo"]
 
@@ -41,41 +42,20 @@ class Completion:
 class EngineClient:
     """Talks to one server at ``url`` (``http://host:port``)."""
 
-    def __init__(self, url: str, *, timeout: float = 30.0, generate_timeout: float = 600.0) -> None:
-        self.url = url.rstrip("/")
+    def __init__(
+        self, url: str, *, timeout: float = 30.0, generate_timeout: float = 600.0, api_key: str | None = None
+    ) -> None:
+        self.http = EngineHttp(url, timeout=timeout, api_key=api_key)  # bounded; ``url`` without credentials
+        self.url = self.http.url
         self.timeout = timeout
         self.generate_timeout = generate_timeout
-        import requests
-
-        self._session = requests.Session()
-        self._session.trust_env = False  # a local engine: never through a proxy from the environment
 
     # ---- transport ------------------------------------------------------------------------------
-    def _request(self, method: str, path: str, *, json: Any = None, timeout: float | None = None) -> Any:
-        import requests
-
-        try:
-            resp = self._session.request(method, self.url + path, json=json, timeout=timeout or self.timeout)
-        except requests.Timeout:
-            wait = timeout or self.timeout
-            raise EngineUnreachableError(f"{self.url}: no answer to {path} within {wait:g} s") from None
-        except requests.ConnectionError as exc:
-            raise EngineUnreachableError(f"{self.url}: cannot connect ({_reason(exc)})") from None
-        except requests.RequestException as exc:
-            raise EngineUnreachableError(f"{self.url}: {type(exc).__name__} on {path}") from None
-        return resp
+    def _request(self, method: str, path: str, *, json: Any = None, timeout: float | None = None) -> Answer:
+        return self.http.request(method, path, json=json, timeout=timeout)
 
     def _json(self, path: str, *, payload: Any = None, timeout: float | None = None) -> Any:
-        resp = self._request("POST" if payload is not None else "GET", path, json=payload, timeout=timeout)
-        if resp.status_code != 200:
-            detail = _detail(resp)
-            raise EngineAnswerError(f"{self.url}{path}: HTTP {resp.status_code}{': ' + detail if detail else ''}")
-        try:
-            return resp.json()
-        except ValueError:
-            raise EngineAnswerError(
-                f"{self.url}{path}: the answer is not JSON (is this a vLLM OpenAI server?)"
-            ) from None
+        return self.http.json(path, payload=payload, timeout=timeout, what="a vLLM OpenAI")
 
     # ---- endpoints ------------------------------------------------------------------------------
     def info(self) -> ServerInfo:
@@ -109,7 +89,7 @@ class EngineClient:
 
     def counters(self, model: str) -> CounterSnapshot:
         """The speculative-decoding counters of ``model`` now."""
-        resp = self._request("GET", "/metrics")
+        resp = self.http.request("GET", "/metrics", limit=METRICS_CAP)
         if resp.status_code != 200:
             raise EngineAnswerError(f"{self.url}/metrics: HTTP {resp.status_code}")
         try:
@@ -152,24 +132,3 @@ class EngineClient:
             out.append(Completion(tuple(int(i) for i in ids), tokens, choice.get("finish_reason")))
         return out
 
-
-def _reason(exc: Exception) -> str:
-    text = str(exc)
-    for marker in ("Connection refused", "Name or service not known", "No route to host", "timed out"):
-        if marker in text:
-            return marker.lower()
-    return type(exc).__name__
-
-
-def _detail(resp: Any) -> str:
-    try:
-        body = resp.json()
-    except ValueError:
-        return ""
-    if isinstance(body, dict):
-        err = body.get("error") or body.get("detail") or body.get("message")
-        if isinstance(err, dict):
-            err = err.get("message")
-        if isinstance(err, str):
-            return err.splitlines()[0][:200]
-    return ""

@@ -24,6 +24,7 @@ from typing import Any
 
 from mtpquant import __version__
 from mtpquant.engine.client import EngineClient, ServerInfo
+from mtpquant.engine.http import engine_api_key
 from mtpquant.engine.launch import VllmServer, free_port, server_args
 from mtpquant.errors import EngineAnswerError
 from mtpquant.validate.measure import EngineMeasurement, measure
@@ -118,7 +119,7 @@ def _running(
     opts: ValidateOptions, url: str, label: str, texts: Sequence[str], ids: list[list[int]] | None
 ) -> tuple[_Measured, list[list[int]]]:
     """Measure a server someone else runs."""
-    client = EngineClient(url, generate_timeout=opts.request_timeout)
+    client = EngineClient(url, generate_timeout=opts.request_timeout, api_key=engine_api_key(opts.api_key_file))
     info = client.info()
     model = client.resolve_model(info, opts.served_model)
     if ids is None:

@@ -40,6 +40,7 @@ class ValidateOptions:
     # ---- the engine path: a running server, or one mtpquant starts ------------------------------------------
     ks: tuple[int, ...] | None = None  # explicit k values (--k 1,3); None: 1..k
     server: str | None = None  # URL of a running vLLM server (the reference, or the one checkpoint)
+    api_key_file: Path | None = None  # the servers' key (else MTPQUANT_ENGINE_API_KEY); never stored
     candidate_server: str | None = None
     served_model: str | None = None  # the model name to ask the server(s) for (default: the only one served)
     engine: str | None = None  # "vllm": start the engine for REFERENCE [and CANDIDATE]
