@@ -11,12 +11,14 @@ time, so memory stays at one tensor.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import json
 import logging
 import os
 import shutil
 import struct
+import sys
 import uuid
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -31,12 +33,14 @@ from mtpquant.checkpoint.source import LocalSource, file_pieces
 from mtpquant.errors import CheckpointError, OutputExistsError
 
 __all__ = [
+    "ASIDE_MARK",
     "PARTIAL_MARK",
     "OutputDir",
     "PlannedTensor",
     "atomic_write_bytes",
     "atomic_write_json",
     "atomic_write_safetensors",
+    "exchange_dirs",
     "find_stale_partials",
     "fsync_dir",
     "plan_shards",
@@ -46,6 +50,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 PARTIAL_MARK = ".mtpquant-partial-"
+ASIDE_MARK = ".mtpquant-old-"  # an old output renamed aside by a replacement where exchange is unsupported
 _OWNER_FILE = ".mtpquant-owner"
 
 
@@ -70,6 +75,31 @@ class PlannedTensor:
     def nbytes(self) -> int:
         """Bytes of tensor data."""
         return tensor_nbytes(self.dtype, self.shape)
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+_UNSUPPORTED = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EXDEV, errno.EPERM}
+
+
+def exchange_dirs(a: Path, b: Path) -> bool:
+    """Atomically swap two paths (Linux ``renameat2`` with ``RENAME_EXCHANGE``); False if unsupported."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    renameat2.restype = ctypes.c_int
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in _UNSUPPORTED:
+        return False
+    raise OSError(err, os.strerror(err), str(a))
+
 
 
 def fsync_dir(path: Path) -> None:
@@ -245,6 +275,20 @@ def find_stale_partials(final: Path) -> list[Path]:
     return sorted(stale)
 
 
+def _recover_aside(final: Path) -> None:
+    """After a kill inside a replacement without exchange: put the old output back if nothing is at ``final``, and
+    remove any other old tree left aside. The caller holds ``final``'s lock."""
+    asides = sorted(final.parent.glob(f".{final.name}{ASIDE_MARK}*"), key=lambda p: p.stat().st_mtime_ns)
+    if asides and not os.path.lexists(final):
+        back = asides.pop()
+        log.warning("putting back %s, moved aside by a replacement that was interrupted", final)
+        os.replace(back, final)
+        fsync_dir(final.parent)
+    for aside in asides:
+        log.warning("removing the old output left aside by an interrupted replacement: %s", aside)
+        shutil.rmtree(aside, ignore_errors=True)
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -256,19 +300,38 @@ def _pid_alive(pid: int) -> bool:
 
 
 class OutputDir:
-    """A checkpoint being built in a temp sibling directory of ``final``."""
+    """A checkpoint being built in a temp sibling directory of ``final``.
 
-    def __init__(self, final: Path | str, *, overwrite: bool = False, lock: OutputLock | None = None) -> None:
+    ``overwrite``: an existing ``final`` may be replaced, after ``replace_check(final)`` (if given) accepts what is
+    there, at the start and again just before the replacement (``convert --overwrite`` replaces only a checkpoint
+    mtpquant wrote). The replacement is one atomic exchange of the two directories (Linux ``renameat2``), so a kill
+    leaves the old ``final`` or the new one; the old tree, left under the temp name, is removed, or by the next run
+    if a kill comes first. Where the filesystem cannot exchange, the old tree is renamed aside first
+    (``.<name>.mtpquant-old-<id>``) and the next run for ``final`` puts it back if a kill left no ``final``.
+    """
+
+    def __init__(
+        self,
+        final: Path | str,
+        *,
+        overwrite: bool = False,
+        lock: OutputLock | None = None,
+        replace_check: Callable[[Path], None] | None = None,
+    ) -> None:
         """``lock``: the destination's lock, already taken by the caller (it passes to this object)."""
         self.final = Path(final).absolute()
         self.overwrite = overwrite
+        self.replace_check = replace_check
         self.final.parent.mkdir(parents=True, exist_ok=True)
         # first the lock: from here on no other live run writes this destination
         self._lock = lock if lock is not None else OutputLock.acquire(self.final)
-        if self.final.exists() and not overwrite:
-            self._lock.release()
-            raise OutputExistsError(f"{self.final}: output already exists (use --overwrite to replace it)")
         try:
+            _recover_aside(self.final)
+            if os.path.lexists(self.final):
+                if not overwrite:
+                    raise OutputExistsError(f"{self.final}: output already exists (use --overwrite to replace it)")
+                if replace_check is not None:
+                    replace_check(self.final)
             for stale in find_stale_partials(self.final):
                 log.warning("removing leftover temporary directory of an interrupted run: %s", stale)
                 shutil.rmtree(stale, ignore_errors=True)
@@ -408,17 +471,24 @@ class OutputDir:
             verify(self.path)
         (self.path / _OWNER_FILE).unlink(missing_ok=True)
         fsync_dir(self.path)
-        trash: Path | None = None
-        if self.final.exists():
+        old: Path | None = None
+        if os.path.lexists(self.final):
             if not self.overwrite:
                 raise OutputExistsError(f"{self.final}: output appeared while converting; not replacing it")
-            trash = self.final.parent / f".{self.final.name}.mtpquant-old-{uuid.uuid4().hex[:8]}"
-            os.replace(self.final, trash)
-        os.replace(self.path, self.final)
+            if self.replace_check is not None:
+                self.replace_check(self.final)  # what is there now, under the lock
+            if exchange_dirs(self.path, self.final):
+                old = self.path  # the old tree, under the temp name: without an owner, a leftover the next run removes
+            else:
+                old = self.final.parent / f".{self.final.name}{ASIDE_MARK}{uuid.uuid4().hex[:8]}"
+                os.replace(self.final, old)
+                os.replace(self.path, self.final)
+        else:
+            os.replace(self.path, self.final)
         fsync_dir(self.final.parent)
         self._done = True
-        if trash is not None:
-            shutil.rmtree(trash, ignore_errors=True)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
         self._lock.release()
         log.info("wrote %s", self.final)
         return self.final

@@ -254,8 +254,12 @@ def _check_output(path: Path, src: Path | None, overwrite: bool, what: str) -> N
         a, b = path.resolve(), src.resolve()
         if a == b or b in a.parents or a in b.parents:
             raise OutputExistsError(f"{path}: {what} must not be the source directory, inside it, or contain it")
-    if path.exists() and not overwrite:
-        raise OutputExistsError(f"{path}: output already exists (use --overwrite to replace it)")
+    if os.path.lexists(path):
+        if not overwrite:
+            raise OutputExistsError(f"{path}: output already exists (use --overwrite to replace it)")
+        from mtpquant.provenance import check_replaceable
+
+        check_replaceable(path)
 
 
 def _check_not_quantized(ckpt: Checkpoint) -> None:

@@ -39,7 +39,7 @@ from mtpquant.convert.resume import ResumeState
 from mtpquant.errors import CalibrationDataError, OutputVerificationError
 from mtpquant.families import TensorClass, is_mtp_name
 from mtpquant.formats.quant_config import HF_QUANT_CONFIG, with_exclusions, without_exclusions
-from mtpquant.provenance import PROVENANCE_FILE, Provenance, Step, source_license
+from mtpquant.provenance import PROVENANCE_FILE, Provenance, Step, check_replaceable, source_license
 from mtpquant.public import public_args, public_name, public_ref
 from mtpquant.surgery.modes import ExtractMode, MtpOutcome, WriteContext, load_mtp_layer, same_bytes
 from mtpquant.units import format_bytes
@@ -259,8 +259,12 @@ def convert(options: ConvertOptions) -> ConvertResult:
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(library_progress(progress))
-        od = stack.enter_context(OutputDir(plan.out, overwrite=plan.overwrite))
-        mtp_od = stack.enter_context(OutputDir(plan.mtp_out, overwrite=plan.overwrite)) if plan.mtp_out else None
+        od = stack.enter_context(OutputDir(plan.out, overwrite=plan.overwrite, replace_check=check_replaceable))
+        mtp_od = (
+            stack.enter_context(OutputDir(plan.mtp_out, overwrite=plan.overwrite, replace_check=check_replaceable))
+            if plan.mtp_out
+            else None
+        )
         outcome, resume = _run(plan, ckpt, src_dir, od, mtp_od, timer, progress, result)
         od.write_text(PROVENANCE_FILE, Provenance((step,)).to_bytes().decode("utf-8"))
         if mtp_od is not None:
