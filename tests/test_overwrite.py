@@ -188,12 +188,16 @@ def test_convert_overwrite_replaces_its_own_output(tiny_factory: Factory, tmp_pa
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no old tree, no lock, no temp directory
 
 
-def test_tiny_overwrite_replaces_only_a_checkpoint_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_tiny_overwrite_replaces_only_a_checkpoint_directory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "out"
     assert main(["tiny", str(out), "--variant", "qwen3_5"]) == 0
     assert main(["tiny", str(out), "--variant", "qwen3_5-tied", "--overwrite"]) == 0  # its own kind: replaced
     (out / "notes").mkdir()
     code, err = _run(capsys, "tiny", str(out), "--variant", "qwen3_5", "--overwrite")
     assert code == ExitCode.OUTPUT_EXISTS
-    assert err == f"mtpquant: error: {out}: not a checkpoint directory (notes is not a checkpoint file); not replacing it"
+    assert err == (
+        f"mtpquant: error: {out}: not a checkpoint directory (notes is not a checkpoint file); not replacing it"
+    )
     assert (out / "notes").is_dir()

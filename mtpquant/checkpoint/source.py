@@ -131,7 +131,13 @@ def file_pieces(path: Path, start: int, end: int, label: str, chunk: int = 1 << 
 
 
 class LocalSource:
-    """A checkpoint directory on disk."""
+    """A checkpoint directory on disk.
+
+    Nothing is read through a symbolic link that leaves the directory: a file (or a directory on its way) that
+    resolves outside it is refused, naming it (a ``git clone`` or an archive can carry such a link, and convert and
+    graft would copy or hard-link its target into their output). The one exception is a snapshot in the HF cache
+    (``models--ORG--NAME/snapshots/COMMIT/``), whose files are links into the repo's own ``blobs/``.
+    """
 
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
@@ -141,18 +147,41 @@ class LocalSource:
         self.local_root: Path | None = self.root
         if not self.root.is_dir():
             raise CheckpointError(f"{self.root}: not a checkpoint directory")
+        real = os.path.realpath(self.root)
+        self._inside: tuple[str, ...] = (real.rstrip(os.sep) + os.sep,)
+        if _HF_CACHE_SNAPSHOT.search(Path(real).as_posix() + "/"):
+            blobs = Path(real).parent.parent / "blobs"
+            if blobs.is_dir() and not blobs.is_symlink():
+                self._inside += (str(blobs) + os.sep,)
+        self._contained: set[str] = set()  # relative paths already checked
 
     def list_files(self) -> list[str]:
-        """Relative paths of every regular file (not following into hidden temp dirs)."""
+        """Relative paths of every regular file (not following into hidden temp dirs, nor into linked directories);
+        a file that is a link leading out of the checkpoint is refused."""
         out = []
         for p in sorted(self.root.rglob("*")):
             rel = p.relative_to(self.root)
             if p.is_file() and not any(part.startswith(".") for part in rel.parts):
-                out.append(rel.as_posix())
+                name = rel.as_posix()
+                if p.is_symlink():  # rglob does not descend into linked directories: only the file itself can be one
+                    self._contain(name, p)
+                self._contained.add(name)
+                out.append(name)
         return out
 
+    def _contain(self, relpath: str, path: Path) -> None:
+        if not os.path.realpath(path).startswith(self._inside):
+            raise CheckpointError(
+                f"{self.label}: {relpath} is a symbolic link that leads outside the checkpoint; mtpquant never "
+                "follows a link out of a checkpoint (copy the file into it)"
+            )
+        self._contained.add(relpath)
+
     def _path(self, relpath: str) -> Path:
-        return self.root / relpath
+        path = self.root / relpath
+        if relpath not in self._contained:
+            self._contain(relpath, path)
+        return path
 
     def exists(self, relpath: str) -> bool:
         """Whether a file exists."""

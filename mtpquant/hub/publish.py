@@ -186,10 +186,10 @@ def plan_files(out: Path) -> list[PublishFile]:
         rel = p.relative_to(out)
         if any(part.startswith(".") for part in rel.parts) or any(fnmatch(rel.as_posix(), g) for g in _LOCAL_ONLY):
             continue
-        if p.is_symlink():
-            target = p.resolve()
-            if root not in target.parents:
-                raise PublishRefusedError(f"{out}/{rel.as_posix()}: symlink points outside OUT; refusing to upload it")
+        real = p.resolve()  # every file's real path: a link, or a file in a linked directory, must stay inside OUT
+        if real != root and root not in real.parents:
+            what = "symlink points" if p.is_symlink() else "resolves to a path"
+            raise PublishRefusedError(f"{out}/{rel.as_posix()}: {what} outside OUT; refusing to upload it")
         if p.is_file():
             files.append(PublishFile(rel.as_posix(), p.stat().st_size))
         elif not p.is_dir():

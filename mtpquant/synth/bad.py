@@ -182,6 +182,11 @@ def _pickle(d: Path) -> None:
     (d / "pytorch_model.bin").write_bytes(b"\x80\x04\x95 not loaded, ever")
 
 
+def _symlink_out(d: Path) -> None:
+    # a link out of the checkpoint (a git clone or an archive can carry one): here to the corpus' expected.json
+    (d / "notes.txt").symlink_to(Path("..") / "expected.json")
+
+
 def _unsupported(d: Path) -> None:
     config = json.loads((d / "config.json").read_text())
     config["architectures"], config["model_type"] = ["LlamaForCausalLM"], "llama"
@@ -245,6 +250,11 @@ BAD_CASES: dict[str, tuple[Callable[[Path], None], str]] = {
     "pickle-checkpoint": (
         _pickle,
         "{label}: pytorch_model.bin is a pickle checkpoint; mtpquant never loads pickles (convert it to safetensors)",
+    ),
+    "symlink-out": (
+        _symlink_out,
+        "{label}: notes.txt is a symbolic link that leads outside the checkpoint; mtpquant never follows a link out "
+        "of a checkpoint (copy the file into it)",
     ),
     "unsupported-architecture": (
         _unsupported,
