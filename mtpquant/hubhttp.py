@@ -34,7 +34,14 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from mtpquant.errors import HubAccessError, HubRefusedError, HubUnreachableError, MtpquantError
-from mtpquant.nethttp import BoundExceededError, current_budget, public_url, start_budget, transport_class
+from mtpquant.nethttp import (
+    BoundExceededError,
+    current_budget,
+    public_url,
+    scrub_credentials,
+    start_budget,
+    transport_class,
+)
 
 __all__ = [
     "API_CAP",
@@ -151,7 +158,7 @@ def _host(url: str | None) -> str:
 
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
+    return scrub_credentials(text.splitlines()[0]) if text else type(exc).__name__
 
 
 def translate(exc: BaseException, label: str, what: str, endpoint: str | None = None) -> MtpquantError | None:

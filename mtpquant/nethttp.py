@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ __all__ = [
     "budget",
     "current_budget",
     "public_url",
+    "scrub_credentials",
     "split_credentials",
     "start_budget",
     "transport_class",
@@ -226,3 +228,11 @@ def split_credentials(url: str) -> tuple[str, tuple[str, str] | None]:
 def public_url(url: str) -> str:
     """``url`` as it may be stored, logged or printed: without ``user:password@``."""
     return split_credentials(url)[0]
+
+
+_URL_CREDENTIALS = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/\s@]+@")
+
+
+def scrub_credentials(text: str) -> str:
+    """Free text (a library's error message) with ``user:password@`` removed from every URL in it."""
+    return _URL_CREDENTIALS.sub(r"\1", text)

@@ -40,7 +40,7 @@ from mtpquant.errors import CalibrationDataError, OutputVerificationError
 from mtpquant.families import TensorClass, is_mtp_name
 from mtpquant.formats.quant_config import HF_QUANT_CONFIG, with_exclusions, without_exclusions
 from mtpquant.provenance import PROVENANCE_FILE, Provenance, Step, check_replaceable, source_license
-from mtpquant.public import public_args, public_name, public_ref
+from mtpquant.public import public_args, public_file, public_name, public_ref
 from mtpquant.surgery.modes import ExtractMode, MtpOutcome, WriteContext, load_mtp_layer, same_bytes
 from mtpquant.units import format_bytes
 
@@ -462,7 +462,9 @@ def _run(
         if hfq is not None and not ct_format:  # compressed-tensors keeps its metadata in config.json only
             od.write_json(HF_QUANT_CONFIG, hfq)
         carry_files(od, src_dir, plan.carried_files)
-        od.write_text(RECIPE_FILE, recipe.to_yaml(_recipe_header(plan, ckpt.source.ref())))
+        # the file goes public with OUT: the calibration file by its base name
+        public = dataclasses.replace(recipe, calibration=dataclasses.replace(cal, data=public_file(cal.data)))
+        od.write_text(RECIPE_FILE, public.to_yaml(_recipe_header(plan, ckpt.source.ref())))
         shutil.rmtree(scratch, ignore_errors=True)
         offload = od.path / OFFLOAD
         result.offload_bytes = sum(p.stat().st_size for p in offload.rglob("*") if p.is_file())

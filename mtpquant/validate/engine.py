@@ -27,6 +27,7 @@ from mtpquant.engine.client import EngineClient, ServerInfo
 from mtpquant.engine.http import engine_api_key
 from mtpquant.engine.launch import VllmServer, free_port, server_args
 from mtpquant.errors import EngineAnswerError
+from mtpquant.public import public_args
 from mtpquant.validate.measure import EngineMeasurement, measure
 from mtpquant.validate.options import ValidateError, ValidateOptions
 from mtpquant.validate.prompts import default_prompts, load_prompts, prompt_length, tokenize_prompts
@@ -110,7 +111,7 @@ def _engine_info(
         k=k,
         k_source="server" if m.k else "--k",
         sampling=dict(SAMPLING),
-        server_args=tuple(args),
+        server_args=public_args(args),  # the report goes public with OUT: no key, paths by base name
         other_requests=m.other_requests,
     )
 
