@@ -34,6 +34,7 @@ from mtpquant import __version__
 from mtpquant.checkpoint.source import SourceRef
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.checkpoint.writer import OutputDir
+from mtpquant.convert.calibration import CalibrationData
 from mtpquant.convert.plan import RECIPE_FILE, ConvertOptions, ConvertPlan, plan_convert
 from mtpquant.convert.resume import ResumeState
 from mtpquant.errors import CalibrationDataError, OutputVerificationError
@@ -308,19 +309,26 @@ def convert(options: ConvertOptions) -> ConvertResult:
     return result
 
 
-def _resume_inputs(plan: ConvertPlan, src_dir: Path) -> dict[str, Any]:
-    """What layer-wise calibration depends on: a resume state is reused only when all of it is the same."""
+def _resume_inputs(plan: ConvertPlan, src_dir: Path, data: CalibrationData) -> dict[str, Any]:
+    """What layer-wise calibration depends on: a resume state is reused only when all of it is the same. The
+    calibration enters by its content: a digest of the very token rows it feeds the model, which covers the text
+    (a file edited at the same path, a dataset at another revision), the tokenizer and its chat template."""
+    import hashlib
+
     import modelopt
     import torch
     import transformers
 
     from mtpquant.convert.resume import source_stamp
 
+    rows = data.input_ids.contiguous()
     return {
         "source": str(src_dir.resolve()),
         "files": source_stamp(src_dir),
         "recipe": plan.recipe.to_yaml(""),
         "mode": plan.mode,
+        "calibration": {"rows": list(rows.shape), "sha256": hashlib.sha256(rows.numpy().tobytes()).hexdigest()},
+        "device": plan.device,
         "resume_every": plan.resume_every,  # modelopt refuses a state committed at another interval
         "versions": [__version__, modelopt.__version__, torch.__version__, transformers.__version__],
     }
@@ -382,7 +390,7 @@ def _run(
             "layer-wise calibration commits its resume state every %d of %d layers (~%s of layer inputs a commit)",
             plan.resume_every, ckpt.spec.dim("num_hidden_layers"), format_bytes(plan.resume_activation_bytes),
         )
-        resume = ResumeState.open(plan.out, _resume_inputs(plan, src_dir))
+        resume = ResumeState.open(plan.out, _resume_inputs(plan, src_dir, data))
         if resume.start_layer:
             result.resumed_from_layer = resume.start_layer
             log.info(
