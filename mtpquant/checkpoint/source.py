@@ -7,7 +7,6 @@ files, sizes and byte ranges, and the source counts the bytes it read so reports
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import re
@@ -20,6 +19,7 @@ from typing import Any, Protocol
 from mtpquant.errors import CheckpointError, MtpquantError
 
 __all__ = [
+    "JSON_LIMIT",
     "REPO_ID_RE",
     "CheckpointSource",
     "HubSource",
@@ -135,8 +135,9 @@ class LocalSource:
 
     Nothing is read through a symbolic link that leaves the directory: a file (or a directory on its way) that
     resolves outside it is refused, naming it (a ``git clone`` or an archive can carry such a link, and convert and
-    graft would copy or hard-link its target into their output). The one exception is a snapshot in the HF cache
-    (``models--ORG--NAME/snapshots/COMMIT/``), whose files are links into the repo's own ``blobs/``.
+    graft would copy or hard-link its target into their output). The one exception is a snapshot in the HF cache's
+    layout (``models--ORG--NAME/snapshots/COMMIT/``), whose files are links into the repo's own ``blobs/`` (a real
+    directory there, not itself a link).
     """
 
     def __init__(self, root: Path) -> None:
@@ -149,9 +150,9 @@ class LocalSource:
             raise CheckpointError(f"{self.root}: not a checkpoint directory")
         real = os.path.realpath(self.root)
         self._inside: tuple[str, ...] = (real.rstrip(os.sep) + os.sep,)
-        if _HF_CACHE_SNAPSHOT.search(Path(real).as_posix() + "/"):
+        if Path(real).parent.name == "snapshots":  # a snapshot of huggingface_hub's cache layout
             blobs = Path(real).parent.parent / "blobs"
-            if blobs.is_dir() and not blobs.is_symlink():
+            if blobs.is_dir() and not blobs.is_symlink():  # its own blobs/, itself no link to elsewhere
                 self._inside += (str(blobs) + os.sep,)
         self._contained: set[str] = set()  # relative paths already checked
 
@@ -459,11 +460,23 @@ def open_source(ref: str | os.PathLike[str], revision: str | None = None, token:
     raise CheckpointError(f"{ref_s}: no such directory, and not a Hub repo id (org/name)")
 
 
-def read_json(source: CheckpointSource, relpath: str) -> Any:
-    """Read and parse a small JSON file from a source, with a one-line error on failure."""
+# The largest JSON file of a checkpoint mtpquant reads whole (config, index, quantization config, provenance). A
+# real index of ~300,000 tensors is ~30 MB; this leaves room and still bounds what one bad file can take.
+JSON_LIMIT = 256 * 1024 * 1024
+
+
+def read_json(source: CheckpointSource, relpath: str, *, limit: int = JSON_LIMIT) -> Any:
+    """Read and parse a JSON file of a source (never more than ``limit`` bytes, locally or from the Hub, nor nested
+    deeper than the parser allows), with a one-line error on failure."""
+    from mtpquant import safejson
+
     size = source.file_size(relpath)
+    if size > limit:
+        raise CheckpointError(f"{relpath}: {size} bytes, more than the {limit} mtpquant reads of a JSON file")
     raw = source.read_range(relpath, 0, size)
     try:
-        return json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return safejson.loads(raw, limit=limit)
+    except safejson.JsonLimitError as exc:
+        raise CheckpointError(f"{relpath}: not readable JSON ({exc})") from None
+    except ValueError as exc:
         raise CheckpointError(f"{relpath}: not valid JSON ({exc})") from None

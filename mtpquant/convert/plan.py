@@ -43,6 +43,7 @@ from mtpquant.errors import (
 )
 from mtpquant.families import TensorClass
 from mtpquant.formats.quant_config import HF_QUANT_CONFIG
+from mtpquant.hfconfig import transformers_config
 from mtpquant.provenance import PROVENANCE_FILE, check_base_model
 from mtpquant.surgery.modes import BLOCK, MODE_NAMES, MODES, MtpMode, choose_mode
 
@@ -283,6 +284,7 @@ def plan_convert(options: ConvertOptions, ckpt: Checkpoint | None = None) -> tup
         ckpt = Checkpoint.open(options.src, revision=options.revision, strict=True)
     spec = ckpt.spec
     family = spec.family
+    transformers_config(ckpt.config)  # transformers' own validation: refused here (exit 3), not at a later load
     local_src = ckpt.source.local_root
     out = Path(options.out).expanduser()
     recipe = _resolve_recipe(options, family)
