@@ -20,7 +20,7 @@ import shutil
 import struct
 import sys
 import uuid
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -30,7 +30,7 @@ from mtpquant.checkpoint.header import ShardHeader, tensor_nbytes
 from mtpquant.checkpoint.index import INDEX_NAME, build_index, check_shard_name
 from mtpquant.checkpoint.lock import OutputLock
 from mtpquant.checkpoint.source import LocalSource, file_pieces
-from mtpquant.errors import CheckpointError, OutputExistsError
+from mtpquant.errors import CheckpointError, FilesystemError, MtpquantError, OutputExistsError
 
 __all__ = [
     "ASIDE_MARK",
@@ -43,7 +43,10 @@ __all__ = [
     "exchange_dirs",
     "find_stale_partials",
     "fsync_dir",
+    "mount_point",
+    "out_of_space",
     "plan_shards",
+    "space_error",
     "write_safetensors",
 ]
 
@@ -102,6 +105,14 @@ def exchange_dirs(a: Path, b: Path) -> bool:
 
 
 
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def fsync_dir(path: Path) -> None:
     """fsync a directory so renames in it survive a crash (best effort)."""
     with contextlib.suppress(OSError):
@@ -110,6 +121,60 @@ def fsync_dir(path: Path) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+# How libraries word running out of space when they do not raise OSError: safetensors ("I/O error: No space left on
+# device (os error 28)"), and torch.save, which loses the cause ("PytorchStreamWriter failed writing file ...",
+# "[enforce fail at inline_container.cc] unexpected pos"): those count only when the filesystem is in fact full.
+_SPACE_TEXTS = ("No space left on device", "os error 28", "Disk quota exceeded", "os error 122")
+_WRITE_FAILURE_TEXTS = ("PytorchStreamWriter failed writing", "inline_container.cc", "file write failed")
+_NEARLY_FULL = 64 * 1024 * 1024
+
+
+def mount_point(path: Path) -> Path:
+    """The mount point of the filesystem holding ``path`` (the nearest existing directory on its way up)."""
+    p = Path(path).absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    dev = p.stat().st_dev
+    while p != p.parent and p.parent.stat().st_dev == dev:
+        p = p.parent
+    return p
+
+
+def out_of_space(exc: BaseException, where: Path) -> bool:
+    """Whether ``exc`` (or what caused it) is the filesystem of ``where`` running out of space or quota, however the
+    library that wrote says so."""
+    seen: BaseException | None = exc
+    texts = []
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in _SPACE_ERRNOS:
+            return True
+        texts.append(str(seen))
+        seen = seen.__cause__ or seen.__context__
+    text = " ".join(texts)
+    if any(t in text for t in _SPACE_TEXTS):
+        return True
+    if any(t in text for t in _WRITE_FAILURE_TEXTS):
+        with contextlib.suppress(OSError):
+            return shutil.disk_usage(mount_point(where)).free < _NEARLY_FULL
+    return False
+
+
+def space_error(target: Path, where: Path, doing: str = "") -> FilesystemError:
+    """The one line for running out of space writing ``target``: the filesystem (its mount point) and what is left."""
+    from mtpquant.units import format_bytes
+
+    mount = mount_point(where)
+    try:
+        free = f", {format_bytes(shutil.disk_usage(mount).free)} free"
+    except OSError:
+        free = ""
+    during = f" while {doing}" if doing else ""
+    return FilesystemError(
+        f"{target}: No space left on device (the filesystem mounted at {mount}{free}){during}; nothing was put in place"
+    )
 
 
 def _write(fh: Any, data: bytes | memoryview) -> None:
@@ -299,6 +364,17 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+@contextlib.contextmanager
+def _naming(od: OutputDir, relname: str) -> Iterator[None]:
+    try:
+        yield
+    except OSError as exc:
+        target = od.final / relname
+        if exc.errno in _SPACE_ERRNOS:
+            raise space_error(target, od.path, od.doing) from None
+        raise FilesystemError(f"{target}: {exc.strerror or exc} (writing it; nothing was put in place)") from None
+
+
 class OutputDir:
     """A checkpoint being built in a temp sibling directory of ``final``.
 
@@ -337,22 +413,42 @@ class OutputDir:
                 shutil.rmtree(stale, ignore_errors=True)
             self.path = self.final.parent / f".{self.final.name}{PARTIAL_MARK}{uuid.uuid4().hex[:12]}"
             self.path.mkdir()
-            (self.path / _OWNER_FILE).write_text(str(os.getpid()))
+            try:
+                (self.path / _OWNER_FILE).write_text(str(os.getpid()))
+            except BaseException:
+                shutil.rmtree(self.path, ignore_errors=True)  # a disk too full for a few bytes: nothing left behind
+                raise
+        except OSError as exc:
+            self._lock.release()
+            if exc.errno in _SPACE_ERRNOS:
+                raise space_error(self.final, self.final.parent) from None
+            raise
         except BaseException:
             self._lock.release()
             raise
+        self.doing = ""  # what the run is doing with it (a step name for messages), set by the caller
         self.linked: list[str] = []
         self.copied: list[str] = []
         self.bytes_written = 0
         self._done = False
+        self._synced: set[str] = set()  # files whose bytes this object wrote and fsynced (or hard-linked)
 
     # ---- context management -------------------------------------------------------------------
     def __enter__(self) -> OutputDir:
         return self
 
     def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
-        if not self._done:
-            self.abort()
+        if self._done:
+            return
+        full = ev is not None and not isinstance(ev, MtpquantError) and out_of_space(ev, self.path)
+        error = space_error(self.final, self.path, self.doing) if full else None  # (free space before the clean-up)
+        self.abort()
+        if error is not None:  # a library's own words for a full disk (modelopt's export, torch.save): one line
+            raise error from None
+
+    def _writing(self, relname: str) -> contextlib.AbstractContextManager[None]:
+        """Errors writing ``relname`` name the file being written (never the file it is copied from)."""
+        return _naming(self, relname)
 
     def abort(self) -> None:
         """Remove the temp directory; the destination is untouched."""
@@ -375,7 +471,9 @@ class OutputDir:
     ) -> None:
         """Write one safetensors shard (streamed)."""
         target = self._target(relname)
-        write_safetensors(target, tensors, metadata)
+        with self._writing(relname):
+            write_safetensors(target, tensors, metadata)  # fsyncs it
+        self._synced.add(relname)
         self.bytes_written += target.stat().st_size
 
     def write_shards(
@@ -408,19 +506,26 @@ class OutputDir:
         umask = os.umask(0)
         os.umask(umask)
         target.chmod(0o666 & ~umask)
+        with self._writing(relname):
+            _fsync_file(target)  # written by a library that may not have flushed it: durable before the rename
+        self._synced.add(relname)
         return relname
 
     def write_json(self, relname: str, obj: Any) -> None:
         """Atomic JSON file (replacing, never writing through, a file linked from elsewhere; the temp directory's
         entries are fsynced once, when it is committed)."""
         data = (json.dumps(obj, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
-        atomic_write_bytes(self._target(relname), data, sync_dir=False)
+        with self._writing(relname):
+            atomic_write_bytes(self._target(relname), data, sync_dir=False)  # fsyncs it
+        self._synced.add(relname)
         self.bytes_written += len(data)
 
     def write_text(self, relname: str, text: str) -> None:
         """Atomic text file (as ``write_json``)."""
         data = text.encode("utf-8")
-        atomic_write_bytes(self._target(relname), data, sync_dir=False)
+        with self._writing(relname):
+            atomic_write_bytes(self._target(relname), data, sync_dir=False)  # fsyncs it
+        self._synced.add(relname)
         self.bytes_written += len(data)
 
     def link_file(self, src: Path, relname: str | None = None, *, link: bool = True) -> str:
@@ -432,15 +537,34 @@ class OutputDir:
             try:
                 os.link(src, target)
                 self.linked.append(relname)
+                self._synced.add(relname)  # the source's own bytes: nothing new to flush
                 return relname
             except OSError as exc:
                 log.info("hard link of %s failed (%s); copying", src, exc.strerror)
-        shutil.copyfile(src, target)
+        with self._writing(relname):
+            shutil.copyfile(src, target)
+            _fsync_file(target)
+        self._synced.add(relname)
         self.copied.append(relname)
         self.bytes_written += target.stat().st_size
         return relname
 
     # ---- finishing ----------------------------------------------------------------------------
+    def _sync_tree(self) -> None:
+        """Every file a library wrote into the temp directory (and not yet fsynced here) is fsynced, then every
+        directory of it: after a crash the renamed output holds the bytes it was verified with."""
+        dirs = [self.path]
+        for dirpath, dirnames, filenames in os.walk(self.path):
+            base = Path(dirpath)
+            dirs += [base / d for d in dirnames]
+            for name in filenames:
+                rel = (base / name).relative_to(self.path).as_posix()
+                if rel not in self._synced and not (base / name).is_symlink():
+                    with self._writing(rel):
+                        _fsync_file(base / name)
+        for d in reversed(dirs):
+            fsync_dir(d)
+
     def shard_headers(self) -> dict[str, ShardHeader]:
         """Re-read every shard header in the temp directory."""
         from mtpquant.checkpoint.table import read_shard_header
@@ -470,7 +594,7 @@ class OutputDir:
         if verify is not None:
             verify(self.path)
         (self.path / _OWNER_FILE).unlink(missing_ok=True)
-        fsync_dir(self.path)
+        self._sync_tree()
         old: Path | None = None
         if os.path.lexists(self.final):
             if not self.overwrite:

@@ -111,7 +111,11 @@ class ResumeState:
             shutil.rmtree(path, ignore_errors=True)
         if not path.exists():
             path.mkdir(mode=0o700)
-            (path / _KEY_FILE).write_text(json.dumps({"key": key, "inputs": inputs}, default=str, indent=1))
+            try:
+                (path / _KEY_FILE).write_text(json.dumps({"key": key, "inputs": inputs}, default=str, indent=1))
+            except BaseException:  # a disk too full for its key: no half-made state left behind
+                shutil.rmtree(path, ignore_errors=True)
+                raise
         state._read_progress()
         state._found_bytes = state.bytes_on_disk()
         return state

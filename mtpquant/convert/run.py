@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from mtpquant import __version__
+from mtpquant.checkpoint.lock import OutputLock
 from mtpquant.checkpoint.source import SourceRef
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.checkpoint.writer import OutputDir
@@ -239,30 +240,36 @@ def convert(options: ConvertOptions) -> ConvertResult:
     written_before = bytes_written_so_far()
     from mtpquant.convert.model import library_progress
 
-    source = ckpt.source
-    if source.local_root is None:
-        with timer("download"), library_progress(progress):
-            src_dir, ckpt = _local_source(ckpt)
-    else:
-        src_dir, ckpt = _local_source(ckpt)
-    ref = source.ref()  # a Hub source: the repo, the revision asked for and the commit downloaded
-    step = Step(
-        "convert",
-        public_args(plan.command, ref),  # the file goes public with OUT: local directories by base name
-        source=public_ref(ref),
-        mode=plan.mode,
-        recipe=plan.recipe.name,
-        recipe_file=RECIPE_FILE,
-        base_model=plan.base_model,
-        base_model_revision=plan.base_model_revision,
-        license=source_license(source),
-    )
-
     with contextlib.ExitStack() as stack:
+        # OUT's lock first, before any download or long work: a second run on the same OUT is refused at once
+        lock = stack.enter_context(OutputLock.acquire(plan.out))
+        mtp_lock = stack.enter_context(OutputLock.acquire(plan.mtp_out)) if plan.mtp_out else None
+        source = ckpt.source
+        if source.local_root is None:
+            with timer("download"), library_progress(progress):
+                src_dir, ckpt = _local_source(ckpt)
+        else:
+            src_dir, ckpt = _local_source(ckpt)
+        ref = source.ref()  # a Hub source: the repo, the revision asked for and the commit downloaded
+        step = Step(
+            "convert",
+            public_args(plan.command, ref),  # the file goes public with OUT: local directories by base name
+            source=public_ref(ref),
+            mode=plan.mode,
+            recipe=plan.recipe.name,
+            recipe_file=RECIPE_FILE,
+            base_model=plan.base_model,
+            base_model_revision=plan.base_model_revision,
+            license=source_license(source),
+        )
         stack.enter_context(library_progress(progress))
-        od = stack.enter_context(OutputDir(plan.out, overwrite=plan.overwrite, replace_check=check_replaceable))
+        od = stack.enter_context(
+            OutputDir(plan.out, overwrite=plan.overwrite, replace_check=check_replaceable, lock=lock)
+        )
         mtp_od = (
-            stack.enter_context(OutputDir(plan.mtp_out, overwrite=plan.overwrite, replace_check=check_replaceable))
+            stack.enter_context(
+                OutputDir(plan.mtp_out, overwrite=plan.overwrite, replace_check=check_replaceable, lock=mtp_lock)
+            )
             if plan.mtp_out
             else None
         )
@@ -273,6 +280,7 @@ def convert(options: ConvertOptions) -> ConvertResult:
             mtp_od.write_text(PROVENANCE_FILE, Provenance((sidecar,)).to_bytes().decode("utf-8"))
         with timer("verify"):
             verify = _verifier(plan, ckpt, outcome)
+            verify(od.path)  # both outputs verified before either is put in place
             if mtp_od is not None:
                 extract = cast(ExtractMode, plan.mtp_mode)
                 where = f"{plan.mtp_out}: verification failed"
@@ -280,7 +288,7 @@ def convert(options: ConvertOptions) -> ConvertResult:
                 mtp_path = mtp_od.finalize(lambda p: extract.verify_side_output(p, ckpt, expected, where))
                 result.mtp_output = mtp_path
             try:
-                out_path = od.finalize(verify)
+                out_path = od.finalize(opened=True)  # ``verify`` opened it strictly, and nothing was written since
             except BaseException:
                 if mtp_od is not None and result.mtp_output is not None:
                     shutil.rmtree(result.mtp_output, ignore_errors=True)
@@ -401,6 +409,7 @@ def _run(
     def batches() -> Iterator[Any]:
         return data.batches(cal.batch_size)
 
+    od.doing = "calibrating (writing the layer-wise resume state)" if layerwise else ""
     with timer("calibrate"):
         bar = None if layerwise else _tqdm(progress, total=data.samples, desc="calibrate", unit="row")
         loop = calibration_loop(batches, device, bar=bar, before_pass=resume.prune if resume else None)
@@ -426,11 +435,13 @@ def _run(
                 calibrator.observe(hidden, embeds)
 
     scratch = od.path / SCRATCH
+    od.doing = "exporting the quantized model"
     with timer("export"):
         layers = int(ckpt.spec.text.get("num_hidden_layers") or 0)
         bar = _tqdm(progress, total=layers or None, desc="export", unit="layer")
         export_quantized(model, scratch, source_dtype(ckpt.spec), ckpt, plan.max_shard_bytes, bar)
         bar.close()
+    od.doing = ""
     if plan.device == "cuda":
         result.peak_gpu_bytes = int(torch.cuda.max_memory_allocated())
     del model
