@@ -21,6 +21,7 @@ from mtpquant.engine.launch import free_port
 from mtpquant.errors import ExitCode
 from mtpquant.synth.train import TINY_MTP_ASSET
 from tests.support.engine import CPU_ENV, EnginePool
+from tests.support.sglang_replay import SglangReplay
 
 pytestmark = pytest.mark.engine
 
@@ -74,8 +75,10 @@ def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
 
 @pytest.mark.parametrize("mode", ["keep", "quantize"])
 def test_engine_measures_what_the_builtin_path_predicts(
-    outputs: dict[str, Path], vllm: EnginePool, tmp_path: Path, mode: str
+    outputs: dict[str, Path], vllm: EnginePool, tmp_path: Path, mode: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Also: the engine starts with no memory argument and no memory variable from the test (mtpquant sizes it)."""
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     report_dir = tmp_path / "report"
     result = validate(
         ValidateOptions(
@@ -96,7 +99,13 @@ def test_engine_measures_what_the_builtin_path_predicts(
     report = result.report
     assert [e.k for e in report.engine] == [1, 3] and all(e.version == "0.32.0" for e in report.engine)
     assert all(e.k_source == "server" and e.other_requests == 0 for e in report.engine)
-    assert "--speculative-config" in report.engine[0].server_args
+    args = report.engine[0].server_args
+    assert "--speculative-config" in args
+    # sized by mtpquant: a KV cache for 4 sequences of max(512, 2 * max_len) tokens (the floor, for this model)
+    assert args[args.index("--max-model-len") + 1] == "512" and args[args.index("--max-num-seqs") + 1] == "4"
+    assert args[args.index("--kv-cache-memory-bytes") + 1] == str(512 * 2**20)
+    assert "--gpu-memory-utilization" not in args  # on the CPU backend the KV size replaces the utilization check
+    assert any(n.startswith("engine memory (cpu): KV cache 536.87 MB for 4 sequences of 512") for n in report.notes)
     rows = report.predicted["reference"] if report.predicted else []
     assert [r["k"] for r in rows] == [1, 3]
     for r in rows:  # the prediction matches what the engine accepts
@@ -106,6 +115,7 @@ def test_engine_measures_what_the_builtin_path_predicts(
     assert files == ["acceptance.png", "report.json", "report.md", "vllm-reference-k1.log", "vllm-reference-k3.log"]
     md = (report_dir / "report.md").read_text()
     assert "## Engine vs built-in prediction" in md and "greedy only" in md
+    assert "GiB for KV cache on node" in (report_dir / "vllm-reference-k1.log").read_text()  # vLLM took the size
 
 
 @pytest.mark.parametrize("mode", ["keep", "quantize"])
@@ -141,7 +151,7 @@ def test_compressed_tensors_outputs_load_and_draft(
 def test_server_pair_grafted_drop_measures_as_keep(
     outputs: dict[str, Path], vllm: EnginePool, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    keep, grafted = vllm.get(outputs["keep"], 1), vllm.get(outputs["grafted"], 1)
+    keep, grafted = vllm.get(outputs["keep"], 2), vllm.get(outputs["grafted"], 2)
     code, err = _cli(
         capsys,
         str(outputs["keep"]),  # the tokenizer of the prompts (a local checkpoint: the built-in path's ids)
@@ -160,10 +170,44 @@ def test_server_pair_grafted_drop_measures_as_keep(
     import json
 
     data = json.loads((tmp_path / "r" / "report.json").read_text())
-    assert data["mode"] == "pair" and [e["k"] for e in data["engine"]] == [1, 1]
+    assert data["mode"] == "pair" and [e["k"] for e in data["engine"]] == [2, 2]
     ref, cand = data["reference"]["acceptance"]["by_k"], data["candidate"]["acceptance"]["by_k"]
     assert ref == cand and data["comparison"]["al_delta_by_k"] == [0.0]  # the same MTP, the same acceptance
     assert ref[0]["num_accepted"] > 0
+
+
+def test_server_pair_across_engines(
+    outputs: dict[str, Path], vllm: EnginePool, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A vLLM reference and an SGLang candidate (the recorded real SGLang server, replayed: it served the same
+    trained tiny model's MTP at k = 2): one report, each side measured by its own engine's counters."""
+    keep = vllm.get(outputs["keep"], 2)
+    with SglangReplay() as sglang:
+        code, err = _cli(
+            capsys,
+            str(TINY_MTP_ASSET),
+            "--server",
+            keep.server.url,
+            "--candidate-server",
+            sglang.url,
+            "--num-prompts",
+            "4",
+            "--max-len",
+            "64",  # 32-token prompts and 32 new tokens: the recorded SGLang request
+            "--report-dir",
+            str(tmp_path / "r"),
+        )
+    assert code in (0, ExitCode.VALIDATE_WARN), err
+    import json
+
+    data = json.loads((tmp_path / "r" / "report.json").read_text())
+    assert [(e["side"], e["name"], e["k"], e["counters"]) for e in data["engine"]] == [
+        ("reference", "vllm", 2, "server-wide"),
+        ("candidate", "sglang", 2, "per-request"),
+    ]
+    ref, cand = data["reference"]["acceptance"]["by_k"][0], data["candidate"]["acceptance"]["by_k"][0]
+    assert cand["mean_acceptance_length"] == 1 + 19 / 13 and ref["num_accepted"] > 0
+    assert data["comparison"]["al_delta_by_k"] == [cand["mean_acceptance_length"] - ref["mean_acceptance_length"]]
 
 
 def test_server_without_speculative_decoding_is_a_failure(
@@ -183,7 +227,7 @@ def test_server_without_speculative_decoding_is_a_failure(
 def test_server_serving_another_model(
     outputs: dict[str, Path], vllm: EnginePool, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    keep = vllm.get(outputs["keep"], 1)
+    keep = vllm.get(outputs["keep"], 2)
     code, err = _cli(capsys, "--server", keep.server.url, "--served-model", "org/other")
     assert code == ExitCode.ENGINE_MODEL
     assert err == f"mtpquant: error: {keep.server.url}: serves {outputs['keep']}, not org/other"
@@ -216,7 +260,10 @@ def not_vllm() -> Iterator[str]:
 def test_server_that_is_not_vllm(not_vllm: str, capsys: pytest.CaptureFixture[str]) -> None:
     code, err = _cli(capsys, "--server", not_vllm)
     assert code == ExitCode.ENGINE_ANSWER
-    assert err == f'mtpquant: error: {not_vllm}: not a vLLM server (no /version answering {{"version": ...}})'
+    assert err == (
+        f'mtpquant: error: {not_vllm}: not a vLLM server (no /version answering {{"version": ...}}) and not an '
+        'SGLang server (no /get_server_info answering {"version": ..., "model_path": ...})'
+    )
 
 
 def test_engine_that_fails_to_start_names_its_log(
@@ -265,8 +312,7 @@ def _requests_running(port: int) -> bool:
     except OSError:
         return False  # not listening yet
     return any(
-        line.startswith("vllm:num_requests_running") and float(line.rsplit(" ", 1)[1]) > 0
-        for line in text.splitlines()
+        line.startswith("vllm:num_requests_running") and float(line.rsplit(" ", 1)[1]) > 0 for line in text.splitlines()
     )
 
 

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from mtpquant.cli import main
-from mtpquant.engine.client import EngineClient
 from mtpquant.engine.http import JSON_CAP, EngineHttp
+from mtpquant.engine.vllm import VllmClient
 from mtpquant.errors import EngineAnswerError, EngineUnreachableError, ExitCode
 from mtpquant.hubhttp import API_CAP
 from tests.support.rawhttp import RawRequest, RawServer, answer, drip
@@ -83,7 +83,7 @@ def test_a_dripping_engine_is_cut_off_at_the_deadline(where: str) -> None:
     with RawServer(script) as server:
         t0 = time.monotonic()
         with pytest.raises(EngineUnreachableError) as exc:
-            EngineClient(server.url, timeout=1.5).info()
+            VllmClient(server.url, timeout=1.5).info()
         elapsed = time.monotonic() - t0
     assert str(exc.value) == f"{server.url}: no answer to /version within 1.5 s"
     assert 1.4 < elapsed < 3.0  # each byte came within the wait between bytes: only the deadline ends it

@@ -1,4 +1,4 @@
-"""The HTTP transport to one engine server: the one place every request to a serving engine goes through.
+"""The HTTP transport to one engine server: the one place every request to vLLM or SGLang goes through.
 
 - **Bounded.** Each request has one overall deadline (``timeout``: from its start through the last byte of the
   answer, headers included; ``mtpquant.nethttp``), so a server that drips its answer cannot hold a run; an answer
@@ -38,6 +38,7 @@ __all__ = [
     "MAX_REDIRECTS",
     "METRICS_CAP",
     "Answer",
+    "EngineClientBase",
     "EngineHttp",
     "engine_api_key",
 ]
@@ -180,6 +181,32 @@ class EngineHttp:
     def close(self) -> None:
         """Close the connections."""
         self._client.close()
+
+
+class EngineClientBase:
+    """What the vLLM and SGLang clients share: the transport to one server, the generation timeout, and the
+    OpenAI-style ``POST /tokenize`` both engines serve."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        timeout: float = 30.0,
+        generate_timeout: float = 600.0,
+        http: EngineHttp | None = None,
+        api_key: str | None = None,
+    ) -> None:
+        self.http = http or EngineHttp(url, timeout=timeout, api_key=api_key)
+        self.url = self.http.url
+        self.generate_timeout = generate_timeout
+
+    def tokenize(self, model: str, text: str) -> list[int]:
+        """The server's own tokenization of ``text`` without special tokens, as the built-in path tokenizes."""
+        body = self.http.json("/tokenize", payload={"model": model, "prompt": text, "add_special_tokens": False})
+        tokens = body.get("tokens") if isinstance(body, dict) else None
+        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+            raise EngineAnswerError(f"{self.url}/tokenize: no token list in the answer")
+        return [int(t) for t in tokens]
 
 
 def _read(resp: Any, cap: int) -> bytes | None:

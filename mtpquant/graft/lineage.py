@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.errors import GraftError, LineageError
-from mtpquant.families import ModelSpec, is_mtp_name, resolve
+from mtpquant.families import Family, ModelSpec, is_mtp_name, mtp_layer_count, resolve
 
 __all__ = [
     "FLOAT_DTYPES",
@@ -42,18 +41,6 @@ _CORE_KEYS = (
 )
 _DENSE_KEYS = ("intermediate_size",)
 _MOE_KEYS = ("num_experts", "moe_intermediate_size", "shared_expert_intermediate_size")
-# Compared only where both configs have them (some exporters drop keys they do not use).
-_EXTRA_KEYS = (
-    "num_experts_per_tok",
-    "linear_num_key_heads",
-    "linear_num_value_heads",
-    "linear_key_head_dim",
-    "linear_value_head_dim",
-    "full_attention_interval",
-    "attn_output_gate",
-    "layer_types",
-)
-_MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.")
 _QUANT_SUFFIXES = (
     ".weight_scale",
     ".weight_scale_2",
@@ -76,12 +63,6 @@ class LineageReport:
     warnings: tuple[str, ...] = ()
 
 
-def mtp_layer_count(names: Any) -> int:
-    """Number of MTP decoder layers a tensor name set holds (highest ``mtp.layers.N`` + 1)."""
-    layers = [int(m.group(1)) for n in names if (m := _MTP_LAYER.match(n))]
-    return max(layers) + 1 if layers else 0
-
-
 def _spec_with_layers(spec: ModelSpec, layers: int) -> ModelSpec:
     """``spec`` as if its config declared ``layers`` MTP layers (families without a key: unchanged)."""
     if spec.family.mtp_key is None or spec.mtp.layers == layers:
@@ -96,11 +77,13 @@ def _fmt(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def _dim_differences(quant: Mapping[str, Any], src: Mapping[str, Any], moe: bool) -> list[str]:
-    core = _CORE_KEYS + (_MOE_KEYS if moe else _DENSE_KEYS)
+def _dim_differences(quant: Mapping[str, Any], src: Mapping[str, Any], family: Family) -> list[str]:
+    core = _CORE_KEYS + (_MOE_KEYS if family.moe else _DENSE_KEYS)
     diffs = [f"{k} {_fmt(quant.get(k))} vs {_fmt(src.get(k))}" for k in core if quant.get(k) != src.get(k)]
+    # compared only where both configs have them (some exporters drop keys they do not use)
+    extra = ("num_experts_per_tok", *family.lineage_keys)
     diffs += [
-        f"{k} {_fmt(quant[k])} vs {_fmt(src[k])}" for k in _EXTRA_KEYS if k in quant and k in src and quant[k] != src[k]
+        f"{k} {_fmt(quant[k])} vs {_fmt(src[k])}" for k in extra if k in quant and k in src and quant[k] != src[k]
     ]
     return diffs
 
@@ -136,7 +119,7 @@ def check_lineage(quant: Checkpoint, src: Checkpoint, *, weight_check: bool = Tr
             f"lineage mismatch: QUANT is {qs.family.display} ({qs.architecture}), SRC is "
             f"{ss.family.display} ({ss.architecture})"
         )
-    diffs = _dim_differences(qs.text, ss.text, qs.family.moe)
+    diffs = _dim_differences(qs.text, ss.text, qs.family)
     src_mtp = {e.name: e for e in src.mtp_tensors()}
     if not src_mtp:
         from mtpquant.errors import MtpModeError
@@ -162,7 +145,7 @@ def check_lineage(quant: Checkpoint, src: Checkpoint, *, weight_check: bool = Tr
     if diffs:
         raise LineageError("lineage mismatch between QUANT and SRC: " + "; ".join(diffs))
 
-    expected = _spec_with_layers(qs, layers).expected_mtp_shapes()
+    expected = _spec_with_layers(qs, layers).expected_mtp_shapes(src_mtp)
     missing = sorted(set(expected) - set(src_mtp))
     extra = sorted(set(src_mtp) - set(expected))
     if extra:

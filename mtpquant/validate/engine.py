@@ -1,14 +1,16 @@
-"""``validate`` through the engine users deploy: a running vLLM server (``--server``), or one started here
-(``--engine vllm``), measured by its own speculative-decoding counters.
+"""``validate`` through the engines users deploy: a running vLLM or SGLang server (``--server``, recognised by
+its routes), or one started here (``--engine vllm|sglang``), measured by the engine's own speculative counters.
 
 The prompts and lengths are the built-in path's (the default held-out prompts, or ``--prompts``; tokenized with
 the checkpoint's ``tokenizer.json``, or by the server's ``/tokenize`` when only a URL is given; the first
-``min(len, max_len / 2)`` tokens, then ``max_len`` minus that many generated greedily with ``ignore_eos``).
-Greedy only. The counters are read before and after and subtracted (``mtpquant.validate.measure``); they are
-server-wide, so traffic from other clients meanwhile is counted in and reported. With ``--engine vllm`` one
-server is started per k (vLLM's ``num_speculative_tokens`` is fixed per server) on 127.0.0.1, its log written
-into the report directory, and stopped afterwards (also on Ctrl-C or an error). ``--compare-reference`` also
-runs the built-in prediction on the same prompts and reports both, with the difference per k.
+``min(len, max_len / 2)`` tokens, then ``max_len`` minus that many generated with ``ignore_eos``) and so are the
+sampling settings (greedy). vLLM's counters are server-wide, read before and after and subtracted (traffic from
+other clients meanwhile is counted in and reported); SGLang's come with each request (exactly these requests)
+and must describe the k-step MTP chain (NEXTN, topk 1): a tree is refused. ``--candidate-server`` pairs work
+across engines. With ``--engine`` one server is started per k (the number of drafts is fixed per server) on
+127.0.0.1, its memory sized for what validate sends (``engine/sizing.py``), its log written into the report
+directory, and stopped afterwards (also on Ctrl-C or an error). ``--compare-reference`` also runs the built-in
+prediction on the same prompts and reports both, with the difference per k.
 """
 
 from __future__ import annotations
@@ -23,9 +25,12 @@ from pathlib import Path
 from typing import Any
 
 from mtpquant import __version__
-from mtpquant.engine.client import EngineClient, ServerInfo
+from mtpquant.engine.connect import client_for, connect
 from mtpquant.engine.http import engine_api_key
-from mtpquant.engine.launch import VllmServer, free_port, server_args
+from mtpquant.engine.launch import EngineProcess, free_port, sglang_args, vllm_args
+from mtpquant.engine.sampling import GREEDY
+from mtpquant.engine.server import ENGINE_NAMES, EngineServer, ServerInfo, SpecConfig, resolve_model
+from mtpquant.engine.sizing import Machine, plan_engine_memory, probe_machine
 from mtpquant.errors import EngineAnswerError
 from mtpquant.public import public_args
 from mtpquant.validate.measure import EngineMeasurement, measure
@@ -47,11 +52,15 @@ __all__ = ["SAMPLING", "validate_engine"]
 
 log = logging.getLogger(__name__)
 
-SAMPLING = {"temperature": 0, "ignore_eos": True, "seed": 0}
-GREEDY_NOTE = (
-    "Greedy only (temperature 0, ignore_eos): the same prompts and lengths as the built-in path. The engine's "
-    "speculative-decoding counters are server-wide: numbers are the difference of two snapshots."
-)
+SAMPLING = GREEDY  # until validate takes sampling settings (#26): what every engine request is sent with
+GREEDY_NOTE = "Greedy only (temperature 0, ignore_eos): the same prompts and lengths as the built-in path."
+COUNTER_NOTES = {
+    "vllm": "vLLM's speculative-decoding counters are server-wide: its numbers are the difference of two snapshots.",
+    "sglang": (
+        "SGLang's speculative counters come with each request (meta_info: spec_verify_ct, "
+        "spec_correct_drafts_histogram, ...): its numbers cover exactly these requests."
+    ),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +71,7 @@ class _Measured:
     checkpoint: str
     engine: EngineInfo
     measurement: EngineMeasurement
+    notes: tuple[str, ...] = ()
 
 
 def _prompts(opts: ValidateOptions) -> tuple[list[str], str]:
@@ -73,7 +83,7 @@ def _prompts(opts: ValidateOptions) -> tuple[list[str], str]:
 
 
 def _token_prompts(
-    opts: ValidateOptions, texts: Sequence[str], client: EngineClient | None, model: str | None
+    opts: ValidateOptions, texts: Sequence[str], client: EngineServer | None, model: str | None
 ) -> list[list[int]]:
     """Token ids as the built-in path makes them: the local checkpoint's tokenizer, else the server's."""
     if opts.reference is not None:
@@ -81,7 +91,12 @@ def _token_prompts(
 
         return tokenize_prompts(open_source(opts.reference), texts)
     assert client is not None and model is not None
-    ids = [client.tokenize(model, t) for t in texts]
+    try:
+        ids = [client.tokenize(model, t) for t in texts]
+    except EngineAnswerError as exc:
+        raise EngineAnswerError(
+            f"{exc} (give the served checkpoint as CHECKPOINT: its tokenizer makes the prompts)"
+        ) from None
     return [row for row in ids if len(row) >= 2]
 
 
@@ -95,73 +110,117 @@ def _lengths(ids: Sequence[Sequence[int]], max_len: int) -> tuple[list[list[int]
 
 
 def _engine_info(
-    client: EngineClient,
     info: ServerInfo,
     model: str,
     m: EngineMeasurement,
     args: Sequence[str],
-    requested_k: int | None,
+    label: str,
+    spec: SpecConfig | None,
+    requested_k: int,
 ) -> EngineInfo:
-    k = m.k or requested_k or 0
+    """``requested_k``: the k to report when the server counted no draft positions (a vLLM without per-position
+    counters)."""
+    k = m.k or requested_k
     return EngineInfo(
-        name="vllm",
+        name=info.engine,
         version=info.version,
-        url=client.url,
+        url=info.url,
         model=model,
         k=k,
         k_source="server" if m.k else "--k",
-        sampling=dict(SAMPLING),
+        sampling=SAMPLING.to_json(),
         server_args=public_args(args),  # the report goes public with OUT: no key, paths by base name
         other_requests=m.other_requests,
+        side=label,
+        speculative=(spec or SpecConfig("mtp", k)).to_json(),
+        counters="server-wide" if m.run.others_counted else "per-request",
     )
 
 
 def _running(
     opts: ValidateOptions, url: str, label: str, texts: Sequence[str], ids: list[list[int]] | None
 ) -> tuple[_Measured, list[list[int]]]:
-    """Measure a server someone else runs."""
-    client = EngineClient(url, generate_timeout=opts.request_timeout, api_key=engine_api_key(opts.api_key_file))
-    info = client.info()
-    model = client.resolve_model(info, opts.served_model)
+    """Measure a server someone else runs (vLLM or SGLang, recognised by its routes)."""
+    server, info = connect(url, generate_timeout=opts.request_timeout, api_key=engine_api_key(opts.api_key_file))
+    log.info("%s: %s serving %s", info.url, info.display, ", ".join(info.models))
+    model = resolve_model(info, opts.served_model)
     if ids is None:
-        ids = _token_prompts(opts, texts, client, model)
+        ids = _token_prompts(opts, texts, server, model)
     prompts, new = _lengths(ids, opts.max_len)
-    m = measure(client, model, prompts, new)
-    requested = max(opts.k_values) if m.k == 0 else None
-    return _Measured(label, model, _engine_info(client, info, model, m, (), requested), m), ids
+    m = measure(server, info, model, prompts, new, SAMPLING)
+    args = server.server_args()
+    engine_info = _engine_info(info, model, m, args, label, info.speculative, max(opts.k_values))
+    return _Measured(label, model, engine_info, m, _draft_notes(info, model)), ids
+
+
+def _draft_notes(info: ServerInfo, model: str) -> tuple[str, ...]:
+    """A server that names a draft model other than the one it serves drafts with that model, not (necessarily)
+    with the served checkpoint's own MTP: the numbers are that drafter's."""
+    draft = info.speculative.draft_model if info.speculative else None
+    if draft is None or draft in (model, info.model_path):
+        return ()
+    return (f"{info.url} drafts with {draft} (its draft model), not necessarily with the MTP of {model}",)
 
 
 def _started(
-    opts: ValidateOptions, checkpoint: str, label: str, k: int, ids: list[list[int]], logs: Path, cpu: bool
+    opts: ValidateOptions,
+    checkpoint: str,
+    label: str,
+    k: int,
+    ids: list[list[int]],
+    logs: Path,
+    machine: Machine,
 ) -> _Measured:
-    """Start a vLLM server for ``checkpoint`` with ``k`` MTP drafts, measure it, stop it."""
+    """Start the engine for ``checkpoint`` with ``k`` MTP drafts, its memory sized for validate, measure, stop."""
+    import os
+
     from mtpquant.checkpoint.table import Checkpoint
 
-    assert opts.vllm_python is not None
-    spec = Checkpoint.open(checkpoint).spec
-    port = free_port()
-    args = server_args(
-        checkpoint,
-        port,
+    engine = opts.engine
+    python = opts.engine_python
+    assert engine is not None and python is not None
+    ckpt = Checkpoint.open(checkpoint)
+    cpu = machine.device == "cpu"
+    memory = plan_engine_memory(
+        engine,
+        ckpt.spec,
+        ckpt.total_bytes,
+        max_len=opts.max_len,
         k=k,
+        machine=machine,
         tensor_parallel_size=opts.tensor_parallel_size,
-        max_model_len=max(512, 2 * opts.max_len),
-        text_only=spec.family.has_vision,
-        cpu=cpu,
-        extra=opts.engine_args,
+        user_args=opts.engine_args,
+        user_env=(*os.environ, *opts.env),
     )
-    log_path = logs / f"vllm-{label}-k{k}.log"
-    with VllmServer(
-        opts.vllm_python, args, log_path, port=port, startup_timeout=opts.startup_timeout, env=opts.env
-    ) as server:
-        client = EngineClient(server.url, generate_timeout=opts.request_timeout)
+    port = free_port()
+    tp, extra = opts.tensor_parallel_size, opts.engine_args
+    if engine == "sglang":
+        args = sglang_args(checkpoint, port, k=k, tensor_parallel_size=tp, cpu=cpu, memory=memory.args(), extra=extra)
+    else:
+        text_only = ckpt.spec.family.has_vision
+        args = vllm_args(
+            checkpoint,
+            port,
+            k=k,
+            tensor_parallel_size=tp,
+            text_only=text_only,
+            cpu=cpu,
+            memory=memory.args(),
+            extra=extra,
+        )
+    log_path = logs / f"{engine}-{label}-k{k}.log"
+    with EngineProcess(
+        engine, python, args, log_path, port=port, startup_timeout=opts.startup_timeout, env=opts.env
+    ) as process:
+        client = client_for(engine, process.url, generate_timeout=opts.request_timeout)
         info = client.info()
-        model = client.resolve_model(info, opts.served_model or checkpoint)
+        model = resolve_model(info, opts.served_model or checkpoint)
         prompts, new = _lengths(ids, opts.max_len)
-        m = measure(client, model, prompts, new)
+        m = measure(client, info, model, prompts, new, SAMPLING)
         if m.k != k:
-            raise EngineAnswerError(f"{server.url}: drafted {m.k} tokens per step, started with {k} (log: {log_path})")
-        return _Measured(label, checkpoint, _engine_info(client, info, model, m, args, k), m)
+            raise EngineAnswerError(f"{process.url}: drafted {m.k} tokens per step, started with {k} (log: {log_path})")
+        engine_info = _engine_info(info, model, m, args, label, info.speculative, k)
+        return _Measured(label, checkpoint, engine_info, m, (memory.describe(),))
 
 
 def _side(label_checkpoint: str, family: str, measured: Sequence[_Measured], ids: Sequence[Sequence[int]]) -> Side:
@@ -173,7 +232,8 @@ def _side(label_checkpoint: str, family: str, measured: Sequence[_Measured], ids
         checkpoint=label_checkpoint,
         family=family,
         precision={},
-        target_source=f"engine vllm {first.engine.version} at {first.engine.url}",
+        target_source=f"engine {ENGINE_NAMES.get(first.engine.name, first.engine.name)} {first.engine.version} at "
+        f"{first.engine.url}",
         sequences=len(ids),
         tokens=prompt_tokens + generated,
         generated_tokens=generated,
@@ -262,21 +322,38 @@ def validate_engine(opts: ValidateOptions) -> ValidationReport:
     else:
         assert opts.reference is not None
         ids = _token_prompts(opts, texts, None, None)
-        logs = Path(opts.report_dir) if opts.report_dir is not None else Path(tempfile.mkdtemp(prefix="mtpquant-vllm-"))
-        cpu = _device_is_cpu(opts)
+        logs = (
+            Path(opts.report_dir)
+            if opts.report_dir is not None
+            else Path(tempfile.mkdtemp(prefix=f"mtpquant-{opts.engine}-"))
+        )
+        machine = probe_machine(_device_is_cpu(opts))
         for label, ckpt in (("reference", opts.reference), ("candidate", opts.candidate)):
             if ckpt is None:
                 continue
             checkpoints[label] = str(ckpt)
             for k in opts.k_values:
-                measured[label].append(_started(opts, str(ckpt), label, k, ids, logs, cpu))
+                measured[label].append(_started(opts, str(ckpt), label, k, ids, logs, machine))
     if not ids:
         raise ValidateError("no prompt has at least 2 tokens")
-    for m in (x for side in measured.values() for x in side):
+    if measured["candidate"] and opts.server is not None:
+        ref_k, cand_k = (measured[side][0].engine.k for side in ("reference", "candidate"))
+        if ref_k != cand_k:  # AL grows with k: the two sides would not be comparable
+            raise ValidateError(
+                f"{opts.server} drafts k={ref_k} per step and {opts.candidate_server} k={cand_k}: start both "
+                "servers with the same number of draft tokens"
+            )
+    every = [x for side in measured.values() for x in side]
+    for name in sorted({m.engine.name for m in every}):
+        notes.append(COUNTER_NOTES[name])
+    for note in dict.fromkeys(n for m in every for n in m.notes):
+        notes.append(note)
+    for m in every:
         if m.engine.other_requests:
+            counted = "the counters include them" if m.measurement.run.others_counted else "not counted in"
             notes.append(
                 f"{m.engine.other_requests} other request(s) finished on {m.engine.url} during the measurement "
-                f"(k={m.engine.k}); the counters include them"
+                f"(k={m.engine.k}); {counted}"
             )
     reference = _side(checkpoints["reference"], _family(opts.reference), measured["reference"], ids)
     candidate = None

@@ -1,10 +1,11 @@
-"""Acceptance as a running engine measures it: greedy completions, then the counter deltas.
+"""Acceptance as a running engine measures it: completions of the built-in path's prompts, then the engine's
+own speculative-decoding counts turned into the report's ``AcceptanceStats``.
 
-The same prompts as the built-in path (token ids, greedy, ``ignore_eos``, the same lengths) are sent one
-request at a time; the speculative-decoding counters are read before and after, and their difference gives
-vLLM's own numbers: AL = 1 + accepted / drafts, acceptance rate = accepted / draft tokens, and per draft
-position i, accepted_per_pos[i] / drafts. The counters are server-wide: when the request counter moved by
-more than the requests sent, other traffic interleaved and the numbers include it (the measurement says so).
+The same prompts as the built-in path (token ids, ``ignore_eos``, the same lengths, the same sampling settings)
+are sent one request at a time. Each engine counts in its own way (``mtpquant.engine``): vLLM's server-wide
+counters read before and after (other traffic meanwhile is counted in, and reported), SGLang's per-request
+counters summed (exactly these requests). Either way: AL = 1 + accepted / verify steps, acceptance rate =
+accepted / drafted tokens, and per draft position i, accepted_i / verify steps (every step drafts all k).
 """
 
 from __future__ import annotations
@@ -12,9 +13,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from mtpquant.engine.client import Completion, EngineClient
-from mtpquant.engine.counters import CounterSnapshot
-from mtpquant.errors import EngineSpecDecodeError
+from mtpquant.engine.sampling import SamplingSettings
+from mtpquant.engine.server import Completion, DraftCounts, EngineRun, EngineServer, ServerInfo
 from mtpquant.validate.metrics import AcceptanceStats
 
 __all__ = ["EngineMeasurement", "engine_stats", "measure"]
@@ -22,48 +22,47 @@ __all__ = ["EngineMeasurement", "engine_stats", "measure"]
 
 @dataclass(frozen=True)
 class EngineMeasurement:
-    """What the engine's counters say about one batch of greedy requests."""
+    """What the engine's counters say about one batch of requests."""
 
     model: str
-    k: int  # draft positions the server reported (its num_speculative_tokens)
+    k: int  # draft positions the server counted (its num_speculative_tokens / speculative_num_steps)
     stats: AcceptanceStats
-    delta: CounterSnapshot
-    requests_sent: int
-    completions: tuple[Completion, ...]
+    run: EngineRun
+
+    @property
+    def completions(self) -> tuple[Completion, ...]:
+        """The requests' prompts and generated tokens."""
+        return self.run.completions
 
     @property
     def other_requests(self) -> int:
-        """Requests other clients completed on the server meanwhile (counted into the numbers)."""
-        return max(0, round(self.delta.requests) - self.requests_sent)
+        """Requests other clients completed on the server meanwhile."""
+        return self.run.other_requests
 
 
-def engine_stats(delta: CounterSnapshot) -> AcceptanceStats:
-    """AcceptanceStats from counter deltas (vLLM drafts its full K at every step)."""
-    drafts = round(delta.drafts)
-    per_pos = tuple(round(a) for a in delta.accepted_per_position)
+def engine_stats(counts: DraftCounts) -> AcceptanceStats:
+    """AcceptanceStats from an engine's counts (every verify step drafts its full k)."""
+    steps = counts.steps
     return AcceptanceStats(
-        num_steps=drafts,
-        num_drafted=round(delta.draft_tokens),
-        num_accepted=round(delta.accepted),
-        acceptance_rate=delta.accepted / delta.draft_tokens,
-        mean_acceptance_length=1.0 + delta.accepted / delta.drafts,
-        drafted_per_position=(drafts,) * len(per_pos),
-        accepted_per_position=per_pos,
-        acceptance_per_position=tuple(a / drafts for a in per_pos),
+        num_steps=steps,
+        num_drafted=counts.drafted,
+        num_accepted=counts.accepted,
+        acceptance_rate=counts.accepted / counts.drafted,
+        mean_acceptance_length=1.0 + counts.accepted / steps,
+        drafted_per_position=(steps,) * counts.k,
+        accepted_per_position=counts.accepted_per_position,
+        acceptance_per_position=tuple(a / steps for a in counts.accepted_per_position),
     )
 
 
 def measure(
-    client: EngineClient, model: str, prompts: Sequence[Sequence[int]], max_tokens: Sequence[int]
+    server: EngineServer,
+    info: ServerInfo,
+    model: str,
+    prompts: Sequence[Sequence[int]],
+    max_tokens: Sequence[int],
+    sampling: SamplingSettings,
 ) -> EngineMeasurement:
-    """Send the prompts greedily and read what the engine accepted; refuses a server that does not draft."""
-    before = client.counters(model)
-    completions = client.complete(model, prompts, max_tokens)
-    delta = client.counters(model).minus(before)
-    if delta.drafts <= 0 or delta.draft_tokens <= 0:
-        what = "exports no speculative-decoding counters" if not delta.spec_decode else "did not draft"
-        raise EngineSpecDecodeError(
-            f"{client.url}: {model} {what} during {len(completions)} requests: speculative decoding with MTP is not "
-            'configured (start it with --speculative-config \'{"method":"mtp","num_speculative_tokens":K}\')'
-        )
-    return EngineMeasurement(model, delta.positions, engine_stats(delta), delta, len(completions), tuple(completions))
+    """Send the prompts and read what the engine accepted; a server that does not draft is exit 43."""
+    run = server.run(model, prompts, max_tokens, sampling, info)
+    return EngineMeasurement(model, run.counts.k, engine_stats(run.counts), run)
