@@ -155,7 +155,10 @@ def test_credentials_in_the_server_url_are_sent_but_never_shown(
     url = f"http://alice:s3cret@127.0.0.1:{vllm_like.port}"
     code, err = run(capsys, "validate", "--server", url)  # /tokenize answers 404
     assert code == ExitCode.ENGINE_ANSWER
-    assert err == f"mtpquant: error: {vllm_like.url}/tokenize: HTTP 404: Not Found"
+    assert err == (
+        f"mtpquant: error: {vllm_like.url}/tokenize: HTTP 404: Not Found (give the served checkpoint as CHECKPOINT: "
+        "its tokenizer makes the prompts)"
+    )
     assert "s3cret" not in err and "alice" not in err
     sent = {r.headers.get("authorization") for r in vllm_like.requests}
     assert sent == {"Basic " + base64.b64encode(b"alice:s3cret").decode()}
