@@ -201,3 +201,19 @@ def test_tiny_overwrite_replaces_only_a_checkpoint_directory(
         f"mtpquant: error: {out}: not a checkpoint directory (notes is not a checkpoint file); not replacing it"
     )
     assert (out / "notes").is_dir()
+
+
+def test_save_hidden_never_replaces_an_unrelated_file(
+    tiny_factory: Factory, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine")
+    code, err = _run(capsys, "validate", str(tiny_factory("qwen3_5")), "--save-hidden", str(notes), "--device", "cpu")
+    assert code == ExitCode.OUTPUT_EXISTS
+    assert err == (
+        f"mtpquant: error: {notes}: exists and is not an mtpquant hidden-state file; not replacing it (choose another "
+        "--save-hidden)"
+    )
+    assert notes.read_text() == "mine"
+    code, err = _run(capsys, "validate", str(tiny_factory("qwen3_5")), "--hidden", str(notes), "--device", "cpu")
+    assert code == ExitCode.USAGE and err.startswith(f"mtpquant: error: {notes}: not a")
