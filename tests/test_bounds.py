@@ -38,15 +38,16 @@ def _edit_config(path: Path, **text: object) -> None:
 
 def test_more_layers_declared_than_the_tensors_hold(tiny_copy: Factory, capsys: pytest.CaptureFixture[str]) -> None:
     src = tiny_copy("qwen3_5")
-    layers = json.loads((src / "config.json").read_text())["text_config"]["num_hidden_layers"]
-    _edit_config(src, num_hidden_layers=layers + 2)
+    text = json.loads((src / "config.json").read_text())["text_config"]
+    layers = text["num_hidden_layers"]
+    _edit_config(src, num_hidden_layers=layers + 2, layer_types=text["layer_types"] + ["linear_attention"] * 2)
     code, err = _run(capsys, "inspect", str(src))
     assert code == ExitCode.CHECKPOINT
     assert err == (
         f"mtpquant: error: config.json: num_hidden_layers {layers + 2} contradicts the tensors: there is no "
         f"model.language_model.layers.{layers + 1}.input_layernorm.weight"
     )
-    _edit_config(src, num_hidden_layers=10**9)
+    _edit_config(src, num_hidden_layers=10**9, layer_types=None)
     code, err = _run(capsys, "convert", str(src), str(src.parent / "out"), "--dry-run")
     assert code == ExitCode.CHECKPOINT
     assert err == (
