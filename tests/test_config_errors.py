@@ -76,7 +76,9 @@ def test_the_tokenizer_load_reports_a_refused_config_as_one(tiny_copy: Factory) 
     from mtpquant.convert.calibration import load_tokenizer
 
     src = _edit(tiny_copy("qwen3_5"), lambda c: c["text_config"].__setitem__("rope_parameters", "abc"))
-    (src / "tokenizer_config.json").write_text("{}")  # no tokenizer class: transformers reads config.json for it
+    # no tokenizer.json and no tokenizer class: transformers' AutoTokenizer reads config.json to choose one
+    (src / "tokenizer.json").unlink()
+    (src / "tokenizer_config.json").write_text("{}")
     with pytest.raises(ConfigError) as exc:
         load_tokenizer(src)
     assert exc.value.exit_code == ExitCode.CHECKPOINT

@@ -81,7 +81,7 @@ TINY_TEXT_CONFIG: dict[str, Any] = {
     "num_hidden_layers": 4,
     "num_attention_heads": 2,
     "num_key_value_heads": 1,
-    "head_dim": 64,
+    "head_dim": 256,  # vLLM's M-RoPE needs sum(mrope_section) == rotary_dim / 2: the real 256 x 0.25
     "linear_num_key_heads": 1,
     "linear_num_value_heads": 2,
     "linear_key_head_dim": 128,
@@ -96,7 +96,7 @@ TINY_TEXT_CONFIG: dict[str, Any] = {
     "hc_lowrank": 32,
     "indexer_n_heads": 2,
     "indexer_kv_heads": 1,
-    "indexer_head_dim": 32,
+    "indexer_head_dim": 64,  # covers the rotary dims (transformers and vLLM check it)
     **_QSA,
     "ple_layer_ids": [1],
     "ple_embed_dim": 32,
