@@ -216,7 +216,7 @@ def translate(exc: BaseException, label: str, what: str, endpoint: str | None = 
         return HubRefusedError(f"{label}: {what}: {host} sent {exc}; refused")
     if isinstance(exc, httpx.TimeoutException):
         spent = current_budget()
-        if spent is not None and spent.expired:
+        if spent is not None and spent.expired and spent.received:  # a stalled answer, not a silent server
             return HubUnreachableError(
                 f"{label}: {what}: {host} did not complete its answer within {hub_timeout():g} s plus 1 s per "
                 f"{MIN_RATE // 1024} KiB received (a stalled server; MTPQUANT_HUB_TIMEOUT sets the limit)"
