@@ -11,18 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from mtpquant.cli import main
 from mtpquant.errors import ConfigError, ExitCode
+from tests.support.cli import one_error
 
 Factory = Callable[[str], Path]
-
-
-def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
-    capsys.readouterr()
-    code = main(list(argv))
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1, err
-    return code, err[0]
 
 
 def _edit(path: Path, edit: Callable[[dict], None]) -> Path:
@@ -54,7 +46,7 @@ def test_inspect_and_dry_run_never_call_it_healthy(
 ) -> None:
     src = _edit(tiny_copy("qwen3_5"), edit)
     for argv in (["inspect", str(src)], ["convert", str(src), str(src.parent / "out"), "--dry-run"]):
-        code, err = _run(capsys, *argv)
+        code, err = one_error(capsys, *argv)
         assert (code, err) == (ExitCode.CHECKPOINT, f"mtpquant: error: {message}")
 
 
@@ -62,13 +54,13 @@ def test_convert_runs_transformers_own_validation_before_any_work(
     tiny_copy: Factory, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     src = _edit(tiny_copy("qwen3_5"), lambda c: c["vision_config"].__setitem__("depth", "one"))
-    code, err = _run(capsys, "convert", str(src), str(tmp_path / "out"), "--dry-run")
+    code, err = one_error(capsys, "convert", str(src), str(tmp_path / "out"), "--dry-run")
     assert code == ExitCode.CHECKPOINT
     assert err.startswith(
         "mtpquant: error: config.json: transformers refuses it (Validation error for field 'depth': TypeError: Field "
         "'depth' expected int, got str"
     ), err
-    code, _ = _run(capsys, "convert", str(src), str(tmp_path / "work" / "out"), "--device", "cpu")
+    code, _ = one_error(capsys, "convert", str(src), str(tmp_path / "work" / "out"), "--device", "cpu")
     assert code == ExitCode.CHECKPOINT and not (tmp_path / "work").exists()  # refused before any work
 
 

@@ -21,17 +21,11 @@ from mtpquant.cli import main
 from mtpquant.convert.run import ConvertOptions, convert
 from mtpquant.errors import ExitCode
 from mtpquant.provenance import PROVENANCE_FILE, Provenance, Step, check_replaceable
+from tests.support.cli import one_error
+from tests.support.kills import KILL_PRELUDE
 from tests.test_graft import leftovers, tree_state
 
 Factory = Callable[[str], Path]
-
-
-def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
-    capsys.readouterr()
-    code = main(list(argv))
-    lines = capsys.readouterr().err.splitlines()
-    assert len(lines) == 1, lines
-    return code, lines[0]
 
 
 def _ours(path: Path, marker: str = "old") -> Path:
@@ -58,7 +52,7 @@ def test_overwrite_refuses_what_mtpquant_did_not_write(
         _ours(tmp_path / "elsewhere")
         out.symlink_to(tmp_path / "elsewhere")
     before = tree_state(tmp_path)
-    code, err = _run(capsys, "convert", str(tiny_factory("qwen3_5")), str(out), "--overwrite", "--device", "cpu")
+    code, err = one_error(capsys, "convert", str(tiny_factory("qwen3_5")), str(out), "--overwrite", "--device", "cpu")
     assert code == ExitCode.OUTPUT_EXISTS
     mine = "--overwrite replaces only a checkpoint mtpquant wrote"
     assert err == {
@@ -102,30 +96,12 @@ def test_the_check_runs_again_just_before_the_exchange(tmp_path: Path) -> None:
     assert leftovers(tmp_path) == []
 
 
-_DRIVER = textwrap.dedent(
+_DRIVER = KILL_PRELUDE + textwrap.dedent(
     """
-    import json, os, shutil, signal, sys
+    import shutil
     from pathlib import Path
     import mtpquant.checkpoint.writer as writer
     from mtpquant.provenance import PROVENANCE_FILE, Provenance, Step, check_replaceable
-
-    args = json.loads(sys.argv[1])
-    kill_at, tags = args["kill_at"], []
-
-    def hit(tag):
-        tags.append(tag)
-        if len(tags) == kill_at:
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    def wrap(owner, name, after=False):
-        real = getattr(owner, name)
-        def wrapper(*a, **k):
-            hit(name)
-            result = real(*a, **k)
-            if after:
-                hit(name + ":after")
-            return result
-        setattr(owner, name, wrapper)
 
     out = Path(args["out"])
     od = writer.OutputDir(out, overwrite=True, replace_check=check_replaceable)
@@ -195,7 +171,7 @@ def test_tiny_overwrite_replaces_only_a_checkpoint_directory(
     assert main(["tiny", str(out), "--variant", "qwen3_5"]) == 0
     assert main(["tiny", str(out), "--variant", "qwen3_5-tied", "--overwrite"]) == 0  # its own kind: replaced
     (out / "notes").mkdir()
-    code, err = _run(capsys, "tiny", str(out), "--variant", "qwen3_5", "--overwrite")
+    code, err = one_error(capsys, "tiny", str(out), "--variant", "qwen3_5", "--overwrite")
     assert code == ExitCode.OUTPUT_EXISTS
     assert err == (
         f"mtpquant: error: {out}: not a checkpoint directory (notes is not a checkpoint file); not replacing it"
@@ -208,12 +184,14 @@ def test_save_hidden_never_replaces_an_unrelated_file(
 ) -> None:
     notes = tmp_path / "notes.txt"
     notes.write_text("mine")
-    code, err = _run(capsys, "validate", str(tiny_factory("qwen3_5")), "--save-hidden", str(notes), "--device", "cpu")
+    code, err = one_error(
+        capsys, "validate", str(tiny_factory("qwen3_5")), "--save-hidden", str(notes), "--device", "cpu"
+    )
     assert code == ExitCode.OUTPUT_EXISTS
     assert err == (
         f"mtpquant: error: {notes}: exists and is not an mtpquant hidden-state file; not replacing it (choose another "
         "--save-hidden)"
     )
     assert notes.read_text() == "mine"
-    code, err = _run(capsys, "validate", str(tiny_factory("qwen3_5")), "--hidden", str(notes), "--device", "cpu")
+    code, err = one_error(capsys, "validate", str(tiny_factory("qwen3_5")), "--hidden", str(notes), "--device", "cpu")
     assert code == ExitCode.USAGE and err.startswith(f"mtpquant: error: {notes}: not a")

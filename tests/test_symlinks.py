@@ -13,19 +13,11 @@ import pytest
 
 from mtpquant.checkpoint.source import LocalSource
 from mtpquant.checkpoint.table import Checkpoint
-from mtpquant.cli import main
 from mtpquant.errors import CheckpointError, ExitCode
 from mtpquant.hub.publish import PublishRefusedError, plan_files
+from tests.support.cli import one_error
 
 Factory = Callable[[str], Path]
-
-
-def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
-    capsys.readouterr()
-    code = main(list(argv))
-    lines = capsys.readouterr().err.splitlines()
-    assert len(lines) == 1, lines
-    return code, lines[0]
 
 
 def _outside_link(ckpt: Path, name: str, outside: Path) -> None:
@@ -49,7 +41,7 @@ def test_convert_never_copies_a_link_out_of_src(
     src = tiny_copy("qwen3_5")
     _outside_link(src, "tokenizer_config.json", tmp_path / "elsewhere" / "secret.json")
     out = tmp_path / "work" / "out"
-    code, err = _run(capsys, "convert", str(src), str(out), "--device", "cpu")
+    code, err = one_error(capsys, "convert", str(src), str(out), "--device", "cpu")
     assert code == ExitCode.CHECKPOINT
     assert err == _refusal(src, "tokenizer_config.json")
     assert not out.parent.exists() or list(out.parent.iterdir()) == []
@@ -70,7 +62,7 @@ def test_graft_never_links_a_file_out_of_its_inputs(
     shard = sorted(p.name for p in victim.glob("*.safetensors"))[0]
     _outside_link(victim, shard, tmp_path / "elsewhere" / shard)
     out = tmp_path / "out"
-    code, err = _run(capsys, "graft", str(quant), "--from", str(src), "--out", str(out))
+    code, err = one_error(capsys, "graft", str(quant), "--from", str(src), "--out", str(out))
     assert code == ExitCode.CHECKPOINT
     assert err == _refusal(victim, shard)
     assert not out.exists() and [p.name for p in tmp_path.iterdir() if "mtpquant" in p.name] == []
