@@ -101,7 +101,7 @@ def test_compressed_tensors_matching() -> None:
 # ---- verdicts on checkpoints --------------------------------------------------------------------
 def test_bf16_source_is_healthy(tiny_factory: Factory) -> None:
     r = inspect_checkpoint(tiny_factory("qwen3_5_moe"))
-    assert r.healthy and r.strict_exit_code() == 0
+    assert r.healthy and r.exit_code(strict=True) == 0
     assert r.verdicts == {"vllm": "vLLM: MTP loads (BF16)", "sglang": "SGLang: MTP loads (BF16)"}
     assert r.mtp_present_tensors == r.mtp_expected_tensors == 29
     assert '"num_speculative_tokens":3' in r.serve_commands["vllm"]
@@ -112,9 +112,12 @@ def test_bf16_source_is_healthy(tiny_factory: Factory) -> None:
 def test_modelopt_export_without_mtp_is_declared_but_missing(naive_export_factory: Factory, variant: str) -> None:
     r = inspect_checkpoint(naive_export_factory(variant))
     assert not r.healthy
-    assert r.verdicts["vllm"] == "MTP declared but missing: speculative decoding will accept nothing"
+    assert r.verdicts["vllm"] == "vLLM: MTP declared but missing: speculative decoding will accept nothing"
     assert r.failure_messages == ["MTP declared but missing: speculative decoding will accept nothing"]
-    assert r.strict_exit_code() == EXIT_DECLARED_MISSING
+    assert r.exit_code(strict=True) == EXIT_DECLARED_MISSING
+    assert r.fixes == [
+        f"mtpquant graft {r.checkpoint} --from SRC --out {variant}-mtp   (SRC: the BF16 checkpoint it was made from)"
+    ]
     assert r.quantization["algorithm"] == "NVFP4" and r.quantization["vllm_method"] == "modelopt_fp4"
     assert r.main_model["quantized"] > 0 and r.main_model["inconsistent_modules"] == []
 
@@ -144,7 +147,7 @@ def test_only_layers_excluded_like_nvidia_397b(
     assert r.verdicts["vllm"].startswith("vLLM: MTP loads (BF16); mtp.fc is not covered by the exclusions")
     assert "hard-coded mtp.fc workaround" in r.verdicts["vllm"]
     assert r.healthy  # it loads today, but --strict flags the exclusions
-    assert r.strict_exit_code() == EXIT_EXCLUSIONS
+    assert r.exit_code(strict=True) == EXIT_EXCLUSIONS
     assert any("graft --fix-metadata" in w.message for w in r.warnings)
 
 
@@ -158,7 +161,7 @@ def test_compressed_tensors_ignore_glob_is_ineffective(
     )
     assert bad.quantization["method"] == "compressed-tensors"
     assert bad.verdicts["vllm"] == "vLLM will fail to load: mtp.fc is BF16 on disk but declared quantized"
-    assert bad.strict_exit_code() == EXIT_EXCLUSIONS
+    assert bad.exit_code(strict=True) == EXIT_EXCLUSIONS
     good = inspect_checkpoint(
         with_mtp(quant, tiny_factory("qwen3_5"), tmp_path / "good", exclude_add=[], ct_ignore=[*base, r"re:^mtp\..*"])
     )
@@ -243,8 +246,8 @@ def test_index_naming_missing_shard(tiny_copy: Factory) -> None:
     assert r.failure_messages[-1] == (
         "model.safetensors.index.json: shard 'model.safetensors-00002-of-00003.safetensors' does not exist"
     )
-    assert r.strict_exit_code() == EXIT_INDEX
-    assert r.verdicts["vllm"].startswith("index corrupt: ")
+    assert r.exit_code(strict=True) == EXIT_INDEX
+    assert r.verdicts["vllm"].startswith("vLLM: index corrupt: ")
 
 
 def test_shard_tensor_missing_from_index(tiny_copy: Factory) -> None:
@@ -257,7 +260,7 @@ def test_shard_tensor_missing_from_index(tiny_copy: Factory) -> None:
         "model.safetensors-00003-of-00003.safetensors: tensor 'mtp.norm.weight' is not listed in "
         "model.safetensors.index.json"
     ) in r.failure_messages
-    assert r.strict_exit_code() == EXIT_INDEX
+    assert r.exit_code(strict=True) == EXIT_INDEX
 
 
 def test_cli_json_and_strict_exit_codes(

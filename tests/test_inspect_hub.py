@@ -42,5 +42,5 @@ def test_hub_declared_but_missing_and_revision(local_hub: LocalHub, naive_export
     _upload(local_hub, "org/quant", naive_export_factory("qwen3_next"))
     local_hub.create_branch("org/quant", "v2")
     r = inspect_checkpoint("org/quant", revision="v2")
-    assert r.verdicts["vllm"] == "MTP declared but missing: speculative decoding will accept nothing"
+    assert r.verdicts["vllm"] == "vLLM: MTP declared but missing: speculative decoding will accept nothing"
     assert r.checkpoint == "org/quant@v2"

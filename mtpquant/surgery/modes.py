@@ -161,13 +161,6 @@ class MtpMode:
         """Mode-specific checks of the finished OUT (beyond the common ones convert runs)."""
         del out, src, outcome, where
 
-    def allowed_findings(self, ckpt: Checkpoint) -> frozenset[str]:
-        """inspect finding categories the output may have by design (Qwen3-Next without MTP: declared_missing)."""
-        if not self.declares and ckpt.spec.family.mtp_key is None:
-            # Qwen3-Next has no config key to un-declare its MTP (engines assume one layer)
-            return frozenset({"declared_missing"})
-        return frozenset()
-
 
 def _check_mtp_complete(ckpt: Checkpoint, flag: str) -> set[str]:
     """The source's MTP tensor names, refusing an MTP that is absent, incomplete or shaped otherwise."""

@@ -1,0 +1,81 @@
+"""The command line itself: every subcommand's help lists its exit codes from the one table, -q / -v go before
+or after the subcommand, and library messages go through logging."""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import pytest
+
+from mtpquant.cli import build_parser
+from mtpquant.errors import ExitCode, exit_code_table
+
+_ROW = re.compile(r"^\s+(\d+)  (.+)$")
+
+
+def _help(command: str, capsys: pytest.CaptureFixture[str]) -> str:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([command, "--help"])
+    return capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command", ["convert", "graft", "inspect", "validate", "publish", "demo", "tiny"])
+def test_every_epilog_is_rows_of_the_one_table(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    text = _help(command, capsys)
+    epilog = text[text.index("exit codes:\n") :]
+    rows = [line for line in epilog.splitlines() if _ROW.match(line)]
+    table = exit_code_table().splitlines()
+    assert rows and all(row in table for row in rows), rows
+    codes = [int(_ROW.match(row).group(1)) for row in rows]  # type: ignore[union-attr]
+    assert codes == sorted(codes)
+    assert {0, 1, 2, 19, 130} <= set(codes)
+    assert "All exit codes: `mtpquant --help`." in epilog
+
+
+def test_convert_help_names_an_already_quantized_source_15(capsys: pytest.CaptureFixture[str]) -> None:
+    text = _help("convert", capsys)
+    assert f"  {int(ExitCode.SOURCE_QUANTIZED)}  convert: the source is already quantized" in text
+    assert "already quantized)" not in text  # the old hand-typed "6 ... (or SRC is already quantized)"
+
+
+def test_tiny_help_says_what_it_writes(capsys: pytest.CaptureFixture[str]) -> None:
+    text = " ".join(_help("tiny", capsys).split())
+    assert "random weights" in text and "the directory to write" in text and "-tied: tied embeddings" in text
+
+
+@pytest.mark.parametrize(
+    ("argv", "verbose", "quiet"),
+    [
+        (["inspect", "X"], 0, False),
+        (["-q", "inspect", "X"], 0, True),
+        (["inspect", "X", "-q"], 0, True),
+        (["inspect", "X", "-v"], 1, False),
+        (["-v", "inspect", "X", "-v"], 2, False),
+        (["convert", "S", "O", "-vv", "--dry-run"], 2, False),
+    ],
+)
+def test_logging_flags_before_or_after_the_subcommand(argv: list[str], verbose: int, quiet: bool) -> None:
+    args = build_parser().parse_args(argv)
+    assert (args.verbose + args.sub_verbose, args.quiet or args.sub_quiet) == (verbose, quiet)
+
+
+def test_transformers_messages_go_through_logging(caplog: pytest.LogCaptureFixture) -> None:
+    import transformers.utils.logging as tf_logging
+
+    from mtpquant.libraries import library_output
+
+    tf_log = tf_logging.get_logger("transformers.tokenization_utils_base")
+    caplog.set_level(logging.WARNING)
+    with library_output(progress=False):
+        tf_log.warning("Token indices sequence length is longer than the specified maximum sequence length for this")
+        tf_log.warning("something else")
+        assert not tf_logging.is_progress_bar_enabled()
+    assert tf_logging.is_progress_bar_enabled()
+    # the message about what calibration does on purpose is DEBUG now (hidden at WARNING); the other stays a warning
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [("WARNING", "something else")]
+    caplog.clear()
+    caplog.set_level(logging.DEBUG)
+    with library_output(progress=True):
+        tf_log.warning("The fast path is not available because one of the required library is not installed.")
+    assert [(r.levelname, r.name) for r in caplog.records] == [("DEBUG", "transformers.tokenization_utils_base")]
