@@ -17,26 +17,56 @@ import logging
 import re
 from collections.abc import Iterator
 
-__all__ = ["ON_PURPOSE", "library_output"]
+__all__ = ["ON_PURPOSE", "import_libraries", "library_output"]
 
-# transformers' messages about what mtpquant does on purpose: logged at DEBUG (``-vv``).
-ON_PURPOSE = (
-    re.compile(r"Token indices sequence length is longer than the specified maximum sequence length"),
-    re.compile(r"The fast path is not available because one of the required library is not installed"),
-    re.compile(r"`torch_dtype` is deprecated! Use `dtype` instead!"),
+log = logging.getLogger(__name__)
+
+# The libraries' messages about what mtpquant does on purpose, and the level they are logged at instead.
+ON_PURPOSE: tuple[tuple[re.Pattern[str], int], ...] = (
+    # calibration tokenises whole documents and cuts the stream into rows itself
+    (re.compile(r"Token indices sequence length is longer than the specified maximum sequence length"), logging.DEBUG),
+    # modelopt's export reads the config's old attribute name
+    (re.compile(r"`torch_dtype` is deprecated! Use `dtype` instead!"), logging.DEBUG),
+    # transformers is pinned past the versions nvidia-modelopt names (pyproject.toml says why)
+    (re.compile(r"transformers \S+ is not tested with current version of modelopt"), logging.DEBUG),
+    # the linear-attention kernels' PyTorch fallback (always so on CPU): slower, not wrong
+    (re.compile(r"The fast path is not available because one of the required library is not installed"), logging.INFO),
+    (re.compile(r"is falling back to its reference PyTorch implementation"), logging.INFO),
 )
 
 
+def _level(message: str, level: int) -> int:
+    return next((to for pattern, to in ON_PURPOSE if pattern.search(message)), level)
+
+
 class _Forward(logging.Handler):
-    """Hands transformers' records to the root logger's handlers, those in ``ON_PURPOSE`` at DEBUG."""
+    """Hands transformers' records to the root logger's handlers, those in ``ON_PURPOSE`` at their level."""
 
     def emit(self, record: logging.LogRecord) -> None:
-        message = record.getMessage()
-        if any(p.search(message) for p in ON_PURPOSE):
-            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        level = _level(record.getMessage(), record.levelno)
+        if level != record.levelno:
+            record.levelno, record.levelname = level, logging.getLevelName(level)
         root = logging.getLogger()
         if root.isEnabledFor(record.levelno):
             root.handle(record)
+
+
+def import_libraries(*names: str) -> None:
+    """Import modules; the Python warnings they raise on import that ``ON_PURPOSE`` names are logged at its level
+    instead, the others warned again."""
+    import importlib
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for name in names:
+            importlib.import_module(name)
+    for w in caught:
+        level = _level(str(w.message), logging.WARNING)
+        if level == logging.WARNING:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        else:
+            log.log(level, "%s: %s", w.category.__name__, w.message)
 
 
 @contextlib.contextmanager

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 import re
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -78,4 +80,27 @@ def test_transformers_messages_go_through_logging(caplog: pytest.LogCaptureFixtu
     caplog.set_level(logging.DEBUG)
     with library_output(progress=True):
         tf_log.warning("The fast path is not available because one of the required library is not installed.")
-    assert [(r.levelname, r.name) for r in caplog.records] == [("DEBUG", "transformers.tokenization_utils_base")]
+    # the CPU fallback of the linear-attention kernels: slower, not wrong (INFO, shown with -v)
+    assert [(r.levelname, r.name) for r in caplog.records] == [("INFO", "transformers.tokenization_utils_base")]
+
+
+def test_modelopt_import_warning_goes_to_the_log(
+    caplog: pytest.LogCaptureFixture, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import warnings
+
+    from mtpquant.libraries import import_libraries
+
+    (tmp_path / "noisy_library.py").write_text(
+        "import warnings\n"
+        "warnings.warn('transformers 5.19.0 is not tested with current version of modelopt and may cause issues.')\n"
+        "warnings.warn('a real problem')\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "noisy_library", raising=False)
+    caplog.set_level(logging.DEBUG, logger="mtpquant.libraries")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        import_libraries("noisy_library")
+    assert [str(w.message) for w in seen] == ["a real problem"]  # another warning stays a warning
+    assert [r.levelname for r in caplog.records if "not tested" in r.getMessage()] == ["DEBUG"]

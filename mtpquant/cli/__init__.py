@@ -29,7 +29,9 @@ def exit_codes_epilog(*codes: ExitCode) -> str:
 
 def _add_logging_flags(p: argparse.ArgumentParser, dest: str = "") -> None:
     """``-v`` / ``-q``, accepted before the subcommand and after it (``dest`` prefixes the second pair)."""
-    p.add_argument("-v", "--verbose", dest=f"{dest}verbose", action="count", default=0, help="more logging (-vv: debug)")
+    p.add_argument(
+        "-v", "--verbose", dest=f"{dest}verbose", action="count", default=0, help="more logging (-vv: debug)"
+    )
     p.add_argument("-q", "--quiet", dest=f"{dest}quiet", action="store_true", help="only errors; no progress bars")
 
 

@@ -309,10 +309,9 @@ def convert(options: ConvertOptions) -> ConvertResult:
 
 def _import_libraries() -> None:
     """Import what the conversion runs on (torch, transformers, modelopt's quantization and export)."""
-    import importlib
+    from mtpquant.libraries import import_libraries
 
-    for name in ("torch", "transformers", "modelopt.torch.quantization", "modelopt.torch.export"):
-        importlib.import_module(name)
+    import_libraries("torch", "transformers", "modelopt.torch.quantization", "modelopt.torch.export")
 
 
 def _resume_inputs(plan: ConvertPlan, src_dir: Path) -> dict[str, Any]:
@@ -455,6 +454,7 @@ def _run(
             calibrator=calibrator,
             fmt=plan.mtp_format,
             activations=recipe.quantization.activations,
+            targets=recipe.quantization.targets,
             main_algo=recipe.quantization.quant_algo,
         )
         outcome = mode.write(ctx)
