@@ -21,6 +21,7 @@ __all__ = [
     "EngineStartError",
     "EngineUnreachableError",
     "ExitCode",
+    "FilesystemError",
     "GraftError",
     "HubAccessError",
     "HubRefusedError",
@@ -180,6 +181,13 @@ class OutputBusyError(MtpquantError):
     """Another live mtpquant run holds the output's lock (the message names its pid)."""
 
     exit_code = ExitCode.OUTPUT_BUSY
+
+
+class FilesystemError(MtpquantError):
+    """The operating system refused a write (disk full, quota, permissions): the message names the file being written
+    (or the output) and, when space ran out, its filesystem; nothing was put in place."""
+
+    exit_code = ExitCode.IO
 
 
 class MemoryPlanError(MtpquantError):

@@ -33,6 +33,7 @@ from mtpquant.formats.quant_config import HF_QUANT_CONFIG
 from mtpquant.graft.run import GraftOptions, GraftResult, fix_metadata, graft
 from mtpquant.inspect.report import inspect_checkpoint
 from mtpquant.provenance import PROVENANCE_FILE, read_provenance
+from tests.support.kills import KILL_PRELUDE
 
 FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 Factory = Callable[[str], Path]
@@ -591,30 +592,11 @@ def test_out_inside_quant_is_refused(tiny_factory: Factory, tmp_path: Path) -> N
 
 # ---------------------------------------------------------------------------------------------- kills
 
-_DRIVER = textwrap.dedent(
+_DRIVER = KILL_PRELUDE + textwrap.dedent(
     """
-    import json, os, signal, sys
     import mtpquant.checkpoint.table as table
     import mtpquant.graft.inplace as inplace
     from mtpquant.graft.run import GraftOptions, graft
-
-    args = json.loads(sys.argv[1])
-    kill_at, tags = args["kill_at"], []
-
-    def hit(tag):
-        tags.append(tag)
-        if len(tags) == kill_at:
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    def wrap(owner, name, after=False):
-        real = getattr(owner, name)
-        def wrapper(*a, **k):
-            hit(name)
-            result = real(*a, **k)
-            if after:
-                hit(name + ":after")
-            return result
-        setattr(owner, name, wrapper)
 
     for name in ("fsync", "link", "replace", "rename", "unlink", "mkdir", "rmdir", "symlink"):
         wrap(os, name)

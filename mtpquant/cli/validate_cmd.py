@@ -81,6 +81,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--server", metavar="URL", help="a running vLLM or SGLang server (the reference or the one checkpoint)"
     )
     e.add_argument("--candidate-server", metavar="URL", help="a second running server to compare (e.g. the NVFP4 one)")
+    e.add_argument(
+        "--api-key-file",
+        type=Path,
+        metavar="FILE",
+        help="the servers' API key (vLLM/SGLang --api-key), first line of FILE; or MTPQUANT_ENGINE_API_KEY "
+        "(never put a key or password in the URL: it is removed from every report and message)",
+    )
     e.add_argument("--served-model", metavar="NAME", help="the model name to ask for (default: the only one served)")
     e.add_argument("--engine", choices=ENGINES, help="start the engine for CHECKPOINT [CANDIDATE] on 127.0.0.1")
     e.add_argument("--vllm-python", type=Path, metavar="PATH", help="the python of the vLLM environment")
@@ -135,6 +142,7 @@ def run(args: argparse.Namespace) -> int:
         progress=not args.quiet,
         server=args.server,
         candidate_server=args.candidate_server,
+        api_key_file=args.api_key_file,
         served_model=args.served_model,
         engine=args.engine,
         vllm_python=args.vllm_python,

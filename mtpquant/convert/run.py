@@ -31,16 +31,18 @@ from pathlib import Path
 from typing import Any, cast
 
 from mtpquant import __version__
+from mtpquant.checkpoint.lock import OutputLock
 from mtpquant.checkpoint.source import SourceRef
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.checkpoint.writer import OutputDir
+from mtpquant.convert.calibration import CalibrationData
 from mtpquant.convert.plan import RECIPE_FILE, ConvertOptions, ConvertPlan, plan_convert
 from mtpquant.convert.resume import ResumeState
 from mtpquant.errors import CalibrationDataError, OutputVerificationError
 from mtpquant.families import TensorClass, is_mtp_name
 from mtpquant.formats.quant_config import HF_QUANT_CONFIG, with_exclusions, without_exclusions
-from mtpquant.provenance import PROVENANCE_FILE, Provenance, Step, source_license
-from mtpquant.public import public_args, public_name, public_ref
+from mtpquant.provenance import PROVENANCE_FILE, Provenance, Step, check_replaceable, source_license
+from mtpquant.public import public_args, public_file, public_name, public_ref
 from mtpquant.surgery.modes import ExtractMode, MtpOutcome, WriteContext, load_mtp_layer, same_bytes
 from mtpquant.units import format_bytes
 
@@ -239,29 +241,39 @@ def convert(options: ConvertOptions) -> ConvertResult:
     written_before = bytes_written_so_far()
     from mtpquant.libraries import library_output
 
-    source = ckpt.source
-    if source.local_root is None:
-        with timer("download"), library_output(progress):
-            src_dir, ckpt = _local_source(ckpt)
-    else:
-        src_dir, ckpt = _local_source(ckpt)
-    ref = source.ref()  # a Hub source: the repo, the revision asked for and the commit downloaded
-    step = Step(
-        "convert",
-        public_args(plan.command, ref),  # the file goes public with OUT: local directories by base name
-        source=public_ref(ref),
-        mode=plan.mode,
-        recipe=plan.recipe.name,
-        recipe_file=RECIPE_FILE,
-        base_model=plan.base_model,
-        base_model_revision=plan.base_model_revision,
-        license=source_license(source),
-    )
-
     with contextlib.ExitStack() as stack:
+        # OUT's lock first, before any download or long work: a second run on the same OUT is refused at once
+        lock = stack.enter_context(OutputLock.acquire(plan.out))
+        mtp_lock = stack.enter_context(OutputLock.acquire(plan.mtp_out)) if plan.mtp_out else None
+        source = ckpt.source
+        if source.local_root is None:
+            with timer("download"), library_output(progress):
+                src_dir, ckpt = _local_source(ckpt)
+        else:
+            src_dir, ckpt = _local_source(ckpt)
+        ref = source.ref()  # a Hub source: the repo, the revision asked for and the commit downloaded
+        step = Step(
+            "convert",
+            public_args(plan.command, ref),  # the file goes public with OUT: local directories by base name
+            source=public_ref(ref),
+            mode=plan.mode,
+            recipe=plan.recipe.name,
+            recipe_file=RECIPE_FILE,
+            base_model=plan.base_model,
+            base_model_revision=plan.base_model_revision,
+            license=source_license(source),
+        )
         stack.enter_context(library_output(progress))
-        od = stack.enter_context(OutputDir(plan.out, overwrite=plan.overwrite))
-        mtp_od = stack.enter_context(OutputDir(plan.mtp_out, overwrite=plan.overwrite)) if plan.mtp_out else None
+        od = stack.enter_context(
+            OutputDir(plan.out, overwrite=plan.overwrite, replace_check=check_replaceable, lock=lock)
+        )
+        mtp_od = (
+            stack.enter_context(
+                OutputDir(plan.mtp_out, overwrite=plan.overwrite, replace_check=check_replaceable, lock=mtp_lock)
+            )
+            if plan.mtp_out
+            else None
+        )
         outcome, resume = _run(plan, ckpt, src_dir, od, mtp_od, timer, progress, result)
         od.write_text(PROVENANCE_FILE, Provenance((step,)).to_bytes().decode("utf-8"))
         if mtp_od is not None:
@@ -269,6 +281,7 @@ def convert(options: ConvertOptions) -> ConvertResult:
             mtp_od.write_text(PROVENANCE_FILE, Provenance((sidecar,)).to_bytes().decode("utf-8"))
         with timer("verify"):
             verify = _verifier(plan, ckpt, outcome)
+            verify(od.path)  # both outputs verified before either is put in place
             if mtp_od is not None:
                 extract = cast(ExtractMode, plan.mtp_mode)
                 where = f"{plan.mtp_out}: verification failed"
@@ -276,7 +289,7 @@ def convert(options: ConvertOptions) -> ConvertResult:
                 mtp_path = mtp_od.finalize(lambda p: extract.verify_side_output(p, ckpt, expected, where))
                 result.mtp_output = mtp_path
             try:
-                out_path = od.finalize(verify)
+                out_path = od.finalize(opened=True)  # ``verify`` opened it strictly, and nothing was written since
             except BaseException:
                 if mtp_od is not None and result.mtp_output is not None:
                     shutil.rmtree(result.mtp_output, ignore_errors=True)
@@ -314,19 +327,26 @@ def _import_libraries() -> None:
     import_libraries("torch", "transformers", "modelopt.torch.quantization", "modelopt.torch.export")
 
 
-def _resume_inputs(plan: ConvertPlan, src_dir: Path) -> dict[str, Any]:
-    """What layer-wise calibration depends on: a resume state is reused only when all of it is the same."""
+def _resume_inputs(plan: ConvertPlan, src_dir: Path, data: CalibrationData) -> dict[str, Any]:
+    """What layer-wise calibration depends on: a resume state is reused only when all of it is the same. The
+    calibration enters by its content: a digest of the very token rows it feeds the model, which covers the text
+    (a file edited at the same path, a dataset at another revision), the tokenizer and its chat template."""
+    import hashlib
+
     import modelopt
     import torch
     import transformers
 
     from mtpquant.convert.resume import source_stamp
 
+    rows = data.input_ids.contiguous()
     return {
         "source": str(src_dir.resolve()),
         "files": source_stamp(src_dir),
         "recipe": plan.recipe.to_yaml(""),
         "mode": plan.mode,
+        "calibration": {"rows": list(rows.shape), "sha256": hashlib.sha256(rows.numpy().tobytes()).hexdigest()},
+        "device": plan.device,
         "resume_every": plan.resume_every,  # modelopt refuses a state committed at another interval
         "versions": [__version__, modelopt.__version__, torch.__version__, transformers.__version__],
     }
@@ -391,7 +411,7 @@ def _run(
             "layer-wise calibration commits its resume state every %d of %d layers (~%s of layer inputs a commit)",
             plan.resume_every, ckpt.spec.dim("num_hidden_layers"), format_bytes(plan.resume_activation_bytes),
         )
-        resume = ResumeState.open(plan.out, _resume_inputs(plan, src_dir))
+        resume = ResumeState.open(plan.out, _resume_inputs(plan, src_dir, data))
         if resume.start_layer:
             result.resumed_from_layer = resume.start_layer
             log.info(
@@ -402,6 +422,7 @@ def _run(
     def batches() -> Iterator[Any]:
         return data.batches(cal.batch_size)
 
+    od.doing = "calibrating (writing the layer-wise resume state)" if layerwise else ""
     with timer("calibrate"):
         bar = None if layerwise else _tqdm(progress, total=data.samples, desc="calibrate", unit="row")
         loop = calibration_loop(batches, device, bar=bar, before_pass=resume.prune if resume else None)
@@ -428,11 +449,13 @@ def _run(
                 bar.update(int(hidden.shape[0]))
 
     scratch = od.path / SCRATCH
+    od.doing = "exporting the quantized model"
     with timer("export"):
         layers = int(ckpt.spec.text.get("num_hidden_layers") or 0)
         bar = _tqdm(progress, total=layers or None, desc="export", unit="layer")
         export_quantized(model, scratch, source_dtype(ckpt.spec), ckpt, plan.max_shard_bytes, bar)
         bar.close()
+    od.doing = ""
     if plan.device == "cuda":
         result.peak_gpu_bytes = int(torch.cuda.max_memory_allocated())
     del model
@@ -473,7 +496,9 @@ def _run(
         if hfq is not None and not ct_format:  # compressed-tensors keeps its metadata in config.json only
             od.write_json(HF_QUANT_CONFIG, hfq)
         carry_files(od, src_dir, plan.carried_files)
-        od.write_text(RECIPE_FILE, recipe.to_yaml(_recipe_header(plan, ckpt.source.ref())))
+        # the file goes public with OUT: the calibration file by its base name
+        public = dataclasses.replace(recipe, calibration=dataclasses.replace(cal, data=public_file(cal.data)))
+        od.write_text(RECIPE_FILE, public.to_yaml(_recipe_header(plan, ckpt.source.ref())))
         shutil.rmtree(scratch, ignore_errors=True)
         offload = od.path / OFFLOAD
         result.offload_bytes = sum(p.stat().st_size for p in offload.rglob("*") if p.is_file())

@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from mtpquant.families import FUSED_EXPERT_PIECES, MTP_PREFIX, TensorClass, is_mtp_name, mtp_config
 from mtpquant.formats.fp8 import FP8_E4M3_MAX
 from mtpquant.formats.nvfp4 import quantize_activation_nvfp4
+from mtpquant.hfconfig import transformers_config
 from mtpquant.mtp.module import MtpLayer, MtpLayoutError
 from mtpquant.validate import ACTIVATION_MODES
 from mtpquant.validate.weights import (
@@ -291,7 +292,7 @@ def load_target(
 
     family = weights.spec.family
     cls = text_model_class(weights)
-    hf_config = cls.config_class.from_dict(_text_config(weights))
+    hf_config = transformers_config(_text_config(weights), cls.config_class)
     with init_empty_weights():
         model = cls(hf_config)
     model.eval()
