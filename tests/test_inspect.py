@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from mtpquant.cli import main as cli
 from mtpquant.inspect.engines import FusedShardsError, ct_ignored, expand_modelopt_patterns, modelopt_excluded
 from mtpquant.inspect.report import EXIT_DECLARED_MISSING, EXIT_EXCLUSIONS, EXIT_INDEX, inspect_checkpoint
+from mtpquant.render import inspect_text
 from tests.support.quants import with_mtp
 
 Factory = Callable[[str], Path]
@@ -120,6 +121,18 @@ def test_modelopt_export_without_mtp_is_declared_but_missing(naive_export_factor
     ]
     assert r.quantization["algorithm"] == "NVFP4" and r.quantization["vllm_method"] == "modelopt_fp4"
     assert r.main_model["quantized"] > 0 and r.main_model["inconsistent_modules"] == []
+    if variant == "qwen3_5":  # the text names the fix and reads plainly (counts say what they count)
+        text = inspect_text(r).splitlines()
+        assert f"fix   mtpquant graft {r.checkpoint} --from SRC --out qwen3_5-mtp" in "\n".join(text)
+        assert "MTP present    0/15 expected tensors, 0 B" in text
+        assert "quantization   modelopt NVFP4 (vLLM: modelopt_fp4), group size 16, KV cache unquantized" in text
+        assert "main Linears   32 Linears: 25 quantized (NVFP4 25), 7 unquantized (BF16 7)" in text
+        assert "vision tower   present, 21 tensors; 6 Linears, all unquantized (BF16 6)" in text
+        # one verdict line per engine, each with its engine's name once
+        assert [line for line in text if "declared but missing" in line and not line.startswith("FAIL")] == [
+            "vLLM: MTP declared but missing: speculative decoding will accept nothing",
+            "SGLang: MTP declared but missing: speculative decoding will accept nothing",
+        ]
 
 
 @pytest.mark.parametrize("variant", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
@@ -227,6 +240,9 @@ def test_fp8_block_mtp(naive_export_factory: Factory, tiny_factory: Factory, tmp
     assert precisions["mtp.layers.0.self_attn.qkv_proj"] == "FP8-block"
     assert precisions["mtp.fc"] == "BF16"
     assert r.mtp_precision == "mixed: BF16, FP8-block"
+    # the scales are counted apart from the tensors the layout expects (not "19/15 tensors")
+    scales = r.mtp_present_tensors - 15
+    assert f"MTP present    15/15 expected tensors (+{scales} quantization scales)" in inspect_text(r)
     # SGLang builds the MTP of a modelopt_fp4 checkpoint in BF16: FP8 weights have the BF16 shape, so they load,
     # as raw values without their block scales
     assert r.verdicts["sglang"] == (
