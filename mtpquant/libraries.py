@@ -44,8 +44,9 @@ class _Forward(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         level = _level(record.getMessage(), record.levelno)
-        if level != record.levelno:
-            record.levelno, record.levelname = level, logging.getLevelName(level)
+        if level != record.levelno:  # a copy: other handlers of the logger keep the record as it was
+            name = logging.getLevelName(level)
+            record = logging.makeLogRecord({**record.__dict__, "levelno": level, "levelname": name})
         root = logging.getLogger()
         if root.isEnabledFor(record.levelno):
             root.handle(record)

@@ -62,26 +62,42 @@ def test_logging_flags_before_or_after_the_subcommand(argv: list[str], verbose: 
     assert (args.verbose + args.sub_verbose, args.quiet or args.sub_quiet) == (verbose, quiet)
 
 
-def test_transformers_messages_go_through_logging(caplog: pytest.LogCaptureFixture) -> None:
+class _RootRecords(logging.Handler):
+    """What reaches the root logger's handlers (pytest's capture also sits on non-propagating loggers such as
+    transformers', where it would see the library's records before mtpquant routes them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[str, str, str]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.seen.append((record.levelname, record.name, record.getMessage()))
+
+
+def test_transformers_messages_go_through_logging(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     import transformers.utils.logging as tf_logging
 
     from mtpquant.libraries import library_output
 
     tf_log = tf_logging.get_logger("transformers.tokenization_utils_base")
-    caplog.set_level(logging.WARNING)
+    root, records = logging.getLogger(), _RootRecords()
+    monkeypatch.setattr(root, "handlers", [records])
+    caplog.set_level(logging.WARNING)  # the root logger's level (restored after the test)
     with library_output(progress=False):
         tf_log.warning("Token indices sequence length is longer than the specified maximum sequence length for this")
         tf_log.warning("something else")
         assert not tf_logging.is_progress_bar_enabled()
     assert tf_logging.is_progress_bar_enabled()
     # the message about what calibration does on purpose is DEBUG now (hidden at WARNING); the other stays a warning
-    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [("WARNING", "something else")]
-    caplog.clear()
+    assert records.seen == [("WARNING", "transformers.tokenization_utils_base", "something else")]
+    records.seen.clear()
     caplog.set_level(logging.DEBUG)
     with library_output(progress=True):
         tf_log.warning("The fast path is not available because one of the required library is not installed.")
     # the CPU fallback of the linear-attention kernels: slower, not wrong (INFO, shown with -v)
-    assert [(r.levelname, r.name) for r in caplog.records] == [("INFO", "transformers.tokenization_utils_base")]
+    assert [(level, name) for level, name, _ in records.seen] == [("INFO", "transformers.tokenization_utils_base")]
 
 
 def test_modelopt_import_warning_goes_to_the_log(
