@@ -7,6 +7,7 @@ is wrong. The CLI prints ``str(error)`` and exits with ``error.exit_code``; each
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from enum import IntEnum, unique
 
 __all__ = [
@@ -124,9 +125,10 @@ _MEANING = {
 }
 
 
-def exit_code_table() -> str:
-    """The exit codes as ``--help`` prints them."""
-    return "\n".join(f"  {int(code):>3}  {_MEANING[code]}" for code in ExitCode)
+def exit_code_table(codes: Iterable[ExitCode] | None = None) -> str:
+    """The exit codes as ``--help`` prints them: all of them, or those of one command (in the table's order)."""
+    chosen = set(ExitCode if codes is None else codes)
+    return "\n".join(f"  {int(code):>3}  {_MEANING[code]}" for code in ExitCode if code in chosen)
 
 
 class MtpquantError(Exception):

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from mtpquant.errors import CheckpointError, MtpquantError
+from mtpquant.errors import CheckpointError, HubAccessError, HubUnreachableError, MtpquantError
 
 __all__ = [
     "JSON_LIMIT",
@@ -32,7 +32,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-_REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 # .../models--org--name/snapshots/<commit>/ : a checkpoint in the HF cache
 _HF_CACHE_SNAPSHOT = re.compile(r"models--([A-Za-z0-9][\w.-]*)--([\w.-]+)/snapshots/([0-9a-f]{40})/")
 
@@ -282,6 +281,7 @@ class HubSource:
         self._cache: OrderedDict[tuple[str, int, int], bytes] = OrderedDict()
         self._cached_bytes = 0
         self.local_root: Path | None = None
+        self.not_local = False  # a mistyped local path, perhaps (``open_source``): Hub errors say there is none
 
     @contextlib.contextmanager
     def _hub(self, what: str) -> Iterator[None]:
@@ -292,6 +292,10 @@ class HubSource:
         try:
             with hub_errors(self.label, what, self.endpoint):
                 yield
+        except (HubAccessError, HubUnreachableError) as exc:
+            if not self.not_local:
+                raise
+            raise type(exc)(f"{exc}; nor is there a local directory {self.repo_id}") from None
         finally:
             self.requests += request_count() - before
 
@@ -446,8 +450,8 @@ def is_repo_id(value: object) -> bool:
 
 
 def looks_like_repo_id(ref: str) -> bool:
-    """True for ``org/name`` strings that are not existing local paths."""
-    return bool(_REPO_ID.match(ref)) and not Path(ref).exists()
+    """True for Hub repo ids (``is_repo_id``) that are not existing local paths."""
+    return is_repo_id(ref) and not Path(ref).exists()
 
 
 def open_source(ref: str | os.PathLike[str], revision: str | None = None, token: str | None = None) -> Any:
@@ -456,7 +460,10 @@ def open_source(ref: str | os.PathLike[str], revision: str | None = None, token:
     if Path(ref_s).exists():
         return LocalSource(Path(ref_s))
     if looks_like_repo_id(ref_s):
-        return HubSource(ref_s, revision=revision, token=token)
+        source = HubSource(ref_s, revision=revision, token=token)
+        # ``runs/typo`` where ``runs/`` is a local directory: a Hub failure also says there is no such local directory
+        source.not_local = Path(ref_s).parent.is_dir()
+        return source
     raise CheckpointError(f"{ref_s}: no such directory, and not a Hub repo id (org/name)")
 
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from mtpquant.checkpoint.header import ShardHeader, TensorEntry, bulk_parse, parse_header, read_header_length
 from mtpquant.checkpoint.index import INDEX_NAME, SINGLE_NAME, Problem, check_shard_name, parse_index, validate_index
 from mtpquant.checkpoint.source import CheckpointSource, open_source, read_json
-from mtpquant.errors import CheckpointError, ConfigError
+from mtpquant.errors import CheckpointError, ConfigError, MtpquantError
 from mtpquant.families import ModelSpec, is_mtp_name, resolve, tensor_classifier
 from mtpquant.formats.quant_config import HF_QUANT_CONFIG, QuantMetadata, read_quant_metadata
 
@@ -61,6 +61,7 @@ class Checkpoint:
         token: str | None = None,
         strict: bool = True,
         reuse: Checkpoint | None = None,
+        name_errors: bool = False,
     ) -> Checkpoint:
         """Open a checkpoint from a path, a Hub repo id or a source.
 
@@ -72,10 +73,18 @@ class Checkpoint:
         re-parsing a shard of the same name that is the very same file, unchanged (same device, inode,
         size and mtime as when ``reuse`` read it: a hard link graft made). Every other shard is read and
         parsed; the index and every cross-shard check run in full either way.
+
+        ``name_errors``: an error that names a file alone (``config.json: not valid JSON``) names its checkpoint
+        first, for commands that read two checkpoints (graft, validate).
         """
         source: CheckpointSource = open_source(ref, revision, token) if isinstance(ref, (str, os.PathLike)) else ref
-        with bulk_parse():  # the whole table at once, without the collector's passes over it
-            return cls._open(source, strict, reuse)
+        try:
+            with bulk_parse():  # the whole table at once, without the collector's passes over it
+                return cls._open(source, strict, reuse)
+        except MtpquantError as exc:
+            if not name_errors or str(exc).startswith(source.label):
+                raise
+            raise type(exc)(f"{source.label}: {exc}") from exc.__cause__
 
     @classmethod
     def _open(cls, source: CheckpointSource, strict: bool, reuse: Checkpoint | None) -> Checkpoint:

@@ -7,7 +7,9 @@ import json
 import os
 from typing import Any
 
+from mtpquant.cli import HUB_CODES, exit_codes_epilog
 from mtpquant.cli.graft_cmd import parse_size
+from mtpquant.errors import ExitCode
 
 __all__ = ["add_schedule_arguments", "register", "schedule_options"]
 
@@ -25,11 +27,18 @@ is written back in the same format and scales layout. Before anything is written
 and after on held-out prompts (validate's built-in replay); nothing is written unless the healed MTP is better
 beyond noise at every k = 1..K.
 
-exit codes: 0 healed (written); 2 bad options; 3 QUANT/SRC is not a valid checkpoint; 5 OUT exists; 8 the
-result failed verification (nothing put in place); 9 SRC is not QUANT's model; 21 another run writes the same
-output; 22 does not fit under the memory caps; 24 the healed MTP is not better beyond noise (nothing written);
-27 QUANT's MTP cannot be healed (missing, incomplete, or a layout heal cannot write back). All: `mtpquant --help`.
-"""
+""" + exit_codes_epilog(
+    ExitCode.CHECKPOINT,
+    ExitCode.ARCHITECTURE,
+    ExitCode.OUTPUT_EXISTS,
+    ExitCode.VERIFICATION,
+    ExitCode.LINEAGE,
+    ExitCode.OUTPUT_BUSY,
+    ExitCode.MEMORY,
+    ExitCode.HEAL_NOT_BETTER,
+    ExitCode.HEAL_REFUSED,
+    *HUB_CODES,
+)
 
 
 def add_schedule_arguments(p: argparse.ArgumentParser, prefix: str = "") -> None:

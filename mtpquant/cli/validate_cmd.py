@@ -6,11 +6,25 @@ import argparse
 import json
 from pathlib import Path
 
+from mtpquant.cli import HUB_CODES, exit_codes_epilog
 from mtpquant.errors import ExitCode
 from mtpquant.validate import ACTIVATION_MODES  # torch-free: the choices at start-up
 from mtpquant.validate.options import ENGINES
 
 EXIT_BY_STATUS = {"pass": ExitCode.OK, "warn": ExitCode.VALIDATE_WARN, "fail": ExitCode.VALIDATE_FAIL}
+EXIT_CODES = (
+    ExitCode.CHECKPOINT,
+    ExitCode.ARCHITECTURE,
+    ExitCode.OUTPUT_EXISTS,
+    ExitCode.VALIDATE_WARN,
+    ExitCode.VALIDATE_FAIL,
+    ExitCode.ENGINE_UNREACHABLE,
+    ExitCode.ENGINE_ANSWER,
+    ExitCode.ENGINE_MODEL,
+    ExitCode.ENGINE_SPEC_DECODE,
+    ExitCode.ENGINE_START,
+    *HUB_CODES,
+)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -24,6 +38,8 @@ def register(sub: argparse._SubParsersAction) -> None:
             "main-model top-1 agreement and KL(ref || cand) on identical inputs, and a verdict. "
             f"Exit status: 0 pass, {int(ExitCode.VALIDATE_WARN)} warn, {int(ExitCode.VALIDATE_FAIL)} fail."
         ),
+        epilog=exit_codes_epilog(*EXIT_CODES),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
         "reference", nargs="?", help="checkpoint directory or Hub repo id (alone: the checkpoint to evaluate)"

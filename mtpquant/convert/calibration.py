@@ -181,10 +181,18 @@ def _render(tokenizer: Any, prompt: str | None, doc: Any, chat: bool) -> list[in
 
 
 def build_calibration_data(
-    tokenizer: Any, data: str, samples: int, seq_len: int, *, chat_template: bool = True, exclude: Collection[str] = ()
+    tokenizer: Any,
+    data: str,
+    samples: int,
+    seq_len: int,
+    *,
+    chat_template: bool = True,
+    bar: Any = None,
+    exclude: Collection[str] = (),
 ) -> CalibrationData:
-    """``samples`` rows of ``seq_len`` tokens from ``data`` (offline | file | datasets name); ``exclude`` names
-    offline-corpus documents to leave out (heal keeps validate's held-out prompts out of its training data)."""
+    """``samples`` rows of ``seq_len`` tokens from ``data`` (offline | file | datasets name); ``bar``: a progress
+    bar (tqdm) counting the tokens; ``exclude`` names offline-corpus documents to leave out (heal keeps validate's
+    held-out prompts out of its training data)."""
     import torch
 
     chat = bool(chat_template and getattr(tokenizer, "chat_template", None))
@@ -205,10 +213,13 @@ def build_calibration_data(
         ids = _render(tokenizer, prompt, doc, chat)
         if not ids:
             continue
+        before = len(stream)
         stream.extend(ids)
         if eos is not None and not chat:
             stream.append(int(eos))
         used += 1
+        if bar is not None:
+            bar.update(min(len(stream), need) - min(before, need))
         if len(stream) >= need:
             break
     if len(stream) < seq_len:

@@ -301,7 +301,7 @@ def plan_convert(options: ConvertOptions, ckpt: Checkpoint | None = None) -> tup
     if options.output_format == "compressed-tensors":
         q = recipe.quantization
         check_ct_recipe(q.quant_algo, q.activations, mtp_format, mode)
-    checked = mtp_mode.check(ckpt, mtp_format)
+    checked = mtp_mode.check(ckpt, mtp_format, recipe.quantization.targets)
     notes = [*auto_notes, *checked.notes]
 
     # Which main Linears the recipe quantizes, and their block divisibility.

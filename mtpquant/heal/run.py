@@ -137,7 +137,9 @@ def heal(options: HealOptions) -> HealResult:
     out = Path(options.out).absolute() if options.out is not None else None
     target = open_target(quant, out, replaces=True)
     result = HealResult(plan, "healed", "", cleaned=list(target.cleaned), warnings=list(plan.notes))
-    with target.od:
+    from mtpquant.libraries import library_output
+
+    with target.od, library_output(options.progress):  # transformers' messages under our logging levels
         _heal(plan, quant, src, weights, target, result, timer)
     result.destination = str(target.destination)
     result.commit = target.commit
