@@ -84,11 +84,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         import os
 
         os.environ["TQDM_DISABLE"] = "1"
-        # transformers logs to stderr through its own handler (kernel fallbacks and the like, once per process):
-        # quiet as ours (the variable before it is imported; its library logger once it has configured itself)
-        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-        if "transformers" in sys.modules:
-            logging.getLogger("transformers").setLevel(logging.ERROR)
     try:
         return int(args.func(args))
     except MtpquantError as exc:
