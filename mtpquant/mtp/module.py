@@ -14,7 +14,7 @@ transformers' ``Qwen3_5RMSNorm``, ``apply_rotary_pos_emb``, ``Qwen3_5Attention``
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from mtpquant.families import MTP_PREFIX, MtpConfig
 from mtpquant.families.qwen3 import qwen3_mtp_shapes
+from mtpquant.mtp.step import MtpStep
 
 __all__ = [
     "KVCache",
@@ -80,6 +81,19 @@ class KVCache:
     def length(self) -> int:
         """Number of cached positions."""
         return int(self.key.shape[2])
+
+    def expand(self, batch: int) -> KVCache:
+        """The batch-1 cache repeated ``batch`` times (views, no copy)."""
+        return KVCache(self.key.expand(batch, -1, -1, -1), self.value.expand(batch, -1, -1, -1))
+
+    def last(self, rows: int) -> KVCache:
+        """The last ``rows`` cached positions."""
+        return KVCache(self.key[:, :, -rows:], self.value[:, :, -rows:])
+
+    def cat(self, parts: Sequence[KVCache]) -> KVCache:
+        """This cache followed by the positions of ``parts`` (same batch)."""
+        keys = torch.cat([self.key, *(p.key for p in parts)], dim=2)
+        return KVCache(keys, torch.cat([self.value, *(p.value for p in parts)], dim=2))
 
 
 def _rotate_half(x: Tensor) -> Tensor:
@@ -344,3 +358,23 @@ class MtpLayer(nn.Module):
         z = self.fc(torch.cat((e, h), dim=-1))
         z, cache = self.layers[0](z, positions, past_kv, attn_mask)
         return self.norm(z), cache
+
+    # The drafting loop's interface (``mtp.step.MtpForward``): one layer, its output read by the head and by the
+    # next draft step alike, no token selection to share.
+    index_share = False
+
+    def step(
+        self,
+        hidden: Tensor,
+        next_tokens_embeds: Tensor,
+        positions: Tensor | None = None,
+        past: KVCache | None = None,
+        attn_mask: Tensor | None = None,
+        *,
+        step: int = 0,
+        selection: Tensor | None = None,
+    ) -> MtpStep:
+        """``forward`` as an ``MtpStep`` (``step`` and ``selection`` do not apply: one layer, no indexer)."""
+        del step, selection
+        out, cache = self(hidden, next_tokens_embeds, positions, past, attn_mask)
+        return MtpStep(out, out, cache)
