@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from mtpquant.families import FUSED_EXPERT_PIECES, ModelSpec, mtp_config, resolve
-from mtpquant.mtp.module import MtpLayer, MtpLayoutError
+from mtpquant.mtp.module import MtpLayer, MtpLayoutError, check_mtp_tensors
 from mtpquant.mtp.step import MtpForward
 
 __all__ = ["fuse_mtp_experts", "reference_mtp"]
@@ -44,24 +44,6 @@ def fuse_mtp_experts(tensors: Mapping[str, Tensor], experts: int) -> dict[str, T
     return out
 
 
-def _check_inventory(spec: ModelSpec, tensors: Mapping[str, Tensor]) -> None:
-    expected = spec.expected_mtp_shapes(tensors)
-    problems: list[str] = []
-    missing = sorted(set(expected) - set(tensors))
-    unexpected = sorted(set(tensors) - set(expected))
-    misshapen = sorted(
-        f"{n} {tuple(tensors[n].shape)} (expected {expected[n]})"
-        for n in set(expected) & set(tensors)
-        if tuple(tensors[n].shape) != expected[n]
-    )
-    for label, names in (("missing", missing), ("unexpected", unexpected), ("misshapen", misshapen)):
-        if names:
-            shown = ", ".join(names[:8]) + (f", … ({len(names) - 8} more)" if len(names) > 8 else "")
-            problems.append(f"{len(names)} {label}: {shown}")
-    if problems:
-        raise MtpLayoutError("MTP tensors do not match the config: " + "; ".join(problems))
-
-
 def _qwen3(spec: ModelSpec, config: Mapping[str, Any], tensors: Mapping[str, Tensor], dtype: Any, device: Any) -> Any:
     del spec
     return MtpLayer.from_state_dict(mtp_config(config), tensors, dtype=dtype, device=device)
@@ -73,7 +55,7 @@ def _qwen4_exp(
     from mtpquant.mtp.qwen4_exp import Qwen4ExpMtp
 
     mtp_config(config)  # the plan-time refusals, again where a caller skipped the plan
-    _check_inventory(spec, tensors)
+    check_mtp_tensors(spec.expected_mtp_shapes(tensors), tensors)
     text = spec.text
     share = bool(text.get("index_share_for_mtp_iteration", False))
     fused = fuse_mtp_experts(tensors, spec.num_experts)

@@ -54,6 +54,25 @@ def mtp_tensor_shapes(cfg: MtpConfig) -> dict[str, tuple[int, ...]]:
     return qwen3_mtp_shapes(text, 1, moe=cfg.is_moe)
 
 
+def check_mtp_tensors(expected: Mapping[str, tuple[int, ...]], tensors: Mapping[str, Tensor]) -> None:
+    """The ``mtp.*`` tensors must be exactly ``expected`` (names and shapes); MtpLayoutError names each missing,
+    unexpected or misshapen tensor."""
+    problems: list[str] = []
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    misshapen = sorted(
+        f"{name} {tuple(tensors[name].shape)} (expected {expected[name]})"
+        for name in set(expected) & set(tensors)
+        if tuple(tensors[name].shape) != expected[name]
+    )
+    for label, names in (("missing", missing), ("unexpected", unexpected), ("misshapen", misshapen)):
+        if names:
+            shown = ", ".join(names[:8]) + (f", … ({len(names) - 8} more)" if len(names) > 8 else "")
+            problems.append(f"{len(names)} {label}: {shown}")
+    if problems:
+        raise MtpLayoutError("MTP tensors do not match the config: " + "; ".join(problems))
+
+
 class ZeroCentredRMSNorm(nn.Module):
     """``y = x / rms(x) * (1 + w)`` in float32, cast back to x's dtype (transformers' Qwen3_5RMSNorm)."""
 
@@ -296,22 +315,7 @@ class MtpLayer(nn.Module):
         The tensors are adopted, not copied, unless ``dtype``/``device`` asks for a conversion.
         Raises MtpLayoutError naming each missing, unexpected or misshapen tensor.
         """
-        expected = mtp_tensor_shapes(cfg)
-        problems: list[str] = []
-        missing = sorted(set(expected) - set(tensors))
-        unexpected = sorted(set(tensors) - set(expected))
-        misshapen = sorted(
-            f"{name} {tuple(tensors[name].shape)} (expected {expected[name]})"
-            for name in set(expected) & set(tensors)
-            if tuple(tensors[name].shape) != expected[name]
-        )
-        for label, names in (("missing", missing), ("unexpected", unexpected), ("misshapen", misshapen)):
-            if names:
-                shown = ", ".join(names[:8]) + (f", … ({len(names) - 8} more)" if len(names) > 8 else "")
-                problems.append(f"{len(names)} {label}: {shown}")
-        if problems:
-            raise MtpLayoutError("MTP tensors do not match the config: " + "; ".join(problems))
-
+        check_mtp_tensors(mtp_tensor_shapes(cfg), tensors)
         with torch.device("meta"):
             layer = cls(cfg)
         state = {name[len(MTP_PREFIX) :]: t.to(device=device, dtype=dtype) for name, t in tensors.items()}

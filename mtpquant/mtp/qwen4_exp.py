@@ -271,17 +271,7 @@ class Qwen4ExpMtp(nn.Module):
         out = self.hyper_connection_mixer(x)
         return MtpStep(out, x, Qwen4ExpMtpCache(cache.key, cache.value, cache.index_key, key_positions), recorded[0])
 
-    def step(
-        self,
-        hidden: Tensor,
-        next_tokens_embeds: Tensor,
-        positions: Tensor | None = None,
-        past: Qwen4ExpMtpCache | None = None,
-        attn_mask: Tensor | None = None,
-        *,
-        step: int = 0,
-        selection: Tensor | None = None,
-    ) -> MtpStep:
-        """The drafting loop's interface (``mtp.step.MtpForward``): ``forward``."""
-        result: MtpStep = self(hidden, next_tokens_embeds, positions, past, attn_mask, step=step, selection=selection)
+    def step(self, *args: Any, **kwargs: Any) -> MtpStep:
+        """The drafting loop's interface (``mtp.step.MtpForward``): ``forward``, through ``__call__``."""
+        result: MtpStep = self(*args, **kwargs)
         return result
