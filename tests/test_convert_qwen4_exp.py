@@ -39,19 +39,26 @@ def src(tiny_factory: Callable[[str], Path]) -> Path:
     return tiny_factory("qwen4_exp")
 
 
-@pytest.fixture(scope="module")
-def outputs(
-    src: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Callable[[str], tuple[Path, ConvertResult]]]:
-    root = tmp_path_factory.mktemp("qwen4_exp")
-    done: dict[str, tuple[Path, ConvertResult]] = {}
+def sources(src: Path) -> dict[str, Path]:
+    """The tiny random Qwen4-Exp and the trained one (mtpquant/assets/tiny-qwen4_exp-mtp: the same shapes)."""
+    from mtpquant.synth.train import TINY_MTP_ASSETS
 
-    def get(mode: str) -> tuple[Path, ConvertResult]:
-        if mode not in done:
-            out = root / mode
-            extra = {"mtp_out": root / "extract-mtp"} if mode == "extract" else {}
-            done[mode] = (out, convert(ConvertOptions(src=str(src), out=out, mtp=mode, **extra, **CALIB)))
-        return done[mode]
+    return {"random": src, "trained": TINY_MTP_ASSETS["qwen4_exp"]}
+
+
+@pytest.fixture(scope="module")
+def outputs(src: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., tuple[Path, ConvertResult]]]:
+    """convert's output per (MTP mode, source), made once; extract's MTP goes to ``<mode dir>-mtp``."""
+    root = tmp_path_factory.mktemp("qwen4_exp")
+    done: dict[tuple[str, str], tuple[Path, ConvertResult]] = {}
+
+    def get(mode: str, source: str = "random") -> tuple[Path, ConvertResult]:
+        if (mode, source) not in done:
+            out = root / source / mode
+            extra = {"mtp_out": root / source / "extract-mtp"} if mode == "extract" else {}
+            opts = ConvertOptions(src=str(sources(src)[source]), out=out, mtp=mode, **extra, **CALIB)
+            done[mode, source] = (out, convert(opts))
+        return done[mode, source]
 
     yield get
 
@@ -68,10 +75,11 @@ def quantized(ckpt: Checkpoint) -> set[str]:
 # ---- the modes -------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("which", ["random", "trained"])
 @pytest.mark.parametrize("mode", ["keep", "quantize", "extract", "drop"])
-def test_every_mtp_mode(mode: str, src: Path, outputs: Callable[[str], tuple[Path, ConvertResult]]) -> None:
-    out, result = outputs(mode)
-    source, ckpt = Checkpoint.open(src, strict=True), Checkpoint.open(out, strict=True)
+def test_every_mtp_mode(mode: str, which: str, src: Path, outputs: Callable[..., tuple[Path, ConvertResult]]) -> None:
+    out, result = outputs(mode, which)
+    source, ckpt = Checkpoint.open(sources(src)[which], strict=True), Checkpoint.open(out, strict=True)
     mtp_src = sorted(n for n in source.tensors if is_mtp_name(n))
     mtp_out = sorted(n for n in ckpt.tensors if is_mtp_name(n))
     text = json.loads((out / "config.json").read_text())["text_config"]
@@ -99,11 +107,14 @@ def test_every_mtp_mode(mode: str, src: Path, outputs: Callable[[str], tuple[Pat
         assert result.verdicts["vllm"] == "vLLM: MTP loads (mixed: BF16, NVFP4)"
 
 
-def test_extract_then_graft_is_keep(outputs: Callable[[str], tuple[Path, ConvertResult]], tmp_path: Path) -> None:
+@pytest.mark.parametrize("which", ["random", "trained"])
+def test_extract_then_graft_is_keep(
+    which: str, outputs: Callable[..., tuple[Path, ConvertResult]], tmp_path: Path
+) -> None:
     from mtpquant.graft.run import GraftOptions, graft
 
-    keep, _ = outputs("keep")
-    extract, _ = outputs("extract")
+    keep, _ = outputs("keep", which)
+    extract, _ = outputs("extract", which)
     grafted = tmp_path / "grafted"
     graft(GraftOptions(quant=str(extract), source=str(extract.parent / "extract-mtp"), out=grafted))
     a, b = Checkpoint.open(keep, strict=True), Checkpoint.open(grafted, strict=True)
@@ -113,9 +124,12 @@ def test_extract_then_graft_is_keep(outputs: Callable[[str], tuple[Path, Convert
         assert json.loads((keep / name).read_text()) == json.loads((grafted / name).read_text())
 
 
-def test_carried_tensors_are_the_sources_bytes(src: Path, outputs: Callable[[str], tuple[Path, ConvertResult]]) -> None:
-    out, _ = outputs("keep")
-    source, ckpt = Checkpoint.open(src, strict=True), Checkpoint.open(out, strict=True)
+@pytest.mark.parametrize("which", ["random", "trained"])
+def test_carried_tensors_are_the_sources_bytes(
+    which: str, src: Path, outputs: Callable[..., tuple[Path, ConvertResult]]
+) -> None:
+    out, _ = outputs("keep", which)
+    source, ckpt = Checkpoint.open(sources(src)[which], strict=True), Checkpoint.open(out, strict=True)
     q = quantized(ckpt)
     carried = [n for n in ckpt.tensors if n in source.tensors and n.rsplit(".", 1)[0] not in q]
     assert all(raw(ckpt, n) == raw(source, n) for n in carried)
@@ -249,11 +263,12 @@ def _linears(ckpt: Checkpoint, mtp: bool) -> set[str]:
     }
 
 
+@pytest.mark.parametrize("which", ["random", "trained"])
 @pytest.mark.parametrize("mode", ["keep", "quantize"])
 def test_exclusions_and_scales_as_vllm_loads_them(
-    mode: str, vllm: SimpleNamespace, outputs: Callable[[str], tuple[Path, ConvertResult]]
+    mode: str, which: str, vllm: SimpleNamespace, outputs: Callable[..., tuple[Path, ConvertResult]]
 ) -> None:
-    out, _ = outputs(mode)
+    out, _ = outputs(mode, which)
     ckpt = Checkpoint.open(out, strict=True)
     hfq = json.loads((out / "hf_quant_config.json").read_text())["quantization"]
     exclusions = hfq["exclude_modules"]
@@ -294,7 +309,7 @@ def test_exclusions_and_scales_as_vllm_loads_them(
 
 
 def test_capped_is_the_in_memory_output(
-    src: Path, outputs: Callable[[str], tuple[Path, ConvertResult]], tmp_path: Path
+    src: Path, outputs: Callable[..., tuple[Path, ConvertResult]], tmp_path: Path
 ) -> None:
     reference, _ = outputs("quantize")
     plan, _ = plan_convert(ConvertOptions(src=str(src), out=tmp_path / "unused", dry_run=True, device="cpu"))
@@ -314,7 +329,7 @@ def test_capped_is_the_in_memory_output(
 
 
 def test_validate_keep_mtp_agrees_exactly_and_hidden_files_replay(
-    src: Path, outputs: Callable[[str], tuple[Path, ConvertResult]], tmp_path: Path
+    src: Path, outputs: Callable[..., tuple[Path, ConvertResult]], tmp_path: Path
 ) -> None:
     import torch
 
