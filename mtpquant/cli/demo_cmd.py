@@ -10,6 +10,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from mtpquant.cli import exit_codes_epilog
+from mtpquant.errors import ExitCode
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the ``demo`` subcommand."""
@@ -17,6 +20,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "demo",
         help="convert --keep-mtp, validate and inspect the embedded tiny model",
         description=__doc__,
+        epilog=exit_codes_epilog(
+            ExitCode.OUTPUT_BUSY, ExitCode.MEMORY, ExitCode.VERIFICATION, ExitCode.VALIDATE_FAIL, ExitCode.INSPECT_MTP
+        ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--workdir", type=Path, default=Path("runs/demo"), help="where outputs go (default runs/demo)")

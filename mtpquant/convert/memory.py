@@ -135,6 +135,7 @@ class Block:
     name: str
     nbytes: int
     converted: int = 0  # bytes transformers converts while loading (per-expert tensors it fuses)
+    head: int = 0  # bytes of its first module, where accelerate may split it (the vision tower's patch embedding)
 
 
 _PER_EXPERT = re.compile(r"\.experts\.\d+\.")
@@ -151,13 +152,14 @@ def model_blocks(entries: Iterable[tuple[str, int]], *, is_vision: Mapping[str, 
     entries = list(entries)
     tables = {n for shards in sharded_tables(n for n, _ in entries).values() for n in shards}
     layers: dict[int, list[int]] = {}
-    vision = embed = rest = table = 0
+    vision = embed = rest = table = patch = 0
     for name, nbytes in entries:
         m = _LAYER.search(name)
         if name in tables:
             table += nbytes
         elif is_vision.get(name):
             vision += nbytes
+            patch += nbytes if ".patch_embed." in name else 0
         elif "embed_tokens" in name:
             embed += nbytes
         elif m:
@@ -166,7 +168,7 @@ def model_blocks(entries: Iterable[tuple[str, int]], *, is_vision: Mapping[str, 
             acc[1] += nbytes if _PER_EXPERT.search(name) else 0
         else:
             rest += nbytes
-    blocks = [Block("vision", vision)] if vision else []
+    blocks = [Block("vision", vision, head=patch or vision)] if vision else []
     blocks.append(Block("embed", embed))
     blocks += [Block(f"layer {i}", layers[i][0], layers[i][1]) for i in sorted(layers)]
     if rest:
@@ -201,9 +203,10 @@ class MemoryPlan:
 
     def lines(self) -> list[str]:
         """The ``--dry-run`` lines."""
-        where = ", ".join(f"{d} {format_bytes(n)}" for d, n in self.resident if n)
+        parts = [f"{d} {format_bytes(n)}" for d, n in self.resident if n]
         if self.disk_bytes:
-            where += f", disk {format_bytes(self.disk_bytes)} (read from SRC's files as each layer runs)"
+            parts.append(f"disk {format_bytes(self.disk_bytes)} (read from SRC's files as each layer runs)")
+        where = ", ".join(parts)
         caps = {"flag": f"--max-memory {self.caps.text()}" if self.caps else "", "none": "no caps"}
         caps["auto"] = f"capped by convert at {self.caps.text()}" if self.caps else ""
         free = dict(self.available)
@@ -236,11 +239,14 @@ class MemoryPlan:
         }
 
 
-def _place(blocks: list[Block], caps: MemoryCaps) -> tuple[dict[str, int], int, int]:
-    """Greedy, in order, as accelerate's ``infer_auto_device_map`` does (an estimate of it); returns the
-    bytes per device, on disk, and of those on disk the ones transformers converts (fuses) while loading."""
+def _place(blocks: list[Block], caps: MemoryCaps, reserve: int) -> tuple[dict[str, int], int, int]:
+    """Greedy, in order, as accelerate's ``infer_auto_device_map`` does (an estimate of it): on its main devices
+    (the first GPU and the CPU) it keeps room for the largest layer (``reserve``) free. Returns the bytes per device,
+    on disk, and of those on disk the ones transformers converts (fuses) while loading."""
     room = dict(caps.caps)
     order = [d for d, _ in caps.caps if d.startswith("cuda")] + (["cpu"] if "cpu" in room else [])
+    for main in {*order[:1], "cpu"} & set(room):
+        room[main] -= reserve
     placed = dict.fromkeys(order, 0)
     disk = fused = 0
     at = 0
@@ -253,6 +259,29 @@ def _place(blocks: list[Block], caps: MemoryCaps) -> tuple[dict[str, int], int, 
         else:
             placed[order[at]] += block.nbytes
     return placed, disk, fused
+
+
+def _first_weight_resident(blocks: list[Block], caps: MemoryCaps, capped_by: str, reserve: int) -> None:
+    """modelopt's export runs the model on dummy inputs it puts on the device of the model's first weight (the vision
+    tower's patch embedding, or the token embedding): on disk that is the meta device, and the export fails after the
+    whole calibration. Refuse such a placement before anything runs. The first block is placed first, whole where
+    it fits, else (the vision tower) split, its first module where that fits."""
+    if not blocks:
+        return
+    first = blocks[0]
+    order = [d for d, _ in caps.caps if d.startswith("cuda")] + (["cpu"] if caps.get("cpu") is not None else [])
+    main = {*order[:1], "cpu"}
+    rooms = [n - (reserve if d in main else 0) for d, n in caps.caps]
+    head = min(first.head or first.nbytes, first.nbytes)
+    if any(room >= head for room in rooms):
+        return
+    what = "the vision tower's patch embedding" if first.name == "vision" else "the embedding"
+    where = f"--max-memory {caps.text()}" if capped_by == "flag" else f"the memory available (capped at {caps.text()})"
+    raise MemoryPlanError(
+        f"{where} leaves the model's first weights ({what}, {format_bytes(head)}) on disk, where modelopt's export "
+        "cannot run the model from: they and the room accelerate keeps for one layer need "
+        f"{format_bytes(head + reserve)} (raise the cap)"
+    )
 
 
 def plan_memory(
@@ -304,7 +333,8 @@ def plan_memory(
     cpu_cap = caps.get("cpu") if caps is not None else None
     if cpu_cap is not None:
         shard_bytes = max(1, min(shard_bytes, cpu_cap // SHARD_SHARE_OF_CAP))
-    placed, disk, fused = _place(blocks, estimate)
+    _first_weight_resident(blocks, estimate, capped_by if caps is not None else "auto", largest)
+    placed, disk, fused = _place(blocks, estimate, largest)
     if fused:
         notes.append(
             f"transformers fuses this checkpoint's per-expert tensors while loading: the ~{format_bytes(fused)} of "

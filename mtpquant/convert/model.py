@@ -29,7 +29,6 @@ __all__ = [
     "final_hidden_states",
     "input_device",
     "is_offloaded",
-    "library_progress",
     "load_main_model",
     "modelopt_quiet",
     "mtp_hidden_states",
@@ -60,28 +59,6 @@ class _LogWriter(io.TextIOBase):
         if self._buf.strip():
             self._logger.debug("modelopt: %s", self._buf.strip())
         self._buf = ""
-
-
-@contextlib.contextmanager
-def library_progress(enabled: bool) -> Iterator[None]:
-    """transformers' and huggingface_hub's own progress bars on or off for the block (restored after)."""
-    if enabled:
-        yield
-        return
-    import huggingface_hub.utils as hf_utils
-    import transformers.utils.logging as tf_logging
-
-    tf_was = tf_logging.is_progress_bar_enabled()
-    hf_was = not hf_utils.are_progress_bars_disabled()
-    tf_logging.disable_progress_bar()
-    hf_utils.disable_progress_bars()
-    try:
-        yield
-    finally:
-        if tf_was:
-            tf_logging.enable_progress_bar()
-        if hf_was:
-            hf_utils.enable_progress_bars()
 
 
 @contextlib.contextmanager

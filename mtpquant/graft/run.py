@@ -268,7 +268,7 @@ def _check_out(options: GraftOptions, quant: Checkpoint) -> None:
 
 
 def _open_quant(options: GraftOptions) -> Checkpoint:
-    quant = Checkpoint.open(options.quant, revision=options.revision, token=options.token)
+    quant = Checkpoint.open(options.quant, revision=options.revision, token=options.token, name_errors=True)
     if options.in_place and quant.source.local_root is None:
         raise UsageError(f"{quant.label}: --in-place needs a local QUANT directory; for a Hub repo use --out")
     return quant
@@ -321,7 +321,7 @@ def graft(options: GraftOptions) -> GraftResult:
         return _finish(_fix_metadata(options, plan, result), t0, quant, None)
 
     assert options.source is not None
-    src = Checkpoint.open(options.source, revision=options.source_revision, token=options.token)
+    src = Checkpoint.open(options.source, revision=options.source_revision, token=options.token, name_errors=True)
     result.source = src.label
     src_mtp = src.mtp_tensors()
     tracked = TrackedSource(src.source, src_mtp)

@@ -104,15 +104,25 @@ def mtp_linear_modules(weight_shapes: Mapping[str, Sequence[int]]) -> list[str]:
     )
 
 
-def mtp_excluded_modules(modules: Sequence[str], layout: MtpLayout = _QWEN3_MTP) -> list[str]:
-    """The MTP Linears kept in BF16 (Qwen3.5: ``mtp.fc``, router, shared_expert_gate): exact names to exclude."""
-    return sorted(m for m in modules if layout.is_unquantized(m))
+def mtp_excluded_modules(modules: Sequence[str], layout: MtpLayout = _QWEN3_MTP, targets: str = "all") -> list[str]:
+    """The MTP Linears kept in BF16, as exact names to exclude: the family's (Qwen3.5: ``mtp.fc``, router,
+    shared_expert_gate), and with ``targets="experts"`` every Linear the engine builds that is not a routed expert."""
+    quantized = set(mtp_quantized_modules(modules, layout, targets))
+    built = {m for m in modules if _engine_linear(m, layout)}
+    return sorted(m for m in modules if layout.is_unquantized(m) or (m in built and m not in quantized))
 
 
-def mtp_quantized_modules(modules: Sequence[str], layout: MtpLayout = _QWEN3_MTP) -> list[str]:
+def mtp_quantized_modules(modules: Sequence[str], layout: MtpLayout = _QWEN3_MTP, targets: str = "all") -> list[str]:
     """The MTP Linears quantize mode quantizes: those the engine builds as quantizable Linears
-    (``MtpLayout.engine_linears``; Qwen3.5: attention, MLP, shared and routed experts) less the ones kept BF16."""
-    return sorted(m for m in modules if _engine_linear(m, layout) and not layout.is_unquantized(m))
+    (``MtpLayout.engine_linears``; Qwen3.5: attention, MLP, shared and routed experts) less the ones kept BF16;
+    with ``targets="experts"`` (a recipe that quantizes the main model's routed experts only) the routed experts."""
+    return sorted(
+        m
+        for m in modules
+        if _engine_linear(m, layout)
+        and not layout.is_unquantized(m)
+        and (targets == "all" or _EXPERT.match(m) is not None)
+    )
 
 
 def _engine_linear(module: str, layout: MtpLayout) -> bool:
@@ -124,9 +134,9 @@ def _engine_linear(module: str, layout: MtpLayout) -> bool:
     return expert is not None and matches(expert["moe"], layout.engine_linears)
 
 
-def mtp_fused_groups(modules: Sequence[str], layout: MtpLayout = _QWEN3_MTP) -> list[list[str]]:
+def mtp_fused_groups(modules: Sequence[str], layout: MtpLayout = _QWEN3_MTP, targets: str = "all") -> list[list[str]]:
     """Groups of quantized Linears fed by one input: q/k/v, gate/up (dense, shared, each expert)."""
-    present = set(mtp_quantized_modules(modules, layout))
+    present = set(mtp_quantized_modules(modules, layout, targets))
     groups: list[list[str]] = []
     seen: set[str] = set()
     for m in sorted(present):
@@ -245,8 +255,11 @@ class MtpQuantResult:
     fmt: str
 
 
-def _input_amax(modules: Sequence[str], observed: Mapping[str, Tensor], layout: MtpLayout) -> dict[str, Tensor]:
-    """Observed input amax with modelopt's sharing: experts per kind, then fused groups."""
+def _input_amax(
+    modules: Sequence[str], observed: Mapping[str, Tensor], layout: MtpLayout, targets: str
+) -> dict[str, Tensor]:
+    """Observed input amax of the quantized ``modules`` with modelopt's sharing: experts per kind, then fused
+    groups."""
     amax = {m: observed[m].float() for m in modules if m in observed}
     for group in mtp_expert_input_groups(modules, layout):
         seen = [amax[m] for m in group if m in amax]
@@ -254,7 +267,7 @@ def _input_amax(modules: Sequence[str], observed: Mapping[str, Tensor], layout: 
             shared = torch.stack(seen).amax()
             for m in group:
                 amax[m] = shared
-    for group in mtp_fused_groups(modules, layout):
+    for group in mtp_fused_groups(modules, layout, targets):
         seen = [amax[m] for m in group if m in amax]
         if seen:
             shared = torch.stack(seen).amax()
@@ -273,22 +286,24 @@ def quantize_mtp(
     *,
     activations: bool = True,
     layout: MtpLayout = _QWEN3_MTP,
+    targets: str = "all",
 ) -> MtpQuantResult:
     """Quantize the MTP Linears of ``weights`` (the source ``mtp.*`` tensors, BF16).
 
     ``input_amax`` maps module names (``mtp.layers.0.self_attn.q_proj``) to the calibrated input
-    amax; required when ``activations`` (W4A4 / FP8 W8A8), ignored otherwise.
+    amax; required when ``activations`` (W4A4 / FP8 W8A8), ignored otherwise. ``targets``: the recipe's
+    (``experts``: the routed experts only, as in the main model).
     """
     if fmt not in MTP_FORMATS:
         raise ValueError(f"MTP format {fmt!r} is not one of {', '.join(MTP_FORMATS)}")
     weights = per_expert_weights(weights)
     modules = mtp_linear_modules({n: tuple(t.shape) for n, t in weights.items()})
-    quantized = mtp_quantized_modules(modules, layout)
-    excluded = mtp_excluded_modules(modules, layout)
-    amax = _input_amax(quantized, input_amax or {}, layout) if activations else {}
+    quantized = mtp_quantized_modules(modules, layout, targets)
+    excluded = mtp_excluded_modules(modules, layout, targets)
+    amax = _input_amax(quantized, input_amax or {}, layout, targets) if activations else {}
     out: dict[str, Tensor] = {}
     if fmt == "nvfp4":
-        for group in mtp_fused_groups(modules, layout):
+        for group in mtp_fused_groups(modules, layout, targets):
             g = shared_global_scale([weights[m + ".weight"] for m in group])
             for m in group:
                 q = quantize_nvfp4(weights[m + ".weight"], weight_scale_2=g)

@@ -82,6 +82,7 @@ class WriteContext:
     calibrator: Any = None  # quantize: the MtpCalibrator that ran during calibration
     fmt: str = "nvfp4"  # quantize: nvfp4 | fp8
     activations: bool = True  # quantize: W4A4 (input scales) or weights only
+    targets: str = "all"  # quantize: the recipe's targets (experts: the MTP's routed experts only)
     main_algo: str = "NVFP4"  # the main model's quant_algo (an FP8 MTP beside it makes MIXED_PRECISION)
 
 
@@ -122,9 +123,10 @@ class MtpMode:
     writes_side_output: ClassVar[bool] = False  # the MTP goes to a directory of its own (extract)
 
     # ---- plan time ---------------------------------------------------------------------------------
-    def check(self, ckpt: Checkpoint, fmt: str) -> ModeCheck:
-        """Refuse (one line) a source this mode cannot work on; notes for the plan (``fmt``: quantize's)."""
-        del fmt
+    def check(self, ckpt: Checkpoint, fmt: str, targets: str = "all") -> ModeCheck:
+        """Refuse (one line) a source this mode cannot work on; notes for the plan (``fmt``, ``targets``: the MTP
+        format and the recipe's targets, quantize's)."""
+        del fmt, targets
         if not self.needs_mtp:
             return ModeCheck(self._family_notes(ckpt))
         names = _check_mtp_complete(ckpt, f"--mtp {self.name}")
@@ -159,13 +161,6 @@ class MtpMode:
     def verify(self, out: Checkpoint, src: Checkpoint, outcome: MtpOutcome, where: str) -> None:
         """Mode-specific checks of the finished OUT (beyond the common ones convert runs)."""
         del out, src, outcome, where
-
-    def allowed_findings(self, ckpt: Checkpoint) -> frozenset[str]:
-        """inspect finding categories the output may have by design (Qwen3-Next without MTP: declared_missing)."""
-        if not self.declares and ckpt.spec.family.mtp_key is None:
-            # Qwen3-Next has no config key to un-declare its MTP (engines assume one layer)
-            return frozenset({"declared_missing"})
-        return frozenset()
 
 
 def _check_mtp_complete(ckpt: Checkpoint, flag: str) -> set[str]:
@@ -219,7 +214,7 @@ class QuantizeMode(MtpMode):
     declares = True
     needs_calibration = True
 
-    def check(self, ckpt: Checkpoint, fmt: str) -> ModeCheck:
+    def check(self, ckpt: Checkpoint, fmt: str, targets: str = "all") -> ModeCheck:
         from mtpquant.mtp.quantize import mtp_linear_modules, mtp_quantized_modules, per_expert_shapes
 
         label = ckpt.label
@@ -238,7 +233,7 @@ class QuantizeMode(MtpMode):
                 "--mtp quantize needs a BF16/F16/F32 MTP"
             )
         shapes = per_expert_shapes({e.name: e.shape for e in ckpt.mtp_tensors()})
-        quantized = tuple(mtp_quantized_modules(mtp_linear_modules(shapes), ckpt.spec.family.mtp))
+        quantized = tuple(mtp_quantized_modules(mtp_linear_modules(shapes), ckpt.spec.family.mtp, targets))
         if fmt == "nvfp4":
             for m in quantized:
                 in_dim = shapes[m + ".weight"][-1]
@@ -257,6 +252,11 @@ class QuantizeMode(MtpMode):
                 "SGLang builds the MTP of a modelopt_fp4 checkpoint in BF16 and cannot load this NVFP4 MTP for NEXTN "
                 "(vLLM serves it; with --format compressed-tensors SGLang builds it NVFP4)"
             ]
+        if targets == "experts":
+            notes.append(
+                "the recipe quantizes routed experts only: so does --mtp quantize (the MTP's attention and shared "
+                "expert stay BF16, excluded by name)"
+            )
         return ModeCheck(tuple(notes), quantized)
 
     def plan_line(self, plan: PlanView) -> str:
@@ -275,7 +275,9 @@ class QuantizeMode(MtpMode):
         layer = ctx.calibrator.layer
         weights = {MTP_PREFIX + n: p.detach().cpu() for n, p in layer.named_parameters()}
         layout = ctx.ckpt.spec.family.mtp
-        result = quantize_mtp(weights, ctx.calibrator.amax, ctx.fmt, activations=ctx.activations, layout=layout)
+        result = quantize_mtp(
+            weights, ctx.calibrator.amax, ctx.fmt, activations=ctx.activations, layout=layout, targets=ctx.targets
+        )
         planned: list[PlannedTensor] = [in_memory(n, t) for n, t in result.tensors.items()]
         kept = [n for n in result.kept_tensors if n in ctx.ckpt.tensors]
         planned += mtp_planned_tensors(ctx.ckpt, kept)
@@ -324,8 +326,8 @@ class DropMode(MtpMode):
     declares = False
     needs_mtp = False
 
-    def check(self, ckpt: Checkpoint, fmt: str) -> ModeCheck:
-        base = super().check(ckpt, fmt)
+    def check(self, ckpt: Checkpoint, fmt: str, targets: str = "all") -> ModeCheck:
+        base = super().check(ckpt, fmt, targets)
         if ckpt.mtp_tensors():
             note = "--mtp drop: the output has no MTP; speculative decoding with MTP will not be available"
             return ModeCheck((note, *base.notes))

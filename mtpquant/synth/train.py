@@ -44,7 +44,7 @@ from mtpquant.checkpoint.index import SINGLE_NAME
 from mtpquant.checkpoint.writer import OutputDir
 from mtpquant.families import family
 from mtpquant.mtp.module import MtpConfig, MtpLayer
-from mtpquant.synth.tiny import TinySpec, _assign_shards, tiny_config, tiny_tokenizer
+from mtpquant.synth.tiny import TinySpec, _assign_shards, check_synthetic_replaceable, tiny_config, tiny_tokenizer
 
 __all__ = [
     "TINY_MTP_ASSET",
@@ -333,7 +333,7 @@ def _save(
         "pad_token": "<|pad|>",
         "model_max_length": 4096,
     }
-    with OutputDir(Path(out), overwrite=overwrite) as od:
+    with OutputDir(Path(out), overwrite=overwrite, replace_check=check_synthetic_replaceable) as od:
         for i in range(spec.shards):
             shard = SINGLE_NAME if spec.shards == 1 else f"model-{i + 1:05d}-of-{spec.shards:05d}.safetensors"
             od.write_shard(shard, [planned(n, tensors[n]) for n in names if where[n] == i], {"format": "pt"})

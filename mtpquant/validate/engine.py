@@ -26,11 +26,13 @@ from typing import Any
 
 from mtpquant import __version__
 from mtpquant.engine.connect import client_for, connect
+from mtpquant.engine.http import engine_api_key
 from mtpquant.engine.launch import EngineProcess, free_port, sglang_args, vllm_args
 from mtpquant.engine.sampling import GREEDY
 from mtpquant.engine.server import ENGINE_NAMES, EngineServer, ServerInfo, SpecConfig, resolve_model
 from mtpquant.engine.sizing import Machine, plan_engine_memory, probe_machine
 from mtpquant.errors import EngineAnswerError
+from mtpquant.public import public_args
 from mtpquant.validate.measure import EngineMeasurement, measure
 from mtpquant.validate.options import ValidateError, ValidateOptions
 from mtpquant.validate.prompts import default_prompts, load_prompts, prompt_length, tokenize_prompts
@@ -127,7 +129,7 @@ def _engine_info(
         k=k,
         k_source="server" if m.k else "--k",
         sampling=SAMPLING.to_json(),
-        server_args=tuple(args),
+        server_args=public_args(args),  # the report goes public with OUT: no key, paths by base name
         other_requests=m.other_requests,
         side=label,
         speculative=(spec or SpecConfig("mtp", k)).to_json(),
@@ -139,8 +141,8 @@ def _running(
     opts: ValidateOptions, url: str, label: str, texts: Sequence[str], ids: list[list[int]] | None
 ) -> tuple[_Measured, list[list[int]]]:
     """Measure a server someone else runs (vLLM or SGLang, recognised by its routes)."""
-    server, info = connect(url, generate_timeout=opts.request_timeout)
-    log.info("%s: %s serving %s", url, info.display, ", ".join(info.models))
+    server, info = connect(url, generate_timeout=opts.request_timeout, api_key=engine_api_key(opts.api_key_file))
+    log.info("%s: %s serving %s", info.url, info.display, ", ".join(info.models))
     model = resolve_model(info, opts.served_model)
     if ids is None:
         ids = _token_prompts(opts, texts, server, model)

@@ -16,13 +16,13 @@ from typing import Any
 
 from mtpquant.checkpoint.writer import atomic_write_safetensors
 from mtpquant.errors import UsageError
+from mtpquant.validate.options import HIDDEN_FORMAT
 from mtpquant.validate.replay import SequenceRecord, TargetRun
 
 __all__ = ["HIDDEN_FORMAT", "HiddenFileError", "load_hidden", "save_hidden"]
 
 log = logging.getLogger(__name__)
 
-HIDDEN_FORMAT = "mtpquant.hidden/1"
 
 
 class HiddenFileError(UsageError):
@@ -50,14 +50,30 @@ def save_hidden(path: Path, runs: dict[str, TargetRun], meta: dict[str, Any]) ->
 
 
 def load_hidden(path: Path) -> tuple[dict[str, TargetRun], dict[str, Any]]:
-    """Read a file written by :func:`save_hidden`: runs by group and the capture metadata."""
+    """Read a file written by :func:`save_hidden`: runs by group and the capture metadata; anything else (not
+    safetensors, another format, missing entries, metadata that is not JSON) is one line, exit 2."""
+    try:
+        return _load_hidden(path)
+    except HiddenFileError:
+        raise
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise HiddenFileError(f"{path}: not a readable mtpquant hidden-state file ({type(exc).__name__})") from None
+    except Exception as exc:  # safetensors' own error type for a file that is not safetensors
+        if type(exc).__name__ != "SafetensorError":
+            raise
+        raise HiddenFileError(f"{path}: not a safetensors file ({str(exc).splitlines()[0][:120]})") from None
+
+
+def _load_hidden(path: Path) -> tuple[dict[str, TargetRun], dict[str, Any]]:
     from safetensors import safe_open
+
+    from mtpquant import safejson
 
     with safe_open(str(path), framework="pt") as fh:
         md = fh.metadata() or {}
         if md.get("format") != HIDDEN_FORMAT:
             raise HiddenFileError(f"{path}: not an mtpquant hidden-state file (format {md.get('format')!r})")
-        info = json.loads(md["groups"])
+        info = safejson.loads(md["groups"])
         runs: dict[str, TargetRun] = {}
         keys = set(fh.keys())
         for group, g in info.items():
@@ -74,4 +90,4 @@ def load_hidden(path: Path) -> tuple[dict[str, TargetRun], dict[str, Any]]:
             if f"{group}.hidden_on_ref.00000" in keys:
                 on_ref = [fh.get_tensor(f"{group}.hidden_on_ref.{i:05d}") for i in range(len(seqs))]
             runs[group] = TargetRun(str(g["source"]), seqs, on_ref)
-    return runs, json.loads(md.get("meta", "{}"))
+    return runs, safejson.loads(md.get("meta", "{}"))

@@ -29,6 +29,7 @@ from mtpquant.checkpoint.sharded import sharded_tables
 from mtpquant.families import FUSED_EXPERT_PIECES, MTP_PREFIX, TensorClass, is_mtp_name, mtp_config
 from mtpquant.formats.fp8 import FP8_E4M3_MAX
 from mtpquant.formats.nvfp4 import quantize_activation_nvfp4
+from mtpquant.hfconfig import transformers_config
 from mtpquant.mtp.build import reference_mtp
 from mtpquant.mtp.module import MtpLayoutError
 from mtpquant.mtp.step import MtpForward
@@ -332,7 +333,7 @@ def load_target(
 
     family = weights.spec.family
     cls = text_model_class(weights)
-    hf_config = cls.config_class.from_dict(_text_config(weights))
+    hf_config = transformers_config(_text_config(weights), cls.config_class)
     with init_empty_weights():
         model = cls(hf_config)
     model.eval()

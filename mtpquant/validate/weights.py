@@ -102,8 +102,9 @@ class CheckpointWeights:
 
     @classmethod
     def open(cls, ref: str | Path) -> CheckpointWeights:
-        """Open a local directory or Hub repo id header-first (index defects raise)."""
-        return cls(Checkpoint.open(ref))
+        """Open a local directory or Hub repo id header-first (index defects raise, naming the checkpoint: validate
+        reads two)."""
+        return cls(Checkpoint.open(ref, name_errors=True))
 
     @property
     def label(self) -> str:
