@@ -120,6 +120,7 @@ class MtpMode:
     declares: ClassVar[bool]  # the output declares the MTP (engines will expect it)
     needs_mtp: ClassVar[bool] = True  # refused for a source without a (complete) MTP
     needs_calibration: ClassVar[bool] = False  # the MTP runs during calibration (quantize)
+    takes_format: ClassVar[bool] = False  # --mtp-format applies (quantize)
     writes_side_output: ClassVar[bool] = False  # the MTP goes to a directory of its own (extract)
 
     # ---- plan time ---------------------------------------------------------------------------------
@@ -213,6 +214,7 @@ class QuantizeMode(MtpMode):
     name = "quantize"
     declares = True
     needs_calibration = True
+    takes_format = True
 
     def check(self, ckpt: Checkpoint, fmt: str, targets: str = "all") -> ModeCheck:
         from mtpquant.mtp.quantize import mtp_linear_modules, mtp_quantized_modules, per_expert_shapes
