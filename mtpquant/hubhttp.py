@@ -27,13 +27,14 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
-from mtpquant.errors import HubAccessError, HubRefusedError, HubUnreachableError, MtpquantError
+from mtpquant.errors import HubAccessError, HubRefusedError, HubUnreachableError, MtpquantError, UsageError
 from mtpquant.nethttp import (
     BoundExceededError,
     current_budget,
@@ -76,13 +77,18 @@ class RangeIgnoredError(HubRefusedError):
 
 
 def hub_timeout() -> float:
-    """Seconds to connect and between bytes read: ``MTPQUANT_HUB_TIMEOUT``, else 30."""
+    """Seconds to connect and between bytes read: ``MTPQUANT_HUB_TIMEOUT``, else 30; a value that is not a positive
+    number of seconds is refused (UsageError), not replaced by the default unseen."""
     raw = os.environ.get("MTPQUANT_HUB_TIMEOUT", "").strip()
+    if not raw:
+        return DEFAULT_TIMEOUT
     try:
-        value = float(raw) if raw else DEFAULT_TIMEOUT
+        value = float(raw)
     except ValueError:
-        value = DEFAULT_TIMEOUT
-    return value if value > 0 else DEFAULT_TIMEOUT
+        value = math.nan
+    if not (0 < value < math.inf):
+        raise UsageError(f"MTPQUANT_HUB_TIMEOUT={raw!r}: not a positive number of seconds")
+    return value
 
 
 def request_count() -> int:

@@ -261,8 +261,14 @@ def test_in_place_equals_out_and_second_graft_is_noop(
     again = graft(GraftOptions(quant=quant, source=src, in_place=True))
     assert again.action == "noop" and "nothing to do" in again.message and again.bytes_written == 0
     assert tree_state(quant) == state and {p.name: p.stat().st_mtime_ns for p in quant.iterdir()} == stamps
-    out_again = graft(GraftOptions(quant=ref, source=src, out=tmp_path / "never"))
-    assert out_again.action == "noop" and not (tmp_path / "never").exists()
+    # with --out the output asked for is made all the same: QUANT as it is, its shards linked, and it loads
+    copy = tmp_path / "copy"
+    out_again = graft(GraftOptions(quant=ref, source=src, out=copy))
+    same = f"{ref} already has this MTP (15 tensors, byte-identical to SRC's)"
+    assert out_again.message == f"{same}; nothing to change: wrote {copy}"
+    assert out_again.metadata_changes == []
+    assert tensor_digests(copy) == tensor_digests(ref) and inspect_checkpoint(copy).healthy
+    assert (copy / "model.safetensors").stat().st_ino == (ref / "model.safetensors").stat().st_ino
 
 
 def test_multi_shard_quant_and_declaration_restored_in_place_of_origin(tiny_factory: Factory, tmp_path: Path) -> None:
@@ -732,7 +738,7 @@ def test_dry_run_plans_and_writes_nothing(tiny_factory: Factory, tmp_path: Path)
     quant = strip_mtp(src, tmp_path / "q", keep_declaration=False)
     state = tree_state(tmp_path)
     result = graft(GraftOptions(quant=quant, source=src, in_place=True, dry_run=True))
-    assert result.action == "planned" and "would graft 15 MTP tensors" in result.message
+    assert result.action == "planned" and "would graft 15 MTP tensors (788.74 kB) from" in result.message
     assert result.metadata_changes and result.bytes_written == 0 and result.destination is None
     assert tree_state(tmp_path) == state
 

@@ -517,7 +517,9 @@ def test_unreachable_hub_is_one_line(
     out: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens there
-    assert cli(["publish", str(out), "--repo", REPO]) == ExitCode.HUB_UNREACHABLE
+    before = _tree(out)
+    assert cli(["publish", str(out), "--repo", REPO, "--base-model", "Qwen/Qwen3.6-27B"]) == ExitCode.HUB_UNREACHABLE
+    assert _tree(out) == before  # the card and the base model recorded for the upload are taken back out of OUT
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == (
         f"mtpquant: error: publishing to {REPO}: cannot reach 127.0.0.1:9 ([Errno 111] Connection refused)"

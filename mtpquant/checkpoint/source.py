@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from mtpquant.errors import CheckpointError, HubAccessError, HubUnreachableError, MtpquantError
+from mtpquant.errors import CheckpointError, HubAccessError, HubUnreachableError, MtpquantError, UsageError
 
 __all__ = [
     "JSON_LIMIT",
@@ -458,6 +458,8 @@ def open_source(ref: str | os.PathLike[str], revision: str | None = None, token:
     """A local directory, or a Hub repo id when ``ref`` is ``org/name`` and no such path exists."""
     ref_s = os.fspath(ref)
     if Path(ref_s).exists():
+        if revision is not None:
+            raise UsageError(f"{ref_s}: a local directory has no revisions (a revision applies to a Hub repo id)")
         return LocalSource(Path(ref_s))
     if looks_like_repo_id(ref_s):
         source = HubSource(ref_s, revision=revision, token=token)

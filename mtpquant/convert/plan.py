@@ -296,6 +296,8 @@ def plan_convert(options: ConvertOptions, ckpt: Checkpoint | None = None) -> tup
     mode = mtp_mode.name
     if options.mtp_out is not None and not mtp_mode.writes_side_output:
         raise RecipeError(f"--mtp-out is only used with --mtp extract (mode is {mode})")
+    if options.mtp_format is not None and not mtp_mode.takes_format:
+        raise RecipeError(f"--mtp-format is only used with --mtp quantize (mode is {mode})")
     if options.output_format not in FORMATS:
         raise RecipeError(f"--format must be one of {', '.join(FORMATS)}, got {options.output_format!r}")
     if options.output_format == "compressed-tensors":

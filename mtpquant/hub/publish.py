@@ -411,11 +411,24 @@ def publish(opts: PublishOptions) -> PublishResult:
 
     from mtpquant.checkpoint.writer import atomic_write_bytes
 
-    if base is not None:
-        atomic_write_bytes(out / PROVENANCE_FILE, provenance.to_bytes())
-    if action != "kept":
-        atomic_write_bytes(out / CARD_NAME, card_bytes)
-    return _upload(opts, out, result, secrets)
+    # the card (and the base model recorded) go into OUT for the upload; a failed upload puts OUT back as it was
+    writes = {PROVENANCE_FILE: provenance.to_bytes() if base is not None else None}
+    writes[CARD_NAME] = card_bytes if action != "kept" else None
+    before = {name: (out / name).read_bytes() if (out / name).is_file() else None for name in writes}
+    for name, data in writes.items():
+        if data is not None:
+            atomic_write_bytes(out / name, data)
+    try:
+        return _upload(opts, out, result, secrets)
+    except MtpquantError:
+        for name, data in writes.items():
+            if data is not None:
+                old = before[name]
+                if old is None:
+                    (out / name).unlink(missing_ok=True)
+                else:
+                    atomic_write_bytes(out / name, old)
+        raise
 
 
 def _check_kept_card(out: Path, text: str) -> None:
