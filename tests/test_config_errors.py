@@ -77,3 +77,13 @@ def test_the_tokenizer_load_reports_a_refused_config_as_one(tiny_copy: Factory) 
     assert str(exc.value).startswith(
         f"{src}/config.json: transformers refuses it (Validation error for field 'rope_parameters': TypeError:"
     )
+
+
+def test_layer_kinds_are_the_installed_transformers_own() -> None:
+    """inspect's torch-free layer_types check accepts exactly what transformers' config classes accept (its allowed
+    kinds and the legacy names it renames first): Qwen4-Exp's ``indexed_attention`` came with 5.18."""
+    from transformers import configuration_utils as cu
+
+    from mtpquant.checkpoint.table import _LAYER_TYPES
+
+    assert set(_LAYER_TYPES) == set(cu.ALLOWED_LAYER_TYPES) | set(cu._LEGACY_LAYER_TYPE_REMAP)

@@ -313,12 +313,14 @@ MAX_MTP_LAYERS = 16
 _CONFIG_LIMITS = {"num_hidden_layers": 1024, "num_experts": 4096}
 
 
-# The layer kinds a config's ``layer_types`` may name (transformers' ``configuration_utils.ALLOWED_LAYER_TYPES``, which
-# its config classes enforce and engines build layers from).
+# The layer kinds a config's ``layer_types`` may name: transformers 5.19's ``configuration_utils.ALLOWED_LAYER_TYPES``,
+# which its config classes enforce and engines build layers from (Qwen4-Exp: ``indexed_attention``), and the legacy
+# names its ``_LEGACY_LAYER_TYPE_REMAP`` renames before that check (``qwen_sparse_attention``, ...).
 _LAYER_TYPES = frozenset({
-    "full_attention", "sliding_attention", "chunked_attention", "compressed_sparse_attention",
-    "heavily_compressed_attention", "minimax_m3_sparse", "conv", "sparse", "dense", "hybrid", "hybrid_sliding", "moe",
-    "deepseek_sparse_attention", "linear_attention",
+    "full_attention", "sliding_attention", "chunked_attention", "window_attention", "indexed_attention",
+    "compressed_sparse_attention", "heavily_compressed_attention", "minimax_m3_sparse", "conv", "moe", "hybrid",
+    "hybrid_sliding", "linear_attention", "sparse", "dense",
+    "mamba", "attention", "deepseek_sparse_attention", "qwen_sparse_attention",
 })
 _SECTIONS = ("text_config", "vision_config", "rope_parameters", "rope_scaling", "quantization_config")
 # torch's dtype names a config's ``dtype`` / ``torch_dtype`` may hold (transformers looks them up on ``torch``).

@@ -22,6 +22,7 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from mtpquant.checkpoint.sharded import sharded_tables
 from mtpquant.errors import MemoryPlanError, UsageError
 from mtpquant.machine import available_cpu_bytes
 from mtpquant.units import format_bytes, parse_bytes
@@ -141,16 +142,25 @@ class Block:
 
 
 _PER_EXPERT = re.compile(r"\.experts\.\d+\.")
+TABLES = "n-gram tables"  # the block of row-sharded tables (model_blocks)
 
 
 def model_blocks(entries: Iterable[tuple[str, int]], *, is_vision: Mapping[str, bool]) -> list[Block]:
-    """Blocks of the main model in placement order (vision, embedding, layers, the rest), from
-    ``(tensor name, loaded bytes)`` pairs; MTP tensors must be left out by the caller."""
+    """Blocks of the main model in placement order (vision, embedding, layers, the rest, the row-sharded tables),
+    from ``(tensor name, loaded bytes)`` pairs; MTP tensors must be left out by the caller.
+
+    Row-sharded tables (Qwen4-Exp's PLE n-gram tables, ~95 GiB a layer at full size) are looked up, never computed
+    with: transformers keeps them out of the device map (``_no_placement_params``), so they are a block of their own,
+    placed last and not part of any layer's working set."""
+    entries = list(entries)
+    tables = {n for shards in sharded_tables(n for n, _ in entries).values() for n in shards}
     layers: dict[int, list[int]] = {}
-    vision = embed = rest = patch = 0
+    vision = embed = rest = table = patch = 0
     for name, nbytes in entries:
         m = _LAYER.search(name)
-        if is_vision.get(name):
+        if name in tables:
+            table += nbytes
+        elif is_vision.get(name):
             vision += nbytes
             patch += nbytes if ".patch_embed." in name else 0
         elif "embed_tokens" in name:
@@ -166,6 +176,8 @@ def model_blocks(entries: Iterable[tuple[str, int]], *, is_vision: Mapping[str, 
     blocks += [Block(f"layer {i}", layers[i][0], layers[i][1]) for i in sorted(layers)]
     if rest:
         blocks.append(Block("norm/lm_head", rest))
+    if table:
+        blocks.append(Block(TABLES, table))
     return blocks
 
 
@@ -331,6 +343,12 @@ def plan_memory(
             f"transformers fuses this checkpoint's per-expert tensors while loading: the ~{format_bytes(fused)} of "
             "them that go to disk are read from SRC's per-expert tensors and fused each time their layer runs "
             "(nothing re-saved)"
+        )
+    tables = sum(b.nbytes for b in blocks if b.name == TABLES)
+    if tables and disk >= tables:  # placed last, so the first block to go to disk
+        notes.append(
+            f"the PLE n-gram tables (~{format_bytes(tables)}) stay on disk: read from SRC's row shards when their "
+            "layer runs (nothing re-saved), as transformers keeps them off the device"
         )
     peak = {d: n + 2 * largest + (RUNTIME_BYTES + shard_bytes if d == "cpu" else 0) for d, n in placed.items()}
     peak.setdefault("cpu", RUNTIME_BYTES + shard_bytes + 2 * largest)

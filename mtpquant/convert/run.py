@@ -365,7 +365,13 @@ def _run(
     """Everything between planning and finalize; returns what the MTP mode wrote and the resume state."""
     import torch
 
-    from mtpquant.convert.assemble import carry_files, mixed_precision_config, place_main_shards, quantized_modules_of
+    from mtpquant.convert.assemble import (
+        carry_files,
+        mixed_precision_config,
+        packed_exclusions,
+        place_main_shards,
+        quantized_modules_of,
+    )
     from mtpquant.convert.calibration import build_calibration_data, load_tokenizer
     from mtpquant.convert.model import (
         calibration_loop,
@@ -444,7 +450,7 @@ def _run(
 
         with timer("mtp"), _tqdm(progress, total=data.samples, desc="calibrate MTP", unit="row") as bar:
             calibrator = MtpCalibrator(load_mtp_layer(ckpt, device=device if device.type != "meta" else None))
-            for hidden, embeds in final_hidden_states(model, batches, device):
+            for hidden, embeds in final_hidden_states(model, batches, device, family.mtp.hidden_source):
                 calibrator.observe(hidden, embeds)
                 bar.update(int(hidden.shape[0]))
 
@@ -484,7 +490,12 @@ def _run(
 
     with timer("write"):
         config = _output_config(ckpt, exported.config, mode.declared_layers(ckpt))
-        config, hfq = _mode_exclusions(config, exported_hfq, outcome.exclude_modelopt, outcome.exclude_ct)
+        # packed groups listed member by member (Qwen4-Exp's qkv_proj + indexer), before the mode's own entries
+        exclude = list(outcome.exclude_modelopt)
+        if exported_hfq is not None:
+            listed = [*exported_hfq.get("quantization", {}).get("exclude_modules", []), *exclude]
+            exclude = packed_exclusions(exported.tensors, listed, family.engine.packed) + exclude
+        config, hfq = _mode_exclusions(config, exported_hfq, exclude, outcome.exclude_ct)
         if outcome.quantized_layers and hfq is not None:
             from modelopt.torch.export.convert_hf_config import convert_hf_quant_config_format
 

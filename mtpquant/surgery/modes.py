@@ -106,12 +106,11 @@ def same_bytes(out: Checkpoint, src: Checkpoint, names: list[str], where: str) -
 
 
 def load_mtp_layer(ckpt: Checkpoint, device: Any = None) -> Any:
-    """The reference MtpLayer with the source's ``mtp.*`` weights (for calibration)."""
-    from mtpquant.mtp.module import MtpLayer
+    """The family's reference MTP with the source's ``mtp.*`` weights (for calibration)."""
+    from mtpquant.mtp.build import reference_mtp
 
-    cfg = mtp_config(ckpt.config)
     tensors = {e.name: ckpt.read_tensor(e.name) for e in ckpt.mtp_tensors()}
-    return MtpLayer.from_state_dict(cfg, tensors, device=device)
+    return reference_mtp(ckpt.config, tensors, device=device)
 
 
 class MtpMode:
@@ -218,7 +217,7 @@ class QuantizeMode(MtpMode):
     takes_format = True
 
     def check(self, ckpt: Checkpoint, fmt: str, targets: str = "all") -> ModeCheck:
-        from mtpquant.mtp.quantize import mtp_linear_modules, mtp_quantized_modules
+        from mtpquant.mtp.quantize import mtp_linear_modules, mtp_quantized_modules, per_expert_shapes
 
         label = ckpt.label
         names = _check_mtp_complete(ckpt, "--mtp quantize")
@@ -235,7 +234,7 @@ class QuantizeMode(MtpMode):
                 f"{label}: MTP tensor {bad_dtype[0]} is {ckpt.tensors[bad_dtype[0]].dtype}; "
                 "--mtp quantize needs a BF16/F16/F32 MTP"
             )
-        shapes = {e.name: e.shape for e in ckpt.mtp_tensors()}
+        shapes = per_expert_shapes({e.name: e.shape for e in ckpt.mtp_tensors()})
         quantized = tuple(mtp_quantized_modules(mtp_linear_modules(shapes), ckpt.spec.family.mtp, targets))
         if fmt == "nvfp4":
             for m in quantized:

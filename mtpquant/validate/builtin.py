@@ -109,9 +109,10 @@ def capture(
             p = lengths[batch[0]]
             prompt = torch.tensor([list(prompt_ids[i][:p]) for i in batch], dtype=torch.long)
             tokens = target.greedy(prompt, max_len - p).cpu()
-            hidden = target.hidden(tokens).cpu()
+            head, mtp_input = target.hidden_states(tokens)
             for row, i in enumerate(batch):
-                records[i] = SequenceRecord(tokens[row].clone(), p, hidden[row].clone())
+                extra = None if mtp_input is None else mtp_input[row].cpu().clone()
+                records[i] = SequenceRecord(tokens[row].clone(), p, head[row].cpu().clone(), extra)
             bar.update(len(batch))
     seqs = [r for r in records if r is not None]
     on_ref = None

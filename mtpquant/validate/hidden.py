@@ -1,7 +1,8 @@
 """Hidden-state files: the target runs captured once (e.g. on a GPU), replayed anywhere (``--hidden``).
 
 A safetensors file (``format: mtpquant.hidden/1`` in its metadata): ``ref.tokens.NNNNN`` (int64 ``[T]``),
-``ref.hidden.NNNNN`` (``[T, H]``, post-final-norm), and in pair mode ``cand.*`` plus ``cand.hidden_on_ref.*``;
+``ref.hidden.NNNNN`` (``[T, H]``, post-final-norm), ``ref.mtp_input.NNNNN`` where the MTP reads another tensor
+(Qwen4-Exp: ``[T, hc_count * H]``), and in pair mode ``cand.*`` plus ``cand.hidden_on_ref.*``;
 metadata ``groups`` (source and prompt lengths per group) and ``meta`` (prompts, max_len, dtype, device).
 Written through the writer's atomic path (temp file, fsync, rename, directory fsync).
 """
@@ -39,6 +40,8 @@ def save_hidden(path: Path, runs: dict[str, TargetRun], meta: dict[str, Any]) ->
         for i, s in enumerate(run.sequences):
             tensors.append(planned(f"{group}.tokens.{i:05d}", s.tokens.contiguous()))
             tensors.append(planned(f"{group}.hidden.{i:05d}", s.hidden.contiguous()))
+            if s.mtp_input is not None:
+                tensors.append(planned(f"{group}.mtp_input.{i:05d}", s.mtp_input.contiguous()))
         for i, h in enumerate(run.hidden_on_ref or []):
             tensors.append(planned(f"{group}.hidden_on_ref.{i:05d}", h.contiguous()))
     metadata = {"format": HIDDEN_FORMAT, "groups": json.dumps(info), "meta": json.dumps(meta)}
@@ -76,7 +79,10 @@ def _load_hidden(path: Path) -> tuple[dict[str, TargetRun], dict[str, Any]]:
         for group, g in info.items():
             seqs = [
                 SequenceRecord(
-                    fh.get_tensor(f"{group}.tokens.{i:05d}"), int(p), fh.get_tensor(f"{group}.hidden.{i:05d}")
+                    fh.get_tensor(f"{group}.tokens.{i:05d}"),
+                    int(p),
+                    fh.get_tensor(f"{group}.hidden.{i:05d}"),
+                    fh.get_tensor(f"{group}.mtp_input.{i:05d}") if f"{group}.mtp_input.{i:05d}" in keys else None,
                 )
                 for i, p in enumerate(g["prompt_lens"])
             ]

@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 
 from mtpquant.errors import UsageError
 from mtpquant.mtp.drafting import draft_rows, mtp_logits
-from mtpquant.mtp.module import KVCache
+from mtpquant.mtp.step import MtpStep
 from mtpquant.validate.load import MtpBundle
 from mtpquant.validate.metrics import (
     AcceptanceStats,
@@ -58,7 +58,15 @@ class SequenceRecord:
 
     tokens: Tensor  # int64 [T]
     prompt_len: int
-    hidden: Tensor  # [T, H], post-final-norm
+    hidden: Tensor  # [T, H], what the target's lm_head reads (post-final-norm)
+    # [T, *] what the MTP reads where that is another tensor (Qwen4-Exp: the multi-stream state before the final
+    # hyper-connection mixer, [T, hc_count * H]); None: ``hidden``
+    mtp_input: Tensor | None = None
+
+    @property
+    def mtp_hidden(self) -> Tensor:
+        """The MTP's hidden input at every position."""
+        return self.hidden if self.mtp_input is None else self.mtp_input
 
 
 @dataclass
@@ -96,13 +104,13 @@ class AcceptanceResult:
         )
 
 
-def _tf_pass(bundle: MtpBundle, seq: SequenceRecord, hidden: Tensor | None = None) -> tuple[Tensor, KVCache]:
-    """Teacher-forced MTP rows 0..T-2: post-norm outputs ``[1, T-1, H]`` and the layer's cache."""
+def _tf_pass(bundle: MtpBundle, seq: SequenceRecord) -> MtpStep:
+    """Teacher-forced MTP rows 0..T-2 (outputs ``[1, T-1, H]``, the layer's cache)."""
     device = bundle.embed_weight.device
-    h = (seq.hidden if hidden is None else hidden)[None, :-1].to(device)
+    h = seq.mtp_hidden[None, :-1].to(device)
     x = seq.tokens[None, 1:].to(device)
     with torch.no_grad():
-        return bundle.layer(h, bundle.embed(x))
+        return bundle.layer.step(h, bundle.embed(x))
 
 
 def _chunked_logits(out: Tensor, head: Tensor) -> list[Tensor]:
@@ -152,9 +160,9 @@ def evaluate_acceptance(
         T, P = len(tokens), seq.prompt_len
         if T - P < 2:
             continue
-        out, cache = _tf_pass(bundle, seq)
         rows = range(P - 1, T - 2)  # every row a step can draft from
-        chains = draft_rows(bundle.layer, (out, cache), rows, bundle.embed, bundle.lm_head_weight, k_max).tolist()
+        teacher = _tf_pass(bundle, seq)
+        chains = draft_rows(bundle.layer, teacher, rows, bundle.embed, bundle.lm_head_weight, k_max).tolist()
         # Teacher-forced agreement over the continuation: row t's first draft (its argmax) predicts token t+2.
         tf_hits += sum(chain[0] == tokens[t + 2] for t, chain in zip(rows, chains))
         tf_total += len(rows)
@@ -208,8 +216,7 @@ def compare_mtp(ref: MtpBundle, cand: MtpBundle, run: TargetRun) -> Comparison:
     """Both MTP layers, teacher-forced on the same (reference) hidden states and tokens."""
     pairs = []
     for seq in run.sequences:
-        out_r, _ = _tf_pass(ref, seq)
-        out_c, _ = _tf_pass(cand, seq)
+        out_r, out_c = _tf_pass(ref, seq).out, _tf_pass(cand, seq).out
         pairs.append((_chunked_logits(out_r, ref.lm_head_weight), _chunked_logits(out_c, cand.lm_head_weight)))
     return _compare(pairs)
 

@@ -233,7 +233,8 @@ class CheckpointWeights:
         fmt = self.formats.get(module)
         read = self.ckpt.read_tensor
         if fmt is None or name != f"{module}.weight":
-            return read(stored).to(dtype)
+            t = read(stored)
+            return t.to(dtype) if t.is_floating_point() else t  # integer buffers (PLE hashing) keep their dtype
         if fmt.kind == "nvfp4":
             w = dequantize_nvfp4(read(stored), read(f"{module}.weight_scale"), read(f"{module}.weight_scale_2"))
         elif fmt.kind == "nvfp4-ct":
