@@ -82,7 +82,7 @@ def inspect_text(r: InspectReport) -> str:
         ),
         (
             "index",
-            f"{r.index['shards']} shards, {r.index['tensors']} tensors, "
+            f"{r.index['shards']} shard{'' if r.index['shards'] == 1 else 's'}, {r.index['tensors']} tensors, "
             + ("intact" if r.index["intact"] else "CORRUPT"),
         ),
         (
@@ -192,13 +192,13 @@ def convert_text(result: ConvertResult) -> str:
     counts = ", ".join(f"{k} {v}" for k, v in sorted(result.tensor_counts.items()))
     t = result.timings
     lines = [
-        f"wrote {result.output} ({format_bytes(result.output_bytes)} from {format_bytes(p.source_bytes)}; "
+        f"wrote {p.out} ({format_bytes(result.output_bytes)} from {format_bytes(p.source_bytes)}; "  # as given
         f"recipe {p.recipe.name}, "
         f"MTP {p.mode})",
         f"tensors    {counts}; {result.quantized_linears} Linears NVFP4, {result.unquantized_linears} unquantized",
     ]
     if result.mtp_output is not None:
-        lines.append(f"MTP        extracted to {result.mtp_output} ({format_bytes(result.mtp_output_bytes)})")
+        lines.append(f"MTP        extracted to {p.mtp_out} ({format_bytes(result.mtp_output_bytes)})")
     elif result.mtp_tensors:
         lines.append(f"MTP        {result.mtp_tensors} tensors, {result.mtp_precision}")
     else:
