@@ -166,7 +166,7 @@ def test_dry_run_states_memory_and_disk(healed_tiny: HealedTiny, tmp_path: Path,
     code = cli(["-q", "heal", str(quant), "--from", str(TINY_MTP_ASSET), "--out", str(tmp_path / "o"), "--dry-run",
                 "--max-memory", "cpu=4MB"])
     capped = capsys.readouterr().out
-    assert code == 0 and "--max-memory cpu=4.00 MB" in capped and "disk" in capped.split("placement")[1]
+    assert code == 0 and "--max-memory cpu=4MB" in capped and "disk" in capped.split("placement")[1]
 
 
 def test_refusals_are_one_line_and_write_nothing(healed_tiny: HealedTiny, tiny_factory: Factory, tmp_path: Path,

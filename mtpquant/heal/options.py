@@ -7,10 +7,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mtpquant.errors import UsageError
+from mtpquant.graft.run import DEFAULT_MAX_SHARD_BYTES  # heal writes its MTP shards as graft does
 
 __all__ = ["DEFAULT_MAX_SHARD_BYTES", "HealOptions"]
-
-DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 
 
 @dataclass(frozen=True)
