@@ -120,3 +120,18 @@ def test_modelopt_import_warning_goes_to_the_log(
         import_libraries("noisy_library")
     assert [str(w.message) for w in seen] == ["a real problem"]  # another warning stays a warning
     assert [r.levelname for r in caplog.records if "not tested" in r.getMessage()] == ["DEBUG"]
+
+
+def test_the_api_names_its_types_for_type_checkers() -> None:
+    """Every public name of ``mtpquant.api`` is imported under TYPE_CHECKING from the module it loads lazily from:
+    a user's type checker sees the real types, not ``Any``."""
+    import ast
+
+    import mtpquant.api as api
+
+    tree = ast.parse(Path(api.__file__).read_text())
+    guarded = next(n for n in tree.body if isinstance(n, ast.If) and ast.unparse(n.test) == "TYPE_CHECKING")
+    imports = [node for node in guarded.body if isinstance(node, ast.ImportFrom)]
+    seen = {alias.name: node.module for node in imports for alias in node.names}
+    assert seen == api._WHERE and sorted(seen) == sorted(api.__all__)
+    assert api.inspect_checkpoint.__name__ == "inspect_checkpoint"  # and at run time still loaded on first use

@@ -1,8 +1,9 @@
 """Convert, step 1: the plan, from config.json and safetensors headers only, and every early refusal.
 
-Nothing here loads a tensor or imports torch: ``--dry-run`` prints this plan (also for a Hub repo,
-through ranged header reads) and stops. The refusals are one line each and happen before any output
-directory exists: unsupported architecture, an already quantized source, an MTP mode the source
+Nothing here loads a tensor: ``--dry-run`` prints this plan (also for a Hub repo, through ranged header reads)
+and stops. (transformers, and with it torch, is imported once: config.json is validated as transformers will
+read it, so a config it refuses is refused here, before any output exists.) The refusals are one line each and
+happen before any output directory exists: unsupported architecture, an already quantized source, an MTP mode the source
 cannot serve (no MTP, incomplete MTP), a Linear the recipe would quantize whose input dimension is
 not a multiple of 16, an existing output without ``--overwrite``, an output that is the source.
 """
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mtpquant.checkpoint.header import FLOAT_DTYPES
 from mtpquant.checkpoint.index import INDEX_NAME
 from mtpquant.checkpoint.table import PICKLE_SUFFIXES, Checkpoint
 from mtpquant.convert.ct_format import FORMATS, check_ct_recipe
@@ -45,10 +47,9 @@ from mtpquant.families import TensorClass
 from mtpquant.formats.quant_config import HF_QUANT_CONFIG
 from mtpquant.hfconfig import transformers_config
 from mtpquant.provenance import PROVENANCE_FILE, check_base_model
-from mtpquant.surgery.modes import BLOCK, MODE_NAMES, MODES, MtpMode, choose_mode
+from mtpquant.surgery.modes import BLOCK, MODES, MtpMode, choose_mode
 
 __all__ = [
-    "CONVERT_MODES",
     "ConvertOptions",
     "ConvertPlan",
     "carried_files",
@@ -59,7 +60,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-CONVERT_MODES = MODE_NAMES
 # Files convert writes itself (or must not copy) instead of carrying them over from the source.
 _REWRITTEN = {"config.json", HF_QUANT_CONFIG, INDEX_NAME, PROVENANCE_FILE, "README.md", "README", "model_card.md"}
 RECIPE_FILE = "mtpquant_recipe.yaml"
@@ -417,7 +417,7 @@ def _loaded_blocks(ckpt: Checkpoint) -> list[Any]:
         n = 1
         for d in e.shape:
             n *= d
-        entries.append((name, n * size if e.dtype in {"BF16", "F16", "F32", "F64"} else e.nbytes))
+        entries.append((name, n * size if e.dtype in FLOAT_DTYPES else e.nbytes))
         vision[name] = cls == TensorClass.VISION
     return model_blocks(entries, is_vision=vision)
 
