@@ -36,7 +36,6 @@ from mtpquant.convert.recipes import (
 from mtpquant.convert.resume import resume_interval
 from mtpquant.errors import (
     CalibrationDataError,
-    DeviceError,
     IndivisibleDimensionError,
     OutputExistsError,
     RecipeError,
@@ -46,6 +45,7 @@ from mtpquant.errors import (
 from mtpquant.families import TensorClass
 from mtpquant.formats.quant_config import HF_QUANT_CONFIG
 from mtpquant.hfconfig import transformers_config
+from mtpquant.machine import resolve_device
 from mtpquant.provenance import PROVENANCE_FILE, check_base_model
 from mtpquant.surgery.modes import BLOCK, MODES, MtpMode, choose_mode
 
@@ -55,7 +55,6 @@ __all__ = [
     "carried_files",
     "check_calibration_source",
     "plan_convert",
-    "resolve_device",
 ]
 
 log = logging.getLogger(__name__)
@@ -167,21 +166,6 @@ class ConvertPlan:
             "base_model": self.base_model,
             "base_model_revision": self.base_model_revision,
         }
-
-
-def resolve_device(device: str) -> str:
-    """``auto`` -> ``cuda`` when torch sees a GPU, else ``cpu``."""
-    if device not in {"cpu", "cuda", "auto"}:
-        raise DeviceError(f"--device must be cpu, cuda or auto, got {device!r}")
-    if device == "cpu":
-        return "cpu"
-    import torch
-
-    if torch.cuda.is_available():
-        return "cuda"
-    if device == "cuda":
-        raise DeviceError("--device cuda: no CUDA device is visible to torch")
-    return "cpu"
 
 
 def carried_files(files: Sequence[str]) -> list[str]:
@@ -326,11 +310,7 @@ def plan_convert(options: ConvertOptions, ckpt: Checkpoint | None = None) -> tup
         if mtp_out.resolve() == out.resolve():
             raise OutputExistsError(f"{mtp_out}: --mtp-out must differ from OUT")
         _check_output(mtp_out, local_src, options.overwrite, "--mtp-out")
-    device = (
-        resolve_device(options.device)
-        if not options.dry_run
-        else (options.device if options.device != "auto" else _auto_device_name())
-    )
+    device = resolve_device(options.device, indexed=False, probe=not options.dry_run)
     groups = ckpt.by_class()
     vision = groups.get(TensorClass.VISION, [])
     mtp = ckpt.mtp_tensors()
@@ -434,10 +414,3 @@ def _available_memory(device: str) -> dict[str, int]:
         for i in range(torch.cuda.device_count()):
             out[f"cuda:{i}"] = int(torch.cuda.mem_get_info(i)[0])
     return out
-
-
-def _auto_device_name() -> str:
-    """``auto`` for a dry run, without importing torch when no GPU driver is present."""
-    if not Path("/proc/driver/nvidia").exists() and not os.environ.get("CUDA_VISIBLE_DEVICES"):
-        return "cpu"
-    return resolve_device("auto")
