@@ -21,6 +21,9 @@ if TYPE_CHECKING:  # a type checker (a user's, through py.typed) sees the real t
     from mtpquant.convert.recipes import builtin_recipe_names
     from mtpquant.convert.run import ConvertResult, convert
     from mtpquant.graft.run import GraftOptions, GraftResult, fix_metadata, graft
+    from mtpquant.heal.options import HealOptions
+    from mtpquant.heal.plan import HealPlan
+    from mtpquant.heal.run import HealResult, heal
     from mtpquant.hub.publish import PublishOptions, PublishResult, publish
     from mtpquant.inspect.report import InspectReport, inspect_checkpoint
     from mtpquant.synth.tiny import TINY_VARIANTS, make_tiny_checkpoint
