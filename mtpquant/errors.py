@@ -23,6 +23,8 @@ __all__ = [
     "ExitCode",
     "FilesystemError",
     "GraftError",
+    "HealNotBetterError",
+    "HealRefusedError",
     "HubAccessError",
     "HubRefusedError",
     "HubUnreachableError",
@@ -72,6 +74,8 @@ class ExitCode(IntEnum):
     INSPECT_FORMAT = 20  # inspect: an engine refuses the checkpoint's quantization format outright
     OUTPUT_BUSY = 21  # another mtpquant run is writing the same output (its pid is named)
     MEMORY = 22  # convert: the model cannot be placed under the memory caps (the needed and available sizes are named)
+    HEAL_NOT_BETTER = 24  # heal: the healed MTP is not better beyond noise on held-out prompts (nothing written)
+    HEAL_REFUSED = 27  # heal: QUANT's MTP is missing, incomplete, or in a format heal cannot write back
     HUB_UNREACHABLE = 30  # the Hub (or mirror) cannot be reached or timed out
     HUB_ACCESS = 31  # the repo, revision or file does not exist, or is gated / private / needs a token
     HUB_REFUSED = 32  # the Hub refused the request or rate-limited it beyond the retries
@@ -107,6 +111,8 @@ _MEANING = {
     ExitCode.INSPECT_FORMAT: "inspect: an engine refuses the quantization format",
     ExitCode.OUTPUT_BUSY: "another mtpquant run is writing the same output (its pid is named)",
     ExitCode.MEMORY: "convert: the model does not fit under the memory caps",
+    ExitCode.HEAL_NOT_BETTER: "heal: the healed MTP is not better beyond noise; nothing written",
+    ExitCode.HEAL_REFUSED: "heal refused (MTP missing, incomplete, or in a format heal cannot write)",
     ExitCode.HUB_UNREACHABLE: "Hub unreachable or timed out",
     ExitCode.HUB_ACCESS: "Hub repo/file not found, gated, private, or bad token",
     ExitCode.HUB_REFUSED: "Hub refused the request or rate-limited it",
@@ -230,6 +236,18 @@ class GraftError(MtpquantError):
     """graft refuses: SRC's MTP unusable, QUANT already has a different one, an unsupported layout."""
 
     exit_code = ExitCode.GRAFT_REFUSED
+
+
+class HealNotBetterError(MtpquantError):
+    """heal: the healed MTP is not better than QUANT's beyond noise on held-out prompts; nothing was written."""
+
+    exit_code = ExitCode.HEAL_NOT_BETTER
+
+
+class HealRefusedError(MtpquantError):
+    """heal refuses: QUANT's MTP is missing or incomplete, or stored in a format heal cannot write back."""
+
+    exit_code = ExitCode.HEAL_REFUSED
 
 
 class PublishRefusedError(MtpquantError):

@@ -86,7 +86,8 @@ def test_dry_run_shows_placement_and_peak_of_the_full_size_4b(qwen35_4b: Path, t
     assert mem.capped_by == "flag" and mem.layerwise and mem.offloaded
     assert plan.max_shard_bytes == 3 * GiB // 4  # the streaming export buffers one shard: a quarter of the cap
     lines = plan_lines(plan)
-    memory = "memory     main model 9.08 GB as loaded (largest decoder layer 225.85 MB); --max-memory cpu=3.22 GB"
+    # the cap echoed as given (not cpu=3.22 GB)
+    memory = "memory     main model 9.08 GB as loaded (largest decoder layer 225.85 MB); --max-memory cpu=3GiB"
     assert memory in lines
     # accelerate keeps room for one layer free on the CPU: the vision tower, the embedding and 4 layers fit in the rest
     assert "placement  cpu 2.83 GB, disk 6.25 GB (read from SRC's files as each layer runs)" in lines
@@ -163,7 +164,7 @@ def test_a_cap_that_leaves_the_first_weights_on_disk_is_refused_at_plan_time(
         return
     assert code == ExitCode.MEMORY
     assert err == (
-        "mtpquant: error: --max-memory cpu=900.00 kB leaves the model's first weights (the vision tower's patch "
+        "mtpquant: error: --max-memory cpu=900KB leaves the model's first weights (the vision tower's patch "
         "embedding, 196.74 kB) on disk, where modelopt's export cannot run the model from: they and the room "
         "accelerate keeps for one layer need 919.17 kB (raise the cap)"
     )

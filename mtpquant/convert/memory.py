@@ -56,6 +56,7 @@ class MemoryCaps:
     """Per-device caps, in bytes: ``(("cuda:0", n), ("cpu", m))`` in the order given."""
 
     caps: tuple[tuple[str, int], ...]
+    given: tuple[tuple[str, str], ...] = field(default=(), compare=False)  # the sizes as ``--max-memory`` wrote them
 
     def get(self, device: str) -> int | None:
         """The cap of one device (``cpu`` / ``cuda:N``), None if not capped."""
@@ -73,8 +74,9 @@ class MemoryCaps:
         return out
 
     def text(self) -> str:
-        """``cuda:0=70.00 GB, cpu=8.59 GB``."""
-        return ", ".join(f"{d}={format_bytes(n)}" for d, n in self.caps)
+        """``cuda:0=70GiB, cpu=8GiB`` as the flag gave them, else ``cuda:0=70.00 GB, cpu=8.59 GB``."""
+        given = dict(self.given)
+        return ", ".join(f"{d}={given.get(d) or format_bytes(n)}" for d, n in self.caps)
 
 
 _M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
@@ -106,6 +108,7 @@ def return_freed_memory() -> bool:
 def parse_max_memory(spec: str, where: str = "--max-memory") -> MemoryCaps:
     """``cpu=8GiB`` / ``cuda:0=70GiB,cpu=200GiB`` -> MemoryCaps, or a one-line UsageError."""
     caps: dict[str, int] = {}
+    given: dict[str, str] = {}
     for part in (p.strip() for p in spec.split(",")):
         if not part:
             continue
@@ -122,10 +125,10 @@ def parse_max_memory(spec: str, where: str = "--max-memory") -> MemoryCaps:
             raise UsageError(f"{where}: {size.strip()!r} is not a size (e.g. 8GiB, 500MB)")
         if device in caps:
             raise UsageError(f"{where}: {device} is given twice")
-        caps[device] = n
+        caps[device], given[device] = n, size.strip()
     if not caps:
         raise UsageError(f"{where}: no DEVICE=SIZE given (e.g. cpu=8GiB)")
-    return MemoryCaps(tuple(caps.items()))
+    return MemoryCaps(tuple(caps.items()), tuple(given.items()))
 
 
 @dataclass(frozen=True)
@@ -201,8 +204,8 @@ class MemoryPlan:
             any(d.startswith("cuda") for d, _ in self.resident) and dict(self.resident).get("cpu", 0) > 0
         )
 
-    def lines(self) -> list[str]:
-        """The ``--dry-run`` lines."""
+    def lines(self, work: str | None = None) -> list[str]:
+        """The ``--dry-run`` lines; ``work`` replaces what the peak line says runs (convert: its calibration)."""
         parts = [f"{d} {format_bytes(n)}" for d, n in self.resident if n]
         if self.disk_bytes:
             parts.append(f"disk {format_bytes(self.disk_bytes)} (read from SRC's files as each layer runs)")
@@ -218,7 +221,8 @@ class MemoryPlan:
             f"placement  {where}",
             "peak       "
             + peaks
-            + ("; layer-wise calibration (resumable)" if self.layerwise else "; calibration in one pass"),
+            + (f"; {work}" if work else "; layer-wise calibration (resumable)" if self.layerwise
+               else "; calibration in one pass"),
         ]
         out += [f"note       {n}" for n in self.notes]
         return out

@@ -52,6 +52,8 @@ def _tags(facts: CardFacts) -> list[str]:
         tags.append(str(q["method"]))
     if facts.report.mtp_present_tensors:
         tags += ["mtp", "speculative-decoding"]
+    if facts.provenance.heal is not None:
+        tags.append("mtp-healed")
     tags += [facts.family_key, "mtpquant"]
     return list(dict.fromkeys(tags))
 
@@ -286,6 +288,45 @@ def _validation_lines(facts: CardFacts) -> list[str]:
     return lines
 
 
+def _heal_lines(facts: CardFacts) -> list[str]:
+    """What ``mtpquant heal`` did to the MTP now in OUT (nothing when it was not healed)."""
+    record = facts.provenance.heal
+    if record is None:
+        return []
+    greedy = record.sequences - record.sampled
+    lines = [
+        "## MTP healed to this quantized model",
+        "",
+        f"After quantization the MTP layer ({record.precision}) was re-aligned to this checkpoint's own quantized "
+        "model with `mtpquant heal`: only the `mtp.*` weights were trained (model, embeddings and LM head frozen), "
+        "so that the MTP's distribution for the token after next matches the quantized model's own (self-"
+        f"distillation, KL), on {record.sequences} sequences ({record.tokens} tokens) the quantized model produced "
+        f"from calibration prompts ({_md_escape(public_text(record.data))}; {greedy} greedy, {record.sampled} at "
+        f"temperature {record.temperature:g}): {record.steps} steps of {record.batch_size} sequences, learning rate "
+        f"{record.lr:g}, {record.chain} chained draft step(s) trained, seed {record.seed}."
+        + (" The MTP was trained with modelopt's fake quantization in the loop and written back in its format."
+           if record.precision != "BF16" else ""),
+        "",
+        f"Draft acceptance on {record.check_sequences} held-out prompts (not trained on; greedy speculative decoding "
+        "replayed with the checkpoint's own weights), before and after, with the paired 95 % bootstrap interval of "
+        "the change:",
+        "",
+        "| k | AL before | AL after | change | 95 % interval |",
+        "|---|---|---|---|---|",
+    ]
+    for row in record.by_k:
+        interval = f"[{row.low:+.3f}, {row.high:+.3f}]" if row.low == row.low and row.high == row.high else "n/a"
+        lines.append(f"| {row.k} | {row.before:.3f} | {row.after:.3f} | {row.after - row.before:+.3f} | {interval} |")
+    lines.append("")
+    if record.forced:
+        lines += [
+            "> [!WARNING]",
+            "> Written with `--force`: the held-out check did not show the healed MTP better beyond noise at every k.",
+            "",
+        ]
+    return lines
+
+
 def _fmt(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.2f}"
 
@@ -421,6 +462,7 @@ def build_card(facts: CardFacts) -> ModelCard:
         "",
         *_bf16_lines(facts),
         "",
+        *_heal_lines(facts),
         "## Validation",
         "",
         *_validation_lines(facts),
