@@ -1,9 +1,9 @@
 """Benchmark ``mtpquant convert`` on Qwen3.8-Flash-Next (qwen4_exp): the full-size plan from headers, the tiny converts.
 
-1. The full-size BF16 release as a header-only skeleton (``synth.qwen4_exp_skeleton``: hidden 2560, 48 layers, 512
-   experts, the PLE n-gram tables; 461 GB of sparse files), ``convert --dry-run`` per MTP mode, uncapped (the plan
-   refuses a machine that cannot hold one layer: exit 22) and with ``--max-memory``: wall time and peak RSS of the
-   whole command, in a fresh process.
+1. The full-size BF16 release as a header-only skeleton (``tests/support/qwen4_exp_skeleton.py``: hidden 2560, 48
+   layers, 512 experts, the PLE n-gram tables; 461 GB of sparse files), ``convert --dry-run`` per MTP mode, uncapped
+   (the plan refuses a machine that cannot hold one layer: exit 22) and with ``--max-memory``: wall time and peak RSS
+   of the whole command, in a fresh process.
 2. The trained tiny Qwen4-Exp (``mtpquant/assets/tiny-qwen4_exp-mtp``) converted in every MTP mode, and quantize
    again under a memory cap (disk offload, layer-wise calibration): wall, convert's own time split, peak RSS; the
    peer, measured in the same run: the trained tiny Qwen3.5 (``tiny-qwen3_5-mtp``, the same hidden size) converted
@@ -30,7 +30,7 @@ CALIB = ["--calib-samples", "16", "--calib-seq-len", "128", "--device", "cpu"]
 
 
 def dry_runs(root: Path, cap: str) -> list[dict[str, Any]]:
-    from mtpquant.synth.qwen4_exp_skeleton import make_qwen4_exp_skeleton
+    from tests.support.qwen4_exp_skeleton import make_qwen4_exp_skeleton
 
     skel = make_qwen4_exp_skeleton(root / "src", "source")
     rows = []

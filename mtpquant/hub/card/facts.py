@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from mtpquant import safejson
 from mtpquant.checkpoint.source import looks_like_repo_id
 from mtpquant.hub.card.metadata import CARD_NAME, LicenseInfo, is_repo_id, license_from_mapping, redact
+from mtpquant.inspect.precision import is_quantized
 from mtpquant.provenance import Provenance, Step, card_license_fields
 from mtpquant.public import public_args
 from mtpquant.public import public_text as _public_text
@@ -194,12 +195,7 @@ def mtp_mode(facts: CardFacts) -> str:
     r = facts.report
     if r.mtp_present_tensors == 0:
         return "missing" if r.mtp_declared else "drop"
-    return "quantize" if any(is_quantized_precision(m.disk) for m in r.mtp_modules) else "keep"
-
-
-def is_quantized_precision(p: str) -> bool:
-    """Whether an inspect precision label is a quantized format."""
-    return p not in ("BF16", "F16", "FP16", "F32", "missing", "absent")
+    return "quantize" if any(is_quantized(m.disk) for m in r.mtp_modules) else "keep"
 
 
 def public_text(text: str) -> str:
