@@ -42,7 +42,7 @@ from tqdm.auto import tqdm
 from mtpquant.checkpoint.dtypes import planned
 from mtpquant.checkpoint.index import SINGLE_NAME
 from mtpquant.checkpoint.writer import OutputDir
-from mtpquant.families import family
+from mtpquant.families import MTP_PREFIX, family
 from mtpquant.mtp.module import MtpConfig, MtpLayer
 from mtpquant.synth.tiny import TinySpec, _assign_shards, check_synthetic_replaceable, tiny_config, tiny_tokenizer
 
@@ -322,7 +322,7 @@ def _save(
 ) -> Path:
     tensors = _checkpoint_tensors(spec, model, config)
     for name, t in mtp.state_dict().items():
-        tensors["mtp." + name] = t.detach().to(torch.bfloat16).contiguous()
+        tensors[MTP_PREFIX + name] = t.detach().to(torch.bfloat16).contiguous()
     names = sorted(tensors)
     where = _assign_shards(names, TinySpec(spec.family, shards=spec.shards))
     tok_config = {

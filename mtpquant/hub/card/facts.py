@@ -29,7 +29,7 @@ __all__ = [
     "VALIDATION_MARKDOWN",
     "VALIDATION_REPORT",
     "CardFacts",
-    "Recipe",
+    "RecipeFile",
     "Validation",
     "base_model",
     "license_line",
@@ -52,8 +52,9 @@ _HF_CACHE_SNAPSHOT = re.compile(r"models--([A-Za-z0-9][\w.-]*)--([\w.-]+)[/\\]sn
 
 
 @dataclass(frozen=True)
-class Recipe:
-    """The resolved recipe convert wrote into OUT: its file name, text and parsed YAML."""
+class RecipeFile:
+    """The resolved recipe file convert wrote into OUT (its name, text and parsed YAML; the recipe itself is
+    ``convert.recipes.Recipe``)."""
 
     file: str
     text: str
@@ -81,14 +82,14 @@ class CardFacts:
     provenance: Provenance
     license: LicenseInfo | None
     validation: Validation | None
-    recipe: Recipe | None = None
+    recipe: RecipeFile | None = None
     revision: str | None = None
     forced: bool = False
     license_file: str | None = None  # a LICENSE file shipped in OUT (carried over from the source)
 
 
 # ---- reading OUT ---------------------------------------------------------------------------------------------------
-def read_recipe(out: Path, provenance: Provenance) -> Recipe | None:
+def read_recipe(out: Path, provenance: Provenance) -> RecipeFile | None:
     """The resolved recipe the provenance names (``mtpquant_recipe.yaml``), parsed; None when absent."""
     import yaml
 
@@ -102,7 +103,7 @@ def read_recipe(out: Path, provenance: Provenance) -> Recipe | None:
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
         log.warning("%s: not readable as YAML (%s); the card omits it", name, exc)
         return None
-    return Recipe(name, text, data if isinstance(data, dict) else {})
+    return RecipeFile(name, text, data if isinstance(data, dict) else {})
 
 
 def read_validation(out: Path) -> Validation | None:
