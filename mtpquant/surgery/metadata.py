@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mtpquant.checkpoint.header import FLOAT_DTYPES
+from mtpquant.checkpoint.modules import module_stems
 from mtpquant.families import ModelSpec, family, is_mtp_name, resolve
 from mtpquant.formats.quant_config import (
     HF_QUANT_CONFIG,
@@ -212,7 +213,7 @@ def plan_metadata(
                 modelopt, ct = list(MTP_MODELOPT_PATTERNS), list(MTP_CT_PATTERNS)
             else:
                 # exact names of real modules; vLLM treats a fused group as excluded when all members are
-                real = _module_stems(tensors)
+                real = module_stems(tensors)
                 names = sorted({m for ms in missing.values() for m in ms if m in real})
                 modelopt, ct = names, names
             new_config, new_hfq = with_exclusions(config, hfq, modelopt, ct)
@@ -250,13 +251,3 @@ def _listed(module: str, meta: QuantMetadata, packed: Mapping[str, tuple[str, ..
         return mixed_algo(module, meta, packed) is not None
     except FusedShardsError:
         return True
-
-
-def _module_stems(tensors: Mapping[str, Any]) -> set[str]:
-    """Module names that own a ``weight`` (or ``weight_packed``) tensor."""
-    out = set()
-    for n in tensors:
-        for suffix in (".weight", ".weight_packed"):
-            if n.endswith(suffix):
-                out.add(n[: -len(suffix)])
-    return out
