@@ -1,16 +1,18 @@
-"""Every error type and the one exit-code table.
+"""Every error type a user can see, and the one exit-code table.
 
-Each user-facing failure is an ``MtpquantError``: one line naming the file, tensor, repo or server and what
-is wrong. The CLI prints ``str(error)`` and exits with ``error.exit_code``; each cause has its own code
-(``ExitCode``), documented in the README and ``mtpquant --help``.
+Each user-facing failure is an ``MtpquantError``, defined here: one line naming the file, tensor, repo or server
+and what is wrong. The CLI prints ``str(error)`` and exits with ``error.exit_code``; each cause has its own code
+(``ExitCode``), documented in the README and ``mtpquant --help``. (Internal exceptions that never leave mtpquant,
+such as ``safejson.JsonLimitError`` or ``nethttp.BoundExceededError``, are caught where they are raised and become
+one of these.)
 """
-
 from __future__ import annotations
 
 from collections.abc import Iterable
 from enum import IntEnum, unique
 
 __all__ = [
+    "BaseModelError",
     "CalibrationDataError",
     "CheckpointError",
     "ConfigError",
@@ -38,6 +40,8 @@ __all__ = [
     "OutputExistsError",
     "OutputVerificationError",
     "PublishRefusedError",
+    "PublishUsageError",
+    "RangeIgnoredError",
     "RecipeError",
     "SourceQuantizedError",
     "UnsupportedArchitectureError",
@@ -274,6 +278,14 @@ class HubAccessError(MtpquantError):
     exit_code = ExitCode.HUB_ACCESS
 
 
+class BaseModelError(UsageError):
+    """``--base-model`` is not a Hub model id (or ``--base-model-revision`` is not a revision)."""
+
+
+class PublishUsageError(UsageError):
+    """publish's options are malformed: a repo id the Hub would refuse, ``--create-pr`` with a branch, ..."""
+
+
 class HubRefusedError(MtpquantError):
     """The Hub refused the request (an error status, an answer that is not what it should be, rate limits)."""
 
@@ -309,3 +321,7 @@ class EngineStartError(MtpquantError):
     """The engine server failed to start (the message names its log)."""
 
     exit_code = ExitCode.ENGINE_START
+
+
+class RangeIgnoredError(HubRefusedError):
+    """The server answered a ranged read with the whole file (it ignores ``Range``)."""

@@ -30,7 +30,7 @@ from typing import Any
 
 from mtpquant import __version__, safejson
 from mtpquant.checkpoint.source import CheckpointSource, LocalSource, SourceRef, is_repo_id, read_json
-from mtpquant.errors import CheckpointError, UsageError
+from mtpquant.errors import BaseModelError, CheckpointError
 
 __all__ = [
     "PROVENANCE_FILE",
@@ -370,10 +370,6 @@ def check_replaceable(path: Path) -> None:
         f"entr{'y' if len(entries) == 1 else 'ies'}: {shown}); not replacing it ({mine}): remove it yourself or "
         "choose another output"
     )
-
-
-class BaseModelError(UsageError):
-    """``--base-model`` is not a Hub model id."""
 
 
 def check_base_model(repo_id: str | None, revision: str | None = None) -> tuple[str | None, str | None]:

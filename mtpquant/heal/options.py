@@ -44,7 +44,7 @@ class HealOptions:
     k: int = 3  # the check measures AL for k = 1..k
     force: bool = False  # write the healed MTP even when the check does not show it better (the record says so)
     # ---- where it runs ------------------------------------------------------------------------------------
-    device: str = "auto"  # cpu | cuda | auto
+    device: str = "auto"  # cpu | cuda | cuda:N | auto (machine.resolve_device)
     dtype: str | None = None  # compute dtype: float32 on CPU, bfloat16 on CUDA unless given
     max_memory: str | None = None  # caps for the quantized target, e.g. "cpu=3GiB" (the rest read from disk)
     activations: str = "emulate"  # emulate W4A4 activation quantization as the engines run it | off
@@ -92,8 +92,6 @@ class HealOptions:
             raise UsageError(f"--chain {self.chain} does not fit sequences of {self.prompt_len + self.new_tokens}")
         if self.activations not in ("emulate", "off"):
             raise UsageError(f"--activations must be emulate or off, got {self.activations!r}")
-        if self.device not in ("cpu", "cuda", "auto") and not self.device.startswith("cuda:"):
-            raise UsageError(f"--device must be cpu, cuda or auto, got {self.device!r}")
 
     @property
     def out_path(self) -> Path | None:

@@ -18,6 +18,7 @@ from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.errors import GraftError, HealRefusedError, MemoryPlanError, MtpModeError, OutputExistsError, UsageError
 from mtpquant.heal.options import HealOptions
 from mtpquant.heal.precision import MtpStorage, mtp_storage
+from mtpquant.machine import resolve_device
 from mtpquant.units import format_bytes
 
 __all__ = ["HEAD_FULL_PRECISION_LIMIT", "HealPlan", "plan_heal"]
@@ -101,16 +102,6 @@ class HealPlan:
             "data_bytes": self.data_bytes,
             "notes": list(self.notes),
         }
-
-
-def _resolve_device(device: str) -> str:
-    if device == "auto":
-        if not Path("/proc/driver/nvidia").exists() and not os.environ.get("CUDA_VISIBLE_DEVICES"):
-            return "cpu"
-        import torch
-
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return device
 
 
 def _target_blocks(weights: Any, dtype_bytes: int) -> list[Any]:
@@ -198,7 +189,7 @@ def plan_heal(options: HealOptions) -> tuple[HealPlan, Checkpoint, Checkpoint, A
     except ValidateLoadError as exc:
         raise HealRefusedError(str(exc)) from None
     storage = mtp_storage(quant, weights.formats)
-    device = _resolve_device(options.device)
+    device = resolve_device(options.device, probe=False)  # the plan names the device; the run finds it
     dtype = options.dtype or ("float32" if device == "cpu" else "bfloat16")
     if dtype not in _BYTES:
         raise UsageError(f"--dtype must be one of {', '.join(_BYTES)}, got {dtype!r}")

@@ -23,15 +23,15 @@ import torch
 from torch import Tensor
 
 from mtpquant.checkpoint.dtypes import planned, torch_dtype
+from mtpquant.checkpoint.header import FLOAT_DTYPES
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.checkpoint.writer import PlannedTensor
 from mtpquant.errors import HealRefusedError
 from mtpquant.families import is_mtp_name
 from mtpquant.mtp.quantize import mtp_linear_modules, mtp_quantized_modules, quantize_mtp
 
-__all__ = ["FLOAT_DTYPES", "MtpStorage", "export_mtp", "master_weights", "mtp_storage"]
+__all__ = ["MtpStorage", "export_mtp", "master_weights", "mtp_storage"]
 
-FLOAT_DTYPES = frozenset({"BF16", "F16", "F32"})
 _WRITABLE = {"nvfp4": "nvfp4", "fp8": "fp8"}  # LinearFormat.kind -> quantize_mtp's format
 
 

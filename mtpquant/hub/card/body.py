@@ -11,20 +11,20 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mtpquant import __version__
+from mtpquant.card_marker import MARKER, ZERO_HASH, seal
 from mtpquant.hub.card.facts import (
     CardFacts,
     base_model,
     base_model_link,
-    is_quantized_precision,
     license_line,
     license_metadata,
     mtp_mode,
     public_command,
     public_text,
 )
-from mtpquant.hub.card.marker import MARKER, ZERO_HASH, seal
 from mtpquant.hub.card.metadata import redact
 from mtpquant.hub.card.sidecar import sidecar_body, sidecar_data
+from mtpquant.inspect.precision import is_quantized
 from mtpquant.units import format_bytes
 
 if TYPE_CHECKING:
@@ -354,7 +354,7 @@ def _serving_lines(facts: CardFacts) -> list[str]:
         lines += ["vLLM, with the MTP as draft model:", "", "```bash", cmds["vllm"], "```", ""]
     else:
         lines += [f"vLLM: no MTP serve command: {_md_escape(r.verdicts.get('vllm', 'unknown'))}.", ""]
-    quantized_mtp = any(is_quantized_precision(m.disk) for m in r.mtp_modules)
+    quantized_mtp = any(is_quantized(m.disk) for m in r.mtp_modules)
     if "sglang" in cmds:
         lines += ["SGLang (NEXTN speculative decoding):", "", "```bash", cmds["sglang"], "```", ""]
     elif quantized_mtp:
