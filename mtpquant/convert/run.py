@@ -25,10 +25,10 @@ import resource
 import shutil
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from mtpquant import __version__
 from mtpquant.checkpoint.lock import OutputLock
@@ -47,6 +47,9 @@ from mtpquant.surgery.modes import ExtractMode, MtpOutcome, WriteContext, load_m
 from mtpquant.units import format_bytes
 
 __all__ = ["ConvertOptions", "ConvertPlan", "ConvertResult", "convert", "peak_rss_bytes", "plan_convert"]
+
+if TYPE_CHECKING:
+    from mtpquant.inspect.report import InspectReport
 
 log = logging.getLogger(__name__)
 # The end-of-run summary; the CLI prints it itself and quiets this logger.
@@ -169,34 +172,31 @@ def _mode_exclusions(
     return config, hfq
 
 
-def _verifier(plan: ConvertPlan, src: Checkpoint, outcome: MtpOutcome) -> Callable[[Path], None]:
-    """The finalize check: exact MTP and vision tensor sets, the mode's own checks, a clean inspect verdict."""
+def _verify(plan: ConvertPlan, src: Checkpoint, outcome: MtpOutcome, path: Path) -> InspectReport:
+    """The finalize check of the output at ``path``: exact MTP and vision tensor sets, the mode's own checks, a clean
+    inspect verdict (the inspect that gates publish); returns that inspect report."""
+    from mtpquant.inspect.report import inspect_checkpoint
 
-    def verify(path: Path) -> None:
-        from mtpquant.inspect.report import inspect_checkpoint
-
-        mode = plan.mtp_mode
-        out = Checkpoint.open(path, strict=True)
-        where = f"{plan.out}: verification failed"
-        mtp = {n for n in out.tensors if is_mtp_name(n)}
-        expect_mtp = set(outcome.names)
-        if mtp != expect_mtp:
-            extra = sorted(mtp - expect_mtp) or sorted(expect_mtp - mtp)
-            raise OutputVerificationError(f"{where}: MTP tensor set differs from the plan (first: {extra[0]})")
-        mode.verify(out, src, outcome, where)
-        vision_src = {e.name for e in src.by_class().get(TensorClass.VISION, [])}
-        vision_out = {e.name for e in out.by_class().get(TensorClass.VISION, [])}
-        if vision_src != vision_out:
-            raise OutputVerificationError(f"{where}: vision tensors differ from the source")
-        same_bytes(out, src, sorted(vision_src), where)
-        report = inspect_checkpoint(path)  # the inspect that gates publish
-        if report.failures:
-            raise OutputVerificationError(f"{where}: {report.failures[0].message}")
-        if mode.declares and not report.mtp_declared:
-            raise OutputVerificationError(f"{where}: the output does not declare its MTP")
-        verify.report = report  # type: ignore[attr-defined]
-
-    return verify
+    mode = plan.mtp_mode
+    out = Checkpoint.open(path, strict=True)
+    where = f"{plan.out}: verification failed"
+    mtp = {n for n in out.tensors if is_mtp_name(n)}
+    expect_mtp = set(outcome.names)
+    if mtp != expect_mtp:
+        extra = sorted(mtp - expect_mtp) or sorted(expect_mtp - mtp)
+        raise OutputVerificationError(f"{where}: MTP tensor set differs from the plan (first: {extra[0]})")
+    mode.verify(out, src, outcome, where)
+    vision_src = {e.name for e in src.by_class().get(TensorClass.VISION, [])}
+    vision_out = {e.name for e in out.by_class().get(TensorClass.VISION, [])}
+    if vision_src != vision_out:
+        raise OutputVerificationError(f"{where}: vision tensors differ from the source")
+    same_bytes(out, src, sorted(vision_src), where)
+    report = inspect_checkpoint(path)  # the inspect that gates publish
+    if report.failures:
+        raise OutputVerificationError(f"{where}: {report.failures[0].message}")
+    if mode.declares and not report.mtp_declared:
+        raise OutputVerificationError(f"{where}: the output does not declare its MTP")
+    return report
 
 
 def _count(path: Path) -> tuple[dict[str, int], int, int, int]:
@@ -280,8 +280,7 @@ def convert(options: ConvertOptions) -> ConvertResult:
             sidecar = dataclasses.replace(step, recipe_file=None)
             mtp_od.write_text(PROVENANCE_FILE, Provenance((sidecar,)).to_bytes().decode("utf-8"))
         with timer("verify"):
-            verify = _verifier(plan, ckpt, outcome)
-            verify(od.path)  # both outputs verified before either is put in place
+            report = _verify(plan, ckpt, outcome, od.path)  # both outputs verified before either is put in place
             if mtp_od is not None:
                 extract = cast(ExtractMode, plan.mtp_mode)
                 where = f"{plan.mtp_out}: verification failed"
@@ -298,10 +297,8 @@ def convert(options: ConvertOptions) -> ConvertResult:
         if resume is not None:
             result.resume_bytes = resume.bytes_written()
             resume.remove()  # the output is in place: nothing to resume
-        report = getattr(verify, "report", None)
-        if report is not None:
-            result.verdicts = dict(report.verdicts)
-            result.mtp_precision = str(report.mtp_precision)
+        result.verdicts = dict(report.verdicts)
+        result.mtp_precision = str(report.mtp_precision)
     counts, quantized, unquantized, size = _count(out_path)
     result.tensor_counts = counts
     result.quantized_linears = quantized
