@@ -26,7 +26,7 @@ import shutil
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -274,7 +274,9 @@ def convert(options: ConvertOptions) -> ConvertResult:
             if plan.mtp_out
             else None
         )
-        outcome, resume = _run(plan, ckpt, src_dir, od, mtp_od, timer, progress, result)
+        run = _run(plan, ckpt, src_dir, od, mtp_od, timer, progress)
+        outcome, resume = run.outcome, run.resume
+        result = dataclasses.replace(result, **run.facts())
         od.write_text(PROVENANCE_FILE, Provenance((step,)).to_bytes().decode("utf-8"))
         if mtp_od is not None:
             sidecar = dataclasses.replace(step, recipe_file=None)
@@ -349,6 +351,28 @@ def _resume_inputs(plan: ConvertPlan, src_dir: Path, data: CalibrationData) -> d
     }
 
 
+@dataclass
+class _Run:
+    """What the work between planning and finalize did: what the MTP mode wrote, the resume state, and the facts
+    measured on the way (``ConvertResult`` fields of the same names)."""
+
+    outcome: MtpOutcome
+    resume: ResumeState | None
+    calibration_rows: int
+    calibration_tokens: int
+    placement: dict[str, int]
+    layerwise: bool
+    resumed_from_layer: int | None = None
+    peak_gpu_bytes: int = 0
+    shards_moved: int = 0
+    shards_rewritten: int = 0
+    offload_bytes: int = 0
+
+    def facts(self) -> dict[str, Any]:
+        """The measured facts, by their ``ConvertResult`` field names."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("outcome", "resume")}
+
+
 def _run(
     plan: ConvertPlan,
     ckpt: Checkpoint,
@@ -357,9 +381,8 @@ def _run(
     mtp_od: OutputDir | None,
     timer: _Timer,
     progress: bool,
-    result: ConvertResult,
-) -> tuple[MtpOutcome, ResumeState | None]:
-    """Everything between planning and finalize; returns what the MTP mode wrote and the resume state."""
+) -> _Run:
+    """Everything between planning and finalize."""
     import torch
 
     from mtpquant.convert.assemble import (
@@ -396,19 +419,17 @@ def _run(
             raise CalibrationDataError(
                 f"the tokenizer produced id {int(data.input_ids.max())} but the model's vocabulary has {vocab} entries"
             )
-    result.calibration_rows = data.samples
-    result.calibration_tokens = data.samples * data.seq_len
 
     with timer("load"):
         model = load_main_model(src_dir, ckpt, plan.memory, plan.device, od.path / OFFLOAD)
-    result.placement = placement(model)
+    placed = placement(model)
     device = input_device(model)
     if plan.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
 
     layerwise = plan.memory.layerwise or is_offloaded(model)
-    result.layerwise = layerwise
     resume: ResumeState | None = None
+    resumed_from: int | None = None
     if layerwise:
         log.info(
             "layer-wise calibration commits its resume state every %d of %d layers (~%s of layer inputs a commit)",
@@ -416,7 +437,7 @@ def _run(
         )
         resume = ResumeState.open(plan.out, _resume_inputs(plan, src_dir, data))
         if resume.start_layer:
-            result.resumed_from_layer = resume.start_layer
+            resumed_from = resume.start_layer
             log.info(
                 "resuming layer-wise calibration from layer %d of %d (layers 1-%d were finished by an earlier run; "
                 "state in %s)", resume.start_layer + 1, resume.num_layers, resume.start_layer, resume.path,
@@ -459,8 +480,7 @@ def _run(
         export_quantized(model, scratch, source_dtype(ckpt.spec), ckpt, plan.max_shard_bytes, bar)
         bar.close()
     od.doing = ""
-    if plan.device == "cuda":
-        result.peak_gpu_bytes = int(torch.cuda.max_memory_allocated())
+    peak_gpu = int(torch.cuda.max_memory_allocated()) if plan.device == "cuda" else 0
     del model
     gc.collect()
 
@@ -468,7 +488,7 @@ def _run(
     exported_hfq = exported.hf_quant_config
     with timer("write"):
         main = place_main_shards(exported, ckpt, od, scratch)
-        result.shards_moved, result.shards_rewritten = len(main.moved), len(main.rewritten)
+
 
     with timer("mtp"):
         ctx = WriteContext(
@@ -509,7 +529,7 @@ def _run(
         od.write_text(RECIPE_FILE, public.to_yaml(_recipe_header(plan, ckpt.source.ref())))
         shutil.rmtree(scratch, ignore_errors=True)
         offload = od.path / OFFLOAD
-        result.offload_bytes = sum(p.stat().st_size for p in offload.rglob("*") if p.is_file())
+        offload_bytes = sum(p.stat().st_size for p in offload.rglob("*") if p.is_file())
         shutil.rmtree(offload, ignore_errors=True)
         od.write_index()
     if ct_format:
@@ -521,7 +541,19 @@ def _run(
             config["quantization_config"] = to_compressed_tensors(od, exclude, plan.device)
             od.write_json("config.json", config)
         outcome.names = ct_tensor_names(outcome.names)
-    return outcome, resume
+    return _Run(
+        outcome,
+        resume,
+        calibration_rows=data.samples,
+        calibration_tokens=data.samples * data.seq_len,
+        placement=placed,
+        layerwise=layerwise,
+        resumed_from_layer=resumed_from,
+        peak_gpu_bytes=peak_gpu,
+        shards_moved=len(main.moved),
+        shards_rewritten=len(main.rewritten),
+        offload_bytes=offload_bytes,
+    )
 
 
 def _recipe_header(plan: ConvertPlan, ref: SourceRef) -> str:
