@@ -421,6 +421,10 @@ def load_target(
     if hf_config.tie_word_embeddings and "lm_head.weight" not in loaded:
         model.tie_weights()
         loaded.add("lm_head.weight")
+        if place("lm_head.weight") == "disk":  # accelerate's offload reads the tied head by its own name
+            embedding = model.get_input_embeddings().weight
+            embed_name = next(n for n, p in model.named_parameters() if p is embedding)
+            on_disk["lm_head.weight"] = on_disk.get(embed_name) or (lambda: embedding.detach())
     missing = sorted(expected - loaded)
     if missing:
         shown = ", ".join(missing[:6]) + (f", ... ({len(missing) - 6} more)" if len(missing) > 6 else "")
