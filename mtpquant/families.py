@@ -23,6 +23,7 @@ __all__ = [
     "MtpDeclaration",
     "TensorClass",
     "classify_tensor",
+    "dimension_differences",
     "is_mtp_name",
     "resolve",
     "supported_architectures",
@@ -357,3 +358,42 @@ def resolve(config: Mapping[str, Any]) -> ModelSpec:
         else:
             raise ConfigError(f"config.json: {where} must be a non-negative integer, got {value!r}")
     return ModelSpec(family=family, architecture=arch, config=config, text=text, wrapped=wrapped, mtp=mtp)
+
+
+# ---- two checkpoints of the same model ----------------------------------------------------------------------------
+# Dimensions that must agree for two checkpoints to be the same model (missing in either: a mismatch); graft
+# checks them before it puts one's MTP into the other, validate before it compares one against the other.
+_CORE_KEYS = (
+    "hidden_size",
+    "vocab_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "num_hidden_layers",
+)
+_DENSE_KEYS = ("intermediate_size",)
+_MOE_KEYS = ("num_experts", "moe_intermediate_size", "shared_expert_intermediate_size")
+# Compared only where both configs have them (some exporters drop keys they do not use).
+_EXTRA_KEYS = (
+    "num_experts_per_tok",
+    "linear_num_key_heads",
+    "linear_num_value_heads",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
+    "full_attention_interval",
+    "attn_output_gate",
+    "layer_types",
+)
+
+
+def _fmt(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def dimension_differences(a: Mapping[str, Any], b: Mapping[str, Any], moe: bool) -> list[str]:
+    """``"key A vs B"`` for every model dimension in which two text configs differ (empty: the same shapes)."""
+    core = _CORE_KEYS + (_MOE_KEYS if moe else _DENSE_KEYS)
+    diffs = [f"{k} {_fmt(a.get(k))} vs {_fmt(b.get(k))}" for k in core if a.get(k) != b.get(k)]
+    diffs += [f"{k} {_fmt(a[k])} vs {_fmt(b[k])}" for k in _EXTRA_KEYS if k in a and k in b and a[k] != b[k]]
+    return diffs

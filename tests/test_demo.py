@@ -16,5 +16,7 @@ def test_demo_main_job(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
     assert "MTP on identical inputs: top-1 agreement 100.00 %, KL(ref||cand) mean 0" in out
     assert "vLLM: MTP loads (BF16)" in out and "verdict: healthy" in out
     report = json.loads((tmp_path / "tiny-qwen3_5-nvfp4" / "validation" / "report.json").read_text())
-    assert report["verdict"]["status"] in ("pass", "warn")  # 4 prompts: the target-side AL drop is noisy
+    # 4 prompts cannot tell the target-side AL drop from the allowed one: the demo says so instead of guessing
+    assert report["verdict"]["status"] == "inconclusive"
+    assert "verdict: INCONCLUSIVE: sample too small" in out and "MTP +0.000 [+0.000, +0.000]" in out
     assert (tmp_path / "tiny-qwen3_5-nvfp4" / "validation" / "report.md").exists()

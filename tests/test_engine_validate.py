@@ -1,7 +1,8 @@
 """validate through the real vLLM CPU engine: ``--engine vllm`` (servers mtpquant starts) and ``--server URL``.
 
 The trained tiny model's ``convert --keep-mtp`` and ``--mtp quantize`` outputs are measured by the engine's own
-counters for k = 1 and 3 and compared with the built-in prediction on the same prompts; a ``--mtp drop``
+counters, greedy for k = 1 and 3 and under sampling (T = 0.8, and with top-p 0.9) for k = 1 and 2, and compared
+with the built-in prediction on the same prompts; a ``--mtp drop``
 output grafted back measures as the keep output does; the bad-input cases are one-line errors with their
 exit codes and nothing written into the report directory.
 """
@@ -9,9 +10,11 @@ exit codes and nothing written into the report directory.
 from __future__ import annotations
 
 import http.server
+import json
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -72,10 +75,73 @@ def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
     return code, capsys.readouterr().err.strip()
 
 
+# Every server measures three sampling settings: greedy, T=0.8, and T=0.8 with top-p 0.9.
+SAMPLING: dict[str, Any] = {"temperatures": (0.0, 0.8, 0.8), "top_p": (1.0, 1.0, 0.9)}
+# Sized so that the engine's own sampling noise is well below the tolerances. A per-position acceptance is a rate
+# over the verification steps, so its standard error is at most 0.5 / sqrt(steps); the built-in prediction's is
+# smaller (it adds expected acceptances, not coin flips). 48 prompts of at most 96 tokens, each continued by
+# 160 - 96 = 64 or more tokens, give >= 3,072 generated tokens per setting, so >= 1,000 steps at k = 2 even at AL 3
+# and ~2,000 at the AL of ~1.4 the tiny model has at T = 0.8: the engine's standard error is <= 0.016 (<= 0.011 at
+# T = 0.8), the difference's about 0.02 at most, and 0.05 is ~3-4.5 of it; AL's (1 + the sum over positions) 0.1 is
+# further off. The prompts are the same on both sides, so prompt-to-prompt differences cancel.
+SAMPLED_PROMPTS = 48
+SAMPLED_LEN = 160
+AL_TOLERANCE = 0.1
+POSITION_TOLERANCE = 0.05
+
+
+@pytest.mark.parametrize("mode", ["keep", "quantize"])
+def test_engine_measures_what_the_builtin_path_predicts_under_sampling(
+    outputs: dict[str, Path], vllm: EnginePool, tmp_path: Path, mode: str
+) -> None:
+    """The built-in prediction (the rule's probabilities along sequences the target samples) against the real vLLM
+    engine's counters, at k = 1 and 2, greedy, T = 0.8 and T = 0.8 / top-p 0.9: one server per k, every setting
+    on it, the same prompts, lengths and seeds (``--server`` with the checkpoint's tokenizer)."""
+    common: dict[str, Any] = {
+        "num_prompts": SAMPLED_PROMPTS,
+        "max_len": SAMPLED_LEN,
+        "progress": False,
+        **SAMPLING,
+    }
+    measured = {}
+    for k in (1, 2):
+        server = vllm.get(outputs[mode], k)
+        url = server.server.url
+        report = validate(
+            ValidateOptions(outputs[mode], server=url, concurrency=8, report_dir=tmp_path / f"k{k}", **common)
+        ).report
+        assert report.engine[0].k == k and report.engine[0].sampling["concurrency"] == 8
+        labels = [a.sampling.label for a in report.reference.acceptance_by_sampling]
+        assert labels == ["T=0", "T=0.8", "T=0.8, top-p 0.9"]
+        measured[k] = report.reference.acceptance_by_sampling
+        profile = json.loads((tmp_path / f"k{k}" / "speculation_profile.json").read_text())
+        assert profile["num_speculative_tokens"] == k and profile["measurement_conditions"]["engine"] == "vllm 0.32.0"
+    predicted = validate(
+        ValidateOptions(outputs[mode], ks=(1, 2), device="cpu", activations="emulate", **common)
+    ).report.reference.acceptance_by_sampling
+    rows = []
+    for i, p_acc in enumerate(predicted):
+        for p_row in p_acc.by_k:
+            e_row = measured[p_row.k][i].by_k[0]
+            rows.append((p_acc.sampling.label, p_row.k, e_row, p_row))
+    for label, k, e_row, p_row in rows:
+        where = f"{mode}, {label}, k={k}: engine {e_row.mean_acceptance_length:.3f} {e_row.acceptance_per_position}, "
+        where += f"predicted {p_row.mean_acceptance_length:.3f} {p_row.acceptance_per_position}"
+        assert e_row.num_steps >= 1000, where  # the sizing above
+        assert abs(e_row.mean_acceptance_length - p_row.mean_acceptance_length) <= AL_TOLERANCE, where
+        for e, p in zip(e_row.acceptance_per_position, p_row.acceptance_per_position):
+            assert abs(e - p) <= POSITION_TOLERANCE, where
+    # sampling costs acceptance, and the prediction says how much before any engine runs
+    greedy, hot = predicted[0].by_k[0], predicted[1].by_k[0]
+    assert hot.mean_acceptance_length < greedy.mean_acceptance_length - 0.1
+
+
 @pytest.mark.parametrize("mode", ["keep", "quantize"])
 def test_engine_measures_what_the_builtin_path_predicts(
     outputs: dict[str, Path], vllm: EnginePool, tmp_path: Path, mode: str
 ) -> None:
+    """``--engine vllm`` with ``--compare-reference``: the servers mtpquant starts itself, greedy, the prediction
+    beside the engine in the report."""
     report_dir = tmp_path / "report"
     result = validate(
         ValidateOptions(
@@ -103,9 +169,16 @@ def test_engine_measures_what_the_builtin_path_predicts(
         assert abs(r["difference"]) <= 0.1, r
     assert report.verdict.status == "pass"
     files = sorted(p.name for p in report_dir.iterdir())
-    assert files == ["acceptance.png", "report.json", "report.md", "vllm-reference-k1.log", "vllm-reference-k3.log"]
+    assert files == [
+        "acceptance.png",
+        "report.json",
+        "report.md",
+        "speculation_profile.json",
+        "vllm-reference-k1.log",
+        "vllm-reference-k3.log",
+    ]
     md = (report_dir / "report.md").read_text()
-    assert "## Engine vs built-in prediction" in md and "greedy only" in md
+    assert "## Engine vs built-in prediction" in md and "| reference | T=0 | 1 |" in md
 
 
 @pytest.mark.parametrize("mode", ["keep", "quantize"])

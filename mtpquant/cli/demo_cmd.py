@@ -34,7 +34,6 @@ def run(args: argparse.Namespace) -> int:
         inspect_checkpoint,
         validate,
     )
-    from mtpquant.errors import ExitCode
     from mtpquant.render import convert_text, inspect_text, validate_text
 
     out = args.workdir / "tiny-qwen3_5-nvfp4"
@@ -71,4 +70,4 @@ def run(args: argparse.Namespace) -> int:
     print(inspect_text(inspection))
     if not inspection.healthy:
         return inspection.exit_code()
-    return int(ExitCode.VALIDATE_FAIL) if report.status == "fail" else 0
+    return report.report.verdict.exit_code if report.status == "fail" else 0

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mtpquant.engine.counters import CounterSnapshot, parse_metrics
+from mtpquant.engine.sampling import SamplingSettings
 from mtpquant.errors import EngineAnswerError, EngineModelError, EngineUnreachableError
 
 __all__ = ["Completion", "EngineClient", "ServerInfo"]
@@ -128,29 +129,43 @@ class EngineClient:
             raise EngineAnswerError(f"{self.url}/tokenize: no token list in the answer")
         return [int(t) for t in tokens]
 
-    def complete(self, model: str, prompts: Sequence[Sequence[int]], max_tokens: Sequence[int]) -> list[Completion]:
-        """Greedy completions of token-id prompts (``temperature 0``, ``ignore_eos``), one request each."""
-        out = []
-        for ids, n in zip(prompts, max_tokens):
-            payload = {
-                "model": model,
-                "prompt": [int(i) for i in ids],
-                "max_tokens": int(n),
-                "temperature": 0,
-                "ignore_eos": True,
-                "return_token_ids": True,
-                "seed": 0,
-            }
-            body = self._json("/v1/completions", payload=payload, timeout=self.generate_timeout)
-            try:
-                choice = body["choices"][0]
-                tokens = tuple(int(t) for t in choice["token_ids"])
-            except (KeyError, IndexError, TypeError, ValueError):
-                raise EngineAnswerError(
-                    f"{self.url}/v1/completions: no token_ids in the answer (vLLM >= 0.10 returns them)"
-                ) from None
-            out.append(Completion(tuple(int(i) for i in ids), tokens, choice.get("finish_reason")))
-        return out
+    def complete(
+        self,
+        model: str,
+        prompts: Sequence[Sequence[int]],
+        max_tokens: Sequence[int],
+        sampling: SamplingSettings | None = None,
+        *,
+        first_index: int = 0,
+    ) -> list[Completion]:
+        """Completions of token-id prompts (``ignore_eos``), one request each, sampled with ``sampling`` (default
+        greedy); prompt i (counting from ``first_index``) carries the seed ``sampling.for_prompt(i)``."""
+        return [
+            self.complete_one(model, ids, n, (sampling or SamplingSettings()).for_prompt(first_index + i))
+            for i, (ids, n) in enumerate(zip(prompts, max_tokens))
+        ]
+
+    def complete_one(
+        self, model: str, prompt: Sequence[int], max_tokens: int, sampling: SamplingSettings
+    ) -> Completion:
+        """One ``/v1/completions`` request with token ids, ``ignore_eos`` and ``sampling``'s fields."""
+        payload = {
+            "model": model,
+            "prompt": [int(i) for i in prompt],
+            "max_tokens": int(max_tokens),
+            "ignore_eos": True,
+            "return_token_ids": True,
+            **sampling.vllm_fields(),
+        }
+        body = self._json("/v1/completions", payload=payload, timeout=self.generate_timeout)
+        try:
+            choice = body["choices"][0]
+            tokens = tuple(int(t) for t in choice["token_ids"])
+        except (KeyError, IndexError, TypeError, ValueError):
+            raise EngineAnswerError(
+                f"{self.url}/v1/completions: no token_ids in the answer (vLLM >= 0.10 returns them)"
+            ) from None
+        return Completion(tuple(int(i) for i in prompt), tokens, choice.get("finish_reason"))
 
 
 def _reason(exc: Exception) -> str:

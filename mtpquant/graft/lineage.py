@@ -15,7 +15,7 @@ from typing import Any
 
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.errors import GraftError, LineageError
-from mtpquant.families import ModelSpec, is_mtp_name, resolve
+from mtpquant.families import ModelSpec, dimension_differences, is_mtp_name, resolve
 
 __all__ = [
     "FLOAT_DTYPES",
@@ -31,28 +31,6 @@ log = logging.getLogger(__name__)
 # Unquantized storage dtypes: what an MTP kept "as is" must be stored in.
 FLOAT_DTYPES = frozenset({"BF16", "F16", "F32"})
 
-# Dimensions that must agree for the MTP of one to fit the other (missing in either: mismatch).
-_CORE_KEYS = (
-    "hidden_size",
-    "vocab_size",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "num_hidden_layers",
-)
-_DENSE_KEYS = ("intermediate_size",)
-_MOE_KEYS = ("num_experts", "moe_intermediate_size", "shared_expert_intermediate_size")
-# Compared only where both configs have them (some exporters drop keys they do not use).
-_EXTRA_KEYS = (
-    "num_experts_per_tok",
-    "linear_num_key_heads",
-    "linear_num_value_heads",
-    "linear_key_head_dim",
-    "linear_value_head_dim",
-    "full_attention_interval",
-    "attn_output_gate",
-    "layer_types",
-)
 _MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.")
 _QUANT_SUFFIXES = (
     ".weight_scale",
@@ -91,20 +69,6 @@ def _spec_with_layers(spec: ModelSpec, layers: int) -> ModelSpec:
     return resolve(declare_mtp(spec, layers))
 
 
-def _fmt(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
-def _dim_differences(quant: Mapping[str, Any], src: Mapping[str, Any], moe: bool) -> list[str]:
-    core = _CORE_KEYS + (_MOE_KEYS if moe else _DENSE_KEYS)
-    diffs = [f"{k} {_fmt(quant.get(k))} vs {_fmt(src.get(k))}" for k in core if quant.get(k) != src.get(k)]
-    diffs += [
-        f"{k} {_fmt(quant[k])} vs {_fmt(src[k])}" for k in _EXTRA_KEYS if k in quant and k in src and quant[k] != src[k]
-    ]
-    return diffs
-
-
 def _is_quantized_module(tensors: Mapping[str, Any], weight_name: str) -> bool:
     stem = weight_name[: -len(".weight")] if weight_name.endswith(".weight") else weight_name
     return any(stem + s in tensors for s in _QUANT_SUFFIXES)
@@ -136,7 +100,7 @@ def check_lineage(quant: Checkpoint, src: Checkpoint, *, weight_check: bool = Tr
             f"lineage mismatch: QUANT is {qs.family.display} ({qs.architecture}), SRC is "
             f"{ss.family.display} ({ss.architecture})"
         )
-    diffs = _dim_differences(qs.text, ss.text, qs.family.moe)
+    diffs = dimension_differences(qs.text, ss.text, qs.family.moe)
     src_mtp = {e.name: e for e in src.mtp_tensors()}
     if not src_mtp:
         from mtpquant.errors import MtpModeError

@@ -1,15 +1,16 @@
 """Drafting with the MTP layer as the engines do: teacher-forced rows, chained greedy drafts.
 
 ``draft_chain`` is the engines' loop for one step (the accepted rows, then the layer's own output and
-argmax fed back k - 1 times). ``draft_rows`` computes that chain from every row of one sequence at once, batched
+argmax fed back k - 1 times). ``chain_logits`` computes that chain from every row of one sequence at once, batched
 over rows: each row's queries see the teacher-forced cache up to their own row plus their own chain (an explicit
 mask), so the tokens are those of ``draft_chain`` from that row (tests/test_mtp_module.py) while the layer runs
-k passes instead of k per row.
+k passes instead of k per row; fed the sequence's own tokens instead of its argmax, it is the chain of sampled
+drafts that were accepted. ``draft_rows`` is its argmax.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,7 @@ from mtpquant.mtp.module import KVCache, MtpLayer
 __all__ = [
     "DraftResult",
     "TeacherForcedResult",
+    "chain_logits",
     "draft_chain",
     "draft_rows",
     "mtp_logits",
@@ -107,6 +109,59 @@ def draft_chain(
     return DraftResult(torch.cat(tokens, 1), torch.cat(logits, 1), torch.cat(outs, 1), cache)
 
 
+def chain_logits(
+    layer: MtpLayer,
+    teacher: tuple[Tensor, KVCache],
+    rows: range,
+    embed_fn: Callable[[Tensor], Tensor],
+    lm_head_weight: Tensor,
+    k: int,
+    *,
+    feed: Tensor | None = None,
+    chunk: int = 64,
+) -> Iterator[tuple[Tensor, Tensor]]:
+    """The MTP chain of k steps from each of ``rows`` of one sequence, ``chunk`` rows at a time: yields the rows ``t``
+    ``[R]`` and the logits of every step ``[R, k, V]``.
+
+    ``teacher`` is the layer's teacher-forced pass over the sequence (``layer(hidden, embed(x))`` with batch 1): its
+    output at row t is step 1 of row t's chain and its cache up to row t what the chain attends to. Step j + 1 runs
+    on step j's own output, at position t + j, masked to row t's prefix and its own chain, with the token step j
+    drafted: its argmax (``feed`` None: the engines' greedy chain, ``draft_chain``), or the sequence's own token
+    ``feed[t + 1 + j]`` (a chain fed the tokens that were actually emitted, what an accepted sampled draft was;
+    where the sequence has ended, the argmax).
+    """
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    out, cache = teacher
+    if out.shape[0] != 1:
+        raise ValueError(f"the teacher-forced pass must have batch 1, got {tuple(out.shape)}")
+    with torch.no_grad():
+        for start in range(rows.start, rows.stop, chunk):
+            t = torch.arange(start, min(start + chunk, rows.stop), device=out.device)
+            h = out[0, t][:, None]  # [R, 1, H]
+            step_logits = mtp_logits(h, lm_head_weight)  # [R, 1, V]
+            logits = [step_logits]
+            prefix = torch.arange(cache.length, device=out.device)[None, :] <= t[:, None]  # [R, L]
+            keys = [cache.key.expand(len(t), -1, -1, -1)]
+            values = [cache.value.expand(len(t), -1, -1, -1)]
+            for step in range(1, k):
+                token = step_logits.argmax(dim=-1)  # [R, 1]
+                if feed is not None:
+                    pos = t + step + 1  # the sequence's token at this draft's input position
+                    inside = pos < feed.shape[0]
+                    fed = feed.to(out.device)[pos.clamp_max(feed.shape[0] - 1)][:, None]
+                    token = torch.where(inside[:, None], fed, token)
+                past = KVCache(torch.cat(keys, dim=2), torch.cat(values, dim=2))
+                own = torch.ones(len(t), step, dtype=torch.bool, device=out.device)  # earlier chain rows + itself
+                mask = torch.cat((prefix, own), dim=1)[:, None, None, :]
+                h, new = layer(h, embed_fn(token), (t + step)[:, None], past, attn_mask=mask)
+                keys.append(new.key[:, :, -1:])
+                values.append(new.value[:, :, -1:])
+                step_logits = mtp_logits(h, lm_head_weight)
+                logits.append(step_logits)
+            yield t, torch.cat(logits, dim=1)
+
+
 def draft_rows(
     layer: MtpLayer,
     teacher: tuple[Tensor, KVCache],
@@ -117,36 +172,10 @@ def draft_rows(
     *,
     chunk: int = 64,
 ) -> Tensor:
-    """The k greedy drafts ``draft_chain`` makes from each of ``rows`` of one sequence, ``[len(rows), k]``.
-
-    ``teacher`` is the layer's teacher-forced pass over the sequence (``layer(hidden, embed(x))`` with batch 1):
-    its output at row t is step 1 of row t's chain and its cache up to row t what the chain attends to. Steps
-    2..k run for ``chunk`` rows at a time, each row at its own position (t + step - 1) and masked to its own
-    prefix and chain.
-    """
-    if k < 1:
-        raise ValueError(f"k must be >= 1, got {k}")
-    out, cache = teacher
-    if out.shape[0] != 1:
-        raise ValueError(f"the teacher-forced pass must have batch 1, got {tuple(out.shape)}")
-    drafts: list[Tensor] = []
-    with torch.no_grad():
-        for start in range(rows.start, rows.stop, chunk):
-            t = torch.arange(start, min(start + chunk, rows.stop), device=out.device)
-            h = out[0, t][:, None]  # [R, 1, H]
-            token = mtp_logits(h, lm_head_weight).argmax(dim=-1)  # [R, 1]
-            steps = [token]
-            prefix = torch.arange(cache.length, device=out.device)[None, :] <= t[:, None]  # [R, L]
-            keys = [cache.key.expand(len(t), -1, -1, -1)]
-            values = [cache.value.expand(len(t), -1, -1, -1)]
-            for step in range(1, k):
-                past = KVCache(torch.cat(keys, dim=2), torch.cat(values, dim=2))
-                own = torch.ones(len(t), step, dtype=torch.bool, device=out.device)  # earlier chain rows + itself
-                mask = torch.cat((prefix, own), dim=1)[:, None, None, :]
-                h, new = layer(h, embed_fn(token), (t + step)[:, None], past, attn_mask=mask)
-                keys.append(new.key[:, :, -1:])
-                values.append(new.value[:, :, -1:])
-                token = mtp_logits(h, lm_head_weight).argmax(dim=-1)
-                steps.append(token)
-            drafts.append(torch.cat(steps, dim=1))
+    """The k greedy drafts ``draft_chain`` makes from each of ``rows`` of one sequence, ``[len(rows), k]``: the argmax
+    of every step of ``chain_logits`` (k layer passes for all rows instead of k per row)."""
+    drafts = [
+        logits.argmax(dim=-1)
+        for _, logits in chain_logits(layer, teacher, rows, embed_fn, lm_head_weight, k, chunk=chunk)
+    ]
     return torch.cat(drafts).cpu() if drafts else torch.zeros(0, k, dtype=torch.long)

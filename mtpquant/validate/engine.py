@@ -1,14 +1,16 @@
 """``validate`` through the engine users deploy: a running vLLM server (``--server``), or one started here
 (``--engine vllm``), measured by its own speculative-decoding counters.
 
-The prompts and lengths are the built-in path's (the default held-out prompts, or ``--prompts``; tokenized with
-the checkpoint's ``tokenizer.json``, or by the server's ``/tokenize`` when only a URL is given; the first
-``min(len, max_len / 2)`` tokens, then ``max_len`` minus that many generated greedily with ``ignore_eos``).
-Greedy only. The counters are read before and after and subtracted (``mtpquant.validate.measure``); they are
-server-wide, so traffic from other clients meanwhile is counted in and reported. With ``--engine vllm`` one
-server is started per k (vLLM's ``num_speculative_tokens`` is fixed per server) on 127.0.0.1, its log written
-into the report directory, and stopped afterwards (also on Ctrl-C or an error). ``--compare-reference`` also
-runs the built-in prediction on the same prompts and reports both, with the difference per k.
+The prompts, lengths and sampling are the built-in path's (the default held-out prompts, or ``--prompts``;
+tokenized with the checkpoint's ``tokenizer.json``, or by the server's ``/tokenize`` when only a URL is given; the
+first ``min(len, max_len / 2)`` tokens, then ``max_len`` minus that many generated with ``ignore_eos``, at every
+``--temperature`` with ``--top-p`` / ``--top-k`` and prompt i's seed ``--seed + i``). The counters are read around
+each group of requests and subtracted (``mtpquant.validate.measure``); they are server-wide, so traffic from other
+clients meanwhile is counted in and reported. With ``--engine vllm`` one server is started per k (vLLM's
+``num_speculative_tokens`` is fixed per server, and so is its verification rule: ``--rule probabilistic`` adds
+``draft_sample_method: probabilistic``) on 127.0.0.1 and measures every temperature; its log is written into the
+report directory and it is stopped afterwards (also on Ctrl-C or an error). ``--compare-reference`` also runs the
+built-in prediction on the same prompts and settings and reports both, per setting and k, per position too.
 """
 
 from __future__ import annotations
@@ -25,14 +27,18 @@ from typing import Any
 from mtpquant import __version__
 from mtpquant.engine.client import EngineClient, ServerInfo
 from mtpquant.engine.launch import VllmServer, free_port, server_args
+from mtpquant.engine.sampling import rule
 from mtpquant.errors import EngineAnswerError
+from mtpquant.validate.evidence import Bootstrap
 from mtpquant.validate.measure import EngineMeasurement, measure
 from mtpquant.validate.options import ValidateError, ValidateOptions
-from mtpquant.validate.prompts import default_prompts, load_prompts, prompt_length, tokenize_prompts
+from mtpquant.validate.preflight import check_context_buckets, check_same_model, preflight
+from mtpquant.validate.prompts import PlannedSequence, plan_sequences, prompts_for, tokenize_prompts
 from mtpquant.validate.schema import (
     Acceptance,
     AcceptanceRow,
     Comparison,
+    ContextBucket,
     EngineInfo,
     MtpInfo,
     Report,
@@ -41,33 +47,24 @@ from mtpquant.validate.schema import (
     ValidationReport,
 )
 
-__all__ = ["SAMPLING", "validate_engine"]
+__all__ = ["validate_engine"]
 
 log = logging.getLogger(__name__)
 
-SAMPLING = {"temperature": 0, "ignore_eos": True, "seed": 0}
-GREEDY_NOTE = (
-    "Greedy only (temperature 0, ignore_eos): the same prompts and lengths as the built-in path. The engine's "
-    "speculative-decoding counters are server-wide: numbers are the difference of two snapshots."
+ENGINE_NOTE = (
+    "The same prompts, lengths and sampling settings as the built-in path (ignore_eos). The engine's "
+    "speculative-decoding counters are server-wide: numbers are differences of snapshots."
 )
 
 
 @dataclasses.dataclass(frozen=True)
 class _Measured:
-    """One side measured at one k: the engine's numbers and the server that gave them."""
+    """One side measured at one k, at every sampling setting: the engine's numbers and the server that gave them."""
 
     label: str
     checkpoint: str
     engine: EngineInfo
-    measurement: EngineMeasurement
-
-
-def _prompts(opts: ValidateOptions) -> tuple[list[str], str]:
-    if opts.prompts_file is not None:
-        return load_prompts(opts.prompts_file, opts.num_prompts), str(opts.prompts_file)
-    return default_prompts(
-        opts.num_prompts
-    ), "default: held-out pydoc topics and stdlib source (mtpquant.validate.prompts)"
+    measurements: tuple[EngineMeasurement, ...]
 
 
 def _token_prompts(
@@ -83,56 +80,74 @@ def _token_prompts(
     return [row for row in ids if len(row) >= 2]
 
 
-def _lengths(ids: Sequence[Sequence[int]], max_len: int) -> tuple[list[list[int]], list[int]]:
-    prompts, new = [], []
-    for row in ids:
-        p = prompt_length(len(row), max_len)
-        prompts.append(list(row[:p]))
-        new.append(max_len - p)
-    return prompts, new
+def _groups(plan: Sequence[PlannedSequence], concurrency: int) -> list[list[int]]:
+    """The requests sent together: consecutive prompts of one context bucket, ``concurrency`` at a time (so each
+    group's counters belong to one bucket)."""
+    by_bucket: dict[int | None, list[int]] = {}
+    for i, s in enumerate(plan):
+        by_bucket.setdefault(s.bucket, []).append(i)
+    return [g[j : j + concurrency] for g in by_bucket.values() for j in range(0, len(g), concurrency)]
 
 
 def _engine_info(
+    opts: ValidateOptions,
     client: EngineClient,
     info: ServerInfo,
     model: str,
-    m: EngineMeasurement,
+    measurements: Sequence[EngineMeasurement],
     args: Sequence[str],
     requested_k: int | None,
 ) -> EngineInfo:
-    k = m.k or requested_k or 0
+    k = measurements[0].k or requested_k or 0
     return EngineInfo(
         name="vllm",
         version=info.version,
         url=client.url,
         model=model,
         k=k,
-        k_source="server" if m.k else "--k",
-        sampling=dict(SAMPLING),
+        k_source="server" if measurements[0].k else "--k",
+        sampling={
+            "settings": [m.sampling.to_json() for m in measurements],
+            "rule": opts.rule,
+            "ignore_eos": True,
+            "concurrency": opts.concurrency,
+        },
         server_args=tuple(args),
-        other_requests=m.other_requests,
+        other_requests=sum(m.other_requests for m in measurements),
     )
 
 
+def _measure_all(
+    opts: ValidateOptions, client: EngineClient, model: str, plan: Sequence[PlannedSequence]
+) -> list[EngineMeasurement]:
+    prompts, new = [list(s.prompt) for s in plan], [s.new_tokens for s in plan]
+    groups = _groups(plan, opts.concurrency)
+    return [
+        measure(client, model, prompts, new, s, concurrency=opts.concurrency, groups=groups)
+        for s in opts.sampling_settings
+    ]
+
+
 def _running(
-    opts: ValidateOptions, url: str, label: str, texts: Sequence[str], ids: list[list[int]] | None
-) -> tuple[_Measured, list[list[int]]]:
-    """Measure a server someone else runs."""
+    opts: ValidateOptions, url: str, label: str, texts: Sequence[str], plan: list[PlannedSequence] | None
+) -> tuple[_Measured, list[PlannedSequence]]:
+    """Measure a server someone else runs, at every sampling setting."""
     client = EngineClient(url, generate_timeout=opts.request_timeout)
     info = client.info()
     model = client.resolve_model(info, opts.served_model)
-    if ids is None:
-        ids = _token_prompts(opts, texts, client, model)
-    prompts, new = _lengths(ids, opts.max_len)
-    m = measure(client, model, prompts, new)
-    requested = max(opts.k_values) if m.k == 0 else None
-    return _Measured(label, model, _engine_info(client, info, model, m, (), requested), m), ids
+    if plan is None:
+        plan = plan_sequences(_token_prompts(opts, texts, client, model), opts.max_len, opts.context_buckets)
+    ms = _measure_all(opts, client, model, plan) if plan else []
+    if not ms:
+        raise ValidateError("no prompt is long enough to measure")
+    requested = max(opts.k_values) if ms[0].k == 0 else None
+    return _Measured(label, model, _engine_info(opts, client, info, model, ms, (), requested), tuple(ms)), plan
 
 
 def _started(
-    opts: ValidateOptions, checkpoint: str, label: str, k: int, ids: list[list[int]], logs: Path, cpu: bool
+    opts: ValidateOptions, checkpoint: str, label: str, k: int, plan: list[PlannedSequence], logs: Path, cpu: bool
 ) -> _Measured:
-    """Start a vLLM server for ``checkpoint`` with ``k`` MTP drafts, measure it, stop it."""
+    """Start a vLLM server for ``checkpoint`` with ``k`` MTP drafts and the rule, measure every setting, stop it."""
     from mtpquant.checkpoint.table import Checkpoint
 
     assert opts.vllm_python is not None
@@ -143,10 +158,11 @@ def _started(
         port,
         k=k,
         tensor_parallel_size=opts.tensor_parallel_size,
-        max_model_len=max(512, 2 * opts.max_len),
+        max_model_len=max(512, 2 * opts.max_len, max((len(s.prompt) + s.new_tokens for s in plan), default=0) + 8),
         text_only=spec.family.has_vision,
         cpu=cpu,
         extra=opts.engine_args,
+        speculative=rule(opts.rule).vllm_config,
     )
     log_path = logs / f"vllm-{label}-k{k}.log"
     with VllmServer(
@@ -155,28 +171,74 @@ def _started(
         client = EngineClient(server.url, generate_timeout=opts.request_timeout)
         info = client.info()
         model = client.resolve_model(info, opts.served_model or checkpoint)
-        prompts, new = _lengths(ids, opts.max_len)
-        m = measure(client, model, prompts, new)
-        if m.k != k:
-            raise EngineAnswerError(f"{server.url}: drafted {m.k} tokens per step, started with {k} (log: {log_path})")
-        return _Measured(label, checkpoint, _engine_info(client, info, model, m, args, k), m)
+        ms = _measure_all(opts, client, model, plan)
+        if ms[0].k != k:
+            raise EngineAnswerError(
+                f"{server.url}: drafted {ms[0].k} tokens per step, started with {k} (log: {log_path})"
+            )
+        return _Measured(label, checkpoint, _engine_info(opts, client, info, model, ms, args, k), tuple(ms))
 
 
-def _side(label_checkpoint: str, family: str, measured: Sequence[_Measured], ids: Sequence[Sequence[int]]) -> Side:
-    rows = tuple(AcceptanceRow.of(x.engine.k, x.measurement.stats) for x in sorted(measured, key=lambda x: x.engine.k))
+def _by_context(m: EngineMeasurement, plan: Sequence[PlannedSequence], edges: Sequence[int], k: int) -> tuple[
+    ContextBucket, ...
+]:  # fmt: skip
+    """Per context bucket: the sum of the groups that filled it (groups never mix buckets: ``_groups``)."""
+    buckets = [plan[g[0]].bucket for g in m.groups]
+    out = []
+    for b, (low, high) in enumerate(zip((0, *edges[:-1]), edges)):
+        mine = [i for i, gb in enumerate(buckets) if gb == b]
+        u = m.units
+        out.append(
+            ContextBucket(
+                low,
+                high,
+                round(sum(u.steps[i] for i in mine)),
+                sum(u.accepted[i] for i in mine),
+                tuple(round(sum(u.drafted_per_position[i][j] for i in mine)) for j in range(k)),
+                tuple(sum(u.accepted_per_position[i][j] for i in mine) for j in range(k)),
+            )
+        )
+    return tuple(out)
+
+
+def _acceptance(
+    opts: ValidateOptions, measured: Sequence[_Measured], index: int, plan: Sequence[PlannedSequence]
+) -> Acceptance:
+    """The acceptance at sampling setting ``index`` over the servers of one side (one per k); per context bucket
+    when the prompts were planned into buckets."""
+    rows = []
+    for x in sorted(measured, key=lambda x: x.engine.k):
+        m = x.measurements[index]
+        interval = Bootstrap(m.units.units, level=opts.confidence).al(m.units)
+        context = _by_context(m, plan, opts.context_buckets, x.engine.k) if opts.context_buckets else ()
+        rows.append(AcceptanceRow.of(x.engine.k, m.stats, m.units, interval, context))
+    first = measured[0].measurements[index]
+    return Acceptance(tuple(rows), None, first.sampling, measured[0].engine.sampling.get("rule", "vllm"))
+
+
+def _side(
+    opts: ValidateOptions,
+    label_checkpoint: str,
+    family: str,
+    measured: Sequence[_Measured],
+    plan: Sequence[PlannedSequence],
+) -> Side:
     first = measured[0]
-    generated = sum(len(c.tokens) for c in first.measurement.completions)
-    prompt_tokens = sum(len(c.prompt) for c in first.measurement.completions)
+    completions = first.measurements[0].completions
+    generated = sum(len(c.tokens) for c in completions)
+    prompt_tokens = sum(len(c.prompt) for c in completions)
+    by_sampling = tuple(_acceptance(opts, measured, i, plan) for i in range(len(first.measurements)))
     return Side(
         checkpoint=label_checkpoint,
         family=family,
         precision={},
         target_source=f"engine vllm {first.engine.version} at {first.engine.url}",
-        sequences=len(ids),
+        sequences=len(plan),
         tokens=prompt_tokens + generated,
         generated_tokens=generated,
         mtp=MtpInfo(present=True),
-        acceptance=Acceptance(rows, None),
+        acceptance=by_sampling[0],
+        acceptance_by_sampling=by_sampling,
     )
 
 
@@ -200,7 +262,8 @@ def _device_is_cpu(opts: ValidateOptions) -> bool:
 
 
 def _compare(opts: ValidateOptions, report: Report) -> tuple[dict[str, Any], list[str]]:
-    """The built-in prediction on the same prompts, beside what the engine measured, per side and k."""
+    """The built-in prediction on the same prompts and settings, beside what the engine measured, per side, setting
+    and k (AL and per-position acceptance)."""
     from mtpquant.validate.builtin import validate_builtin
 
     builtin = validate_builtin(
@@ -208,34 +271,48 @@ def _compare(opts: ValidateOptions, report: Report) -> tuple[dict[str, Any], lis
             opts, engine=None, server=None, candidate_server=None, compare_reference=False, report_dir=None
         )
     ).report
-    out: dict[str, Any] = {"method": "built-in replay (transformers, dequantized weights) on the same prompts"}
+    out: dict[str, Any] = {
+        "method": f"built-in prediction (transformers, dequantized weights, rule {opts.rule}) on the same prompts"
+    }
     notes = []
     for label, engine_side, predicted_side in (
         ("reference", report.reference, builtin.reference),
         ("candidate", report.candidate, builtin.candidate),
     ):
-        if engine_side is None or predicted_side is None or predicted_side.acceptance is None:
+        if engine_side is None or predicted_side is None or not predicted_side.acceptance_by_sampling:
             continue
-        predicted = {r.k: r for r in predicted_side.acceptance.by_k}
-        rows = []
-        assert engine_side.acceptance is not None
-        for r in engine_side.acceptance.by_k:
-            p = predicted.get(r.k)
-            if p is None:
-                continue
-            rows.append(
-                {
-                    "k": r.k,
-                    "predicted_al": p.mean_acceptance_length,
-                    "engine_al": r.mean_acceptance_length,
-                    "difference": r.mean_acceptance_length - p.mean_acceptance_length,
-                    "predicted_acceptance_rate": p.acceptance_rate,
-                    "engine_acceptance_rate": r.acceptance_rate,
-                }
-            )
+        rows: list[dict[str, Any]] = []
+        for measured, predicted_acc in zip(engine_side.acceptance_by_sampling, predicted_side.acceptance_by_sampling):
+            predicted = {r.k: r for r in predicted_acc.by_k}
+            for r in measured.by_k:
+                p = predicted.get(r.k)
+                if p is None:
+                    continue
+                rows.append(
+                    {
+                        "sampling": measured.sampling.to_json(),
+                        "label": measured.sampling.label,
+                        "k": r.k,
+                        "predicted_al": p.mean_acceptance_length,
+                        "engine_al": r.mean_acceptance_length,
+                        "difference": r.mean_acceptance_length - p.mean_acceptance_length,
+                        "predicted_acceptance_rate": p.acceptance_rate,
+                        "engine_acceptance_rate": r.acceptance_rate,
+                        "predicted_per_position": list(p.acceptance_per_position),
+                        "engine_per_position": list(r.acceptance_per_position),
+                        "engine_steps": r.num_steps,
+                    }
+                )
         out[label] = rows
         worst = max((abs(x["difference"]) for x in rows), default=0.0)
-        notes.append(f"{label}: the engine's AL differs from the built-in prediction by at most {worst:.3f}")
+        worst_pos = max(
+            (abs(a - b) for x in rows for a, b in zip(x["engine_per_position"], x["predicted_per_position"])),
+            default=0.0,
+        )
+        notes.append(
+            f"{label}: the engine's AL differs from the built-in prediction by at most {worst:.3f}, its per-position "
+            f"acceptance by at most {worst_pos:.3f}"
+        )
     return out, notes
 
 
@@ -243,23 +320,32 @@ def validate_engine(opts: ValidateOptions) -> ValidationReport:
     """The engine path of ``validate`` (see the module docstring); writes the report directory when given."""
     from mtpquant.validate.verdict import verdict
 
-    opts.check()
+    preflight(opts)
+    if opts.engine is not None and opts.reference is not None:
+        from mtpquant.checkpoint.table import Checkpoint
+
+        ref_ckpt = Checkpoint.open(opts.reference)
+        check_context_buckets(ref_ckpt, opts.context_buckets)
+        if opts.candidate is not None:
+            check_same_model(ref_ckpt, Checkpoint.open(opts.candidate))
     t_start = time.perf_counter()
-    texts, prompts_desc = _prompts(opts)
-    notes = [GREEDY_NOTE]
+    texts, prompts_desc = prompts_for(opts.prompts_file, opts.num_prompts, opts.prompt_chars)
+    notes = [ENGINE_NOTE]
     measured: dict[str, list[_Measured]] = {"reference": [], "candidate": []}
     checkpoints: dict[str, str] = {}
-    ids: list[list[int]] | None = None
+    plan: list[PlannedSequence] | None = None
     if opts.server is not None:
         for label, url in (("reference", opts.server), ("candidate", opts.candidate_server)):
             if url is None:
                 continue
-            m, ids = _running(opts, url, label, texts, ids)
+            m, plan = _running(opts, url, label, texts, plan)
             measured[label].append(m)
             checkpoints[label] = str(opts.reference if label == "reference" and opts.reference else m.checkpoint)
     else:
         assert opts.reference is not None
-        ids = _token_prompts(opts, texts, None, None)
+        plan = plan_sequences(_token_prompts(opts, texts, None, None), opts.max_len, opts.context_buckets)
+        if not plan:
+            raise ValidateError("no prompt is long enough to measure")
         logs = Path(opts.report_dir) if opts.report_dir is not None else Path(tempfile.mkdtemp(prefix="mtpquant-vllm-"))
         cpu = _device_is_cpu(opts)
         for label, ckpt in (("reference", opts.reference), ("candidate", opts.candidate)):
@@ -267,20 +353,24 @@ def validate_engine(opts: ValidateOptions) -> ValidationReport:
                 continue
             checkpoints[label] = str(ckpt)
             for k in opts.k_values:
-                measured[label].append(_started(opts, str(ckpt), label, k, ids, logs, cpu))
-    if not ids:
-        raise ValidateError("no prompt has at least 2 tokens")
+                measured[label].append(_started(opts, str(ckpt), label, k, plan, logs, cpu))
+    assert plan is not None
     for m in (x for side in measured.values() for x in side):
         if m.engine.other_requests:
             notes.append(
                 f"{m.engine.other_requests} other request(s) finished on {m.engine.url} during the measurement "
                 f"(k={m.engine.k}); the counters include them"
             )
-    reference = _side(checkpoints["reference"], _family(opts.reference), measured["reference"], ids)
+    reference = _side(opts, checkpoints["reference"], _family(opts.reference), measured["reference"], plan)
     candidate = None
     comparison = None
+    extra: list[tuple[str, Acceptance, Acceptance, Acceptance | None]] = []
     if measured["candidate"]:
-        candidate = _side(checkpoints["candidate"], _family(opts.candidate), measured["candidate"], ids)
+        candidate = _side(opts, checkpoints["candidate"], _family(opts.candidate), measured["candidate"], plan)
+        extra = [
+            (r.sampling.label, r, c, None)
+            for r, c in list(zip(reference.acceptance_by_sampling, candidate.acceptance_by_sampling))[1:]
+        ]
         assert reference.acceptance is not None and candidate.acceptance is not None
         ref_al = {r.k: r.mean_acceptance_length for r in reference.acceptance.by_k}
         comparison = Comparison(
@@ -295,7 +385,7 @@ def validate_engine(opts: ValidateOptions) -> ValidationReport:
         mode="pair" if candidate is not None else "single",
         settings=Settings(
             k=max(ks),
-            num_prompts=len(ids),
+            num_prompts=len(plan),
             max_len=opts.max_len,
             prompts=prompts_desc,
             device="engine",
@@ -304,9 +394,13 @@ def validate_engine(opts: ValidateOptions) -> ValidationReport:
             hidden_file=None,
             warn_al_drop=opts.warn_al_drop,
             broken_al=opts.broken_al,
+            min_main_agreement=opts.min_main_agreement,
+            confidence=opts.confidence,
+            sampling=opts.sampling_settings,
+            rule=opts.rule,
         ),
         reference=reference,
-        verdict=verdict(opts, reference, candidate),
+        verdict=verdict(opts, reference, candidate, comparison, extra=extra),
         candidate=candidate,
         comparison=comparison,
         notes=tuple(notes),

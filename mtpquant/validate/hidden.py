@@ -2,7 +2,8 @@
 
 A safetensors file (``format: mtpquant.hidden/1`` in its metadata): ``ref.tokens.NNNNN`` (int64 ``[T]``),
 ``ref.hidden.NNNNN`` (``[T, H]``, post-final-norm), and in pair mode ``cand.*`` plus ``cand.hidden_on_ref.*``;
-metadata ``groups`` (source and prompt lengths per group) and ``meta`` (prompts, max_len, dtype, device).
+runs sampled at further settings are groups ``ref@1``, ``cand@1``, ...; metadata ``groups`` (per group: side,
+source, prompt lengths, sampling settings) and ``meta`` (prompts, max_len, dtype, device).
 Written through the writer's atomic path (temp file, fsync, rename, directory fsync).
 """
 
@@ -10,10 +11,12 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from mtpquant.checkpoint.writer import atomic_write_safetensors
+from mtpquant.engine.sampling import SamplingSettings
 from mtpquant.errors import UsageError
 from mtpquant.validate.replay import SequenceRecord, TargetRun
 
@@ -28,14 +31,25 @@ class HiddenFileError(UsageError):
     """A file given as --hidden is not a hidden-state file (or does not fit the checkpoint)."""
 
 
-def save_hidden(path: Path, runs: dict[str, TargetRun], meta: dict[str, Any]) -> None:
-    """Write target runs (``ref``, optionally ``cand``) to a safetensors file, atomically."""
+def save_hidden(path: Path, runs: Sequence[tuple[str, TargetRun]], meta: dict[str, Any]) -> None:
+    """Write target runs (side ``ref`` or ``cand``, run; one of each per sampling setting) to a safetensors file,
+    atomically."""
     from mtpquant.checkpoint.dtypes import planned
 
     tensors = []
     info: dict[str, Any] = {}
-    for group, run in runs.items():
-        info[group] = {"source": run.source, "prompt_lens": [s.prompt_len for s in run.sequences]}
+    settings: list[SamplingSettings] = []
+    for side, run in runs:
+        if run.sampling not in settings:
+            settings.append(run.sampling)
+        index = settings.index(run.sampling)
+        group = side + (f"@{index}" if index else "")
+        info[group] = {
+            "side": side,
+            "source": run.source,
+            "prompt_lens": [s.prompt_len for s in run.sequences],
+            "sampling": run.sampling.to_json(),
+        }
         for i, s in enumerate(run.sequences):
             tensors.append(planned(f"{group}.tokens.{i:05d}", s.tokens.contiguous()))
             tensors.append(planned(f"{group}.hidden.{i:05d}", s.hidden.contiguous()))
@@ -43,11 +57,12 @@ def save_hidden(path: Path, runs: dict[str, TargetRun], meta: dict[str, Any]) ->
             tensors.append(planned(f"{group}.hidden_on_ref.{i:05d}", h.contiguous()))
     metadata = {"format": HIDDEN_FORMAT, "groups": json.dumps(info), "meta": json.dumps(meta)}
     atomic_write_safetensors(Path(path), tensors, metadata)
-    log.info("saved hidden states of %s to %s", ", ".join(runs), path)
+    log.info("saved hidden states of %s to %s", ", ".join(info), path)
 
 
 def load_hidden(path: Path) -> tuple[dict[str, TargetRun], dict[str, Any]]:
-    """Read a file written by :func:`save_hidden`: runs by group and the capture metadata."""
+    """Read a file written by :func:`save_hidden`: runs by group (``ref``, ``cand``, ``ref@1``, ...; each run knows
+    its sampling settings) and the capture metadata."""
     from safetensors import safe_open
 
     with safe_open(str(path), framework="pt") as fh:
@@ -67,5 +82,6 @@ def load_hidden(path: Path) -> tuple[dict[str, TargetRun], dict[str, Any]]:
             on_ref = None
             if f"{group}.hidden_on_ref.00000" in keys:
                 on_ref = [fh.get_tensor(f"{group}.hidden_on_ref.{i:05d}") for i in range(len(seqs))]
-            runs[group] = TargetRun(str(g["source"]), seqs, on_ref)
+            sampling = SamplingSettings.from_json(g.get("sampling") or {})
+            runs[group] = TargetRun(str(g["source"]), seqs, on_ref, sampling)
     return runs, json.loads(md.get("meta", "{}"))

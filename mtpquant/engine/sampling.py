@@ -1,0 +1,129 @@
+"""How tokens are sampled and drafts verified: the settings every engine path and the built-in prediction share.
+
+``SamplingSettings`` is what a request carries (temperature, top-p, top-k, seed); each engine client turns it
+into its own request fields (``vllm_fields``). ``SpecRule`` is how the server verifies drafts, which is server
+configuration, not a request field. The three rules, as vLLM 0.32.0 implements the first two
+(``vllm/config/speculative.py``: ``rejection_sample_method = "standard"``, ``draft_sample_method = "greedy"`` by
+default; ``vllm/v1/sample/rejection_sampler.py``: ``rejection_random_sample_kernel``,
+``sample_recovered_tokens_kernel``; ``vllm/v1/spec_decode/llm_base_proposer.py``:
+``compute_probs_and_sample_next_token``):
+
+- ``vllm`` (vLLM's default): the MTP proposes its argmax; the draft is accepted with probability p(d), p the
+  target's distribution after temperature, top-k and top-p; otherwise a token is sampled from p with d removed.
+- ``probabilistic`` (``draft_sample_method: probabilistic``): the MTP samples its draft from q = softmax(logits /
+  temperature) (vLLM applies only the temperature to the draft); accepted with probability min(1, p(d) / q(d)),
+  so sum(min(p, q)) on average; otherwise a token is sampled from max(p - q, 0).
+- ``strict`` (exact match, as local runtimes verify; vLLM 0.32 has no such mode): the draft is sampled from q as
+  above and kept only when it equals the token the target samples from p: sum(p * q) on average. (With an argmax
+  draft, exact match accepts with p(d) and emits exactly what ``vllm`` emits.)
+
+A temperature below 1e-5 is greedy for every rule (vLLM's ``_SAMPLING_EPS``): the draft is accepted when it equals
+the target's argmax.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["GREEDY_EPS", "RULES", "SamplingSettings", "SpecRule", "rule"]
+
+GREEDY_EPS = 1e-5  # vLLM's _SAMPLING_EPS: a temperature below it samples greedily
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """One request's sampling: temperature (0: greedy), top-p (1: off), top-k (0: off), the request's seed."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top-p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top-k must be >= 0 (0: off), got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        """Whether the request samples greedily (temperature below ``GREEDY_EPS``)."""
+        return self.temperature < GREEDY_EPS
+
+    @property
+    def label(self) -> str:
+        """``T=0.8, top-p 0.9, top-k 20`` (the settings that are on)."""
+        parts = [f"T={self.temperature:g}"]
+        if not self.greedy:
+            if self.top_p < 1:
+                parts.append(f"top-p {self.top_p:g}")
+            if self.top_k:
+                parts.append(f"top-k {self.top_k}")
+        return ", ".join(parts)
+
+    def for_prompt(self, index: int) -> SamplingSettings:
+        """The settings of the ``index``-th prompt: its own seed (``seed + index``), so every prompt's draws are
+        reproducible whatever else is in flight."""
+        return SamplingSettings(self.temperature, self.top_p, self.top_k, self.seed + index)
+
+    def vllm_fields(self) -> dict[str, Any]:
+        """The OpenAI-completions request fields vLLM reads (``top_k: 0`` is vLLM's "off")."""
+        fields: dict[str, Any] = {"temperature": self.temperature, "seed": self.seed}
+        if not self.greedy:
+            fields["top_p"] = self.top_p
+            fields["top_k"] = self.top_k
+        return fields
+
+    def to_json(self) -> dict[str, Any]:
+        """``{"temperature", "top_p", "top_k", "seed"}``."""
+        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> SamplingSettings:
+        """Read ``to_json``'s object (missing keys: the defaults)."""
+        return cls(
+            float(d.get("temperature", 0.0)), float(d.get("top_p", 1.0)), int(d.get("top_k", 0)), int(d.get("seed", 0))
+        )
+
+
+@dataclass(frozen=True)
+class SpecRule:
+    """A verification rule: its name, whether the draft is sampled, and the vLLM speculative-config keys that select
+    it (None: vLLM 0.32 does not implement it)."""
+
+    name: str
+    sampled_draft: bool
+    vllm_config: Mapping[str, str] | None
+    description: str
+
+
+RULES: dict[str, SpecRule] = {
+    r.name: r
+    for r in (
+        SpecRule(
+            "vllm",
+            False,
+            {},  # the defaults: rejection_sample_method "standard", draft_sample_method "greedy"
+            "argmax draft, accepted with probability p(draft) (vLLM's default)",
+        ),
+        SpecRule(
+            "probabilistic",
+            True,
+            {"rejection_sample_method": "standard", "draft_sample_method": "probabilistic"},
+            "draft sampled from the MTP, accepted with probability min(1, p/q)",
+        ),
+        SpecRule("strict", True, None, "draft sampled from the MTP, kept only when it equals the target's own sample"),
+    )
+}
+
+
+def rule(name: str) -> SpecRule:
+    """The rule called ``name``; ``ValueError`` naming the choices otherwise."""
+    try:
+        return RULES[name]
+    except KeyError:
+        raise ValueError(f"unknown rule {name!r}; choose one of {', '.join(RULES)}") from None
