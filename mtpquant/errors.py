@@ -27,6 +27,7 @@ __all__ = [
     "IndivisibleDimensionError",
     "LineageError",
     "MemoryPlanError",
+    "MtpConfigError",
     "MtpModeError",
     "MtpquantError",
     "OutputBusyError",
@@ -159,6 +160,10 @@ class ConfigError(MtpquantError):
     """A config is missing, unreadable or contradicts the tensors."""
 
     exit_code = ExitCode.CHECKPOINT
+
+
+class MtpConfigError(ConfigError, ValueError):
+    """The config describes an MTP the reference forward cannot compute (raised at plan time, before any load)."""
 
 
 class UnsupportedArchitectureError(MtpquantError):

@@ -40,7 +40,10 @@ from _benchlib import (
 )
 
 from mtpquant.inspect.report import inspect_checkpoint
+from mtpquant.synth.qwen4_exp_skeleton import make_qwen4_exp_skeleton
 from mtpquant.synth.skeleton import find_layout, make_skeleton
+
+QWEN4_EXP = "Qwen3.8-Flash-Next"  # --layout Qwen3.8-Flash-Next: source = BF16 release, quant = NVIDIA's MIXED_PRECISION
 
 HEADING = "## inspect on full-size skeleton checkpoints"
 TARGET = 0.001  # bytes read / checkpoint bytes
@@ -48,9 +51,13 @@ TARGET = 0.001  # bytes read / checkpoint bytes
 
 def bench_case(layout_name: str, kind: str, root: Path, runs: int, cli_runs: int) -> dict[str, Any]:
     """One skeleton: generate, inspect ``runs`` times in-process and ``cli_runs`` times as a command."""
-    layout = find_layout(layout_name, LAYOUTS)
-    path = root / f"{layout.name}-{kind}"
-    skel = make_skeleton(layout, path, quant=kind == "quant")
+    if layout_name == QWEN4_EXP:  # no weights table is public: the skeleton is built from the layout facts
+        path = root / f"{QWEN4_EXP}-{kind}"
+        skel = make_qwen4_exp_skeleton(path, "nvidia-mixed" if kind == "quant" else "source")
+    else:
+        layout = find_layout(layout_name, LAYOUTS)
+        path = root / f"{layout.name}-{kind}"
+        skel = make_skeleton(layout, path, quant=kind == "quant")
     times, counted, rchar = [], [], []
     report = None
     for _ in range(runs):
@@ -72,7 +79,7 @@ def bench_case(layout_name: str, kind: str, root: Path, runs: int, cli_runs: int
     file_bytes = skel.file_bytes
     shutil.rmtree(path)
     return {
-        "layout": layout.name,
+        "layout": skel.layout,
         "kind": kind,
         "tensors": skel.tensors,
         "shards": len(skel.shards),

@@ -14,6 +14,11 @@
 #   3. converts both again with --device cuda --max-memory cuda:0=2GiB (forcing CPU/disk offload and
 #      layer-wise calibration), and checks the two 4B outputs are the same tensors, byte for byte
 #   4. validates the tiny model's quant against its source with --device cuda
+#   5. with GPU_CHECK_VLLM_PYTHON set (a python with vLLM >= 0.32, CUDA build): the Qwen3.8-Flash-Next
+#      (qwen4_exp) serve check, scripts/qwen4_exp_serve_check.py: vLLM started with MTP on the tiny qwen4_exp and
+#      on the published quant layouts (NVIDIA's MIXED_PRECISION, its refreshed metadata before and after
+#      `graft --fix-metadata`, ...), each outcome compared with inspect's verdict (the family has no CPU path in
+#      vLLM or SGLang, so this is its only engine check); GPU_CHECK_QWEN4_EXP=DIR adds a real checkpoint
 # and prints, per step, the wall time, the peak RSS and the peak GPU memory. Record what it prints in
 # docs/BENCHMARKS.md ("CUDA check"). Set GPU_CHECK_SKIP_INSTALL=1 to use the current python as it is.
 set -euo pipefail
@@ -95,4 +100,10 @@ same = sorted(a.tensors) == sorted(b.tensors) and all(a.read_raw(e) == b.read_ra
 print(f"4B in memory vs --max-memory {sys.argv[2]}: {'bit-identical' if same else 'DIFFERENT'} ({len(a.tensors)} tensors)")
 sys.exit(0 if same else 1)
 EOF
+if [[ -n "${GPU_CHECK_VLLM_PYTHON:-}" ]]; then
+  Q4=()
+  [[ -n "${GPU_CHECK_QWEN4_EXP:-}" ]] && Q4=(--checkpoint "$GPU_CHECK_QWEN4_EXP")
+  timeout $(( 1800 * SCALE )) "$PY" scripts/qwen4_exp_serve_check.py --vllm-python "$GPU_CHECK_VLLM_PYTHON" \
+    --work "$WORK/qwen4-exp" "${Q4[@]}"
+fi
 echo "gpu check: $(( $(date +%s) - T0 )) s in all"

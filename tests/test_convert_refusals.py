@@ -47,7 +47,8 @@ def test_unsupported_architecture(tiny_copy: Factory, work: Path, capsys: pytest
     assert code == 4
     assert msg == (
         "config.json: unsupported architecture LlamaForCausalLM; supported: Qwen3NextForCausalLM, "
-        "Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5MoeForCausalLM, Qwen3_5MoeForConditionalGeneration"
+        "Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5MoeForCausalLM, "
+        "Qwen3_5MoeForConditionalGeneration, Qwen4ExpForCausalLM, Qwen4ExpForConditionalGeneration"
     )
     _nothing_written(work)
 

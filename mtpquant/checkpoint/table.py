@@ -300,9 +300,9 @@ def _check_config_matches_tensors(ckpt: Checkpoint) -> None:
                 f"{embed.name} of shape {list(embed.shape)} in {embed.shard}"
             )
     try:
-        expected = spec.expected_mtp_shapes()
+        expected = spec.expected_mtp_shapes(ckpt._mtp())
     except ConfigError:
-        if any(n.startswith("mtp.") for n in ckpt.tensors):
+        if ckpt._mtp():
             raise
         return
     for name, shape in expected.items():

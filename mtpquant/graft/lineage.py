@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.errors import GraftError, LineageError
-from mtpquant.families import ModelSpec, dimension_differences, is_mtp_name, resolve
+from mtpquant.families import ModelSpec, dimension_differences, is_mtp_name, mtp_layer_count, resolve
 
 __all__ = [
     "FLOAT_DTYPES",
@@ -31,7 +30,6 @@ log = logging.getLogger(__name__)
 # Unquantized storage dtypes: what an MTP kept "as is" must be stored in.
 FLOAT_DTYPES = frozenset({"BF16", "F16", "F32"})
 
-_MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.")
 _QUANT_SUFFIXES = (
     ".weight_scale",
     ".weight_scale_2",
@@ -52,12 +50,6 @@ class LineageReport:
     expected: dict[str, tuple[int, ...]] = field(repr=False)  # MTP names/shapes QUANT's config implies
     mtp_bytes: int = 0
     warnings: tuple[str, ...] = ()
-
-
-def mtp_layer_count(names: Any) -> int:
-    """Number of MTP decoder layers a tensor name set holds (highest ``mtp.layers.N`` + 1)."""
-    layers = [int(m.group(1)) for n in names if (m := _MTP_LAYER.match(n))]
-    return max(layers) + 1 if layers else 0
 
 
 def _spec_with_layers(spec: ModelSpec, layers: int) -> ModelSpec:
@@ -100,7 +92,7 @@ def check_lineage(quant: Checkpoint, src: Checkpoint, *, weight_check: bool = Tr
             f"lineage mismatch: QUANT is {qs.family.display} ({qs.architecture}), SRC is "
             f"{ss.family.display} ({ss.architecture})"
         )
-    diffs = dimension_differences(qs.text, ss.text, qs.family.moe)
+    diffs = dimension_differences(qs.text, ss.text, qs.family)
     src_mtp = {e.name: e for e in src.mtp_tensors()}
     if not src_mtp:
         from mtpquant.errors import MtpModeError
@@ -126,7 +118,7 @@ def check_lineage(quant: Checkpoint, src: Checkpoint, *, weight_check: bool = Tr
     if diffs:
         raise LineageError("lineage mismatch between QUANT and SRC: " + "; ".join(diffs))
 
-    expected = _spec_with_layers(qs, layers).expected_mtp_shapes()
+    expected = _spec_with_layers(qs, layers).expected_mtp_shapes(src_mtp)
     missing = sorted(set(expected) - set(src_mtp))
     extra = sorted(set(src_mtp) - set(expected))
     if extra:

@@ -9,6 +9,7 @@ described in shared/reference/qwen-mtp.md. Pure functions on names.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import re
 from collections.abc import Mapping, Sequence
@@ -16,30 +17,37 @@ from dataclasses import dataclass
 from fnmatch import translate
 from typing import Any
 
+from mtpquant.families import EngineRules, family, matches
 from mtpquant.formats.quant_config import QuantMetadata
 
 __all__ = [
+    "BLOCK_FP8_MOE_ALGOS",
     "INC_DATA_TYPES",
+    "MODELOPT_QUANT_ALGOS",
     "EngineModule",
+    "Expectation",
     "FusedShardsError",
     "auto_round_quantized",
     "ct_ignored",
     "engine_modules",
     "expand_modelopt_patterns",
+    "mixed_algo",
     "modelopt_excluded",
     "vllm_builds_quantized",
+    "vllm_expectation",
     "vllm_format_refusal",
 ]
 
-# vLLM packs these checkpoint Linears into one module; the shards must agree on precision.
-PACKED = {
-    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
-    "gate_up_proj": ("gate_proj", "up_proj"),
-    "in_proj_qkvz": ("in_proj_qkv", "in_proj_z"),
-    "in_proj_ba": ("in_proj_b", "in_proj_a"),
-}
-# Modules vLLM builds without any quantization config (router and shared-expert gate).
-ALWAYS_UNQUANTIZED = ("mlp.gate", "mlp.shared_expert_gate")
+# vLLM packs checkpoint Linears into one module (the family's EngineRules.packed); the shards must agree on
+# precision. Qwen3.5's rules are the default for callers that have no family at hand.
+_QWEN3 = family("qwen3_5").engine
+PACKED = _QWEN3.packed
+# vLLM 0.32 quantization/modelopt.py 125-160: the top-level quant_algo values ModelOpt configs accept
+# (QUANT_ALGOS), the Linear algos (LINEAR_ALGOS) and the block-FP8 MoE labels (FP8_BLOCK_SCALES: the earlier
+# label of NVIDIA's composed Qwen3.8-Flash-Next checkpoints, kept by vLLM as an alias of FP8_PB_WO).
+LINEAR_ALGOS = ("FP8", "FP8_PER_CHANNEL_PER_TOKEN", "FP8_PB_WO", "NVFP4", "W4A16_NVFP4", "MXFP8")
+MODELOPT_QUANT_ALGOS = (*LINEAR_ALGOS, "MIXED_PRECISION")
+BLOCK_FP8_MOE_ALGOS = ("FP8_PB_WO", "FP8_BLOCK_SCALES")
 # Element types vLLM 0.32's INC (AutoRound) config accepts: INCConfig.SUPPORTED_DTYPES, plus the mx_fp family.
 INC_DATA_TYPES = ("int", "fp", "mx_fp")
 _REGEX_CHARS = set(r"*+?^$()[]{}|\\")
@@ -55,7 +63,7 @@ class EngineModule:
 
     prefix: str
     members: tuple[str, ...]  # checkpoint module names (tensor name without `.weight` etc.)
-    kind: str  # "linear" | "packed" | "experts" | "unquantized"
+    kind: str  # "linear" | "packed" | "experts" | "unquantized" | "embedding"
 
 
 def expand_modelopt_patterns(patterns: Sequence[str]) -> list[str]:
@@ -69,9 +77,11 @@ def expand_modelopt_patterns(patterns: Sequence[str]) -> list[str]:
     return out
 
 
-def _packed_base(prefix: str) -> tuple[str, tuple[str, ...]] | None:
+def _packed_base(
+    prefix: str, packed: Mapping[str, tuple[str, ...]] | None = None
+) -> tuple[str, tuple[str, ...]] | None:
     base, _, last = prefix.rpartition(".")
-    shards = PACKED.get(last)
+    shards = (PACKED if packed is None else packed).get(last)
     return (base, shards) if shards else None
 
 
@@ -97,13 +107,15 @@ def _exclusions(patterns: tuple[str, ...]) -> _Exclusions:
     )
 
 
-def modelopt_excluded(prefix: str, patterns: Sequence[str]) -> bool:
+def modelopt_excluded(
+    prefix: str, patterns: Sequence[str], packed_groups: Mapping[str, tuple[str, ...]] | None = None
+) -> bool:
     """ModelOpt-format exclusion as vLLM resolves it: exact (fused-aware), substring, fnmatch."""
     if not patterns:
         return False
     rules = _exclusions(tuple(patterns))
     expanded = rules.expanded
-    packed = _packed_base(prefix)
+    packed = _packed_base(prefix, packed_groups)
     if packed is not None:
         base, shards = packed
         hits = [f"{base}.{s}" in expanded for s in shards]
@@ -133,9 +145,11 @@ def _ct_match(name: str, patterns: Sequence[str]) -> bool:
     return False
 
 
-def ct_ignored(prefix: str, patterns: Sequence[str]) -> bool:
+def ct_ignored(
+    prefix: str, patterns: Sequence[str], packed_groups: Mapping[str, tuple[str, ...]] | None = None
+) -> bool:
     """compressed-tensors ``ignore``: exact names or ``re:`` regexes only; fused shards must agree."""
-    packed = _packed_base(prefix)
+    packed = _packed_base(prefix, packed_groups)
     if packed is not None:
         base, shards = packed
         hits = [_ct_match(f"{base}.{s}", patterns) for s in shards]
@@ -145,22 +159,77 @@ def ct_ignored(prefix: str, patterns: Sequence[str]) -> bool:
     return _ct_match(prefix, patterns)
 
 
-def _mixed_quantized(prefix: str, meta: QuantMetadata) -> bool:
+@dataclass(frozen=True)
+class _LayerIndex:
+    """quantized_layers keys sorted (prefix lookups by bisection) with their position in the file (vLLM takes the
+    first match in the file's order)."""
+
+    layers: Mapping[str, Any]  # kept alive with the index: the cache is keyed by its id
+    keys: tuple[str, ...]
+    order: Mapping[str, int]
+
+    def first_below(self, prefix: str) -> str | None:
+        """The first key (in file order) that starts with ``prefix``."""
+        i = bisect.bisect_left(self.keys, prefix)
+        found: list[str] = []
+        while i < len(self.keys) and self.keys[i].startswith(prefix):
+            found.append(self.keys[i])
+            i += 1
+        return min(found, key=self.order.__getitem__) if found else None
+
+
+_LAYER_INDEXES: dict[int, _LayerIndex] = {}
+
+
+def _layer_index(layers: Mapping[str, Any]) -> _LayerIndex:
+    index = _LAYER_INDEXES.get(id(layers))
+    if index is None or index.layers is not layers or len(index.keys) != len(layers):
+        if len(_LAYER_INDEXES) > 16:
+            _LAYER_INDEXES.clear()
+        index = _LayerIndex(layers, tuple(sorted(layers)), {k: i for i, k in enumerate(layers)})
+        _LAYER_INDEXES[id(layers)] = index
+    return index
+
+
+def mixed_algo(
+    prefix: str, meta: QuantMetadata, packed_groups: Mapping[str, tuple[str, ...]] | None = None
+) -> str | None:
+    """The quant_algo MIXED_PRECISION resolves for an engine module, or None (not listed: unquantized).
+
+    Mirrors ``ModelOptMixedPrecisionConfig._resolve_quant_algo`` (vLLM 0.32 quantization/modelopt.py 1717-1796):
+    the exact name, then the packed shards (all listed ones must agree), then any key below the prefix (routed
+    experts), then any key below the experts' parent.
+    """
     layers = meta.quantized_layers
-    packed = _packed_base(prefix)
+
+    def algo(key: str) -> str:
+        info = layers[key]
+        return str(info.get("quant_algo", "") if isinstance(info, Mapping) else "").upper()
+
+    if prefix in layers:
+        return algo(prefix)
+    packed = _packed_base(prefix, packed_groups)
     if packed is not None:
         base, shards = packed
-        hits = [f"{base}.{s}" in layers for s in shards]
-        if any(hits) and not all(hits):
-            raise FusedShardsError(f"some but not all shards of {prefix} are listed in quantized_layers")
-        return all(hits)
-    if prefix.endswith(".experts"):
-        return any(k.startswith(prefix + ".") for k in layers)
-    return prefix in layers
+        algos = {algo(f"{base}.{s}") for s in shards if f"{base}.{s}" in layers}
+        if len(algos) > 1:
+            raise FusedShardsError(f"mixed quant_algo within fused layer {prefix}: {', '.join(sorted(algos))}")
+        if algos:
+            return algos.pop()
+    index = _layer_index(layers)
+    below = index.first_below(prefix + ".")
+    if below is None and prefix.endswith(".experts"):
+        below = index.first_below(prefix.rsplit(".experts", 1)[0] + ".")
+    return None if below is None else algo(below)
 
 
 def vllm_format_refusal(meta: QuantMetadata | None) -> str | None:
     """Why vLLM refuses the checkpoint's quantization format outright (before any MTP question), or None."""
+    if meta is not None and meta.is_modelopt and meta.algo.upper() not in MODELOPT_QUANT_ALGOS:
+        return (
+            f"vLLM 0.32's ModelOpt config does not accept quant_algo {meta.algo!r} (it accepts "
+            f"{', '.join(MODELOPT_QUANT_ALGOS)}): the checkpoint will not load"
+        )
     if meta is None or not meta.is_auto_round:
         return None
     dt = meta.data_type or "int"
@@ -209,52 +278,176 @@ def auto_round_quantized(prefix: str, meta: QuantMetadata) -> tuple[bool, str]:
     return True, "auto-round quantizes every Linear"
 
 
-def vllm_builds_quantized(module: EngineModule, meta: QuantMetadata | None) -> tuple[bool, str]:
-    """Whether vLLM builds the module quantized, and a short reason. Raises FusedShardsError."""
+@dataclass(frozen=True)
+class Expectation:
+    """What vLLM builds for one engine module: quantized or not, why, and (where known) the on-disk format its
+    method has parameters for."""
+
+    quantized: bool
+    reason: str
+    expects: str | None = None  # on-disk precision the method loads (module_precision's names); None: not checked
+    method: str | None = None  # vLLM's method, for messages
+    params: tuple[str, ...] = ()  # checkpoint tensor suffixes the method registers (routed experts)
+    workaround: bool = False  # unquantized only thanks to an engine workaround (a warning)
+    refusal: str | None = None  # vLLM raises while building the module (the module cannot load at all)
+
+
+# vLLM 0.32's methods for routed experts under ModelOpt MIXED_PRECISION (modelopt.py 1864-1890), with the
+# checkpoint suffixes each registers: Fp8MoEMethod with a weight block registers w13/w2_weight_scale_inv
+# (fp8.py 484-487, 631-633); ModelOptFp8MoEMethod w*_weight_scale + w*_input_scale (modelopt.py 560-580);
+# ModelOptNvFp4FusedMoE weight_scale, weight_scale_2, input_scale (modelopt.py 950-1006).
+_MOE_METHODS: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    "FP8_PB_WO": ("FP8-block", "Fp8MoEMethod (block)", ("weight", "weight_scale_inv")),
+    "FP8_BLOCK_SCALES": ("FP8-block", "Fp8MoEMethod (block)", ("weight", "weight_scale_inv")),
+    "FP8": ("FP8", "ModelOptFp8MoEMethod", ("weight", "weight_scale", "input_scale")),
+    "NVFP4": ("NVFP4", "ModelOptNvFp4FusedMoE", ("weight", "weight_scale", "weight_scale_2", "input_scale")),
+    "W4A16_NVFP4": ("NVFP4", "ModelOptNvFp4FusedMoE (W4A16)", ("weight", "weight_scale", "weight_scale_2")),
+}
+_UNQUANTIZED_MOE = ("BF16", "UnquantizedFusedMoEMethod", ("weight",))
+# Linears under MIXED_PRECISION: algos outside LINEAR_ALGOS get UnquantizedLinearMethod (modelopt.py 1850-1858).
+_LINEAR_FORMATS = {
+    "FP8": "FP8",
+    "FP8_PER_CHANNEL_PER_TOKEN": "FP8",
+    "FP8_PB_WO": "FP8-PB",
+    "NVFP4": "NVFP4",
+    "W4A16_NVFP4": "NVFP4",
+}
+
+
+def _embedding_expectation(
+    prefix: str, meta: QuantMetadata | None, packed: Mapping[str, tuple[str, ...]]
+) -> Expectation:
+    """vLLM 0.32 ``Qwen4ExpPLEEmbeddingMethod.from_quant_config`` (models/qwen4_exp/common/ngram_embedding.py
+    174-227): the n-gram table is FP8 only when MIXED_PRECISION resolves it to FP8 (or the checkpoint is FP8
+    serialized); a ModelOpt / compressed-tensors config that does not exclude it raises NotImplementedError."""
     if meta is None:
-        return False, "checkpoint declares no quantization"
-    if module.kind == "unquantized":
-        return False, "vLLM builds it without a quantization config"
-    if meta.is_compressed_tensors:
-        ignored = ct_ignored(module.prefix, meta.exclude)
-        return (not ignored, "in compressed-tensors ignore" if ignored else "not in compressed-tensors ignore")
+        return Expectation(False, "checkpoint declares no quantization", "BF16")
     if meta.is_modelopt and meta.algo.upper() == "MIXED_PRECISION":
-        q = _mixed_quantized(module.prefix, meta)
-        return q, "listed in quantized_layers" if q else "absent from quantized_layers"
+        algo = mixed_algo(prefix, meta, packed)
+        if algo == "FP8":
+            return Expectation(True, "quantized_layers: FP8", "FP8", "Qwen4ExpPLEFp8EmbeddingMethod")
+        label = f"quantized_layers: {algo}" if algo else "absent from quantized_layers"
+        return Expectation(False, label, "BF16", "Qwen4ExpPLEUnquantizedEmbeddingMethod")
+    excluded = (
+        ct_ignored(prefix, meta.exclude, packed)
+        if meta.is_compressed_tensors
+        else modelopt_excluded(prefix, meta.exclude, packed)
+        if meta.is_modelopt
+        else False
+    )
+    if excluded:
+        return Expectation(False, "excluded", "BF16", "Qwen4ExpPLEUnquantizedEmbeddingMethod")
+    config = {"modelopt_fp4": "ModelOptNvFp4Config", "modelopt": "ModelOptFp8Config"}.get(
+        meta.vllm_method, "CompressedTensorsConfig" if meta.is_compressed_tensors else meta.vllm_method
+    )
+    refusal = (
+        f"{prefix} is not excluded, and vLLM's PLE n-gram table raises NotImplementedError: Qwen4Exp PLE embedding "
+        f"does not support quantization config {config}"
+    )
+    return Expectation(False, "not excluded", refusal=refusal)
+
+
+def _mixed_expectation(
+    module: EngineModule, prefix: str, meta: QuantMetadata, packed: Mapping[str, tuple[str, ...]]
+) -> Expectation:
+    algo = mixed_algo(prefix, meta, packed)
+    if module.kind == "experts":
+        expects, method, params = _MOE_METHODS.get(algo or "", _UNQUANTIZED_MOE)
+        label = f"quantized_layers: {algo}" if algo else "absent from quantized_layers"
+        return Expectation(algo in _MOE_METHODS, label, expects, method, params)
+    if algo is None:
+        return Expectation(False, "absent from quantized_layers", "BF16", "UnquantizedLinearMethod")
+    if algo not in _LINEAR_FORMATS:
+        return Expectation(False, f"quantized_layers: {algo} (not a Linear algo)", "BF16", "UnquantizedLinearMethod")
+    return Expectation(True, f"quantized_layers: {algo}", _LINEAR_FORMATS[algo], f"ModelOptLinearMethod ({algo})")
+
+
+def vllm_expectation(
+    module: EngineModule,
+    meta: QuantMetadata | None,
+    rules: EngineRules = _QWEN3,
+    engine_prefix: str | None = None,
+) -> Expectation:
+    """How vLLM 0.32 builds one engine module of a checkpoint with this metadata. Raises FusedShardsError.
+
+    ``engine_prefix``: the module's name as the engine builds it (vLLM renames Qwen4-Exp MTP layers); ``meta``
+    must then carry the engine's renamed exclusion lists too.
+    """
+    prefix = engine_prefix or module.prefix
+    packed = rules.packed
+    if module.kind == "embedding":
+        return _embedding_expectation(prefix, meta, packed)
+    if meta is None:
+        return Expectation(False, "checkpoint declares no quantization")
+    if module.kind == "unquantized":
+        return Expectation(False, "vLLM builds it without a quantization config")
+    forced = next(
+        (r for r in rules.forced_unquantized if r.method == meta.vllm_method and matches(prefix, (r.pattern,))), None
+    )
+    if forced is not None:
+        excluded = modelopt_excluded(prefix, meta.exclude, packed)
+        if excluded and forced.workaround:
+            return Expectation(False, "excluded")
+        return Expectation(
+            False, f"forced unquantized by {forced.source}", workaround=forced.workaround and not excluded
+        )
+    if meta.is_compressed_tensors:
+        ignored = ct_ignored(prefix, meta.exclude, packed)
+        return Expectation(
+            not ignored, "in compressed-tensors ignore" if ignored else "not in compressed-tensors ignore"
+        )
+    if meta.is_modelopt and meta.algo.upper() == "MIXED_PRECISION":
+        if modelopt_excluded(prefix, meta.exclude, packed):
+            return Expectation(False, "excluded")
+        return _mixed_expectation(module, prefix, meta, packed)
     if meta.is_modelopt:
-        if module.prefix == "mtp.fc" and meta.vllm_method == "modelopt_fp4":
-            excluded = modelopt_excluded(module.prefix, meta.exclude)
-            return False, "excluded" if excluded else "forced unquantized by vLLM's mtp.fc workaround"
-        excluded = modelopt_excluded(module.prefix, meta.exclude)
-        return (not excluded, "excluded" if excluded else "not excluded")
+        excluded = modelopt_excluded(prefix, meta.exclude, packed)
+        return Expectation(not excluded, "excluded" if excluded else "not excluded")
     if meta.is_auto_round:
-        return auto_round_quantized(module.prefix, meta)
-    return True, f"quant_method {meta.method!r}"
+        q, reason = auto_round_quantized(prefix, meta)
+        return Expectation(q, reason)
+    return Expectation(True, f"quant_method {meta.method!r}")
+
+
+def vllm_builds_quantized(module: EngineModule, meta: QuantMetadata | None) -> tuple[bool, str]:
+    """Whether vLLM builds the module quantized, and a short reason (Qwen3.5's rules). Raises FusedShardsError."""
+    e = vllm_expectation(module, meta)
+    return e.quantized, e.reason
 
 
 _EXPERT_RE = re.compile(r"^(.*\.mlp\.experts)(\.\d+\.\w+|\.gate_up_proj|\.down_proj)$")
+_TABLE_SHARD = re.compile(r"^(.*)\.shard_\d+$")
 
 
-def engine_modules(linear_names: Sequence[str]) -> list[EngineModule]:
-    """Group checkpoint Linear module names into the modules vLLM builds (packed, experts)."""
-    out: dict[str, EngineModule] = {}
-    reverse = {shard: packed for packed, shards in PACKED.items() for shard in shards}
+def engine_modules(linear_names: Sequence[str], rules: EngineRules = _QWEN3) -> list[EngineModule]:
+    """Group checkpoint Linear module names into the modules vLLM builds (packed, experts, embedding tables)."""
+    members: dict[str, list[str]] = {}
+    kinds: dict[str, str] = {}
+
+    def add(prefix: str, name: str, kind: str) -> None:
+        members.setdefault(prefix, []).append(name)
+        kinds[prefix] = kind
+
+    # longest shard names first: "indexer.index_qk_proj" before a plain leaf
+    shards = sorted(((s, p) for p, ss in rules.packed.items() for s in ss), key=lambda sp: -len(sp[0]))
     for name in sorted(linear_names):
-        base, _, last = name.rpartition(".")
         m = _EXPERT_RE.match(name) if ".mlp.experts." in name else None
         if m:
-            prefix = m.group(1)
-            prev = out.get(prefix)
-            out[prefix] = EngineModule(prefix, (*(prev.members if prev else ()), name), "experts")
+            add(m.group(1), name, "experts")
             continue
-        if any(name.endswith("." + u) for u in ALWAYS_UNQUANTIZED):
-            out[name] = EngineModule(name, (name,), "unquantized")
+        if rules.embedding_tables:
+            t = _TABLE_SHARD.match(name)
+            table = t.group(1) if t else name
+            if matches(table, rules.embedding_tables):
+                add(table, name, "embedding")
+                continue
+        if matches(name, rules.built_unquantized):
+            members[name], kinds[name] = [name], "unquantized"
             continue
-        packed = reverse.get(last)
-        if packed is not None:
-            prefix = f"{base}.{packed}"
-            prev = out.get(prefix)
-            out[prefix] = EngineModule(prefix, (*(prev.members if prev else ()), name), "packed")
+        shard = next((sh for sh, _ in shards if name.endswith("." + sh)), None)
+        if shard is not None:
+            packed = next(p for sh, p in shards if sh == shard)
+            add(f"{name[: -len(shard) - 1]}.{packed}", name, "packed")
             continue
-        out[name] = EngineModule(name, (name,), "linear")
-    return list(out.values())
+        members[name], kinds[name] = [name], "linear"
+    return [EngineModule(prefix, tuple(names), kinds[prefix]) for prefix, names in members.items()]

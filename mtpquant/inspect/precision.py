@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from mtpquant.checkpoint.header import TensorEntry
 
-__all__ = ["PRECISION_SUFFIXES", "UNQUANTIZED_PRECISIONS", "linear_modules", "module_of", "module_precision"]
+__all__ = [
+    "PRECISION_SUFFIXES",
+    "UNQUANTIZED_PRECISIONS",
+    "linear_modules",
+    "module_of",
+    "module_precision",
+    "table_precision",
+]
 
 # Tensor name suffixes that belong to one Linear module's weight and its quantization scales.
 PRECISION_SUFFIXES = (
@@ -47,7 +54,8 @@ def linear_modules(tensors: Mapping[str, TensorEntry]) -> list[str]:
 
 
 def module_precision(tensors: Mapping[str, Any], module: str) -> str:
-    """BF16/F16/F32, NVFP4 (ModelOpt layout), NVFP4-CT (compressed-tensors), FP8, FP8-block, missing, other."""
+    """BF16/F16/F32, NVFP4 (ModelOpt layout), NVFP4-CT (compressed-tensors), FP8 (per tensor or channel), FP8-block
+    (``weight_scale_inv`` blocks), FP8-PB (ModelOpt FP8_PB_WO ``weight_scale`` blocks), missing, other."""
     if module.endswith(_FUSED_EXPERT_PARAMS):
         e = tensors.get(module)
         return "missing" if e is None else (e.dtype if e.dtype in UNQUANTIZED_PRECISIONS else f"other ({e.dtype})")
@@ -63,10 +71,25 @@ def module_precision(tensors: Mapping[str, Any], module: str) -> str:
         if module + ".weight_scale_inv" in tensors:
             return "FP8-block"
         if scale is not None:
-            return "FP8"
+            # ModelOpt's FP8_PB_WO exports 128x128 block scales as `weight_scale` [out/128, 1, in/128, 1]
+            return "FP8-PB" if len(scale.shape) >= 2 else "FP8"
     if w.dtype in UNQUANTIZED_PRECISIONS and scale is None and module + ".weight_scale_inv" not in tensors:
         return str(w.dtype)
     return f"other ({w.dtype})"
+
+
+def table_precision(tensors: Mapping[str, Any], table: str, shards: Sequence[str]) -> str:
+    """Precision of an embedding table stored in shards (``TABLE.shard_i.weight``) with one table-wide FP8 scale
+    (``TABLE.weight_scale``): BF16/F16/F32, FP8, or other."""
+    dtypes = {tensors[s + ".weight"].dtype for s in shards if s + ".weight" in tensors}
+    if len(dtypes) != 1:
+        return "missing" if not dtypes else "mixed"
+    (dtype,) = dtypes
+    if dtype in UNQUANTIZED_PRECISIONS:
+        return str(dtype)
+    if dtype == "F8_E4M3" and table + ".weight_scale" in tensors:
+        return "FP8"
+    return f"other ({dtype})"
 
 
 def is_quantized(precision: str) -> bool:

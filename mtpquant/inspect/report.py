@@ -6,6 +6,7 @@ directory or a Hub repo (through the checkpoint layer, which counts the bytes it
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -17,9 +18,17 @@ from mtpquant.checkpoint.header import bulk_parse
 from mtpquant.checkpoint.source import CheckpointSource
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.errors import ExitCode
+from mtpquant.families import is_mtp_name
 from mtpquant.formats.quant_config import QuantMetadata
-from mtpquant.inspect.engines import FusedShardsError, engine_modules, vllm_builds_quantized, vllm_format_refusal
-from mtpquant.inspect.precision import is_quantized, linear_modules, module_of, module_precision
+from mtpquant.inspect.engines import (
+    EngineModule,
+    Expectation,
+    FusedShardsError,
+    engine_modules,
+    vllm_expectation,
+    vllm_format_refusal,
+)
+from mtpquant.inspect.precision import is_quantized, linear_modules, module_of, module_precision, table_precision
 
 __all__ = [
     "EXIT_DECLARED_MISSING",
@@ -59,6 +68,8 @@ class ModuleReport:
     vllm_quantized: bool | None  # None when vLLM refuses the module outright
     reason: str
     consistent: bool
+    expects: str | None = None  # the on-disk precision vLLM's method for it loads, where it is checked
+    workaround: bool = False  # unquantized only thanks to an engine workaround
 
 
 @dataclass
@@ -131,37 +142,89 @@ class InspectReport:
         return data
 
 
+def _engine_view(ckpt: Checkpoint, meta: QuantMetadata | None) -> tuple[QuantMetadata | None, int]:
+    """The MTP's quantization metadata as the engine reads it (Qwen4-Exp: mtp.layers.i renamed in every list)."""
+    layout = ckpt.spec.family.mtp
+    if meta is None or not layout.engine_layer_offset:
+        return meta, 0
+    n = ckpt.spec.dim("num_hidden_layers")
+    return (
+        dataclasses.replace(
+            meta,
+            exclude=tuple(layout.engine_name(p, n) for p in meta.exclude),
+            quantized_layers={layout.engine_name(k, n): v for k, v in meta.quantized_layers.items()},
+        ),
+        n,
+    )
+
+
+def _missing_param(ckpt: Checkpoint, mod: EngineModule, engine_prefix: str, e: Expectation) -> str:
+    """vLLM's load error for routed experts whose tensors its method has no parameter for (routed_experts.py
+    1020-1029), for the first such tensor in checkpoint order; "" when none."""
+    for member in sorted(mod.members):
+        for name in sorted(n for n in ckpt.tensors if n.startswith(member + ".")):
+            suffix = name[len(member) + 1 :]
+            if suffix not in e.params:
+                w = "w2" if member.endswith("down_proj") else "w13"
+                return f" (vLLM: Layer {engine_prefix} has no parameter '{w}_{suffix}')"
+    return ""
+
+
 def _module_reports(
     ckpt: Checkpoint, names: list[str], meta: QuantMetadata | None, precision: dict[str, str] | None = None
 ) -> tuple[list[ModuleReport], list[Finding]]:
     """``precision``: each name's ``module_precision``, when the caller has it already."""
     if precision is None:
         precision = {m: module_precision(ckpt.tensors, m) for m in names}
+    family = ckpt.spec.family
+    mtp_meta, layers = _engine_view(ckpt, meta)
     reports: list[ModuleReport] = []
     findings: list[Finding] = []
-    for mod in engine_modules(names):
+    for mod in engine_modules(names, family.engine):
+        if mod.kind == "embedding":  # shards of one table, one table-wide scale
+            disk = table_precision(ckpt.tensors, mod.prefix, mod.members)
+            precision.update(dict.fromkeys(mod.members, disk))
         precs = {precision[m] for m in mod.members}
         disk = precs.pop() if len(precs) == 1 else "mixed"
+        mtp = is_mtp_name(mod.prefix)
+        engine_prefix = family.mtp.engine_name(mod.prefix, layers) if mtp else mod.prefix
         try:
-            q, reason = vllm_builds_quantized(mod, meta)
+            e = vllm_expectation(mod, mtp_meta if mtp else meta, family.engine, engine_prefix)
         except FusedShardsError as exc:
             reports.append(ModuleReport(mod.prefix, list(mod.members), disk, None, str(exc), False))
             findings.append(Finding("exclusions", f"vLLM will fail to load: {exc}"))
             continue
+        if e.refusal is not None:
+            reports.append(ModuleReport(mod.prefix, list(mod.members), disk, None, e.refusal, False))
+            findings.append(Finding("exclusions", f"vLLM will fail to load: {e.refusal}"))
+            continue
+        q, reason = e.quantized, e.reason
         disk_q = disk != "mixed" and is_quantized(disk)
         consistent = disk != "mixed" and disk != "missing" and q == disk_q
+        wrong_format = consistent and q and e.expects is not None and disk != e.expects
+        if wrong_format:
+            consistent = False
         if disk == "missing":
             consistent = True  # reported through the missing-tensor check
         if mod.kind == "unquantized" and disk_q:
             reason = "vLLM builds it unquantized, but it is quantized on disk"
-        reports.append(ModuleReport(mod.prefix, list(mod.members), disk, q, reason, consistent))
+        expects = e.expects if e.quantized else None
+        reports.append(ModuleReport(mod.prefix, list(mod.members), disk, q, reason, consistent, expects, e.workaround))
         if not consistent:
             if disk == "mixed":
                 msg = f"vLLM will fail to load: {mod.prefix} mixes precisions across its tensors"
+            elif wrong_format:
+                msg = (
+                    f"vLLM will fail to load: {mod.prefix} is {disk} on disk but {reason} selects {e.method}, which "
+                    f"loads {e.expects}"
+                    + (_missing_param(ckpt, mod, engine_prefix, e) if mod.kind == "experts" else "")
+                )
             elif q:
                 msg = f"vLLM will fail to load: {mod.prefix} is {disk} on disk but declared quantized"
             else:
                 msg = f"vLLM will fail to load: {mod.prefix} is {disk} on disk but excluded from quantization"
+                if mod.kind == "experts" and e.method is not None:
+                    msg += f" ({reason}){_missing_param(ckpt, mod, engine_prefix, e)}"
             findings.append(Finding("exclusions", msg))
     return reports, findings
 
@@ -169,9 +232,9 @@ def _module_reports(
 def _mtp_section(ckpt: Checkpoint, meta: QuantMetadata | None, report: dict[str, Any]) -> list[Finding]:
     findings: list[Finding] = []
     spec = ckpt.spec
-    expected = spec.expected_mtp_shapes()
     present = ckpt.mtp_tensors()
     present_names = {e.name for e in present}
+    expected = spec.expected_mtp_shapes(present_names)
     present_modules = {module_of(n) for n in present_names}
     missing = []
     for name in expected:
@@ -230,7 +293,7 @@ def _main_section(ckpt: Checkpoint, meta: QuantMetadata | None) -> tuple[dict[st
     main_tensors = {e.name: e for cls in ("main", "lm_head") for e in groups.get(cls, [])}
     mods = linear_modules(main_tensors)
     precision = {m: module_precision(ckpt.tensors, m) for m in mods}
-    reports, findings = _module_reports(ckpt, mods, meta, precision)
+    reports, findings = _module_reports(ckpt, mods, meta, precision)  # embedding-table shards: the table's precision
     precs = Counter(precision.values())
     quantized = sum(n for p, n in precs.items() if is_quantized(p))
     bad = [r for r in reports if not r.consistent]
@@ -258,7 +321,57 @@ def _main_section(ckpt: Checkpoint, meta: QuantMetadata | None) -> tuple[dict[st
     return main, vision, findings
 
 
-def _verdicts(report: dict[str, Any], ref: str) -> tuple[dict[str, str], dict[str, str], list[Finding]]:
+def _label_refusal(ckpt: Checkpoint) -> str | None:
+    """A day-0 alias the engines do not know (vLLM 0.32's model registry and SGLang 0.5.23's configs have only the
+    qwen4_exp labels)."""
+    known = ckpt.spec.family.engine.known_architectures
+    unknown = [(where, alias, canon) for where, alias, canon in ckpt.spec.aliases() if known and alias not in known]
+    if not unknown:
+        return None
+    where, alias, canon = unknown[0]
+    return (
+        f"the day-0 label {alias!r} ({where}) is unknown to vLLM 0.32 and SGLang 0.5.23; the weights are "
+        f"{canon!r}'s: relabel with `mtpquant graft QUANT --fix-metadata`"
+    )
+
+
+def _sglang_keeps_quantized_mtp(ckpt: Checkpoint, meta: QuantMetadata | None) -> bool:
+    """SGLang 0.5.23 ``_mtp_quant_config`` (models/qwen3_5_mtp.py 50-69, used by qwen4_exp_mtp.py 47): a
+    MIXED_PRECISION config whose quantized_layers list ``mtp.*`` entries builds the MTP quantized; every other
+    ModelOpt NVFP4 checkpoint gets an unquantized MTP. Applied where the registry says so (``sglang_mixed_mtp``)."""
+    return (
+        ckpt.spec.family.sglang_mixed_mtp
+        and meta is not None
+        and meta.vllm_method == "modelopt_mixed"
+        and any(is_mtp_name(k) for k in meta.quantized_layers)
+    )
+
+
+def _sglang_mismatch(ckpt: Checkpoint, meta: QuantMetadata) -> str | None:
+    """Where SGLang builds the MTP with the MIXED_PRECISION config, the first MTP module whose disk format its
+    resolved quant_algo does not load. SGLang's MTP is one decoder layer under its own index (``mtp.layers.0``,
+    qwen4_exp_mtp.py 42-65), so the checkpoint's names are looked up unchanged."""
+    rules = ckpt.spec.family.engine
+    present = {e.name: e for e in ckpt.mtp_tensors()}
+    names = linear_modules(present)
+    precision = {m: module_precision(ckpt.tensors, m) for m in names}
+    for mod in engine_modules(names, rules):
+        precs = {precision[m] for m in mod.members}
+        disk = precs.pop() if len(precs) == 1 else "mixed"
+        try:
+            e = vllm_expectation(mod, meta, rules)
+        except FusedShardsError as exc:
+            return str(exc)
+        if disk in ("mixed", "missing") or (not e.quantized and not is_quantized(disk)):
+            continue
+        if not e.quantized or (e.expects is not None and disk != e.expects):
+            return f"{mod.prefix} is {disk} on disk but SGLang resolves {e.reason}"
+    return None
+
+
+def _verdicts(
+    report: dict[str, Any], ref: str, sglang_quantized_ok: bool = False
+) -> tuple[dict[str, str], dict[str, str], list[Finding]]:
     notes: list[Finding] = []
     present = report["mtp_present_tensors"] > 0
     mods: list[ModuleReport] = report["mtp_modules"]
@@ -281,21 +394,29 @@ def _verdicts(report: dict[str, Any], ref: str) -> tuple[dict[str, str], dict[st
         )
         if broken[0].vllm_quantized is None:
             vllm = f"vLLM will fail to load: {broken[0].reason}"
+        elif broken[0].expects is not None and broken[0].disk not in ("mixed", broken[0].expects):
+            vllm = f"vLLM will fail to load: {broken[0].module} is {broken[0].disk} on disk but vLLM loads it as " + (
+                f"{broken[0].expects} ({broken[0].reason})"
+            )
     else:
         vllm = f"vLLM: MTP loads ({report['mtp_precision']})"
-        if any("mtp.fc workaround" in m.reason for m in mods):
+        for m in (m for m in mods if m.workaround):
             vllm += (
-                "; mtp.fc is not covered by the exclusions and loads only through vLLM's hard-coded mtp.fc workaround"
+                f"; {m.module} is not covered by the exclusions and loads only through vLLM's hard-coded "
+                f"{m.module} workaround"
             )
             notes.append(
                 Finding(
                     "exclusions",
-                    "exclusions do not cover mtp.fc: only vLLM's hard-coded modelopt_fp4 workaround keeps it "
+                    f"exclusions do not cover {m.module}: only vLLM's hard-coded modelopt_fp4 workaround keeps it "
                     "unquantized (run `mtpquant graft --fix-metadata`)",
                 )
             )
     quantized_mtp = any(is_quantized(m.disk) for m in mods)
-    if quantized_mtp:
+    if quantized_mtp and sglang_quantized_ok:
+        sglang = f"SGLang: MTP loads ({report['mtp_precision']}; quantized_layers lists the MTP)"
+        quantized_mtp = False
+    elif quantized_mtp:
         sglang = "SGLang: MTP is quantized; SGLang will not use it (it serves only a BF16 MTP)"
     else:
         sglang = "SGLang: MTP loads (BF16)"
@@ -342,7 +463,12 @@ def _inspect(ckpt: Checkpoint, t0: float) -> InspectReport:
     failures += [Finding("index", p.message) for p in index_problems]
     warnings += [Finding("note", p.message) for p in ckpt.problems if not p.fatal]
     label = ckpt.label
-    verdicts, serve, notes = _verdicts(report, label)
+    sglang_mixed = _sglang_keeps_quantized_mtp(ckpt, meta)
+    verdicts, serve, notes = _verdicts(report, label, sglang_mixed)
+    sglang_problem = _sglang_mismatch(ckpt, meta) if sglang_mixed and meta is not None else None
+    if sglang_problem is not None:
+        verdicts["sglang"] = f"SGLang will fail to load: {sglang_problem}"
+        serve.pop("sglang", None)
     warnings += notes
     if ckpt.mtp_only and report["mtp_declared"] and not report["mtp_missing"]:
         # nothing to serve on its own: say what it is for instead of what an engine would do with it as a model
@@ -360,6 +486,14 @@ def _inspect(ckpt: Checkpoint, t0: float) -> InspectReport:
         )
     if vision["expected"] and not vision["present"] and not ckpt.mtp_only:
         warnings.append(Finding("note", "vision tower (model.visual.*) is missing: image input will not work"))
+    unknown_label = _label_refusal(ckpt)
+    if unknown_label is not None:  # neither engine resolves the architecture: nothing else matters until relabelled
+        failures.append(Finding("format", f"engines will fail to load: {unknown_label}"))
+        verdicts = {
+            "vllm": f"vLLM will fail to load: {unknown_label}",
+            "sglang": f"SGLang will fail to load: {unknown_label}",
+        }
+        serve = {}
     refusal = vllm_format_refusal(meta)
     if refusal is not None:
         failures.append(Finding("format", f"vLLM will fail to load: {refusal}"))

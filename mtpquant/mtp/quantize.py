@@ -11,8 +11,9 @@ module calibrated on the same activations (``tests/test_convert_mtp_quantize.py`
 - input amax = the largest |x| a Linear saw during calibration; routed experts share one amax per
   projection kind (``sync_moe_expert_amax``), fused groups share the max; ``input_scale = amax /
   (6 * 448)`` (FP8: ``amax / 448``).
-- ``mtp.fc``, the norms, the router ``mlp.gate`` and ``mlp.shared_expert_gate`` stay in the source
-  precision and are excluded from quantization by exact name.
+- the family's unquantized MTP Linears (Qwen3.5: ``mtp.fc``, the router ``mlp.gate`` and
+  ``mlp.shared_expert_gate``; ``MtpLayout.unquantized``) and the norms stay in the source precision and are
+  excluded from quantization by exact name.
 
 Calibration (``MtpCalibrator``) runs the reference MTP forward (``mtpquant.mtp.module``) on the
 target's post-final-norm hidden states and the next tokens' embeddings, exactly the inputs engines
@@ -30,9 +31,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from mtpquant.families import MTP_PREFIX, MtpLayout, family
 from mtpquant.formats.fp8 import fp8_scale_from_amax, quantize_fp8_per_tensor
 from mtpquant.formats.nvfp4 import input_scale_from_amax, quantize_nvfp4, shared_global_scale
-from mtpquant.mtp.module import MTP_PREFIX, MtpLayer
+from mtpquant.mtp.module import MtpLayer
 
 __all__ = [
     "MTP_FORMATS",
@@ -48,10 +50,9 @@ __all__ = [
 
 MTP_FORMATS = ("nvfp4", "fp8")
 
-# Linears of the MTP that stay unquantized (module names without the "mtp." prefix, anchored).
-_UNQUANTIZED = re.compile(r"^(fc|layers\.\d+\.mlp\.gate|layers\.\d+\.mlp\.shared_expert_gate)$")
-# Suffixes of Linears that share one input and so one weight_scale_2 / input_scale.
-_FUSED_SUFFIXES = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+# Which MTP Linears stay unquantized and which share an input is family data (``MtpLayout.unquantized`` /
+# ``fused_groups``); the Qwen3.5 / Qwen3-Next layout (one and the same) is the default.
+_QWEN3_MTP = family("qwen3_5").mtp
 _EXPERT = re.compile(r"^(?P<moe>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>\w+)$")
 
 
@@ -64,28 +65,24 @@ def mtp_linear_modules(weight_shapes: Mapping[str, Sequence[int]]) -> list[str]:
     )
 
 
-def _is_unquantized(module: str) -> bool:
-    return bool(_UNQUANTIZED.match(module[len(MTP_PREFIX) :]))
+def mtp_excluded_modules(modules: Sequence[str], layout: MtpLayout = _QWEN3_MTP) -> list[str]:
+    """The MTP Linears kept in BF16 (Qwen3.5: ``mtp.fc``, router, shared_expert_gate): exact names to exclude."""
+    return sorted(m for m in modules if layout.is_unquantized(m))
 
 
-def mtp_excluded_modules(modules: Sequence[str]) -> list[str]:
-    """The MTP Linears kept in BF16 (``mtp.fc``, router, shared_expert_gate): exact names to exclude."""
-    return sorted(m for m in modules if _is_unquantized(m))
-
-
-def mtp_quantized_modules(modules: Sequence[str]) -> list[str]:
+def mtp_quantized_modules(modules: Sequence[str], layout: MtpLayout = _QWEN3_MTP) -> list[str]:
     """The MTP Linears quantize mode quantizes (attention, MLP, shared and routed experts)."""
-    return sorted(m for m in modules if not _is_unquantized(m))
+    return sorted(m for m in modules if not layout.is_unquantized(m))
 
 
-def mtp_fused_groups(modules: Sequence[str]) -> list[list[str]]:
+def mtp_fused_groups(modules: Sequence[str], layout: MtpLayout = _QWEN3_MTP) -> list[list[str]]:
     """Groups of quantized Linears fed by one input: q/k/v, gate/up (dense, shared, each expert)."""
-    present = set(mtp_quantized_modules(modules))
+    present = set(mtp_quantized_modules(modules, layout))
     groups: list[list[str]] = []
     seen: set[str] = set()
     for m in sorted(present):
         parent, _, leaf = m.rpartition(".")
-        for suffixes in _FUSED_SUFFIXES:
+        for suffixes in layout.fused_groups:
             if leaf in suffixes:
                 group = [f"{parent}.{s}" for s in suffixes if f"{parent}.{s}" in present]
                 if m not in seen:
@@ -96,10 +93,10 @@ def mtp_fused_groups(modules: Sequence[str]) -> list[list[str]]:
     return sorted(groups)
 
 
-def mtp_expert_input_groups(modules: Sequence[str]) -> list[list[str]]:
+def mtp_expert_input_groups(modules: Sequence[str], layout: MtpLayout = _QWEN3_MTP) -> list[list[str]]:
     """Routed-expert Linears that share one input amax: per MoE block, each projection kind over all experts."""
     groups: dict[tuple[str, str], list[str]] = defaultdict(list)
-    for m in mtp_quantized_modules(modules):
+    for m in mtp_quantized_modules(modules, layout):
         match = _EXPERT.match(m)
         if match:
             groups[(match["moe"], match["proj"])].append(m)
@@ -163,16 +160,16 @@ class MtpQuantResult:
     fmt: str
 
 
-def _input_amax(modules: Sequence[str], observed: Mapping[str, Tensor]) -> dict[str, Tensor]:
+def _input_amax(modules: Sequence[str], observed: Mapping[str, Tensor], layout: MtpLayout) -> dict[str, Tensor]:
     """Observed input amax with modelopt's sharing: experts per kind, then fused groups."""
     amax = {m: observed[m].float() for m in modules if m in observed}
-    for group in mtp_expert_input_groups(modules):
+    for group in mtp_expert_input_groups(modules, layout):
         seen = [amax[m] for m in group if m in amax]
         if seen:
             shared = torch.stack(seen).amax()
             for m in group:
                 amax[m] = shared
-    for group in mtp_fused_groups(modules):
+    for group in mtp_fused_groups(modules, layout):
         seen = [amax[m] for m in group if m in amax]
         if seen:
             shared = torch.stack(seen).amax()
@@ -190,6 +187,7 @@ def quantize_mtp(
     fmt: str = "nvfp4",
     *,
     activations: bool = True,
+    layout: MtpLayout = _QWEN3_MTP,
 ) -> MtpQuantResult:
     """Quantize the MTP Linears of ``weights`` (the source ``mtp.*`` tensors, BF16).
 
@@ -199,12 +197,12 @@ def quantize_mtp(
     if fmt not in MTP_FORMATS:
         raise ValueError(f"MTP format {fmt!r} is not one of {', '.join(MTP_FORMATS)}")
     modules = mtp_linear_modules({n: tuple(t.shape) for n, t in weights.items()})
-    quantized = mtp_quantized_modules(modules)
-    excluded = mtp_excluded_modules(modules)
-    amax = _input_amax(quantized, input_amax or {}) if activations else {}
+    quantized = mtp_quantized_modules(modules, layout)
+    excluded = mtp_excluded_modules(modules, layout)
+    amax = _input_amax(quantized, input_amax or {}, layout) if activations else {}
     out: dict[str, Tensor] = {}
     if fmt == "nvfp4":
-        for group in mtp_fused_groups(modules):
+        for group in mtp_fused_groups(modules, layout):
             g = shared_global_scale([weights[m + ".weight"] for m in group])
             for m in group:
                 q = quantize_nvfp4(weights[m + ".weight"], weight_scale_2=g)

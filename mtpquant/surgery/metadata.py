@@ -16,15 +16,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mtpquant.errors import ConfigError
-from mtpquant.families import ModelSpec, is_mtp_name, resolve
+from mtpquant.families import ModelSpec, family, is_mtp_name, resolve
 from mtpquant.formats.quant_config import (
     HF_QUANT_CONFIG,
     MTP_CT_PATTERNS,
     MTP_MODELOPT_PATTERNS,
+    QuantMetadata,
     read_quant_metadata,
     with_exclusions,
 )
-from mtpquant.inspect.engines import FusedShardsError, ct_ignored, modelopt_excluded
+from mtpquant.inspect.engines import FusedShardsError, ct_ignored, mixed_algo, modelopt_excluded
+from mtpquant.surgery.repairs import repair_labels
 
 __all__ = [
     "MetadataPlan",
@@ -37,13 +39,15 @@ __all__ = [
 _QUANT_SUFFIXES = (".weight_scale", ".weight_scale_inv", ".weight_packed", ".weight_global_scale")
 _FLOAT = frozenset({"BF16", "F16", "F32"})
 _LAYER = re.compile(r"^(mtp\.layers\.\d+)\.")
+_DEFAULT_PACKED = family("qwen3_5").engine.packed
 
 
-def mtp_modules(tensors: Mapping[str, Any]) -> dict[str, bool]:
-    """Every MTP Linear module (and vLLM's fused names for them) -> whether it is stored unquantized.
+def mtp_modules(tensors: Mapping[str, Any], packed: Mapping[str, tuple[str, ...]] | None = None) -> dict[str, bool]:
+    """Every MTP Linear module (and the engine's packed names for them) -> whether it is stored unquantized.
 
     ``tensors`` maps names to objects with ``dtype`` and ``shape`` (header entries). A module is a
-    Linear when it has a 2-D ``weight`` (or a compressed-tensors ``weight_packed``).
+    Linear when it has a 2-D ``weight`` (or a compressed-tensors ``weight_packed``). ``packed``: the family's
+    packed groups (``EngineRules.packed``; Qwen3.5's by default); routed experts are one engine module too.
     """
     modules: dict[str, bool] = {}
     for name, entry in tensors.items():
@@ -55,24 +59,22 @@ def mtp_modules(tensors: Mapping[str, Any]) -> dict[str, bool]:
                 quantized = suffix == ".weight_packed" or entry.dtype not in _FLOAT
                 quantized = quantized or any(stem + s in tensors for s in _QUANT_SUFFIXES)
                 modules[stem] = modules.get(stem, True) and not quantized
-    # vLLM fuses q/k/v into qkv_proj and gate/up into gate_up_proj and matches exclusions on those
+    # vLLM packs q/k/v into qkv_proj and gate/up into gate_up_proj and matches exclusions on those
     # prefixes too (vllm/model_executor/models/qwen3_next_mtp.py, packed_modules_mapping).
+    groups = packed if packed is not None else _DEFAULT_PACKED
     fused: dict[str, list[str]] = {}
     for stem in modules:
         m = _LAYER.match(stem)
         if not m:
             continue
         layer = m.group(1)
-        groups: tuple[tuple[tuple[str, ...], str], ...] = (
-            (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "self_attn.qkv_proj"),
-            (("mlp.gate_proj", "mlp.up_proj"), "mlp.gate_up_proj"),
-            (("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"), "mlp.shared_expert.gate_up_proj"),
-        )
-        for members, fused_name in groups:
-            if stem[len(layer) + 1 :] in members:
-                fused.setdefault(f"{layer}.{fused_name}", []).append(stem)
-        if stem.startswith(layer + ".mlp.experts."):
+        if stem.startswith(layer + ".mlp.experts."):  # routed experts: one engine module, whatever their leaves
             fused.setdefault(f"{layer}.mlp.experts", []).append(stem)
+            continue
+        for fused_name, shards in groups.items():
+            for shard in shards:
+                if stem.endswith("." + shard):
+                    fused.setdefault(f"{stem[: -len(shard) - 1]}.{fused_name}", []).append(stem)
     for fused_name, group in fused.items():
         modules[fused_name] = all(modules[m] for m in group)
     return dict(sorted(modules.items()))
@@ -139,19 +141,22 @@ def _insert_after(target: dict[str, Any], key: str, value: Any, order: list[str]
 def declare_mtp(spec: ModelSpec, layers: int, reference: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """A copy of ``spec.config`` declaring ``layers`` MTP layers: the one declaration rule convert and graft use.
 
-    ``layers > 0``: the family's key (``text_config.mtp_num_hidden_layers``) set to it; a key that is absent
-    goes where ``reference`` (SRC's config) has it, else at the end. The position matters for "extract then
-    graft == keep, bit for bit". ``layers == 0``: a key that is present is set to 0 in place (not removed: no
-    engine can then default it back to one layer, and a later graft restores the value at the same position);
-    an absent key stays absent. Families without a key (Qwen3-Next, engines assume one layer) are unchanged.
+    ``layers > 0``: the depth key the config already uses (else the family's first, e.g.
+    ``text_config.mtp_num_hidden_layers``) set to it; a key that is absent goes where ``reference`` (SRC's
+    config) has it, else at the end. The position matters for "extract then graft == keep, bit for bit".
+    ``layers == 0``: a key that is present is set to 0 in place (not removed: no engine can then default it back
+    to one layer, and a later graft restores the value at the same position); an absent key stays absent unless
+    engines would assume a layer without it (Qwen4-Exp), then it is written as 0. Families without a key
+    (Qwen3-Next, engines assume one layer) are unchanged.
     """
-    key = spec.family.mtp_key
+    keys = spec.family.mtp.depth_keys
     config = copy.deepcopy(dict(spec.config))
-    if key is None:
+    if not keys:
         return config
+    target = config["text_config"] if spec.wrapped else config
+    key = next((k for k in keys if target.get(k) is not None), keys[0])
     if layers <= 0:
-        target = config["text_config"] if spec.wrapped else config
-        if key in target:
+        if key in target or spec.family.mtp.default_layers > 0:
             target[key] = 0
         return config
     ref_text: Mapping[str, Any] = {}
@@ -220,15 +225,19 @@ def plan_metadata(
     config: dict[str, Any] = copy.deepcopy(dict(spec.config))
     if mtp_layers > 0 and spec.family.mtp_key is not None and spec.mtp.layers != mtp_layers:
         config = declare_mtp(spec, mtp_layers, reference_config)
-        where = f"text_config.{spec.family.mtp_key}" if spec.wrapped else spec.family.mtp_key
+        where = resolve(config).mtp.key
         before = "absent" if spec.mtp.key is None else repr(spec.mtp.value)
         plan.changes.append(f"config.json: {where} = {mtp_layers} (was {before})")
 
-    modules = mtp_modules(tensors)
+    hfq = copy.deepcopy(dict(hf_quant_config)) if hf_quant_config is not None else None
+    config, hfq = repair_labels(spec, config, hfq, tensors, plan.changes)
+    modules = mtp_modules(tensors, spec.family.engine.packed)
     unquantized = [m for m, plain in modules.items() if plain]
     all_plain = len(unquantized) == len(modules)
-    hfq = copy.deepcopy(dict(hf_quant_config)) if hf_quant_config is not None else None
     meta = read_quant_metadata(config, hfq)
+    if meta is not None and meta.is_modelopt and meta.algo.upper() == "MIXED_PRECISION":
+        # MIXED_PRECISION builds a module unquantized unless quantized_layers lists it: only listed ones need more
+        unquantized = [m for m in unquantized if _listed(m, meta, spec.family.engine.packed)]
     if meta is not None and unquantized:
         lists = _exclusion_lists(config, hfq)
         missing = {f: uncovered_modules(unquantized, pats, ct) for f, ct, pats in lists}
@@ -268,6 +277,13 @@ def plan_metadata(
     if hfq is not None and hfq != hf_quant_config:
         plan.hf_quant_config = hfq
     return plan
+
+
+def _listed(module: str, meta: QuantMetadata, packed: Mapping[str, tuple[str, ...]]) -> bool:
+    try:
+        return mixed_algo(module, meta, packed) is not None
+    except FusedShardsError:
+        return True
 
 
 def _module_stems(tensors: Mapping[str, Any]) -> set[str]:

@@ -26,7 +26,8 @@ from typing import Any, ClassVar, Protocol
 
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.checkpoint.writer import OutputDir, PlannedTensor
-from mtpquant.errors import IndivisibleDimensionError, MtpModeError, OutputVerificationError
+from mtpquant.errors import IndivisibleDimensionError, MtpConfigError, MtpModeError, OutputVerificationError
+from mtpquant.families import MTP_PREFIX, mtp_config
 from mtpquant.formats.quant_config import MTP_CT_PATTERNS, MTP_MODELOPT_PATTERNS
 from mtpquant.surgery.shards import mtp_planned_tensors, write_mtp_shards, write_planned_mtp
 
@@ -105,9 +106,9 @@ def same_bytes(out: Checkpoint, src: Checkpoint, names: list[str], where: str) -
 
 def load_mtp_layer(ckpt: Checkpoint, device: Any = None) -> Any:
     """The reference MtpLayer with the source's ``mtp.*`` weights (for calibration)."""
-    from mtpquant.mtp.module import MtpConfig, MtpLayer
+    from mtpquant.mtp.module import MtpLayer
 
-    cfg = MtpConfig.from_text_config(ckpt.config)
+    cfg = mtp_config(ckpt.config)
     tensors = {e.name: ckpt.read_tensor(e.name) for e in ckpt.mtp_tensors()}
     return MtpLayer.from_state_dict(cfg, tensors, device=device)
 
@@ -128,7 +129,7 @@ class MtpMode:
         if not self.needs_mtp:
             return ModeCheck(self._family_notes(ckpt))
         names = _check_mtp_complete(ckpt, f"--mtp {self.name}")
-        extra = sorted(names - set(ckpt.spec.expected_mtp_shapes()))
+        extra = sorted(names - set(ckpt.spec.expected_mtp_shapes(names)))
         notes = []
         if extra:
             notes.append(f"{len(extra)} MTP tensors beyond the expected layout are copied too (first: {extra[0]})")
@@ -172,7 +173,7 @@ def _check_mtp_complete(ckpt: Checkpoint, flag: str) -> set[str]:
     """The source's MTP tensor names, refusing an MTP that is absent, incomplete or shaped otherwise."""
     label = ckpt.label
     present = {e.name for e in ckpt.mtp_tensors()}
-    expected = ckpt.spec.expected_mtp_shapes()
+    expected = ckpt.spec.expected_mtp_shapes(present)
     if not present:
         raise MtpModeError(
             f"{label}: has no MTP tensors (mtp.*), so {flag} has nothing to work on; use --mtp drop to convert "
@@ -224,7 +225,11 @@ class QuantizeMode(MtpMode):
 
         label = ckpt.label
         names = _check_mtp_complete(ckpt, "--mtp quantize")
-        extra = sorted(names - set(ckpt.spec.expected_mtp_shapes()))
+        try:  # the reference forward runs during calibration: refuse what it cannot compute now, not after loading
+            mtp_config(ckpt.config)
+        except MtpConfigError as exc:
+            raise MtpModeError(f"{label}: --mtp quantize cannot calibrate this MTP: {exc}; use --mtp keep") from None
+        extra = sorted(names - set(ckpt.spec.expected_mtp_shapes(names)))
         if extra:
             raise MtpModeError(f"{label}: unexpected MTP tensor {extra[0]}; --mtp quantize needs the exact layout")
         bad_dtype = sorted(n for n in names if ckpt.tensors[n].dtype not in _FLOAT)
@@ -234,7 +239,7 @@ class QuantizeMode(MtpMode):
                 "--mtp quantize needs a BF16/F16/F32 MTP"
             )
         shapes = {e.name: e.shape for e in ckpt.mtp_tensors()}
-        quantized = tuple(mtp_quantized_modules(mtp_linear_modules(shapes)))
+        quantized = tuple(mtp_quantized_modules(mtp_linear_modules(shapes), ckpt.spec.family.mtp))
         if fmt == "nvfp4":
             for m in quantized:
                 in_dim = shapes[m + ".weight"][-1]
@@ -261,8 +266,9 @@ class QuantizeMode(MtpMode):
 
         assert ctx.calibrator is not None, "quantize mode needs the calibrator that ran during calibration"
         layer = ctx.calibrator.layer
-        weights = {"mtp." + n: p.detach().cpu() for n, p in layer.named_parameters()}
-        result = quantize_mtp(weights, ctx.calibrator.amax, ctx.fmt, activations=ctx.activations)
+        weights = {MTP_PREFIX + n: p.detach().cpu() for n, p in layer.named_parameters()}
+        layout = ctx.ckpt.spec.family.mtp
+        result = quantize_mtp(weights, ctx.calibrator.amax, ctx.fmt, activations=ctx.activations, layout=layout)
         planned: list[PlannedTensor] = [in_memory(n, t) for n, t in result.tensors.items()]
         kept = [n for n in result.kept_tensors if n in ctx.ckpt.tensors]
         planned += mtp_planned_tensors(ctx.ckpt, kept)

@@ -250,7 +250,7 @@ BAD_CASES: dict[str, tuple[Callable[[Path], None], str]] = {
         _unsupported,
         "config.json: unsupported architecture LlamaForCausalLM; supported: Qwen3NextForCausalLM, "
         "Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5MoeForCausalLM, "
-        "Qwen3_5MoeForConditionalGeneration",
+        "Qwen3_5MoeForConditionalGeneration, Qwen4ExpForCausalLM, Qwen4ExpForConditionalGeneration",
     ),
 }
 

@@ -19,7 +19,7 @@ from typing import Any
 from mtpquant.checkpoint.dtypes import planned
 from mtpquant.checkpoint.index import SINGLE_NAME
 from mtpquant.checkpoint.writer import OutputDir
-from mtpquant.families import FAMILIES, resolve
+from mtpquant.families import FAMILIES, is_mtp_name, resolve
 
 __all__ = ["TINY_VARIANTS", "TinySpec", "make_tiny_checkpoint", "tiny_config", "tiny_tokenizer"]
 
@@ -54,7 +54,7 @@ _MOE: dict[str, Any] = {
     "decoder_sparse_step": 1,
     "mlp_only_layers": [],
 }
-_VISION: dict[str, Any] = {
+TINY_VISION: dict[str, Any] = {
     "depth": 1,
     "hidden_size": 64,
     "intermediate_size": 128,
@@ -80,7 +80,7 @@ _ROPE = {
 class TinySpec:
     """Which tiny checkpoint to build."""
 
-    family: str = "qwen3_5"  # qwen3_5 | qwen3_5_moe | qwen3_next
+    family: str = "qwen3_5"  # qwen3_5 | qwen3_5_moe | qwen3_next | qwen4_exp
     text_only: bool = False  # Qwen3_5ForCausalLM-style re-export (no wrapper, no vision)
     text_only_prefix: str = "model.language_model."  # or "model." for model.layers.* re-exports
     tied: bool = False
@@ -91,6 +91,7 @@ class TinySpec:
     seed: int = 0
     vocab_size: int = 512
     hidden_size: int = 128
+    alias: bool = False  # qwen4_exp: the day-0 qwen3_8_flash_next labels over the same weights
 
 
 TINY_VARIANTS: dict[str, TinySpec] = {
@@ -99,11 +100,20 @@ TINY_VARIANTS: dict[str, TinySpec] = {
     "qwen3_5-text": TinySpec("qwen3_5", text_only=True, text_only_prefix="model."),
     "qwen3_5_moe": TinySpec("qwen3_5_moe", shards=3, naming="qwen"),
     "qwen3_next": TinySpec("qwen3_next", shards=2),
+    "qwen4_exp": TinySpec("qwen4_exp", shards=2),
+    "qwen4_exp-alias": TinySpec("qwen4_exp", shards=2, alias=True),
 }
 
 
 def tiny_config(spec: TinySpec) -> dict[str, Any]:
     """The config.json of a tiny checkpoint, shaped like the real one of its family."""
+    if spec.family == "qwen4_exp":
+        from mtpquant.synth.qwen4_exp import TINY_TEXT_CONFIG, qwen4_exp_config
+
+        text = dict(TINY_TEXT_CONFIG, vocab_size=spec.vocab_size, hidden_size=spec.hidden_size)
+        if not spec.mtp:
+            text["mtp_num_hidden_layers"] = 0
+        return qwen4_exp_config(text, TINY_VISION, alias=spec.alias, tied=spec.tied)
     text = dict(_TEXT_BASE, vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, tie_word_embeddings=spec.tied)
     n = text["num_hidden_layers"]
     text["layer_types"] = [
@@ -141,7 +151,7 @@ def tiny_config(spec: TinySpec) -> dict[str, Any]:
         arch = "Qwen3_5MoeForCausalLM" if moe else "Qwen3_5ForCausalLM"
         return {"architectures": [arch], **text}
     vision = dict(
-        _VISION, out_hidden_size=spec.hidden_size, model_type="qwen3_5_moe_vision" if moe else "qwen3_5_vision"
+        TINY_VISION, out_hidden_size=spec.hidden_size, model_type="qwen3_5_moe_vision" if moe else "qwen3_5_vision"
     )
     return {
         "architectures": ["Qwen3_5MoeForConditionalGeneration" if moe else "Qwen3_5ForConditionalGeneration"],
@@ -207,21 +217,55 @@ def _mtp_tensors(spec: TinySpec, config: dict[str, Any]) -> dict[str, Any]:
 
     gen = torch.Generator().manual_seed(spec.seed + 1)
     shapes = resolve(config).expected_mtp_shapes()
-    out = {}
-    for name, shape in shapes.items():
-        if len(shape) == 1:  # zero-centred RMSNorm weights: near 0 means identity
-            t = torch.randn(shape, generator=gen) * 0.02
+    # zero-centred RMSNorm weights near 0 (identity), weights scaled by their input width
+    return {name: _random(shape, gen) for name, shape in shapes.items()}
+
+
+def _random(shape: tuple[int, ...], gen: Any) -> Any:
+    """A random BF16 tensor: zero-centred norms near 0, weights scaled by their input width."""
+    import torch
+
+    if len(shape) == 1:
+        return (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16)
+    return (torch.randn(shape, generator=gen) * (1.0 / shape[-1] ** 0.5)).to(torch.bfloat16)
+
+
+def _qwen4_exp_tensors(spec: TinySpec, config: dict[str, Any]) -> dict[str, Any]:
+    """Qwen4-Exp main model in its real layout (``synth.qwen4_exp``, our own code: the installed transformers
+    predates the family), the PLE int64 buffers with their real values, and a Qwen3.5-style vision tower."""
+    import torch
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5VisionConfig
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
+
+    from mtpquant.synth.qwen4_exp import main_tensors, ngram_buffers
+
+    text = config["text_config"]
+    gen = torch.Generator().manual_seed(spec.seed)
+    ple_ids = sorted(text["ple_layer_ids"])
+    out: dict[str, Any] = {}
+    for name, shape, dtype in main_tensors(config):
+        if dtype == "I64":
+            layer = int(name.split(".layers.", 1)[1].split(".", 1)[0])
+            values = ngram_buffers(text, ple_ids.index(layer + 1))[name.rsplit(".", 1)[1]]
+            out[name] = torch.tensor(values, dtype=torch.int64)
+        elif name.endswith(".A_log"):
+            out[name] = torch.log(torch.rand(shape, generator=gen) * 15.99 + 0.01).float()
         else:
-            t = torch.randn(shape, generator=gen) * (1.0 / shape[-1] ** 0.5)
-        out[name] = t.to(torch.bfloat16)
+            t = _random(shape, gen)
+            out[name] = t.float() if dtype == "F32" else t
+    torch.manual_seed(spec.seed)
+    vision_cfg = {k: v for k, v in config["vision_config"].items() if k != "model_type"}
+    visual = Qwen3_5VisionModel(Qwen3_5VisionConfig(**vision_cfg))
+    for name, t in visual.state_dict().items():
+        out["model.visual." + name] = t.detach().to(torch.bfloat16).contiguous()
     return out
 
 
 def _assign_shards(names: list[str], spec: TinySpec) -> dict[str, int]:
     """Shard number per tensor: main tensors spread in order; MTP split over first and last shard."""
     count = spec.shards
-    main = [n for n in names if not n.startswith("mtp.")]
-    mtp = [n for n in names if n.startswith("mtp.")]
+    main = [n for n in names if not is_mtp_name(n)]
+    mtp = [n for n in names if is_mtp_name(n)]
     where = {n: min(count - 1, i * count // max(1, len(main))) for i, n in enumerate(main)}
     for n in mtp:
         # Like Qwen3.5-4B: the MTP MLP sits in the first shard, the rest in the last.
@@ -270,7 +314,10 @@ def make_tiny_checkpoint(
     if spec.family not in {f.key for f in FAMILIES}:
         raise ValueError(f"unknown family {spec.family!r}")
     config = tiny_config(spec)
-    tensors = _disk_layout(spec, _main_state_dict(spec, config))
+    if spec.family == "qwen4_exp":
+        tensors = _qwen4_exp_tensors(spec, config)
+    else:
+        tensors = _disk_layout(spec, _main_state_dict(spec, config))
     if spec.mtp:
         tensors |= _mtp_tensors(spec, config)
     names = sorted(tensors)

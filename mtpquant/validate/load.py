@@ -26,10 +26,10 @@ import torch
 from torch import Tensor, nn
 
 from mtpquant.engine.sampling import SamplingSettings
-from mtpquant.families import FUSED_EXPERT_PIECES, TensorClass
+from mtpquant.families import FUSED_EXPERT_PIECES, MTP_PREFIX, TensorClass, is_mtp_name, mtp_config
 from mtpquant.formats.fp8 import FP8_E4M3_MAX
 from mtpquant.formats.nvfp4 import quantize_activation_nvfp4
-from mtpquant.mtp.module import MtpConfig, MtpLayer, MtpLayoutError
+from mtpquant.mtp.module import MtpLayer, MtpLayoutError
 from mtpquant.validate import ACTIVATION_MODES
 from mtpquant.validate.rules import target_probs
 from mtpquant.validate.weights import (
@@ -119,7 +119,7 @@ def load_mtp(
         )
         return None, reason
     try:
-        cfg = MtpConfig.from_text_config(weights.ckpt.config)
+        cfg = mtp_config(weights.ckpt.config)
     except ValueError as exc:
         return None, f"MTP config: {exc}"
     emulate = activations == "emulate"
@@ -132,11 +132,11 @@ def load_mtp(
     if emulate:
         modules = dict(layer.named_modules())
         for module, fmt in weights.formats.items():
-            if not module.startswith("mtp."):
+            if not is_mtp_name(module):
                 continue
             quantize = activation_quantizer(fmt, weights.pre_quant_scale(module))
             if quantize is not None:
-                modules[module.removeprefix("mtp.")].register_forward_pre_hook(_hook(quantize))
+                modules[module.removeprefix(MTP_PREFIX)].register_forward_pre_hook(_hook(quantize))
                 emulated.append(module)
     bundle = MtpBundle(
         layer=layer,

@@ -51,7 +51,7 @@ def check_same_model(reference: Checkpoint, candidate: Checkpoint) -> None:
             f"{where}: REFERENCE is {rs.family.display} ({rs.architecture}), CANDIDATE is {cs.family.display} "
             f"({cs.architecture})"
         )
-    diffs = dimension_differences(rs.text, cs.text, rs.family.moe)
+    diffs = dimension_differences(rs.text, cs.text, rs.family)
     if not diffs:
         ref_vocab, cand_vocab = _vocabulary(reference.source), _vocabulary(candidate.source)
         if ref_vocab is not None and cand_vocab is not None and ref_vocab != cand_vocab:

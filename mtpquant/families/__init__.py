@@ -1,0 +1,78 @@
+"""The family registry: everything mtpquant knows about each supported Qwen architecture.
+
+Architecture knowledge lives here and nowhere else: recognition from ``config.json`` (day-0 aliases
+included), tensor prefixes, how the MTP is declared, its exact tensor inventory and shapes, which MTP modules
+engines build as quantizable Linears, fused and packed groups, the modules NVFP4 must leave unquantized, the
+engine's MTP layer-index remap, and the torch-free MTP config parse. Other modules ask the registry instead of
+testing ``model_type`` or naming MTP tensors themselves.
+
+- ``schema``: the dataclasses one family fills in (``Family``, ``MtpLayout``, ``EngineRules``);
+- ``qwen3``, ``qwen4_exp``: the entries (Qwen3.5 dense / MoE and Qwen3-Next; Qwen3.8-Flash-Next);
+- ``spec``: a family resolved against one config (``ModelSpec``, ``resolve``, tensor classes);
+- ``mtp_config``: the reference MTP forward's dimensions, every refusal at plan time.
+"""
+
+from __future__ import annotations
+
+from mtpquant.families.mtp_config import MtpConfig, config_int
+from mtpquant.families.schema import (
+    MTP_PREFIX,
+    EngineRules,
+    Family,
+    ForcedUnquantized,
+    MtpLayout,
+    is_mtp_name,
+    matches,
+    mtp_layer_count,
+)
+from mtpquant.families.spec import (
+    FAMILIES,
+    VISION_PREFIX,
+    ModelSpec,
+    MtpDeclaration,
+    TensorClass,
+    classify_tensor,
+    dimension_differences,
+    mtp_config,
+    resolve,
+    supported_architectures,
+    tensor_classifier,
+)
+
+__all__ = [
+    "FAMILIES",
+    "FUSED_EXPERT_PIECES",
+    "MTP_PREFIX",
+    "VISION_PREFIX",
+    "EngineRules",
+    "Family",
+    "ForcedUnquantized",
+    "ModelSpec",
+    "MtpConfig",
+    "MtpDeclaration",
+    "MtpLayout",
+    "TensorClass",
+    "classify_tensor",
+    "config_int",
+    "dimension_differences",
+    "family",
+    "is_mtp_name",
+    "matches",
+    "mtp_config",
+    "mtp_layer_count",
+    "resolve",
+    "supported_architectures",
+    "tensor_classifier",
+]
+
+# transformers' fused experts (``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj`` [E, H, I]): per expert, the
+# per-expert Linears it concatenates along the rows, in this order (the gate first), experts stacked in order.
+FUSED_EXPERT_PIECES = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+
+
+def family(key: str) -> Family:
+    """The registry entry called ``key`` (e.g. ``"qwen4_exp"``)."""
+    for f in FAMILIES:
+        if f.key == key:
+            return f
+    raise KeyError(key)

@@ -1,0 +1,180 @@
+"""The registry's schema: what one family states about its checkpoints, its MTP and how engines build them.
+
+A family is data. Everything that differs between Qwen generations (recognition from ``config.json``,
+tensor prefixes, the MTP tensor inventory and its depth keys, which modules engines build as quantizable
+Linears, fused and packed groups, what NVFP4 must leave unquantized, the engine's MTP layer-index remap)
+is a field here, filled in by one entry per family (``qwen3.py``, ``qwen4_exp.py``). Code elsewhere asks
+the registry and names no MTP tensor itself.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from fnmatch import translate
+from functools import lru_cache
+from typing import Any
+
+__all__ = [
+    "MTP_PREFIX",
+    "EngineRules",
+    "Family",
+    "ForcedUnquantized",
+    "MtpLayout",
+    "Shapes",
+    "is_mtp_name",
+    "matches",
+    "mtp_layer_count",
+]
+
+MTP_PREFIX = "mtp."
+
+# (text config, MTP depth, per-expert bank) -> every mtp.* tensor name with its shape
+Shapes = Callable[[Mapping[str, Any], int, bool], dict[str, tuple[int, ...]]]
+
+
+def is_mtp_name(name: str) -> bool:
+    """Anchored MTP test: ``mtp.`` at the start of the name, never a substring match."""
+    return name.startswith(MTP_PREFIX)
+
+
+_MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.")
+
+
+def mtp_layer_count(names: Iterable[str]) -> int:
+    """Number of MTP decoder layers a tensor name set holds (highest ``mtp.layers.N`` + 1)."""
+    layers = [int(m.group(1)) for n in names if (m := _MTP_LAYER.match(n))]
+    return max(layers) + 1 if layers else 0
+
+
+def matches(name: str, patterns: tuple[str, ...]) -> bool:
+    """fnmatch (case-sensitive) of a module name against any of the registry's patterns."""
+    return bool(patterns) and _matcher(patterns)(name) is not None
+
+
+@lru_cache(maxsize=64)
+def _matcher(patterns: tuple[str, ...]) -> Callable[[str], Any]:
+    """The patterns as one compiled regex (fnmatch's own translation): one C call per name."""
+    return re.compile("|".join(f"(?:{translate(p)})" for p in patterns)).match
+
+
+@dataclass(frozen=True)
+class MtpLayout:
+    """How one family stores and declares its MTP, and which of its modules may be quantized."""
+
+    # Config keys that declare the depth (in text_config for wrappers), in the order engines read them; the first
+    # one present wins, the first of all is the one written when a declaration is added. (): no key exists.
+    depth_keys: tuple[str, ...]
+    # Layers engines assume when no depth key is present (Qwen3-Next: 1; Qwen3.5: 0, the MTP is off).
+    default_layers: int
+    # Other MTP settings engines read from the same config (kept verbatim by every surgery).
+    setting_keys: tuple[str, ...]
+    # The inventory: every mtp.* tensor and its shape, from the text config and the depth.
+    shapes: Shapes
+    # Routed MTP experts as stored by the family's release: a per-expert bank (True) or fused 3-D tensors.
+    per_expert: bool
+    # Whether the other expert form is accepted too (engines load both).
+    either_expert_form: bool
+    # MTP modules an engine builds as quantizable Linears / MoE (fnmatch on module names, mtp. included).
+    engine_linears: tuple[str, ...]
+    # MTP Linears a quantized MTP keeps in BF16, excluded by exact name (fnmatch on module names).
+    unquantized: tuple[str, ...]
+    # Leaf names of Linears that read one input and so share one weight_scale_2 / input_scale.
+    fused_groups: tuple[tuple[str, ...], ...]
+    # Whether the engine renames mtp.layers.i to mtp.layers.{num_hidden_layers + i} in module names and in
+    # ignore / quantized_layers entries (vLLM's Qwen4ExpMTP); False: the checkpoint's own indices.
+    engine_layer_offset: bool = False
+
+    def engine_name(self, name: str, num_hidden_layers: int) -> str:
+        """An MTP module or pattern as the engine names it (patterns that do not start with ``mtp.`` unchanged).
+
+        Mirrors ``_remap_ignored_layers`` in vLLM 0.32 ``vllm/models/qwen4_exp/nvidia/mtp.py`` (lines 68-83): every
+        number after ``.layers.`` in a name starting with ``mtp.`` is offset by ``num_hidden_layers``.
+        """
+        if not self.engine_layer_offset or not name.startswith(MTP_PREFIX):
+            return name
+        return _LAYER_NUMBER.sub(lambda m: str(num_hidden_layers + int(m.group(0))), name)
+
+    def is_unquantized(self, module: str) -> bool:
+        """Whether a quantized MTP keeps this MTP Linear in BF16."""
+        return matches(module, self.unquantized)
+
+
+_LAYER_NUMBER = re.compile(r"(?<=\.layers\.)\d+")
+
+
+@dataclass(frozen=True)
+class ForcedUnquantized:
+    """A module an engine builds without quantization whatever the exclusions say, under one quantization method."""
+
+    method: str  # the vLLM quantization method name (get_name()), e.g. "modelopt_fp4"
+    pattern: str  # fnmatch on the engine module name
+    source: str  # where the engine does it (file and function), for the report
+    workaround: bool  # True: a compatibility workaround a correct checkpoint should not rely on (a warning)
+
+
+@dataclass(frozen=True)
+class EngineRules:
+    """How vLLM builds the family's modules: packed groups, modules built without a quantization config."""
+
+    # vLLM's packed_modules_mapping: engine module leaf -> checkpoint shard names (dotted names allowed)
+    packed: Mapping[str, tuple[str, ...]]
+    # fnmatch patterns of modules vLLM always builds without a quantization config (router, gates, ...)
+    built_unquantized: tuple[str, ...]
+    forced_unquantized: tuple[ForcedUnquantized, ...] = ()
+    # fnmatch patterns of engine modules that are embedding tables looked up (not Linears), with their shards
+    embedding_tables: tuple[str, ...] = ()
+    # architectures / model types the engine release knows (None: every architecture of the family)
+    known_architectures: frozenset[str] | None = None
+
+
+@dataclass(frozen=True)
+class Family:
+    """One supported architecture family and the facts that differ between families."""
+
+    key: str
+    display: str
+    # (model_type, architecture) pairs this family answers to; wrapper configs carry `text_config`.
+    model_types: frozenset[str]
+    architectures: frozenset[str]
+    moe: bool
+    # Main-model tensor prefixes: the wrapper layout first, then text-only re-exports.
+    wrapper_prefix: str
+    text_only_prefixes: tuple[str, ...]
+    has_vision: bool
+    mtp: MtpLayout
+    engine: EngineRules
+    # transformers classes used to load the main model (None: not loadable by the installed transformers).
+    wrapper_class: str | None
+    text_class: str
+    # Linear module name suffixes that share one input (and so one weight_scale_2 / input_scale).
+    fused_groups: tuple[tuple[str, ...], ...]
+    # Module-name patterns (fnmatch, relative to the full tensor name) NVFP4 leaves unquantized.
+    unquantized: tuple[str, ...]
+    # Whether main-model experts are stored fused 3-D (`experts.gate_up_proj`) on disk.
+    fused_main_experts: bool
+    # Day-0 labels some checkpoints carry over identical weights: alias -> canonical (model types and
+    # architectures alike); recognised, reported, and relabelled by `graft --fix-metadata`.
+    aliases: Mapping[str, str] = field(default_factory=dict)
+    # Other config keys that must agree for one checkpoint's MTP to fit another's (graft's lineage check).
+    lineage_keys: tuple[str, ...] = ()
+    # Whether mtpquant has a reference forward of this family's MTP (quantize mode, validate).
+    mtp_forward: bool = True
+    # Whether SGLang builds a quantized MTP from a MIXED_PRECISION config that lists mtp.* layers (SGLang 0.5.23
+    # _mtp_quant_config); otherwise mtpquant reports that SGLang serves only a BF16 MTP.
+    sglang_mixed_mtp: bool = False
+
+    @property
+    def mtp_key(self) -> str | None:
+        """The config key a declaration is written under (None: the family has no key, engines assume a depth)."""
+        return self.mtp.depth_keys[0] if self.mtp.depth_keys else None
+
+    @property
+    def mtp_default_layers(self) -> int:
+        """MTP layers engines assume when the config has no depth key."""
+        return self.mtp.default_layers
+
+    def canonical(self, label: str) -> str:
+        """A model type or architecture with any day-0 alias replaced by its canonical name."""
+        return self.aliases.get(label, label)

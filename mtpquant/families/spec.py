@@ -1,0 +1,265 @@
+"""A family resolved against one ``config.json``: the ``ModelSpec`` (dimensions, prefixes, MTP declaration and
+inventory) and the header table's tensor classes. Recognition goes through the registry (``FAMILIES``)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any
+
+from mtpquant.errors import ConfigError, MtpConfigError, UnsupportedArchitectureError
+from mtpquant.families.mtp_config import MtpConfig, config_int
+from mtpquant.families.qwen3 import QWEN3_FAMILIES
+from mtpquant.families.qwen4_exp import QWEN4_EXP
+from mtpquant.families.schema import Family, is_mtp_name
+
+__all__ = [
+    "FAMILIES",
+    "VISION_PREFIX",
+    "ModelSpec",
+    "MtpDeclaration",
+    "TensorClass",
+    "classify_tensor",
+    "dimension_differences",
+    "mtp_config",
+    "resolve",
+    "supported_architectures",
+    "tensor_classifier",
+]
+
+VISION_PREFIX = "model.visual."
+
+FAMILIES: tuple[Family, ...] = (*QWEN3_FAMILIES, QWEN4_EXP)
+
+_PER_EXPERT_MTP = re.compile(r"^mtp\.layers\.\d+\.mlp\.experts\.\d+\.")
+
+
+def supported_architectures() -> list[str]:
+    """Every canonical architecture name the registry accepts, sorted (day-0 aliases are accepted too)."""
+    return sorted(a for f in FAMILIES for a in f.architectures if a not in f.aliases)
+
+
+@dataclass(frozen=True)
+class MtpDeclaration:
+    """How (and whether) a config declares the MTP layer."""
+
+    layers: int
+    key: str | None  # the config key, e.g. "text_config.mtp_num_hidden_layers"; None: family default
+    value: Any
+
+    @property
+    def declared(self) -> bool:
+        """True when engines will expect MTP tensors."""
+        return self.layers > 0
+
+    def describe(self) -> str:
+        """Human form, e.g. ``text_config.mtp_num_hidden_layers = 1``."""
+        if self.key is None:
+            if self.layers == 0:
+                return "not declared"
+            return f"not in config (engines default to {self.layers} layer)"
+        return f"{self.key} = {self.value!r}"
+
+
+class TensorClass:
+    """Tensor classes used by the header table."""
+
+    MAIN = "main"
+    MTP = "mtp"
+    VISION = "vision"
+    EMBED = "embed"
+    LM_HEAD = "lm_head"
+    OTHER = "other"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A family resolved against one config: dimensions, prefixes and the expected MTP tensor set."""
+
+    family: Family
+    architecture: str
+    config: Mapping[str, Any] = field(repr=False)
+    text: Mapping[str, Any] = field(repr=False)
+    wrapped: bool
+    mtp: MtpDeclaration
+
+    # ---- dimensions -------------------------------------------------------------------------
+    def dim(self, key: str) -> int:
+        """An integer dimension of the text config, or a one-line error naming the key."""
+        return config_int(self.text, key)
+
+    @property
+    def hidden_size(self) -> int:
+        """Hidden size H."""
+        return self.dim("hidden_size")
+
+    @property
+    def num_experts(self) -> int:
+        """Routed experts per MoE layer (0 for dense)."""
+        return self.dim("num_experts") if self.family.moe else 0
+
+    @property
+    def tied_embeddings(self) -> bool:
+        """Whether ``lm_head`` shares ``embed_tokens`` (then no ``lm_head.weight`` on disk)."""
+        value = self.config.get("tie_word_embeddings", self.text.get("tie_word_embeddings", False))
+        return bool(value)
+
+    @property
+    def main_prefix(self) -> str:
+        """Main-model prefix for the wrapper layout (text-only re-exports: see ``main_prefix_for``)."""
+        return self.family.wrapper_prefix
+
+    def main_prefix_for(self, names: Iterable[str]) -> str:
+        """The main-model prefix actually used by a tensor name set (text-only exports vary)."""
+        if self.wrapped:
+            return self.family.wrapper_prefix
+        names = list(names)
+        for prefix in self.family.text_only_prefixes:
+            if any(n.startswith(prefix + "layers.") for n in names):
+                return prefix
+        return self.family.text_only_prefixes[0]
+
+    def declaration_path(self, key: str) -> str:
+        """Where a text-config key lives in config.json (``text_config.KEY`` for wrappers)."""
+        return f"text_config.{key}" if self.wrapped else key
+
+    def aliases(self) -> list[tuple[str, str, str]]:
+        """Day-0 labels in this config: (where, alias, canonical), e.g. ``("architectures[0]", "Qwen3_8Flash...",
+        "Qwen4Exp...")``; empty for a config that uses the canonical names."""
+        found: list[tuple[str, str, str]] = []
+        aliases = self.family.aliases
+        for i, arch in enumerate(self.config.get("architectures") or []):
+            if arch in aliases:
+                found.append((f"architectures[{i}]", arch, aliases[arch]))
+        for where, sub in (("", self.config), ("text_config.", self.config.get("text_config"))):
+            if isinstance(sub, Mapping) and sub.get("model_type") in aliases:
+                found.append((f"{where}model_type", sub["model_type"], aliases[sub["model_type"]]))
+        return found
+
+    # ---- MTP --------------------------------------------------------------------------------
+    def expected_mtp_shapes(self, present: Iterable[str] | None = None) -> dict[str, tuple[int, ...]]:
+        """The exact ``mtp.*`` tensor names and shapes this config implies (empty if undeclared).
+
+        ``present``: the MTP names a checkpoint holds; where the family accepts either expert form (a fused 3-D
+        pair or a per-expert bank), the form those names use is expected. Without it, the family's own form.
+        """
+        if not self.mtp.declared:
+            return {}
+        layout = self.family.mtp
+        per_expert = layout.per_expert
+        if layout.either_expert_form and present is not None:
+            per_expert = any(_PER_EXPERT_MTP.match(n) for n in present)
+        return layout.shapes(self.text, self.mtp.layers, per_expert)
+
+    def classify(self, name: str, main_prefix: str | None = None) -> str:
+        """Class of one tensor name: main / mtp / vision / embed / lm_head / other."""
+        return classify_tensor(name, main_prefix or self.main_prefix, self.family.has_vision)
+
+
+@lru_cache(maxsize=32)
+def tensor_classifier(main_prefix: str, has_vision: bool = True) -> Callable[[str], str]:
+    """The class of a tensor name given the main-model prefix, as one function (a table classifies every name)."""
+    embed = main_prefix + "embed_tokens."
+    vision = VISION_PREFIX if has_vision else None
+
+    def classify(name: str) -> str:
+        if is_mtp_name(name):
+            return TensorClass.MTP
+        if vision is not None and name.startswith(vision):
+            return TensorClass.VISION
+        if name.startswith("lm_head."):
+            return TensorClass.LM_HEAD
+        if name.startswith(main_prefix):
+            return TensorClass.EMBED if name.startswith(embed) else TensorClass.MAIN
+        return TensorClass.OTHER
+
+    return classify
+
+
+def classify_tensor(name: str, main_prefix: str, has_vision: bool = True) -> str:
+    """Class of a tensor name given the main-model prefix."""
+    return tensor_classifier(main_prefix, has_vision)(name)
+
+
+def _identify(config: Mapping[str, Any]) -> tuple[Family, str]:
+    model_type = config.get("model_type")
+    architectures = config.get("architectures") or []
+    if not isinstance(architectures, list):
+        raise ConfigError("config.json: 'architectures' must be a list")
+    for family in FAMILIES:
+        for arch in architectures:
+            if arch in family.architectures:
+                return family, arch
+    for family in FAMILIES:
+        if model_type in family.model_types:
+            text = model_type.endswith("_text") or family.wrapper_class is None
+            return family, family.text_class if text else str(family.wrapper_class)
+    found = ", ".join(map(str, architectures)) or f"model_type {model_type!r}"
+    raise UnsupportedArchitectureError(
+        f"config.json: unsupported architecture {found}; supported: {', '.join(supported_architectures())}"
+    )
+
+
+def _declaration(family: Family, text: Mapping[str, Any], wrapped: bool) -> MtpDeclaration:
+    for key in family.mtp.depth_keys:
+        value = text.get(key)
+        if value is None:
+            continue
+        where = f"text_config.{key}" if wrapped else key
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            return MtpDeclaration(value, where, value)
+        raise ConfigError(f"config.json: {where} must be a non-negative integer, got {value!r}")
+    return MtpDeclaration(family.mtp.default_layers, None, None)
+
+
+def resolve(config: Mapping[str, Any]) -> ModelSpec:
+    """Resolve a ``config.json`` mapping into a ModelSpec, or fail listing what is supported."""
+    if not isinstance(config, Mapping):
+        raise ConfigError("config.json: top level must be a JSON object")
+    family, arch = _identify(config)
+    wrapped = isinstance(config.get("text_config"), Mapping)
+    text: Mapping[str, Any] = config["text_config"] if wrapped else config
+    mtp = _declaration(family, text, wrapped)
+    return ModelSpec(family=family, architecture=arch, config=config, text=text, wrapped=wrapped, mtp=mtp)
+
+
+def mtp_config(config: Mapping[str, Any]) -> MtpConfig:
+    """The reference forward's dimensions for ``config``, or one line saying why not (a family without a
+    reference forward by name, then whatever ``MtpConfig`` refuses): every refusal before anything loads."""
+    family = resolve(config).family
+    if not family.mtp_forward:
+        raise MtpConfigError(f"mtpquant has no reference MTP forward for {family.display} ({family.key}) yet")
+    return MtpConfig.from_text_config(config)
+
+
+# ---- two checkpoints of one model ------------------------------------------------------------------------------
+# Dimensions that must agree for two checkpoints to be the same model (missing in either: a mismatch): graft checks
+# them before it puts one's MTP into the other, validate before it compares one against the other.
+_CORE_KEYS = (
+    "hidden_size",
+    "vocab_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "num_hidden_layers",
+)
+_DENSE_KEYS = ("intermediate_size",)
+_MOE_KEYS = ("num_experts", "moe_intermediate_size", "shared_expert_intermediate_size")
+
+
+def _fmt(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def dimension_differences(a: Mapping[str, Any], b: Mapping[str, Any], family: Family) -> list[str]:
+    """``"key A vs B"`` for every model dimension in which two text configs of ``family`` differ (empty: the same
+    shapes); the family's ``lineage_keys`` are compared only where both configs have them (some exporters drop keys
+    they do not use)."""
+    core = _CORE_KEYS + (_MOE_KEYS if family.moe else _DENSE_KEYS)
+    diffs = [f"{k} {_fmt(a.get(k))} vs {_fmt(b.get(k))}" for k in core if a.get(k) != b.get(k)]
+    extra = ("num_experts_per_tok", *family.lineage_keys)
+    diffs += [f"{k} {_fmt(a[k])} vs {_fmt(b[k])}" for k in extra if k in a and k in b and a[k] != b[k]]
+    return diffs

@@ -1,0 +1,158 @@
+"""Metadata repairs beyond the MTP's exclusions, decided from the tensors and the registry, one line each.
+
+- day-0 labels: an architecture / model_type alias the engines do not know, relabelled to the family's
+  canonical name (the weights are the same);
+- MIXED_PRECISION ``quantized_layers``: MTP entries written under the engine's layer index (vLLM renames the
+  checkpoint's ``mtp.layers.i`` itself, so such names are renamed twice) put back under the checkpoint's index,
+  and routed experts whose label selects a method that cannot load their tensors relabelled from what is on
+  disk (block-scaled FP8 with ``weight_scale_inv`` -> ``FP8_PB_WO``);
+- embedding tables the engine cannot quantize (the Qwen4-Exp PLE n-gram table) excluded by exact name where a
+  ModelOpt / compressed-tensors config would otherwise make vLLM raise.
+
+Every repair edits both ``config.json`` and ``hf_quant_config.json`` where they declare the same thing.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from mtpquant.families import ModelSpec, is_mtp_name
+from mtpquant.formats.quant_config import HF_QUANT_CONFIG, read_quant_metadata, with_exclusions
+from mtpquant.inspect.engines import FusedShardsError, engine_modules, mixed_algo, vllm_expectation
+from mtpquant.inspect.precision import linear_modules, module_precision, table_precision
+
+__all__ = ["repair_labels"]
+
+# The label that selects the method loading what is on disk (vLLM 0.32 modelopt.py 1864-1890).
+_LABEL_FOR_DISK: dict[str, dict[str, Any]] = {
+    "FP8-block": {"quant_algo": "FP8_PB_WO", "group_size": 128},
+    "NVFP4": {"quant_algo": "NVFP4", "group_size": 16},
+    "FP8": {"quant_algo": "FP8"},
+}
+_MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.")
+
+
+def _relabel_aliases(spec: ModelSpec, config: dict[str, Any], changes: list[str]) -> None:
+    for where, alias, canonical in spec.aliases():
+        if where.startswith("architectures["):
+            i = int(where[len("architectures[") : -1])
+            config["architectures"][i] = canonical
+        elif where == "model_type":
+            config["model_type"] = canonical
+        else:
+            config["text_config"]["model_type"] = canonical
+        changes.append(f"config.json: {where} {alias} -> {canonical} (the day-0 label engines do not know)")
+
+
+def _layer_maps(config: dict[str, Any], hfq: dict[str, Any] | None) -> list[tuple[str, dict[str, Any]]]:
+    """(file, the quantized_layers dict itself) for every MIXED_PRECISION declaration."""
+    out: list[tuple[str, dict[str, Any]]] = []
+    q = hfq.get("quantization") if hfq is not None else None
+    if isinstance(q, dict) and isinstance(q.get("quantized_layers"), dict):
+        out.append((HF_QUANT_CONFIG, q["quantized_layers"]))
+    qc = config.get("quantization_config")
+    if isinstance(qc, dict):
+        nested = qc.get("quantization")
+        holder = nested if isinstance(nested, dict) else qc
+        if isinstance(holder.get("quantized_layers"), dict):
+            out.append(("config.json", holder["quantized_layers"]))
+    return out
+
+
+def _rename_engine_indices(
+    spec: ModelSpec, layer_maps: list[tuple[str, dict[str, Any]]], tensors: Mapping[str, Any], changes: list[str]
+) -> None:
+    if not spec.family.mtp.engine_layer_offset:
+        return
+    n = spec.dim("num_hidden_layers")
+    held = {int(m.group(1)) for t in tensors if (m := _MTP_LAYER.match(t))}
+    for f, layers in layer_maps:
+        renamed = 0
+        for key in list(layers):
+            m = _MTP_LAYER.match(key)
+            if m and int(m.group(1)) not in held and int(m.group(1)) - n in held:
+                new = f"mtp.layers.{int(m.group(1)) - n}.{key[m.end() :]}"
+                layers[new] = layers.pop(key)
+                renamed += 1
+        if renamed:
+            ordered = dict(sorted(layers.items()))
+            layers.clear()
+            layers.update(ordered)
+            changes.append(
+                f"{f}: quantized_layers: {renamed} MTP entries renamed from the engine's layer index "
+                f"mtp.layers.{n}+i to the checkpoint's mtp.layers.i (vLLM adds num_hidden_layers itself)"
+            )
+
+
+def _relabel_experts(
+    spec: ModelSpec, config: dict[str, Any], hfq: dict[str, Any] | None, tensors: Mapping[str, Any], changes: list[str]
+) -> None:
+    layer_maps = _layer_maps(config, hfq)
+    meta = read_quant_metadata(config, hfq)
+    if not layer_maps or meta is None:
+        return
+    rules = spec.family.engine
+    names = linear_modules({n: e for n, e in tensors.items() if is_mtp_name(n)})
+    precision = {m: module_precision(tensors, m) for m in names}
+    for mod in engine_modules(names, rules):
+        if mod.kind != "experts":
+            continue
+        disks = {precision[m] for m in mod.members}
+        if len(disks) != 1:
+            continue
+        (disk,) = disks
+        want = _LABEL_FOR_DISK.get(disk)
+        try:
+            e = vllm_expectation(mod, meta, rules)
+            algo = mixed_algo(mod.prefix, meta, rules.packed)
+        except FusedShardsError:
+            continue
+        if want is None or (e.quantized and e.expects == disk):
+            continue
+        for f, layers in layer_maps:
+            for m in mod.members:
+                layers[m] = dict(want)
+            ordered = dict(sorted(layers.items()))
+            layers.clear()
+            layers.update(ordered)
+            note = " (weight_scale_inv on disk)" if disk == "FP8-block" else ""
+            changes.append(
+                f"{f}: quantized_layers: {mod.prefix} ({len(mod.members)} entries) {algo or 'absent'} -> "
+                f"{want['quant_algo']}{note}"
+            )
+
+
+def _exclude_tables(
+    spec: ModelSpec, config: dict[str, Any], hfq: dict[str, Any] | None, tensors: Mapping[str, Any], changes: list[str]
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    rules = spec.family.engine
+    meta = read_quant_metadata(config, hfq)
+    if not rules.embedding_tables or meta is None or meta.algo.upper() == "MIXED_PRECISION":
+        return config, hfq
+    names = linear_modules({n: e for n, e in tensors.items() if not is_mtp_name(n)})
+    refused = [
+        mod.prefix
+        for mod in engine_modules(names, rules)
+        if mod.kind == "embedding"
+        and table_precision(tensors, mod.prefix, mod.members) in ("BF16", "F16", "F32")
+        and vllm_expectation(mod, meta, rules).refusal is not None
+    ]
+    if not refused:
+        return config, hfq
+    new_config, new_hfq = with_exclusions(config, hfq, refused, refused)
+    for f in ([HF_QUANT_CONFIG] if new_hfq != hfq else []) + (["config.json"] if new_config != config else []):
+        what = "ignore" if f == "config.json" else "exclude_modules"
+        changes.append(f"{f}: {what} += {', '.join(refused)} (vLLM raises on an n-gram table it would quantize)")
+    return new_config, new_hfq
+
+
+def repair_labels(
+    spec: ModelSpec, config: dict[str, Any], hfq: dict[str, Any] | None, tensors: Mapping[str, Any], changes: list[str]
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """``config`` / ``hfq`` (edited copies) with the label repairs applied; one line per repair in ``changes``."""
+    _relabel_aliases(spec, config, changes)
+    _rename_engine_indices(spec, _layer_maps(config, hfq), tensors, changes)
+    _relabel_experts(spec, config, hfq, tensors, changes)
+    return _exclude_tables(spec, config, hfq, tensors, changes)
