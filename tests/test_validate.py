@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.cli import main
+from mtpquant.engine.sampling import SamplingSettings
 from mtpquant.errors import ExitCode
 from mtpquant.formats.fp8 import quantize_fp8_per_tensor
 from mtpquant.formats.nvfp4 import (
@@ -36,6 +37,7 @@ from mtpquant.validate.prompts import (
     default_prompts,
     held_out_documents,
     load_prompts,
+    plan_sequences,
     training_documents,
 )
 from mtpquant.validate.report import write_report
@@ -349,15 +351,16 @@ def test_batched_generation_equals_one_prompt_at_a_time(variant: str, tiny_facto
     gen = torch.Generator().manual_seed(4)
     # Lengths 5, 9, 5, 20 (capped at max_len // 2 = 8), 5, 3: groups of 3, 2 and 1 prompts.
     prompts = [torch.randint(0, 400, (n,), generator=gen).tolist() for n in (5, 9, 5, 20, 5, 3)]
-    one = capture(target, prompts, 16, label="one", progress=False, batch_size=1)
-    batched = capture(target, prompts, 16, label="batched", progress=False, batch_size=2)
+    plan = plan_sequences(prompts, 16)
+    one = capture(target, plan, label="one", progress=False, batch_size=1)
+    batched = capture(target, plan, label="batched", progress=False, batch_size=2)
     assert [s.prompt_len for s in batched.sequences] == [5, 8, 5, 8, 5, 3]
     atol = 0.0 if variant == "qwen3_5" else 1e-5
     for a, b in zip(one.sequences, batched.sequences, strict=True):
         assert torch.equal(a.tokens, b.tokens) and a.prompt_len == b.prompt_len
         torch.testing.assert_close(a.hidden, b.hidden, rtol=0, atol=atol)
-    on_one = capture(target, prompts[:2], 16, label="c", reference=one, progress=False, batch_size=1)
-    on_batched = capture(target, prompts[:2], 16, label="c", reference=one, progress=False, batch_size=4)
+    on_one = capture(target, plan[:2], label="c", reference=one, progress=False, batch_size=1)
+    on_batched = capture(target, plan[:2], label="c", reference=one, progress=False, batch_size=4)
     assert on_one.hidden_on_ref is not None and on_batched.hidden_on_ref is not None
     for a, b in zip(on_one.hidden_on_ref, on_batched.hidden_on_ref, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=atol)
@@ -366,6 +369,13 @@ def test_batched_generation_equals_one_prompt_at_a_time(variant: str, tiny_facto
     assert evaluate_acceptance(bundle, one, 3, progress=False) == evaluate_acceptance(
         bundle, batched, 3, progress=False
     )
+    # sampled: each prompt draws from its own generator, so its tokens do not depend on the batch either
+    hot = SamplingSettings(0.9, top_p=0.95)
+    sampled_one = capture(target, plan, label="s1", progress=False, batch_size=1, sampling=hot)
+    sampled_batched = capture(target, plan, label="s4", progress=False, batch_size=4, sampling=hot)
+    for a, b in zip(sampled_one.sequences, sampled_batched.sequences, strict=True):
+        assert torch.equal(a.tokens, b.tokens)
+    assert any(not torch.equal(a.tokens, b.tokens) for a, b in zip(one.sequences, sampled_one.sequences))
 
 
 @pytest.mark.slow
