@@ -75,8 +75,13 @@ def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
     return code, capsys.readouterr().err.strip()
 
 
-# Every server measures three sampling settings: greedy, T=0.8, and T=0.8 with top-p 0.9.
-SAMPLING: dict[str, Any] = {"temperatures": (0.0, 0.8, 0.8), "top_p": (1.0, 1.0, 0.9)}
+# Every server measures several sampling settings: greedy and T=0.8, and on the keep output also T=0.8 with
+# top-p 0.9.
+SAMPLING: dict[str, dict[str, Any]] = {
+    "keep": {"temperatures": (0.0, 0.8, 0.8), "top_p": (1.0, 1.0, 0.9)},
+    "quantize": {"temperatures": (0.0, 0.8)},
+}
+LABELS = {"keep": ["T=0", "T=0.8", "T=0.8, top-p 0.9"], "quantize": ["T=0", "T=0.8"]}
 # Sized so that the engine's own sampling noise is well below the tolerances. A per-position acceptance is a rate
 # over the verification steps, so its standard error is at most 0.5 / sqrt(steps); the built-in prediction's is
 # smaller (it adds expected acceptances, not coin flips). 48 prompts of at most 96 tokens, each continued by
@@ -95,13 +100,13 @@ def test_engine_measures_what_the_builtin_path_predicts_under_sampling(
     outputs: dict[str, Path], vllm: EnginePool, tmp_path: Path, mode: str
 ) -> None:
     """The built-in prediction (the rule's probabilities along sequences the target samples) against the real vLLM
-    engine's counters, at k = 1 and 2, greedy, T = 0.8 and T = 0.8 / top-p 0.9: one server per k, every setting
+    engine's counters, at k = 1 and 2, greedy, T = 0.8 (and T = 0.8 / top-p 0.9): one server per k, every setting
     on it, the same prompts, lengths and seeds (``--server`` with the checkpoint's tokenizer)."""
     common: dict[str, Any] = {
         "num_prompts": SAMPLED_PROMPTS,
         "max_len": SAMPLED_LEN,
         "progress": False,
-        **SAMPLING,
+        **SAMPLING[mode],
     }
     measured = {}
     for k in (1, 2):
@@ -111,8 +116,7 @@ def test_engine_measures_what_the_builtin_path_predicts_under_sampling(
             ValidateOptions(outputs[mode], server=url, concurrency=8, report_dir=tmp_path / f"k{k}", **common)
         ).report
         assert report.engine[0].k == k and report.engine[0].sampling["concurrency"] == 8
-        labels = [a.sampling.label for a in report.reference.acceptance_by_sampling]
-        assert labels == ["T=0", "T=0.8", "T=0.8, top-p 0.9"]
+        assert [a.sampling.label for a in report.reference.acceptance_by_sampling] == LABELS[mode]
         measured[k] = report.reference.acceptance_by_sampling
         profile = json.loads((tmp_path / f"k{k}" / "speculation_profile.json").read_text())
         assert profile["num_speculative_tokens"] == k and profile["measurement_conditions"]["engine"] == "vllm 0.32.0"
@@ -136,16 +140,15 @@ def test_engine_measures_what_the_builtin_path_predicts_under_sampling(
     assert hot.mean_acceptance_length < greedy.mean_acceptance_length - 0.1
 
 
-@pytest.mark.parametrize("mode", ["keep", "quantize"])
 def test_engine_measures_what_the_builtin_path_predicts(
-    outputs: dict[str, Path], vllm: EnginePool, tmp_path: Path, mode: str
+    outputs: dict[str, Path], vllm: EnginePool, tmp_path: Path
 ) -> None:
-    """``--engine vllm`` with ``--compare-reference``: the servers mtpquant starts itself, greedy, the prediction
-    beside the engine in the report."""
+    """``--engine vllm`` with ``--compare-reference``: the servers mtpquant starts itself (greedy, k = 1 and 3), the
+    prediction beside the engine in the report (the quantize output is compared under sampling above)."""
     report_dir = tmp_path / "report"
     result = validate(
         ValidateOptions(
-            outputs[mode],
+            outputs["keep"],
             num_prompts=PROMPTS,
             max_len=MAX_LEN,
             ks=(1, 3),

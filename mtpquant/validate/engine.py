@@ -51,6 +51,12 @@ __all__ = ["validate_engine"]
 
 log = logging.getLogger(__name__)
 
+CPU_SAMPLING_NOTE = (
+    "vLLM 0.32.0's CPU build mis-expands each request's temperature, top-k and top-p to its drafts in the rejection "
+    "sampler (vllm/utils/cpu_triton_utils.py::_expand_kernel_impl fills an int64 copy that is never read back), so "
+    "an unpatched CPU server judges sampled drafts against uninitialized distributions and accepts almost none; "
+    "mtpquant's test engine environment corrects it (tests/support/vllm_env.py). GPU builds run the Triton kernel."
+)
 ENGINE_NOTE = (
     "The same prompts, lengths and sampling settings as the built-in path (ignore_eos). The engine's "
     "speculative-decoding counters are server-wide: numbers are differences of snapshots."
@@ -348,6 +354,8 @@ def validate_engine(opts: ValidateOptions) -> ValidationReport:
             raise ValidateError("no prompt is long enough to measure")
         logs = Path(opts.report_dir) if opts.report_dir is not None else Path(tempfile.mkdtemp(prefix="mtpquant-vllm-"))
         cpu = _device_is_cpu(opts)
+        if cpu and any(not x.greedy for x in opts.sampling_settings):
+            notes.append(CPU_SAMPLING_NOTE)
         for label, ckpt in (("reference", opts.reference), ("candidate", opts.candidate)):
             if ckpt is None:
                 continue
