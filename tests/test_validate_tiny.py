@@ -26,7 +26,7 @@ from mtpquant.cli import main
 from mtpquant.errors import ExitCode
 from mtpquant.families import TensorClass
 from mtpquant.synth.train import TINY_MTP_ASSET
-from mtpquant.validate.run import ValidateOptions, validate
+from mtpquant.validate.run import ValidateError, ValidateOptions, validate
 from mtpquant.validate.schema import ValidationReport
 
 pytestmark = pytest.mark.slow
@@ -234,3 +234,30 @@ def test_random_mtp_fails(
     verdict = result.report.verdict
     assert verdict.status == "fail" and not verdict.broken and verdict.exit_code == ExitCode.VALIDATE_FAIL
     assert verdict.reasons[0].startswith("candidate MTP is broken: AL 1.0")
+
+
+def test_context_buckets_are_filled(tmp_path: Path) -> None:
+    """--context-buckets: the prompts are planned to fill every bucket, long default prompts included, and the
+    per-position acceptance is reported and plotted per bucket."""
+    result = validate(
+        ValidateOptions(
+            ASSET,
+            num_prompts=6,
+            max_len=64,
+            k=2,
+            context_buckets=(64, 160, 320),
+            device="cpu",
+            progress=False,
+            report_dir=tmp_path / "r",
+        )
+    )
+    row = result.report.reference.acceptance_by_sampling[0].by_k[-1]
+    assert [(b.low, b.high) for b in row.by_context] == [(0, 64), (64, 160), (160, 320)]
+    assert all(b.steps > 0 for b in row.by_context)  # two prompts per bucket, each drafting inside it
+    assert sum(b.steps for b in row.by_context) == row.num_steps
+    assert (tmp_path / "r" / "context.png").is_file()
+    profile = json.loads((tmp_path / "r" / "speculation_profile.json").read_text())
+    assert [b["context"] for b in profile["by_context"]] == [[0, 64], [64, 160], [160, 320]]
+    assert profile["measurement_conditions"]["context_buckets"] == [[0, 64], [64, 160], [160, 320]]
+    with pytest.raises(ValidateError, match="supports contexts up to"):
+        validate(ValidateOptions(ASSET, context_buckets=(64, 10**7), device="cpu", progress=False))
