@@ -76,9 +76,9 @@ class ExitCode(IntEnum):
     HUB_ACCESS = 31  # the repo, revision or file does not exist, or is gated / private / needs a token
     HUB_REFUSED = 32  # the Hub refused the request or rate-limited it beyond the retries
     ENGINE_UNREACHABLE = 40  # the engine server cannot be reached
-    ENGINE_ANSWER = 41  # the server is not a vLLM OpenAI server, or answered something unexpected
+    ENGINE_ANSWER = 41  # the server is not a vLLM or SGLang server, or answered something unexpected
     ENGINE_MODEL = 42  # the server serves another model than asked
-    ENGINE_SPEC_DECODE = 43  # the server has no speculative decoding configured (counters absent or still)
+    ENGINE_SPEC_DECODE = 43  # no MTP-chain speculative decoding: none, another drafter, a tree, adaptive k
     ENGINE_START = 44  # the engine server failed to start (its log is named)
     INTERRUPTED = 130  # Ctrl-C: nothing left behind
 
@@ -113,9 +113,9 @@ _MEANING = {
     ExitCode.HUB_ACCESS: "Hub repo/file not found, gated, private, or bad token",
     ExitCode.HUB_REFUSED: "Hub refused the request or rate-limited it",
     ExitCode.ENGINE_UNREACHABLE: "engine server unreachable",
-    ExitCode.ENGINE_ANSWER: "not a vLLM OpenAI server, or an unexpected answer",
+    ExitCode.ENGINE_ANSWER: "not a vLLM or SGLang server, or an unexpected answer",
     ExitCode.ENGINE_MODEL: "the server serves another model",
-    ExitCode.ENGINE_SPEC_DECODE: "the server has no speculative decoding configured",
+    ExitCode.ENGINE_SPEC_DECODE: "the server does not draft with the MTP as a k-step chain (none, a tree, ...)",
     ExitCode.ENGINE_START: "the engine server failed to start",
     ExitCode.INTERRUPTED: "interrupted",
 }
@@ -263,7 +263,7 @@ class EngineUnreachableError(MtpquantError):
 
 
 class EngineAnswerError(MtpquantError):
-    """The server is not a vLLM OpenAI-compatible server, or answered something unexpected."""
+    """The server is neither a vLLM nor an SGLang server, or answered something unexpected."""
 
     exit_code = ExitCode.ENGINE_ANSWER
 
@@ -275,7 +275,8 @@ class EngineModelError(MtpquantError):
 
 
 class EngineSpecDecodeError(MtpquantError):
-    """The server has no speculative decoding configured: its counters are absent or did not move."""
+    """The server does not draft with the checkpoint's MTP as a k-step chain: no speculative decoding (counters
+    absent or still), another drafter, a draft tree, or a k that changes as it runs."""
 
     exit_code = ExitCode.ENGINE_SPEC_DECODE
 

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from mtpquant.engine.server import ENGINE_NAMES
 from mtpquant.units import format_bytes
 from mtpquant.validate.schema import Report, sides
 
@@ -100,7 +101,7 @@ def inspect_text(r: InspectReport) -> str:
             f"unexpected MTP tensors: {', '.join(r.mtp_unexpected[:5])}" + (" ..." if len(r.mtp_unexpected) > 5 else "")
         )
     lines.append("")
-    names = {"vllm": "vLLM", "sglang": "SGLang"}
+    names = ENGINE_NAMES
     lines += [
         v if v.lower().startswith(engine) else f"{names.get(engine, engine)}: {v}" for engine, v in r.verdicts.items()
     ]
@@ -315,7 +316,11 @@ def acceptance_table(report: Report) -> str:
             )
         )
     for e in report.engine:
-        lines.append(f"engine: vllm {e.version} at {e.url}, model {e.model}, k={e.k} ({e.k_source})")
+        which = f"{e.side}: " if e.side and report.candidate is not None else ""
+        lines.append(
+            f"engine: {which}{ENGINE_NAMES.get(e.name, e.name)} {e.version} at {e.url}, model {e.model}, "
+            f"k={e.k} ({e.k_source})"
+        )
     if report.predicted:
         for label in ("reference", "candidate"):
             for row in report.predicted.get(label) or []:

@@ -19,6 +19,13 @@
 #      on the published quant layouts (NVIDIA's MIXED_PRECISION, its refreshed metadata before and after
 #      `graft --fix-metadata`, ...), each outcome compared with inspect's verdict (the family has no CPU path in
 #      vLLM or SGLang, so this is its only engine check); GPU_CHECK_QWEN4_EXP=DIR adds a real checkpoint
+#   6. (with GPU_CHECK_SGLANG_PYTHON, the python of an SGLang GPU environment, e.g. one made from the
+#      lmsysorg/sglang image or `pip install sglang` on a machine with network) NVFP4 + SGLang, which no CPU can
+#      run (`Invalid quantization method on CPU: modelopt_fp4`): the tiny model converted in each MTP mode and
+#      format mtpquant writes (ModelOpt NVFP4 keep and quantize, FP8 MTP as MIXED_PRECISION, compressed-tensors
+#      keep and quantize) is served by SGLang with NEXTN (`validate --engine sglang`, k = 2), and what SGLang does
+#      is checked against inspect's SGLang verdict: "MTP loads" must start and draft (AL > 1.3 on the tiny
+#      model), "will fail to load" must fail to start (exit 44), "wrong MTP" must draft badly
 # and prints, per step, the wall time, the peak RSS and the peak GPU memory. Record what it prints in
 # docs/BENCHMARKS.md ("CUDA check"). Set GPU_CHECK_SKIP_INSTALL=1 to use the current python as it is.
 set -euo pipefail
@@ -105,5 +112,53 @@ if [[ -n "${GPU_CHECK_VLLM_PYTHON:-}" ]]; then
   [[ -n "${GPU_CHECK_QWEN4_EXP:-}" ]] && Q4=(--checkpoint "$GPU_CHECK_QWEN4_EXP")
   timeout $(( 1800 * SCALE )) "$PY" scripts/qwen4_exp_serve_check.py --vllm-python "$GPU_CHECK_VLLM_PYTHON" \
     --work "$WORK/qwen4-exp" "${Q4[@]}"
+fi
+
+if [[ -n "${GPU_CHECK_SGLANG_PYTHON:-}" ]]; then
+  SGL=$GPU_CHECK_SGLANG_PYTHON
+  "$SGL" -c "import sglang; print('sglang', sglang.__version__)"
+  declare -A VARIANTS=(
+    [nvfp4-keep]="--mtp keep"
+    [nvfp4-quantize]="--mtp quantize"
+    [fp8-mtp]="--mtp quantize --mtp-format fp8"
+    [ct-keep]="--mtp keep --format compressed-tensors"
+    [ct-quantize]="--mtp quantize --format compressed-tensors"
+  )
+  for name in nvfp4-keep nvfp4-quantize fp8-mtp ct-keep ct-quantize; do
+    # shellcheck disable=SC2086
+    step "sgl-convert-$name" 90 "${C[@]}" "$TINY" "$WORK/sgl-$name" "${CAL[@]}" ${VARIANTS[$name]}
+    "$PY" -m mtpquant inspect "$WORK/sgl-$name" --json >"$WORK/sgl-$name.inspect.json" || true
+    set +e
+    timeout 600 "$PY" -m mtpquant validate "$WORK/sgl-$name" --engine sglang --sglang-python "$SGL" --k 2,2 \
+      --device "$DEVICE" --num-prompts 8 --max-len 96 --report-dir "$WORK/sgl-$name.report" --json \
+      --engine-arg=--disable-cuda-graph >"$WORK/sgl-$name.validate.json" 2>"$WORK/sgl-$name.validate.log"
+    echo $? >"$WORK/sgl-$name.exit"
+    set -e
+  done
+  "$PY" - "$WORK" <<'EOF2'
+import json, sys
+from pathlib import Path
+work = Path(sys.argv[1])
+bad = 0
+print(f"{'SGLang':<16} {'inspect says':<48} {'exit':>4} {'AL':>6}  agrees")
+for name in ("nvfp4-keep", "nvfp4-quantize", "fp8-mtp", "ct-keep", "ct-quantize"):
+    verdict = json.loads((work / f"sgl-{name}.inspect.json").read_text())["verdicts"]["sglang"]
+    code = int((work / f"sgl-{name}.exit").read_text())
+    al = None
+    if code in (0, 17, 18):
+        report = json.loads((work / f"sgl-{name}.validate.json").read_text())
+        al = report["reference"]["acceptance"]["by_k"][0]["mean_acceptance_length"]
+    if verdict.startswith("SGLang: MTP loads"):
+        agrees = al is not None and al > 1.3
+    elif "will fail to load" in verdict:
+        agrees = code == 44
+    else:  # a wrong MTP: it loads, and drafts badly
+        agrees = al is not None and al < 1.3
+    bad += not agrees
+    print(f"{name:<16} {verdict[:48]:<48} {code:>4} {al if al is None else round(al, 3)!s:>6}  {'yes' if agrees else 'NO'}")
+sys.exit(1 if bad else 0)
+EOF2
+else
+  echo "NVFP4 + SGLang: skipped (set GPU_CHECK_SGLANG_PYTHON to the python of an SGLang GPU environment)"
 fi
 echo "gpu check: $(( $(date +%s) - T0 )) s in all"

@@ -31,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from mtpquant.engine.launch import VllmServer, free_port, server_args
+from mtpquant.engine.launch import EngineProcess, free_port, vllm_args
 from mtpquant.errors import EngineStartError
 from mtpquant.graft.run import fix_metadata
 from mtpquant.inspect.report import inspect_checkpoint
@@ -45,11 +45,11 @@ def serve(python: str, ckpt: Path, log: Path, k: int) -> tuple[bool, str]:
     import requests
 
     port = free_port()
-    args = server_args(
-        str(ckpt), port, k=k, max_model_len=4096, extra=["--enforce-eager", "--gpu-memory-utilization", "0.85"]
+    args = vllm_args(
+        str(ckpt), port, k=k, extra=["--max-model-len", "4096", "--enforce-eager", "--gpu-memory-utilization", "0.85"]
     )
     try:
-        with VllmServer(python, args, log, port=port, startup_timeout=900) as server:
+        with EngineProcess("vllm", python, args, log, port=port, startup_timeout=900) as server:
             body = {"model": str(ckpt), "prompt": [1, 2, 3, 4], "max_tokens": 32, "temperature": 0, "ignore_eos": True}
             r = requests.post(server.url + "/v1/completions", json=body, timeout=300)
             metrics = requests.get(server.url + "/metrics", timeout=30).text

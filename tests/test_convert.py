@@ -286,9 +286,17 @@ def test_exclusions_consistent_and_inspect_clean(converted: Callable[[str, str],
     assert report.mtp_declared == (mode in {"keep", "quantize"} or family == "qwen3_next")
     if mode == "keep":
         assert report.mtp_precision == "BF16"
-        assert "SGLang: MTP loads" in report.verdicts["sglang"]
+        assert report.verdicts["sglang"] == "SGLang: MTP loads (BF16)" and "NEXTN" in report.serve_commands["sglang"]
     if mode == "quantize":
-        assert "SGLang will not use it" in report.verdicts["sglang"]
+        # SGLang builds the MTP of a modelopt_fp4 checkpoint in BF16 (its qwen3_5_mtp.py / qwen3_next_mtp.py): the
+        # packed NVFP4 weights of the first quantized MTP module (in name order) do not fit
+        first = next(m.module for m in report.mtp_modules if m.disk == "NVFP4")
+        assert report.verdicts["sglang"] == (
+            "SGLang will fail to load the MTP (NEXTN): SGLang builds the MTP of a serialized modelopt_fp4 checkpoint "
+            f"in BF16, and the packed NVFP4 weight of {first} does not fit a BF16 module; serve without speculative "
+            "decoding, or with vLLM"
+        )
+        assert "sglang" not in report.serve_commands
         assert "vLLM: MTP loads" in report.verdicts["vllm"]
         assert any("SGLang" in n for n in run.result.notes)
 
@@ -417,6 +425,11 @@ def test_quantize_mode_fp8_is_mixed_precision(tiny_factory: Callable[[str], Path
     report = inspect_checkpoint(out)
     assert report.healthy, [f.message for f in report.failures]
     assert result.mode == "quantize"
+    # modelopt_mixed listing mtp.* modules: SGLang builds the MTP with it, module by module (mtp.fc plain BF16)
+    assert report.verdicts["sglang"] == (
+        "SGLang: MTP loads (mixed: BF16, FP8; quantized_layers lists the MTP)"
+    )
+    assert "NEXTN" in report.serve_commands["sglang"]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -543,3 +556,7 @@ def test_weight_only_recipe_with_quantized_mtp(tiny_factory: Callable[[str], Pat
     assert [p for p in hfq["exclude_modules"] if p.startswith("mtp")] == ["mtp.fc"]
     report = inspect_checkpoint(out)
     assert report.healthy, [f.message for f in report.failures]
+    # W4A16_NVFP4 is SGLang's modelopt_fp4 too ("NVFP4" in quant_algo): a BF16 MTP build, packed weights on disk
+    assert report.verdicts["sglang"].startswith(
+        "SGLang will fail to load the MTP (NEXTN): SGLang builds the MTP of a serialized modelopt_fp4 checkpoint"
+    )

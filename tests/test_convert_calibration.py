@@ -31,6 +31,18 @@ def test_offline_default_is_real_text(tokenizer: Any) -> None:
     assert bool((again.input_ids == data.input_ids).all())  # the same rows on every run
 
 
+def test_tokenizer_is_the_checkpoints_tokenizer_json(tokenizer: Any, tiny_factory: Callable[[str], Path]) -> None:
+    # calibration tokenises exactly as tokenizer.json says (validate's prompts read the same file), not with the
+    # pre-tokenizer transformers >= 5.16 substitutes for qwen3_5 (Qwen3_5Tokenizer: "\n\n" one token, digits split)
+    from tokenizers import Tokenizer
+
+    text = "Paragraph 12:\n\nAssert statements are a convenient way 2024.\n\n\n    return x"
+    own = Tokenizer.from_file(str(tiny_factory("qwen3_5") / "tokenizer.json")).encode(text, add_special_tokens=False)
+    assert tokenizer(text, add_special_tokens=False)["input_ids"] == own.ids
+    newline = Tokenizer.from_file(str(tiny_factory("qwen3_5") / "tokenizer.json")).token_to_id("ĊĊ")
+    assert newline is not None and newline not in own.ids  # the file's byte-level regex keeps "\n\n" apart
+
+
 def test_chat_template_is_used(tokenizer: Any) -> None:
     tokenizer.chat_template = TEMPLATE
     try:

@@ -111,6 +111,7 @@ def test_keep(converted: Callable[[str, str, str], Path], tiny_factory: Callable
     assert report.healthy, report.failure_messages
     assert report.quantization["method"] == "compressed-tensors" and report.mtp_precision == "BF16"
     assert report.verdicts["vllm"] == "vLLM: MTP loads (BF16)"
+    assert report.verdicts["sglang"] == "SGLang: MTP loads (BF16)"  # SGLang keeps a compressed-tensors config
     assert report.main_model["quantized"] == inspect_checkpoint(converted(family, "keep", "modelopt")).main_model[
         "quantized"
     ]
@@ -129,6 +130,11 @@ def test_quantize(converted: Callable[[str, str, str], Path], family: str) -> No
     report = inspect_checkpoint(out)
     assert report.healthy, report.failure_messages
     assert report.verdicts["vllm"].startswith("vLLM: MTP loads (mixed: BF16, NVFP4-CT")
+    # SGLang builds the MTP with a compressed-tensors config (only ModelOpt formats get a BF16 MTP there)
+    assert report.verdicts["sglang"] == (
+        "SGLang: MTP loads (mixed: BF16, NVFP4-CT; SGLang builds the MTP with the checkpoint's compressed-tensors "
+        "quantization)"
+    )
     _same_weights(converted(family, "quantize", "modelopt"), out)
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from mtpquant.api import GraftOptions, graft, inspect_checkpoint
+from mtpquant.engine.sampling import GREEDY
 from mtpquant.validate.measure import measure
 from tests.support.engine import EnginePool, prompt_ids
 
@@ -27,7 +28,7 @@ K = 2
 def _drafts(vllm: EnginePool, path: Path) -> None:
     running = vllm.get(path, K)
     ids, n = prompt_ids(path, 4)
-    m = measure(running.client, running.model, ids, n)
+    m = measure(running.client, running.info, running.model, ids, n, GREEDY)
     assert m.k == K and m.other_requests == 0
     assert m.stats.num_steps > 0 and m.stats.num_accepted > 0, m.stats  # loads, and its MTP drafts usefully
 

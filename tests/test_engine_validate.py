@@ -23,7 +23,8 @@ from mtpquant.cli import main as cli
 from mtpquant.engine.launch import free_port
 from mtpquant.errors import ExitCode
 from mtpquant.synth.train import TINY_MTP_ASSET
-from tests.support.engine import CPU_ENV, EnginePool
+from tests.support.engine import CONCURRENCY, CPU_ENV, EnginePool
+from tests.support.sglang_replay import SglangReplay
 
 pytestmark = pytest.mark.engine
 
@@ -113,9 +114,9 @@ def test_engine_measures_what_the_builtin_path_predicts_under_sampling(
         server = vllm.get(outputs[mode], k)
         url = server.server.url
         report = validate(
-            ValidateOptions(outputs[mode], server=url, concurrency=8, report_dir=tmp_path / f"k{k}", **common)
+            ValidateOptions(outputs[mode], server=url, concurrency=CONCURRENCY, report_dir=tmp_path / f"k{k}", **common)
         ).report
-        assert report.engine[0].k == k and report.engine[0].sampling["concurrency"] == 8
+        assert report.engine[0].k == k and report.engine[0].sampling["concurrency"] == CONCURRENCY
         assert [a.sampling.label for a in report.reference.acceptance_by_sampling] == LABELS[mode]
         measured[k] = report.reference.acceptance_by_sampling
         profile = json.loads((tmp_path / f"k{k}" / "speculation_profile.json").read_text())
@@ -141,10 +142,12 @@ def test_engine_measures_what_the_builtin_path_predicts_under_sampling(
 
 
 def test_engine_measures_what_the_builtin_path_predicts(
-    outputs: dict[str, Path], vllm: EnginePool, tmp_path: Path
+    outputs: dict[str, Path], vllm: EnginePool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``--engine vllm`` with ``--compare-reference``: the servers mtpquant starts itself (greedy, k = 1 and 3), the
-    prediction beside the engine in the report (the quantize output is compared under sampling above)."""
+    prediction beside the engine in the report (the quantize output is compared under sampling above). Also: the
+    engine starts with no memory argument and no memory variable from the test (mtpquant sizes it)."""
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     report_dir = tmp_path / "report"
     result = validate(
         ValidateOptions(
@@ -165,7 +168,13 @@ def test_engine_measures_what_the_builtin_path_predicts(
     report = result.report
     assert [e.k for e in report.engine] == [1, 3] and all(e.version == "0.32.0" for e in report.engine)
     assert all(e.k_source == "server" and e.other_requests == 0 for e in report.engine)
-    assert "--speculative-config" in report.engine[0].server_args
+    args = report.engine[0].server_args
+    assert "--speculative-config" in args
+    # sized by mtpquant: a KV cache for 4 sequences of max(512, 2 * max_len) tokens (the floor, for this model)
+    assert args[args.index("--max-model-len") + 1] == "512" and args[args.index("--max-num-seqs") + 1] == "4"
+    assert args[args.index("--kv-cache-memory-bytes") + 1] == str(512 * 2**20)
+    assert "--gpu-memory-utilization" not in args  # on the CPU backend the KV size replaces the utilization check
+    assert any(n.startswith("engine memory (cpu): KV cache 536.87 MB for 4 sequences of 512") for n in report.notes)
     rows = report.predicted["reference"] if report.predicted else []
     assert [r["k"] for r in rows] == [1, 3]
     for r in rows:  # the prediction matches what the engine accepts
@@ -182,6 +191,7 @@ def test_engine_measures_what_the_builtin_path_predicts(
     ]
     md = (report_dir / "report.md").read_text()
     assert "## Engine vs built-in prediction" in md and "| reference | T=0 | 1 |" in md
+    assert "GiB for KV cache on node" in (report_dir / "vllm-reference-k1.log").read_text()  # vLLM took the size
 
 
 @pytest.mark.parametrize("mode", ["keep", "quantize"])
@@ -217,7 +227,7 @@ def test_compressed_tensors_outputs_load_and_draft(
 def test_server_pair_grafted_drop_measures_as_keep(
     outputs: dict[str, Path], vllm: EnginePool, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    keep, grafted = vllm.get(outputs["keep"], 1), vllm.get(outputs["grafted"], 1)
+    keep, grafted = vllm.get(outputs["keep"], 2), vllm.get(outputs["grafted"], 2)
     code, err = _cli(
         capsys,
         str(outputs["keep"]),  # the tokenizer of the prompts (a local checkpoint: the built-in path's ids)
@@ -236,10 +246,44 @@ def test_server_pair_grafted_drop_measures_as_keep(
     import json
 
     data = json.loads((tmp_path / "r" / "report.json").read_text())
-    assert data["mode"] == "pair" and [e["k"] for e in data["engine"]] == [1, 1]
+    assert data["mode"] == "pair" and [e["k"] for e in data["engine"]] == [2, 2]
     ref, cand = data["reference"]["acceptance"]["by_k"], data["candidate"]["acceptance"]["by_k"]
     assert ref == cand and data["comparison"]["al_delta_by_k"] == [0.0]  # the same MTP, the same acceptance
     assert ref[0]["num_accepted"] > 0
+
+
+def test_server_pair_across_engines(
+    outputs: dict[str, Path], vllm: EnginePool, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A vLLM reference and an SGLang candidate (the recorded real SGLang server, replayed: it served the same
+    trained tiny model's MTP at k = 2): one report, each side measured by its own engine's counters."""
+    keep = vllm.get(outputs["keep"], 2)
+    with SglangReplay() as sglang:
+        code, err = _cli(
+            capsys,
+            str(TINY_MTP_ASSET),
+            "--server",
+            keep.server.url,
+            "--candidate-server",
+            sglang.url,
+            "--num-prompts",
+            "4",
+            "--max-len",
+            "64",  # 32-token prompts and 32 new tokens: the recorded SGLang request
+            "--report-dir",
+            str(tmp_path / "r"),
+        )
+    assert code in (0, ExitCode.VALIDATE_WARN), err
+    import json
+
+    data = json.loads((tmp_path / "r" / "report.json").read_text())
+    assert [(e["side"], e["name"], e["k"], e["counters"]) for e in data["engine"]] == [
+        ("reference", "vllm", 2, "server-wide"),
+        ("candidate", "sglang", 2, "per-request"),
+    ]
+    ref, cand = data["reference"]["acceptance"]["by_k"][0], data["candidate"]["acceptance"]["by_k"][0]
+    assert cand["mean_acceptance_length"] == 1 + 19 / 13 and ref["num_accepted"] > 0
+    assert data["comparison"]["al_delta_by_k"] == [cand["mean_acceptance_length"] - ref["mean_acceptance_length"]]
 
 
 def test_server_without_speculative_decoding_is_a_failure(
@@ -259,7 +303,7 @@ def test_server_without_speculative_decoding_is_a_failure(
 def test_server_serving_another_model(
     outputs: dict[str, Path], vllm: EnginePool, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    keep = vllm.get(outputs["keep"], 1)
+    keep = vllm.get(outputs["keep"], 2)
     code, err = _cli(capsys, "--server", keep.server.url, "--served-model", "org/other")
     assert code == ExitCode.ENGINE_MODEL
     assert err == f"mtpquant: error: {keep.server.url}: serves {outputs['keep']}, not org/other"
@@ -292,7 +336,10 @@ def not_vllm() -> Iterator[str]:
 def test_server_that_is_not_vllm(not_vllm: str, capsys: pytest.CaptureFixture[str]) -> None:
     code, err = _cli(capsys, "--server", not_vllm)
     assert code == ExitCode.ENGINE_ANSWER
-    assert err == f'mtpquant: error: {not_vllm}: not a vLLM server (no /version answering {{"version": ...}})'
+    assert err == (
+        f'mtpquant: error: {not_vllm}: not a vLLM server (no /version answering {{"version": ...}}) and not an '
+        'SGLang server (no /get_server_info answering {"version": ..., "model_path": ...})'
+    )
 
 
 def test_engine_that_fails_to_start_names_its_log(
@@ -341,8 +388,7 @@ def _requests_running(port: int) -> bool:
     except OSError:
         return False  # not listening yet
     return any(
-        line.startswith("vllm:num_requests_running") and float(line.rsplit(" ", 1)[1]) > 0
-        for line in text.splitlines()
+        line.startswith("vllm:num_requests_running") and float(line.rsplit(" ", 1)[1]) > 0 for line in text.splitlines()
     )
 
 

@@ -530,7 +530,9 @@ def test_quantized_mtp_card_carries_the_sglang_caveat(out: Path) -> None:
         mtp_precision="mixed: BF16, NVFP4",
         verdicts={
             "vllm": "vLLM: MTP loads (mixed: BF16, NVFP4)",
-            "sglang": "SGLang: MTP is quantized; SGLang will not use it (it serves only a BF16 MTP)",
+            "sglang": "SGLang will fail to load the MTP (NEXTN): SGLang builds the MTP of a serialized modelopt_fp4 "
+            "checkpoint in BF16, and the packed NVFP4 weight of mtp.layers.0.mlp.down_proj does not fit a BF16 module; "
+            "serve without speculative decoding, or with vLLM",
         },
         serve_commands={"vllm": report.serve_commands["vllm"]},
     )
@@ -546,9 +548,12 @@ def test_quantized_mtp_card_carries_the_sglang_caveat(out: Path) -> None:
     )
     text = str(build_card(facts))
     assert "| Mode | `quantize` |" in text
-    assert "**SGLang and a quantized MTP**" in text and "serves only a BF16 MTP" in text
+    assert (
+        "> **SGLang and this mixed: BF16, NVFP4 MTP**: SGLang will fail to load the MTP (NEXTN): SGLang builds the MTP "
+        "of a serialized modelopt_fp4 checkpoint in BF16" in text
+    )
     assert f"python -m sglang.launch_server --model-path {REPO}\n" in text  # served without speculative decoding
-    assert "NEXTN" not in text
+    assert "--speculative-algorithm NEXTN" not in text  # no SGLang speculative serve command
     assert validate_card_metadata(metadata_load_text(text)) == []
     assert "license" not in metadata_load_text(text) and "base_model" not in metadata_load_text(text)
 

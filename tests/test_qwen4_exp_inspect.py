@@ -23,9 +23,9 @@ from tests.support.hubserver import LocalHub
 from tests.support.qwen4_exp_quants import make_qwen4_exp_quant
 
 ALIAS = (
-    "the day-0 label 'Qwen3_8FlashNextForConditionalGeneration' (architectures[0]) is unknown to vLLM 0.32 and "
-    "SGLang 0.5.23; the weights are 'Qwen4ExpForConditionalGeneration''s: relabel with `mtpquant graft QUANT "
-    "--fix-metadata`"
+    "the day-0 label Qwen3_8FlashNextForConditionalGeneration (architectures[0]) is unknown to vLLM 0.32 and "
+    "SGLang 0.5.23 (the weights are Qwen4ExpForConditionalGeneration's): relabel with `mtpquant graft QUANT "
+    "--fix-metadata --out FIXED`"
 )
 # kind -> (exit code, vLLM verdict, SGLang verdict)
 EXPECTED = {

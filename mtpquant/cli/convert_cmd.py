@@ -11,7 +11,8 @@ from mtpquant.cli import add_base_model_arguments
 EPILOG = """MTP modes (default: keep when SRC has an MTP, else drop):
   keep      every mtp.* tensor copied byte for byte into mtp-*.safetensors, excluded as mtp*
   quantize  MTP Linears to NVFP4 (or --mtp-format fp8) with calibrated input scales; mtp.fc, norms,
-            router and shared_expert_gate stay BF16. vLLM serves it; SGLang serves only a BF16 MTP.
+            router and shared_expert_gate stay BF16. vLLM serves it; SGLang loads it as FP8 (MIXED_PRECISION)
+            or compressed-tensors NVFP4, not as ModelOpt NVFP4 (it builds that MTP in BF16).
   extract   OUT without MTP (declaration set to 0); the MTP goes to --mtp-out (default OUT-mtp)
   drop      no MTP in OUT, declaration set to 0
 

@@ -118,15 +118,22 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="upper ends of context-length buckets (tokens, ascending): prompts are cut and extended to fill each "
         "bucket, and per-position acceptance is reported per bucket (default: four spans up to --max-len)",
     )
-    e = p.add_argument_group("through a serving engine (vLLM's own speculative-decoding counters)")
-    e.add_argument("--server", metavar="URL", help="a running vLLM OpenAI server (the reference or the one checkpoint)")
+    e = p.add_argument_group("through a serving engine (vLLM's or SGLang's own speculative-decoding counters)")
+    e.add_argument(
+        "--server", metavar="URL", help="a running vLLM or SGLang server (the reference or the one checkpoint)"
+    )
     e.add_argument("--candidate-server", metavar="URL", help="a second running server to compare (e.g. the NVFP4 one)")
     e.add_argument("--served-model", metavar="NAME", help="the model name to ask for (default: the only one served)")
     e.add_argument("--engine", choices=ENGINES, help="start the engine for CHECKPOINT [CANDIDATE] on 127.0.0.1")
     e.add_argument("--vllm-python", type=Path, metavar="PATH", help="the python of the vLLM environment")
-    e.add_argument("--tensor-parallel-size", type=int, default=1, help="--engine: vLLM tensor parallelism")
+    e.add_argument("--sglang-python", type=Path, metavar="PATH", help="the python of the SGLang environment")
+    e.add_argument("--tensor-parallel-size", type=int, default=1, help="--engine: tensor parallelism")
     e.add_argument(
-        "--engine-arg", action="append", default=[], metavar="ARG", help="--engine: one more vLLM server argument"
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="--engine: one more server argument (given last: it overrides mtpquant's own, the memory sizing too)",
     )
     e.add_argument(
         "--compare-reference", action="store_true", help="--engine: also the built-in prediction, side by side"
@@ -188,6 +195,7 @@ def run(args: argparse.Namespace) -> int:
         served_model=args.served_model,
         engine=args.engine,
         vllm_python=args.vllm_python,
+        sglang_python=args.sglang_python,
         tensor_parallel_size=args.tensor_parallel_size,
         engine_args=tuple(args.engine_arg),
         compare_reference=args.compare_reference,

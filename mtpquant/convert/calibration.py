@@ -64,11 +64,21 @@ def describe_source(data: str) -> str:
 
 
 def load_tokenizer(path: str | Path) -> Any:
-    """The model's own tokenizer (transformers AutoTokenizer), or a one-line error."""
-    from transformers import AutoTokenizer
+    """The model's own tokenizer, or a one-line error.
 
+    With a ``tokenizer.json`` it is that file exactly as written (transformers' ``TokenizersBackend``, the class
+    ``AutoTokenizer`` chose for these checkpoints before 5.16), so calibration tokenises as validate does
+    (``validate.prompts.tokenize_prompts`` reads the same file with ``tokenizers``). Since 5.16 ``AutoTokenizer``
+    maps ``qwen3_5`` / ``qwen4_exp`` to ``Qwen3_5Tokenizer``, which replaces the file's pre-tokenizer with Qwen's
+    regex: the same tokens for a real Qwen ``tokenizer.json`` (it carries that regex), different ones for a
+    tokenizer trained with another pre-tokenizer, such as the tiny models'. Without ``tokenizer.json``:
+    ``AutoTokenizer``.
+    """
+    from transformers import AutoTokenizer, TokenizersBackend
+
+    loader: Any = TokenizersBackend if (Path(path) / "tokenizer.json").is_file() else AutoTokenizer
     try:
-        return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+        return loader.from_pretrained(str(path), trust_remote_code=False)
     except Exception as exc:  # transformers raises many types here; all mean "no usable tokenizer"
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else exc.__class__.__name__
         raise CalibrationDataError(

@@ -21,9 +21,9 @@ import dataclasses
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from mtpquant.errors import MemoryPlanError, UsageError
+from mtpquant.machine import available_cpu_bytes
 from mtpquant.units import format_bytes, parse_bytes
 
 __all__ = [
@@ -125,31 +125,6 @@ def parse_max_memory(spec: str, where: str = "--max-memory") -> MemoryCaps:
     if not caps:
         raise UsageError(f"{where}: no DEVICE=SIZE given (e.g. cpu=8GiB)")
     return MemoryCaps(tuple(caps.items()))
-
-
-def _read_int(path: Path) -> int | None:
-    try:
-        text = path.read_text().strip()
-    except OSError:
-        return None
-    return int(text) if text.isdigit() else None
-
-
-def available_cpu_bytes(meminfo: Path = Path("/proc/meminfo"), cgroup: Path = Path("/sys/fs/cgroup")) -> int | None:
-    """Memory this process can still use: ``MemAvailable``, bounded by the cgroup (v2) limit; None if unknown."""
-    available: int | None = None
-    try:
-        for line in meminfo.read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                available = int(line.split()[1]) * 1024
-                break
-    except (OSError, ValueError, IndexError):
-        available = None
-    limit, current = _read_int(cgroup / "memory.max"), _read_int(cgroup / "memory.current")
-    if limit is not None and current is not None:
-        room = max(limit - current, 0)
-        available = room if available is None else min(available, room)
-    return available
 
 
 @dataclass(frozen=True)

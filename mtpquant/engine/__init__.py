@@ -1,6 +1,11 @@
-"""Serving engines as mtpquant talks to them: over HTTP, never by import.
+"""Serving engines (vLLM, SGLang) as mtpquant talks to them: over HTTP, never by import.
 
-- ``counters``: vLLM's speculative-decoding counters from ``/metrics`` (Prometheus text), and their deltas;
-- ``client``: a running OpenAI-compatible server (``/version``, ``/v1/models``, ``/v1/completions``, ``/metrics``);
-- ``launch``: start a vLLM OpenAI server from a separate Python environment on 127.0.0.1 and stop it again.
+- ``connect``: which engine serves at a URL (vLLM's ``/version``, SGLang's ``/get_server_info``) and its client;
+- ``server``: what every client returns (``ServerInfo``, ``Completion``, ``DraftCounts``, ``EngineRun``) and the
+  ``EngineServer`` protocol;
+- ``vllm``: a running vLLM OpenAI server, measured by its server-wide ``/metrics`` counters (``counters``);
+- ``sglang``: a running SGLang server, measured by the counters each ``/generate`` answer carries;
+- ``http``: the one HTTP transport both clients use; ``sampling``: the sampling settings, spelled per engine;
+- ``launch``: start a vLLM or SGLang server from its own Python environment on 127.0.0.1, and stop it again;
+  ``sizing``: the memory such a server gets, from the checkpoint and what validate sends.
 """

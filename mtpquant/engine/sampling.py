@@ -1,11 +1,17 @@
-"""How tokens are sampled and drafts verified: the settings every engine path and the built-in prediction share.
+"""How tokens are sampled and drafts verified: the settings every engine request carries, typed once and spelled
+per engine, and the verification rules the built-in prediction follows.
 
-``SamplingSettings`` is what a request carries (temperature, top-p, top-k, seed); each engine client turns it
-into its own request fields (``vllm_fields``). ``SpecRule`` is how the server verifies drafts, which is server
-configuration, not a request field. The three rules, as vLLM 0.32.0 implements the first two
-(``vllm/config/speculative.py``: ``rejection_sample_method = "standard"``, ``draft_sample_method = "greedy"`` by
-default; ``vllm/v1/sample/rejection_sampler.py``: ``rejection_random_sample_kernel``,
-``sample_recovered_tokens_kernel``; ``vllm/v1/spec_decode/llm_base_proposer.py``:
+``SamplingSettings`` (temperature, top-p, top-k, seed; greedy by default) is what a measurement sends; each engine
+client asks it for its own request fields: vLLM's OpenAI ``/v1/completions`` (``vllm_fields``: ``temperature``,
+``seed``, and ``top_p`` / ``top_k`` when sampling) and SGLang's native ``/generate`` ``sampling_params``
+(``sglang_fields``: ``temperature``, ``max_new_tokens``, ``ignore_eos``, and ``top_p``, ``top_k``,
+``sampling_seed`` when sampling: the names of the requests recorded from SGLang 0.5.23 in
+``tests/fixtures/sglang-cpu``). A temperature below 1e-5 is greedy (vLLM's ``_SAMPLING_EPS``).
+
+``SpecRule`` is how the server verifies drafts, which is server configuration, not a request field. The three
+rules, as vLLM 0.32.0 implements the first two (``vllm/config/speculative.py``: ``rejection_sample_method =
+"standard"`` and ``draft_sample_method = "greedy"`` by default; ``vllm/v1/sample/rejection_sampler.py``:
+``rejection_random_sample_kernel``, ``sample_recovered_tokens_kernel``; ``vllm/v1/spec_decode/llm_base_proposer.py``:
 ``compute_probs_and_sample_next_token``):
 
 - ``vllm`` (vLLM's default): the MTP proposes its argmax; the draft is accepted with probability p(d), p the
@@ -17,8 +23,7 @@ default; ``vllm/v1/sample/rejection_sampler.py``: ``rejection_random_sample_kern
   above and kept only when it equals the token the target samples from p: sum(p * q) on average. (With an argmax
   draft, exact match accepts with p(d) and emits exactly what ``vllm`` emits.)
 
-A temperature below 1e-5 is greedy for every rule (vLLM's ``_SAMPLING_EPS``): the draft is accepted when it equals
-the target's argmax.
+A greedy request is greedy under every rule: the draft is accepted when it equals the target's argmax.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["GREEDY_EPS", "RULES", "SamplingSettings", "SpecRule", "rule"]
+__all__ = ["GREEDY", "GREEDY_EPS", "RULES", "SamplingSettings", "SpecRule", "rule"]
 
 GREEDY_EPS = 1e-5  # vLLM's _SAMPLING_EPS: a temperature below it samples greedily
 
@@ -67,7 +72,9 @@ class SamplingSettings:
 
     def for_prompt(self, index: int) -> SamplingSettings:
         """The settings of the ``index``-th prompt: its own seed (``seed + index``), so every prompt's draws are
-        reproducible whatever else is in flight."""
+        reproducible whatever else is in flight (greedy requests draw nothing: unchanged)."""
+        if self.greedy:
+            return self
         return SamplingSettings(self.temperature, self.top_p, self.top_k, self.seed + index)
 
     def vllm_fields(self) -> dict[str, Any]:
@@ -76,6 +83,18 @@ class SamplingSettings:
         if not self.greedy:
             fields["top_p"] = self.top_p
             fields["top_k"] = self.top_k
+        return fields
+
+    def sglang_fields(self, max_new_tokens: int) -> dict[str, Any]:
+        """SGLang ``/generate`` ``sampling_params`` for ``max_new_tokens`` tokens past the prompt (``ignore_eos``).
+        SGLang has no top-k 0 ("off" is -1, its default), so an unset top-k is left out."""
+        fields: dict[str, Any] = {"temperature": self.temperature, "max_new_tokens": int(max_new_tokens)}
+        fields["ignore_eos"] = True
+        if not self.greedy:
+            fields["top_p"] = self.top_p
+            if self.top_k:
+                fields["top_k"] = self.top_k
+            fields["sampling_seed"] = self.seed
         return fields
 
     def to_json(self) -> dict[str, Any]:
@@ -88,6 +107,9 @@ class SamplingSettings:
         return cls(
             float(d.get("temperature", 0.0)), float(d.get("top_p", 1.0)), int(d.get("top_k", 0)), int(d.get("seed", 0))
         )
+
+
+GREEDY = SamplingSettings()
 
 
 @dataclass(frozen=True)

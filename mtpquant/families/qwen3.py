@@ -13,14 +13,48 @@ from typing import Any
 from mtpquant.families.mtp_config import config_int
 from mtpquant.families.schema import EngineRules, Family, ForcedUnquantized, MtpLayout
 
-__all__ = ["QWEN3_FAMILIES"]
+__all__ = ["QWEN3_FAMILIES", "attention_shapes", "expert_bank_shapes", "qwen3_mtp_shapes", "shared_expert_shapes"]
+
+
+def attention_shapes(p: str, text: Mapping[str, Any], gate: int) -> dict[str, tuple[int, ...]]:
+    """The gated attention's tensors under ``p`` (``gate`` 2: q_proj also holds the output gate)."""
+    H = config_int(text, "hidden_size")
+    heads, kv = config_int(text, "num_attention_heads"), config_int(text, "num_key_value_heads")
+    hd = config_int(text, "head_dim")
+    return {
+        p + "self_attn.q_proj.weight": (gate * heads * hd, H),
+        p + "self_attn.k_proj.weight": (kv * hd, H),
+        p + "self_attn.v_proj.weight": (kv * hd, H),
+        p + "self_attn.o_proj.weight": (H, heads * hd),
+        p + "self_attn.q_norm.weight": (hd,),
+        p + "self_attn.k_norm.weight": (hd,),
+    }
+
+
+def shared_expert_shapes(p: str, hidden: int, shared: int) -> dict[str, tuple[int, ...]]:
+    """The MoE block's shared expert and its sigmoid gate under ``p``."""
+    return {
+        p + "mlp.shared_expert.gate_proj.weight": (shared, hidden),
+        p + "mlp.shared_expert.up_proj.weight": (shared, hidden),
+        p + "mlp.shared_expert.down_proj.weight": (hidden, shared),
+        p + "mlp.shared_expert_gate.weight": (1, hidden),
+    }
+
+
+def expert_bank_shapes(p: str, experts: int, inter: int, hidden: int) -> dict[str, tuple[int, ...]]:
+    """Routed experts stored per expert under ``p`` (gate, up, down for each expert in turn)."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for e in range(experts):
+        q = f"{p}mlp.experts.{e}."
+        shapes[q + "gate_proj.weight"] = (inter, hidden)
+        shapes[q + "up_proj.weight"] = (inter, hidden)
+        shapes[q + "down_proj.weight"] = (hidden, inter)
+    return shapes
 
 
 def qwen3_mtp_shapes(text: Mapping[str, Any], layers: int, moe: bool) -> dict[str, tuple[int, ...]]:
     """The exact ``mtp.*`` tensor names and shapes of a Qwen3.5 / Qwen3-Next config with ``layers`` MTP layers."""
     H = config_int(text, "hidden_size")
-    heads, kv = config_int(text, "num_attention_heads"), config_int(text, "num_key_value_heads")
-    hd = config_int(text, "head_dim")
     gate = 2 if text.get("attn_output_gate", True) else 1
     shapes: dict[str, tuple[int, ...]] = {
         "mtp.fc.weight": (H, 2 * H),
@@ -33,30 +67,16 @@ def qwen3_mtp_shapes(text: Mapping[str, Any], layers: int, moe: bool) -> dict[st
         shapes |= {
             p + "input_layernorm.weight": (H,),
             p + "post_attention_layernorm.weight": (H,),
-            p + "self_attn.q_proj.weight": (gate * heads * hd, H),
-            p + "self_attn.k_proj.weight": (kv * hd, H),
-            p + "self_attn.v_proj.weight": (kv * hd, H),
-            p + "self_attn.o_proj.weight": (H, heads * hd),
-            p + "self_attn.q_norm.weight": (hd,),
-            p + "self_attn.k_norm.weight": (hd,),
+            **attention_shapes(p, text, gate),
         }
         if moe:
             E, inter = config_int(text, "num_experts"), config_int(text, "moe_intermediate_size")
             shared = config_int(text, "shared_expert_intermediate_size")
             shapes |= {
                 p + "mlp.gate.weight": (E, H),
-                p + "mlp.shared_expert.gate_proj.weight": (shared, H),
-                p + "mlp.shared_expert.up_proj.weight": (shared, H),
-                p + "mlp.shared_expert.down_proj.weight": (H, shared),
-                p + "mlp.shared_expert_gate.weight": (1, H),
+                **shared_expert_shapes(p, H, shared),
             }
-            for e in range(E):
-                q = f"{p}mlp.experts.{e}."
-                shapes |= {
-                    q + "gate_proj.weight": (inter, H),
-                    q + "up_proj.weight": (inter, H),
-                    q + "down_proj.weight": (H, inter),
-                }
+            shapes |= expert_bank_shapes(p, E, inter, H)
         else:
             inter = config_int(text, "intermediate_size")
             shapes |= {

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from mtpquant.families.mtp_config import config_int
+from mtpquant.families.qwen3 import attention_shapes, expert_bank_shapes, shared_expert_shapes
 from mtpquant.families.schema import EngineRules, Family, ForcedUnquantized, MtpLayout
 
 __all__ = ["QWEN4_EXP"]
@@ -40,8 +41,6 @@ def qwen4_exp_mtp_shapes(text: Mapping[str, Any], layers: int, per_expert: bool)
     """Every ``mtp.*`` tensor of a Qwen4-Exp text config with ``layers`` MTP layers (31 at depth 1, fused experts)."""
     H = config_int(text, "hidden_size")
     hc, rank = config_int(text, "hc_count"), config_int(text, "hc_lowrank")
-    heads, kv = config_int(text, "num_attention_heads"), config_int(text, "num_key_value_heads")
-    hd = config_int(text, "head_dim")
     E, inter = config_int(text, "num_experts"), config_int(text, "moe_intermediate_size")
     shared = config_int(text, "shared_expert_intermediate_size")
     shapes: dict[str, tuple[int, ...]] = {
@@ -56,14 +55,7 @@ def qwen4_exp_mtp_shapes(text: Mapping[str, Any], layers: int, per_expert: bool)
         p = f"mtp.layers.{i}."
         shapes |= _hyper_connection(p + "attn_hyper_connection", H, hc, rank, combine=True)
         shapes |= _hyper_connection(p + "mlp_hyper_connection", H, hc, rank, combine=True)
-        shapes |= {
-            p + "self_attn.q_proj.weight": (2 * heads * hd, H),  # Q and its sigmoid output gate
-            p + "self_attn.k_proj.weight": (kv * hd, H),
-            p + "self_attn.v_proj.weight": (kv * hd, H),
-            p + "self_attn.o_proj.weight": (H, heads * hd),
-            p + "self_attn.q_norm.weight": (hd,),
-            p + "self_attn.k_norm.weight": (hd,),
-        }
+        shapes |= attention_shapes(p, text, gate=2)  # q_proj: Q and its sigmoid output gate, always
         if indexed:
             ih, ikv = config_int(text, "indexer_n_heads"), config_int(text, "indexer_kv_heads")
             ihd = config_int(text, "indexer_head_dim")
@@ -74,21 +66,10 @@ def qwen4_exp_mtp_shapes(text: Mapping[str, Any], layers: int, per_expert: bool)
             }
         shapes[p + "mlp.gate.weight"] = (E, H)
         if per_expert:
-            for e in range(E):
-                q = f"{p}mlp.experts.{e}."
-                shapes |= {
-                    q + "gate_proj.weight": (inter, H),
-                    q + "up_proj.weight": (inter, H),
-                    q + "down_proj.weight": (H, inter),
-                }
+            shapes |= expert_bank_shapes(p, E, inter, H)
         else:
             shapes |= {p + "mlp.experts.gate_up_proj": (E, 2 * inter, H), p + "mlp.experts.down_proj": (E, H, inter)}
-        shapes |= {
-            p + "mlp.shared_expert.gate_proj.weight": (shared, H),
-            p + "mlp.shared_expert.up_proj.weight": (shared, H),
-            p + "mlp.shared_expert.down_proj.weight": (H, shared),
-            p + "mlp.shared_expert_gate.weight": (1, H),
-        }
+        shapes |= shared_expert_shapes(p, H, shared)
     return shapes
 
 
@@ -109,6 +90,7 @@ _MTP = MtpLayout(
         "mtp.layers.*.self_attn.o_proj",
         "mtp.layers.*.mlp.shared_expert.*_proj",
         "mtp.layers.*.mlp.experts",
+        "mtp.layers.*.mlp.experts.*_proj",  # a per-expert bank
     ),
     unquantized=(
         "mtp.layers.*.self_attn.q_proj",

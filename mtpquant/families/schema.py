@@ -76,7 +76,8 @@ class MtpLayout:
     per_expert: bool
     # Whether the other expert form is accepted too (engines load both).
     either_expert_form: bool
-    # MTP modules an engine builds as quantizable Linears / MoE (fnmatch on module names, mtp. included).
+    # MTP modules an engine builds as quantizable Linears / MoE (fnmatch on module names, mtp. included): what a
+    # quantized MTP may quantize (less ``unquantized``).
     engine_linears: tuple[str, ...]
     # MTP Linears a quantized MTP keeps in BF16, excluded by exact name (fnmatch on module names).
     unquantized: tuple[str, ...]

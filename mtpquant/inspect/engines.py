@@ -3,8 +3,27 @@
 Mirrors vLLM 0.32's rules (``ModelOptQuantConfigBase.is_layer_excluded`` and
 ``apply_vllm_mapper`` in ``quantization/modelopt.py``, ``is_layer_skipped`` in
 ``quantization/utils/quant_utils.py``, compressed-tensors ``should_ignore_layer``, AutoRound's format
-through ``quantization/inc/inc.py`` and ``inc/config_parser.py``) and SGLang's Qwen3.5 MTP loader, as
-described in shared/reference/qwen-mtp.md. Pure functions on names.
+through ``quantization/inc/inc.py`` and ``inc/config_parser.py``) and SGLang's MTP loaders (below). Pure
+functions on names.
+
+SGLang (0.5.23, as recorded from a real server in ``tests/fixtures/sglang-cpu/README.md``; the source:
+sgl-project/sglang ``python/sglang/srt/models/qwen3_5_mtp.py::_mtp_quant_config`` and
+``qwen3_next_mtp.py::Qwen3NextForCausalLMMTP.__init__``) decides the MTP's quantization for the whole layer
+before any per-module rule:
+
+- ``modelopt_fp4`` (every exported checkpoint is serialized): the MTP is built unquantized, in BF16, whatever is
+  on disk ("Serialized Qwen3.5 ModelOpt checkpoints keep embedded MTP weights in BF16"; Qwen3-Next's MTP drops a
+  ``modelopt_fp4`` config outright);
+- ``modelopt_mixed``: quantized only when ``quantized_layers`` lists ``mtp.*`` modules, then module by module as
+  listed; otherwise BF16;
+- any other format (compressed-tensors, ...): the checkpoint's quantization config, with its own per-module rules;
+- ``mtp.fc`` is a plain ``nn.Linear`` in both models: never quantized.
+
+What a mismatch does there: SGLang's Linear weight loaders assert the checkpoint tensor's shape
+(``layers/linear.py``: ``assert param_data.shape == loaded_weight.shape``) and copy it into the module's dtype;
+scales a BF16 module has no parameter for are skipped (``ignore_suffixes`` in ``load_weights``, or "not found in
+params_dict, skip loading"). So a packed NVFP4 weight in a module SGLang built in BF16 stops the server at load,
+and an FP8 weight of the same shape loads as its raw values, without its scales: a wrong MTP that drafts badly.
 """
 
 from __future__ import annotations
@@ -33,6 +52,8 @@ __all__ = [
     "expand_modelopt_patterns",
     "mixed_algo",
     "modelopt_excluded",
+    "sglang_builds_quantized",
+    "sglang_mtp_build",
     "vllm_builds_quantized",
     "vllm_expectation",
     "vllm_format_refusal",
@@ -451,3 +472,38 @@ def engine_modules(linear_names: Sequence[str], rules: EngineRules = _QWEN3) -> 
             continue
         members[name], kinds[name] = [name], "linear"
     return [EngineModule(prefix, tuple(names), kinds[prefix]) for prefix, names in members.items()]
+
+
+def sglang_mtp_build(meta: QuantMetadata | None) -> tuple[bool, str]:
+    """Whether SGLang builds the MTP with the checkpoint's quantization at all, and why (see the module docstring)."""
+    if meta is None:
+        return False, "the checkpoint declares no quantization"
+    method = meta.vllm_method  # SGLang names the ModelOpt and compressed-tensors formats as vLLM does
+    if method == "modelopt_fp4":
+        return False, "SGLang builds the MTP of a serialized modelopt_fp4 checkpoint in BF16"
+    if method == "modelopt_mixed":
+        if any(name.startswith("mtp.") for name in meta.quantized_layers):
+            return True, "quantized_layers lists the MTP"
+        return False, "SGLang builds the MTP in BF16: modelopt_mixed lists no mtp.* module in quantized_layers"
+    return True, f"SGLang builds the MTP with the checkpoint's {method} quantization"
+
+
+def sglang_builds_quantized(module: EngineModule, meta: QuantMetadata | None) -> tuple[bool, str]:
+    """Whether SGLang builds this MTP module quantized, and a short reason. Raises FusedShardsError."""
+    if module.prefix == "mtp.fc":
+        return False, "SGLang builds mtp.fc as a plain Linear"
+    if module.kind == "unquantized":
+        return False, "SGLang builds it without a quantization config"
+    whole, why = sglang_mtp_build(meta)
+    if not whole or meta is None:
+        return False, why
+    if meta.is_compressed_tensors:
+        ignored = ct_ignored(module.prefix, meta.exclude)
+        return not ignored, "in compressed-tensors ignore" if ignored else "not in compressed-tensors ignore"
+    if meta.is_modelopt and meta.algo.upper() == "MIXED_PRECISION":
+        algo = mixed_algo(module.prefix, meta)
+        return algo is not None, f"quantized_layers: {algo}" if algo else "absent from quantized_layers"
+    if meta.is_modelopt:
+        excluded = modelopt_excluded(module.prefix, meta.exclude)
+        return not excluded, "excluded" if excluded else "not excluded"
+    return True, why

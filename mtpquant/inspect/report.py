@@ -18,13 +18,15 @@ from mtpquant.checkpoint.header import bulk_parse
 from mtpquant.checkpoint.source import CheckpointSource
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.errors import ExitCode
-from mtpquant.families import is_mtp_name
+from mtpquant.families import EngineRules, family, is_mtp_name
 from mtpquant.formats.quant_config import QuantMetadata
 from mtpquant.inspect.engines import (
     EngineModule,
     Expectation,
     FusedShardsError,
     engine_modules,
+    sglang_builds_quantized,
+    sglang_mtp_build,
     vllm_expectation,
     vllm_format_refusal,
 )
@@ -321,6 +323,60 @@ def _main_section(ckpt: Checkpoint, meta: QuantMetadata | None) -> tuple[dict[st
     return main, vision, findings
 
 
+# Precisions whose weight is packed (not the BF16 shape): SGLang cannot load them into a module it built in BF16.
+_PACKED_PRECISIONS = ("NVFP4", "NVFP4-CT")
+
+
+def _sglang_verdict(
+    mods: list[ModuleReport], meta: QuantMetadata | None, precision: str, rules: EngineRules
+) -> tuple[str, bool]:
+    """What SGLang does with this MTP (``inspect/engines.py``: its loader's rules), and whether it serves it
+    with NEXTN."""
+    built = {m.module: _sglang_build(m, meta, rules) for m in mods}
+    for m in mods:
+        q, reason = built[m.module]
+        disk_q = m.disk != "mixed" and is_quantized(m.disk)
+        if m.disk == "missing" or (q == disk_q and m.disk != "mixed"):
+            continue
+        if q is None:
+            return f"SGLang will fail to load the MTP (NEXTN): {reason}", False
+        if m.disk == "mixed":
+            return f"SGLang will fail to load the MTP (NEXTN): {m.module} mixes precisions across its tensors", False
+        if q:
+            return (
+                f"SGLang will fail to load the MTP (NEXTN): it builds {m.module} quantized ({reason}), but it is "
+                f"{m.disk} on disk",
+                False,
+            )
+        if m.disk in _PACKED_PRECISIONS:
+            return (
+                f"SGLang will fail to load the MTP (NEXTN): {reason}, and the packed {m.disk} weight of {m.module} "
+                "does not fit a BF16 module; serve without speculative decoding, or with vLLM",
+                False,
+            )
+        return (
+            f"SGLang will draft with a wrong MTP (NEXTN): {reason}, and loads the {m.disk} values of {m.module} "
+            "without their scales",
+            False,
+        )
+    if any(is_quantized(m.disk) for m in mods):
+        _, why = sglang_mtp_build(meta)
+        return f"SGLang: MTP loads ({precision}; {why})", True
+    return f"SGLang: MTP loads ({precision})", True
+
+
+def _sglang_build(m: ModuleReport, meta: QuantMetadata | None, rules: EngineRules) -> tuple[bool | None, str]:
+    module = EngineModule(m.module, tuple(m.members), _module_kind(m, rules))
+    try:
+        return sglang_builds_quantized(module, meta)
+    except FusedShardsError as exc:
+        return None, str(exc)
+
+
+def _module_kind(m: ModuleReport, rules: EngineRules) -> str:
+    return next((e.kind for e in engine_modules(m.members, rules) if e.prefix == m.module), "linear")
+
+
 def _label_refusal(ckpt: Checkpoint) -> str | None:
     """A day-0 alias the engines do not know (vLLM 0.32's model registry and SGLang 0.5.23's configs have only the
     qwen4_exp labels)."""
@@ -330,8 +386,8 @@ def _label_refusal(ckpt: Checkpoint) -> str | None:
         return None
     where, alias, canon = unknown[0]
     return (
-        f"the day-0 label {alias!r} ({where}) is unknown to vLLM 0.32 and SGLang 0.5.23; the weights are "
-        f"{canon!r}'s: relabel with `mtpquant graft QUANT --fix-metadata`"
+        f"the day-0 label {alias} ({where}) is unknown to vLLM 0.32 and SGLang 0.5.23 (the weights are "
+        f"{canon}'s): relabel with `mtpquant graft QUANT --fix-metadata --out FIXED`"
     )
 
 
@@ -370,7 +426,11 @@ def _sglang_mismatch(ckpt: Checkpoint, meta: QuantMetadata) -> str | None:
 
 
 def _verdicts(
-    report: dict[str, Any], ref: str, sglang_quantized_ok: bool = False
+    report: dict[str, Any],
+    ref: str,
+    meta: QuantMetadata | None = None,
+    rules: EngineRules | None = None,
+    sglang_quantized_ok: bool = False,
 ) -> tuple[dict[str, str], dict[str, str], list[Finding]]:
     notes: list[Finding] = []
     present = report["mtp_present_tensors"] > 0
@@ -412,19 +472,15 @@ def _verdicts(
                     "unquantized (run `mtpquant graft --fix-metadata`)",
                 )
             )
-    quantized_mtp = any(is_quantized(m.disk) for m in mods)
-    if quantized_mtp and sglang_quantized_ok:
-        sglang = f"SGLang: MTP loads ({report['mtp_precision']}; quantized_layers lists the MTP)"
-        quantized_mtp = False
-    elif quantized_mtp:
-        sglang = "SGLang: MTP is quantized; SGLang will not use it (it serves only a BF16 MTP)"
+    if sglang_quantized_ok:  # the family's own resolution (qwen4_exp: _sglang_mismatch below checks it)
+        sglang, sglang_serves = f"SGLang: MTP loads ({report['mtp_precision']}; quantized_layers lists the MTP)", True
     else:
-        sglang = "SGLang: MTP loads (BF16)"
+        sglang, sglang_serves = _sglang_verdict(mods, meta, report["mtp_precision"], rules or family("qwen3_5").engine)
     n = NUM_SPECULATIVE_TOKENS
     serve: dict[str, str] = {}
     if not broken:
         serve["vllm"] = f'vllm serve {ref} --speculative-config \'{{"method":"mtp","num_speculative_tokens":{n}}}\''
-    if not quantized_mtp:
+    if sglang_serves:
         serve["sglang"] = (
             f"python -m sglang.launch_server --model-path {ref} --speculative-algorithm NEXTN "
             f"--speculative-num-steps {n} --speculative-eagle-topk 1 --speculative-num-draft-tokens {n + 1}"
@@ -464,7 +520,7 @@ def _inspect(ckpt: Checkpoint, t0: float) -> InspectReport:
     warnings += [Finding("note", p.message) for p in ckpt.problems if not p.fatal]
     label = ckpt.label
     sglang_mixed = _sglang_keeps_quantized_mtp(ckpt, meta)
-    verdicts, serve, notes = _verdicts(report, label, sglang_mixed)
+    verdicts, serve, notes = _verdicts(report, label, meta, ckpt.spec.family.engine, sglang_mixed)
     sglang_problem = _sglang_mismatch(ckpt, meta) if sglang_mixed and meta is not None else None
     if sglang_problem is not None:
         verdicts["sglang"] = f"SGLang will fail to load: {sglang_problem}"

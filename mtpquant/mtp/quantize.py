@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from mtpquant.families import MTP_PREFIX, MtpLayout, family
+from mtpquant.families import MTP_PREFIX, MtpLayout, family, matches
 from mtpquant.formats.fp8 import fp8_scale_from_amax, quantize_fp8_per_tensor
 from mtpquant.formats.nvfp4 import input_scale_from_amax, quantize_nvfp4, shared_global_scale
 from mtpquant.mtp.module import MtpLayer
@@ -71,8 +71,9 @@ def mtp_excluded_modules(modules: Sequence[str], layout: MtpLayout = _QWEN3_MTP)
 
 
 def mtp_quantized_modules(modules: Sequence[str], layout: MtpLayout = _QWEN3_MTP) -> list[str]:
-    """The MTP Linears quantize mode quantizes (attention, MLP, shared and routed experts)."""
-    return sorted(m for m in modules if not layout.is_unquantized(m))
+    """The MTP Linears quantize mode quantizes: those the engine builds as quantizable Linears
+    (``MtpLayout.engine_linears``; Qwen3.5: attention, MLP, shared and routed experts) less the ones kept BF16."""
+    return sorted(m for m in modules if matches(m, layout.engine_linears) and not layout.is_unquantized(m))
 
 
 def mtp_fused_groups(modules: Sequence[str], layout: MtpLayout = _QWEN3_MTP) -> list[list[str]]:

@@ -248,16 +248,24 @@ class QuantizeMode(MtpMode):
                         f"{m}: input dimension {in_dim} is not a multiple of {BLOCK} (the NVFP4 block size); use "
                         "--mtp-format fp8 or --mtp keep"
                     )
-        notes = ["SGLang serves only a BF16 MTP: it will not use this quantized MTP (vLLM will)"]
         if fmt == "fp8":
-            notes.append("FP8 MTP with an NVFP4 main model is written as MIXED_PRECISION (vLLM modelopt_mixed)")
+            notes = [
+                "FP8 MTP with an NVFP4 main model is written as MIXED_PRECISION (vLLM modelopt_mixed); it lists the "
+                "mtp.* modules in quantized_layers, so SGLang builds this MTP quantized too"
+            ]
+        else:
+            notes = [
+                "SGLang builds the MTP of a modelopt_fp4 checkpoint in BF16 and cannot load this NVFP4 MTP for NEXTN "
+                "(vLLM serves it; with --format compressed-tensors SGLang builds it NVFP4)"
+            ]
         return ModeCheck(tuple(notes), quantized)
 
     def plan_line(self, plan: PlanView) -> str:
         return (
             f"quantize: {len(plan.mtp_quantized)} MTP Linears -> {plan.mtp_format.upper()} with calibrated input "
             "scales; mtp.fc, norms, "
-            "router, shared_expert_gate stay BF16 (excluded by name). SGLang will not serve a quantized MTP"
+            "router, shared_expert_gate stay BF16 (excluded by name). SGLang loads an NVFP4 MTP only in the "
+            "compressed-tensors format"
         )
 
     def write(self, ctx: WriteContext) -> MtpOutcome:

@@ -19,6 +19,7 @@ from typing import Any
 
 __all__ = [
     "FULL_TEXT_CONFIG",
+    "ROPE_PARAMETERS",
     "TINY_TEXT_CONFIG",
     "main_tensors",
     "ngram_buffers",
@@ -26,7 +27,8 @@ __all__ = [
     "qwen4_exp_config",
 ]
 
-_ROPE = {
+# Qwen3.5's RoPE (interleaved M-RoPE over a quarter of each head), Qwen4-Exp's too
+ROPE_PARAMETERS: dict[str, Any] = {
     "rope_type": "default",
     "rope_theta": 10_000_000.0,
     "partial_rotary_factor": 0.25,
@@ -79,7 +81,7 @@ TINY_TEXT_CONFIG: dict[str, Any] = {
     "num_hidden_layers": 4,
     "num_attention_heads": 2,
     "num_key_value_heads": 1,
-    "head_dim": 64,
+    "head_dim": 256,  # vLLM's M-RoPE needs sum(mrope_section) == rotary_dim / 2: the real 256 x 0.25
     "linear_num_key_heads": 1,
     "linear_num_value_heads": 2,
     "linear_key_head_dim": 128,
@@ -94,7 +96,7 @@ TINY_TEXT_CONFIG: dict[str, Any] = {
     "hc_lowrank": 32,
     "indexer_n_heads": 2,
     "indexer_kv_heads": 1,
-    "indexer_head_dim": 32,
+    "indexer_head_dim": 64,  # covers the rotary dims (transformers and vLLM check it)
     **_QSA,
     "ple_layer_ids": [1],
     "ple_embed_dim": 32,
@@ -125,7 +127,7 @@ def qwen4_exp_config(
         "max_position_embeddings": 262144,
         "attention_bias": False,
         "norm_topk_prob": True,
-        "rope_parameters": dict(_ROPE),
+        "rope_parameters": dict(ROPE_PARAMETERS),
         "tie_word_embeddings": tied,
         "eos_token_id": 2 if vocab < 4096 else 248046,
         "dtype": "bfloat16",

@@ -20,6 +20,7 @@ from mtpquant.checkpoint.dtypes import planned
 from mtpquant.checkpoint.index import SINGLE_NAME
 from mtpquant.checkpoint.writer import OutputDir
 from mtpquant.families import FAMILIES, is_mtp_name, resolve
+from mtpquant.synth.qwen4_exp import ROPE_PARAMETERS
 
 __all__ = ["TINY_VARIANTS", "TinySpec", "make_tiny_checkpoint", "tiny_config", "tiny_tokenizer"]
 
@@ -66,13 +67,6 @@ TINY_VISION: dict[str, Any] = {
     "num_position_embeddings": 64,
     "hidden_act": "gelu_pytorch_tanh",
     "deepstack_visual_indexes": [],
-}
-_ROPE = {
-    "rope_type": "default",
-    "rope_theta": 10_000_000.0,
-    "partial_rotary_factor": 0.25,
-    "mrope_interleaved": True,
-    "mrope_section": [11, 11, 10],
 }
 
 
@@ -140,7 +134,7 @@ def tiny_config(spec: TinySpec) -> dict[str, Any]:
         "model_type": "qwen3_5_moe_text" if moe else "qwen3_5_text",
         "mtp_num_hidden_layers": 1 if spec.mtp else 0,
         "mtp_use_dedicated_embeddings": False,
-        "rope_parameters": dict(_ROPE),
+        "rope_parameters": dict(ROPE_PARAMETERS),
         "mamba_ssm_dtype": "float32",
         "eos_token_id": 2,
         "dtype": "bfloat16",

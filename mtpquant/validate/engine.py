@@ -1,16 +1,18 @@
-"""``validate`` through the engine users deploy: a running vLLM server (``--server``), or one started here
-(``--engine vllm``), measured by its own speculative-decoding counters.
+"""``validate`` through the engines users deploy: a running vLLM or SGLang server (``--server``, recognised by
+its routes), or one started here (``--engine vllm|sglang``), measured by the engine's own speculative counters.
 
 The prompts, lengths and sampling are the built-in path's (the default held-out prompts, or ``--prompts``;
-tokenized with the checkpoint's ``tokenizer.json``, or by the server's ``/tokenize`` when only a URL is given; the
-first ``min(len, max_len / 2)`` tokens, then ``max_len`` minus that many generated with ``ignore_eos``, at every
-``--temperature`` with ``--top-p`` / ``--top-k`` and prompt i's seed ``--seed + i``). The counters are read around
-each group of requests and subtracted (``mtpquant.validate.measure``); they are server-wide, so traffic from other
-clients meanwhile is counted in and reported. With ``--engine vllm`` one server is started per k (vLLM's
-``num_speculative_tokens`` is fixed per server, and so is its verification rule: ``--rule probabilistic`` adds
-``draft_sample_method: probabilistic``) on 127.0.0.1 and measures every temperature; its log is written into the
-report directory and it is stopped afterwards (also on Ctrl-C or an error). ``--compare-reference`` also runs the
-built-in prediction on the same prompts and settings and reports both, per setting and k, per position too.
+tokenized with the checkpoint's ``tokenizer.json``, or by the server's ``/tokenize`` when only a URL is given;
+planned as ``prompts.plan_sequences`` plans them, context buckets included; sent with ``ignore_eos`` at every
+``--temperature`` with ``--top-p`` / ``--top-k``, prompt i with seed ``--seed + i``), in groups of
+``--concurrency`` requests (``validate.measure``; each group a unit of the intervals). vLLM's counters are
+server-wide, read around each group and subtracted (traffic from other clients meanwhile is counted in and
+reported); SGLang's come with each request (exactly these requests) and must describe the k-step MTP chain (NEXTN,
+topk 1): a tree is refused. ``--candidate-server`` pairs work across engines. With ``--engine`` one server is
+started per k (the number of drafts, and vLLM's verification rule, are fixed per server) on 127.0.0.1 and measures
+every setting; its memory is sized for what validate sends (``engine/sizing.py``), its log written into the report
+directory, and it is stopped afterwards (also on Ctrl-C or an error). ``--compare-reference`` also runs the built-in
+prediction on the same prompts and settings and reports both, per setting and k, per position too.
 """
 
 from __future__ import annotations
@@ -21,13 +23,16 @@ import tempfile
 import time
 from collections.abc import Sequence
 from datetime import datetime, timezone
+from itertools import groupby
 from pathlib import Path
 from typing import Any
 
 from mtpquant import __version__
-from mtpquant.engine.client import EngineClient, ServerInfo
-from mtpquant.engine.launch import VllmServer, free_port, server_args
+from mtpquant.engine.connect import client_for, connect
+from mtpquant.engine.launch import EngineProcess, free_port, sglang_args, vllm_args
 from mtpquant.engine.sampling import rule
+from mtpquant.engine.server import ENGINE_NAMES, EngineServer, ServerInfo, SpecConfig, resolve_model
+from mtpquant.engine.sizing import Machine, plan_engine_memory, probe_machine
 from mtpquant.errors import EngineAnswerError
 from mtpquant.validate.evidence import Bootstrap
 from mtpquant.validate.measure import EngineMeasurement, measure
@@ -51,16 +56,20 @@ __all__ = ["validate_engine"]
 
 log = logging.getLogger(__name__)
 
+ENGINE_NOTE = "The same prompts, lengths and sampling settings as the built-in path (ignore_eos)."
 CPU_SAMPLING_NOTE = (
     "vLLM 0.32.0's CPU build mis-expands each request's temperature, top-k and top-p to its drafts in the rejection "
     "sampler (vllm/utils/cpu_triton_utils.py::_expand_kernel_impl fills an int64 copy that is never read back), so "
     "an unpatched CPU server judges sampled drafts against uninitialized distributions and accepts almost none; "
     "mtpquant's test engine environment corrects it (tests/support/vllm_env.py). GPU builds run the Triton kernel."
 )
-ENGINE_NOTE = (
-    "The same prompts, lengths and sampling settings as the built-in path (ignore_eos). The engine's "
-    "speculative-decoding counters are server-wide: numbers are differences of snapshots."
-)
+COUNTER_NOTES = {
+    "vllm": "vLLM's speculative-decoding counters are server-wide: its numbers are the difference of two snapshots.",
+    "sglang": (
+        "SGLang's speculative counters come with each request (meta_info: spec_verify_ct, "
+        "spec_correct_drafts_histogram, ...): its numbers cover exactly these requests."
+    ),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,10 +80,16 @@ class _Measured:
     checkpoint: str
     engine: EngineInfo
     measurements: tuple[EngineMeasurement, ...]
+    notes: tuple[str, ...] = ()
+
+    @property
+    def measurement(self) -> EngineMeasurement:
+        """The headline setting's measurement."""
+        return self.measurements[0]
 
 
 def _token_prompts(
-    opts: ValidateOptions, texts: Sequence[str], client: EngineClient | None, model: str | None
+    opts: ValidateOptions, texts: Sequence[str], client: EngineServer | None, model: str | None
 ) -> list[list[int]]:
     """Token ids as the built-in path makes them: the local checkpoint's tokenizer, else the server's."""
     if opts.reference is not None:
@@ -82,118 +97,168 @@ def _token_prompts(
 
         return tokenize_prompts(open_source(opts.reference), texts)
     assert client is not None and model is not None
-    ids = [client.tokenize(model, t) for t in texts]
+    try:
+        ids = [client.tokenize(model, t) for t in texts]
+    except EngineAnswerError as exc:
+        raise EngineAnswerError(
+            f"{exc} (give the served checkpoint as CHECKPOINT: its tokenizer makes the prompts)"
+        ) from None
     return [row for row in ids if len(row) >= 2]
 
 
-def _groups(plan: Sequence[PlannedSequence], concurrency: int) -> list[list[int]]:
-    """The requests sent together: consecutive prompts of one context bucket, ``concurrency`` at a time (so each
-    group's counters belong to one bucket)."""
-    by_bucket: dict[int | None, list[int]] = {}
-    for i, s in enumerate(plan):
-        by_bucket.setdefault(s.bucket, []).append(i)
-    return [g[j : j + concurrency] for g in by_bucket.values() for j in range(0, len(g), concurrency)]
+def _plan(opts: ValidateOptions, ids: Sequence[Sequence[int]]) -> list[PlannedSequence]:
+    """The sequences, those of one context bucket next to each other (so no request group mixes buckets)."""
+    plan = plan_sequences(ids, opts.max_len, opts.context_buckets)
+    if not plan:
+        raise ValidateError("no prompt is long enough to measure")
+    return sorted(plan, key=lambda s: -1 if s.bucket is None else s.bucket)
+
+
+def _measure_all(
+    opts: ValidateOptions, server: EngineServer, info: ServerInfo, model: str, plan: Sequence[PlannedSequence]
+) -> tuple[EngineMeasurement, ...]:
+    """Every sampling setting on one server: the same prompts, lengths and seeds; a bucket's prompts grouped."""
+    prompts, new = [list(s.prompt) for s in plan], [s.new_tokens for s in plan]
+    runs = [sum(1 for _ in group) for _, group in groupby(plan, key=lambda s: s.bucket)]
+    return tuple(
+        measure(server, info, model, prompts, new, s, concurrency=opts.concurrency, runs=runs)
+        for s in opts.sampling_settings
+    )
 
 
 def _engine_info(
     opts: ValidateOptions,
-    client: EngineClient,
     info: ServerInfo,
     model: str,
-    measurements: Sequence[EngineMeasurement],
+    ms: Sequence[EngineMeasurement],
     args: Sequence[str],
-    requested_k: int | None,
+    label: str,
+    spec: SpecConfig | None,
+    requested_k: int,
 ) -> EngineInfo:
-    k = measurements[0].k or requested_k or 0
+    """``requested_k``: the k to report when the server counted no draft positions (a vLLM without per-position
+    counters)."""
+    m = ms[0]
+    k = m.k or requested_k
     return EngineInfo(
-        name="vllm",
+        name=info.engine,
         version=info.version,
-        url=client.url,
+        url=info.url,
         model=model,
         k=k,
-        k_source="server" if measurements[0].k else "--k",
+        k_source="server" if m.k else "--k",
         sampling={
-            "settings": [m.sampling.to_json() for m in measurements],
+            "settings": [x.sampling.to_json() for x in ms],
             "rule": opts.rule,
             "ignore_eos": True,
             "concurrency": opts.concurrency,
         },
         server_args=tuple(args),
-        other_requests=sum(m.other_requests for m in measurements),
+        other_requests=sum(x.other_requests for x in ms),
+        side=label,
+        speculative=(spec or SpecConfig("mtp", k)).to_json(),
+        counters="server-wide" if m.run.others_counted else "per-request",
     )
-
-
-def _measure_all(
-    opts: ValidateOptions, client: EngineClient, model: str, plan: Sequence[PlannedSequence]
-) -> list[EngineMeasurement]:
-    prompts, new = [list(s.prompt) for s in plan], [s.new_tokens for s in plan]
-    groups = _groups(plan, opts.concurrency)
-    return [
-        measure(client, model, prompts, new, s, concurrency=opts.concurrency, groups=groups)
-        for s in opts.sampling_settings
-    ]
 
 
 def _running(
     opts: ValidateOptions, url: str, label: str, texts: Sequence[str], plan: list[PlannedSequence] | None
 ) -> tuple[_Measured, list[PlannedSequence]]:
-    """Measure a server someone else runs, at every sampling setting."""
-    client = EngineClient(url, generate_timeout=opts.request_timeout)
-    info = client.info()
-    model = client.resolve_model(info, opts.served_model)
+    """Measure a server someone else runs (vLLM or SGLang, recognised by its routes), at every sampling setting."""
+    server, info = connect(url, generate_timeout=opts.request_timeout)
+    log.info("%s: %s serving %s", url, info.display, ", ".join(info.models))
+    model = resolve_model(info, opts.served_model)
     if plan is None:
-        plan = plan_sequences(_token_prompts(opts, texts, client, model), opts.max_len, opts.context_buckets)
-    ms = _measure_all(opts, client, model, plan) if plan else []
-    if not ms:
-        raise ValidateError("no prompt is long enough to measure")
-    requested = max(opts.k_values) if ms[0].k == 0 else None
-    return _Measured(label, model, _engine_info(opts, client, info, model, ms, (), requested), tuple(ms)), plan
+        plan = _plan(opts, _token_prompts(opts, texts, server, model))
+    ms = _measure_all(opts, server, info, model, plan)
+    args = server.server_args()
+    engine_info = _engine_info(opts, info, model, ms, args, label, info.speculative, max(opts.k_values))
+    return _Measured(label, model, engine_info, ms, _draft_notes(info, model)), plan
+
+
+def _draft_notes(info: ServerInfo, model: str) -> tuple[str, ...]:
+    """A server that names a draft model other than the one it serves drafts with that model, not (necessarily)
+    with the served checkpoint's own MTP: the numbers are that drafter's."""
+    draft = info.speculative.draft_model if info.speculative else None
+    if draft is None or draft in (model, info.model_path):
+        return ()
+    return (f"{info.url} drafts with {draft} (its draft model), not necessarily with the MTP of {model}",)
 
 
 def _started(
-    opts: ValidateOptions, checkpoint: str, label: str, k: int, plan: list[PlannedSequence], logs: Path, cpu: bool
+    opts: ValidateOptions,
+    checkpoint: str,
+    label: str,
+    k: int,
+    plan: list[PlannedSequence],
+    logs: Path,
+    machine: Machine,
 ) -> _Measured:
-    """Start a vLLM server for ``checkpoint`` with ``k`` MTP drafts and the rule, measure every setting, stop it."""
+    """Start the engine for ``checkpoint`` with ``k`` MTP drafts (and the rule), its memory sized for validate,
+    measure every sampling setting, stop."""
+    import os
+
     from mtpquant.checkpoint.table import Checkpoint
 
-    assert opts.vllm_python is not None
-    spec = Checkpoint.open(checkpoint).spec
-    port = free_port()
-    args = server_args(
-        checkpoint,
-        port,
+    engine = opts.engine
+    python = opts.engine_python
+    assert engine is not None and python is not None
+    ckpt = Checkpoint.open(checkpoint)
+    cpu = machine.device == "cpu"
+    memory = plan_engine_memory(
+        engine,
+        ckpt.spec,
+        ckpt.total_bytes,
+        max_len=max([opts.max_len, *(len(s.prompt) + s.new_tokens for s in plan)]),
         k=k,
+        machine=machine,
         tensor_parallel_size=opts.tensor_parallel_size,
-        max_model_len=max(512, 2 * opts.max_len, max((len(s.prompt) + s.new_tokens for s in plan), default=0) + 8),
-        text_only=spec.family.has_vision,
-        cpu=cpu,
-        extra=opts.engine_args,
-        speculative=rule(opts.rule).vllm_config,
+        user_args=opts.engine_args,
+        user_env=(*os.environ, *opts.env),
+        sequences=opts.concurrency,
     )
-    log_path = logs / f"vllm-{label}-k{k}.log"
-    with VllmServer(
-        opts.vllm_python, args, log_path, port=port, startup_timeout=opts.startup_timeout, env=opts.env
-    ) as server:
-        client = EngineClient(server.url, generate_timeout=opts.request_timeout)
+    port = free_port()
+    tp, extra = opts.tensor_parallel_size, opts.engine_args
+    if engine == "sglang":
+        args = sglang_args(checkpoint, port, k=k, tensor_parallel_size=tp, cpu=cpu, memory=memory.args(), extra=extra)
+    else:
+        text_only = ckpt.spec.family.has_vision
+        args = vllm_args(
+            checkpoint,
+            port,
+            k=k,
+            tensor_parallel_size=tp,
+            text_only=text_only,
+            cpu=cpu,
+            memory=memory.args(),
+            extra=extra,
+            speculative=rule(opts.rule).vllm_config,
+        )
+    log_path = logs / f"{engine}-{label}-k{k}.log"
+    with EngineProcess(
+        engine, python, args, log_path, port=port, startup_timeout=opts.startup_timeout, env=opts.env
+    ) as process:
+        client = client_for(engine, process.url, generate_timeout=opts.request_timeout)
         info = client.info()
-        model = client.resolve_model(info, opts.served_model or checkpoint)
-        ms = _measure_all(opts, client, model, plan)
+        model = resolve_model(info, opts.served_model or checkpoint)
+        ms = _measure_all(opts, client, info, model, plan)
         if ms[0].k != k:
             raise EngineAnswerError(
-                f"{server.url}: drafted {ms[0].k} tokens per step, started with {k} (log: {log_path})"
+                f"{process.url}: drafted {ms[0].k} tokens per step, started with {k} (log: {log_path})"
             )
-        return _Measured(label, checkpoint, _engine_info(opts, client, info, model, ms, args, k), tuple(ms))
+        engine_info = _engine_info(opts, info, model, ms, args, label, info.speculative, k)
+        return _Measured(label, checkpoint, engine_info, ms, (memory.describe(),))
 
 
 def _by_context(m: EngineMeasurement, plan: Sequence[PlannedSequence], edges: Sequence[int], k: int) -> tuple[
     ContextBucket, ...
 ]:  # fmt: skip
-    """Per context bucket: the sum of the groups that filled it (groups never mix buckets: ``_groups``)."""
+    """Per context bucket: the sum of the groups that filled it (a group never mixes buckets: ``_plan``)."""
     buckets = [plan[g[0]].bucket for g in m.groups]
+    u = m.units
     out = []
     for b, (low, high) in enumerate(zip((0, *edges[:-1]), edges)):
         mine = [i for i, gb in enumerate(buckets) if gb == b]
-        u = m.units
         out.append(
             ContextBucket(
                 low,
@@ -210,16 +275,15 @@ def _by_context(m: EngineMeasurement, plan: Sequence[PlannedSequence], edges: Se
 def _acceptance(
     opts: ValidateOptions, measured: Sequence[_Measured], index: int, plan: Sequence[PlannedSequence]
 ) -> Acceptance:
-    """The acceptance at sampling setting ``index`` over the servers of one side (one per k); per context bucket
-    when the prompts were planned into buckets."""
+    """The acceptance at sampling setting ``index`` over the servers of one side (one per k), with AL's interval over
+    the request groups; per context bucket when the prompts were planned into buckets."""
     rows = []
     for x in sorted(measured, key=lambda x: x.engine.k):
         m = x.measurements[index]
         interval = Bootstrap(m.units.units, level=opts.confidence).al(m.units)
         context = _by_context(m, plan, opts.context_buckets, x.engine.k) if opts.context_buckets else ()
         rows.append(AcceptanceRow.of(x.engine.k, m.stats, m.units, interval, context))
-    first = measured[0].measurements[index]
-    return Acceptance(tuple(rows), None, first.sampling, measured[0].engine.sampling.get("rule", "vllm"))
+    return Acceptance(tuple(rows), None, measured[0].measurements[index].sampling, opts.rule)
 
 
 def _side(
@@ -230,15 +294,15 @@ def _side(
     plan: Sequence[PlannedSequence],
 ) -> Side:
     first = measured[0]
-    completions = first.measurements[0].completions
-    generated = sum(len(c.tokens) for c in completions)
-    prompt_tokens = sum(len(c.prompt) for c in completions)
+    generated = sum(len(c.tokens) for c in first.measurement.completions)
+    prompt_tokens = sum(len(c.prompt) for c in first.measurement.completions)
     by_sampling = tuple(_acceptance(opts, measured, i, plan) for i in range(len(first.measurements)))
     return Side(
         checkpoint=label_checkpoint,
         family=family,
         precision={},
-        target_source=f"engine vllm {first.engine.version} at {first.engine.url}",
+        target_source=f"engine {ENGINE_NAMES.get(first.engine.name, first.engine.name)} {first.engine.version} at "
+        f"{first.engine.url}",
         sequences=len(plan),
         tokens=prompt_tokens + generated,
         generated_tokens=generated,
@@ -349,25 +413,41 @@ def validate_engine(opts: ValidateOptions) -> ValidationReport:
             checkpoints[label] = str(opts.reference if label == "reference" and opts.reference else m.checkpoint)
     else:
         assert opts.reference is not None
-        plan = plan_sequences(_token_prompts(opts, texts, None, None), opts.max_len, opts.context_buckets)
-        if not plan:
-            raise ValidateError("no prompt is long enough to measure")
-        logs = Path(opts.report_dir) if opts.report_dir is not None else Path(tempfile.mkdtemp(prefix="mtpquant-vllm-"))
+        plan = _plan(opts, _token_prompts(opts, texts, None, None))
+        logs = (
+            Path(opts.report_dir)
+            if opts.report_dir is not None
+            else Path(tempfile.mkdtemp(prefix=f"mtpquant-{opts.engine}-"))
+        )
         cpu = _device_is_cpu(opts)
-        if cpu and any(not x.greedy for x in opts.sampling_settings):
+        if cpu and opts.engine == "vllm" and any(not x.greedy for x in opts.sampling_settings):
             notes.append(CPU_SAMPLING_NOTE)
+        machine = probe_machine(cpu)
         for label, ckpt in (("reference", opts.reference), ("candidate", opts.candidate)):
             if ckpt is None:
                 continue
             checkpoints[label] = str(ckpt)
             for k in opts.k_values:
-                measured[label].append(_started(opts, str(ckpt), label, k, plan, logs, cpu))
+                measured[label].append(_started(opts, str(ckpt), label, k, plan, logs, machine))
     assert plan is not None
-    for m in (x for side in measured.values() for x in side):
+    if measured["candidate"] and opts.server is not None:
+        ref_k, cand_k = (measured[side][0].engine.k for side in ("reference", "candidate"))
+        if ref_k != cand_k:  # AL grows with k: the two sides would not be comparable
+            raise ValidateError(
+                f"{opts.server} drafts k={ref_k} per step and {opts.candidate_server} k={cand_k}: start both "
+                "servers with the same number of draft tokens"
+            )
+    every = [x for side in measured.values() for x in side]
+    for name in sorted({m.engine.name for m in every}):
+        notes.append(COUNTER_NOTES[name])
+    for note in dict.fromkeys(n for m in every for n in m.notes):
+        notes.append(note)
+    for m in every:
         if m.engine.other_requests:
+            counted = "the counters include them" if m.measurement.run.others_counted else "not counted in"
             notes.append(
                 f"{m.engine.other_requests} other request(s) finished on {m.engine.url} during the measurement "
-                f"(k={m.engine.k}); the counters include them"
+                f"(k={m.engine.k}); {counted}"
             )
     reference = _side(opts, checkpoints["reference"], _family(opts.reference), measured["reference"], plan)
     candidate = None

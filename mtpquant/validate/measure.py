@@ -1,24 +1,23 @@
-"""Acceptance as a running engine measures it: completions with the built-in path's prompts, lengths and sampling,
-then the counter deltas.
+"""Acceptance as a running engine measures it: completions of the built-in path's prompts, then the engine's
+own speculative-decoding counts turned into the report's ``AcceptanceStats``, per group of requests too.
 
-The prompts are sent in groups of ``concurrency`` requests in flight at once (one group after another); the
-speculative-decoding counters are read before the first group and after each, and the differences give vLLM's
-own numbers: AL = 1 + accepted / drafts, acceptance rate = accepted / draft tokens, per draft position i
-accepted_per_pos[i] / drafts. Each group is a sampling unit of the confidence intervals (one prompt per unit at
-``concurrency`` 1). The counters are server-wide: when the request counter moved by more than the requests sent,
-other traffic interleaved and the numbers include it (the measurement says so).
+The same prompts as the built-in path (token ids, ``ignore_eos``, the same lengths, the same sampling settings,
+prompt i with seed ``seed + i``) are sent in consecutive groups of at most ``concurrency`` requests, the requests
+of a group in flight together. Each engine counts in its own way (``mtpquant.engine``): vLLM's server-wide
+counters read before and after each group (other traffic meanwhile is counted in, and reported), SGLang's
+per-request counters summed (exactly these requests). Either way: AL = 1 + accepted / verify steps, acceptance
+rate = accepted / drafted tokens, and per draft position i, accepted_i / verify steps (every step drafts all k).
+Each group is a sampling unit of the confidence intervals (``evidence.UnitCounts``; one prompt per unit at
+``concurrency`` 1).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from mtpquant.engine.client import Completion, EngineClient
-from mtpquant.engine.counters import CounterSnapshot
 from mtpquant.engine.sampling import SamplingSettings
-from mtpquant.errors import EngineSpecDecodeError
+from mtpquant.engine.server import Completion, DraftCounts, EngineRun, EngineServer, ServerInfo
 from mtpquant.validate.evidence import UnitCounts
 from mtpquant.validate.metrics import AcceptanceStats
 
@@ -30,100 +29,99 @@ class EngineMeasurement:
     """What the engine's counters say about one batch of requests at one sampling setting."""
 
     model: str
-    k: int  # draft positions the server reported (its num_speculative_tokens)
+    k: int  # draft positions the server counted (its num_speculative_tokens / speculative_num_steps)
     stats: AcceptanceStats
-    delta: CounterSnapshot
-    requests_sent: int
-    completions: tuple[Completion, ...]
-    units: UnitCounts  # the counter deltas of each group of requests
+    run: EngineRun  # all the groups together
+    units: UnitCounts  # the counts of each group
     sampling: SamplingSettings
     groups: tuple[tuple[int, ...], ...]  # the prompt indices of each unit
 
     @property
+    def completions(self) -> tuple[Completion, ...]:
+        """The requests' prompts and generated tokens."""
+        return self.run.completions
+
+    @property
     def other_requests(self) -> int:
-        """Requests other clients completed on the server meanwhile (counted into the numbers)."""
-        return max(0, round(self.delta.requests) - self.requests_sent)
+        """Requests other clients completed on the server meanwhile."""
+        return self.run.other_requests
 
 
-def engine_stats(delta: CounterSnapshot) -> AcceptanceStats:
-    """AcceptanceStats from counter deltas (vLLM drafts its full K at every step)."""
-    drafts = round(delta.drafts)
-    per_pos = tuple(round(a) for a in delta.accepted_per_position)
+def engine_stats(counts: DraftCounts) -> AcceptanceStats:
+    """AcceptanceStats from an engine's counts (every verify step drafts its full k)."""
+    steps = counts.steps
     return AcceptanceStats(
-        num_steps=drafts,
-        num_drafted=round(delta.draft_tokens),
-        num_accepted=round(delta.accepted),
-        acceptance_rate=delta.accepted / delta.draft_tokens,
-        mean_acceptance_length=1.0 + delta.accepted / delta.drafts,
-        drafted_per_position=(drafts,) * len(per_pos),
-        accepted_per_position=per_pos,
-        acceptance_per_position=tuple(a / drafts for a in per_pos),
+        num_steps=steps,
+        num_drafted=counts.drafted,
+        num_accepted=counts.accepted,
+        acceptance_rate=counts.accepted / counts.drafted,
+        mean_acceptance_length=1.0 + counts.accepted / steps,
+        drafted_per_position=(steps,) * counts.k,
+        accepted_per_position=counts.accepted_per_position,
+        acceptance_per_position=tuple(a / steps for a in counts.accepted_per_position),
     )
 
 
-def _unit(delta: CounterSnapshot, k: int) -> tuple[float, float, tuple[float, ...], tuple[float, ...]]:
-    per_pos = tuple(float(round(a)) for a in delta.accepted_per_position) + (0.0,) * (
-        k - len(delta.accepted_per_position)
-    )
-    drafts = float(round(delta.drafts))
-    return drafts, float(round(delta.accepted)), per_pos[:k], (drafts,) * k
+def _chunks(first: int, count: int, size: int) -> list[tuple[int, ...]]:
+    return [tuple(range(i, min(i + size, first + count))) for i in range(first, first + count, size)]
 
 
 def measure(
-    client: EngineClient,
+    server: EngineServer,
+    info: ServerInfo,
     model: str,
     prompts: Sequence[Sequence[int]],
     max_tokens: Sequence[int],
-    sampling: SamplingSettings | None = None,
+    sampling: SamplingSettings,
     *,
     concurrency: int = 1,
-    groups: Sequence[Sequence[int]] | None = None,
+    runs: Sequence[int] | None = None,
 ) -> EngineMeasurement:
-    """Send the prompts (``concurrency`` at a time) and read what the engine accepted; refuses a server that does
-    not draft. ``groups``: the prompt indices sent together (each at most ``concurrency``; default: consecutive
-    runs), one sampling unit each, in the order given."""
+    """Send the prompts and read what the engine accepted, group by group; a server that does not draft is exit 43.
+
+    ``runs``: lengths of consecutive stretches of prompts that must not share a group (e.g. the prompts of one
+    context bucket); default: all prompts one stretch."""
     if concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
-    if groups is None:
-        groups = [range(i, min(i + concurrency, len(prompts))) for i in range(0, len(prompts), concurrency)]
-    sampling = sampling or SamplingSettings()
-    workers = [client] + [
-        EngineClient(client.url, timeout=client.timeout, generate_timeout=client.generate_timeout)
-        for _ in range(concurrency - 1)
-    ]
-    start = before = client.counters(model)
-    completions: list[Completion] = []
-    deltas: list[CounterSnapshot] = []
-    with ThreadPoolExecutor(max_workers=concurrency) as pool:
-        for group in groups:
-            futures = [
-                pool.submit(workers[j].complete_one, model, prompts[i], max_tokens[i], sampling.for_prompt(i))
-                for j, i in enumerate(group)
-            ]
-            completions += [f.result() for f in futures]
-            after = client.counters(model)
-            deltas.append(after.minus(before))
-            before = after
-    delta = before.minus(start)
-    if delta.drafts <= 0 or delta.draft_tokens <= 0:
-        what = "exports no speculative-decoding counters" if not delta.spec_decode else "did not draft"
-        raise EngineSpecDecodeError(
-            f"{client.url}: {model} {what} during {len(completions)} requests: speculative decoding with MTP is not "
-            'configured (start it with --speculative-config \'{"method":"mtp","num_speculative_tokens":K}\')'
-        )
-    k = delta.positions
-    parts = [_unit(d, k) for d in deltas]
-    units = UnitCounts(
-        tuple(p[0] for p in parts), tuple(p[1] for p in parts), tuple(p[2] for p in parts), tuple(p[3] for p in parts)
+    groups: list[tuple[int, ...]] = []
+    first = 0
+    for count in runs or (len(prompts),):
+        groups += _chunks(first, count, concurrency)
+        first += count
+    parts: list[EngineRun] = []
+    for group in groups:
+        # prompt i's seed is seed + i: the server gives a call's j-th prompt for_prompt(j)
+        start = replace(sampling, seed=sampling.seed + group[0]) if not sampling.greedy else sampling
+        parts.append(
+            server.run(
+                model, [prompts[i] for i in group], [max_tokens[i] for i in group], start, info,
+                concurrency=concurrency,
+            )
+        )  # fmt: skip
+    k = max(p.counts.k for p in parts)
+
+    def per_position(counts: DraftCounts) -> tuple[float, ...]:
+        return tuple(float(a) for a in counts.accepted_per_position) + (0.0,) * (k - counts.k)
+
+    total = DraftCounts(
+        steps=sum(p.counts.steps for p in parts),
+        drafted=sum(p.counts.drafted for p in parts),
+        accepted=sum(p.counts.accepted for p in parts),
+        accepted_per_position=tuple(
+            sum(p.counts.accepted_per_position[i] for p in parts if p.counts.k > i) for i in range(k)
+        ),
     )
-    return EngineMeasurement(
+    run = EngineRun(
         model,
-        k,
-        engine_stats(delta),
-        delta,
-        len(completions),
-        tuple(completions),
-        units,
-        sampling,
-        tuple(tuple(g) for g in groups),
+        tuple(c for p in parts for c in p.completions),
+        total,
+        sum(p.other_requests for p in parts),
+        all(p.others_counted for p in parts),
     )
+    units = UnitCounts(
+        tuple(float(p.counts.steps) for p in parts),
+        tuple(float(p.counts.accepted) for p in parts),
+        tuple(per_position(p.counts) for p in parts),
+        tuple((float(p.counts.steps),) * k for p in parts),
+    )
+    return EngineMeasurement(model, k, engine_stats(total), run, units, sampling, tuple(groups))

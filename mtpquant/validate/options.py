@@ -13,7 +13,7 @@ from mtpquant.validate import ACTIVATION_MODES
 
 __all__ = ["ENGINES", "ValidateError", "ValidateOptions"]
 
-ENGINES = ("vllm",)
+ENGINES = ("vllm", "sglang")
 
 
 class ValidateError(UsageError):
@@ -51,11 +51,12 @@ class ValidateOptions:
     progress: bool = True
     # ---- the engine path: a running server, or one mtpquant starts ------------------------------------------
     ks: tuple[int, ...] | None = None  # explicit k values (--k 1,3); None: 1..k
-    server: str | None = None  # URL of a running vLLM server (the reference, or the one checkpoint)
+    server: str | None = None  # URL of a running vLLM or SGLang server (the reference, or the one checkpoint)
     candidate_server: str | None = None
     served_model: str | None = None  # the model name to ask the server(s) for (default: the only one served)
-    engine: str | None = None  # "vllm": start the engine for REFERENCE [and CANDIDATE]
+    engine: str | None = None  # "vllm" | "sglang": start the engine for REFERENCE [and CANDIDATE]
     vllm_python: Path | None = None  # the python of the vLLM environment
+    sglang_python: Path | None = None  # the python of the SGLang environment
     tensor_parallel_size: int = 1
     engine_args: tuple[str, ...] = ()
     compare_reference: bool = False  # also run the built-in prediction and put both side by side
@@ -92,6 +93,11 @@ class ValidateOptions:
         return 6 * (self.context_buckets[-2] if len(self.context_buckets) > 1 else 0)
 
     @property
+    def engine_python(self) -> Path | None:
+        """The python of the environment of ``engine``."""
+        return self.sglang_python if self.engine == "sglang" else self.vllm_python
+
+    @property
     def engine_path(self) -> bool:
         """Whether acceptance is measured by a serving engine (a running server, or one started here)."""
         return self.server is not None or self.engine is not None
@@ -125,9 +131,14 @@ class ValidateOptions:
             raise ValidateError(f"--temperature/--top-p/--top-k/--rule: {exc}") from None
         if len(set(settings)) != len(settings):
             raise ValidateError("--temperature/--top-p/--top-k: a sampling setting is listed twice")
-        if self.engine is not None and spec_rule.vllm_config is None:
+        if self.engine == "vllm" and spec_rule.vllm_config is None:
             raise ValidateError(
                 f"--rule {self.rule}: vLLM 0.32 has no such verification mode; it is a built-in prediction only"
+            )
+        if self.engine == "sglang" and self.rule != "vllm":
+            raise ValidateError(
+                f"--rule {self.rule}: an SGLang NEXTN chain verifies with the target's probability of the argmax "
+                "draft (--rule vllm); the other rules are built-in predictions only"
             )
         if self.server is not None and self.engine is not None:
             raise ValidateError("--server and --engine exclude each other (measure a running server, or start one)")
@@ -136,14 +147,17 @@ class ValidateOptions:
         if self.engine is not None:
             if self.engine not in ENGINES:
                 raise ValidateError(f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
-            if self.vllm_python is None:
-                raise ValidateError("--engine vllm needs --vllm-python PATH (the python of the vLLM environment)")
+            name = "SGLang" if self.engine == "sglang" else "vLLM"
+            if self.engine_python is None:
+                raise ValidateError(
+                    f"--engine {self.engine} needs --{self.engine}-python PATH (the python of the {name} environment)"
+                )
             if self.reference is None:
-                raise ValidateError("--engine vllm needs the CHECKPOINT to serve")
+                raise ValidateError(f"--engine {self.engine} needs the CHECKPOINT to serve")
         if self.engine_path and (self.hidden is not None or self.save_hidden is not None):
             raise ValidateError("--hidden / --save-hidden belong to the built-in path, not to --server / --engine")
         if self.compare_reference and self.engine is None:
-            raise ValidateError("--compare-reference needs --engine vllm (and a local checkpoint)")
+            raise ValidateError("--compare-reference needs --engine vllm|sglang (and a local checkpoint)")
         if not self.engine_path and self.reference is None:
             raise ValidateError("give a CHECKPOINT (or --server URL)")
         buckets = self.context_buckets

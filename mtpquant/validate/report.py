@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from mtpquant.checkpoint.writer import atomic_write_bytes, atomic_write_json
+from mtpquant.engine.server import ENGINE_NAMES
 from mtpquant.public import public_json, public_text
 from mtpquant.validate.evidence import Interval
 from mtpquant.validate.profile import PROFILE_FILE, speculation_profile
@@ -43,7 +44,7 @@ def _per_position(side: Side) -> list[float]:
 
 
 def _acceptance_table(acc: Acceptance) -> list[str]:
-    K = len(acc.by_k)
+    K = max(row.k for row in acc.by_k)  # the engine path may measure some k only (--k 1,3; a server's k)
     out = [
         f"Sampling {acc.sampling.label}, rule {acc.rule}:",
         "",
@@ -66,6 +67,14 @@ def _acceptance_table(acc: Acceptance) -> list[str]:
 
 def _signed(interval: Interval | None) -> str:
     return interval.text(signed=True) if interval is not None else "n/a"
+
+
+def _ks(report: Report) -> str:
+    """``1..3`` when every k up to K was measured, else the k values (an engine measures its own k)."""
+    ks = sorted({row.k for _, side in sides(report) if side.acceptance for row in side.acceptance.by_k})
+    if not ks or ks == list(range(1, ks[-1] + 1)):
+        return f"1..{ks[-1] if ks else report.settings.k}"
+    return ", ".join(map(str, ks))
 
 
 def render_markdown(report: Report, plots: dict[str, str]) -> str:
@@ -97,7 +106,7 @@ def render_markdown(report: Report, plots: dict[str, str]) -> str:
             )
     out += [
         "",
-        f"Mode: {report.mode}; k = 1..{s.k}; {s.num_prompts} sequences of {s.max_len} tokens; "
+        f"Mode: {report.mode}; k = {_ks(report)}; {s.num_prompts} sequences of {s.max_len} tokens; "
         f"prompts: {s.prompts}; device {s.device} ({s.dtype}); activations {s.activations}.",
         "",
     ]
@@ -138,7 +147,10 @@ def render_markdown(report: Report, plots: dict[str, str]) -> str:
             "|---|---|---|---|---|---|",
         ]
         for e in report.engine:
-            out.append(f"| | vllm {e.version} | {e.url} | `{e.model}` | {e.k} ({e.k_source}) | {e.other_requests} |")
+            name = ENGINE_NAMES.get(e.name, e.name)
+            out.append(
+                f"| {e.side} | {name} {e.version} | {e.url} | `{e.model}` | {e.k} ({e.k_source}) | {e.other_requests} |"
+            )
         args = next((e.server_args for e in report.engine if e.server_args), ())
         if args:
             out += ["", "Server arguments: `" + " ".join(args) + "`."]

@@ -520,15 +520,18 @@ class Settings:
 class EngineInfo:
     """The serving engine that measured the acceptance (engine path only)."""
 
-    name: str  # "vllm"
+    name: str  # "vllm" | "sglang"
     version: str
     url: str
     model: str
     k: int
-    k_source: str  # "server" (its per-position counters) | "--k"
+    k_source: str  # "server" (its counters or its stated settings) | "--k"
     sampling: Mapping[str, Any] = field(default_factory=dict)
     server_args: tuple[str, ...] = ()
-    other_requests: int = 0  # requests other clients completed meanwhile (counted into the numbers)
+    other_requests: int = 0  # requests other clients completed meanwhile
+    side: str = ""  # "reference" | "candidate"
+    speculative: Mapping[str, Any] = field(default_factory=dict)  # the settings the server states (or was started with)
+    counters: str = "server-wide"  # "server-wide" (vLLM: other requests counted in) | "per-request" (SGLang: exact)
 
     def to_json(self) -> dict[str, Any]:
         """One ``engine`` entry."""
@@ -542,6 +545,9 @@ class EngineInfo:
             "sampling": dict(self.sampling),
             "server_args": list(self.server_args),
             "other_requests": self.other_requests,
+            "side": self.side,
+            "speculative": dict(self.speculative),
+            "counters": self.counters,
         }
 
     @classmethod
@@ -558,6 +564,9 @@ class EngineInfo:
             dict(d.get("sampling") or {}),
             tuple(str(a) for a in d.get("server_args") or ()),
             int(d.get("other_requests") or 0),
+            str(d.get("side") or ""),
+            dict(d.get("speculative") or {}),
+            str(d.get("counters") or "server-wide"),
         )
 
 

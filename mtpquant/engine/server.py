@@ -1,0 +1,166 @@
+"""What a serving engine is to mtpquant, whichever engine it is: the typed answers every client returns.
+
+- ``ServerInfo``: the engine, its version, the models it serves, and its speculative-decoding settings as far as
+  the server states them (``SpecConfig``);
+- ``Completion``: one request's prompt and generated token ids;
+- ``DraftCounts``: what the engine counted for a batch of requests (verify steps, drafted and accepted tokens,
+  accepted per draft position);
+- ``EngineRun``: the completions and the counts of one measurement, and how far other traffic is in them;
+- ``EngineServer``: the protocol the vLLM and SGLang clients implement (``engine/vllm.py``, ``engine/sglang.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from mtpquant.engine.sampling import SamplingSettings
+from mtpquant.errors import EngineModelError
+
+__all__ = [
+    "ENGINE_NAMES",
+    "Completion",
+    "DraftCounts",
+    "EngineRun",
+    "EngineServer",
+    "ServerInfo",
+    "SpecConfig",
+    "resolve_model",
+    "server_args_of",
+]
+
+ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang"}
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """A server's speculative decoding as it states it (an absent field: the server does not say)."""
+
+    algorithm: str | None  # vLLM: the speculative method ("mtp"); SGLang: speculative_algorithm ("EAGLE" for NEXTN)
+    k: int | None = None  # draft tokens per step (vLLM num_speculative_tokens, SGLang speculative_num_steps)
+    topk: int | None = None  # SGLang speculative_eagle_topk: 1 is a chain, more is a tree
+    draft_tokens: int | None = None  # SGLang speculative_num_draft_tokens (a chain verifies k + 1)
+    draft_model: str | None = None  # a separate draft model, when the server names one
+    adaptive: bool = False  # the server changes k as it runs
+
+    def to_json(self) -> dict[str, Any]:
+        """The report's form (only what the server stated)."""
+        out: dict[str, Any] = {"algorithm": self.algorithm}
+        for name in ("k", "topk", "draft_tokens", "draft_model"):
+            value = getattr(self, name)
+            if value is not None:
+                out[name] = value
+        if self.adaptive:
+            out["adaptive"] = True
+        return out
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    """What the server says about itself."""
+
+    url: str
+    engine: str  # "vllm" | "sglang"
+    version: str
+    models: tuple[str, ...]
+    max_model_len: int | None
+    speculative: SpecConfig | None = None  # None: the server does not say (vLLM: known from its counters)
+    model_path: str | None = None  # SGLang: the checkpoint it loaded (a directory or a Hub id)
+
+    @property
+    def display(self) -> str:
+        """``SGLang 0.5.23``."""
+        return f"{ENGINE_NAMES.get(self.engine, self.engine)} {self.version}"
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One completion: the prompt's token ids and the generated ones."""
+
+    prompt: tuple[int, ...]
+    tokens: tuple[int, ...]
+    finish_reason: str | None
+
+
+@dataclass(frozen=True)
+class DraftCounts:
+    """Speculative-decoding counts over some requests: ``steps`` verify steps, each drafting ``k`` tokens."""
+
+    steps: int
+    drafted: int
+    accepted: int
+    accepted_per_position: tuple[int, ...]  # position i: steps whose first i+1 drafts were all accepted
+
+    @property
+    def k(self) -> int:
+        """Draft positions counted."""
+        return len(self.accepted_per_position)
+
+
+@dataclass(frozen=True)
+class EngineRun:
+    """One measurement on a server: the completions, the counts, and the other traffic meanwhile."""
+
+    model: str
+    completions: tuple[Completion, ...]
+    counts: DraftCounts
+    other_requests: int = 0  # requests of other clients that finished on the server during the measurement
+    others_counted: bool = True  # whether their drafts are in ``counts`` (server-wide counters) or not (per request)
+
+
+class EngineServer(Protocol):
+    """A running server, measured through its own speculative-decoding counters."""
+
+    url: str
+
+    def info(self) -> ServerInfo:
+        """The engine, version, models and speculative settings; refuses a server of another kind (exit 41)."""
+        ...
+
+    def tokenize(self, model: str, text: str) -> list[int]:
+        """The server's tokenization of ``text`` without special tokens."""
+        ...
+
+    def server_args(self) -> tuple[str, ...]:
+        """The launch arguments the server states (those that decide what is measured); () when it states none."""
+        ...
+
+    def run(
+        self,
+        model: str,
+        prompts: Sequence[Sequence[int]],
+        max_tokens: Sequence[int],
+        sampling: SamplingSettings,
+        info: ServerInfo,
+        *,
+        concurrency: int = 1,
+    ) -> EngineRun:
+        """Send the token-id prompts (``concurrency`` in flight at once; prompt i with ``sampling.for_prompt(i)``)
+        and count what the engine drafted and accepted for them (exit 43 when the server does not draft with an
+        MTP chain)."""
+        ...
+
+
+def resolve_model(info: ServerInfo, expected: str | None) -> str:
+    """The model to ask for: ``expected`` (which must be served: exit 42 otherwise), or the only one served."""
+    if expected is None:
+        if len(info.models) != 1:
+            served = ", ".join(info.models)
+            raise EngineModelError(f"{info.url}: serves {len(info.models)} models ({served}); name one")
+        return info.models[0]
+    if expected not in info.models:
+        raise EngineModelError(f"{info.url}: serves {', '.join(info.models)}, not {expected}")
+    return expected
+
+
+def server_args_of(settings: Mapping[str, Any], names: Sequence[str]) -> tuple[str, ...]:
+    """``--name value`` pairs for the named settings a server reports (its launch arguments, as far as stated)."""
+    out: list[str] = []
+    for name in names:
+        value = settings.get(name)
+        if value is None or value is False:
+            continue
+        flag = "--" + name.replace("_", "-")
+        out += [flag] if value is True else [flag, str(value)]
+    return tuple(out)
