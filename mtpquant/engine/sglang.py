@@ -27,7 +27,16 @@ from typing import Any
 
 from mtpquant.engine.http import EngineClientBase, EngineHttp
 from mtpquant.engine.sampling import SamplingSettings
-from mtpquant.engine.server import Completion, DraftCounts, EngineRun, ServerInfo, SpecConfig, server_args_of
+from mtpquant.engine.server import (
+    Completion,
+    DraftCounts,
+    EngineRun,
+    ServerInfo,
+    SpecConfig,
+    server_args_of,
+    split_groups,
+    sum_counts,
+)
 from mtpquant.errors import EngineAnswerError, EngineSpecDecodeError
 
 __all__ = ["CHAIN_ALGORITHMS", "SglangClient", "nextn_args", "sglang_settings"]
@@ -257,29 +266,29 @@ class SglangClient(EngineClientBase):
         info: ServerInfo,
         *,
         concurrency: int = 1,
+        groups: Sequence[Sequence[int]] | None = None,
     ) -> EngineRun:
-        """One request per prompt (``concurrency`` in flight; prompt i carries ``sampling.for_prompt(i)``); the
-        counts are the sum of the requests' own."""
+        """One request per prompt (prompt i with ``sampling.for_prompt(i)``; a group's requests ``concurrency`` in
+        flight at once); the counts are the sum of the requests' own, per group too."""
         k = self.check_chain(info)
         before = self.finished_requests(model)
-        completions: list[Completion] = []
-        steps = drafted = accepted = 0
-        per_position = [0] * k
+        completions: dict[int, Completion] = {}
+        parts: list[DraftCounts] = []
 
         def one(http: EngineHttp, item: tuple[int, Sequence[int], int]) -> tuple[Completion, DraftCounts]:
             i, ids, n = item
             return self.generate(ids, n, sampling.for_prompt(i), k, http)
 
-        items = [(i, ids, n) for i, (ids, n) in enumerate(zip(prompts, max_tokens))]
-        for completion, counts in self.each(items, one, concurrency):
-            completions.append(completion)
-            steps, drafted, accepted = steps + counts.steps, drafted + counts.drafted, accepted + counts.accepted
-            per_position = [a + b for a, b in zip(per_position, counts.accepted_per_position)]
-        if steps == 0:
+        for group in split_groups(len(prompts), groups):
+            done = self.each([(i, prompts[i], max_tokens[i]) for i in group], one, concurrency)
+            completions.update((i, completion) for i, (completion, _) in zip(group, done))
+            parts.append(sum_counts([counts for _, counts in done]))
+        counts = sum_counts(parts)
+        if counts.steps == 0:
             raise EngineSpecDecodeError(
                 f"{self.url}: {model} ran no speculative verify step during {len(completions)} requests"
             )
         after = self.finished_requests(model) if before is not None else None
         other = max(0, round(after - before) - len(completions)) if after is not None and before is not None else 0
-        counts = DraftCounts(steps, drafted, accepted, tuple(per_position))
-        return EngineRun(model, tuple(completions), counts, other, False)
+        ordered = tuple(completions[i] for i in range(len(prompts)))
+        return EngineRun(model, ordered, counts, other, False, tuple(parts))

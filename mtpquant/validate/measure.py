@@ -14,7 +14,7 @@ Each group is a sampling unit of the confidence intervals (``evidence.UnitCounts
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from mtpquant.engine.sampling import SamplingSettings
 from mtpquant.engine.server import Completion, DraftCounts, EngineRun, EngineServer, ServerInfo
@@ -88,40 +88,18 @@ def measure(
     for count in runs or (len(prompts),):
         groups += _chunks(first, count, concurrency)
         first += count
-    parts: list[EngineRun] = []
-    for group in groups:
-        # prompt i's seed is seed + i: the server gives a call's j-th prompt for_prompt(j)
-        start = replace(sampling, seed=sampling.seed + group[0]) if not sampling.greedy else sampling
-        parts.append(
-            server.run(
-                model, [prompts[i] for i in group], [max_tokens[i] for i in group], start, info,
-                concurrency=concurrency,
-            )
-        )  # fmt: skip
-    k = max(p.counts.k for p in parts)
+    run = server.run(model, prompts, max_tokens, sampling, info, concurrency=concurrency, groups=groups)
+    parts = run.group_counts or (run.counts,)
+    k = run.counts.k
 
     def per_position(counts: DraftCounts) -> tuple[float, ...]:
         return tuple(float(a) for a in counts.accepted_per_position) + (0.0,) * (k - counts.k)
 
-    total = DraftCounts(
-        steps=sum(p.counts.steps for p in parts),
-        drafted=sum(p.counts.drafted for p in parts),
-        accepted=sum(p.counts.accepted for p in parts),
-        accepted_per_position=tuple(
-            sum(p.counts.accepted_per_position[i] for p in parts if p.counts.k > i) for i in range(k)
-        ),
-    )
-    run = EngineRun(
-        model,
-        tuple(c for p in parts for c in p.completions),
-        total,
-        sum(p.other_requests for p in parts),
-        all(p.others_counted for p in parts),
-    )
     units = UnitCounts(
-        tuple(float(p.counts.steps) for p in parts),
-        tuple(float(p.counts.accepted) for p in parts),
-        tuple(per_position(p.counts) for p in parts),
-        tuple((float(p.counts.steps),) * k for p in parts),
+        tuple(float(p.steps) for p in parts),
+        tuple(float(p.accepted) for p in parts),
+        tuple(per_position(p) for p in parts),
+        tuple((float(p.steps),) * k for p in parts),
     )
-    return EngineMeasurement(model, k, engine_stats(total), run, units, sampling, tuple(groups))
+    unit_groups = tuple(groups) if run.group_counts else (tuple(range(len(prompts))),)
+    return EngineMeasurement(model, k, engine_stats(run.counts), run, units, sampling, unit_groups)
