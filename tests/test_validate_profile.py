@@ -33,17 +33,20 @@ def test_plan_without_buckets_is_the_usual_cut() -> None:
 
 
 def test_plan_fills_every_bucket() -> None:
-    ids = [list(range(600)) for _ in range(6)] + [list(range(50))]
+    ids = [list(range(600)) for _ in range(6)] + [list(range(50)), list(range(50))]
     plan = plan_sequences(ids, 128, (64, 256, 512))
-    # buckets [0, 64), [64, 256), [256, 512): round robin; from 0 at most half the bucket; then min(span, 64) tokens
+    # buckets [0, 64), [64, 256), [256, 512): round robin (the 8th prompt, 50 tokens, is too short for its bucket 1
+    # and for 2: it goes to the next it fills, 0); from 0 at most half the bucket; then min(span, 64) tokens; the
+    # plan ordered by bucket
     assert [(len(s.prompt), s.new_tokens, s.bucket) for s in plan] == [
         (32, 32, 0),
-        (64, 64, 1),
-        (256, 64, 2),
+        (32, 32, 0),
+        (32, 32, 0),
         (32, 32, 0),
         (64, 64, 1),
+        (64, 64, 1),
         (256, 64, 2),
-        (32, 32, 0),  # 50 tokens: too short for buckets 1 and 2 -> the first bucket it fills
+        (256, 64, 2),
     ]
     for s in plan:  # every step a sequence drafts has a context inside its bucket
         low, high = (0, *(64, 256, 512))[s.bucket], (64, 256, 512)[s.bucket]  # type: ignore[index]

@@ -111,7 +111,7 @@ def _plan(opts: ValidateOptions, ids: Sequence[Sequence[int]]) -> list[PlannedSe
     plan = plan_sequences(ids, opts.max_len, opts.context_buckets)
     if not plan:
         raise ValidateError("no prompt is long enough to measure")
-    return sorted(plan, key=lambda s: -1 if s.bucket is None else s.bucket)
+    return plan
 
 
 def _measure_all(

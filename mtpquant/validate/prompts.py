@@ -214,8 +214,9 @@ def plan_sequences(
     Without ``buckets``: the first ``prompt_length`` tokens, and ``max_len`` minus that many generated. With
     ``buckets`` (ascending upper ends of context ranges): prompt i fills bucket [lo, hi) = the next one it is long
     enough for, round robin: its first ``lo`` tokens (a bucket from 0: at most half of ``hi``), then
-    min(hi - lo, max_len / 2) generated, so every step it drafts has a context in the bucket. Prompts too short
-    for every bucket are left out.
+    min(hi - lo, max_len / 2) generated, so every step it drafts has a context in the bucket; the sequences of one
+    bucket come next to each other (the engine path sends a bucket's requests together). Prompts too short for
+    every bucket are left out.
     """
     if not buckets:
         out = []
@@ -233,7 +234,7 @@ def plan_sequences(
             if len(row) >= max(p, 1) and hi - p >= 2:
                 plan.append(PlannedSequence(tuple(row[:p]), min(hi - p, max(2, max_len // 2)), b))
                 break
-    return plan
+    return sorted(plan, key=lambda s: s.bucket or 0)
 
 
 def prompt_length(tokens: int, max_len: int) -> int:
