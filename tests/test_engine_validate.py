@@ -178,7 +178,9 @@ def test_engine_measures_what_the_builtin_path_predicts(
     rows = report.predicted["reference"] if report.predicted else []
     assert [r["k"] for r in rows] == [1, 3]
     for r in rows:  # the prediction matches what the engine accepts
-        assert abs(r["difference"]) <= 0.1, r
+        # AL is 1 + the sum of k per-position rates, each within ~0.05 of the prediction on 16 greedy prompts (a
+        # near-tie argmax that the engine's kernels and torch break differently changes the rest of a sequence)
+        assert abs(r["difference"]) <= max(0.1, 0.05 * r["k"]), r
     assert report.verdict.status == "pass"
     files = sorted(p.name for p in report_dir.iterdir())
     assert files == [
