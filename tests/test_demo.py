@@ -19,4 +19,7 @@ def test_demo_main_job(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
     # 4 prompts cannot tell the target-side AL drop from the allowed one: the demo says so instead of guessing
     assert report["verdict"]["status"] == "inconclusive"
     assert "verdict: INCONCLUSIVE: sample too small" in out and "MTP +0.000 [+0.000, +0.000]" in out
+    # the report's notes are printed, every one of them
+    assert [f"note: {n}" for n in report["notes"]] == [line for line in out.splitlines() if line.startswith("note: ")]
+    assert any(n.startswith("Activations were not quantized (--activations off)") for n in report["notes"])
     assert (tmp_path / "tiny-qwen3_5-nvfp4" / "validation" / "report.md").exists()

@@ -26,6 +26,7 @@ from mtpquant.cli import main
 from mtpquant.errors import ExitCode
 from mtpquant.families import TensorClass
 from mtpquant.synth.train import TINY_MTP_ASSET
+from mtpquant.validate.evidence import Bootstrap, UnitCounts
 from mtpquant.validate.run import ValidateError, ValidateOptions, validate
 from mtpquant.validate.schema import ValidationReport
 
@@ -135,6 +136,19 @@ def test_identical_mtp_small_sample_is_inconclusive(keep_pair: tuple[ValidationR
         assert e.mtp is not None and (e.mtp.low, e.mtp.estimate, e.mtp.high) == (0.0, 0.0, 0.0)
         assert e.target is not None and e.target.estimate == pytest.approx(e.change.estimate, abs=1e-12)
     assert verdict.prompts_needed is None or verdict.prompts_needed > 8
+
+
+def test_intervals_come_from_the_counts_of_the_one_pass(keep_pair: tuple[ValidationReport, Path, Path]) -> None:
+    """The confidence intervals cost no model pass: each is a resampling of the per-prompt counts the report holds
+    (recomputed here from report.json alone, bit for bit)."""
+    data = _strict_json(keep_pair[2] / "report.json")
+    level = data["settings"]["confidence"]
+    rows = [r for side in ("reference", "candidate") for r in data[side]["acceptance"]["by_k"]]
+    assert len(rows) == 6
+    for row in rows:
+        units = UnitCounts.from_json(row["units"], "units")
+        assert units.units == 8 and units.mean_acceptance_length == pytest.approx(row["mean_acceptance_length"])
+        assert Bootstrap(units.units, level=level).al(units).to_json() == row["al_interval"]
 
 
 def _main_bytes(path: Path) -> str:
