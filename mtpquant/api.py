@@ -12,6 +12,7 @@ from typing import Any
 __all__ = [
     "ACTIVATION_MODES",
     "TINY_MTP_ASSET",
+    "TINY_MTP_ASSETS",
     "TINY_VARIANTS",
     "ConvertOptions",
     "ConvertPlan",
@@ -38,6 +39,7 @@ __all__ = [
 _WHERE = {
     "ACTIVATION_MODES": "mtpquant.validate",
     "TINY_MTP_ASSET": "mtpquant.synth.train",
+    "TINY_MTP_ASSETS": "mtpquant.synth.train",
     "TINY_VARIANTS": "mtpquant.synth.tiny",
     "ConvertOptions": "mtpquant.convert.plan",
     "ConvertPlan": "mtpquant.convert.plan",

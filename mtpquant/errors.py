@@ -7,6 +7,7 @@ is wrong. The CLI prints ``str(error)`` and exits with ``error.exit_code``; each
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from enum import IntEnum, unique
 
 __all__ = [
@@ -20,6 +21,7 @@ __all__ = [
     "EngineStartError",
     "EngineUnreachableError",
     "ExitCode",
+    "FilesystemError",
     "GraftError",
     "HubAccessError",
     "HubRefusedError",
@@ -121,9 +123,10 @@ _MEANING = {
 }
 
 
-def exit_code_table() -> str:
-    """The exit codes as ``--help`` prints them."""
-    return "\n".join(f"  {int(code):>3}  {_MEANING[code]}" for code in ExitCode)
+def exit_code_table(codes: Iterable[ExitCode] | None = None) -> str:
+    """The exit codes as ``--help`` prints them: all of them, or those of one command (in the table's order)."""
+    chosen = set(ExitCode if codes is None else codes)
+    return "\n".join(f"  {int(code):>3}  {_MEANING[code]}" for code in ExitCode if code in chosen)
 
 
 class MtpquantError(Exception):
@@ -182,6 +185,13 @@ class OutputBusyError(MtpquantError):
     """Another live mtpquant run holds the output's lock (the message names its pid)."""
 
     exit_code = ExitCode.OUTPUT_BUSY
+
+
+class FilesystemError(MtpquantError):
+    """The operating system refused a write (disk full, quota, permissions): the message names the file being written
+    (or the output) and, when space ran out, its filesystem; nothing was put in place."""
+
+    exit_code = ExitCode.IO
 
 
 class MemoryPlanError(MtpquantError):

@@ -4,10 +4,14 @@ length is checked, and every failure as a one-line error naming the repo, with i
 Everything goes through huggingface_hub: its shared ``httpx`` client (``set_client_factory``), its URL and
 header builders and its error types. What this module adds is what the client leaves open:
 
-- **a timeout.** huggingface_hub's default client has none, and some of its calls pass ``timeout=None``
+- **a deadline.** huggingface_hub's default client has no timeout, and some of its calls pass ``timeout=None``
   explicitly (the repo listing), so a server that accepts the connection and never answers hangs the
-  process. The client's transport here gives every request without a timeout of its own
-  ``MTPQUANT_HUB_TIMEOUT`` seconds (default 30) to connect and between bytes read.
+  process. The client's transport here (``mtpquant.nethttp``) gives every request ``MTPQUANT_HUB_TIMEOUT``
+  seconds (default 30) to connect and between bytes, and one overall deadline: the whole request, headers
+  and body, must complete within that many seconds plus one second per ``MIN_RATE`` bytes it moves, so a
+  server that drips its answer is cut off while a large download that makes progress is not.
+- **byte caps.** An answer of the Hub's JSON API is read up to ``API_CAP`` bytes (and asked for unencoded,
+  so the cap holds in memory), an error answer up to ``ERROR_CAP``: past it the request is refused.
 - **ranged reads** (``read_range``): one GET with ``Range``, retried on 429/503 after the server's
   ``Retry-After`` (at most ``MAX_RETRIES`` times, each wait logged at INFO), the answer checked: a server
   that ignores ``Range`` (200 and the whole file) is refused after the first chunk, never read whole,
@@ -23,17 +27,29 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
-from mtpquant.errors import HubAccessError, HubRefusedError, HubUnreachableError, MtpquantError
+from mtpquant.errors import HubAccessError, HubRefusedError, HubUnreachableError, MtpquantError, UsageError
+from mtpquant.nethttp import (
+    BoundExceededError,
+    current_budget,
+    public_url,
+    scrub_credentials,
+    start_budget,
+    transport_class,
+)
 
 __all__ = [
+    "API_CAP",
     "DEFAULT_TIMEOUT",
+    "ERROR_CAP",
     "MAX_RETRIES",
+    "MIN_RATE",
     "RangeIgnoredError",
     "configure_client",
     "hub_errors",
@@ -46,6 +62,9 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT = 30.0
+MIN_RATE = 16 * 1024  # bytes a second: a request's deadline grows by 1 s for every 16 KiB it moves
+API_CAP = 64 * 1024 * 1024  # bytes of one JSON answer of the Hub's API (a listing page, repo info)
+ERROR_CAP = 1024 * 1024  # bytes of an answer with an error or redirect status (its message)
 MAX_RETRIES = 3
 _MAX_WAIT = 60.0  # longest Retry-After honoured; a longer one is reported instead of waited out
 _RETRY_STATUS = (429, 503)
@@ -58,13 +77,18 @@ class RangeIgnoredError(HubRefusedError):
 
 
 def hub_timeout() -> float:
-    """Seconds to connect and between bytes read: ``MTPQUANT_HUB_TIMEOUT``, else 30."""
+    """Seconds to connect and between bytes read: ``MTPQUANT_HUB_TIMEOUT``, else 30; a value that is not a positive
+    number of seconds is refused (UsageError), not replaced by the default unseen."""
     raw = os.environ.get("MTPQUANT_HUB_TIMEOUT", "").strip()
+    if not raw:
+        return DEFAULT_TIMEOUT
     try:
-        value = float(raw) if raw else DEFAULT_TIMEOUT
+        value = float(raw)
     except ValueError:
-        value = DEFAULT_TIMEOUT
-    return value if value > 0 else DEFAULT_TIMEOUT
+        value = math.nan
+    if not (0 < value < math.inf):
+        raise UsageError(f"MTPQUANT_HUB_TIMEOUT={raw!r}: not a positive number of seconds")
+    return value
 
 
 def request_count() -> int:
@@ -96,12 +120,23 @@ def configure_client() -> None:
 
     limits = httpx.Timeout(timeout).as_dict()
 
-    class _Transport(httpx.HTTPTransport):
+    class _Transport(transport_class()):  # type: ignore[misc]
         def handle_request(self, request: httpx.Request) -> httpx.Response:
             given = request.extensions.get("timeout") or {}
             if all(v is None for v in given.values()):
                 request.extensions["timeout"] = limits
-            return super().handle_request(request)
+            api = "/api/" in request.url.path  # the Hub's JSON answers (file reads are /resolve/)
+            if api:
+                request.headers["Accept-Encoding"] = "identity"  # a byte cap on the wire is a cap in memory
+            spend = start_budget(timeout, rate=MIN_RATE, limit=API_CAP if api else None)
+            response: httpx.Response = super().handle_request(request)
+            if response.status_code >= 300:  # an error (or redirect) answer: its message, not a body to keep
+                spend.limit = min(spend.limit or ERROR_CAP + spend.received, ERROR_CAP + spend.received)
+            if api and response.headers.get("Content-Encoding", "identity") not in ("identity", ""):
+                response.close()
+                encoding = response.headers["Content-Encoding"]
+                raise BoundExceededError(f"an encoded answer ({encoding}) to {request.url.path}")
+            return response
 
     def factory() -> httpx.Client:
         return httpx.Client(transport=_Transport(), event_hooks=hooks, follow_redirects=True, timeout=timeout)
@@ -111,16 +146,25 @@ def configure_client() -> None:
 
 
 def _host(url: str | None) -> str:
+    """The server of ``url`` as it may be printed: host and port, never ``user:password@``."""
     if not url:
         from huggingface_hub import constants
 
         url = constants.ENDPOINT
-    return urlsplit(url).netloc or url
+    try:
+        parts = urlsplit(url)
+        host = parts.hostname
+        port = parts.port
+    except ValueError:
+        return "the Hub endpoint"
+    if not host:
+        return public_url(url)
+    return f"{host}:{port}" if port else host
 
 
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
+    return scrub_credentials(text.splitlines()[0]) if text else type(exc).__name__
 
 
 def translate(exc: BaseException, label: str, what: str, endpoint: str | None = None) -> MtpquantError | None:
@@ -174,7 +218,15 @@ def translate(exc: BaseException, label: str, what: str, endpoint: str | None = 
                 "rerun, or log in for a higher limit"
             )
         return HubRefusedError(f"{label}: {what}: {host} answered HTTP {status} ({_first_line(exc)})")
+    if isinstance(exc, BoundExceededError):
+        return HubRefusedError(f"{label}: {what}: {host} sent {exc}; refused")
     if isinstance(exc, httpx.TimeoutException):
+        spent = current_budget()
+        if spent is not None and spent.expired and spent.received:  # a stalled answer, not a silent server
+            return HubUnreachableError(
+                f"{label}: {what}: {host} did not complete its answer within {hub_timeout():g} s plus 1 s per "
+                f"{MIN_RATE // 1024} KiB received (a stalled server; MTPQUANT_HUB_TIMEOUT sets the limit)"
+            )
         return HubUnreachableError(
             f"{label}: {what}: no answer from {host} within {hub_timeout():g} s (MTPQUANT_HUB_TIMEOUT sets the limit)"
         )

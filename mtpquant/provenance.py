@@ -26,7 +26,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from mtpquant import __version__
+from mtpquant import __version__, safejson
 from mtpquant.checkpoint.source import CheckpointSource, LocalSource, SourceRef, is_repo_id, read_json
 from mtpquant.errors import CheckpointError, UsageError
 
@@ -37,6 +37,7 @@ __all__ = [
     "Provenance",
     "Step",
     "check_base_model",
+    "check_replaceable",
     "library_versions",
     "read_provenance",
     "source_license",
@@ -47,6 +48,7 @@ log = logging.getLogger(__name__)
 
 PROVENANCE_FILE = "mtpquant_provenance.json"
 PROVENANCE_SCHEMA = "mtpquant.provenance/1"
+_PROVENANCE_LIMIT = 16 * 1024 * 1024
 _LIBRARIES = ("nvidia-modelopt", "transformers", "torch", "huggingface_hub", "safetensors")
 
 
@@ -218,6 +220,36 @@ def source_provenance(source: CheckpointSource) -> Provenance:
 def read_provenance(directory: Path) -> Provenance:
     """The provenance recorded in a local directory."""
     return source_provenance(LocalSource(Path(directory)))
+
+
+def check_replaceable(path: Path) -> None:
+    """``--overwrite`` replaces only what mtpquant wrote: an empty directory, or a directory (not a link) holding a
+    readable ``mtpquant_provenance.json`` (its own regular file). Anything else is refused (exit 5), naming it."""
+    from mtpquant.errors import OutputExistsError
+
+    mine = "--overwrite replaces only a checkpoint mtpquant wrote"
+    if path.is_symlink():
+        raise OutputExistsError(
+            f"{path}: is a symbolic link, not a checkpoint mtpquant wrote; not replacing it ({mine})"
+        )
+    if not path.is_dir():
+        raise OutputExistsError(f"{path}: is a file, not a checkpoint mtpquant wrote; not replacing it ({mine})")
+    entries = sorted(p.name for p in path.iterdir())
+    if not entries:
+        return
+    prov = path / PROVENANCE_FILE
+    if prov.is_file() and not prov.is_symlink() and prov.stat().st_size <= _PROVENANCE_LIMIT:
+        try:
+            Provenance.from_json(safejson.loads(prov.read_bytes()))
+            return
+        except (OSError, ValueError):
+            pass
+    shown = ", ".join(entries[:3]) + (", ..." if len(entries) > 3 else "")
+    raise OutputExistsError(
+        f"{path}: not a checkpoint mtpquant wrote (no readable {PROVENANCE_FILE}; it holds {len(entries)} "
+        f"entr{'y' if len(entries) == 1 else 'ies'}: {shown}); not replacing it ({mine}): remove it yourself or "
+        "choose another output"
+    )
 
 
 class BaseModelError(UsageError):

@@ -16,8 +16,17 @@ from pathlib import Path
 from typing import Any
 
 from mtpquant.checkpoint.source import SourceRef
+from mtpquant.nethttp import scrub_credentials
 
-__all__ = ["local_path_needles", "public_args", "public_json", "public_name", "public_ref", "public_text"]
+__all__ = [
+    "local_path_needles",
+    "public_args",
+    "public_file",
+    "public_json",
+    "public_name",
+    "public_ref",
+    "public_text",
+]
 
 # An absolute path inside free text: '/' not preceded by a word character, '.', ':' or '/' (URLs stay intact),
 # at least two components; the last one is kept.
@@ -48,12 +57,32 @@ def public_name(value: str | os.PathLike[str], ref: SourceRef | None = None) -> 
     return Path(text).name or text
 
 
+def public_file(value: str) -> str:
+    """A value that may name a local file (``--calib-data``): the file's base name when it is one (an absolute or
+    relative path, or a file that exists here); anything else (``offline``, a dataset name) as it is."""
+    try:
+        is_file = Path(value).expanduser().is_file()
+    except (OSError, ValueError):
+        is_file = False
+    if _is_local_path(value) or is_file:
+        return Path(value).name or value
+    return value
+
+
+# Flags whose value is a secret (a server's key, a token): recorded as ``***``.
+_SECRET_FLAGS = frozenset({"--api-key", "--token", "--hf-token", "--password"})
+
+
 def public_args(args: Sequence[str], ref: SourceRef | None = None) -> tuple[str, ...]:
-    """A command line with each local path argument (``--x=/a/b`` too) by its base name."""
-    out = []
+    """A command line with each local path argument (``--x=/a/b`` too) by its base name, the value of a secret flag
+    (``--api-key``, ``--token``) as ``***`` and ``user:password@`` removed from URLs."""
+    out: list[str] = []
     for arg in args:
         flag, eq, value = arg.partition("=") if arg.startswith("--") and "=" in arg else ("", "", arg)
-        out.append(f"{flag}{eq}{public_name(value, ref)}")
+        if flag in _SECRET_FLAGS or (not flag and out and out[-1] in _SECRET_FLAGS):
+            out.append(f"{flag}{eq}***")
+            continue
+        out.append(f"{flag}{eq}{scrub_credentials(public_name(value, ref))}")
     return tuple(out)
 
 

@@ -7,11 +7,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mtpquant.engine.server import ENGINE_NAMES
+from mtpquant.inspect.precision import is_quantized
 from mtpquant.units import format_bytes
 from mtpquant.validate.schema import Report, sides
 
@@ -37,13 +38,20 @@ def inspect_text(r: InspectReport) -> str:
     """The report as a compact text table."""
     q = r.quantization
     main = r.main_model
+    expected_present = r.mtp_expected_tensors - len(r.mtp_missing)
+    scales = r.mtp_present_tensors - expected_present - len(r.mtp_unexpected)
     rows = [
         ("checkpoint", r.checkpoint),
         ("family", f"{r.family} ({r.architecture})"),
         ("MTP declared", r.mtp_declaration),
         (
             "MTP present",
-            f"{r.mtp_present_tensors}/{r.mtp_expected_tensors} tensors, {format_bytes(r.mtp_bytes)}"
+            f"none: removed on purpose (convert --mtp {r.mtp_removed})"
+            if r.mtp_removed
+            else f"{expected_present}/{r.mtp_expected_tensors} expected tensors"
+            + (f" (+{scales} quantization scales)" if scales > 0 else "")
+            + (f" (+{len(r.mtp_unexpected)} unexpected)" if r.mtp_unexpected else "")
+            + f", {format_bytes(r.mtp_bytes)}"
             + (f" in {', '.join(r.mtp_shards)}" if r.mtp_shards else ""),
         ),
         ("MTP precision", r.mtp_precision),
@@ -51,21 +59,18 @@ def inspect_text(r: InspectReport) -> str:
             "quantization",
             "none"
             if q["method"] is None
-            else f"{q['method']} {q['algorithm']} (vLLM: {q['vllm_method']}), group {q['group_size']}, "
-            f"KV cache {q['kv_cache'] or 'unquantized'}",
+            else f"{q['method']} {q['algorithm']} (vLLM: {q['vllm_method']})"
+            + (f", group size {q['group_size']}" if q["group_size"] is not None else "")
+            + f", KV cache {q['kv_cache'] or 'unquantized'}",
         ),
         *(
             [("contents", "the MTP layer alone (an MTP sidecar): no main model, no vision tower")]
             if r.kind == "mtp-only"
             else [
-                (
-                    "main Linears",
-                    f"{main['quantized']} quantized, {main['unquantized']} unquantized "
-                    + ", ".join(f"{k}: {v}" for k, v in main["precisions"].items()),
-                ),
+                ("main Linears", _linears(main["precisions"])),
                 (
                     "vision tower",
-                    ("present, " + ", ".join(f"{k}: {v}" for k, v in r.vision["precisions"].items()))
+                    f"present, {r.vision['tensors']} tensors; {_linears(r.vision['precisions'])}"
                     if r.vision["present"]
                     else ("MISSING" if r.vision["expected"] else "none (text-only)"),
                 ),
@@ -73,7 +78,7 @@ def inspect_text(r: InspectReport) -> str:
         ),
         (
             "index",
-            f"{r.index['shards']} shards, {r.index['tensors']} tensors, "
+            f"{r.index['shards']} shard{'' if r.index['shards'] == 1 else 's'}, {r.index['tensors']} tensors, "
             + ("intact" if r.index["intact"] else "CORRUPT"),
         ),
         (
@@ -92,7 +97,7 @@ def inspect_text(r: InspectReport) -> str:
             built = "refused" if m.vllm_quantized is None else ("quantized" if m.vllm_quantized else "unquantized")
             ok = "yes" if m.consistent else "NO: " + m.reason
             lines.append(f"{m.module.ljust(44)} {m.disk.ljust(10)} {built.ljust(12)} {ok}")
-    if r.mtp_missing:
+    if r.mtp_missing and not r.mtp_removed:
         lines.append(
             f"missing MTP tensors: {', '.join(r.mtp_missing[:5])}" + (" ..." if len(r.mtp_missing) > 5 else "")
         )
@@ -101,20 +106,33 @@ def inspect_text(r: InspectReport) -> str:
             f"unexpected MTP tensors: {', '.join(r.mtp_unexpected[:5])}" + (" ..." if len(r.mtp_unexpected) > 5 else "")
         )
     lines.append("")
-    names = ENGINE_NAMES
-    lines += [
-        v if v.lower().startswith(engine) else f"{names.get(engine, engine)}: {v}" for engine, v in r.verdicts.items()
-    ]
+    lines += r.verdicts.values()
     for f in r.failures:
         lines.append(f"FAIL  {f.message}")
     for f in r.warnings:
         lines.append(f"WARN  {f.message}")
+    lines += [f"fix   {command}" for command in r.fixes]
     if r.serve_commands:
         lines.append("")
-        lines += [f"serve ({names.get(engine, engine)}): {cmd}" for engine, cmd in r.serve_commands.items()]
+        lines += [f"serve ({ENGINE_NAMES.get(engine, engine)}): {cmd}" for engine, cmd in r.serve_commands.items()]
     lines.append("")
     lines.append("verdict: healthy" if r.healthy else f"verdict: {len(r.failures)} problem(s)")
     return "\n".join(lines)
+
+
+def _linears(precisions: Mapping[str, int]) -> str:
+    """``{"BF16": 7, "NVFP4": 25}`` -> ``32 Linears: 25 quantized (NVFP4 25), 7 unquantized (BF16 7)``."""
+    quantized = {p: n for p, n in precisions.items() if is_quantized(p)}
+    plain = {p: n for p, n in precisions.items() if p not in quantized}
+
+    def part(what: str, group: Mapping[str, int]) -> str:
+        return f"{what} (" + ", ".join(f"{p} {n}" for p, n in group.items()) + ")"
+
+    total = f"{sum(precisions.values())} Linears"
+    if not quantized or not plain:
+        return f"{total}, all " + part("quantized" if quantized else "unquantized", quantized or plain)
+    n_q, n_p = sum(quantized.values()), sum(plain.values())
+    return f"{total}: {n_q} " + part("quantized", quantized) + f", {n_p} " + part("unquantized", plain)
 
 
 def _examples(mods: Sequence[str]) -> str:
@@ -170,13 +188,13 @@ def convert_text(result: ConvertResult) -> str:
     counts = ", ".join(f"{k} {v}" for k, v in sorted(result.tensor_counts.items()))
     t = result.timings
     lines = [
-        f"wrote {result.output} ({format_bytes(result.output_bytes)} from {format_bytes(p.source_bytes)}; "
+        f"wrote {p.out} ({format_bytes(result.output_bytes)} from {format_bytes(p.source_bytes)}; "  # as given
         f"recipe {p.recipe.name}, "
         f"MTP {p.mode})",
         f"tensors    {counts}; {result.quantized_linears} Linears NVFP4, {result.unquantized_linears} unquantized",
     ]
     if result.mtp_output is not None:
-        lines.append(f"MTP        extracted to {result.mtp_output} ({format_bytes(result.mtp_output_bytes)})")
+        lines.append(f"MTP        extracted to {p.mtp_out} ({format_bytes(result.mtp_output_bytes)})")
     elif result.mtp_tensors:
         lines.append(f"MTP        {result.mtp_tensors} tensors, {result.mtp_precision}")
     else:
@@ -205,9 +223,19 @@ def convert_text(result: ConvertResult) -> str:
     if result.peak_gpu_bytes:
         mem += f", peak GPU {format_bytes(result.peak_gpu_bytes)}"
     lines.append(f"memory     {mem}")
-    lines += [f"verdict    {v}" for v in result.verdicts.values()]
+    lines += [f"verdict    {v}" for v in _merged_verdicts(result.verdicts)]
     lines += [f"note       {n}" for n in result.notes]
     return "\n".join(lines)
+
+
+def _merged_verdicts(verdicts: Mapping[str, str]) -> list[str]:
+    """One line per distinct verdict: ``vLLM, SGLang: no MTP declared ...`` instead of the same words twice."""
+    by_text: dict[str, list[str]] = {}
+    for engine, verdict in verdicts.items():
+        name = ENGINE_NAMES.get(engine, engine)
+        body = verdict[len(name) + 2 :] if verdict.startswith(name + ": ") else None
+        by_text.setdefault(body if body is not None else verdict, []).append(name if body is not None else "")
+    return [f"{', '.join(names)}: {text}" if all(names) else text for text, names in by_text.items()]
 
 
 def graft_text(result: GraftResult) -> str:

@@ -4,7 +4,7 @@
 #   scripts/gpu_check.sh [WHEELS_DIR] [WORK_DIR]
 #
 # WHEELS_DIR (default: gpu-wheels/ in the repository root) holds the wheels of everything mtpquant needs
-# except torch: nvidia-modelopt 0.47, transformers (>=5.7,<5.15), accelerate, safetensors, huggingface_hub,
+# except torch: nvidia-modelopt 0.47, transformers 5.19, accelerate, safetensors, huggingface_hub,
 # tokenizers, tqdm, pyyaml, ... and mtpquant itself. Build it on a machine with network access (the same
 # Python minor version as the GPU machine's) with:  scripts/gpu_wheels.sh gpu-wheels 3.11
 # The check installs them into a venv that sees the system's torch (--system-site-packages), then, each step
@@ -14,12 +14,15 @@
 #   3. converts both again with --device cuda --max-memory cuda:0=2GiB (forcing CPU/disk offload and
 #      layer-wise calibration), and checks the two 4B outputs are the same tensors, byte for byte
 #   4. validates the tiny model's quant against its source with --device cuda
-#   5. with GPU_CHECK_VLLM_PYTHON set (a python with vLLM >= 0.32, CUDA build): the Qwen3.8-Flash-Next
+#   5. converts the trained tiny Qwen3.8-Flash-Next (mtpquant/assets/tiny-qwen4_exp-mtp) with --device cuda, MTP
+#      kept and quantized, and validates the quantized MTP's drafts; with GPU_CHECK_VLLM_PYTHON, serves both with
+#      MTP and prints vLLM's acceptance (/metrics) beside validate's prediction
+#   6. with GPU_CHECK_VLLM_PYTHON set (a python with vLLM >= 0.32, CUDA build): the Qwen3.8-Flash-Next
 #      (qwen4_exp) serve check, scripts/qwen4_exp_serve_check.py: vLLM started with MTP on the tiny qwen4_exp and
 #      on the published quant layouts (NVIDIA's MIXED_PRECISION, its refreshed metadata before and after
 #      `graft --fix-metadata`, ...), each outcome compared with inspect's verdict (the family has no CPU path in
 #      vLLM or SGLang, so this is its only engine check); GPU_CHECK_QWEN4_EXP=DIR adds a real checkpoint
-#   6. (with GPU_CHECK_SGLANG_PYTHON, the python of an SGLang GPU environment, e.g. one made from the
+#   7. (with GPU_CHECK_SGLANG_PYTHON, the python of an SGLang GPU environment, e.g. one made from the
 #      lmsysorg/sglang image or `pip install sglang` on a machine with network) NVFP4 + SGLang, which no CPU can
 #      run (`Invalid quantization method on CPU: modelopt_fp4`): the tiny model converted in each MTP mode and
 #      format mtpquant writes (ModelOpt NVFP4 keep and quantize, FP8 MTP as MIXED_PRECISION, compressed-tensors
@@ -44,11 +47,13 @@ else
   python3 -m venv --system-site-packages "$WORK/venv"
   PY="$WORK/venv/bin/python"
   "$PY" -m pip install -q --no-index --find-links "$WHEELS" --no-deps "$WHEELS"/mtpquant-*.whl
-  # mtpquant's requirements less torch (the system's CUDA build satisfies modelopt and accelerate)
-  "$PY" -m pip install -q --no-index --find-links "$WHEELS" \
-    "nvidia-modelopt==0.47.*" "transformers>=5.7,<5.15" "accelerate>=1.10" "safetensors>=0.6" \
-    "huggingface_hub>=1.5,<2" "tqdm>=4.66" "pyyaml>=6.0" "tokenizers>=0.22" "requests>=2.31" \
-    "matplotlib>=3.8" "prometheus-client>=0.20"
+  # mtpquant's requirements (its wheel's metadata: the pins of pyproject.toml) less torch, whose CUDA build the
+  # system provides (it satisfies modelopt and accelerate)
+  mapfile -t REQS < <("$PY" -c 'from importlib.metadata import requires
+for r in requires("mtpquant") or []:
+    if "extra ==" not in r and not r.startswith("torch"):
+        print(r)')
+  "$PY" -m pip install -q --no-index --find-links "$WHEELS" "${REQS[@]}"
 fi
 export HF_HUB_OFFLINE=1 TQDM_DISABLE=1
 
@@ -107,7 +112,30 @@ same = sorted(a.tensors) == sorted(b.tensors) and all(a.read_raw(e) == b.read_ra
 print(f"4B in memory vs --max-memory {sys.argv[2]}: {'bit-identical' if same else 'DIFFERENT'} ({len(a.tensors)} tensors)")
 sys.exit(0 if same else 1)
 EOF
+# Qwen3.8-Flash-Next (qwen4_exp): the trained tiny model converted on the GPU (MTP kept, and quantized through its
+# MTP forward); with vLLM, both served with MTP (k = 3) and the engine's acceptance from /metrics put beside
+# validate's built-in prediction (--compare-reference): the family's only engine measurement of acceptance.
+TINY4=mtpquant/assets/tiny-qwen4_exp-mtp
+step q4-keep 120 "${C[@]}" "$TINY4" "$WORK/q4-keep" "${CAL[@]}"
+step q4-quantize 120 "$PY" -m mtpquant convert --mtp quantize --device "$DEVICE" --overwrite --json "$TINY4" \
+  "$WORK/q4-quantize" "${CAL[@]}"
+step q4-validate 300 "$PY" -m mtpquant validate "$TINY4" "$WORK/q4-quantize" --device "$DEVICE" --json
+"$PY" - "$WORK" <<'EOF'
+import json, sys
+from pathlib import Path
+work = Path(sys.argv[1])
+for name in ("q4-keep", "q4-quantize"):
+    r = json.loads((work / f"{name}.json").read_text())
+    print(f"{name:<12} peak GPU {r['peak_gpu_bytes'] / 1e9:.2f} GB, verdict {r['verdicts']['vllm']}")
+v = json.loads((work / "q4-validate.json").read_text())
+print(f"q4-validate  verdict {v['verdict']['status']}: {v['verdict']['reasons'][0]}")
+EOF
 if [[ -n "${GPU_CHECK_VLLM_PYTHON:-}" ]]; then
+  for q in q4-keep q4-quantize; do
+    timeout $(( 1200 * SCALE )) "$PY" -m mtpquant validate "$TINY4" "$WORK/$q" --engine vllm \
+      --vllm-python "$GPU_CHECK_VLLM_PYTHON" --compare-reference --k 3 --num-prompts 16 --report-dir "$WORK/$q-served" \
+      | tee "$WORK/$q-served.txt"
+  done
   Q4=()
   [[ -n "${GPU_CHECK_QWEN4_EXP:-}" ]] && Q4=(--checkpoint "$GPU_CHECK_QWEN4_EXP")
   timeout $(( 1800 * SCALE )) "$PY" scripts/qwen4_exp_serve_check.py --vllm-python "$GPU_CHECK_VLLM_PYTHON" \

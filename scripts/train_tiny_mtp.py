@@ -1,9 +1,11 @@
 #!/usr/bin/env python
-"""Train the embedded tiny Qwen3.5 model with its MTP layer (CPU, seeded) and measure its acceptance.
+"""Train an embedded tiny model with its MTP layer (CPU, seeded) and measure its acceptance.
 
-Usage (the asset in the repository was made with the defaults)::
+Usage (the assets in the repository were made with these commands)::
 
     .venv/bin/python scripts/train_tiny_mtp.py --out mtpquant/assets/tiny-qwen3_5-mtp --overwrite
+    .venv/bin/python scripts/train_tiny_mtp.py --family qwen4_exp --seq-len 64 --batch-size 8 --steps 1500 \
+        --eval-every 500 --overwrite                 # -> mtpquant/assets/tiny-qwen4_exp-mtp
 
 Trains on the offline corpus minus the held-out documents (``mtpquant.validate.prompts``), writes
 BF16 safetensors (2 shards, MTP on both), configs, tokenizer and ``training.json``, then runs
@@ -28,18 +30,19 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 from mtpquant.synth.train import TrainSpec, train_tiny_mtp
 from mtpquant.validate.prompts import held_out_documents, training_documents
 
-DEFAULT_OUT = Path(__file__).resolve().parent.parent / "mtpquant" / "assets" / "tiny-qwen3_5-mtp"
+ASSETS = Path(__file__).resolve().parent.parent / "mtpquant" / "assets"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--out", type=Path, default=None, help="default: mtpquant/assets/tiny-FAMILY-mtp")
     parser.add_argument("--overwrite", action="store_true")
     parser.add_argument("--no-validate", action="store_true", help="skip the acceptance measurement")
     parser.add_argument("--validate-only", action="store_true", help="only measure (and record) an existing --out")
     for field in dataclasses.fields(TrainSpec):
         parser.add_argument(f"--{field.name.replace('_', '-')}", type=type(field.default), default=field.default)
     args = parser.parse_args(argv)
+    args.out = args.out or ASSETS / f"tiny-{args.family}-mtp"
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     path = args.out
     if not args.validate_only:

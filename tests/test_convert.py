@@ -22,6 +22,7 @@ import torch
 from huggingface_hub import ModelCard
 
 from mtpquant.checkpoint.table import Checkpoint
+from mtpquant.cli import main as cli
 from mtpquant.convert.run import ConvertOptions, ConvertResult, convert
 from mtpquant.formats.nvfp4 import dequantize_nvfp4
 from mtpquant.inspect.report import inspect_checkpoint
@@ -273,13 +274,17 @@ def test_exclusions_consistent_and_inspect_clean(converted: Callable[[str, str],
     assert any(p.startswith("model.visual") for p in exclude) == (family != "qwen3_next")
 
     report = inspect_checkpoint(run.out)
-    failures = [f.message for f in report.failures]
+    assert [f.message for f in report.failures] == []
+    assert report.healthy and report.exit_code(strict=True) == 0  # every output passes the inspect that gates publish
     if mode in {"extract", "drop"} and family == "qwen3_next":
-        # Qwen3-Next has no config key to un-declare its MTP (engines assume one layer).
-        assert failures == ["MTP declared but missing: speculative decoding will accept nothing"]
-    else:
-        assert failures == []
-        assert report.healthy
+        # Qwen3-Next has no config key to un-declare its MTP (engines assume one layer): the provenance file says
+        # the MTP was removed on purpose, and the verdict says to serve without MTP speculative decoding
+        assert report.mtp_removed == mode
+        assert report.verdicts["vllm"] == (
+            f"vLLM: no MTP (removed on purpose: convert --mtp {mode}); the config cannot un-declare it, so serve "
+            "without MTP speculative decoding"
+        )
+        assert cli(["inspect", str(run.out)]) == 0
     text = config.get("text_config", config)
     if family != "qwen3_next":
         assert text["mtp_num_hidden_layers"] == (1 if mode in {"keep", "quantize"} else 0)
@@ -482,7 +487,7 @@ def test_hub_source_through_the_cli(
     argv = ["convert", "org/tiny-next", str(out), "--keep-mtp", "--calib-samples", "2", "--calib-seq-len", "32"]
     assert main(["-q", *argv, "--device", "cpu"]) == 0
     printed = capsys.readouterr().out
-    assert printed.startswith(f"wrote {out} (") and "verdict    vLLM: MTP loads (BF16)" in printed
+    assert printed.startswith(f"wrote {out} (") and "verdict    vLLM, SGLang: MTP loads (BF16)" in printed
     # the Hub's own .gitattributes came down with the snapshot but is not part of the checkpoint
     assert (local_hub.repo_dir("org/tiny-next") / ".gitattributes").is_file()
     assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == []

@@ -177,3 +177,42 @@ def test_missing_calibration_is_refused(
     _, weights = mtp_weights("qwen3_5")
     with pytest.raises(ValueError, match="recorded no activations"):
         quantize_mtp(weights, {}, "nvfp4")
+
+
+def test_experts_only_recipe_quantizes_the_mtp_experts_only(
+    mtp_weights: Callable[[str], tuple[dict[str, Any], dict[str, torch.Tensor]]],
+    tiny_factory: Callable[[str], Path],
+    tmp_path: Path,
+) -> None:
+    config, weights = mtp_weights("qwen3_5_moe")
+    modules = mtp_linear_modules({n: tuple(t.shape) for n, t in weights.items()})
+    experts = [m for m in modules if ".mlp.experts." in m]
+    result = quantize_mtp(weights, None, "nvfp4", activations=False, targets="experts")
+    assert result.quantized_modules == experts
+    # every other Linear the engine builds stays BF16 and is excluded by its exact name
+    assert result.excluded_modules == sorted(set(modules) - set(experts))
+    assert "mtp.layers.0.self_attn.q_proj.weight" in result.kept_tensors
+    del config
+
+    # through convert: the recipe's targets reach --mtp quantize, and the output loads (inspect's verdict)
+    from mtpquant.convert.run import ConvertOptions, convert
+    from mtpquant.inspect.report import inspect_checkpoint
+
+    out = tmp_path / "experts"
+    run = convert(
+        ConvertOptions(
+            src=str(tiny_factory("qwen3_5_moe")),
+            out=out,
+            recipe="qwen3_5_moe-experts-nvfp4",
+            mtp="quantize",
+            device="cpu",
+            calib_samples=2,
+            calib_seq_len=32,
+            progress=False,
+        )
+    )
+    assert run.plan.mtp_quantized == tuple(experts)
+    report = inspect_checkpoint(out)
+    disk = {m.module: m.disk for m in report.mtp_modules}
+    assert disk["mtp.layers.0.self_attn.qkv_proj"] == "BF16" and disk["mtp.layers.0.mlp.experts"] == "NVFP4"
+    assert report.healthy and report.verdicts["vllm"].startswith("vLLM: MTP loads")

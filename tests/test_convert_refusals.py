@@ -161,7 +161,7 @@ def test_already_quantized_source(tiny_copy: Factory, work: Path, capsys: pytest
             ["--recipe", "nope"],
             2,
             "unknown recipe 'nope'; built-in recipes: nvfp4-w4a16, qwen3_5-nvfp4, "
-            "qwen3_5_moe-experts-nvfp4, qwen3_5_moe-nvfp4, qwen3_next-nvfp4",
+            "qwen3_5_moe-experts-nvfp4, qwen3_5_moe-nvfp4, qwen3_next-nvfp4, qwen4_exp-nvfp4",
         ),
         (
             ["--recipe", "qwen3_5_moe-nvfp4"],
@@ -182,13 +182,17 @@ def test_already_quantized_source(tiny_copy: Factory, work: Path, capsys: pytest
         ),
         (["--mtp-out", "elsewhere"], 2, "--mtp-out is only used with --mtp extract (mode is keep)"),
         (["--keep-mtp", "--mtp", "drop"], 2, "--keep-mtp contradicts --mtp drop"),
+        # flags that would be ignored are refused
+        (["--keep-mtp", "--mtp-format", "fp8"], 2, "--mtp-format is only used with --mtp quantize (mode is keep)"),
+        (["--revision", "v2"], 2, "{src}: a local directory has no revisions (a revision applies to a Hub repo id)"),
     ],
 )
 def test_bad_options(
     tiny_factory: Factory, work: Path, capsys: pytest.CaptureFixture[str], argv: list[str], code: int, message: str
 ) -> None:
-    got_code, msg = _run(capsys, str(tiny_factory("qwen3_5")), str(work / "out"), *argv)
-    assert (got_code, msg) == (code, message)
+    src = str(tiny_factory("qwen3_5"))
+    got_code, msg = _run(capsys, src, str(work / "out"), *argv)
+    assert (got_code, msg) == (code, message.format(src=src))
     _nothing_written(work)
 
 

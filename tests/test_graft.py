@@ -33,6 +33,7 @@ from mtpquant.formats.quant_config import HF_QUANT_CONFIG
 from mtpquant.graft.run import GraftOptions, GraftResult, fix_metadata, graft
 from mtpquant.inspect.report import inspect_checkpoint
 from mtpquant.provenance import PROVENANCE_FILE, read_provenance
+from tests.support.kills import KILL_PRELUDE
 
 FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 Factory = Callable[[str], Path]
@@ -260,8 +261,14 @@ def test_in_place_equals_out_and_second_graft_is_noop(
     again = graft(GraftOptions(quant=quant, source=src, in_place=True))
     assert again.action == "noop" and "nothing to do" in again.message and again.bytes_written == 0
     assert tree_state(quant) == state and {p.name: p.stat().st_mtime_ns for p in quant.iterdir()} == stamps
-    out_again = graft(GraftOptions(quant=ref, source=src, out=tmp_path / "never"))
-    assert out_again.action == "noop" and not (tmp_path / "never").exists()
+    # with --out the output asked for is made all the same: QUANT as it is, its shards linked, and it loads
+    copy = tmp_path / "copy"
+    out_again = graft(GraftOptions(quant=ref, source=src, out=copy))
+    same = f"{ref} already has this MTP (15 tensors, byte-identical to SRC's)"
+    assert out_again.message == f"{same}; nothing to change: wrote {copy}"
+    assert out_again.metadata_changes == []
+    assert tensor_digests(copy) == tensor_digests(ref) and inspect_checkpoint(copy).healthy
+    assert (copy / "model.safetensors").stat().st_ino == (ref / "model.safetensors").stat().st_ino
 
 
 def test_multi_shard_quant_and_declaration_restored_in_place_of_origin(tiny_factory: Factory, tmp_path: Path) -> None:
@@ -549,7 +556,8 @@ def test_refusals_are_one_line_and_write_nothing(
             ExitCode.LINEAGE,
             "lineage mismatch between QUANT and SRC: hidden_size 128 vs 256",
         ),
-        (["graft", str(quant), "--from", str(lying), "--out", out], ExitCode.CHECKPOINT, "contradict"),
+        # graft reads two checkpoints: an error about one of their files names the checkpoint first
+        (["graft", str(quant), "--from", str(lying), "--out", out], ExitCode.CHECKPOINT, f"{lying}: config.json: "),
         (
             ["graft", str(quant), "--from", str(naive_export_factory("qwen3_5")), "--out", out],
             ExitCode.MTP_MODE,
@@ -567,7 +575,11 @@ def test_refusals_are_one_line_and_write_nothing(
         ),
         (["graft", str(tmp_path / "nowhere"), "--from", str(src), "--out", out], ExitCode.CHECKPOINT, "no such dir"),
         (["graft", str(hostile), "--from", str(src), "--out", out], ExitCode.CHECKPOINT, "not a relative .safetensors"),
-        (["graft", str(quant), "--from", str(hostile), "--in-place"], ExitCode.CHECKPOINT, "not a relative .safet"),
+        (
+            ["graft", str(quant), "--from", str(hostile), "--in-place"],
+            ExitCode.CHECKPOINT,
+            f"{hostile}: model.safetensors.index.json: shard name '../escape.safetensors' is not a relative",
+        ),
         (["graft", str(missing_shard), "--from", str(src), "--in-place"], ExitCode.CHECKPOINT, "does not exist"),
         (["graft", str(quant), "--fix-metadata", "--in-place"], ExitCode.GRAFT_REFUSED, "no mtp.* tensors"),
         (["graft", str(quant), "--from", str(src), "--fix-metadata", "--in-place"], ExitCode.USAGE, "takes no --from"),
@@ -591,30 +603,11 @@ def test_out_inside_quant_is_refused(tiny_factory: Factory, tmp_path: Path) -> N
 
 # ---------------------------------------------------------------------------------------------- kills
 
-_DRIVER = textwrap.dedent(
+_DRIVER = KILL_PRELUDE + textwrap.dedent(
     """
-    import json, os, signal, sys
     import mtpquant.checkpoint.table as table
     import mtpquant.graft.inplace as inplace
     from mtpquant.graft.run import GraftOptions, graft
-
-    args = json.loads(sys.argv[1])
-    kill_at, tags = args["kill_at"], []
-
-    def hit(tag):
-        tags.append(tag)
-        if len(tags) == kill_at:
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    def wrap(owner, name, after=False):
-        real = getattr(owner, name)
-        def wrapper(*a, **k):
-            hit(name)
-            result = real(*a, **k)
-            if after:
-                hit(name + ":after")
-            return result
-        setattr(owner, name, wrapper)
 
     for name in ("fsync", "link", "replace", "rename", "unlink", "mkdir", "rmdir", "symlink"):
         wrap(os, name)
@@ -745,7 +738,7 @@ def test_dry_run_plans_and_writes_nothing(tiny_factory: Factory, tmp_path: Path)
     quant = strip_mtp(src, tmp_path / "q", keep_declaration=False)
     state = tree_state(tmp_path)
     result = graft(GraftOptions(quant=quant, source=src, in_place=True, dry_run=True))
-    assert result.action == "planned" and "would graft 15 MTP tensors" in result.message
+    assert result.action == "planned" and "would graft 15 MTP tensors (788.74 kB) from" in result.message
     assert result.metadata_changes and result.bytes_written == 0 and result.destination is None
     assert tree_state(tmp_path) == state
 

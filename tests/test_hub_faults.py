@@ -86,6 +86,18 @@ def test_a_server_that_never_answers_times_out(
     )
 
 
+@pytest.mark.parametrize("value", ["abc", "0", "-1", "nan"])
+def test_a_timeout_that_is_not_seconds_is_refused(
+    hub: LocalHub, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    monkeypatch.setenv("MTPQUANT_HUB_TIMEOUT", value)  # not silently replaced by the default
+    code, err = run(capsys, "inspect", REPO)
+    assert (code, one_line(err)) == (
+        ExitCode.USAGE,
+        f"mtpquant: error: MTPQUANT_HUB_TIMEOUT={value!r}: not a positive number of seconds",
+    )
+
+
 def test_offline_mode(hub: LocalHub, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     import huggingface_hub.constants
 

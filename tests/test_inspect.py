@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from mtpquant.cli import main as cli
 from mtpquant.inspect.engines import FusedShardsError, ct_ignored, expand_modelopt_patterns, modelopt_excluded
 from mtpquant.inspect.report import EXIT_DECLARED_MISSING, EXIT_EXCLUSIONS, EXIT_INDEX, inspect_checkpoint
+from mtpquant.render import inspect_text
 from tests.support.quants import with_mtp
 
 Factory = Callable[[str], Path]
@@ -101,7 +102,7 @@ def test_compressed_tensors_matching() -> None:
 # ---- verdicts on checkpoints --------------------------------------------------------------------
 def test_bf16_source_is_healthy(tiny_factory: Factory) -> None:
     r = inspect_checkpoint(tiny_factory("qwen3_5_moe"))
-    assert r.healthy and r.strict_exit_code() == 0
+    assert r.healthy and r.exit_code(strict=True) == 0
     assert r.verdicts == {"vllm": "vLLM: MTP loads (BF16)", "sglang": "SGLang: MTP loads (BF16)"}
     assert r.mtp_present_tensors == r.mtp_expected_tensors == 29
     assert '"num_speculative_tokens":3' in r.serve_commands["vllm"]
@@ -112,11 +113,26 @@ def test_bf16_source_is_healthy(tiny_factory: Factory) -> None:
 def test_modelopt_export_without_mtp_is_declared_but_missing(naive_export_factory: Factory, variant: str) -> None:
     r = inspect_checkpoint(naive_export_factory(variant))
     assert not r.healthy
-    assert r.verdicts["vllm"] == "MTP declared but missing: speculative decoding will accept nothing"
+    assert r.verdicts["vllm"] == "vLLM: MTP declared but missing: speculative decoding will accept nothing"
     assert r.failure_messages == ["MTP declared but missing: speculative decoding will accept nothing"]
-    assert r.strict_exit_code() == EXIT_DECLARED_MISSING
+    assert r.exit_code(strict=True) == EXIT_DECLARED_MISSING
+    assert r.fixes == [
+        f"mtpquant graft {r.checkpoint} --from SRC --out {variant}-mtp   (SRC: the BF16 checkpoint it was made from)"
+    ]
     assert r.quantization["algorithm"] == "NVFP4" and r.quantization["vllm_method"] == "modelopt_fp4"
     assert r.main_model["quantized"] > 0 and r.main_model["inconsistent_modules"] == []
+    if variant == "qwen3_5":  # the text names the fix and reads plainly (counts say what they count)
+        text = inspect_text(r).splitlines()
+        assert f"fix   mtpquant graft {r.checkpoint} --from SRC --out qwen3_5-mtp" in "\n".join(text)
+        assert "MTP present    0/15 expected tensors, 0 B" in text
+        assert "quantization   modelopt NVFP4 (vLLM: modelopt_fp4), group size 16, KV cache unquantized" in text
+        assert "main Linears   32 Linears: 25 quantized (NVFP4 25), 7 unquantized (BF16 7)" in text
+        assert "vision tower   present, 21 tensors; 6 Linears, all unquantized (BF16 6)" in text
+        # one verdict line per engine, each with its engine's name once
+        assert [line for line in text if "declared but missing" in line and not line.startswith("FAIL")] == [
+            "vLLM: MTP declared but missing: speculative decoding will accept nothing",
+            "SGLang: MTP declared but missing: speculative decoding will accept nothing",
+        ]
 
 
 @pytest.mark.parametrize("variant", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
@@ -144,7 +160,7 @@ def test_only_layers_excluded_like_nvidia_397b(
     assert r.verdicts["vllm"].startswith("vLLM: MTP loads (BF16); mtp.fc is not covered by the exclusions")
     assert "hard-coded mtp.fc workaround" in r.verdicts["vllm"]
     assert r.healthy  # it loads today, but --strict flags the exclusions
-    assert r.strict_exit_code() == EXIT_EXCLUSIONS
+    assert r.exit_code(strict=True) == EXIT_EXCLUSIONS
     assert any("graft --fix-metadata" in w.message for w in r.warnings)
 
 
@@ -158,7 +174,7 @@ def test_compressed_tensors_ignore_glob_is_ineffective(
     )
     assert bad.quantization["method"] == "compressed-tensors"
     assert bad.verdicts["vllm"] == "vLLM will fail to load: mtp.fc is BF16 on disk but declared quantized"
-    assert bad.strict_exit_code() == EXIT_EXCLUSIONS
+    assert bad.exit_code(strict=True) == EXIT_EXCLUSIONS
     good = inspect_checkpoint(
         with_mtp(quant, tiny_factory("qwen3_5"), tmp_path / "good", exclude_add=[], ct_ignore=[*base, r"re:^mtp\..*"])
     )
@@ -224,6 +240,9 @@ def test_fp8_block_mtp(naive_export_factory: Factory, tiny_factory: Factory, tmp
     assert precisions["mtp.layers.0.self_attn.qkv_proj"] == "FP8-block"
     assert precisions["mtp.fc"] == "BF16"
     assert r.mtp_precision == "mixed: BF16, FP8-block"
+    # the scales are counted apart from the tensors the layout expects (not "19/15 tensors")
+    scales = r.mtp_present_tensors - 15
+    assert f"MTP present    15/15 expected tensors (+{scales} quantization scales)" in inspect_text(r)
     # SGLang builds the MTP of a modelopt_fp4 checkpoint in BF16: FP8 weights have the BF16 shape, so they load,
     # as raw values without their block scales
     assert r.verdicts["sglang"] == (
@@ -243,8 +262,8 @@ def test_index_naming_missing_shard(tiny_copy: Factory) -> None:
     assert r.failure_messages[-1] == (
         "model.safetensors.index.json: shard 'model.safetensors-00002-of-00003.safetensors' does not exist"
     )
-    assert r.strict_exit_code() == EXIT_INDEX
-    assert r.verdicts["vllm"].startswith("index corrupt: ")
+    assert r.exit_code(strict=True) == EXIT_INDEX
+    assert r.verdicts["vllm"].startswith("vLLM: index corrupt: ")
 
 
 def test_shard_tensor_missing_from_index(tiny_copy: Factory) -> None:
@@ -257,7 +276,7 @@ def test_shard_tensor_missing_from_index(tiny_copy: Factory) -> None:
         "model.safetensors-00003-of-00003.safetensors: tensor 'mtp.norm.weight' is not listed in "
         "model.safetensors.index.json"
     ) in r.failure_messages
-    assert r.strict_exit_code() == EXIT_INDEX
+    assert r.exit_code(strict=True) == EXIT_INDEX
 
 
 def test_cli_json_and_strict_exit_codes(

@@ -5,7 +5,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
+from mtpquant.errors import ExitCode
 from mtpquant.inspect.report import inspect_checkpoint
+from tests.support.cli import one_error
 from tests.support.hubserver import LocalHub
 
 Factory = Callable[[str], Path]
@@ -42,5 +46,25 @@ def test_hub_declared_but_missing_and_revision(local_hub: LocalHub, naive_export
     _upload(local_hub, "org/quant", naive_export_factory("qwen3_next"))
     local_hub.create_branch("org/quant", "v2")
     r = inspect_checkpoint("org/quant", revision="v2")
-    assert r.verdicts["vllm"] == "MTP declared but missing: speculative decoding will accept nothing"
+    assert r.verdicts["vllm"] == "vLLM: MTP declared but missing: speculative decoding will accept nothing"
     assert r.checkpoint == "org/quant@v2"
+
+
+def test_a_mistyped_local_path_says_both(
+    local_hub: LocalHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``runs/typo`` has the shape of a repo id: it is looked up on the Hub, and the error says that there is no such
+    local directory either."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    code, line = one_error(capsys, "inspect", "runs/typo")
+    assert code == ExitCode.HUB_ACCESS
+    assert line.startswith("mtpquant: error: runs/typo: repository not found on 127.0.0.1:")
+    assert line.endswith("; nor is there a local directory runs/typo")
+    # a Hub repo id given where only the Hub is meant (publish's --repo) does not get the local hint
+    from mtpquant.checkpoint.source import HubSource
+    from mtpquant.errors import HubAccessError
+
+    with pytest.raises(HubAccessError) as refused:
+        HubSource("runs/typo").list_files()
+    assert "local directory" not in str(refused.value)

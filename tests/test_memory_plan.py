@@ -5,7 +5,7 @@ The full-size layouts are sparse skeletons (no data on disk): the plan reads hea
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -86,12 +86,14 @@ def test_dry_run_shows_placement_and_peak_of_the_full_size_4b(qwen35_4b: Path, t
     assert mem.capped_by == "flag" and mem.layerwise and mem.offloaded
     assert plan.max_shard_bytes == 3 * GiB // 4  # the streaming export buffers one shard: a quarter of the cap
     lines = plan_lines(plan)
-    memory = "memory     main model 9.08 GB as loaded (largest decoder layer 225.85 MB); --max-memory cpu=3.22 GB"
+    # the cap echoed as given (not cpu=3.22 GB)
+    memory = "memory     main model 9.08 GB as loaded (largest decoder layer 225.85 MB); --max-memory cpu=3GiB"
     assert memory in lines
-    assert "placement  cpu 3.06 GB, disk 6.02 GB (read from SRC's files as each layer runs)" in lines
+    # accelerate keeps room for one layer free on the CPU: the vision tower, the embedding and 4 layers fit in the rest
+    assert "placement  cpu 2.83 GB, disk 6.25 GB (read from SRC's files as each layer runs)" in lines
     peak = next(line for line in lines if line.startswith("peak "))
     # resident + the working layer and its packed copy + the runtime (1 GB) + one shard buffer
-    assert peak.startswith("peak       cpu ~5.31 GB") and peak.endswith("; layer-wise calibration (resumable)")
+    assert peak.startswith("peak       cpu ~5.09 GB") and peak.endswith("; layer-wise calibration (resumable)")
 
 
 def test_in_memory_plan_of_the_4b(qwen35_4b: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -134,7 +136,7 @@ def test_per_expert_layouts_say_that_offloaded_experts_are_fused_from_src(qwen_n
     assert [b.name for b in blocks] == ["embed", *(f"layer {i}" for i in range(48)), "norm/lm_head"]
     assert all(0 < b.converted < b.nbytes for b in blocks[1:-1])  # the routed experts, not attention or norms
     fused = 0
-    room = 40 * 10**9
+    room = 40 * 10**9 - max(b.nbytes for b in blocks if b.name.startswith("layer "))  # accelerate keeps one layer free
     for b in blocks:  # what the greedy placement leaves on disk
         if b.nbytes <= room:
             room -= b.nbytes
@@ -143,3 +145,28 @@ def test_per_expert_layouts_say_that_offloaded_experts_are_fused_from_src(qwen_n
             fused += b.converted
     note = next(n for n in plan.memory.notes if "per-expert" in n)
     assert f"the ~{format_bytes(fused)} of them that go to disk are read from SRC's per-expert tensors" in note
+
+
+@pytest.mark.parametrize(("cap", "refused"), [("cpu=900KB", True), ("cpu=1MB", False)])
+def test_a_cap_that_leaves_the_first_weights_on_disk_is_refused_at_plan_time(
+    tiny_factory: Callable[[str], Path], tmp_path: Path, capsys: pytest.CaptureFixture[str], cap: str, refused: bool
+) -> None:
+    """modelopt's export runs the model from the device of its first weight; on disk (meta) it fails after the whole
+    calibration ("Cannot copy out of meta tensor"). accelerate keeps one layer's room free (722.43 kB here) and
+    then needs the vision tower's patch embedding (196.74 kB) resident: 900 kB is refused before anything runs
+    (measured: it did fail at export), 1 MB converts."""
+    src = tiny_factory("qwen3_5")
+    capsys.readouterr()
+    code = main(["convert", str(src), str(tmp_path / "out"), "--max-memory", cap, "--device", "cpu", "--dry-run"])
+    err = capsys.readouterr().err.strip()
+    if not refused:
+        assert code == 0 and err == ""
+        return
+    assert code == ExitCode.MEMORY
+    assert err == (
+        "mtpquant: error: --max-memory cpu=900KB leaves the model's first weights (the vision tower's patch "
+        "embedding, 196.74 kB) on disk, where modelopt's export cannot run the model from: they and the room "
+        "accelerate keeps for one layer need 919.17 kB (raise the cap)"
+    )
+    code = main(["convert", str(src), str(tmp_path / "out"), "--max-memory", cap, "--device", "cpu"])
+    assert code == ExitCode.MEMORY and list(tmp_path.iterdir()) == []  # refused before any work, nothing written

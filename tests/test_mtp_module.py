@@ -18,6 +18,7 @@ from mtpquant.mtp import (
     mtp_tensor_shapes,
     teacher_forced,
 )
+from mtpquant.mtp.step import MtpStep
 
 # --------------------------------------------------------------------------------------------
 # Independent reference: plain float32, per token / per head loops, checkpoint names, no shared code.
@@ -259,7 +260,7 @@ def test_teacher_forced_logits(case):
     expected_m = ref_mtp(weights, ref_cfg(raw), hidden, embed(tokens).detach(), list(range(6)))
     close(result.mtp_out, expected_m)
     close(result.logits, expected_m @ lm_head.T, 1e-4)
-    assert result.past_kv.length == 6
+    assert result.step.cache.length == 6
 
 
 def _drafting_inputs(seed, batch, length):
@@ -317,18 +318,19 @@ def test_draft_rows_are_the_chains_from_each_row(case, chunk):
     _raw, _cfg, _weights, layer = case
     embed, lm_head, hidden, tokens = _drafting_inputs(9, 1, 12)
     with torch.no_grad():
-        teacher = layer(hidden, embed(tokens))
+        teacher = layer.step(hidden, embed(tokens))
     rows = range(2, 11)
     got = draft_rows(layer, teacher, rows, embed, lm_head, 3, chunk=chunk)
     assert got.shape == (len(rows), 3)
-    _, cache = teacher
+    cache = teacher.cache
     for i, t in enumerate(rows):
         past = KVCache(cache.key[:, :, :t], cache.value[:, :, :t]) if t else None
         want = draft_chain(layer, hidden[:, t : t + 1], tokens[:, t : t + 1], embed, lm_head, 3, past_kv=past)
         assert got[i].tolist() == want.tokens[0].tolist(), f"row {t}"
     assert draft_rows(layer, teacher, range(0), embed, lm_head, 3).shape == (0, 3)
     with pytest.raises(ValueError, match="batch 1"):
-        draft_rows(layer, (teacher[0].expand(2, -1, -1), cache), rows, embed, lm_head, 3)
+        draft_rows(layer, MtpStep(*(x.expand(2, -1, -1) for x in (teacher.out, teacher.next_hidden)), cache), rows,
+                   embed, lm_head, 3)
 
 
 def test_draft_chain_rejects_k0():

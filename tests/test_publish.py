@@ -17,7 +17,7 @@ from huggingface_hub.repocard import REGEX_YAML_BLOCK, metadata_load
 
 from mtpquant.cli import main as cli
 from mtpquant.errors import ExitCode, HubAccessError
-from mtpquant.hub.card import card_origin, validate_card_metadata
+from mtpquant.hub.card import card_origin, redact, validate_card_metadata
 from mtpquant.hub.publish import (
     PublishOptions,
     PublishRefusedError,
@@ -417,6 +417,15 @@ def test_token_is_sent_but_never_printed_logged_or_written(
     step = Step("convert", ("mtpquant", "convert", "SRC", "OUT", "--token", other), mode="keep")
     (out / PROVENANCE_FILE).write_bytes(Provenance((step,)).to_bytes())
     with LocalHub(tmp_path / "hub", token=TOKEN) as hub, hub.client_env(tmp_path / "home", token=TOKEN):
+        # any Hub token in a file, not only the one in use, keeps the file (and so the upload) back
+        assert cli(["publish", str(out), "--repo", REPO, "--private"]) == ExitCode.PUBLISH_REFUSED
+        assert capsys.readouterr().err == (
+            f"mtpquant: error: {out}/{PROVENANCE_FILE} contains a Hub token (hf_...); refusing to upload it (remove "
+            "the token from it)\n"
+        )
+        assert hub.requests == []
+        step = Step("convert", ("mtpquant", "convert", "SRC", "OUT", "--keep-mtp"), mode="keep")
+        (out / PROVENANCE_FILE).write_bytes(Provenance((step,)).to_bytes())
         assert cli(["-vv", "publish", str(out), "--repo", REPO, "--private"]) == 0
         printed = capsys.readouterr()
         assert hub.requests and all(r.status < 400 for r in hub.requests)
@@ -428,7 +437,8 @@ def test_token_is_sent_but_never_printed_logged_or_written(
         assert hub.errors == []
     assert "commit: " in printed.out
     card = served["README.md"].decode()
-    assert "mtpquant convert SRC OUT --token ***" in card and other not in card  # token-shaped text is masked too
+    assert "mtpquant convert SRC OUT --keep-mtp" in card and other not in card
+    assert redact(f"mtpquant convert SRC OUT --token {other}") == "mtpquant convert SRC OUT --token ***"
     everything = [printed.out, printed.err, caplog.text, *(v.decode("utf-8", "replace") for v in served.values())]
     everything += [r.getMessage() for r in caplog.records]
     assert all(TOKEN not in text for text in everything)
@@ -507,7 +517,9 @@ def test_unreachable_hub_is_one_line(
     out: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens there
-    assert cli(["publish", str(out), "--repo", REPO]) == ExitCode.HUB_UNREACHABLE
+    before = _tree(out)
+    assert cli(["publish", str(out), "--repo", REPO, "--base-model", "Qwen/Qwen3.6-27B"]) == ExitCode.HUB_UNREACHABLE
+    assert _tree(out) == before  # the card and the base model recorded for the upload are taken back out of OUT
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == (
         f"mtpquant: error: publishing to {REPO}: cannot reach 127.0.0.1:9 ([Errno 111] Connection refused)"

@@ -57,8 +57,8 @@ EXPECTED = {
     ),
     "nvfp4-mtp-dropped": (
         10,
-        "MTP declared but missing: speculative decoding will accept nothing",
-        "MTP declared but missing: speculative decoding will accept nothing",
+        "vLLM: MTP declared but missing: speculative decoding will accept nothing",
+        "SGLang: MTP declared but missing: speculative decoding will accept nothing",
     ),
     "nvfp4-mtp-excluded": (0, "vLLM: MTP loads (BF16)", "SGLang: MTP loads (BF16)"),
     # no mtp.fc-style workaround for Qwen4-Exp: fc_embedding is built with the NVFP4 config

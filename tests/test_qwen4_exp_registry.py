@@ -122,8 +122,12 @@ def test_tiny_qwen4_exp_is_the_real_layout(tiny_factory: Callable[[str], Path]) 
 
 
 def test_mtp_forward_refusals_are_torch_free_and_typed() -> None:
-    with pytest.raises(MtpConfigError, match=r"no reference MTP forward for Qwen3\.8-Flash-Next"):
-        mtp_config(_full())
+    full = _full()
+    assert mtp_config(full).hidden_size == 2560  # mtpquant.mtp.qwen4_exp computes this MTP
+    no_qsa = copy.deepcopy(full)
+    del no_qsa["text_config"]["indexer_n_heads"]  # vLLM builds plain attention then: another MTP layout
+    with pytest.raises(MtpConfigError, match="needs a QSA layer; the text config lacks indexer_n_heads"):
+        mtp_config(no_qsa)
     q35 = json.loads((Path(__file__).parent / "fixtures/real-layouts/Qwen3.5-4B_config.json").read_text())
     assert mtp_config(q35).hidden_size == 2560
     bad = copy.deepcopy(q35)

@@ -30,6 +30,7 @@ def test_builtin_recipes_load_and_cover_the_issue() -> None:
         "qwen3_5_moe-experts-nvfp4",
         "qwen3_5_moe-nvfp4",
         "qwen3_next-nvfp4",
+        "qwen4_exp-nvfp4",
     ]
     for name in names:
         recipe = load_recipe(name)
@@ -48,6 +49,7 @@ def test_default_recipe_per_family() -> None:
     assert default_recipe_name(FAMILY["qwen3_5"]) == "qwen3_5-nvfp4"
     assert default_recipe_name(FAMILY["qwen3_5_moe"]) == "qwen3_5_moe-nvfp4"
     assert default_recipe_name(FAMILY["qwen3_next"]) == "qwen3_next-nvfp4"
+    assert default_recipe_name(FAMILY["qwen4_exp"]) == "qwen4_exp-nvfp4"
     for family in FAMILIES:
         load_recipe(default_recipe_name(family)).check_family(family)
         load_recipe("nvfp4-w4a16").check_family(family)

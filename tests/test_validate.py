@@ -33,6 +33,7 @@ from mtpquant.render import acceptance_table
 from mtpquant.validate.builtin import SequenceRecord, TargetRun, capture, evaluate_acceptance, replay_greedy
 from mtpquant.validate.load import CheckpointWeights, MtpBundle, load_mtp, load_target
 from mtpquant.validate.metrics import StepRecord, acceptance_stats
+from mtpquant.validate.options import ValidateError
 from mtpquant.validate.prompts import (
     default_prompts,
     held_out_documents,
@@ -41,7 +42,7 @@ from mtpquant.validate.prompts import (
     training_documents,
 )
 from mtpquant.validate.report import write_report
-from mtpquant.validate.run import ValidateError, ValidateOptions, validate
+from mtpquant.validate.run import ValidateOptions, validate
 from mtpquant.validate.schema import (
     Acceptance,
     AcceptanceRow,
@@ -603,5 +604,5 @@ def test_load_prompts(tmp_path: Path) -> None:
     (tmp_path / "p.txt").write_text("first\nprompt\n\nsecond\n")
     assert load_prompts(tmp_path / "p.txt", 1) == ["first\nprompt"]
     (tmp_path / "bad.jsonl").write_text("[1]\n")
-    with pytest.raises(ValueError, match=r"bad\.jsonl:1"):
+    with pytest.raises(ValidateError, match=r"bad\.jsonl:1: expected a string"):  # a usage error: exit 2, one line
         load_prompts(tmp_path / "bad.jsonl")

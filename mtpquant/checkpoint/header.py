@@ -133,6 +133,8 @@ def parse_header(shard: str, header_bytes: bytes, file_size: int) -> ShardHeader
             raw: Any = json.loads(header_bytes.decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise CheckpointError(f"{shard}: header is not valid JSON ({exc.__class__.__name__})") from None
+        except RecursionError:
+            raise CheckpointError(f"{shard}: header is nested deeper than the JSON parser allows") from None
         if not isinstance(raw, dict):
             raise CheckpointError(f"{shard}: header is not a JSON object")
         data_start = 8 + n

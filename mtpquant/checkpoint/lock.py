@@ -69,8 +69,11 @@ class OutputLock:
             if same:
                 break
             os.close(fd)  # the holder removed the file between our open and our lock: take the new one
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
+        try:
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()}\n".encode())
+        except OSError:  # a disk too full for a pid: the lock still holds, the file just names no holder
+            log.debug("%s: could not record the pid", self.path)
         self._fd = fd
 
     def _holder(self) -> str:

@@ -7,7 +7,6 @@ files, sizes and byte ranges, and the source counts the bytes it read so reports
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import re
@@ -17,9 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from mtpquant.errors import CheckpointError, MtpquantError
+from mtpquant.errors import CheckpointError, HubAccessError, HubUnreachableError, MtpquantError, UsageError
 
 __all__ = [
+    "JSON_LIMIT",
     "REPO_ID_RE",
     "CheckpointSource",
     "HubSource",
@@ -32,7 +32,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-_REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 # .../models--org--name/snapshots/<commit>/ : a checkpoint in the HF cache
 _HF_CACHE_SNAPSHOT = re.compile(r"models--([A-Za-z0-9][\w.-]*)--([\w.-]+)/snapshots/([0-9a-f]{40})/")
 
@@ -131,7 +130,14 @@ def file_pieces(path: Path, start: int, end: int, label: str, chunk: int = 1 << 
 
 
 class LocalSource:
-    """A checkpoint directory on disk."""
+    """A checkpoint directory on disk.
+
+    Nothing is read through a symbolic link that leaves the directory: a file (or a directory on its way) that
+    resolves outside it is refused, naming it (a ``git clone`` or an archive can carry such a link, and convert and
+    graft would copy or hard-link its target into their output). The one exception is a snapshot in the HF cache's
+    layout (``models--ORG--NAME/snapshots/COMMIT/``), whose files are links into the repo's own ``blobs/`` (a real
+    directory there, not itself a link).
+    """
 
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
@@ -141,18 +147,41 @@ class LocalSource:
         self.local_root: Path | None = self.root
         if not self.root.is_dir():
             raise CheckpointError(f"{self.root}: not a checkpoint directory")
+        real = os.path.realpath(self.root)
+        self._inside: tuple[str, ...] = (real.rstrip(os.sep) + os.sep,)
+        if Path(real).parent.name == "snapshots":  # a snapshot of huggingface_hub's cache layout
+            blobs = Path(real).parent.parent / "blobs"
+            if blobs.is_dir() and not blobs.is_symlink():  # its own blobs/, itself no link to elsewhere
+                self._inside += (str(blobs) + os.sep,)
+        self._contained: set[str] = set()  # relative paths already checked
 
     def list_files(self) -> list[str]:
-        """Relative paths of every regular file (not following into hidden temp dirs)."""
+        """Relative paths of every regular file (not following into hidden temp dirs, nor into linked directories);
+        a file that is a link leading out of the checkpoint is refused."""
         out = []
         for p in sorted(self.root.rglob("*")):
             rel = p.relative_to(self.root)
             if p.is_file() and not any(part.startswith(".") for part in rel.parts):
-                out.append(rel.as_posix())
+                name = rel.as_posix()
+                if p.is_symlink():  # rglob does not descend into linked directories: only the file itself can be one
+                    self._contain(name, p)
+                self._contained.add(name)
+                out.append(name)
         return out
 
+    def _contain(self, relpath: str, path: Path) -> None:
+        if not os.path.realpath(path).startswith(self._inside):
+            raise CheckpointError(
+                f"{self.label}: {relpath} is a symbolic link that leads outside the checkpoint; mtpquant never "
+                "follows a link out of a checkpoint (copy the file into it)"
+            )
+        self._contained.add(relpath)
+
     def _path(self, relpath: str) -> Path:
-        return self.root / relpath
+        path = self.root / relpath
+        if relpath not in self._contained:
+            self._contain(relpath, path)
+        return path
 
     def exists(self, relpath: str) -> bool:
         """Whether a file exists."""
@@ -252,6 +281,7 @@ class HubSource:
         self._cache: OrderedDict[tuple[str, int, int], bytes] = OrderedDict()
         self._cached_bytes = 0
         self.local_root: Path | None = None
+        self.not_local = False  # a mistyped local path, perhaps (``open_source``): Hub errors say there is none
 
     @contextlib.contextmanager
     def _hub(self, what: str) -> Iterator[None]:
@@ -262,6 +292,10 @@ class HubSource:
         try:
             with hub_errors(self.label, what, self.endpoint):
                 yield
+        except (HubAccessError, HubUnreachableError) as exc:
+            if not self.not_local:
+                raise
+            raise type(exc)(f"{exc}; nor is there a local directory {self.repo_id}") from None
         finally:
             self.requests += request_count() - before
 
@@ -416,25 +450,42 @@ def is_repo_id(value: object) -> bool:
 
 
 def looks_like_repo_id(ref: str) -> bool:
-    """True for ``org/name`` strings that are not existing local paths."""
-    return bool(_REPO_ID.match(ref)) and not Path(ref).exists()
+    """True for Hub repo ids (``is_repo_id``) that are not existing local paths."""
+    return is_repo_id(ref) and not Path(ref).exists()
 
 
 def open_source(ref: str | os.PathLike[str], revision: str | None = None, token: str | None = None) -> Any:
     """A local directory, or a Hub repo id when ``ref`` is ``org/name`` and no such path exists."""
     ref_s = os.fspath(ref)
     if Path(ref_s).exists():
+        if revision is not None:
+            raise UsageError(f"{ref_s}: a local directory has no revisions (a revision applies to a Hub repo id)")
         return LocalSource(Path(ref_s))
     if looks_like_repo_id(ref_s):
-        return HubSource(ref_s, revision=revision, token=token)
+        source = HubSource(ref_s, revision=revision, token=token)
+        # ``runs/typo`` where ``runs/`` is a local directory: a Hub failure also says there is no such local directory
+        source.not_local = Path(ref_s).parent.is_dir()
+        return source
     raise CheckpointError(f"{ref_s}: no such directory, and not a Hub repo id (org/name)")
 
 
-def read_json(source: CheckpointSource, relpath: str) -> Any:
-    """Read and parse a small JSON file from a source, with a one-line error on failure."""
+# The largest JSON file of a checkpoint mtpquant reads whole (config, index, quantization config, provenance). A
+# real index of ~300,000 tensors is ~30 MB; this leaves room and still bounds what one bad file can take.
+JSON_LIMIT = 256 * 1024 * 1024
+
+
+def read_json(source: CheckpointSource, relpath: str, *, limit: int = JSON_LIMIT) -> Any:
+    """Read and parse a JSON file of a source (never more than ``limit`` bytes, locally or from the Hub, nor nested
+    deeper than the parser allows), with a one-line error on failure."""
+    from mtpquant import safejson
+
     size = source.file_size(relpath)
+    if size > limit:
+        raise CheckpointError(f"{relpath}: {size} bytes, more than the {limit} mtpquant reads of a JSON file")
     raw = source.read_range(relpath, 0, size)
     try:
-        return json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return safejson.loads(raw, limit=limit)
+    except safejson.JsonLimitError as exc:
+        raise CheckpointError(f"{relpath}: not readable JSON ({exc})") from None
+    except ValueError as exc:
         raise CheckpointError(f"{relpath}: not valid JSON ({exc})") from None

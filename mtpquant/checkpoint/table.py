@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import os
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from mtpquant.checkpoint.header import ShardHeader, TensorEntry, bulk_parse, parse_header, read_header_length
 from mtpquant.checkpoint.index import INDEX_NAME, SINGLE_NAME, Problem, check_shard_name, parse_index, validate_index
 from mtpquant.checkpoint.source import CheckpointSource, open_source, read_json
-from mtpquant.errors import CheckpointError, ConfigError
+from mtpquant.errors import CheckpointError, ConfigError, MtpquantError
 from mtpquant.families import ModelSpec, is_mtp_name, resolve, tensor_classifier
 from mtpquant.formats.quant_config import HF_QUANT_CONFIG, QuantMetadata, read_quant_metadata
 
@@ -61,6 +61,7 @@ class Checkpoint:
         token: str | None = None,
         strict: bool = True,
         reuse: Checkpoint | None = None,
+        name_errors: bool = False,
     ) -> Checkpoint:
         """Open a checkpoint from a path, a Hub repo id or a source.
 
@@ -72,10 +73,18 @@ class Checkpoint:
         re-parsing a shard of the same name that is the very same file, unchanged (same device, inode,
         size and mtime as when ``reuse`` read it: a hard link graft made). Every other shard is read and
         parsed; the index and every cross-shard check run in full either way.
+
+        ``name_errors``: an error that names a file alone (``config.json: not valid JSON``) names its checkpoint
+        first, for commands that read two checkpoints (graft, validate).
         """
         source: CheckpointSource = open_source(ref, revision, token) if isinstance(ref, (str, os.PathLike)) else ref
-        with bulk_parse():  # the whole table at once, without the collector's passes over it
-            return cls._open(source, strict, reuse)
+        try:
+            with bulk_parse():  # the whole table at once, without the collector's passes over it
+                return cls._open(source, strict, reuse)
+        except MtpquantError as exc:
+            if not name_errors or str(exc).startswith(source.label):
+                raise
+            raise type(exc)(f"{source.label}: {exc}") from exc.__cause__
 
     @classmethod
     def _open(cls, source: CheckpointSource, strict: bool, reuse: Checkpoint | None) -> Checkpoint:
@@ -87,6 +96,7 @@ class Checkpoint:
         if not isinstance(config, dict):
             raise ConfigError("config.json: top level must be a JSON object")
         spec = resolve(config)
+        _check_config_bounds(spec)
 
         index: dict[str, Any] | None = None
         if INDEX_NAME in files:
@@ -100,10 +110,14 @@ class Checkpoint:
         else:
             raise CheckpointError(f"{source.label}: no {INDEX_NAME} and no {SINGLE_NAME}")
 
+        if len(weight_map) > MAX_TENSORS:
+            raise CheckpointError(f"{INDEX_NAME}: maps {len(weight_map)} tensors, more than the {MAX_TENSORS} "
+                                  "mtpquant reads of one checkpoint")
         present = set(files)
         missing = {s for s in shards if s not in present}
         headers: dict[str, ShardHeader] = {}
         fingerprints: dict[str, tuple[int, int, int, int]] = {}
+        count = 0
         for shard in shards:
             if shard in missing:
                 continue
@@ -112,6 +126,10 @@ class Checkpoint:
                 fingerprints[shard] = fp
             known = _reusable_header(reuse, shard, fp)
             headers[shard] = known if known is not None else read_shard_header(source, shard)
+            count += len(headers[shard].tensors)
+            if count > MAX_TENSORS:
+                raise CheckpointError(f"{shard}: brings the checkpoint to {count} tensors, more than the "
+                                      f"{MAX_TENSORS} mtpquant reads of one checkpoint")
         if index is None:
             weight_map = dict.fromkeys(headers[SINGLE_NAME].tensors, SINGLE_NAME)
 
@@ -287,10 +305,78 @@ def _refuse_pickles(label: str, files: list[str]) -> None:
 
 _UNQUANTIZED_DTYPES = ("BF16", "F16", "F32")
 
+# Sane limits on what one checkpoint may declare or hold. Config values size loops and tables (the expected MTP
+# tensor set, the model transformers builds): the largest real checkpoints are far below them (Qwen3.5-397B: 60
+# layers, 512 experts, 1 MTP layer; a fine-grained MoE quant: ~300,000 tensors).
+MAX_TENSORS = 1_000_000
+MAX_MTP_LAYERS = 16
+_CONFIG_LIMITS = {"num_hidden_layers": 1024, "num_experts": 4096}
+
+
+# The layer kinds a config's ``layer_types`` may name: transformers 5.19's ``configuration_utils.ALLOWED_LAYER_TYPES``,
+# which its config classes enforce and engines build layers from (Qwen4-Exp: ``indexed_attention``), and the legacy
+# names its ``_LEGACY_LAYER_TYPE_REMAP`` renames before that check (``qwen_sparse_attention``, ...).
+_LAYER_TYPES = frozenset({
+    "full_attention", "sliding_attention", "chunked_attention", "window_attention", "indexed_attention",
+    "compressed_sparse_attention", "heavily_compressed_attention", "minimax_m3_sparse", "conv", "moe", "hybrid",
+    "hybrid_sliding", "linear_attention", "sparse", "dense",
+    "mamba", "attention", "deepseek_sparse_attention", "qwen_sparse_attention",
+})
+_SECTIONS = ("text_config", "vision_config", "rope_parameters", "rope_scaling", "quantization_config")
+# torch's dtype names a config's ``dtype`` / ``torch_dtype`` may hold (transformers looks them up on ``torch``).
+_DTYPES = frozenset({
+    "auto", "float32", "float", "float64", "double", "float16", "half", "bfloat16", "complex64", "complex128", "bool",
+    "uint8", "int8", "int16", "int32", "int64", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
+    "float8_e8m0fnu", "float4_e2m1fn_x2",
+})
+
+
+def _check_config_bounds(spec: ModelSpec) -> None:
+    """Refuse a config whose values would drive loops and tables past any real model, or that transformers' own config
+    class would refuse where inspect can see it without importing transformers (sections that are not objects,
+    ``layer_types`` of the wrong kind or length): one line, exit 3. convert also runs transformers' own validation
+    (``convert.plan.check_config_with_transformers``)."""
+    where = "text_config." if spec.wrapped else ""
+    for section in _SECTIONS:
+        for scope, prefix in ((spec.config, ""), (spec.text, where)):
+            value = scope.get(section)
+            if value is not None and not isinstance(value, Mapping):
+                raise ConfigError(f"config.json: {prefix}{section} must be an object, got {type(value).__name__}")
+    for scope, prefix in ((spec.config, ""), (spec.text, where)):
+        for key in ("dtype", "torch_dtype"):
+            value = scope.get(key)
+            if value is not None and (not isinstance(value, str) or value.removeprefix("torch.") not in _DTYPES):
+                raise ConfigError(f"config.json: {prefix}{key} {value!r} is not a torch dtype")
+    kinds = spec.text.get("layer_types")
+    if kinds is not None:
+        layers = spec.text.get("num_hidden_layers")
+        if not isinstance(kinds, list) or not all(isinstance(k, str) and k in _LAYER_TYPES for k in kinds):
+            raise ConfigError(f"config.json: {where}layer_types must be a list of layer kinds, got {str(kinds)[:80]}")
+        if isinstance(layers, int) and len(kinds) != layers:
+            raise ConfigError(
+                f"config.json: {where}layer_types lists {len(kinds)} layers but num_hidden_layers is {layers}"
+            )
+    for key, limit in _CONFIG_LIMITS.items():
+        value = spec.text.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and not 0 <= value <= limit:
+            raise ConfigError(f"config.json: {where}{key} = {value} is outside what any model has (0 to {limit})")
+    if spec.mtp.layers > MAX_MTP_LAYERS:
+        raise ConfigError(
+            f"config.json: {spec.mtp.key} = {spec.mtp.layers} declares more MTP layers than any model has "
+            f"(at most {MAX_MTP_LAYERS})"
+        )
+
 
 def _check_config_matches_tensors(ckpt: Checkpoint) -> None:
-    """Refuse a config that contradicts the tensors (hidden size, vocabulary, MTP shapes)."""
+    """Refuse a config that contradicts the tensors (hidden size, vocabulary, layer count, MTP shapes)."""
     spec = ckpt.spec
+    layers = spec.text.get("num_hidden_layers")
+    norm = "layers.{}.input_layernorm.weight"
+    if isinstance(layers, int) and layers > 0 and ckpt.main_prefix + norm.format(0) in ckpt.tensors:
+        last = ckpt.main_prefix + norm.format(layers - 1)  # a few lookups: the table of a real model is ~10^5 names
+        indexed = ckpt.index.get("weight_map", {}) if ckpt.index else {}
+        if last not in ckpt.tensors and last not in indexed:  # (a missing shard is the index's problem)
+            raise ConfigError(f"config.json: num_hidden_layers {layers} contradicts the tensors: there is no {last}")
     embed = ckpt.tensors.get(ckpt.main_prefix + "embed_tokens.weight")
     if embed is not None and embed.dtype in _UNQUANTIZED_DTYPES and len(embed.shape) == 2:
         want = (spec.text.get("vocab_size"), spec.text.get("hidden_size"))

@@ -11,14 +11,16 @@ time, so memory stays at one tensor.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import json
 import logging
 import os
 import shutil
 import struct
+import sys
 import uuid
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -28,24 +30,30 @@ from mtpquant.checkpoint.header import ShardHeader, tensor_nbytes
 from mtpquant.checkpoint.index import INDEX_NAME, build_index, check_shard_name
 from mtpquant.checkpoint.lock import OutputLock
 from mtpquant.checkpoint.source import LocalSource, file_pieces
-from mtpquant.errors import CheckpointError, OutputExistsError
+from mtpquant.errors import CheckpointError, FilesystemError, MtpquantError, OutputExistsError
 
 __all__ = [
+    "ASIDE_MARK",
     "PARTIAL_MARK",
     "OutputDir",
     "PlannedTensor",
     "atomic_write_bytes",
     "atomic_write_json",
     "atomic_write_safetensors",
+    "exchange_dirs",
     "find_stale_partials",
     "fsync_dir",
+    "mount_point",
+    "out_of_space",
     "plan_shards",
+    "space_error",
     "write_safetensors",
 ]
 
 log = logging.getLogger(__name__)
 
 PARTIAL_MARK = ".mtpquant-partial-"
+ASIDE_MARK = ".mtpquant-old-"  # an old output renamed aside by a replacement where exchange is unsupported
 _OWNER_FILE = ".mtpquant-owner"
 
 
@@ -72,6 +80,39 @@ class PlannedTensor:
         return tensor_nbytes(self.dtype, self.shape)
 
 
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+_UNSUPPORTED = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EXDEV, errno.EPERM}
+
+
+def exchange_dirs(a: Path, b: Path) -> bool:
+    """Atomically swap two paths (Linux ``renameat2`` with ``RENAME_EXCHANGE``); False if unsupported."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    renameat2.restype = ctypes.c_int
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in _UNSUPPORTED:
+        return False
+    raise OSError(err, os.strerror(err), str(a))
+
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def fsync_dir(path: Path) -> None:
     """fsync a directory so renames in it survive a crash (best effort)."""
     with contextlib.suppress(OSError):
@@ -80,6 +121,60 @@ def fsync_dir(path: Path) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+# How libraries word running out of space when they do not raise OSError: safetensors ("I/O error: No space left on
+# device (os error 28)"), and torch.save, which loses the cause ("PytorchStreamWriter failed writing file ...",
+# "[enforce fail at inline_container.cc] unexpected pos"): those count only when the filesystem is in fact full.
+_SPACE_TEXTS = ("No space left on device", "os error 28", "Disk quota exceeded", "os error 122")
+_WRITE_FAILURE_TEXTS = ("PytorchStreamWriter failed writing", "inline_container.cc", "file write failed")
+_NEARLY_FULL = 64 * 1024 * 1024
+
+
+def mount_point(path: Path) -> Path:
+    """The mount point of the filesystem holding ``path`` (the nearest existing directory on its way up)."""
+    p = Path(path).absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    dev = p.stat().st_dev
+    while p != p.parent and p.parent.stat().st_dev == dev:
+        p = p.parent
+    return p
+
+
+def out_of_space(exc: BaseException, where: Path) -> bool:
+    """Whether ``exc`` (or what caused it) is the filesystem of ``where`` running out of space or quota, however the
+    library that wrote says so."""
+    seen: BaseException | None = exc
+    texts = []
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in _SPACE_ERRNOS:
+            return True
+        texts.append(str(seen))
+        seen = seen.__cause__ or seen.__context__
+    text = " ".join(texts)
+    if any(t in text for t in _SPACE_TEXTS):
+        return True
+    if any(t in text for t in _WRITE_FAILURE_TEXTS):
+        with contextlib.suppress(OSError):
+            return shutil.disk_usage(mount_point(where)).free < _NEARLY_FULL
+    return False
+
+
+def space_error(target: Path, where: Path, doing: str = "") -> FilesystemError:
+    """The one line for running out of space writing ``target``: the filesystem (its mount point) and what is left."""
+    from mtpquant.units import format_bytes
+
+    mount = mount_point(where)
+    try:
+        free = f", {format_bytes(shutil.disk_usage(mount).free)} free"
+    except OSError:
+        free = ""
+    during = f" while {doing}" if doing else ""
+    return FilesystemError(
+        f"{target}: No space left on device (the filesystem mounted at {mount}{free}){during}; nothing was put in place"
+    )
 
 
 def _write(fh: Any, data: bytes | memoryview) -> None:
@@ -246,6 +341,20 @@ def find_stale_partials(final: Path) -> list[Path]:
     return sorted(stale)
 
 
+def _recover_aside(final: Path) -> None:
+    """After a kill inside a replacement without exchange: put the old output back if nothing is at ``final``, and
+    remove any other old tree left aside. The caller holds ``final``'s lock."""
+    asides = sorted(final.parent.glob(f".{final.name}{ASIDE_MARK}*"), key=lambda p: p.stat().st_mtime_ns)
+    if asides and not os.path.lexists(final):
+        back = asides.pop()
+        log.warning("putting back %s, moved aside by a replacement that was interrupted", final)
+        os.replace(back, final)
+        fsync_dir(final.parent)
+    for aside in asides:
+        log.warning("removing the old output left aside by an interrupted replacement: %s", aside)
+        shutil.rmtree(aside, ignore_errors=True)
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -256,41 +365,91 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-class OutputDir:
-    """A checkpoint being built in a temp sibling directory of ``final``."""
+@contextlib.contextmanager
+def _naming(od: OutputDir, relname: str) -> Iterator[None]:
+    try:
+        yield
+    except OSError as exc:
+        target = od.final / relname
+        if exc.errno in _SPACE_ERRNOS:
+            raise space_error(target, od.path, od.doing) from None
+        raise FilesystemError(f"{target}: {exc.strerror or exc} (writing it; nothing was put in place)") from None
 
-    def __init__(self, final: Path | str, *, overwrite: bool = False, lock: OutputLock | None = None) -> None:
+
+class OutputDir:
+    """A checkpoint being built in a temp sibling directory of ``final``.
+
+    ``overwrite``: an existing ``final`` may be replaced, after ``replace_check(final)`` (if given) accepts what is
+    there, at the start and again just before the replacement (``convert --overwrite`` replaces only a checkpoint
+    mtpquant wrote). The replacement is one atomic exchange of the two directories (Linux ``renameat2``), so a kill
+    leaves the old ``final`` or the new one; the old tree, left under the temp name, is removed, or by the next run
+    if a kill comes first. Where the filesystem cannot exchange, the old tree is renamed aside first
+    (``.<name>.mtpquant-old-<id>``) and the next run for ``final`` puts it back if a kill left no ``final``.
+    """
+
+    def __init__(
+        self,
+        final: Path | str,
+        *,
+        overwrite: bool = False,
+        lock: OutputLock | None = None,
+        replace_check: Callable[[Path], None] | None = None,
+    ) -> None:
         """``lock``: the destination's lock, already taken by the caller (it passes to this object)."""
         self.final = Path(final).absolute()
         self.overwrite = overwrite
+        self.replace_check = replace_check
         self.final.parent.mkdir(parents=True, exist_ok=True)
         # first the lock: from here on no other live run writes this destination
         self._lock = lock if lock is not None else OutputLock.acquire(self.final)
-        if self.final.exists() and not overwrite:
-            self._lock.release()
-            raise OutputExistsError(f"{self.final}: output already exists (use --overwrite to replace it)")
         try:
+            _recover_aside(self.final)
+            if os.path.lexists(self.final):
+                if not overwrite:
+                    raise OutputExistsError(f"{self.final}: output already exists (use --overwrite to replace it)")
+                if replace_check is not None:
+                    replace_check(self.final)
             for stale in find_stale_partials(self.final):
                 log.warning("removing leftover temporary directory of an interrupted run: %s", stale)
                 shutil.rmtree(stale, ignore_errors=True)
             self.path = self.final.parent / f".{self.final.name}{PARTIAL_MARK}{uuid.uuid4().hex[:12]}"
             self.path.mkdir()
-            (self.path / _OWNER_FILE).write_text(str(os.getpid()))
+            try:
+                (self.path / _OWNER_FILE).write_text(str(os.getpid()))
+            except BaseException:
+                shutil.rmtree(self.path, ignore_errors=True)  # a disk too full for a few bytes: nothing left behind
+                raise
+        except OSError as exc:
+            self._lock.release()
+            if exc.errno in _SPACE_ERRNOS:
+                raise space_error(self.final, self.final.parent) from None
+            raise
         except BaseException:
             self._lock.release()
             raise
+        self.doing = ""  # what the run is doing with it (a step name for messages), set by the caller
         self.linked: list[str] = []
         self.copied: list[str] = []
         self.bytes_written = 0
         self._done = False
+        self._synced: set[str] = set()  # files whose bytes this object wrote and fsynced (or hard-linked)
 
     # ---- context management -------------------------------------------------------------------
     def __enter__(self) -> OutputDir:
         return self
 
     def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
-        if not self._done:
-            self.abort()
+        if self._done:
+            return
+        full = ev is not None and not isinstance(ev, MtpquantError) and out_of_space(ev, self.path)
+        error = space_error(self.final, self.path, self.doing) if full else None  # (free space before the clean-up)
+        self.abort()
+        if error is not None:  # a library's own words for a full disk (modelopt's export, torch.save): one line
+            raise error from None
+
+    def _writing(self, relname: str) -> contextlib.AbstractContextManager[None]:
+        """Errors writing ``relname`` name the file being written (never the file it is copied from)."""
+        return _naming(self, relname)
 
     def abort(self) -> None:
         """Remove the temp directory; the destination is untouched."""
@@ -313,7 +472,9 @@ class OutputDir:
     ) -> None:
         """Write one safetensors shard (streamed)."""
         target = self._target(relname)
-        write_safetensors(target, tensors, metadata)
+        with self._writing(relname):
+            write_safetensors(target, tensors, metadata)  # fsyncs it
+        self._synced.add(relname)
         self.bytes_written += target.stat().st_size
 
     def write_shards(
@@ -346,19 +507,26 @@ class OutputDir:
         umask = os.umask(0)
         os.umask(umask)
         target.chmod(0o666 & ~umask)
+        with self._writing(relname):
+            _fsync_file(target)  # written by a library that may not have flushed it: durable before the rename
+        self._synced.add(relname)
         return relname
 
     def write_json(self, relname: str, obj: Any) -> None:
         """Atomic JSON file (replacing, never writing through, a file linked from elsewhere; the temp directory's
         entries are fsynced once, when it is committed)."""
         data = (json.dumps(obj, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
-        atomic_write_bytes(self._target(relname), data, sync_dir=False)
+        with self._writing(relname):
+            atomic_write_bytes(self._target(relname), data, sync_dir=False)  # fsyncs it
+        self._synced.add(relname)
         self.bytes_written += len(data)
 
     def write_text(self, relname: str, text: str) -> None:
         """Atomic text file (as ``write_json``)."""
         data = text.encode("utf-8")
-        atomic_write_bytes(self._target(relname), data, sync_dir=False)
+        with self._writing(relname):
+            atomic_write_bytes(self._target(relname), data, sync_dir=False)  # fsyncs it
+        self._synced.add(relname)
         self.bytes_written += len(data)
 
     def link_file(self, src: Path, relname: str | None = None, *, link: bool = True) -> str:
@@ -370,15 +538,34 @@ class OutputDir:
             try:
                 os.link(src, target)
                 self.linked.append(relname)
+                self._synced.add(relname)  # the source's own bytes: nothing new to flush
                 return relname
             except OSError as exc:
                 log.info("hard link of %s failed (%s); copying", src, exc.strerror)
-        shutil.copyfile(src, target)
+        with self._writing(relname):
+            shutil.copyfile(src, target)
+            _fsync_file(target)
+        self._synced.add(relname)
         self.copied.append(relname)
         self.bytes_written += target.stat().st_size
         return relname
 
     # ---- finishing ----------------------------------------------------------------------------
+    def _sync_tree(self) -> None:
+        """Every file a library wrote into the temp directory (and not yet fsynced here) is fsynced, then every
+        directory of it: after a crash the renamed output holds the bytes it was verified with."""
+        dirs = [self.path]
+        for dirpath, dirnames, filenames in os.walk(self.path):
+            base = Path(dirpath)
+            dirs += [base / d for d in dirnames]
+            for name in filenames:
+                rel = (base / name).relative_to(self.path).as_posix()
+                if rel not in self._synced and not (base / name).is_symlink():
+                    with self._writing(rel):
+                        _fsync_file(base / name)
+        for d in reversed(dirs):
+            fsync_dir(d)
+
     def shard_headers(self) -> dict[str, ShardHeader]:
         """Re-read every shard header in the temp directory."""
         from mtpquant.checkpoint.table import read_shard_header
@@ -408,18 +595,25 @@ class OutputDir:
         if verify is not None:
             verify(self.path)
         (self.path / _OWNER_FILE).unlink(missing_ok=True)
-        fsync_dir(self.path)
-        trash: Path | None = None
-        if self.final.exists():
+        self._sync_tree()
+        old: Path | None = None
+        if os.path.lexists(self.final):
             if not self.overwrite:
                 raise OutputExistsError(f"{self.final}: output appeared while converting; not replacing it")
-            trash = self.final.parent / f".{self.final.name}.mtpquant-old-{uuid.uuid4().hex[:8]}"
-            os.replace(self.final, trash)
-        os.replace(self.path, self.final)
+            if self.replace_check is not None:
+                self.replace_check(self.final)  # what is there now, under the lock
+            if exchange_dirs(self.path, self.final):
+                old = self.path  # the old tree, under the temp name: without an owner, a leftover the next run removes
+            else:
+                old = self.final.parent / f".{self.final.name}{ASIDE_MARK}{uuid.uuid4().hex[:8]}"
+                os.replace(self.final, old)
+                os.replace(self.path, self.final)
+        else:
+            os.replace(self.path, self.final)
         fsync_dir(self.final.parent)
         self._done = True
-        if trash is not None:
-            shutil.rmtree(trash, ignore_errors=True)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
         self._lock.release()
         log.info("wrote %s", self.final)
         return self.final

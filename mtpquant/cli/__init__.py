@@ -11,10 +11,28 @@ from collections.abc import Sequence
 from mtpquant import __version__
 from mtpquant.errors import ExitCode, MtpquantError, exit_code_table
 
-__all__ = ["main"]
+__all__ = ["HUB_CODES", "exit_codes_epilog", "main"]
 
 # Subcommand modules, each with `register(subparsers)` setting `func(args) -> int` on its parser.
 COMMANDS = ("demo", "convert", "graft", "inspect", "validate", "publish", "tiny")
+
+# Every command can end with these; a command's epilog adds its own (``exit_codes_epilog``).
+_COMMON_CODES = (ExitCode.OK, ExitCode.INTERNAL, ExitCode.USAGE, ExitCode.IO, ExitCode.INTERRUPTED)
+# A command that takes a Hub repo id where it takes a checkpoint.
+HUB_CODES = (ExitCode.HUB_UNREACHABLE, ExitCode.HUB_ACCESS, ExitCode.HUB_REFUSED)
+
+
+def exit_codes_epilog(*codes: ExitCode) -> str:
+    """The exit codes a subcommand can end with, as its ``--help`` lists them: rows of the one table."""
+    return "exit codes:\n" + exit_code_table({*_COMMON_CODES, *codes}) + "\nAll exit codes: `mtpquant --help`."
+
+
+def _add_logging_flags(p: argparse.ArgumentParser, dest: str = "") -> None:
+    """``-v`` / ``-q``, accepted before the subcommand and after it (``dest`` prefixes the second pair)."""
+    p.add_argument(
+        "-v", "--verbose", dest=f"{dest}verbose", action="count", default=0, help="more logging (-vv: debug)"
+    )
+    p.add_argument("-q", "--quiet", dest=f"{dest}quiet", action="store_true", help="only errors; no progress bars")
 
 
 def add_base_model_arguments(p: argparse.ArgumentParser) -> None:
@@ -38,8 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"mtpquant {__version__}")
-    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
-    parser.add_argument("-q", "--quiet", action="store_true", help="only errors; no progress bars")
+    _add_logging_flags(parser)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMANDS:
         try:
@@ -49,6 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
                 raise
             continue
         module.register(sub)
+    for command in sub.choices.values():
+        _add_logging_flags(command, "sub_")
     return parser
 
 
@@ -56,6 +75,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the process exit code."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.verbose += args.sub_verbose
+    args.quiet = args.quiet or args.sub_quiet
     args.command_line = ("mtpquant", *(sys.argv[1:] if argv is None else argv))  # recorded in provenance files
     level = logging.ERROR if args.quiet else (logging.WARNING, logging.INFO, logging.DEBUG)[min(args.verbose, 2)]
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)

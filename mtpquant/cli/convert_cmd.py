@@ -6,7 +6,8 @@ import argparse
 import json
 from pathlib import Path
 
-from mtpquant.cli import add_base_model_arguments
+from mtpquant.cli import HUB_CODES, add_base_model_arguments, exit_codes_epilog
+from mtpquant.errors import ExitCode
 
 EPILOG = """MTP modes (default: keep when SRC has an MTP, else drop):
   keep      every mtp.* tensor copied byte for byte into mtp-*.safetensors, excluded as mtp*
@@ -20,10 +21,18 @@ Calibration data (default: offline text shipped with CPython, tokenised with SRC
 template): --calib-data FILE (.txt paragraphs, or .jsonl with "text" or "messages"), or a `datasets`
 name (needs the datasets package).
 
-exit codes: 0 done; 2 bad recipe, flag or calibration data; 3 unreadable checkpoint or config;
-4 unsupported architecture; 5 OUT exists (use --overwrite) or is SRC; 6 the MTP mode does not fit SRC
-(or SRC is already quantized); 7 a Linear's input dimension is not a multiple of 16; 8 the output
-failed verification (nothing was published); 130 interrupted (nothing was published)."""
+""" + exit_codes_epilog(
+    ExitCode.CHECKPOINT,
+    ExitCode.ARCHITECTURE,
+    ExitCode.OUTPUT_EXISTS,
+    ExitCode.MTP_MODE,
+    ExitCode.INDIVISIBLE,
+    ExitCode.VERIFICATION,
+    ExitCode.SOURCE_QUANTIZED,
+    ExitCode.OUTPUT_BUSY,
+    ExitCode.MEMORY,
+    *HUB_CODES,
+)
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -1,13 +1,17 @@
-"""``mtpquant demo``: the main job on the embedded default checkpoint.
+"""``mtpquant demo``: the main job on an embedded checkpoint.
 
-Converts the shipped tiny Qwen3.5 (whose MTP is trained) to NVFP4 with ``--keep-mtp``, validates
-the quant's MTP drafts against the source, writes the report into the output, and inspects it.
+Converts a shipped tiny model whose MTP is trained (``--family qwen3_5``, the default: tiny Qwen3.5;
+``--family qwen4_exp``: tiny Qwen3.8-Flash-Next) to NVFP4 with ``--keep-mtp``, validates the quant's MTP drafts
+against the source, writes the report into the output, and inspects it.
 """
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
+
+from mtpquant.cli import exit_codes_epilog
+from mtpquant.errors import ExitCode
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -16,18 +20,24 @@ def register(sub: argparse._SubParsersAction) -> None:
         "demo",
         help="convert --keep-mtp, validate and inspect the embedded tiny model",
         description=__doc__,
+        epilog=exit_codes_epilog(
+            ExitCode.OUTPUT_BUSY, ExitCode.MEMORY, ExitCode.VERIFICATION, ExitCode.VALIDATE_FAIL, ExitCode.INSPECT_MTP
+        ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--workdir", type=Path, default=Path("runs/demo"), help="where outputs go (default runs/demo)")
     p.add_argument("--device", choices=("cpu", "cuda", "auto"), default="auto")
     p.add_argument("--num-prompts", type=int, default=16, help="validation prompts (default 16)")
+    p.add_argument(
+        "--family", choices=("qwen3_5", "qwen4_exp"), default="qwen3_5", help="which embedded model (default qwen3_5)"
+    )
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     """Convert, validate, inspect; print each step's summary."""
     from mtpquant.api import (
-        TINY_MTP_ASSET,
+        TINY_MTP_ASSETS,
         ConvertOptions,
         ValidateOptions,
         convert,
@@ -36,11 +46,12 @@ def run(args: argparse.Namespace) -> int:
     )
     from mtpquant.render import convert_text, inspect_text, validate_text
 
-    out = args.workdir / "tiny-qwen3_5-nvfp4"
-    print(f"== convert {TINY_MTP_ASSET.name} -> {out} (NVFP4, --keep-mtp)")
+    asset = TINY_MTP_ASSETS[args.family]
+    out = args.workdir / f"tiny-{args.family}-nvfp4"
+    print(f"== convert {asset.name} -> {out} (NVFP4, --keep-mtp)")
     result = convert(
         ConvertOptions(
-            src=str(TINY_MTP_ASSET),
+            src=str(asset),
             out=out,
             mtp="keep",
             calib_samples=16,
@@ -48,15 +59,15 @@ def run(args: argparse.Namespace) -> int:
             device=args.device,
             overwrite=True,
             progress=not args.quiet,
-            command=("mtpquant", "convert", str(TINY_MTP_ASSET), str(out), "--keep-mtp"),
+            command=("mtpquant", "convert", str(asset), str(out), "--keep-mtp"),
         )
     )
     print(convert_text(result))
     report_dir = out / "validation"
-    print(f"\n== validate {TINY_MTP_ASSET.name} (reference) vs {out.name} (candidate)")
+    print(f"\n== validate {asset.name} (reference) vs {out.name} (candidate)")
     report = validate(
         ValidateOptions(
-            reference=str(TINY_MTP_ASSET),
+            reference=str(asset),
             candidate=str(out),
             num_prompts=args.num_prompts,
             report_dir=report_dir,

@@ -6,6 +6,8 @@ import argparse
 import json
 from typing import Any
 
+from mtpquant.cli import HUB_CODES, exit_codes_epilog
+from mtpquant.errors import ExitCode
 from mtpquant.units import parse_bytes
 
 __all__ = ["parse_size", "register"]
@@ -16,11 +18,17 @@ examples:
   mtpquant graft ./Qwen3.5-27B-NVFP4 --from ./Qwen3.5-27B --in-place
   mtpquant graft ./Qwen3.5-397B-A17B-NVFP4 --fix-metadata --in-place
 
-exit codes: 0 done (or nothing to do), 2 bad options, 3 QUANT/SRC is not a valid checkpoint,
-4 unsupported architecture, 5 OUT exists, 6 SRC has no MTP, 8 the result failed verification (nothing
-put in place), 9 lineage mismatch (SRC and QUANT are different models), 16 graft refused (QUANT has a
-different MTP without --replace, SRC's MTP is quantized or incomplete). All: `mtpquant --help`.
-"""
+""" + exit_codes_epilog(
+    ExitCode.CHECKPOINT,
+    ExitCode.ARCHITECTURE,
+    ExitCode.OUTPUT_EXISTS,
+    ExitCode.MTP_MODE,
+    ExitCode.VERIFICATION,
+    ExitCode.LINEAGE,
+    ExitCode.GRAFT_REFUSED,
+    ExitCode.OUTPUT_BUSY,
+    *HUB_CODES,
+)
 
 
 def parse_size(text: str) -> int:

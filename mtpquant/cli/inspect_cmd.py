@@ -6,17 +6,23 @@ import argparse
 import json
 import os
 
+from mtpquant.cli import HUB_CODES, exit_codes_epilog
 from mtpquant.errors import ExitCode
 from mtpquant.render import inspect_text
 
-EXIT_INDEX, EXIT_FORMAT = int(ExitCode.INSPECT_INDEX), int(ExitCode.INSPECT_FORMAT)
-EXIT_DECLARED_MISSING, EXIT_EXCLUSIONS = int(ExitCode.INSPECT_MTP), int(ExitCode.INSPECT_EXCLUSIONS)
+EPILOG = """The most severe FAIL finding decides the exit code (index, then format, then MTP, then exclusions);
+--strict also counts warnings that carry one of these causes (e.g. an MTP that loads only through vLLM's mtp.fc
+workaround). Errors reading the checkpoint (bad header, no config) are exit 3.
 
-EPILOG = f"""exit codes: 0 healthy; {EXIT_INDEX} index corrupt; {EXIT_FORMAT} an engine refuses the quantization
-format; {EXIT_DECLARED_MISSING} MTP declared but missing (or incomplete, or present but undeclared);
-{EXIT_EXCLUSIONS} exclusions inconsistent with the tensors (the most severe FAIL finding decides). --strict also
-counts warnings that carry one of these causes (e.g. an MTP that loads only through vLLM's mtp.fc workaround).
-Errors reading the checkpoint (bad header, no config) exit 3. All exit codes: `mtpquant --help`."""
+""" + exit_codes_epilog(
+    ExitCode.CHECKPOINT,
+    ExitCode.ARCHITECTURE,
+    ExitCode.INSPECT_MTP,
+    ExitCode.INSPECT_EXCLUSIONS,
+    ExitCode.INSPECT_INDEX,
+    ExitCode.INSPECT_FORMAT,
+    *HUB_CODES,
+)
 
 
 def register(sub: argparse._SubParsersAction) -> None:

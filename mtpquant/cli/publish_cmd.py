@@ -5,12 +5,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from mtpquant.cli import add_base_model_arguments
+from mtpquant.cli import HUB_CODES, add_base_model_arguments, exit_codes_epilog
 from mtpquant.errors import ExitCode
 from mtpquant.render import publish_plan_text
 from mtpquant.units import format_bytes
 
-EPILOG = f"""Before anything is uploaded, OUT must pass the checks of `mtpquant inspect` (MTP present when
+EPILOG = """Before anything is uploaded, OUT must pass the checks of `mtpquant inspect` (MTP present when
 declared, exclusions consistent with the tensors, index intact); --force publishes a failing OUT anyway
 and the card says so. An incomplete OUT (a shard or tensor the index names is absent) is never published.
 
@@ -18,11 +18,7 @@ The card (README.md) is generated from OUT's facts; a README.md written or edite
 unless --overwrite-card. Remote *.safetensors and index files that OUT does not have are deleted in the
 same commit. The token comes from HF_TOKEN or `hf auth login`; HF_ENDPOINT selects another Hub server.
 
-exit codes: 0 published (or dry run done); 2 bad options (malformed --repo, --create-pr with --revision);
-4 unsupported architecture; {int(ExitCode.PUBLISH_REFUSED)} refused (not a directory, unreadable or incomplete
-checkpoint, checks failed without --force, a file holding the Hub token); {int(ExitCode.UPLOAD)} the Hub
-refused the upload.
-All exit codes: `mtpquant --help`."""
+""" + exit_codes_epilog(ExitCode.ARCHITECTURE, ExitCode.PUBLISH_REFUSED, ExitCode.UPLOAD, *HUB_CODES)
 
 
 def register(sub: argparse._SubParsersAction) -> None:

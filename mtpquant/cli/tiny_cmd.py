@@ -5,15 +5,32 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from mtpquant.cli import exit_codes_epilog
+from mtpquant.errors import ExitCode
 from mtpquant.synth.tiny import TINY_VARIANTS  # torch-free: the choices at start-up
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the ``tiny`` subcommand."""
-    p = sub.add_parser("tiny", help="write a tiny random-weight checkpoint in a real Qwen layout (for tests/demos)")
-    p.add_argument("out", type=Path)
-    p.add_argument("--variant", choices=sorted(TINY_VARIANTS), default="qwen3_5")
-    p.add_argument("--overwrite", action="store_true")
+    p = sub.add_parser(
+        "tiny",
+        help="write a tiny random-weight checkpoint in a real Qwen layout (for tests/demos)",
+        description=(
+            "Write a tiny checkpoint (a few MB, random weights) with the tensor names, shapes, shards, configs\n"
+            "and tokenizer of a real Qwen layout: something to try every command on in seconds. Prints its path."
+        ),
+        epilog=exit_codes_epilog(ExitCode.OUTPUT_EXISTS),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("out", type=Path, metavar="OUT", help="the directory to write (must not exist unless --overwrite)")
+    p.add_argument(
+        "--variant",
+        choices=sorted(TINY_VARIANTS),
+        default="qwen3_5",
+        help="the family's layout (default qwen3_5); -tied: tied embeddings, -text: no vision tower, -alias: the "
+        "day-0 architecture label",
+    )
+    p.add_argument("--overwrite", action="store_true", help="replace OUT when it is a checkpoint directory")
     p.set_defaults(func=run)
 
 

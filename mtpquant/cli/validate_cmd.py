@@ -6,10 +6,28 @@ import argparse
 import json
 from pathlib import Path
 
+from mtpquant.cli import HUB_CODES, exit_codes_epilog
 from mtpquant.engine.sampling import RULES
 from mtpquant.errors import ExitCode
 from mtpquant.validate import ACTIVATION_MODES  # torch-free: the choices at start-up
 from mtpquant.validate.options import ENGINES
+
+EXIT_CODES = (
+    ExitCode.CHECKPOINT,
+    ExitCode.ARCHITECTURE,
+    ExitCode.OUTPUT_EXISTS,
+    ExitCode.LINEAGE,
+    ExitCode.VALIDATE_WARN,
+    ExitCode.VALIDATE_FAIL,
+    ExitCode.VALIDATE_INCONCLUSIVE,
+    ExitCode.VALIDATE_BROKEN,
+    ExitCode.ENGINE_UNREACHABLE,
+    ExitCode.ENGINE_ANSWER,
+    ExitCode.ENGINE_MODEL,
+    ExitCode.ENGINE_SPEC_DECODE,
+    ExitCode.ENGINE_START,
+    *HUB_CODES,
+)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -19,12 +37,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="measure what speculative decoding with the MTP accepts (one checkpoint, or before vs after)",
         description=(
             "With one checkpoint: its MTP acceptance per draft position, acceptance rate and mean acceptance "
-            "length for k = 1..K under greedy verification. With REFERENCE and CANDIDATE: both, plus MTP and "
+            "length for k = 1..K under greedy verification, or sampled (--temperature). With REFERENCE and "
+            "CANDIDATE: both, plus MTP and "
             "main-model top-1 agreement and KL(ref || cand) on identical inputs, and a verdict. "
             f"Exit status: 0 pass, {int(ExitCode.VALIDATE_WARN)} warn, {int(ExitCode.VALIDATE_FAIL)} fail (MTP missing "
             f"or drafting for nothing), {int(ExitCode.VALIDATE_BROKEN)} fail (the candidate is broken), "
             f"{int(ExitCode.VALIDATE_INCONCLUSIVE)} inconclusive (too few prompts to decide)."
         ),
+        epilog=exit_codes_epilog(*EXIT_CODES),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
         "reference", nargs="?", help="checkpoint directory or Hub repo id (alone: the checkpoint to evaluate)"
@@ -123,6 +144,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--server", metavar="URL", help="a running vLLM or SGLang server (the reference or the one checkpoint)"
     )
     e.add_argument("--candidate-server", metavar="URL", help="a second running server to compare (e.g. the NVFP4 one)")
+    e.add_argument(
+        "--api-key-file",
+        type=Path,
+        metavar="FILE",
+        help="the servers' API key (vLLM/SGLang --api-key), first line of FILE; or MTPQUANT_ENGINE_API_KEY "
+        "(never put a key or password in the URL: it is removed from every report and message)",
+    )
     e.add_argument("--served-model", metavar="NAME", help="the model name to ask for (default: the only one served)")
     e.add_argument("--engine", choices=ENGINES, help="start the engine for CHECKPOINT [CANDIDATE] on 127.0.0.1")
     e.add_argument("--vllm-python", type=Path, metavar="PATH", help="the python of the vLLM environment")
@@ -192,6 +220,7 @@ def run(args: argparse.Namespace) -> int:
         progress=not args.quiet,
         server=args.server,
         candidate_server=args.candidate_server,
+        api_key_file=args.api_key_file,
         served_model=args.served_model,
         engine=args.engine,
         vllm_python=args.vllm_python,

@@ -10,7 +10,11 @@ change, rewritten; three rules say where each tensor's bytes come from:
   gated norm in float32; transformers loads them as bfloat16) comes from the source in its original
   dtype when the export holds exactly the source values rounded to the export dtype.
 
-The export already applies the last rule itself (``model.export_quantized``), so on the supported
+- a table the source stores in row shards (Qwen4-Exp's PLE n-gram table, ``X.shard_{i}.weight``; transformers
+  concatenates them into ``X.weight`` on load) is written as the source's shards, byte for byte, never as the one
+  tensor modelopt would export (``sharded_tables``; the export leaves it out: ``model.export_quantized``).
+
+The export already applies the dtype rule itself (``model.export_quantized``), so on the Qwen3.5 and Qwen3-Next
 families every shard is final as exported and moved. ``config.json`` is the source's, with the MTP
 declaration set per mode and modelopt's ``quantization_config`` added; ``hf_quant_config.json`` is
 modelopt's; both get the same exclusions.
@@ -25,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from mtpquant.checkpoint.header import TensorEntry
+from mtpquant.checkpoint.sharded import sharded_tables
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.checkpoint.writer import OutputDir, PlannedTensor
 from mtpquant.families import TensorClass, is_mtp_name
@@ -33,6 +38,7 @@ __all__ = [
     "MainShards",
     "carry_files",
     "mixed_precision_config",
+    "packed_exclusions",
     "place_main_shards",
     "quantized_modules_of",
 ]
@@ -98,13 +104,14 @@ def place_main_shards(export: Checkpoint, src: Checkpoint, od: OutputDir, scratc
     vision tensors the export lacks get shards of their own. Afterwards ``scratch`` holds no shard.
     """
     quantized = set(quantized_modules_of(export.tensors))
+    tables = sharded_tables(src.tensors)
     result = MainShards()
     for shard in sorted(export.headers):
         header = export.headers[shard]
         planned: list[PlannedTensor] = []
         changed = False
         for name in sorted(header.tensors, key=lambda n: header.tensors[n].start):
-            if is_mtp_name(name):
+            if is_mtp_name(name) or name in tables:  # never the main model's / written from the source's shards
                 changed = True
                 continue
             entry = export.tensors[name]
@@ -129,17 +136,24 @@ def place_main_shards(export: Checkpoint, src: Checkpoint, od: OutputDir, scratc
             result.rewritten.append(shard)
         if bar is not None:
             bar.update(1)
+    max_bytes = max(1, max(h.file_size - h.data_start for h in export.headers.values()))
     missing = [e for e in src.by_class().get(TensorClass.VISION, []) if e.name not in export.tensors]
-    if missing:
+    table_shards = [src.tensors[n] for names in tables.values() for n in names]
+    for entries, pattern in (
+        (missing, "model-vision-{index:05d}-of-{count:05d}.safetensors"),
+        (table_shards, "model-tables-{index:05d}-of-{count:05d}.safetensors"),
+    ):
+        if not entries:
+            continue
         before = od.bytes_written
-        result.extra = od.write_shards(
-            [_raw(src, e) for e in sorted(missing, key=lambda e: e.name)],
-            max_bytes=max(1, max(h.file_size - h.data_start for h in export.headers.values())),
-            pattern="model-vision-{index:05d}-of-{count:05d}.safetensors",
+        result.extra += od.write_shards(
+            [_raw(src, e) for e in sorted(entries, key=lambda e: e.name)],
+            max_bytes=max_bytes,
+            pattern=pattern,
             metadata={"format": "pt"},
         )
         result.bytes_written += od.bytes_written - before
-        result.from_source += len(missing)
+        result.from_source += len(entries)
     if result.dtype_restored:
         log.info(
             "%d unquantized tensors keep their source dtype (e.g. %s)", len(result.dtype_restored),
@@ -158,6 +172,30 @@ def _same_values(src: Checkpoint, s: TensorEntry, export: Checkpoint, e: TensorE
     a = src.read_tensor(s.name)
     b = export.read_tensor(e.name)
     return bool(torch.equal(a.to(b.dtype), b)) if a.is_floating_point() and b.is_floating_point() else False
+
+
+def packed_exclusions(
+    names: Iterable[str], exclusions: Iterable[str], packed: Mapping[str, tuple[str, ...]]
+) -> list[str]:
+    """Exact module names to add to a modelopt exclusion list so that every packed group (vLLM's
+    ``packed_modules_mapping``, e.g. Qwen4-Exp's ``qkv_proj = q, k, v, indexer.index_qk_proj``) that stays
+    unquantized is listed member by member: vLLM resolves a packed module by the exact names of its shards and
+    refuses a group only partly listed (modelopt writes ``...self_attn.indexer*`` for the indexer)."""
+    names = set(names)
+    listed = set(exclusions)
+    quantized = set(quantized_modules_of(names))
+    modules = {n[: -len(".weight")] for n in names if n.endswith(".weight")}
+    extra: set[str] = set()
+    for shards in packed.values():
+        first = f".{shards[0]}"
+        for module in modules:
+            if not module.endswith(first):
+                continue
+            base = module[: -len(first)]
+            members = [f"{base}.{s}" for s in shards]
+            if all(m in modules and m not in quantized for m in members):
+                extra.update(m for m in members if m not in listed)
+    return sorted(extra)
 
 
 def carry_files(od: OutputDir, src_root: Path, files: Iterable[str]) -> list[str]:

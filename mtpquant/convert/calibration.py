@@ -10,14 +10,15 @@ stream into fixed-length rows, so no padding or attention mask is ever needed.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from mtpquant import safejson
 from mtpquant.errors import CalibrationDataError
+from mtpquant.hfconfig import refusal
 
 if TYPE_CHECKING:
     import torch
@@ -64,7 +65,8 @@ def describe_source(data: str) -> str:
 
 
 def load_tokenizer(path: str | Path) -> Any:
-    """The model's own tokenizer, or a one-line error.
+    """The model's own tokenizer, or a one-line error (a config.json transformers refuses while loading it is a config
+    error, exit 3, not a tokenizer failure).
 
     With a ``tokenizer.json`` it is that file exactly as written (transformers' ``TokenizersBackend``, the class
     ``AutoTokenizer`` chose for these checkpoints before 5.16), so calibration tokenises as validate does
@@ -74,11 +76,14 @@ def load_tokenizer(path: str | Path) -> Any:
     tokenizer trained with another pre-tokenizer, such as the tiny models'. Without ``tokenizer.json``:
     ``AutoTokenizer``.
     """
+    from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoTokenizer, TokenizersBackend
 
     loader: Any = TokenizersBackend if (Path(path) / "tokenizer.json").is_file() else AutoTokenizer
     try:
         return loader.from_pretrained(str(path), trust_remote_code=False)
+    except StrictDataclassError as exc:  # transformers read config.json (for the tokenizer class) and refused it
+        raise refusal(exc, f"{path}/config.json") from None
     except Exception as exc:  # transformers raises many types here; all mean "no usable tokenizer"
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else exc.__class__.__name__
         raise CalibrationDataError(
@@ -113,8 +118,8 @@ def _file_documents(path: Path) -> list[tuple[str | None, Any]]:
             if not line.strip():
                 continue
             try:
-                obj = json.loads(line)
-            except json.JSONDecodeError:
+                obj = safejson.loads(line)
+            except ValueError:
                 raise CalibrationDataError(f"{path}:{lineno}: not a JSON object") from None
             if isinstance(obj, dict) and isinstance(obj.get("messages"), list):
                 docs.append((None, obj["messages"]))
@@ -174,9 +179,10 @@ def _render(tokenizer: Any, prompt: str | None, doc: Any, chat: bool) -> list[in
 
 
 def build_calibration_data(
-    tokenizer: Any, data: str, samples: int, seq_len: int, *, chat_template: bool = True
+    tokenizer: Any, data: str, samples: int, seq_len: int, *, chat_template: bool = True, bar: Any = None
 ) -> CalibrationData:
-    """``samples`` rows of ``seq_len`` tokens from ``data`` (offline | file | datasets name)."""
+    """``samples`` rows of ``seq_len`` tokens from ``data`` (offline | file | datasets name); ``bar``: a progress
+    bar (tqdm) counting the tokens."""
     import torch
 
     chat = bool(chat_template and getattr(tokenizer, "chat_template", None))
@@ -197,10 +203,13 @@ def build_calibration_data(
         ids = _render(tokenizer, prompt, doc, chat)
         if not ids:
             continue
+        before = len(stream)
         stream.extend(ids)
         if eos is not None and not chat:
             stream.append(int(eos))
         used += 1
+        if bar is not None:
+            bar.update(min(len(stream), need) - min(before, need))
         if len(stream) >= need:
             break
     if len(stream) < seq_len:

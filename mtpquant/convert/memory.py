@@ -22,6 +22,7 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from mtpquant.checkpoint.sharded import sharded_tables
 from mtpquant.errors import MemoryPlanError, UsageError
 from mtpquant.machine import available_cpu_bytes
 from mtpquant.units import format_bytes, parse_bytes
@@ -55,6 +56,7 @@ class MemoryCaps:
     """Per-device caps, in bytes: ``(("cuda:0", n), ("cpu", m))`` in the order given."""
 
     caps: tuple[tuple[str, int], ...]
+    given: tuple[tuple[str, str], ...] = field(default=(), compare=False)  # the sizes as ``--max-memory`` wrote them
 
     def get(self, device: str) -> int | None:
         """The cap of one device (``cpu`` / ``cuda:N``), None if not capped."""
@@ -72,8 +74,9 @@ class MemoryCaps:
         return out
 
     def text(self) -> str:
-        """``cuda:0=70.00 GB, cpu=8.59 GB``."""
-        return ", ".join(f"{d}={format_bytes(n)}" for d, n in self.caps)
+        """``cuda:0=70GiB, cpu=8GiB`` as the flag gave them, else ``cuda:0=70.00 GB, cpu=8.59 GB``."""
+        given = dict(self.given)
+        return ", ".join(f"{d}={given.get(d) or format_bytes(n)}" for d, n in self.caps)
 
 
 _M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
@@ -105,6 +108,7 @@ def return_freed_memory() -> bool:
 def parse_max_memory(spec: str, where: str = "--max-memory") -> MemoryCaps:
     """``cpu=8GiB`` / ``cuda:0=70GiB,cpu=200GiB`` -> MemoryCaps, or a one-line UsageError."""
     caps: dict[str, int] = {}
+    given: dict[str, str] = {}
     for part in (p.strip() for p in spec.split(",")):
         if not part:
             continue
@@ -121,10 +125,10 @@ def parse_max_memory(spec: str, where: str = "--max-memory") -> MemoryCaps:
             raise UsageError(f"{where}: {size.strip()!r} is not a size (e.g. 8GiB, 500MB)")
         if device in caps:
             raise UsageError(f"{where}: {device} is given twice")
-        caps[device] = n
+        caps[device], given[device] = n, size.strip()
     if not caps:
         raise UsageError(f"{where}: no DEVICE=SIZE given (e.g. cpu=8GiB)")
-    return MemoryCaps(tuple(caps.items()))
+    return MemoryCaps(tuple(caps.items()), tuple(given.items()))
 
 
 @dataclass(frozen=True)
@@ -134,20 +138,31 @@ class Block:
     name: str
     nbytes: int
     converted: int = 0  # bytes transformers converts while loading (per-expert tensors it fuses)
+    head: int = 0  # bytes of its first module, where accelerate may split it (the vision tower's patch embedding)
 
 
 _PER_EXPERT = re.compile(r"\.experts\.\d+\.")
+TABLES = "n-gram tables"  # the block of row-sharded tables (model_blocks)
 
 
 def model_blocks(entries: Iterable[tuple[str, int]], *, is_vision: Mapping[str, bool]) -> list[Block]:
-    """Blocks of the main model in placement order (vision, embedding, layers, the rest), from
-    ``(tensor name, loaded bytes)`` pairs; MTP tensors must be left out by the caller."""
+    """Blocks of the main model in placement order (vision, embedding, layers, the rest, the row-sharded tables),
+    from ``(tensor name, loaded bytes)`` pairs; MTP tensors must be left out by the caller.
+
+    Row-sharded tables (Qwen4-Exp's PLE n-gram tables, ~95 GiB a layer at full size) are looked up, never computed
+    with: transformers keeps them out of the device map (``_no_placement_params``), so they are a block of their own,
+    placed last and not part of any layer's working set."""
+    entries = list(entries)
+    tables = {n for shards in sharded_tables(n for n, _ in entries).values() for n in shards}
     layers: dict[int, list[int]] = {}
-    vision = embed = rest = 0
+    vision = embed = rest = table = patch = 0
     for name, nbytes in entries:
         m = _LAYER.search(name)
-        if is_vision.get(name):
+        if name in tables:
+            table += nbytes
+        elif is_vision.get(name):
             vision += nbytes
+            patch += nbytes if ".patch_embed." in name else 0
         elif "embed_tokens" in name:
             embed += nbytes
         elif m:
@@ -156,11 +171,13 @@ def model_blocks(entries: Iterable[tuple[str, int]], *, is_vision: Mapping[str, 
             acc[1] += nbytes if _PER_EXPERT.search(name) else 0
         else:
             rest += nbytes
-    blocks = [Block("vision", vision)] if vision else []
+    blocks = [Block("vision", vision, head=patch or vision)] if vision else []
     blocks.append(Block("embed", embed))
     blocks += [Block(f"layer {i}", layers[i][0], layers[i][1]) for i in sorted(layers)]
     if rest:
         blocks.append(Block("norm/lm_head", rest))
+    if table:
+        blocks.append(Block(TABLES, table))
     return blocks
 
 
@@ -189,9 +206,10 @@ class MemoryPlan:
 
     def lines(self) -> list[str]:
         """The ``--dry-run`` lines."""
-        where = ", ".join(f"{d} {format_bytes(n)}" for d, n in self.resident if n)
+        parts = [f"{d} {format_bytes(n)}" for d, n in self.resident if n]
         if self.disk_bytes:
-            where += f", disk {format_bytes(self.disk_bytes)} (read from SRC's files as each layer runs)"
+            parts.append(f"disk {format_bytes(self.disk_bytes)} (read from SRC's files as each layer runs)")
+        where = ", ".join(parts)
         caps = {"flag": f"--max-memory {self.caps.text()}" if self.caps else "", "none": "no caps"}
         caps["auto"] = f"capped by convert at {self.caps.text()}" if self.caps else ""
         free = dict(self.available)
@@ -224,11 +242,14 @@ class MemoryPlan:
         }
 
 
-def _place(blocks: list[Block], caps: MemoryCaps) -> tuple[dict[str, int], int, int]:
-    """Greedy, in order, as accelerate's ``infer_auto_device_map`` does (an estimate of it); returns the
-    bytes per device, on disk, and of those on disk the ones transformers converts (fuses) while loading."""
+def _place(blocks: list[Block], caps: MemoryCaps, reserve: int) -> tuple[dict[str, int], int, int]:
+    """Greedy, in order, as accelerate's ``infer_auto_device_map`` does (an estimate of it): on its main devices
+    (the first GPU and the CPU) it keeps room for the largest layer (``reserve``) free. Returns the bytes per device,
+    on disk, and of those on disk the ones transformers converts (fuses) while loading."""
     room = dict(caps.caps)
     order = [d for d, _ in caps.caps if d.startswith("cuda")] + (["cpu"] if "cpu" in room else [])
+    for main in {*order[:1], "cpu"} & set(room):
+        room[main] -= reserve
     placed = dict.fromkeys(order, 0)
     disk = fused = 0
     at = 0
@@ -241,6 +262,29 @@ def _place(blocks: list[Block], caps: MemoryCaps) -> tuple[dict[str, int], int, 
         else:
             placed[order[at]] += block.nbytes
     return placed, disk, fused
+
+
+def _first_weight_resident(blocks: list[Block], caps: MemoryCaps, capped_by: str, reserve: int) -> None:
+    """modelopt's export runs the model on dummy inputs it puts on the device of the model's first weight (the vision
+    tower's patch embedding, or the token embedding): on disk that is the meta device, and the export fails after the
+    whole calibration. Refuse such a placement before anything runs. The first block is placed first, whole where
+    it fits, else (the vision tower) split, its first module where that fits."""
+    if not blocks:
+        return
+    first = blocks[0]
+    order = [d for d, _ in caps.caps if d.startswith("cuda")] + (["cpu"] if caps.get("cpu") is not None else [])
+    main = {*order[:1], "cpu"}
+    rooms = [n - (reserve if d in main else 0) for d, n in caps.caps]
+    head = min(first.head or first.nbytes, first.nbytes)
+    if any(room >= head for room in rooms):
+        return
+    what = "the vision tower's patch embedding" if first.name == "vision" else "the embedding"
+    where = f"--max-memory {caps.text()}" if capped_by == "flag" else f"the memory available (capped at {caps.text()})"
+    raise MemoryPlanError(
+        f"{where} leaves the model's first weights ({what}, {format_bytes(head)}) on disk, where modelopt's export "
+        "cannot run the model from: they and the room accelerate keeps for one layer need "
+        f"{format_bytes(head + reserve)} (raise the cap)"
+    )
 
 
 def plan_memory(
@@ -292,12 +336,19 @@ def plan_memory(
     cpu_cap = caps.get("cpu") if caps is not None else None
     if cpu_cap is not None:
         shard_bytes = max(1, min(shard_bytes, cpu_cap // SHARD_SHARE_OF_CAP))
-    placed, disk, fused = _place(blocks, estimate)
+    _first_weight_resident(blocks, estimate, capped_by if caps is not None else "auto", largest)
+    placed, disk, fused = _place(blocks, estimate, largest)
     if fused:
         notes.append(
             f"transformers fuses this checkpoint's per-expert tensors while loading: the ~{format_bytes(fused)} of "
             "them that go to disk are read from SRC's per-expert tensors and fused each time their layer runs "
             "(nothing re-saved)"
+        )
+    tables = sum(b.nbytes for b in blocks if b.name == TABLES)
+    if tables and disk >= tables:  # placed last, so the first block to go to disk
+        notes.append(
+            f"the PLE n-gram tables (~{format_bytes(tables)}) stay on disk: read from SRC's row shards when their "
+            "layer runs (nothing re-saved), as transformers keeps them off the device"
         )
     peak = {d: n + 2 * largest + (RUNTIME_BYTES + shard_bytes if d == "cpu" else 0) for d, n in placed.items()}
     peak.setdefault("cpu", RUNTIME_BYTES + shard_bytes + 2 * largest)

@@ -29,9 +29,9 @@ __all__ = [
     "final_hidden_states",
     "input_device",
     "is_offloaded",
-    "library_progress",
     "load_main_model",
     "modelopt_quiet",
+    "mtp_hidden_states",
     "placement",
     "quantize_main_model",
     "source_dtype",
@@ -59,28 +59,6 @@ class _LogWriter(io.TextIOBase):
         if self._buf.strip():
             self._logger.debug("modelopt: %s", self._buf.strip())
         self._buf = ""
-
-
-@contextlib.contextmanager
-def library_progress(enabled: bool) -> Iterator[None]:
-    """transformers' and huggingface_hub's own progress bars on or off for the block (restored after)."""
-    if enabled:
-        yield
-        return
-    import huggingface_hub.utils as hf_utils
-    import transformers.utils.logging as tf_logging
-
-    tf_was = tf_logging.is_progress_bar_enabled()
-    hf_was = not hf_utils.are_progress_bars_disabled()
-    tf_logging.disable_progress_bar()
-    hf_utils.disable_progress_bars()
-    try:
-        yield
-    finally:
-        if tf_was:
-            tf_logging.enable_progress_bar()
-        if hf_was:
-            hf_utils.enable_progress_bars()
 
 
 @contextlib.contextmanager
@@ -233,10 +211,30 @@ def quantize_main_model(
         return mtq.quantize(model, cfg, forward_loop)
 
 
+def mtp_hidden_states(decoder: Any, ids: torch.Tensor, hidden_source: str | None = None) -> torch.Tensor:
+    """The MTP's hidden input at every position of ``ids``: the decoder's ``last_hidden_state`` (after the final
+    norm), or, with ``hidden_source`` (the family's ``MtpLayout.hidden_source``, Qwen4-Exp's
+    ``hyper_connection_mixer``), the input of that decoder submodule (the multi-stream state the mixer collapses)."""
+    if hidden_source is None:
+        out: torch.Tensor = decoder(input_ids=ids, use_cache=False).last_hidden_state
+        return out
+    found = [m for n, m in decoder.named_modules() if n == hidden_source or n.endswith("." + hidden_source)]
+    if len(found) != 1:
+        raise TypeError(f"{type(decoder).__name__}: expected one {hidden_source!r} module, found {len(found)}")
+    seen: list[torch.Tensor] = []
+    handle = found[0].register_forward_pre_hook(lambda _m, args: seen.append(args[0]))
+    try:
+        decoder(input_ids=ids, use_cache=False)
+    finally:
+        handle.remove()
+    return seen[-1]
+
+
 def final_hidden_states(
-    model: Any, batches: Callable[[], Iterable[torch.Tensor]], device: torch.device
+    model: Any, batches: Callable[[], Iterable[torch.Tensor]], device: torch.device, hidden_source: str | None = None
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Per batch, the MTP's calibration inputs: ``h_t`` after the final norm and the embedding of ``x_{t+1}``.
+    """Per batch, the MTP's calibration inputs: its hidden input at ``t`` (``mtp_hidden_states``) and the
+    embedding of ``x_{t+1}``.
 
     Runs after calibration with every quantizer off, so these are the hidden states of the source
     model, exactly those the in-memory calibration pass computes (its quantizers only observe).
@@ -248,7 +246,7 @@ def final_hidden_states(
     with set_quantizer_by_cfg_context(model, [{"quantizer_name": "*", "enable": False}]), torch.no_grad():
         for batch in batches():
             ids = batch.to(device)
-            hidden = decoder(input_ids=ids, use_cache=False).last_hidden_state[:, :-1]
+            hidden = mtp_hidden_states(decoder, ids, hidden_source)[:, :-1]
             yield hidden, embed(ids[:, 1:])
 
 
@@ -291,6 +289,27 @@ def _source_precision_hooks(model: Any, src: Any) -> list[Any]:
     return hooks
 
 
+def _sharded_table_hooks(model: Any, src: Any) -> list[Any]:
+    """State-dict hooks that leave out of the export every table the source stores in row shards (the PLE n-gram
+    table: ~95 GiB a layer at full size); ``assemble.place_main_shards`` writes the source's shards instead."""
+    from mtpquant.checkpoint.sharded import sharded_tables
+
+    tables = set(sharded_tables(src.tensors))
+    hooks = []
+    modules = dict(model.named_modules())
+    for name, _ in model.named_parameters():
+        if name not in tables:
+            continue
+        module_name, _, leaf = name.rpartition(".")
+
+        def hook(module: Any, state_dict: dict[str, Any], prefix: str, local_metadata: Any, leaf: str = leaf) -> None:
+            del module, local_metadata
+            state_dict.pop(prefix + leaf, None)
+
+        hooks.append(modules[module_name].register_state_dict_post_hook(hook))
+    return hooks
+
+
 def _layer_progress_hooks(model: Any, bar: Any) -> list[Any]:
     """Advance ``bar`` once per decoder layer as the export reads it."""
     from modelopt.torch.quantization.utils.layerwise_calib import LayerActivationCollector
@@ -317,7 +336,7 @@ def export_quantized(
     """
     from modelopt.torch.export import export_hf_checkpoint
 
-    hooks = _source_precision_hooks(model, src)
+    hooks = _source_precision_hooks(model, src) + _sharded_table_hooks(model, src)
     if bar is not None:
         hooks += _layer_progress_hooks(model, bar)
     try:

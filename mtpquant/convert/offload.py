@@ -1,4 +1,5 @@
-"""Disk offload of the MoE experts transformers fuses while loading, read from SRC's own files (no re-save).
+"""Disk offload of the weights transformers builds from several SRC tensors while loading (the MoE experts it
+fuses, the row-sharded tables it concatenates), read from SRC's own files (no re-save).
 
 transformers 5.x fuses a per-expert checkpoint (Qwen3-Next: ``mlp.experts.{e}.gate_proj|up_proj|down_proj.weight``)
 into the 3-D ``mlp.experts.gate_up_proj`` / ``mlp.experts.down_proj`` while loading. A fused weight that goes to
@@ -9,6 +10,10 @@ in transformers' offload index) and ``FusedWeightsLoader`` (accelerate's ``Offlo
 gate rows then the up rows, experts stacked in order, cast to the dtype transformers chose. That is what
 transformers' converter computes (stack, then concatenate: copies), so the bytes are the same, and the
 capped-memory tests compare every output tensor with the in-memory convert's.
+
+Qwen3.8-Flash-Next's PLE n-gram tables (``ngram_embedding.shard_{i}.weight``, ~95 GiB a layer at full size) are
+the other case: transformers concatenates the shards into ``ngram_embedding.weight``; an offloaded table is recorded
+as its shards (``ROWS_ENTRY``) and concatenated on read, never re-saved.
 
 transformers has no public switch for this: the one function it calls to offload a converted weight
 (``transformers.core_model_loading.offload_and_maybe_resave_param``) is replaced for the duration of
@@ -28,14 +33,24 @@ from typing import Any
 import torch
 from accelerate.utils.offload import OffloadedWeightsLoader
 
+from mtpquant.checkpoint.sharded import sharded_tables
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.families import FUSED_EXPERT_PIECES
 
-__all__ = ["FUSED_ENTRY", "FusedWeightsLoader", "fused_entry", "fused_offload", "install_fused_loader"]
+__all__ = [
+    "FUSED_ENTRY",
+    "ROWS_ENTRY",
+    "FusedWeightsLoader",
+    "fused_entry",
+    "fused_offload",
+    "install_fused_loader",
+    "rows_entry",
+]
 
 log = logging.getLogger(__name__)
 
 FUSED_ENTRY = "mtpquant_fused_experts"  # offload-index key: per expert, the (file, tensor) pieces in SRC
+ROWS_ENTRY = "mtpquant_row_shards"  # offload-index key: the (file, tensor) row shards of a table in SRC, in order
 
 _FUSED = re.compile(r"^(?P<stem>.+\.experts)\.(?P<proj>" + "|".join(FUSED_EXPERT_PIECES) + ")$")
 
@@ -62,6 +77,20 @@ def fused_entry(target: str, param: torch.Tensor, ckpt: Checkpoint, src_dir: Pat
     return {FUSED_ENTRY: layout, "dtype": str(param.dtype).removeprefix("torch.")}
 
 
+def rows_entry(target: str, param: torch.Tensor, ckpt: Checkpoint, src_dir: Path) -> dict[str, Any] | None:
+    """The offload-index entry that rebuilds table ``target`` from SRC's row shards (``X.shard_{i}.weight``), or
+    None when SRC does not store it that way with matching shapes."""
+    shards = sharded_tables(ckpt.tensors).get(target)
+    if not shards:
+        return None
+    entries = [ckpt.tensors[n] for n in shards]
+    rows = sum(e.shape[0] for e in entries)
+    if rows != param.shape[0] or any(tuple(e.shape[1:]) != tuple(param.shape[1:]) for e in entries):
+        return None
+    pieces = [[str(src_dir / e.shard), e.name] for e in entries]
+    return {ROWS_ENTRY: pieces, "dtype": str(param.dtype).removeprefix("torch.")}
+
+
 def _build(entry: dict[str, Any], device: Any) -> torch.Tensor:
     from safetensors import safe_open
 
@@ -74,7 +103,10 @@ def _build(entry: dict[str, Any], device: Any) -> torch.Tensor:
                 files[file] = stack.enter_context(safe_open(file, framework="pt", device="cpu"))
             return files[file].get_tensor(name).to(dtype)
 
-        fused = torch.stack([torch.cat([get(f, n) for f, n in expert]) for expert in entry[FUSED_ENTRY]])
+        if ROWS_ENTRY in entry:
+            fused = torch.cat([get(f, n) for f, n in entry[ROWS_ENTRY]])
+        else:
+            fused = torch.stack([torch.cat([get(f, n) for f, n in expert]) for expert in entry[FUSED_ENTRY]])
     return fused if device is None else fused.to(device)
 
 
@@ -89,7 +121,7 @@ class FusedWeightsLoader(OffloadedWeightsLoader):
     def __getitem__(self, key: str) -> torch.Tensor:
         if key not in self.state_dict:  # modelopt's write-backs and accelerate's own state dict come first
             info = self.index.get(key)
-            if isinstance(info, dict) and FUSED_ENTRY in info:
+            if isinstance(info, dict) and (FUSED_ENTRY in info or ROWS_ENTRY in info):
                 return _build(info, self.device)
         tensor: torch.Tensor = super().__getitem__(key)
         return tensor
@@ -111,7 +143,9 @@ def fused_offload(ckpt: Checkpoint, src_dir: Path) -> Iterator[list[str]]:
         return
 
     def offload(target: str, param: torch.Tensor, info: Any, folder: str, index: dict[str, Any], ops: Any) -> Any:
-        entry = fused_entry(target, param, ckpt, src_dir) if isinstance(ops, converter) else None
+        entry = None
+        if isinstance(ops, converter):
+            entry = fused_entry(target, param, ckpt, src_dir) or rows_entry(target, param, ckpt, src_dir)
         if entry is None:
             return original(target, param, info, folder, index, ops)
         info.missing_keys.discard(target)

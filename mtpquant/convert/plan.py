@@ -43,6 +43,7 @@ from mtpquant.errors import (
 )
 from mtpquant.families import TensorClass
 from mtpquant.formats.quant_config import HF_QUANT_CONFIG
+from mtpquant.hfconfig import transformers_config
 from mtpquant.provenance import PROVENANCE_FILE, check_base_model
 from mtpquant.surgery.modes import BLOCK, MODE_NAMES, MODES, MtpMode, choose_mode
 
@@ -254,8 +255,12 @@ def _check_output(path: Path, src: Path | None, overwrite: bool, what: str) -> N
         a, b = path.resolve(), src.resolve()
         if a == b or b in a.parents or a in b.parents:
             raise OutputExistsError(f"{path}: {what} must not be the source directory, inside it, or contain it")
-    if path.exists() and not overwrite:
-        raise OutputExistsError(f"{path}: output already exists (use --overwrite to replace it)")
+    if os.path.lexists(path):
+        if not overwrite:
+            raise OutputExistsError(f"{path}: output already exists (use --overwrite to replace it)")
+        from mtpquant.provenance import check_replaceable
+
+        check_replaceable(path)
 
 
 def _check_not_quantized(ckpt: Checkpoint) -> None:
@@ -279,6 +284,7 @@ def plan_convert(options: ConvertOptions, ckpt: Checkpoint | None = None) -> tup
         ckpt = Checkpoint.open(options.src, revision=options.revision, strict=True)
     spec = ckpt.spec
     family = spec.family
+    transformers_config(ckpt.config)  # transformers' own validation: refused here (exit 3), not at a later load
     local_src = ckpt.source.local_root
     out = Path(options.out).expanduser()
     recipe = _resolve_recipe(options, family)
@@ -290,12 +296,14 @@ def plan_convert(options: ConvertOptions, ckpt: Checkpoint | None = None) -> tup
     mode = mtp_mode.name
     if options.mtp_out is not None and not mtp_mode.writes_side_output:
         raise RecipeError(f"--mtp-out is only used with --mtp extract (mode is {mode})")
+    if options.mtp_format is not None and not mtp_mode.takes_format:
+        raise RecipeError(f"--mtp-format is only used with --mtp quantize (mode is {mode})")
     if options.output_format not in FORMATS:
         raise RecipeError(f"--format must be one of {', '.join(FORMATS)}, got {options.output_format!r}")
     if options.output_format == "compressed-tensors":
         q = recipe.quantization
         check_ct_recipe(q.quant_algo, q.activations, mtp_format, mode)
-    checked = mtp_mode.check(ckpt, mtp_format)
+    checked = mtp_mode.check(ckpt, mtp_format, recipe.quantization.targets)
     notes = [*auto_notes, *checked.notes]
 
     # Which main Linears the recipe quantizes, and their block divisibility.

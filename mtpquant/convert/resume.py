@@ -4,8 +4,10 @@ modelopt's layer-wise calibration (``layerwise.checkpoint_dir``) saves each fini
 quantizer state and the next layer's inputs, and on restart continues after the last saved
 layer. convert gives it ``.<OUT>.mtpquant-resume-<key>/``, where the key is a digest of everything
 the calibration depends on: SRC's files (names, sizes, inodes, mtimes), the resolved recipe
-(calibration data and settings included), the MTP mode, and the mtpquant / modelopt / torch /
-transformers versions. A rerun with the same SRC, OUT and recipe finds its state and resumes; any
+(calibration settings included), the calibration rows by their content (a digest of the token ids:
+the text of a file edited at the same path, a dataset's revision, the tokenizer and its chat template
+all show there), the device, the MTP mode, and the mtpquant / modelopt / torch / transformers
+versions. A rerun with the same SRC, OUT, recipe and calibration finds its state and resumes; any
 change gives another key, and the state of the old key is removed, never reused. The state is
 removed when the output is in place.
 
@@ -109,7 +111,11 @@ class ResumeState:
             shutil.rmtree(path, ignore_errors=True)
         if not path.exists():
             path.mkdir(mode=0o700)
-            (path / _KEY_FILE).write_text(json.dumps({"key": key, "inputs": inputs}, default=str, indent=1))
+            try:
+                (path / _KEY_FILE).write_text(json.dumps({"key": key, "inputs": inputs}, default=str, indent=1))
+            except BaseException:  # a disk too full for its key: no half-made state left behind
+                shutil.rmtree(path, ignore_errors=True)
+                raise
         state._read_progress()
         state._found_bytes = state.bytes_on_disk()
         return state

@@ -31,16 +31,18 @@ from pathlib import Path
 from typing import Any, cast
 
 from mtpquant import __version__
+from mtpquant.checkpoint.lock import OutputLock
 from mtpquant.checkpoint.source import SourceRef
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.checkpoint.writer import OutputDir
+from mtpquant.convert.calibration import CalibrationData
 from mtpquant.convert.plan import RECIPE_FILE, ConvertOptions, ConvertPlan, plan_convert
 from mtpquant.convert.resume import ResumeState
 from mtpquant.errors import CalibrationDataError, OutputVerificationError
 from mtpquant.families import TensorClass, is_mtp_name
 from mtpquant.formats.quant_config import HF_QUANT_CONFIG, with_exclusions, without_exclusions
-from mtpquant.provenance import PROVENANCE_FILE, Provenance, Step, source_license
-from mtpquant.public import public_args, public_name, public_ref
+from mtpquant.provenance import PROVENANCE_FILE, Provenance, Step, check_replaceable, source_license
+from mtpquant.public import public_args, public_file, public_name, public_ref
 from mtpquant.surgery.modes import ExtractMode, MtpOutcome, WriteContext, load_mtp_layer, same_bytes
 from mtpquant.units import format_bytes
 
@@ -187,11 +189,9 @@ def _verifier(plan: ConvertPlan, src: Checkpoint, outcome: MtpOutcome) -> Callab
         if vision_src != vision_out:
             raise OutputVerificationError(f"{where}: vision tensors differ from the source")
         same_bytes(out, src, sorted(vision_src), where)
-        report = inspect_checkpoint(path)
-        allowed = mode.allowed_findings(src) if not mtp else frozenset()
-        findings = [f for f in report.failures if f.category not in allowed]
-        if findings:
-            raise OutputVerificationError(f"{where}: {findings[0].message}")
+        report = inspect_checkpoint(path)  # the inspect that gates publish
+        if report.failures:
+            raise OutputVerificationError(f"{where}: {report.failures[0].message}")
         if mode.declares and not report.mtp_declared:
             raise OutputVerificationError(f"{where}: the output does not declare its MTP")
         verify.report = report  # type: ignore[attr-defined]
@@ -225,6 +225,9 @@ def convert(options: ConvertOptions) -> ConvertResult:
     """Convert SRC to an NVFP4 checkpoint at OUT; see the module docstring. Raises MtpquantError."""
     timer = _Timer()
     t_start = time.perf_counter()
+    if not options.dry_run:
+        with timer("imports"):  # seconds of torch, transformers and modelopt: a step of their own, not the plan's
+            _import_libraries()
     with timer("plan"):
         plan, ckpt = plan_convert(options)
     log.debug("plan: %s", plan.to_json())
@@ -236,31 +239,41 @@ def convert(options: ConvertOptions) -> ConvertResult:
 
     return_freed_memory()
     written_before = bytes_written_so_far()
-    from mtpquant.convert.model import library_progress
-
-    source = ckpt.source
-    if source.local_root is None:
-        with timer("download"), library_progress(progress):
-            src_dir, ckpt = _local_source(ckpt)
-    else:
-        src_dir, ckpt = _local_source(ckpt)
-    ref = source.ref()  # a Hub source: the repo, the revision asked for and the commit downloaded
-    step = Step(
-        "convert",
-        public_args(plan.command, ref),  # the file goes public with OUT: local directories by base name
-        source=public_ref(ref),
-        mode=plan.mode,
-        recipe=plan.recipe.name,
-        recipe_file=RECIPE_FILE,
-        base_model=plan.base_model,
-        base_model_revision=plan.base_model_revision,
-        license=source_license(source),
-    )
+    from mtpquant.libraries import library_output
 
     with contextlib.ExitStack() as stack:
-        stack.enter_context(library_progress(progress))
-        od = stack.enter_context(OutputDir(plan.out, overwrite=plan.overwrite))
-        mtp_od = stack.enter_context(OutputDir(plan.mtp_out, overwrite=plan.overwrite)) if plan.mtp_out else None
+        # OUT's lock first, before any download or long work: a second run on the same OUT is refused at once
+        lock = stack.enter_context(OutputLock.acquire(plan.out))
+        mtp_lock = stack.enter_context(OutputLock.acquire(plan.mtp_out)) if plan.mtp_out else None
+        source = ckpt.source
+        if source.local_root is None:
+            with timer("download"), library_output(progress):
+                src_dir, ckpt = _local_source(ckpt)
+        else:
+            src_dir, ckpt = _local_source(ckpt)
+        ref = source.ref()  # a Hub source: the repo, the revision asked for and the commit downloaded
+        step = Step(
+            "convert",
+            public_args(plan.command, ref),  # the file goes public with OUT: local directories by base name
+            source=public_ref(ref),
+            mode=plan.mode,
+            recipe=plan.recipe.name,
+            recipe_file=RECIPE_FILE,
+            base_model=plan.base_model,
+            base_model_revision=plan.base_model_revision,
+            license=source_license(source),
+        )
+        stack.enter_context(library_output(progress))
+        od = stack.enter_context(
+            OutputDir(plan.out, overwrite=plan.overwrite, replace_check=check_replaceable, lock=lock)
+        )
+        mtp_od = (
+            stack.enter_context(
+                OutputDir(plan.mtp_out, overwrite=plan.overwrite, replace_check=check_replaceable, lock=mtp_lock)
+            )
+            if plan.mtp_out
+            else None
+        )
         outcome, resume = _run(plan, ckpt, src_dir, od, mtp_od, timer, progress, result)
         od.write_text(PROVENANCE_FILE, Provenance((step,)).to_bytes().decode("utf-8"))
         if mtp_od is not None:
@@ -268,6 +281,7 @@ def convert(options: ConvertOptions) -> ConvertResult:
             mtp_od.write_text(PROVENANCE_FILE, Provenance((sidecar,)).to_bytes().decode("utf-8"))
         with timer("verify"):
             verify = _verifier(plan, ckpt, outcome)
+            verify(od.path)  # both outputs verified before either is put in place
             if mtp_od is not None:
                 extract = cast(ExtractMode, plan.mtp_mode)
                 where = f"{plan.mtp_out}: verification failed"
@@ -275,7 +289,7 @@ def convert(options: ConvertOptions) -> ConvertResult:
                 mtp_path = mtp_od.finalize(lambda p: extract.verify_side_output(p, ckpt, expected, where))
                 result.mtp_output = mtp_path
             try:
-                out_path = od.finalize(verify)
+                out_path = od.finalize(opened=True)  # ``verify`` opened it strictly, and nothing was written since
             except BaseException:
                 if mtp_od is not None and result.mtp_output is not None:
                     shutil.rmtree(result.mtp_output, ignore_errors=True)
@@ -296,7 +310,9 @@ def convert(options: ConvertOptions) -> ConvertResult:
     result.mtp_tensors = counts.get(TensorClass.MTP, 0)
     if result.mtp_output is not None:
         result.mtp_output_bytes = sum(p.stat().st_size for p in result.mtp_output.rglob("*") if p.is_file())
-    result.timings = {**timer.timings, "total": time.perf_counter() - t_start}
+    total = time.perf_counter() - t_start
+    # what no step measured (the result's counts, the output's size): named, so the parts add up to the total
+    result.timings = {**timer.timings, "other": max(0.0, total - sum(timer.timings.values())), "total": total}
     result.peak_rss_bytes = peak_rss_bytes()
     result.bytes_written = max(0, bytes_written_so_far() - written_before)
     summary_log.info("wrote %s (%s, MTP %s) in %.1f s", result.output, format_bytes(result.output_bytes), plan.mode,
@@ -304,19 +320,33 @@ def convert(options: ConvertOptions) -> ConvertResult:
     return result
 
 
-def _resume_inputs(plan: ConvertPlan, src_dir: Path) -> dict[str, Any]:
-    """What layer-wise calibration depends on: a resume state is reused only when all of it is the same."""
+def _import_libraries() -> None:
+    """Import what the conversion runs on (torch, transformers, modelopt's quantization and export)."""
+    from mtpquant.libraries import import_libraries
+
+    import_libraries("torch", "transformers", "modelopt.torch.quantization", "modelopt.torch.export")
+
+
+def _resume_inputs(plan: ConvertPlan, src_dir: Path, data: CalibrationData) -> dict[str, Any]:
+    """What layer-wise calibration depends on: a resume state is reused only when all of it is the same. The
+    calibration enters by its content: a digest of the very token rows it feeds the model, which covers the text
+    (a file edited at the same path, a dataset at another revision), the tokenizer and its chat template."""
+    import hashlib
+
     import modelopt
     import torch
     import transformers
 
     from mtpquant.convert.resume import source_stamp
 
+    rows = data.input_ids.contiguous()
     return {
         "source": str(src_dir.resolve()),
         "files": source_stamp(src_dir),
         "recipe": plan.recipe.to_yaml(""),
         "mode": plan.mode,
+        "calibration": {"rows": list(rows.shape), "sha256": hashlib.sha256(rows.numpy().tobytes()).hexdigest()},
+        "device": plan.device,
         "resume_every": plan.resume_every,  # modelopt refuses a state committed at another interval
         "versions": [__version__, modelopt.__version__, torch.__version__, transformers.__version__],
     }
@@ -335,7 +365,13 @@ def _run(
     """Everything between planning and finalize; returns what the MTP mode wrote and the resume state."""
     import torch
 
-    from mtpquant.convert.assemble import carry_files, mixed_precision_config, place_main_shards, quantized_modules_of
+    from mtpquant.convert.assemble import (
+        carry_files,
+        mixed_precision_config,
+        packed_exclusions,
+        place_main_shards,
+        quantized_modules_of,
+    )
     from mtpquant.convert.calibration import build_calibration_data, load_tokenizer
     from mtpquant.convert.model import (
         calibration_loop,
@@ -354,7 +390,10 @@ def _run(
     family = ckpt.spec.family
     with timer("tokenize"):
         tokenizer = load_tokenizer(src_dir)
-        data = build_calibration_data(tokenizer, cal.data, cal.samples, cal.seq_len, chat_template=cal.chat_template)
+        with _tqdm(progress, total=cal.samples * cal.seq_len, desc="tokenize", unit="tok") as bar:
+            data = build_calibration_data(
+                tokenizer, cal.data, cal.samples, cal.seq_len, chat_template=cal.chat_template, bar=bar
+            )
         vocab = ckpt.spec.text.get("vocab_size")
         if isinstance(vocab, int) and int(data.input_ids.max()) >= vocab:
             raise CalibrationDataError(
@@ -378,7 +417,7 @@ def _run(
             "layer-wise calibration commits its resume state every %d of %d layers (~%s of layer inputs a commit)",
             plan.resume_every, ckpt.spec.dim("num_hidden_layers"), format_bytes(plan.resume_activation_bytes),
         )
-        resume = ResumeState.open(plan.out, _resume_inputs(plan, src_dir))
+        resume = ResumeState.open(plan.out, _resume_inputs(plan, src_dir, data))
         if resume.start_layer:
             result.resumed_from_layer = resume.start_layer
             log.info(
@@ -389,6 +428,7 @@ def _run(
     def batches() -> Iterator[Any]:
         return data.batches(cal.batch_size)
 
+    od.doing = "calibrating (writing the layer-wise resume state)" if layerwise else ""
     with timer("calibrate"):
         bar = None if layerwise else _tqdm(progress, total=data.samples, desc="calibrate", unit="row")
         loop = calibration_loop(batches, device, bar=bar, before_pass=resume.prune if resume else None)
@@ -408,17 +448,20 @@ def _run(
     if mode.needs_calibration:
         from mtpquant.mtp.quantize import MtpCalibrator
 
-        with timer("mtp"):
+        with timer("mtp"), _tqdm(progress, total=data.samples, desc="calibrate MTP", unit="row") as bar:
             calibrator = MtpCalibrator(load_mtp_layer(ckpt, device=device if device.type != "meta" else None))
-            for hidden, embeds in final_hidden_states(model, batches, device):
+            for hidden, embeds in final_hidden_states(model, batches, device, family.mtp.hidden_source):
                 calibrator.observe(hidden, embeds)
+                bar.update(int(hidden.shape[0]))
 
     scratch = od.path / SCRATCH
+    od.doing = "exporting the quantized model"
     with timer("export"):
         layers = int(ckpt.spec.text.get("num_hidden_layers") or 0)
         bar = _tqdm(progress, total=layers or None, desc="export", unit="layer")
         export_quantized(model, scratch, source_dtype(ckpt.spec), ckpt, plan.max_shard_bytes, bar)
         bar.close()
+    od.doing = ""
     if plan.device == "cuda":
         result.peak_gpu_bytes = int(torch.cuda.max_memory_allocated())
     del model
@@ -440,13 +483,19 @@ def _run(
             calibrator=calibrator,
             fmt=plan.mtp_format,
             activations=recipe.quantization.activations,
+            targets=recipe.quantization.targets,
             main_algo=recipe.quantization.quant_algo,
         )
         outcome = mode.write(ctx)
 
     with timer("write"):
         config = _output_config(ckpt, exported.config, mode.declared_layers(ckpt))
-        config, hfq = _mode_exclusions(config, exported_hfq, outcome.exclude_modelopt, outcome.exclude_ct)
+        # packed groups listed member by member (Qwen4-Exp's qkv_proj + indexer), before the mode's own entries
+        exclude = list(outcome.exclude_modelopt)
+        if exported_hfq is not None:
+            listed = [*exported_hfq.get("quantization", {}).get("exclude_modules", []), *exclude]
+            exclude = packed_exclusions(exported.tensors, listed, family.engine.packed) + exclude
+        config, hfq = _mode_exclusions(config, exported_hfq, exclude, outcome.exclude_ct)
         if outcome.quantized_layers and hfq is not None:
             from modelopt.torch.export.convert_hf_config import convert_hf_quant_config_format
 
@@ -458,7 +507,9 @@ def _run(
         if hfq is not None and not ct_format:  # compressed-tensors keeps its metadata in config.json only
             od.write_json(HF_QUANT_CONFIG, hfq)
         carry_files(od, src_dir, plan.carried_files)
-        od.write_text(RECIPE_FILE, recipe.to_yaml(_recipe_header(plan, ckpt.source.ref())))
+        # the file goes public with OUT: the calibration file by its base name
+        public = dataclasses.replace(recipe, calibration=dataclasses.replace(cal, data=public_file(cal.data)))
+        od.write_text(RECIPE_FILE, public.to_yaml(_recipe_header(plan, ckpt.source.ref())))
         shutil.rmtree(scratch, ignore_errors=True)
         offload = od.path / OFFLOAD
         result.offload_bytes = sum(p.stat().st_size for p in offload.rglob("*") if p.is_file())

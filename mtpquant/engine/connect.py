@@ -25,9 +25,12 @@ def client_for(engine: str, url: str, *, generate_timeout: float = 600.0) -> Vll
     return VllmClient(url, generate_timeout=generate_timeout)
 
 
-def connect(url: str, *, timeout: float = 30.0, generate_timeout: float = 600.0) -> tuple[EngineServer, ServerInfo]:
-    """The client of the server at ``url`` and what it says about itself (engine, version, models, settings)."""
-    http = EngineHttp(url, timeout=timeout)
+def connect(
+    url: str, *, timeout: float = 30.0, generate_timeout: float = 600.0, api_key: str | None = None
+) -> tuple[EngineServer, ServerInfo]:
+    """The client of the server at ``url`` and what it says about itself (engine, version, models, settings); the URL
+    each keeps has no credentials (``engine.http``), ``api_key`` goes with every request."""
+    http = EngineHttp(url, timeout=timeout, api_key=api_key)
     if is_vllm(http) is not None:
         vllm = VllmClient(http.url, generate_timeout=generate_timeout, http=http)
         return vllm, vllm.info()

@@ -12,7 +12,7 @@ import logging
 from collections.abc import Sequence
 
 from mtpquant.engine.counters import CounterSnapshot, parse_metrics
-from mtpquant.engine.http import EngineClientBase, EngineHttp
+from mtpquant.engine.http import METRICS_CAP, EngineClientBase, EngineHttp
 from mtpquant.engine.sampling import GREEDY, SamplingSettings
 from mtpquant.engine.server import Completion, DraftCounts, EngineRun, ServerInfo, split_groups
 from mtpquant.errors import EngineAnswerError, EngineSpecDecodeError
@@ -57,7 +57,7 @@ class VllmClient(EngineClientBase):
 
     def counters(self, model: str) -> CounterSnapshot:
         """The speculative-decoding counters of ``model`` now."""
-        resp = self.http.request("GET", "/metrics")
+        resp = self.http.request("GET", "/metrics", limit=METRICS_CAP)
         if resp.status_code != 200:
             raise EngineAnswerError(f"{self.url}/metrics: HTTP {resp.status_code}")
         try:

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from mtpquant.errors import MtpConfigError
 from mtpquant.families.mtp_config import config_int
 from mtpquant.families.qwen3 import attention_shapes, expert_bank_shapes, shared_expert_shapes
 from mtpquant.families.schema import EngineRules, Family, ForcedUnquantized, MtpLayout
@@ -73,6 +74,30 @@ def qwen4_exp_mtp_shapes(text: Mapping[str, Any], layers: int, per_expert: bool)
     return shapes
 
 
+_QSA_KEYS = ("indexer_n_heads", "indexer_kv_heads", "indexer_head_dim", "indexer_budget", "indexer_compress_ratio")
+
+
+def qwen4_exp_mtp_check(text: Mapping[str, Any]) -> None:
+    """What the reference forward (``mtpquant.mtp.qwen4_exp``: transformers' Qwen4-Exp classes) needs beyond the
+    common MTP dimensions, refused in one line before anything loads: a QSA MTP layer (vLLM builds plain attention
+    without ``indexer_n_heads``, another layout), transformers' QSA rules, two or more hyper-connection streams."""
+    missing = [k for k in _QSA_KEYS if text.get(k) is None]
+    if missing:
+        raise MtpConfigError(
+            f"the Qwen4-Exp MTP forward needs a QSA layer; the text config lacks {', '.join(missing)}"
+        )
+    for key in (*_QSA_KEYS, "hc_count", "hc_lowrank"):
+        value = text.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise MtpConfigError(f"text config key {key!r} must be a positive integer, got {value!r}")
+    if text["indexer_kv_heads"] != 1:
+        raise MtpConfigError(f"indexer_kv_heads must be 1 (transformers' QSA), got {text['indexer_kv_heads']}")
+    if text["indexer_budget"] % text["indexer_compress_ratio"]:
+        raise MtpConfigError("indexer_budget must be a multiple of indexer_compress_ratio")
+    if text["hc_count"] < 2:
+        raise MtpConfigError(f"hc_count must be at least 2, got {text['hc_count']}")
+
+
 _MTP = MtpLayout(
     # speculative.py 845-864: mtp_num_hidden_layers, else num_nextn_predict_layers; the predictor builds
     # getattr(config, "mtp_num_hidden_layers", 1) layers (mtp.py 190), so an absent key means one layer
@@ -103,6 +128,9 @@ _MTP = MtpLayout(
     ),
     fused_groups=(("gate_proj", "up_proj"),),
     engine_layer_offset=True,
+    # model.py 636-642: the drafter reads the multi-stream state the final mixer collapses
+    hidden_source="hyper_connection_mixer",
+    config_check=qwen4_exp_mtp_check,
 )
 
 _ENGINE = EngineRules(
@@ -196,6 +224,5 @@ QWEN4_EXP = Family(
         "ple_embed_dim",
         "layer_types",
     ),
-    mtp_forward=False,
     sglang_mixed_mtp=True,
 )

@@ -86,6 +86,13 @@ class MtpLayout:
     # Whether the engine renames mtp.layers.i to mtp.layers.{num_hidden_layers + i} in module names and in
     # ignore / quantized_layers entries (vLLM's Qwen4ExpMTP); False: the checkpoint's own indices.
     engine_layer_offset: bool = False
+    # The decoder submodule (relative to the text decoder) whose *input* is the MTP's hidden input (Qwen4-Exp: the
+    # multi-stream state before the final ``hyper_connection_mixer``); None: the decoder's last_hidden_state (after
+    # the final norm, Qwen3.5 / Qwen3-Next).
+    hidden_source: str | None = None
+    # Torch-free checks of the text config beyond MtpConfig's that the family's reference forward needs (one-line
+    # MtpConfigError each), run by ``families.mtp_config`` at plan time; None: none.
+    config_check: Callable[[Mapping[str, Any]], None] | None = None
 
     def engine_name(self, name: str, num_hidden_layers: int) -> str:
         """An MTP module or pattern as the engine names it (patterns that do not start with ``mtp.`` unchanged).

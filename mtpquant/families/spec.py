@@ -228,9 +228,12 @@ def resolve(config: Mapping[str, Any]) -> ModelSpec:
 def mtp_config(config: Mapping[str, Any]) -> MtpConfig:
     """The reference forward's dimensions for ``config``, or one line saying why not (a family without a
     reference forward by name, then whatever ``MtpConfig`` refuses): every refusal before anything loads."""
-    family = resolve(config).family
+    spec = resolve(config)
+    family = spec.family
     if not family.mtp_forward:
         raise MtpConfigError(f"mtpquant has no reference MTP forward for {family.display} ({family.key}) yet")
+    if family.mtp.config_check is not None:
+        family.mtp.config_check(spec.text)
     return MtpConfig.from_text_config(config)
 
 

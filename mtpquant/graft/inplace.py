@@ -19,19 +19,17 @@ are written there, and the result is verified there. Then one of two commits put
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import json
 import logging
 import os
 import shutil
 import stat
-import sys
 from collections.abc import Iterable
 from pathlib import Path
 
 from mtpquant.checkpoint.index import INDEX_NAME
-from mtpquant.checkpoint.writer import OutputDir, find_stale_partials, fsync_dir
+from mtpquant.checkpoint.writer import OutputDir, exchange_dirs, find_stale_partials, fsync_dir
 
 __all__ = [
     "JOURNAL",
@@ -51,28 +49,6 @@ JOURNAL = ".mtpquant-graft-journal.json"
 # OutputDir's marker of a live temp directory (mtpquant.checkpoint.writer._OWNER_FILE); the mirror
 # must not carry it into the directory it replaces.
 _OWNER_FILE = ".mtpquant-owner"
-_RENAME_EXCHANGE = 2
-_AT_FDCWD = -100
-_UNSUPPORTED = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EXDEV, errno.EPERM}
-
-
-def exchange_dirs(a: Path, b: Path) -> bool:
-    """Atomically swap two paths (Linux ``renameat2`` with ``RENAME_EXCHANGE``); False if unsupported."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        renameat2 = libc.renameat2
-    except (OSError, AttributeError):
-        return False
-    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    renameat2.restype = ctypes.c_int
-    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in _UNSUPPORTED:
-        return False
-    raise OSError(err, os.strerror(err), str(a))
 
 
 def exchange_supported(scratch: Path) -> bool:

@@ -44,6 +44,7 @@ from mtpquant.provenance import PROVENANCE_FILE, Step, source_provenance
 from mtpquant.public import public_args, public_ref
 from mtpquant.surgery.metadata import plan_metadata
 from mtpquant.surgery.modes import MODES, WriteContext
+from mtpquant.units import format_bytes
 
 __all__ = [
     "DEFAULT_MAX_SHARD_BYTES",
@@ -268,7 +269,7 @@ def _check_out(options: GraftOptions, quant: Checkpoint) -> None:
 
 
 def _open_quant(options: GraftOptions) -> Checkpoint:
-    quant = Checkpoint.open(options.quant, revision=options.revision, token=options.token)
+    quant = Checkpoint.open(options.quant, revision=options.revision, token=options.token, name_errors=True)
     if options.in_place and quant.source.local_root is None:
         raise UsageError(f"{quant.label}: --in-place needs a local QUANT directory; for a Hub repo use --out")
     return quant
@@ -321,7 +322,7 @@ def graft(options: GraftOptions) -> GraftResult:
         return _finish(_fix_metadata(options, plan, result), t0, quant, None)
 
     assert options.source is not None
-    src = Checkpoint.open(options.source, revision=options.source_revision, token=options.token)
+    src = Checkpoint.open(options.source, revision=options.source_revision, token=options.token, name_errors=True)
     result.source = src.label
     src_mtp = src.mtp_tensors()
     tracked = TrackedSource(src.source, src_mtp)
@@ -338,11 +339,17 @@ def graft(options: GraftOptions) -> GraftResult:
             )
             plan_index_fix(plan)
             if not plan.metadata.changes:
+                same = f"{quant.label} already has this MTP ({len(existing)} tensors, byte-identical to SRC's)"
+                if options.out is not None and not options.dry_run:
+                    # the output asked for is made all the same: QUANT as it is, its files linked
+                    return _finish(
+                        _metadata_only(options, plan, result, lineage.mtp_layers, f"{same}; nothing to change"),
+                        t0,
+                        quant,
+                        src,
+                    )
                 result.action = "noop"
-                result.message = (
-                    f"{quant.label} already has this MTP ({len(existing)} tensors, byte-identical "
-                    "to SRC's) and its metadata is complete: nothing to do, nothing written"
-                )
+                result.message = f"{same} and its metadata is complete: nothing to do, nothing written"
                 return _finish(result, t0, quant, src)
             return _finish(
                 _metadata_only(options, plan, result, lineage.mtp_layers, "MTP already present and identical to SRC's"),
@@ -369,7 +376,7 @@ def graft(options: GraftOptions) -> GraftResult:
     if options.dry_run:
         result.action = "planned"
         result.message = (
-            f"would graft {len(plan.add)} MTP tensors ({lineage.mtp_bytes} bytes) from {src.label} "
+            f"would graft {len(plan.add)} MTP tensors ({format_bytes(lineage.mtp_bytes)}) from {src.label} "
             f"into {quant.label}; link {len(plan.link)} shard(s), rewrite {len(plan.rewrite)}, "
             f"drop {len(plan.drop)}; {len(plan.metadata.changes)} metadata change(s)"
         )
@@ -390,8 +397,8 @@ def graft(options: GraftOptions) -> GraftResult:
     result.commit = target.commit
     verb = "replaced the MTP of" if plan.removed else "grafted the MTP into"
     result.message = (
-        f"{verb} {result.destination}: {len(plan.add)} tensors, {lineage.mtp_bytes} bytes in "
-        f"{len(result.new_shards)} new shard(s); wrote {result.bytes_written} bytes"
+        f"{verb} {result.destination}: {len(plan.add)} tensors, {format_bytes(lineage.mtp_bytes)} in "
+        f"{len(result.new_shards)} new shard(s); wrote {format_bytes(result.bytes_written)}"
     )
     return _finish(result, t0, quant, src)
 
@@ -440,7 +447,8 @@ def _metadata_only(options: GraftOptions, plan: Plan, result: GraftResult, layer
     result.action = "metadata"
     result.destination = str(target.root if target.root is not None else target.od.final)
     result.commit = target.commit
-    result.message = f"{what} in {result.destination}: {'; '.join(plan.metadata.changes)}"
+    changes = "; ".join(plan.metadata.changes)
+    result.message = f"{what} in {result.destination}: {changes}" if changes else f"{what}: wrote {result.destination}"
     return result
 
 

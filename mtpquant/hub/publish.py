@@ -26,12 +26,14 @@ import dataclasses
 import logging
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from fnmatch import fnmatch
 from pathlib import Path
 from typing import Any
 
 from mtpquant import __version__
+from mtpquant.checkpoint.header import MAX_HEADER_BYTES
 from mtpquant.errors import (
     CheckpointError,
     ConfigError,
@@ -80,8 +82,6 @@ _HIDDEN = [".*", "*/.*"]
 _LOCAL_ONLY = ["validation/logs/*"]
 # Index problems that make OUT incomplete (a file or tensor the index names is absent): refused, --force or not.
 _INCOMPLETE = frozenset({"missing_shard", "missing_tensor"})
-# Non-weight files up to this size are checked for the token before anything is sent.
-_SECRET_SCAN_LIMIT = 64 * 1024 * 1024
 _LICENSE_FILES = ("LICENSE", "LICENSE.txt", "LICENSE.md")
 _BRANCH_RE = re.compile(r"[A-Za-z0-9._/-]+")
 
@@ -186,10 +186,10 @@ def plan_files(out: Path) -> list[PublishFile]:
         rel = p.relative_to(out)
         if any(part.startswith(".") for part in rel.parts) or any(fnmatch(rel.as_posix(), g) for g in _LOCAL_ONLY):
             continue
-        if p.is_symlink():
-            target = p.resolve()
-            if root not in target.parents:
-                raise PublishRefusedError(f"{out}/{rel.as_posix()}: symlink points outside OUT; refusing to upload it")
+        real = p.resolve()  # every file's real path: a link, or a file in a linked directory, must stay inside OUT
+        if real != root and root not in real.parents:
+            what = "symlink points" if p.is_symlink() else "resolves to a path"
+            raise PublishRefusedError(f"{out}/{rel.as_posix()}: {what} outside OUT; refusing to upload it")
         if p.is_file():
             files.append(PublishFile(rel.as_posix(), p.stat().st_size))
         elif not p.is_dir():
@@ -202,10 +202,46 @@ _CARRIED_PREFIXES = ("tokenizer", "vocab", "merges", "special_tokens", "added_to
 _TEXT_SUFFIXES = (".json", ".md", ".yaml", ".yml", ".txt", ".jinja", ".log", ".csv")
 
 
+_ANY_TOKEN = re.compile(rb"(?<![A-Za-z0-9])hf_[A-Za-z0-9]{30,}")  # a Hub user access token, whoever's
+_SCAN_CHUNK = 8 * 1024 * 1024
+
+
+def _scan(
+    path: Path, tokens: Sequence[bytes], paths: Sequence[bytes], *, header_only: bool
+) -> tuple[str, bytes] | None:
+    """What private string ``path`` holds, if any: ``("token", t)`` (one of ``tokens``), ``("any-token", t)`` (any Hub
+    token), ``("path", p)`` (one of ``paths``), in that order of precedence within a piece. Streamed, pieces overlapping
+    so nothing is missed at a seam; of a safetensors shard only its header (``__metadata__`` and the tensor table)."""
+    overlap = max([64, *(len(n) for n in (*tokens, *paths))])
+    with path.open("rb") as fh:
+        limit = None
+        if header_only:
+            first8 = fh.read(8)
+            limit = min(int.from_bytes(first8, "little"), MAX_HEADER_BYTES) if len(first8) == 8 else 0
+        tail = b""
+        read = 0
+        while True:
+            want = _SCAN_CHUNK if limit is None else min(_SCAN_CHUNK, limit - read)
+            piece = fh.read(want) if want > 0 else b""
+            if not piece:
+                return None
+            read += len(piece)
+            data = tail + piece
+            hit = next((("token", t) for t in tokens if t in data), None)
+            m = _ANY_TOKEN.search(data) if hit is None else None
+            hit = hit or (("any-token", m.group(0)) if m is not None else None)
+            hit = hit or next((("path", p) for p in paths if p in data), None)
+            if hit is not None:
+                return hit
+            tail = data[-overlap:]
+
+
 def _refuse_private(out: Path, files: list[PublishFile], card: str, secrets: list[str]) -> None:
-    """Refuse to upload what must stay private, reading each non-weight file once: a file that holds the Hub token
-    (a provenance file, a log, notes...), checked first; then a file that names a local directory by its absolute
-    path (a user's directory layout is private): the card, and every text file mtpquant or another tool wrote."""
+    """Refuse to upload what must stay private, reading each file once, streamed, whatever its suffix or size (of a
+    weight shard its header: ``__metadata__`` and tensor names): a file that holds a Hub token (the one in use, or
+    any ``hf_...`` token), checked first; then a file that names a local directory by its absolute path (a user's
+    directory layout is private): the card, the shards' headers and every text file mtpquant or another tool wrote
+    (carried tokenizer files excepted: their vocabulary can hold any string)."""
     tokens = [s.encode("utf-8") for s in secrets if len(s) >= 8]
     paths = [n.encode("utf-8") for n in local_path_needles(out)]
 
@@ -215,20 +251,22 @@ def _refuse_private(out: Path, files: list[PublishFile], card: str, secrets: lis
     leak = named_path(card.encode("utf-8"))
     first_leak = (CARD_NAME, leak) if leak else None
     for f in files:
-        if f.path.endswith(".safetensors") or f.size > _SECRET_SCAN_LIMIT:
-            continue
+        weight = f.path.endswith(".safetensors")
         name = f.path.rsplit("/", 1)[-1]
-        scan_paths = f.path != CARD_NAME and f.path.endswith(_TEXT_SUFFIXES) and not name.startswith(_CARRIED_PREFIXES)
-        if not tokens and not (scan_paths and first_leak is None):
+        scan_paths = f.path != CARD_NAME and first_leak is None and (
+            weight or (f.path.endswith(_TEXT_SUFFIXES) and not name.startswith(_CARRIED_PREFIXES))
+        )
+        hit = _scan(out / f.path, tokens, paths if scan_paths else [], header_only=weight)
+        if hit is None:
             continue
-        data = (out / f.path).read_bytes()
-        if any(t in data for t in tokens):
+        kind, found = hit
+        if kind != "path":
+            what = "the Hub token" if kind == "token" else "a Hub token (hf_...)"
+            where = "its header" if weight else "it"
             raise PublishRefusedError(
-                f"{out}/{f.path} contains the Hub token; refusing to upload it (remove the token from the file)"
+                f"{out}/{f.path} contains {what}; refusing to upload it (remove the token from {where})"
             )
-        if scan_paths and first_leak is None:
-            leak = named_path(data)
-            first_leak = (f.path, leak) if leak else None
+        first_leak = (f.path, found.decode("utf-8"))
     if first_leak is not None:
         path, needle = first_leak
         raise PublishRefusedError(
@@ -373,11 +411,24 @@ def publish(opts: PublishOptions) -> PublishResult:
 
     from mtpquant.checkpoint.writer import atomic_write_bytes
 
-    if base is not None:
-        atomic_write_bytes(out / PROVENANCE_FILE, provenance.to_bytes())
-    if action != "kept":
-        atomic_write_bytes(out / CARD_NAME, card_bytes)
-    return _upload(opts, out, result, secrets)
+    # the card (and the base model recorded) go into OUT for the upload; a failed upload puts OUT back as it was
+    writes = {PROVENANCE_FILE: provenance.to_bytes() if base is not None else None}
+    writes[CARD_NAME] = card_bytes if action != "kept" else None
+    before = {name: (out / name).read_bytes() if (out / name).is_file() else None for name in writes}
+    for name, data in writes.items():
+        if data is not None:
+            atomic_write_bytes(out / name, data)
+    try:
+        return _upload(opts, out, result, secrets)
+    except MtpquantError:
+        for name, data in writes.items():
+            if data is not None:
+                old = before[name]
+                if old is None:
+                    (out / name).unlink(missing_ok=True)
+                else:
+                    atomic_write_bytes(out / name, old)
+        raise
 
 
 def _check_kept_card(out: Path, text: str) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 from mtpquant.checkpoint.header import bulk_parse
 from mtpquant.checkpoint.source import CheckpointSource
 from mtpquant.checkpoint.table import Checkpoint
+from mtpquant.engine.server import ENGINE_NAMES
 from mtpquant.errors import ExitCode
 from mtpquant.families import EngineRules, family, is_mtp_name
 from mtpquant.formats.quant_config import QuantMetadata
@@ -58,6 +59,7 @@ _SEVERITY = (
 )
 
 NUM_SPECULATIVE_TOKENS = 3
+MISSING = "MTP declared but missing: speculative decoding will accept nothing"
 
 
 @dataclass
@@ -108,6 +110,8 @@ class InspectReport:
     serve_commands: dict[str, str]
     failures: list[Finding] = field(default_factory=list)
     warnings: list[Finding] = field(default_factory=list)
+    fixes: list[str] = field(default_factory=list)  # the commands that repair the failures, where one does
+    mtp_removed: str | None = None  # the MTP mode (drop / extract) an mtpquant run removed the MTP with
     bytes_fetched: int = 0
     requests: int = 0  # network requests (a Hub repo); 0 for a local directory
     checkpoint_bytes: int = 0
@@ -131,10 +135,6 @@ class InspectReport:
             if cat in cats:
                 return code
         return 0
-
-    def strict_exit_code(self) -> int:
-        """The exit code under ``--strict``: warnings with a category count too."""
-        return self.exit_code(strict=True)
 
     def to_json(self) -> dict[str, Any]:
         """The stable JSON form (schema in docs/inspect.md)."""
@@ -231,9 +231,21 @@ def _module_reports(
     return reports, findings
 
 
+def _removed_on_purpose(ckpt: Checkpoint) -> str | None:
+    """``drop`` / ``extract`` when an mtpquant run removed the MTP of a checkpoint whose family has no config key to
+    un-declare it (Qwen3-Next: engines assume one layer), as its provenance file records; else None."""
+    if ckpt.spec.family.mtp_key is not None or ckpt.mtp_tensors():
+        return None
+    from mtpquant.provenance import source_provenance
+
+    mode = source_provenance(ckpt.source).mode
+    return mode if mode in ("drop", "extract") else None
+
+
 def _mtp_section(ckpt: Checkpoint, meta: QuantMetadata | None, report: dict[str, Any]) -> list[Finding]:
     findings: list[Finding] = []
     spec = ckpt.spec
+    report["mtp_removed"] = _removed_on_purpose(ckpt)
     present = ckpt.mtp_tensors()
     present_names = {e.name for e in present}
     expected = spec.expected_mtp_shapes(present_names)
@@ -264,9 +276,8 @@ def _mtp_section(ckpt: Checkpoint, meta: QuantMetadata | None, report: dict[str,
         "absent" if not present else (precs[0] if len(precs) == 1 else "mixed: " + ", ".join(precs))
     )
     if spec.mtp.declared and not present:
-        findings.append(
-            Finding("declared_missing", "MTP declared but missing: speculative decoding will accept nothing")
-        )
+        if report["mtp_removed"] is None:
+            findings.append(Finding("declared_missing", MISSING))
     elif spec.mtp.declared and missing:
         findings.append(
             Finding(
@@ -438,7 +449,12 @@ def _verdicts(
     # modules vLLM refuses outright (fused shards disagree) come first: that is the load error users see
     broken = sorted((m for m in mods if not m.consistent), key=lambda m: m.vllm_quantized is not None)
     if report["mtp_declared"] and not present:
-        msg = "MTP declared but missing: speculative decoding will accept nothing"
+        msg = MISSING
+        if report["mtp_removed"] is not None:
+            msg = (
+                f"no MTP (removed on purpose: convert --mtp {report['mtp_removed']}); the config cannot un-declare it, "
+                "so serve without MTP speculative decoding"
+            )
         return {"vllm": msg, "sglang": msg}, {}, notes
     if not report["mtp_declared"]:
         msg = "no MTP declared: speculative decoding with MTP is not available"
@@ -558,6 +574,7 @@ def _inspect(ckpt: Checkpoint, t0: float) -> InspectReport:
     if index_problems:
         verdicts = dict.fromkeys(verdicts, f"index corrupt: {index_problems[0].message}")
         serve = {}
+    verdicts = {e: v if v.startswith(ENGINE_NAMES[e]) else f"{ENGINE_NAMES[e]}: {v}" for e, v in verdicts.items()}
     quant = {
         "method": meta.method if meta else None,
         "vllm_method": meta.vllm_method if meta else None,
@@ -587,9 +604,24 @@ def _inspect(ckpt: Checkpoint, t0: float) -> InspectReport:
         serve_commands=serve,
         failures=failures,
         warnings=warnings,
+        fixes=_fixes(label, failures, report["mtp_modules"], report["mtp_declared"]),
         bytes_fetched=ckpt.source.bytes_read,
         requests=ckpt.source.requests,
         checkpoint_bytes=ckpt.total_bytes,
         seconds=round(time.perf_counter() - t0, 3),
         **report,
     )
+
+
+def _fixes(label: str, failures: list[Finding], mtp_modules: list[ModuleReport], declared: bool) -> list[str]:
+    """The commands that repair what failed, where mtpquant has one: an MTP declared but missing or incomplete goes
+    back in with graft from the checkpoint that has it; MTP exclusions that disagree with the tensors (or an MTP not
+    declared) are rewritten by graft --fix-metadata."""
+    cats = {f.category for f in failures}
+    name = label.rstrip("/").rsplit("/", 1)[-1].split("@", 1)[0]
+    out = []
+    if "declared_missing" in cats and declared:
+        out.append(f"mtpquant graft {label} --from SRC --out {name}-mtp   (SRC: the BF16 checkpoint it was made from)")
+    if (not declared and "declared_missing" in cats) or any(not m.consistent for m in mtp_modules):
+        out.append(f"mtpquant graft {label} --fix-metadata --out {name}-fixed")
+    return out

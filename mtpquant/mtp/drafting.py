@@ -1,23 +1,27 @@
 """Drafting with the MTP layer as the engines do: teacher-forced rows, chained greedy drafts.
 
-``draft_chain`` is the engines' loop for one step (the accepted rows, then the layer's own output and
+``draft_chain`` is the engines' loop for one step (the accepted rows, then the layer's own next-step hidden and
 argmax fed back k - 1 times). ``chain_logits`` computes that chain from every row of one sequence at once, batched
 over rows: each row's queries see the teacher-forced cache up to their own row plus their own chain (an explicit
 mask), so the tokens are those of ``draft_chain`` from that row (tests/test_mtp_module.py) while the layer runs
 k passes instead of k per row; fed the sequence's own tokens instead of its argmax, it is the chain of sampled
-drafts that were accepted. ``draft_rows`` is its argmax.
+drafts that were accepted. ``draft_rows`` is its argmax. Any MTP with a ``step`` method (``mtp.step.MtpForward``)
+drafts here: for Qwen3.5 the head and the next step read the same output; for Qwen4-Exp the next step reads the
+multi-stream one, and with ``index_share_for_mtp_iteration`` steps 2..k attend to the keys the first step's indexer
+selected for the row (vLLM's ``set_skip_topk``: ``mtp.qwen4_exp``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from mtpquant.mtp.module import KVCache, MtpLayer
+from mtpquant.mtp.step import MtpForward, MtpStep
 
 __all__ = [
     "DraftResult",
@@ -39,23 +43,27 @@ def mtp_logits(mtp_out: Tensor, lm_head_weight: Tensor) -> Tensor:
 class TeacherForcedResult:
     """MTP outputs for every row of a sequence; row t's logits predict ``x_{t+2}``."""
 
-    mtp_out: Tensor
+    step: MtpStep
     logits: Tensor
-    past_kv: KVCache
+
+    @property
+    def mtp_out(self) -> Tensor:
+        """The stream the LM head reads, ``[B, T, H]``."""
+        return self.step.out
 
 
 def teacher_forced(
-    layer: MtpLayer,
+    layer: MtpForward,
     hidden: Tensor,
     next_tokens: Tensor,
     embed_fn: Callable[[Tensor], Tensor],
     lm_head_weight: Tensor,
     positions: Tensor | None = None,
 ) -> TeacherForcedResult:
-    """One causal pass over ``h_0..h_{T-1}`` ``[B, T, H]`` and ``x_1..x_T`` ``[B, T]`` (k = 1)."""
+    """One causal pass over ``h_0..h_{T-1}`` ``[B, T, *]`` and ``x_1..x_T`` ``[B, T]`` (k = 1)."""
     with torch.no_grad():
-        out, cache = layer(hidden, embed_fn(next_tokens), positions)
-        return TeacherForcedResult(out, mtp_logits(out, lm_head_weight), cache)
+        step = layer.step(hidden, embed_fn(next_tokens), positions)
+        return TeacherForcedResult(step, mtp_logits(step.out, lm_head_weight))
 
 
 @dataclass(frozen=True)
@@ -65,24 +73,25 @@ class DraftResult:
     tokens: Tensor
     logits: Tensor
     mtp_out: Tensor
-    past_kv: KVCache
+    past_kv: Any
 
 
 def draft_chain(
-    layer: MtpLayer,
+    layer: MtpForward,
     hidden: Tensor,
     next_tokens: Tensor,
     embed_fn: Callable[[Tensor], Tensor],
     lm_head_weight: Tensor,
     k: int,
-    past_kv: KVCache | None = None,
+    past_kv: Any = None,
     positions: Tensor | None = None,
 ) -> DraftResult:
     """Draft k tokens greedily, reusing the one layer and its cache as the engines do.
 
-    Step 1 runs the rows ``hidden`` ``[B, T, H]`` / ``next_tokens`` ``[B, T]`` (T >= 1; usually the
+    Step 1 runs the rows ``hidden`` ``[B, T, *]`` / ``next_tokens`` ``[B, T]`` (T >= 1; usually the
     rows accepted since the last step) and drafts from the last row. Step j+1 feeds step j's own
-    post-norm output as ``h`` and its argmax token as the input token, at position + 1.
+    next-step hidden (Qwen3.5: its post-norm output) and its argmax token as the input token, at position + 1;
+    with index sharing it attends to the keys step 1 selected for the last row (and none of the chain's).
     """
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
@@ -96,22 +105,29 @@ def draft_chain(
     outs: list[Tensor] = []
     with torch.no_grad():
         h, x, pos, cache = hidden, next_tokens, positions, past_kv
-        for _ in range(k):
-            out, cache = layer(h, embed_fn(x), pos, cache)
-            last = out[:, -1:]
+        shared: Tensor | None = None
+        for j in range(k):
+            selection = None
+            if shared is not None:  # the first step's selection for the drafting row, none of the chain's keys
+                pad = torch.zeros(*shared.shape[:-1], j, dtype=torch.bool, device=shared.device)
+                selection = torch.cat((shared, pad), dim=-1)
+            step = layer.step(h, embed_fn(x), pos, cache, step=j, selection=selection)
+            cache = step.cache
+            if j == 0 and layer.index_share and step.selection is not None:
+                shared = step.selection[:, :, -1:]
+            last = step.out[:, -1:]
             step_logits = mtp_logits(last, lm_head_weight)
             token = step_logits.argmax(dim=-1)
             tokens.append(token)
             logits.append(step_logits)
             outs.append(last)
-            h, x, pos = last, token, pos[:, -1:] + 1
-    assert cache is not None
+            h, x, pos = step.next_hidden[:, -1:], token, pos[:, -1:] + 1
     return DraftResult(torch.cat(tokens, 1), torch.cat(logits, 1), torch.cat(outs, 1), cache)
 
 
 def chain_logits(
-    layer: MtpLayer,
-    teacher: tuple[Tensor, KVCache],
+    layer: MtpForward,
+    teacher: MtpStep,
     rows: range,
     embed_fn: Callable[[Tensor], Tensor],
     lm_head_weight: Tensor,
@@ -123,27 +139,30 @@ def chain_logits(
     """The MTP chain of k steps from each of ``rows`` of one sequence, ``chunk`` rows at a time: yields the rows ``t``
     ``[R]`` and the logits of every step ``[R, k, V]``.
 
-    ``teacher`` is the layer's teacher-forced pass over the sequence (``layer(hidden, embed(x))`` with batch 1): its
-    output at row t is step 1 of row t's chain and its cache up to row t what the chain attends to. Step j + 1 runs
-    on step j's own output, at position t + j, masked to row t's prefix and its own chain, with the token step j
-    drafted: its argmax (``feed`` None: the engines' greedy chain, ``draft_chain``), or the sequence's own token
-    ``feed[t + 1 + j]`` (a chain fed the tokens that were actually emitted, what an accepted sampled draft was;
-    where the sequence has ended, the argmax).
+    ``teacher`` is the layer's teacher-forced pass over the sequence (``layer.step(hidden, embed(x))`` with batch
+    1): its output at row t is step 1 of row t's chain and its cache up to row t what the chain attends to. Step
+    j + 1 runs on step j's next-step hidden, at position t + j, masked to row t's prefix and its own chain (with index
+    sharing: to the keys the teacher pass selected for row t), with the token step j drafted: its argmax (``feed``
+    None: the engines' greedy chain, ``draft_chain``), or the sequence's own token ``feed[t + 1 + j]`` (a chain fed
+    the tokens that were actually emitted, what an accepted sampled draft was; where the sequence has ended, the
+    argmax).
     """
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
-    out, cache = teacher
+    out, nxt, cache = teacher.out, teacher.next_hidden, teacher.cache
     if out.shape[0] != 1:
         raise ValueError(f"the teacher-forced pass must have batch 1, got {tuple(out.shape)}")
+    shared = layer.index_share and teacher.selection is not None
     with torch.no_grad():
         for start in range(rows.start, rows.stop, chunk):
             t = torch.arange(start, min(start + chunk, rows.stop), device=out.device)
-            h = out[0, t][:, None]  # [R, 1, H]
-            step_logits = mtp_logits(h, lm_head_weight)  # [R, 1, V]
+            h = nxt[0, t][:, None]  # [R, 1, *]
+            step_logits = mtp_logits(out[0, t][:, None], lm_head_weight)  # [R, 1, V]
             logits = [step_logits]
             prefix = torch.arange(cache.length, device=out.device)[None, :] <= t[:, None]  # [R, L]
-            keys = [cache.key.expand(len(t), -1, -1, -1)]
-            values = [cache.value.expand(len(t), -1, -1, -1)]
+            first = teacher.selection[0, 0, t].to(out.device) if shared and teacher.selection is not None else None
+            base = cache.expand(len(t))
+            parts: list[Any] = []
             for step in range(1, k):
                 token = step_logits.argmax(dim=-1)  # [R, 1]
                 if feed is not None:
@@ -151,20 +170,23 @@ def chain_logits(
                     inside = pos < feed.shape[0]
                     fed = feed.to(out.device)[pos.clamp_max(feed.shape[0] - 1)][:, None]
                     token = torch.where(inside[:, None], fed, token)
-                past = KVCache(torch.cat(keys, dim=2), torch.cat(values, dim=2))
+                past = base.cat(parts)
                 own = torch.ones(len(t), step, dtype=torch.bool, device=out.device)  # earlier chain rows + itself
                 mask = torch.cat((prefix, own), dim=1)[:, None, None, :]
-                h, new = layer(h, embed_fn(token), (t + step)[:, None], past, attn_mask=mask)
-                keys.append(new.key[:, :, -1:])
-                values.append(new.value[:, :, -1:])
-                step_logits = mtp_logits(h, lm_head_weight)
+                selection = None
+                if first is not None:
+                    selection = torch.cat((first, torch.zeros_like(own)), dim=1)[:, None, None, :]
+                new = layer.step(h, embed_fn(token), (t + step)[:, None], past, mask, step=step, selection=selection)
+                parts.append(new.cache.last(1))
+                step_logits = mtp_logits(new.out, lm_head_weight)
+                h = new.next_hidden
                 logits.append(step_logits)
             yield t, torch.cat(logits, dim=1)
 
 
 def draft_rows(
-    layer: MtpLayer,
-    teacher: tuple[Tensor, KVCache],
+    layer: MtpForward,
+    teacher: MtpStep,
     rows: range,
     embed_fn: Callable[[Tensor], Tensor],
     lm_head_weight: Tensor,

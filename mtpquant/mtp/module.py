@@ -14,7 +14,7 @@ transformers' ``Qwen3_5RMSNorm``, ``apply_rotary_pos_emb``, ``Qwen3_5Attention``
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from mtpquant.families import MTP_PREFIX, MtpConfig
 from mtpquant.families.qwen3 import qwen3_mtp_shapes
+from mtpquant.mtp.step import MtpStep
 
 __all__ = [
     "KVCache",
@@ -53,6 +54,25 @@ def mtp_tensor_shapes(cfg: MtpConfig) -> dict[str, tuple[int, ...]]:
     return qwen3_mtp_shapes(text, 1, moe=cfg.is_moe)
 
 
+def check_mtp_tensors(expected: Mapping[str, tuple[int, ...]], tensors: Mapping[str, Tensor]) -> None:
+    """The ``mtp.*`` tensors must be exactly ``expected`` (names and shapes); MtpLayoutError names each missing,
+    unexpected or misshapen tensor."""
+    problems: list[str] = []
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    misshapen = sorted(
+        f"{name} {tuple(tensors[name].shape)} (expected {expected[name]})"
+        for name in set(expected) & set(tensors)
+        if tuple(tensors[name].shape) != expected[name]
+    )
+    for label, names in (("missing", missing), ("unexpected", unexpected), ("misshapen", misshapen)):
+        if names:
+            shown = ", ".join(names[:8]) + (f", … ({len(names) - 8} more)" if len(names) > 8 else "")
+            problems.append(f"{len(names)} {label}: {shown}")
+    if problems:
+        raise MtpLayoutError("MTP tensors do not match the config: " + "; ".join(problems))
+
+
 class ZeroCentredRMSNorm(nn.Module):
     """``y = x / rms(x) * (1 + w)`` in float32, cast back to x's dtype (transformers' Qwen3_5RMSNorm)."""
 
@@ -80,6 +100,19 @@ class KVCache:
     def length(self) -> int:
         """Number of cached positions."""
         return int(self.key.shape[2])
+
+    def expand(self, batch: int) -> KVCache:
+        """The batch-1 cache repeated ``batch`` times (views, no copy)."""
+        return KVCache(self.key.expand(batch, -1, -1, -1), self.value.expand(batch, -1, -1, -1))
+
+    def last(self, rows: int) -> KVCache:
+        """The last ``rows`` cached positions."""
+        return KVCache(self.key[:, :, -rows:], self.value[:, :, -rows:])
+
+    def cat(self, parts: Sequence[KVCache]) -> KVCache:
+        """This cache followed by the positions of ``parts`` (same batch)."""
+        keys = torch.cat([self.key, *(p.key for p in parts)], dim=2)
+        return KVCache(keys, torch.cat([self.value, *(p.value for p in parts)], dim=2))
 
 
 def _rotate_half(x: Tensor) -> Tensor:
@@ -282,22 +315,7 @@ class MtpLayer(nn.Module):
         The tensors are adopted, not copied, unless ``dtype``/``device`` asks for a conversion.
         Raises MtpLayoutError naming each missing, unexpected or misshapen tensor.
         """
-        expected = mtp_tensor_shapes(cfg)
-        problems: list[str] = []
-        missing = sorted(set(expected) - set(tensors))
-        unexpected = sorted(set(tensors) - set(expected))
-        misshapen = sorted(
-            f"{name} {tuple(tensors[name].shape)} (expected {expected[name]})"
-            for name in set(expected) & set(tensors)
-            if tuple(tensors[name].shape) != expected[name]
-        )
-        for label, names in (("missing", missing), ("unexpected", unexpected), ("misshapen", misshapen)):
-            if names:
-                shown = ", ".join(names[:8]) + (f", … ({len(names) - 8} more)" if len(names) > 8 else "")
-                problems.append(f"{len(names)} {label}: {shown}")
-        if problems:
-            raise MtpLayoutError("MTP tensors do not match the config: " + "; ".join(problems))
-
+        check_mtp_tensors(mtp_tensor_shapes(cfg), tensors)
         with torch.device("meta"):
             layer = cls(cfg)
         state = {name[len(MTP_PREFIX) :]: t.to(device=device, dtype=dtype) for name, t in tensors.items()}
@@ -344,3 +362,23 @@ class MtpLayer(nn.Module):
         z = self.fc(torch.cat((e, h), dim=-1))
         z, cache = self.layers[0](z, positions, past_kv, attn_mask)
         return self.norm(z), cache
+
+    # The drafting loop's interface (``mtp.step.MtpForward``): one layer, its output read by the head and by the
+    # next draft step alike, no token selection to share.
+    index_share = False
+
+    def step(
+        self,
+        hidden: Tensor,
+        next_tokens_embeds: Tensor,
+        positions: Tensor | None = None,
+        past: KVCache | None = None,
+        attn_mask: Tensor | None = None,
+        *,
+        step: int = 0,
+        selection: Tensor | None = None,
+    ) -> MtpStep:
+        """``forward`` as an ``MtpStep`` (``step`` and ``selection`` do not apply: one layer, no indexer)."""
+        del step, selection
+        out, cache = self(hidden, next_tokens_embeds, positions, past, attn_mask)
+        return MtpStep(out, out, cache)

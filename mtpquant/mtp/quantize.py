@@ -27,14 +27,15 @@ from collections import defaultdict
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mtpquant.families import MTP_PREFIX, MtpLayout, family, matches
+from mtpquant.families import FUSED_EXPERT_PIECES, MTP_PREFIX, MtpLayout, family, matches
 from mtpquant.formats.fp8 import fp8_scale_from_amax, quantize_fp8_per_tensor
 from mtpquant.formats.nvfp4 import input_scale_from_amax, quantize_nvfp4, shared_global_scale
-from mtpquant.mtp.module import MtpLayer
 
 __all__ = [
     "MTP_FORMATS",
@@ -45,6 +46,8 @@ __all__ = [
     "mtp_fused_groups",
     "mtp_linear_modules",
     "mtp_quantized_modules",
+    "per_expert_shapes",
+    "per_expert_weights",
     "quantize_mtp",
 ]
 
@@ -56,6 +59,42 @@ _QWEN3_MTP = family("qwen3_5").mtp
 _EXPERT = re.compile(r"^(?P<moe>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>\w+)$")
 
 
+_FUSED_EXPERTS = re.compile(r"^(?P<stem>.*\.mlp\.experts)\.(?P<fused>" + "|".join(FUSED_EXPERT_PIECES) + r")$")
+
+
+def per_expert_shapes(shapes: Mapping[str, Sequence[int]]) -> dict[str, tuple[int, ...]]:
+    """``shapes`` with fused 3-D experts (``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj`` [E, H, I]) as the
+    per-expert Linears they hold (``experts.{e}.gate_proj.weight`` [I, H], ...): the form quantized experts are
+    written in (modelopt exports fused experts per expert, and vLLM loads that form)."""
+    out: dict[str, tuple[int, ...]] = {}
+    for name, shape in shapes.items():
+        m = _FUSED_EXPERTS.match(name)
+        if m is None or len(shape) != 3:
+            out[name] = tuple(shape)
+            continue
+        pieces = FUSED_EXPERT_PIECES[m["fused"]]
+        rows = shape[1] // len(pieces)
+        for e in range(shape[0]):
+            for p in pieces:
+                out[f"{m['stem']}.{e}.{p}.weight"] = (rows, shape[2])
+    return out
+
+
+def per_expert_weights(weights: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """``weights`` with fused 3-D experts split into per-expert Linear weights (``per_expert_shapes``; views)."""
+    out: dict[str, Tensor] = {}
+    for name, t in weights.items():
+        m = _FUSED_EXPERTS.match(name)
+        if m is None or t.dim() != 3:
+            out[name] = t
+            continue
+        pieces = FUSED_EXPERT_PIECES[m["fused"]]
+        for e in range(t.shape[0]):
+            for p, part in zip(pieces, t[e].chunk(len(pieces), dim=0)):
+                out[f"{m['stem']}.{e}.{p}.weight"] = part
+    return out
+
+
 def mtp_linear_modules(weight_shapes: Mapping[str, Sequence[int]]) -> list[str]:
     """Checkpoint module names of every MTP Linear (2-D ``mtp.*.weight``), sorted."""
     return sorted(
@@ -65,20 +104,39 @@ def mtp_linear_modules(weight_shapes: Mapping[str, Sequence[int]]) -> list[str]:
     )
 
 
-def mtp_excluded_modules(modules: Sequence[str], layout: MtpLayout = _QWEN3_MTP) -> list[str]:
-    """The MTP Linears kept in BF16 (Qwen3.5: ``mtp.fc``, router, shared_expert_gate): exact names to exclude."""
-    return sorted(m for m in modules if layout.is_unquantized(m))
+def mtp_excluded_modules(modules: Sequence[str], layout: MtpLayout = _QWEN3_MTP, targets: str = "all") -> list[str]:
+    """The MTP Linears kept in BF16, as exact names to exclude: the family's (Qwen3.5: ``mtp.fc``, router,
+    shared_expert_gate), and with ``targets="experts"`` every Linear the engine builds that is not a routed expert."""
+    quantized = set(mtp_quantized_modules(modules, layout, targets))
+    built = {m for m in modules if _engine_linear(m, layout)}
+    return sorted(m for m in modules if layout.is_unquantized(m) or (m in built and m not in quantized))
 
 
-def mtp_quantized_modules(modules: Sequence[str], layout: MtpLayout = _QWEN3_MTP) -> list[str]:
+def mtp_quantized_modules(modules: Sequence[str], layout: MtpLayout = _QWEN3_MTP, targets: str = "all") -> list[str]:
     """The MTP Linears quantize mode quantizes: those the engine builds as quantizable Linears
-    (``MtpLayout.engine_linears``; Qwen3.5: attention, MLP, shared and routed experts) less the ones kept BF16."""
-    return sorted(m for m in modules if matches(m, layout.engine_linears) and not layout.is_unquantized(m))
+    (``MtpLayout.engine_linears``; Qwen3.5: attention, MLP, shared and routed experts) less the ones kept BF16;
+    with ``targets="experts"`` (a recipe that quantizes the main model's routed experts only) the routed experts."""
+    return sorted(
+        m
+        for m in modules
+        if _engine_linear(m, layout)
+        and not layout.is_unquantized(m)
+        and (targets == "all" or _EXPERT.match(m) is not None)
+    )
 
 
-def mtp_fused_groups(modules: Sequence[str], layout: MtpLayout = _QWEN3_MTP) -> list[list[str]]:
+def _engine_linear(module: str, layout: MtpLayout) -> bool:
+    """Whether the engine builds ``module`` with the draft's quantization config: a listed Linear, or one expert
+    Linear of a listed MoE ``experts`` module (``...mlp.experts.{e}.gate_proj`` of ``...mlp.experts``)."""
+    if matches(module, layout.engine_linears):
+        return True
+    expert = _EXPERT.match(module)
+    return expert is not None and matches(expert["moe"], layout.engine_linears)
+
+
+def mtp_fused_groups(modules: Sequence[str], layout: MtpLayout = _QWEN3_MTP, targets: str = "all") -> list[list[str]]:
     """Groups of quantized Linears fed by one input: q/k/v, gate/up (dense, shared, each expert)."""
-    present = set(mtp_quantized_modules(modules, layout))
+    present = set(mtp_quantized_modules(modules, layout, targets))
     groups: list[list[str]] = []
     seen: set[str] = set()
     for m in sorted(present):
@@ -108,26 +166,60 @@ def _natural(name: str) -> list[object]:
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
 
 
-class MtpCalibrator:
-    """Records the input amax of every MTP Linear while the layer runs on real activations."""
+def _is_fused_experts(module: nn.Module) -> bool:
+    """transformers' fused experts (3-D ``gate_up_proj`` / ``down_proj`` parameters, e.g. ``Qwen4ExpTextExperts``)."""
+    params = dict(module.named_parameters(recurse=False))
+    return all(k in params and params[k].dim() == 3 for k in FUSED_EXPERT_PIECES)
 
-    def __init__(self, layer: MtpLayer) -> None:
+
+class MtpCalibrator:
+    """Records the input amax of every MTP Linear while the layer runs on real activations.
+
+    Linears are observed by forward pre-hooks; fused 3-D experts (transformers' ``Qwen4ExpTextExperts``) by a
+    forward hook that recomputes, per expert, the inputs its eager forward feeds each projection (the routed rows
+    for gate/up, ``act(gate) * up`` of those rows for down), recorded under the per-expert Linear names the
+    quantized experts are written with.
+    """
+
+    def __init__(self, layer: nn.Module) -> None:
         self.layer = layer
         self.linears: dict[str, nn.Linear] = {
             MTP_PREFIX + name: mod for name, mod in layer.named_modules() if isinstance(mod, nn.Linear)
         }
+        self.experts: dict[str, nn.Module] = {
+            MTP_PREFIX + name: mod for name, mod in layer.named_modules() if _is_fused_experts(mod)
+        }
         self.amax: dict[str, Tensor] = {}
         self.rows = 0
 
+    def _record(self, name: str, x: Tensor) -> None:
+        if x.numel() == 0:
+            return
+        # Same reduction as modelopt's MaxCalibrator (`reduce_amax`), in the input's dtype.
+        local = x.detach().abs().amax().float().cpu()
+        prev = self.amax.get(name)
+        self.amax[name] = local if prev is None else torch.maximum(prev, local)
+
+    def _experts_hook(self, name: str) -> object:
+        def record(module: nn.Module, args: tuple[Tensor, ...], _output: Tensor) -> None:
+            hidden, top_k_index = args[0], args[1]
+            gate_up: Tensor = getattr(module, "gate_up_proj")  # noqa: B009 (a parameter, typed as a Tensor here)
+            act: Any = getattr(module, "act_fn")  # noqa: B009
+            for e in torch.unique(top_k_index).tolist():
+                if not 0 <= e < gate_up.shape[0]:
+                    continue
+                token, _slot = torch.where(top_k_index == e)
+                x = hidden[token]
+                gate, up = F.linear(x, gate_up[e]).chunk(2, dim=-1)  # Qwen4ExpTextExperts.forward, eager
+                for proj in FUSED_EXPERT_PIECES["gate_up_proj"]:
+                    self._record(f"{name}.{e}.{proj}", x)
+                self._record(f"{name}.{e}.down_proj", act(gate) * up)
+
+        return record
+
     def _hook(self, name: str) -> object:
         def record(_module: nn.Module, args: tuple[Tensor, ...]) -> None:
-            x = args[0]
-            if x.numel() == 0:
-                return
-            # Same reduction as modelopt's MaxCalibrator (`reduce_amax`), in the input's dtype.
-            local = x.detach().abs().amax().float().cpu()
-            prev = self.amax.get(name)
-            self.amax[name] = local if prev is None else torch.maximum(prev, local)
+            self._record(name, args[0])
 
         return record
 
@@ -135,6 +227,7 @@ class MtpCalibrator:
     def recording(self) -> Iterator[MtpCalibrator]:
         """Hooks attached for the duration of the block."""
         handles = [mod.register_forward_pre_hook(self._hook(name)) for name, mod in self.linears.items()]  # type: ignore[arg-type]
+        handles += [mod.register_forward_hook(self._experts_hook(name)) for name, mod in self.experts.items()]  # type: ignore[arg-type]
         try:
             yield self
         finally:
@@ -143,8 +236,9 @@ class MtpCalibrator:
 
     @torch.no_grad()
     def observe(self, hidden: Tensor, next_token_embeds: Tensor, positions: Tensor | None = None) -> None:
-        """Run the MTP on ``h_t`` (post-final-norm) and ``embed(x_{t+1})``, ``[B, T, H]`` each."""
-        device = self.layer.fc.weight.device
+        """Run the MTP on the target's hidden input (Qwen3.5: post-final-norm ``h_t``; Qwen4-Exp: the multi-stream
+        state) and ``embed(x_{t+1})``, ``[B, T, *]`` each."""
+        device = next(self.layer.parameters()).device
         with self.recording():
             self.layer(hidden.to(device), next_token_embeds.to(device), positions)
         self.rows += int(hidden.shape[0] * hidden.shape[1])
@@ -161,8 +255,11 @@ class MtpQuantResult:
     fmt: str
 
 
-def _input_amax(modules: Sequence[str], observed: Mapping[str, Tensor], layout: MtpLayout) -> dict[str, Tensor]:
-    """Observed input amax with modelopt's sharing: experts per kind, then fused groups."""
+def _input_amax(
+    modules: Sequence[str], observed: Mapping[str, Tensor], layout: MtpLayout, targets: str
+) -> dict[str, Tensor]:
+    """Observed input amax of the quantized ``modules`` with modelopt's sharing: experts per kind, then fused
+    groups."""
     amax = {m: observed[m].float() for m in modules if m in observed}
     for group in mtp_expert_input_groups(modules, layout):
         seen = [amax[m] for m in group if m in amax]
@@ -170,7 +267,7 @@ def _input_amax(modules: Sequence[str], observed: Mapping[str, Tensor], layout: 
             shared = torch.stack(seen).amax()
             for m in group:
                 amax[m] = shared
-    for group in mtp_fused_groups(modules, layout):
+    for group in mtp_fused_groups(modules, layout, targets):
         seen = [amax[m] for m in group if m in amax]
         if seen:
             shared = torch.stack(seen).amax()
@@ -189,21 +286,24 @@ def quantize_mtp(
     *,
     activations: bool = True,
     layout: MtpLayout = _QWEN3_MTP,
+    targets: str = "all",
 ) -> MtpQuantResult:
     """Quantize the MTP Linears of ``weights`` (the source ``mtp.*`` tensors, BF16).
 
     ``input_amax`` maps module names (``mtp.layers.0.self_attn.q_proj``) to the calibrated input
-    amax; required when ``activations`` (W4A4 / FP8 W8A8), ignored otherwise.
+    amax; required when ``activations`` (W4A4 / FP8 W8A8), ignored otherwise. ``targets``: the recipe's
+    (``experts``: the routed experts only, as in the main model).
     """
     if fmt not in MTP_FORMATS:
         raise ValueError(f"MTP format {fmt!r} is not one of {', '.join(MTP_FORMATS)}")
+    weights = per_expert_weights(weights)
     modules = mtp_linear_modules({n: tuple(t.shape) for n, t in weights.items()})
-    quantized = mtp_quantized_modules(modules, layout)
-    excluded = mtp_excluded_modules(modules, layout)
-    amax = _input_amax(quantized, input_amax or {}, layout) if activations else {}
+    quantized = mtp_quantized_modules(modules, layout, targets)
+    excluded = mtp_excluded_modules(modules, layout, targets)
+    amax = _input_amax(quantized, input_amax or {}, layout, targets) if activations else {}
     out: dict[str, Tensor] = {}
     if fmt == "nvfp4":
-        for group in mtp_fused_groups(modules, layout):
+        for group in mtp_fused_groups(modules, layout, targets):
             g = shared_global_scale([weights[m + ".weight"] for m in group])
             for m in group:
                 q = quantize_nvfp4(weights[m + ".weight"], weight_scale_2=g)

@@ -82,6 +82,7 @@ class WriteContext:
     calibrator: Any = None  # quantize: the MtpCalibrator that ran during calibration
     fmt: str = "nvfp4"  # quantize: nvfp4 | fp8
     activations: bool = True  # quantize: W4A4 (input scales) or weights only
+    targets: str = "all"  # quantize: the recipe's targets (experts: the MTP's routed experts only)
     main_algo: str = "NVFP4"  # the main model's quant_algo (an FP8 MTP beside it makes MIXED_PRECISION)
 
 
@@ -105,12 +106,11 @@ def same_bytes(out: Checkpoint, src: Checkpoint, names: list[str], where: str) -
 
 
 def load_mtp_layer(ckpt: Checkpoint, device: Any = None) -> Any:
-    """The reference MtpLayer with the source's ``mtp.*`` weights (for calibration)."""
-    from mtpquant.mtp.module import MtpLayer
+    """The family's reference MTP with the source's ``mtp.*`` weights (for calibration)."""
+    from mtpquant.mtp.build import reference_mtp
 
-    cfg = mtp_config(ckpt.config)
     tensors = {e.name: ckpt.read_tensor(e.name) for e in ckpt.mtp_tensors()}
-    return MtpLayer.from_state_dict(cfg, tensors, device=device)
+    return reference_mtp(ckpt.config, tensors, device=device)
 
 
 class MtpMode:
@@ -120,12 +120,14 @@ class MtpMode:
     declares: ClassVar[bool]  # the output declares the MTP (engines will expect it)
     needs_mtp: ClassVar[bool] = True  # refused for a source without a (complete) MTP
     needs_calibration: ClassVar[bool] = False  # the MTP runs during calibration (quantize)
+    takes_format: ClassVar[bool] = False  # --mtp-format applies (quantize)
     writes_side_output: ClassVar[bool] = False  # the MTP goes to a directory of its own (extract)
 
     # ---- plan time ---------------------------------------------------------------------------------
-    def check(self, ckpt: Checkpoint, fmt: str) -> ModeCheck:
-        """Refuse (one line) a source this mode cannot work on; notes for the plan (``fmt``: quantize's)."""
-        del fmt
+    def check(self, ckpt: Checkpoint, fmt: str, targets: str = "all") -> ModeCheck:
+        """Refuse (one line) a source this mode cannot work on; notes for the plan (``fmt``, ``targets``: the MTP
+        format and the recipe's targets, quantize's)."""
+        del fmt, targets
         if not self.needs_mtp:
             return ModeCheck(self._family_notes(ckpt))
         names = _check_mtp_complete(ckpt, f"--mtp {self.name}")
@@ -160,13 +162,6 @@ class MtpMode:
     def verify(self, out: Checkpoint, src: Checkpoint, outcome: MtpOutcome, where: str) -> None:
         """Mode-specific checks of the finished OUT (beyond the common ones convert runs)."""
         del out, src, outcome, where
-
-    def allowed_findings(self, ckpt: Checkpoint) -> frozenset[str]:
-        """inspect finding categories the output may have by design (Qwen3-Next without MTP: declared_missing)."""
-        if not self.declares and ckpt.spec.family.mtp_key is None:
-            # Qwen3-Next has no config key to un-declare its MTP (engines assume one layer)
-            return frozenset({"declared_missing"})
-        return frozenset()
 
 
 def _check_mtp_complete(ckpt: Checkpoint, flag: str) -> set[str]:
@@ -219,9 +214,10 @@ class QuantizeMode(MtpMode):
     name = "quantize"
     declares = True
     needs_calibration = True
+    takes_format = True
 
-    def check(self, ckpt: Checkpoint, fmt: str) -> ModeCheck:
-        from mtpquant.mtp.quantize import mtp_linear_modules, mtp_quantized_modules
+    def check(self, ckpt: Checkpoint, fmt: str, targets: str = "all") -> ModeCheck:
+        from mtpquant.mtp.quantize import mtp_linear_modules, mtp_quantized_modules, per_expert_shapes
 
         label = ckpt.label
         names = _check_mtp_complete(ckpt, "--mtp quantize")
@@ -238,8 +234,8 @@ class QuantizeMode(MtpMode):
                 f"{label}: MTP tensor {bad_dtype[0]} is {ckpt.tensors[bad_dtype[0]].dtype}; "
                 "--mtp quantize needs a BF16/F16/F32 MTP"
             )
-        shapes = {e.name: e.shape for e in ckpt.mtp_tensors()}
-        quantized = tuple(mtp_quantized_modules(mtp_linear_modules(shapes), ckpt.spec.family.mtp))
+        shapes = per_expert_shapes({e.name: e.shape for e in ckpt.mtp_tensors()})
+        quantized = tuple(mtp_quantized_modules(mtp_linear_modules(shapes), ckpt.spec.family.mtp, targets))
         if fmt == "nvfp4":
             for m in quantized:
                 in_dim = shapes[m + ".weight"][-1]
@@ -258,6 +254,11 @@ class QuantizeMode(MtpMode):
                 "SGLang builds the MTP of a modelopt_fp4 checkpoint in BF16 and cannot load this NVFP4 MTP for NEXTN "
                 "(vLLM serves it; with --format compressed-tensors SGLang builds it NVFP4)"
             ]
+        if targets == "experts":
+            notes.append(
+                "the recipe quantizes routed experts only: so does --mtp quantize (the MTP's attention and shared "
+                "expert stay BF16, excluded by name)"
+            )
         return ModeCheck(tuple(notes), quantized)
 
     def plan_line(self, plan: PlanView) -> str:
@@ -276,7 +277,9 @@ class QuantizeMode(MtpMode):
         layer = ctx.calibrator.layer
         weights = {MTP_PREFIX + n: p.detach().cpu() for n, p in layer.named_parameters()}
         layout = ctx.ckpt.spec.family.mtp
-        result = quantize_mtp(weights, ctx.calibrator.amax, ctx.fmt, activations=ctx.activations, layout=layout)
+        result = quantize_mtp(
+            weights, ctx.calibrator.amax, ctx.fmt, activations=ctx.activations, layout=layout, targets=ctx.targets
+        )
         planned: list[PlannedTensor] = [in_memory(n, t) for n, t in result.tensors.items()]
         kept = [n for n in result.kept_tensors if n in ctx.ckpt.tensors]
         planned += mtp_planned_tensors(ctx.ckpt, kept)
@@ -325,8 +328,8 @@ class DropMode(MtpMode):
     declares = False
     needs_mtp = False
 
-    def check(self, ckpt: Checkpoint, fmt: str) -> ModeCheck:
-        base = super().check(ckpt, fmt)
+    def check(self, ckpt: Checkpoint, fmt: str, targets: str = "all") -> ModeCheck:
+        base = super().check(ckpt, fmt, targets)
         if ckpt.mtp_tensors():
             note = "--mtp drop: the output has no MTP; speculative decoding with MTP will not be available"
             return ModeCheck((note, *base.notes))

@@ -182,6 +182,48 @@ def _pickle(d: Path) -> None:
     (d / "pytorch_model.bin").write_bytes(b"\x80\x04\x95 not loaded, ever")
 
 
+_DEEP = 100_000  # levels of nesting: far past what Python's JSON parser recurses into
+
+
+def _config_deep(d: Path) -> None:
+    (d / "config.json").write_text("[" * _DEEP + "]" * _DEEP)
+
+
+def _index_deep(d: Path) -> None:
+    (d / INDEX_NAME).write_text('{"weight_map": ' + "[" * _DEEP + "]" * _DEEP + "}")
+
+
+def _header_deep(d: Path) -> None:
+    p = d / SHARD_A
+    _, _, data = _header(p)
+    body = ('{"x": ' + "[" * _DEEP + "]" * _DEEP + "}").encode()
+    body += b" " * (-len(body) % 8)
+    p.write_bytes(struct.pack("<Q", len(body)) + body + data)
+
+
+def _config_mtp_layers_huge(d: Path) -> None:
+    config = json.loads((d / "config.json").read_text())
+    config["mtp_num_hidden_layers"] = 10**9
+    (d / "config.json").write_text(json.dumps(config))
+
+
+def _config_experts_huge(d: Path) -> None:
+    config = json.loads((d / "config.json").read_text())
+    config["num_experts"] = 10**9
+    (d / "config.json").write_text(json.dumps(config))
+
+
+def _config_layer_types(d: Path) -> None:
+    config = json.loads((d / "config.json").read_text())
+    config["layer_types"] = ["linear_attention", "full_attention"]  # two kinds for its one layer
+    (d / "config.json").write_text(json.dumps(config))
+
+
+def _symlink_out(d: Path) -> None:
+    # a link out of the checkpoint (a git clone or an archive can carry one): here to the corpus' expected.json
+    (d / "notes.txt").symlink_to(Path("..") / "expected.json")
+
+
 def _unsupported(d: Path) -> None:
     config = json.loads((d / "config.json").read_text())
     config["architectures"], config["model_type"] = ["LlamaForCausalLM"], "llama"
@@ -245,6 +287,32 @@ BAD_CASES: dict[str, tuple[Callable[[Path], None], str]] = {
     "pickle-checkpoint": (
         _pickle,
         "{label}: pytorch_model.bin is a pickle checkpoint; mtpquant never loads pickles (convert it to safetensors)",
+    ),
+    "config-deep-json": (
+        _config_deep,
+        "config.json: not readable JSON (nested deeper than the JSON parser allows)",
+    ),
+    "index-deep-json": (
+        _index_deep,
+        f"{INDEX_NAME}: not readable JSON (nested deeper than the JSON parser allows)",
+    ),
+    "header-deep-json": (_header_deep, f"{SHARD_A}: header is nested deeper than the JSON parser allows"),
+    "config-mtp-layers-huge": (
+        _config_mtp_layers_huge,
+        "config.json: mtp_num_hidden_layers = 1000000000 declares more MTP layers than any model has (at most 16)",
+    ),
+    "config-experts-huge": (
+        _config_experts_huge,
+        "config.json: num_experts = 1000000000 is outside what any model has (0 to 4096)",
+    ),
+    "config-layer-types": (
+        _config_layer_types,
+        "config.json: layer_types lists 2 layers but num_hidden_layers is 1",
+    ),
+    "symlink-out": (
+        _symlink_out,
+        "{label}: notes.txt is a symbolic link that leads outside the checkpoint; mtpquant never follows a link out "
+        "of a checkpoint (copy the file into it)",
     ),
     "unsupported-architecture": (
         _unsupported,

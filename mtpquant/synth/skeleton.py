@@ -43,6 +43,7 @@ from mtpquant.checkpoint.writer import OutputDir
 from mtpquant.families import Family, is_mtp_name, resolve
 from mtpquant.formats.quant_config import HF_QUANT_CONFIG
 from mtpquant.synth.layouts import LayoutRow, expand_layout
+from mtpquant.synth.tiny import check_synthetic_replaceable
 
 __all__ = [
     "MODELOPT_VERSION",
@@ -479,7 +480,7 @@ def make_skeleton(
     by_shard: dict[str, list[SkeletonTensor]] = defaultdict(list)
     for t in tensors:
         by_shard[t.shard].append(t)
-    with OutputDir(Path(out), overwrite=overwrite) as od:
+    with OutputDir(Path(out), overwrite=overwrite, replace_check=check_synthetic_replaceable) as od:
         for shard in sorted(by_shard):
             check_shard_name(shard, where=str(od.final))
             write_sparse_safetensors(od.path / shard, by_shard[shard], {"format": "pt"}, fill)

@@ -22,7 +22,14 @@ from mtpquant.checkpoint.writer import OutputDir
 from mtpquant.families import FAMILIES, is_mtp_name, resolve
 from mtpquant.synth.qwen4_exp import ROPE_PARAMETERS
 
-__all__ = ["TINY_VARIANTS", "TinySpec", "make_tiny_checkpoint", "tiny_config", "tiny_tokenizer"]
+__all__ = [
+    "TINY_VARIANTS",
+    "TinySpec",
+    "check_synthetic_replaceable",
+    "make_tiny_checkpoint",
+    "tiny_config",
+    "tiny_tokenizer",
+]
 
 log = logging.getLogger(__name__)
 
@@ -299,6 +306,24 @@ def _tokenizer_files(vocab_size: int) -> dict[str, str]:
     return {"tokenizer.json": tok.to_str(), "tokenizer_config.json": json.dumps(config, indent=2) + "\n"}
 
 
+_CHECKPOINT_SUFFIXES = (".safetensors", ".json", ".md", ".txt", ".jinja")
+
+
+def check_synthetic_replaceable(path: Path) -> None:
+    """``--overwrite`` of the synthetic writers (tiny, skeleton, the trained tiny model) replaces only a checkpoint
+    directory such as they write: ``config.json`` and nothing but a checkpoint's files (no subdirectory, no link);
+    anything else is refused (exit 5), naming it."""
+    from mtpquant.errors import OutputExistsError
+
+    if path.is_symlink() or not path.is_dir():
+        raise OutputExistsError(f"{path}: not a checkpoint directory; not replacing it")
+    entries = sorted(path.iterdir())
+    odd = [p.name for p in entries if p.is_symlink() or not p.is_file() or not p.name.endswith(_CHECKPOINT_SUFFIXES)]
+    if entries and (odd or not (path / "config.json").is_file()):
+        what = f"{odd[0]} is not a checkpoint file" if odd else "it has no config.json"
+        raise OutputExistsError(f"{path}: not a checkpoint directory ({what}); not replacing it")
+
+
 def make_tiny_checkpoint(
     out: Path | str, spec: TinySpec | str = "qwen3_5", *, overwrite: bool = False, tokenizer: bool = True
 ) -> Path:
@@ -317,7 +342,7 @@ def make_tiny_checkpoint(
     names = sorted(tensors)
     where = _assign_shards(names, spec)
     count = spec.shards
-    with OutputDir(Path(out), overwrite=overwrite) as od:
+    with OutputDir(Path(out), overwrite=overwrite, replace_check=check_synthetic_replaceable) as od:
         for i in range(count):
             if count == 1:
                 shard = SINGLE_NAME

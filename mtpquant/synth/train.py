@@ -1,14 +1,21 @@
-"""Train a tiny Qwen3.5 dense model together with its MTP layer, on CPU, seeded and reproducible.
+"""Train a tiny model together with its MTP layer, on CPU, seeded and reproducible: Qwen3.5 dense (the shipped
+``tiny-qwen3_5-mtp``) or Qwen3.8-Flash-Next (``tiny-qwen4_exp-mtp``, ``TrainSpec.family = "qwen4_exp"``).
 
-The main model is transformers' ``Qwen3_5ForConditionalGeneration`` built from a tiny config in the
-real layout (``mtpquant.synth.tiny``: wrapper config, tiny vision tower, real head dims 256/128).
-The MTP layer is ``mtpquant.mtp.module.MtpLayer`` itself, so the trained weights are exactly what
-the engines (and ``mtpquant validate``) compute with. Objective, per window of T tokens:
+The main model is transformers' ``Qwen3_5ForConditionalGeneration`` / ``Qwen4ExpForConditionalGeneration`` built
+from a tiny config in the real layout (``mtpquant.synth.tiny`` / ``synth.qwen4_exp``: wrapper config, tiny vision
+tower, the family's real head dims). The MTP is the family's reference forward itself (``mtp.module.MtpLayer``,
+``mtp.qwen4_exp.Qwen4ExpMtp``), so the trained weights are exactly what the engines (and ``mtpquant validate``)
+compute with. Objective, per window of T tokens:
 
 - main: cross-entropy of ``lm_head(h_t)`` against ``x_{t+1}``;
 - MTP (auxiliary, weight ``mtp_weight``): cross-entropy of ``lm_head(MTP(h_t, embed(x_{t+1})))``
-  against ``x_{t+2}``, with ``h_t`` the post-final-norm hidden state. Gradients flow into the
+  against ``x_{t+2}``, with ``h_t`` the MTP's hidden input (Qwen3.5: the post-final-norm hidden state; Qwen4-Exp:
+  the multi-stream state before the final hyper-connection mixer). Gradients flow into the
   trunk (as in Qwen's and DeepSeek's joint MTP training); embeddings and ``lm_head`` are shared.
+
+Qwen4-Exp's QSA indexer selects every visible token while a row sees no more than ``indexer_budget`` tokens
+(transformers' per-row loop then returns the attention mask itself); training windows are far below the budget, so
+the indexers are bypassed during training (``_all_visible``) instead of looping over every row.
 
 The vision tower is never trained (no images); it is saved as initialised, in BF16 like real
 checkpoints. Only ``scripts/train_tiny_mtp.py`` and tests call this module.
@@ -16,12 +23,14 @@ checkpoints. Only ``scripts/train_tiny_mtp.py`` and tests call this module.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import functools
 import json
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -33,15 +42,26 @@ from tqdm.auto import tqdm
 from mtpquant.checkpoint.dtypes import planned
 from mtpquant.checkpoint.index import SINGLE_NAME
 from mtpquant.checkpoint.writer import OutputDir
+from mtpquant.families import family
 from mtpquant.mtp.module import MtpConfig, MtpLayer
-from mtpquant.synth.tiny import TinySpec, _assign_shards, tiny_config, tiny_tokenizer
+from mtpquant.synth.tiny import TinySpec, _assign_shards, check_synthetic_replaceable, tiny_config, tiny_tokenizer
 
-__all__ = ["TINY_MTP_ASSET", "TrainResult", "TrainSpec", "load_history", "train_tiny_mtp", "trained_config"]
+__all__ = [
+    "TINY_MTP_ASSET",
+    "TINY_MTP_ASSETS",
+    "TrainResult",
+    "TrainSpec",
+    "load_history",
+    "train_tiny_mtp",
+    "trained_config",
+]
 
 log = logging.getLogger(__name__)
 
-# The trained checkpoint shipped with the package (scripts/train_tiny_mtp.py writes it).
-TINY_MTP_ASSET = Path(__file__).resolve().parent.parent / "assets" / "tiny-qwen3_5-mtp"
+# The trained checkpoints shipped with the package (scripts/train_tiny_mtp.py writes them), by family.
+_ASSETS = Path(__file__).resolve().parent.parent / "assets"
+TINY_MTP_ASSETS = {key: _ASSETS / f"tiny-{key}-mtp" for key in ("qwen3_5", "qwen4_exp")}
+TINY_MTP_ASSET = TINY_MTP_ASSETS["qwen3_5"]  # the default (demo, skeleton tokenizer)
 
 # Real Qwen3.5 checkpoints keep the Gated DeltaNet A_log and gated norm in float32 (as synth.tiny).
 _KEEP_F32 = (".linear_attn.A_log", ".linear_attn.norm.weight")
@@ -51,8 +71,9 @@ _KEEP_F32 = (".linear_attn.A_log", ".linear_attn.norm.weight")
 class TrainSpec:
     """What to train and how; every field is recorded in the asset's ``training.json``."""
 
+    family: str = "qwen3_5"  # qwen3_5 | qwen4_exp
     hidden_size: int = 128
-    intermediate_size: int = 384
+    intermediate_size: int = 384  # qwen3_5 (dense MLP); qwen4_exp keeps synth.qwen4_exp's tiny expert sizes
     vocab_size: int = 2048
     seq_len: int = 128
     batch_size: int = 16
@@ -69,10 +90,19 @@ class TrainSpec:
     shards: int = 2
 
 
+FAMILIES = tuple(TINY_MTP_ASSETS)
+
+
 def trained_config(spec: TrainSpec) -> dict[str, Any]:
     """The wrapper ``config.json`` of the trained model (synth.tiny's layout with the spec's sizes)."""
-    cfg = tiny_config(TinySpec("qwen3_5", shards=spec.shards, vocab_size=spec.vocab_size, hidden_size=spec.hidden_size))
-    cfg["text_config"]["intermediate_size"] = spec.intermediate_size
+    if spec.family not in FAMILIES:
+        raise ValueError(f"family {spec.family!r} is not one of {', '.join(FAMILIES)}")
+    tiny = TinySpec(spec.family, shards=spec.shards, vocab_size=spec.vocab_size, hidden_size=spec.hidden_size)
+    cfg = tiny_config(tiny)
+    if spec.family == "qwen3_5":
+        cfg["text_config"]["intermediate_size"] = spec.intermediate_size
+    else:  # narrower gated-DeltaNet heads than synth.qwen4_exp's tiny (128, for vLLM's CPU kernel): a quarter the work
+        cfg["text_config"] |= {"linear_key_head_dim": 64, "linear_value_head_dim": 64}
     cfg["text_config"]["bos_token_id"] = 1
     cfg["text_config"]["pad_token_id"] = 0
     return cfg
@@ -108,13 +138,30 @@ def _batch(stream: torch.Tensor, spec: TrainSpec, gen: torch.Generator) -> torch
     return torch.stack([stream[s : s + spec.seq_len] for s in starts.tolist()])
 
 
-def _losses(model: Any, mtp: MtpLayer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+def _mtp_input(model: Any, x: torch.Tensor, source: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The language model's final hidden state (the LM head's input) and the MTP's hidden input over ``x``."""
     lm = model.model.language_model
-    h = lm(input_ids=x).last_hidden_state  # after the final norm
+    if source is None:
+        h = lm(input_ids=x, use_cache=False).last_hidden_state  # after the final norm
+        return h, h
+    seen: list[torch.Tensor] = []
+    handle = getattr(lm, source).register_forward_pre_hook(lambda _m, args: seen.append(args[0]))
+    try:
+        h = lm(input_ids=x, use_cache=False).last_hidden_state
+    finally:
+        handle.remove()
+    return h, seen[-1]
+
+
+def _losses(
+    model: Any, mtp: Any, x: torch.Tensor, source: str | None
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    lm = model.model.language_model
+    h, h_mtp = _mtp_input(model, x, source)
     logits = model.lm_head(h[:, :-1])
     V = logits.shape[-1]
     main = F.cross_entropy(logits.reshape(-1, V), x[:, 1:].reshape(-1))
-    m, _ = mtp(h[:, :-2], lm.embed_tokens(x[:, 1:-1]))
+    m = mtp.step(h_mtp[:, :-2], lm.embed_tokens(x[:, 1:-1])).out
     mtp_logits = model.lm_head(m)
     aux = F.cross_entropy(mtp_logits.reshape(-1, V), x[:, 2:].reshape(-1))
     with torch.no_grad():
@@ -128,6 +175,56 @@ def _losses(model: Any, mtp: MtpLayer, x: torch.Tensor) -> tuple[torch.Tensor, t
     return main, aux, stats
 
 
+def _all_visible(
+    indexer: Any, hidden_states: Any, position_embeddings: Any, attention_mask: Any, past_key_values: Any
+) -> Any:
+    """Qwen4-Exp's QSA indexer for rows that see at most ``indexer_budget`` tokens: every visible token (its cache
+    still gets the raw keys, as ``Qwen4ExpTextQSAIndexer.forward`` stores them)."""
+    del position_embeddings
+    if past_key_values is not None:
+        width = indexer.index_n_heads * indexer.index_head_dim
+        keys = indexer.index_qk_proj(hidden_states)[..., width:]
+        past_key_values.update_indexer(keys.reshape(*keys.shape[:2], indexer.index_head_dim), indexer.layer_idx)
+    return attention_mask
+
+
+@contextlib.contextmanager
+def _indexers_select_all(modules: Sequence[Any], seq_len: int) -> Iterator[None]:
+    """Bypass every QSA indexer under ``modules`` while training windows of ``seq_len`` tokens fit its budget."""
+    indexers = [m for root in modules for m in root.modules() if type(m).__name__ == "Qwen4ExpTextQSAIndexer"]
+    if any(seq_len > m.token_budget for m in indexers):
+        raise ValueError(f"seq_len {seq_len} exceeds the QSA budget: the indexer would select, not pass through")
+    for m in indexers:
+        m.forward = functools.partial(_all_visible, m)
+    try:
+        yield
+    finally:
+        for m in indexers:
+            del m.forward
+
+
+def _build(spec: TrainSpec, config: dict[str, Any]) -> tuple[Any, Any]:
+    """The family's transformers model (float32) and its reference MTP, initialised like the trunk."""
+    import transformers
+
+    if spec.family == "qwen4_exp":
+        from mtpquant.mtp.qwen4_exp import Qwen4ExpMtp
+
+        hf_config: Any = transformers.Qwen4ExpConfig.from_dict(copy.deepcopy(config))
+        model = transformers.Qwen4ExpForConditionalGeneration(hf_config).float()
+        mtp: Any = Qwen4ExpMtp(config["text_config"], 1).float()
+    else:
+        hf_config = transformers.Qwen3_5Config.from_dict(copy.deepcopy(config))
+        model = transformers.Qwen3_5ForConditionalGeneration(hf_config).float()
+        mtp = MtpLayer(MtpConfig.from_text_config(config)).float()
+    with torch.no_grad():
+        std = float(getattr(hf_config.text_config, "initializer_range", 0.02))
+        for p in mtp.parameters():
+            if p.dim() >= 2:  # match the trunk's initializer (transformers: normal, std 0.02)
+                p.normal_(0.0, std)
+    return model, mtp
+
+
 def train_tiny_mtp(
     out: Path | str,
     train_docs: Sequence[tuple[str, str]],
@@ -137,7 +234,6 @@ def train_tiny_mtp(
     overwrite: bool = False,
 ) -> TrainResult:
     """Train and write the checkpoint (BF16 safetensors, index, configs, tokenizer) to ``out``."""
-    import transformers
 
     spec = spec or TrainSpec()
     torch.manual_seed(spec.seed)
@@ -154,14 +250,8 @@ def train_tiny_mtp(
     log.info("tokens: train %d, held-out %d", train_stream.numel(), eval_stream.numel())
 
     config = trained_config(spec)
-    hf_config = transformers.Qwen3_5Config.from_dict(copy.deepcopy(config))
-    model = transformers.Qwen3_5ForConditionalGeneration(hf_config).float()
-    mtp = MtpLayer(MtpConfig.from_text_config(config)).float()
-    with torch.no_grad():
-        std = float(getattr(hf_config.text_config, "initializer_range", 0.02))
-        for p in mtp.parameters():
-            if p.dim() == 2:  # match the trunk's initializer (transformers: normal, std 0.02)
-                p.normal_(0.0, std)
+    model, mtp = _build(spec, config)
+    source = family(spec.family).mtp.hidden_source  # where the MTP reads the trunk (None: after the final norm)
     lm = model.model.language_model
     model.model.visual.requires_grad_(False)
     params = [*lm.parameters(), *model.lm_head.parameters(), *mtp.parameters()]
@@ -179,21 +269,22 @@ def train_tiny_mtp(
     history: list[dict[str, float]] = []
     model.train()
     mtp.train()
-    bar = tqdm(range(spec.steps), desc="train tiny MTP", unit="step")
-    for step in bar:
-        for group in opt.param_groups:
-            group["lr"] = _lr_at(step, spec)
-        main, aux, _ = _losses(model, mtp, _batch(train_stream, spec, gen))
-        loss = main + spec.mtp_weight * aux
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, spec.grad_clip)
-        opt.step()
-        bar.set_postfix(main=f"{main.item():.3f}", mtp=f"{aux.item():.3f}")
-        if (step + 1) % spec.eval_every == 0 or step + 1 == spec.steps:
-            history.append(_evaluate(model, mtp, eval_batches, step + 1, time.perf_counter() - t0))
-            model.train()
-            mtp.train()
+    with _indexers_select_all([model, mtp], spec.seq_len):
+        bar = tqdm(range(spec.steps), desc="train tiny MTP", unit="step")
+        for step in bar:
+            for group in opt.param_groups:
+                group["lr"] = _lr_at(step, spec)
+            main, aux, _ = _losses(model, mtp, _batch(train_stream, spec, gen), source)
+            loss = main + spec.mtp_weight * aux
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, spec.grad_clip)
+            opt.step()
+            bar.set_postfix(main=f"{main.item():.3f}", mtp=f"{aux.item():.3f}")
+            if (step + 1) % spec.eval_every == 0 or step + 1 == spec.steps:
+                history.append(_evaluate(model, mtp, eval_batches, source, step + 1, time.perf_counter() - t0))
+                model.train()
+                mtp.train()
 
     seconds = time.perf_counter() - t0
     cpu_seconds = time.process_time() - c0
@@ -201,13 +292,15 @@ def train_tiny_mtp(
     return TrainResult(path, seconds, cpu_seconds, history)
 
 
-def _evaluate(model: Any, mtp: MtpLayer, batches: list[torch.Tensor], step: int, elapsed: float) -> dict[str, float]:
+def _evaluate(
+    model: Any, mtp: Any, batches: list[torch.Tensor], source: str | None, step: int, elapsed: float
+) -> dict[str, float]:
     model.eval()
     mtp.eval()
     sums: dict[str, float] = {}
     with torch.no_grad():
         for x in batches:
-            main, aux, stats = _losses(model, mtp, x)
+            main, aux, stats = _losses(model, mtp, x, source)
             for k, v in {"main_loss": main.item(), "mtp_loss": aux.item(), **stats}.items():
                 sums[k] = sums.get(k, 0.0) + v / len(batches)
     record = {"step": float(step), "seconds": round(elapsed, 1), **{k: round(v, 4) for k, v in sums.items()}}
@@ -218,7 +311,7 @@ def _evaluate(model: Any, mtp: MtpLayer, batches: list[torch.Tensor], step: int,
 def _save(
     out: Path | str,
     model: Any,
-    mtp: MtpLayer,
+    mtp: Any,
     config: dict[str, Any],
     tok: Any,
     spec: TrainSpec,
@@ -228,14 +321,11 @@ def _save(
     *,
     overwrite: bool,
 ) -> Path:
-    tensors: dict[str, torch.Tensor] = {}
-    for name, t in model.state_dict().items():
-        dtype = torch.float32 if name.endswith(_KEEP_F32) else torch.bfloat16
-        tensors[name] = t.detach().to(dtype).contiguous()
+    tensors = _checkpoint_tensors(spec, model, config)
     for name, t in mtp.state_dict().items():
         tensors["mtp." + name] = t.detach().to(torch.bfloat16).contiguous()
     names = sorted(tensors)
-    where = _assign_shards(names, TinySpec("qwen3_5", shards=spec.shards))
+    where = _assign_shards(names, TinySpec(spec.family, shards=spec.shards))
     tok_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": "<|bos|>",
@@ -243,7 +333,7 @@ def _save(
         "pad_token": "<|pad|>",
         "model_max_length": 4096,
     }
-    with OutputDir(Path(out), overwrite=overwrite) as od:
+    with OutputDir(Path(out), overwrite=overwrite, replace_check=check_synthetic_replaceable) as od:
         for i in range(spec.shards):
             shard = SINGLE_NAME if spec.shards == 1 else f"model-{i + 1:05d}-of-{spec.shards:05d}.safetensors"
             od.write_shard(shard, [planned(n, tensors[n]) for n in names if where[n] == i], {"format": "pt"})
@@ -267,6 +357,38 @@ def _save(
             },
         )
         return od.finalize()
+
+
+def _checkpoint_tensors(spec: TrainSpec, model: Any, config: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The main model's tensors in the family's real checkpoint layout and dtypes (Qwen4-Exp: each PLE n-gram
+    table as its ``shard_{i}`` row shards, int64 buffers, float32 A_log / gated norm, per ``synth.qwen4_exp``)."""
+    state = model.state_dict()
+    if spec.family != "qwen4_exp":
+        return {
+            name: t.detach().to(torch.float32 if name.endswith(_KEEP_F32) else torch.bfloat16).contiguous()
+            for name, t in state.items()
+        }
+    from mtpquant.checkpoint.dtypes import torch_dtype
+    from mtpquant.checkpoint.sharded import SHARD_INFIX
+    from mtpquant.synth.qwen4_exp import main_tensors
+
+    out: dict[str, torch.Tensor] = {}
+    offsets: dict[str, int] = {}
+    for name, shape, dtype in main_tensors(config):
+        stem, sep, _ = name.rpartition(SHARD_INFIX)
+        if sep:  # row shards of the table transformers holds concatenated
+            start = offsets.get(stem, 0)
+            t = state[f"{stem}.weight"][start : start + shape[0]]
+            offsets[stem] = start + shape[0]
+        else:
+            t = state[name]
+        if tuple(t.shape) != tuple(shape):
+            raise RuntimeError(f"internal: {name} is {tuple(t.shape)} in the model, {shape} in the layout")
+        out[name] = t.detach().to(torch_dtype(dtype)).contiguous()
+    for name, t in state.items():
+        if name.startswith("model.visual."):
+            out[name] = t.detach().to(torch.bfloat16).contiguous()
+    return out
 
 
 def load_history(path: Path) -> list[dict[str, float]]:

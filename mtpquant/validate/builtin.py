@@ -124,9 +124,10 @@ def capture(
                 else []
             )
             tokens = target.generate(prompt, new, sampling, generators).cpu()
-            hidden = target.hidden(tokens).cpu()
+            head, mtp_input = target.hidden_states(tokens)
             for row, i in enumerate(batch):
-                records[i] = SequenceRecord(tokens[row].clone(), len(plan[i].prompt), hidden[row].clone())
+                extra = None if mtp_input is None else mtp_input[row].cpu().clone()
+                records[i] = SequenceRecord(tokens[row].clone(), len(plan[i].prompt), head[row].cpu().clone(), extra)
             bar.update(len(batch))
     seqs = [r for r in records if r is not None]
     on_ref = None

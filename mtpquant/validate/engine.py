@@ -29,11 +29,13 @@ from typing import Any
 
 from mtpquant import __version__
 from mtpquant.engine.connect import client_for, connect
+from mtpquant.engine.http import engine_api_key
 from mtpquant.engine.launch import EngineProcess, free_port, sglang_args, vllm_args
 from mtpquant.engine.sampling import rule
 from mtpquant.engine.server import ENGINE_NAMES, EngineServer, ServerInfo, SpecConfig, resolve_model
 from mtpquant.engine.sizing import Machine, plan_engine_memory, probe_machine
 from mtpquant.errors import EngineAnswerError
+from mtpquant.public import public_args
 from mtpquant.validate.evidence import Bootstrap
 from mtpquant.validate.measure import EngineMeasurement, measure
 from mtpquant.validate.options import ValidateError, ValidateOptions
@@ -153,7 +155,7 @@ def _engine_info(
             "ignore_eos": True,
             "concurrency": opts.concurrency,
         },
-        server_args=tuple(args),
+        server_args=public_args(args),  # the report goes public with OUT: no key, paths by base name
         other_requests=sum(x.other_requests for x in ms),
         side=label,
         speculative=(spec or SpecConfig("mtp", k)).to_json(),
@@ -165,8 +167,8 @@ def _running(
     opts: ValidateOptions, url: str, label: str, texts: Sequence[str], plan: list[PlannedSequence] | None
 ) -> tuple[_Measured, list[PlannedSequence]]:
     """Measure a server someone else runs (vLLM or SGLang, recognised by its routes), at every sampling setting."""
-    server, info = connect(url, generate_timeout=opts.request_timeout)
-    log.info("%s: %s serving %s", url, info.display, ", ".join(info.models))
+    server, info = connect(url, generate_timeout=opts.request_timeout, api_key=engine_api_key(opts.api_key_file))
+    log.info("%s: %s serving %s", info.url, info.display, ", ".join(info.models))
     model = resolve_model(info, opts.served_model)
     if plan is None:
         plan = _plan(opts, _token_prompts(opts, texts, server, model))

@@ -20,16 +20,20 @@ import re
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
 
+from mtpquant.checkpoint.sharded import sharded_tables
 from mtpquant.engine.sampling import SamplingSettings
 from mtpquant.families import FUSED_EXPERT_PIECES, MTP_PREFIX, TensorClass, is_mtp_name, mtp_config
 from mtpquant.formats.fp8 import FP8_E4M3_MAX
 from mtpquant.formats.nvfp4 import quantize_activation_nvfp4
-from mtpquant.mtp.module import MtpLayer, MtpLayoutError
+from mtpquant.hfconfig import transformers_config
+from mtpquant.mtp.build import reference_mtp
+from mtpquant.mtp.module import MtpLayoutError
+from mtpquant.mtp.step import MtpForward
 from mtpquant.validate import ACTIVATION_MODES
 from mtpquant.validate.rules import target_probs
 from mtpquant.validate.weights import (
@@ -88,7 +92,7 @@ def _hook(quantize: Callable[[Tensor], Tensor]) -> Callable[..., Any]:
 class MtpBundle:
     """A checkpoint's MTP layer with the embeddings and head it shares with its target."""
 
-    layer: MtpLayer
+    layer: MtpForward
     embed_weight: Tensor
     lm_head_weight: Tensor
     precision: dict[str, int]
@@ -119,18 +123,18 @@ def load_mtp(
         )
         return None, reason
     try:
-        cfg = mtp_config(weights.ckpt.config)
+        mtp_config(weights.ckpt.config)
     except ValueError as exc:
         return None, f"MTP config: {exc}"
     emulate = activations == "emulate"
     tensors = {n: weights.tensor(n, dtype, fold_pre_quant=not emulate) for n in names}
     try:
-        layer = MtpLayer.from_state_dict(cfg, tensors, dtype=dtype, device=device)
+        layer = reference_mtp(weights.ckpt.config, tensors, dtype=dtype, device=device)
     except MtpLayoutError as exc:
         return None, str(exc)
     emulated: list[str] = []
     if emulate:
-        modules = dict(layer.named_modules())
+        modules = dict(cast(nn.Module, layer).named_modules())
         for module, fmt in weights.formats.items():
             if not is_mtp_name(module):
                 continue
@@ -177,11 +181,19 @@ def _model_name(weights: CheckpointWeights, logical: str) -> str | None:
 class TargetModel:
     """A family's transformers text model with the checkpoint's (dequantized) weights."""
 
-    def __init__(self, model: nn.Module, device_map: dict[str, Any], dtype: torch.dtype, emulated: list[str]) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        device_map: dict[str, Any],
+        dtype: torch.dtype,
+        emulated: list[str],
+        hidden_source: str | None = None,
+    ) -> None:
         self.model: Any = model
         self.device_map = device_map
         self.dtype = dtype
         self.emulated = emulated
+        self.hidden_source = hidden_source  # the family's MtpLayout.hidden_source
         self.input_device = next(model.parameters()).device
 
     @property
@@ -196,9 +208,25 @@ class TargetModel:
 
     def hidden(self, tokens: Tensor) -> Tensor:
         """Post-final-norm hidden states ``[B, T, H]`` of one causal pass over ``tokens`` ``[B, T]``."""
-        with torch.no_grad():
-            out = self.model.model(input_ids=tokens.to(self.input_device), use_cache=False)
-        return out.last_hidden_state
+        return self.hidden_states(tokens)[0]
+
+    def hidden_states(self, tokens: Tensor) -> tuple[Tensor, Tensor | None]:
+        """One causal pass over ``tokens`` ``[B, T]``: what the LM head reads (post-final-norm / final mixer), and,
+        where the family's MTP reads another tensor (Qwen4-Exp: the multi-stream state before the final mixer,
+        ``[B, T, hc_count * H]``), that tensor (None otherwise)."""
+        if self.hidden_source is None:
+            with torch.no_grad():
+                out = self.model.model(input_ids=tokens.to(self.input_device), use_cache=False)
+            return out.last_hidden_state, None
+        found = [m for n, m in self.model.model.named_modules() if n == self.hidden_source]
+        seen: list[Tensor] = []
+        handle = found[0].register_forward_pre_hook(lambda _m, args: seen.append(args[0]))
+        try:
+            with torch.no_grad():
+                out = self.model.model(input_ids=tokens.to(self.input_device), use_cache=False)
+        finally:
+            handle.remove()
+        return out.last_hidden_state, seen[-1]
 
     def logits(self, hidden: Tensor) -> Tensor:
         """``lm_head(hidden)`` in float32."""
@@ -252,11 +280,18 @@ class TargetModel:
 def _iter_target_tensors(
     weights: CheckpointWeights, dtype: torch.dtype, fold_pre_quant: bool
 ) -> Iterator[tuple[str, Tensor]]:
-    """(transformers name, tensor) for every main-model parameter; per-expert tensors re-fused."""
+    """(transformers name, tensor) for every main-model parameter and persistent buffer; per-expert tensors
+    re-fused, row-sharded tables (the PLE n-gram tables) concatenated as transformers does on load."""
     experts: dict[str, dict[int, dict[str, str]]] = defaultdict(lambda: defaultdict(dict))
+    tables = sharded_tables(weights.names())
+    in_tables = {n for shards in tables.values() for n in shards}
+    for table, shards in tables.items():
+        target = _model_name(weights, table)
+        if target is not None:
+            yield target, torch.cat([weights.tensor(n, dtype, fold_pre_quant=fold_pre_quant) for n in shards])
     for logical in weights.names():
         target = _model_name(weights, logical)
-        if target is None:
+        if target is None or logical in in_tables:
             continue
         m = _EXPERT_RE.match(target)
         if m:
@@ -280,6 +315,13 @@ def _iter_target_tensors(
                     ]
                 ),
             )
+
+
+def _persistent(model: nn.Module, name: str) -> bool:
+    """Whether buffer ``name`` is saved with the model (``state_dict``), i.e. a checkpoint tensor."""
+    owner, _, leaf = name.rpartition(".")
+    module = model.get_submodule(owner) if owner else model
+    return leaf not in getattr(module, "_non_persistent_buffers_set", set())
 
 
 def _device_map(model: nn.Module, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
@@ -318,7 +360,7 @@ def load_target(
 
     family = weights.spec.family
     cls = text_model_class(weights)
-    hf_config = cls.config_class.from_dict(_text_config(weights))
+    hf_config = transformers_config(_text_config(weights), cls.config_class)
     with init_empty_weights():
         model = cls(hf_config)
     model.eval()
@@ -333,9 +375,10 @@ def load_target(
 
     emulate = activations == "emulate"
     expected = {n for n, _ in model.named_parameters()}
+    buffers = {n for n, _ in model.named_buffers() if _persistent(model, n)}
     loaded: set[str] = set()
     for name, tensor in _iter_target_tensors(weights, dtype, fold_pre_quant=not emulate):
-        if name not in expected:
+        if name not in expected and name not in buffers:
             raise ValidateLoadError(f"{weights.label}: tensor for {name!r} has no place in {family.text_class}")
         set_module_tensor_to_device(model, name, place(name), value=tensor)
         loaded.add(name)
@@ -353,7 +396,7 @@ def load_target(
         else model.to(next(iter(device_map.values())))
     )
     emulated = _install_target_emulation(model, weights) if emulate else []
-    return TargetModel(model, device_map, dtype, emulated)
+    return TargetModel(model, device_map, dtype, emulated, family.mtp.hidden_source)
 
 
 def _install_target_emulation(model: nn.Module, weights: CheckpointWeights) -> list[str]:

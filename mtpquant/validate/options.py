@@ -8,12 +8,41 @@ from pathlib import Path
 from typing import Any
 
 from mtpquant.engine.sampling import SamplingSettings, rule
-from mtpquant.errors import UsageError
+from mtpquant.errors import OutputExistsError, UsageError
 from mtpquant.validate import ACTIVATION_MODES
 
-__all__ = ["ENGINES", "ValidateError", "ValidateOptions"]
+__all__ = ["ENGINES", "HIDDEN_FORMAT", "ValidateError", "ValidateOptions", "check_hidden_destination"]
 
 ENGINES = ("vllm", "sglang")
+
+
+HIDDEN_FORMAT = "mtpquant.hidden/1"  # the ``format`` a hidden-state file's safetensors metadata holds
+
+
+def check_hidden_destination(path: Path) -> None:
+    """``--save-hidden FILE`` replaces only a hidden-state file mtpquant wrote (or creates FILE); anything else there
+    is refused before any work (exit 5), so an unrelated file is never overwritten."""
+    import os
+
+    from mtpquant import safejson
+
+    if not os.path.lexists(path):
+        return
+    fmt = None
+    if path.is_file() and not path.is_symlink():
+        try:
+            with path.open("rb") as fh:
+                n = int.from_bytes(fh.read(8), "little")
+                if 0 < n <= 100_000_000:
+                    header = safejson.loads(fh.read(n))
+                    meta = header.get("__metadata__") if isinstance(header, dict) else None
+                    fmt = meta.get("format") if isinstance(meta, dict) else None
+        except (OSError, ValueError):
+            fmt = None
+    if fmt != HIDDEN_FORMAT:
+        raise OutputExistsError(
+            f"{path}: exists and is not an mtpquant hidden-state file; not replacing it (choose another --save-hidden)"
+        )
 
 
 class ValidateError(UsageError):
@@ -52,6 +81,7 @@ class ValidateOptions:
     # ---- the engine path: a running server, or one mtpquant starts ------------------------------------------
     ks: tuple[int, ...] | None = None  # explicit k values (--k 1,3); None: 1..k
     server: str | None = None  # URL of a running vLLM or SGLang server (the reference, or the one checkpoint)
+    api_key_file: Path | None = None  # the servers' key (else MTPQUANT_ENGINE_API_KEY); never stored
     candidate_server: str | None = None
     served_model: str | None = None  # the model name to ask the server(s) for (default: the only one served)
     engine: str | None = None  # "vllm" | "sglang": start the engine for REFERENCE [and CANDIDATE]
@@ -116,6 +146,8 @@ class ValidateOptions:
             raise ValidateError(f"--activations must be one of {', '.join(ACTIVATION_MODES)}")
         if self.hidden is not None and self.save_hidden is not None:
             raise ValidateError("--hidden and --save-hidden exclude each other")
+        if self.save_hidden is not None:
+            check_hidden_destination(Path(self.save_hidden))
         if self.warn_al_drop < 0:
             raise ValidateError("--warn-al-drop must be >= 0")
         if not 0 <= self.min_main_agreement <= 1:

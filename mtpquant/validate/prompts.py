@@ -10,7 +10,6 @@ JSON lines (``{"text": ...}`` or ``{"prompt": ...}`` per line).
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -116,20 +115,29 @@ def default_prompts(num_prompts: int = 32, chars: int = 600) -> list[str]:
 
 def load_prompts(path: Path | str, num_prompts: int | None = None) -> list[str]:
     """Prompts from a user file: ``.jsonl`` (``text`` or ``prompt`` key) or plain text blocks."""
+    from mtpquant import safejson
+    from mtpquant.validate.options import ValidateError
+
     path = Path(path)
-    raw = path.read_text(encoding="utf-8")
+    try:
+        raw = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValidateError(f"{path}: cannot read the prompts ({exc.__class__.__name__})") from None
     prompts: list[str] = []
     if path.suffix in {".jsonl", ".json"}:
         for lineno, line in enumerate(raw.splitlines(), 1):
             if not line.strip():
                 continue
-            obj = json.loads(line)
+            try:
+                obj = safejson.loads(line)
+            except ValueError as exc:
+                raise ValidateError(f"{path}:{lineno}: not a JSON line ({exc})") from None
             if isinstance(obj, str):
                 prompts.append(obj)
             elif isinstance(obj, dict) and isinstance(text := obj.get("text", obj.get("prompt")), str):
                 prompts.append(text)
             else:
-                raise ValueError(f"{path}:{lineno}: expected a string or an object with 'text' or 'prompt'")
+                raise ValidateError(f"{path}:{lineno}: expected a string or an object with 'text' or 'prompt'")
     else:
         prompts = [block.strip("\n") for block in raw.split("\n\n\n")]
         if len(prompts) == 1:

@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 from mtpquant.engine.sampling import SamplingSettings
 from mtpquant.errors import UsageError
 from mtpquant.mtp.drafting import chain_logits, draft_rows, mtp_logits
-from mtpquant.mtp.module import KVCache
+from mtpquant.mtp.step import MtpStep
 from mtpquant.validate.evidence import CONFIDENCE, Bootstrap, UnitCounts
 from mtpquant.validate.load import MtpBundle
 from mtpquant.validate.metrics import (
@@ -64,7 +64,15 @@ class SequenceRecord:
 
     tokens: Tensor  # int64 [T]
     prompt_len: int
-    hidden: Tensor  # [T, H], post-final-norm
+    hidden: Tensor  # [T, H], what the target's lm_head reads (post-final-norm)
+    # [T, *] what the MTP reads where that is another tensor (Qwen4-Exp: the multi-stream state before the final
+    # hyper-connection mixer, [T, hc_count * H]); None: ``hidden``
+    mtp_input: Tensor | None = None
+
+    @property
+    def mtp_hidden(self) -> Tensor:
+        """The MTP's hidden input at every position."""
+        return self.hidden if self.mtp_input is None else self.mtp_input
 
 
 @dataclass
@@ -117,13 +125,13 @@ class AcceptanceResult:
         return Acceptance(tuple(rows), self.teacher_forced_agreement, self.sampling or SamplingSettings(), self.rule)
 
 
-def _tf_pass(bundle: MtpBundle, seq: SequenceRecord, hidden: Tensor | None = None) -> tuple[Tensor, KVCache]:
-    """Teacher-forced MTP rows 0..T-2: post-norm outputs ``[1, T-1, H]`` and the layer's cache."""
+def _tf_pass(bundle: MtpBundle, seq: SequenceRecord) -> MtpStep:
+    """Teacher-forced MTP rows 0..T-2 (outputs ``[1, T-1, H]``, the layer's cache)."""
     device = bundle.embed_weight.device
-    h = (seq.hidden if hidden is None else hidden)[None, :-1].to(device)
+    h = seq.mtp_hidden[None, :-1].to(device)
     x = seq.tokens[None, 1:].to(device)
     with torch.no_grad():
-        return bundle.layer(h, bundle.embed(x))
+        return bundle.layer.step(h, bundle.embed(x))
 
 
 def _chunked_logits(out: Tensor, head: Tensor) -> list[Tensor]:
@@ -206,7 +214,7 @@ def _logit_chunk(k: int, vocab: int) -> int:
 def _sampled_terms(
     bundle: MtpBundle,
     seq: SequenceRecord,
-    teacher: tuple[Tensor, KVCache],
+    teacher: MtpStep,
     rows: range,
     k: int,
     sampling: SamplingSettings,
@@ -266,20 +274,20 @@ def evaluate_acceptance(
             for by_seq in per_seq:
                 by_seq.append([])
             continue
-        out, cache = _tf_pass(bundle, seq)
-        non_finite += int((~torch.isfinite(out)).any(dim=-1).sum())
+        teacher = _tf_pass(bundle, seq)
+        non_finite += int((~torch.isfinite(teacher.out)).any(dim=-1).sum())
         rows = range(P - 1, T - 2)  # every row a step can draft from
         if sampled:
             assert sampling is not None and target_head is not None
             expected, posterior, firsts = _sampled_terms(
-                bundle, seq, (out, cache), rows, k_max, sampling, rule, target_head
+                bundle, seq, teacher, rows, k_max, sampling, rule, target_head
             )
             first_drafts = firsts[:, 0].tolist()
             generator = torch.Generator().manual_seed(sampling.for_prompt(index).seed)
             for k in range(1, k_max + 1):
                 per_seq[k - 1].append(walk(T, P, k, expected[:, :k], posterior[:, :k], generator))
         else:
-            chains = draft_rows(bundle.layer, (out, cache), rows, bundle.embed, bundle.lm_head_weight, k_max).tolist()
+            chains = draft_rows(bundle.layer, teacher, rows, bundle.embed, bundle.lm_head_weight, k_max).tolist()
             first_drafts = [chain[0] for chain in chains]
 
             def drafts(t: int, n: int, chains: list[list[int]] = chains, first: int = rows.start) -> list[int]:
@@ -342,8 +350,7 @@ def compare_mtp(ref: MtpBundle, cand: MtpBundle, run: TargetRun) -> Comparison:
     """Both MTP layers, teacher-forced on the same (reference) hidden states and tokens."""
     pairs = []
     for seq in run.sequences:
-        out_r, _ = _tf_pass(ref, seq)
-        out_c, _ = _tf_pass(cand, seq)
+        out_r, out_c = _tf_pass(ref, seq).out, _tf_pass(cand, seq).out
         pairs.append((_chunked_logits(out_r, ref.lm_head_weight), _chunked_logits(out_c, cand.lm_head_weight)))
     return _compare(pairs)
 

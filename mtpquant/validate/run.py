@@ -20,6 +20,8 @@ def validate(opts: ValidateOptions) -> ValidationReport:
         from mtpquant.validate.engine import validate_engine
 
         return validate_engine(opts)
+    from mtpquant.libraries import library_output
     from mtpquant.validate.builtin import validate_builtin
 
-    return validate_builtin(opts)
+    with library_output(opts.progress):  # transformers' messages through logging (-q / -v)
+        return validate_builtin(opts)

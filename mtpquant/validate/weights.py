@@ -102,8 +102,9 @@ class CheckpointWeights:
 
     @classmethod
     def open(cls, ref: str | Path) -> CheckpointWeights:
-        """Open a local directory or Hub repo id header-first (index defects raise)."""
-        return cls(Checkpoint.open(ref))
+        """Open a local directory or Hub repo id header-first (index defects raise, naming the checkpoint: validate
+        reads two)."""
+        return cls(Checkpoint.open(ref, name_errors=True))
 
     @property
     def label(self) -> str:
@@ -232,7 +233,8 @@ class CheckpointWeights:
         fmt = self.formats.get(module)
         read = self.ckpt.read_tensor
         if fmt is None or name != f"{module}.weight":
-            return read(stored).to(dtype)
+            t = read(stored)
+            return t.to(dtype) if t.is_floating_point() else t  # integer buffers (PLE hashing) keep their dtype
         if fmt.kind == "nvfp4":
             w = dequantize_nvfp4(read(stored), read(f"{module}.weight_scale"), read(f"{module}.weight_scale_2"))
         elif fmt.kind == "nvfp4-ct":

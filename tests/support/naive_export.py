@@ -35,3 +35,9 @@ def naive_modelopt_export(src: Path, out: Path, seed: int = 0) -> Path:
         if (src / name).exists():
             shutil.copyfile(src / name, out / name)
     return out
+
+
+if __name__ == "__main__":  # python -m tests.support.naive_export SRC OUT (the README's inspect example)
+    import sys
+
+    print(naive_modelopt_export(Path(sys.argv[1]), Path(sys.argv[2])))

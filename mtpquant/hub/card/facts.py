@@ -5,7 +5,6 @@ the metadata and said to be unknown in the body; what goes public names local di
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import shlex
@@ -14,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from mtpquant import safejson
 from mtpquant.checkpoint.source import looks_like_repo_id
 from mtpquant.hub.card.metadata import CARD_NAME, LicenseInfo, is_repo_id, license_from_mapping, redact
 from mtpquant.provenance import Provenance, Step, card_license_fields
@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 VALIDATION_REPORT = "validation/report.json"
 VALIDATION_MARKDOWN = "validation/report.md"
 VALIDATION_PROFILE = "validation/speculation_profile.json"  # validate.profile.PROFILE_FILE in the report directory
+_REPORT_LIMIT = 64 * 1024 * 1024  # a validation report is a few KB
 _HF_CACHE_SNAPSHOT = re.compile(r"models--([A-Za-z0-9][\w.-]*)--([\w.-]+)[/\\]snapshots[/\\]")
 
 
@@ -116,7 +117,7 @@ def read_validation(out: Path) -> Validation | None:
         return None
     md = VALIDATION_MARKDOWN if (out / VALIDATION_MARKDOWN).is_file() else None
     try:
-        report: Report | None = Report.from_json(json.loads(path.read_text(encoding="utf-8")))
+        report: Report | None = Report.from_json(safejson.loads(path.read_bytes(), limit=_REPORT_LIMIT))
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         log.warning("%s: not a validation report this card reads (%s)", path, exc)
         report = None
@@ -130,7 +131,7 @@ def _profile(out: Path) -> ProfileHeadline | None:
     if not path.is_file():
         return None
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = safejson.loads(path.read_bytes(), limit=_REPORT_LIMIT)
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         log.warning("%s: not a speculation profile this card reads (%s)", path, exc)
         return None

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mtpquant.checkpoint.source import is_repo_id
+from mtpquant.nethttp import scrub_credentials
 
 __all__ = [
     "BASE_MODEL_RELATIONS",
@@ -55,12 +56,13 @@ _TOKEN_FLAG_RE = re.compile(r"(--(?:hf-)?token[= ]|HF_TOKEN=|HUGGING_FACE_HUB_TO
 
 
 def redact(text: str, secrets: Iterable[str | None] = ()) -> str:
-    """``text`` with the given secrets, anything shaped like a Hub token and ``--token`` values masked."""
+    """``text`` with the given secrets, anything shaped like a Hub token and ``--token`` values masked, and
+    ``user:password@`` removed from URLs."""
     for secret in secrets:
         if secret and len(secret) >= 4:
             text = text.replace(secret, "***")
     text = _TOKEN_FLAG_RE.sub(lambda m: m.group(1) + "***", text)
-    return _TOKEN_RE.sub("hf_***", text)
+    return scrub_credentials(_TOKEN_RE.sub("hf_***", text))
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,100 @@
+"""What the libraries mtpquant drives show while they work: their log messages and their progress bars.
+
+transformers logs to stderr through a handler of its own, outside Python logging's configuration, so its
+messages ignore ``-q``; and some of them read like failures though they describe what mtpquant does on
+purpose: a calibration document longer than the model's context (calibration cuts the token stream into
+rows), the CPU fallback of the linear-attention kernels, a deprecated config attribute modelopt's export
+reads. ``library_output`` routes transformers' records through Python logging for the length of a block
+(those at DEBUG, every other at its own level, all under the caller's ``-q`` / ``-v``) and turns
+transformers' and huggingface_hub's progress bars off when asked. Everything is put back on exit, so a
+program that embeds mtpquant keeps its own settings.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+from collections.abc import Iterator
+
+__all__ = ["ON_PURPOSE", "import_libraries", "library_output"]
+
+log = logging.getLogger(__name__)
+
+# The libraries' messages about what mtpquant does on purpose, and the level they are logged at instead.
+ON_PURPOSE: tuple[tuple[re.Pattern[str], int], ...] = (
+    # calibration tokenises whole documents and cuts the stream into rows itself
+    (re.compile(r"Token indices sequence length is longer than the specified maximum sequence length"), logging.DEBUG),
+    # modelopt's export reads the config's old attribute name
+    (re.compile(r"`torch_dtype` is deprecated! Use `dtype` instead!"), logging.DEBUG),
+    # transformers is pinned past the versions nvidia-modelopt names (pyproject.toml says why)
+    (re.compile(r"transformers \S+ is not tested with current version of modelopt"), logging.DEBUG),
+    # the linear-attention kernels' PyTorch fallback (always so on CPU): slower, not wrong
+    (re.compile(r"The fast path is not available because one of the required library is not installed"), logging.INFO),
+    (re.compile(r"is falling back to its reference PyTorch implementation"), logging.INFO),
+)
+
+
+def _level(message: str, level: int) -> int:
+    return next((to for pattern, to in ON_PURPOSE if pattern.search(message)), level)
+
+
+class _Forward(logging.Handler):
+    """Hands transformers' records to the root logger's handlers, those in ``ON_PURPOSE`` at their level."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        level = _level(record.getMessage(), record.levelno)
+        if level != record.levelno:  # a copy: other handlers of the logger keep the record as it was
+            name = logging.getLevelName(level)
+            record = logging.makeLogRecord({**record.__dict__, "levelno": level, "levelname": name})
+        root = logging.getLogger()
+        if root.isEnabledFor(record.levelno):
+            root.handle(record)
+
+
+def import_libraries(*names: str) -> None:
+    """Import modules; the Python warnings they raise on import that ``ON_PURPOSE`` names are logged at its level
+    instead, the others warned again."""
+    import importlib
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for name in names:
+            importlib.import_module(name)
+    for w in caught:
+        level = _level(str(w.message), logging.WARNING)
+        if level == logging.WARNING:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        else:
+            log.log(level, "%s: %s", w.category.__name__, w.message)
+
+
+@contextlib.contextmanager
+def library_output(progress: bool) -> Iterator[None]:
+    """transformers' log records through Python logging, and (``progress`` False) no transformers or
+    huggingface_hub progress bars, for the block."""
+    import huggingface_hub.utils as hf_utils
+    import transformers.utils.logging as tf_logging
+
+    logger = logging.getLogger("transformers")
+    outer = any(isinstance(h, _Forward) for h in logger.handlers)  # an enclosing block routes already
+    tf_bars = tf_logging.is_progress_bar_enabled()
+    hf_bars = not hf_utils.are_progress_bars_disabled()
+    forward = _Forward()
+    if not outer:
+        tf_logging.disable_default_handler()
+        logger.addHandler(forward)
+    if not progress:
+        tf_logging.disable_progress_bar()
+        hf_utils.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if not outer:
+            logger.removeHandler(forward)
+            tf_logging.enable_default_handler()
+        if tf_bars:
+            tf_logging.enable_progress_bar()
+        if hf_bars:
+            hf_utils.enable_progress_bars()

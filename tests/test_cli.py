@@ -1,0 +1,122 @@
+"""The command line itself: every subcommand's help lists its exit codes from the one table, -q / -v go before
+or after the subcommand, and library messages go through logging."""
+
+from __future__ import annotations
+
+import logging
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from mtpquant.cli import build_parser
+from mtpquant.errors import ExitCode, exit_code_table
+
+_ROW = re.compile(r"^\s+(\d+)  (.+)$")
+
+
+def _help(command: str, capsys: pytest.CaptureFixture[str]) -> str:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([command, "--help"])
+    return capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command", ["convert", "graft", "inspect", "validate", "publish", "demo", "tiny"])
+def test_every_epilog_is_rows_of_the_one_table(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    text = _help(command, capsys)
+    epilog = text[text.index("exit codes:\n") :]
+    rows = [line for line in epilog.splitlines() if _ROW.match(line)]
+    table = exit_code_table().splitlines()
+    assert rows and all(row in table for row in rows), rows
+    codes = [int(_ROW.match(row).group(1)) for row in rows]  # type: ignore[union-attr]
+    assert codes == sorted(codes)
+    assert {0, 1, 2, 19, 130} <= set(codes)
+    assert "All exit codes: `mtpquant --help`." in epilog
+
+
+def test_convert_help_names_an_already_quantized_source_15(capsys: pytest.CaptureFixture[str]) -> None:
+    text = _help("convert", capsys)
+    assert f"  {int(ExitCode.SOURCE_QUANTIZED)}  convert: the source is already quantized" in text
+    assert "already quantized)" not in text  # the old hand-typed "6 ... (or SRC is already quantized)"
+
+
+def test_tiny_help_says_what_it_writes(capsys: pytest.CaptureFixture[str]) -> None:
+    text = " ".join(_help("tiny", capsys).split())
+    assert "random weights" in text and "the directory to write" in text and "-tied: tied embeddings" in text
+
+
+@pytest.mark.parametrize(
+    ("argv", "verbose", "quiet"),
+    [
+        (["inspect", "X"], 0, False),
+        (["-q", "inspect", "X"], 0, True),
+        (["inspect", "X", "-q"], 0, True),
+        (["inspect", "X", "-v"], 1, False),
+        (["-v", "inspect", "X", "-v"], 2, False),
+        (["convert", "S", "O", "-vv", "--dry-run"], 2, False),
+    ],
+)
+def test_logging_flags_before_or_after_the_subcommand(argv: list[str], verbose: int, quiet: bool) -> None:
+    args = build_parser().parse_args(argv)
+    assert (args.verbose + args.sub_verbose, args.quiet or args.sub_quiet) == (verbose, quiet)
+
+
+class _RootRecords(logging.Handler):
+    """What reaches the root logger's handlers (pytest's capture also sits on non-propagating loggers such as
+    transformers', where it would see the library's records before mtpquant routes them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[str, str, str]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.seen.append((record.levelname, record.name, record.getMessage()))
+
+
+def test_transformers_messages_go_through_logging(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import transformers.utils.logging as tf_logging
+
+    from mtpquant.libraries import library_output
+
+    tf_log = tf_logging.get_logger("transformers.tokenization_utils_base")
+    root, records = logging.getLogger(), _RootRecords()
+    monkeypatch.setattr(root, "handlers", [records])
+    caplog.set_level(logging.WARNING)  # the root logger's level (restored after the test)
+    with library_output(progress=False):
+        tf_log.warning("Token indices sequence length is longer than the specified maximum sequence length for this")
+        tf_log.warning("something else")
+        assert not tf_logging.is_progress_bar_enabled()
+    assert tf_logging.is_progress_bar_enabled()
+    # the message about what calibration does on purpose is DEBUG now (hidden at WARNING); the other stays a warning
+    assert records.seen == [("WARNING", "transformers.tokenization_utils_base", "something else")]
+    records.seen.clear()
+    caplog.set_level(logging.DEBUG)
+    with library_output(progress=True):
+        tf_log.warning("The fast path is not available because one of the required library is not installed.")
+    # the CPU fallback of the linear-attention kernels: slower, not wrong (INFO, shown with -v)
+    assert [(level, name) for level, name, _ in records.seen] == [("INFO", "transformers.tokenization_utils_base")]
+
+
+def test_modelopt_import_warning_goes_to_the_log(
+    caplog: pytest.LogCaptureFixture, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import warnings
+
+    from mtpquant.libraries import import_libraries
+
+    (tmp_path / "noisy_library.py").write_text(
+        "import warnings\n"
+        "warnings.warn('transformers 5.19.0 is not tested with current version of modelopt and may cause issues.')\n"
+        "warnings.warn('a real problem')\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "noisy_library", raising=False)
+    caplog.set_level(logging.DEBUG, logger="mtpquant.libraries")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        import_libraries("noisy_library")
+    assert [str(w.message) for w in seen] == ["a real problem"]  # another warning stays a warning
+    assert [r.levelname for r in caplog.records if "not tested" in r.getMessage()] == ["DEBUG"]
