@@ -2,12 +2,36 @@
 
 The CLI (``mtpquant.cli``) is a thin layer over this module and ``mtpquant.render`` (the text forms of the
 results). Imports are lazy so that ``inspect`` and ``graft`` start without torch, transformers or modelopt.
+
+A program that embeds mtpquant shares one thing with it: huggingface_hub's process-wide HTTP client. The first
+call that reaches the Hub (a repo id given as a checkpoint, ``publish``) sets huggingface_hub's client factory
+(``huggingface_hub.set_client_factory``, ``mtpquant.hubhttp.configure_client``) to mtpquant's transport, so every
+huggingface_hub call in the process then has its deadline (``MTPQUANT_HUB_TIMEOUT``), its byte caps on the Hub's
+JSON answers and its request counting. A program that needs its own factory sets it again after mtpquant's calls
+(mtpquant sets it once per process, and again only when ``MTPQUANT_HUB_TIMEOUT`` changes).
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # a type checker (a user's, through py.typed) sees the real types; at run time they load lazily
+    from mtpquant.convert.plan import ConvertOptions, ConvertPlan, plan_convert
+    from mtpquant.convert.recipes import builtin_recipe_names
+    from mtpquant.convert.run import ConvertResult, convert
+    from mtpquant.graft.run import GraftOptions, GraftResult, fix_metadata, graft
+    from mtpquant.heal.options import HealOptions
+    from mtpquant.heal.plan import HealPlan
+    from mtpquant.heal.run import HealResult, heal
+    from mtpquant.hub.publish import PublishOptions, PublishResult, publish
+    from mtpquant.inspect.report import InspectReport, inspect_checkpoint
+    from mtpquant.synth.tiny import TINY_VARIANTS, make_tiny_checkpoint
+    from mtpquant.synth.train import TINY_MTP_ASSET, TINY_MTP_ASSETS
+    from mtpquant.validate import ACTIVATION_MODES
+    from mtpquant.validate.options import ValidateOptions
+    from mtpquant.validate.run import validate
+    from mtpquant.validate.schema import Report, ValidationReport
 
 __all__ = [
     "ACTIVATION_MODES",
@@ -19,6 +43,9 @@ __all__ = [
     "ConvertResult",
     "GraftOptions",
     "GraftResult",
+    "HealOptions",
+    "HealPlan",
+    "HealResult",
     "InspectReport",
     "PublishOptions",
     "PublishResult",
@@ -29,6 +56,7 @@ __all__ = [
     "convert",
     "fix_metadata",
     "graft",
+    "heal",
     "inspect_checkpoint",
     "make_tiny_checkpoint",
     "plan_convert",
@@ -51,6 +79,10 @@ _WHERE = {
     "GraftResult": "mtpquant.graft.run",
     "graft": "mtpquant.graft.run",
     "fix_metadata": "mtpquant.graft.run",
+    "HealOptions": "mtpquant.heal.options",
+    "HealPlan": "mtpquant.heal.plan",
+    "HealResult": "mtpquant.heal.run",
+    "heal": "mtpquant.heal.run",
     "InspectReport": "mtpquant.inspect.report",
     "inspect_checkpoint": "mtpquant.inspect.report",
     "make_tiny_checkpoint": "mtpquant.synth.tiny",
@@ -65,6 +97,7 @@ _WHERE = {
 
 
 def __getattr__(name: str) -> Any:
+    """The public names, imported on first use (``_WHERE`` says from where)."""
     if name in _WHERE:
         return getattr(importlib.import_module(_WHERE[name]), name)
     raise AttributeError(f"module 'mtpquant.api' has no attribute {name!r}")

@@ -1,16 +1,18 @@
-"""Every error type and the one exit-code table.
+"""Every error type a user can see, and the one exit-code table.
 
-Each user-facing failure is an ``MtpquantError``: one line naming the file, tensor, repo or server and what
-is wrong. The CLI prints ``str(error)`` and exits with ``error.exit_code``; each cause has its own code
-(``ExitCode``), documented in the README and ``mtpquant --help``.
+Each user-facing failure is an ``MtpquantError``, defined here: one line naming the file, tensor, repo or server
+and what is wrong. The CLI prints ``str(error)`` and exits with ``error.exit_code``; each cause has its own code
+(``ExitCode``), documented in the README and ``mtpquant --help``. (Internal exceptions that never leave mtpquant,
+such as ``safejson.JsonLimitError`` or ``nethttp.BoundExceededError``, are caught where they are raised and become
+one of these.)
 """
-
 from __future__ import annotations
 
 from collections.abc import Iterable
 from enum import IntEnum, unique
 
 __all__ = [
+    "BaseModelError",
     "CalibrationDataError",
     "CheckpointError",
     "ConfigError",
@@ -23,6 +25,8 @@ __all__ = [
     "ExitCode",
     "FilesystemError",
     "GraftError",
+    "HealNotBetterError",
+    "HealRefusedError",
     "HubAccessError",
     "HubRefusedError",
     "HubUnreachableError",
@@ -36,6 +40,8 @@ __all__ = [
     "OutputExistsError",
     "OutputVerificationError",
     "PublishRefusedError",
+    "PublishUsageError",
+    "RangeIgnoredError",
     "RecipeError",
     "SourceQuantizedError",
     "UnsupportedArchitectureError",
@@ -73,7 +79,9 @@ class ExitCode(IntEnum):
     OUTPUT_BUSY = 21  # another mtpquant run is writing the same output (its pid is named)
     MEMORY = 22  # convert: the model cannot be placed under the memory caps (the needed and available sizes are named)
     VALIDATE_INCONCLUSIVE = 23  # validate: too few prompts to decide (how many would settle it is named)
+    HEAL_NOT_BETTER = 24  # heal: the healed MTP is not better beyond noise on held-out prompts (nothing written)
     VALIDATE_BROKEN = 25  # validate: the candidate is broken (non-finite logits, main model disagrees, AL rises)
+    HEAL_REFUSED = 27  # heal: QUANT's MTP is missing, incomplete, or in a format heal cannot write back
     HUB_UNREACHABLE = 30  # the Hub (or mirror) cannot be reached or timed out
     HUB_ACCESS = 31  # the repo, revision or file does not exist, or is gated / private / needs a token
     HUB_REFUSED = 32  # the Hub refused the request or rate-limited it beyond the retries
@@ -110,7 +118,9 @@ _MEANING = {
     ExitCode.OUTPUT_BUSY: "another mtpquant run is writing the same output (its pid is named)",
     ExitCode.MEMORY: "convert: the model does not fit under the memory caps",
     ExitCode.VALIDATE_INCONCLUSIVE: "validate: inconclusive, the sample is too small to decide",
+    ExitCode.HEAL_NOT_BETTER: "heal: the healed MTP is not better beyond noise; nothing written",
     ExitCode.VALIDATE_BROKEN: "validate: the candidate is broken (non-finite, disagreeing, or AL too high)",
+    ExitCode.HEAL_REFUSED: "heal refused (MTP missing, incomplete, or in a format heal cannot write)",
     ExitCode.HUB_UNREACHABLE: "Hub unreachable or timed out",
     ExitCode.HUB_ACCESS: "Hub repo/file not found, gated, private, or bad token",
     ExitCode.HUB_REFUSED: "Hub refused the request or rate-limited it",
@@ -236,6 +246,18 @@ class GraftError(MtpquantError):
     exit_code = ExitCode.GRAFT_REFUSED
 
 
+class HealNotBetterError(MtpquantError):
+    """heal: the healed MTP is not better than QUANT's beyond noise on held-out prompts; nothing was written."""
+
+    exit_code = ExitCode.HEAL_NOT_BETTER
+
+
+class HealRefusedError(MtpquantError):
+    """heal refuses: QUANT's MTP is missing or incomplete, or stored in a format heal cannot write back."""
+
+    exit_code = ExitCode.HEAL_REFUSED
+
+
 class PublishRefusedError(MtpquantError):
     """publish refuses: OUT is not publishable (checks failed, a secret in a file, nothing to upload)."""
 
@@ -258,6 +280,14 @@ class HubAccessError(MtpquantError):
     """The repo, revision or file does not exist, or is gated / private / needs a (valid) token."""
 
     exit_code = ExitCode.HUB_ACCESS
+
+
+class BaseModelError(UsageError):
+    """``--base-model`` is not a Hub model id (or ``--base-model-revision`` is not a revision)."""
+
+
+class PublishUsageError(UsageError):
+    """publish's options are malformed: a repo id the Hub would refuse, ``--create-pr`` with a branch, ..."""
 
 
 class HubRefusedError(MtpquantError):
@@ -295,3 +325,7 @@ class EngineStartError(MtpquantError):
     """The engine server failed to start (the message names its log)."""
 
     exit_code = ExitCode.ENGINE_START
+
+
+class RangeIgnoredError(HubRefusedError):
+    """The server answered a ranged read with the whole file (it ignores ``Range``)."""

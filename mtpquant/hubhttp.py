@@ -34,7 +34,14 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
-from mtpquant.errors import HubAccessError, HubRefusedError, HubUnreachableError, MtpquantError, UsageError
+from mtpquant.errors import (
+    HubAccessError,
+    HubRefusedError,
+    HubUnreachableError,
+    MtpquantError,
+    RangeIgnoredError,
+    UsageError,
+)
 from mtpquant.nethttp import (
     BoundExceededError,
     current_budget,
@@ -72,10 +79,6 @@ _configured: float | None = None
 _requests = 0  # every request huggingface_hub's shared client has sent since configure_client (redirects too)
 
 
-class RangeIgnoredError(HubRefusedError):
-    """The server answered a ranged read with the whole file (it ignores ``Range``)."""
-
-
 def hub_timeout() -> float:
     """Seconds to connect and between bytes read: ``MTPQUANT_HUB_TIMEOUT``, else 30; a value that is not a positive
     number of seconds is refused (UsageError), not replaced by the default unseen."""
@@ -103,7 +106,10 @@ def _count(request: Any) -> None:
 
 
 def configure_client() -> None:
-    """Give huggingface_hub's shared client a transport that applies ``hub_timeout()`` (idempotent)."""
+    """Give huggingface_hub's shared client a transport that applies ``hub_timeout()`` (idempotent).
+
+    The factory is process-wide: an embedding program's own huggingface_hub calls go through this transport too
+    from the first mtpquant Hub call on (documented at ``mtpquant.api``)."""
     global _configured
     timeout = hub_timeout()
     if _configured == timeout:

@@ -1,16 +1,49 @@
-"""What this machine has to give: its memory (RAM as the kernel and the cgroup allow, GPU 0's as the driver says).
+"""What this machine has to give: its memory (RAM as the kernel and the cgroup allow, GPU 0's as the driver says),
+and the device a run computes on.
 
 One home for the probes convert's memory plan (``convert/memory.py``) and the engines mtpquant starts
-(``engine/sizing.py``) both size themselves by.
+(``engine/sizing.py``) both size themselves by, and for ``--device`` (convert and validate: one resolver, one
+exit code).
 """
 
 from __future__ import annotations
 
+import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
 
-__all__ = ["available_cpu_bytes", "gpu_memory", "total_cpu_bytes"]
+from mtpquant.errors import DeviceError
+
+__all__ = ["available_cpu_bytes", "gpu_memory", "resolve_device", "total_cpu_bytes"]
+
+
+def resolve_device(device: str, *, indexed: bool = True, probe: bool = True) -> str:
+    """``--device`` as the device a run computes on: ``cpu``, ``cuda``, ``cuda:N`` (where ``indexed``: validate runs
+    on one GPU; convert's ``cuda`` spreads the model over every GPU it may use) or ``auto`` (``cuda`` when torch sees
+    a GPU, else ``cpu``). Any other name, or CUDA that torch does not see, is a one-line ``DeviceError`` (exit 2).
+    ``probe`` False (a dry run): the name is checked but no GPU is looked for, and ``auto`` is ``cuda`` only where an
+    NVIDIA driver is present (torch is not imported)."""
+    names = "cpu, cuda, cuda:N or auto" if indexed else "cpu, cuda or auto"
+    if device not in ("cpu", "cuda", "auto") and not (indexed and re.fullmatch(r"cuda:\d+", device)):
+        raise DeviceError(f"--device must be {names}, got {device!r}")
+    if device == "cpu":
+        return "cpu"
+    if not probe:
+        if device != "auto":
+            return device
+        if not Path("/proc/driver/nvidia").exists() and not os.environ.get("CUDA_VISIBLE_DEVICES"):
+            return "cpu"
+    import torch
+
+    if not torch.cuda.is_available():
+        if device == "auto":
+            return "cpu"
+        raise DeviceError(f"--device {device}: no CUDA device is visible to torch (use --device cpu)")
+    if device.startswith("cuda:") and int(device[5:]) >= torch.cuda.device_count():
+        raise DeviceError(f"--device {device}: torch sees {torch.cuda.device_count()} CUDA device(s)")
+    return "cuda" if device == "auto" else device
 
 
 def _read_int(path: Path) -> int | None:

@@ -9,10 +9,12 @@ what QUANT already records. ``publish`` reads it for the model card, as typed da
       "source": {"repo_id", "revision", "commit", "path"}, "mode", "recipe", "recipe_file", "base_model",
       "base_model_revision", "license": {"license", "license_name", "license_link"}}, ...]}
 
-Steps are oldest first; every field but ``tool`` may be null. The file goes to the Hub with the checkpoint, so
-it names local directories by their base name only (``mtpquant.public``): ``command`` as run with each local
-path shortened, ``source.path`` the source directory's name. ``license`` is the licence the source's own card
-declared (its README.md metadata), read when the step ran so the card does not need the source later.
+A ``heal`` step also records what heal did (``"heal"``: ``HealRecord``: the MTP's precision, the data, the schedule,
+the seed, and the held-out AL per k before and after with the paired 95 % interval of the change); the key is absent
+from other steps. Steps are oldest first; every field but ``tool`` may be null. The file goes to the Hub with the
+checkpoint, so it names local directories by their base name only (``mtpquant.public``): ``command`` as run with
+each local path shortened, ``source.path`` the source directory's name. ``license`` is the licence the source's own
+card declared (its README.md metadata), read when the step ran so the card does not need the source later.
 """
 
 from __future__ import annotations
@@ -28,12 +30,14 @@ from typing import Any
 
 from mtpquant import __version__, safejson
 from mtpquant.checkpoint.source import CheckpointSource, LocalSource, SourceRef, is_repo_id, read_json
-from mtpquant.errors import CheckpointError, UsageError
+from mtpquant.errors import BaseModelError, CheckpointError
 
 __all__ = [
     "PROVENANCE_FILE",
     "PROVENANCE_SCHEMA",
     "BaseModelError",
+    "HealAl",
+    "HealRecord",
     "Provenance",
     "Step",
     "check_base_model",
@@ -80,11 +84,114 @@ def _ref_from(value: Any) -> SourceRef | None:
     return SourceRef(repo_id=s("repo_id"), revision=s("revision"), commit=s("commit"), path=s("path"))
 
 
+def _num(d: Mapping[str, Any], key: str, kind: type = float) -> Any:
+    value = d.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"heal record: {key} is not a number")
+    return kind(value)
+
+
+@dataclass(frozen=True)
+class HealAl:
+    """The held-out AL at one k before and after heal, and the paired 95 % interval of the change."""
+
+    k: int
+    before: float
+    after: float
+    low: float
+    high: float
+
+    def to_json(self) -> dict[str, Any]:
+        """``{"k", "before", "after", "low", "high"}`` (a non-finite interval end is null)."""
+
+        def num(v: float) -> float | None:
+            return round(v, 6) if v == v and abs(v) != float("inf") else None
+
+        return {"k": self.k, "before": num(self.before), "after": num(self.after), "low": num(self.low),
+                "high": num(self.high)}
+
+    @classmethod
+    def from_json(cls, d: Any) -> HealAl:
+        """Read one row; ``ValueError`` when it is not one."""
+        if not isinstance(d, Mapping):
+            raise ValueError("heal record: a by_k row is not an object")
+
+        def num(key: str) -> float:
+            v = d.get(key)
+            return float("nan") if v is None else float(_num(d, key))
+
+        return cls(_num(d, "k", int), num("before"), num("after"), num("low"), num("high"))
+
+
+@dataclass(frozen=True)
+class HealRecord:
+    """What ``mtpquant heal`` did to the MTP: precision, data, schedule, seed, the held-out check."""
+
+    precision: str  # "BF16", "NVFP4 (W4A4)", ...
+    data: str  # where the prompts came from
+    sequences: int  # sequences the quantized target produced
+    tokens: int
+    sampled: int  # of the sequences, those sampled at the temperature (the rest greedy)
+    temperature: float
+    steps: int
+    lr: float
+    batch_size: int
+    chain: int
+    seed: int
+    check_sequences: int  # held-out sequences of the check
+    by_k: tuple[HealAl, ...]
+    better: bool  # better beyond noise at every k
+    forced: bool = False  # written with --force although the check did not show it better
+
+    def to_json(self) -> dict[str, Any]:
+        """The step's ``heal`` object."""
+        return {
+            "precision": self.precision,
+            "data": self.data,
+            "sequences": self.sequences,
+            "tokens": self.tokens,
+            "sampled": self.sampled,
+            "temperature": self.temperature,
+            "steps": self.steps,
+            "lr": self.lr,
+            "batch_size": self.batch_size,
+            "chain": self.chain,
+            "seed": self.seed,
+            "check_sequences": self.check_sequences,
+            "by_k": [row.to_json() for row in self.by_k],
+            "better": self.better,
+            "forced": self.forced,
+        }
+
+    @classmethod
+    def from_json(cls, d: Any) -> HealRecord:
+        """Read a ``heal`` object; ``ValueError`` when it is not one."""
+        if not isinstance(d, Mapping) or not isinstance(d.get("by_k"), list):
+            raise ValueError("heal record: not an object with by_k")
+        return cls(
+            precision=str(d.get("precision", "")),
+            data=str(d.get("data", "")),
+            sequences=_num(d, "sequences", int),
+            tokens=_num(d, "tokens", int),
+            sampled=_num(d, "sampled", int),
+            temperature=_num(d, "temperature"),
+            steps=_num(d, "steps", int),
+            lr=_num(d, "lr"),
+            batch_size=_num(d, "batch_size", int),
+            chain=_num(d, "chain", int),
+            seed=_num(d, "seed", int),
+            check_sequences=_num(d, "check_sequences", int),
+            by_k=tuple(HealAl.from_json(r) for r in d["by_k"]),
+            better=bool(d.get("better")),
+            forced=bool(d.get("forced")),
+        )
+
+
 @dataclass(frozen=True)
 class Step:
     """One mtpquant run that produced or changed the directory."""
 
-    tool: str  # "convert" | "graft"
+    tool: str  # "convert" | "graft" | "heal" | "publish"
     command: tuple[str, ...] = ()
     source: SourceRef | None = None  # convert's SRC; graft's SRC (where the MTP came from)
     mode: str | None = None  # the MTP mode (graft: keep)
@@ -93,6 +200,7 @@ class Step:
     base_model: str | None = None  # a Hub model id the user named (--base-model), or None
     base_model_revision: str | None = None
     license: Mapping[str, str] | None = None  # the source card's licence fields, as declared there
+    heal: HealRecord | None = None  # a heal step: what it did
     mtpquant_version: str = __version__
     versions: Mapping[str, str] = field(default_factory=library_versions)
     created: str = field(default_factory=lambda: datetime.now(timezone.utc).isoformat(timespec="seconds"))
@@ -112,7 +220,7 @@ class Step:
             "base_model": self.base_model,
             "base_model_revision": self.base_model_revision,
             "license": dict(self.license) if self.license else None,
-        }
+        } | ({"heal": self.heal.to_json()} if self.heal is not None else {})
 
     @classmethod
     def from_json(cls, d: Any) -> Step:
@@ -127,6 +235,7 @@ class Step:
         command = d.get("command")
         versions = d.get("versions")
         lic = d.get("license")
+        heal = d.get("heal")
         return cls(
             tool=str(d["tool"]),
             command=tuple(str(c) for c in command) if isinstance(command, list) else (),
@@ -137,6 +246,7 @@ class Step:
             base_model=s("base_model"),
             base_model_revision=s("base_model_revision"),
             license={str(k): v for k, v in lic.items() if isinstance(v, str)} if isinstance(lic, Mapping) else None,
+            heal=HealRecord.from_json(heal) if heal is not None else None,
             mtpquant_version=s("mtpquant_version") or "",
             versions={str(k): str(v) for k, v in versions.items()} if isinstance(versions, Mapping) else {},
             created=s("created") or "",
@@ -184,6 +294,16 @@ class Provenance:
             if s.base_model:
                 return s.base_model, s.base_model_revision
         return None, None
+
+    @property
+    def heal(self) -> HealRecord | None:
+        """What the last heal did, when the MTP now in the directory is a healed one (no later step replaced it)."""
+        for s in reversed(self.steps):
+            if s.heal is not None:
+                return s.heal
+            if s.tool in ("convert", "graft"):
+                return None
+        return None
 
     @property
     def license(self) -> Mapping[str, str] | None:
@@ -250,10 +370,6 @@ def check_replaceable(path: Path) -> None:
         f"entr{'y' if len(entries) == 1 else 'ies'}: {shown}); not replacing it ({mine}): remove it yourself or "
         "choose another output"
     )
-
-
-class BaseModelError(UsageError):
-    """``--base-model`` is not a Hub model id."""
 
 
 def check_base_model(repo_id: str | None, revision: str | None = None) -> tuple[str | None, str | None]:

@@ -1,8 +1,9 @@
 """Every result as text, for the CLI (and anyone who wants it): one place for the human-readable forms.
 
 ``inspect_text`` (InspectReport), ``plan_lines`` / ``convert_text`` (ConvertPlan / ConvertResult),
-``graft_text`` (GraftResult), ``publish_plan_text`` (a dry-run PublishResult), ``acceptance_table`` and
-``validate_text`` (a validation Report). Imports only the result types; sizes through ``units.format_bytes``.
+``graft_text`` (GraftResult), ``heal_text`` (HealResult), ``publish_plan_text`` (a dry-run PublishResult),
+``acceptance_table`` and ``validate_text`` (a validation Report). Imports only the result types; sizes through
+``units.format_bytes``.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ if TYPE_CHECKING:
     from mtpquant.convert.plan import ConvertPlan
     from mtpquant.convert.run import ConvertResult
     from mtpquant.graft.run import GraftResult
+    from mtpquant.heal.run import HealResult
     from mtpquant.hub.publish import PublishResult
     from mtpquant.inspect.report import InspectReport
 
@@ -27,6 +29,8 @@ __all__ = [
     "acceptance_table",
     "convert_text",
     "graft_text",
+    "heal_table",
+    "heal_text",
     "inspect_text",
     "plan_lines",
     "publish_plan_text",
@@ -273,6 +277,51 @@ def graft_text(result: GraftResult) -> str:
         lines.append(f"  cleaned up after an interrupted run: {name}")
     for warning in result.warnings:
         lines.append(f"  warning: {warning}")
+    return "\n".join(lines)
+
+
+def heal_table(rows: Sequence[tuple[int, float, float, float, float]]) -> list[str]:
+    """The held-out AL per k before and after heal: ``(k, before, after, low, high)`` rows."""
+    lines = ["  k  before   after  change  95% interval"]
+    for k, before, after, low, high in rows:
+        lines.append(f"{k:>3}  {before:6.3f}  {after:6.3f}  {after - before:+.3f}  [{low:+.3f}, {high:+.3f}]")
+    return lines
+
+
+def heal_text(result: HealResult) -> str:
+    """What heal did (or, for a dry run, the plan)."""
+    if result.action == "planned":
+        return "\n".join([result.message, *result.plan.lines()])
+    lines = [result.message]
+    check = result.check
+    if check is not None:
+        lines.append(f"check      {check.sequences} held-out prompts, {check.tokens} tokens (greedy, the quantized "
+                     "target's own continuations)")
+        lines += ["           " + line for line in heal_table([(c.k, c.before, c.after, c.low, c.high)
+                                                               for c in check.by_k])]
+    record = result.record
+    if record is not None:
+        greedy = record.sequences - record.sampled
+        lines.append(f"data       {record.sequences} sequences, {record.tokens} tokens ({greedy} greedy, "
+                     f"{record.sampled} at temperature {record.temperature:g}) from {record.data}")
+        lines.append(f"schedule   {record.steps} steps x {record.batch_size}, lr {record.lr:g}, chain {record.chain}, "
+                     f"seed {record.seed}; MTP {record.precision}")
+    if result.training is not None:
+        lines.append(f"training   KL {result.training.first_loss:.4f} -> {result.training.last_loss:.4f}")
+    lines.append(f"written    {format_bytes(result.bytes_written)}; new shards: {', '.join(result.new_shards) or '-'}; "
+                 f"hard-linked {len(result.linked)}, copied {len(result.copied)}")
+    for name in result.rewritten:
+        lines.append(f"           rewritten without the old MTP: {name}")
+    if result.verified_with:
+        lines.append(f"verified   {', '.join(result.verified_with)}; put in place by {result.commit}")
+    t = result.timings
+    lines.append("time       " + ", ".join(f"{k} {v:.1f}s" for k, v in t.items())
+                 + f"; CPU {result.cpu_seconds:.0f}s")
+    lines.append(f"memory     peak RSS {format_bytes(result.peak_rss_bytes)}; hidden states on disk "
+                 f"{format_bytes(result.data_bytes)} (removed)")
+    for name in result.cleaned:
+        lines.append(f"note       cleaned up after an interrupted run: {name}")
+    lines += [f"warning    {w}" for w in result.warnings]
     return "\n".join(lines)
 
 

@@ -135,12 +135,15 @@ def run_python(args: list[str]) -> ChildRun:
         if line.startswith("__VMHWM_KB__ "):
             rss = int(line.split()[1]) * 1024
     data: dict[str, Any] = {}
-    for line in reversed(out.strip().splitlines()):
+    # the whole output when it is one JSON object (``--json`` is indented), else its last line that is one
+    for text in (out, *reversed(out.strip().splitlines())):
         try:
-            data = json.loads(line)
-            break
+            parsed = json.loads(text)
         except json.JSONDecodeError:
             continue
+        if isinstance(parsed, dict):
+            data = parsed
+            break
     return ChildRun(wall, rss, data, proc.returncode, err)
 
 

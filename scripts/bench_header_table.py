@@ -26,10 +26,11 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.support (skeletons)
 
 from _benchlib import LAYOUTS, PYTHON, REPO, command_line, fmt_bytes, machine, machine_line, today, write_section
 
-from mtpquant.synth.skeleton import find_layout, make_skeleton
+from tests.support.skeleton import find_layout, make_skeleton
 
 HEADING = "## header table and inspect vs the JSON parse of the same headers"
 TARGETS = {"open": 2.0, "inspect": 3.0}

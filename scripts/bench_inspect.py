@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.support (skeletons)
 
 from _benchlib import (
     LAYOUTS,
@@ -40,8 +41,8 @@ from _benchlib import (
 )
 
 from mtpquant.inspect.report import inspect_checkpoint
-from mtpquant.synth.qwen4_exp_skeleton import make_qwen4_exp_skeleton
-from mtpquant.synth.skeleton import find_layout, make_skeleton
+from tests.support.qwen4_exp_skeleton import make_qwen4_exp_skeleton
+from tests.support.skeleton import find_layout, make_skeleton
 
 QWEN4_EXP = "Qwen3.8-Flash-Next"  # --layout Qwen3.8-Flash-Next: source = BF16 release, quant = NVIDIA's MIXED_PRECISION
 

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.support (skeletons)
 
 from _benchlib import (
     LAYOUTS,
@@ -47,7 +48,7 @@ from _benchlib import (
 
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.checkpoint.writer import OutputDir, PlannedTensor
-from mtpquant.synth.skeleton import find_layout, make_skeleton
+from tests.support.skeleton import find_layout, make_skeleton
 
 HEADING = "## keep-mode MTP copy vs cp"
 TARGET = 0.5

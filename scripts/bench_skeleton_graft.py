@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.support (skeletons)
 
 from _benchlib import (
     LAYOUTS,
@@ -143,7 +144,7 @@ def _profile_split(stats_path: str) -> dict[str, Any]:
 def bench_layout(name: str, root: Path, modes: list[str], runs: int, profile: bool) -> dict[str, Any]:
     """cp vs graft for one layout: ``runs`` per mode, each on a fresh skeleton quant."""
     from mtpquant.checkpoint.table import Checkpoint
-    from mtpquant.synth.skeleton import find_layout, make_skeleton
+    from tests.support.skeleton import find_layout, make_skeleton
 
     layout = find_layout(name, LAYOUTS)
     src = make_skeleton(layout, root / "src", mtp_data="random")

@@ -17,6 +17,8 @@
 #   5. converts the trained tiny Qwen3.8-Flash-Next (mtpquant/assets/tiny-qwen4_exp-mtp) with --device cuda, MTP
 #      kept and quantized, and validates the quantized MTP's drafts; with GPU_CHECK_VLLM_PYTHON, serves both with
 #      MTP and prints vLLM's acceptance (/metrics) beside validate's prediction
+#   5b. heals the tiny model's quant (its BF16 MTP) with --device cuda, the default schedule (--force: written even if
+#      the check finds no gain, so the step times the whole path) and prints the held-out AL before and after
 #   6. with GPU_CHECK_VLLM_PYTHON set (a python with vLLM >= 0.32, CUDA build): the Qwen3.8-Flash-Next
 #      (qwen4_exp) serve check, scripts/qwen4_exp_serve_check.py: vLLM started with MTP on the tiny qwen4_exp and
 #      on the published quant layouts (NVIDIA's MIXED_PRECISION, its refreshed metadata before and after
@@ -91,6 +93,9 @@ step tiny-capped 60 "${C[@]}" "$TINY" "$WORK/tiny-q-capped" "${CAL[@]}" --max-me
 step 4b 180 "${C[@]}" "$SRC4B" "$WORK/4b-q" "${CAL[@]}"
 step 4b-capped 240 "${C[@]}" "$SRC4B" "$WORK/4b-q-capped" "${CAL[@]}" --max-memory "$CAP"
 step validate 120 "$PY" -m mtpquant validate "$TINY" "$WORK/tiny-q" --device "$DEVICE" --json
+rm -rf "$WORK/tiny-q-healed"
+step heal 180 "$PY" -m mtpquant heal "$WORK/tiny-q" --from "$TINY" --out "$WORK/tiny-q-healed" --device "$DEVICE" \
+  --force --json
 
 "$PY" - "$WORK" "$CAP" <<'EOF'
 import json, sys
@@ -107,6 +112,10 @@ for name in ("tiny", "tiny-capped", "4b", "4b-capped"):
           f"{format_bytes(r['peak_gpu_bytes']):>10}  {notes}; written {r['bytes_written'] / r['output_bytes']:.2f}x")
 v = json.loads((work / "validate.json").read_text())
 print(f"validate     {walls['validate']:>7.1f}s  verdict {v['verdict']['status']}: {v['verdict']['reasons'][0]}")
+h = json.loads((work / "heal.json").read_text())
+rows = ", ".join(f"k={r['k']} {r['before']:.3f} -> {r['after']:.3f} [{r['low']:+.3f}, {r['high']:+.3f}]"
+                 for r in h["record"]["by_k"])
+print(f"heal         {walls['heal']:>7.1f}s {format_bytes(h['peak_rss_bytes']):>10}  {h['action']}: {rows}")
 a, b = Checkpoint.open(work / "4b-q", strict=True), Checkpoint.open(work / "4b-q-capped", strict=True)
 same = sorted(a.tensors) == sorted(b.tensors) and all(a.read_raw(e) == b.read_raw(b.tensors[n]) for n, e in a.tensors.items())
 print(f"4B in memory vs --max-memory {sys.argv[2]}: {'bit-identical' if same else 'DIFFERENT'} ({len(a.tensors)} tensors)")

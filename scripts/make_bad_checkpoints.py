@@ -9,7 +9,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from mtpquant.synth.bad import make_bad_corpus
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere: tests.support
+from tests.support.bad import make_bad_corpus
 
 if __name__ == "__main__":
     out = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "bad"

@@ -23,7 +23,8 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from mtpquant.synth.skeleton import find_layout, list_layouts, make_skeleton
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere: tests.support
+from tests.support.skeleton import find_layout, list_layouts, make_skeleton
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_LAYOUTS = REPO / "tests" / "fixtures" / "real-layouts"

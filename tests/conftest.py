@@ -10,8 +10,13 @@ from pathlib import Path
 
 import pytest
 
+# torch's OpenMP threads spin while they wait by default; on a shared, oversubscribed machine that burns the CPU
+# other jobs need (measured: 25x the CPU time for the same greedy steps). Set before torch is first imported.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 from mtpquant.synth.tiny import make_tiny_checkpoint
 from tests.support.engine import EnginePool
+from tests.support.heal import HealedTiny
 from tests.support.hubserver import LocalHub
 
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
@@ -101,6 +106,12 @@ def peer_quant() -> Iterator[Callable[[str], Path]]:
     yield get
     for name, fp in seen.items():
         assert _fingerprint(PEER_FIXTURES / name) == fp, f"a test modified the committed peer quant {name}"
+
+
+@pytest.fixture(scope="session")
+def healed_tiny(tmp_path_factory: pytest.TempPathFactory) -> HealedTiny:
+    """The trained tiny model converted (keep / quantize) and healed with heal's defaults, built on first use."""
+    return HealedTiny(tmp_path_factory.mktemp("healed-tiny"))
 
 
 @pytest.fixture(scope="session")

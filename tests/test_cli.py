@@ -120,3 +120,44 @@ def test_modelopt_import_warning_goes_to_the_log(
         import_libraries("noisy_library")
     assert [str(w.message) for w in seen] == ["a real problem"]  # another warning stays a warning
     assert [r.levelname for r in caplog.records if "not tested" in r.getMessage()] == ["DEBUG"]
+
+
+def test_the_api_names_its_types_for_type_checkers() -> None:
+    """Every public name of ``mtpquant.api`` is imported under TYPE_CHECKING from the module it loads lazily from:
+    a user's type checker sees the real types, not ``Any``."""
+    import ast
+
+    import mtpquant.api as api
+
+    tree = ast.parse(Path(api.__file__).read_text())
+    guarded = next(n for n in tree.body if isinstance(n, ast.If) and ast.unparse(n.test) == "TYPE_CHECKING")
+    imports = [node for node in guarded.body if isinstance(node, ast.ImportFrom)]
+    seen = {alias.name: node.module for node in imports for alias in node.names}
+    assert seen == api._WHERE and sorted(seen) == sorted(api.__all__)
+    assert api.inspect_checkpoint.__name__ == "inspect_checkpoint"  # and at run time still loaded on first use
+
+
+def test_one_device_resolver_one_exit_code(monkeypatch: pytest.MonkeyPatch) -> None:
+    """convert, validate and heal read --device through one resolver: the same names, the same one-line refusal,
+    exit 2 (validate used to exit 3, "malformed checkpoint", when no CUDA device existed)."""
+    import torch
+
+    from mtpquant.errors import DeviceError
+    from mtpquant.machine import resolve_device
+    from mtpquant.validate.weights import resolve_device as validate_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for resolve in (resolve_device, lambda d: str(validate_device(d))):
+        assert resolve("cpu") == "cpu" and resolve("auto") == "cpu"
+        for bad, message in [
+            ("tpu", "--device must be cpu, cuda, cuda:N or auto, got 'tpu'"),
+            ("cuda", "--device cuda: no CUDA device is visible to torch (use --device cpu)"),
+            ("cuda:1", "--device cuda:1: no CUDA device is visible to torch (use --device cpu)"),
+        ]:
+            with pytest.raises(DeviceError) as refused:
+                resolve(bad)
+            assert (str(refused.value), refused.value.exit_code) == (message, ExitCode.USAGE)
+    # convert spreads the model over every GPU: no cuda:N; a dry run checks the name without looking for a GPU
+    with pytest.raises(DeviceError, match=r"^--device must be cpu, cuda or auto, got 'cuda:1'$"):
+        resolve_device("cuda:1", indexed=False)
+    assert resolve_device("cuda", indexed=False, probe=False) == "cuda"

@@ -363,3 +363,30 @@ def test_validate_keep_mtp_agrees_exactly_and_hidden_files_replay(
     assert replay.reference.acceptance == report.reference.acceptance
     assert replay.candidate is not None and report.candidate is not None
     assert replay.candidate.acceptance == report.candidate.acceptance
+
+
+def test_quantized_mtp_of_the_trained_tiny_still_drafts(
+    src: Path, outputs: Callable[..., tuple[Path, ConvertResult]]
+) -> None:
+    """--mtp quantize calibrated through the Qwen4-Exp MTP forward: on identical inputs the NVFP4 MTP mostly picks the
+    BF16 MTP's token (not all: it is quantized), and its drafts are accepted about as often."""
+    from mtpquant.validate.run import ValidateOptions, validate
+
+    quant, _ = outputs("quantize", "trained")
+    opts = ValidateOptions(
+        reference=str(sources(src)["trained"]),
+        candidate=str(quant),
+        num_prompts=3,
+        max_len=40,
+        device="cpu",
+        progress=False,
+    )
+    report = validate(opts).report
+    assert report.comparison is not None and report.comparison.mtp is not None
+    mtp = report.comparison.mtp
+    assert mtp.positions > 0 and 0.8 <= mtp.top1_agreement < 1.0 and mtp.kl is not None and 0 < mtp.kl.mean < 0.05
+    assert report.reference.acceptance is not None and report.candidate is not None
+    assert report.candidate.acceptance is not None
+    ref, cand = report.reference.acceptance.by_k[0], report.candidate.acceptance.by_k[0]
+    assert ref.acceptance_rate >= 0.4 and abs(cand.acceptance_rate - ref.acceptance_rate) <= 0.15
+    assert report.verdict.status != "fail"

@@ -9,7 +9,7 @@ import pytest
 
 from mtpquant.errors import ConfigError, UnsupportedArchitectureError
 from mtpquant.families import TensorClass, classify_tensor, is_mtp_name, resolve
-from mtpquant.synth.layouts import expand_layout
+from tests.support.layouts import expand_layout
 
 LAYOUTS = [
     ("Qwen3.5-0.8B-Base", "Qwen3.5-0.8B-Base_config_as_loaded_by_transformers-5.7.0.json", "qwen3_5", 15),

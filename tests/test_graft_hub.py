@@ -120,7 +120,7 @@ def test_graft_from_the_hub_reads_a_1553_tensor_mtp_in_a_few_requests(
 ) -> None:
     """Qwen3-Next-80B-A3B's MTP (1,553 tensors, 3.3 GB) from a Hub SRC: adjacent tensors are merged into one
     ranged read, so the requests are about one per MTP shard, not one per tensor."""
-    from mtpquant.synth.skeleton import find_layout, make_skeleton
+    from tests.support.skeleton import find_layout, make_skeleton
 
     layout = find_layout("Qwen3-Next-80B-A3B-Instruct", real_layouts)
     # hash_contents=False: stat-derived ids, so serving the 163 GB sparse skeleton never hashes it

@@ -16,7 +16,7 @@ from mtpquant.checkpoint.header import parse_header
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.cli import main as cli
 from mtpquant.errors import ExitCode, MtpquantError
-from mtpquant.synth.bad import BAD_CASES, SHARD_A, make_bad_corpus, make_minimal_checkpoint
+from tests.support.bad import BAD_CASES, SHARD_A, make_bad_corpus, make_minimal_checkpoint
 
 CORPUS = Path(__file__).resolve().parent / "fixtures" / "bad"
 EXPECTED: dict[str, str] = json.loads((CORPUS / "expected.json").read_text())

@@ -16,8 +16,8 @@ from mtpquant.checkpoint.header import tensor_nbytes
 from mtpquant.checkpoint.index import INDEX_NAME
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.inspect.report import inspect_checkpoint
-from mtpquant.synth.layouts import expand_layout
-from mtpquant.synth.skeleton import (
+from tests.support.layouts import expand_layout
+from tests.support.skeleton import (
     Layout,
     assign_shards,
     find_layout,

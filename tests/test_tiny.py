@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from mtpquant.checkpoint.table import Checkpoint
-from mtpquant.synth.layouts import expand_layout
+from tests.support.layouts import expand_layout
 
 CASES = [
     ("qwen3_5", "Qwen3.5-4B", "Qwen3.5-4B_config.json"),

@@ -21,6 +21,7 @@ from mtpquant.errors import CheckpointError
 
 __all__ = [
     "DTYPE_BITS",
+    "FLOAT_DTYPES",
     "MAX_HEADER_BYTES",
     "ShardHeader",
     "TensorEntry",
@@ -28,6 +29,10 @@ __all__ = [
     "parse_header",
     "tensor_nbytes",
 ]
+
+# The unquantized float dtypes: a tensor stored in one of these holds its values as they are (BF16 / F16 / F32 / F64);
+# every other dtype of a weight is a quantized or packed format.
+FLOAT_DTYPES = frozenset({"BF16", "F16", "F32", "F64"})
 
 # Bits per element of every dtype the safetensors format defines.
 DTYPE_BITS: dict[str, int] = {

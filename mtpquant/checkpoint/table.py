@@ -15,7 +15,14 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mtpquant.checkpoint.header import ShardHeader, TensorEntry, bulk_parse, parse_header, read_header_length
+from mtpquant.checkpoint.header import (
+    FLOAT_DTYPES,
+    ShardHeader,
+    TensorEntry,
+    bulk_parse,
+    parse_header,
+    read_header_length,
+)
 from mtpquant.checkpoint.index import INDEX_NAME, SINGLE_NAME, Problem, check_shard_name, parse_index, validate_index
 from mtpquant.checkpoint.source import CheckpointSource, open_source, read_json
 from mtpquant.errors import CheckpointError, ConfigError, MtpquantError
@@ -303,8 +310,6 @@ def _refuse_pickles(label: str, files: list[str]) -> None:
         log.warning("%s: ignoring pickle file %s (never loaded)", label, f)
 
 
-_UNQUANTIZED_DTYPES = ("BF16", "F16", "F32")
-
 # Sane limits on what one checkpoint may declare or hold. Config values size loops and tables (the expected MTP
 # tensor set, the model transformers builds): the largest real checkpoints are far below them (Qwen3.5-397B: 60
 # layers, 512 experts, 1 MTP layer; a fine-grained MoE quant: ~300,000 tensors).
@@ -378,7 +383,7 @@ def _check_config_matches_tensors(ckpt: Checkpoint) -> None:
         if last not in ckpt.tensors and last not in indexed:  # (a missing shard is the index's problem)
             raise ConfigError(f"config.json: num_hidden_layers {layers} contradicts the tensors: there is no {last}")
     embed = ckpt.tensors.get(ckpt.main_prefix + "embed_tokens.weight")
-    if embed is not None and embed.dtype in _UNQUANTIZED_DTYPES and len(embed.shape) == 2:
+    if embed is not None and embed.dtype in FLOAT_DTYPES and len(embed.shape) == 2:
         want = (spec.text.get("vocab_size"), spec.text.get("hidden_size"))
         if want != embed.shape:
             raise ConfigError(
@@ -393,7 +398,7 @@ def _check_config_matches_tensors(ckpt: Checkpoint) -> None:
         return
     for name, shape in expected.items():
         entry = ckpt.tensors.get(name)
-        if entry is not None and entry.dtype in _UNQUANTIZED_DTYPES and entry.shape != shape:
+        if entry is not None and entry.dtype in FLOAT_DTYPES and entry.shape != shape:
             raise ConfigError(
                 f"config.json implies {name} of shape {list(shape)}, but {entry.shard} holds {list(entry.shape)}"
             )

@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
 from mtpquant.cli import HUB_CODES, add_base_model_arguments, exit_codes_epilog
+from mtpquant.cli.heal_cmd import add_schedule_arguments, schedule_options
 from mtpquant.errors import ExitCode
 
 EPILOG = """MTP modes (default: keep when SRC has an MTP, else drop):
@@ -31,6 +33,8 @@ name (needs the datasets package).
     ExitCode.SOURCE_QUANTIZED,
     ExitCode.OUTPUT_BUSY,
     ExitCode.MEMORY,
+    ExitCode.HEAL_NOT_BETTER,
+    ExitCode.HEAL_REFUSED,
     *HUB_CODES,
 )
 
@@ -100,6 +104,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--revision", help="Hub revision of SRC (branch, tag or commit)")
     add_base_model_arguments(p)
+    p.add_argument(
+        "--heal",
+        action="store_true",
+        help="then heal OUT's MTP against OUT's own quantized target (`mtpquant heal OUT --from SRC --in-place`); "
+        "exit 24 when the healed MTP is not better beyond noise (OUT stays as converted)",
+    )
+    add_schedule_arguments(p, prefix="heal-")
     p.add_argument("--dry-run", action="store_true", help="print the plan (from headers only) and write nothing")
     p.add_argument("--overwrite", action="store_true", help="replace OUT (and --mtp-out) if they exist")
     p.add_argument("--json", action="store_true", help="print the result (or plan) as JSON")
@@ -134,6 +145,10 @@ def _argv(args: argparse.Namespace) -> list[str]:
         argv += ["--device", args.device]
     if args.layerwise:
         argv.append("--layerwise")
+    if args.heal:
+        argv.append("--heal")
+        for key, value in schedule_options(args).items():
+            argv += [f"--heal-{key.replace('_', '-')}", str(value)]
     if args.resume_every is not None:
         argv += ["--resume-every", str(args.resume_every)]
     for item in args.overrides:
@@ -181,7 +196,42 @@ def run(args: argparse.Namespace) -> int:
     logging.getLogger("mtpquant.convert.run.summary").setLevel(logging.WARNING)
     result = convert(options)
     if args.json:
-        print(json.dumps(result.plan.to_json() if result.dry_run else result.to_json(), indent=2, default=str))
-    else:
-        print(convert_text(result))
+        data = result.plan.to_json() if result.dry_run else result.to_json()
+        if args.heal and not result.dry_run:
+            assert result.output is not None
+            data = {"convert": data, "heal": _heal(args, result.output).to_json()}
+        print(json.dumps(data, indent=2, default=str))
+        return 0
+    print(convert_text(result))
+    if args.heal and not result.dry_run:
+        from mtpquant.render import heal_text
+
+        assert result.output is not None
+        print(heal_text(_heal(args, result.output)))
+    elif args.heal:
+        print("heal       after the conversion: mtpquant heal OUT --from SRC --in-place (planned once OUT exists)")
     return 0
+
+
+def _heal(args: argparse.Namespace, out: Path) -> Any:
+    """``convert --heal``: heal OUT in place against SRC; a heal error says OUT was written (as converted)."""
+    import os
+
+    from mtpquant.api import HealOptions, heal
+    from mtpquant.errors import MtpquantError
+
+    options = HealOptions(
+        quant=out,
+        source=args.src,
+        in_place=True,
+        device=args.device,
+        max_memory=args.max_memory,
+        source_revision=args.revision,
+        progress=os.environ.get("TQDM_DISABLE", "") in {"", "0"},
+        command=("mtpquant", *_argv(args)),
+        **schedule_options(args),
+    )
+    try:
+        return heal(options)
+    except MtpquantError as exc:
+        raise type(exc)(f"{out} was written as converted, not healed: {exc}") from None

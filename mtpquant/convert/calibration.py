@@ -11,7 +11,7 @@ stream into fixed-length rows, so no padding or attention mask is ever needed.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -91,12 +91,14 @@ def load_tokenizer(path: str | Path) -> Any:
         ) from None
 
 
-def _offline_documents() -> list[tuple[str, str]]:
-    """(user request, text) pairs from the offline corpus."""
+def _offline_documents(exclude: Collection[str] = ()) -> list[tuple[str, str]]:
+    """(user request, text) pairs from the offline corpus, without the documents named in ``exclude``."""
     from mtpquant.corpus import offline_documents
 
     out = []
     for name, text in offline_documents("mixed"):
+        if name in exclude:
+            continue
         kind, _, topic = name.partition(":")
         if kind == "stdlib":
             prompt = f"Show me the source code of the Python standard-library module `{topic}`."
@@ -179,16 +181,24 @@ def _render(tokenizer: Any, prompt: str | None, doc: Any, chat: bool) -> list[in
 
 
 def build_calibration_data(
-    tokenizer: Any, data: str, samples: int, seq_len: int, *, chat_template: bool = True, bar: Any = None
+    tokenizer: Any,
+    data: str,
+    samples: int,
+    seq_len: int,
+    *,
+    chat_template: bool = True,
+    bar: Any = None,
+    exclude: Collection[str] = (),
 ) -> CalibrationData:
     """``samples`` rows of ``seq_len`` tokens from ``data`` (offline | file | datasets name); ``bar``: a progress
-    bar (tqdm) counting the tokens."""
+    bar (tqdm) counting the tokens; ``exclude`` names offline-corpus documents to leave out (heal keeps validate's
+    held-out prompts out of its training data)."""
     import torch
 
     chat = bool(chat_template and getattr(tokenizer, "chat_template", None))
     docs: list[tuple[str | None, Any]]
     if data == OFFLINE:
-        docs = list(_offline_documents())
+        docs = list(_offline_documents(exclude))
     elif Path(data).is_file():
         docs = _file_documents(Path(data))
     elif Path(data).suffix.lower() in {".txt", ".jsonl", ".json"} or ("/" in data and Path(data).parent.exists()):

@@ -204,8 +204,8 @@ class MemoryPlan:
             any(d.startswith("cuda") for d, _ in self.resident) and dict(self.resident).get("cpu", 0) > 0
         )
 
-    def lines(self) -> list[str]:
-        """The ``--dry-run`` lines."""
+    def lines(self, work: str | None = None) -> list[str]:
+        """The ``--dry-run`` lines; ``work`` replaces what the peak line says runs (convert: its calibration)."""
         parts = [f"{d} {format_bytes(n)}" for d, n in self.resident if n]
         if self.disk_bytes:
             parts.append(f"disk {format_bytes(self.disk_bytes)} (read from SRC's files as each layer runs)")
@@ -221,7 +221,8 @@ class MemoryPlan:
             f"placement  {where}",
             "peak       "
             + peaks
-            + ("; layer-wise calibration (resumable)" if self.layerwise else "; calibration in one pass"),
+            + (f"; {work}" if work else "; layer-wise calibration (resumable)" if self.layerwise
+               else "; calibration in one pass"),
         ]
         out += [f"note       {n}" for n in self.notes]
         return out

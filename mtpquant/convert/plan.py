@@ -1,8 +1,9 @@
 """Convert, step 1: the plan, from config.json and safetensors headers only, and every early refusal.
 
-Nothing here loads a tensor or imports torch: ``--dry-run`` prints this plan (also for a Hub repo,
-through ranged header reads) and stops. The refusals are one line each and happen before any output
-directory exists: unsupported architecture, an already quantized source, an MTP mode the source
+Nothing here loads a tensor: ``--dry-run`` prints this plan (also for a Hub repo, through ranged header reads)
+and stops. (transformers, and with it torch, is imported once: config.json is validated as transformers will
+read it, so a config it refuses is refused here, before any output exists.) The refusals are one line each and
+happen before any output directory exists: unsupported architecture, an already quantized source, an MTP mode the source
 cannot serve (no MTP, incomplete MTP), a Linear the recipe would quantize whose input dimension is
 not a multiple of 16, an existing output without ``--overwrite``, an output that is the source.
 """
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mtpquant.checkpoint.header import FLOAT_DTYPES
 from mtpquant.checkpoint.index import INDEX_NAME
 from mtpquant.checkpoint.table import PICKLE_SUFFIXES, Checkpoint
 from mtpquant.convert.ct_format import FORMATS, check_ct_recipe
@@ -34,7 +36,6 @@ from mtpquant.convert.recipes import (
 from mtpquant.convert.resume import resume_interval
 from mtpquant.errors import (
     CalibrationDataError,
-    DeviceError,
     IndivisibleDimensionError,
     OutputExistsError,
     RecipeError,
@@ -44,22 +45,20 @@ from mtpquant.errors import (
 from mtpquant.families import TensorClass
 from mtpquant.formats.quant_config import HF_QUANT_CONFIG
 from mtpquant.hfconfig import transformers_config
+from mtpquant.machine import resolve_device
 from mtpquant.provenance import PROVENANCE_FILE, check_base_model
-from mtpquant.surgery.modes import BLOCK, MODE_NAMES, MODES, MtpMode, choose_mode
+from mtpquant.surgery.modes import BLOCK, MODES, MtpMode, choose_mode
 
 __all__ = [
-    "CONVERT_MODES",
     "ConvertOptions",
     "ConvertPlan",
     "carried_files",
     "check_calibration_source",
     "plan_convert",
-    "resolve_device",
 ]
 
 log = logging.getLogger(__name__)
 
-CONVERT_MODES = MODE_NAMES
 # Files convert writes itself (or must not copy) instead of carrying them over from the source.
 _REWRITTEN = {"config.json", HF_QUANT_CONFIG, INDEX_NAME, PROVENANCE_FILE, "README.md", "README", "model_card.md"}
 RECIPE_FILE = "mtpquant_recipe.yaml"
@@ -167,21 +166,6 @@ class ConvertPlan:
             "base_model": self.base_model,
             "base_model_revision": self.base_model_revision,
         }
-
-
-def resolve_device(device: str) -> str:
-    """``auto`` -> ``cuda`` when torch sees a GPU, else ``cpu``."""
-    if device not in {"cpu", "cuda", "auto"}:
-        raise DeviceError(f"--device must be cpu, cuda or auto, got {device!r}")
-    if device == "cpu":
-        return "cpu"
-    import torch
-
-    if torch.cuda.is_available():
-        return "cuda"
-    if device == "cuda":
-        raise DeviceError("--device cuda: no CUDA device is visible to torch")
-    return "cpu"
 
 
 def carried_files(files: Sequence[str]) -> list[str]:
@@ -326,11 +310,7 @@ def plan_convert(options: ConvertOptions, ckpt: Checkpoint | None = None) -> tup
         if mtp_out.resolve() == out.resolve():
             raise OutputExistsError(f"{mtp_out}: --mtp-out must differ from OUT")
         _check_output(mtp_out, local_src, options.overwrite, "--mtp-out")
-    device = (
-        resolve_device(options.device)
-        if not options.dry_run
-        else (options.device if options.device != "auto" else _auto_device_name())
-    )
+    device = resolve_device(options.device, indexed=False, probe=not options.dry_run)
     groups = ckpt.by_class()
     vision = groups.get(TensorClass.VISION, [])
     mtp = ckpt.mtp_tensors()
@@ -417,7 +397,7 @@ def _loaded_blocks(ckpt: Checkpoint) -> list[Any]:
         n = 1
         for d in e.shape:
             n *= d
-        entries.append((name, n * size if e.dtype in {"BF16", "F16", "F32", "F64"} else e.nbytes))
+        entries.append((name, n * size if e.dtype in FLOAT_DTYPES else e.nbytes))
         vision[name] = cls == TensorClass.VISION
     return model_blocks(entries, is_vision=vision)
 
@@ -434,10 +414,3 @@ def _available_memory(device: str) -> dict[str, int]:
         for i in range(torch.cuda.device_count()):
             out[f"cuda:{i}"] = int(torch.cuda.mem_get_info(i)[0])
     return out
-
-
-def _auto_device_name() -> str:
-    """``auto`` for a dry run, without importing torch when no GPU driver is present."""
-    if not Path("/proc/driver/nvidia").exists() and not os.environ.get("CUDA_VISIBLE_DEVICES"):
-        return "cpu"
-    return resolve_device("auto")

@@ -12,12 +12,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from mtpquant.checkpoint.header import FLOAT_DTYPES
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.errors import GraftError, LineageError
 from mtpquant.families import ModelSpec, dimension_differences, is_mtp_name, mtp_layer_count, resolve
 
 __all__ = [
-    "FLOAT_DTYPES",
     "GraftError",
     "LineageError",
     "LineageReport",
@@ -28,7 +28,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 # Unquantized storage dtypes: what an MTP kept "as is" must be stored in.
-FLOAT_DTYPES = frozenset({"BF16", "F16", "F32"})
 
 _QUANT_SUFFIXES = (
     ".weight_scale",

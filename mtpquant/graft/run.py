@@ -27,20 +27,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
-from mtpquant.checkpoint.header import TensorEntry
-from mtpquant.checkpoint.index import INDEX_NAME
 from mtpquant.checkpoint.lock import OutputLock
 from mtpquant.checkpoint.source import CheckpointSource
 from mtpquant.checkpoint.table import Checkpoint
-from mtpquant.checkpoint.writer import OutputDir, PlannedTensor
+from mtpquant.checkpoint.writer import OutputDir
 from mtpquant.errors import OutputExistsError, UsageError
-from mtpquant.formats.quant_config import HF_QUANT_CONFIG
 from mtpquant.graft import inplace
 from mtpquant.graft.lineage import GraftError, LineageError, LineageReport, check_lineage, mtp_layer_count
-from mtpquant.graft.plan import Plan, new_index, plan_index_fix, plan_shards, strays, weight_map_of
+from mtpquant.graft.plan import Plan, plan_index_fix, plan_shards, weight_map_of
 from mtpquant.graft.source import TrackedSource
 from mtpquant.graft.verify import verify_result
-from mtpquant.provenance import PROVENANCE_FILE, Step, source_provenance
+from mtpquant.graft.write import NewMtp, Target, build, commit, open_target
+from mtpquant.provenance import Step
 from mtpquant.public import public_args, public_ref
 from mtpquant.surgery.metadata import plan_metadata
 from mtpquant.surgery.modes import MODES, WriteContext
@@ -118,128 +116,39 @@ class GraftResult:
 # ---------------------------------------------------------------------------------------------- writing
 
 
-@dataclass
-class _Target:
-    """Where the result is built and how it is put in place."""
-
-    od: OutputDir
-    mode: str  # "out" | "in-place"
-    root: Path | None  # QUANT's directory for in-place
-    commit: str  # "rename" | "exchange" | "files"
-    before: dict[str, tuple[int, int, int]] = field(default_factory=dict)
-
-
-def _open_target(options: GraftOptions, quant: Checkpoint, plan: Plan, result: GraftResult) -> _Target:
-    if options.out is not None:
-        return _Target(OutputDir(Path(options.out)), "out", None, "rename")
-    assert quant.source.local_root is not None  # --in-place was refused for a remote QUANT
-    root = quant.source.local_root.resolve()
-    if root.stat().st_dev != root.parent.stat().st_dev:
-        raise GraftError(f"{root}: is a mount point; --in-place needs to build next to it: use --out")
-    lock = OutputLock.acquire(root)  # before the clean-up: a live run's temp directory is never a leftover
-    try:
-        result.cleaned = inplace.clean_stale(root)
-        before = inplace.snapshot(root)
-    except BaseException:
-        lock.release()
-        raise
-    od = OutputDir(root, overwrite=True, lock=lock)
-    commit = "exchange" if inplace.exchange_supported(od.path) else "files"
-    if commit == "files" and (plan.drop or plan.rewrite):
-        od.abort()
-        raise GraftError(
-            f"{root}: replacing an MTP in place needs a filesystem with atomic directory "
-            "exchange (Linux renameat2); use --out"
-        )
-    return _Target(od, "in-place", root, commit, before)
+def _open_target(options: GraftOptions, quant: Checkpoint, plan: Plan, result: GraftResult) -> Target:
+    target = open_target(
+        quant, Path(options.out) if options.out is not None else None, replaces=bool(plan.drop or plan.rewrite)
+    )
+    result.cleaned = target.cleaned
+    return target
 
 
 def _write(
-    target: _Target,
+    target: Target,
     options: GraftOptions,
     plan: Plan,
     src: Checkpoint | None,
     result: GraftResult,
     verify: Callable[[Path], list[str]],
 ) -> None:
-    od, quant = target.od, plan.quant
-    plan.strays = strays(quant, plan.weight_map)  # after the clean-up of interrupted runs
-    new_shard_of: dict[str, str] = {}
-    mtp_entries: dict[str, TensorEntry] = {}
-    # New bytes first, into an empty directory: nothing can be written through a link to QUANT.
+    new_mtp = None
     if plan.add and src is not None:
-        mtp_entries = {n: src.tensors[n] for n in plan.add}
-        # graft puts the MTP back the way convert's keep mode writes it (the same code, so extract + graft == keep)
-        keep = MODES["keep"].write(WriteContext(od, src, options.max_shard_bytes))
-        if keep.names != sorted(plan.add):
-            raise GraftError("internal: keep mode wrote other MTP tensors than graft planned")
-        result.new_shards = keep.shards
-        headers = od.shard_headers()
-        for shard in result.new_shards:
-            for name in headers[shard].tensors:
-                new_shard_of[name] = shard
-        if set(new_shard_of) != set(plan.add):
-            raise GraftError("internal: the MTP shards written do not hold exactly the MTP tensors planned")
-    for shard, names in sorted(plan.rewrite.items()):
-        entries = [quant.tensors[n] for n in names]
-        entries.sort(key=lambda e: e.start)
-        od.write_shard(shard, [_copy_of(quant, e) for e in entries], quant.headers[shard].metadata or None)
-        result.rewritten.append(shard)
-    rewrite_index = bool(plan.add or plan.removed or plan.index_fix)
-    json_files = [*plan.metadata.changed_files, INDEX_NAME] if rewrite_index else list(plan.metadata.changed_files)
-    json_files.insert(0, PROVENANCE_FILE)  # graft's step added to what QUANT records
-    written = set(result.new_shards) | set(plan.rewrite)
-    skip = written | set(plan.drop) | set(json_files)
-    carried_strays = set(plan.strays) if target.mode == "in-place" else set()  # --out leaves strays behind
-    clash = sorted(written & (set(plan.link) | carried_strays))
-    if clash:
-        raise GraftError(
-            f"{quant.label}: already has a file named {clash[0]} that is not part of the MTP "
-            "being replaced; rename or remove it"
-        )
-    if target.mode == "in-place":
-        assert target.root is not None
-        inplace.mirror_tree(od, target.root, skip, link=options.link)
-    else:
-        for rel in quant.source.list_files():
-            if rel in skip or rel in plan.strays:
-                continue
-            # resolve(): Linux link(2) would link a symlink itself (HF cache snapshots are relative
-            # symlinks into blobs/), leaving a dangling link in OUT
-            od.link_file(quant.source.local_path(rel).resolve(), rel, link=options.link)
-        for s in plan.strays:
-            result.warnings.append(f"{s}: not referenced by QUANT's index; not carried into OUT")
-    if plan.metadata.hf_quant_config is not None:
-        od.write_json(HF_QUANT_CONFIG, plan.metadata.hf_quant_config)
-    if plan.metadata.config is not None:
-        od.write_json("config.json", plan.metadata.config)
+        source = src
+
+        def write_keep(od: OutputDir) -> list[str]:
+            # graft puts the MTP back the way convert's keep mode writes it (the same code: extract + graft == keep)
+            keep = MODES["keep"].write(WriteContext(od, source, options.max_shard_bytes))
+            if keep.names != sorted(plan.add):
+                raise GraftError("internal: keep mode wrote other MTP tensors than graft planned")
+            return keep.shards
+
+        new_mtp = NewMtp(tuple(plan.add), write_keep)
     ref = src.source.ref() if src is not None else None
     # the provenance goes public with OUT: local directories by their base name
     step = Step("graft", public_args(options.command, ref), source=public_ref(ref), mode="keep")
-    od.write_text(PROVENANCE_FILE, source_provenance(quant.source).then(step).to_bytes().decode("utf-8"))
-    if INDEX_NAME in json_files:
-        od.write_json(INDEX_NAME, new_index(plan, mtp_entries, new_shard_of))
-    result.linked = sorted(od.linked)
-    result.copied = sorted(od.copied)
-    result.dropped = sorted(plan.drop)
-    result.verified_with = verify(od.path)
-    if target.mode == "out":
-        od.finalize(opened=True)  # verify() opened the finished directory strictly, just now
-    else:
-        assert target.root is not None
-        if inplace.snapshot(target.root) != target.before:
-            raise GraftError(f"{target.root}: changed while grafting; nothing was changed by graft, rerun it")
-        if target.commit == "exchange":
-            inplace.commit_exchange(od, target.root)
-        else:
-            inplace.commit_files(od, target.root, sorted(result.new_shards), json_files)
-    result.bytes_written = od.bytes_written
-    if result.copied:
-        result.warnings.append(f"hard links failed for {len(result.copied)} file(s); they were copied")
-
-
-def _copy_of(ckpt: Checkpoint, entry: TensorEntry) -> PlannedTensor:
-    return PlannedTensor(entry.name, entry.dtype, entry.shape, lambda: ckpt.read_raw(entry))
+    json_files = build(target, plan, new_mtp, step, result, verify, link=options.link)
+    commit(target, result, json_files)
 
 
 # ---------------------------------------------------------------------------------------------- entry points

@@ -42,8 +42,8 @@ from mtpquant.errors import (
     HubUnreachableError,
     MtpquantError,
     PublishRefusedError,
+    PublishUsageError,
     UploadError,
-    UsageError,
 )
 from mtpquant.hub.card import (
     CARD_NAME,
@@ -84,10 +84,6 @@ _LOCAL_ONLY = ["validation/logs/*"]
 _INCOMPLETE = frozenset({"missing_shard", "missing_tensor"})
 _LICENSE_FILES = ("LICENSE", "LICENSE.txt", "LICENSE.md")
 _BRANCH_RE = re.compile(r"[A-Za-z0-9._/-]+")
-
-
-class PublishUsageError(UsageError):
-    """The options are malformed: a repo id the Hub would refuse, ``--create-pr`` with a branch, ..."""
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from fnmatch import translate
 from typing import Any
 
-from mtpquant.families import EngineRules, family, matches
+from mtpquant.families import EngineRules, family, is_mtp_name, matches
 from mtpquant.formats.quant_config import QuantMetadata
 
 __all__ = [
@@ -482,7 +482,7 @@ def sglang_mtp_build(meta: QuantMetadata | None) -> tuple[bool, str]:
     if method == "modelopt_fp4":
         return False, "SGLang builds the MTP of a serialized modelopt_fp4 checkpoint in BF16"
     if method == "modelopt_mixed":
-        if any(name.startswith("mtp.") for name in meta.quantized_layers):
+        if any(is_mtp_name(name) for name in meta.quantized_layers):
             return True, "quantized_layers lists the MTP"
         return False, "SGLang builds the MTP in BF16: modelopt_mixed lists no mtp.* module in quantized_layers"
     return True, f"SGLang builds the MTP with the checkpoint's {method} quantization"

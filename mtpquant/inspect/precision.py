@@ -5,11 +5,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from mtpquant.checkpoint.header import TensorEntry
+from mtpquant.checkpoint.header import FLOAT_DTYPES, TensorEntry
 
 __all__ = [
     "PRECISION_SUFFIXES",
-    "UNQUANTIZED_PRECISIONS",
     "linear_modules",
     "module_of",
     "module_precision",
@@ -27,7 +26,6 @@ PRECISION_SUFFIXES = (
     ".input_scale",
     ".weight",
 )
-UNQUANTIZED_PRECISIONS = frozenset({"BF16", "F16", "F32"})
 _FUSED_EXPERT_PARAMS = (".experts.gate_up_proj", ".experts.down_proj")
 
 
@@ -58,7 +56,7 @@ def module_precision(tensors: Mapping[str, Any], module: str) -> str:
     (``weight_scale_inv`` blocks), FP8-PB (ModelOpt FP8_PB_WO ``weight_scale`` blocks), missing, other."""
     if module.endswith(_FUSED_EXPERT_PARAMS):
         e = tensors.get(module)
-        return "missing" if e is None else (e.dtype if e.dtype in UNQUANTIZED_PRECISIONS else f"other ({e.dtype})")
+        return "missing" if e is None else (e.dtype if e.dtype in FLOAT_DTYPES else f"other ({e.dtype})")
     if module + ".weight_packed" in tensors:
         return "NVFP4-CT" if module + ".weight_global_scale" in tensors else "other (weight_packed)"
     w = tensors.get(module + ".weight")
@@ -73,7 +71,7 @@ def module_precision(tensors: Mapping[str, Any], module: str) -> str:
         if scale is not None:
             # ModelOpt's FP8_PB_WO exports 128x128 block scales as `weight_scale` [out/128, 1, in/128, 1]
             return "FP8-PB" if len(scale.shape) >= 2 else "FP8"
-    if w.dtype in UNQUANTIZED_PRECISIONS and scale is None and module + ".weight_scale_inv" not in tensors:
+    if w.dtype in FLOAT_DTYPES and scale is None and module + ".weight_scale_inv" not in tensors:
         return str(w.dtype)
     return f"other ({w.dtype})"
 
@@ -85,7 +83,7 @@ def table_precision(tensors: Mapping[str, Any], table: str, shards: Sequence[str
     if len(dtypes) != 1:
         return "missing" if not dtypes else "mixed"
     (dtype,) = dtypes
-    if dtype in UNQUANTIZED_PRECISIONS:
+    if dtype in FLOAT_DTYPES:
         return str(dtype)
     if dtype == "F8_E4M3" and table + ".weight_scale" in tensors:
         return "FP8"
@@ -93,5 +91,5 @@ def table_precision(tensors: Mapping[str, Any], table: str, shards: Sequence[str
 
 
 def is_quantized(precision: str) -> bool:
-    """True for quantized on-disk formats (not BF16/F16/F32, not missing)."""
-    return precision not in UNQUANTIZED_PRECISIONS and precision != "missing"
+    """True for quantized on-disk formats (not an unquantized float dtype, not missing): the one rule."""
+    return precision not in FLOAT_DTYPES and precision != "missing"

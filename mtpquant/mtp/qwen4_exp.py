@@ -41,6 +41,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from mtpquant.families import MTP_PREFIX
 from mtpquant.mtp.step import MtpStep
 
 __all__ = [
@@ -48,9 +49,6 @@ __all__ = [
     "Qwen4ExpMtpCache",
     "qwen4_exp_mtp_config",
 ]
-
-MTP_PREFIX = "mtp."
-
 
 def qwen4_exp_mtp_config(text: Mapping[str, Any] | Any, num_layers: int) -> Any:
     """transformers' ``Qwen4ExpTextConfig`` for ``num_layers`` MTP layers: every layer QSA, no PLE (vLLM builds the

@@ -15,6 +15,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from mtpquant.checkpoint.header import FLOAT_DTYPES
 from mtpquant.errors import ConfigError
 from mtpquant.families import ModelSpec, family, is_mtp_name, resolve
 from mtpquant.formats.quant_config import (
@@ -37,7 +38,6 @@ __all__ = [
 ]
 
 _QUANT_SUFFIXES = (".weight_scale", ".weight_scale_inv", ".weight_packed", ".weight_global_scale")
-_FLOAT = frozenset({"BF16", "F16", "F32"})
 _LAYER = re.compile(r"^(mtp\.layers\.\d+)\.")
 _DEFAULT_PACKED = family("qwen3_5").engine.packed
 
@@ -56,7 +56,7 @@ def mtp_modules(tensors: Mapping[str, Any], packed: Mapping[str, tuple[str, ...]
         for suffix in (".weight", ".weight_packed"):
             if name.endswith(suffix) and len(entry.shape) == 2:
                 stem = name[: -len(suffix)]
-                quantized = suffix == ".weight_packed" or entry.dtype not in _FLOAT
+                quantized = suffix == ".weight_packed" or entry.dtype not in FLOAT_DTYPES
                 quantized = quantized or any(stem + s in tensors for s in _QUANT_SUFFIXES)
                 modules[stem] = modules.get(stem, True) and not quantized
     # vLLM packs q/k/v into qkv_proj and gate/up into gate_up_proj and matches exclusions on those

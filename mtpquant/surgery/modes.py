@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
+from mtpquant.checkpoint.header import FLOAT_DTYPES
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.checkpoint.writer import OutputDir, PlannedTensor
 from mtpquant.errors import IndivisibleDimensionError, MtpConfigError, MtpModeError, OutputVerificationError
@@ -46,7 +47,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 BLOCK = 16  # NVFP4 block size: a quantized Linear's input dimension must be a multiple of it
-_FLOAT = frozenset({"BF16", "F16", "F32"})
 
 
 class PlanView(Protocol):
@@ -228,7 +228,7 @@ class QuantizeMode(MtpMode):
         extra = sorted(names - set(ckpt.spec.expected_mtp_shapes(names)))
         if extra:
             raise MtpModeError(f"{label}: unexpected MTP tensor {extra[0]}; --mtp quantize needs the exact layout")
-        bad_dtype = sorted(n for n in names if ckpt.tensors[n].dtype not in _FLOAT)
+        bad_dtype = sorted(n for n in names if ckpt.tensors[n].dtype not in FLOAT_DTYPES)
         if bad_dtype:
             raise MtpModeError(
                 f"{label}: MTP tensor {bad_dtype[0]} is {ckpt.tensors[bad_dtype[0]].dtype}; "
@@ -368,7 +368,7 @@ def _extract_readme(ckpt: Checkpoint, count: int, out_name: str, mtp_name: str) 
     """The MTP directory's README: for a person reading it locally, sealed as a generated card so ``publish``
     replaces it with the sidecar card; the source by its repo id or base name (the file may go public)."""
     from mtpquant import __version__
-    from mtpquant.hub.card.marker import MARKER, ZERO_HASH, seal
+    from mtpquant.card_marker import MARKER, ZERO_HASH, seal
     from mtpquant.public import public_name
 
     decl = ckpt.spec.mtp.describe()

@@ -18,6 +18,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from mtpquant.checkpoint.header import FLOAT_DTYPES
 from mtpquant.families import ModelSpec, is_mtp_name
 from mtpquant.formats.quant_config import HF_QUANT_CONFIG, read_quant_metadata, with_exclusions
 from mtpquant.inspect.engines import FusedShardsError, engine_modules, mixed_algo, vllm_expectation
@@ -136,7 +137,7 @@ def _exclude_tables(
         mod.prefix
         for mod in engine_modules(names, rules)
         if mod.kind == "embedding"
-        and table_precision(tensors, mod.prefix, mod.members) in ("BF16", "F16", "F32")
+        and table_precision(tensors, mod.prefix, mod.members) in FLOAT_DTYPES
         and vllm_expectation(mod, meta, rules).refusal is not None
     ]
     if not refused:

@@ -18,7 +18,8 @@ Qwen4-Exp's QSA indexer selects every visible token while a row sees no more tha
 the indexers are bypassed during training (``_all_visible``) instead of looping over every row.
 
 The vision tower is never trained (no images); it is saved as initialised, in BF16 like real
-checkpoints. Only ``scripts/train_tiny_mtp.py`` and tests call this module.
+checkpoints. ``scripts/train_tiny_mtp.py`` trains (and rebuilds the shipped assets); the rest of mtpquant reads only
+where those assets are (``TINY_MTP_ASSET``, ``TINY_MTP_ASSETS``: the demo, ``mtpquant.api``).
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import json
 import logging
 import math
 import time
@@ -42,7 +42,7 @@ from tqdm.auto import tqdm
 from mtpquant.checkpoint.dtypes import planned
 from mtpquant.checkpoint.index import SINGLE_NAME
 from mtpquant.checkpoint.writer import OutputDir
-from mtpquant.families import family
+from mtpquant.families import MTP_PREFIX, family
 from mtpquant.mtp.module import MtpConfig, MtpLayer
 from mtpquant.synth.tiny import TinySpec, _assign_shards, check_synthetic_replaceable, tiny_config, tiny_tokenizer
 
@@ -51,7 +51,6 @@ __all__ = [
     "TINY_MTP_ASSETS",
     "TrainResult",
     "TrainSpec",
-    "load_history",
     "train_tiny_mtp",
     "trained_config",
 ]
@@ -323,7 +322,7 @@ def _save(
 ) -> Path:
     tensors = _checkpoint_tensors(spec, model, config)
     for name, t in mtp.state_dict().items():
-        tensors["mtp." + name] = t.detach().to(torch.bfloat16).contiguous()
+        tensors[MTP_PREFIX + name] = t.detach().to(torch.bfloat16).contiguous()
     names = sorted(tensors)
     where = _assign_shards(names, TinySpec(spec.family, shards=spec.shards))
     tok_config = {
@@ -390,7 +389,3 @@ def _checkpoint_tensors(spec: TrainSpec, model: Any, config: dict[str, Any]) -> 
             out[name] = t.detach().to(torch.bfloat16).contiguous()
     return out
 
-
-def load_history(path: Path) -> list[dict[str, float]]:
-    """The held-out history recorded in a trained checkpoint's ``training.json``."""
-    return list(json.loads((path / "training.json").read_text())["history"])

@@ -18,7 +18,7 @@ import copy
 import logging
 import re
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -109,8 +109,13 @@ def load_mtp(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     activations: str = "off",
+    shared: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[MtpBundle | None, str | None]:
-    """The MTP layer of a checkpoint, or ``(None, reason)`` when it is missing or malformed."""
+    """The MTP layer of a checkpoint, or ``(None, reason)`` when it is missing or malformed.
+
+    ``shared``: the target's embedding and LM head, already in memory (not read again: heal compares two MTP layers
+    of one target).
+    """
     if activations not in ACTIVATION_MODES:
         raise ValueError(f"activations must be one of {ACTIVATION_MODES}, got {activations!r}")
     names = weights.names(TensorClass.MTP)
@@ -142,10 +147,15 @@ def load_mtp(
             if quantize is not None:
                 modules[module.removeprefix(MTP_PREFIX)].register_forward_pre_hook(_hook(quantize))
                 emulated.append(module)
+    if shared is None:
+        shared = (
+            weights.tensor(weights.embed_name(), dtype).to(device),
+            weights.tensor(weights.lm_head_name(), dtype).to(device),
+        )
     bundle = MtpBundle(
         layer=layer,
-        embed_weight=weights.tensor(weights.embed_name(), dtype).to(device),
-        lm_head_weight=weights.tensor(weights.lm_head_name(), dtype).to(device),
+        embed_weight=shared[0],
+        lm_head_weight=shared[1],
         precision=weights.precision_summary().get(TensorClass.MTP, {}),
         emulated=emulated,
     )
@@ -277,18 +287,34 @@ class TargetModel:
         return torch.cat(out_tokens, dim=1).cpu()
 
 
-def _iter_target_tensors(
+def _target_tensors(
     weights: CheckpointWeights, dtype: torch.dtype, fold_pre_quant: bool
-) -> Iterator[tuple[str, Tensor]]:
-    """(transformers name, tensor) for every main-model parameter and persistent buffer; per-expert tensors
-    re-fused, row-sharded tables (the PLE n-gram tables) concatenated as transformers does on load."""
+) -> Iterator[tuple[str, Callable[[], Tensor]]]:
+    """(transformers name, a function that reads and dequantizes it) for every main-model parameter and persistent
+    buffer; per-expert tensors re-fused, row-sharded tables (the PLE n-gram tables) concatenated as transformers does
+    on load."""
     experts: dict[str, dict[int, dict[str, str]]] = defaultdict(lambda: defaultdict(dict))
+
+    def read(logical: str) -> Callable[[], Tensor]:
+        return lambda: weights.tensor(logical, dtype, fold_pre_quant=fold_pre_quant)
+
+    def concat(shards: list[str]) -> Callable[[], Tensor]:
+        return lambda: torch.cat([weights.tensor(n, dtype, fold_pre_quant=fold_pre_quant) for n in shards])
+
+    def fuse(by_expert: dict[int, dict[str, str]], count: int, pieces: tuple[str, ...]) -> Callable[[], Tensor]:
+        return lambda: torch.stack(
+            [
+                torch.cat([weights.tensor(by_expert[e][p], dtype, fold_pre_quant=fold_pre_quant) for p in pieces])
+                for e in range(count)
+            ]
+        )
+
     tables = sharded_tables(weights.names())
     in_tables = {n for shards in tables.values() for n in shards}
     for table, shards in tables.items():
         target = _model_name(weights, table)
         if target is not None:
-            yield target, torch.cat([weights.tensor(n, dtype, fold_pre_quant=fold_pre_quant) for n in shards])
+            yield target, concat(list(shards))
     for logical in weights.names():
         target = _model_name(weights, logical)
         if target is None or logical in in_tables:
@@ -297,24 +323,14 @@ def _iter_target_tensors(
         if m:
             experts[m["stem"]][int(m["e"])][m["proj"]] = logical
             continue
-        yield target, weights.tensor(logical, dtype, fold_pre_quant=fold_pre_quant)
+        yield target, read(logical)
     for stem, by_expert in experts.items():
         count = max(by_expert) + 1
         missing = [e for e in range(count) if set(by_expert.get(e, {})) != _PER_EXPERT_PROJS]
         if missing:
             raise ValidateLoadError(f"{weights.label}: {stem}: experts {missing[:8]} lack gate/up/down tensors")
         for fused, pieces in FUSED_EXPERT_PIECES.items():
-            yield (
-                f"{stem}.{fused}",
-                torch.stack(
-                    [
-                        torch.cat(
-                            [weights.tensor(by_expert[e][p], dtype, fold_pre_quant=fold_pre_quant) for p in pieces]
-                        )
-                        for e in range(count)
-                    ]
-                ),
-            )
+            yield f"{stem}.{fused}", fuse(by_expert, count, pieces)
 
 
 def _persistent(model: nn.Module, name: str) -> bool:
@@ -324,14 +340,37 @@ def _persistent(model: nn.Module, name: str) -> bool:
     return leaf not in getattr(module, "_non_persistent_buffers_set", set())
 
 
-def _device_map(model: nn.Module, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
-    if device.type == "cpu":
-        return {"": "cpu"}
+class _OnDisk(Mapping[str, Tensor]):
+    """The weights accelerate's disk offload reads (``OffloadedWeightsLoader``'s state dict): each read and
+    dequantized from the checkpoint when its module runs, so memory holds the modules placed in it plus one."""
+
+    def __init__(self, producers: dict[str, Callable[[], Tensor]]) -> None:
+        self._producers = producers
+
+    def __getitem__(self, key: str) -> Tensor:
+        return self._producers[key]()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._producers)
+
+    def __len__(self) -> int:
+        return len(self._producers)
+
+
+def _device_map(
+    model: nn.Module, device: torch.device, dtype: torch.dtype, max_memory: Mapping[int | str, int] | None = None
+) -> dict[str, Any]:
     from accelerate import infer_auto_device_map
 
+    no_split = list(getattr(model, "_no_split_modules", None) or [])
+    if max_memory is not None:  # accelerate's placement under the caps; what does not fit stays on disk
+        return dict(
+            infer_auto_device_map(model, max_memory=dict(max_memory), no_split_module_classes=no_split, dtype=dtype)
+        )
+    if device.type == "cpu":
+        return {"": "cpu"}
     if device.index is not None:
         return {"": f"cuda:{device.index}"}
-    no_split = list(getattr(model, "_no_split_modules", None) or [])
     device_map = dict(infer_auto_device_map(model, no_split_module_classes=no_split, dtype=dtype))
     if "disk" in device_map.values():
         # Dequantized weights are built in memory anyway; keep what does not fit the GPUs in RAM.
@@ -353,8 +392,14 @@ def load_target(
     device: torch.device,
     dtype: torch.dtype,
     activations: str = "off",
+    max_memory: Mapping[int | str, int] | None = None,
 ) -> TargetModel:
-    """Build the family's transformers text model from the checkpoint and place it per device."""
+    """Build the family's transformers text model from the checkpoint and place it per device.
+
+    ``max_memory`` (accelerate's: GPU index or ``"cpu"`` -> bytes) caps what is placed where; the modules that do not
+    fit stay on disk, read from the checkpoint and dequantized each time they run (bounded memory, as convert's
+    offloaded models are read from SRC's files).
+    """
     from accelerate import dispatch_model, init_empty_weights
     from accelerate.utils import set_module_tensor_to_device
 
@@ -364,7 +409,7 @@ def load_target(
     with init_empty_weights():
         model = cls(hf_config)
     model.eval()
-    device_map = _device_map(model, device, dtype)
+    device_map = _device_map(model, device, dtype, max_memory)
 
     def place(name: str) -> str:
         best = ""
@@ -377,10 +422,14 @@ def load_target(
     expected = {n for n, _ in model.named_parameters()}
     buffers = {n for n, _ in model.named_buffers() if _persistent(model, n)}
     loaded: set[str] = set()
-    for name, tensor in _iter_target_tensors(weights, dtype, fold_pre_quant=not emulate):
+    on_disk: dict[str, Callable[[], Tensor]] = {}
+    for name, produce in _target_tensors(weights, dtype, fold_pre_quant=not emulate):
         if name not in expected and name not in buffers:
             raise ValidateLoadError(f"{weights.label}: tensor for {name!r} has no place in {family.text_class}")
-        set_module_tensor_to_device(model, name, place(name), value=tensor)
+        if place(name) == "disk":
+            on_disk[name] = produce
+        else:
+            set_module_tensor_to_device(model, name, place(name), value=produce())
         loaded.add(name)
     if hf_config.tie_word_embeddings and "lm_head.weight" not in loaded:
         model.tie_weights()
@@ -389,13 +438,18 @@ def load_target(
     if missing:
         shown = ", ".join(missing[:6]) + (f", ... ({len(missing) - 6} more)" if len(missing) > 6 else "")
         raise ValidateLoadError(f"{weights.label}: {len(missing)} main-model weights missing: {shown}")
-    # Buffers (rotary inv_freq) were built on CPU; dispatch_model moves everything per the map.
-    model = (
-        dispatch_model(model, device_map=device_map)
-        if len(set(device_map.values())) > 1
-        else model.to(next(iter(device_map.values())))
-    )
+    # Emulation first: a fused-experts forward it replaces is then the one accelerate's hooks wrap.
     emulated = _install_target_emulation(model, weights) if emulate else []
+    # Buffers (rotary inv_freq) were built on CPU; dispatch_model moves everything per the map. Modules on disk
+    # read their weights from ``_OnDisk`` (offload_index {}: nothing was saved to an offload folder).
+    if on_disk:
+        model = dispatch_model(model, device_map=device_map, state_dict=_OnDisk(on_disk), offload_index={})
+    elif len(set(device_map.values())) > 1:
+        model = dispatch_model(model, device_map=device_map)
+    else:
+        model = model.to(next(iter(device_map.values())))
+    if on_disk:
+        log.info("%s: %d weights stay on disk, dequantized when their module runs", weights.label, len(on_disk))
     return TargetModel(model, device_map, dtype, emulated, family.mtp.hidden_source)
 
 

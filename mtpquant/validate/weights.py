@@ -24,6 +24,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from mtpquant import machine
+from mtpquant.checkpoint.header import FLOAT_DTYPES
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.errors import CheckpointError, ConfigError
 from mtpquant.formats.fp8 import dequantize_fp8_block, dequantize_fp8_per_tensor
@@ -44,7 +46,6 @@ _SCALE_SUFFIXES = (
 )
 # KV-cache scales (modelopt ``k_proj.k_scale`` ...): not weights; the KV cache is not emulated.
 _KV_SCALE_SUFFIXES = ("k_scale", "v_scale")
-_FLOAT_DTYPES = {"BF16", "F16", "F32", "F64"}
 
 
 class ValidateLoadError(CheckpointError):
@@ -52,15 +53,8 @@ class ValidateLoadError(CheckpointError):
 
 
 def resolve_device(device: str) -> torch.device:
-    """``cpu``, ``cuda`` (or ``cuda:N``) or ``auto`` (CUDA when available) as a torch device."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValidateLoadError("--device cuda: no CUDA device is available (use --device cpu)")
-    if dev.type not in {"cpu", "cuda"}:
-        raise ValidateLoadError(f"--device {device}: only cpu, cuda and auto are supported")
-    return dev
+    """``--device`` (``mtpquant.machine.resolve_device``: cpu, cuda, cuda:N or auto) as a torch device."""
+    return torch.device(machine.resolve_device(device))
 
 
 def compute_dtype(device: torch.device, dtype: str | None = None) -> torch.dtype:
@@ -171,7 +165,7 @@ class CheckpointWeights:
                     return "fp8-block"
                 return "fp8"
             raise ValidateLoadError(f"{self.label}: {module}.weight is fp8 but has no weight_scale / weight_scale_inv")
-        if w is not None and w not in _FLOAT_DTYPES:
+        if w is not None and w not in FLOAT_DTYPES:
             raise ValidateLoadError(f"{self.label}: {module}.weight has unsupported dtype {w}")
         return None
 

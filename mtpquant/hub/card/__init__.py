@@ -8,9 +8,9 @@ one a person edited (``marker``).
 
 from __future__ import annotations
 
+from mtpquant.card_marker import card_origin
 from mtpquant.hub.card.body import build_card, card_data
 from mtpquant.hub.card.facts import CardFacts, read_license, read_recipe, read_validation
-from mtpquant.hub.card.marker import card_origin
 from mtpquant.hub.card.metadata import CARD_NAME, is_repo_id, redact, validate_card_metadata
 
 __all__ = [

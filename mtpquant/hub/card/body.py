@@ -11,21 +11,21 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mtpquant import __version__
+from mtpquant.card_marker import MARKER, ZERO_HASH, seal
 from mtpquant.hub.card.facts import (
     VALIDATION_PROFILE,
     CardFacts,
     base_model,
     base_model_link,
-    is_quantized_precision,
     license_line,
     license_metadata,
     mtp_mode,
     public_command,
     public_text,
 )
-from mtpquant.hub.card.marker import MARKER, ZERO_HASH, seal
 from mtpquant.hub.card.metadata import redact
 from mtpquant.hub.card.sidecar import sidecar_body, sidecar_data
+from mtpquant.inspect.precision import is_quantized
 from mtpquant.units import format_bytes
 
 if TYPE_CHECKING:
@@ -53,6 +53,8 @@ def _tags(facts: CardFacts) -> list[str]:
         tags.append(str(q["method"]))
     if facts.report.mtp_present_tensors:
         tags += ["mtp", "speculative-decoding"]
+    if facts.provenance.heal is not None:
+        tags.append("mtp-healed")
     tags += [facts.family_key, "mtpquant"]
     return list(dict.fromkeys(tags))
 
@@ -303,6 +305,45 @@ def _verification(settings: Settings) -> str:
     return f"{settings.rule} verification at " + "; ".join(x.label for x in settings.sampling)
 
 
+def _heal_lines(facts: CardFacts) -> list[str]:
+    """What ``mtpquant heal`` did to the MTP now in OUT (nothing when it was not healed)."""
+    record = facts.provenance.heal
+    if record is None:
+        return []
+    greedy = record.sequences - record.sampled
+    lines = [
+        "## MTP healed to this quantized model",
+        "",
+        f"After quantization the MTP layer ({record.precision}) was re-aligned to this checkpoint's own quantized "
+        "model with `mtpquant heal`: only the `mtp.*` weights were trained (model, embeddings and LM head frozen), "
+        "so that the MTP's distribution for the token after next matches the quantized model's own (self-"
+        f"distillation, KL), on {record.sequences} sequences ({record.tokens} tokens) the quantized model produced "
+        f"from calibration prompts ({_md_escape(public_text(record.data))}; {greedy} greedy, {record.sampled} at "
+        f"temperature {record.temperature:g}): {record.steps} steps of {record.batch_size} sequences, learning rate "
+        f"{record.lr:g}, {record.chain} chained draft step(s) trained, seed {record.seed}."
+        + (" The MTP was trained with modelopt's fake quantization in the loop and written back in its format."
+           if record.precision != "BF16" else ""),
+        "",
+        f"Draft acceptance on {record.check_sequences} held-out prompts (not trained on; greedy speculative decoding "
+        "replayed with the checkpoint's own weights), before and after, with the paired 95 % bootstrap interval of "
+        "the change:",
+        "",
+        "| k | AL before | AL after | change | 95 % interval |",
+        "|---|---|---|---|---|",
+    ]
+    for row in record.by_k:
+        interval = f"[{row.low:+.3f}, {row.high:+.3f}]" if row.low == row.low and row.high == row.high else "n/a"
+        lines.append(f"| {row.k} | {row.before:.3f} | {row.after:.3f} | {row.after - row.before:+.3f} | {interval} |")
+    lines.append("")
+    if record.forced:
+        lines += [
+            "> [!WARNING]",
+            "> Written with `--force`: the held-out check did not show the healed MTP better beyond noise at every k.",
+            "",
+        ]
+    return lines
+
+
 def _fmt(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.2f}"
 
@@ -330,7 +371,7 @@ def _serving_lines(facts: CardFacts) -> list[str]:
         lines += ["vLLM, with the MTP as draft model:", "", "```bash", cmds["vllm"], "```", ""]
     else:
         lines += [f"vLLM: no MTP serve command: {_md_escape(r.verdicts.get('vllm', 'unknown'))}.", ""]
-    quantized_mtp = any(is_quantized_precision(m.disk) for m in r.mtp_modules)
+    quantized_mtp = any(is_quantized(m.disk) for m in r.mtp_modules)
     if "sglang" in cmds:
         lines += ["SGLang (NEXTN speculative decoding):", "", "```bash", cmds["sglang"], "```", ""]
     elif quantized_mtp:
@@ -438,6 +479,7 @@ def build_card(facts: CardFacts) -> ModelCard:
         "",
         *_bf16_lines(facts),
         "",
+        *_heal_lines(facts),
         "## Validation",
         "",
         *_validation_lines(facts),

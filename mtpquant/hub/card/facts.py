@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from mtpquant import safejson
 from mtpquant.checkpoint.source import looks_like_repo_id
 from mtpquant.hub.card.metadata import CARD_NAME, LicenseInfo, is_repo_id, license_from_mapping, redact
+from mtpquant.inspect.precision import is_quantized
 from mtpquant.provenance import Provenance, Step, card_license_fields
 from mtpquant.public import public_args
 from mtpquant.public import public_text as _public_text
@@ -30,7 +31,7 @@ __all__ = [
     "VALIDATION_PROFILE",
     "VALIDATION_REPORT",
     "CardFacts",
-    "Recipe",
+    "RecipeFile",
     "Validation",
     "base_model",
     "license_line",
@@ -54,8 +55,9 @@ _HF_CACHE_SNAPSHOT = re.compile(r"models--([A-Za-z0-9][\w.-]*)--([\w.-]+)[/\\]sn
 
 
 @dataclass(frozen=True)
-class Recipe:
-    """The resolved recipe convert wrote into OUT: its file name, text and parsed YAML."""
+class RecipeFile:
+    """The resolved recipe file convert wrote into OUT (its name, text and parsed YAML; the recipe itself is
+    ``convert.recipes.Recipe``)."""
 
     file: str
     text: str
@@ -84,14 +86,14 @@ class CardFacts:
     provenance: Provenance
     license: LicenseInfo | None
     validation: Validation | None
-    recipe: Recipe | None = None
+    recipe: RecipeFile | None = None
     revision: str | None = None
     forced: bool = False
     license_file: str | None = None  # a LICENSE file shipped in OUT (carried over from the source)
 
 
 # ---- reading OUT ---------------------------------------------------------------------------------------------------
-def read_recipe(out: Path, provenance: Provenance) -> Recipe | None:
+def read_recipe(out: Path, provenance: Provenance) -> RecipeFile | None:
     """The resolved recipe the provenance names (``mtpquant_recipe.yaml``), parsed; None when absent."""
     import yaml
 
@@ -105,7 +107,7 @@ def read_recipe(out: Path, provenance: Provenance) -> Recipe | None:
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
         log.warning("%s: not readable as YAML (%s); the card omits it", name, exc)
         return None
-    return Recipe(name, text, data if isinstance(data, dict) else {})
+    return RecipeFile(name, text, data if isinstance(data, dict) else {})
 
 
 def read_validation(out: Path) -> Validation | None:
@@ -212,12 +214,7 @@ def mtp_mode(facts: CardFacts) -> str:
     r = facts.report
     if r.mtp_present_tensors == 0:
         return "missing" if r.mtp_declared else "drop"
-    return "quantize" if any(is_quantized_precision(m.disk) for m in r.mtp_modules) else "keep"
-
-
-def is_quantized_precision(p: str) -> bool:
-    """Whether an inspect precision label is a quantized format."""
-    return p not in ("BF16", "F16", "FP16", "F32", "missing", "absent")
+    return "quantize" if any(is_quantized(m.disk) for m in r.mtp_modules) else "keep"
 
 
 def public_text(text: str) -> str:

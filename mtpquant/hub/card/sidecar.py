@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from mtpquant import __version__
+from mtpquant.card_marker import MARKER, ZERO_HASH
 from mtpquant.hub.card.facts import (
     CardFacts,
     base_model,
@@ -15,7 +16,6 @@ from mtpquant.hub.card.facts import (
     license_metadata,
     public_command,
 )
-from mtpquant.hub.card.marker import MARKER, ZERO_HASH
 from mtpquant.units import format_bytes
 
 __all__ = ["SIDECAR_RELATION", "sidecar_body", "sidecar_data"]

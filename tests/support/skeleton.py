@@ -42,8 +42,8 @@ from mtpquant.checkpoint.index import INDEX_NAME, SINGLE_NAME, check_shard_name
 from mtpquant.checkpoint.writer import OutputDir
 from mtpquant.families import Family, is_mtp_name, resolve
 from mtpquant.formats.quant_config import HF_QUANT_CONFIG
-from mtpquant.synth.layouts import LayoutRow, expand_layout
 from mtpquant.synth.tiny import check_synthetic_replaceable
+from tests.support.layouts import LayoutRow, expand_layout
 
 __all__ = [
     "MODELOPT_VERSION",

@@ -22,7 +22,7 @@ from mtpquant.checkpoint.writer import OutputDir
 from mtpquant.families import is_mtp_name, resolve
 from mtpquant.formats.quant_config import HF_QUANT_CONFIG
 from mtpquant.synth.qwen4_exp import FULL_TEXT_CONFIG, main_tensors, qwen4_exp_config
-from mtpquant.synth.skeleton import SkeletonResult, SkeletonTensor, write_sparse_safetensors
+from tests.support.skeleton import SkeletonResult, SkeletonTensor, write_sparse_safetensors
 
 __all__ = ["QWEN4_EXP_SKELETONS", "make_qwen4_exp_skeleton"]
 
@@ -43,7 +43,7 @@ _VISION: dict[str, Any] = {
 }
 
 
-def _vision(H: int) -> list[tuple[str, tuple[int, ...], str]]:  # noqa: N803
+def _vision(H: int) -> list[tuple[str, tuple[int, ...], str]]:
     """The Qwen3-VL vision tower's tensors (transformers Qwen3_5VisionModel naming), 27 blocks."""
     v = _VISION
     d, inter = int(v["hidden_size"]), int(v["intermediate_size"])

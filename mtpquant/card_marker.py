@@ -1,7 +1,8 @@
 """The generated-card marker: an HTML comment carrying the sha256 of the card's own text.
 
 The next publish can then tell a card it generated (regenerated freely) from one a person wrote or edited
-(kept unless ``--overwrite-card``).
+(kept unless ``--overwrite-card``). Down here rather than in ``hub/card``: ``convert --mtp extract`` seals the
+sidecar's README with it too, and MTP surgery sits below publishing.
 """
 
 from __future__ import annotations

@@ -1,0 +1,144 @@
+"""``mtpquant heal QUANT --from SRC``: re-align the MTP to the quantized model (argument parsing and printing only)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from typing import Any
+
+from mtpquant.cli import HUB_CODES, exit_codes_epilog
+from mtpquant.cli.graft_cmd import parse_size
+from mtpquant.errors import ExitCode
+
+__all__ = ["add_schedule_arguments", "register", "schedule_options"]
+
+_EPILOG = """\
+examples:
+  mtpquant heal ./Qwen3.6-27B-NVFP4 --from Qwen/Qwen3.6-27B --in-place
+  mtpquant heal ./quant --from ./bf16-source --out ./quant-healed --steps 400 --lr 2e-4
+  mtpquant heal ./quant --from ./bf16-source --in-place --dry-run --max-memory cpu=3GiB
+
+Only the mtp.* weights train (trunk, embeddings and LM head frozen), by self-distillation: the MTP's distribution
+for x_{t+2} from (h_t of the quantized target, embedding of x_{t+1}) is fitted to the quantized target's own
+distribution at t+1, on text the quantized target produces from the calibration prompts (greedily and at
+--temperature). A BF16 MTP stays BF16; an NVFP4/FP8 MTP trains with modelopt's fake quantization in the loop and
+is written back in the same format and scales layout. Before anything is written, the MTP's AL is measured before
+and after on held-out prompts (validate's built-in replay); nothing is written unless the healed MTP is better
+beyond noise at every k = 1..K.
+
+""" + exit_codes_epilog(
+    ExitCode.CHECKPOINT,
+    ExitCode.ARCHITECTURE,
+    ExitCode.OUTPUT_EXISTS,
+    ExitCode.VERIFICATION,
+    ExitCode.LINEAGE,
+    ExitCode.OUTPUT_BUSY,
+    ExitCode.MEMORY,
+    ExitCode.HEAL_NOT_BETTER,
+    ExitCode.HEAL_REFUSED,
+    *HUB_CODES,
+)
+
+
+def add_schedule_arguments(p: argparse.ArgumentParser, prefix: str = "") -> None:
+    """The data and schedule flags (``heal``'s, and ``convert --heal``'s with ``prefix="heal-"``)."""
+    p.add_argument(f"--{prefix}data", dest="heal_data", metavar="PATH|DATASET",
+                   help="calibration text the prompts come from (default: the offline CPython text without "
+                   "validate's held-out documents); a .txt/.jsonl file or a `datasets` name")
+    p.add_argument(f"--{prefix}steps", dest="heal_steps", type=int, metavar="N", help="training steps (default 100)")
+    p.add_argument(f"--{prefix}lr", dest="heal_lr", type=float, metavar="LR", help="peak learning rate (default 1e-3)")
+    p.add_argument(f"--{prefix}seed", dest="heal_seed", type=int, metavar="N", help="seed (default 0)")
+    p.add_argument(f"--{prefix}chain", dest="heal_chain", type=int, metavar="K",
+                   help="train the first K chained drafts, as the engines draft (default 2)")
+    p.add_argument(f"--{prefix}samples", dest="heal_samples", type=int, metavar="N",
+                   help="calibration prompts the target continues (default 64)")
+    p.add_argument(f"--{prefix}check-prompts", dest="heal_check_prompts", type=int, metavar="N",
+                   help="held-out prompts of the before/after check (default 64)")
+
+
+def schedule_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The HealOptions fields the schedule flags set (only those given)."""
+    fields = {"data": "heal_data", "steps": "heal_steps", "lr": "heal_lr", "seed": "heal_seed",
+              "chain": "heal_chain", "samples": "heal_samples", "check_prompts": "heal_check_prompts"}
+    return {k: getattr(args, v) for k, v in fields.items() if getattr(args, v, None) is not None}
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``heal`` subcommand."""
+    p = subparsers.add_parser(
+        "heal",
+        help="re-align a quant's MTP to its quantized model (self-distillation), written only if it is better",
+        description=(
+            "Fine-tune only QUANT's mtp.* weights against QUANT's own quantized target, check the MTP's acceptance "
+            "before and after on held-out prompts, and write the healed MTP (only its bytes, atomically, in QUANT's "
+            "precision) only when it is better beyond noise."
+        ),
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("quant", metavar="QUANT", help="the quant whose MTP to heal: a local directory or a Hub repo id")
+    p.add_argument("--from", dest="source", metavar="SRC", required=True,
+                   help="the BF16 checkpoint QUANT was made from (lineage; a quantized MTP trains from its weights)")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--out", metavar="OUT", help="write the healed checkpoint here (must not exist)")
+    where.add_argument("--in-place", action="store_true",
+                       help="heal QUANT itself: built beside it, verified, then swapped in atomically")
+    add_schedule_arguments(p)
+    p.add_argument("--temperature", type=float, metavar="T", help="serving temperature of the sampled continuations "
+                   "(default 0.7)")
+    p.add_argument("--k", type=int, metavar="K", help="the check measures AL for k = 1..K (default 3)")
+    p.add_argument("--force", action="store_true",
+                   help="write the healed MTP even if the check does not show it better (the provenance says so)")
+    p.add_argument("--device", choices=("cpu", "cuda", "auto"), default="auto", help="default auto")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                   help="compute dtype (default: float32 on CPU, bfloat16 on CUDA)")
+    p.add_argument("--max-memory", metavar="SPEC",
+                   help="memory caps for the quantized target, e.g. cpu=3GiB: what does not fit is read from QUANT's "
+                   "files and dequantized when its layer runs")
+    p.add_argument("--activations", choices=("emulate", "off"), default="emulate",
+                   help="emulate W4A4 activation quantization as the engines run it (default), or off")
+    p.add_argument("--revision", metavar="REV", help="QUANT's Hub revision")
+    p.add_argument("--from-revision", dest="source_revision", metavar="REV", help="SRC's Hub revision")
+    p.add_argument("--max-shard-size", type=parse_size, default="5GB", metavar="SIZE",
+                   help="byte budget per new MTP shard (default 5GB)")
+    p.add_argument("--copy", action="store_true", help="copy untouched files instead of hard-linking them")
+    p.add_argument("--dry-run", action="store_true", help="print the plan (memory and disk too) and write nothing")
+    p.add_argument("--json", action="store_true", help="print the result (or plan) as JSON")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Build the options, call the API, print the summary."""
+    from mtpquant.api import HealOptions, heal
+    from mtpquant.render import heal_text
+
+    extra: dict[str, Any] = schedule_options(args)
+    for name in ("temperature", "k"):
+        if getattr(args, name) is not None:
+            extra[name] = getattr(args, name)
+    options = HealOptions(
+        quant=args.quant,
+        source=args.source,
+        out=args.out,
+        in_place=args.in_place,
+        force=args.force,
+        device=args.device,
+        dtype=args.dtype,
+        max_memory=args.max_memory,
+        activations=args.activations,
+        revision=args.revision,
+        source_revision=args.source_revision,
+        max_shard_bytes=args.max_shard_size,
+        link=not args.copy,
+        dry_run=args.dry_run,
+        progress=os.environ.get("TQDM_DISABLE", "") in {"", "0"},
+        command=tuple(args.command_line),
+        **extra,
+    )
+    result = heal(options)
+    if args.json:
+        print(json.dumps(result.plan.to_json() if args.dry_run else result.to_json(), indent=2, default=str))
+        return 0
+    print(heal_text(result))
+    return 0

@@ -1,0 +1,241 @@
+"""heal's plan, decided from configs and safetensors headers before any model loads; every early refusal.
+
+The plan says what will be healed (QUANT's MTP, in its precision), from which weights, on what data and schedule,
+where the result goes, and what it costs: memory for the quantized target (placed by the same plan as convert's,
+``convert.memory``: in memory when it fits, else capped, with what does not fit read from QUANT's files and
+dequantized when its layer runs), memory for training (the MTP with its optimizer state, the shared embedding and
+LM head, one batch), and disk (the hidden-state shards, the new MTP shards). ``--dry-run`` prints it and stops.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mtpquant.checkpoint.table import Checkpoint
+from mtpquant.errors import GraftError, HealRefusedError, MemoryPlanError, MtpModeError, OutputExistsError, UsageError
+from mtpquant.heal.options import HealOptions
+from mtpquant.heal.precision import MtpStorage, mtp_storage
+from mtpquant.machine import resolve_device
+from mtpquant.units import format_bytes
+
+__all__ = ["HEAD_FULL_PRECISION_LIMIT", "HealPlan", "plan_heal"]
+
+# The shared LM head and embedding train in the compute dtype up to this size; above it (a 248k vocabulary) they
+# stay in their stored dtype (BF16), which halves their memory (the logits are still computed into float32).
+HEAD_FULL_PRECISION_LIMIT = 512 * 2**20
+_RUNTIME_BYTES = 1_000_000_000  # torch + transformers + modelopt imported and running (as convert's plan)
+_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class HealPlan:
+    """What heal will do, decided from headers."""
+
+    quant: str
+    source: str
+    destination: str
+    mode: str  # "out" | "in-place"
+    family: str
+    storage: MtpStorage
+    master: str  # where training starts: "QUANT" (its unquantized MTP) | "SRC" (the BF16 MTP QUANT was made from)
+    mtp_tensors: int
+    mtp_bytes: int
+    device: str
+    dtype: str  # compute dtype of the target and the training
+    head_dtype: str  # dtype the shared embedding and LM head are held in during training
+    memory: Any  # convert.memory.MemoryPlan of the quantized target
+    train_bytes: int  # estimated peak of the training phase
+    data_bytes: int  # the hidden-state shards on disk
+    sequences: int
+    seq_len: int
+    options: HealOptions = field(repr=False)
+    notes: tuple[str, ...] = ()
+
+    def lines(self) -> list[str]:
+        """The ``--dry-run`` lines."""
+        o = self.options
+        greedy = o.samples - round(o.samples * o.sampled)
+        out = [
+            f"heal       {self.quant} (MTP {self.storage.label}, {self.mtp_tensors} tensors, "
+            f"{format_bytes(self.mtp_bytes)}) -> {self.destination} ({self.mode})",
+            f"weights    training starts from {self.master}'s MTP"
+            + ("; modelopt fake quantization in the loop, written back as " + self.storage.label
+               if self.storage.fmt != "bf16" else "; written back as BF16"),
+            f"data       {o.samples} prompts of {o.prompt_len} tokens ({o.data}) continued by QUANT's target for "
+            f"{o.new_tokens} tokens: {greedy} greedy, {o.samples - greedy} at temperature {o.temperature:g}",
+            f"schedule   {o.steps} steps x {o.batch_size} sequences, lr {o.lr:g}, chain {o.chain}, seed {o.seed}; "
+            f"{self.device}, {self.dtype}",
+            f"check      held-out AL at k = 1..{o.k} on {o.check_prompts} prompts of validate's held-out text, before "
+            "and after; nothing is written unless better beyond noise at every k"
+            + (" (--force: written anyway)" if o.force else ""),
+            *self.memory.lines(
+                "the quantized target, dequantized" + (": the layers on disk read from QUANT's files and "
+                                                       "dequantized as they run" if self.memory.disk_bytes else "")
+            ),
+            f"training   ~{format_bytes(self.train_bytes)} (MTP + optimizer state, embedding and LM head in "
+            f"{self.head_dtype}, one batch)",
+            f"disk       {format_bytes(self.data_bytes)} of hidden states ({self.sequences} x {self.seq_len} tokens, "
+            f"removed at the end), {format_bytes(self.mtp_bytes)} of new MTP shards",
+        ]
+        out += [f"note       {n}" for n in self.notes]
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain data for ``--json``."""
+        return {
+            "quant": self.quant,
+            "source": self.source,
+            "destination": self.destination,
+            "mode": self.mode,
+            "family": self.family,
+            "precision": self.storage.label,
+            "master": self.master,
+            "mtp": {"tensors": self.mtp_tensors, "bytes": self.mtp_bytes},
+            "device": self.device,
+            "dtype": self.dtype,
+            "head_dtype": self.head_dtype,
+            "memory": self.memory.to_json(),
+            "train_bytes": self.train_bytes,
+            "data_bytes": self.data_bytes,
+            "notes": list(self.notes),
+        }
+
+
+def _target_blocks(weights: Any, dtype_bytes: int) -> list[Any]:
+    """The quantized target as it will be loaded (dequantized, in the compute dtype), in convert's blocks."""
+    from mtpquant.convert.memory import model_blocks
+    from mtpquant.families import TensorClass
+
+    entries = []
+    for name in weights.names():
+        klass = weights.ckpt.classify(name)
+        if klass not in (TensorClass.MAIN, TensorClass.EMBED, TensorClass.LM_HEAD):
+            continue
+        n = 1
+        for d in weights.shape(name):
+            n *= d
+        entries.append((name, n * dtype_bytes))
+    return model_blocks(entries, is_vision={})
+
+
+def _train_bytes(quant: Checkpoint, options: HealOptions, head_bytes: int, tied: bool) -> int:
+    """MTP weights, gradients and AdamW state in float32 (16 bytes a parameter), the embedding and head, a batch of
+    hidden states, the layer's activations (~24 per row and hidden unit), one chunk of logits."""
+    params = 0
+    for e in quant.mtp_tensors():
+        n = 1
+        for d in e.shape:
+            n *= d
+        params += n * (2 if e.dtype == "U8" else 1)
+    spec = quant.spec
+    H, V = spec.hidden_size, spec.dim("vocab_size")
+    rows = options.batch_size * (options.prompt_len + options.new_tokens) * options.chain
+    return (
+        _RUNTIME_BYTES
+        + 16 * params
+        + head_bytes * (1 if tied else 2)
+        + rows * H * 4 * 24
+        + 4 * 256 * V * 4
+    )
+
+
+def plan_heal(options: HealOptions) -> tuple[HealPlan, Checkpoint, Checkpoint, Any]:
+    """Check everything that can be checked from headers and build the plan; returns it, QUANT, SRC and QUANT's
+    dequantizing reader (``validate.weights.CheckpointWeights``)."""
+    from mtpquant.convert.memory import available_cpu_bytes, plan_memory
+    from mtpquant.graft.lineage import check_lineage
+    from mtpquant.surgery.metadata import plan_metadata
+    from mtpquant.validate.weights import CheckpointWeights, ValidateLoadError
+
+    options.check()
+    quant = Checkpoint.open(options.quant, revision=options.revision, token=options.token)
+    if options.in_place and quant.source.local_root is None:
+        raise UsageError(f"{quant.label}: --in-place needs a local QUANT directory; for a Hub repo use --out")
+    out = Path(options.out).absolute() if options.out is not None else None
+    if out is not None:
+        if os.path.lexists(out):
+            raise OutputExistsError(f"{out}: output already exists; heal never overwrites (choose a new --out)")
+        root = quant.source.local_root
+        if root is not None and (out.resolve() == root.resolve() or root.resolve() in out.resolve().parents):
+            raise UsageError(f"{out}: --out must not be inside QUANT")
+    src = Checkpoint.open(options.source, revision=options.source_revision, token=options.token)
+    present = {e.name for e in quant.mtp_tensors()}
+    if not present:
+        raise HealRefusedError(
+            f"{quant.label}: has no MTP (no mtp.* tensors), so there is nothing to heal; put it back first with "
+            f"`mtpquant graft {quant.label} --from SRC`"
+        )
+    missing = sorted(set(quant.spec.expected_mtp_shapes()) - present)  # a quantized Linear keeps its .weight name
+    if missing:
+        raise HealRefusedError(
+            f"{quant.label}: its MTP is incomplete ({len(missing)} tensors missing, first {missing[0]}); repair it "
+            "with `mtpquant graft --replace` first"
+        )
+    try:
+        lineage = check_lineage(quant, src)
+    except (GraftError, MtpModeError) as exc:
+        raise HealRefusedError(f"{exc} (heal needs the BF16 checkpoint QUANT was made from as --from)") from None
+    metadata = plan_metadata(quant.spec, quant.hf_quant_config, quant.tensors, mtp_layers=lineage.mtp_layers)
+    if metadata.changes:
+        raise HealRefusedError(
+            f"{quant.label}: its MTP metadata is incomplete ({metadata.changes[0]}); repair it first with "
+            "`mtpquant graft QUANT --fix-metadata`"
+        )
+    try:
+        weights = CheckpointWeights(quant)
+    except ValidateLoadError as exc:
+        raise HealRefusedError(str(exc)) from None
+    storage = mtp_storage(quant, weights.formats)
+    device = resolve_device(options.device, probe=False)  # the plan names the device; the run finds it
+    dtype = options.dtype or ("float32" if device == "cpu" else "bfloat16")
+    if dtype not in _BYTES:
+        raise UsageError(f"--dtype must be one of {', '.join(_BYTES)}, got {dtype!r}")
+    spec = quant.spec
+    H, V = spec.hidden_size, spec.dim("vocab_size")
+    head_dtype = dtype if V * H * _BYTES[dtype] <= HEAD_FULL_PRECISION_LIMIT else "bfloat16"
+    available = {"cpu": a} if (a := available_cpu_bytes()) is not None else {}
+    try:
+        memory = plan_memory(
+            _target_blocks(weights, _BYTES[dtype]),
+            device="cpu" if device == "cpu" else "cuda",
+            max_memory=options.max_memory,
+            layerwise=False,
+            shard_bytes=options.max_shard_bytes,
+            available=available,
+        )
+    except MemoryPlanError as exc:
+        raise MemoryPlanError(str(exc).replace("convert needs", "heal needs")) from None
+    seq_len = options.prompt_len + options.new_tokens
+    data_bytes = options.samples * seq_len * (H * _BYTES[dtype] + 8)
+    tied = weights.lm_head_name() == weights.embed_name()
+    notes: list[str] = list(lineage.warnings)
+    if storage.fmt != "bf16" and "SGLang" not in " ".join(notes):
+        notes.append("SGLang serves only a BF16 MTP; the healed quantized MTP is for vLLM, as before")
+    mode = "out" if out is not None else "in-place"
+    destination = str(out) if out is not None else str(quant.source.local_root)
+    plan = HealPlan(
+        quant=quant.label,
+        source=src.label,
+        destination=destination,
+        mode=mode,
+        family=spec.family.key,
+        storage=storage,
+        master="QUANT" if storage.fmt == "bf16" else "SRC",
+        mtp_tensors=len(present),
+        mtp_bytes=sum(e.nbytes for e in quant.mtp_tensors()),
+        device=device,
+        dtype=dtype,
+        head_dtype=head_dtype,
+        memory=memory,
+        train_bytes=_train_bytes(quant, options, V * H * _BYTES[head_dtype], tied),
+        data_bytes=data_bytes,
+        sequences=options.samples,
+        seq_len=seq_len,
+        options=options,
+        notes=tuple(notes),
+    )
+    return plan, quant, src, weights
+

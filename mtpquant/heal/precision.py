@@ -1,0 +1,149 @@
+"""The precision QUANT keeps its MTP in, the weights healing starts from, and the healed MTP written back in it.
+
+heal writes the healed MTP in exactly the layout QUANT has, so every engine loads it as before:
+
+- unquantized (BF16 / FP16 / FP32): every tensor in its stored dtype (float32 training weights rounded to it);
+- ModelOpt NVFP4 / FP8 per tensor (``convert --mtp quantize``'s layout): the quantized Linears through
+  ``mtp.quantize.quantize_mtp`` (modelopt's export math: weight, ``weight_scale``, ``weight_scale_2`` shared by fused
+  groups), from the healed weights rounded to SRC's dtype first, as convert quantizes the source; each
+  ``input_scale`` is QUANT's own, byte for byte (the fake quantization trained with it); ``mtp.fc``, norms, router
+  and ``shared_expert_gate`` in their stored dtype.
+
+Training starts from QUANT's own MTP when it is unquantized (a BF16 MTP healed twice keeps the first heal), and from
+SRC's BF16 MTP when QUANT's is quantized (the weights it was quantized from). Other layouts (FP8 blocks, AWQ
+pre-quant scales, compressed-tensors, a quantized set other than modelopt's) are refused before any work.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from mtpquant.checkpoint.dtypes import planned, torch_dtype
+from mtpquant.checkpoint.header import FLOAT_DTYPES
+from mtpquant.checkpoint.table import Checkpoint
+from mtpquant.checkpoint.writer import PlannedTensor
+from mtpquant.errors import HealRefusedError
+from mtpquant.families import is_mtp_name
+from mtpquant.mtp.quantize import mtp_linear_modules, mtp_quantized_modules, quantize_mtp
+
+__all__ = ["MtpStorage", "export_mtp", "master_weights", "mtp_storage"]
+
+_WRITABLE = {"nvfp4": "nvfp4", "fp8": "fp8"}  # LinearFormat.kind -> quantize_mtp's format
+
+
+@dataclass(frozen=True)
+class MtpStorage:
+    """How QUANT stores its MTP: ``fmt`` ``"bf16"`` (unquantized, whatever the float dtype), ``"nvfp4"`` or ``"fp8"``
+    (ModelOpt layout); the quantized Linears; whether they carry input scales (W4A4 / W8A8)."""
+
+    fmt: str
+    quantized: tuple[str, ...]  # module names (``mtp.layers.0.self_attn.q_proj``)
+    activations: bool
+    input_scales: Mapping[str, float]  # module -> QUANT's input_scale (modelopt convention)
+
+    @property
+    def label(self) -> str:
+        """``BF16`` / ``NVFP4 (W4A4)`` / ``FP8 (weights only)``, for the plan and the record."""
+        if self.fmt == "bf16":
+            return "BF16"
+        return f"{self.fmt.upper()} ({'W4A4' if self.fmt == 'nvfp4' else 'W8A8'})" if self.activations else (
+            f"{self.fmt.upper()} (weights only)"
+        )
+
+
+def mtp_storage(quant: Checkpoint, formats: Mapping[str, object]) -> MtpStorage:
+    """QUANT's MTP storage from its header table and the quantized-Linear formats validate's reader found
+    (``CheckpointWeights.formats``); refuses what heal cannot write back."""
+    label = quant.label
+    mtp_formats = {m: f for m, f in formats.items() if is_mtp_name(m)}
+    if not mtp_formats:
+        bad = sorted(e.name for e in quant.mtp_tensors() if e.dtype not in FLOAT_DTYPES)
+        if bad:
+            dtype = quant.tensors[bad[0]].dtype
+            raise HealRefusedError(f"{label}: MTP tensor {bad[0]} is {dtype}; heal cannot read that layout")
+        return MtpStorage("bf16", (), False, {})
+    kinds = {getattr(f, "kind", "") for f in mtp_formats.values()}
+    if len(kinds) != 1 or next(iter(kinds)) not in _WRITABLE:
+        shown = ", ".join(sorted(kinds))
+        raise HealRefusedError(
+            f"{label}: its MTP is stored as {shown}; heal writes back BF16, ModelOpt NVFP4 and ModelOpt FP8 per tensor"
+        )
+    fmt = _WRITABLE[next(iter(kinds))]
+    pre = sorted(m for m, f in mtp_formats.items() if getattr(f, "has_pre_quant_scale", False))
+    if pre:
+        raise HealRefusedError(f"{label}: {pre[0]} has an AWQ pre_quant_scale; heal cannot write that layout back")
+    shapes = {e.name: e.shape for e in quant.mtp_tensors()}
+    expected = set(mtp_quantized_modules(mtp_linear_modules(_logical_shapes(shapes)), quant.spec.family.mtp))
+    if set(mtp_formats) != expected:
+        odd = sorted(set(mtp_formats) ^ expected)[0]
+        raise HealRefusedError(
+            f"{label}: its MTP quantizes another set of Linears than modelopt's MTP layout ({odd}); heal cannot write "
+            "it back in the same layout"
+        )
+    scales = {m: getattr(f, "input_scale", None) for m, f in mtp_formats.items()}
+    have = {m for m, s in scales.items() if s is not None}
+    if have and have != set(scales):
+        raise HealRefusedError(f"{label}: only some MTP Linears have an input_scale ({sorted(have)[0]})")
+    return MtpStorage(fmt, tuple(sorted(mtp_formats)), bool(have), {m: float(s) for m, s in scales.items() if s})
+
+
+def _logical_shapes(stored: Mapping[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """Weight shapes as 2-D ``[out, in]`` logical shapes (NVFP4 stores two values a byte: [out, in / 2])."""
+    return {n: s for n, s in stored.items() if n.endswith(".weight")}
+
+
+def master_weights(quant: Checkpoint, src: Checkpoint, storage: MtpStorage) -> tuple[dict[str, Tensor], str]:
+    """The float32 MTP weights healing starts from, and which checkpoint they come from."""
+    origin = quant if storage.fmt == "bf16" else src
+    names = sorted(e.name for e in origin.mtp_tensors())
+    bad = [n for n in names if origin.tensors[n].dtype not in FLOAT_DTYPES]
+    if bad:
+        raise HealRefusedError(
+            f"{origin.label}: MTP tensor {bad[0]} is {origin.tensors[bad[0]].dtype}; healing a quantized MTP starts "
+            "from SRC's unquantized one"
+        )
+    origin.prefetch(names)
+    return {n: origin.read_tensor(n).to(torch.float32) for n in names}, origin.label
+
+
+def export_mtp(
+    quant: Checkpoint, src: Checkpoint, storage: MtpStorage, healed: Mapping[str, Tensor]
+) -> list[PlannedTensor]:
+    """Every ``mtp.*`` tensor of QUANT with the healed values, in QUANT's names, dtypes and shapes."""
+    entries = {e.name: e for e in quant.mtp_tensors()}
+    out: dict[str, Tensor] = {}
+    if storage.fmt != "bf16":
+        # quantize as convert does: from the source's dtype (the healed float32 rounded to it), modelopt's math
+        src_dtype = {n: torch_dtype(src.tensors[n].dtype) for n in healed if n in src.tensors}
+        weights = {n: t.to(src_dtype.get(n, torch.bfloat16)) for n, t in healed.items()}
+        result = quantize_mtp(weights, None, storage.fmt, activations=False, layout=quant.spec.family.mtp)
+        quantized = {m + ".weight" for m in storage.quantized}
+        for name, tensor in result.tensors.items():
+            out[name] = tensor
+        for m in storage.quantized:
+            if storage.activations:
+                out[m + ".input_scale"] = quant.read_tensor(m + ".input_scale")  # QUANT's own bytes
+        for name, tensor in healed.items():
+            if name not in quantized:
+                out[name] = tensor.to(torch_dtype(entries[name].dtype))
+    else:
+        for name, tensor in healed.items():
+            out[name] = tensor.to(torch_dtype(entries[name].dtype))
+    if set(out) != set(entries):
+        diff = sorted(set(out) ^ set(entries))[0]
+        raise HealRefusedError(f"{quant.label}: the healed MTP would not have QUANT's tensor set ({diff})")
+    tensors: list[PlannedTensor] = []
+    for name in sorted(out):
+        t = out[name].detach().cpu().contiguous()
+        e = entries[name]
+        if torch_dtype(e.dtype) != t.dtype or tuple(e.shape) != tuple(t.shape):
+            raise HealRefusedError(
+                f"{quant.label}: the healed {name} would be {t.dtype} {tuple(t.shape)}, QUANT has {e.dtype} "
+                f"{tuple(e.shape)}"
+            )
+        tensors.append(planned(name, t))
+    return tensors

@@ -1,0 +1,115 @@
+"""Quantization-aware healing: nvidia-modelopt's fake quantization inside the MTP layer while it trains.
+
+A quantized MTP is healed with ``mtq.quantize`` applied to the reference layer (``mtp.module.MtpLayer``): modelopt
+inserts its ``TensorQuantizer`` on exactly the Linears QUANT stores quantized, calibrates them (``max``) on a batch
+of the heal data, and its straight-through estimator carries the gradients through the rounding. The input
+quantizers then take QUANT's own ``input_scale`` (amax = input_scale x 6 x 448 for NVFP4, x 448 for FP8), so
+training sees the activations exactly as the engines quantize them with the scales that stay in the checkpoint.
+
+modelopt 0.47 fake-quantizes FP8 on any device, but its NVFP4 fake quantization (dynamic 16-element blocks with
+E4M3 scales) runs only in its CUDA extension or Triton kernel. For NVFP4 the quantizers therefore use a modelopt
+*backend* (``register_quant_backend``, the extension point modelopt provides for this), ``mtpquant_nvfp4``: the
+weight rounded to NVFP4 with modelopt's export math (``formats.nvfp4.quantize_nvfp4``, global scale from max|W|)
+and dequantized; the input quantized as the W4A4 kernels do (``quantize_activation_nvfp4``, what validate's
+``--activations emulate`` applies); gradients pass straight through. The same code runs on the CPU and the GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from mtpquant.formats.nvfp4 import (
+    E2M1_MAX,
+    E4M3_MAX,
+    dequantize_nvfp4,
+    global_scale_from_amax,
+    quantize_activation_nvfp4,
+    quantize_nvfp4,
+    weight_amax,
+)
+from mtpquant.heal.precision import MtpStorage
+from mtpquant.mtp.module import MTP_PREFIX
+
+__all__ = ["NVFP4_BACKEND", "fake_quant_config", "nvfp4_fake_quant", "quantize_for_training"]
+
+log = logging.getLogger(__name__)
+
+NVFP4_BACKEND = "mtpquant_nvfp4"
+_NVFP4_CFG: dict[str, Any] = {"num_bits": (2, 1), "block_sizes": {-1: 16, "type": "dynamic", "scale_bits": (4, 3)}}
+_FP8_CFG: dict[str, Any] = {"num_bits": (4, 3), "axis": None}
+
+
+def nvfp4_fake_quant(inputs: Tensor, quantizer: Any) -> Tensor:
+    """The ``mtpquant_nvfp4`` backend: NVFP4 round trip of a weight or an activation, straight-through gradients."""
+    role = (getattr(quantizer, "backend_extra_args", None) or {}).get("role")
+    x = inputs.detach()
+    if role == "weight":
+        q = quantize_nvfp4(x, weight_scale_2=global_scale_from_amax(weight_amax(x)))
+        fake = dequantize_nvfp4(q.packed, q.weight_scale, q.weight_scale_2, dtype=x.dtype)
+    elif role == "input":
+        amax = quantizer.amax
+        if amax is None:
+            raise RuntimeError("internal: an NVFP4 input quantizer without its amax")
+        fake = quantize_activation_nvfp4(x, amax.float() / (E2M1_MAX * E4M3_MAX))
+    else:
+        raise RuntimeError(f"internal: backend {NVFP4_BACKEND} needs role weight or input, got {role!r}")
+    return inputs + (fake - x).to(inputs.dtype)
+
+
+def fake_quant_config(storage: MtpStorage) -> dict[str, Any]:
+    """``mtq.quantize``'s config: every quantizer off but the weight (and input) quantizers of QUANT's quantized MTP
+    Linears, in QUANT's format; module names as the reference layer has them (without ``mtp.``)."""
+    entries: list[dict[str, Any]] = [{"quantizer_name": "*", "enable": False}]
+    kinds = ("weight", "input") if storage.activations else ("weight",)
+    for module in storage.quantized:
+        name = module.removeprefix(MTP_PREFIX)
+        for kind in kinds:
+            if storage.fmt == "nvfp4":
+                cfg = {**_NVFP4_CFG, "backend": NVFP4_BACKEND, "backend_extra_args": {"role": kind}}
+            else:
+                cfg = dict(_FP8_CFG)
+            entries.append({"quantizer_name": f"{name}.{kind}_quantizer", "cfg": cfg})
+    return {"quant_cfg": entries, "algorithm": "max"}
+
+
+def _register_backend() -> None:
+    from modelopt.torch.quantization.nn.modules.tensor_quantizer import (
+        is_registered_quant_backend,
+        register_quant_backend,
+    )
+
+    if not is_registered_quant_backend(NVFP4_BACKEND):
+        register_quant_backend(NVFP4_BACKEND, nvfp4_fake_quant)
+
+
+def quantize_for_training(layer: nn.Module, storage: MtpStorage, calibrate: Callable[[nn.Module], None]) -> int:
+    """Insert modelopt's fake quantizers into ``layer`` (in place) as QUANT stores its MTP; returns how many.
+
+    ``calibrate(layer)`` runs a batch through the layer (modelopt's max calibration); the input quantizers then take
+    QUANT's own input scales.
+    """
+    import modelopt.torch.quantization as mtq
+
+    from mtpquant.convert.model import modelopt_quiet
+
+    if storage.fmt == "bf16":
+        return 0
+    _register_backend()
+    with modelopt_quiet(progress=False), torch.no_grad():
+        mtq.quantize(layer, fake_quant_config(storage), calibrate)
+    factor = E2M1_MAX * E4M3_MAX if storage.fmt == "nvfp4" else E4M3_MAX
+    modules: dict[str, Any] = dict(layer.named_modules())
+    count = 0
+    for module in storage.quantized:
+        mod = modules[module.removeprefix(MTP_PREFIX)]
+        count += 1
+        if storage.activations:
+            quantizer: Any = mod.input_quantizer
+            quantizer.amax = torch.tensor(storage.input_scales[module] * factor, dtype=torch.float32)
+    log.info("heal: modelopt fake quantization on %d MTP Linears (%s)", count, storage.label)
+    return count

@@ -1,0 +1,261 @@
+"""``heal``: re-align QUANT's MTP to QUANT's own (quantized) target, and write it back only if it is better.
+
+Steps: plan from headers (``plan.py``; ``--dry-run`` stops there) -> the destination opened (``--out``: a temp sibling;
+``--in-place``: QUANT locked, a mirror of it beside it) -> the quantized target, dequantized as validate loads it
+(activations emulated as the engines run them), in memory or under the plan's caps -> its greedy continuations of
+the held-out prompts (the check's sequences) -> its continuations of the calibration prompts and its hidden states,
+in shards on disk (``data.py``) -> the target released -> the MTP's training weights (``precision.py``), modelopt's
+fake quantization on the Linears QUANT stores quantized (``qat.py``), self-distillation (``train.py``) -> the
+healed MTP in QUANT's format, written as new MTP shards with every other file linked, verified (``graft.write``)
+-> the check: QUANT's MTP and the written one measured on the held-out sequences (``check.py``) -> nothing
+written unless better beyond noise at every k (exit 24), else the provenance records the heal and the result is
+put in place (rename, or atomic directory exchange).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import logging
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mtpquant.checkpoint.table import Checkpoint
+from mtpquant.errors import HealNotBetterError, OutputVerificationError
+from mtpquant.heal.check import CheckResult
+from mtpquant.heal.options import HealOptions
+from mtpquant.heal.plan import HealPlan, plan_heal
+from mtpquant.heal.train import TrainLog
+from mtpquant.provenance import HealAl, HealRecord
+from mtpquant.public import public_text
+
+__all__ = ["HealOptions", "HealPlan", "HealResult", "heal", "plan_heal"]
+
+log = logging.getLogger(__name__)
+
+DATA_DIR = ".heal-data"
+
+
+@dataclass
+class HealResult:
+    """What heal did (or, with ``dry_run``, would do)."""
+
+    plan: HealPlan
+    action: str  # "planned" | "healed" | "forced" (written with --force although not better)
+    message: str
+    destination: str | None = None
+    record: HealRecord | None = None
+    check: CheckResult | None = None
+    training: TrainLog | None = None
+    new_shards: list[str] = field(default_factory=list)
+    linked: list[str] = field(default_factory=list)
+    copied: list[str] = field(default_factory=list)
+    rewritten: list[str] = field(default_factory=list)
+    dropped: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    verified_with: list[str] = field(default_factory=list)
+    cleaned: list[str] = field(default_factory=list)
+    bytes_written: int = 0
+    data_bytes: int = 0
+    commit: str | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+    cpu_seconds: float = 0.0
+    peak_rss_bytes: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict."""
+        out = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("plan", "record", "check", "training")}
+        out["plan"] = self.plan.to_json()
+        out["record"] = self.record.to_json() if self.record else None
+        out["training"] = dataclasses.asdict(self.training) if self.training else None
+        return out
+
+
+class _Timer:
+    def __init__(self) -> None:
+        self.timings: dict[str, float] = {}
+
+    def __call__(self, name: str) -> Any:
+        timer = self
+
+        class _Span:
+            def __enter__(self) -> None:
+                self.t0 = time.perf_counter()
+
+            def __exit__(self, *exc: object) -> None:
+                timer.timings[name] = timer.timings.get(name, 0.0) + time.perf_counter() - self.t0
+
+        return _Span()
+
+
+def _record(plan: HealPlan, data: Any, check: CheckResult, forced: bool) -> HealRecord:
+    o = plan.options
+    return HealRecord(
+        precision=plan.storage.label,
+        data=public_text(data.source),  # the record goes public with OUT: local paths by base name
+        sequences=data.sequences,
+        tokens=data.tokens,
+        sampled=data.sampled,
+        temperature=o.temperature,
+        steps=o.steps,
+        lr=o.lr,
+        batch_size=o.batch_size,
+        chain=o.chain,
+        seed=o.seed,
+        check_sequences=check.sequences,
+        by_k=tuple(HealAl(c.k, c.before, c.after, c.low, c.high) for c in check.by_k),
+        better=check.better,
+        forced=forced,
+    )
+
+
+def _changes(check: CheckResult) -> str:
+    return ", ".join(f"k={c.k}: {c.before:.3f} -> {c.after:.3f} ({c.change:+.3f} [{c.low:+.3f}, {c.high:+.3f}])"
+                     for c in check.by_k)
+
+
+def heal(options: HealOptions) -> HealResult:
+    """Heal QUANT's MTP against QUANT's target; see the module docstring. Raises ``HealNotBetterError`` (exit 24,
+    nothing written) when the healed MTP is not better beyond noise, and other one-line ``MtpquantError``s."""
+    import resource
+
+    c0 = time.process_time()
+    timer = _Timer()
+    t_start = time.perf_counter()
+    with timer("plan"):
+        plan, quant, src, weights = plan_heal(options)
+    if options.dry_run:
+        return HealResult(plan, "planned", f"would heal the MTP of {plan.quant} into {plan.destination}",
+                          timings=timer.timings)
+    from mtpquant.convert.memory import return_freed_memory
+    from mtpquant.graft.write import open_target
+
+    return_freed_memory()
+    out = Path(options.out).absolute() if options.out is not None else None
+    target = open_target(quant, out, replaces=True)
+    result = HealResult(plan, "healed", "", cleaned=list(target.cleaned), warnings=list(plan.notes))
+    from mtpquant.libraries import library_output
+
+    with target.od, library_output(options.progress):  # transformers' messages under our logging levels
+        _heal(plan, quant, src, weights, target, result, timer)
+    result.destination = str(target.destination)
+    result.commit = target.commit
+    result.timings = {**timer.timings, "total": time.perf_counter() - t_start}
+    result.cpu_seconds = time.process_time() - c0
+    result.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    assert result.check is not None
+    verb = "wrote the healed MTP (--force: not better beyond noise)" if result.action == "forced" else "healed the MTP"
+    result.message = f"{verb} into {result.destination}: held-out AL {_changes(result.check)}"
+    log.info("%s", result.message)
+    return result
+
+
+def _heal(
+    plan: HealPlan, quant: Checkpoint, src: Checkpoint, weights: Any, target: Any, result: HealResult, timer: _Timer
+) -> None:
+    """Everything between opening the destination and committing it (nothing is put in place on an error)."""
+    import torch
+
+    from mtpquant.convert.calibration import load_tokenizer
+    from mtpquant.graft.write import commit
+    from mtpquant.heal.check import check_prompts, compare, unit_counts
+    from mtpquant.heal.data import collect, training_prompts
+    from mtpquant.heal.write import record_step, write_healed
+    from mtpquant.validate.builtin import capture
+    from mtpquant.validate.load import CheckpointWeights, compute_dtype, load_mtp, load_target, resolve_device
+    from mtpquant.validate.prompts import plan_sequences, tokenize_prompts
+
+    options = plan.options
+    torch.set_flush_denormal(True)  # denormals in tiny AdamW updates make CPU kernels crawl
+    device = resolve_device(plan.device)
+    dtype = compute_dtype(device, plan.dtype)
+    od = target.od
+    scratch = od.path / DATA_DIR
+    vocab = quant.spec.dim("vocab_size")
+
+    # 1. the quantized target: the held-out sequences, then the training data
+    with timer("target"):
+        model = load_target(weights, device=device, dtype=dtype, activations=options.activations,
+                            max_memory=plan.memory.caps.for_accelerate() if plan.memory.caps else None)
+    with timer("check_target"):
+        ids = tokenize_prompts(quant.source, check_prompts(options.check_prompts), vocab)
+        held_out = capture(model, plan_sequences(ids, options.check_len), label="held-out", progress=options.progress,
+                           batch_size=options.batch_prompts)
+    with timer("data"):
+        tokenizer = load_tokenizer(quant.source.local_dir(["*.safetensors", "*.bin", "*.pt", "*.pth"]))
+        prompts, source = training_prompts(tokenizer, options.data, options.samples, options.prompt_len, vocab)
+        data = collect(
+            model, prompts, new_tokens=options.new_tokens, temperature=options.temperature, sampled=options.sampled,
+            seed=options.seed, batch_size=options.batch_prompts, directory=scratch, source=source,
+            progress=options.progress,
+        )
+        result.data_bytes = data.nbytes
+    model.model = None
+    del model
+    gc.collect()
+
+    # 2. training
+    with timer("train"):
+        healed, result.training = _train(plan, quant, src, weights, data, device)
+    shutil.rmtree(scratch, ignore_errors=True)
+
+    # 3. the healed MTP written the graft way and verified; measured; then committed, or dropped
+    with timer("write"):
+        json_files = write_healed(plan, quant, src, healed, target, result)
+    with timer("check"):
+        embed = weights.tensor(weights.embed_name(), dtype).to(device)
+        tied = weights.lm_head_name() == weights.embed_name()
+        head = embed if tied else weights.tensor(weights.lm_head_name(), dtype).to(device)
+        after_weights = CheckpointWeights(Checkpoint.open(od.path, strict=True))
+        before, err = load_mtp(weights, dtype=dtype, device=device, activations=options.activations,
+                               shared=(embed, head))
+        after, err_after = load_mtp(after_weights, dtype=dtype, device=device, activations=options.activations,
+                                    shared=(embed, head))
+        if before is None or after is None:
+            raise OutputVerificationError(f"the healed MTP does not load for evaluation: {err or err_after}")
+        check = compare(unit_counts(before, held_out, options.k), unit_counts(after, held_out, options.k), held_out)
+    result.check = check
+    if not check.better and not options.force:
+        raise HealNotBetterError(
+            f"{plan.quant}: the healed MTP is not better beyond noise on {check.sequences} held-out prompts "
+            f"(AL {_changes(check)}); nothing written"
+        )
+    result.action = "healed" if check.better else "forced"
+    result.record = _record(plan, data, check, forced=not check.better)
+    record_step(plan, quant, src, result.record, target)
+    with timer("commit"):
+        commit(target, result, json_files, what="healing")
+
+
+def _train(plan: HealPlan, quant: Checkpoint, src: Checkpoint, weights: Any, data: Any,
+           device: Any) -> tuple[dict[str, Any], TrainLog]:
+    """The healed MTP weights (float32, on the CPU) by checkpoint name, and how training went."""
+    import torch
+
+    from mtpquant.heal.precision import master_weights
+    from mtpquant.heal.qat import quantize_for_training
+    from mtpquant.heal.train import Schedule, distill
+    from mtpquant.mtp.module import MTP_PREFIX, MtpConfig, MtpLayer
+
+    options = plan.options
+    torch.manual_seed(options.seed)
+    master, _ = master_weights(quant, src, plan.storage)
+    layer = MtpLayer.from_state_dict(MtpConfig.from_text_config(quant.config), master, dtype=torch.float32,
+                                     device=device)
+    head_dtype = getattr(torch, plan.head_dtype)
+    embed = weights.tensor(weights.embed_name(), head_dtype).to(device)
+    tied = weights.lm_head_name() == weights.embed_name()
+    head = embed if tied else weights.tensor(weights.lm_head_name(), head_dtype).to(device)
+
+    def calibrate(module: Any) -> None:
+        tokens, hidden = data.batch(range(min(options.batch_size, data.sequences)), device)
+        module(hidden[:, :-1].float(), torch.nn.functional.embedding(tokens[:, 1:], embed).float())
+
+    quantize_for_training(layer, plan.storage, calibrate)
+    schedule = Schedule(steps=options.steps, lr=options.lr, batch_size=options.batch_size, chain=options.chain,
+                        seed=options.seed)
+    trained = distill(layer, data, embed, head, schedule, device=device, progress=options.progress)
+    return {MTP_PREFIX + n: p.detach().float().cpu() for n, p in layer.named_parameters()}, trained

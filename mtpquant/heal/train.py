@@ -1,0 +1,196 @@
+"""Self-distillation of the MTP layer to the quantized target: only ``mtp.*`` weights train.
+
+For row t of a sequence the layer sees what the engines feed it, ``(h_t, embed(x_{t+1}))`` with ``h_t`` the quantized
+target's post-final-norm hidden state, and is trained so that its distribution for ``x_{t+2}``,
+``softmax(lm_head(MTP(...)))``, matches the target's own, ``softmax(lm_head(h_{t+1}))``: the loss is
+KL(target || MTP), summed over the vocabulary and averaged over rows. Trunk, embeddings and LM head are frozen (the
+shared embedding and head are plain tensors here, never parameters).
+
+``chain`` > 1 also trains the drafts after the first as the engines make them (``mtp.drafting.draft_rows``): step j
+feeds the layer its own post-norm output of step j - 1 and the token ``x_{t+j}`` (the draft itself wherever the
+chain can still be accepted), at position t + j - 1, attending to the teacher-forced rows up to t and to its own
+chain; its target is the target's distribution for ``x_{t+j+1}``. Gradients flow through the chain.
+
+The KL over a large vocabulary is computed a chunk of rows at a time (the logits of a 248k vocabulary are ~1 MB a
+row), with the layer's outputs detached in between, so memory holds one chunk of logits. Seeded: the order of the
+sequences comes from a generator seeded by ``seed``; on the CPU the same inputs give the same weights.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+
+from mtpquant.heal.data import HealData
+from mtpquant.mtp.module import KVCache
+
+__all__ = ["Schedule", "TrainLog", "chain_mask", "distill", "distill_loss"]
+
+log = logging.getLogger(__name__)
+
+# Rows of [rows, vocab] logits computed at once (bounded memory for 248k-token vocabularies).
+_KL_CHUNK_ROWS = 256
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """How the layer trains: AdamW, linear warm-up then cosine decay to ``min_lr_ratio`` x lr, clipped gradients."""
+
+    steps: int = 100
+    lr: float = 1e-3
+    batch_size: int = 8
+    chain: int = 2
+    seed: int = 0
+    warmup_share: float = 0.1
+    min_lr_ratio: float = 0.1
+    grad_clip: float = 1.0
+    weight_decay: float = 0.0
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of step ``step`` (0-based)."""
+        warmup = max(1, round(self.steps * self.warmup_share))
+        if step < warmup:
+            return self.lr * (step + 1) / warmup
+        progress = (step - warmup) / max(1, self.steps - warmup)
+        return self.lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+@dataclass(frozen=True)
+class TrainLog:
+    """What training did: the loss at its start and end (means over the first and last tenth), time, rows seen."""
+
+    steps: int
+    first_loss: float
+    last_loss: float
+    seconds: float
+    rows: int  # MTP rows (positions x chain steps) the loss covered, over all steps
+
+
+def chain_mask(rows: int, step: int, device: torch.device | str = "cpu") -> Tensor:
+    """Attention mask ``[1, 1, rows, step * rows]`` of chain step ``step`` (2..k) over the keys of steps 1..step:
+    row t sees the teacher-forced keys of rows <= t and its own keys of steps 2..step."""
+    ar = torch.arange(rows, device=device)
+    causal = ar[None, :] <= ar[:, None]
+    diag = torch.eye(rows, dtype=torch.bool, device=device)
+    return torch.cat([causal] + [diag] * (step - 1), dim=1)[None, None]
+
+
+def _head_logits(x: Tensor, head: Tensor) -> Tensor:
+    return F.linear(x.to(head.dtype), head).float()
+
+
+def distill_loss(outputs: Tensor, teacher_hidden: Tensor, head: Tensor, *, chunk_rows: int = _KL_CHUNK_ROWS) -> Tensor:
+    """Mean KL(target || MTP) over the rows of ``outputs`` ``[R, H]`` (the layer's, with their graph) against the
+    target's hidden states ``[R, H]`` one position later; backpropagates into ``outputs``' graph and returns the loss
+    value (detached). The logits exist one chunk of rows at a time."""
+    rows = int(outputs.shape[0])
+    detached = outputs.detach().requires_grad_(True)
+    total = torch.zeros((), dtype=torch.float64)
+    for start in range(0, rows, chunk_rows):
+        stop = min(start + chunk_rows, rows)
+        with torch.no_grad():
+            logp = torch.log_softmax(_head_logits(teacher_hidden[start:stop], head), dim=-1)
+        logq = torch.log_softmax(_head_logits(detached[start:stop], head), dim=-1)
+        kl = (logp.exp() * (logp - logq)).sum() / rows
+        kl.backward()
+        total += float(kl.detach())
+    assert detached.grad is not None
+    outputs.backward(detached.grad)
+    return total
+
+
+def _chain_outputs(
+    layer: nn.Module, tokens: Tensor, hidden: Tensor, embed: Callable[[Tensor], Tensor], chain: int
+) -> tuple[Tensor, Tensor]:
+    """The layer's outputs for every trained (row, chain step) ``[R, H]`` and the target's hidden states one
+    position after each (the teacher) ``[R, H]``."""
+    B, T, H = hidden.shape
+    L = T - 1  # rows 0..T-2 draft (row T-1 has no next token)
+    out, cache = layer(hidden[:, :-1], embed(tokens[:, 1:]))
+    outputs = [out.reshape(-1, H)]
+    teachers = [hidden[:, 1:].reshape(-1, H)]
+    keys, values = [cache.key], [cache.value]
+    positions = torch.arange(L, device=hidden.device)
+    prev = out
+    for j in range(2, chain + 1):
+        valid = L - (j - 1)  # rows t <= T-1-j have a token x_{t+j} and a teacher h_{t+j}
+        step_tokens = torch.zeros(B, L, dtype=tokens.dtype, device=tokens.device)
+        step_tokens[:, :valid] = tokens[:, j : j + valid]
+        past = KVCache(torch.cat(keys, dim=2), torch.cat(values, dim=2))
+        mask = chain_mask(L, j, hidden.device).expand(B, 1, L, j * L)
+        out, cache = layer(prev, embed(step_tokens), positions + (j - 1), past, attn_mask=mask)
+        keys.append(cache.key[:, :, -L:])
+        values.append(cache.value[:, :, -L:])
+        outputs.append(out[:, :valid].reshape(-1, H))
+        teachers.append(hidden[:, j : j + valid].reshape(-1, H))
+        prev = out
+    return torch.cat(outputs), torch.cat(teachers)
+
+
+def distill(
+    layer: nn.Module,
+    data: HealData,
+    embed_weight: Tensor,
+    head: Tensor,
+    schedule: Schedule,
+    *,
+    device: torch.device,
+    progress: bool = True,
+) -> TrainLog:
+    """Train ``layer``'s parameters (float32, on ``device``) to the target's distributions in ``data``."""
+    params = [p for p in layer.parameters() if p.is_floating_point()]
+    for p in params:
+        p.requires_grad_(True)
+    opt = torch.optim.AdamW(
+        params, lr=schedule.lr, betas=(0.9, 0.95), weight_decay=schedule.weight_decay, foreach=False
+    )
+    dtype = next(iter(params)).dtype
+
+    def embed(tokens: Tensor) -> Tensor:
+        return F.embedding(tokens, embed_weight).to(dtype)
+
+    generator = torch.Generator().manual_seed(schedule.seed)
+    order: list[int] = []
+    losses: list[float] = []
+    rows = 0
+    t0 = time.perf_counter()
+    layer.train()
+    bar = tqdm(range(schedule.steps), desc="heal train", unit="step", disable=not progress)
+    for step in bar:
+        if len(order) < schedule.batch_size:
+            order += torch.randperm(data.sequences, generator=generator).tolist()
+        batch, order = order[: schedule.batch_size], order[schedule.batch_size :]
+        tokens, hidden = data.batch(batch, device)
+        hidden = hidden.to(dtype)
+        for group in opt.param_groups:
+            group["lr"] = schedule.lr_at(step)
+        opt.zero_grad(set_to_none=True)
+        outputs, teachers = _chain_outputs(layer, tokens, hidden, embed, schedule.chain)
+        loss = float(distill_loss(outputs, teachers, head))
+        torch.nn.utils.clip_grad_norm_(params, schedule.grad_clip, foreach=False)
+        opt.step()
+        losses.append(loss)
+        rows += int(outputs.shape[0])
+        bar.set_postfix(kl=f"{loss:.4f}")
+    layer.eval()
+    for p in params:
+        p.requires_grad_(False)
+    tenth = max(1, len(losses) // 10)
+    result = TrainLog(
+        schedule.steps,
+        sum(losses[:tenth]) / tenth,
+        sum(losses[-tenth:]) / tenth,
+        time.perf_counter() - t0,
+        rows,
+    )
+    log.info("heal training: KL %.4f -> %.4f over %d steps (%.1f s)", result.first_loss, result.last_loss,
+             result.steps, result.seconds)
+    return result

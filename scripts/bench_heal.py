@@ -1,0 +1,190 @@
+#!/usr/bin/env python3
+"""heal: (a) the default heal of the trained tiny model, CPU time and what it recovers; (b) the peak RSS of a heal of
+the full-size random Qwen3.5-4B under ``--max-memory cpu=3GiB``.
+
+    python scripts/bench_heal.py --work /root/bench-heal              # both; the 4B source is built if missing
+    python scripts/bench_heal.py --work /root/bench-heal --skip-4b    # (a) only
+
+(a) converts the trained tiny model (``--keep-mtp``: BF16 MTP; ``--mtp quantize``: NVFP4 MTP; 16 x 128 calibration
+tokens) and heals each with the default schedule in a fresh process: its CPU time (goal: about 2 CPU-minutes on
+this 2-core machine), wall time, peak RSS, and the held-out AL per k before and after with the paired 95 %
+interval; beside them the BF16 source model's AL on the same held-out prompts (its own target and MTP), so the
+table shows how much of the quantization loss heal recovers. (b) converts the full-size Qwen3.5-4B skeleton with
+random-normal weights (``scripts/make_skeleton_checkpoint.py --mtp-data normal``) with ``--keep-mtp`` under the cap,
+then heals it under the same cap with a small schedule (the point is memory: the quantized target partly on disk,
+dequantized when each layer runs) and ``--force`` (random weights cannot improve); goal: peak RSS <= cap + 2 GB.
+Children run with ``OMP_WAIT_POLICY=PASSIVE`` (torch's OpenMP threads otherwise spin on a shared machine). The
+sections of docs/BENCHMARKS.md are rewritten with ``--write``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
+
+from _benchlib import command_line, machine, machine_line, run_python, today, write_section  # noqa: E402
+
+from mtpquant.units import format_bytes, parse_bytes  # noqa: E402
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("TQDM_DISABLE", "1")
+
+_HEAL = """
+import json, sys, time
+from pathlib import Path
+from mtpquant.heal.options import HealOptions
+from mtpquant.heal.run import heal
+options = json.loads(sys.argv[1])
+r = heal(HealOptions(**options))
+print(json.dumps({
+    "cpu_s": r.cpu_seconds, "timings": r.timings, "peak_rss": r.peak_rss_bytes, "action": r.action,
+    "data_bytes": r.data_bytes, "bytes_written": r.bytes_written,
+    "check": [[c.k, c.before, c.after, c.low, c.high, c.better] for c in r.check.by_k],
+    "kl": [r.training.first_loss, r.training.last_loss],
+    "placement": r.plan.memory.to_json(),
+}))
+"""
+
+_SOURCE_AL = """
+import json, sys, torch
+from mtpquant.heal.check import check_prompts, unit_counts
+from mtpquant.validate.builtin import capture
+from mtpquant.validate.load import CheckpointWeights, load_mtp, load_target
+src, n, max_len, k = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+w = CheckpointWeights.open(src)
+from mtpquant.validate.prompts import tokenize_prompts
+ids = tokenize_prompts(w.ckpt.source, check_prompts(n), int(w.shape(w.embed_name())[0]))
+target = load_target(w, device=torch.device("cpu"), dtype=torch.float32)
+run = capture(target, ids, max_len, label="source", progress=False, batch_size=32)
+bundle, _ = load_mtp(w)
+print(json.dumps([u.mean_acceptance_length for u in unit_counts(bundle, run, k)]))
+"""
+
+
+def _convert(src: Path, out: Path, args: list[str]) -> None:
+    if out.exists():
+        return
+    cmd = [sys.executable, "-m", "mtpquant", "-q", "convert", str(src), str(out), "--device", "cpu", *args]
+    subprocess.run(cmd, check=True, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.DEVNULL)
+
+
+def _heal(options: dict[str, Any]) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    run = run_python(["-c", _HEAL, json.dumps(options)])
+    if run.returncode != 0 or not run.output:
+        raise SystemExit(f"heal failed ({run.returncode}): {run.stderr.strip()[-2000:]}")
+    return {**run.output, "wall_s": time.perf_counter() - t0, "max_rss": run.max_rss}
+
+
+def tiny(work: Path) -> str:
+    """(a): the default heal of the trained tiny model (keep and quantize), with the source's AL beside it."""
+    from mtpquant.synth.train import TINY_MTP_ASSET
+
+    calib = ["--calib-samples", "16", "--calib-seq-len", "128"]
+    rows = []
+    src_al = _last_json(run_python(["-c", _SOURCE_AL, str(TINY_MTP_ASSET), "64", "128", "3"]))
+    for mode, flag in (("keep", ["--keep-mtp"]), ("quantize", ["--mtp", "quantize"])):
+        quant = work / f"tiny-{mode}"
+        _convert(TINY_MTP_ASSET, quant, [*flag, *calib])
+        out = work / f"tiny-{mode}-healed"
+        if out.exists():
+            subprocess.run(["rm", "-rf", str(out)], check=True)
+        r = _heal({"quant": str(quant), "source": str(TINY_MTP_ASSET), "out": str(out), "device": "cpu",
+                   "progress": False})
+        rows.append((mode, r))
+    lines = [
+        "| MTP | k | BF16 source AL | quant AL (before) | healed AL | change [95 % interval] | recovered |",
+        "|---|---:|---:|---:|---:|---|---:|",
+    ]
+    for mode, r in rows:
+        for k, before, after, low, high, _better in r["check"]:
+            src = src_al[k - 1]
+            loss = src - before
+            recovered = f"{(after - before) / loss:.0%}" if loss > 0 else "n/a (no loss)"
+            label = "BF16 (`--keep-mtp`)" if mode == "keep" else "NVFP4 (`--mtp quantize`)"
+            lines.append(f"| {label} | {k} | {src:.3f} | {before:.3f} | {after:.3f} | {after - before:+.3f} "
+                         f"[{low:+.3f}, {high:+.3f}] | {recovered} |")
+    lines += [
+        "",
+        "| MTP | CPU time | ratio to the 120 CPU-s goal | wall | peak RSS | KL start -> end | phases (wall s) |",
+        "|---|---:|---:|---:|---:|---|---|",
+    ]
+    for mode, r in rows:
+        phases = ", ".join(f"{k} {v:.0f}" for k, v in r["timings"].items() if k not in ("total", "plan"))
+        lines.append(f"| {mode} | {r['cpu_s']:.0f} s | {r['cpu_s'] / 120:.2f}x | {r['wall_s']:.0f} s | "
+                     f"{format_bytes(r['max_rss'])} | {r['kl'][0]:.3f} -> {r['kl'][1]:.3f} | {phases} |")
+    return "\n".join(lines)
+
+
+def _last_json(run: Any) -> Any:
+    if run.returncode != 0:
+        raise SystemExit(f"failed: {run.stderr.strip()[-2000:]}")
+    return run.output
+
+
+def big(work: Path, cap: str) -> str:
+    """(b): the full-size random Qwen3.5-4B, converted and healed under the cap."""
+    src = work / "qwen35-4b-normal"
+    if not src.exists():
+        subprocess.run([sys.executable, str(REPO / "scripts" / "make_skeleton_checkpoint.py"), "--layout",
+                        "Qwen3.5-4B", "--out", str(src), "--mtp-data", "normal"], check=True)
+    quant = work / "qwen35-4b-keep"
+    _convert(src, quant, ["--keep-mtp", "--max-memory", f"cpu={cap}", "--calib-samples", "4", "--calib-seq-len", "64"])
+    out = work / "qwen35-4b-healed"
+    if out.exists():
+        subprocess.run(["rm", "-rf", str(out)], check=True)
+    options = {"quant": str(quant), "source": str(src), "out": str(out), "device": "cpu", "max_memory": f"cpu={cap}",
+               "samples": 2, "prompt_len": 16, "new_tokens": 8, "steps": 2, "batch_size": 2, "check_prompts": 5,
+               "check_len": 16, "batch_prompts": 8, "force": True, "progress": False}
+    r = _heal(options)
+    limit = (parse_bytes(cap) or 0) + 2_000_000_000
+    placement = r["placement"]
+    resident = ", ".join(f"{d} {format_bytes(n)}" for d, n in placement["resident"].items())
+    return "\n".join([
+        "| peak RSS | limit (cap + 2 GB) | ratio | wall | placement (plan) | hidden states | written |",
+        "|---:|---:|---:|---:|---|---:|---:|",
+        f"| {format_bytes(r['max_rss'])} | {format_bytes(limit)} | {r['max_rss'] / limit:.2f}x | {r['wall_s']:.0f} s | "
+        f"{resident}, disk {format_bytes(placement['disk_bytes'])} | {format_bytes(r['data_bytes'])} | "
+        f"{format_bytes(r['bytes_written'])} |",
+        "",
+        "heal options: " + json.dumps({k: v for k, v in options.items() if k not in ("quant", "source", "out")}),
+    ])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--work", type=Path, required=True, help="directory for the sources and outputs")
+    parser.add_argument("--cap", default="3GiB", help="(b)'s --max-memory cpu= cap (default 3GiB)")
+    parser.add_argument("--skip-tiny", action="store_true")
+    parser.add_argument("--skip-4b", action="store_true")
+    parser.add_argument("--write", action="store_true", help="rewrite the sections of docs/BENCHMARKS.md")
+    args = parser.parse_args()
+    args.work.mkdir(parents=True, exist_ok=True)
+    parts = []
+    if not args.skip_tiny:
+        parts.append(("(a) the default heal of the trained tiny model", tiny(args.work)))
+    if not args.skip_4b:
+        parts.append((f"(b) full-size random Qwen3.5-4B under --max-memory cpu={args.cap}", big(args.work, args.cap)))
+    text = [f"## heal\n\n`{command_line('bench_heal.py')}` on {today()}. {__doc__.split(chr(10) + chr(10))[1]}",
+            "", machine_line(machine(args.work)), ""]
+    for title, body in parts:
+        text += [f"### {title}", "", body, ""]
+    section = "\n".join(text)
+    print(section)
+    if args.write:
+        write_section("## heal", section)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

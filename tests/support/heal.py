@@ -1,0 +1,77 @@
+"""The trained tiny model converted (keep: BF16 MTP; quantize: NVFP4 MTP) and healed, once per session: the heal
+tests, the publish test and the engine test share them.
+
+``small(mode)`` is a heal with a schedule that runs in seconds, written with ``force`` (the mechanics: what is
+written, how, and the record); ``healed(mode)`` is the default heal (the proof that heal improves acceptance: a
+couple of CPU-minutes each, so its tests run only with ``MTPQUANT_HEAL_PROOF=1``; ``scripts/bench_heal.py`` runs
+the same heal and records its numbers in docs/BENCHMARKS.md).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mtpquant.convert.run import ConvertOptions, convert
+from mtpquant.heal.options import HealOptions
+from mtpquant.heal.run import HealResult, heal
+from mtpquant.synth.train import TINY_MTP_ASSET
+
+__all__ = ["CALIB", "PROOF", "SMALL", "HealedTiny", "proof"]
+
+CALIB = {"calib_samples": 16, "calib_seq_len": 128}
+
+# A schedule that runs in seconds: for the mechanics, not for gains.
+SMALL: dict[str, Any] = {
+    "samples": 8,
+    "prompt_len": 16,
+    "new_tokens": 16,
+    "steps": 3,
+    "batch_size": 4,
+    "check_prompts": 6,
+    "check_len": 32,
+    "device": "cpu",
+    "progress": False,
+}
+
+PROOF = os.environ.get("MTPQUANT_HEAL_PROOF", "") not in ("", "0")
+# The default heal's tests: minutes of CPU per mode, beyond the CI suite's budget; run them with MTPQUANT_HEAL_PROOF=1.
+proof = pytest.mark.skipif(not PROOF, reason="the default heal takes CPU-minutes: set MTPQUANT_HEAL_PROOF=1")
+
+
+@dataclass
+class HealedTiny:
+    """Lazily built: ``quant(mode)`` (convert of the trained tiny model), ``small(mode)`` (a seconds-long forced
+    heal of it), ``healed(mode)`` (its default heal)."""
+
+    root: Path
+    _quants: dict[str, Path] = field(default_factory=dict)
+    _healed: dict[tuple[str, str], tuple[Path, HealResult]] = field(default_factory=dict)
+
+    def quant(self, mode: str) -> Path:
+        """``convert --mtp MODE`` of the trained tiny model (NVFP4 main model)."""
+        if mode not in self._quants:
+            out = self.root / f"quant-{mode}"
+            convert(ConvertOptions(src=str(TINY_MTP_ASSET), out=out, mtp=mode, device="cpu", progress=False,
+                                   calib_samples=CALIB["calib_samples"], calib_seq_len=CALIB["calib_seq_len"]))
+            self._quants[mode] = out
+        return self._quants[mode]
+
+    def _heal(self, mode: str, kind: str, **options: Any) -> tuple[Path, HealResult]:
+        if (mode, kind) not in self._healed:
+            out = self.root / f"{kind}-{mode}"
+            result = heal(HealOptions(quant=self.quant(mode), source=TINY_MTP_ASSET, out=out, **options))
+            self._healed[mode, kind] = (out, result)
+        return self._healed[mode, kind]
+
+    def small(self, mode: str) -> tuple[Path, HealResult]:
+        """A heal of ``quant(mode)`` with the ``SMALL`` schedule, written with ``force``, and its result."""
+        return self._heal(mode, "small", force=True, **SMALL)
+
+    def healed(self, mode: str) -> tuple[Path, HealResult]:
+        """The default heal of ``quant(mode)`` into a new directory, and its result."""
+        return self._heal(mode, "healed", device="cpu", progress=False)
