@@ -79,10 +79,11 @@ def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
 
 # Sampled and greedy, on both outputs: the quantize output at T = 0 and 0.8 through a server mtpquant starts (k = 3),
 # the keep output at T = 0 and T = 0.8 with top-p 0.9 through a running one (k = 2: the pool's, shared with the pair
-# tests below). One server per output, every setting on it. The acceptance at draft position i is the same whatever
-# k >= i (vLLM verifies position i the same way: the argmax draft accepted with the target's probability of it, given
-# drafts 1..i-1 were), so a k-server's first j positions are what a j-server accepts, and its AL for k = j is 1 + their
-# sum: k = 1 and 2 are checked per position, on both outputs.
+# tests below). One server per output, every setting on it. vLLM accepts draft i with the same probability, given the
+# context, whatever k >= i (the argmax draft accepted with the target's probability of it, given drafts 1..i-1 were),
+# so a k-server's first j positions measure what a j-server accepts (AL for k = j: 1 + their sum), up to where the
+# steps start (measured on the keep output: position 1 at k = 2 within 0.02 of a k = 1 server's): k = 1 and 2 are
+# checked per position, on both outputs.
 SAMPLING: dict[str, dict[str, Any]] = {
     "keep": {"temperatures": (0.0, 0.8), "top_p": (1.0, 0.9)},
     "quantize": {"temperatures": (0.0, 0.8)},
