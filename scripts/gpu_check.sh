@@ -16,7 +16,8 @@
 #   4. validates the tiny model's quant against its source with --device cuda
 #   5. converts the trained tiny Qwen3.8-Flash-Next (mtpquant/assets/tiny-qwen4_exp-mtp) with --device cuda, MTP
 #      kept and quantized, and validates the quantized MTP's drafts; with GPU_CHECK_VLLM_PYTHON, serves both with
-#      MTP and prints vLLM's acceptance (/metrics) beside validate's prediction
+#      MTP (k = 1 and 3) and prints vLLM's acceptance (/metrics) beside validate's prediction, failing where they
+#      differ by more than the engine test's tolerance (AL within max(0.1, 0.05 k))
 #   5b. heals the tiny model's quant (its BF16 MTP) with --device cuda, the default schedule (--force: written even if
 #      the check finds no gain, so the step times the whole path) and prints the held-out AL before and after
 #   6. with GPU_CHECK_VLLM_PYTHON set (a python with vLLM >= 0.32, CUDA build): the Qwen3.8-Flash-Next
@@ -122,7 +123,7 @@ print(f"4B in memory vs --max-memory {sys.argv[2]}: {'bit-identical' if same els
 sys.exit(0 if same else 1)
 EOF
 # Qwen3.8-Flash-Next (qwen4_exp): the trained tiny model converted on the GPU (MTP kept, and quantized through its
-# MTP forward); with vLLM, both served with MTP (k = 3) and the engine's acceptance from /metrics put beside
+# MTP forward); with vLLM, both served with MTP (k = 1 and 3) and the engine's acceptance from /metrics put beside
 # validate's built-in prediction (--compare-reference): the family's only engine measurement of acceptance.
 TINY4=mtpquant/assets/tiny-qwen4_exp-mtp
 step q4-keep 120 "${C[@]}" "$TINY4" "$WORK/q4-keep" "${CAL[@]}"
@@ -141,10 +142,38 @@ print(f"q4-validate  verdict {v['verdict']['status']}: {v['verdict']['reasons'][
 EOF
 if [[ -n "${GPU_CHECK_VLLM_PYTHON:-}" ]]; then
   for q in q4-keep q4-quantize; do
+    # a verdict (0 pass, 17 warn, 18 fail) is a measurement to read below; any other exit is a broken check
+    set +e
     timeout $(( 1200 * SCALE )) "$PY" -m mtpquant validate "$TINY4" "$WORK/$q" --engine vllm \
-      --vllm-python "$GPU_CHECK_VLLM_PYTHON" --compare-reference --k 3 --num-prompts 16 --report-dir "$WORK/$q-served" \
-      | tee "$WORK/$q-served.txt"
+      --vllm-python "$GPU_CHECK_VLLM_PYTHON" --compare-reference --k 1,3 --num-prompts 16 --report-dir "$WORK/$q-served" \
+      --json >"$WORK/$q-served.json" 2>"$WORK/$q-served.log"
+    echo $? >"$WORK/$q-served.exit"
+    set -e
   done
+  "$PY" - "$WORK" <<'EOF3'
+import json, sys
+from pathlib import Path
+work = Path(sys.argv[1])
+bad = 0
+print(f"{'qwen4_exp on vLLM':<18} {'side':<10} {'k':>2} {'engine AL':>9} {'predicted':>9}  agrees")
+for name in ("q4-keep", "q4-quantize"):
+    code = int((work / f"{name}-served.exit").read_text())
+    if code not in (0, 17, 18):
+        print(f"{name:<18} validate --engine vllm exited {code} (see {work / (name + '-served.log')})")
+        bad += 1
+        continue
+    report = json.loads((work / f"{name}-served.json").read_text())
+    for side, rows in (report.get("predicted_vs_engine") or {}).items():
+        if not isinstance(rows, list):
+            continue
+        for r in rows:
+            # the engine-test tolerance (tests/test_engine_validate.py): AL sums k per-position rates, each ~0.05
+            ok = abs(r["difference"]) <= max(0.1, 0.05 * r["k"])
+            bad += not ok
+            print(f"{name:<18} {side:<10} {r['k']:>2} {r['engine_al']:>9.3f} {r['predicted_al']:>9.3f}  "
+                  f"{'yes' if ok else 'NO'}")
+sys.exit(1 if bad else 0)
+EOF3
   Q4=()
   [[ -n "${GPU_CHECK_QWEN4_EXP:-}" ]] && Q4=(--checkpoint "$GPU_CHECK_QWEN4_EXP")
   timeout $(( 1800 * SCALE )) "$PY" scripts/qwen4_exp_serve_check.py --vllm-python "$GPU_CHECK_VLLM_PYTHON" \

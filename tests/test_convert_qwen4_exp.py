@@ -390,3 +390,24 @@ def test_quantized_mtp_of_the_trained_tiny_still_drafts(
     ref, cand = report.reference.acceptance.by_k[0], report.candidate.acceptance.by_k[0]
     assert ref.acceptance_rate >= 0.4 and abs(cand.acceptance_rate - ref.acceptance_rate) <= 0.15
     assert report.verdict.status != "fail"
+
+
+def test_a_killed_layerwise_run_resumes_to_the_in_memory_output(
+    src: Path, outputs: Callable[..., tuple[Path, ConvertResult]], tmp_path: Path
+) -> None:
+    """Layer-wise calibration SIGKILLed after layer 2 of 4 (a real process) resumes from layer 3 and writes what the
+    one-pass in-memory convert writes, byte for byte (the kill helper is tests/test_convert_scale.py's)."""
+    from tests.test_convert_scale import _killed_run, leftovers
+
+    reference, _ = outputs("keep")
+    out = tmp_path / "out"
+    _killed_run(src, out, 1, "--resume-every", "1")
+    result = convert(ConvertOptions(src=str(src), out=out, mtp="keep", layerwise=True, resume_every=1, **CALIB))
+    assert result.resumed_from_layer == 2
+    a, b = Checkpoint.open(reference, strict=True), Checkpoint.open(out, strict=True)
+    assert sorted(a.tensors) == sorted(b.tensors)
+    assert [n for n in a.tensors if raw(a, n) != raw(b, n)] == []
+    assert json.loads((reference / "hf_quant_config.json").read_text()) == json.loads(
+        (out / "hf_quant_config.json").read_text()
+    )
+    assert leftovers(out) == []

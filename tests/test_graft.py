@@ -408,6 +408,23 @@ def test_fix_metadata_repairs_layers0_only_exclusions(
     assert leftovers(tmp_path) == []
 
 
+def test_fix_metadata_finds_a_quantization_config_under_text_config(peer_quant: Factory, tmp_path: Path) -> None:
+    """config.json's quantization_config is read, listed and edited where vLLM reads it: in text_config when the top
+    level has none (the exclusion walker and the editor used to look at the top level only: nothing to do)."""
+    quant = private_copy(peer_quant("autoround-nvfp4-llmc-dense"), tmp_path / "q")
+    config = load_json(quant / "config.json")
+    config["text_config"]["quantization_config"] = config.pop("quantization_config")
+    (quant / "config.json").write_text(json.dumps(config))
+    assert not inspect_checkpoint(quant).healthy  # the ignore list misses the BF16 MTP, wherever it lives
+    result = fix_metadata(quant, out=tmp_path / "fixed")
+    assert result.action == "metadata" and result.metadata_changes[0] == r"config.json: ignore += re:^mtp\..*"
+    fixed = load_json(tmp_path / "fixed" / "config.json")
+    assert "quantization_config" not in fixed and fixed["text_config"]["quantization_config"]["ignore"][-1] == (
+        r"re:^mtp\..*"
+    )
+    assert inspect_checkpoint(tmp_path / "fixed").verdicts["vllm"] == "vLLM: MTP loads (BF16)"
+
+
 def test_fix_metadata_cli_out_and_json(
     tiny_factory: Factory, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

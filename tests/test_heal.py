@@ -292,6 +292,19 @@ def test_heal_is_deterministic_and_force_writes_with_the_record(healed_tiny: Hea
     assert record is not None and record.forced == (not a.check.better)  # type: ignore[union-attr]
 
 
+@pytest.mark.slow
+def test_heal_under_a_memory_cap_reads_the_rest_of_the_target_from_disk(healed_tiny: HealedTiny,
+                                                                        tmp_path: Path) -> None:
+    """--max-memory below QUANT's target: the plan leaves part of it on disk (read from QUANT's files and dequantized
+    when its layer runs), and the heal is the same, byte for byte."""
+    first, a = healed_tiny.small("keep")
+    b = heal(HealOptions(quant=healed_tiny.quant("keep"), source=TINY_MTP_ASSET, out=tmp_path / "b", force=True,
+                         max_memory="cpu=4MB", **SMALL))
+    assert b.plan.memory.disk_bytes > 0 and b.plan.memory.caps is not None
+    assert digests(tmp_path / "b", mtp=True) == digests(first, mtp=True)
+    assert b.check == a.check
+
+
 # ---------------------------------------------------------------------------------------------- other families
 
 

@@ -1,4 +1,5 @@
-"""Mapping between torch dtypes and safetensors dtype names, and raw tensor bytes."""
+"""Mapping between torch dtypes and safetensors dtype names, raw tensor bytes, and the two ways a tensor is planned
+for a written shard: from memory (``planned``) or copied byte for byte from a checkpoint (``planned_copy``)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,10 @@ from mtpquant.checkpoint.writer import PlannedTensor
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["planned", "st_dtype", "tensor_bytes", "torch_dtype"]
+    from mtpquant.checkpoint.header import TensorEntry
+    from mtpquant.checkpoint.table import Checkpoint
+
+__all__ = ["planned", "planned_copy", "st_dtype", "tensor_bytes", "torch_dtype"]
 
 
 def _table() -> dict[str, torch.dtype]:
@@ -59,3 +63,13 @@ def planned(name: str, t: torch.Tensor) -> PlannedTensor:
     """A PlannedTensor whose bytes come from an in-memory tensor (on any device; 0-d tensors keep their shape)."""
     data = t.detach().cpu().contiguous()
     return PlannedTensor(name, st_dtype(data.dtype), tuple(data.shape), lambda: tensor_bytes(data))
+
+
+def planned_copy(ckpt: Checkpoint, entry: TensorEntry) -> PlannedTensor:
+    """A PlannedTensor that copies ``entry``'s stored bytes exactly: a local source in the kernel
+    (``copy_file_range``), or through a buffer when the source watches the bytes (graft's checksums); a remote one
+    through ranged reads, front to back."""
+    local = ckpt.local_range(entry)
+    order = None if local is not None else (entry.shard, entry.start)
+    observe = ckpt.copy_observer(entry) if local is not None else None
+    return PlannedTensor(entry.name, entry.dtype, entry.shape, lambda: ckpt.read_raw(entry), local, order, observe)

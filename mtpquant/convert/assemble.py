@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mtpquant.checkpoint.dtypes import planned_copy
 from mtpquant.checkpoint.header import TensorEntry
 from mtpquant.checkpoint.sharded import sharded_tables
 from mtpquant.checkpoint.table import Checkpoint
@@ -68,10 +69,6 @@ class MainShards:
 def quantized_modules_of(names: Iterable[str]) -> list[str]:
     """Modules that have a ``weight_scale`` (quantized Linears), from tensor names."""
     return sorted(n[: -len(".weight_scale")] for n in names if n.endswith(".weight_scale"))
-
-
-def _raw(ckpt: Checkpoint, entry: TensorEntry) -> PlannedTensor:
-    return PlannedTensor(entry.name, entry.dtype, entry.shape, lambda: ckpt.read_raw(entry), ckpt.local_range(entry))
 
 
 def _module(name: str) -> str:
@@ -117,14 +114,14 @@ def place_main_shards(export: Checkpoint, src: Checkpoint, od: OutputDir, scratc
             entry = export.tensors[name]
             source = _wanted_from_source(export, src, name, quantized)
             if source is None:
-                planned.append(_raw(export, entry))
+                planned.append(planned_copy(export, entry))
                 continue
             result.from_source += 1
             if source.dtype != entry.dtype:
                 result.dtype_restored.append(name)
             if source.dtype != entry.dtype or src.read_raw(source) != export.read_raw(entry):
                 changed = True
-            planned.append(_raw(src, source))
+            planned.append(planned_copy(src, source))
         if not changed:
             od.adopt_file(scratch / shard, shard)
             result.moved.append(shard)
@@ -147,7 +144,7 @@ def place_main_shards(export: Checkpoint, src: Checkpoint, od: OutputDir, scratc
             continue
         before = od.bytes_written
         result.extra += od.write_shards(
-            [_raw(src, e) for e in sorted(entries, key=lambda e: e.name)],
+            [planned_copy(src, e) for e in sorted(entries, key=lambda e: e.name)],
             max_bytes=max_bytes,
             pattern=pattern,
             metadata={"format": "pt"},

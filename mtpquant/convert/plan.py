@@ -19,6 +19,7 @@ from typing import Any
 
 from mtpquant.checkpoint.header import FLOAT_DTYPES
 from mtpquant.checkpoint.index import INDEX_NAME
+from mtpquant.checkpoint.modules import FUSED_EXPERT_PARAMS, linear_modules
 from mtpquant.checkpoint.table import PICKLE_SUFFIXES, Checkpoint
 from mtpquant.convert.ct_format import FORMATS, check_ct_recipe
 from mtpquant.convert.memory import MemoryPlan, available_cpu_bytes, model_blocks, plan_memory
@@ -181,16 +182,13 @@ def carried_files(files: Sequence[str]) -> list[str]:
 
 
 def _linear_modules(ckpt: Checkpoint) -> dict[str, tuple[int, ...]]:
-    """Main-model Linear modules (checkpoint names) -> weight shape, from the header table."""
+    """Main-model Linear modules (checkpoint names; ``checkpoint.modules.linear_modules``) -> weight shape (fused
+    3-D experts: [E, out, in])."""
     mods: dict[str, tuple[int, ...]] = {}
-    for name, e in ckpt.tensors.items():
-        cls = ckpt.classify(name)
-        if cls in (TensorClass.MTP, TensorClass.VISION, TensorClass.EMBED):
-            continue
-        if name.endswith(".weight") and len(e.shape) == 2:
-            mods[name[: -len(".weight")]] = e.shape
-        elif name.endswith((".experts.gate_up_proj", ".experts.down_proj")) and len(e.shape) == 3:
-            mods[name] = e.shape  # fused 3-D experts (Qwen3.5-MoE): [E, out, in]
+    for module in linear_modules(ckpt.tensors):
+        name = module if module.endswith(FUSED_EXPERT_PARAMS) else module + ".weight"
+        if name in ckpt.tensors and ckpt.classify(name) not in (TensorClass.MTP, TensorClass.VISION, TensorClass.EMBED):
+            mods[module] = ckpt.tensors[name].shape
     return mods
 
 

@@ -25,10 +25,10 @@ import resource
 import shutil
 import sys
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from mtpquant import __version__
 from mtpquant.checkpoint.lock import OutputLock
@@ -47,6 +47,9 @@ from mtpquant.surgery.modes import ExtractMode, MtpOutcome, WriteContext, load_m
 from mtpquant.units import format_bytes
 
 __all__ = ["ConvertOptions", "ConvertPlan", "ConvertResult", "convert", "peak_rss_bytes", "plan_convert"]
+
+if TYPE_CHECKING:
+    from mtpquant.inspect.report import InspectReport
 
 log = logging.getLogger(__name__)
 # The end-of-run summary; the CLI prints it itself and quiets this logger.
@@ -169,34 +172,31 @@ def _mode_exclusions(
     return config, hfq
 
 
-def _verifier(plan: ConvertPlan, src: Checkpoint, outcome: MtpOutcome) -> Callable[[Path], None]:
-    """The finalize check: exact MTP and vision tensor sets, the mode's own checks, a clean inspect verdict."""
+def _verify(plan: ConvertPlan, src: Checkpoint, outcome: MtpOutcome, path: Path) -> InspectReport:
+    """The finalize check of the output at ``path``: exact MTP and vision tensor sets, the mode's own checks, a clean
+    inspect verdict (the inspect that gates publish); returns that inspect report."""
+    from mtpquant.inspect.report import inspect_checkpoint
 
-    def verify(path: Path) -> None:
-        from mtpquant.inspect.report import inspect_checkpoint
-
-        mode = plan.mtp_mode
-        out = Checkpoint.open(path, strict=True)
-        where = f"{plan.out}: verification failed"
-        mtp = {n for n in out.tensors if is_mtp_name(n)}
-        expect_mtp = set(outcome.names)
-        if mtp != expect_mtp:
-            extra = sorted(mtp - expect_mtp) or sorted(expect_mtp - mtp)
-            raise OutputVerificationError(f"{where}: MTP tensor set differs from the plan (first: {extra[0]})")
-        mode.verify(out, src, outcome, where)
-        vision_src = {e.name for e in src.by_class().get(TensorClass.VISION, [])}
-        vision_out = {e.name for e in out.by_class().get(TensorClass.VISION, [])}
-        if vision_src != vision_out:
-            raise OutputVerificationError(f"{where}: vision tensors differ from the source")
-        same_bytes(out, src, sorted(vision_src), where)
-        report = inspect_checkpoint(path)  # the inspect that gates publish
-        if report.failures:
-            raise OutputVerificationError(f"{where}: {report.failures[0].message}")
-        if mode.declares and not report.mtp_declared:
-            raise OutputVerificationError(f"{where}: the output does not declare its MTP")
-        verify.report = report  # type: ignore[attr-defined]
-
-    return verify
+    mode = plan.mtp_mode
+    out = Checkpoint.open(path, strict=True)
+    where = f"{plan.out}: verification failed"
+    mtp = {n for n in out.tensors if is_mtp_name(n)}
+    expect_mtp = set(outcome.names)
+    if mtp != expect_mtp:
+        extra = sorted(mtp - expect_mtp) or sorted(expect_mtp - mtp)
+        raise OutputVerificationError(f"{where}: MTP tensor set differs from the plan (first: {extra[0]})")
+    mode.verify(out, src, outcome, where)
+    vision_src = {e.name for e in src.by_class().get(TensorClass.VISION, [])}
+    vision_out = {e.name for e in out.by_class().get(TensorClass.VISION, [])}
+    if vision_src != vision_out:
+        raise OutputVerificationError(f"{where}: vision tensors differ from the source")
+    same_bytes(out, src, sorted(vision_src), where)
+    report = inspect_checkpoint(path)  # the inspect that gates publish
+    if report.failures:
+        raise OutputVerificationError(f"{where}: {report.failures[0].message}")
+    if mode.declares and not report.mtp_declared:
+        raise OutputVerificationError(f"{where}: the output does not declare its MTP")
+    return report
 
 
 def _count(path: Path) -> tuple[dict[str, int], int, int, int]:
@@ -274,14 +274,15 @@ def convert(options: ConvertOptions) -> ConvertResult:
             if plan.mtp_out
             else None
         )
-        outcome, resume = _run(plan, ckpt, src_dir, od, mtp_od, timer, progress, result)
+        run = _run(plan, ckpt, src_dir, od, mtp_od, timer, progress)
+        outcome, resume = run.outcome, run.resume
+        result = dataclasses.replace(result, **run.facts())
         od.write_text(PROVENANCE_FILE, Provenance((step,)).to_bytes().decode("utf-8"))
         if mtp_od is not None:
             sidecar = dataclasses.replace(step, recipe_file=None)
             mtp_od.write_text(PROVENANCE_FILE, Provenance((sidecar,)).to_bytes().decode("utf-8"))
         with timer("verify"):
-            verify = _verifier(plan, ckpt, outcome)
-            verify(od.path)  # both outputs verified before either is put in place
+            report = _verify(plan, ckpt, outcome, od.path)  # both outputs verified before either is put in place
             if mtp_od is not None:
                 extract = cast(ExtractMode, plan.mtp_mode)
                 where = f"{plan.mtp_out}: verification failed"
@@ -298,10 +299,8 @@ def convert(options: ConvertOptions) -> ConvertResult:
         if resume is not None:
             result.resume_bytes = resume.bytes_written()
             resume.remove()  # the output is in place: nothing to resume
-        report = getattr(verify, "report", None)
-        if report is not None:
-            result.verdicts = dict(report.verdicts)
-            result.mtp_precision = str(report.mtp_precision)
+        result.verdicts = dict(report.verdicts)
+        result.mtp_precision = str(report.mtp_precision)
     counts, quantized, unquantized, size = _count(out_path)
     result.tensor_counts = counts
     result.quantized_linears = quantized
@@ -352,6 +351,28 @@ def _resume_inputs(plan: ConvertPlan, src_dir: Path, data: CalibrationData) -> d
     }
 
 
+@dataclass
+class _Run:
+    """What the work between planning and finalize did: what the MTP mode wrote, the resume state, and the facts
+    measured on the way (``ConvertResult`` fields of the same names)."""
+
+    outcome: MtpOutcome
+    resume: ResumeState | None
+    calibration_rows: int
+    calibration_tokens: int
+    placement: dict[str, int]
+    layerwise: bool
+    resumed_from_layer: int | None = None
+    peak_gpu_bytes: int = 0
+    shards_moved: int = 0
+    shards_rewritten: int = 0
+    offload_bytes: int = 0
+
+    def facts(self) -> dict[str, Any]:
+        """The measured facts, by their ``ConvertResult`` field names."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("outcome", "resume")}
+
+
 def _run(
     plan: ConvertPlan,
     ckpt: Checkpoint,
@@ -360,9 +381,8 @@ def _run(
     mtp_od: OutputDir | None,
     timer: _Timer,
     progress: bool,
-    result: ConvertResult,
-) -> tuple[MtpOutcome, ResumeState | None]:
-    """Everything between planning and finalize; returns what the MTP mode wrote and the resume state."""
+) -> _Run:
+    """Everything between planning and finalize."""
     import torch
 
     from mtpquant.convert.assemble import (
@@ -399,19 +419,17 @@ def _run(
             raise CalibrationDataError(
                 f"the tokenizer produced id {int(data.input_ids.max())} but the model's vocabulary has {vocab} entries"
             )
-    result.calibration_rows = data.samples
-    result.calibration_tokens = data.samples * data.seq_len
 
     with timer("load"):
         model = load_main_model(src_dir, ckpt, plan.memory, plan.device, od.path / OFFLOAD)
-    result.placement = placement(model)
+    placed = placement(model)
     device = input_device(model)
     if plan.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
 
     layerwise = plan.memory.layerwise or is_offloaded(model)
-    result.layerwise = layerwise
     resume: ResumeState | None = None
+    resumed_from: int | None = None
     if layerwise:
         log.info(
             "layer-wise calibration commits its resume state every %d of %d layers (~%s of layer inputs a commit)",
@@ -419,7 +437,7 @@ def _run(
         )
         resume = ResumeState.open(plan.out, _resume_inputs(plan, src_dir, data))
         if resume.start_layer:
-            result.resumed_from_layer = resume.start_layer
+            resumed_from = resume.start_layer
             log.info(
                 "resuming layer-wise calibration from layer %d of %d (layers 1-%d were finished by an earlier run; "
                 "state in %s)", resume.start_layer + 1, resume.num_layers, resume.start_layer, resume.path,
@@ -462,8 +480,7 @@ def _run(
         export_quantized(model, scratch, source_dtype(ckpt.spec), ckpt, plan.max_shard_bytes, bar)
         bar.close()
     od.doing = ""
-    if plan.device == "cuda":
-        result.peak_gpu_bytes = int(torch.cuda.max_memory_allocated())
+    peak_gpu = int(torch.cuda.max_memory_allocated()) if plan.device == "cuda" else 0
     del model
     gc.collect()
 
@@ -471,7 +488,7 @@ def _run(
     exported_hfq = exported.hf_quant_config
     with timer("write"):
         main = place_main_shards(exported, ckpt, od, scratch)
-        result.shards_moved, result.shards_rewritten = len(main.moved), len(main.rewritten)
+
 
     with timer("mtp"):
         ctx = WriteContext(
@@ -512,7 +529,7 @@ def _run(
         od.write_text(RECIPE_FILE, public.to_yaml(_recipe_header(plan, ckpt.source.ref())))
         shutil.rmtree(scratch, ignore_errors=True)
         offload = od.path / OFFLOAD
-        result.offload_bytes = sum(p.stat().st_size for p in offload.rglob("*") if p.is_file())
+        offload_bytes = sum(p.stat().st_size for p in offload.rglob("*") if p.is_file())
         shutil.rmtree(offload, ignore_errors=True)
         od.write_index()
     if ct_format:
@@ -524,7 +541,19 @@ def _run(
             config["quantization_config"] = to_compressed_tensors(od, exclude, plan.device)
             od.write_json("config.json", config)
         outcome.names = ct_tensor_names(outcome.names)
-    return outcome, resume
+    return _Run(
+        outcome,
+        resume,
+        calibration_rows=data.samples,
+        calibration_tokens=data.samples * data.seq_len,
+        placement=placed,
+        layerwise=layerwise,
+        resumed_from_layer=resumed_from,
+        peak_gpu_bytes=peak_gpu,
+        shards_moved=len(main.moved),
+        shards_rewritten=len(main.rewritten),
+        offload_bytes=offload_bytes,
+    )
 
 
 def _recipe_header(plan: ConvertPlan, ref: SourceRef) -> str:

@@ -2,7 +2,9 @@
 
 Reads both forms engines accept (ModelOpt's nested ``quantization`` block and the flat
 ``quantization_config``; compressed-tensors' ``ignore`` list) into one view, and edits exclusion
-lists in both files so they always agree.
+lists in both files so they always agree. ``config.json``'s ``quantization_config`` is found where vLLM finds it:
+at the top level, else in ``text_config`` (``quantization_config_of``); reading, listing the exclusion lists
+(``exclusion_lists``) and editing them all go through that one lookup.
 """
 
 from __future__ import annotations
@@ -12,11 +14,15 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from mtpquant.errors import ConfigError
+
 __all__ = [
     "HF_QUANT_CONFIG",
     "MTP_CT_PATTERNS",
     "MTP_MODELOPT_PATTERNS",
     "QuantMetadata",
+    "exclusion_lists",
+    "quantization_config_of",
     "read_quant_metadata",
     "with_exclusions",
     "without_exclusions",
@@ -92,12 +98,54 @@ def _modelopt_from_hfq(hfq: Mapping[str, Any]) -> dict[str, Any] | None:
     }
 
 
-def read_quant_metadata(config: Mapping[str, Any], hf_quant_config: Mapping[str, Any] | None) -> QuantMetadata | None:
-    """The declared quantization, preferring ``config.json`` as vLLM does; None when unquantized."""
+def quantization_config_of(config: Mapping[str, Any]) -> tuple[str, Any]:
+    """``config.json``'s quantization_config and where it is (``quantization_config`` at the top level, else
+    ``text_config.quantization_config``, as vLLM reads a multimodal config); ``(where, None)`` when there is none."""
     qc = config.get("quantization_config")
     text = config.get("text_config")
-    if qc is None and isinstance(text, Mapping):
-        qc = text.get("quantization_config")
+    if qc is None and isinstance(text, Mapping) and text.get("quantization_config") is not None:
+        return "text_config.quantization_config", text["quantization_config"]
+    return "quantization_config", qc
+
+
+def _patterns(where: str, value: Any) -> list[str]:
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(isinstance(p, str) for p in value):
+        raise ConfigError(f"{where} must be a list of strings, got {str(value)[:60]!r}")
+    return list(value)
+
+
+def exclusion_lists(config: Mapping[str, Any], hfq: Mapping[str, Any] | None) -> list[tuple[str, bool, list[str]]]:
+    """(file, is_compressed_tensors, patterns) for every exclusion list the two files declare; a list that is not a
+    list of strings is a one-line ConfigError naming where it is."""
+    out: list[tuple[str, bool, list[str]]] = []
+    if hfq is not None and isinstance(hfq.get("quantization"), Mapping):
+        q = hfq["quantization"]
+        out.append(
+            (
+                HF_QUANT_CONFIG,
+                False,
+                _patterns(f"{HF_QUANT_CONFIG}: quantization.exclude_modules", q.get("exclude_modules")),
+            )
+        )
+    key, qc = quantization_config_of(config)
+    if isinstance(qc, Mapping):
+        where = f"config.json: {key}"
+        if qc.get("quant_method") == "compressed-tensors":
+            out.append(("config.json", True, _patterns(f"{where}.ignore", qc.get("ignore"))))
+        elif isinstance(qc.get("quantization"), Mapping):
+            nested = qc["quantization"].get("exclude_modules")
+            out.append(("config.json", False, _patterns(f"{where}.quantization.exclude_modules", nested)))
+        else:
+            name = "ignore" if qc.get("ignore") is not None else "exclude_modules"
+            out.append(("config.json", False, _patterns(f"{where}.{name}", qc.get(name))))
+    return out
+
+
+def read_quant_metadata(config: Mapping[str, Any], hf_quant_config: Mapping[str, Any] | None) -> QuantMetadata | None:
+    """The declared quantization, preferring ``config.json`` as vLLM does; None when unquantized."""
+    _, qc = quantization_config_of(config)
     by_file: dict[str, tuple[str, ...]] = {}
     hfq = _modelopt_from_hfq(hf_quant_config) if hf_quant_config else None
     if hfq is not None:
@@ -219,7 +267,7 @@ def _edit(
     if hfq is not None and isinstance(hfq.get("quantization"), dict):
         q = hfq["quantization"]
         q["exclude_modules"] = apply(q.get("exclude_modules") or [], modelopt)
-    qc = cfg.get("quantization_config")
+    _, qc = quantization_config_of(cfg)  # the copy's own dict, wherever it is
     if isinstance(qc, dict):
         if qc.get("quant_method") == "compressed-tensors":
             qc["ignore"] = apply(qc.get("ignore") or [], ct)

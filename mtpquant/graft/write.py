@@ -18,11 +18,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from mtpquant.checkpoint.dtypes import planned_copy
 from mtpquant.checkpoint.header import TensorEntry
 from mtpquant.checkpoint.index import INDEX_NAME
 from mtpquant.checkpoint.lock import OutputLock
 from mtpquant.checkpoint.table import Checkpoint
-from mtpquant.checkpoint.writer import OutputDir, PlannedTensor
+from mtpquant.checkpoint.writer import OutputDir
 from mtpquant.errors import GraftError
 from mtpquant.formats.quant_config import HF_QUANT_CONFIG
 from mtpquant.graft import inplace
@@ -100,10 +101,6 @@ def open_target(quant: Checkpoint, out: Path | None, *, replaces: bool) -> Targe
     return Target(od, "in-place", root, mode, before, cleaned)
 
 
-def _copy_of(ckpt: Checkpoint, entry: TensorEntry) -> PlannedTensor:
-    return PlannedTensor(entry.name, entry.dtype, entry.shape, lambda: ckpt.read_raw(entry))
-
-
 def build(
     target: Target,
     plan: Plan,
@@ -136,7 +133,7 @@ def build(
     for shard, names in sorted(plan.rewrite.items()):
         entries = [quant.tensors[n] for n in names]
         entries.sort(key=lambda e: e.start)
-        od.write_shard(shard, [_copy_of(quant, e) for e in entries], quant.headers[shard].metadata or None)
+        od.write_shard(shard, [planned_copy(quant, e) for e in entries], quant.headers[shard].metadata or None)
         result.rewritten.append(shard)
     rewrite_index = bool(plan.add or plan.removed or plan.index_fix)
     json_files = [*plan.metadata.changed_files, INDEX_NAME] if rewrite_index else list(plan.metadata.changed_files)

@@ -5,56 +5,18 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from mtpquant.checkpoint.header import FLOAT_DTYPES, TensorEntry
+from mtpquant.checkpoint.header import FLOAT_DTYPES
+from mtpquant.checkpoint.modules import FUSED_EXPERT_PARAMS
 
 __all__ = [
-    "PRECISION_SUFFIXES",
-    "linear_modules",
-    "module_of",
     "module_precision",
     "table_precision",
 ]
 
-# Tensor name suffixes that belong to one Linear module's weight and its quantization scales.
-PRECISION_SUFFIXES = (
-    ".weight_scale_inv",
-    ".weight_global_scale",
-    ".input_global_scale",
-    ".weight_scale_2",
-    ".weight_scale",
-    ".weight_packed",
-    ".input_scale",
-    ".weight",
-)
-_FUSED_EXPERT_PARAMS = (".experts.gate_up_proj", ".experts.down_proj")
-
-
-def module_of(name: str) -> str:
-    """Module name of a tensor (``a.b.q_proj.weight_scale`` -> ``a.b.q_proj``)."""
-    for suffix in PRECISION_SUFFIXES:
-        if name.endswith(suffix):
-            return name[: -len(suffix)]
-    return name
-
-
-def linear_modules(tensors: Mapping[str, TensorEntry]) -> list[str]:
-    """Checkpoint Linear modules: 2-D weights (or packed weights), plus fused 3-D expert params."""
-    mods = set()
-    for name, e in tensors.items():
-        if name.endswith(".weight"):  # most names of a table: test this first
-            if len(e.shape) == 2:
-                mods.add(name[:-7])
-        elif name.endswith(".weight_packed"):
-            mods.add(name[:-14])
-        elif name.endswith(_FUSED_EXPERT_PARAMS) and len(e.shape) == 3:
-            mods.add(name)
-    return sorted(m for m in mods if not m.endswith(("embed_tokens", "pos_embed")))
-
-
 def module_precision(tensors: Mapping[str, Any], module: str) -> str:
     """BF16/F16/F32, NVFP4 (ModelOpt layout), NVFP4-CT (compressed-tensors), FP8 (per tensor or channel), FP8-block
     (``weight_scale_inv`` blocks), FP8-PB (ModelOpt FP8_PB_WO ``weight_scale`` blocks), missing, other."""
-    if module.endswith(_FUSED_EXPERT_PARAMS):
+    if module.endswith(FUSED_EXPERT_PARAMS):
         e = tensors.get(module)
         return "missing" if e is None else (e.dtype if e.dtype in FLOAT_DTYPES else f"other ({e.dtype})")
     if module + ".weight_packed" in tensors:

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from mtpquant.checkpoint.header import bulk_parse
+from mtpquant.checkpoint.modules import linear_modules, module_of
 from mtpquant.checkpoint.source import CheckpointSource
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.engine.server import ENGINE_NAMES
@@ -31,7 +32,7 @@ from mtpquant.inspect.engines import (
     vllm_expectation,
     vllm_format_refusal,
 )
-from mtpquant.inspect.precision import is_quantized, linear_modules, module_of, module_precision, table_precision
+from mtpquant.inspect.precision import is_quantized, module_precision, table_precision
 
 __all__ = [
     "EXIT_DECLARED_MISSING",

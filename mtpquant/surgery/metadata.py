@@ -16,13 +16,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mtpquant.checkpoint.header import FLOAT_DTYPES
-from mtpquant.errors import ConfigError
+from mtpquant.checkpoint.modules import module_stems
 from mtpquant.families import ModelSpec, family, is_mtp_name, resolve
 from mtpquant.formats.quant_config import (
     HF_QUANT_CONFIG,
     MTP_CT_PATTERNS,
     MTP_MODELOPT_PATTERNS,
     QuantMetadata,
+    exclusion_lists,
     read_quant_metadata,
     with_exclusions,
 )
@@ -172,40 +173,6 @@ def declare_mtp(spec: ModelSpec, layers: int, reference: Mapping[str, Any] | Non
     return config
 
 
-def _patterns(where: str, value: Any) -> list[str]:
-    if value is None:
-        return []
-    if not isinstance(value, list) or not all(isinstance(p, str) for p in value):
-        raise ConfigError(f"{where} must be a list of strings, got {str(value)[:60]!r}")
-    return list(value)
-
-
-def _exclusion_lists(config: Mapping[str, Any], hfq: Mapping[str, Any] | None) -> list[tuple[str, bool, list[str]]]:
-    """(file, is_compressed_tensors, patterns) for every exclusion list the files declare."""
-    out: list[tuple[str, bool, list[str]]] = []
-    if hfq is not None and isinstance(hfq.get("quantization"), Mapping):
-        q = hfq["quantization"]
-        out.append(
-            (
-                HF_QUANT_CONFIG,
-                False,
-                _patterns(f"{HF_QUANT_CONFIG}: quantization.exclude_modules", q.get("exclude_modules")),
-            )
-        )
-    qc = config.get("quantization_config")
-    if isinstance(qc, Mapping):
-        where = "config.json: quantization_config"
-        if qc.get("quant_method") == "compressed-tensors":
-            out.append(("config.json", True, _patterns(f"{where}.ignore", qc.get("ignore"))))
-        elif isinstance(qc.get("quantization"), Mapping):
-            nested = qc["quantization"].get("exclude_modules")
-            out.append(("config.json", False, _patterns(f"{where}.quantization.exclude_modules", nested)))
-        else:
-            key = "ignore" if qc.get("ignore") is not None else "exclude_modules"
-            out.append(("config.json", False, _patterns(f"{where}.{key}", qc.get(key))))
-    return out
-
-
 def plan_metadata(
     spec: ModelSpec,
     hf_quant_config: Mapping[str, Any] | None,
@@ -239,18 +206,18 @@ def plan_metadata(
         # MIXED_PRECISION builds a module unquantized unless quantized_layers lists it: only listed ones need more
         unquantized = [m for m in unquantized if _listed(m, meta, spec.family.engine.packed)]
     if meta is not None and unquantized:
-        lists = _exclusion_lists(config, hfq)
+        lists = exclusion_lists(config, hfq)
         missing = {f: uncovered_modules(unquantized, pats, ct) for f, ct, pats in lists}
         if any(missing.values()):
             if all_plain:
                 modelopt, ct = list(MTP_MODELOPT_PATTERNS), list(MTP_CT_PATTERNS)
             else:
                 # exact names of real modules; vLLM treats a fused group as excluded when all members are
-                real = _module_stems(tensors)
+                real = module_stems(tensors)
                 names = sorted({m for ms in missing.values() for m in ms if m in real})
                 modelopt, ct = names, names
             new_config, new_hfq = with_exclusions(config, hfq, modelopt, ct)
-            for f, is_ct, pats in _exclusion_lists(new_config, new_hfq):
+            for f, is_ct, pats in exclusion_lists(new_config, new_hfq):
                 old = next((p for g, _, p in lists if g == f), [])
                 added = [p for p in pats if p not in old]
                 if added:
@@ -262,7 +229,7 @@ def plan_metadata(
             config, hfq = new_config, new_hfq
     quantized_but_excluded = [
         (f, m)
-        for f, ct, pats in _exclusion_lists(config, hfq)
+        for f, ct, pats in exclusion_lists(config, hfq)
         for m, plain in modules.items()
         if not plain and not uncovered_modules([m], pats, ct)
     ]
@@ -284,13 +251,3 @@ def _listed(module: str, meta: QuantMetadata, packed: Mapping[str, tuple[str, ..
         return mixed_algo(module, meta, packed) is not None
     except FusedShardsError:
         return True
-
-
-def _module_stems(tensors: Mapping[str, Any]) -> set[str]:
-    """Module names that own a ``weight`` (or ``weight_packed``) tensor."""
-    out = set()
-    for n in tensors:
-        for suffix in (".weight", ".weight_packed"):
-            if n.endswith(suffix):
-                out.add(n[: -len(suffix)])
-    return out

@@ -19,10 +19,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from mtpquant.checkpoint.header import FLOAT_DTYPES
+from mtpquant.checkpoint.modules import linear_modules
 from mtpquant.families import ModelSpec, is_mtp_name
 from mtpquant.formats.quant_config import HF_QUANT_CONFIG, read_quant_metadata, with_exclusions
 from mtpquant.inspect.engines import FusedShardsError, engine_modules, mixed_algo, vllm_expectation
-from mtpquant.inspect.precision import linear_modules, module_precision, table_precision
+from mtpquant.inspect.precision import module_precision, table_precision
 
 __all__ = ["repair_labels"]
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from mtpquant.checkpoint.header import TensorEntry
+from mtpquant.checkpoint.dtypes import planned_copy
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.checkpoint.writer import OutputDir, PlannedTensor
 from mtpquant.families import is_mtp_name
@@ -22,20 +22,11 @@ MTP_SHARD_PATTERN = "mtp-{index:05d}-of-{count:05d}.safetensors"
 MTP_SHARD_METADATA = {"format": "pt"}
 
 
-def _raw(ckpt: Checkpoint, entry: TensorEntry) -> PlannedTensor:
-    # local sources are copied in the kernel (copy_file_range), or through a buffer when the source watches the
-    # bytes (graft's checksums); remote ones through ranged reads, front to back
-    local = ckpt.local_range(entry)
-    order = None if local is not None else (entry.shard, entry.start)
-    observe = ckpt.copy_observer(entry) if local is not None else None
-    return PlannedTensor(entry.name, entry.dtype, entry.shape, lambda: ckpt.read_raw(entry), local, order, observe)
-
-
 def mtp_planned_tensors(ckpt: Checkpoint, names: Iterable[str] | None = None) -> list[PlannedTensor]:
     """Planned copies of the MTP tensors of ``ckpt`` (all ``mtp.*`` by default), sorted by name."""
     chosen = sorted(names) if names is not None else sorted(n for n in ckpt.tensors if is_mtp_name(n))
     ckpt.prefetch(chosen)  # a remote source reads adjacent tensors in one request
-    return [_raw(ckpt, ckpt.tensors[n]) for n in chosen]
+    return [planned_copy(ckpt, ckpt.tensors[n]) for n in chosen]
 
 
 def write_planned_mtp(od: OutputDir, tensors: Sequence[PlannedTensor], max_bytes: int) -> list[str]:

@@ -1,0 +1,57 @@
+"""The module vocabulary of a tensor table: which tensors belong to one module, and which modules are Linears.
+
+One home for what inspect, graft's metadata planner, convert's plan and the repairs all ask of a header table
+(``tensors`` maps names to header entries: ``shape``, ``dtype``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["FUSED_EXPERT_PARAMS", "PRECISION_SUFFIXES", "linear_modules", "module_of", "module_stems"]
+
+# Tensor name suffixes that belong to one Linear module's weight and its quantization scales.
+PRECISION_SUFFIXES = (
+    ".weight_scale_inv",
+    ".weight_global_scale",
+    ".input_global_scale",
+    ".weight_scale_2",
+    ".weight_scale",
+    ".weight_packed",
+    ".input_scale",
+    ".weight",
+)
+FUSED_EXPERT_PARAMS = (".experts.gate_up_proj", ".experts.down_proj")  # Qwen3.5-MoE: [E, out, in] tensors
+
+
+def module_of(name: str) -> str:
+    """Module name of a tensor (``a.b.q_proj.weight_scale`` -> ``a.b.q_proj``)."""
+    for suffix in PRECISION_SUFFIXES:
+        if name.endswith(suffix):
+            return name[: -len(suffix)]
+    return name
+
+
+def linear_modules(tensors: Mapping[str, Any]) -> list[str]:
+    """Checkpoint Linear modules: 2-D weights (or packed weights), plus fused 3-D expert params."""
+    mods = set()
+    for name, e in tensors.items():
+        if name.endswith(".weight"):  # most names of a table: test this first
+            if len(e.shape) == 2:
+                mods.add(name[:-7])
+        elif name.endswith(".weight_packed"):
+            mods.add(name[:-14])
+        elif name.endswith(FUSED_EXPERT_PARAMS) and len(e.shape) == 3:
+            mods.add(name)
+    return sorted(m for m in mods if not m.endswith(("embed_tokens", "pos_embed")))
+
+
+def module_stems(tensors: Mapping[str, Any]) -> set[str]:
+    """Module names that own a ``weight`` (or ``weight_packed``) tensor, whatever its shape."""
+    out = set()
+    for n in tensors:
+        for suffix in (".weight", ".weight_packed"):
+            if n.endswith(suffix):
+                out.add(n[: -len(suffix)])
+    return out
