@@ -190,9 +190,9 @@ Runs = dict[SamplingSettings, dict[str, TargetRun]]  # per sampling setting: "re
 
 def _targets(
     opts: ValidateOptions, ref_w: CheckpointWeights, cand_w: CheckpointWeights | None, device: Any, dtype: Any
-) -> tuple[Runs, str, str, str, list[str]]:
+) -> tuple[Runs, str, str, str, list[str], int]:
     """The target runs for every sampling setting (from a hidden-state file or the target models, each loaded once):
-    runs, prompts, ref and cand sources, notes."""
+    runs, prompts, ref and cand sources, notes, and the ``max_len`` they were made with (a hidden file's own)."""
     notes: list[str] = []
     pair = cand_w is not None
     settings = opts.sampling_settings
@@ -223,7 +223,7 @@ def _targets(
             cand_src = ref_src + " (reference target)"
         else:
             cand_src = f"hidden file {opts.hidden} ({runs[settings[0]]['cand'].source})" if pair else ""
-        return runs, prompts_desc, ref_src, cand_src, notes
+        return runs, prompts_desc, ref_src, cand_src, notes, int(meta.get("max_len", opts.max_len))
     prompts, prompts_desc = prompts_for(opts.prompts_file, opts.num_prompts, opts.prompt_chars)
     plan = plan_sequences(_tokenize(prompts, ref_w), opts.max_len, opts.context_buckets)
     if not plan:
@@ -259,7 +259,7 @@ def _targets(
             [(side, run) for by_side in runs.values() for side, run in by_side.items()],
             {"prompts": prompts_desc, "max_len": opts.max_len, "dtype": str(dtype), "device": str(device)},
         )
-    return runs, prompts_desc, "model", "model" if pair else "", notes
+    return runs, prompts_desc, "model", "model" if pair else "", notes, opts.max_len
 
 
 def validate_builtin(opts: ValidateOptions) -> ValidationReport:
@@ -292,7 +292,7 @@ def validate_builtin(opts: ValidateOptions) -> ValidationReport:
 
     # 1. target runs: from a hidden-state file or from the target models.
     t0 = time.perf_counter()
-    runs, prompts_desc, ref_src, cand_src, target_notes = _targets(opts, ref_w, cand_w, device, dtype)
+    runs, prompts_desc, ref_src, cand_src, target_notes, max_len = _targets(opts, ref_w, cand_w, device, dtype)
     notes += target_notes
     timing["targets_s"] = time.perf_counter() - t0
 
@@ -313,7 +313,7 @@ def validate_builtin(opts: ValidateOptions) -> ValidationReport:
             sampling=s,
             rule=opts.rule,
             target_head=head,
-            context_edges=context_edges(opts.max_len, opts.context_buckets),
+            context_edges=context_edges(max_len, opts.context_buckets),
         )
 
     ref_accs = [evaluate(ref_mtp, runs[s]["ref"], ref_head, "reference") for s in settings] if ref_mtp else []
@@ -384,7 +384,7 @@ def validate_builtin(opts: ValidateOptions) -> ValidationReport:
         settings=Settings(
             k=K,
             num_prompts=len(runs[settings[0]]["ref"].sequences),
-            max_len=opts.max_len,
+            max_len=max_len,
             prompts=prompts_desc,
             device=str(device),
             dtype=str(dtype).removeprefix("torch."),
