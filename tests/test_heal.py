@@ -185,6 +185,8 @@ def test_refusals_are_one_line_and_write_nothing(healed_tiny: HealedTiny, tiny_f
          "lineage mismatch"),
         ([str(keep), "--from", str(TINY_MTP_ASSET), "--out", str(tmp_path / "c"), "--steps", "0"], ExitCode.USAGE,
          "--steps must be >= 1"),
+        ([str(keep), "--from", str(TINY_MTP_ASSET), "--out", str(tmp_path / "d"), "--max-memory", "cpu=1200kB"],
+         ExitCode.MEMORY, "first weights"),  # the embedding would be on disk: refused before any work
     ]
     for argv, code, text in cases:
         got, err = one_error(capsys, "-q", "heal", *argv)

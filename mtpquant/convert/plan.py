@@ -48,7 +48,7 @@ from mtpquant.formats.quant_config import HF_QUANT_CONFIG
 from mtpquant.hfconfig import transformers_config
 from mtpquant.machine import resolve_device
 from mtpquant.provenance import PROVENANCE_FILE, check_base_model
-from mtpquant.surgery.modes import BLOCK, MODES, MtpMode, choose_mode
+from mtpquant.surgery.modes import BLOCK, MtpMode, choose_mode
 
 __all__ = [
     "ConvertOptions",
@@ -105,7 +105,7 @@ class ConvertPlan:
     family_display: str
     architecture: str
     recipe: Recipe
-    mode: str
+    mtp_mode: MtpMode  # the mode object (``surgery.modes``) that does the MTP part of this plan
     mtp_format: str
     device: str
     max_shard_bytes: int
@@ -133,9 +133,9 @@ class ConvertPlan:
 
 
     @property
-    def mtp_mode(self) -> MtpMode:
-        """The mode object (``surgery.modes``) that does the MTP part of this plan."""
-        return MODES[self.mode]
+    def mode(self) -> str:
+        """The MTP mode's name (keep, quantize, extract, drop)."""
+        return self.mtp_mode.name
 
     def mode_line(self) -> str:
         """One line saying what the MTP mode does."""
@@ -332,7 +332,7 @@ def plan_convert(options: ConvertOptions, ckpt: Checkpoint | None = None) -> tup
         family_display=family.display,
         architecture=spec.architecture,
         recipe=recipe,
-        mode=mode,
+        mtp_mode=mtp_mode,
         mtp_format=mtp_format,
         device=device,
         max_shard_bytes=memory.shard_bytes,

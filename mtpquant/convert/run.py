@@ -28,7 +28,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 from mtpquant import __version__
 from mtpquant.checkpoint.lock import OutputLock
@@ -43,7 +43,7 @@ from mtpquant.families import TensorClass, is_mtp_name
 from mtpquant.formats.quant_config import HF_QUANT_CONFIG, with_exclusions, without_exclusions
 from mtpquant.provenance import PROVENANCE_FILE, Provenance, Step, check_replaceable, source_license
 from mtpquant.public import public_args, public_file, public_name, public_ref
-from mtpquant.surgery.modes import ExtractMode, MtpOutcome, WriteContext, load_mtp_layer, same_bytes
+from mtpquant.surgery.modes import MtpOutcome, WriteContext, load_mtp_layer, same_bytes
 from mtpquant.units import format_bytes
 
 __all__ = ["ConvertOptions", "ConvertPlan", "ConvertResult", "convert", "peak_rss_bytes", "plan_convert"]
@@ -284,11 +284,8 @@ def convert(options: ConvertOptions) -> ConvertResult:
         with timer("verify"):
             report = _verify(plan, ckpt, outcome, od.path)  # both outputs verified before either is put in place
             if mtp_od is not None:
-                extract = cast(ExtractMode, plan.mtp_mode)
                 where = f"{plan.mtp_out}: verification failed"
-                expected = set(plan.mtp_tensors)
-                mtp_path = mtp_od.finalize(lambda p: extract.verify_side_output(p, ckpt, expected, where))
-                result.mtp_output = mtp_path
+                result.mtp_output = plan.mtp_mode.finish_side_output(mtp_od, ckpt, where)
             try:
                 out_path = od.finalize(opened=True)  # ``verify`` opened it strictly, and nothing was written since
             except BaseException:

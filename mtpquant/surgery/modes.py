@@ -163,6 +163,10 @@ class MtpMode:
         """Mode-specific checks of the finished OUT (beyond the common ones convert runs)."""
         del out, src, outcome, where
 
+    def finish_side_output(self, od: OutputDir, src: Checkpoint, where: str) -> Path:
+        """Verify the mode's own output directory and put it in place (``writes_side_output`` modes); its path."""
+        raise NotImplementedError(f"--mtp {self.name} writes no output of its own")
+
 
 def _check_mtp_complete(ckpt: Checkpoint, flag: str) -> set[str]:
     """The source's MTP tensor names, refusing an MTP that is absent, incomplete or shaped otherwise."""
@@ -311,6 +315,11 @@ class ExtractMode(MtpMode):
         ctx.mtp_od.write_json("config.json", ckpt.config)
         ctx.mtp_od.write_text("README.md", _extract_readme(ckpt, len(names), ctx.out_name, ctx.mtp_od.final.name))
         return MtpOutcome()
+
+    def finish_side_output(self, od: OutputDir, src: Checkpoint, where: str) -> Path:
+        """The MTP directory, verified (exactly the source's MTP tensors, byte for byte), put in place."""
+        expected = {e.name for e in src.mtp_tensors()}
+        return od.finalize(lambda path: self.verify_side_output(path, src, expected, where))
 
     def verify_side_output(self, path: Path, src: Checkpoint, expected: set[str], where: str) -> None:
         """The MTP directory holds exactly the source's MTP tensors, byte for byte."""

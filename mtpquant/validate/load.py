@@ -364,9 +364,23 @@ def _device_map(
 
     no_split = list(getattr(model, "_no_split_modules", None) or [])
     if max_memory is not None:  # accelerate's placement under the caps; what does not fit stays on disk
-        return dict(
+        placed = dict(
             infer_auto_device_map(model, max_memory=dict(max_memory), no_split_module_classes=no_split, dtype=dtype)
         )
+        if next(iter(placed.values()), "disk") == "disk":
+            # accelerate keeps room for the largest layer (here the embedding or the LM head) beside what it places:
+            # when that leaves the first module on disk, its forward would start from the meta device
+            from mtpquant.errors import MemoryPlanError
+            from mtpquant.units import format_bytes
+
+            caps = ",".join(f"{d}={format_bytes(n)}" for d, n in max_memory.items())
+            name = str(dtype).removeprefix("torch.")
+            raise MemoryPlanError(
+                f"--max-memory {caps}: accelerate leaves the model's first weights on disk in {name} "
+                "(it keeps room for the largest layer, the embedding or the LM head, beside them); raise the cap or "
+                "compute in bfloat16 (--dtype bfloat16)"
+            )
+        return placed
     if device.type == "cpu":
         return {"": "cpu"}
     if device.index is not None:
@@ -434,6 +448,10 @@ def load_target(
     if hf_config.tie_word_embeddings and "lm_head.weight" not in loaded:
         model.tie_weights()
         loaded.add("lm_head.weight")
+        if place("lm_head.weight") == "disk":  # accelerate's offload reads the tied head by its own name
+            embedding = model.get_input_embeddings().weight
+            embed_name = next(n for n, p in model.named_parameters() if p is embedding)
+            on_disk["lm_head.weight"] = on_disk.get(embed_name) or (lambda: embedding.detach())
     missing = sorted(expected - loaded)
     if missing:
         shown = ", ".join(missing[:6]) + (f", ... ({len(missing) - 6} more)" if len(missing) > 6 else "")
