@@ -64,7 +64,7 @@ class ExitCode(IntEnum):
     MTP_MODE = 6  # the MTP mode needs an MTP the source does not have
     INDIVISIBLE = 7  # a Linear to quantize has an input dimension that is not a multiple of 16
     VERIFICATION = 8  # the finished output failed its own verification (nothing was put in place)
-    LINEAGE = 9  # graft: SRC and QUANT are not the same model
+    LINEAGE = 9  # graft: SRC and QUANT (validate: REFERENCE and CANDIDATE) are not the same model
     INSPECT_MTP = 10  # inspect: MTP declared but missing / incomplete / present but undeclared
     INSPECT_EXCLUSIONS = 11  # inspect: exclusions disagree with the tensors (an engine will fail to load)
     INSPECT_INDEX = 12  # inspect: index corrupt (what loaders enforce)
@@ -78,7 +78,9 @@ class ExitCode(IntEnum):
     INSPECT_FORMAT = 20  # inspect: an engine refuses the checkpoint's quantization format outright
     OUTPUT_BUSY = 21  # another mtpquant run is writing the same output (its pid is named)
     MEMORY = 22  # convert: the model cannot be placed under the memory caps (the needed and available sizes are named)
+    VALIDATE_INCONCLUSIVE = 23  # validate: too few prompts to decide (how many would settle it is named)
     HEAL_NOT_BETTER = 24  # heal: the healed MTP is not better beyond noise on held-out prompts (nothing written)
+    VALIDATE_BROKEN = 25  # validate: the candidate is broken (non-finite logits, main model disagrees, AL rises)
     HEAL_REFUSED = 27  # heal: QUANT's MTP is missing, incomplete, or in a format heal cannot write back
     HUB_UNREACHABLE = 30  # the Hub (or mirror) cannot be reached or timed out
     HUB_ACCESS = 31  # the repo, revision or file does not exist, or is gated / private / needs a token
@@ -101,7 +103,7 @@ _MEANING = {
     ExitCode.MTP_MODE: "MTP mode does not fit the source",
     ExitCode.INDIVISIBLE: "a Linear's input dimension is not a multiple of 16",
     ExitCode.VERIFICATION: "the finished output failed verification; nothing was put in place",
-    ExitCode.LINEAGE: "graft: SRC and QUANT are not the same model",
+    ExitCode.LINEAGE: "graft: SRC and QUANT (validate: REFERENCE and CANDIDATE) are not the same model",
     ExitCode.INSPECT_MTP: "inspect: MTP declared but missing, incomplete, or present but undeclared",
     ExitCode.INSPECT_EXCLUSIONS: "inspect: exclusions disagree with the tensors",
     ExitCode.INSPECT_INDEX: "inspect: index corrupt",
@@ -115,7 +117,9 @@ _MEANING = {
     ExitCode.INSPECT_FORMAT: "inspect: an engine refuses the quantization format",
     ExitCode.OUTPUT_BUSY: "another mtpquant run is writing the same output (its pid is named)",
     ExitCode.MEMORY: "convert: the model does not fit under the memory caps",
+    ExitCode.VALIDATE_INCONCLUSIVE: "validate: inconclusive, the sample is too small to decide",
     ExitCode.HEAL_NOT_BETTER: "heal: the healed MTP is not better beyond noise; nothing written",
+    ExitCode.VALIDATE_BROKEN: "validate: the candidate is broken (non-finite, disagreeing, or AL too high)",
     ExitCode.HEAL_REFUSED: "heal refused (MTP missing, incomplete, or in a format heal cannot write)",
     ExitCode.HUB_UNREACHABLE: "Hub unreachable or timed out",
     ExitCode.HUB_ACCESS: "Hub repo/file not found, gated, private, or bad token",

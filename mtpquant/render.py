@@ -348,33 +348,48 @@ def publish_plan_text(result: PublishResult) -> str:
 
 
 def acceptance_table(report: Report) -> str:
-    """A plain-text table of AL and per-position acceptance per k (what the CLI prints)."""
-    lines = [f"{'':<11} {'k':>2} {'AL':>6} {'rate':>7}  per-position acceptance"]
+    """A plain-text table of AL (with its interval over prompts) and per-position acceptance per k."""
+    level = f"{100 * report.settings.confidence:.0f} % CI"
+    several = len(report.settings.sampling) > 1
+    lines = [f"{'':<11} {'k':>2} {'AL':>6} {level:>17} {'rate':>7}  per-position acceptance"]
     for label, side in sides(report):
         if not side.acceptance:
             lines.append(f"{label:<11}  -  MTP unavailable: {side.mtp.error}")
             continue
-        for row in side.acceptance.by_k:
-            pos = " ".join(f"{100 * a:5.1f}%" for a in row.acceptance_per_position)
-            lines.append(
-                f"{label:<11} {row.k:>2} {row.mean_acceptance_length:6.3f} {100 * row.acceptance_rate:6.1f}%  {pos}"
-            )
-            label = ""
+        for acc in side.acceptance_by_sampling or (side.acceptance,):
+            if several:
+                lines.append(f"{label:<11} {acc.sampling.label} (rule {acc.rule})")
+                label = ""
+            for row in acc.by_k:
+                pos = " ".join(f"{100 * a:5.1f}%" for a in row.acceptance_per_position)
+                ci = row.al_interval
+                interval = f"[{ci.low:.3f}, {ci.high:.3f}]" if ci is not None and ci.defined else "n/a"
+                lines.append(
+                    f"{label:<11} {row.k:>2} {row.mean_acceptance_length:6.3f} {interval:>17} "
+                    f"{100 * row.acceptance_rate:6.1f}%  {pos}"
+                )
+                label = ""
     cmp = report.comparison
     for title, m in (("MTP", cmp.mtp if cmp else None), ("Main model", cmp.main if cmp else None)):
         if m is not None and m.kl is not None:
             lines.append(
                 f"{title} on identical inputs: top-1 agreement {100 * m.top1_agreement:.2f} %, "
                 f"KL(ref||cand) mean {m.kl.mean:.3g} (p99 {m.kl.p99:.3g})"
+                + (f"; {m.non_finite} positions with non-finite logits" if m.non_finite else "")
             )
-    if cmp is not None and cmp.al_delta_by_k:
+    evidence = report.verdict.evidence
+    for label in dict.fromkeys(e.label for e in evidence):
         lines.append(
-            "AL change per k: "
+            f"AL change per k{f' ({label})' if label else ''}: "
             + ", ".join(
-                f"k={k}: {d:+.3f} (MTP {m:+.3f}, target {t:+.3f})"
-                for k, (d, m, t) in enumerate(
-                    zip(cmp.al_delta_by_k, cmp.al_delta_from_mtp_by_k, cmp.al_delta_from_target_by_k), 1
+                f"k={e.k}: {e.change.text(signed=True)}"
+                + (
+                    f" (MTP {e.mtp.estimate:+.3f}, target {e.target.estimate:+.3f})"
+                    if e.mtp is not None and e.target is not None
+                    else ""
                 )
+                for e in evidence
+                if e.label == label
             )
         )
     for e in report.engine:
@@ -386,16 +401,24 @@ def acceptance_table(report: Report) -> str:
     if report.predicted:
         for label in ("reference", "candidate"):
             for row in report.predicted.get(label) or []:
+                at = f" {row['label']}" if row.get("label") else ""
+                positions = ""
+                if row.get("engine_per_position"):
+                    pairs = zip(row["engine_per_position"], row["predicted_per_position"])
+                    positions = "; per position engine/predicted " + " ".join(
+                        f"{100 * e:.1f}/{100 * p:.1f}%" for e, p in pairs
+                    )
                 lines.append(
-                    f"{label} k={row['k']}: engine AL {row['engine_al']:.3f}, built-in prediction "
-                    f"{row['predicted_al']:.3f}, difference {row['difference']:+.3f}"
+                    f"{label}{at} k={row['k']}: engine AL {row['engine_al']:.3f}, built-in prediction "
+                    f"{row['predicted_al']:.3f}, difference {row['difference']:+.3f}{positions}"
                 )
     return "\n".join(lines)
 
 
 def validate_text(report: Report, report_dir: Path | None = None) -> str:
-    """The acceptance table, the verdict, and where the report files are."""
+    """The acceptance table, the report's notes, the verdict, and where the report files are."""
     lines = [acceptance_table(report)]
+    lines += [f"note: {n}" for n in report.notes]
     lines.append(f"verdict: {report.verdict.status.upper()}: " + "; ".join(report.verdict.reasons))
     if report_dir is not None:
         lines.append(f"report: {report_dir / 'report.md'}")

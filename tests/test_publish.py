@@ -580,8 +580,17 @@ def test_validation_report_single_mode_and_unreadable(made: Path) -> None:
         )
     )
     report = json.loads((made / "validation" / "report.json").read_text())
-    card = publish(PublishOptions(out=made, repo=REPO, dry_run=True)).card
+    result = publish(PublishOptions(out=made, repo=REPO, dry_run=True))
+    card = result.card
     assert "measured this checkpoint with greedy verification" in card
+    # the speculation profile travels with the report, and the card shows its headline
+    profile = json.loads((made / "validation" / "speculation_profile.json").read_text())
+    assert "validation/speculation_profile.json" in {f.path for f in result.files}
+    conditional = " / ".join(f"{100 * c:.1f} %" for c in profile["conditional_accept_rates"])
+    assert (
+        f"k = 3, mean acceptance length {profile['mean_accept_length']:.2f}, conditional acceptance per draft "
+        f"position {conditional} (built-in prediction" in card
+    )
     k2 = report["reference"]["acceptance"]["by_k"][1]
     assert f"| 2 | {k2['mean_acceptance_length']:.2f} | {100 * k2['acceptance_rate']:.1f} % |" in card
     assert "| draft position (k = 3) | acceptance |" in card

@@ -102,8 +102,8 @@ def test_validate_through_sglang(capsys: pytest.CaptureFixture[str], tmp_path: P
         sent = server.posted("/generate")
     assert code == 0, err
     assert out.splitlines()[:3] == [
-        "             k     AL    rate  per-position acceptance",
-        "checkpoint   2  2.462   73.1%   84.6%  61.5%",
+        "             k     AL           95 % CI    rate  per-position acceptance",
+        "checkpoint   2  2.462               n/a   73.1%   84.6%  61.5%",  # 4 prompts: too few for an interval
         f"engine: SGLang 0.5.23 at {server.url}, model {MODEL}, k=2 (server)",
     ]
     # the built-in path's prompts (the checkpoint's tokenizer, the first 32 tokens) and greedy settings
@@ -157,7 +157,9 @@ def test_pair_of_sglang_servers(capsys: pytest.CaptureFixture[str], tmp_path: Pa
         code, out, err = _cli(
             capsys, TINY, "--server", ref.url, "--candidate-server", cand.url, *ARGS, "--report-dir", str(tmp_path)
         )
-    assert code == 0, err
+    # the same answers on both sides (change 0), but 4 prompts are too few to decide anything: inconclusive
+    assert code == ExitCode.VALIDATE_INCONCLUSIVE, err
+    assert "verdict: INCONCLUSIVE: sample too small" in out
     data = json.loads((tmp_path / "report.json").read_text())
     assert data["mode"] == "pair" and [(e["side"], e["name"]) for e in data["engine"]] == [
         ("reference", "sglang"),

@@ -1,33 +1,40 @@
-"""validate on the trained tiny model (the embedded default), before vs after ``convert``.
+"""validate on the trained tiny model (the embedded default), before vs after ``convert``, and its verdicts.
 
 ``convert`` runs once per MTP mode (keep, quantize, drop) with two short calibration rows. The keep
 pair runs both target models and saves their hidden states; the quantize and drop candidates have
 the same main model (checked byte for byte), so they reuse that file instead of re-running targets.
+The verdict cases alter a copy of the keep output: non-finite quantization scales (a collapsed target) and a
+random MTP.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.cli import main
 from mtpquant.errors import ExitCode
 from mtpquant.families import TensorClass
 from mtpquant.synth.train import TINY_MTP_ASSET
-from mtpquant.validate.run import ValidateOptions, validate
+from mtpquant.validate.evidence import Bootstrap, UnitCounts
+from mtpquant.validate.run import ValidateError, ValidateOptions, validate
 from mtpquant.validate.schema import ValidationReport
 
 pytestmark = pytest.mark.slow
 
 ASSET = TINY_MTP_ASSET
 CALIB: dict[str, Any] = {"calib_samples": 2, "calib_seq_len": 32}
-COMMON: dict[str, Any] = {"num_prompts": 3, "max_len": 48, "k": 3, "device": "cpu", "progress": False}
+COMMON: dict[str, Any] = {"num_prompts": 8, "max_len": 128, "k": 3, "device": "cpu", "progress": False}
 
 
 def _fingerprint(root: Path) -> str:
@@ -107,8 +114,41 @@ def test_keep_mode_mtp_identical_difference_only_from_target(keep_pair: tuple[Va
     assert cmp["main"]["kl"]["mean"] > 0
     cand = data["candidate"]
     assert cand["mtp"]["precision"] == {"bf16": 8} and "nvfp4" in cand["precision"]["main"]
-    assert data["verdict"]["status"] in {"pass", "warn"}
-    assert {p.name for p in report_dir.iterdir()} == {"report.json", "report.md", "acceptance.png", "kl.png"}
+    assert {p.name for p in report_dir.iterdir()} == {
+        "report.json",
+        "report.md",
+        "acceptance.png",
+        "context.png",
+        "kl.png",
+        "speculation_profile.json",
+    }
+
+
+def test_identical_mtp_small_sample_is_inconclusive(keep_pair: tuple[ValidationReport, Path, Path]) -> None:
+    """The byte-identical MTP on 8 prompts: the AL drop at k=3 comes from the NVFP4 target, and the sample is too
+    small to tell it from the allowed drop; before intervals this was a WARN (exit 17) that blamed nobody."""
+    verdict = keep_pair[0].report.verdict
+    assert verdict.status == "inconclusive" and verdict.exit_code == ExitCode.VALIDATE_INCONCLUSIVE
+    assert verdict.reasons[0].startswith("sample too small: the AL change at k=")
+    assert "MTP +0.000 [+0.000, +0.000], target " in verdict.reasons[0]
+    assert "allowed drop 0.1 AL, 95 % intervals over 8 prompts" in verdict.reasons[0]
+    for e in verdict.evidence:  # every change is the target's: the MTP part is exactly 0 on every resample
+        assert e.mtp is not None and (e.mtp.low, e.mtp.estimate, e.mtp.high) == (0.0, 0.0, 0.0)
+        assert e.target is not None and e.target.estimate == pytest.approx(e.change.estimate, abs=1e-12)
+    assert verdict.prompts_needed is None or verdict.prompts_needed > 8
+
+
+def test_intervals_come_from_the_counts_of_the_one_pass(keep_pair: tuple[ValidationReport, Path, Path]) -> None:
+    """The confidence intervals cost no model pass: each is a resampling of the per-prompt counts the report holds
+    (recomputed here from report.json alone, bit for bit)."""
+    data = _strict_json(keep_pair[2] / "report.json")
+    level = data["settings"]["confidence"]
+    rows = [r for side in ("reference", "candidate") for r in data[side]["acceptance"]["by_k"]]
+    assert len(rows) == 6
+    for row in rows:
+        units = UnitCounts.from_json(row["units"], "units")
+        assert units.units == 8 and units.mean_acceptance_length == pytest.approx(row["mean_acceptance_length"])
+        assert Bootstrap(units.units, level=level).al(units).to_json() == row["al_interval"]
 
 
 def _main_bytes(path: Path) -> str:
@@ -146,3 +186,92 @@ def test_dropped_mtp_is_a_failure(
     assert main(argv) == ExitCode.VALIDATE_FAIL
     out = capsys.readouterr().out
     assert "verdict: FAIL: candidate: the checkpoint has no MTP layer" in out
+
+
+def _altered(src: Path, dst: Path, change: Callable[[str, torch.Tensor], torch.Tensor | None]) -> Path:
+    """A copy of checkpoint ``src`` at ``dst`` with ``change(name, tensor)`` applied to every tensor (None: kept)."""
+    shutil.copytree(src, dst)
+    for shard in sorted(dst.glob("*.safetensors")):
+        with safe_open(str(shard), "pt") as f:
+            metadata = f.metadata()
+        tensors = load_file(shard)
+        changed = {n: change(n, t) for n, t in tensors.items()}
+        if any(v is not None for v in changed.values()):
+            save_file({n: (t if changed[n] is None else changed[n]) for n, t in tensors.items()}, shard, metadata)
+    return dst
+
+
+def _strict_json(path: Path) -> Any:
+    def refuse(token: str) -> None:
+        raise AssertionError(f"{path.name} holds {token}: not JSON")
+
+    return json.loads(path.read_text(), parse_constant=refuse)
+
+
+def test_non_finite_scales_are_a_broken_candidate(
+    converted: Callable[[str], Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Non-finite quantization scales: the target's logits are NaN, it emits one constant token, and the MTP,
+    fed the same NaN, agrees with it (AL near k + 1). That is a broken candidate (exit 25), not a PASS."""
+    first = "model.language_model.layers.0.mlp.down_proj.weight_scale_2"
+
+    def poison(name: str, t: torch.Tensor) -> torch.Tensor | None:
+        return torch.full_like(t, float("nan")) if name == first else None
+
+    bad = _altered(converted("keep"), tmp_path / "nan-scales", poison)
+    argv = ["-q", "validate", str(ASSET), str(bad), "--num-prompts", "8", "--max-len", "64", "--device", "cpu"]
+    assert main([*argv, "--report-dir", str(tmp_path / "r")]) == ExitCode.VALIDATE_BROKEN
+    out = capsys.readouterr().out
+    verdict_line = next(line for line in out.splitlines() if line.startswith("verdict: "))
+    assert verdict_line.startswith("verdict: FAIL: candidate is broken: candidate's main model gives non-finite logits")
+    assert "below the floor of 50 %" in verdict_line and "AL rises by +" in verdict_line
+    data = _strict_json(tmp_path / "r" / "report.json")  # no bare NaN anywhere
+    assert data["verdict"]["broken"] is True and data["candidate"]["non_finite"]["target"] > 0
+    main_cmp = data["comparison"]["main"]
+    assert main_cmp["kl"] is None and main_cmp["non_finite"] == main_cmp["positions"]
+    assert main_cmp["top1_agreement"] < 0.5
+
+
+def test_random_mtp_fails(
+    converted: Callable[[str], Path], keep_pair: tuple[ValidationReport, Path, Path], tmp_path: Path
+) -> None:
+    gen = torch.Generator().manual_seed(0)
+
+    def scramble(name: str, t: torch.Tensor) -> torch.Tensor | None:
+        if not name.startswith("mtp.") or t.dtype != torch.bfloat16:
+            return None
+        return (torch.randn(t.shape, generator=gen) * t.float().std()).to(t.dtype)
+
+    rand = _altered(converted("keep"), tmp_path / "random-mtp", scramble)
+    _, hidden, _ = keep_pair  # the same main model as keep: its saved target runs serve
+    result = validate(ValidateOptions(ASSET, rand, hidden=hidden, **COMMON))
+    verdict = result.report.verdict
+    assert verdict.status == "fail" and not verdict.broken and verdict.exit_code == ExitCode.VALIDATE_FAIL
+    assert verdict.reasons[0].startswith("candidate MTP is broken: AL 1.0")
+
+
+def test_context_buckets_are_filled(tmp_path: Path) -> None:
+    """--context-buckets: the prompts are planned to fill every bucket, long default prompts included, and the
+    per-position acceptance is reported and plotted per bucket."""
+    result = validate(
+        ValidateOptions(
+            ASSET,
+            num_prompts=6,
+            max_len=64,
+            k=2,
+            context_buckets=(64, 160, 320),
+            device="cpu",
+            progress=False,
+            report_dir=tmp_path / "r",
+        )
+    )
+    row = result.report.reference.acceptance_by_sampling[0].by_k[-1]
+    assert [(b.low, b.high) for b in row.by_context] == [(0, 64), (64, 160), (160, 320)]
+    assert all(b.steps > 0 for b in row.by_context)  # two prompts per bucket, each drafting inside it
+    assert sum(b.steps for b in row.by_context) == row.num_steps
+    assert (tmp_path / "r" / "context.png").is_file()
+    profile = json.loads((tmp_path / "r" / "speculation_profile.json").read_text())
+    assert [b["context"] for b in profile["by_context"]] == [[0, 64], [64, 160], [160, 320]]
+    assert profile["measurement_conditions"]["context_buckets"] == [[0, 64], [64, 160], [160, 320]]
+    with pytest.raises(ValidateError, match="supports contexts up to"):
+        validate(ValidateOptions(ASSET, context_buckets=(64, 10**7), device="cpu", progress=False))

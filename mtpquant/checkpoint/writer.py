@@ -252,8 +252,9 @@ def atomic_write_bytes(path: Path, data: bytes, *, sync_dir: bool = True) -> Non
 
 
 def atomic_write_json(path: Path, obj: Any) -> None:
-    """Atomic JSON write, indented, with a trailing newline."""
-    atomic_write_bytes(path, (json.dumps(obj, indent=2, ensure_ascii=False) + "\n").encode("utf-8"))
+    """Atomic JSON write, indented, with a trailing newline; strict JSON (a NaN or an infinity is a ValueError, never
+    the bare ``NaN`` other readers refuse)."""
+    atomic_write_bytes(path, (json.dumps(obj, indent=2, ensure_ascii=False, allow_nan=False) + "\n").encode("utf-8"))
 
 
 def write_safetensors(path: Path, tensors: Iterable[PlannedTensor], metadata: Mapping[str, str] | None = None) -> None:

@@ -44,7 +44,6 @@ def run(args: argparse.Namespace) -> int:
         inspect_checkpoint,
         validate,
     )
-    from mtpquant.errors import ExitCode
     from mtpquant.render import convert_text, inspect_text, validate_text
 
     asset = TINY_MTP_ASSETS[args.family]
@@ -82,4 +81,4 @@ def run(args: argparse.Namespace) -> int:
     print(inspect_text(inspection))
     if not inspection.healthy:
         return inspection.exit_code()
-    return int(ExitCode.VALIDATE_FAIL) if report.status == "fail" else 0
+    return report.report.verdict.exit_code if report.status == "fail" else 0

@@ -7,17 +7,20 @@ import json
 from pathlib import Path
 
 from mtpquant.cli import HUB_CODES, exit_codes_epilog
+from mtpquant.engine.sampling import RULES
 from mtpquant.errors import ExitCode
 from mtpquant.validate import ACTIVATION_MODES  # torch-free: the choices at start-up
 from mtpquant.validate.options import ENGINES
 
-EXIT_BY_STATUS = {"pass": ExitCode.OK, "warn": ExitCode.VALIDATE_WARN, "fail": ExitCode.VALIDATE_FAIL}
 EXIT_CODES = (
     ExitCode.CHECKPOINT,
     ExitCode.ARCHITECTURE,
     ExitCode.OUTPUT_EXISTS,
+    ExitCode.LINEAGE,
     ExitCode.VALIDATE_WARN,
     ExitCode.VALIDATE_FAIL,
+    ExitCode.VALIDATE_INCONCLUSIVE,
+    ExitCode.VALIDATE_BROKEN,
     ExitCode.ENGINE_UNREACHABLE,
     ExitCode.ENGINE_ANSWER,
     ExitCode.ENGINE_MODEL,
@@ -34,9 +37,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="measure what speculative decoding with the MTP accepts (one checkpoint, or before vs after)",
         description=(
             "With one checkpoint: its MTP acceptance per draft position, acceptance rate and mean acceptance "
-            "length for k = 1..K under greedy verification. With REFERENCE and CANDIDATE: both, plus MTP and "
+            "length for k = 1..K under greedy verification, or sampled (--temperature). With REFERENCE and "
+            "CANDIDATE: both, plus MTP and "
             "main-model top-1 agreement and KL(ref || cand) on identical inputs, and a verdict. "
-            f"Exit status: 0 pass, {int(ExitCode.VALIDATE_WARN)} warn, {int(ExitCode.VALIDATE_FAIL)} fail."
+            f"Exit status: 0 pass, {int(ExitCode.VALIDATE_WARN)} warn, {int(ExitCode.VALIDATE_FAIL)} fail (MTP missing "
+            f"or drafting for nothing), {int(ExitCode.VALIDATE_BROKEN)} fail (the candidate is broken), "
+            f"{int(ExitCode.VALIDATE_INCONCLUSIVE)} inconclusive (too few prompts to decide)."
         ),
         epilog=exit_codes_epilog(*EXIT_CODES),
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -74,8 +80,65 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--save-hidden", type=Path, metavar="FILE", help="save target hidden states and tokens (safetensors)"
     )
     p.add_argument("--hidden", type=Path, metavar="FILE", help="use saved target hidden states instead of the targets")
-    p.add_argument("--warn-al-drop", type=float, default=0.1, help="warn when AL drops more than this (default 0.1)")
+    p.add_argument(
+        "--warn-al-drop",
+        type=float,
+        default=0.1,
+        help="the allowed AL drop per k: warn when the drop exceeds it beyond noise (default 0.1)",
+    )
+    p.add_argument(
+        "--min-main-agreement",
+        type=float,
+        default=0.5,
+        metavar="F",
+        help="pair: a candidate whose main model agrees with the reference's top-1 token less often is broken "
+        "(default 0.5)",
+    )
+    p.add_argument(
+        "--confidence", type=float, default=0.95, help="level of the bootstrap intervals over prompts (default 0.95)"
+    )
     p.add_argument("--json", action="store_true", help="print report.json to stdout instead of the table")
+    g = p.add_argument_group("sampling (as users serve: Qwen recommends temperature 0.6-1.0)")
+    g.add_argument(
+        "--temperature",
+        type=float,
+        nargs="+",
+        default=[0.0],
+        metavar="T",
+        help="the target samples at each T (0: greedy, the default); the first is the headline of the verdict",
+    )
+    g.add_argument(
+        "--top-p",
+        type=float,
+        nargs="+",
+        default=[1.0],
+        metavar="P",
+        help="nucleus sampling of the target (default 1: off); one value, or one per --temperature",
+    )
+    g.add_argument(
+        "--top-k",
+        type=int,
+        nargs="+",
+        default=[0],
+        metavar="K",
+        help="top-k sampling of the target (default 0: off); one value, or one per --temperature",
+    )
+    g.add_argument(
+        "--rule",
+        choices=tuple(RULES),
+        default="vllm",
+        help="how drafts are verified: " + "; ".join(f"{r.name}: {r.description}" for r in RULES.values()),
+    )
+    g.add_argument("--seed", type=int, default=0, help="prompt i samples with seed + i (default 0)")
+    p.add_argument(
+        "--context-buckets",
+        type=int,
+        nargs="+",
+        default=[],
+        metavar="N",
+        help="upper ends of context-length buckets (tokens, ascending): prompts are cut and extended to fill each "
+        "bucket, and per-position acceptance is reported per bucket (default: four spans up to --max-len)",
+    )
     e = p.add_argument_group("through a serving engine (vLLM's or SGLang's own speculative-decoding counters)")
     e.add_argument(
         "--server", metavar="URL", help="a running vLLM or SGLang server (the reference or the one checkpoint)"
@@ -102,6 +165,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     e.add_argument(
         "--compare-reference", action="store_true", help="--engine: also the built-in prediction, side by side"
+    )
+    e.add_argument(
+        "--concurrency",
+        type=int,
+        default=1,
+        metavar="N",
+        help="requests in flight at once (default 1: per-prompt counters, the finest intervals)",
     )
     e.add_argument("--startup-timeout", type=float, default=900.0, help="--engine: seconds to wait for the server")
     p.set_defaults(func=run)
@@ -139,6 +209,14 @@ def run(args: argparse.Namespace) -> int:
         save_hidden=args.save_hidden,
         hidden=args.hidden,
         warn_al_drop=args.warn_al_drop,
+        min_main_agreement=args.min_main_agreement,
+        confidence=args.confidence,
+        temperatures=tuple(args.temperature),
+        top_p=tuple(args.top_p),
+        top_k=tuple(args.top_k),
+        rule=args.rule,
+        seed=args.seed,
+        context_buckets=tuple(args.context_buckets),
         progress=not args.quiet,
         server=args.server,
         candidate_server=args.candidate_server,
@@ -151,10 +229,11 @@ def run(args: argparse.Namespace) -> int:
         engine_args=tuple(args.engine_arg),
         compare_reference=args.compare_reference,
         startup_timeout=args.startup_timeout,
+        concurrency=args.concurrency,
     )
     report = validate(opts)
     if args.json:
-        print(json.dumps(report.to_json(), indent=2))
+        print(json.dumps(report.to_json(), indent=2, allow_nan=False))
     else:
         print(validate_text(report.report, args.report_dir))
-    return int(EXIT_BY_STATUS[report.status])
+    return report.report.verdict.exit_code

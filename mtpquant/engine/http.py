@@ -23,9 +23,12 @@ from __future__ import annotations
 import json as jsonlib
 import logging
 import os
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urljoin, urlsplit
 
 from mtpquant.errors import EngineAnswerError, EngineUnreachableError, UsageError
@@ -86,6 +89,8 @@ def engine_api_key(path: Path | str | None) -> str | None:
             raise UsageError(f"{path}: the API key file is empty")
         return key
     return os.environ.get(API_KEY_ENV, "").strip() or None
+T = TypeVar("T")
+R = TypeVar("R")
 
 
 class EngineHttp:
@@ -97,6 +102,7 @@ class EngineHttp:
         public, creds = split_credentials(url.rstrip("/"))
         self.url = public
         self.timeout = timeout
+        self._given = (url, api_key)  # for clone(): the same server with the same credentials
         parts = urlsplit(public)
         self._origin = (parts.scheme, parts.hostname, parts.port)
         headers = {"Accept-Encoding": "identity"}
@@ -110,6 +116,11 @@ class EngineHttp:
             auth=httpx.BasicAuth(*creds) if creds and not api_key else None,
             timeout=timeout,
         )
+
+    def clone(self) -> EngineHttp:
+        """Another transport to the same server, with the same timeout and credentials (one per thread)."""
+        url, api_key = self._given
+        return EngineHttp(url, timeout=self.timeout, api_key=api_key)
 
     def _same_server(self, url: str) -> bool:
         parts = urlsplit(url)
@@ -199,6 +210,27 @@ class EngineClientBase:
         self.http = http or EngineHttp(url, timeout=timeout, api_key=api_key)
         self.url = self.http.url
         self.generate_timeout = generate_timeout
+
+    def each(self, items: Sequence[T], call: Callable[[EngineHttp, T], R], concurrency: int = 1) -> list[R]:
+        """``call(http, item)`` for every item, in order, ``concurrency`` requests in flight at once (each worker
+        thread with its own transport: a session is not shared between threads)."""
+        if concurrency <= 1 or len(items) <= 1:
+            return [call(self.http, item) for item in items]
+        local = threading.local()
+        made: list[EngineHttp] = []
+
+        def work(item: T) -> R:
+            if not hasattr(local, "http"):
+                local.http = self.http.clone()
+                made.append(local.http)
+            return call(local.http, item)
+
+        try:
+            with ThreadPoolExecutor(max_workers=concurrency) as pool:
+                return list(pool.map(work, items))
+        finally:
+            for http in made:
+                http.close()
 
     def tokenize(self, model: str, text: str) -> list[int]:
         """The server's own tokenization of ``text`` without special tokens, as the built-in path tokenizes."""

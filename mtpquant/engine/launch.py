@@ -20,7 +20,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 
@@ -56,9 +56,11 @@ def vllm_args(
     cpu: bool = False,
     memory: Sequence[str] = (),
     extra: Sequence[str] = (),
+    speculative: Mapping[str, str] | None = None,
 ) -> list[str]:
     """vLLM's api_server arguments: model, 127.0.0.1:port, MTP speculative decoding with ``k`` drafts (None: off).
 
+    ``speculative``: further ``--speculative-config`` keys (a verification rule's, ``engine.sampling.RULES``).
     ``cpu``: what vLLM's CPU backend needs for these hybrid models (bf16, prefix caching off for MTP, eager).
     ``text_only``: no image/video inputs (validation is text), which also saves the encoder cache.
     ``memory``: the memory settings (``engine/sizing.py``); ``extra`` comes last, so it overrides any of these.
@@ -68,7 +70,8 @@ def vllm_args(
         args += ["--tensor-parallel-size", str(tensor_parallel_size)]
     args += memory
     if k is not None:
-        args += ["--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": k})]
+        config = {"method": "mtp", "num_speculative_tokens": k, **(speculative or {})}
+        args += ["--speculative-config", json.dumps(config)]
     if text_only:
         args += ["--limit-mm-per-prompt", json.dumps({"image": 0, "video": 0})]
     if cpu:

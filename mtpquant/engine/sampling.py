@@ -1,4 +1,5 @@
-"""How tokens are sampled: the settings every engine request carries, typed once and spelled per engine.
+"""How tokens are sampled and drafts verified: the settings every engine request carries, typed once and spelled
+per engine, and the verification rules the built-in prediction follows.
 
 ``SamplingSettings`` (temperature, top-p, top-k, seed; greedy by default) is what a measurement sends; each engine
 client asks it for its own request fields: vLLM's OpenAI ``/v1/completions`` (``vllm_fields``: ``temperature``,
@@ -6,6 +7,23 @@ client asks it for its own request fields: vLLM's OpenAI ``/v1/completions`` (``
 (``sglang_fields``: ``temperature``, ``max_new_tokens``, ``ignore_eos``, and ``top_p``, ``top_k``,
 ``sampling_seed`` when sampling: the names of the requests recorded from SGLang 0.5.23 in
 ``tests/fixtures/sglang-cpu``). A temperature below 1e-5 is greedy (vLLM's ``_SAMPLING_EPS``).
+
+``SpecRule`` is how the server verifies drafts, which is server configuration, not a request field. The three
+rules, as vLLM 0.32.0 implements the first two (``vllm/config/speculative.py``: ``rejection_sample_method =
+"standard"`` and ``draft_sample_method = "greedy"`` by default; ``vllm/v1/sample/rejection_sampler.py``:
+``rejection_random_sample_kernel``, ``sample_recovered_tokens_kernel``; ``vllm/v1/spec_decode/llm_base_proposer.py``:
+``compute_probs_and_sample_next_token``):
+
+- ``vllm`` (vLLM's default): the MTP proposes its argmax; the draft is accepted with probability p(d), p the
+  target's distribution after temperature, top-k and top-p; otherwise a token is sampled from p with d removed.
+- ``probabilistic`` (``draft_sample_method: probabilistic``): the MTP samples its draft from q = softmax(logits /
+  temperature) (vLLM applies only the temperature to the draft); accepted with probability min(1, p(d) / q(d)),
+  so sum(min(p, q)) on average; otherwise a token is sampled from max(p - q, 0).
+- ``strict`` (exact match, as local runtimes verify; vLLM 0.32 has no such mode): the draft is sampled from q as
+  above and kept only when it equals the token the target samples from p: sum(p * q) on average. (With an argmax
+  draft, exact match accepts with p(d) and emits exactly what ``vllm`` emits.)
+
+A greedy request is greedy under every rule: the draft is accepted when it equals the target's argmax.
 """
 
 from __future__ import annotations
@@ -14,7 +32,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["GREEDY", "GREEDY_EPS", "SamplingSettings"]
+__all__ = ["GREEDY", "GREEDY_EPS", "RULES", "SamplingSettings", "SpecRule", "rule"]
 
 GREEDY_EPS = 1e-5  # vLLM's _SAMPLING_EPS: a temperature below it samples greedily
 
@@ -40,6 +58,24 @@ class SamplingSettings:
     def greedy(self) -> bool:
         """Whether the request samples greedily (temperature below ``GREEDY_EPS``)."""
         return self.temperature < GREEDY_EPS
+
+    @property
+    def label(self) -> str:
+        """``T=0.8, top-p 0.9, top-k 20`` (the settings that are on)."""
+        parts = [f"T={self.temperature:g}"]
+        if not self.greedy:
+            if self.top_p < 1:
+                parts.append(f"top-p {self.top_p:g}")
+            if self.top_k:
+                parts.append(f"top-k {self.top_k}")
+        return ", ".join(parts)
+
+    def for_prompt(self, index: int) -> SamplingSettings:
+        """The settings of the ``index``-th prompt: its own seed (``seed + index``), so every prompt's draws are
+        reproducible whatever else is in flight (greedy requests draw nothing: unchanged)."""
+        if self.greedy:
+            return self
+        return SamplingSettings(self.temperature, self.top_p, self.top_k, self.seed + index)
 
     def vllm_fields(self) -> dict[str, Any]:
         """The OpenAI-completions request fields vLLM reads (``top_k: 0`` is vLLM's "off")."""
@@ -74,3 +110,42 @@ class SamplingSettings:
 
 
 GREEDY = SamplingSettings()
+
+
+@dataclass(frozen=True)
+class SpecRule:
+    """A verification rule: its name, whether the draft is sampled, and the vLLM speculative-config keys that select
+    it (None: vLLM 0.32 does not implement it)."""
+
+    name: str
+    sampled_draft: bool
+    vllm_config: Mapping[str, str] | None
+    description: str
+
+
+RULES: dict[str, SpecRule] = {
+    r.name: r
+    for r in (
+        SpecRule(
+            "vllm",
+            False,
+            {},  # the defaults: rejection_sample_method "standard", draft_sample_method "greedy"
+            "argmax draft, accepted with probability p(draft) (vLLM's default)",
+        ),
+        SpecRule(
+            "probabilistic",
+            True,
+            {"rejection_sample_method": "standard", "draft_sample_method": "probabilistic"},
+            "draft sampled from the MTP, accepted with probability min(1, p/q)",
+        ),
+        SpecRule("strict", True, None, "draft sampled from the MTP, kept only when it equals the target's own sample"),
+    )
+}
+
+
+def rule(name: str) -> SpecRule:
+    """The rule called ``name``; ``ValueError`` naming the choices otherwise."""
+    try:
+        return RULES[name]
+    except KeyError:
+        raise ValueError(f"unknown rule {name!r}; choose one of {', '.join(RULES)}") from None

@@ -28,6 +28,8 @@ __all__ = [
     "SpecConfig",
     "resolve_model",
     "server_args_of",
+    "split_groups",
+    "sum_counts",
 ]
 
 ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang"}
@@ -107,6 +109,7 @@ class EngineRun:
     counts: DraftCounts
     other_requests: int = 0  # requests of other clients that finished on the server during the measurement
     others_counted: bool = True  # whether their drafts are in ``counts`` (server-wide counters) or not (per request)
+    group_counts: tuple[DraftCounts, ...] = ()  # the counts of each group of requests asked for (``run(groups=)``)
 
 
 class EngineServer(Protocol):
@@ -133,10 +136,34 @@ class EngineServer(Protocol):
         max_tokens: Sequence[int],
         sampling: SamplingSettings,
         info: ServerInfo,
+        *,
+        concurrency: int = 1,
+        groups: Sequence[Sequence[int]] | None = None,
     ) -> EngineRun:
-        """Send the token-id prompts and count what the engine drafted and accepted for them (exit 43 when the
-        server does not draft with an MTP chain)."""
+        """Send the token-id prompts (prompt i with ``sampling.for_prompt(i)``) and count what the engine drafted and
+        accepted for them (exit 43 when the server does not draft with an MTP chain). ``groups``: prompt indices
+        sent together, one group after another (``concurrency`` in flight at once within a group; default: all one
+        group), each group's counts kept apart (``EngineRun.group_counts``)."""
         ...
+
+
+def split_groups(count: int, groups: Sequence[Sequence[int]] | None) -> list[list[int]]:
+    """The groups a run sends (default: all ``count`` prompts one group); every prompt exactly once."""
+    out = [list(g) for g in groups] if groups is not None else [list(range(count))]
+    if sorted(i for g in out for i in g) != list(range(count)):
+        raise ValueError(f"groups must cover each of the {count} prompts once")
+    return out
+
+
+def sum_counts(parts: Sequence[DraftCounts]) -> DraftCounts:
+    """The counts of several groups together."""
+    k = max((p.k for p in parts), default=0)
+    return DraftCounts(
+        sum(p.steps for p in parts),
+        sum(p.drafted for p in parts),
+        sum(p.accepted for p in parts),
+        tuple(sum(p.accepted_per_position[i] for p in parts if p.k > i) for i in range(k)),
+    )
 
 
 def resolve_model(info: ServerInfo, expected: str | None) -> str:

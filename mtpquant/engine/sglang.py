@@ -27,7 +27,16 @@ from typing import Any
 
 from mtpquant.engine.http import EngineClientBase, EngineHttp
 from mtpquant.engine.sampling import SamplingSettings
-from mtpquant.engine.server import Completion, DraftCounts, EngineRun, ServerInfo, SpecConfig, server_args_of
+from mtpquant.engine.server import (
+    Completion,
+    DraftCounts,
+    EngineRun,
+    ServerInfo,
+    SpecConfig,
+    server_args_of,
+    split_groups,
+    sum_counts,
+)
 from mtpquant.errors import EngineAnswerError, EngineSpecDecodeError
 
 __all__ = ["CHAIN_ALGORITHMS", "SglangClient", "nextn_args", "sglang_settings"]
@@ -183,11 +192,16 @@ class SglangClient(EngineClientBase):
 
     # ---- requests -----------------------------------------------------------------------------------------
     def generate(
-        self, ids: Sequence[int], max_new_tokens: int, sampling: SamplingSettings, k: int
+        self,
+        ids: Sequence[int],
+        max_new_tokens: int,
+        sampling: SamplingSettings,
+        k: int,
+        http: EngineHttp | None = None,
     ) -> tuple[Completion, DraftCounts]:
         """One ``/generate`` request of token ids, and the speculative counts SGLang gives for it."""
         payload = {"input_ids": [int(i) for i in ids], "sampling_params": sampling.sglang_fields(max_new_tokens)}
-        body = self.http.json("/generate", payload=payload, timeout=self.generate_timeout, what="an SGLang")
+        body = (http or self.http).json("/generate", payload=payload, timeout=self.generate_timeout, what="an SGLang")
         if isinstance(body, list) and len(body) == 1:
             body = body[0]
         if not isinstance(body, dict) or not isinstance(body.get("meta_info"), dict):
@@ -250,23 +264,31 @@ class SglangClient(EngineClientBase):
         max_tokens: Sequence[int],
         sampling: SamplingSettings,
         info: ServerInfo,
+        *,
+        concurrency: int = 1,
+        groups: Sequence[Sequence[int]] | None = None,
     ) -> EngineRun:
-        """One request per prompt; the counts are the sum of the requests' own."""
+        """One request per prompt (prompt i with ``sampling.for_prompt(i)``; a group's requests ``concurrency`` in
+        flight at once); the counts are the sum of the requests' own, per group too."""
         k = self.check_chain(info)
         before = self.finished_requests(model)
-        completions: list[Completion] = []
-        steps = drafted = accepted = 0
-        per_position = [0] * k
-        for ids, n in zip(prompts, max_tokens):
-            completion, counts = self.generate(ids, n, sampling, k)
-            completions.append(completion)
-            steps, drafted, accepted = steps + counts.steps, drafted + counts.drafted, accepted + counts.accepted
-            per_position = [a + b for a, b in zip(per_position, counts.accepted_per_position)]
-        if steps == 0:
+        completions: dict[int, Completion] = {}
+        parts: list[DraftCounts] = []
+
+        def one(http: EngineHttp, item: tuple[int, Sequence[int], int]) -> tuple[Completion, DraftCounts]:
+            i, ids, n = item
+            return self.generate(ids, n, sampling.for_prompt(i), k, http)
+
+        for group in split_groups(len(prompts), groups):
+            done = self.each([(i, prompts[i], max_tokens[i]) for i in group], one, concurrency)
+            completions.update((i, completion) for i, (completion, _) in zip(group, done))
+            parts.append(sum_counts([counts for _, counts in done]))
+        counts = sum_counts(parts)
+        if counts.steps == 0:
             raise EngineSpecDecodeError(
                 f"{self.url}: {model} ran no speculative verify step during {len(completions)} requests"
             )
         after = self.finished_requests(model) if before is not None else None
         other = max(0, round(after - before) - len(completions)) if after is not None and before is not None else 0
-        counts = DraftCounts(steps, drafted, accepted, tuple(per_position))
-        return EngineRun(model, tuple(completions), counts, other, False)
+        ordered = tuple(completions[i] for i in range(len(prompts)))
+        return EngineRun(model, ordered, counts, other, False, tuple(parts))

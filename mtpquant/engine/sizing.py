@@ -154,13 +154,15 @@ def plan_engine_memory(
     tensor_parallel_size: int = 1,
     user_args: Sequence[str] = (),
     user_env: Sequence[str] = (),
+    sequences: int = SEQS,
 ) -> EngineMemory:
     """The memory settings of ``engine`` serving ``spec`` (``weights`` bytes on disk) for validate's requests.
 
     ``user_env``: environment variables given to the engine (vLLM's ``VLLM_CPU_KVCACHE_SPACE`` sizes its KV cache).
+    ``sequences``: requests validate keeps in flight at once (``--concurrency``; at least ``SEQS``).
     """
     max_model_len = max(512, 2 * max_len, max_len + k + 1)
-    seqs = SEQS
+    seqs = max(SEQS, sequences)
     tp = max(tensor_parallel_size, 1)
     kv = max(KV_FLOOR, math.ceil(_MARGIN * kv_bytes(spec, max_model_len, seqs) / tp))
     per_device = math.ceil(weights / tp)

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from mtpquant.engine.counters import CounterSnapshot, parse_metrics
 from mtpquant.engine.http import METRICS_CAP, EngineClientBase, EngineHttp
 from mtpquant.engine.sampling import GREEDY, SamplingSettings
-from mtpquant.engine.server import Completion, DraftCounts, EngineRun, ServerInfo
+from mtpquant.engine.server import Completion, DraftCounts, EngineRun, ServerInfo, split_groups
 from mtpquant.errors import EngineAnswerError, EngineSpecDecodeError
 
 __all__ = ["VllmClient", "is_vllm"]
@@ -78,19 +78,24 @@ class VllmClient(EngineClientBase):
         prompts: Sequence[Sequence[int]],
         max_tokens: Sequence[int],
         sampling: SamplingSettings = GREEDY,
+        *,
+        concurrency: int = 1,
+        indices: Sequence[int] | None = None,
     ) -> list[Completion]:
-        """Completions of token-id prompts (``ignore_eos``), one request each."""
-        out = []
-        for ids, n in zip(prompts, max_tokens):
+        """Completions of token-id prompts (``ignore_eos``), one request each, ``concurrency`` in flight; the prompt
+        numbered i (``indices``, default 0, 1, ...) carries ``sampling.for_prompt(i)`` (its own seed)."""
+
+        def one(http: EngineHttp, item: tuple[int, Sequence[int], int]) -> Completion:
+            i, ids, n = item
             payload = {
                 "model": model,
-                "prompt": [int(i) for i in ids],
+                "prompt": [int(t) for t in ids],
                 "max_tokens": int(n),
                 "ignore_eos": True,
-                **sampling.vllm_fields(),
+                **sampling.for_prompt(i).vllm_fields(),
                 "return_token_ids": True,
             }
-            body = self.http.json("/v1/completions", payload=payload, timeout=self.generate_timeout)
+            body = http.json("/v1/completions", payload=payload, timeout=self.generate_timeout)
             try:
                 choice = body["choices"][0]
                 tokens = tuple(int(t) for t in choice["token_ids"])
@@ -98,8 +103,11 @@ class VllmClient(EngineClientBase):
                 raise EngineAnswerError(
                     f"{self.url}/v1/completions: no token_ids in the answer (vLLM >= 0.10 returns them)"
                 ) from None
-            out.append(Completion(tuple(int(i) for i in ids), tokens, choice.get("finish_reason")))
-        return out
+            return Completion(tuple(int(t) for t in ids), tokens, choice.get("finish_reason"))
+
+        numbers = indices if indices is not None else range(len(prompts))
+        items = [(i, ids, n) for i, ids, n in zip(numbers, prompts, max_tokens)]
+        return self.each(items, one, concurrency)
 
     def run(
         self,
@@ -108,23 +116,44 @@ class VllmClient(EngineClientBase):
         max_tokens: Sequence[int],
         sampling: SamplingSettings,
         info: ServerInfo,
+        *,
+        concurrency: int = 1,
+        groups: Sequence[Sequence[int]] | None = None,
     ) -> EngineRun:
-        """The completions, and the counter deltas around them (server-wide: other traffic is counted in)."""
+        """The completions, and the counter deltas around each group (server-wide: other traffic is counted in)."""
         del info  # vLLM states its speculative settings only through its counters
-        before = self.counters(model)
-        completions = self.complete(model, prompts, max_tokens, sampling)
-        delta = self.counters(model).minus(before)
+        start = before = self.counters(model)
+        completions: dict[int, Completion] = {}
+        deltas: list[CounterSnapshot] = []
+        for group in split_groups(len(prompts), groups):
+            done = self.complete(
+                model,
+                [prompts[i] for i in group],
+                [max_tokens[i] for i in group],
+                sampling,
+                concurrency=concurrency,
+                indices=group,
+            )
+            completions.update(zip(group, done))
+            after = self.counters(model)
+            deltas.append(after.minus(before))
+            before = after
+        delta = before.minus(start)
         if delta.drafts <= 0 or delta.draft_tokens <= 0:
             what = "exports no speculative-decoding counters" if not delta.spec_decode else "did not draft"
             raise EngineSpecDecodeError(
                 f"{self.url}: {model} {what} during {len(completions)} requests: speculative decoding with MTP is "
                 f"not configured ({SPEC_HINT})"
             )
-        counts = DraftCounts(
-            steps=round(delta.drafts),
-            drafted=round(delta.draft_tokens),
-            accepted=round(delta.accepted),
-            accepted_per_position=tuple(round(a) for a in delta.accepted_per_position),
-        )
         other = max(0, round(delta.requests) - len(completions))
-        return EngineRun(model, tuple(completions), counts, other, True)
+        ordered = tuple(completions[i] for i in range(len(prompts)))
+        return EngineRun(model, ordered, _counts(delta), other, True, tuple(_counts(d) for d in deltas))
+
+
+def _counts(delta: CounterSnapshot) -> DraftCounts:
+    return DraftCounts(
+        steps=round(delta.drafts),
+        drafted=round(delta.draft_tokens),
+        accepted=round(delta.accepted),
+        accepted_per_position=tuple(round(a) for a in delta.accepted_per_position),
+    )

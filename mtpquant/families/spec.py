@@ -22,6 +22,7 @@ __all__ = [
     "MtpDeclaration",
     "TensorClass",
     "classify_tensor",
+    "dimension_differences",
     "mtp_config",
     "resolve",
     "supported_architectures",
@@ -234,3 +235,34 @@ def mtp_config(config: Mapping[str, Any]) -> MtpConfig:
     if family.mtp.config_check is not None:
         family.mtp.config_check(spec.text)
     return MtpConfig.from_text_config(config)
+
+
+# ---- two checkpoints of one model ------------------------------------------------------------------------------
+# Dimensions that must agree for two checkpoints to be the same model (missing in either: a mismatch): graft checks
+# them before it puts one's MTP into the other, validate before it compares one against the other.
+_CORE_KEYS = (
+    "hidden_size",
+    "vocab_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "num_hidden_layers",
+)
+_DENSE_KEYS = ("intermediate_size",)
+_MOE_KEYS = ("num_experts", "moe_intermediate_size", "shared_expert_intermediate_size")
+
+
+def _fmt(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def dimension_differences(a: Mapping[str, Any], b: Mapping[str, Any], family: Family) -> list[str]:
+    """``"key A vs B"`` for every model dimension in which two text configs of ``family`` differ (empty: the same
+    shapes); the family's ``lineage_keys`` are compared only where both configs have them (some exporters drop keys
+    they do not use)."""
+    core = _CORE_KEYS + (_MOE_KEYS if family.moe else _DENSE_KEYS)
+    diffs = [f"{k} {_fmt(a.get(k))} vs {_fmt(b.get(k))}" for k in core if a.get(k) != b.get(k)]
+    extra = ("num_experts_per_tok", *family.lineage_keys)
+    diffs += [f"{k} {_fmt(a[k])} vs {_fmt(b[k])}" for k in extra if k in a and k in b and a[k] != b[k]]
+    return diffs

@@ -15,7 +15,7 @@ from typing import Any
 from mtpquant.checkpoint.header import FLOAT_DTYPES
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.errors import GraftError, LineageError
-from mtpquant.families import Family, ModelSpec, is_mtp_name, mtp_layer_count, resolve
+from mtpquant.families import ModelSpec, dimension_differences, is_mtp_name, mtp_layer_count, resolve
 
 __all__ = [
     "GraftError",
@@ -29,17 +29,6 @@ log = logging.getLogger(__name__)
 
 # Unquantized storage dtypes: what an MTP kept "as is" must be stored in.
 
-# Dimensions that must agree for the MTP of one to fit the other (missing in either: mismatch).
-_CORE_KEYS = (
-    "hidden_size",
-    "vocab_size",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "num_hidden_layers",
-)
-_DENSE_KEYS = ("intermediate_size",)
-_MOE_KEYS = ("num_experts", "moe_intermediate_size", "shared_expert_intermediate_size")
 _QUANT_SUFFIXES = (
     ".weight_scale",
     ".weight_scale_2",
@@ -69,22 +58,6 @@ def _spec_with_layers(spec: ModelSpec, layers: int) -> ModelSpec:
     from mtpquant.surgery.metadata import declare_mtp
 
     return resolve(declare_mtp(spec, layers))
-
-
-def _fmt(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
-def _dim_differences(quant: Mapping[str, Any], src: Mapping[str, Any], family: Family) -> list[str]:
-    core = _CORE_KEYS + (_MOE_KEYS if family.moe else _DENSE_KEYS)
-    diffs = [f"{k} {_fmt(quant.get(k))} vs {_fmt(src.get(k))}" for k in core if quant.get(k) != src.get(k)]
-    # compared only where both configs have them (some exporters drop keys they do not use)
-    extra = ("num_experts_per_tok", *family.lineage_keys)
-    diffs += [
-        f"{k} {_fmt(quant[k])} vs {_fmt(src[k])}" for k in extra if k in quant and k in src and quant[k] != src[k]
-    ]
-    return diffs
 
 
 def _is_quantized_module(tensors: Mapping[str, Any], weight_name: str) -> bool:
@@ -118,7 +91,7 @@ def check_lineage(quant: Checkpoint, src: Checkpoint, *, weight_check: bool = Tr
             f"lineage mismatch: QUANT is {qs.family.display} ({qs.architecture}), SRC is "
             f"{ss.family.display} ({ss.architecture})"
         )
-    diffs = _dim_differences(qs.text, ss.text, qs.family)
+    diffs = dimension_differences(qs.text, ss.text, qs.family)
     src_mtp = {e.name: e for e in src.mtp_tensors()}
     if not src_mtp:
         from mtpquant.errors import MtpModeError

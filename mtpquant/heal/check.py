@@ -49,7 +49,7 @@ class UnitCounts:
     """Verification steps and accepted drafts of one MTP at one k, per held-out sequence (the bootstrap's unit)."""
 
     steps: tuple[int, ...]
-    accepted: tuple[int, ...]
+    accepted: tuple[float, ...]  # counted (greedy): whole numbers
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -92,7 +92,7 @@ class CheckResult:
 def unit_counts(bundle: MtpBundle, run: TargetRun, k_max: int) -> list[UnitCounts]:
     """Per k = 1..k_max, the counts of every sequence of ``run`` (``evaluate_acceptance`` one sequence at a time)."""
     steps: list[list[int]] = [[] for _ in range(k_max)]
-    accepted: list[list[int]] = [[] for _ in range(k_max)]
+    accepted: list[list[float]] = [[] for _ in range(k_max)]
     for seq in run.sequences:
         try:
             result = evaluate_acceptance(bundle, TargetRun(run.source, [seq]), k_max, progress=False)

@@ -166,7 +166,7 @@ def _heal(
     from mtpquant.heal.write import record_step, write_healed
     from mtpquant.validate.builtin import capture
     from mtpquant.validate.load import CheckpointWeights, compute_dtype, load_mtp, load_target, resolve_device
-    from mtpquant.validate.prompts import tokenize_prompts
+    from mtpquant.validate.prompts import plan_sequences, tokenize_prompts
 
     options = plan.options
     torch.set_flush_denormal(True)  # denormals in tiny AdamW updates make CPU kernels crawl
@@ -182,7 +182,7 @@ def _heal(
                             max_memory=plan.memory.caps.for_accelerate() if plan.memory.caps else None)
     with timer("check_target"):
         ids = tokenize_prompts(quant.source, check_prompts(options.check_prompts), vocab)
-        held_out = capture(model, ids, options.check_len, label="held-out", progress=options.progress,
+        held_out = capture(model, plan_sequences(ids, options.check_len), label="held-out", progress=options.progress,
                            batch_size=options.batch_prompts)
     with timer("data"):
         tokenizer = load_tokenizer(quant.source.local_dir(["*.safetensors", "*.bin", "*.pt", "*.pth"]))

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from datetime import datetime, timezone
 from typing import Any
 
@@ -32,6 +32,7 @@ import torch
 from tqdm.auto import tqdm
 
 from mtpquant import __version__
+from mtpquant.engine.sampling import SamplingSettings
 from mtpquant.validate.hidden import load_hidden, save_hidden
 from mtpquant.validate.load import (
     CheckpointWeights,
@@ -44,7 +45,14 @@ from mtpquant.validate.load import (
     text_model_class,
 )
 from mtpquant.validate.options import ValidateError, ValidateOptions
-from mtpquant.validate.prompts import default_prompts, load_prompts, prompt_length, tokenize_prompts
+from mtpquant.validate.preflight import check_context_buckets, check_same_model, preflight
+from mtpquant.validate.prompts import (
+    PlannedSequence,
+    context_edges,
+    plan_sequences,
+    prompts_for,
+    tokenize_prompts,
+)
 from mtpquant.validate.replay import (
     AcceptanceResult,
     SequenceRecord,
@@ -54,7 +62,7 @@ from mtpquant.validate.replay import (
     evaluate_acceptance,
     replay_greedy,
 )
-from mtpquant.validate.schema import Comparison, MtpInfo, Report, Settings, Side, ValidationReport
+from mtpquant.validate.schema import Acceptance, Comparison, MtpInfo, Report, Settings, Side, ValidationReport
 from mtpquant.validate.verdict import verdict
 
 __all__ = [
@@ -76,10 +84,10 @@ def _tokenize(prompts: Sequence[str], weights: CheckpointWeights) -> list[list[i
     return tokenize_prompts(weights.ckpt.source, prompts, int(weights.shape(weights.embed_name())[0]))
 
 
-def _batches(lengths: Sequence[int], batch_size: int) -> list[list[int]]:
+def _batches(lengths: Sequence[Hashable], batch_size: int) -> list[list[int]]:
     """Indices of equal ``lengths`` in chunks of at most ``batch_size``, in first-seen order (no padding: every
     row of a batch has the inputs it would have alone)."""
-    groups: dict[int, list[int]] = {}
+    groups: dict[Hashable, list[int]] = {}
     for i, n in enumerate(lengths):
         groups.setdefault(n, []).append(i)
     return [g[j : j + batch_size] for g in groups.values() for j in range(0, len(g), batch_size)]
@@ -87,32 +95,39 @@ def _batches(lengths: Sequence[int], batch_size: int) -> list[list[int]]:
 
 def capture(
     target: TargetModel,
-    prompt_ids: Sequence[Sequence[int]],
-    max_len: int,
+    plan: Sequence[PlannedSequence],
     *,
     label: str,
     reference: TargetRun | None = None,
     progress: bool = True,
     batch_size: int = 16,
+    sampling: SamplingSettings | None = None,
 ) -> TargetRun:
-    """Greedy continuations and hidden states for each prompt (and over ``reference``'s sequences).
+    """Continuations (greedy, or sampled with ``sampling``) and hidden states for each planned sequence (and over
+    ``reference``'s sequences).
 
-    Prompts of the same length are generated together, ``batch_size`` at a time (their continuations have the
-    same length too, so nothing is padded or masked). The tokens are those of one prompt at a time; the hidden
-    states are bit-identical on CPU for the dense family and within float rounding for MoE experts, whose GEMMs
-    see more rows when batched (tests/test_validate.py); on GPU batched GEMMs may round differently too.
+    Sequences of the same prompt and continuation lengths are generated together, ``batch_size`` at a time (nothing
+    is padded or masked). The tokens are those of one prompt at a time (a sampled prompt draws from its own
+    generator, seeded by ``sampling.for_prompt(i)``); the hidden states are bit-identical on CPU for the dense
+    family and within float rounding for MoE experts, whose GEMMs see more rows when batched
+    (tests/test_validate.py); on GPU batched GEMMs may round differently too.
     """
-    lengths = [prompt_length(len(ids), max_len) for ids in prompt_ids]
-    records: list[SequenceRecord | None] = [None] * len(prompt_ids)
-    with tqdm(total=len(prompt_ids), desc=f"target {label}", unit="prompt", disable=not progress) as bar:
-        for batch in _batches(lengths, batch_size):
-            p = lengths[batch[0]]
-            prompt = torch.tensor([list(prompt_ids[i][:p]) for i in batch], dtype=torch.long)
-            tokens = target.greedy(prompt, max_len - p).cpu()
+    shapes = [(len(s.prompt), s.new_tokens) for s in plan]
+    records: list[SequenceRecord | None] = [None] * len(plan)
+    with tqdm(total=len(plan), desc=f"target {label}", unit="prompt", disable=not progress) as bar:
+        for batch in _batches(shapes, batch_size):
+            new = plan[batch[0]].new_tokens
+            prompt = torch.tensor([list(plan[i].prompt) for i in batch], dtype=torch.long)
+            generators = (
+                [torch.Generator().manual_seed(sampling.for_prompt(i).seed) for i in batch]
+                if sampling is not None and not sampling.greedy
+                else []
+            )
+            tokens = target.generate(prompt, new, sampling, generators).cpu()
             head, mtp_input = target.hidden_states(tokens)
             for row, i in enumerate(batch):
                 extra = None if mtp_input is None else mtp_input[row].cpu().clone()
-                records[i] = SequenceRecord(tokens[row].clone(), p, head[row].cpu().clone(), extra)
+                records[i] = SequenceRecord(tokens[row].clone(), len(plan[i].prompt), head[row].cpu().clone(), extra)
             bar.update(len(batch))
     seqs = [r for r in records if r is not None]
     on_ref = None
@@ -126,7 +141,7 @@ def capture(
                     hidden_on_ref[i] = hidden[row].clone()
                 bar.update(len(batch))
         on_ref = [h for h in hidden_on_ref if h is not None]
-    return TargetRun(label, seqs, on_ref)
+    return TargetRun(label, seqs, on_ref, sampling or SamplingSettings())
 
 
 def _release(target: TargetModel) -> None:
@@ -144,9 +159,11 @@ def _side(
     bundle: MtpBundle | None,
     error: str | None,
     run: TargetRun,
-    acceptance: AcceptanceResult | None,
+    by_sampling: Sequence[AcceptanceResult],
     target_source: str,
+    level: float,
 ) -> Side:
+    acceptance = by_sampling[0] if by_sampling else None
     return Side(
         checkpoint=weights.label,
         family=weights.spec.family.key,
@@ -161,76 +178,94 @@ def _side(
             precision=bundle.precision if bundle else None,
             emulated_activations=tuple(bundle.emulated) if bundle else (),
         ),
-        acceptance=acceptance.typed() if acceptance else None,
+        acceptance=acceptance.typed(level) if acceptance else None,
+        non_finite_target=run.non_finite,
+        non_finite_mtp=acceptance.non_finite if acceptance else 0,
+        acceptance_by_sampling=tuple(a.typed(level) for a in by_sampling),
     )
+
+
+Runs = dict[SamplingSettings, dict[str, TargetRun]]  # per sampling setting: "ref" (and "cand") target runs
 
 
 def _targets(
     opts: ValidateOptions, ref_w: CheckpointWeights, cand_w: CheckpointWeights | None, device: Any, dtype: Any
-) -> tuple[dict[str, TargetRun], str, str, str, list[str]]:
-    """The target runs (from a hidden-state file or the target models): runs, prompts, ref and cand sources, notes."""
+) -> tuple[Runs, str, str, str, list[str], int]:
+    """The target runs for every sampling setting (from a hidden-state file or the target models, each loaded once):
+    runs, prompts, ref and cand sources, notes, and the ``max_len`` they were made with (a hidden file's own)."""
     notes: list[str] = []
     pair = cand_w is not None
+    settings = opts.sampling_settings
     if opts.hidden is not None:
-        runs, meta = load_hidden(opts.hidden)
-        if "ref" not in runs:
-            raise ValidateError(f"{opts.hidden}: no reference target run in the file")
+        loaded, meta = load_hidden(opts.hidden)
+        runs: Runs = {}
+        for s in settings:
+            found = {group.split("@")[0]: run for group, run in loaded.items() if run.sampling == s}
+            if "ref" not in found:
+                have = sorted({run.sampling.label for run in loaded.values()})
+                raise ValidateError(f"{opts.hidden}: no reference target run at {s.label} in the file (it has: "
+                                    f"{'; '.join(have)})")  # fmt: skip
+            runs[s] = found
+        first = runs[settings[0]]["ref"]
         H = ref_w.spec.hidden_size
-        got = int(runs["ref"].sequences[0].hidden.shape[-1])
+        got = int(first.sequences[0].hidden.shape[-1])
         if got != H:
             raise ValidateError(f"{opts.hidden}: hidden size {got} does not match {ref_w.label} ({H})")
         prompts_desc = str(meta.get("prompts", "from hidden file"))
-        ref_src = f"hidden file {opts.hidden} ({runs['ref'].source})"
-        if pair and "cand" not in runs:
-            runs["cand"] = runs["ref"]
+        ref_src = f"hidden file {opts.hidden} ({first.source})"
+        if pair and any("cand" not in by_side for by_side in runs.values()):
+            for by_side in runs.values():
+                by_side["cand"] = by_side["ref"]
             notes.append(
                 "The hidden-state file holds only the reference target: the candidate MTP is evaluated on "
                 "the reference target's hidden states (an MTP-only comparison)."
             )
             cand_src = ref_src + " (reference target)"
         else:
-            cand_src = f"hidden file {opts.hidden} ({runs['cand'].source})" if pair else ""
-        return runs, prompts_desc, ref_src, cand_src, notes
-    if opts.prompts_file is not None:
-        prompts = load_prompts(opts.prompts_file, opts.num_prompts)
-        prompts_desc = str(opts.prompts_file)
-    else:
-        prompts = default_prompts(opts.num_prompts)
-        prompts_desc = "default: held-out pydoc topics and stdlib source (mtpquant.validate.prompts)"
-    ids = _tokenize(prompts, ref_w)
-    if not ids:
-        raise ValidateError("no prompt has at least 2 tokens")
-    runs = {}
+            cand_src = f"hidden file {opts.hidden} ({runs[settings[0]]['cand'].source})" if pair else ""
+        return runs, prompts_desc, ref_src, cand_src, notes, int(meta.get("max_len", opts.max_len))
+    prompts, prompts_desc = prompts_for(opts.prompts_file, opts.num_prompts, opts.prompt_chars)
+    plan = plan_sequences(_tokenize(prompts, ref_w), opts.max_len, opts.context_buckets)
+    if not plan:
+        raise ValidateError(
+            "no prompt is long enough"
+            + (f" for the context buckets {', '.join(map(str, opts.context_buckets))}" if opts.context_buckets else "")
+        )
+    runs = {s: {} for s in settings}
     target = load_target(ref_w, device=device, dtype=dtype, activations=opts.activations)
-    runs["ref"] = capture(
-        target, ids, opts.max_len, label="reference", progress=opts.progress, batch_size=opts.batch_size
-    )
+    for s in settings:
+        label = "reference" + (f" ({s.label})" if len(settings) > 1 else "")
+        runs[s]["ref"] = capture(
+            target, plan, label=label, progress=opts.progress, batch_size=opts.batch_size, sampling=s
+        )
     _release(target)
     if cand_w is not None:
         target = load_target(cand_w, device=device, dtype=dtype, activations=opts.activations)
-        runs["cand"] = capture(
-            target,
-            ids,
-            opts.max_len,
-            label="candidate",
-            reference=runs["ref"],
-            progress=opts.progress,
-            batch_size=opts.batch_size,
-        )
+        for i, s in enumerate(settings):
+            label = "candidate" + (f" ({s.label})" if len(settings) > 1 else "")
+            runs[s]["cand"] = capture(
+                target,
+                plan,
+                label=label,
+                reference=runs[s]["ref"] if i == 0 else None,  # the main-model comparison: the headline setting
+                progress=opts.progress,
+                batch_size=opts.batch_size,
+                sampling=s,
+            )
         _release(target)
     if opts.save_hidden is not None:
         save_hidden(
             opts.save_hidden,
-            runs,
+            [(side, run) for by_side in runs.values() for side, run in by_side.items()],
             {"prompts": prompts_desc, "max_len": opts.max_len, "dtype": str(dtype), "device": str(device)},
         )
-    return runs, prompts_desc, "model", "model" if pair else "", notes
+    return runs, prompts_desc, "model", "model" if pair else "", notes, opts.max_len
 
 
 def validate_builtin(opts: ValidateOptions) -> ValidationReport:
     """The built-in path of ``validate``: replay on transformers with the checkpoints' own weights; writes the
     report directory when one is given."""
-    opts.check()
+    preflight(opts)
     t_start = time.perf_counter()
     device = resolve_device(opts.device)
     dtype = compute_dtype(device, opts.dtype)
@@ -238,6 +273,9 @@ def validate_builtin(opts: ValidateOptions) -> ValidationReport:
     K = max(opts.k_values)
     ref_w = CheckpointWeights.open(opts.reference)
     cand_w = CheckpointWeights.open(opts.candidate) if opts.candidate is not None else None
+    if cand_w is not None:
+        check_same_model(ref_w.ckpt, cand_w.ckpt)
+    check_context_buckets(ref_w.ckpt, opts.context_buckets)
     notes: list[str] = []
     if opts.activations == "off":
         notes.append(
@@ -254,40 +292,61 @@ def validate_builtin(opts: ValidateOptions) -> ValidationReport:
 
     # 1. target runs: from a hidden-state file or from the target models.
     t0 = time.perf_counter()
-    runs, prompts_desc, ref_src, cand_src, target_notes = _targets(opts, ref_w, cand_w, device, dtype)
+    runs, prompts_desc, ref_src, cand_src, target_notes, max_len = _targets(opts, ref_w, cand_w, device, dtype)
     notes += target_notes
     timing["targets_s"] = time.perf_counter() - t0
 
-    # 2. MTP layers and acceptance.
+    # 2. MTP layers and acceptance, per sampling setting (the first is the headline: comparisons and verdict).
     t0 = time.perf_counter()
+    settings = opts.sampling_settings
+    ref_head = ref_w.tensor(ref_w.lm_head_name(), dtype)
     ref_mtp, ref_err = load_mtp(ref_w, dtype=dtype, device=device, activations=opts.activations)
-    ref_acc = (
-        evaluate_acceptance(ref_mtp, runs["ref"], K, progress=opts.progress, label="reference") if ref_mtp else None
-    )
-    reference = _side(ref_w, ref_mtp, ref_err, runs["ref"], ref_acc, ref_src)
+
+    def evaluate(bundle: MtpBundle, run: TargetRun, head: torch.Tensor, label: str) -> AcceptanceResult:
+        s = run.sampling
+        return evaluate_acceptance(
+            bundle,
+            run,
+            K,
+            progress=opts.progress,
+            label=label + (f" ({s.label})" if len(settings) > 1 else ""),
+            sampling=s,
+            rule=opts.rule,
+            target_head=head,
+            context_edges=context_edges(max_len, opts.context_buckets),
+        )
+
+    ref_accs = [evaluate(ref_mtp, runs[s]["ref"], ref_head, "reference") for s in settings] if ref_mtp else []
+    reference = _side(ref_w, ref_mtp, ref_err, runs[settings[0]]["ref"], ref_accs, ref_src, opts.confidence)
     candidate: Side | None = None
     comparison: Comparison | None = None
+    extra: list[tuple[str, Acceptance, Acceptance, Acceptance | None]] = []
     mtp_kl = main_kl = None
     if cand_w is not None:
-        cand_run = runs["cand"]
+        headline = runs[settings[0]]
+        cand_run = headline["cand"]
+        cand_head = cand_w.tensor(cand_w.lm_head_name(), dtype)
         cand_mtp, cand_err = load_mtp(cand_w, dtype=dtype, device=device, activations=opts.activations)
-        cand_acc = (
-            evaluate_acceptance(cand_mtp, cand_run, K, progress=opts.progress, label="candidate") if cand_mtp else None
+        # the candidate's own target verifies its drafts (its own head), unless the runs are the reference's
+        heads = {s: ref_head if runs[s]["cand"] is runs[s]["ref"] else cand_head for s in settings}
+        cand_accs = (
+            [evaluate(cand_mtp, runs[s]["cand"], heads[s], "candidate") for s in settings] if cand_mtp else []
         )
-        candidate = _side(cand_w, cand_mtp, cand_err, cand_run, cand_acc, cand_src)
+        candidate = _side(cand_w, cand_mtp, cand_err, cand_run, cand_accs, cand_src, opts.confidence)
         parts: dict[str, Any] = {}
-        if ref_mtp is not None and cand_mtp is not None and ref_acc is not None and cand_acc is not None:
-            mtp_cmp = compare_mtp(ref_mtp, cand_mtp, runs["ref"])
+        if ref_mtp is not None and cand_mtp is not None and ref_accs and cand_accs:
+            mtp_cmp = compare_mtp(ref_mtp, cand_mtp, headline["ref"])
             mtp_kl = mtp_cmp.kl
-            cross = evaluate_acceptance(
-                cand_mtp, runs["ref"], K, progress=opts.progress, label="candidate on reference target"
-            )
+            crosses = [
+                evaluate(cand_mtp, runs[s]["ref"], ref_head, "candidate on reference target") for s in settings
+            ]
+            ref_acc, cand_acc, cross = ref_accs[0], cand_accs[0], crosses[0]
             ref_al = [s.mean_acceptance_length for s in ref_acc.by_k]
             cand_al = [s.mean_acceptance_length for s in cand_acc.by_k]
             cross_al = [s.mean_acceptance_length for s in cross.by_k]
             parts.update(
                 mtp=mtp_cmp.typed(),
-                candidate_mtp_on_reference_target=cross.typed(),
+                candidate_mtp_on_reference_target=cross.typed(opts.confidence),
                 al_delta_by_k=tuple(c - r for r, c in zip(ref_al, cand_al)),
                 al_delta_from_mtp_by_k=tuple(x - r for r, x in zip(ref_al, cross_al)),
                 al_delta_from_target_by_k=tuple(c - x for x, c in zip(cross_al, cand_al)),
@@ -298,19 +357,23 @@ def validate_builtin(opts: ValidateOptions) -> ValidationReport:
                     )
                 ),
             )
+            level = opts.confidence
+            extra = [
+                (s.label, r.typed(level), c.typed(level), x.typed(level))
+                for s, r, c, x in list(zip(settings, ref_accs, cand_accs, crosses))[1:]
+            ]
         if cand_run.hidden_on_ref is not None:
-            ref_head = ref_w.tensor(ref_w.lm_head_name(), dtype)
-            cand_head = cand_w.tensor(cand_w.lm_head_name(), dtype)
-            main_cmp = compare_main(runs["ref"], ref_head, cand_run.hidden_on_ref, cand_head)
+            main_cmp = compare_main(headline["ref"], ref_head, cand_run.hidden_on_ref, cand_head)
             main_kl = main_cmp.kl
             parts["main"] = main_cmp.typed()
-        elif cand_run is runs["ref"]:
+        elif cand_run is headline["ref"]:
             parts["main_compared"] = False
             notes.append("Main-model comparison skipped: both pairs use the reference target from the hidden file.")
         comparison = Comparison(**parts)
     timing["mtp_s"] = time.perf_counter() - t0
     timing["total_s"] = time.perf_counter() - t_start
-    evaluated = sum(r.num_tokens for r in {id(r): r for r in runs.values()}.values())
+    distinct = {id(r): r for by_side in runs.values() for r in by_side.values()}
+    evaluated = sum(r.num_tokens for r in distinct.values())
     timing["sequence_tokens"] = float(evaluated)
     work_s = timing["total_s"] - timing["imports_s"]
     timing["tokens_per_second"] = evaluated / work_s if work_s > 0 else 0.0
@@ -320,8 +383,8 @@ def validate_builtin(opts: ValidateOptions) -> ValidationReport:
         mode="pair" if candidate is not None else "single",
         settings=Settings(
             k=K,
-            num_prompts=len(runs["ref"].sequences),
-            max_len=opts.max_len,
+            num_prompts=len(runs[settings[0]]["ref"].sequences),
+            max_len=max_len,
             prompts=prompts_desc,
             device=str(device),
             dtype=str(dtype).removeprefix("torch."),
@@ -329,9 +392,13 @@ def validate_builtin(opts: ValidateOptions) -> ValidationReport:
             hidden_file=str(opts.hidden) if opts.hidden else None,
             warn_al_drop=opts.warn_al_drop,
             broken_al=opts.broken_al,
+            min_main_agreement=opts.min_main_agreement,
+            confidence=opts.confidence,
+            sampling=settings,
+            rule=opts.rule,
         ),
         reference=reference,
-        verdict=verdict(opts, reference, candidate),
+        verdict=verdict(opts, reference, candidate, comparison, extra=extra),
         candidate=candidate,
         comparison=comparison,
         timing={k: round(v, 3) for k, v in timing.items()},

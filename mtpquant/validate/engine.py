@@ -1,16 +1,18 @@
 """``validate`` through the engines users deploy: a running vLLM or SGLang server (``--server``, recognised by
 its routes), or one started here (``--engine vllm|sglang``), measured by the engine's own speculative counters.
 
-The prompts and lengths are the built-in path's (the default held-out prompts, or ``--prompts``; tokenized with
-the checkpoint's ``tokenizer.json``, or by the server's ``/tokenize`` when only a URL is given; the first
-``min(len, max_len / 2)`` tokens, then ``max_len`` minus that many generated with ``ignore_eos``) and so are the
-sampling settings (greedy). vLLM's counters are server-wide, read before and after and subtracted (traffic from
-other clients meanwhile is counted in and reported); SGLang's come with each request (exactly these requests)
-and must describe the k-step MTP chain (NEXTN, topk 1): a tree is refused. ``--candidate-server`` pairs work
-across engines. With ``--engine`` one server is started per k (the number of drafts is fixed per server) on
-127.0.0.1, its memory sized for what validate sends (``engine/sizing.py``), its log written into the report
-directory, and stopped afterwards (also on Ctrl-C or an error). ``--compare-reference`` also runs the built-in
-prediction on the same prompts and reports both, with the difference per k.
+The prompts, lengths and sampling are the built-in path's (the default held-out prompts, or ``--prompts``;
+tokenized with the checkpoint's ``tokenizer.json``, or by the server's ``/tokenize`` when only a URL is given;
+planned as ``prompts.plan_sequences`` plans them, context buckets included; sent with ``ignore_eos`` at every
+``--temperature`` with ``--top-p`` / ``--top-k``, prompt i with seed ``--seed + i``), in groups of
+``--concurrency`` requests (``validate.measure``; each group a unit of the intervals). vLLM's counters are
+server-wide, read around each group and subtracted (traffic from other clients meanwhile is counted in and
+reported); SGLang's come with each request (exactly these requests) and must describe the k-step MTP chain (NEXTN,
+topk 1): a tree is refused. ``--candidate-server`` pairs work across engines. With ``--engine`` one server is
+started per k (the number of drafts, and vLLM's verification rule, are fixed per server) on 127.0.0.1 and measures
+every setting; its memory is sized for what validate sends (``engine/sizing.py``), its log written into the report
+directory, and it is stopped afterwards (also on Ctrl-C or an error). ``--compare-reference`` also runs the built-in
+prediction on the same prompts and settings and reports both, per setting and k, per position too.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from datetime import datetime, timezone
+from itertools import groupby
 from pathlib import Path
 from typing import Any
 
@@ -28,18 +31,21 @@ from mtpquant import __version__
 from mtpquant.engine.connect import client_for, connect
 from mtpquant.engine.http import engine_api_key
 from mtpquant.engine.launch import EngineProcess, free_port, sglang_args, vllm_args
-from mtpquant.engine.sampling import GREEDY
+from mtpquant.engine.sampling import rule
 from mtpquant.engine.server import ENGINE_NAMES, EngineServer, ServerInfo, SpecConfig, resolve_model
 from mtpquant.engine.sizing import Machine, plan_engine_memory, probe_machine
 from mtpquant.errors import EngineAnswerError
 from mtpquant.public import public_args
+from mtpquant.validate.evidence import Bootstrap
 from mtpquant.validate.measure import EngineMeasurement, measure
 from mtpquant.validate.options import ValidateError, ValidateOptions
-from mtpquant.validate.prompts import default_prompts, load_prompts, prompt_length, tokenize_prompts
+from mtpquant.validate.preflight import check_context_buckets, check_same_model, preflight
+from mtpquant.validate.prompts import PlannedSequence, plan_sequences, prompts_for, tokenize_prompts
 from mtpquant.validate.schema import (
     Acceptance,
     AcceptanceRow,
     Comparison,
+    ContextBucket,
     EngineInfo,
     MtpInfo,
     Report,
@@ -48,12 +54,17 @@ from mtpquant.validate.schema import (
     ValidationReport,
 )
 
-__all__ = ["SAMPLING", "validate_engine"]
+__all__ = ["validate_engine"]
 
 log = logging.getLogger(__name__)
 
-SAMPLING = GREEDY  # until validate takes sampling settings (#26): what every engine request is sent with
-GREEDY_NOTE = "Greedy only (temperature 0, ignore_eos): the same prompts and lengths as the built-in path."
+ENGINE_NOTE = "The same prompts, lengths and sampling settings as the built-in path (ignore_eos)."
+CPU_SAMPLING_NOTE = (
+    "vLLM 0.32.0's CPU build mis-expands each request's temperature, top-k and top-p to its drafts in the rejection "
+    "sampler (vllm/utils/cpu_triton_utils.py::_expand_kernel_impl fills an int64 copy that is never read back), so "
+    "an unpatched CPU server judges sampled drafts against uninitialized distributions and accepts almost none; "
+    "mtpquant's test engine environment corrects it (tests/support/vllm_env.py). GPU builds run the Triton kernel."
+)
 COUNTER_NOTES = {
     "vllm": "vLLM's speculative-decoding counters are server-wide: its numbers are the difference of two snapshots.",
     "sglang": (
@@ -65,21 +76,18 @@ COUNTER_NOTES = {
 
 @dataclasses.dataclass(frozen=True)
 class _Measured:
-    """One side measured at one k: the engine's numbers and the server that gave them."""
+    """One side measured at one k, at every sampling setting: the engine's numbers and the server that gave them."""
 
     label: str
     checkpoint: str
     engine: EngineInfo
-    measurement: EngineMeasurement
+    measurements: tuple[EngineMeasurement, ...]
     notes: tuple[str, ...] = ()
 
-
-def _prompts(opts: ValidateOptions) -> tuple[list[str], str]:
-    if opts.prompts_file is not None:
-        return load_prompts(opts.prompts_file, opts.num_prompts), str(opts.prompts_file)
-    return default_prompts(
-        opts.num_prompts
-    ), "default: held-out pydoc topics and stdlib source (mtpquant.validate.prompts)"
+    @property
+    def measurement(self) -> EngineMeasurement:
+        """The headline setting's measurement."""
+        return self.measurements[0]
 
 
 def _token_prompts(
@@ -100,19 +108,31 @@ def _token_prompts(
     return [row for row in ids if len(row) >= 2]
 
 
-def _lengths(ids: Sequence[Sequence[int]], max_len: int) -> tuple[list[list[int]], list[int]]:
-    prompts, new = [], []
-    for row in ids:
-        p = prompt_length(len(row), max_len)
-        prompts.append(list(row[:p]))
-        new.append(max_len - p)
-    return prompts, new
+def _plan(opts: ValidateOptions, ids: Sequence[Sequence[int]]) -> list[PlannedSequence]:
+    """The sequences, those of one context bucket next to each other (so no request group mixes buckets)."""
+    plan = plan_sequences(ids, opts.max_len, opts.context_buckets)
+    if not plan:
+        raise ValidateError("no prompt is long enough to measure")
+    return plan
+
+
+def _measure_all(
+    opts: ValidateOptions, server: EngineServer, info: ServerInfo, model: str, plan: Sequence[PlannedSequence]
+) -> tuple[EngineMeasurement, ...]:
+    """Every sampling setting on one server: the same prompts, lengths and seeds; a bucket's prompts grouped."""
+    prompts, new = [list(s.prompt) for s in plan], [s.new_tokens for s in plan]
+    runs = [sum(1 for _ in group) for _, group in groupby(plan, key=lambda s: s.bucket)]
+    return tuple(
+        measure(server, info, model, prompts, new, s, concurrency=opts.concurrency, runs=runs)
+        for s in opts.sampling_settings
+    )
 
 
 def _engine_info(
+    opts: ValidateOptions,
     info: ServerInfo,
     model: str,
-    m: EngineMeasurement,
+    ms: Sequence[EngineMeasurement],
     args: Sequence[str],
     label: str,
     spec: SpecConfig | None,
@@ -120,6 +140,7 @@ def _engine_info(
 ) -> EngineInfo:
     """``requested_k``: the k to report when the server counted no draft positions (a vLLM without per-position
     counters)."""
+    m = ms[0]
     k = m.k or requested_k
     return EngineInfo(
         name=info.engine,
@@ -128,9 +149,14 @@ def _engine_info(
         model=model,
         k=k,
         k_source="server" if m.k else "--k",
-        sampling=SAMPLING.to_json(),
+        sampling={
+            "settings": [x.sampling.to_json() for x in ms],
+            "rule": opts.rule,
+            "ignore_eos": True,
+            "concurrency": opts.concurrency,
+        },
         server_args=public_args(args),  # the report goes public with OUT: no key, paths by base name
-        other_requests=m.other_requests,
+        other_requests=sum(x.other_requests for x in ms),
         side=label,
         speculative=(spec or SpecConfig("mtp", k)).to_json(),
         counters="server-wide" if m.run.others_counted else "per-request",
@@ -138,19 +164,18 @@ def _engine_info(
 
 
 def _running(
-    opts: ValidateOptions, url: str, label: str, texts: Sequence[str], ids: list[list[int]] | None
-) -> tuple[_Measured, list[list[int]]]:
-    """Measure a server someone else runs (vLLM or SGLang, recognised by its routes)."""
+    opts: ValidateOptions, url: str, label: str, texts: Sequence[str], plan: list[PlannedSequence] | None
+) -> tuple[_Measured, list[PlannedSequence]]:
+    """Measure a server someone else runs (vLLM or SGLang, recognised by its routes), at every sampling setting."""
     server, info = connect(url, generate_timeout=opts.request_timeout, api_key=engine_api_key(opts.api_key_file))
     log.info("%s: %s serving %s", info.url, info.display, ", ".join(info.models))
     model = resolve_model(info, opts.served_model)
-    if ids is None:
-        ids = _token_prompts(opts, texts, server, model)
-    prompts, new = _lengths(ids, opts.max_len)
-    m = measure(server, info, model, prompts, new, SAMPLING)
+    if plan is None:
+        plan = _plan(opts, _token_prompts(opts, texts, server, model))
+    ms = _measure_all(opts, server, info, model, plan)
     args = server.server_args()
-    engine_info = _engine_info(info, model, m, args, label, info.speculative, max(opts.k_values))
-    return _Measured(label, model, engine_info, m, _draft_notes(info, model)), ids
+    engine_info = _engine_info(opts, info, model, ms, args, label, info.speculative, max(opts.k_values))
+    return _Measured(label, model, engine_info, ms, _draft_notes(info, model)), plan
 
 
 def _draft_notes(info: ServerInfo, model: str) -> tuple[str, ...]:
@@ -167,11 +192,12 @@ def _started(
     checkpoint: str,
     label: str,
     k: int,
-    ids: list[list[int]],
+    plan: list[PlannedSequence],
     logs: Path,
     machine: Machine,
 ) -> _Measured:
-    """Start the engine for ``checkpoint`` with ``k`` MTP drafts, its memory sized for validate, measure, stop."""
+    """Start the engine for ``checkpoint`` with ``k`` MTP drafts (and the rule), its memory sized for validate,
+    measure every sampling setting, stop."""
     import os
 
     from mtpquant.checkpoint.table import Checkpoint
@@ -185,12 +211,13 @@ def _started(
         engine,
         ckpt.spec,
         ckpt.total_bytes,
-        max_len=opts.max_len,
+        max_len=max([opts.max_len, *(len(s.prompt) + s.new_tokens for s in plan)]),
         k=k,
         machine=machine,
         tensor_parallel_size=opts.tensor_parallel_size,
         user_args=opts.engine_args,
         user_env=(*os.environ, *opts.env),
+        sequences=opts.concurrency,
     )
     port = free_port()
     tp, extra = opts.tensor_parallel_size, opts.engine_args
@@ -207,6 +234,7 @@ def _started(
             cpu=cpu,
             memory=memory.args(),
             extra=extra,
+            speculative=rule(opts.rule).vllm_config,
         )
     log_path = logs / f"{engine}-{label}-k{k}.log"
     with EngineProcess(
@@ -215,30 +243,74 @@ def _started(
         client = client_for(engine, process.url, generate_timeout=opts.request_timeout)
         info = client.info()
         model = resolve_model(info, opts.served_model or checkpoint)
-        prompts, new = _lengths(ids, opts.max_len)
-        m = measure(client, info, model, prompts, new, SAMPLING)
-        if m.k != k:
-            raise EngineAnswerError(f"{process.url}: drafted {m.k} tokens per step, started with {k} (log: {log_path})")
-        engine_info = _engine_info(info, model, m, args, label, info.speculative, k)
-        return _Measured(label, checkpoint, engine_info, m, (memory.describe(),))
+        ms = _measure_all(opts, client, info, model, plan)
+        if ms[0].k != k:
+            raise EngineAnswerError(
+                f"{process.url}: drafted {ms[0].k} tokens per step, started with {k} (log: {log_path})"
+            )
+        engine_info = _engine_info(opts, info, model, ms, args, label, info.speculative, k)
+        return _Measured(label, checkpoint, engine_info, ms, (memory.describe(),))
 
 
-def _side(label_checkpoint: str, family: str, measured: Sequence[_Measured], ids: Sequence[Sequence[int]]) -> Side:
-    rows = tuple(AcceptanceRow.of(x.engine.k, x.measurement.stats) for x in sorted(measured, key=lambda x: x.engine.k))
+def _by_context(m: EngineMeasurement, plan: Sequence[PlannedSequence], edges: Sequence[int], k: int) -> tuple[
+    ContextBucket, ...
+]:  # fmt: skip
+    """Per context bucket: the sum of the groups that filled it (a group never mixes buckets: ``_plan``)."""
+    buckets = [plan[g[0]].bucket for g in m.groups]
+    u = m.units
+    out = []
+    for b, (low, high) in enumerate(zip((0, *edges[:-1]), edges)):
+        mine = [i for i, gb in enumerate(buckets) if gb == b]
+        out.append(
+            ContextBucket(
+                low,
+                high,
+                round(sum(u.steps[i] for i in mine)),
+                sum(u.accepted[i] for i in mine),
+                tuple(round(sum(u.drafted_per_position[i][j] for i in mine)) for j in range(k)),
+                tuple(sum(u.accepted_per_position[i][j] for i in mine) for j in range(k)),
+            )
+        )
+    return tuple(out)
+
+
+def _acceptance(
+    opts: ValidateOptions, measured: Sequence[_Measured], index: int, plan: Sequence[PlannedSequence]
+) -> Acceptance:
+    """The acceptance at sampling setting ``index`` over the servers of one side (one per k), with AL's interval over
+    the request groups; per context bucket when the prompts were planned into buckets."""
+    rows = []
+    for x in sorted(measured, key=lambda x: x.engine.k):
+        m = x.measurements[index]
+        interval = Bootstrap(m.units.units, level=opts.confidence).al(m.units)
+        context = _by_context(m, plan, opts.context_buckets, x.engine.k) if opts.context_buckets else ()
+        rows.append(AcceptanceRow.of(x.engine.k, m.stats, m.units, interval, context))
+    return Acceptance(tuple(rows), None, measured[0].measurements[index].sampling, opts.rule)
+
+
+def _side(
+    opts: ValidateOptions,
+    label_checkpoint: str,
+    family: str,
+    measured: Sequence[_Measured],
+    plan: Sequence[PlannedSequence],
+) -> Side:
     first = measured[0]
     generated = sum(len(c.tokens) for c in first.measurement.completions)
     prompt_tokens = sum(len(c.prompt) for c in first.measurement.completions)
+    by_sampling = tuple(_acceptance(opts, measured, i, plan) for i in range(len(first.measurements)))
     return Side(
         checkpoint=label_checkpoint,
         family=family,
         precision={},
         target_source=f"engine {ENGINE_NAMES.get(first.engine.name, first.engine.name)} {first.engine.version} at "
         f"{first.engine.url}",
-        sequences=len(ids),
+        sequences=len(plan),
         tokens=prompt_tokens + generated,
         generated_tokens=generated,
         mtp=MtpInfo(present=True),
-        acceptance=Acceptance(rows, None),
+        acceptance=by_sampling[0],
+        acceptance_by_sampling=by_sampling,
     )
 
 
@@ -262,7 +334,8 @@ def _device_is_cpu(opts: ValidateOptions) -> bool:
 
 
 def _compare(opts: ValidateOptions, report: Report) -> tuple[dict[str, Any], list[str]]:
-    """The built-in prediction on the same prompts, beside what the engine measured, per side and k."""
+    """The built-in prediction on the same prompts and settings, beside what the engine measured, per side, setting
+    and k (AL and per-position acceptance)."""
     from mtpquant.validate.builtin import validate_builtin
 
     builtin = validate_builtin(
@@ -270,34 +343,48 @@ def _compare(opts: ValidateOptions, report: Report) -> tuple[dict[str, Any], lis
             opts, engine=None, server=None, candidate_server=None, compare_reference=False, report_dir=None
         )
     ).report
-    out: dict[str, Any] = {"method": "built-in replay (transformers, dequantized weights) on the same prompts"}
+    out: dict[str, Any] = {
+        "method": f"built-in prediction (transformers, dequantized weights, rule {opts.rule}) on the same prompts"
+    }
     notes = []
     for label, engine_side, predicted_side in (
         ("reference", report.reference, builtin.reference),
         ("candidate", report.candidate, builtin.candidate),
     ):
-        if engine_side is None or predicted_side is None or predicted_side.acceptance is None:
+        if engine_side is None or predicted_side is None or not predicted_side.acceptance_by_sampling:
             continue
-        predicted = {r.k: r for r in predicted_side.acceptance.by_k}
-        rows = []
-        assert engine_side.acceptance is not None
-        for r in engine_side.acceptance.by_k:
-            p = predicted.get(r.k)
-            if p is None:
-                continue
-            rows.append(
-                {
-                    "k": r.k,
-                    "predicted_al": p.mean_acceptance_length,
-                    "engine_al": r.mean_acceptance_length,
-                    "difference": r.mean_acceptance_length - p.mean_acceptance_length,
-                    "predicted_acceptance_rate": p.acceptance_rate,
-                    "engine_acceptance_rate": r.acceptance_rate,
-                }
-            )
+        rows: list[dict[str, Any]] = []
+        for measured, predicted_acc in zip(engine_side.acceptance_by_sampling, predicted_side.acceptance_by_sampling):
+            predicted = {r.k: r for r in predicted_acc.by_k}
+            for r in measured.by_k:
+                p = predicted.get(r.k)
+                if p is None:
+                    continue
+                rows.append(
+                    {
+                        "sampling": measured.sampling.to_json(),
+                        "label": measured.sampling.label,
+                        "k": r.k,
+                        "predicted_al": p.mean_acceptance_length,
+                        "engine_al": r.mean_acceptance_length,
+                        "difference": r.mean_acceptance_length - p.mean_acceptance_length,
+                        "predicted_acceptance_rate": p.acceptance_rate,
+                        "engine_acceptance_rate": r.acceptance_rate,
+                        "predicted_per_position": list(p.acceptance_per_position),
+                        "engine_per_position": list(r.acceptance_per_position),
+                        "engine_steps": r.num_steps,
+                    }
+                )
         out[label] = rows
         worst = max((abs(x["difference"]) for x in rows), default=0.0)
-        notes.append(f"{label}: the engine's AL differs from the built-in prediction by at most {worst:.3f}")
+        worst_pos = max(
+            (abs(a - b) for x in rows for a, b in zip(x["engine_per_position"], x["predicted_per_position"])),
+            default=0.0,
+        )
+        notes.append(
+            f"{label}: the engine's AL differs from the built-in prediction by at most {worst:.3f}, its per-position "
+            f"acceptance by at most {worst_pos:.3f}"
+        )
     return out, notes
 
 
@@ -305,37 +392,46 @@ def validate_engine(opts: ValidateOptions) -> ValidationReport:
     """The engine path of ``validate`` (see the module docstring); writes the report directory when given."""
     from mtpquant.validate.verdict import verdict
 
-    opts.check()
+    preflight(opts)
+    if opts.engine is not None and opts.reference is not None:
+        from mtpquant.checkpoint.table import Checkpoint
+
+        ref_ckpt = Checkpoint.open(opts.reference)
+        check_context_buckets(ref_ckpt, opts.context_buckets)
+        if opts.candidate is not None:
+            check_same_model(ref_ckpt, Checkpoint.open(opts.candidate))
     t_start = time.perf_counter()
-    texts, prompts_desc = _prompts(opts)
-    notes = [GREEDY_NOTE]
+    texts, prompts_desc = prompts_for(opts.prompts_file, opts.num_prompts, opts.prompt_chars)
+    notes = [ENGINE_NOTE]
     measured: dict[str, list[_Measured]] = {"reference": [], "candidate": []}
     checkpoints: dict[str, str] = {}
-    ids: list[list[int]] | None = None
+    plan: list[PlannedSequence] | None = None
     if opts.server is not None:
         for label, url in (("reference", opts.server), ("candidate", opts.candidate_server)):
             if url is None:
                 continue
-            m, ids = _running(opts, url, label, texts, ids)
+            m, plan = _running(opts, url, label, texts, plan)
             measured[label].append(m)
             checkpoints[label] = str(opts.reference if label == "reference" and opts.reference else m.checkpoint)
     else:
         assert opts.reference is not None
-        ids = _token_prompts(opts, texts, None, None)
+        plan = _plan(opts, _token_prompts(opts, texts, None, None))
         logs = (
             Path(opts.report_dir)
             if opts.report_dir is not None
             else Path(tempfile.mkdtemp(prefix=f"mtpquant-{opts.engine}-"))
         )
-        machine = probe_machine(_device_is_cpu(opts))
+        cpu = _device_is_cpu(opts)
+        if cpu and opts.engine == "vllm" and any(not x.greedy for x in opts.sampling_settings):
+            notes.append(CPU_SAMPLING_NOTE)
+        machine = probe_machine(cpu)
         for label, ckpt in (("reference", opts.reference), ("candidate", opts.candidate)):
             if ckpt is None:
                 continue
             checkpoints[label] = str(ckpt)
             for k in opts.k_values:
-                measured[label].append(_started(opts, str(ckpt), label, k, ids, logs, machine))
-    if not ids:
-        raise ValidateError("no prompt has at least 2 tokens")
+                measured[label].append(_started(opts, str(ckpt), label, k, plan, logs, machine))
+    assert plan is not None
     if measured["candidate"] and opts.server is not None:
         ref_k, cand_k = (measured[side][0].engine.k for side in ("reference", "candidate"))
         if ref_k != cand_k:  # AL grows with k: the two sides would not be comparable
@@ -355,11 +451,16 @@ def validate_engine(opts: ValidateOptions) -> ValidationReport:
                 f"{m.engine.other_requests} other request(s) finished on {m.engine.url} during the measurement "
                 f"(k={m.engine.k}); {counted}"
             )
-    reference = _side(checkpoints["reference"], _family(opts.reference), measured["reference"], ids)
+    reference = _side(opts, checkpoints["reference"], _family(opts.reference), measured["reference"], plan)
     candidate = None
     comparison = None
+    extra: list[tuple[str, Acceptance, Acceptance, Acceptance | None]] = []
     if measured["candidate"]:
-        candidate = _side(checkpoints["candidate"], _family(opts.candidate), measured["candidate"], ids)
+        candidate = _side(opts, checkpoints["candidate"], _family(opts.candidate), measured["candidate"], plan)
+        extra = [
+            (r.sampling.label, r, c, None)
+            for r, c in list(zip(reference.acceptance_by_sampling, candidate.acceptance_by_sampling))[1:]
+        ]
         assert reference.acceptance is not None and candidate.acceptance is not None
         ref_al = {r.k: r.mean_acceptance_length for r in reference.acceptance.by_k}
         comparison = Comparison(
@@ -374,7 +475,7 @@ def validate_engine(opts: ValidateOptions) -> ValidationReport:
         mode="pair" if candidate is not None else "single",
         settings=Settings(
             k=max(ks),
-            num_prompts=len(ids),
+            num_prompts=len(plan),
             max_len=opts.max_len,
             prompts=prompts_desc,
             device="engine",
@@ -383,9 +484,13 @@ def validate_engine(opts: ValidateOptions) -> ValidationReport:
             hidden_file=None,
             warn_al_drop=opts.warn_al_drop,
             broken_al=opts.broken_al,
+            min_main_agreement=opts.min_main_agreement,
+            confidence=opts.confidence,
+            sampling=opts.sampling_settings,
+            rule=opts.rule,
         ),
         reference=reference,
-        verdict=verdict(opts, reference, candidate),
+        verdict=verdict(opts, reference, candidate, comparison, extra=extra),
         candidate=candidate,
         comparison=comparison,
         notes=tuple(notes),

@@ -2,8 +2,9 @@
 
 A safetensors file (``format: mtpquant.hidden/1`` in its metadata): ``ref.tokens.NNNNN`` (int64 ``[T]``),
 ``ref.hidden.NNNNN`` (``[T, H]``, post-final-norm), ``ref.mtp_input.NNNNN`` where the MTP reads another tensor
-(Qwen4-Exp: ``[T, hc_count * H]``), and in pair mode ``cand.*`` plus ``cand.hidden_on_ref.*``;
-metadata ``groups`` (source and prompt lengths per group) and ``meta`` (prompts, max_len, dtype, device).
+(Qwen4-Exp: ``[T, hc_count * H]``), and in pair mode ``cand.*`` plus ``cand.hidden_on_ref.*``; runs sampled at
+further settings are groups ``ref@1``, ``cand@1``, ...; metadata ``groups`` (per group: side, source, prompt lengths,
+sampling settings) and ``meta`` (prompts, max_len, dtype, device).
 Written through the writer's atomic path (temp file, fsync, rename, directory fsync).
 """
 
@@ -11,10 +12,12 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from mtpquant.checkpoint.writer import atomic_write_safetensors
+from mtpquant.engine.sampling import SamplingSettings
 from mtpquant.errors import UsageError
 from mtpquant.validate.options import HIDDEN_FORMAT
 from mtpquant.validate.replay import SequenceRecord, TargetRun
@@ -29,14 +32,25 @@ class HiddenFileError(UsageError):
     """A file given as --hidden is not a hidden-state file (or does not fit the checkpoint)."""
 
 
-def save_hidden(path: Path, runs: dict[str, TargetRun], meta: dict[str, Any]) -> None:
-    """Write target runs (``ref``, optionally ``cand``) to a safetensors file, atomically."""
+def save_hidden(path: Path, runs: Sequence[tuple[str, TargetRun]], meta: dict[str, Any]) -> None:
+    """Write target runs (side ``ref`` or ``cand``, run; one of each per sampling setting) to a safetensors file,
+    atomically."""
     from mtpquant.checkpoint.dtypes import planned
 
     tensors = []
     info: dict[str, Any] = {}
-    for group, run in runs.items():
-        info[group] = {"source": run.source, "prompt_lens": [s.prompt_len for s in run.sequences]}
+    settings: list[SamplingSettings] = []
+    for side, run in runs:
+        if run.sampling not in settings:
+            settings.append(run.sampling)
+        index = settings.index(run.sampling)
+        group = side + (f"@{index}" if index else "")
+        info[group] = {
+            "side": side,
+            "source": run.source,
+            "prompt_lens": [s.prompt_len for s in run.sequences],
+            "sampling": run.sampling.to_json(),
+        }
         for i, s in enumerate(run.sequences):
             tensors.append(planned(f"{group}.tokens.{i:05d}", s.tokens.contiguous()))
             tensors.append(planned(f"{group}.hidden.{i:05d}", s.hidden.contiguous()))
@@ -46,7 +60,7 @@ def save_hidden(path: Path, runs: dict[str, TargetRun], meta: dict[str, Any]) ->
             tensors.append(planned(f"{group}.hidden_on_ref.{i:05d}", h.contiguous()))
     metadata = {"format": HIDDEN_FORMAT, "groups": json.dumps(info), "meta": json.dumps(meta)}
     atomic_write_safetensors(Path(path), tensors, metadata)
-    log.info("saved hidden states of %s to %s", ", ".join(runs), path)
+    log.info("saved hidden states of %s to %s", ", ".join(info), path)
 
 
 def load_hidden(path: Path) -> tuple[dict[str, TargetRun], dict[str, Any]]:
@@ -89,5 +103,6 @@ def _load_hidden(path: Path) -> tuple[dict[str, TargetRun], dict[str, Any]]:
             on_ref = None
             if f"{group}.hidden_on_ref.00000" in keys:
                 on_ref = [fh.get_tensor(f"{group}.hidden_on_ref.{i:05d}") for i in range(len(seqs))]
-            runs[group] = TargetRun(str(g["source"]), seqs, on_ref)
+            sampling = SamplingSettings.from_json(g.get("sampling") or {})
+            runs[group] = TargetRun(str(g["source"]), seqs, on_ref, sampling)
     return runs, safejson.loads(md.get("meta", "{}"))

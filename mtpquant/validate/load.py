@@ -18,7 +18,7 @@ import copy
 import logging
 import re
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -26,6 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from mtpquant.checkpoint.sharded import sharded_tables
+from mtpquant.engine.sampling import SamplingSettings
 from mtpquant.families import FUSED_EXPERT_PIECES, MTP_PREFIX, TensorClass, is_mtp_name, mtp_config
 from mtpquant.formats.fp8 import FP8_E4M3_MAX
 from mtpquant.formats.nvfp4 import quantize_activation_nvfp4
@@ -34,6 +35,7 @@ from mtpquant.mtp.build import reference_mtp
 from mtpquant.mtp.module import MtpLayoutError
 from mtpquant.mtp.step import MtpForward
 from mtpquant.validate import ACTIVATION_MODES
+from mtpquant.validate.rules import target_probs
 from mtpquant.validate.weights import (
     CheckpointWeights,
     LinearFormat,
@@ -243,19 +245,44 @@ class TargetModel:
 
     def greedy(self, prompt: Tensor, new_tokens: int) -> Tensor:
         """The target's greedy continuations: ``prompt`` ``[B, P]`` followed by ``new_tokens`` tokens per row."""
+        return self.generate(prompt, new_tokens)
+
+    def generate(
+        self,
+        prompt: Tensor,
+        new_tokens: int,
+        sampling: SamplingSettings | None = None,
+        generators: Sequence[torch.Generator] = (),
+    ) -> Tensor:
+        """The target's continuations of ``prompt`` ``[B, P]`` by ``new_tokens`` tokens per row: greedy, or sampled
+        from ``rules.target_probs`` (temperature, top-k, top-p as vLLM applies them) by the exponential race vLLM
+        samples with (argmax of p / E, E ~ Exp(1)), each row with its own generator, so a row's tokens do not
+        depend on which rows share its batch."""
         if new_tokens < 1:
             return prompt
+        sample = sampling is not None and not sampling.greedy
+        if sample and len(generators) != prompt.shape[0]:
+            raise ValueError(f"sampling {prompt.shape[0]} rows needs one generator per row, got {len(generators)}")
+
+        def pick(logits: Tensor) -> Tensor:
+            if not sample:
+                return logits.argmax(-1, keepdim=True)
+            assert sampling is not None
+            probs = target_probs(logits, sampling).cpu()
+            noise = torch.stack([torch.empty(probs.shape[-1]).exponential_(generator=g) for g in generators])
+            return (probs / noise).argmax(-1, keepdim=True).to(logits.device)
+
         ids = prompt.to(self.input_device)
         out_tokens = [ids]
         with torch.no_grad():
             out: Any = self.model(input_ids=ids, use_cache=True, logits_to_keep=1)
             past = out.past_key_values
-            nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+            nxt = pick(out.logits[:, -1])
             for _ in range(new_tokens - 1):
                 out_tokens.append(nxt)
                 out = self.model(input_ids=nxt, past_key_values=past, use_cache=True, logits_to_keep=1)
                 past = out.past_key_values
-                nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+                nxt = pick(out.logits[:, -1])
             out_tokens.append(nxt)
         return torch.cat(out_tokens, dim=1).cpu()
 

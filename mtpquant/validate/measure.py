@@ -1,11 +1,14 @@
 """Acceptance as a running engine measures it: completions of the built-in path's prompts, then the engine's
-own speculative-decoding counts turned into the report's ``AcceptanceStats``.
+own speculative-decoding counts turned into the report's ``AcceptanceStats``, per group of requests too.
 
-The same prompts as the built-in path (token ids, ``ignore_eos``, the same lengths, the same sampling settings)
-are sent one request at a time. Each engine counts in its own way (``mtpquant.engine``): vLLM's server-wide
-counters read before and after (other traffic meanwhile is counted in, and reported), SGLang's per-request
-counters summed (exactly these requests). Either way: AL = 1 + accepted / verify steps, acceptance rate =
-accepted / drafted tokens, and per draft position i, accepted_i / verify steps (every step drafts all k).
+The same prompts as the built-in path (token ids, ``ignore_eos``, the same lengths, the same sampling settings,
+prompt i with seed ``seed + i``) are sent in consecutive groups of at most ``concurrency`` requests, the requests
+of a group in flight together. Each engine counts in its own way (``mtpquant.engine``): vLLM's server-wide
+counters read before and after each group (other traffic meanwhile is counted in, and reported), SGLang's
+per-request counters summed (exactly these requests). Either way: AL = 1 + accepted / verify steps, acceptance
+rate = accepted / drafted tokens, and per draft position i, accepted_i / verify steps (every step drafts all k).
+Each group is a sampling unit of the confidence intervals (``evidence.UnitCounts``; one prompt per unit at
+``concurrency`` 1).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from dataclasses import dataclass
 
 from mtpquant.engine.sampling import SamplingSettings
 from mtpquant.engine.server import Completion, DraftCounts, EngineRun, EngineServer, ServerInfo
+from mtpquant.validate.evidence import UnitCounts
 from mtpquant.validate.metrics import AcceptanceStats
 
 __all__ = ["EngineMeasurement", "engine_stats", "measure"]
@@ -22,12 +26,15 @@ __all__ = ["EngineMeasurement", "engine_stats", "measure"]
 
 @dataclass(frozen=True)
 class EngineMeasurement:
-    """What the engine's counters say about one batch of requests."""
+    """What the engine's counters say about one batch of requests at one sampling setting."""
 
     model: str
     k: int  # draft positions the server counted (its num_speculative_tokens / speculative_num_steps)
     stats: AcceptanceStats
-    run: EngineRun
+    run: EngineRun  # all the groups together
+    units: UnitCounts  # the counts of each group
+    sampling: SamplingSettings
+    groups: tuple[tuple[int, ...], ...]  # the prompt indices of each unit
 
     @property
     def completions(self) -> tuple[Completion, ...]:
@@ -55,6 +62,10 @@ def engine_stats(counts: DraftCounts) -> AcceptanceStats:
     )
 
 
+def _chunks(first: int, count: int, size: int) -> list[tuple[int, ...]]:
+    return [tuple(range(i, min(i + size, first + count))) for i in range(first, first + count, size)]
+
+
 def measure(
     server: EngineServer,
     info: ServerInfo,
@@ -62,7 +73,33 @@ def measure(
     prompts: Sequence[Sequence[int]],
     max_tokens: Sequence[int],
     sampling: SamplingSettings,
+    *,
+    concurrency: int = 1,
+    runs: Sequence[int] | None = None,
 ) -> EngineMeasurement:
-    """Send the prompts and read what the engine accepted; a server that does not draft is exit 43."""
-    run = server.run(model, prompts, max_tokens, sampling, info)
-    return EngineMeasurement(model, run.counts.k, engine_stats(run.counts), run)
+    """Send the prompts and read what the engine accepted, group by group; a server that does not draft is exit 43.
+
+    ``runs``: lengths of consecutive stretches of prompts that must not share a group (e.g. the prompts of one
+    context bucket); default: all prompts one stretch."""
+    if concurrency < 1:
+        raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+    groups: list[tuple[int, ...]] = []
+    first = 0
+    for count in runs or (len(prompts),):
+        groups += _chunks(first, count, concurrency)
+        first += count
+    run = server.run(model, prompts, max_tokens, sampling, info, concurrency=concurrency, groups=groups)
+    parts = run.group_counts or (run.counts,)
+    k = run.counts.k
+
+    def per_position(counts: DraftCounts) -> tuple[float, ...]:
+        return tuple(float(a) for a in counts.accepted_per_position) + (0.0,) * (k - counts.k)
+
+    units = UnitCounts(
+        tuple(float(p.steps) for p in parts),
+        tuple(float(p.accepted) for p in parts),
+        tuple(per_position(p) for p in parts),
+        tuple((float(p.steps),) * k for p in parts),
+    )
+    unit_groups = tuple(groups) if run.group_counts else (tuple(range(len(prompts))),)
+    return EngineMeasurement(model, k, engine_stats(run.counts), run, units, sampling, unit_groups)

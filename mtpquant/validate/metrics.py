@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from mtpquant.validate.schema import AcceptanceStats
+from mtpquant.validate.evidence import UnitCounts
+from mtpquant.validate.schema import AcceptanceStats, ContextBucket
 
 __all__ = [
     "AcceptanceStats",
@@ -29,10 +30,12 @@ __all__ = [
     "acceptance_by_k",
     "acceptance_stats",
     "compare_logits",
+    "context_buckets",
     "kl_per_position",
     "summarize",
     "token_agreement",
     "top1_agreement",
+    "unit_counts",
     "verify_greedy",
 ]
 
@@ -61,18 +64,39 @@ def verify_greedy(drafts: Sequence[int], target_greedy: Sequence[int]) -> Verifi
 
 @dataclass(frozen=True)
 class StepRecord:
-    """One verification step: how many tokens were drafted and how many of them were accepted."""
+    """One verification step: how many tokens were drafted and how many of them were accepted.
+
+    ``through`` (a prediction under sampling): for each drafted position i, the probability that the first i + 1
+    drafts are all accepted; the counts then add these expectations instead of the 0/1 outcome of ``accepted``
+    (which still decides where the next step starts). ``context``: tokens in the context when the step drafted.
+    """
 
     drafted: int
     accepted: int
+    through: tuple[float, ...] = ()
+    context: int = 0
 
     def __post_init__(self) -> None:
         if self.drafted < 1 or not 0 <= self.accepted <= self.drafted:
             raise ValueError(f"invalid step: drafted {self.drafted}, accepted {self.accepted}")
+        if self.through and len(self.through) != self.drafted:
+            raise ValueError(f"invalid step: {len(self.through)} expectations for {self.drafted} drafts")
+
+    @property
+    def accepted_through(self) -> tuple[float, ...]:
+        """Per drafted position: (the probability) that the first i + 1 drafts were all accepted."""
+        if self.through:
+            return self.through
+        return (1.0,) * self.accepted + (0.0,) * (self.drafted - self.accepted)
 
     def truncated(self, k: int) -> StepRecord:
         """The same step had only the first k tokens been drafted (greedy chains share prefixes)."""
-        return StepRecord(drafted=min(self.drafted, k), accepted=min(self.accepted, k))
+        return StepRecord(min(self.drafted, k), min(self.accepted, k), self.through[:k], self.context)
+
+
+def _count(value: float) -> float:
+    """A sum of 0/1 outcomes stays an exact integer (an int), a sum of expectations a float."""
+    return int(value) if float(value).is_integer() else value
 
 
 def acceptance_stats(records: Sequence[StepRecord]) -> AcceptanceStats:
@@ -81,9 +105,12 @@ def acceptance_stats(records: Sequence[StepRecord]) -> AcceptanceStats:
         raise ValueError("no verification steps")
     max_k = max(r.drafted for r in records)
     drafted_pos = tuple(sum(1 for r in records if r.drafted >= i) for i in range(1, max_k + 1))
-    accepted_pos = tuple(sum(1 for r in records if r.accepted >= i) for i in range(1, max_k + 1))
+    through = [r.accepted_through for r in records]
+    accepted_pos = tuple(
+        _count(math.fsum(t[i - 1] for t in through if len(t) >= i)) for i in range(1, max_k + 1)
+    )
     num_drafted = sum(r.drafted for r in records)
-    num_accepted = sum(r.accepted for r in records)
+    num_accepted = _count(math.fsum(accepted_pos))
     return AcceptanceStats(
         num_steps=len(records),
         num_drafted=num_drafted,
@@ -109,6 +136,42 @@ def acceptance_by_k(records: Sequence[StepRecord], max_k: int | None = None) -> 
     if not 1 <= max_k <= available:
         raise ValueError(f"max_k {max_k} outside 1..{available} (fewest drafts in one step)")
     return tuple(acceptance_stats([r.truncated(k) for r in records]) for k in range(1, max_k + 1))
+
+
+def unit_counts(per_unit: Sequence[Sequence[StepRecord]], k: int) -> UnitCounts:
+    """The counts of each sampling unit's steps (one unit per sequence) for positions 1..k: what the bootstrap
+    resamples (``evidence.Bootstrap``); summed over units they are ``acceptance_stats`` of all the steps."""
+    through = [[r.accepted_through for r in recs] for recs in per_unit]
+    return UnitCounts(
+        steps=tuple(float(len(recs)) for recs in per_unit),
+        accepted=tuple(math.fsum(v for t in ts for v in t) for ts in through),
+        accepted_per_position=tuple(
+            tuple(math.fsum(t[i - 1] for t in ts if len(t) >= i) for i in range(1, k + 1)) for ts in through
+        ),
+        drafted_per_position=tuple(
+            tuple(float(sum(1 for r in recs if r.drafted >= i)) for i in range(1, k + 1)) for recs in per_unit
+        ),
+    )
+
+
+def context_buckets(records: Sequence[StepRecord], edges: Sequence[int], k: int) -> tuple[ContextBucket, ...]:
+    """Per context bucket [edges[i-1], edges[i]) (from 0): the steps whose context falls in it, for positions 1..k;
+    steps beyond the last edge are left out."""
+    out = []
+    for low, high in zip((0, *edges[:-1]), edges):
+        steps = [r for r in records if low <= r.context < high]
+        through = [r.accepted_through for r in steps]
+        out.append(
+            ContextBucket(
+                low,
+                high,
+                len(steps),
+                _count(math.fsum(v for t in through for v in t)),
+                tuple(sum(1 for r in steps if r.drafted >= i) for i in range(1, k + 1)),
+                tuple(_count(math.fsum(t[i - 1] for t in through if len(t) >= i)) for i in range(1, k + 1)),
+            )
+        )
+    return tuple(out)
 
 
 @dataclass(frozen=True)

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import pairwise
 from pathlib import Path
+from typing import Any
 
+from mtpquant.engine.sampling import SamplingSettings, rule
 from mtpquant.errors import OutputExistsError, UsageError
 from mtpquant.validate import ACTIVATION_MODES
 
@@ -65,6 +68,15 @@ class ValidateOptions:
     hidden: Path | None = None
     warn_al_drop: float = 0.1
     broken_al: float = 1.02  # AL below this at k=1 means the MTP is broken (~0 % acceptance)
+    min_main_agreement: float = 0.5  # pair: candidate main-model top-1 agreement below this means a broken candidate
+    confidence: float = 0.95  # two-sided level of the bootstrap intervals the verdict decides on
+    # ---- sampling: how the target samples and how drafts are verified (``mtpquant.engine.sampling``) -----------
+    temperatures: tuple[float, ...] = (0.0,)  # each one measured; the first is the headline (comparisons, verdict)
+    top_p: tuple[float, ...] = (1.0,)  # one value for every temperature, or one per temperature
+    top_k: tuple[int, ...] = (0,)  # the same
+    rule: str = "vllm"  # vllm | probabilistic | strict
+    seed: int = 0  # prompt i samples with seed + i (built-in generators and the engine's per-request seed)
+    context_buckets: tuple[int, ...] = ()  # upper ends of context-length buckets the prompts are planned to fill
     progress: bool = True
     # ---- the engine path: a running server, or one mtpquant starts ------------------------------------------
     ks: tuple[int, ...] | None = None  # explicit k values (--k 1,3); None: 1..k
@@ -78,6 +90,7 @@ class ValidateOptions:
     tensor_parallel_size: int = 1
     engine_args: tuple[str, ...] = ()
     compare_reference: bool = False  # also run the built-in prediction and put both side by side
+    concurrency: int = 1  # requests in flight at once; counters are read between groups (each group one unit)
     startup_timeout: float = 900.0
     request_timeout: float = 600.0
     env: dict[str, str] = field(default_factory=dict)  # extra environment for the servers mtpquant starts
@@ -86,6 +99,28 @@ class ValidateOptions:
     def k_values(self) -> tuple[int, ...]:
         """The k values evaluated: --k N means 1..N, --k a,b,c those."""
         return self.ks if self.ks else tuple(range(1, self.k + 1))
+
+    @property
+    def sampling_settings(self) -> tuple[SamplingSettings, ...]:
+        """One ``SamplingSettings`` per temperature, in the order given (a single top-p / top-k applies to all)."""
+        n = len(self.temperatures)
+
+        def each(values: tuple[Any, ...], flag: str) -> tuple[Any, ...]:
+            if len(values) == 1:
+                return values * n
+            if len(values) != n:
+                raise ValueError(f"{flag} takes one value or one per temperature ({n}), got {len(values)}")
+            return values
+
+        return tuple(
+            SamplingSettings(t, p, k, self.seed)
+            for t, p, k in zip(self.temperatures, each(self.top_p, "--top-p"), each(self.top_k, "--top-k"))
+        )
+
+    @property
+    def prompt_chars(self) -> int:
+        """Characters a default prompt needs to fill the context buckets (about 6 per token, generously)."""
+        return 6 * (self.context_buckets[-2] if len(self.context_buckets) > 1 else 0)
 
     @property
     def engine_python(self) -> Path | None:
@@ -115,6 +150,28 @@ class ValidateOptions:
             check_hidden_destination(Path(self.save_hidden))
         if self.warn_al_drop < 0:
             raise ValidateError("--warn-al-drop must be >= 0")
+        if not 0 <= self.min_main_agreement <= 1:
+            raise ValidateError(f"--min-main-agreement must be in [0, 1], got {self.min_main_agreement}")
+        if not 0.5 <= self.confidence < 1:
+            raise ValidateError(f"--confidence must be in [0.5, 1), got {self.confidence}")
+        if not self.temperatures:
+            raise ValidateError("--temperature needs at least one value")
+        try:
+            settings = self.sampling_settings
+            spec_rule = rule(self.rule)
+        except ValueError as exc:
+            raise ValidateError(f"--temperature/--top-p/--top-k/--rule: {exc}") from None
+        if len(set(settings)) != len(settings):
+            raise ValidateError("--temperature/--top-p/--top-k: a sampling setting is listed twice")
+        if self.engine == "vllm" and spec_rule.vllm_config is None:
+            raise ValidateError(
+                f"--rule {self.rule}: vLLM 0.32 has no such verification mode; it is a built-in prediction only"
+            )
+        if self.engine == "sglang" and self.rule != "vllm":
+            raise ValidateError(
+                f"--rule {self.rule}: an SGLang NEXTN chain verifies with the target's probability of the argmax "
+                "draft (--rule vllm); the other rules are built-in predictions only"
+            )
         if self.server is not None and self.engine is not None:
             raise ValidateError("--server and --engine exclude each other (measure a running server, or start one)")
         if self.candidate_server is not None and self.server is None:
@@ -135,5 +192,12 @@ class ValidateOptions:
             raise ValidateError("--compare-reference needs --engine vllm|sglang (and a local checkpoint)")
         if not self.engine_path and self.reference is None:
             raise ValidateError("give a CHECKPOINT (or --server URL)")
+        buckets = self.context_buckets
+        if buckets and (buckets[0] < 2 or any(b <= a for a, b in pairwise(buckets))):
+            raise ValidateError(
+                f"--context-buckets must ascend from at least 2, got {' '.join(map(str, buckets))}"
+            )
+        if self.concurrency < 1:
+            raise ValidateError(f"--concurrency must be >= 1, got {self.concurrency}")
         if self.tensor_parallel_size < 1:
             raise ValidateError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")

@@ -2,7 +2,9 @@
 
 Files in the report directory (each written atomically):
 
-- ``report.json``: the schema documented in ``docs/validate.md`` (``schema: mtpquant.validate/1``);
+- ``report.json``: the schema documented in ``docs/validate.md`` (``schema: mtpquant.validate/2``);
+- ``speculation_profile.json``: the subject's measured acceptance in NVIDIA Model-Optimizer's proposed
+  speculation-profile shape (``validate.profile``);
 - ``report.md``: verdict, acceptance table (k, AL, rate, per-position acceptance) for each pair,
   the comparison on identical inputs, notes; it embeds the plots;
 - ``acceptance.png``: per-position acceptance at k = K and AL per k, reference vs candidate;
@@ -14,13 +16,16 @@ from __future__ import annotations
 
 import io
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from mtpquant.checkpoint.writer import atomic_write_bytes, atomic_write_json
 from mtpquant.engine.server import ENGINE_NAMES
 from mtpquant.public import public_json, public_text
-from mtpquant.validate.schema import REPORT_SCHEMA, Report, Side, ValidationReport, sides
+from mtpquant.validate.evidence import Interval
+from mtpquant.validate.profile import PROFILE_FILE, speculation_profile
+from mtpquant.validate.schema import REPORT_SCHEMA, Acceptance, Report, Side, ValidationReport, sides
 
 __all__ = ["render_markdown", "write_report"]
 
@@ -38,6 +43,32 @@ def _per_position(side: Side) -> list[float]:
     return list(side.acceptance.by_k[-1].acceptance_per_position) if side.acceptance else []
 
 
+def _acceptance_table(acc: Acceptance) -> list[str]:
+    K = max(row.k for row in acc.by_k)  # the engine path may measure some k only (--k 1,3; a server's k)
+    out = [
+        f"Sampling {acc.sampling.label}, rule {acc.rule}:",
+        "",
+        "| k | AL | interval | acceptance rate | " + " | ".join(f"pos {i}" for i in range(1, K + 1)) + " |",
+        "|---|---|---|---|" + "---|" * K,
+    ]
+    for row in acc.by_k:
+        pos = [f"{100 * a:.1f} %" for a in row.acceptance_per_position] + [""] * (K - row.k)
+        ci = row.al_interval
+        interval = f"[{ci.low:.3f}, {ci.high:.3f}]" if ci is not None and ci.defined else "n/a"
+        out.append(
+            f"| {row.k} | {row.mean_acceptance_length:.3f} | {interval} | {100 * row.acceptance_rate:.1f} % | "
+            + " | ".join(pos)
+            + " |"
+        )
+    if acc.teacher_forced_agreement is not None:
+        out += ["", f"Teacher-forced MTP agreement with the target: {100 * acc.teacher_forced_agreement:.1f} %."]
+    return [*out, ""]
+
+
+def _signed(interval: Interval | None) -> str:
+    return interval.text(signed=True) if interval is not None else "n/a"
+
+
 def _ks(report: Report) -> str:
     """``1..3`` when every k up to K was measured, else the k values (an engine measures its own k)."""
     ks = sorted({row.k for _, side in sides(report) if side.acceptance for row in side.acceptance.by_k})
@@ -50,8 +81,29 @@ def render_markdown(report: Report, plots: dict[str, str]) -> str:
     """report.md: verdict, tables, comparison, plots and notes."""
     v = report.verdict
     s = report.settings
-    out = [f"# MTP validation: {v.status.upper()}", ""]
+    out = [f"# MTP validation: {v.status.upper()}" + (" (the candidate is broken)" if v.broken else ""), ""]
     out += [f"- {r}" for r in v.reasons]
+    if v.thresholds:
+        th = v.thresholds
+        out += [
+            "",
+            f"Thresholds: allowed AL drop {th.get('warn_al_drop', s.warn_al_drop):g} per k, decided on "
+            f"{100 * th.get('confidence', s.confidence):.0f} % bootstrap intervals over prompts; an MTP with AL below "
+            f"{th.get('broken_al', s.broken_al):g} drafts for nothing; a candidate whose main model agrees with the "
+            f"reference on fewer than {100 * th.get('min_main_agreement', s.min_main_agreement):.0f} % of top-1 tokens "
+            "is broken.",
+        ]
+    if v.evidence:
+        out += [
+            "",
+            "| k | AL change [interval] | from the MTP | from the target | decision |",
+            "|---|---|---|---|---|",
+        ]
+        for ev in v.evidence:
+            at = f"{ev.k}" + (f" ({ev.label})" if ev.label else "")
+            out.append(
+                f"| {at} | {ev.change.text(signed=True)} | {_signed(ev.mtp)} | {_signed(ev.target)} | {ev.decision} |"
+            )
     out += [
         "",
         f"Mode: {report.mode}; k = {_ks(report)}; {s.num_prompts} sequences of {s.max_len} tokens; "
@@ -63,23 +115,11 @@ def render_markdown(report: Report, plots: dict[str, str]) -> str:
         precision = dict(side.mtp.precision) if side.mtp.precision is not None else None
         out.append(f"Family {side.family}; target from {side.target_source}; MTP precision {precision}.")
         out.append("")
-        acc = side.acceptance
-        if not acc:
+        if not side.acceptance:
             out += [f"**MTP unavailable:** {side.mtp.error}", ""]
             continue
-        K = max(row.k for row in acc.by_k)  # the engine path may measure some k only (--k 1,3; a server's k)
-        out.append("| k | AL | acceptance rate | " + " | ".join(f"pos {i}" for i in range(1, K + 1)) + " |")
-        out.append("|---|---|---|" + "---|" * K)
-        for row in acc.by_k:
-            pos = [f"{100 * a:.1f} %" for a in row.acceptance_per_position] + [""] * (K - row.k)
-            out.append(
-                f"| {row.k} | {row.mean_acceptance_length:.3f} | {100 * row.acceptance_rate:.1f} % | "
-                + " | ".join(pos)
-                + " |"
-            )
-        if acc.teacher_forced_agreement is not None:
-            out += ["", f"Teacher-forced MTP agreement with the target: {100 * acc.teacher_forced_agreement:.1f} %."]
-        out.append("")
+        for acc in side.acceptance_by_sampling or (side.acceptance,):
+            out += _acceptance_table(acc)
     cmp = report.comparison
     if cmp is not None and (cmp.mtp is not None or cmp.main is not None):
         out += [
@@ -98,12 +138,6 @@ def render_markdown(report: Report, plots: dict[str, str]) -> str:
                     f"| {title} | {m.positions} | {100 * m.top1_agreement:.2f} % | {kl.mean:.3g} | "
                     f"{kl.median:.3g} | {kl.p99:.3g} | {kl.max:.3g} |"
                 )
-        if cmp.al_delta_by_k:
-            out += ["", "| k | AL change | from the MTP | from the target |", "|---|---|---|---|"]
-            for k, (d, m2, t) in enumerate(
-                zip(cmp.al_delta_by_k, cmp.al_delta_from_mtp_by_k, cmp.al_delta_from_target_by_k), 1
-            ):
-                out.append(f"| {k} | {d:+.4f} | {m2:+.4f} | {t:+.4f} |")
         out.append("")
     if report.engine:
         out += [
@@ -120,25 +154,26 @@ def render_markdown(report: Report, plots: dict[str, str]) -> str:
         args = next((e.server_args for e in report.engine if e.server_args), ())
         if args:
             out += ["", "Server arguments: `" + " ".join(args) + "`."]
-        out += ["", f"Sampling: {dict(report.engine[0].sampling)} (greedy only).", ""]
+        out += ["", f"Requests: {dict(report.engine[0].sampling)}.", ""]
     if report.predicted:
         out += [
             "## Engine vs built-in prediction",
             "",
             f"{report.predicted.get('method', '')}.",
             "",
-            "| side | k | engine AL | predicted AL | difference | engine rate | predicted rate |",
-            "|---|---|---|---|---|---|---|",
+            "| side | sampling | k | engine AL | predicted AL | difference | per position, engine | predicted |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         for label in ("reference", "candidate"):
             for row in report.predicted.get(label) or []:
+                engine_pos = " / ".join(f"{100 * a:.1f} %" for a in row.get("engine_per_position", ()))
+                predicted_pos = " / ".join(f"{100 * a:.1f} %" for a in row.get("predicted_per_position", ()))
                 out.append(
-                    f"| {label} | {row['k']} | {row['engine_al']:.3f} | {row['predicted_al']:.3f} | "
-                    f"{row['difference']:+.3f} | {100 * row['engine_acceptance_rate']:.1f} % | "
-                    f"{100 * row['predicted_acceptance_rate']:.1f} % |"
+                    f"| {label} | {row.get('label', '')} | {row['k']} | {row['engine_al']:.3f} | "
+                    f"{row['predicted_al']:.3f} | {row['difference']:+.3f} | {engine_pos} | {predicted_pos} |"
                 )
         out.append("")
-    for name, title in (("acceptance", "Acceptance"), ("kl", "KL distribution")):
+    for name, title in (("acceptance", "Acceptance"), ("context", "Acceptance by context"), ("kl", "KL distribution")):
         if name in plots:
             out += [f"![{title}]({plots[name]})", ""]
     if report.notes:
@@ -189,6 +224,34 @@ def _acceptance_plot(report: Report) -> bytes | None:
         plt.close(fig)
 
 
+def _context_plot(report: Report) -> bytes | None:
+    """Per-position acceptance at k = K by context-length bucket, one line per side and position."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = [(label, side) for label, side in sides(report) if side.acceptance and side.acceptance.by_k[-1].by_context]
+    if not shown:
+        return None
+    fig, ax = plt.subplots(figsize=(6.5, 3.4))
+    for (label, side), style in zip(shown, ("-", "--")):
+        assert side.acceptance is not None
+        row = side.acceptance.by_k[-1]
+        xs = [f"{b.low}-{b.high}" for b in row.by_context]
+        for i in range(row.k):
+            ys = [100 * b.acceptance_per_position[i] if b.steps else float("nan") for b in row.by_context]
+            ax.plot(xs, ys, style, marker="o", label=f"{label}, position {i + 1}")
+    sampling = shown[0][1].acceptance.sampling.label if shown[0][1].acceptance else ""
+    title = f"per-position acceptance by context (k={report.settings.k}, {sampling})"
+    ax.set(xlabel="context length (tokens)", ylabel="acceptance (%)", title=title, ylim=(0, 100))
+    ax.legend(fontsize=7)
+    try:
+        return _png(fig)
+    finally:
+        plt.close(fig)
+
+
 def _kl_plot(report: ValidationReport) -> bytes | None:
     import matplotlib
 
@@ -197,9 +260,9 @@ def _kl_plot(report: ValidationReport) -> bytes | None:
     import numpy as np
 
     series: list[tuple[str, Any]] = [
-        (label, kl)
+        (label, kl[kl.isfinite()])  # a NaN KL (non-finite logits) is counted in the report, not plotted
         for label, kl in (("MTP", report.mtp_kl), ("main model", report.main_kl))
-        if kl is not None and kl.numel()
+        if kl is not None and bool(kl.isfinite().any())
     ]
     if not series:
         return None
@@ -225,12 +288,20 @@ def write_report(report: ValidationReport, directory: Path | str) -> Path:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     plots: dict[str, str] = {}
-    for name, make in (("acceptance", lambda: _acceptance_plot(report.report)), ("kl", lambda: _kl_plot(report))):
+    makers: tuple[tuple[str, Callable[[], bytes | None]], ...] = (
+        ("acceptance", lambda: _acceptance_plot(report.report)),
+        ("context", lambda: _context_plot(report.report)),
+        ("kl", lambda: _kl_plot(report)),
+    )
+    for name, make in makers:
         png = make()
         if png is not None:
             atomic_write_bytes(directory / f"{name}.png", png)
             plots[name] = f"{name}.png"
     atomic_write_json(directory / "report.json", public_json(report.to_json()))
+    profile = speculation_profile(report.report)
+    if profile is not None:
+        atomic_write_json(directory / PROFILE_FILE, public_json(profile))
     markdown = public_text(render_markdown(report.report, plots))
     atomic_write_bytes(directory / "report.md", markdown.encode("utf-8"))
     log.info("wrote report to %s", directory)

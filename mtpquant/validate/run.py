@@ -16,7 +16,6 @@ __all__ = ["ValidateError", "ValidateOptions", "ValidationReport", "validate"]
 
 def validate(opts: ValidateOptions) -> ValidationReport:
     """Run the evaluation described by ``opts``; writes the report directory when one is given."""
-    opts.check()
     if opts.engine_path:
         from mtpquant.validate.engine import validate_engine
 

@@ -11,16 +11,24 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
+from mtpquant.engine.sampling import SamplingSettings
+from mtpquant.errors import ExitCode
+from mtpquant.validate.evidence import CONFIDENCE, Interval, UnitCounts
+
 if TYPE_CHECKING:
     from torch import Tensor
 
 __all__ = [
+    "READABLE_SCHEMAS",
     "REPORT_SCHEMA",
+    "VERDICT_STATUSES",
     "Acceptance",
     "AcceptanceRow",
     "AcceptanceStats",
     "Agreement",
+    "ChangeEvidence",
     "Comparison",
+    "ContextBucket",
     "EngineInfo",
     "KlSummary",
     "MtpInfo",
@@ -32,7 +40,10 @@ __all__ = [
     "sides",
 ]
 
-REPORT_SCHEMA = "mtpquant.validate/1"
+REPORT_SCHEMA = "mtpquant.validate/2"
+# Earlier schemas this module still reads (their missing keys take their defaults): a report written by an older
+# mtpquant inside OUT/validation still gives the model card its figures.
+READABLE_SCHEMAS = ("mtpquant.validate/1", REPORT_SCHEMA)
 
 
 def _req(d: Mapping[str, Any], key: str, kind: type | tuple[type, ...], where: str) -> Any:
@@ -71,11 +82,11 @@ class AcceptanceStats:
 
     num_steps: int
     num_drafted: int
-    num_accepted: int
+    num_accepted: float  # an int when counted; a sum of probabilities when predicted under sampling
     acceptance_rate: float
     mean_acceptance_length: float
     drafted_per_position: tuple[int, ...]
-    accepted_per_position: tuple[int, ...]
+    accepted_per_position: tuple[float, ...]  # ints when counted, expectations when predicted
     acceptance_per_position: tuple[float, ...]
 
 
@@ -83,15 +94,88 @@ _STATS_FIELDS = tuple(f.name for f in fields(AcceptanceStats))
 
 
 @dataclass(frozen=True)
-class AcceptanceRow(AcceptanceStats):
-    """Acceptance with k drafts per step: the report's ``by_k`` entry."""
+class ContextBucket:
+    """Acceptance of the steps whose context (prompt + generated tokens when the step drafted) lies in
+    [low, high): per-position counts in vLLM's terms, and AL."""
 
-    k: int
+    low: int
+    high: int
+    steps: int
+    accepted: float
+    drafted_per_position: tuple[int, ...]
+    accepted_per_position: tuple[float, ...]
+
+    @property
+    def acceptance_per_position(self) -> tuple[float, ...]:
+        """Accepted / drafted per position (NaN where nothing was drafted)."""
+        pairs = zip(self.accepted_per_position, self.drafted_per_position)
+        return tuple(a / d if d else float("nan") for a, d in pairs)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """1 + accepted / steps (NaN without steps)."""
+        return 1.0 + self.accepted / self.steps if self.steps else float("nan")
+
+    def to_json(self) -> dict[str, Any]:
+        """One ``by_context`` entry (rates null where nothing was drafted: strict JSON)."""
+
+        def num(v: float) -> float | int | None:
+            if v != v:  # NaN
+                return None
+            return int(v) if float(v).is_integer() and not isinstance(v, bool) else v
+
+        return {
+            "low": self.low,
+            "high": self.high,
+            "steps": self.steps,
+            "accepted": num(self.accepted),
+            "mean_acceptance_length": num(self.mean_acceptance_length),
+            "drafted_per_position": list(self.drafted_per_position),
+            "accepted_per_position": [num(a) for a in self.accepted_per_position],
+            "acceptance_per_position": [num(a) for a in self.acceptance_per_position],
+        }
 
     @classmethod
-    def of(cls, k: int, stats: AcceptanceStats) -> AcceptanceRow:
+    def from_json(cls, d: Any, where: str) -> ContextBucket:
+        """Read a ``by_context`` entry."""
+        d = _map(d, where)
+        return cls(
+            int(_req(d, "low", int, where)),
+            int(_req(d, "high", int, where)),
+            int(_req(d, "steps", int, where)),
+            float(_req(d, "accepted", (int, float), where)),
+            _ints(d.get("drafted_per_position"), f"{where}.drafted_per_position"),
+            _floats(d.get("accepted_per_position"), f"{where}.accepted_per_position"),
+        )
+
+
+@dataclass(frozen=True)
+class AcceptanceRow(AcceptanceStats):
+    """Acceptance with k drafts per step: the report's ``by_k`` entry, with AL's interval over the sampling units
+    (prompts) and the per-unit counts it was resampled from."""
+
+    k: int
+    al_interval: Interval | None = None
+    units: UnitCounts | None = None
+    by_context: tuple[ContextBucket, ...] = ()
+
+    @classmethod
+    def of(
+        cls,
+        k: int,
+        stats: AcceptanceStats,
+        units: UnitCounts | None = None,
+        al_interval: Interval | None = None,
+        by_context: tuple[ContextBucket, ...] = (),
+    ) -> AcceptanceRow:
         """The row of ``stats`` for k."""
-        return cls(k=k, **{name: getattr(stats, name) for name in _STATS_FIELDS})
+        return cls(
+            k=k,
+            al_interval=al_interval,
+            units=units,
+            by_context=by_context,
+            **{name: getattr(stats, name) for name in _STATS_FIELDS},
+        )
 
     def to_json(self) -> dict[str, Any]:
         """The ``by_k`` entry."""
@@ -99,31 +183,50 @@ class AcceptanceRow(AcceptanceStats):
         for name in _STATS_FIELDS:
             value = getattr(self, name)
             out[name] = list(value) if isinstance(value, tuple) else value
+        if self.al_interval is not None:
+            out["al_interval"] = self.al_interval.to_json()
+        if self.units is not None:
+            out["units"] = self.units.to_json()
+        if self.by_context:
+            out["by_context"] = [b.to_json() for b in self.by_context]
         return out
 
     @classmethod
     def from_json(cls, d: Any, where: str) -> AcceptanceRow:
         """Read a ``by_k`` entry."""
         d = _map(d, where)
+        interval = d.get("al_interval")
+        units = d.get("units")
         return cls(
+            al_interval=None if interval is None else Interval.from_json(interval, f"{where}.al_interval"),
+            units=None if units is None else UnitCounts.from_json(units, f"{where}.units"),
+            by_context=tuple(
+                ContextBucket.from_json(b, f"{where}.by_context[{i}]") for i, b in enumerate(d.get("by_context") or ())
+            ),
             k=_req(d, "k", int, where),
             num_steps=_req(d, "num_steps", int, where),
             num_drafted=_req(d, "num_drafted", int, where),
-            num_accepted=_req(d, "num_accepted", int, where),
+            num_accepted=_req(d, "num_accepted", (int, float), where),
             acceptance_rate=float(_req(d, "acceptance_rate", (int, float), where)),
             mean_acceptance_length=float(_req(d, "mean_acceptance_length", (int, float), where)),
             drafted_per_position=_ints(d.get("drafted_per_position"), f"{where}.drafted_per_position"),
-            accepted_per_position=_ints(d.get("accepted_per_position"), f"{where}.accepted_per_position"),
+            accepted_per_position=tuple(
+                int(v) if float(v).is_integer() else v
+                for v in _floats(d.get("accepted_per_position"), f"{where}.accepted_per_position")
+            ),
             acceptance_per_position=_floats(d.get("acceptance_per_position"), f"{where}.acceptance_per_position"),
         )
 
 
 @dataclass(frozen=True)
 class Acceptance:
-    """Acceptance for k = 1..K, plus the teacher-forced agreement (None when measured by an engine)."""
+    """Acceptance for k = 1..K under one sampling setting and verification rule, plus the teacher-forced agreement
+    (None when measured by an engine)."""
 
     by_k: tuple[AcceptanceRow, ...]
     teacher_forced_agreement: float | None = None
+    sampling: SamplingSettings = field(default_factory=SamplingSettings)
+    rule: str = "vllm"
 
     @property
     def al(self) -> list[float]:
@@ -132,7 +235,12 @@ class Acceptance:
 
     def to_json(self) -> dict[str, Any]:
         """The ``acceptance`` object."""
-        return {"teacher_forced_agreement": self.teacher_forced_agreement, "by_k": [r.to_json() for r in self.by_k]}
+        return {
+            "sampling": self.sampling.to_json(),
+            "rule": self.rule,
+            "teacher_forced_agreement": self.teacher_forced_agreement,
+            "by_k": [r.to_json() for r in self.by_k],
+        }
 
     @classmethod
     def from_json(cls, d: Any, where: str) -> Acceptance:
@@ -144,9 +252,12 @@ class Acceptance:
         tf = d.get("teacher_forced_agreement")
         if tf is not None and not isinstance(tf, (int, float)):
             raise ValueError(f"{where}.teacher_forced_agreement: expected a number or null")
+        sampling = d.get("sampling")
         return cls(
             tuple(AcceptanceRow.from_json(r, f"{where}.by_k[{i}]") for i, r in enumerate(rows)),
             None if tf is None else float(tf),
+            SamplingSettings.from_json(sampling) if isinstance(sampling, Mapping) else SamplingSettings(),
+            str(d.get("rule") or "vllm"),
         )
 
 
@@ -195,6 +306,9 @@ class Side:
     generated_tokens: int
     mtp: MtpInfo
     acceptance: Acceptance | None
+    non_finite_target: int = 0  # positions whose target hidden states (so logits) were not finite
+    non_finite_mtp: int = 0  # MTP rows (teacher-forced) whose output was not finite
+    acceptance_by_sampling: tuple[Acceptance, ...] = ()  # every sampling setting measured (the first: ``acceptance``)
 
     def to_json(self) -> dict[str, Any]:
         """The ``reference`` / ``candidate`` object."""
@@ -208,6 +322,8 @@ class Side:
             "generated_tokens": self.generated_tokens,
             "mtp": self.mtp.to_json(),
             "acceptance": self.acceptance.to_json() if self.acceptance is not None else None,
+            "non_finite": {"target": self.non_finite_target, "mtp": self.non_finite_mtp},
+            "acceptance_by_sampling": [a.to_json() for a in self.acceptance_by_sampling],
         }
 
     @classmethod
@@ -215,6 +331,7 @@ class Side:
         """Read a side."""
         d = _map(d, where)
         acc = d.get("acceptance")
+        non_finite = d.get("non_finite") if isinstance(d.get("non_finite"), Mapping) else {}
         return cls(
             str(_req(d, "checkpoint", str, where)),
             str(d.get("family") or ""),
@@ -225,6 +342,12 @@ class Side:
             int(d.get("generated_tokens") or 0),
             MtpInfo.from_json(d.get("mtp"), f"{where}.mtp"),
             None if acc is None else Acceptance.from_json(acc, f"{where}.acceptance"),
+            int(non_finite.get("target") or 0),
+            int(non_finite.get("mtp") or 0),
+            tuple(
+                Acceptance.from_json(a, f"{where}.acceptance_by_sampling[{i}]")
+                for i, a in enumerate(d.get("acceptance_by_sampling") or ())
+            ),
         )
 
 
@@ -244,7 +367,8 @@ class Agreement:
 
     positions: int
     top1_agreement: float
-    kl: KlSummary | None
+    kl: KlSummary | None  # over the positions where both logits are finite (None: there are none)
+    non_finite: int = 0  # positions where either side's logits were not finite (their KL is undefined)
 
     def to_json(self) -> dict[str, Any]:
         """The ``comparison.mtp`` / ``comparison.main`` object."""
@@ -253,7 +377,12 @@ class Agreement:
             if self.kl is None
             else {"mean": self.kl.mean, "median": self.kl.median, "p99": self.kl.p99, "max": self.kl.max}
         )
-        return {"positions": self.positions, "top1_agreement": self.top1_agreement, "kl": kl}
+        return {
+            "positions": self.positions,
+            "top1_agreement": self.top1_agreement,
+            "kl": kl,
+            "non_finite": self.non_finite,
+        }
 
     @classmethod
     def from_json(cls, d: Any, where: str) -> Agreement:
@@ -267,7 +396,10 @@ class Agreement:
                 *(float(_req(k, key, (int, float), f"{where}.kl")) for key in ("mean", "median", "p99", "max"))
             )
         return cls(
-            int(_req(d, "positions", int, where)), float(_req(d, "top1_agreement", (int, float), where)), summary
+            int(_req(d, "positions", int, where)),
+            float(_req(d, "top1_agreement", (int, float), where)),
+            summary,
+            int(d.get("non_finite") or 0),
         )
 
 
@@ -336,6 +468,10 @@ class Settings:
     hidden_file: str | None
     warn_al_drop: float
     broken_al: float
+    min_main_agreement: float = 0.5
+    confidence: float = CONFIDENCE
+    sampling: tuple[SamplingSettings, ...] = (SamplingSettings(),)  # every setting measured; the first is the headline
+    rule: str = "vllm"  # how drafts are verified (``mtpquant.engine.sampling.RULES``)
 
     def to_json(self) -> dict[str, Any]:
         """The ``settings`` object."""
@@ -350,6 +486,10 @@ class Settings:
             "hidden_file": self.hidden_file,
             "warn_al_drop": self.warn_al_drop,
             "broken_al": self.broken_al,
+            "min_main_agreement": self.min_main_agreement,
+            "confidence": self.confidence,
+            "sampling": [s.to_json() for s in self.sampling],
+            "rule": self.rule,
         }
 
     @classmethod
@@ -368,6 +508,11 @@ class Settings:
             hidden if isinstance(hidden, str) else None,
             float(d.get("warn_al_drop", 0.1)),
             float(d.get("broken_al", 1.02)),
+            float(d.get("min_main_agreement", 0.5)),
+            float(d.get("confidence", CONFIDENCE)),
+            tuple(SamplingSettings.from_json(s) for s in d.get("sampling") or () if isinstance(s, Mapping))
+            or (SamplingSettings(),),
+            str(d.get("rule") or "vllm"),
         )
 
 
@@ -426,15 +571,101 @@ class EngineInfo:
 
 
 @dataclass(frozen=True)
+class ChangeEvidence:
+    """The AL change at one k, candidate minus reference, with its interval and what it was decided to be."""
+
+    k: int
+    change: Interval
+    mtp: Interval | None = None  # the MTP's part: candidate MTP on the reference target minus the reference
+    target: Interval | None = None  # the target's part: the rest
+    decision: str = "inconclusive"  # "within" (the allowed drop) | "drop" (beyond it) | "inconclusive"
+    label: str = ""  # the measurement it belongs to, when there are several (e.g. "T=0.8")
+
+    def to_json(self) -> dict[str, Any]:
+        """One ``verdict.evidence`` entry."""
+        return {
+            "k": self.k,
+            **({"label": self.label} if self.label else {}),
+            "change": self.change.to_json(),
+            "mtp": None if self.mtp is None else self.mtp.to_json(),
+            "target": None if self.target is None else self.target.to_json(),
+            "decision": self.decision,
+        }
+
+    @classmethod
+    def from_json(cls, d: Any, where: str) -> ChangeEvidence:
+        """Read a ``verdict.evidence`` entry."""
+        d = _map(d, where)
+        mtp, target = d.get("mtp"), d.get("target")
+        return cls(
+            int(_req(d, "k", int, where)),
+            Interval.from_json(d.get("change"), f"{where}.change"),
+            None if mtp is None else Interval.from_json(mtp, f"{where}.mtp"),
+            None if target is None else Interval.from_json(target, f"{where}.target"),
+            str(d.get("decision") or "inconclusive"),
+            str(d.get("label") or ""),
+        )
+
+
+VERDICT_STATUSES = ("pass", "warn", "fail", "inconclusive")
+
+
+@dataclass(frozen=True)
 class Verdict:
-    """``pass`` | ``warn`` | ``fail``, and why."""
+    """``pass`` | ``warn`` | ``fail`` | ``inconclusive``, and why.
+
+    ``broken``: a ``fail`` because the candidate itself is broken (non-finite logits, main-model agreement below
+    the floor, AL above the reference beyond noise), not only its MTP. ``thresholds``: what the decision compared
+    with. ``evidence``: the AL change per k with its interval (pair mode). ``prompts_needed``: for
+    ``inconclusive``, about how many prompts would settle it (None: more than 100x the sample would be needed).
+    """
 
     status: str
     reasons: tuple[str, ...]
+    broken: bool = False
+    thresholds: Mapping[str, float] = field(default_factory=dict)
+    evidence: tuple[ChangeEvidence, ...] = ()
+    prompts_needed: int | None = None
+
+    @property
+    def exit_code(self) -> int:
+        """The process exit status of this verdict (one code per outcome)."""
+        if self.status == "fail":
+            return int(ExitCode.VALIDATE_BROKEN if self.broken else ExitCode.VALIDATE_FAIL)
+        return int(
+            {
+                "pass": ExitCode.OK,
+                "warn": ExitCode.VALIDATE_WARN,
+                "inconclusive": ExitCode.VALIDATE_INCONCLUSIVE,
+            }.get(self.status, ExitCode.INTERNAL)
+        )
 
     def to_json(self) -> dict[str, Any]:
         """The ``verdict`` object."""
-        return {"status": self.status, "reasons": list(self.reasons)}
+        return {
+            "status": self.status,
+            "reasons": list(self.reasons),
+            "broken": self.broken,
+            "thresholds": dict(self.thresholds),
+            "evidence": [e.to_json() for e in self.evidence],
+            "prompts_needed": self.prompts_needed,
+        }
+
+    @classmethod
+    def from_json(cls, d: Any, where: str) -> Verdict:
+        """Read ``verdict``."""
+        d = _map(d, where)
+        status = str(_req(d, "status", str, where))
+        thresholds = d.get("thresholds")
+        needed = d.get("prompts_needed")
+        return cls(
+            status,
+            tuple(str(r) for r in d.get("reasons") or ()),
+            bool(d.get("broken")),
+            {str(k): float(v) for k, v in thresholds.items()} if isinstance(thresholds, Mapping) else {},
+            tuple(ChangeEvidence.from_json(e, f"{where}.evidence[{i}]") for i, e in enumerate(d.get("evidence") or ())),
+            int(needed) if isinstance(needed, int) and not isinstance(needed, bool) else None,
+        )
 
 
 @dataclass(frozen=True)
@@ -490,12 +721,11 @@ class Report:
     def from_json(cls, d: Any) -> Report:
         """Read ``report.json``; ``ValueError`` for another schema or shape."""
         d = _map(d, "report")
-        if d.get("schema") != REPORT_SCHEMA:
-            raise ValueError(f"report: schema {d.get('schema')!r} is not {REPORT_SCHEMA}")
+        if d.get("schema") not in READABLE_SCHEMAS:
+            raise ValueError(f"report: schema {d.get('schema')!r} is not one of {', '.join(READABLE_SCHEMAS)}")
         mode = d.get("mode")
         if mode not in ("single", "pair"):
             raise ValueError(f"report.mode: {mode!r} is neither single nor pair")
-        verdict = _map(d.get("verdict"), "report.verdict")
         candidate = d.get("candidate")
         comparison = d.get("comparison")
         timing = d.get("timing")
@@ -507,9 +737,7 @@ class Report:
             str(mode),
             Settings.from_json(d.get("settings"), "report.settings"),
             Side.from_json(d.get("reference"), "report.reference"),
-            Verdict(
-                str(_req(verdict, "status", str, "report.verdict")), tuple(str(r) for r in verdict.get("reasons") or ())
-            ),
+            Verdict.from_json(d.get("verdict"), "report.verdict"),
             None if candidate is None else Side.from_json(candidate, "report.candidate"),
             None if comparison is None else Comparison.from_json(comparison, "report.comparison"),
             {str(k): float(v) for k, v in timing.items()} if isinstance(timing, Mapping) else {},
@@ -536,7 +764,7 @@ class ValidationReport:
 
     @property
     def status(self) -> str:
-        """``pass``, ``warn`` or ``fail``."""
+        """``pass``, ``warn``, ``fail`` or ``inconclusive``."""
         return self.report.verdict.status
 
     def to_json(self) -> dict[str, Any]:

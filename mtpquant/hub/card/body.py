@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from mtpquant import __version__
 from mtpquant.card_marker import MARKER, ZERO_HASH, seal
 from mtpquant.hub.card.facts import (
+    VALIDATION_PROFILE,
     CardFacts,
     base_model,
     base_model_link,
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
     from huggingface_hub import ModelCard
 
     from mtpquant.inspect.report import InspectReport
-    from mtpquant.validate.schema import Side
+    from mtpquant.validate.schema import Settings, Side
 
 __all__ = ["build_card", "card_data"]
 
@@ -224,7 +225,7 @@ def _validation_lines(facts: CardFacts) -> list[str]:
     engine = f" through {rep.engine[0].name} {rep.engine[0].version}" if rep.engine else ""
     what = "this checkpoint against its reference" if pair else "this checkpoint"
     lines = [
-        f"`mtpquant validate`{made} measured {what}{engine} with greedy verification as the engines do it"
+        f"`mtpquant validate`{made} measured {what}{engine} with {_verification(s)}"
         + (" (" + ", ".join(h for h in head if h) + ")" if any(head) else "")
         + ".",
         "",
@@ -284,8 +285,24 @@ def _validation_lines(facts: CardFacts) -> list[str]:
     lines += [f"- Note: {_md_escape(public_text(n))}" for n in rep.notes]
     if rep.notes:
         lines.append("")
+    if v.profile is not None:
+        p = v.profile
+        conditional = " / ".join(_pct(c) for c in p.conditional_accept_rates)
+        lines += [
+            f"Speculation profile ([`{VALIDATION_PROFILE}`]({VALIDATION_PROFILE}), the shape NVIDIA Model-Optimizer "
+            f"proposes for serving simulators): k = {p.k}, mean acceptance length {p.mean_accept_length:.2f}, "
+            f"conditional acceptance per draft position {conditional} ({_md_escape(public_text(p.conditions))}).",
+            "",
+        ]
     lines.append(f"Full report: {link}.")
     return lines
+
+
+def _verification(settings: Settings) -> str:
+    """How the acceptance was verified: greedy, or the sampling settings and rule."""
+    if all(x.greedy for x in settings.sampling):
+        return "greedy verification as the engines do it"
+    return f"{settings.rule} verification at " + "; ".join(x.label for x in settings.sampling)
 
 
 def _heal_lines(facts: CardFacts) -> list[str]:

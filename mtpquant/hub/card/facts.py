@@ -23,10 +23,12 @@ from mtpquant.public import public_text as _public_text
 
 if TYPE_CHECKING:
     from mtpquant.inspect.report import InspectReport
+    from mtpquant.validate.profile import ProfileHeadline
     from mtpquant.validate.schema import Report
 
 __all__ = [
     "VALIDATION_MARKDOWN",
+    "VALIDATION_PROFILE",
     "VALIDATION_REPORT",
     "CardFacts",
     "RecipeFile",
@@ -47,6 +49,7 @@ log = logging.getLogger(__name__)
 # A validation report inside OUT (written by `mtpquant validate ... --report-dir OUT/validation`).
 VALIDATION_REPORT = "validation/report.json"
 VALIDATION_MARKDOWN = "validation/report.md"
+VALIDATION_PROFILE = "validation/speculation_profile.json"  # validate.profile.PROFILE_FILE in the report directory
 _REPORT_LIMIT = 64 * 1024 * 1024  # a validation report is a few KB
 _HF_CACHE_SNAPSHOT = re.compile(r"models--([A-Za-z0-9][\w.-]*)--([\w.-]+)[/\\]snapshots[/\\]")
 
@@ -68,6 +71,7 @@ class Validation:
     file: str
     markdown: str | None
     report: Report | None
+    profile: ProfileHeadline | None = None  # validation/speculation_profile.json's headline, when there is one
 
 
 @dataclass(frozen=True)
@@ -119,7 +123,21 @@ def read_validation(out: Path) -> Validation | None:
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         log.warning("%s: not a validation report this card reads (%s)", path, exc)
         report = None
-    return Validation(VALIDATION_REPORT, md, report)
+    return Validation(VALIDATION_REPORT, md, report, _profile(out))
+
+
+def _profile(out: Path) -> ProfileHeadline | None:
+    from mtpquant.validate.profile import profile_headline
+
+    path = out / VALIDATION_PROFILE
+    if not path.is_file():
+        return None
+    try:
+        data = safejson.loads(path.read_bytes(), limit=_REPORT_LIMIT)
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        log.warning("%s: not a speculation profile this card reads (%s)", path, exc)
+        return None
+    return profile_headline(data) if isinstance(data, dict) else None
 
 
 def _license_from_card_text(text: str, origin: str) -> LicenseInfo | None:

@@ -1,0 +1,88 @@
+"""What ``validate`` checks before it runs anything: the prompts file, the report directory, and that REFERENCE and
+CANDIDATE are the same model. Each failure is one line, and nothing has been loaded, run or written yet.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+from mtpquant.checkpoint.source import CheckpointSource
+from mtpquant.checkpoint.table import Checkpoint
+from mtpquant.errors import LineageError
+from mtpquant.families import dimension_differences
+from mtpquant.validate.options import ValidateError, ValidateOptions
+from mtpquant.validate.prompts import prompts_for
+
+__all__ = ["check_context_buckets", "check_report_dir", "check_same_model", "preflight"]
+
+
+def check_report_dir(path: Path) -> None:
+    """Refuse a report directory that cannot be written, without creating it (a failed run leaves none behind)."""
+    probe = path
+    while not probe.exists():
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    if probe.exists() and not probe.is_dir():
+        raise NotADirectoryError(errno.ENOTDIR, "not a directory, so the report cannot be written there", str(probe))
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise PermissionError(errno.EACCES, "not writable, so the report cannot be written there", str(probe))
+
+
+def _vocabulary(source: CheckpointSource) -> dict[str, int] | None:
+    from tokenizers import Tokenizer
+
+    if "tokenizer.json" not in source.list_files():
+        return None
+    text = source.read_range("tokenizer.json", 0, source.file_size("tokenizer.json")).decode("utf-8")
+    return dict(Tokenizer.from_str(text).get_vocab(with_added_tokens=True))
+
+
+def check_same_model(reference: Checkpoint, candidate: Checkpoint) -> None:
+    """Refuse, in one line naming every difference, a pair that is not one model: family and architecture, the
+    dimensions graft's lineage check compares, and the tokenizer's vocabulary (where both ship ``tokenizer.json``).
+    Reads configs and the tokenizers only."""
+    rs, cs = reference.spec, candidate.spec
+    where = f"REFERENCE {reference.label} and CANDIDATE {candidate.label} are not the same model"
+    if rs.family.key != cs.family.key:
+        raise LineageError(
+            f"{where}: REFERENCE is {rs.family.display} ({rs.architecture}), CANDIDATE is {cs.family.display} "
+            f"({cs.architecture})"
+        )
+    diffs = dimension_differences(rs.text, cs.text, rs.family)
+    if not diffs:
+        ref_vocab, cand_vocab = _vocabulary(reference.source), _vocabulary(candidate.source)
+        if ref_vocab is not None and cand_vocab is not None and ref_vocab != cand_vocab:
+            differ = sorted(set(ref_vocab.items()) ^ set(cand_vocab.items()))
+            diffs.append(
+                f"tokenizer vocabularies differ ({len(ref_vocab)} vs {len(cand_vocab)} entries; first difference "
+                f"{differ[0][0]!r})"
+            )
+    if diffs:
+        raise LineageError(f"{where}: " + "; ".join(diffs))
+
+
+def check_context_buckets(checkpoint: Checkpoint, buckets: tuple[int, ...]) -> None:
+    """Refuse context buckets the model does not support (beyond its ``max_position_embeddings``)."""
+    limit = checkpoint.spec.text.get("max_position_embeddings")
+    if buckets and isinstance(limit, int) and buckets[-1] > limit:
+        raise ValidateError(
+            f"--context-buckets {' '.join(map(str, buckets))}: {checkpoint.label} supports contexts up to {limit} "
+            "tokens (max_position_embeddings)"
+        )
+
+
+def preflight(opts: ValidateOptions) -> None:
+    """The checks every path runs first: options, the prompts file, the report directory (each path then checks the
+    pair with ``check_same_model`` as soon as it has opened both checkpoints)."""
+    opts.check()
+    if opts.prompts_file is not None and opts.hidden is None:
+        prompts_for(opts.prompts_file, opts.num_prompts)
+    if opts.report_dir is not None:
+        check_report_dir(Path(opts.report_dir))
+    if opts.save_hidden is not None:
+        check_report_dir(Path(opts.save_hidden).parent)
+    if opts.hidden is not None and not Path(opts.hidden).is_file():
+        raise ValidateError(f"--hidden {opts.hidden}: no such file")
