@@ -28,7 +28,6 @@ from mtpquant.convert.run import ConvertOptions, convert
 from mtpquant.errors import ExitCode, HealNotBetterError
 from mtpquant.families import is_mtp_name
 from mtpquant.graft.inplace import clean_stale
-from mtpquant.heal.check import UnitCounts, better_beyond_noise
 from mtpquant.heal.options import HealOptions
 from mtpquant.heal.precision import export_mtp, master_weights, mtp_storage
 from mtpquant.heal.run import heal
@@ -38,6 +37,7 @@ from mtpquant.mtp.drafting import draft_chain
 from mtpquant.mtp.module import KVCache, MtpConfig, MtpLayer
 from mtpquant.provenance import PROVENANCE_FILE, HealAl, HealRecord, Provenance, Step, read_provenance
 from mtpquant.synth.train import TINY_MTP_ASSET
+from mtpquant.validate.evidence import UnitCounts, better_beyond_noise
 from mtpquant.validate.weights import CheckpointWeights
 from tests.support.cli import one_error
 from tests.support.heal import CALIB, SMALL, HealedTiny, proof
@@ -124,16 +124,21 @@ def test_chunked_kl_gradient_equals_the_whole_computation() -> None:
 
 
 def test_better_beyond_noise() -> None:
-    same = UnitCounts((10,) * 12, (6,) * 12)
-    better, low, high = better_beyond_noise(same, same)
-    assert not better and low == high == 0.0
-    up = UnitCounts((10,) * 12, tuple(7 + (i % 2) for i in range(12)))
-    better, low, high = better_beyond_noise(same, up)
-    assert better and 0.1 <= low <= 0.15 <= high <= 0.2
-    noisy = UnitCounts((10,) * 12, (*(6 + (1 if i % 2 else -1) for i in range(11)), 7))
+    """heal's decision is validate's paired bootstrap (validate.evidence), per held-out sequence."""
+
+    def counts(steps: tuple[int, ...], accepted: tuple[int, ...]) -> UnitCounts:
+        return UnitCounts(steps, accepted, ((),) * len(steps), ((),) * len(steps))
+
+    same = counts((10,) * 12, (6,) * 12)
+    better, change = better_beyond_noise(same, same)
+    assert not better and change.low == change.high == 0.0
+    up = counts((10,) * 12, tuple(7 + (i % 2) for i in range(12)))
+    better, change = better_beyond_noise(same, up)
+    assert better and 0.1 <= change.low <= 0.15 <= change.high <= 0.2
+    noisy = counts((10,) * 12, (*(6 + (1 if i % 2 else -1) for i in range(11)), 7))
     assert not better_beyond_noise(same, noisy)[0]
-    few = UnitCounts((10,) * 4, (9,) * 4)
-    assert better_beyond_noise(UnitCounts((10,) * 4, (1,) * 4), few)[0] is False  # too few prompts to decide
+    few = counts((10,) * 4, (9,) * 4)
+    assert better_beyond_noise(counts((10,) * 4, (1,) * 4), few)[0] is False  # too few prompts to decide
 
 
 def test_heal_record_in_the_provenance_round_trips() -> None:

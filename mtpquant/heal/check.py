@@ -5,34 +5,20 @@ held out from the tiny model's training and from heal's data), cut into 300-char
 all different (the prompts use at most half of a 128-token sequence, about 64 tokens, either way); on those
 sequences the built-in replay (``validate.replay.evaluate_acceptance``, the engines' drafting and greedy
 verification) measures the AL of QUANT's MTP and of the healed one, for k = 1..K, each sequence counted on its own.
-The change is decided with a paired bootstrap over the sequences (``better_beyond_noise``): the healed MTP is better
-when, at every k, the lower end of the 95 % interval of AL(after) - AL(before) is above 0.
+The change is decided with validate's paired bootstrap over the sequences (``validate.evidence.better_beyond_noise``):
+the healed MTP is better when, at every k, the lower end of the 95 % interval of AL(after) - AL(before) is above 0.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from mtpquant.validate.evidence import CONFIDENCE, UnitCounts, better_beyond_noise
 from mtpquant.validate.load import MtpBundle
 from mtpquant.validate.replay import ReplayError, TargetRun, evaluate_acceptance
 
-__all__ = [
-    "CONFIDENCE",
-    "AlChange",
-    "CheckResult",
-    "UnitCounts",
-    "better_beyond_noise",
-    "check_prompts",
-    "compare",
-    "unit_counts",
-]
-
-CONFIDENCE = 0.95
-RESAMPLES = 2000
-MIN_UNITS = 5
-
+__all__ = ["CONFIDENCE", "AlChange", "CheckResult", "check_prompts", "compare", "unit_counts"]
 
 PROMPT_CHARS = 300
 
@@ -42,20 +28,6 @@ def check_prompts(n: int) -> list[str]:
     from mtpquant.validate.prompts import default_prompts
 
     return list(dict.fromkeys(default_prompts(n, chars=PROMPT_CHARS)))
-
-
-@dataclass(frozen=True)
-class UnitCounts:
-    """Verification steps and accepted drafts of one MTP at one k, per held-out sequence (the bootstrap's unit)."""
-
-    steps: tuple[int, ...]
-    accepted: tuple[float, ...]  # counted (greedy): whole numbers
-
-    @property
-    def mean_acceptance_length(self) -> float:
-        """AL over all sequences: 1 + accepted / steps."""
-        total = sum(self.steps)
-        return 1.0 + sum(self.accepted) / total if total else float("nan")
 
 
 @dataclass(frozen=True)
@@ -101,41 +73,13 @@ def unit_counts(bundle: MtpBundle, run: TargetRun, k_max: int) -> list[UnitCount
         for i, stats in enumerate(result.by_k):
             steps[i].append(stats.num_steps)
             accepted[i].append(stats.num_accepted)
-    return [UnitCounts(tuple(s), tuple(a)) for s, a in zip(steps, accepted)]
-
-
-def better_beyond_noise(before: UnitCounts, after: UnitCounts, *, seed: int = 0) -> tuple[bool, float, float]:
-    """Whether ``after``'s AL exceeds ``before``'s beyond noise on the same sequences: a paired percentile bootstrap
-    over sequences (one set of resampling weights for both), the lower end of the 95 % interval above 0. Returns the
-    decision and the interval."""
-    import numpy as np
-
-    n = len(before.steps)
-    if n != len(after.steps):
-        raise ValueError("before and after must count the same sequences")
-    if n < MIN_UNITS:
-        return False, float("nan"), float("nan")
-    rng = np.random.default_rng(seed)
-    weights = rng.multinomial(n, np.full(n, 1.0 / n), size=RESAMPLES).astype(np.float64)
-
-    def al(c: UnitCounts) -> np.ndarray:
-        den = weights @ np.asarray(c.steps, dtype=np.float64)
-        num = weights @ np.asarray(c.accepted, dtype=np.float64)
-        return 1.0 + np.divide(num, den, out=np.full_like(num, np.nan), where=den > 0)
-
-    diff = al(after) - al(before)
-    diff = diff[np.isfinite(diff)]
-    estimate = after.mean_acceptance_length - before.mean_acceptance_length
-    tail = (1.0 - CONFIDENCE) / 2.0
-    low, high = (float(v) for v in np.quantile(diff, [tail, 1.0 - tail]))
-    low, high = min(low, estimate), max(high, estimate)
-    return bool(math.isfinite(low) and low > 0.0), low, high
+    return [UnitCounts(tuple(s), tuple(a), ((),) * len(s), ((),) * len(s)) for s, a in zip(steps, accepted)]
 
 
 def compare(before: Sequence[UnitCounts], after: Sequence[UnitCounts], run: TargetRun) -> CheckResult:
     """The check's result from the per-k counts of QUANT's MTP and the healed one on ``run``."""
     changes = []
     for k, (b, a) in enumerate(zip(before, after), 1):
-        better, low, high = better_beyond_noise(b, a)
-        changes.append(AlChange(k, b.mean_acceptance_length, a.mean_acceptance_length, low, high, better))
+        better, change = better_beyond_noise(b, a)
+        changes.append(AlChange(k, b.mean_acceptance_length, a.mean_acceptance_length, change.low, change.high, better))
     return CheckResult(len(run.sequences), run.num_tokens, tuple(changes))
