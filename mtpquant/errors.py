@@ -81,7 +81,7 @@ class ExitCode(IntEnum):
     VALIDATE_INCONCLUSIVE = 23  # validate: too few prompts to decide (how many would settle it is named)
     HEAL_NOT_BETTER = 24  # heal: the healed MTP is not better beyond noise on held-out prompts (nothing written)
     VALIDATE_BROKEN = 25  # validate: the candidate is broken (non-finite logits, main model disagrees, AL rises)
-    HEAL_REFUSED = 27  # heal: QUANT's MTP is missing, incomplete, or in a format heal cannot write back
+    HEAL_REFUSED = 27  # heal: QUANT's MTP is missing, incomplete, of a family heal does not train, or unwritable
     HUB_UNREACHABLE = 30  # the Hub (or mirror) cannot be reached or timed out
     HUB_ACCESS = 31  # the repo, revision or file does not exist, or is gated / private / needs a token
     HUB_REFUSED = 32  # the Hub refused the request or rate-limited it beyond the retries

@@ -188,6 +188,8 @@ def test_refusals_are_one_line_and_write_nothing(healed_tiny: HealedTiny, tiny_f
          "output already exists"),
         ([str(keep), "--from", str(tiny_factory("qwen3_5_moe")), "--out", str(tmp_path / "b")], ExitCode.LINEAGE,
          "lineage mismatch"),
+        ([str(tiny_factory("qwen4_exp")), "--from", str(tiny_factory("qwen4_exp")), "--out", str(tmp_path / "q4")],
+         ExitCode.HEAL_REFUSED, "heal does not train the Qwen3.8-Flash-Next (Qwen4-Exp) MTP yet"),
         ([str(keep), "--from", str(TINY_MTP_ASSET), "--out", str(tmp_path / "c"), "--steps", "0"], ExitCode.USAGE,
          "--steps must be >= 1"),
         ([str(keep), "--from", str(TINY_MTP_ASSET), "--out", str(tmp_path / "d"), "--max-memory", "cpu=1200kB"],

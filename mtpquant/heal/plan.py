@@ -168,6 +168,11 @@ def plan_heal(options: HealOptions) -> tuple[HealPlan, Checkpoint, Checkpoint, A
             f"{quant.label}: has no MTP (no mtp.* tensors), so there is nothing to heal; put it back first with "
             f"`mtpquant graft {quant.label} --from SRC`"
         )
+    if not quant.spec.family.mtp_heal:
+        raise HealRefusedError(
+            f"{quant.label}: heal does not train the {quant.spec.family.display} MTP yet (it trains the Qwen3 MTP "
+            "layer); the quant is left as it is"
+        )
     missing = sorted(set(quant.spec.expected_mtp_shapes()) - present)  # a quantized Linear keeps its .weight name
     if missing:
         raise HealRefusedError(
