@@ -171,19 +171,4 @@ def make_qwen4_exp_skeleton(out: Path | str, kind: str = "source", *, overwrite:
         if hfq is not None:
             od.write_json(HF_QUANT_CONFIG, hfq)
         final = od.finalize()
-    files = [p for p in final.iterdir() if p.is_file()]
-    mtp = [t for t in tensors if is_mtp_name(t.name)]
-    return SkeletonResult(
-        path=final,
-        layout="Qwen3.8-Flash-Next",
-        kind=kind,
-        tensors=len(tensors),
-        shards=sorted(by_shard),
-        total_bytes=sum(t.nbytes for t in tensors),
-        file_bytes=sum(p.stat().st_size for p in files),
-        disk_bytes=sum(p.stat().st_blocks * 512 for p in files),
-        mtp_tensors=len(mtp),
-        mtp_bytes=sum(t.nbytes for t in mtp),
-        largest_mtp_tensor=max((t.nbytes for t in mtp), default=0),
-        seconds=time.perf_counter() - t0,
-    )
+    return SkeletonResult.of(final, "Qwen3.8-Flash-Next", kind, tensors, t0, [])

@@ -115,6 +115,29 @@ class SkeletonResult:
     seconds: float
     exclusions: list[str] = field(default_factory=list)
 
+    @classmethod
+    def of(
+        cls, path: Path, layout: str, kind: str, tensors: list[SkeletonTensor], t0: float, exclusions: list[str]
+    ) -> SkeletonResult:
+        """The result of a skeleton written to ``path`` from ``tensors``, started at ``t0`` (perf_counter)."""
+        files = [p for p in path.iterdir() if p.is_file()]
+        mtp = [t for t in tensors if is_mtp_name(t.name)]
+        return cls(
+            path=path,
+            layout=layout,
+            kind=kind,
+            tensors=len(tensors),
+            shards=sorted({t.shard for t in tensors}),
+            total_bytes=sum(t.nbytes for t in tensors),
+            file_bytes=sum(p.stat().st_size for p in files),
+            disk_bytes=sum(p.stat().st_blocks * 512 for p in files),
+            mtp_tensors=len(mtp),
+            mtp_bytes=sum(t.nbytes for t in mtp),
+            largest_mtp_tensor=max((t.nbytes for t in mtp), default=0),
+            seconds=time.perf_counter() - t0,
+            exclusions=exclusions,
+        )
+
 
 # ---------------------------------------------------------------------------------------------- layouts
 
@@ -502,22 +525,13 @@ def make_skeleton(
             for name in ("tokenizer.json", "tokenizer_config.json"):
                 od.link_file(TINY_MTP_ASSET / name, name, link=False)
         final = od.finalize()
-    files = [p for p in final.iterdir() if p.is_file()]
-    mtp = [t for t in tensors if is_mtp_name(t.name)]
-    result = SkeletonResult(
-        path=final,
-        layout=layout.name,
-        kind="quant" if quant else "source",
-        tensors=len(tensors),
-        shards=sorted(by_shard),
-        total_bytes=sum(t.nbytes for t in tensors),
-        file_bytes=sum(p.stat().st_size for p in files),
-        disk_bytes=sum(p.stat().st_blocks * 512 for p in files),
-        mtp_tensors=len(mtp),
-        mtp_bytes=sum(t.nbytes for t in mtp),
-        largest_mtp_tensor=max((t.nbytes for t in mtp), default=0),
-        seconds=time.perf_counter() - t0,
-        exclusions=list(hf_quant_config["quantization"]["exclude_modules"]) if hf_quant_config else [],
+    result = SkeletonResult.of(
+        final,
+        layout.name,
+        "quant" if quant else "source",
+        tensors,
+        t0,
+        list(hf_quant_config["quantization"]["exclude_modules"]) if hf_quant_config else [],
     )
     log.info(
         "%s skeleton %s: %d tensors in %d shards, %.2f GB logical, %.1f MB on disk, %.1f s",
