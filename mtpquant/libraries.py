@@ -79,12 +79,14 @@ def library_output(progress: bool) -> Iterator[None]:
 
     logger = logging.getLogger("transformers")
     outer = any(isinstance(h, _Forward) for h in logger.handlers)  # an enclosing block routes already
+    propagate = logger.propagate  # transformers propagates when the environment says CI=1
     tf_bars = tf_logging.is_progress_bar_enabled()
     hf_bars = not hf_utils.are_progress_bars_disabled()
     forward = _Forward()
     if not outer:
         tf_logging.disable_default_handler()
         logger.addHandler(forward)
+        logger.propagate = False  # _Forward hands each record on once, at its level
     if not progress:
         tf_logging.disable_progress_bar()
         hf_utils.disable_progress_bars()
@@ -93,6 +95,7 @@ def library_output(progress: bool) -> Iterator[None]:
     finally:
         if not outer:
             logger.removeHandler(forward)
+            logger.propagate = propagate
             tf_logging.enable_default_handler()
         if tf_bars:
             tf_logging.enable_progress_bar()

@@ -74,14 +74,16 @@ class _RootRecords(logging.Handler):
         self.seen.append((record.levelname, record.name, record.getMessage()))
 
 
+@pytest.mark.parametrize("propagate", [False, True], ids=["default", "CI=1"])  # transformers propagates under CI=1
 def test_transformers_messages_go_through_logging(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, propagate: bool
 ) -> None:
     import transformers.utils.logging as tf_logging
 
     from mtpquant.libraries import library_output
 
     tf_log = tf_logging.get_logger("transformers.tokenization_utils_base")
+    monkeypatch.setattr(logging.getLogger("transformers"), "propagate", propagate)
     root, records = logging.getLogger(), _RootRecords()
     monkeypatch.setattr(root, "handlers", [records])
     caplog.set_level(logging.WARNING)  # the root logger's level (restored after the test)
@@ -98,6 +100,7 @@ def test_transformers_messages_go_through_logging(
         tf_log.warning("The fast path is not available because one of the required library is not installed.")
     # the CPU fallback of the linear-attention kernels: slower, not wrong (INFO, shown with -v)
     assert [(level, name) for level, name, _ in records.seen] == [("INFO", "transformers.tokenization_utils_base")]
+    assert logging.getLogger("transformers").propagate is propagate  # put back as it was
 
 
 def test_modelopt_import_warning_goes_to_the_log(
