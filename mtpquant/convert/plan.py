@@ -25,6 +25,7 @@ from mtpquant.convert.ct_format import FORMATS, check_ct_recipe
 from mtpquant.convert.memory import MemoryPlan, available_cpu_bytes, model_blocks, plan_memory
 from mtpquant.convert.recipes import (
     MTP_FORMATS,
+    RECIPE_FILE,
     CalibrationSection,
     Recipe,
     apply_overrides,
@@ -62,7 +63,6 @@ log = logging.getLogger(__name__)
 
 # Files convert writes itself (or must not copy) instead of carrying them over from the source.
 _REWRITTEN = {"config.json", HF_QUANT_CONFIG, INDEX_NAME, PROVENANCE_FILE, "README.md", "README", "model_card.md"}
-RECIPE_FILE = "mtpquant_recipe.yaml"
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ __all__ = [
     "MODELOPT_NVFP4_DISABLED",
     "MTP_FORMATS",
     "MTP_MODES",
+    "RECIPE_FILE",
     "SCHEMES",
     "TARGETS",
     "CalibrationSection",
@@ -38,6 +39,7 @@ __all__ = [
     "apply_overrides",
     "builtin_recipe_names",
     "default_recipe_name",
+    "grafted_recipe",
     "load_recipe",
     "nvfp4_quantizer_cfg",
     "parse_size",
@@ -47,6 +49,8 @@ __all__ = [
 ]
 
 SCHEMA_VERSION = 1
+# The resolved recipe convert writes into OUT (a comment header, then the recipe as ``Recipe.to_yaml`` writes it).
+RECIPE_FILE = "mtpquant_recipe.yaml"
 SCHEMES = ("nvfp4", "nvfp4_w4a16")
 TARGETS = ("all", "experts")
 CALIBRATION_ALGORITHMS = ("max",)
@@ -355,6 +359,37 @@ def recipe_from_mapping(raw: Any, source: str) -> Recipe:
     return recipe
 
 
+def _parse_yaml(text: str, source: str) -> Any:
+    import yaml
+
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" (line {mark.line + 1})" if mark is not None else ""
+        raise RecipeError(f"{source}: not valid YAML{where}") from None
+
+
+def grafted_recipe(text: str, source: str, mtp_from: str) -> str:
+    """A resolved recipe file's text (``RECIPE_FILE``, as ``source`` names it) once graft has put ``mtp_from``'s MTP
+    into its checkpoint: ``mtp.mode`` is ``keep`` (the MTP as SRC has it, which convert's keep mode writes), and
+    the comment header keeps what it said and adds what graft did and the mode before it. The body is written as
+    convert writes it. ``RecipeError`` when ``text`` is not a recipe."""
+    from mtpquant import __version__
+
+    header = []
+    for line in text.splitlines():
+        if not line.startswith("#"):
+            break
+        header.append(line[2:] if line.startswith("# ") else line[1:])
+    recipe = recipe_from_mapping(_parse_yaml(text, source), source)
+    header.append(
+        f"MTP grafted from {mtp_from} by mtpquant {__version__} graft: mtp.mode was {recipe.mtp.mode}, now keep."
+    )
+    grafted = dataclasses.replace(recipe, mtp=dataclasses.replace(recipe.mtp, mode="keep"))
+    return grafted.to_yaml("\n".join(header))
+
+
 def _builtin_dir() -> Any:
     return importlib.resources.files("mtpquant") / "recipes"
 
@@ -366,8 +401,6 @@ def builtin_recipe_names() -> list[str]:
 
 def load_recipe(ref: str | Path) -> Recipe:
     """A recipe by built-in name or by path to a YAML file."""
-    import yaml
-
     text: str
     ref_s = str(ref)
     path = Path(ref_s).expanduser()
@@ -382,13 +415,7 @@ def load_recipe(ref: str | Path) -> Recipe:
             raise RecipeError(f"unknown recipe {ref_s!r}; built-in recipes: {', '.join(builtin_recipe_names())}")
         source = f"mtpquant/recipes/{ref_s}.yaml"
         text = resource.read_text(encoding="utf-8")
-    try:
-        raw = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" (line {mark.line + 1})" if mark is not None else ""
-        raise RecipeError(f"{source}: not valid YAML{where}") from None
-    return recipe_from_mapping(raw, source)
+    return recipe_from_mapping(_parse_yaml(text, source), source)
 
 
 def apply_overrides(recipe: Recipe, overrides: Iterable[str], where: str = "--set") -> Recipe:
