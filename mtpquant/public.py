@@ -21,6 +21,7 @@ from mtpquant.nethttp import scrub_credentials
 __all__ = [
     "local_path_needles",
     "public_args",
+    "public_checkpoint",
     "public_file",
     "public_json",
     "public_name",
@@ -55,6 +56,18 @@ def public_name(value: str | os.PathLike[str], ref: SourceRef | None = None) -> 
     if not _is_local_path(text):
         return text
     return Path(text).name or text
+
+
+def public_checkpoint(label: str) -> str:
+    """A checkpoint as a report names it: a local directory by its base name however it was given (``tiny``,
+    ``./tiny``, ``/abs/tiny`` and ``runs/tiny`` all read ``tiny``), anything else (a repo id, a served model name)
+    as ``public_name`` names it."""
+    try:
+        local = Path(label).expanduser()
+        ref = SourceRef(path=str(local.resolve())) if local.is_dir() else None
+    except (OSError, ValueError):
+        ref = None
+    return public_name(label, ref)
 
 
 def public_file(value: str) -> str:

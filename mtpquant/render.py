@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mtpquant.engine.server import ENGINE_NAMES
-from mtpquant.inspect.precision import is_quantized
+from mtpquant.inspect.precision import linears_text
 from mtpquant.units import format_bytes
 from mtpquant.validate.schema import Report, sides
 
@@ -71,10 +71,10 @@ def inspect_text(r: InspectReport) -> str:
             [("contents", "the MTP layer alone (an MTP sidecar): no main model, no vision tower")]
             if r.kind == "mtp-only"
             else [
-                ("main Linears", _linears(main["precisions"])),
+                ("main Linears", linears_text(main["precisions"])),
                 (
                     "vision tower",
-                    f"present, {r.vision['tensors']} tensors; {_linears(r.vision['precisions'])}"
+                    f"present, {r.vision['tensors']} tensors; {linears_text(r.vision['precisions'])}"
                     if r.vision["present"]
                     else ("MISSING" if r.vision["expected"] else "none (text-only)"),
                 ),
@@ -122,21 +122,6 @@ def inspect_text(r: InspectReport) -> str:
     lines.append("")
     lines.append("verdict: healthy" if r.healthy else f"verdict: {len(r.failures)} problem(s)")
     return "\n".join(lines)
-
-
-def _linears(precisions: Mapping[str, int]) -> str:
-    """``{"BF16": 7, "NVFP4": 25}`` -> ``32 Linears: 25 quantized (NVFP4 25), 7 unquantized (BF16 7)``."""
-    quantized = {p: n for p, n in precisions.items() if is_quantized(p)}
-    plain = {p: n for p, n in precisions.items() if p not in quantized}
-
-    def part(what: str, group: Mapping[str, int]) -> str:
-        return f"{what} (" + ", ".join(f"{p} {n}" for p, n in group.items()) + ")"
-
-    total = f"{sum(precisions.values())} Linears"
-    if not quantized or not plain:
-        return f"{total}, all " + part("quantized" if quantized else "unquantized", quantized or plain)
-    n_q, n_p = sum(quantized.values()), sum(plain.values())
-    return f"{total}: {n_q} " + part("quantized", quantized) + f", {n_p} " + part("unquantized", plain)
 
 
 def _examples(mods: Sequence[str]) -> str:

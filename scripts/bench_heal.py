@@ -62,12 +62,12 @@ import json, sys, torch
 from mtpquant.heal.check import check_prompts, unit_counts
 from mtpquant.validate.builtin import capture
 from mtpquant.validate.load import CheckpointWeights, load_mtp, load_target
+from mtpquant.validate.prompts import plan_sequences, tokenize_prompts
 src, n, max_len, k = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 w = CheckpointWeights.open(src)
-from mtpquant.validate.prompts import tokenize_prompts
 ids = tokenize_prompts(w.ckpt.source, check_prompts(n), int(w.shape(w.embed_name())[0]))
 target = load_target(w, device=torch.device("cpu"), dtype=torch.float32)
-run = capture(target, ids, max_len, label="source", progress=False, batch_size=32)
+run = capture(target, plan_sequences(ids, max_len), label="source", progress=False, batch_size=32)
 bundle, _ = load_mtp(w)
 print(json.dumps([u.mean_acceptance_length for u in unit_counts(bundle, run, k)]))
 """

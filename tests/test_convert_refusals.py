@@ -185,6 +185,8 @@ def test_already_quantized_source(tiny_copy: Factory, work: Path, capsys: pytest
         # flags that would be ignored are refused
         (["--keep-mtp", "--mtp-format", "fp8"], 2, "--mtp-format is only used with --mtp quantize (mode is keep)"),
         (["--revision", "v2"], 2, "{src}: a local directory has no revisions (a revision applies to a Hub repo id)"),
+        (["--heal-steps", "5"], 2, "--heal-steps is only used with --heal"),
+        (["--heal-force"], 2, "--heal-force is only used with --heal"),
     ],
 )
 def test_bad_options(

@@ -400,19 +400,32 @@ def test_kill_during_an_in_place_heal_leaves_the_old_or_the_new_quant(healed_tin
 
 @pytest.mark.slow
 def test_convert_heal_runs_heal_after_the_conversion(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """A heal that cannot help (one step at a tiny learning rate): OUT stays as converted and the exit says why."""
-    out = tmp_path / "out"
-    argv = ["-q", "convert", str(TINY_MTP_ASSET), str(out), "--keep-mtp", "--device", "cpu", "--calib-samples", "2",
-            "--calib-seq-len", "32", "--heal", "--heal-steps", "1", "--heal-lr", "1e-9", "--heal-samples", "4",
-            "--heal-check-prompts", "8"]
+    """A heal that cannot help (one step at a tiny learning rate): OUT stays as converted and the exit says why.
+    With --heal-force the same convert writes the healed MTP: only mtp.* bytes differ from the converted OUT."""
+    out, forced = tmp_path / "out", tmp_path / "forced"
+    common = ["--keep-mtp", "--device", "cpu", "--calib-samples", "2", "--calib-seq-len", "32", "--heal",
+              "--heal-steps", "1", "--heal-samples", "4", "--heal-check-prompts", "8"]
     capsys.readouterr()
-    assert cli(argv) == ExitCode.HEAL_NOT_BETTER
+    code = cli(["-q", "convert", str(TINY_MTP_ASSET), str(out), *common, "--heal-lr", "1e-9"])
+    assert code == ExitCode.HEAL_NOT_BETTER
     captured = capsys.readouterr()
     assert captured.out.startswith(f"wrote {out}")  # convert's summary first
     err = captured.err.strip()
     assert len(err.splitlines()) == 1 and f"{out} was written as converted, not healed: " in err
     assert "not better beyond noise on 8 held-out prompts" in err
     assert [s.tool for s in read_provenance(out).steps] == ["convert"] and leftovers(tmp_path) == []
+
+    assert cli(["-q", "convert", str(TINY_MTP_ASSET), str(forced), *common, "--heal-force"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith(f"wrote {forced}")
+    assert "wrote the healed MTP (--force: not better beyond noise)" in printed
+    provenance = read_provenance(forced)
+    assert [s.tool for s in provenance.steps] == ["convert", "heal"]
+    assert provenance.heal is not None and provenance.heal.forced  # type: ignore[union-attr]
+    assert "--heal-force" in provenance.steps[1].command
+    assert digests(forced, mtp=False) == digests(out, mtp=False)  # convert is deterministic; heal leaves the rest
+    changed = digests(forced, mtp=True)
+    assert changed.keys() == digests(out, mtp=True).keys() and changed != digests(out, mtp=True)
 
 
 @pytest.mark.slow

@@ -6,6 +6,7 @@ and the before/after verdicts are in ``test_validate_tiny.py``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from collections.abc import Callable
@@ -29,6 +30,7 @@ from mtpquant.formats.nvfp4 import (
 )
 from mtpquant.mtp.drafting import draft_chain
 from mtpquant.mtp.module import KVCache, MtpConfig, MtpLayer
+from mtpquant.public import public_checkpoint
 from mtpquant.render import acceptance_table
 from mtpquant.validate.builtin import SequenceRecord, TargetRun, capture, evaluate_acceptance, replay_greedy
 from mtpquant.validate.load import CheckpointWeights, MtpBundle, load_mtp, load_target
@@ -41,13 +43,14 @@ from mtpquant.validate.prompts import (
     plan_sequences,
     training_documents,
 )
-from mtpquant.validate.report import write_report
+from mtpquant.validate.report import _acceptance_plot, render_markdown, write_report
 from mtpquant.validate.run import ValidateOptions, validate
 from mtpquant.validate.schema import (
     Acceptance,
     AcceptanceRow,
     Agreement,
     Comparison,
+    EngineInfo,
     KlSummary,
     MtpInfo,
     Report,
@@ -477,6 +480,45 @@ def test_report_files(tmp_path: Path) -> None:
     written = json.loads((tmp_path / "r" / "report.json").read_text())
     assert written == data.to_json() and Report.from_json(written) == data  # the schema round-trips exactly
     assert "candidate    1  1.500" in acceptance_table(data)
+    # report.md reads as prose: no Python reprs; the AL axis starts at 1 (a drop of 0.1 is not magnified)
+    lines = md.splitlines()
+    assert lines[lines.index("## Candidate: `x`") + 2] == (
+        "Family qwen3_5; target from model; MTP precision: 8 Linears, all unquantized (BF16 8)."
+    )
+    assert "Mode: pair; k = 1..3; 1 sequence of 8 tokens; prompts: p; device cpu (float32); activations off." in lines
+    assert _acceptance_plot(data).axes[1].get_ylim() == (1.0, 2.625)
+    engine = EngineInfo(
+        "vllm",
+        "0.32.0",
+        "http://127.0.0.1:1",
+        "tiny",
+        3,
+        "server",
+        sampling={
+            "settings": [SamplingSettings().to_json(), SamplingSettings(0.8, 0.9).to_json()],
+            "rule": "vllm",
+            "ignore_eos": True,
+            "concurrency": 1,
+        },
+    )
+    served = dataclasses.replace(side, mtp=MtpInfo(True))
+    md = render_markdown(dataclasses.replace(data, reference=served, candidate=served, engine=(engine,)), {})
+    assert "Family qwen3_5; target from model; MTP precision as the engine serves it." in md
+    assert "Requests: T=0 (seed 0); T=0.8, top-p 0.9 (seed 0), rule vllm, ignore_eos on, 1 at a time." in md
+    unusable = dataclasses.replace(side, mtp=MtpInfo(False, "no mtp.* tensors"), acceptance=None)
+    md = render_markdown(dataclasses.replace(data, candidate=unusable), {})
+    assert "Family qwen3_5; target from model; MTP precision not read (no usable MTP).\n\n**MTP unavailable:** " in md
+    assert "None" not in md and "{" not in md
+
+
+def test_a_report_names_every_directory_one_way(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """However a checkpoint was given, the report names a local directory by its name (a repo id as it is)."""
+    (tmp_path / "runs" / "tiny").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    given = ["runs/tiny", "./runs/tiny", str(tmp_path / "runs" / "tiny"), "runs/tiny/"]
+    assert [public_checkpoint(g) for g in given] == ["tiny"] * 4
+    assert public_checkpoint("Qwen/Qwen3.5-0.8B") == "Qwen/Qwen3.5-0.8B"
+    assert public_checkpoint("/models/served/qwen") == "qwen"  # a server's own path: by its name too
 
 
 def test_cli_single_checkpoint_json(tiny_factory: Callable[[str], Path], capsys: pytest.CaptureFixture[str]) -> None:

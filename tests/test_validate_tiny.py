@@ -122,6 +122,8 @@ def test_keep_mode_mtp_identical_difference_only_from_target(keep_pair: tuple[Va
         "kl.png",
         "speculation_profile.json",
     }
+    md = (report_dir / "report.md").read_text()  # one path style: each directory by its name
+    assert f"## Reference: `{ASSET.name}`" in md and "## Candidate: `keep`" in md
 
 
 def test_identical_mtp_small_sample_is_inconclusive(keep_pair: tuple[ValidationReport, Path, Path]) -> None:

@@ -111,6 +111,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "exit 24 when the healed MTP is not better beyond noise (OUT stays as converted)",
     )
     add_schedule_arguments(p, prefix="heal-")
+    p.add_argument("--heal-force", action="store_true",
+                   help="with --heal: write the healed MTP even if the check does not show it better (`heal --force`)")
     p.add_argument("--dry-run", action="store_true", help="print the plan (from headers only) and write nothing")
     p.add_argument("--overwrite", action="store_true", help="replace OUT (and --mtp-out) if they exist")
     p.add_argument("--json", action="store_true", help="print the result (or plan) as JSON")
@@ -149,6 +151,8 @@ def _argv(args: argparse.Namespace) -> list[str]:
         argv.append("--heal")
         for key, value in schedule_options(args).items():
             argv += [f"--heal-{key.replace('_', '-')}", str(value)]
+        if args.heal_force:
+            argv.append("--heal-force")
     if args.resume_every is not None:
         argv += ["--resume-every", str(args.resume_every)]
     for item in args.overrides:
@@ -167,6 +171,9 @@ def run(args: argparse.Namespace) -> int:
 
     if args.keep_mtp and args.mtp not in (None, "keep"):
         raise RecipeError(f"--keep-mtp contradicts --mtp {args.mtp}")
+    heal_flags = [f"--heal-{key.replace('_', '-')}" for key in schedule_options(args)]
+    if not args.heal and (heal_flags or args.heal_force):  # would be ignored: refused
+        raise RecipeError(f"{(heal_flags or ['--heal-force'])[0]} is only used with --heal")
     options = ConvertOptions(
         src=args.src,
         out=Path(args.out),
@@ -227,6 +234,7 @@ def _heal(args: argparse.Namespace, out: Path) -> Any:
         device=args.device,
         max_memory=args.max_memory,
         source_revision=args.revision,
+        force=args.heal_force,
         progress=os.environ.get("TQDM_DISABLE", "") in {"", "0"},
         command=("mtpquant", *_argv(args)),
         **schedule_options(args),

@@ -38,7 +38,7 @@ from mtpquant.graft.lineage import GraftError, LineageError, LineageReport, chec
 from mtpquant.graft.plan import Plan, plan_index_fix, plan_shards, weight_map_of
 from mtpquant.graft.source import TrackedSource
 from mtpquant.graft.verify import verify_result
-from mtpquant.graft.write import NewMtp, Target, build, commit, open_target
+from mtpquant.graft.write import NewMtp, Target, WriteLog, build, commit, open_target
 from mtpquant.provenance import Step
 from mtpquant.public import public_args, public_name, public_ref
 from mtpquant.surgery.metadata import plan_metadata
@@ -79,9 +79,9 @@ class GraftOptions:
     command: tuple[str, ...] = ()  # the command line, recorded in the provenance file (the CLI sets it)
 
 
-@dataclass
-class GraftResult:
-    """What graft did (or, with ``dry_run``, would do)."""
+@dataclass(kw_only=True)
+class GraftResult(WriteLog):
+    """What graft did (or, with ``dry_run``, would do); what it wrote in ``WriteLog``'s fields."""
 
     quant: str
     source: str | None
@@ -95,18 +95,8 @@ class GraftResult:
     quant_bytes_fetched: int = 0
     src_requests: int = 0  # network requests to SRC (a Hub repo), redirects included
     quant_requests: int = 0
-    bytes_written: int = 0
-    new_shards: list[str] = field(default_factory=list)
-    linked: list[str] = field(default_factory=list)
-    copied: list[str] = field(default_factory=list)
-    rewritten: list[str] = field(default_factory=list)
-    dropped: list[str] = field(default_factory=list)
     metadata_changes: list[str] = field(default_factory=list)
     src_shards_downloaded: list[str] = field(default_factory=list)
-    cleaned: list[str] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)
-    verified_with: list[str] = field(default_factory=list)
-    commit: str | None = None  # "rename" (--out) | "exchange" | "files" (--in-place)
     seconds: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
@@ -250,7 +240,7 @@ def graft(options: GraftOptions) -> GraftResult:
     hfq = quant.hf_quant_config
     weight_map = weight_map_of(quant)
     plan = Plan(quant, hfq, weight_map)
-    result = GraftResult(quant.label, None, None, mode, "planned", "")
+    result = GraftResult(quant=quant.label, source=None, destination=None, mode=mode, action="planned", message="")
     if options.fix_metadata:
         return _finish(_fix_metadata(options, plan, result), t0, quant, None)
 

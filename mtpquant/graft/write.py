@@ -16,7 +16,6 @@ import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
 
 from mtpquant.checkpoint.dtypes import planned_copy
 from mtpquant.checkpoint.header import TensorEntry
@@ -35,17 +34,20 @@ __all__ = ["NewMtp", "Target", "WriteLog", "build", "commit", "open_target"]
 log = logging.getLogger(__name__)
 
 
-class WriteLog(Protocol):
-    """Where ``build`` and ``commit`` record what they did (``GraftResult`` has these fields)."""
+@dataclass(kw_only=True)
+class WriteLog:
+    """What ``open_target``, ``build`` and ``commit`` did: the part of graft's and heal's results they fill."""
 
-    new_shards: list[str]
-    rewritten: list[str]
-    linked: list[str]
-    copied: list[str]
-    dropped: list[str]
-    warnings: list[str]
-    verified_with: list[str]
-    bytes_written: int
+    bytes_written: int = 0
+    new_shards: list[str] = field(default_factory=list)
+    linked: list[str] = field(default_factory=list)
+    copied: list[str] = field(default_factory=list)
+    rewritten: list[str] = field(default_factory=list)
+    dropped: list[str] = field(default_factory=list)
+    cleaned: list[str] = field(default_factory=list)  # what interrupted runs left and the opening removed
+    warnings: list[str] = field(default_factory=list)
+    verified_with: list[str] = field(default_factory=list)
+    commit: str | None = None  # "rename" (--out) | "exchange" | "files" (--in-place)
 
 
 @dataclass

@@ -9,6 +9,8 @@ from mtpquant.checkpoint.header import FLOAT_DTYPES
 from mtpquant.checkpoint.modules import FUSED_EXPERT_PARAMS
 
 __all__ = [
+    "is_quantized",
+    "linears_text",
     "module_precision",
     "table_precision",
 ]
@@ -55,3 +57,18 @@ def table_precision(tensors: Mapping[str, Any], table: str, shards: Sequence[str
 def is_quantized(precision: str) -> bool:
     """True for quantized on-disk formats (not an unquantized float dtype, not missing): the one rule."""
     return precision not in FLOAT_DTYPES and precision != "missing"
+
+
+def linears_text(precisions: Mapping[str, int]) -> str:
+    """``{"BF16": 7, "NVFP4": 25}`` -> ``32 Linears: 25 quantized (NVFP4 25), 7 unquantized (BF16 7)``."""
+    quantized = {p: n for p, n in precisions.items() if is_quantized(p)}
+    plain = {p: n for p, n in precisions.items() if p not in quantized}
+
+    def part(what: str, group: Mapping[str, int]) -> str:
+        return f"{what} (" + ", ".join(f"{p} {n}" for p, n in group.items()) + ")"
+
+    total = f"{sum(precisions.values())} Linears"
+    if not quantized or not plain:
+        return f"{total}, all " + part("quantized" if quantized else "unquantized", quantized or plain)
+    n_q, n_p = sum(quantized.values()), sum(plain.values())
+    return f"{total}: {n_q} " + part("quantized", quantized) + f", {n_p} " + part("unquantized", plain)

@@ -33,6 +33,7 @@ from tqdm.auto import tqdm
 
 from mtpquant import __version__
 from mtpquant.engine.sampling import SamplingSettings
+from mtpquant.public import public_checkpoint, public_file
 from mtpquant.validate.hidden import load_hidden, save_hidden
 from mtpquant.validate.load import (
     CheckpointWeights,
@@ -165,7 +166,7 @@ def _side(
 ) -> Side:
     acceptance = by_sampling[0] if by_sampling else None
     return Side(
-        checkpoint=weights.label,
+        checkpoint=public_checkpoint(weights.label),  # one path style in the report: a directory by its name
         family=weights.spec.family.key,
         precision=weights.precision_summary(),
         target_source=target_source,
@@ -389,7 +390,7 @@ def validate_builtin(opts: ValidateOptions) -> ValidationReport:
             device=str(device),
             dtype=str(dtype).removeprefix("torch."),
             activations=opts.activations,
-            hidden_file=str(opts.hidden) if opts.hidden else None,
+            hidden_file=public_file(str(opts.hidden)) if opts.hidden else None,
             warn_al_drop=opts.warn_al_drop,
             broken_al=opts.broken_al,
             min_main_agreement=opts.min_main_agreement,

@@ -35,7 +35,7 @@ from mtpquant.engine.sampling import rule
 from mtpquant.engine.server import ENGINE_NAMES, EngineServer, ServerInfo, SpecConfig, resolve_model
 from mtpquant.engine.sizing import Machine, plan_engine_memory, probe_machine
 from mtpquant.errors import EngineAnswerError
-from mtpquant.public import public_args
+from mtpquant.public import public_args, public_checkpoint
 from mtpquant.validate.evidence import Bootstrap
 from mtpquant.validate.measure import EngineMeasurement, measure
 from mtpquant.validate.options import ValidateError, ValidateOptions
@@ -146,7 +146,7 @@ def _engine_info(
         name=info.engine,
         version=info.version,
         url=info.url,
-        model=model,
+        model=public_checkpoint(model),  # a started engine serves the checkpoint's directory
         k=k,
         k_source="server" if m.k else "--k",
         sampling={
@@ -300,7 +300,7 @@ def _side(
     prompt_tokens = sum(len(c.prompt) for c in first.measurement.completions)
     by_sampling = tuple(_acceptance(opts, measured, i, plan) for i in range(len(first.measurements)))
     return Side(
-        checkpoint=label_checkpoint,
+        checkpoint=public_checkpoint(label_checkpoint),  # one path style in the report: a directory by its name
         family=family,
         precision={},
         target_source=f"engine {ENGINE_NAMES.get(first.engine.name, first.engine.name)} {first.engine.version} at "

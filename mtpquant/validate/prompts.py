@@ -18,6 +18,7 @@ from pathlib import Path
 from mtpquant.checkpoint.source import CheckpointSource
 from mtpquant.corpus import offline_documents
 from mtpquant.errors import ConfigError
+from mtpquant.public import public_file
 
 __all__ = [
     "HELD_OUT_STDLIB",
@@ -166,7 +167,7 @@ def prompts_for(prompts_file: Path | None, num_prompts: int, min_chars: int = 0)
     if not path.is_file():
         raise UsageError(f"--prompts {path}: no such file")
     try:
-        return load_prompts(path, num_prompts), str(path)
+        return load_prompts(path, num_prompts), public_file(str(path))  # the report names the file by its name
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         detail = str(exc) if str(exc).startswith(str(path)) else f"{path}: {exc}"  # load_prompts names the file
         raise UsageError(f"--prompts {detail}") from None

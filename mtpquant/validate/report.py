@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import io
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from mtpquant.checkpoint.writer import atomic_write_bytes, atomic_write_json
+from mtpquant.engine.sampling import SamplingSettings
 from mtpquant.engine.server import ENGINE_NAMES
+from mtpquant.inspect.precision import linears_text
 from mtpquant.public import public_json, public_text
 from mtpquant.validate.evidence import Interval
 from mtpquant.validate.profile import PROFILE_FILE, speculation_profile
@@ -77,6 +79,32 @@ def _ks(report: Report) -> str:
     return ", ".join(map(str, ks))
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
+def _mtp_precision(side: Side, report: Report) -> str:
+    """``precision: 8 Linears, all unquantized (BF16 8)``; what an engine serves is not read from disk."""
+    if side.mtp.precision:
+        return "precision: " + linears_text({kind.upper(): n for kind, n in side.mtp.precision.items()})
+    if report.engine:
+        return "precision as the engine serves it"
+    return "precision not read (no usable MTP)"
+
+
+def _requests(sampling: Mapping[str, Any]) -> str:
+    """An engine entry's request settings as prose: ``T=0 (seed 0), rule vllm, ignore_eos on, 1 at a time``."""
+    settings = [SamplingSettings.from_json(x) for x in sampling.get("settings") or () if isinstance(x, Mapping)]
+    parts = ["; ".join(f"{x.label} (seed {x.seed})" for x in settings)] if settings else []
+    if "rule" in sampling:
+        parts.append(f"rule {sampling['rule']}")
+    if "ignore_eos" in sampling:
+        parts.append(f"ignore_eos {'on' if sampling['ignore_eos'] else 'off'}")
+    if "concurrency" in sampling:
+        parts.append(f"{sampling['concurrency']} at a time")
+    return ", ".join(parts) or "the engine's defaults"
+
+
 def render_markdown(report: Report, plots: dict[str, str]) -> str:
     """report.md: verdict, tables, comparison, plots and notes."""
     v = report.verdict
@@ -106,17 +134,16 @@ def render_markdown(report: Report, plots: dict[str, str]) -> str:
             )
     out += [
         "",
-        f"Mode: {report.mode}; k = {_ks(report)}; {s.num_prompts} sequences of {s.max_len} tokens; "
+        f"Mode: {report.mode}; k = {_ks(report)}; {_count(s.num_prompts, 'sequence')} of {s.max_len} tokens; "
         f"prompts: {s.prompts}; device {s.device} ({s.dtype}); activations {s.activations}.",
         "",
     ]
     for label, side in sides(report):
         out += [f"## {label.capitalize()}: `{side.checkpoint}`", ""]
-        precision = dict(side.mtp.precision) if side.mtp.precision is not None else None
-        out.append(f"Family {side.family}; target from {side.target_source}; MTP precision {precision}.")
+        out.append(f"Family {side.family}; target from {side.target_source}; MTP {_mtp_precision(side, report)}.")
         out.append("")
         if not side.acceptance:
-            out += [f"**MTP unavailable:** {side.mtp.error}", ""]
+            out += [f"**MTP unavailable:** {side.mtp.error or 'not evaluated'}", ""]
             continue
         for acc in side.acceptance_by_sampling or (side.acceptance,):
             out += _acceptance_table(acc)
@@ -154,7 +181,7 @@ def render_markdown(report: Report, plots: dict[str, str]) -> str:
         args = next((e.server_args for e in report.engine if e.server_args), ())
         if args:
             out += ["", "Server arguments: `" + " ".join(args) + "`."]
-        out += ["", f"Requests: {dict(report.engine[0].sampling)}.", ""]
+        out += ["", f"Requests: {_requests(report.engine[0].sampling)}.", ""]
     if report.predicted:
         out += [
             "## Engine vs built-in prediction",
@@ -189,12 +216,18 @@ def render_markdown(report: Report, plots: dict[str, str]) -> str:
 
 
 def _png(fig: Any) -> bytes:
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
-    return buf.getvalue()
+    """The figure as PNG bytes; the figure is closed."""
+    import matplotlib.pyplot as plt
+
+    try:
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+        return buf.getvalue()
+    finally:
+        plt.close(fig)
 
 
-def _acceptance_plot(report: Report) -> bytes | None:
+def _acceptance_plot(report: Report) -> Any:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -214,17 +247,16 @@ def _acceptance_plot(report: Report) -> bytes | None:
     K = report.settings.k
     ax1.set(xlabel="draft position", ylabel="acceptance (%)", title=f"per-position acceptance (k={K})", ylim=(0, 100))
     ax1.set_xticks(range(1, K + 1))
+    # AL is at least 1 (the target's own token): the axis starts there, so a small drop reads as small
     ax2.set(xlabel="k (drafts per step)", ylabel="mean acceptance length", title="AL per k")
+    ax2.set_ylim(bottom=1.0, top=max(2.0, max(a for _, side in shown for a in _al(side)) * 1.05))
     ax2.set_xticks(range(1, K + 1))
     ax1.legend()
     ax2.legend()
-    try:
-        return _png(fig)
-    finally:
-        plt.close(fig)
+    return fig
 
 
-def _context_plot(report: Report) -> bytes | None:
+def _context_plot(report: Report) -> Any:
     """Per-position acceptance at k = K by context-length bucket, one line per side and position."""
     import matplotlib
 
@@ -246,13 +278,10 @@ def _context_plot(report: Report) -> bytes | None:
     title = f"per-position acceptance by context (k={report.settings.k}, {sampling})"
     ax.set(xlabel="context length (tokens)", ylabel="acceptance (%)", title=title, ylim=(0, 100))
     ax.legend(fontsize=7)
-    try:
-        return _png(fig)
-    finally:
-        plt.close(fig)
+    return fig
 
 
-def _kl_plot(report: ValidationReport) -> bytes | None:
+def _kl_plot(report: ValidationReport) -> Any:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -276,10 +305,7 @@ def _kl_plot(report: ValidationReport) -> bytes | None:
     ax.set_xscale("log")
     ax.set(xlabel="KL(ref || cand) per position (nats; 0 shown at 1e-12)", ylabel="positions", title="KL distribution")
     ax.legend()
-    try:
-        return _png(fig)
-    finally:
-        plt.close(fig)
+    return fig
 
 
 def write_report(report: ValidationReport, directory: Path | str) -> Path:
@@ -288,15 +314,15 @@ def write_report(report: ValidationReport, directory: Path | str) -> Path:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     plots: dict[str, str] = {}
-    makers: tuple[tuple[str, Callable[[], bytes | None]], ...] = (
+    makers: tuple[tuple[str, Callable[[], Any]], ...] = (  # each a matplotlib Figure, or None: nothing to plot
         ("acceptance", lambda: _acceptance_plot(report.report)),
         ("context", lambda: _context_plot(report.report)),
         ("kl", lambda: _kl_plot(report)),
     )
     for name, make in makers:
-        png = make()
-        if png is not None:
-            atomic_write_bytes(directory / f"{name}.png", png)
+        fig = make()
+        if fig is not None:
+            atomic_write_bytes(directory / f"{name}.png", _png(fig))
             plots[name] = f"{name}.png"
     atomic_write_json(directory / "report.json", public_json(report.to_json()))
     profile = speculation_profile(report.report)
