@@ -31,7 +31,8 @@ from mtpquant.checkpoint.lock import OutputLock
 from mtpquant.checkpoint.source import CheckpointSource
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.checkpoint.writer import OutputDir
-from mtpquant.errors import OutputExistsError, UsageError
+from mtpquant.convert.recipes import RECIPE_FILE, grafted_recipe
+from mtpquant.errors import OutputExistsError, RecipeError, UsageError
 from mtpquant.graft import inplace
 from mtpquant.graft.lineage import GraftError, LineageError, LineageReport, check_lineage, mtp_layer_count
 from mtpquant.graft.plan import Plan, plan_index_fix, plan_shards, weight_map_of
@@ -39,7 +40,7 @@ from mtpquant.graft.source import TrackedSource
 from mtpquant.graft.verify import verify_result
 from mtpquant.graft.write import NewMtp, Target, WriteLog, build, commit, open_target
 from mtpquant.provenance import Step
-from mtpquant.public import public_args, public_ref
+from mtpquant.public import public_args, public_name, public_ref
 from mtpquant.surgery.metadata import plan_metadata
 from mtpquant.surgery.modes import MODES, WriteContext
 from mtpquant.units import format_bytes
@@ -137,8 +138,31 @@ def _write(
     ref = src.source.ref() if src is not None else None
     # the provenance goes public with OUT: local directories by their base name
     step = Step("graft", public_args(options.command, ref), source=public_ref(ref), mode="keep")
-    json_files = build(target, plan, new_mtp, step, result, verify, link=options.link)
+    texts = _grafted_recipe(plan.quant, public_name(src.label, ref), result.warnings) if new_mtp and src else {}
+    json_files = build(target, plan, new_mtp, step, result, verify, link=options.link, texts=texts)
     commit(target, result, json_files)
+
+
+_RECIPE_LIMIT = 1 << 20  # a resolved recipe is a few hundred bytes
+
+
+def _grafted_recipe(quant: Checkpoint, mtp_from: str, warnings: list[str]) -> dict[str, str]:
+    """QUANT's resolved recipe file rewritten to say what the output is now (``convert.recipes.grafted_recipe``);
+    none when QUANT has none. One that is not a recipe this mtpquant reads is carried as it is, with a warning."""
+    if RECIPE_FILE not in quant.source.list_files():
+        return {}
+    where = f"{quant.label}: {RECIPE_FILE}"
+    try:
+        if quant.source.file_size(RECIPE_FILE) > _RECIPE_LIMIT:
+            raise RecipeError(f"{where}: larger than {format_bytes(_RECIPE_LIMIT)}")
+        try:
+            text = quant.source.local_path(RECIPE_FILE).read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise RecipeError(f"{where}: not UTF-8 text") from None
+        return {RECIPE_FILE: grafted_recipe(text, where, mtp_from)}
+    except RecipeError as exc:
+        warnings.append(f"{exc}; carried unchanged (its mtp.mode does not say the MTP was grafted)")
+        return {}
 
 
 # ---------------------------------------------------------------------------------------------- entry points
