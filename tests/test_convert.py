@@ -13,6 +13,7 @@ import json
 import os
 import re
 import stat
+import textwrap
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ import pytest
 import torch
 from huggingface_hub import ModelCard
 
+from mtpquant import __version__
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.cli import main as cli
 from mtpquant.convert.run import ConvertOptions, ConvertResult, convert
@@ -380,6 +382,39 @@ def test_extract_then_graft_equals_keep(converted: Callable[[str, str], Run], tm
         assert (out / p.name).read_bytes() == p.read_bytes(), p.name
     for name in ("config.json", "hf_quant_config.json", "model.safetensors.index.json"):
         assert json.loads((out / name).read_text()) == json.loads((keep.out / name).read_text()), name
+    # the resolved recipe says what the output is now: keep (keep's own recipe body), and that the MTP was grafted
+    recipe = (out / "mtpquant_recipe.yaml").read_text()
+    assert recipe == textwrap.dedent(f"""\
+        # Resolved recipe written by mtpquant {__version__} convert.
+        # source: {run.src.name}
+        # Reuse with: mtpquant convert SRC OUT --recipe mtpquant_recipe.yaml
+        # MTP grafted from {run.out.name}-mtp by mtpquant {__version__} graft: mtp.mode was extract, now keep.
+        schema: 1
+        name: qwen3_5-nvfp4
+        description: Qwen3.5/3.6 dense NVFP4 W4A4 with max calibration. lm_head, embeddings,
+          linear-attention conv1d and in_proj_a/in_proj_b, the vision tower and the MTP stay
+          BF16 (MTP per --mtp).
+        families:
+        - qwen3_5
+        quantization:
+          scheme: nvfp4
+          targets: all
+          algorithm: max
+          group_size: 16
+          exclude: []
+        calibration:
+          data: offline
+          samples: 2
+          seq_len: 32
+          batch_size: 1
+          chat_template: true
+        mtp:
+          mode: keep
+          format: nvfp4
+        output:
+          max_shard_size: 1MB
+        """)
+    assert recipe.split("\nschema:", 1)[1] == (keep.out / "mtpquant_recipe.yaml").read_text().split("\nschema:", 1)[1]
 
 
 # ---------------------------------------------------------------------------------------------------------

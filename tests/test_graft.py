@@ -22,11 +22,13 @@ from typing import Any
 
 import pytest
 
+from mtpquant import __version__
 from mtpquant.checkpoint.header import TensorEntry
 from mtpquant.checkpoint.index import INDEX_NAME
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.checkpoint.writer import PARTIAL_MARK, OutputDir, PlannedTensor
 from mtpquant.cli import main
+from mtpquant.convert.recipes import RECIPE_FILE, MtpSection, Recipe
 from mtpquant.errors import ExitCode
 from mtpquant.families import is_mtp_name
 from mtpquant.formats.quant_config import HF_QUANT_CONFIG
@@ -797,8 +799,25 @@ def test_without_directory_exchange_in_place_replace_is_refused(
     with pytest.raises(GraftError, match="needs a filesystem with atomic directory exchange"):
         graft(GraftOptions(quant=quant, source=src2, in_place=True, replace=True))
     assert tree_state(tmp_path) == state
-    # adding an MTP works without exchange: new files first, JSON last
+    # adding an MTP works without exchange: new files first, JSON (and the rewritten recipe) last
     stripped = strip_mtp(src, tmp_path / "work" / "s")
+    (stripped / RECIPE_FILE).write_text(Recipe("mine", mtp=MtpSection(mode="drop")).to_yaml("by hand"))
     result = graft(GraftOptions(quant=stripped, source=src, in_place=True))
     assert result.commit == "files" and tensor_digests(stripped) == tensor_digests(src)
     assert leftovers(stripped.parent) == []
+    note = f"MTP grafted from {src.name} by mtpquant {__version__} graft: mtp.mode was drop, now keep."
+    assert (stripped / RECIPE_FILE).read_text() == Recipe("mine", mtp=MtpSection(mode="keep")).to_yaml(
+        f"by hand\n{note}"
+    )
+
+
+def test_a_recipe_file_that_is_not_a_recipe_is_carried_with_a_warning(tiny_factory: Factory, tmp_path: Path) -> None:
+    src = tiny_factory("qwen3_5")
+    quant = strip_mtp(src, tmp_path / "q")
+    (quant / RECIPE_FILE).write_text("mtp: [\n")
+    result = graft(GraftOptions(quant=quant, source=src, out=tmp_path / "out"))
+    assert result.warnings == [
+        f"{quant}: {RECIPE_FILE}: not valid YAML (line 2); carried unchanged (its mtp.mode does not say the MTP "
+        "was grafted)"
+    ]
+    assert (tmp_path / "out" / RECIPE_FILE).read_text() == "mtp: [\n"

@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 
 from mtpquant.convert.recipes import (
     MODELOPT_NVFP4_DISABLED,
+    ByteSize,
     apply_overrides,
     builtin_recipe_names,
     default_recipe_name,
     load_recipe,
-    parse_size,
     quantizer_enabled,
     recipe_from_mapping,
 )
@@ -90,7 +91,7 @@ def test_overrides() -> None:
     assert changed.calibration.samples == 16
     assert changed.quantization.exclude == ("*.mlp.down_proj",)
     assert changed.mtp.mode == "quantize"
-    assert parse_size(changed.output.max_shard_size) == 500 * 2**20
+    assert changed.output.max_shard_size == ByteSize("500MiB", 500 * 2**20)
     assert recipe.calibration.samples == 128  # frozen: the original is unchanged
     with pytest.raises(RecipeError, match=r"--set nope\.x: unknown key 'nope'"):
         apply_overrides(recipe, ["nope.x=1"])
@@ -98,13 +99,20 @@ def test_overrides() -> None:
         apply_overrides(recipe, ["calibration.samples"])
 
 
-def test_parse_size() -> None:
-    assert parse_size("5GB") == 5 * 10**9
-    assert parse_size("1.5 MiB") == int(1.5 * 2**20)
-    assert parse_size(1234) == 1234
-    for bad in ("0", "-1GB", "5 parsecs"):
-        with pytest.raises(RecipeError):
-            parse_size(bad)
+def test_a_size_is_parsed_once_and_written_as_given() -> None:
+    assert ByteSize.parse("5GB", "x") == ByteSize("5GB", 5 * 10**9)
+    assert ByteSize.parse("1.5 MiB", "x") == ByteSize("1.5 MiB", int(1.5 * 2**20))
+    assert ByteSize.parse(1234, "x") == ByteSize("1234", 1234)
+    bad_sizes = (("0", "size must be positive, got '0'"), ("5 parsecs", "'5 parsecs' is not a size"), (True, "True is"))
+    for bad, why in bad_sizes:
+        with pytest.raises(RecipeError, match=f"^--max-shard-size: {re.escape(why)}"):
+            ByteSize.parse(bad, "--max-shard-size")
+    # a recipe file's size: checked where it is read (file and key named), carried parsed, written back as given
+    recipe = recipe_from_mapping({"name": "r", "output": {"max_shard_size": 1000000}}, "r.yaml")
+    assert recipe.output.max_shard_size == ByteSize("1000000", 10**6)
+    assert "max_shard_size: '1000000'" in recipe.to_yaml()
+    with pytest.raises(RecipeError, match=r"^r\.yaml: output\.max_shard_size: '-1GB' is not a size \(for example"):
+        recipe_from_mapping({"name": "r", "output": {"max_shard_size": "-1GB"}}, "r.yaml")
 
 
 def test_disabled_list_matches_installed_modelopt() -> None:

@@ -25,12 +25,13 @@ from mtpquant.convert.ct_format import FORMATS, check_ct_recipe
 from mtpquant.convert.memory import MemoryPlan, available_cpu_bytes, model_blocks, plan_memory
 from mtpquant.convert.recipes import (
     MTP_FORMATS,
+    RECIPE_FILE,
+    ByteSize,
     CalibrationSection,
     Recipe,
     apply_overrides,
     default_recipe_name,
     load_recipe,
-    parse_size,
     quantizer_enabled,
     with_values,
 )
@@ -62,7 +63,6 @@ log = logging.getLogger(__name__)
 
 # Files convert writes itself (or must not copy) instead of carrying them over from the source.
 _REWRITTEN = {"config.json", HF_QUANT_CONFIG, INDEX_NAME, PROVENANCE_FILE, "README.md", "README", "model_card.md"}
-RECIPE_FILE = "mtpquant_recipe.yaml"
 
 
 @dataclass(frozen=True)
@@ -205,12 +205,13 @@ def _resolve_recipe(options: ConvertOptions, family: Any) -> Recipe:
         ("calibration", "data"): options.calib_data,
         ("calibration", "samples"): options.calib_samples,
         ("calibration", "seq_len"): options.calib_seq_len,
-        ("output", "max_shard_size"): None if options.max_shard_size is None else str(options.max_shard_size),
+        # parsed here, once, with the flag's own message ("--max-shard-size: ... is not a size")
+        ("output", "max_shard_size"): (
+            None if options.max_shard_size is None else ByteSize.parse(options.max_shard_size, "--max-shard-size")
+        ),
         ("mtp", "mode"): options.mtp,
         ("mtp", "format"): options.mtp_format,
     }
-    if options.max_shard_size is not None:
-        parse_size(options.max_shard_size)  # the flag's own message ("--max-shard-size: ... is not a size")
     recipe = with_values(recipe, {k: v for k, v in flags.items() if v is not None}, "command-line flags")
     recipe.check_family(family)
     check_calibration_source(recipe.calibration.data)
@@ -317,7 +318,7 @@ def plan_convert(options: ConvertOptions, ckpt: Checkpoint | None = None) -> tup
         device=device,
         max_memory=options.max_memory,
         layerwise=options.layerwise,
-        shard_bytes=parse_size(recipe.output.max_shard_size),
+        shard_bytes=recipe.output.max_shard_size.bytes,
         available=_available_memory(device),
     )
     if options.resume_every is not None and options.resume_every < 1:

@@ -28,8 +28,10 @@ __all__ = [
     "MODELOPT_NVFP4_DISABLED",
     "MTP_FORMATS",
     "MTP_MODES",
+    "RECIPE_FILE",
     "SCHEMES",
     "TARGETS",
+    "ByteSize",
     "CalibrationSection",
     "MtpSection",
     "OutputSection",
@@ -38,15 +40,17 @@ __all__ = [
     "apply_overrides",
     "builtin_recipe_names",
     "default_recipe_name",
+    "grafted_recipe",
     "load_recipe",
     "nvfp4_quantizer_cfg",
-    "parse_size",
     "quantizer_enabled",
     "recipe_from_mapping",
     "with_values",
 ]
 
 SCHEMA_VERSION = 1
+# The resolved recipe convert writes into OUT (a comment header, then the recipe as ``Recipe.to_yaml`` writes it).
+RECIPE_FILE = "mtpquant_recipe.yaml"
 SCHEMES = ("nvfp4", "nvfp4_w4a16")
 TARGETS = ("all", "experts")
 CALIBRATION_ALGORITHMS = ("max",)
@@ -107,10 +111,33 @@ class MtpSection:
 
 
 @dataclass(frozen=True)
+class ByteSize:
+    """A byte budget as written (``5GB``, ``500MiB``, ``1000000``) and its value, parsed once (``parse``)."""
+
+    text: str
+    bytes: int
+
+    @classmethod
+    def parse(cls, value: Any, where: str) -> ByteSize:
+        """``value`` read as a size (GB = 10^9, GiB = 2^30, as huggingface_hub); a one-line ``RecipeError`` naming
+        ``where`` (the flag, or the file and key) when it is not one or is not positive."""
+        if isinstance(value, ByteSize):
+            return value
+        size = None
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):  # YAML may read a count as a number
+            size = parse_bytes(value if isinstance(value, (str, int)) else str(value))
+        if size is None:
+            raise RecipeError(f"{where}: {value!r} is not a size (for example 5GB, 500MiB or a byte count)")
+        if size <= 0:
+            raise RecipeError(f"{where}: size must be positive, got {value!r}")
+        return cls(str(value), size)
+
+
+@dataclass(frozen=True)
 class OutputSection:
     """Output layout."""
 
-    max_shard_size: str = "5GB"
+    max_shard_size: ByteSize = ByteSize("5GB", 5 * 10**9)
 
 
 @dataclass(frozen=True)
@@ -128,10 +155,10 @@ class Recipe:
 
     # ---- serialisation --------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        """Plain dict in the YAML schema (without ``source``)."""
-        data = dataclasses.asdict(self)
+        """Plain dict in the YAML schema (without ``source``; a size as it was written)."""
+        data = _plain(self)
         data.pop("source")
-        return _lists(data)
+        return data
 
     def to_yaml(self, header: str = "") -> str:
         """The recipe as YAML, with an optional comment header."""
@@ -228,11 +255,14 @@ def quantizer_enabled(quantizer_name: str, quant_cfg: Sequence[Mapping[str, Any]
     return enabled
 
 
-def _lists(obj: Any) -> Any:
-    if isinstance(obj, dict):
-        return {k: _lists(v) for k, v in obj.items()}
+def _plain(obj: Any) -> Any:
+    """A recipe (or a section, a value of one) as YAML's plain data: mappings, lists, scalars."""
+    if isinstance(obj, ByteSize):
+        return obj.text
+    if dataclasses.is_dataclass(obj):
+        return {f.name: _plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
     if isinstance(obj, (list, tuple)):
-        return [_lists(v) for v in obj]
+        return [_plain(v) for v in obj]
     return obj
 
 
@@ -283,6 +313,8 @@ def _field_types(cls: type) -> dict[str, Any]:
 
 def _coerce(where: str, key: str, value: Any, default: Any) -> Any:
     """Check a leaf against the type of its default."""
+    if isinstance(default, ByteSize):
+        return ByteSize.parse(value, f"{where}: {key}")
     if isinstance(default, bool):
         if not isinstance(value, bool):
             raise RecipeError(f"{where}: {key} must be true or false, got {value!r}")
@@ -298,8 +330,6 @@ def _coerce(where: str, key: str, value: Any, default: Any) -> Any:
             raise RecipeError(f"{where}: {key} must be a list of strings, got {value!r}")
         return tuple(value)
     if isinstance(default, str):
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and key == "max_shard_size":
-            return str(value)
         if not isinstance(value, str):
             raise RecipeError(f"{where}: {key} must be a string, got {value!r}")
         return value
@@ -351,8 +381,38 @@ def recipe_from_mapping(raw: Any, source: str) -> Recipe:
     recipe = Recipe(**kwargs)
     if recipe.quantization.group_size != 16:
         raise RecipeError(f"{source}: quantization.group_size must be 16 (NVFP4 blocks are 16 elements)")
-    parse_size(recipe.output.max_shard_size, f"{source}: output.max_shard_size")
     return recipe
+
+
+def _parse_yaml(text: str, source: str) -> Any:
+    import yaml
+
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" (line {mark.line + 1})" if mark is not None else ""
+        raise RecipeError(f"{source}: not valid YAML{where}") from None
+
+
+def grafted_recipe(text: str, source: str, mtp_from: str) -> str:
+    """A resolved recipe file's text (``RECIPE_FILE``, as ``source`` names it) once graft has put ``mtp_from``'s MTP
+    into its checkpoint: ``mtp.mode`` is ``keep`` (the MTP as SRC has it, which convert's keep mode writes), and
+    the comment header keeps what it said and adds what graft did and the mode before it. The body is written as
+    convert writes it. ``RecipeError`` when ``text`` is not a recipe."""
+    from mtpquant import __version__
+
+    header = []
+    for line in text.splitlines():
+        if not line.startswith("#"):
+            break
+        header.append(line[2:] if line.startswith("# ") else line[1:])
+    recipe = recipe_from_mapping(_parse_yaml(text, source), source)
+    header.append(
+        f"MTP grafted from {mtp_from} by mtpquant {__version__} graft: mtp.mode was {recipe.mtp.mode}, now keep."
+    )
+    grafted = dataclasses.replace(recipe, mtp=dataclasses.replace(recipe.mtp, mode="keep"))
+    return grafted.to_yaml("\n".join(header))
 
 
 def _builtin_dir() -> Any:
@@ -366,8 +426,6 @@ def builtin_recipe_names() -> list[str]:
 
 def load_recipe(ref: str | Path) -> Recipe:
     """A recipe by built-in name or by path to a YAML file."""
-    import yaml
-
     text: str
     ref_s = str(ref)
     path = Path(ref_s).expanduser()
@@ -382,13 +440,7 @@ def load_recipe(ref: str | Path) -> Recipe:
             raise RecipeError(f"unknown recipe {ref_s!r}; built-in recipes: {', '.join(builtin_recipe_names())}")
         source = f"mtpquant/recipes/{ref_s}.yaml"
         text = resource.read_text(encoding="utf-8")
-    try:
-        raw = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" (line {mark.line + 1})" if mark is not None else ""
-        raise RecipeError(f"{source}: not valid YAML{where}") from None
-    return recipe_from_mapping(raw, source)
+    return recipe_from_mapping(_parse_yaml(text, source), source)
 
 
 def apply_overrides(recipe: Recipe, overrides: Iterable[str], where: str = "--set") -> Recipe:
@@ -426,13 +478,3 @@ def apply_overrides(recipe: Recipe, overrides: Iterable[str], where: str = "--se
 def default_recipe_name(family: Family) -> str:
     """The recipe a family converts with when none is named."""
     return DEFAULT_RECIPES.get(family.key, "nvfp4-w4a16")
-
-
-def parse_size(value: str | int, where: str = "--max-shard-size") -> int:
-    """Bytes from ``5GB`` / ``500MiB`` / ``1000000`` (GB = 10^9, GiB = 2^30, as huggingface_hub)."""
-    size = parse_bytes(value)
-    if size is None:
-        raise RecipeError(f"{where}: {value!r} is not a size (for example 5GB, 500MiB or a byte count)")
-    if size <= 0:
-        raise RecipeError(f"{where}: size must be positive, got {value!r}")
-    return size

@@ -36,7 +36,8 @@ from mtpquant.checkpoint.source import SourceRef
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.checkpoint.writer import OutputDir
 from mtpquant.convert.calibration import CalibrationData
-from mtpquant.convert.plan import RECIPE_FILE, ConvertOptions, ConvertPlan, plan_convert
+from mtpquant.convert.plan import ConvertOptions, ConvertPlan, plan_convert
+from mtpquant.convert.recipes import RECIPE_FILE
 from mtpquant.convert.resume import ResumeState
 from mtpquant.errors import CalibrationDataError, OutputVerificationError
 from mtpquant.families import TensorClass, is_mtp_name

@@ -31,15 +31,16 @@ from mtpquant.checkpoint.lock import OutputLock
 from mtpquant.checkpoint.source import CheckpointSource
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.checkpoint.writer import OutputDir
-from mtpquant.errors import OutputExistsError, UsageError
+from mtpquant.convert.recipes import RECIPE_FILE, grafted_recipe
+from mtpquant.errors import OutputExistsError, RecipeError, UsageError
 from mtpquant.graft import inplace
 from mtpquant.graft.lineage import GraftError, LineageError, LineageReport, check_lineage, mtp_layer_count
 from mtpquant.graft.plan import Plan, plan_index_fix, plan_shards, weight_map_of
 from mtpquant.graft.source import TrackedSource
 from mtpquant.graft.verify import verify_result
-from mtpquant.graft.write import NewMtp, Target, build, commit, open_target
+from mtpquant.graft.write import NewMtp, Target, WriteLog, build, commit, open_target
 from mtpquant.provenance import Step
-from mtpquant.public import public_args, public_ref
+from mtpquant.public import public_args, public_name, public_ref
 from mtpquant.surgery.metadata import plan_metadata
 from mtpquant.surgery.modes import MODES, WriteContext
 from mtpquant.units import format_bytes
@@ -78,9 +79,9 @@ class GraftOptions:
     command: tuple[str, ...] = ()  # the command line, recorded in the provenance file (the CLI sets it)
 
 
-@dataclass
-class GraftResult:
-    """What graft did (or, with ``dry_run``, would do)."""
+@dataclass(kw_only=True)
+class GraftResult(WriteLog):
+    """What graft did (or, with ``dry_run``, would do); what it wrote in ``WriteLog``'s fields."""
 
     quant: str
     source: str | None
@@ -94,18 +95,8 @@ class GraftResult:
     quant_bytes_fetched: int = 0
     src_requests: int = 0  # network requests to SRC (a Hub repo), redirects included
     quant_requests: int = 0
-    bytes_written: int = 0
-    new_shards: list[str] = field(default_factory=list)
-    linked: list[str] = field(default_factory=list)
-    copied: list[str] = field(default_factory=list)
-    rewritten: list[str] = field(default_factory=list)
-    dropped: list[str] = field(default_factory=list)
     metadata_changes: list[str] = field(default_factory=list)
     src_shards_downloaded: list[str] = field(default_factory=list)
-    cleaned: list[str] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)
-    verified_with: list[str] = field(default_factory=list)
-    commit: str | None = None  # "rename" (--out) | "exchange" | "files" (--in-place)
     seconds: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
@@ -147,8 +138,31 @@ def _write(
     ref = src.source.ref() if src is not None else None
     # the provenance goes public with OUT: local directories by their base name
     step = Step("graft", public_args(options.command, ref), source=public_ref(ref), mode="keep")
-    json_files = build(target, plan, new_mtp, step, result, verify, link=options.link)
+    texts = _grafted_recipe(plan.quant, public_name(src.label, ref), result.warnings) if new_mtp and src else {}
+    json_files = build(target, plan, new_mtp, step, result, verify, link=options.link, texts=texts)
     commit(target, result, json_files)
+
+
+_RECIPE_LIMIT = 1 << 20  # a resolved recipe is a few hundred bytes
+
+
+def _grafted_recipe(quant: Checkpoint, mtp_from: str, warnings: list[str]) -> dict[str, str]:
+    """QUANT's resolved recipe file rewritten to say what the output is now (``convert.recipes.grafted_recipe``);
+    none when QUANT has none. One that is not a recipe this mtpquant reads is carried as it is, with a warning."""
+    if RECIPE_FILE not in quant.source.list_files():
+        return {}
+    where = f"{quant.label}: {RECIPE_FILE}"
+    try:
+        if quant.source.file_size(RECIPE_FILE) > _RECIPE_LIMIT:
+            raise RecipeError(f"{where}: larger than {format_bytes(_RECIPE_LIMIT)}")
+        try:
+            text = quant.source.local_path(RECIPE_FILE).read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise RecipeError(f"{where}: not UTF-8 text") from None
+        return {RECIPE_FILE: grafted_recipe(text, where, mtp_from)}
+    except RecipeError as exc:
+        warnings.append(f"{exc}; carried unchanged (its mtp.mode does not say the MTP was grafted)")
+        return {}
 
 
 # ---------------------------------------------------------------------------------------------- entry points
@@ -226,7 +240,7 @@ def graft(options: GraftOptions) -> GraftResult:
     hfq = quant.hf_quant_config
     weight_map = weight_map_of(quant)
     plan = Plan(quant, hfq, weight_map)
-    result = GraftResult(quant.label, None, None, mode, "planned", "")
+    result = GraftResult(quant=quant.label, source=None, destination=None, mode=mode, action="planned", message="")
     if options.fix_metadata:
         return _finish(_fix_metadata(options, plan, result), t0, quant, None)
 

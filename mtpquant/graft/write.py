@@ -4,19 +4,18 @@ result is verified where it was built before it is put in place.
 ``open_target`` takes the destination (``--out``: a new directory; ``--in-place``: QUANT itself, locked, its
 interrupted runs cleaned, snapshotted); ``build`` writes the new MTP shards first (into an empty directory, so
 nothing can be written through a link to QUANT), rewrites the shards that lose tensors, links or mirrors every other
-file, writes the JSON files (provenance, metadata, index) and runs the verification; ``commit`` puts the verified
-result in place (a rename for ``--out``; an atomic directory exchange, or new files then JSON for ``--in-place``,
-see ``graft.inplace``). graft writes SRC's MTP through convert's keep mode; heal writes its healed MTP, in QUANT's
-own precision, through the same steps.
+file, writes the small files (provenance, metadata, a rewritten recipe, index) and runs the verification; ``commit``
+puts the verified result in place (a rename for ``--out``; an atomic directory exchange, or new files then the small
+ones for ``--in-place``, see ``graft.inplace``). graft writes SRC's MTP through convert's keep mode; heal writes its
+healed MTP, in QUANT's own precision, through the same steps.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
 
 from mtpquant.checkpoint.dtypes import planned_copy
 from mtpquant.checkpoint.header import TensorEntry
@@ -35,17 +34,20 @@ __all__ = ["NewMtp", "Target", "WriteLog", "build", "commit", "open_target"]
 log = logging.getLogger(__name__)
 
 
-class WriteLog(Protocol):
-    """Where ``build`` and ``commit`` record what they did (``GraftResult`` has these fields)."""
+@dataclass(kw_only=True)
+class WriteLog:
+    """What ``open_target``, ``build`` and ``commit`` did: the part of graft's and heal's results they fill."""
 
-    new_shards: list[str]
-    rewritten: list[str]
-    linked: list[str]
-    copied: list[str]
-    dropped: list[str]
-    warnings: list[str]
-    verified_with: list[str]
-    bytes_written: int
+    bytes_written: int = 0
+    new_shards: list[str] = field(default_factory=list)
+    linked: list[str] = field(default_factory=list)
+    copied: list[str] = field(default_factory=list)
+    rewritten: list[str] = field(default_factory=list)
+    dropped: list[str] = field(default_factory=list)
+    cleaned: list[str] = field(default_factory=list)  # what interrupted runs left and the opening removed
+    warnings: list[str] = field(default_factory=list)
+    verified_with: list[str] = field(default_factory=list)
+    commit: str | None = None  # "rename" (--out) | "exchange" | "files" (--in-place)
 
 
 @dataclass
@@ -111,9 +113,12 @@ def build(
     *,
     link: bool = True,
     skip: frozenset[str] = frozenset(),
+    texts: Mapping[str, str] | None = None,
 ) -> list[str]:
-    """Build the changed quant in ``target``'s temporary directory and verify it; returns the JSON files written
-    (``commit`` needs them). ``step`` is added to QUANT's provenance; ``skip`` names files not carried over."""
+    """Build the changed quant in ``target``'s temporary directory and verify it; returns the small files written
+    (``commit`` needs them). ``step`` is added to QUANT's provenance; ``skip`` names files not carried over;
+    ``texts`` are files of QUANT written with new text (``relpath -> text``)."""
+    texts = texts or {}
     od, quant = target.od, plan.quant
     plan.strays = strays(quant, plan.weight_map)  # after the clean-up of interrupted runs
     new_shard_of: dict[str, str] = {}
@@ -137,7 +142,7 @@ def build(
         result.rewritten.append(shard)
     rewrite_index = bool(plan.add or plan.removed or plan.index_fix)
     json_files = [*plan.metadata.changed_files, INDEX_NAME] if rewrite_index else list(plan.metadata.changed_files)
-    json_files.insert(0, PROVENANCE_FILE)  # this step added to what QUANT records
+    json_files[:0] = [PROVENANCE_FILE, *sorted(texts)]  # this step added to what QUANT records; changed texts
     written = set(result.new_shards) | set(plan.rewrite)
     skipped = written | set(plan.drop) | set(json_files) | set(skip)
     carried_strays = set(plan.strays) if target.mode == "in-place" else set()  # --out leaves strays behind
@@ -164,6 +169,8 @@ def build(
     if plan.metadata.config is not None:
         od.write_json("config.json", plan.metadata.config)
     od.write_text(PROVENANCE_FILE, source_provenance(quant.source).then(step).to_bytes().decode("utf-8"))
+    for rel, text in sorted(texts.items()):
+        od.write_text(rel, text)
     if INDEX_NAME in json_files:
         od.write_json(INDEX_NAME, new_index(plan, mtp_entries, new_shard_of))
     result.linked = sorted(od.linked)

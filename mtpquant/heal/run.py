@@ -25,6 +25,7 @@ from typing import Any
 
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.errors import HealNotBetterError, OutputVerificationError
+from mtpquant.graft.write import WriteLog
 from mtpquant.heal.check import CheckResult
 from mtpquant.heal.options import HealOptions
 from mtpquant.heal.plan import HealPlan, plan_heal
@@ -39,9 +40,9 @@ log = logging.getLogger(__name__)
 DATA_DIR = ".heal-data"
 
 
-@dataclass
-class HealResult:
-    """What heal did (or, with ``dry_run``, would do)."""
+@dataclass(kw_only=True)
+class HealResult(WriteLog):
+    """What heal did (or, with ``dry_run``, would do); what it wrote in ``WriteLog``'s fields."""
 
     plan: HealPlan
     action: str  # "planned" | "healed" | "forced" (written with --force although not better)
@@ -50,17 +51,7 @@ class HealResult:
     record: HealRecord | None = None
     check: CheckResult | None = None
     training: TrainLog | None = None
-    new_shards: list[str] = field(default_factory=list)
-    linked: list[str] = field(default_factory=list)
-    copied: list[str] = field(default_factory=list)
-    rewritten: list[str] = field(default_factory=list)
-    dropped: list[str] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)
-    verified_with: list[str] = field(default_factory=list)
-    cleaned: list[str] = field(default_factory=list)
-    bytes_written: int = 0
     data_bytes: int = 0
-    commit: str | None = None
     timings: dict[str, float] = field(default_factory=dict)
     cpu_seconds: float = 0.0
     peak_rss_bytes: int = 0
@@ -128,15 +119,16 @@ def heal(options: HealOptions) -> HealResult:
     with timer("plan"):
         plan, quant, src, weights = plan_heal(options)
     if options.dry_run:
-        return HealResult(plan, "planned", f"would heal the MTP of {plan.quant} into {plan.destination}",
-                          timings=timer.timings)
+        return HealResult(plan=plan, action="planned",
+                          message=f"would heal the MTP of {plan.quant} into {plan.destination}", timings=timer.timings)
     from mtpquant.convert.memory import return_freed_memory
     from mtpquant.graft.write import open_target
 
     return_freed_memory()
     out = Path(options.out).absolute() if options.out is not None else None
     target = open_target(quant, out, replaces=True)
-    result = HealResult(plan, "healed", "", cleaned=list(target.cleaned), warnings=list(plan.notes))
+    result = HealResult(plan=plan, action="healed", message="", cleaned=list(target.cleaned),
+                        warnings=list(plan.notes))
     from mtpquant.libraries import library_output
 
     with target.od, library_output(options.progress):  # transformers' messages under our logging levels
