@@ -69,7 +69,7 @@ ids = tokenize_prompts(w.ckpt.source, check_prompts(n), int(w.shape(w.embed_name
 target = load_target(w, device=torch.device("cpu"), dtype=torch.float32)
 run = capture(target, plan_sequences(ids, max_len), label="source", progress=False, batch_size=32)
 bundle, _ = load_mtp(w)
-print(json.dumps([u.mean_acceptance_length for u in unit_counts(bundle, run, k)]))
+print(json.dumps({"al": [u.mean_acceptance_length for u in unit_counts(bundle, run, k)]}))
 """
 
 
@@ -94,7 +94,7 @@ def tiny(work: Path) -> str:
 
     calib = ["--calib-samples", "16", "--calib-seq-len", "128"]
     rows = []
-    src_al = _last_json(run_python(["-c", _SOURCE_AL, str(TINY_MTP_ASSET), "64", "128", "3"]))
+    src_al = _last_json(run_python(["-c", _SOURCE_AL, str(TINY_MTP_ASSET), "64", "128", "3"]))["al"]
     for mode, flag in (("keep", ["--keep-mtp"]), ("quantize", ["--mtp", "quantize"])):
         quant = work / f"tiny-{mode}"
         _convert(TINY_MTP_ASSET, quant, [*flag, *calib])
