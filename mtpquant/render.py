@@ -62,28 +62,28 @@ def inspect_text(r: InspectReport) -> str:
         (
             "quantization",
             "none"
-            if q["method"] is None
-            else f"{q['method']} {q['algorithm']} (vLLM: {q['vllm_method']})"
-            + (f", group size {q['group_size']}" if q["group_size"] is not None else "")
-            + f", KV cache {q['kv_cache'] or 'unquantized'}",
+            if q.method is None
+            else f"{q.method} {q.algorithm} (vLLM: {q.vllm_method})"
+            + (f", group size {q.group_size}" if q.group_size is not None else "")
+            + f", KV cache {q.kv_cache or 'unquantized'}",
         ),
         *(
             [("contents", "the MTP layer alone (an MTP sidecar): no main model, no vision tower")]
             if r.kind == "mtp-only"
             else [
-                ("main Linears", linears_text(main["precisions"])),
+                ("main Linears", linears_text(main.precisions)),
                 (
                     "vision tower",
-                    f"present, {r.vision['tensors']} tensors; {linears_text(r.vision['precisions'])}"
-                    if r.vision["present"]
-                    else ("MISSING" if r.vision["expected"] else "none (text-only)"),
+                    f"present, {r.vision.tensors} tensors; {linears_text(r.vision.precisions)}"
+                    if r.vision.present
+                    else ("MISSING" if r.vision.expected else "none (text-only)"),
                 ),
             ]
         ),
         (
             "index",
-            f"{r.index['shards']} shard{'' if r.index['shards'] == 1 else 's'}, {r.index['tensors']} tensors, "
-            + ("intact" if r.index["intact"] else "CORRUPT"),
+            f"{r.index.shards} shard{'' if r.index.shards == 1 else 's'}, {r.index.tensors} tensors, "
+            + ("intact" if r.index.intact else "CORRUPT"),
         ),
         (
             "read",
@@ -384,18 +384,17 @@ def acceptance_table(report: Report) -> str:
             f"k={e.k} ({e.k_source})"
         )
     if report.predicted:
-        for label in ("reference", "candidate"):
-            for row in report.predicted.get(label) or []:
-                at = f" {row['label']}" if row.get("label") else ""
+        for label, rows in report.predicted.sides():
+            for p_row in rows:
                 positions = ""
-                if row.get("engine_per_position"):
-                    pairs = zip(row["engine_per_position"], row["predicted_per_position"])
+                if p_row.engine_per_position:
+                    pairs = zip(p_row.engine_per_position, p_row.predicted_per_position)
                     positions = "; per position engine/predicted " + " ".join(
                         f"{100 * e:.1f}/{100 * p:.1f}%" for e, p in pairs
                     )
                 lines.append(
-                    f"{label}{at} k={row['k']}: engine AL {row['engine_al']:.3f}, built-in prediction "
-                    f"{row['predicted_al']:.3f}, difference {row['difference']:+.3f}{positions}"
+                    f"{label} {p_row.sampling.label} k={p_row.k}: engine AL {p_row.engine_al:.3f}, built-in prediction "
+                    f"{p_row.predicted_al:.3f}, difference {p_row.difference:+.3f}{positions}"
                 )
     return "\n".join(lines)
 

@@ -376,7 +376,7 @@ def test_compressed_tensors_quant_gets_re_pattern(
     assert tensor_digests(out, mtp=True) == tensor_digests(src, mtp=True)
     report = inspect_checkpoint(out)
     assert report.healthy, report.failure_messages
-    assert report.quantization["method"] == "compressed-tensors"
+    assert report.quantization.method == "compressed-tensors"
 
 
 @pytest.mark.slow

@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.cli import main
 from mtpquant.engine.sampling import SamplingSettings
-from mtpquant.errors import ExitCode
+from mtpquant.errors import ExitCode, ValidateError
 from mtpquant.formats.fp8 import quantize_fp8_per_tensor
 from mtpquant.formats.nvfp4 import (
     dequantize_nvfp4,
@@ -35,7 +35,6 @@ from mtpquant.render import acceptance_table
 from mtpquant.validate.builtin import SequenceRecord, TargetRun, capture, evaluate_acceptance, replay_greedy
 from mtpquant.validate.load import CheckpointWeights, MtpBundle, load_mtp, load_target
 from mtpquant.validate.metrics import StepRecord, acceptance_stats
-from mtpquant.validate.options import ValidateError
 from mtpquant.validate.prompts import (
     default_prompts,
     held_out_documents,
@@ -509,6 +508,34 @@ def test_report_files(tmp_path: Path) -> None:
     md = render_markdown(dataclasses.replace(data, candidate=unusable), {})
     assert "Family qwen3_5; target from model; MTP precision not read (no usable MTP).\n\n**MTP unavailable:** " in md
     assert "None" not in md and "{" not in md
+    # --compare-reference's rows are typed (Predicted) and write the published shape, byte for byte
+    row = {
+        "sampling": {"temperature": 0.8, "top_p": 0.9, "top_k": 0, "seed": 0},
+        "label": "T=0.8, top-p 0.9",
+        "k": 2,
+        "predicted_al": 1.75,
+        "engine_al": 1.5,
+        "difference": -0.25,
+        "predicted_acceptance_rate": 0.375,
+        "engine_acceptance_rate": 0.25,
+        "predicted_per_position": [0.5, 0.25],
+        "engine_per_position": [0.375, 0.125],
+        "engine_steps": 40,
+    }
+    published: dict[str, Any] = {}
+    for key, value in data.to_json().items():  # report.json's order: predicted_vs_engine before timing
+        if key == "timing":
+            published["predicted_vs_engine"] = {"method": "built-in prediction", "reference": [row]}
+        published[key] = value
+    compared = Report.from_json(published)
+    assert json.dumps(compared.to_json()) == json.dumps(published)
+    assert compared.predicted is not None and compared.predicted.reference[0].difference == -0.25
+    assert acceptance_table(compared).endswith(
+        "reference T=0.8, top-p 0.9 k=2: engine AL 1.500, built-in prediction 1.750, difference -0.250; "
+        "per position engine/predicted 37.5/50.0% 12.5/25.0%"
+    )
+    md = render_markdown(compared, {})
+    assert "| reference | T=0.8, top-p 0.9 | 2 | 1.500 | 1.750 | -0.250 | 37.5 % / 12.5 % | 50.0 % / 25.0 % |" in md
 
 
 def test_a_report_names_every_directory_one_way(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

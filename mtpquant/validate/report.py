@@ -186,18 +186,18 @@ def render_markdown(report: Report, plots: dict[str, str]) -> str:
         out += [
             "## Engine vs built-in prediction",
             "",
-            f"{report.predicted.get('method', '')}.",
+            f"{report.predicted.method}.",
             "",
             "| side | sampling | k | engine AL | predicted AL | difference | per position, engine | predicted |",
             "|---|---|---|---|---|---|---|---|",
         ]
-        for label in ("reference", "candidate"):
-            for row in report.predicted.get(label) or []:
-                engine_pos = " / ".join(f"{100 * a:.1f} %" for a in row.get("engine_per_position", ()))
-                predicted_pos = " / ".join(f"{100 * a:.1f} %" for a in row.get("predicted_per_position", ()))
+        for label, rows in report.predicted.sides():
+            for row in rows:
+                engine_pos = " / ".join(f"{100 * a:.1f} %" for a in row.engine_per_position)
+                predicted_pos = " / ".join(f"{100 * a:.1f} %" for a in row.predicted_per_position)
                 out.append(
-                    f"| {label} | {row.get('label', '')} | {row['k']} | {row['engine_al']:.3f} | "
-                    f"{row['predicted_al']:.3f} | {row['difference']:+.3f} | {engine_pos} | {predicted_pos} |"
+                    f"| {label} | {row.sampling.label} | {row.k} | {row.engine_al:.3f} | "
+                    f"{row.predicted_al:.3f} | {row.difference:+.3f} | {engine_pos} | {predicted_pos} |"
                 )
         out.append("")
     for name, title in (("acceptance", "Acceptance"), ("context", "Acceptance by context"), ("kl", "KL distribution")):

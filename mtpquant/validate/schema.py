@@ -32,6 +32,8 @@ __all__ = [
     "EngineInfo",
     "KlSummary",
     "MtpInfo",
+    "Predicted",
+    "PredictedRow",
     "Report",
     "Settings",
     "Side",
@@ -571,6 +573,112 @@ class EngineInfo:
 
 
 @dataclass(frozen=True)
+class PredictedRow:
+    """``--compare-reference``: what the engine measured beside the built-in prediction, for one sampling setting
+    and k of one side."""
+
+    sampling: SamplingSettings
+    k: int
+    predicted_al: float
+    engine_al: float
+    predicted_acceptance_rate: float
+    engine_acceptance_rate: float
+    predicted_per_position: tuple[float, ...]
+    engine_per_position: tuple[float, ...]
+    engine_steps: int
+
+    @classmethod
+    def of(cls, sampling: SamplingSettings, *, engine: AcceptanceRow, predicted: AcceptanceRow) -> PredictedRow:
+        """The row of one k: the engine's measurement beside the prediction."""
+        return cls(
+            sampling,
+            engine.k,
+            predicted.mean_acceptance_length,
+            engine.mean_acceptance_length,
+            predicted.acceptance_rate,
+            engine.acceptance_rate,
+            tuple(predicted.acceptance_per_position),
+            tuple(engine.acceptance_per_position),
+            engine.num_steps,
+        )
+
+    @property
+    def difference(self) -> float:
+        """Engine AL minus predicted AL."""
+        return self.engine_al - self.predicted_al
+
+    def to_json(self) -> dict[str, Any]:
+        """One ``predicted_vs_engine.reference`` / ``.candidate`` entry."""
+        return {
+            "sampling": self.sampling.to_json(),
+            "label": self.sampling.label,
+            "k": self.k,
+            "predicted_al": self.predicted_al,
+            "engine_al": self.engine_al,
+            "difference": self.difference,
+            "predicted_acceptance_rate": self.predicted_acceptance_rate,
+            "engine_acceptance_rate": self.engine_acceptance_rate,
+            "predicted_per_position": list(self.predicted_per_position),
+            "engine_per_position": list(self.engine_per_position),
+            "engine_steps": self.engine_steps,
+        }
+
+    @classmethod
+    def from_json(cls, d: Any, where: str) -> PredictedRow:
+        """Read an entry."""
+        d = _map(d, where)
+        sampling = d.get("sampling")
+        return cls(
+            SamplingSettings.from_json(sampling) if isinstance(sampling, Mapping) else SamplingSettings(),
+            int(_req(d, "k", int, where)),
+            float(_req(d, "predicted_al", (int, float), where)),
+            float(_req(d, "engine_al", (int, float), where)),
+            float(_req(d, "predicted_acceptance_rate", (int, float), where)),
+            float(_req(d, "engine_acceptance_rate", (int, float), where)),
+            _floats(d.get("predicted_per_position", []), f"{where}.predicted_per_position"),
+            _floats(d.get("engine_per_position", []), f"{where}.engine_per_position"),
+            int(_req(d, "engine_steps", int, where)),
+        )
+
+
+@dataclass(frozen=True)
+class Predicted:
+    """``--compare-reference``: the built-in prediction beside the engine's measurement, per side (None: the side
+    was not compared)."""
+
+    method: str
+    reference: tuple[PredictedRow, ...] | None = None
+    candidate: tuple[PredictedRow, ...] | None = None
+
+    def sides(self) -> list[tuple[str, tuple[PredictedRow, ...]]]:
+        """(label, rows) of the compared sides, reference first."""
+        return [(label, rows) for label, rows in (("reference", self.reference), ("candidate", self.candidate)) if rows]
+
+    def to_json(self) -> dict[str, Any]:
+        """The ``predicted_vs_engine`` object."""
+        out: dict[str, Any] = {"method": self.method}
+        for label, rows in (("reference", self.reference), ("candidate", self.candidate)):
+            if rows is not None:
+                out[label] = [r.to_json() for r in rows]
+        return out
+
+    @classmethod
+    def from_json(cls, d: Any, where: str) -> Predicted:
+        """Read ``predicted_vs_engine``."""
+        d = _map(d, where)
+
+        def rows(label: str) -> tuple[PredictedRow, ...] | None:
+            if label not in d:
+                return None
+            items = d[label]
+            if not isinstance(items, list):
+                raise ValueError(f"{where}.{label}: expected a list")
+            return tuple(PredictedRow.from_json(r, f"{where}.{label}[{i}]") for i, r in enumerate(items))
+
+        return cls(str(d.get("method") or ""), rows("reference"), rows("candidate"))
+
+
+@dataclass(frozen=True)
 class ChangeEvidence:
     """The AL change at one k, candidate minus reference, with its interval and what it was decided to be."""
 
@@ -683,7 +791,7 @@ class Report:
     timing: Mapping[str, float] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
     engine: tuple[EngineInfo, ...] = ()  # engine path: the server(s) that measured, one per side and K
-    predicted: Mapping[str, Any] | None = None  # --compare-reference: built-in prediction vs engine, per k
+    predicted: Predicted | None = None  # --compare-reference: built-in prediction vs engine, per k
 
     @property
     def pair(self) -> bool:
@@ -711,7 +819,7 @@ class Report:
         if self.engine:
             out["engine"] = [e.to_json() for e in self.engine]
         if self.predicted is not None:
-            out["predicted_vs_engine"] = dict(self.predicted)
+            out["predicted_vs_engine"] = self.predicted.to_json()
         out["timing"] = dict(self.timing)
         out["notes"] = list(self.notes)
         out["verdict"] = self.verdict.to_json()
@@ -743,7 +851,7 @@ class Report:
             {str(k): float(v) for k, v in timing.items()} if isinstance(timing, Mapping) else {},
             tuple(str(n) for n in d.get("notes") or ()),
             tuple(EngineInfo.from_json(e, f"report.engine[{i}]") for i, e in enumerate(engine)),
-            dict(predicted) if isinstance(predicted, Mapping) else None,
+            None if predicted is None else Predicted.from_json(predicted, "report.predicted_vs_engine"),
         )
 
 

@@ -43,14 +43,14 @@ def _mapping(value: Any) -> Mapping[str, Any]:
 
 def _tags(facts: CardFacts) -> list[str]:
     q = facts.report.quantization
-    algo = str(q.get("algorithm") or "").upper()
+    algo = str(q.algorithm or "").upper()
     tags: list[str] = []
     if "NVFP4" in algo or (algo == "MIXED_PRECISION" and "NVFP4" in json.dumps(facts.hf_quant_config or {})):
         tags.append("nvfp4")
-    if q.get("method") == "modelopt":
+    if q.method == "modelopt":
         tags.append("modelopt")
-    elif q.get("method"):
-        tags.append(str(q["method"]))
+    elif q.method:
+        tags.append(q.method)
     if facts.report.mtp_present_tensors:
         tags += ["mtp", "speculative-decoding"]
     if facts.provenance.heal is not None:
@@ -64,12 +64,12 @@ def card_data(facts: CardFacts) -> dict[str, Any]:
     from huggingface_hub import ModelCardData
 
     base, _, _ = base_model(facts)
-    quantized = bool(facts.report.quantization.get("method"))
+    quantized = bool(facts.report.quantization.method)
     data = ModelCardData(
         base_model=base,
         base_model_relation="quantized" if base and quantized else None,
         library_name="transformers",
-        pipeline_tag="image-text-to-text" if facts.report.vision.get("present") else "text-generation",
+        pipeline_tag="image-text-to-text" if facts.report.vision.present else "text-generation",
         **license_metadata(facts),
         tags=_tags(facts),
     )
@@ -86,16 +86,16 @@ def _pct(x: float | None) -> str:
 
 def _quant_line(facts: CardFacts) -> str:
     q = facts.report.quantization
-    if not q.get("method"):
+    if not q.method:
         return "This checkpoint carries no quantization metadata: its Linear layers are not quantized."
     producer = (facts.hf_quant_config or {}).get("producer") if facts.hf_quant_config else None
     prod = ""
     if isinstance(producer, Mapping) and producer.get("name"):
         prod = f", exported by {producer.get('name')} {producer.get('version') or ''}".rstrip()
-    kv = q.get("kv_cache") or "not quantized"
+    kv = q.kv_cache or "not quantized"
     return (
-        f"Quantization: `{q['method']}` `{q.get('algorithm')}` (vLLM loads it as `{q.get('vllm_method')}`), "
-        f"group size {q.get('group_size')}, KV cache {kv}{prod}."
+        f"Quantization: `{q.method}` `{q.algorithm}` (vLLM loads it as `{q.vllm_method}`), "
+        f"group size {q.group_size}, KV cache {kv}{prod}."
     )
 
 
@@ -126,19 +126,19 @@ def _bf16_lines(facts: CardFacts) -> list[str]:
     r = facts.report
     main = r.main_model
     lines = []
-    precs = ", ".join(f"{n} {p}" for p, n in main.get("precisions", {}).items())
+    precs = ", ".join(f"{n} {p}" for p, n in main.precisions.items())
     lines.append(
-        f"- Main model: {main.get('quantized', 0)} of {main.get('linear_modules', 0)} Linear modules quantized "
+        f"- Main model: {main.quantized} of {main.linear_modules} Linear modules quantized "
         f"({precs or 'none'})."
     )
-    if r.vision.get("present"):
-        vp = ", ".join(f"{n} {p}" for p, n in r.vision.get("precisions", {}).items())
-        lines.append(f"- Vision tower (`model.visual.*`): {r.vision.get('tensors')} tensors, kept as is ({vp}).")
-    elif r.vision.get("expected"):
+    if r.vision.present:
+        vp = ", ".join(f"{n} {p}" for p, n in r.vision.precisions.items())
+        lines.append(f"- Vision tower (`model.visual.*`): {r.vision.tensors} tensors, kept as is ({vp}).")
+    elif r.vision.expected:
         lines.append("- Vision tower: **missing** (image input will not work).")
     if r.mtp_present_tensors:
         lines.append(f"- MTP layer: {r.mtp_precision}.")
-    excl = [str(x) for x in r.quantization.get("exclude") or []]
+    excl = [str(x) for x in r.quantization.exclude]
     if excl:
         # patterns (mtp*, model.visual*, re:...) say the most; exact module names follow
         first = sorted(excl, key=lambda x: "*" not in x and not x.startswith("re:"))
@@ -448,7 +448,7 @@ def build_card(facts: CardFacts) -> ModelCard:
     meta = card_data(facts)
     base, base_revision, base_origin = base_model(facts)
     name = facts.repo_id.split("/")[-1]
-    scheme = r.quantization.get("algorithm") or "unquantized"
+    scheme = r.quantization.algorithm or "unquantized"
     mtp_phrase = {
         "keep": f"its Multi-Token-Prediction (MTP) layer kept in {r.mtp_precision}",
         "quantize": f"its Multi-Token-Prediction (MTP) layer quantized ({r.mtp_precision})",
