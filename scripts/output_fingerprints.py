@@ -42,10 +42,11 @@ def main() -> int:
         runs = []
         for mode in ("keep", "quantize", "extract", "drop"):
             out = f"{variant}-{mode}"
-            argv = ["-q", "convert", str(src), str(root / out), "--mtp", mode, *CALIB]
-            if mode == "extract":
+            argv = ["-q", "convert", str(src), str(root / out), "--mtp", mode]
+            if mode == "extract":  # right after --mtp: the recipe's header records the command line in this order
                 argv += ["--mtp-out", str(root / f"{out}-mtp")]
                 runs.append(f"{out}-mtp")
+            argv += CALIB
             if cli(argv) != 0:
                 raise SystemExit(f"convert {variant} --mtp {mode} failed")
             runs.append(out)
