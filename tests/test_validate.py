@@ -31,7 +31,7 @@ from mtpquant.formats.nvfp4 import (
 from mtpquant.mtp.drafting import draft_chain
 from mtpquant.mtp.module import KVCache, MtpConfig, MtpLayer
 from mtpquant.public import public_checkpoint
-from mtpquant.render import acceptance_table
+from mtpquant.render import acceptance_text
 from mtpquant.validate.builtin import SequenceRecord, TargetRun, capture, evaluate_acceptance, replay_greedy
 from mtpquant.validate.load import CheckpointWeights, MtpBundle, load_mtp, load_target
 from mtpquant.validate.metrics import StepRecord, acceptance_stats
@@ -58,6 +58,7 @@ from mtpquant.validate.schema import (
     ValidationReport,
     Verdict,
 )
+from mtpquant.validate.table import acceptance_table
 
 CPU = torch.device("cpu")
 
@@ -479,6 +480,16 @@ def test_report_files(tmp_path: Path) -> None:
     written = json.loads((tmp_path / "r" / "report.json").read_text())
     assert written == data.to_json() and Report.from_json(written) == data  # the schema round-trips exactly
     assert "candidate    1  1.500" in acceptance_table(data)
+    # one acceptance table: the terminal's text and report.md's (and the card's) Markdown come from one function
+    table = acceptance_table(data, markdown=True)
+    assert table.splitlines()[:4] == [
+        "| | k | AL | 95 % CI | acceptance rate | per-position acceptance |",
+        "|---|---|---|---|---|---|",
+        "| reference | 1 | 1.500 | n/a | 50.0 % | 60.0 % |",
+        "|  | 2 | 2.000 | n/a | 50.0 % | 60.0 % / 40.0 % |",
+    ]
+    assert f"## Acceptance\n\n{table}\n" in md
+    assert "Teacher-forced MTP agreement with the target: 50.0 %." in md
     # report.md reads as prose: no Python reprs; the AL axis starts at 1 (a drop of 0.1 is not magnified)
     lines = md.splitlines()
     assert lines[lines.index("## Candidate: `x`") + 2] == (
@@ -530,7 +541,7 @@ def test_report_files(tmp_path: Path) -> None:
     compared = Report.from_json(published)
     assert json.dumps(compared.to_json()) == json.dumps(published)
     assert compared.predicted is not None and compared.predicted.reference[0].difference == -0.25
-    assert acceptance_table(compared).endswith(
+    assert acceptance_text(compared).endswith(
         "reference T=0.8, top-p 0.9 k=2: engine AL 1.500, built-in prediction 1.750, difference -0.250; "
         "per position engine/predicted 37.5/50.0% 12.5/25.0%"
     )

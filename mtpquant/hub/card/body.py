@@ -27,12 +27,14 @@ from mtpquant.hub.card.metadata import redact
 from mtpquant.hub.card.sidecar import sidecar_body, sidecar_data
 from mtpquant.inspect.precision import is_quantized
 from mtpquant.units import format_bytes
+from mtpquant.validate.schema import sides
+from mtpquant.validate.table import acceptance_table
 
 if TYPE_CHECKING:
     from huggingface_hub import ModelCard
 
     from mtpquant.inspect.report import InspectReport
-    from mtpquant.validate.schema import Settings, Side
+    from mtpquant.validate.schema import Settings
 
 __all__ = ["build_card", "card_data"]
 
@@ -186,18 +188,8 @@ def _mtp_table(facts: CardFacts) -> list[str]:
     return lines
 
 
-def _figures(side: Side | None) -> tuple[dict[int, float], dict[int, float], tuple[float, ...], float | None]:
-    """AL and rate by k, per-position acceptance of the run with the most drafts, teacher-forced agreement."""
-    if side is None or side.acceptance is None:
-        return {}, {}, (), None
-    rows = side.acceptance.by_k
-    last = max(rows, key=lambda r: r.k)
-    return (
-        {r.k: r.mean_acceptance_length for r in rows},
-        {r.k: r.acceptance_rate for r in rows},
-        tuple(last.acceptance_per_position),
-        side.acceptance.teacher_forced_agreement,
-    )
+# the card is about this checkpoint: the report's candidate (or its one checkpoint) is called so
+_CARD_NAMES = {"candidate": "this checkpoint", "checkpoint": "this checkpoint"}
 
 
 def _validation_lines(facts: CardFacts) -> list[str]:
@@ -235,37 +227,10 @@ def _validation_lines(facts: CardFacts) -> list[str]:
     for label, side in (("reference", ref), ("this checkpoint", sub)):
         if side is not None and side.mtp.error:
             lines += [f"MTP of {label} not evaluated: {_md_escape(public_text(side.mtp.error))}.", ""]
-    sub_al, sub_rate, sub_pos, sub_tf = _figures(sub)
-    ref_al, ref_rate, ref_pos, ref_tf = _figures(ref)
-    ks = sorted(set(sub_al) | set(ref_al))
-    if ks and ref is not None:
-        lines += [
-            "| k | AL reference | AL this checkpoint | change | acceptance rate reference | this checkpoint |",
-            "|---|---|---|---|---|---|",
-        ]
-        for k in ks:
-            a, b = ref_al.get(k), sub_al.get(k)
-            delta = f"{b - a:+.2f}" if a is not None and b is not None else "n/a"
-            rates = f"{_pct(ref_rate.get(k))} | {_pct(sub_rate.get(k))}"
-            lines.append(f"| {k} | {_fmt(a)} | {_fmt(b)} | {delta} | {rates} |")
-        lines.append("")
-    elif ks:
-        lines += ["| k | acceptance length (AL) | acceptance rate |", "|---|---|---|"]
-        lines += [f"| {k} | {_fmt(sub_al.get(k))} | {_pct(sub_rate.get(k))} |" for k in ks]
-        lines.append("")
-    positions = max(len(sub_pos), len(ref_pos))
-    if positions:
-
-        def at(pos: tuple[float, ...], i: int) -> float | None:
-            return pos[i] if i < len(pos) else None
-
-        if ref is not None:
-            lines += [f"| draft position (k = {positions}) | acceptance reference | this checkpoint |", "|---|---|---|"]
-            lines += [f"| {i + 1} | {_pct(at(ref_pos, i))} | {_pct(at(sub_pos, i))} |" for i in range(positions)]
-        else:
-            lines += [f"| draft position (k = {positions}) | acceptance |", "|---|---|"]
-            lines += [f"| {i + 1} | {_pct(at(sub_pos, i))} |" for i in range(positions)]
-        lines.append("")
+    if any(side.acceptance for _, side in sides(rep)):
+        lines += [acceptance_table(rep, markdown=True, names=_CARD_NAMES), ""]
+    sub_tf = sub.acceptance.teacher_forced_agreement if sub.acceptance else None
+    ref_tf = ref.acceptance.teacher_forced_agreement if ref is not None and ref.acceptance else None
     extra = []
     cmp_mtp = rep.comparison.mtp if rep.comparison is not None else None
     if cmp_mtp is not None:
