@@ -27,6 +27,7 @@ __all__ = [
     "GraftError",
     "HealNotBetterError",
     "HealRefusedError",
+    "HiddenFileError",
     "HubAccessError",
     "HubRefusedError",
     "HubUnreachableError",
@@ -43,10 +44,13 @@ __all__ = [
     "PublishUsageError",
     "RangeIgnoredError",
     "RecipeError",
+    "ReplayError",
     "SourceQuantizedError",
     "UnsupportedArchitectureError",
     "UploadError",
     "UsageError",
+    "ValidateError",
+    "ValidateLoadError",
     "exit_code_table",
 ]
 
@@ -163,10 +167,26 @@ class DeviceError(UsageError):
     """The requested device is not available."""
 
 
+class ValidateError(UsageError):
+    """Validation cannot run (bad options, mismatched hidden-state file, ...)."""
+
+
+class HiddenFileError(UsageError):
+    """A file given as --hidden is not a hidden-state file (or does not fit the checkpoint)."""
+
+
+class ReplayError(UsageError):
+    """Nothing to evaluate (no sequence long enough to draft on)."""
+
+
 class CheckpointError(MtpquantError):
     """A checkpoint is malformed: bad header, bad index, missing shard, refused pickle, ..."""
 
     exit_code = ExitCode.CHECKPOINT
+
+
+class ValidateLoadError(CheckpointError):
+    """A checkpoint cannot be loaded for evaluation (unknown quantization layout, bad shapes, ...)."""
 
 
 class ConfigError(MtpquantError):

@@ -2,7 +2,7 @@
 
 ``inspect_text`` (InspectReport), ``plan_lines`` / ``convert_text`` (ConvertPlan / ConvertResult),
 ``graft_text`` (GraftResult), ``heal_text`` (HealResult), ``publish_plan_text`` (a dry-run PublishResult),
-``acceptance_table`` and ``validate_text`` (a validation Report). Imports only the result types; sizes through
+``acceptance_text`` and ``validate_text`` (a validation Report). Imports only the result types; sizes through
 ``units.format_bytes``.
 """
 
@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING
 from mtpquant.engine.server import ENGINE_NAMES
 from mtpquant.inspect.precision import linears_text
 from mtpquant.units import format_bytes
-from mtpquant.validate.schema import Report, sides
+from mtpquant.validate.schema import Report
+from mtpquant.validate.table import acceptance_table
 
 if TYPE_CHECKING:
     from mtpquant.convert.plan import ConvertPlan
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
     from mtpquant.inspect.report import InspectReport
 
 __all__ = [
-    "acceptance_table",
+    "acceptance_text",
     "convert_text",
     "graft_text",
     "heal_table",
@@ -62,28 +63,28 @@ def inspect_text(r: InspectReport) -> str:
         (
             "quantization",
             "none"
-            if q["method"] is None
-            else f"{q['method']} {q['algorithm']} (vLLM: {q['vllm_method']})"
-            + (f", group size {q['group_size']}" if q["group_size"] is not None else "")
-            + f", KV cache {q['kv_cache'] or 'unquantized'}",
+            if q.method is None
+            else f"{q.method} {q.algorithm} (vLLM: {q.vllm_method})"
+            + (f", group size {q.group_size}" if q.group_size is not None else "")
+            + f", KV cache {q.kv_cache or 'unquantized'}",
         ),
         *(
             [("contents", "the MTP layer alone (an MTP sidecar): no main model, no vision tower")]
             if r.kind == "mtp-only"
             else [
-                ("main Linears", linears_text(main["precisions"])),
+                ("main Linears", linears_text(main.precisions)),
                 (
                     "vision tower",
-                    f"present, {r.vision['tensors']} tensors; {linears_text(r.vision['precisions'])}"
-                    if r.vision["present"]
-                    else ("MISSING" if r.vision["expected"] else "none (text-only)"),
+                    f"present, {r.vision.tensors} tensors; {linears_text(r.vision.precisions)}"
+                    if r.vision.present
+                    else ("MISSING" if r.vision.expected else "none (text-only)"),
                 ),
             ]
         ),
         (
             "index",
-            f"{r.index['shards']} shard{'' if r.index['shards'] == 1 else 's'}, {r.index['tensors']} tensors, "
-            + ("intact" if r.index["intact"] else "CORRUPT"),
+            f"{r.index.shards} shard{'' if r.index.shards == 1 else 's'}, {r.index.tensors} tensors, "
+            + ("intact" if r.index.intact else "CORRUPT"),
         ),
         (
             "read",
@@ -332,28 +333,10 @@ def publish_plan_text(result: PublishResult) -> str:
     return "\n".join(lines)
 
 
-def acceptance_table(report: Report) -> str:
-    """A plain-text table of AL (with its interval over prompts) and per-position acceptance per k."""
-    level = f"{100 * report.settings.confidence:.0f} % CI"
-    several = len(report.settings.sampling) > 1
-    lines = [f"{'':<11} {'k':>2} {'AL':>6} {level:>17} {'rate':>7}  per-position acceptance"]
-    for label, side in sides(report):
-        if not side.acceptance:
-            lines.append(f"{label:<11}  -  MTP unavailable: {side.mtp.error}")
-            continue
-        for acc in side.acceptance_by_sampling or (side.acceptance,):
-            if several:
-                lines.append(f"{label:<11} {acc.sampling.label} (rule {acc.rule})")
-                label = ""
-            for row in acc.by_k:
-                pos = " ".join(f"{100 * a:5.1f}%" for a in row.acceptance_per_position)
-                ci = row.al_interval
-                interval = f"[{ci.low:.3f}, {ci.high:.3f}]" if ci is not None and ci.defined else "n/a"
-                lines.append(
-                    f"{label:<11} {row.k:>2} {row.mean_acceptance_length:6.3f} {interval:>17} "
-                    f"{100 * row.acceptance_rate:6.1f}%  {pos}"
-                )
-                label = ""
+def acceptance_text(report: Report) -> str:
+    """The acceptance table (``validate.table``), then the comparison on identical inputs, the AL change per k, the
+    engines and the engine-vs-prediction rows."""
+    lines = [acceptance_table(report)]
     cmp = report.comparison
     for title, m in (("MTP", cmp.mtp if cmp else None), ("Main model", cmp.main if cmp else None)):
         if m is not None and m.kl is not None:
@@ -384,25 +367,24 @@ def acceptance_table(report: Report) -> str:
             f"k={e.k} ({e.k_source})"
         )
     if report.predicted:
-        for label in ("reference", "candidate"):
-            for row in report.predicted.get(label) or []:
-                at = f" {row['label']}" if row.get("label") else ""
+        for label, rows in report.predicted.sides():
+            for p_row in rows:
                 positions = ""
-                if row.get("engine_per_position"):
-                    pairs = zip(row["engine_per_position"], row["predicted_per_position"])
+                if p_row.engine_per_position:
+                    pairs = zip(p_row.engine_per_position, p_row.predicted_per_position)
                     positions = "; per position engine/predicted " + " ".join(
                         f"{100 * e:.1f}/{100 * p:.1f}%" for e, p in pairs
                     )
                 lines.append(
-                    f"{label}{at} k={row['k']}: engine AL {row['engine_al']:.3f}, built-in prediction "
-                    f"{row['predicted_al']:.3f}, difference {row['difference']:+.3f}{positions}"
+                    f"{label} {p_row.sampling.label} k={p_row.k}: engine AL {p_row.engine_al:.3f}, built-in prediction "
+                    f"{p_row.predicted_al:.3f}, difference {p_row.difference:+.3f}{positions}"
                 )
     return "\n".join(lines)
 
 
 def validate_text(report: Report, report_dir: Path | None = None) -> str:
     """The acceptance table, the report's notes, the verdict, and where the report files are."""
-    lines = [acceptance_table(report)]
+    lines = [acceptance_text(report)]
     lines += [f"note: {n}" for n in report.notes]
     lines.append(f"verdict: {report.verdict.status.upper()}: " + "; ".join(report.verdict.reasons))
     if report_dir is not None:

@@ -62,6 +62,29 @@ def test_logging_flags_before_or_after_the_subcommand(argv: list[str], verbose: 
     assert (args.verbose + args.sub_verbose, args.quiet or args.sub_quiet) == (verbose, quiet)
 
 
+@pytest.mark.parametrize(
+    ("argv", "recorded"),
+    [
+        (  # as given, in its order; -q, -vv and --json change only what is printed
+            ["-q", "convert", "S", "O", "--mtp", "extract", "--calib-samples", "4", "--mtp-out", "X", "-vv", "--json"],
+            ["convert", "S", "O", "--mtp", "extract", "--calib-samples", "4", "--mtp-out", "X"],
+        ),
+        (  # a dry run's card shows the command the real run records
+            ["publish", "O", "--repo", "me/x", "--dry-run", "--base-model", "a/b", "--force"],
+            ["publish", "O", "--repo", "me/x", "--base-model", "a/b", "--force"],
+        ),
+        (["graft", "Q", "--from", "S", "--quie", "--out", "O", "--js"], ["graft", "Q", "--from", "S", "--out", "O"]),
+        (["convert", "S", "O", "--set=mtp.mode=-q", "-v"], ["convert", "S", "O", "--set=mtp.mode=-q"]),
+        (["inspect", "-q", "--", "-v"], ["inspect", "--", "-v"]),  # after `--` every argument is a value
+    ],
+)
+def test_every_command_records_its_command_line_through_one_helper(argv: list[str], recorded: list[str]) -> None:
+    from mtpquant.cli import recorded_command
+
+    build_parser().parse_args(argv)  # a command line argparse accepts
+    assert recorded_command(argv) == ("mtpquant", *recorded)
+
+
 class _RootRecords(logging.Handler):
     """What reaches the root logger's handlers (pytest's capture also sits on non-propagating loggers such as
     transformers', where it would see the library's records before mtpquant routes them)."""

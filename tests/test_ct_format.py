@@ -109,12 +109,10 @@ def test_keep(converted: Callable[[str, str, str], Path], tiny_factory: Callable
         assert ckpt.read_raw(ckpt.tensors[e.name]) == src.read_raw(e), e.name
     report = inspect_checkpoint(out)
     assert report.healthy, report.failure_messages
-    assert report.quantization["method"] == "compressed-tensors" and report.mtp_precision == "BF16"
+    assert report.quantization.method == "compressed-tensors" and report.mtp_precision == "BF16"
     assert report.verdicts["vllm"] == "vLLM: MTP loads (BF16)"
     assert report.verdicts["sglang"] == "SGLang: MTP loads (BF16)"  # SGLang keeps a compressed-tensors config
-    assert report.main_model["quantized"] == inspect_checkpoint(converted(family, "keep", "modelopt")).main_model[
-        "quantized"
-    ]
+    assert report.main_model.quantized == inspect_checkpoint(converted(family, "keep", "modelopt")).main_model.quantized
     _same_weights(converted(family, "keep", "modelopt"), out)
 
 

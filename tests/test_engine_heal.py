@@ -43,10 +43,10 @@ def _measure(path: Path, vllm: EnginePool, report_dir: Path) -> dict[int, dict[s
             progress=False,
         )
     ).report
-    rows = report.predicted["reference"] if report.predicted else []
-    assert [r["k"] for r in rows] == list(KS)
+    rows = report.predicted.reference or () if report.predicted else ()
+    assert [r.k for r in rows] == list(KS)
     assert all(e.other_requests == 0 for e in report.engine)
-    return {int(r["k"]): {"engine": float(r["engine_al"]), "predicted": float(r["predicted_al"])} for r in rows}
+    return {r.k: {"engine": r.engine_al, "predicted": r.predicted_al} for r in rows}
 
 
 @proof

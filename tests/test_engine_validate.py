@@ -165,7 +165,7 @@ def test_engine_measures_what_the_builtin_path_predicts(
     assert "--gpu-memory-utilization" not in args  # on the CPU backend the KV size replaces the utilization check
     sized = f"engine memory (cpu): KV cache 536.87 MB for {CONCURRENCY} sequences of 512"
     assert any(n.startswith(sized) for n in report.notes)
-    _agree("quantize", 3, report.predicted["reference"] if report.predicted else [])
+    _agree("quantize", 3, report.predicted.to_json()["reference"] if report.predicted else [])
     assert report.verdict.status == "pass"
     files = sorted(p.name for p in report_dir.iterdir())
     assert files == ["acceptance.png", "report.json", "report.md", "speculation_profile.json", "vllm-reference-k3.log"]
@@ -241,7 +241,7 @@ def test_compressed_tensors_outputs_load_and_draft(
         )
     )
     report = result.report
-    (row,) = report.predicted["reference"] if report.predicted else [None]
+    (row,) = report.predicted.to_json()["reference"] if report.predicted else [None]
     assert row is not None and row["k"] == 2 and row["engine_al"] > 1.5 and abs(row["difference"]) <= 0.15, row
     assert report.verdict.status == "pass"
     log = (tmp_path / "report" / "vllm-reference-k2.log").read_text()

@@ -376,7 +376,7 @@ def test_compressed_tensors_quant_gets_re_pattern(
     assert tensor_digests(out, mtp=True) == tensor_digests(src, mtp=True)
     report = inspect_checkpoint(out)
     assert report.healthy, report.failure_messages
-    assert report.quantization["method"] == "compressed-tensors"
+    assert report.quantization.method == "compressed-tensors"
 
 
 @pytest.mark.slow
@@ -447,6 +447,9 @@ def test_fix_metadata_cli_out_and_json(
     # BF16 tensors under NVFP4 metadata: QUANT's own defect, reported, neither fixed nor blamed on graft
     assert any("QUANT's own problem" in w and "declared quantized" in w for w in data["warnings"])
     assert (tmp_path / "o" / "model.safetensors").stat().st_ino == (src / "model.safetensors").stat().st_ino
+    # the command line as given, less -q and --json (they change only what is printed); directories by base name
+    latest = read_provenance(tmp_path / "o").latest
+    assert latest is not None and latest.command == ("mtpquant", "graft", "q", "--fix-metadata", "--out", "o")
 
 
 # ---------------------------------------------------------------------------------------------- replace

@@ -119,8 +119,8 @@ def test_modelopt_export_without_mtp_is_declared_but_missing(naive_export_factor
     assert r.fixes == [
         f"mtpquant graft {r.checkpoint} --from SRC --out {variant}-mtp   (SRC: the BF16 checkpoint it was made from)"
     ]
-    assert r.quantization["algorithm"] == "NVFP4" and r.quantization["vllm_method"] == "modelopt_fp4"
-    assert r.main_model["quantized"] > 0 and r.main_model["inconsistent_modules"] == []
+    assert r.quantization.algorithm == "NVFP4" and r.quantization.vllm_method == "modelopt_fp4"
+    assert r.main_model.quantized > 0 and r.main_model.inconsistent_modules == []
     if variant == "qwen3_5":  # the text names the fix and reads plainly (counts say what they count)
         text = inspect_text(r).splitlines()
         assert f"fix   mtpquant graft {r.checkpoint} --from SRC --out qwen3_5-mtp" in "\n".join(text)
@@ -172,7 +172,7 @@ def test_compressed_tensors_ignore_glob_is_ineffective(
     bad = inspect_checkpoint(
         with_mtp(quant, tiny_factory("qwen3_5"), tmp_path / "bad", exclude_add=[], ct_ignore=[*base, "mtp*"])
     )
-    assert bad.quantization["method"] == "compressed-tensors"
+    assert bad.quantization.method == "compressed-tensors"
     assert bad.verdicts["vllm"] == "vLLM will fail to load: mtp.fc is BF16 on disk but declared quantized"
     assert bad.exit_code(strict=True) == EXIT_EXCLUSIONS
     good = inspect_checkpoint(
@@ -192,7 +192,7 @@ def test_substring_trap_in_main_model(naive_export_factory: Factory, tmp_path: P
     config["quantization_config"]["ignore"].append("model.language_model.layers.0.mlp.gate")
     (out / "config.json").write_text(json.dumps(config))
     r = inspect_checkpoint(out)
-    assert "model.language_model.layers.0.mlp.gate_up_proj" in r.main_model["inconsistent_modules"]
+    assert "model.language_model.layers.0.mlp.gate_up_proj" in r.main_model.inconsistent_modules
     assert (
         "vLLM will fail to load: model.language_model.layers.0.mlp.gate_up_proj is NVFP4 on disk but excluded "
         "from quantization"
@@ -258,7 +258,7 @@ def test_index_naming_missing_shard(tiny_copy: Factory) -> None:
     path = tiny_copy("qwen3_5_moe")
     (path / "model.safetensors-00002-of-00003.safetensors").unlink()
     r = inspect_checkpoint(path)
-    assert not r.index["intact"]
+    assert not r.index.intact
     assert r.failure_messages[-1] == (
         "model.safetensors.index.json: shard 'model.safetensors-00002-of-00003.safetensors' does not exist"
     )
@@ -291,6 +291,24 @@ def test_cli_json_and_strict_exit_codes(
     assert data["schema_version"] == 1 and data["healthy"] is True
     assert data["mtp_declaration"] == "not in config (engines default to 1 layer)"
     assert data["verdicts"]["vllm"] == "vLLM: MTP loads (BF16)"
+    # the typed sections (QuantizationInfo, MainModelInfo, VisionInfo, IndexInfo) write the JSON the dicts wrote,
+    # byte for byte: field names, order and values
+    assert cli(["inspect", str(naive_export_factory("qwen3_5")), "--json"]) == EXIT_DECLARED_MISSING
+    data = json.loads(capsys.readouterr().out)
+    layers = [
+        f"model.language_model.layers.{i}.linear_attn.{m}"
+        for i in range(3)
+        for m in ("conv1d", "in_proj_a", "in_proj_b")
+    ]
+    exclude = json.dumps(["lm_head", "model.language_model.embed_tokens", *layers, "model.visual*"])
+    assert json.dumps([data[k] for k in ("quantization", "main_model", "vision", "index")]) == (
+        '[{"method": "modelopt", "vllm_method": "modelopt_fp4", "algorithm": "NVFP4", "group_size": 16, '
+        f'"kv_cache": null, "exclude": {exclude}, "declared_in": ["config.json", "hf_quant_config.json"]}}, '
+        '{"linear_modules": 32, "quantized": 25, "unquantized": 7, "precisions": {"BF16": 7, "NVFP4": 25}, '
+        '"inconsistent_modules": []}, '
+        '{"present": true, "tensors": 21, "precisions": {"BF16": 6}, "expected": true}, '
+        '{"shards": 1, "tensors": 152, "problems": [], "warnings": [], "intact": true}]'
+    )
 
 
 def test_cli_bad_input_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -90,7 +90,7 @@ def test_inspect_verdict(peer_quant: Factory, name: str) -> None:
     assert r.verdicts["vllm"] == vllm
     assert [f.message for f in r.failures] == failures
     assert r.mtp_present_tensors == r.mtp_expected_tensors and r.mtp_precision == "BF16"
-    assert r.index["intact"] and r.index["problems"] == []  # never "corrupt" over an advisory field
+    assert r.index.intact and r.index.problems == []  # never "corrupt" over an advisory field
     advisory = (
         []
         if declared is None
@@ -99,7 +99,7 @@ def test_inspect_verdict(peer_quant: Factory, name: str) -> None:
             "(advisory: no loader reads it)"
         ]
     )
-    assert r.index["warnings"] == advisory
+    assert r.index.warnings == advisory
     assert [f.message for f in r.warnings] == advisory
     expected_code = 0 if not failures else (EXIT_FORMAT if vllm == AR_FORMAT else EXIT_EXCLUSIONS)
     assert r.exit_code() == expected_code
@@ -150,7 +150,7 @@ def test_fix_metadata_repairs_autoround_quant(peer_quant: Factory, tmp_path: Pat
     assert json.loads((out / "config.json").read_text())["quantization_config"]["ignore"] == [*before, r"re:^mtp\..*"]
     r = inspect_checkpoint(out)
     assert r.verdicts["vllm"] == (LOADS if variant == "dense" else _gate_failure())
-    assert r.index["warnings"] == [] and [f.message for f in r.warnings] == []
+    assert r.index.warnings == [] and [f.message for f in r.warnings] == []
     if variant == "moe":
         # the quantized shared_expert_gate is AutoRound's own main-model defect, not an MTP one: graft says so
         assert [f.message for f in r.failures] == EXPECTED[name][1][6:]

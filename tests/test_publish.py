@@ -161,8 +161,11 @@ def test_publish_uploads_exact_files_and_a_truthful_card(
     # the validation figures are the real report's, exactly
     vr = json.loads((out / "validation" / "report.json").read_text())
     ref, cand = vr["reference"]["acceptance"]["by_k"], vr["candidate"]["acceptance"]["by_k"]
-    k1 = f"| 1 | {ref[0]['mean_acceptance_length']:.2f} | {cand[0]['mean_acceptance_length']:.2f} |"
-    pos3 = [f"{100 * a:.1f} %" for a in (ref[2]["acceptance_per_position"][2], cand[2]["acceptance_per_position"][2])]
+    k1 = [
+        f"| {side} | 1 | {rows[0]['mean_acceptance_length']:.3f} | "
+        for side, rows in (("reference", ref), ("this checkpoint", cand))
+    ]
+    pos3 = [" / ".join(f"{100 * a:.1f} %" for a in rows[2]["acceptance_per_position"]) + " |" for rows in (ref, cand)]
     modelopt = next(s for s in json.loads((out / "mtpquant_provenance.json").read_text())["steps"])["versions"]
     for needle in (
         "| Mode | `keep` |",
@@ -177,9 +180,9 @@ def test_publish_uploads_exact_files_and_a_truthful_card(
         "`mtp*`",
         f"Verdict: **{vr['verdict']['status']}**: {vr['verdict']['reasons'][0]}.",
         "(4 prompts, k = 1..3, activations off)",
-        k1,
-        "| draft position (k = 3) | acceptance reference | this checkpoint |",
-        f"| 3 | {pos3[0]} | {pos3[1]} |",
+        "| | k | AL | 95 % CI | acceptance rate | per-position acceptance |",  # validate.table: as in report.md
+        *k1,
+        *pos3,
         "MTP's top-1 agrees with the reference MTP's 100.0 % of the time; mean KL(reference || this) 0",
         "- Note: Activations were not quantized (--activations off)",
         "Full report: [`validation/report.md`](validation/report.md).",
@@ -592,8 +595,9 @@ def test_validation_report_single_mode_and_unreadable(made: Path) -> None:
         f"position {conditional} (built-in prediction" in card
     )
     k2 = report["reference"]["acceptance"]["by_k"][1]
-    assert f"| 2 | {k2['mean_acceptance_length']:.2f} | {100 * k2['acceptance_rate']:.1f} % |" in card
-    assert "| draft position (k = 3) | acceptance |" in card
+    pos = " / ".join(f"{100 * a:.1f} %" for a in k2["acceptance_per_position"])
+    rate = f"{100 * k2['acceptance_rate']:.1f} %"
+    assert f"|  | 2 | {k2['mean_acceptance_length']:.3f} | n/a | {rate} | {pos} |" in card  # 2 prompts: no interval
     assert "Full report: [`validation/report.md`](validation/report.md)." in card
 
     (made / "validation" / "report.json").write_text('{"something": "else"}')

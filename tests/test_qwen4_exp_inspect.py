@@ -119,8 +119,8 @@ def test_nvidia_quant_precision_per_mtp_module(quants: Callable[[str], Path]) ->
         "mtp.layers.0.self_attn.q_proj",
         "mtp.layers.0.self_attn.v_proj",
     ]
-    assert report.main_model["precisions"] == {"BF16": 69, "FP8": 4, "NVFP4": 48}  # 4 FP8 n-gram shards
-    assert report.quantization["algorithm"] == "MIXED_PRECISION"
+    assert report.main_model.precisions == {"BF16": 69, "FP8": 4, "NVFP4": 48}  # 4 FP8 n-gram shards
+    assert report.quantization.algorithm == "MIXED_PRECISION"
 
 
 def test_refreshed_quant_names_the_missing_parameter(quants: Callable[[str], Path]) -> None:

@@ -219,8 +219,8 @@ def test_quant_skeleton_is_the_declared_but_missing_case(real_layouts: Path, tmp
     report = inspect_checkpoint(result.path)
     assert report.verdicts == {"vllm": f"vLLM: {MISSING}", "sglang": f"SGLang: {MISSING}"}
     assert [f.category for f in report.failures] == ["declared_missing"]  # exclusions agree with tensors
-    assert report.main_model["quantized"] == 200 and report.main_model["inconsistent_modules"] == []
-    assert report.quantization["algorithm"] == "NVFP4" and "lm_head" in report.quantization["exclude"]
+    assert report.main_model.quantized == 200 and report.main_model.inconsistent_modules == []
+    assert report.quantization.algorithm == "NVFP4" and "lm_head" in report.quantization.exclude
     assert os.path.exists(result.path / "hf_quant_config.json")
 
 

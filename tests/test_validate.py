@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.cli import main
 from mtpquant.engine.sampling import SamplingSettings
-from mtpquant.errors import ExitCode
+from mtpquant.errors import ExitCode, ValidateError
 from mtpquant.formats.fp8 import quantize_fp8_per_tensor
 from mtpquant.formats.nvfp4 import (
     dequantize_nvfp4,
@@ -31,11 +31,10 @@ from mtpquant.formats.nvfp4 import (
 from mtpquant.mtp.drafting import draft_chain
 from mtpquant.mtp.module import KVCache, MtpConfig, MtpLayer
 from mtpquant.public import public_checkpoint
-from mtpquant.render import acceptance_table
+from mtpquant.render import acceptance_text
 from mtpquant.validate.builtin import SequenceRecord, TargetRun, capture, evaluate_acceptance, replay_greedy
 from mtpquant.validate.load import CheckpointWeights, MtpBundle, load_mtp, load_target
 from mtpquant.validate.metrics import StepRecord, acceptance_stats
-from mtpquant.validate.options import ValidateError
 from mtpquant.validate.prompts import (
     default_prompts,
     held_out_documents,
@@ -59,6 +58,7 @@ from mtpquant.validate.schema import (
     ValidationReport,
     Verdict,
 )
+from mtpquant.validate.table import acceptance_table
 
 CPU = torch.device("cpu")
 
@@ -480,6 +480,16 @@ def test_report_files(tmp_path: Path) -> None:
     written = json.loads((tmp_path / "r" / "report.json").read_text())
     assert written == data.to_json() and Report.from_json(written) == data  # the schema round-trips exactly
     assert "candidate    1  1.500" in acceptance_table(data)
+    # one acceptance table: the terminal's text and report.md's (and the card's) Markdown come from one function
+    table = acceptance_table(data, markdown=True)
+    assert table.splitlines()[:4] == [
+        "| | k | AL | 95 % CI | acceptance rate | per-position acceptance |",
+        "|---|---|---|---|---|---|",
+        "| reference | 1 | 1.500 | n/a | 50.0 % | 60.0 % |",
+        "|  | 2 | 2.000 | n/a | 50.0 % | 60.0 % / 40.0 % |",
+    ]
+    assert f"## Acceptance\n\n{table}\n" in md
+    assert "Teacher-forced MTP agreement with the target: 50.0 %." in md
     # report.md reads as prose: no Python reprs; the AL axis starts at 1 (a drop of 0.1 is not magnified)
     lines = md.splitlines()
     assert lines[lines.index("## Candidate: `x`") + 2] == (
@@ -509,6 +519,56 @@ def test_report_files(tmp_path: Path) -> None:
     md = render_markdown(dataclasses.replace(data, candidate=unusable), {})
     assert "Family qwen3_5; target from model; MTP precision not read (no usable MTP).\n\n**MTP unavailable:** " in md
     assert "None" not in md and "{" not in md
+    # --compare-reference's rows are typed (Predicted) and write the published shape, byte for byte
+    row = {
+        "sampling": {"temperature": 0.8, "top_p": 0.9, "top_k": 0, "seed": 0},
+        "label": "T=0.8, top-p 0.9",
+        "k": 2,
+        "predicted_al": 1.75,
+        "engine_al": 1.5,
+        "difference": -0.25,
+        "predicted_acceptance_rate": 0.375,
+        "engine_acceptance_rate": 0.25,
+        "predicted_per_position": [0.5, 0.25],
+        "engine_per_position": [0.375, 0.125],
+        "engine_steps": 40,
+    }
+    published: dict[str, Any] = {}
+    for key, value in data.to_json().items():  # report.json's order: predicted_vs_engine before timing
+        if key == "timing":
+            published["predicted_vs_engine"] = {"method": "built-in prediction", "reference": [row]}
+        published[key] = value
+    compared = Report.from_json(published)
+    assert json.dumps(compared.to_json()) == json.dumps(published)
+    assert compared.predicted is not None and compared.predicted.reference[0].difference == -0.25
+    assert acceptance_text(compared).endswith(
+        "reference T=0.8, top-p 0.9 k=2: engine AL 1.500, built-in prediction 1.750, difference -0.250; "
+        "per position engine/predicted 37.5/50.0% 12.5/25.0%"
+    )
+    md = render_markdown(compared, {})
+    assert "| reference | T=0.8, top-p 0.9 | 2 | 1.500 | 1.750 | -0.250 | 37.5 % / 12.5 % | 50.0 % / 25.0 % |" in md
+
+
+def test_a_report_of_another_shape_is_refused_naming_the_place() -> None:
+    """report.json is read strictly (its flat records by pydantic): the first problem, where it is, in one line."""
+    side = _side([1.5])
+    settings = Settings(1, 1, 8, "p", "cpu", "float32", "off", None, 0.1, 1.02)
+    good = Report("0", "now", "single", settings, side, Verdict("pass", ("ok",))).to_json()
+    assert Report.from_json(good).to_json() == good
+    cases = [
+        ({"settings": {**good["settings"], "k": "1"}}, "report.settings.k: input should be a valid integer"),
+        ({"settings": {**good["settings"], "k": True}}, "report.settings.k: input should be a valid integer"),
+        (
+            {"settings": {**good["settings"], "sampling": [{"temperature": -1}]}},
+            "report.settings.sampling[0]: value error, temperature must be >= 0, got -1.0",
+        ),
+        ({"reference": {**good["reference"], "mtp": {"error": None}}}, "report.reference.mtp.present: field required"),
+        ({"settings": [1]}, "report.settings: input should be an object"),
+    ]
+    for change, message in cases:
+        with pytest.raises(ValueError) as refused:
+            Report.from_json({**good, **change})
+        assert str(refused.value) == message
 
 
 def test_a_report_names_every_directory_one_way(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

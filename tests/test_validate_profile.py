@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from mtpquant.errors import ValidateError
 from mtpquant.validate.evidence import Bootstrap, UnitCounts
 from mtpquant.validate.metrics import StepRecord, acceptance_stats, context_buckets, unit_counts
-from mtpquant.validate.options import ValidateError, ValidateOptions
+from mtpquant.validate.options import ValidateOptions
 from mtpquant.validate.profile import profile_headline, speculation_profile
 from mtpquant.validate.prompts import context_edges, plan_sequences
 from mtpquant.validate.report import write_report
@@ -75,7 +76,11 @@ def test_context_buckets_count_steps_by_context() -> None:
 def _report(steps: list[list[StepRecord]]) -> Report:
     rows = []
     for k in (1, 2):
-        per_k = [[r.truncated(k) for r in unit] for unit in steps]
+        # the same steps had only k tokens been drafted (greedy chains share prefixes)
+        per_k = [
+            [StepRecord(min(r.drafted, k), min(r.accepted, k), r.through[:k], r.context) for r in unit]
+            for unit in steps
+        ]
         units: UnitCounts = unit_counts(per_k, k)
         rows.append(
             AcceptanceRow.of(

@@ -23,11 +23,11 @@ from safetensors.torch import load_file, save_file
 
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.cli import main
-from mtpquant.errors import ExitCode
+from mtpquant.errors import ExitCode, ValidateError
 from mtpquant.families import TensorClass
 from mtpquant.synth.train import TINY_MTP_ASSET
 from mtpquant.validate.evidence import Bootstrap, UnitCounts
-from mtpquant.validate.run import ValidateError, ValidateOptions, validate
+from mtpquant.validate.run import ValidateOptions, validate
 from mtpquant.validate.schema import ValidationReport
 
 pytestmark = pytest.mark.slow

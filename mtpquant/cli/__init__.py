@@ -5,13 +5,14 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import re
 import sys
 from collections.abc import Sequence
 
 from mtpquant import __version__
 from mtpquant.errors import ExitCode, MtpquantError, exit_code_table
 
-__all__ = ["HUB_CODES", "exit_codes_epilog", "main"]
+__all__ = ["HUB_CODES", "exit_codes_epilog", "main", "recorded_command"]
 
 # Subcommand modules, each with `register(subparsers)` setting `func(args) -> int` on its parser.
 COMMANDS = ("demo", "convert", "graft", "heal", "inspect", "validate", "publish", "tiny")
@@ -20,6 +21,28 @@ COMMANDS = ("demo", "convert", "graft", "heal", "inspect", "validate", "publish"
 _COMMON_CODES = (ExitCode.OK, ExitCode.INTERNAL, ExitCode.USAGE, ExitCode.IO, ExitCode.INTERRUPTED)
 # A command that takes a Hub repo id where it takes a checkpoint.
 HUB_CODES = (ExitCode.HUB_UNREACHABLE, ExitCode.HUB_ACCESS, ExitCode.HUB_REFUSED)
+
+
+# Flags that change only what a command prints (--dry-run: that it writes nothing): left out of the command line an
+# output records, so an output records the same command however its run was watched.
+_UNRECORDED_FLAGS = ("--quiet", "--verbose", "--json", "--dry-run")
+_SHORT_UNRECORDED = re.compile(r"-[qv]+")
+
+
+def recorded_command(argv: Sequence[str]) -> tuple[str, ...]:
+    """The command line an output records (provenance, the recipe's header, the card): ``mtpquant`` and the
+    arguments as given, in their order, less the flags that change only what is printed (``-q``, ``-v``,
+    ``--json``, ``--dry-run``; argparse's unambiguous prefixes too). Every command records it through this."""
+    out = ["mtpquant"]
+    options_end = False
+    for arg in argv:
+        options_end = options_end or arg == "--"
+        unrecorded = _SHORT_UNRECORDED.fullmatch(arg) or (
+            len(arg) > 2 and arg.startswith("--") and any(flag.startswith(arg) for flag in _UNRECORDED_FLAGS)
+        )
+        if options_end or not unrecorded:
+            out.append(arg)
+    return tuple(out)
 
 
 def exit_codes_epilog(*codes: ExitCode) -> str:
@@ -77,7 +100,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.verbose += args.sub_verbose
     args.quiet = args.quiet or args.sub_quiet
-    args.command_line = ("mtpquant", *(sys.argv[1:] if argv is None else argv))  # recorded in provenance files
+    args.command_line = recorded_command(sys.argv[1:] if argv is None else argv)
     level = logging.ERROR if args.quiet else (logging.WARNING, logging.INFO, logging.DEBUG)[min(args.verbose, 2)]
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     if args.quiet:

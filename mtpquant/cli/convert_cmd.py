@@ -119,47 +119,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def _argv(args: argparse.Namespace) -> list[str]:
-    """The convert command line, rebuilt from the parsed flags (recorded in OUT's recipe header)."""
-    argv = ["convert", args.src, str(args.out)]
-    for flag in (
-        "recipe",
-        "mtp",
-        "mtp_format",
-        "mtp_out",
-        "calib_data",
-        "calib_samples",
-        "calib_seq_len",
-        "max_memory",
-        "max_shard_size",
-        "revision",
-        "base_model",
-        "base_model_revision",
-    ):
-        value = getattr(args, flag)
-        if value is not None:
-            argv += [f"--{flag.replace('_', '-')}", str(value)]
-    if args.keep_mtp:
-        argv.append("--keep-mtp")
-    if args.output_format != "modelopt":
-        argv += ["--format", args.output_format]
-    if args.device != "auto":
-        argv += ["--device", args.device]
-    if args.layerwise:
-        argv.append("--layerwise")
-    if args.heal:
-        argv.append("--heal")
-        for key, value in schedule_options(args).items():
-            argv += [f"--heal-{key.replace('_', '-')}", str(value)]
-        if args.heal_force:
-            argv.append("--heal-force")
-    if args.resume_every is not None:
-        argv += ["--resume-every", str(args.resume_every)]
-    for item in args.overrides:
-        argv += ["--set", item]
-    return argv
-
-
 def run(args: argparse.Namespace) -> int:
     """Convert and print the summary."""
     import logging
@@ -194,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
         overwrite=args.overwrite,
         revision=args.revision,
         progress=os.environ.get("TQDM_DISABLE", "") in {"", "0"},
-        command=("mtpquant", *_argv(args)),
+        command=args.command_line,
         base_model=args.base_model,
         base_model_revision=args.base_model_revision,
         output_format=args.output_format,
@@ -236,7 +195,7 @@ def _heal(args: argparse.Namespace, out: Path) -> Any:
         source_revision=args.revision,
         force=args.heal_force,
         progress=os.environ.get("TQDM_DISABLE", "") in {"", "0"},
-        command=("mtpquant", *_argv(args)),
+        command=args.command_line,
         **schedule_options(args),
     )
     try:

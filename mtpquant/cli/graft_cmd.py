@@ -105,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
         max_shard_bytes=args.max_shard_size,
         link=not args.copy,
         dry_run=args.dry_run,
-        command=tuple(args.command_line),
+        command=args.command_line,
     )
     result = graft(options)
     if args.json:

@@ -133,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
         link=not args.copy,
         dry_run=args.dry_run,
         progress=os.environ.get("TQDM_DISABLE", "") in {"", "0"},
-        command=tuple(args.command_line),
+        command=args.command_line,
         **extra,
     )
     result = heal(options)

@@ -49,15 +49,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def _argv(args: argparse.Namespace) -> tuple[str, ...]:
-    """The publish command line as recorded with --base-model (no token: publish takes none on the command line)."""
-    argv = ["mtpquant", "publish", str(args.out), "--repo", args.repo]
-    for flag in ("revision", "base_model", "base_model_revision"):
-        if getattr(args, flag) is not None:
-            argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
-    return tuple(argv)
-
-
 def run(args: argparse.Namespace) -> int:
     """Publish and print the commit URL (or, with --dry-run, the plan and the card)."""
     from mtpquant.api import PublishOptions, publish
@@ -74,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
         overwrite_card=args.overwrite_card,
         base_model=args.base_model,
         base_model_revision=args.base_model_revision,
-        command=_argv(args),
+        command=args.command_line,
     )
     result = publish(opts)
     if result.dry_run:

@@ -150,27 +150,32 @@ def _local_source(ckpt: Checkpoint) -> tuple[Path, Checkpoint]:
     return path, (ckpt if ckpt.source.local_root is not None else Checkpoint.open(path, strict=True))
 
 
-def _output_config(ckpt: Checkpoint, exported: dict[str, Any], declared_layers: int) -> dict[str, Any]:
-    """The source config with the MTP declared per mode (the one rule, ``declare_mtp``), plus modelopt's
-    ``quantization_config``."""
-    from mtpquant.surgery.metadata import declare_mtp
+def _output_metadata(
+    ckpt: Checkpoint, exported: Checkpoint, tensors: dict[str, Any], declared_layers: int
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """OUT's config.json and hf_quant_config.json: the source config with the MTP declared per mode (the one rule,
+    ``declare_mtp``) and modelopt's quantization metadata less any MTP entry, packed groups listed member by member
+    (Qwen4-Exp's qkv_proj + indexer), then the exclusions the MTP in ``tensors`` (OUT's tensor table) needs, planned
+    by the one planner graft uses (``surgery.metadata.plan_metadata``)."""
+    from mtpquant.convert.assemble import packed_exclusions
+    from mtpquant.families import resolve
+    from mtpquant.formats.quant_config import MTP_CT_PATTERNS, MTP_MODELOPT_PATTERNS
+    from mtpquant.surgery.metadata import declare_mtp, plan_metadata
 
     config = declare_mtp(ckpt.spec, declared_layers)
-    qc = exported.get("quantization_config")
+    qc = exported.config.get("quantization_config")
     if qc is not None:
         config["quantization_config"] = copy.deepcopy(qc)
-    return config
-
-
-def _mode_exclusions(
-    config: dict[str, Any], hfq: dict[str, Any] | None, modelopt: list[str], ct: list[str]
-) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    from mtpquant.formats.quant_config import MTP_CT_PATTERNS, MTP_MODELOPT_PATTERNS
-
-    config, hfq = without_exclusions(config, hfq, MTP_MODELOPT_PATTERNS, MTP_CT_PATTERNS)
-    if modelopt or ct:
-        config, hfq = with_exclusions(config, hfq, modelopt, ct)
-    return config, hfq
+    config, hfq = without_exclusions(config, exported.hf_quant_config, MTP_MODELOPT_PATTERNS, MTP_CT_PATTERNS)
+    if hfq is not None:
+        listed = hfq.get("quantization", {}).get("exclude_modules", [])
+        packed = packed_exclusions(exported.tensors, listed, ckpt.spec.family.engine.packed)
+        if packed:
+            config, hfq = with_exclusions(config, hfq, packed, [])
+    plan = plan_metadata(resolve(config), hfq, tensors, mtp_layers=declared_layers)
+    for warning in plan.warnings:
+        log.warning("%s", warning)
+    return plan.config if plan.config is not None else config, plan.hf_quant_config or hfq
 
 
 def _verify(plan: ConvertPlan, src: Checkpoint, outcome: MtpOutcome, path: Path) -> InspectReport:
@@ -383,13 +388,7 @@ def _run(
     """Everything between planning and finalize."""
     import torch
 
-    from mtpquant.convert.assemble import (
-        carry_files,
-        mixed_precision_config,
-        packed_exclusions,
-        place_main_shards,
-        quantized_modules_of,
-    )
+    from mtpquant.convert.assemble import carry_files, mixed_precision_config, place_main_shards, quantized_modules_of
     from mtpquant.convert.calibration import build_calibration_data, load_tokenizer
     from mtpquant.convert.model import (
         calibration_loop,
@@ -483,7 +482,6 @@ def _run(
     gc.collect()
 
     exported = Checkpoint.open(scratch, strict=True)
-    exported_hfq = exported.hf_quant_config
     with timer("write"):
         main = place_main_shards(exported, ckpt, od, scratch)
 
@@ -504,13 +502,8 @@ def _run(
         outcome = mode.write(ctx)
 
     with timer("write"):
-        config = _output_config(ckpt, exported.config, mode.declared_layers(ckpt))
-        # packed groups listed member by member (Qwen4-Exp's qkv_proj + indexer), before the mode's own entries
-        exclude = list(outcome.exclude_modelopt)
-        if exported_hfq is not None:
-            listed = [*exported_hfq.get("quantization", {}).get("exclude_modules", []), *exclude]
-            exclude = packed_exclusions(exported.tensors, listed, family.engine.packed) + exclude
-        config, hfq = _mode_exclusions(config, exported_hfq, exclude, outcome.exclude_ct)
+        table = {name: entry for header in od.shard_headers().values() for name, entry in header.tensors.items()}
+        config, hfq = _output_metadata(ckpt, exported, table, mode.declared_layers(ckpt))
         if outcome.quantized_layers and hfq is not None:
             from modelopt.torch.export.convert_hf_config import convert_hf_quant_config_format
 

@@ -14,9 +14,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from mtpquant.errors import ReplayError
 from mtpquant.validate.evidence import CONFIDENCE, UnitCounts, better_beyond_noise
 from mtpquant.validate.load import MtpBundle
-from mtpquant.validate.replay import ReplayError, TargetRun, evaluate_acceptance
+from mtpquant.validate.replay import TargetRun, evaluate_acceptance
 
 __all__ = ["CONFIDENCE", "AlChange", "CheckResult", "check_prompts", "compare", "unit_counts"]
 

@@ -146,9 +146,10 @@ def plan_heal(options: HealOptions) -> tuple[HealPlan, Checkpoint, Checkpoint, A
     """Check everything that can be checked from headers and build the plan; returns it, QUANT, SRC and QUANT's
     dequantizing reader (``validate.weights.CheckpointWeights``)."""
     from mtpquant.convert.memory import available_cpu_bytes, plan_memory
+    from mtpquant.errors import ValidateLoadError
     from mtpquant.graft.lineage import check_lineage
     from mtpquant.surgery.metadata import plan_metadata
-    from mtpquant.validate.weights import CheckpointWeights, ValidateLoadError
+    from mtpquant.validate.weights import CheckpointWeights
 
     options.check()
     quant = Checkpoint.open(options.quant, revision=options.revision, token=options.token)

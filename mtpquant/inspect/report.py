@@ -40,7 +40,11 @@ __all__ = [
     "EXIT_FORMAT",
     "EXIT_INDEX",
     "SCHEMA_VERSION",
+    "IndexInfo",
     "InspectReport",
+    "MainModelInfo",
+    "QuantizationInfo",
+    "VisionInfo",
     "inspect_checkpoint",
 ]
 
@@ -86,6 +90,51 @@ class Finding:
 
 
 @dataclass
+class QuantizationInfo:
+    """The checkpoint's quantization metadata as inspect read it (all None / empty: not quantized)."""
+
+    method: str | None  # "modelopt" | "compressed-tensors" | ...
+    vllm_method: str | None  # the method vLLM loads it as
+    algorithm: str | None
+    group_size: int | None
+    kv_cache: str | None
+    exclude: list[str]
+    declared_in: list[str]  # the files that declare it
+
+
+@dataclass
+class MainModelInfo:
+    """The main model's Linear modules: how many, how many quantized, by precision."""
+
+    linear_modules: int
+    quantized: int
+    unquantized: int
+    precisions: dict[str, int]  # Linear count per on-disk precision
+    inconsistent_modules: list[str]  # whose metadata disagrees with their tensors
+
+
+@dataclass
+class VisionInfo:
+    """The vision tower (``model.visual.*``): present, its tensors, its Linears by precision, expected here."""
+
+    present: bool
+    tensors: int
+    precisions: dict[str, int]
+    expected: bool
+
+
+@dataclass
+class IndexInfo:
+    """The shard index: shards, tensors, what is wrong (``problems``: fatal) or only advisory (``warnings``)."""
+
+    shards: int
+    tensors: int
+    problems: list[str]
+    warnings: list[str]
+    intact: bool
+
+
+@dataclass
 class InspectReport:
     """Everything inspect found; ``to_json`` gives the documented schema."""
 
@@ -103,10 +152,10 @@ class InspectReport:
     mtp_unexpected: list[str]
     mtp_modules: list[ModuleReport]
     mtp_precision: str
-    quantization: dict[str, Any]
-    main_model: dict[str, Any]
-    vision: dict[str, Any]
-    index: dict[str, Any]
+    quantization: QuantizationInfo
+    main_model: MainModelInfo
+    vision: VisionInfo
+    index: IndexInfo
     verdicts: dict[str, str]
     serve_commands: dict[str, str]
     failures: list[Finding] = field(default_factory=list)
@@ -302,7 +351,7 @@ def _mtp_section(ckpt: Checkpoint, meta: QuantMetadata | None, report: dict[str,
     return findings
 
 
-def _main_section(ckpt: Checkpoint, meta: QuantMetadata | None) -> tuple[dict[str, Any], dict[str, Any], list[Finding]]:
+def _main_section(ckpt: Checkpoint, meta: QuantMetadata | None) -> tuple[MainModelInfo, VisionInfo, list[Finding]]:
     groups = ckpt.by_class()
     main_tensors = {e.name: e for cls in ("main", "lm_head") for e in groups.get(cls, [])}
     mods = linear_modules(main_tensors)
@@ -311,21 +360,21 @@ def _main_section(ckpt: Checkpoint, meta: QuantMetadata | None) -> tuple[dict[st
     precs = Counter(precision.values())
     quantized = sum(n for p, n in precs.items() if is_quantized(p))
     bad = [r for r in reports if not r.consistent]
-    main = {
-        "linear_modules": len(mods),
-        "quantized": quantized,
-        "unquantized": len(mods) - quantized,
-        "precisions": dict(sorted(precs.items())),
-        "inconsistent_modules": [r.module for r in bad],
-    }
+    main = MainModelInfo(
+        linear_modules=len(mods),
+        quantized=quantized,
+        unquantized=len(mods) - quantized,
+        precisions=dict(sorted(precs.items())),
+        inconsistent_modules=[r.module for r in bad],
+    )
     vision_entries = groups.get("vision", [])
     vprecs = Counter(module_precision(ckpt.tensors, m) for m in linear_modules({e.name: e for e in vision_entries}))
-    vision = {
-        "present": bool(vision_entries),
-        "tensors": len(vision_entries),
-        "precisions": dict(sorted(vprecs.items())),
-        "expected": ckpt.spec.family.has_vision and ckpt.spec.wrapped,
-    }
+    vision = VisionInfo(
+        present=bool(vision_entries),
+        tensors=len(vision_entries),
+        precisions=dict(sorted(vprecs.items())),
+        expected=ckpt.spec.family.has_vision and ckpt.spec.wrapped,
+    )
     if len(findings) > 3:  # keep the list readable: the first few plus a count
         rest = len(findings) - 3
         findings = [
@@ -557,7 +606,7 @@ def _inspect(ckpt: Checkpoint, t0: float) -> InspectReport:
         warnings.append(
             Finding("note", "config.json and hf_quant_config.json list different exclusions; vLLM reads config.json")
         )
-    if vision["expected"] and not vision["present"] and not ckpt.mtp_only:
+    if vision.expected and not vision.present and not ckpt.mtp_only:
         warnings.append(Finding("note", "vision tower (model.visual.*) is missing: image input will not work"))
     unknown_label = _label_refusal(ckpt)
     if unknown_label is not None:  # neither engine resolves the architecture: nothing else matters until relabelled
@@ -576,22 +625,22 @@ def _inspect(ckpt: Checkpoint, t0: float) -> InspectReport:
         verdicts = dict.fromkeys(verdicts, f"index corrupt: {index_problems[0].message}")
         serve = {}
     verdicts = {e: v if v.startswith(ENGINE_NAMES[e]) else f"{ENGINE_NAMES[e]}: {v}" for e, v in verdicts.items()}
-    quant = {
-        "method": meta.method if meta else None,
-        "vllm_method": meta.vllm_method if meta else None,
-        "algorithm": meta.algo if meta else None,
-        "group_size": meta.group_size if meta else None,
-        "kv_cache": meta.kv_cache_algo if meta else None,
-        "exclude": list(meta.exclude) if meta else [],
-        "declared_in": list(meta.declared_in) if meta else [],
-    }
-    index = {
-        "shards": len(ckpt.shards),
-        "tensors": len(ckpt.tensors),
-        "problems": [p.message for p in index_problems],
-        "warnings": [p.message for p in ckpt.problems if not p.fatal],
-        "intact": not index_problems,
-    }
+    quant = QuantizationInfo(
+        method=meta.method if meta else None,
+        vllm_method=meta.vllm_method if meta else None,
+        algorithm=meta.algo if meta else None,
+        group_size=meta.group_size if meta else None,
+        kv_cache=meta.kv_cache_algo if meta else None,
+        exclude=list(meta.exclude) if meta else [],
+        declared_in=list(meta.declared_in) if meta else [],
+    )
+    index = IndexInfo(
+        shards=len(ckpt.shards),
+        tensors=len(ckpt.tensors),
+        problems=[p.message for p in index_problems],
+        warnings=[p.message for p in ckpt.problems if not p.fatal],
+        intact=not index_problems,
+    )
     return InspectReport(
         checkpoint=label,
         family=ckpt.spec.family.display,

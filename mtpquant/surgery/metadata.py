@@ -1,4 +1,5 @@
-"""The metadata side of an MTP repair: its declaration in config.json and its quantization exclusions.
+"""The metadata side of an MTP: its declaration in config.json and its quantization exclusions, planned here for
+convert's outputs and graft's repairs alike (``plan_metadata``, from the result's tensor table).
 
 Engines decide per module whether a Linear is quantized from the exclusion lists, so an MTP kept
 unquantized must be covered in every file that declares quantization: ``hf_quant_config.json``

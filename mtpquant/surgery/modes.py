@@ -29,7 +29,6 @@ from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.checkpoint.writer import OutputDir, PlannedTensor
 from mtpquant.errors import IndivisibleDimensionError, MtpConfigError, MtpModeError, OutputVerificationError
 from mtpquant.families import MTP_PREFIX, mtp_config
-from mtpquant.formats.quant_config import MTP_CT_PATTERNS, MTP_MODELOPT_PATTERNS
 from mtpquant.surgery.shards import mtp_planned_tensors, write_mtp_shards, write_planned_mtp
 
 __all__ = [
@@ -88,12 +87,11 @@ class WriteContext:
 
 @dataclass
 class MtpOutcome:
-    """What a mode wrote into OUT and how OUT's metadata must change."""
+    """What a mode wrote into OUT (the exclusions it needs are planned from OUT's tensors, as graft plans them:
+    ``surgery.metadata.plan_metadata``)."""
 
     names: list[str] = field(default_factory=list)  # mtp.* tensor names written into OUT
     shards: list[str] = field(default_factory=list)  # the mtp-* shards holding them
-    exclude_modelopt: list[str] = field(default_factory=list)
-    exclude_ct: list[str] = field(default_factory=list)
     quantized_layers: dict[str, dict[str, Any]] = field(default_factory=dict)  # for MIXED_PRECISION
 
 
@@ -206,7 +204,7 @@ class KeepMode(MtpMode):
     def write(self, ctx: WriteContext) -> MtpOutcome:
         names = sorted(e.name for e in ctx.ckpt.mtp_tensors())
         shards = write_mtp_shards(ctx.od, ctx.ckpt, names, ctx.max_bytes)
-        return MtpOutcome(names, shards, list(MTP_MODELOPT_PATTERNS), list(MTP_CT_PATTERNS))
+        return MtpOutcome(names, shards)
 
     def verify(self, out: Checkpoint, src: Checkpoint, outcome: MtpOutcome, where: str) -> None:
         same_bytes(out, src, sorted(outcome.names), where)
@@ -288,7 +286,7 @@ class QuantizeMode(MtpMode):
         kept = [n for n in result.kept_tensors if n in ctx.ckpt.tensors]
         planned += mtp_planned_tensors(ctx.ckpt, kept)
         shards = write_planned_mtp(ctx.od, planned, ctx.max_bytes)
-        outcome = MtpOutcome(sorted(t.name for t in planned), shards, list(result.excluded_modules))
+        outcome = MtpOutcome(sorted(t.name for t in planned), shards)
         layer_algo = "FP8" if ctx.fmt == "fp8" else ctx.main_algo
         if layer_algo != ctx.main_algo:
             outcome.quantized_layers = {m: {"quant_algo": layer_algo} for m in result.quantized_modules}

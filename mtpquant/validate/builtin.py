@@ -25,15 +25,15 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Hashable, Sequence
-from datetime import datetime, timezone
 from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
-from mtpquant import __version__
 from mtpquant.engine.sampling import SamplingSettings
+from mtpquant.errors import ValidateError
 from mtpquant.public import public_checkpoint, public_file
+from mtpquant.validate.assemble import Measured, report_settings
 from mtpquant.validate.hidden import load_hidden, save_hidden
 from mtpquant.validate.load import (
     CheckpointWeights,
@@ -45,7 +45,7 @@ from mtpquant.validate.load import (
     resolve_device,
     text_model_class,
 )
-from mtpquant.validate.options import ValidateError, ValidateOptions
+from mtpquant.validate.options import ValidateOptions
 from mtpquant.validate.preflight import check_context_buckets, check_same_model, preflight
 from mtpquant.validate.prompts import (
     PlannedSequence,
@@ -63,15 +63,12 @@ from mtpquant.validate.replay import (
     evaluate_acceptance,
     replay_greedy,
 )
-from mtpquant.validate.schema import Acceptance, Comparison, MtpInfo, Report, Settings, Side, ValidationReport
-from mtpquant.validate.verdict import verdict
+from mtpquant.validate.schema import Acceptance, Comparison, MtpInfo, Side
 
 __all__ = [
     "SequenceRecord",
     "TargetRun",
-    "ValidateError",
     "ValidateOptions",
-    "ValidationReport",
     "evaluate_acceptance",
     "replay_greedy",
     "validate_builtin",
@@ -263,9 +260,8 @@ def _targets(
     return runs, prompts_desc, "model", "model" if pair else "", notes, opts.max_len
 
 
-def validate_builtin(opts: ValidateOptions) -> ValidationReport:
-    """The built-in path of ``validate``: replay on transformers with the checkpoints' own weights; writes the
-    report directory when one is given."""
+def validate_builtin(opts: ValidateOptions) -> Measured:
+    """The built-in path of ``validate``: replay on transformers with the checkpoints' own weights."""
     preflight(opts)
     t_start = time.perf_counter()
     device = resolve_device(opts.device)
@@ -378,37 +374,25 @@ def validate_builtin(opts: ValidateOptions) -> ValidationReport:
     timing["sequence_tokens"] = float(evaluated)
     work_s = timing["total_s"] - timing["imports_s"]
     timing["tokens_per_second"] = evaluated / work_s if work_s > 0 else 0.0
-    report = Report(
-        mtpquant_version=__version__,
-        created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        mode="pair" if candidate is not None else "single",
-        settings=Settings(
-            k=K,
-            num_prompts=len(runs[settings[0]]["ref"].sequences),
-            max_len=max_len,
-            prompts=prompts_desc,
-            device=str(device),
-            dtype=str(dtype).removeprefix("torch."),
-            activations=opts.activations,
-            hidden_file=public_file(str(opts.hidden)) if opts.hidden else None,
-            warn_al_drop=opts.warn_al_drop,
-            broken_al=opts.broken_al,
-            min_main_agreement=opts.min_main_agreement,
-            confidence=opts.confidence,
-            sampling=settings,
-            rule=opts.rule,
-        ),
+    how = report_settings(
+        opts,
+        k=K,
+        num_prompts=len(runs[settings[0]]["ref"].sequences),
+        max_len=max_len,
+        prompts=prompts_desc,
+        device=str(device),
+        dtype=str(dtype).removeprefix("torch."),
+        activations=opts.activations,
+        hidden_file=public_file(str(opts.hidden)) if opts.hidden else None,
+    )
+    return Measured(
+        settings=how,
         reference=reference,
-        verdict=verdict(opts, reference, candidate, comparison, extra=extra),
         candidate=candidate,
         comparison=comparison,
-        timing={k: round(v, 3) for k, v in timing.items()},
         notes=tuple(notes),
+        timing=timing,
+        extra=extra,
+        mtp_kl=mtp_kl,
+        main_kl=main_kl,
     )
-    result = ValidationReport(report, mtp_kl, main_kl)
-    if opts.report_dir is not None:
-        from mtpquant.validate.report import write_report
-
-        write_report(result, opts.report_dir)
-    log.info("validate: %s (%s)", report.verdict.status, "; ".join(report.verdict.reasons))
-    return result

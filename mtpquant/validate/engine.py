@@ -22,23 +22,21 @@ import logging
 import tempfile
 import time
 from collections.abc import Sequence
-from datetime import datetime, timezone
 from itertools import groupby
 from pathlib import Path
-from typing import Any
 
-from mtpquant import __version__
 from mtpquant.engine.connect import client_for, connect
 from mtpquant.engine.http import engine_api_key
 from mtpquant.engine.launch import EngineProcess, free_port, sglang_args, vllm_args
 from mtpquant.engine.sampling import rule
 from mtpquant.engine.server import ENGINE_NAMES, EngineServer, ServerInfo, SpecConfig, resolve_model
 from mtpquant.engine.sizing import Machine, plan_engine_memory, probe_machine
-from mtpquant.errors import EngineAnswerError
+from mtpquant.errors import EngineAnswerError, ValidateError
 from mtpquant.public import public_args, public_checkpoint
+from mtpquant.validate.assemble import Measured, report_settings
 from mtpquant.validate.evidence import Bootstrap
 from mtpquant.validate.measure import EngineMeasurement, measure
-from mtpquant.validate.options import ValidateError, ValidateOptions
+from mtpquant.validate.options import ValidateOptions
 from mtpquant.validate.preflight import check_context_buckets, check_same_model, preflight
 from mtpquant.validate.prompts import PlannedSequence, plan_sequences, prompts_for, tokenize_prompts
 from mtpquant.validate.schema import (
@@ -48,10 +46,9 @@ from mtpquant.validate.schema import (
     ContextBucket,
     EngineInfo,
     MtpInfo,
-    Report,
-    Settings,
+    Predicted,
+    PredictedRow,
     Side,
-    ValidationReport,
 )
 
 __all__ = ["validate_engine"]
@@ -333,7 +330,7 @@ def _device_is_cpu(opts: ValidateOptions) -> bool:
     return resolve_device(opts.device).type == "cpu"
 
 
-def _compare(opts: ValidateOptions, report: Report) -> tuple[dict[str, Any], list[str]]:
+def _compare(opts: ValidateOptions, reference: Side, candidate: Side | None) -> tuple[Predicted, list[str]]:
     """The built-in prediction on the same prompts and settings, beside what the engine measured, per side, setting
     and k (AL and per-position acceptance)."""
     from mtpquant.validate.builtin import validate_builtin
@@ -342,56 +339,39 @@ def _compare(opts: ValidateOptions, report: Report) -> tuple[dict[str, Any], lis
         dataclasses.replace(
             opts, engine=None, server=None, candidate_server=None, compare_reference=False, report_dir=None
         )
-    ).report
-    out: dict[str, Any] = {
-        "method": f"built-in prediction (transformers, dequantized weights, rule {opts.rule}) on the same prompts"
-    }
+    )
+    compared: dict[str, tuple[PredictedRow, ...]] = {}
     notes = []
     for label, engine_side, predicted_side in (
-        ("reference", report.reference, builtin.reference),
-        ("candidate", report.candidate, builtin.candidate),
+        ("reference", reference, builtin.reference),
+        ("candidate", candidate, builtin.candidate),
     ):
         if engine_side is None or predicted_side is None or not predicted_side.acceptance_by_sampling:
             continue
-        rows: list[dict[str, Any]] = []
+        rows: list[PredictedRow] = []
         for measured, predicted_acc in zip(engine_side.acceptance_by_sampling, predicted_side.acceptance_by_sampling):
             predicted = {r.k: r for r in predicted_acc.by_k}
             for r in measured.by_k:
                 p = predicted.get(r.k)
                 if p is None:
                     continue
-                rows.append(
-                    {
-                        "sampling": measured.sampling.to_json(),
-                        "label": measured.sampling.label,
-                        "k": r.k,
-                        "predicted_al": p.mean_acceptance_length,
-                        "engine_al": r.mean_acceptance_length,
-                        "difference": r.mean_acceptance_length - p.mean_acceptance_length,
-                        "predicted_acceptance_rate": p.acceptance_rate,
-                        "engine_acceptance_rate": r.acceptance_rate,
-                        "predicted_per_position": list(p.acceptance_per_position),
-                        "engine_per_position": list(r.acceptance_per_position),
-                        "engine_steps": r.num_steps,
-                    }
-                )
-        out[label] = rows
-        worst = max((abs(x["difference"]) for x in rows), default=0.0)
+                rows.append(PredictedRow.of(measured.sampling, engine=r, predicted=p))
+        compared[label] = tuple(rows)
+        worst = max((abs(x.difference) for x in rows), default=0.0)
         worst_pos = max(
-            (abs(a - b) for x in rows for a, b in zip(x["engine_per_position"], x["predicted_per_position"])),
+            (abs(a - b) for x in rows for a, b in zip(x.engine_per_position, x.predicted_per_position)),
             default=0.0,
         )
         notes.append(
             f"{label}: the engine's AL differs from the built-in prediction by at most {worst:.3f}, its per-position "
             f"acceptance by at most {worst_pos:.3f}"
         )
-    return out, notes
+    method = f"built-in prediction (transformers, dequantized weights, rule {opts.rule}) on the same prompts"
+    return Predicted(method, compared.get("reference"), compared.get("candidate")), notes
 
 
-def validate_engine(opts: ValidateOptions) -> ValidationReport:
-    """The engine path of ``validate`` (see the module docstring); writes the report directory when given."""
-    from mtpquant.validate.verdict import verdict
-
+def validate_engine(opts: ValidateOptions) -> Measured:
+    """The engine path of ``validate`` (see the module docstring): what the engine(s) measured."""
     preflight(opts)
     if opts.engine is not None and opts.reference is not None:
         from mtpquant.checkpoint.table import Checkpoint
@@ -468,43 +448,29 @@ def validate_engine(opts: ValidateOptions) -> ValidationReport:
                 r.mean_acceptance_length - ref_al[r.k] for r in candidate.acceptance.by_k if r.k in ref_al
             )
         )
+    predicted = None
+    if opts.compare_reference:
+        predicted, compare_notes = _compare(opts, reference, candidate)
+        notes += compare_notes
     ks = sorted({m.engine.k for side in measured.values() for m in side})
-    report = Report(
-        mtpquant_version=__version__,
-        created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        mode="pair" if candidate is not None else "single",
-        settings=Settings(
-            k=max(ks),
-            num_prompts=len(plan),
-            max_len=opts.max_len,
-            prompts=prompts_desc,
-            device="engine",
-            dtype="as served",
-            activations="as served",
-            hidden_file=None,
-            warn_al_drop=opts.warn_al_drop,
-            broken_al=opts.broken_al,
-            min_main_agreement=opts.min_main_agreement,
-            confidence=opts.confidence,
-            sampling=opts.sampling_settings,
-            rule=opts.rule,
-        ),
+    how = report_settings(
+        opts,
+        k=max(ks),
+        num_prompts=len(plan),
+        max_len=opts.max_len,
+        prompts=prompts_desc,
+        device="engine",
+        dtype="as served",
+        activations="as served",
+    )
+    return Measured(
+        settings=how,
         reference=reference,
-        verdict=verdict(opts, reference, candidate, comparison, extra=extra),
         candidate=candidate,
         comparison=comparison,
         notes=tuple(notes),
+        timing={"total_s": time.perf_counter() - t_start},
         engine=tuple(m.engine for side in measured.values() for m in side),
+        predicted=predicted,
+        extra=extra,
     )
-    if opts.compare_reference:
-        predicted, compare_notes = _compare(opts, report)
-        report = dataclasses.replace(report, predicted=predicted, notes=(*report.notes, *compare_notes))
-    total = time.perf_counter() - t_start
-    report = dataclasses.replace(report, timing={"total_s": round(total, 3)})
-    result = ValidationReport(report)
-    if opts.report_dir is not None:
-        from mtpquant.validate.report import write_report
-
-        write_report(result, opts.report_dir)
-    log.info("validate (engine): %s (%s)", report.verdict.status, "; ".join(report.verdict.reasons))
-    return result

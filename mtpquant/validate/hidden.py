@@ -18,18 +18,14 @@ from typing import Any
 
 from mtpquant.checkpoint.writer import atomic_write_safetensors
 from mtpquant.engine.sampling import SamplingSettings
-from mtpquant.errors import UsageError
+from mtpquant.errors import HiddenFileError
 from mtpquant.validate.options import HIDDEN_FORMAT
 from mtpquant.validate.replay import SequenceRecord, TargetRun
 
-__all__ = ["HIDDEN_FORMAT", "HiddenFileError", "load_hidden", "save_hidden"]
+__all__ = ["HIDDEN_FORMAT", "load_hidden", "save_hidden"]
 
 log = logging.getLogger(__name__)
 
-
-
-class HiddenFileError(UsageError):
-    """A file given as --hidden is not a hidden-state file (or does not fit the checkpoint)."""
 
 
 def save_hidden(path: Path, runs: Sequence[tuple[str, TargetRun]], meta: dict[str, Any]) -> None:

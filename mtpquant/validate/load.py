@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from mtpquant.checkpoint.sharded import sharded_tables
 from mtpquant.engine.sampling import SamplingSettings
+from mtpquant.errors import ValidateLoadError
 from mtpquant.families import FUSED_EXPERT_PIECES, MTP_PREFIX, TensorClass, is_mtp_name, mtp_config
 from mtpquant.formats.fp8 import FP8_E4M3_MAX
 from mtpquant.formats.nvfp4 import quantize_activation_nvfp4
@@ -39,7 +40,6 @@ from mtpquant.validate.rules import target_probs
 from mtpquant.validate.weights import (
     CheckpointWeights,
     LinearFormat,
-    ValidateLoadError,
     compute_dtype,
     resolve_device,
 )

@@ -23,43 +23,15 @@ from mtpquant.validate.schema import AcceptanceStats, ContextBucket
 
 __all__ = [
     "AcceptanceStats",
-    "LogitComparison",
     "StepRecord",
     "Summary",
-    "Verification",
-    "acceptance_by_k",
     "acceptance_stats",
-    "compare_logits",
     "context_buckets",
     "kl_per_position",
     "summarize",
     "token_agreement",
-    "top1_agreement",
     "unit_counts",
-    "verify_greedy",
 ]
-
-
-@dataclass(frozen=True)
-class Verification:
-    """Outcome of one greedy verification step."""
-
-    accepted: int
-    emitted: tuple[int, ...]
-
-
-def verify_greedy(drafts: Sequence[int], target_greedy: Sequence[int]) -> Verification:
-    """Accept the longest prefix of ``drafts`` matching ``target_greedy``, plus one target token.
-
-    ``target_greedy`` holds the target's greedy token at each of the ``len(drafts) + 1`` positions
-    it scores (after the context, then after each draft).
-    """
-    if len(target_greedy) != len(drafts) + 1:
-        raise ValueError(f"target_greedy needs {len(drafts) + 1} tokens, got {len(target_greedy)}")
-    n = 0
-    while n < len(drafts) and drafts[n] == target_greedy[n]:
-        n += 1
-    return Verification(accepted=n, emitted=(*drafts[:n], target_greedy[n]))
 
 
 @dataclass(frozen=True)
@@ -89,10 +61,6 @@ class StepRecord:
             return self.through
         return (1.0,) * self.accepted + (0.0,) * (self.drafted - self.accepted)
 
-    def truncated(self, k: int) -> StepRecord:
-        """The same step had only the first k tokens been drafted (greedy chains share prefixes)."""
-        return StepRecord(min(self.drafted, k), min(self.accepted, k), self.through[:k], self.context)
-
 
 def _count(value: float) -> float:
     """A sum of 0/1 outcomes stays an exact integer (an int), a sum of expectations a float."""
@@ -121,21 +89,6 @@ def acceptance_stats(records: Sequence[StepRecord]) -> AcceptanceStats:
         accepted_per_position=accepted_pos,
         acceptance_per_position=tuple(a / d for a, d in zip(accepted_pos, drafted_pos)),
     )
-
-
-def acceptance_by_k(records: Sequence[StepRecord], max_k: int | None = None) -> tuple[AcceptanceStats, ...]:
-    """Stats for k = 1..max_k drafts per step, from records of a run with at least max_k drafts.
-
-    Valid for greedy chained drafting, where the first k drafts do not depend on how many follow.
-    """
-    if not records:
-        raise ValueError("no verification steps")
-    available = min(r.drafted for r in records)
-    if max_k is None:
-        max_k = available
-    if not 1 <= max_k <= available:
-        raise ValueError(f"max_k {max_k} outside 1..{available} (fewest drafts in one step)")
-    return tuple(acceptance_stats([r.truncated(k) for r in records]) for k in range(1, max_k + 1))
 
 
 def unit_counts(per_unit: Sequence[Sequence[StepRecord]], k: int) -> UnitCounts:
@@ -228,14 +181,6 @@ def kl_per_position(ref: Tensor, cand: Tensor, mask: Tensor | None = None, chunk
     return torch.cat(out) if out else torch.zeros(0, dtype=torch.float64)
 
 
-def top1_agreement(ref: Tensor, cand: Tensor, mask: Tensor | None = None) -> float:
-    """Fraction of positions where both logits have the same argmax."""
-    ref2, cand2 = _rows(ref, cand, mask)
-    if ref2.shape[0] == 0:
-        raise ValueError("no positions to compare")
-    return float((ref2.argmax(dim=-1) == cand2.argmax(dim=-1)).double().mean())
-
-
 def token_agreement(candidate: Tensor, reference: Tensor, mask: Tensor | None = None) -> float:
     """Fraction of positions where two token-id tensors agree (e.g. MTP argmax vs target greedy)."""
     if candidate.shape != reference.shape:
@@ -246,22 +191,3 @@ def token_agreement(candidate: Tensor, reference: Tensor, mask: Tensor | None = 
     if same.numel() == 0:
         raise ValueError("no positions to compare")
     return float(same.double().mean())
-
-
-@dataclass(frozen=True)
-class LogitComparison:
-    """A candidate's logits against a reference's at the same positions."""
-
-    num_positions: int
-    top1_agreement: float
-    kl: Summary
-
-
-def compare_logits(ref: Tensor, cand: Tensor, mask: Tensor | None = None) -> LogitComparison:
-    """Top-1 agreement and KL(ref || cand) summary over all (or the masked) positions."""
-    kl = kl_per_position(ref, cand, mask)
-    return LogitComparison(
-        num_positions=int(kl.shape[0]),
-        top1_agreement=top1_agreement(ref, cand, mask),
-        kl=summarize(kl),
-    )

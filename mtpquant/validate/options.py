@@ -8,10 +8,10 @@ from pathlib import Path
 from typing import Any
 
 from mtpquant.engine.sampling import SamplingSettings, rule
-from mtpquant.errors import OutputExistsError, UsageError
+from mtpquant.errors import OutputExistsError, ValidateError
 from mtpquant.validate import ACTIVATION_MODES
 
-__all__ = ["ENGINES", "HIDDEN_FORMAT", "ValidateError", "ValidateOptions", "check_hidden_destination"]
+__all__ = ["ENGINES", "HIDDEN_FORMAT", "ValidateOptions", "check_hidden_destination"]
 
 ENGINES = ("vllm", "sglang")
 
@@ -43,10 +43,6 @@ def check_hidden_destination(path: Path) -> None:
         raise OutputExistsError(
             f"{path}: exists and is not an mtpquant hidden-state file; not replacing it (choose another --save-hidden)"
         )
-
-
-class ValidateError(UsageError):
-    """Validation cannot run (bad options, mismatched hidden-state file, ...)."""
 
 
 @dataclass(frozen=True)

@@ -10,9 +10,9 @@ from pathlib import Path
 
 from mtpquant.checkpoint.source import CheckpointSource
 from mtpquant.checkpoint.table import Checkpoint
-from mtpquant.errors import LineageError
+from mtpquant.errors import LineageError, ValidateError
 from mtpquant.families import dimension_differences
-from mtpquant.validate.options import ValidateError, ValidateOptions
+from mtpquant.validate.options import ValidateOptions
 from mtpquant.validate.prompts import prompts_for
 
 __all__ = ["check_context_buckets", "check_report_dir", "check_same_model", "preflight"]

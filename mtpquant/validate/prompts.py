@@ -117,7 +117,7 @@ def default_prompts(num_prompts: int = 32, chars: int = 600) -> list[str]:
 def load_prompts(path: Path | str, num_prompts: int | None = None) -> list[str]:
     """Prompts from a user file: ``.jsonl`` (``text`` or ``prompt`` key) or plain text blocks."""
     from mtpquant import safejson
-    from mtpquant.validate.options import ValidateError
+    from mtpquant.errors import ValidateError
 
     path = Path(path)
     try:

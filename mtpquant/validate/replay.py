@@ -18,7 +18,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from mtpquant.engine.sampling import SamplingSettings
-from mtpquant.errors import UsageError
+from mtpquant.errors import ReplayError
 from mtpquant.mtp.drafting import chain_logits, draft_rows, mtp_logits
 from mtpquant.mtp.step import MtpStep
 from mtpquant.validate.evidence import CONFIDENCE, Bootstrap, UnitCounts
@@ -38,8 +38,7 @@ from mtpquant.validate.schema import Acceptance, AcceptanceRow, Agreement, Conte
 
 __all__ = [
     "AcceptanceResult",
-    "Comparison",
-    "ReplayError",
+    "LogitAgreement",
     "SequenceRecord",
     "TargetRun",
     "compare_main",
@@ -51,10 +50,6 @@ __all__ = [
 
 # Rows of [rows, vocab] logits computed at once (bounded memory for 248k-token vocabularies).
 _LOGIT_CHUNK = 256
-
-
-class ReplayError(UsageError):
-    """Nothing to evaluate (no sequence long enough to draft on)."""
 
 
 # ---- sequences and hidden states --------------------------------------------------------------------
@@ -314,8 +309,9 @@ def evaluate_acceptance(
 
 
 @dataclass
-class Comparison:
-    """Candidate vs reference logits at identical positions."""
+class LogitAgreement:
+    """Candidate vs reference logits at identical positions, per position (the report's ``Agreement`` summarises
+    it; the plots show the per-position KL)."""
 
     positions: int
     top1_agreement: float
@@ -330,7 +326,7 @@ class Comparison:
         return Agreement(self.positions, self.top1_agreement, kl, int(self.kl.numel() - finite.numel()))
 
 
-def _compare(pairs: Sequence[tuple[list[Tensor], list[Tensor]]]) -> Comparison:
+def _compare(pairs: Sequence[tuple[list[Tensor], list[Tensor]]]) -> LogitAgreement:
     """KL(ref || cand) per position and top-1 agreement over chunked logits (metrics.py's functions)."""
     kls: list[Tensor] = []
     ref_top: list[Tensor] = []
@@ -341,12 +337,12 @@ def _compare(pairs: Sequence[tuple[list[Tensor], list[Tensor]]]) -> Comparison:
             ref_top.append(r.argmax(-1).cpu())
             cand_top.append(c.argmax(-1).cpu())
     if not kls:
-        return Comparison(0, 0.0, torch.zeros(0, dtype=torch.float64))
+        return LogitAgreement(0, 0.0, torch.zeros(0, dtype=torch.float64))
     kl = torch.cat(kls)
-    return Comparison(int(kl.numel()), token_agreement(torch.cat(cand_top), torch.cat(ref_top)), kl)
+    return LogitAgreement(int(kl.numel()), token_agreement(torch.cat(cand_top), torch.cat(ref_top)), kl)
 
 
-def compare_mtp(ref: MtpBundle, cand: MtpBundle, run: TargetRun) -> Comparison:
+def compare_mtp(ref: MtpBundle, cand: MtpBundle, run: TargetRun) -> LogitAgreement:
     """Both MTP layers, teacher-forced on the same (reference) hidden states and tokens."""
     pairs = []
     for seq in run.sequences:
@@ -355,7 +351,9 @@ def compare_mtp(ref: MtpBundle, cand: MtpBundle, run: TargetRun) -> Comparison:
     return _compare(pairs)
 
 
-def compare_main(ref_run: TargetRun, ref_head: Tensor, cand_hidden: Sequence[Tensor], cand_head: Tensor) -> Comparison:
+def compare_main(
+    ref_run: TargetRun, ref_head: Tensor, cand_hidden: Sequence[Tensor], cand_head: Tensor
+) -> LogitAgreement:
     """Both targets' next-token logits over the reference sequences."""
     return _compare(
         [

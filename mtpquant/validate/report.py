@@ -5,8 +5,8 @@ Files in the report directory (each written atomically):
 - ``report.json``: the schema documented in ``docs/validate.md`` (``schema: mtpquant.validate/2``);
 - ``speculation_profile.json``: the subject's measured acceptance in NVIDIA Model-Optimizer's proposed
   speculation-profile shape (``validate.profile``);
-- ``report.md``: verdict, acceptance table (k, AL, rate, per-position acceptance) for each pair,
-  the comparison on identical inputs, notes; it embeds the plots;
+- ``report.md``: verdict, the acceptance table (``validate.table``: k, AL, rate, per-position acceptance) of
+  every side, the comparison on identical inputs, notes; it embeds the plots;
 - ``acceptance.png``: per-position acceptance at k = K and AL per k, reference vs candidate;
 - ``kl.png`` (pair mode, when both MTPs exist): distribution of per-position KL(ref || cand) for
   the MTP and the main model.
@@ -27,7 +27,8 @@ from mtpquant.inspect.precision import linears_text
 from mtpquant.public import public_json, public_text
 from mtpquant.validate.evidence import Interval
 from mtpquant.validate.profile import PROFILE_FILE, speculation_profile
-from mtpquant.validate.schema import REPORT_SCHEMA, Acceptance, Report, Side, ValidationReport, sides
+from mtpquant.validate.schema import REPORT_SCHEMA, Report, Side, ValidationReport, sides
+from mtpquant.validate.table import acceptance_table
 
 __all__ = ["render_markdown", "write_report"]
 
@@ -43,28 +44,6 @@ def _al(side: Side) -> list[float]:
 
 def _per_position(side: Side) -> list[float]:
     return list(side.acceptance.by_k[-1].acceptance_per_position) if side.acceptance else []
-
-
-def _acceptance_table(acc: Acceptance) -> list[str]:
-    K = max(row.k for row in acc.by_k)  # the engine path may measure some k only (--k 1,3; a server's k)
-    out = [
-        f"Sampling {acc.sampling.label}, rule {acc.rule}:",
-        "",
-        "| k | AL | interval | acceptance rate | " + " | ".join(f"pos {i}" for i in range(1, K + 1)) + " |",
-        "|---|---|---|---|" + "---|" * K,
-    ]
-    for row in acc.by_k:
-        pos = [f"{100 * a:.1f} %" for a in row.acceptance_per_position] + [""] * (K - row.k)
-        ci = row.al_interval
-        interval = f"[{ci.low:.3f}, {ci.high:.3f}]" if ci is not None and ci.defined else "n/a"
-        out.append(
-            f"| {row.k} | {row.mean_acceptance_length:.3f} | {interval} | {100 * row.acceptance_rate:.1f} % | "
-            + " | ".join(pos)
-            + " |"
-        )
-    if acc.teacher_forced_agreement is not None:
-        out += ["", f"Teacher-forced MTP agreement with the target: {100 * acc.teacher_forced_agreement:.1f} %."]
-    return [*out, ""]
 
 
 def _signed(interval: Interval | None) -> str:
@@ -145,8 +124,15 @@ def render_markdown(report: Report, plots: dict[str, str]) -> str:
         if not side.acceptance:
             out += [f"**MTP unavailable:** {side.mtp.error or 'not evaluated'}", ""]
             continue
-        for acc in side.acceptance_by_sampling or (side.acceptance,):
-            out += _acceptance_table(acc)
+        several = len(side.acceptance_by_sampling) > 1
+        agreement = [
+            f"{100 * acc.teacher_forced_agreement:.1f} %" + (f" ({acc.sampling.label})" if several else "")
+            for acc in side.acceptance_by_sampling or (side.acceptance,)
+            if acc.teacher_forced_agreement is not None
+        ]
+        if agreement:
+            out += [f"Teacher-forced MTP agreement with the target: {', '.join(agreement)}.", ""]
+    out += ["## Acceptance", "", acceptance_table(report, markdown=True), ""]
     cmp = report.comparison
     if cmp is not None and (cmp.mtp is not None or cmp.main is not None):
         out += [
@@ -186,18 +172,18 @@ def render_markdown(report: Report, plots: dict[str, str]) -> str:
         out += [
             "## Engine vs built-in prediction",
             "",
-            f"{report.predicted.get('method', '')}.",
+            f"{report.predicted.method}.",
             "",
             "| side | sampling | k | engine AL | predicted AL | difference | per position, engine | predicted |",
             "|---|---|---|---|---|---|---|---|",
         ]
-        for label in ("reference", "candidate"):
-            for row in report.predicted.get(label) or []:
-                engine_pos = " / ".join(f"{100 * a:.1f} %" for a in row.get("engine_per_position", ()))
-                predicted_pos = " / ".join(f"{100 * a:.1f} %" for a in row.get("predicted_per_position", ()))
+        for label, rows in report.predicted.sides():
+            for row in rows:
+                engine_pos = " / ".join(f"{100 * a:.1f} %" for a in row.engine_per_position)
+                predicted_pos = " / ".join(f"{100 * a:.1f} %" for a in row.predicted_per_position)
                 out.append(
-                    f"| {label} | {row.get('label', '')} | {row['k']} | {row['engine_al']:.3f} | "
-                    f"{row['predicted_al']:.3f} | {row['difference']:+.3f} | {engine_pos} | {predicted_pos} |"
+                    f"| {label} | {row.sampling.label} | {row.k} | {row.engine_al:.3f} | "
+                    f"{row.predicted_al:.3f} | {row.difference:+.3f} | {engine_pos} | {predicted_pos} |"
                 )
         out.append("")
     for name, title in (("acceptance", "Acceptance"), ("context", "Acceptance by context"), ("kl", "KL distribution")):

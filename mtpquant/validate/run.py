@@ -2,16 +2,22 @@
 
 The built-in path (``builtin.py``) replays the engines' MTP loop with the checkpoints' own weights on
 transformers; the engine path (``engine.py``) reads a real vLLM server's speculative-decoding
-counters, on servers given with ``--server`` or started with ``--engine vllm``. Both give the same
-typed report (``schema.py``) and the same verdict (``verdict.py``).
+counters, on servers given with ``--server`` or started with ``--engine vllm``. Each returns what it measured;
+the report is assembled (``assemble.py``: the same typed report, ``schema.py``, and the same verdict,
+``verdict.py``) and written (``report.py``) here, once for both.
 """
 
 from __future__ import annotations
 
-from mtpquant.validate.options import ValidateError, ValidateOptions
+import logging
+
+from mtpquant.validate.assemble import assemble
+from mtpquant.validate.options import ValidateOptions
 from mtpquant.validate.schema import ValidationReport
 
-__all__ = ["ValidateError", "ValidateOptions", "ValidationReport", "validate"]
+__all__ = ["ValidateOptions", "ValidationReport", "validate"]
+
+log = logging.getLogger(__name__)
 
 
 def validate(opts: ValidateOptions) -> ValidationReport:
@@ -19,9 +25,18 @@ def validate(opts: ValidateOptions) -> ValidationReport:
     if opts.engine_path:
         from mtpquant.validate.engine import validate_engine
 
-        return validate_engine(opts)
-    from mtpquant.libraries import library_output
-    from mtpquant.validate.builtin import validate_builtin
+        measured = validate_engine(opts)
+    else:
+        from mtpquant.libraries import library_output
+        from mtpquant.validate.builtin import validate_builtin
 
-    with library_output(opts.progress):  # transformers' messages through logging (-q / -v)
-        return validate_builtin(opts)
+        with library_output(opts.progress):  # transformers' messages through logging (-q / -v)
+            measured = validate_builtin(opts)
+    result = assemble(opts, measured)
+    if opts.report_dir is not None:
+        from mtpquant.validate.report import write_report
+
+        write_report(result, opts.report_dir)
+    verdict = result.report.verdict
+    log.info("validate%s: %s (%s)", " (engine)" if opts.engine_path else "", verdict.status, "; ".join(verdict.reasons))
+    return result

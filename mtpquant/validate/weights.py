@@ -27,11 +27,11 @@ from torch import Tensor
 from mtpquant import machine
 from mtpquant.checkpoint.header import FLOAT_DTYPES
 from mtpquant.checkpoint.table import Checkpoint
-from mtpquant.errors import CheckpointError, ConfigError
+from mtpquant.errors import ConfigError, ValidateLoadError
 from mtpquant.formats.fp8 import dequantize_fp8_block, dequantize_fp8_per_tensor
 from mtpquant.formats.nvfp4 import dequantize_nvfp4, from_compressed_tensors
 
-__all__ = ["CheckpointWeights", "LinearFormat", "ValidateLoadError", "compute_dtype", "resolve_device"]
+__all__ = ["CheckpointWeights", "LinearFormat", "compute_dtype", "resolve_device"]
 
 log = logging.getLogger(__name__)
 
@@ -46,10 +46,6 @@ _SCALE_SUFFIXES = (
 )
 # KV-cache scales (modelopt ``k_proj.k_scale`` ...): not weights; the KV cache is not emulated.
 _KV_SCALE_SUFFIXES = ("k_scale", "v_scale")
-
-
-class ValidateLoadError(CheckpointError):
-    """A checkpoint cannot be loaded for evaluation (unknown quantization layout, bad shapes, ...)."""
 
 
 def resolve_device(device: str) -> torch.device:

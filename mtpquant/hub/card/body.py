@@ -27,12 +27,14 @@ from mtpquant.hub.card.metadata import redact
 from mtpquant.hub.card.sidecar import sidecar_body, sidecar_data
 from mtpquant.inspect.precision import is_quantized
 from mtpquant.units import format_bytes
+from mtpquant.validate.schema import sides
+from mtpquant.validate.table import acceptance_table
 
 if TYPE_CHECKING:
     from huggingface_hub import ModelCard
 
     from mtpquant.inspect.report import InspectReport
-    from mtpquant.validate.schema import Settings, Side
+    from mtpquant.validate.schema import Settings
 
 __all__ = ["build_card", "card_data"]
 
@@ -43,14 +45,14 @@ def _mapping(value: Any) -> Mapping[str, Any]:
 
 def _tags(facts: CardFacts) -> list[str]:
     q = facts.report.quantization
-    algo = str(q.get("algorithm") or "").upper()
+    algo = str(q.algorithm or "").upper()
     tags: list[str] = []
     if "NVFP4" in algo or (algo == "MIXED_PRECISION" and "NVFP4" in json.dumps(facts.hf_quant_config or {})):
         tags.append("nvfp4")
-    if q.get("method") == "modelopt":
+    if q.method == "modelopt":
         tags.append("modelopt")
-    elif q.get("method"):
-        tags.append(str(q["method"]))
+    elif q.method:
+        tags.append(q.method)
     if facts.report.mtp_present_tensors:
         tags += ["mtp", "speculative-decoding"]
     if facts.provenance.heal is not None:
@@ -64,12 +66,12 @@ def card_data(facts: CardFacts) -> dict[str, Any]:
     from huggingface_hub import ModelCardData
 
     base, _, _ = base_model(facts)
-    quantized = bool(facts.report.quantization.get("method"))
+    quantized = bool(facts.report.quantization.method)
     data = ModelCardData(
         base_model=base,
         base_model_relation="quantized" if base and quantized else None,
         library_name="transformers",
-        pipeline_tag="image-text-to-text" if facts.report.vision.get("present") else "text-generation",
+        pipeline_tag="image-text-to-text" if facts.report.vision.present else "text-generation",
         **license_metadata(facts),
         tags=_tags(facts),
     )
@@ -86,16 +88,16 @@ def _pct(x: float | None) -> str:
 
 def _quant_line(facts: CardFacts) -> str:
     q = facts.report.quantization
-    if not q.get("method"):
+    if not q.method:
         return "This checkpoint carries no quantization metadata: its Linear layers are not quantized."
     producer = (facts.hf_quant_config or {}).get("producer") if facts.hf_quant_config else None
     prod = ""
     if isinstance(producer, Mapping) and producer.get("name"):
         prod = f", exported by {producer.get('name')} {producer.get('version') or ''}".rstrip()
-    kv = q.get("kv_cache") or "not quantized"
+    kv = q.kv_cache or "not quantized"
     return (
-        f"Quantization: `{q['method']}` `{q.get('algorithm')}` (vLLM loads it as `{q.get('vllm_method')}`), "
-        f"group size {q.get('group_size')}, KV cache {kv}{prod}."
+        f"Quantization: `{q.method}` `{q.algorithm}` (vLLM loads it as `{q.vllm_method}`), "
+        f"group size {q.group_size}, KV cache {kv}{prod}."
     )
 
 
@@ -126,19 +128,19 @@ def _bf16_lines(facts: CardFacts) -> list[str]:
     r = facts.report
     main = r.main_model
     lines = []
-    precs = ", ".join(f"{n} {p}" for p, n in main.get("precisions", {}).items())
+    precs = ", ".join(f"{n} {p}" for p, n in main.precisions.items())
     lines.append(
-        f"- Main model: {main.get('quantized', 0)} of {main.get('linear_modules', 0)} Linear modules quantized "
+        f"- Main model: {main.quantized} of {main.linear_modules} Linear modules quantized "
         f"({precs or 'none'})."
     )
-    if r.vision.get("present"):
-        vp = ", ".join(f"{n} {p}" for p, n in r.vision.get("precisions", {}).items())
-        lines.append(f"- Vision tower (`model.visual.*`): {r.vision.get('tensors')} tensors, kept as is ({vp}).")
-    elif r.vision.get("expected"):
+    if r.vision.present:
+        vp = ", ".join(f"{n} {p}" for p, n in r.vision.precisions.items())
+        lines.append(f"- Vision tower (`model.visual.*`): {r.vision.tensors} tensors, kept as is ({vp}).")
+    elif r.vision.expected:
         lines.append("- Vision tower: **missing** (image input will not work).")
     if r.mtp_present_tensors:
         lines.append(f"- MTP layer: {r.mtp_precision}.")
-    excl = [str(x) for x in r.quantization.get("exclude") or []]
+    excl = [str(x) for x in r.quantization.exclude]
     if excl:
         # patterns (mtp*, model.visual*, re:...) say the most; exact module names follow
         first = sorted(excl, key=lambda x: "*" not in x and not x.startswith("re:"))
@@ -186,18 +188,8 @@ def _mtp_table(facts: CardFacts) -> list[str]:
     return lines
 
 
-def _figures(side: Side | None) -> tuple[dict[int, float], dict[int, float], tuple[float, ...], float | None]:
-    """AL and rate by k, per-position acceptance of the run with the most drafts, teacher-forced agreement."""
-    if side is None or side.acceptance is None:
-        return {}, {}, (), None
-    rows = side.acceptance.by_k
-    last = max(rows, key=lambda r: r.k)
-    return (
-        {r.k: r.mean_acceptance_length for r in rows},
-        {r.k: r.acceptance_rate for r in rows},
-        tuple(last.acceptance_per_position),
-        side.acceptance.teacher_forced_agreement,
-    )
+# the card is about this checkpoint: the report's candidate (or its one checkpoint) is called so
+_CARD_NAMES = {"candidate": "this checkpoint", "checkpoint": "this checkpoint"}
 
 
 def _validation_lines(facts: CardFacts) -> list[str]:
@@ -235,37 +227,10 @@ def _validation_lines(facts: CardFacts) -> list[str]:
     for label, side in (("reference", ref), ("this checkpoint", sub)):
         if side is not None and side.mtp.error:
             lines += [f"MTP of {label} not evaluated: {_md_escape(public_text(side.mtp.error))}.", ""]
-    sub_al, sub_rate, sub_pos, sub_tf = _figures(sub)
-    ref_al, ref_rate, ref_pos, ref_tf = _figures(ref)
-    ks = sorted(set(sub_al) | set(ref_al))
-    if ks and ref is not None:
-        lines += [
-            "| k | AL reference | AL this checkpoint | change | acceptance rate reference | this checkpoint |",
-            "|---|---|---|---|---|---|",
-        ]
-        for k in ks:
-            a, b = ref_al.get(k), sub_al.get(k)
-            delta = f"{b - a:+.2f}" if a is not None and b is not None else "n/a"
-            rates = f"{_pct(ref_rate.get(k))} | {_pct(sub_rate.get(k))}"
-            lines.append(f"| {k} | {_fmt(a)} | {_fmt(b)} | {delta} | {rates} |")
-        lines.append("")
-    elif ks:
-        lines += ["| k | acceptance length (AL) | acceptance rate |", "|---|---|---|"]
-        lines += [f"| {k} | {_fmt(sub_al.get(k))} | {_pct(sub_rate.get(k))} |" for k in ks]
-        lines.append("")
-    positions = max(len(sub_pos), len(ref_pos))
-    if positions:
-
-        def at(pos: tuple[float, ...], i: int) -> float | None:
-            return pos[i] if i < len(pos) else None
-
-        if ref is not None:
-            lines += [f"| draft position (k = {positions}) | acceptance reference | this checkpoint |", "|---|---|---|"]
-            lines += [f"| {i + 1} | {_pct(at(ref_pos, i))} | {_pct(at(sub_pos, i))} |" for i in range(positions)]
-        else:
-            lines += [f"| draft position (k = {positions}) | acceptance |", "|---|---|"]
-            lines += [f"| {i + 1} | {_pct(at(sub_pos, i))} |" for i in range(positions)]
-        lines.append("")
+    if any(side.acceptance for _, side in sides(rep)):
+        lines += [acceptance_table(rep, markdown=True, names=_CARD_NAMES), ""]
+    sub_tf = sub.acceptance.teacher_forced_agreement if sub.acceptance else None
+    ref_tf = ref.acceptance.teacher_forced_agreement if ref is not None and ref.acceptance else None
     extra = []
     cmp_mtp = rep.comparison.mtp if rep.comparison is not None else None
     if cmp_mtp is not None:
@@ -448,7 +413,7 @@ def build_card(facts: CardFacts) -> ModelCard:
     meta = card_data(facts)
     base, base_revision, base_origin = base_model(facts)
     name = facts.repo_id.split("/")[-1]
-    scheme = r.quantization.get("algorithm") or "unquantized"
+    scheme = r.quantization.algorithm or "unquantized"
     mtp_phrase = {
         "keep": f"its Multi-Token-Prediction (MTP) layer kept in {r.mtp_precision}",
         "quantize": f"its Multi-Token-Prediction (MTP) layer quantized ({r.mtp_precision})",
