@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from mtpquant.convert.recipes import (
     MODELOPT_NVFP4_DISABLED,
     ByteSize,
+    MtpSection,
     apply_overrides,
     builtin_recipe_names,
     default_recipe_name,
@@ -65,16 +67,60 @@ def test_recipe_by_path_and_unknown_keys(tmp_path: Path) -> None:
     with pytest.raises(RecipeError, match=r"r\.yaml: unknown key 'quantisation' \(allowed: "):
         load_recipe(str(path))
     path.write_text("name: r\nmtp:\n  mode: maybe\n")
-    with pytest.raises(RecipeError, match=r"mtp\.mode must be one of auto, keep, quantize, extract, drop, got 'maybe'"):
+    with pytest.raises(RecipeError) as info:
         load_recipe(str(path))
-    path.write_text("name: r\ncalibration:\n  samples: many\n")
-    with pytest.raises(RecipeError, match=r"calibration\.samples must be an integer, got 'many'"):
-        load_recipe(str(path))
+    assert (
+        str(info.value)
+        == f"{path}: mtp.mode: input should be 'auto', 'keep', 'quantize', 'extract' or 'drop', got 'maybe'"
+    )
     path.write_text("name: [unclosed\n")
     with pytest.raises(RecipeError, match=r"not valid YAML \(line \d+\)"):
         load_recipe(str(path))
     with pytest.raises(RecipeError, match="recipe file does not exist"):
         load_recipe(str(tmp_path / "missing.yaml"))
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        (
+            {"calibration": {"bogus": 1}},
+            "unknown key 'calibration.bogus' (allowed: calibration.data, calibration.samples, "
+            "calibration.seq_len, calibration.batch_size, calibration.chat_template)",
+        ),
+        ({"calibration": {"samples": "many"}}, "calibration.samples: input should be a valid integer, got 'many'"),
+        ({"calibration": {"samples": True}}, "calibration.samples: input should be a valid integer, got True"),
+        ({"calibration": {"seq_len": 0}}, "calibration.seq_len: input should be greater than 0, got 0"),
+        (
+            {"calibration": {"chat_template": "yes"}},
+            "calibration.chat_template: input should be a valid boolean, got 'yes'",
+        ),
+        ({"quantization": {"exclude": ["a", 1]}}, "quantization.exclude[1]: input should be a valid string, got 1"),
+        (
+            {"quantization": {"group_size": 32}},
+            "quantization.group_size: must be 16 (NVFP4 blocks are 16 elements), got 32",
+        ),
+        (
+            {"families": ["qwen9"]},
+            "families: unknown family 'qwen9' (known: qwen3_5, qwen3_5_moe, qwen3_next, qwen4_exp)",
+        ),
+        ({"mtp": ["keep"]}, "mtp: must be a mapping, got ['keep']"),
+        ({"description": 5}, "description: input should be a valid string, got 5"),
+        (
+            {"source": "elsewhere"},
+            "unknown key 'source' (allowed: calibration, description, families, mtp, name, "
+            "output, quantization, schema)",
+        ),
+        ({"name": None}, "name: input should be a valid string, got None"),
+    ],
+)
+def test_a_recipe_file_is_refused_in_one_line_naming_the_file_and_the_key(raw: dict[str, Any], message: str) -> None:
+    with pytest.raises(RecipeError) as info:
+        recipe_from_mapping({"name": "r", **raw}, "r.yaml")
+    assert str(info.value) == f"r.yaml: {message}"
+    # a single pattern stands for a list of one; an empty section for its defaults
+    recipe = recipe_from_mapping({"name": "r", "quantization": {"exclude": "*.gate"}, "mtp": None}, "r.yaml")
+    assert recipe.quantization.exclude == ("*.gate",) and recipe.mtp == MtpSection()
 
 
 def test_overrides() -> None:
