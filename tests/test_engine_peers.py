@@ -3,8 +3,10 @@
 Each committed dense peer quant is served with MTP speculative decoding (k = 2). A quant inspect calls
 healthy must load and draft (accepted tokens > 0); one it predicts to fail must fail to start, with the
 error inspect names. AutoRound's ``llm_compressor``-format quant, repaired by ``graft --fix-metadata``,
-must then draft. The MoE peer quants are NVFP4 MoE, which vLLM 0.32's CPU backend cannot run at all (its
-NVFP4 MoE emulation needs Triton, which has no CPU backend): they are engine-tested only on a GPU.
+must then draft. (AutoRound's native-format quant, which inspect predicts vLLM refuses, is started in
+tests/test_engine_validate.py::test_engine_that_fails_to_start_names_its_log.) The MoE peer quants are NVFP4
+MoE, which vLLM 0.32's CPU backend cannot run at all (its NVFP4 MoE emulation needs Triton, which has no CPU
+backend): they are engine-tested only on a GPU.
 """
 
 from __future__ import annotations
@@ -55,9 +57,3 @@ def test_autoround_quant_fails_as_predicted_and_drafts_once_repaired(
     assert inspect_checkpoint(fixed).verdicts["vllm"] == "vLLM: MTP loads (BF16)"
     _drafts(vllm, fixed)
 
-
-def test_autoround_native_format_is_refused_as_predicted(vllm: EnginePool, peer_quant: Factory) -> None:
-    path = peer_quant("autoround-nvfp4-native-dense")
-    assert "does not support auto-round data_type 'nv_fp'" in inspect_checkpoint(path).verdicts["vllm"]
-    err = vllm.start_failure(path, K)
-    assert "Unsupported data_type: nv_fp" in str(err)

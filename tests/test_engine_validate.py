@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from mtpquant.api import ConvertOptions, GraftOptions, ValidateOptions, convert, graft, validate
+from mtpquant.api import ConvertOptions, GraftOptions, ValidateOptions, convert, graft, inspect_checkpoint, validate
 from mtpquant.cli import main as cli
 from mtpquant.engine.launch import free_port
 from mtpquant.errors import ExitCode
@@ -373,7 +373,8 @@ def test_engine_that_fails_to_start_names_its_log(
 ) -> None:
     for key, value in CPU_ENV.items():
         monkeypatch.setenv(key, value)
-    path = peer_quant("autoround-nvfp4-native-dense")  # vLLM 0.32 refuses its nv_fp data type
+    path = peer_quant("autoround-nvfp4-native-dense")  # vLLM 0.32 refuses its nv_fp data type, as inspect predicts
+    assert "does not support auto-round data_type 'nv_fp'" in inspect_checkpoint(path).verdicts["vllm"]
     report_dir = tmp_path / "r"
     code, err = _cli(
         capsys,

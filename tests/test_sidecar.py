@@ -12,6 +12,7 @@ from huggingface_hub import ModelCard
 
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.cli import main
+from mtpquant.convert.recipes import RECIPE_FILE
 from mtpquant.convert.run import ConvertOptions, convert
 from mtpquant.errors import ExitCode, LineageError
 from mtpquant.graft.run import GraftOptions, graft
@@ -145,9 +146,14 @@ def test_publish_then_graft_from_the_hub(
     local = tmp_path / "grafted-local"
     graft(GraftOptions(quant=str(quant), source=str(sidecar), out=local))
     state, state_local = tree_state(out), tree_state(local)
-    assert {k: v for k, v in state.items() if k != "mtpquant_provenance.json"} == {
-        k: v for k, v in state_local.items() if k != "mtpquant_provenance.json"
+    recorded = ("mtpquant_provenance.json", RECIPE_FILE)  # they name where the MTP came from
+    assert {k: v for k, v in state.items() if k not in recorded} == {
+        k: v for k, v in state_local.items() if k not in recorded
     }
+    recipe, recipe_local = (d / RECIPE_FILE for d in (out, local))
+    assert recipe.read_text().replace(f"MTP grafted from {repo} ", f"MTP grafted from {sidecar.name} ") == (
+        recipe_local.read_text()
+    )
     assert tensor_digests(out, mtp=True) == tensor_digests(src, mtp=True)
     after = inspect_checkpoint(out)
     assert after.healthy and after.verdicts["vllm"] == "vLLM: MTP loads (BF16)"

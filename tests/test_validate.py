@@ -549,6 +549,28 @@ def test_report_files(tmp_path: Path) -> None:
     assert "| reference | T=0.8, top-p 0.9 | 2 | 1.500 | 1.750 | -0.250 | 37.5 % / 12.5 % | 50.0 % / 25.0 % |" in md
 
 
+def test_a_report_of_another_shape_is_refused_naming_the_place() -> None:
+    """report.json is read strictly (its flat records by pydantic): the first problem, where it is, in one line."""
+    side = _side([1.5])
+    settings = Settings(1, 1, 8, "p", "cpu", "float32", "off", None, 0.1, 1.02)
+    good = Report("0", "now", "single", settings, side, Verdict("pass", ("ok",))).to_json()
+    assert Report.from_json(good).to_json() == good
+    cases = [
+        ({"settings": {**good["settings"], "k": "1"}}, "report.settings.k: input should be a valid integer"),
+        ({"settings": {**good["settings"], "k": True}}, "report.settings.k: input should be a valid integer"),
+        (
+            {"settings": {**good["settings"], "sampling": [{"temperature": -1}]}},
+            "report.settings.sampling[0]: value error, temperature must be >= 0, got -1.0",
+        ),
+        ({"reference": {**good["reference"], "mtp": {"error": None}}}, "report.reference.mtp.present: field required"),
+        ({"settings": [1]}, "report.settings: input should be an object"),
+    ]
+    for change, message in cases:
+        with pytest.raises(ValueError) as refused:
+            Report.from_json({**good, **change})
+        assert str(refused.value) == message
+
+
 def test_a_report_names_every_directory_one_way(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """However a checkpoint was given, the report names a local directory by its name (a repo id as it is)."""
     (tmp_path / "runs" / "tiny").mkdir(parents=True)

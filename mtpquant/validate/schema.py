@@ -7,15 +7,17 @@ imports nothing heavy (no torch): publishing reads reports without loading model
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, cast
 
 from mtpquant.engine.sampling import SamplingSettings
 from mtpquant.errors import ExitCode
 from mtpquant.validate.evidence import CONFIDENCE, Interval, UnitCounts
 
 if TYPE_CHECKING:
+    from pydantic import TypeAdapter
     from torch import Tensor
 
 __all__ = [
@@ -46,6 +48,46 @@ REPORT_SCHEMA = "mtpquant.validate/2"
 # Earlier schemas this module still reads (their missing keys take their defaults): a report written by an older
 # mtpquant inside OUT/validation still gives the model card its figures.
 READABLE_SCHEMAS = ("mtpquant.validate/1", REPORT_SCHEMA)
+
+
+_R = TypeVar("_R", bound="_JsonRecord")
+
+
+_ADAPTERS: dict[type, TypeAdapter[Any]] = {}
+
+
+def _adapter(cls: type) -> TypeAdapter[Any]:
+    if cls not in _ADAPTERS:
+        from pydantic import TypeAdapter  # on first use: commands that write no report do not import it
+
+        _ADAPTERS[cls] = TypeAdapter(cls)
+    return _ADAPTERS[cls]
+
+
+class _JsonRecord:
+    """A record whose JSON object is its fields in order, (de)serialised by pydantic: read strictly as JSON (no
+    ``"3"`` for 3, no ``true`` for 1), unknown keys ignored (a report a newer mtpquant wrote still reads), missing
+    keys the field's default; the first problem is a ``ValueError`` naming its place (``report.settings.k: ...``)."""
+
+    __pydantic_config__: ClassVar[dict[str, Any]] = {"strict": True, "extra": "ignore"}  # a pydantic.ConfigDict
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON object."""
+        return dict(_adapter(type(self)).dump_python(self, mode="json"))
+
+    @classmethod
+    def from_json(cls: type[_R], d: Any, where: str) -> _R:
+        """Read the JSON object at ``where``."""
+        from pydantic import ValidationError
+
+        try:
+            return cast(_R, _adapter(cls).validate_json(json.dumps(d)))
+        except ValidationError as exc:
+            error = exc.errors()[0]
+            at = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error["loc"])
+            raise ValueError(f"{where}{at}: {error['msg'].lower()}") from None
+        except (TypeError, ValueError) as exc:  # not JSON at all (a value json cannot write)
+            raise ValueError(f"{where}: not a JSON value ({exc})") from None
 
 
 def _req(d: Mapping[str, Any], key: str, kind: type | tuple[type, ...], where: str) -> Any:
@@ -264,35 +306,13 @@ class Acceptance:
 
 
 @dataclass(frozen=True)
-class MtpInfo:
+class MtpInfo(_JsonRecord):
     """The MTP of one side: present, why unusable, its precision (Linear count per storage kind)."""
 
     present: bool
     error: str | None = None
     precision: Mapping[str, int] | None = None
     emulated_activations: tuple[str, ...] = ()
-
-    def to_json(self) -> dict[str, Any]:
-        """The side's ``mtp`` object."""
-        return {
-            "present": self.present,
-            "error": self.error,
-            "precision": dict(self.precision) if self.precision is not None else None,
-            "emulated_activations": list(self.emulated_activations),
-        }
-
-    @classmethod
-    def from_json(cls, d: Any, where: str) -> MtpInfo:
-        """Read a side's ``mtp`` object."""
-        d = _map(d, where)
-        precision = d.get("precision")
-        error = d.get("error")
-        return cls(
-            bool(d.get("present")),
-            error if isinstance(error, str) and error else None,
-            dict(precision) if isinstance(precision, Mapping) else None,
-            tuple(str(x) for x in d.get("emulated_activations") or ()),
-        )
 
 
 @dataclass(frozen=True)
@@ -364,45 +384,13 @@ class KlSummary:
 
 
 @dataclass(frozen=True)
-class Agreement:
+class Agreement(_JsonRecord):
     """Candidate vs reference logits at identical positions."""
 
     positions: int
     top1_agreement: float
     kl: KlSummary | None  # over the positions where both logits are finite (None: there are none)
     non_finite: int = 0  # positions where either side's logits were not finite (their KL is undefined)
-
-    def to_json(self) -> dict[str, Any]:
-        """The ``comparison.mtp`` / ``comparison.main`` object."""
-        kl = (
-            None
-            if self.kl is None
-            else {"mean": self.kl.mean, "median": self.kl.median, "p99": self.kl.p99, "max": self.kl.max}
-        )
-        return {
-            "positions": self.positions,
-            "top1_agreement": self.top1_agreement,
-            "kl": kl,
-            "non_finite": self.non_finite,
-        }
-
-    @classmethod
-    def from_json(cls, d: Any, where: str) -> Agreement:
-        """Read an agreement object."""
-        d = _map(d, where)
-        kl = d.get("kl")
-        summary = None
-        if kl is not None:
-            k = _map(kl, f"{where}.kl")
-            summary = KlSummary(
-                *(float(_req(k, key, (int, float), f"{where}.kl")) for key in ("mean", "median", "p99", "max"))
-            )
-        return cls(
-            int(_req(d, "positions", int, where)),
-            float(_req(d, "top1_agreement", (int, float), where)),
-            summary,
-            int(d.get("non_finite") or 0),
-        )
 
 
 @dataclass(frozen=True)
@@ -457,7 +445,7 @@ class Comparison:
 
 
 @dataclass(frozen=True)
-class Settings:
+class Settings(_JsonRecord):
     """How the evaluation ran."""
 
     k: int
@@ -475,51 +463,9 @@ class Settings:
     sampling: tuple[SamplingSettings, ...] = (SamplingSettings(),)  # every setting measured; the first is the headline
     rule: str = "vllm"  # how drafts are verified (``mtpquant.engine.sampling.RULES``)
 
-    def to_json(self) -> dict[str, Any]:
-        """The ``settings`` object."""
-        return {
-            "k": self.k,
-            "num_prompts": self.num_prompts,
-            "max_len": self.max_len,
-            "prompts": self.prompts,
-            "device": self.device,
-            "dtype": self.dtype,
-            "activations": self.activations,
-            "hidden_file": self.hidden_file,
-            "warn_al_drop": self.warn_al_drop,
-            "broken_al": self.broken_al,
-            "min_main_agreement": self.min_main_agreement,
-            "confidence": self.confidence,
-            "sampling": [s.to_json() for s in self.sampling],
-            "rule": self.rule,
-        }
-
-    @classmethod
-    def from_json(cls, d: Any, where: str) -> Settings:
-        """Read ``settings``."""
-        d = _map(d, where)
-        hidden = d.get("hidden_file")
-        return cls(
-            int(_req(d, "k", int, where)),
-            int(_req(d, "num_prompts", int, where)),
-            int(d.get("max_len") or 0),
-            str(d.get("prompts") or ""),
-            str(d.get("device") or ""),
-            str(d.get("dtype") or ""),
-            str(d.get("activations") or "off"),
-            hidden if isinstance(hidden, str) else None,
-            float(d.get("warn_al_drop", 0.1)),
-            float(d.get("broken_al", 1.02)),
-            float(d.get("min_main_agreement", 0.5)),
-            float(d.get("confidence", CONFIDENCE)),
-            tuple(SamplingSettings.from_json(s) for s in d.get("sampling") or () if isinstance(s, Mapping))
-            or (SamplingSettings(),),
-            str(d.get("rule") or "vllm"),
-        )
-
 
 @dataclass(frozen=True)
-class EngineInfo:
+class EngineInfo(_JsonRecord):
     """The serving engine that measured the acceptance (engine path only)."""
 
     name: str  # "vllm" | "sglang"
@@ -535,116 +481,37 @@ class EngineInfo:
     speculative: Mapping[str, Any] = field(default_factory=dict)  # the settings the server states (or was started with)
     counters: str = "server-wide"  # "server-wide" (vLLM: other requests counted in) | "per-request" (SGLang: exact)
 
-    def to_json(self) -> dict[str, Any]:
-        """One ``engine`` entry."""
-        return {
-            "name": self.name,
-            "version": self.version,
-            "url": self.url,
-            "model": self.model,
-            "k": self.k,
-            "k_source": self.k_source,
-            "sampling": dict(self.sampling),
-            "server_args": list(self.server_args),
-            "other_requests": self.other_requests,
-            "side": self.side,
-            "speculative": dict(self.speculative),
-            "counters": self.counters,
-        }
-
-    @classmethod
-    def from_json(cls, d: Any, where: str) -> EngineInfo:
-        """Read an ``engine`` entry."""
-        d = _map(d, where)
-        return cls(
-            str(_req(d, "name", str, where)),
-            str(d.get("version") or ""),
-            str(d.get("url") or ""),
-            str(d.get("model") or ""),
-            int(_req(d, "k", int, where)),
-            str(d.get("k_source") or ""),
-            dict(d.get("sampling") or {}),
-            tuple(str(a) for a in d.get("server_args") or ()),
-            int(d.get("other_requests") or 0),
-            str(d.get("side") or ""),
-            dict(d.get("speculative") or {}),
-            str(d.get("counters") or "server-wide"),
-        )
-
 
 @dataclass(frozen=True)
-class PredictedRow:
+class PredictedRow(_JsonRecord):
     """``--compare-reference``: what the engine measured beside the built-in prediction, for one sampling setting
-    and k of one side."""
+    and k of one side (``label``: the setting's; ``difference``: engine AL minus predicted AL)."""
 
     sampling: SamplingSettings
+    label: str  # the sampling setting's (``T=0.8, top-p 0.9``)
     k: int
-    predicted_al: float
-    engine_al: float
+    predicted_al: float  # mean acceptance length, built-in prediction
+    engine_al: float  # ... as the engine measured it
+    difference: float  # engine minus predicted
     predicted_acceptance_rate: float
     engine_acceptance_rate: float
     predicted_per_position: tuple[float, ...]
     engine_per_position: tuple[float, ...]
-    engine_steps: int
+    engine_steps: int  # verification steps the engine counted
 
     @classmethod
     def of(cls, sampling: SamplingSettings, *, engine: AcceptanceRow, predicted: AcceptanceRow) -> PredictedRow:
         """The row of one k: the engine's measurement beside the prediction."""
-        return cls(
-            sampling,
-            engine.k,
-            predicted.mean_acceptance_length,
-            engine.mean_acceptance_length,
-            predicted.acceptance_rate,
-            engine.acceptance_rate,
-            tuple(predicted.acceptance_per_position),
-            tuple(engine.acceptance_per_position),
-            engine.num_steps,
-        )
-
-    @property
-    def difference(self) -> float:
-        """Engine AL minus predicted AL."""
-        return self.engine_al - self.predicted_al
-
-    def to_json(self) -> dict[str, Any]:
-        """One ``predicted_vs_engine.reference`` / ``.candidate`` entry."""
-        return {
-            "sampling": self.sampling.to_json(),
-            "label": self.sampling.label,
-            "k": self.k,
-            "predicted_al": self.predicted_al,
-            "engine_al": self.engine_al,
-            "difference": self.difference,
-            "predicted_acceptance_rate": self.predicted_acceptance_rate,
-            "engine_acceptance_rate": self.engine_acceptance_rate,
-            "predicted_per_position": list(self.predicted_per_position),
-            "engine_per_position": list(self.engine_per_position),
-            "engine_steps": self.engine_steps,
-        }
-
-    @classmethod
-    def from_json(cls, d: Any, where: str) -> PredictedRow:
-        """Read an entry."""
-        d = _map(d, where)
-        sampling = d.get("sampling")
-        return cls(
-            SamplingSettings.from_json(sampling) if isinstance(sampling, Mapping) else SamplingSettings(),
-            int(_req(d, "k", int, where)),
-            float(_req(d, "predicted_al", (int, float), where)),
-            float(_req(d, "engine_al", (int, float), where)),
-            float(_req(d, "predicted_acceptance_rate", (int, float), where)),
-            float(_req(d, "engine_acceptance_rate", (int, float), where)),
-            _floats(d.get("predicted_per_position", []), f"{where}.predicted_per_position"),
-            _floats(d.get("engine_per_position", []), f"{where}.engine_per_position"),
-            int(_req(d, "engine_steps", int, where)),
-        )
+        e_al, p_al = engine.mean_acceptance_length, predicted.mean_acceptance_length
+        rates = (predicted.acceptance_rate, engine.acceptance_rate)
+        positions = (tuple(predicted.acceptance_per_position), tuple(engine.acceptance_per_position))
+        return cls(sampling, sampling.label, engine.k, p_al, e_al, e_al - p_al, *rates, *positions, engine.num_steps)
 
 
 @dataclass(frozen=True)
-class Predicted:
+class Predicted(_JsonRecord):
     """``--compare-reference``: the built-in prediction beside the engine's measurement, per side (None: the side
-    was not compared)."""
+    was not compared, and its key is left out)."""
 
     method: str
     reference: tuple[PredictedRow, ...] | None = None
@@ -655,27 +522,8 @@ class Predicted:
         return [(label, rows) for label, rows in (("reference", self.reference), ("candidate", self.candidate)) if rows]
 
     def to_json(self) -> dict[str, Any]:
-        """The ``predicted_vs_engine`` object."""
-        out: dict[str, Any] = {"method": self.method}
-        for label, rows in (("reference", self.reference), ("candidate", self.candidate)):
-            if rows is not None:
-                out[label] = [r.to_json() for r in rows]
-        return out
-
-    @classmethod
-    def from_json(cls, d: Any, where: str) -> Predicted:
-        """Read ``predicted_vs_engine``."""
-        d = _map(d, where)
-
-        def rows(label: str) -> tuple[PredictedRow, ...] | None:
-            if label not in d:
-                return None
-            items = d[label]
-            if not isinstance(items, list):
-                raise ValueError(f"{where}.{label}: expected a list")
-            return tuple(PredictedRow.from_json(r, f"{where}.{label}[{i}]") for i, r in enumerate(items))
-
-        return cls(str(d.get("method") or ""), rows("reference"), rows("candidate"))
+        """The ``predicted_vs_engine`` object (a side not compared left out)."""
+        return {key: value for key, value in super().to_json().items() if value is not None}
 
 
 @dataclass(frozen=True)
