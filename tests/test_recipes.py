@@ -10,10 +10,10 @@ import pytest
 
 from mtpquant.convert.recipes import (
     MODELOPT_NVFP4_DISABLED,
-    ByteSize,
     MtpSection,
     apply_overrides,
     builtin_recipe_names,
+    byte_size,
     default_recipe_name,
     load_recipe,
     quantizer_enabled,
@@ -21,6 +21,7 @@ from mtpquant.convert.recipes import (
 )
 from mtpquant.errors import RecipeError
 from mtpquant.families import FAMILIES
+from mtpquant.units import ByteSize
 
 FAMILY = {f.key: f for f in FAMILIES}
 
@@ -146,13 +147,13 @@ def test_overrides() -> None:
 
 
 def test_a_size_is_parsed_once_and_written_as_given() -> None:
-    assert ByteSize.parse("5GB", "x") == ByteSize("5GB", 5 * 10**9)
-    assert ByteSize.parse("1.5 MiB", "x") == ByteSize("1.5 MiB", int(1.5 * 2**20))
-    assert ByteSize.parse(1234, "x") == ByteSize("1234", 1234)
+    assert byte_size("5GB", "x") == ByteSize("5GB", 5 * 10**9)
+    assert byte_size("1.5 MiB", "x") == ByteSize("1.5 MiB", int(1.5 * 2**20))
+    assert byte_size(1234, "x") == ByteSize("1234", 1234)
     bad_sizes = (("0", "size must be positive, got '0'"), ("5 parsecs", "'5 parsecs' is not a size"), (True, "True is"))
     for bad, why in bad_sizes:
         with pytest.raises(RecipeError, match=f"^--max-shard-size: {re.escape(why)}"):
-            ByteSize.parse(bad, "--max-shard-size")
+            byte_size(bad, "--max-shard-size")
     # a recipe file's size: checked where it is read (file and key named), carried parsed, written back as given
     recipe = recipe_from_mapping({"name": "r", "output": {"max_shard_size": 1000000}}, "r.yaml")
     assert recipe.output.max_shard_size == ByteSize("1000000", 10**6)

@@ -33,7 +33,7 @@ from pydantic.dataclasses import dataclass as checked
 
 from mtpquant.errors import RecipeError
 from mtpquant.families import Family
-from mtpquant.units import parse_bytes
+from mtpquant.units import ByteSize
 
 __all__ = [
     "CALIBRATION_ALGORITHMS",
@@ -44,7 +44,6 @@ __all__ = [
     "RECIPE_FILE",
     "SCHEMES",
     "TARGETS",
-    "ByteSize",
     "CalibrationSection",
     "MtpSection",
     "OutputSection",
@@ -52,6 +51,7 @@ __all__ = [
     "Recipe",
     "apply_overrides",
     "builtin_recipe_names",
+    "byte_size",
     "default_recipe_name",
     "grafted_recipe",
     "load_recipe",
@@ -140,35 +140,13 @@ class MtpSection:
     format: _MtpFormat = "nvfp4"  # quantize mode: nvfp4 | fp8
 
 
-@dataclasses.dataclass(frozen=True)
-class ByteSize:
-    """A byte budget as written (``5GB``, ``500MiB``, ``1000000``) and its value, parsed once (``parse``)."""
-
-    text: str
-    bytes: int
-
-    @classmethod
-    def parse(cls, value: Any, where: str) -> ByteSize:
-        """``value`` read as a size (GB = 10^9, GiB = 2^30, as huggingface_hub); a one-line ``RecipeError`` naming
-        ``where`` (the flag, or the file and key) when it is not one or is not positive."""
-        try:
-            return cls.of(value)
-        except ValueError as exc:
-            raise RecipeError(f"{where}: {exc}") from None
-
-    @classmethod
-    def of(cls, value: Any) -> ByteSize:
-        """``parse`` without the place: ``ValueError`` saying what is wrong."""
-        if isinstance(value, ByteSize):
-            return value
-        size = None
-        if isinstance(value, (str, int, float)) and not isinstance(value, bool):  # YAML may read a count as a number
-            size = parse_bytes(value if isinstance(value, (str, int)) else str(value))
-        if size is None:
-            raise ValueError(f"{value!r} is not a size (for example 5GB, 500MiB or a byte count)")
-        if size <= 0:
-            raise ValueError(f"size must be positive, got {value!r}")
-        return cls(str(value), size)
+def byte_size(value: Any, where: str) -> ByteSize:
+    """``value`` read as a size (GB = 10^9, GiB = 2^30, as huggingface_hub; ``units.ByteSize``); a one-line
+    ``RecipeError`` naming ``where`` (the flag, or the file and key) when it is not one or is not positive."""
+    try:
+        return ByteSize.of(value)
+    except ValueError as exc:
+        raise RecipeError(f"{where}: {exc}") from None
 
 
 @checked(frozen=True, config=_RULES)
