@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["format_bytes", "parse_bytes"]
+__all__ = ["ByteSize", "format_bytes", "parse_bytes"]
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 # GB = 10^9 and GiB = 2^30, as huggingface_hub's max_shard_size reads them.
@@ -31,6 +33,29 @@ def parse_bytes(value: str | int) -> int | None:
             return None
         size = int(float(m.group(1)) * _UNITS[(m.group(2) or "B").upper()])
     return size
+
+
+@dataclass(frozen=True)
+class ByteSize:
+    """A positive byte count as written (``5GB``, ``500MiB``, ``1000000``) and its value, parsed once (``of``): the
+    one rule for every size a user gives (--max-shard-size, --max-memory's, a recipe's ``output.max_shard_size``)."""
+
+    text: str
+    bytes: int
+
+    @classmethod
+    def of(cls, value: Any) -> ByteSize:
+        """``value`` read as a size; ``ValueError`` saying what is wrong (the caller names where it came from)."""
+        if isinstance(value, ByteSize):
+            return value
+        size = None
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):  # YAML may read a count as a number
+            size = parse_bytes(value if isinstance(value, (str, int)) else str(value))
+        if size is None:
+            raise ValueError(f"{value!r} is not a size (for example 5GB, 500MiB or a byte count)")
+        if size <= 0:
+            raise ValueError(f"size must be positive, got {value!r}")
+        return cls(str(value), size)
 
 
 def format_bytes(n: int) -> str:

@@ -85,6 +85,18 @@ def test_every_command_records_its_command_line_through_one_helper(argv: list[st
     assert recorded_command(argv) == ("mtpquant", *recorded)
 
 
+def test_one_size_rule_for_every_size_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    """graft's (and heal's) --max-shard-size read sizes as convert and recipe files do (``units.ByteSize``)."""
+    assert build_parser().parse_args(["graft", "Q", "--out", "O", "--max-shard-size", "500MiB"]).max_shard_size == (
+        500 * 2**20
+    )
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args(["graft", "Q", "--out", "O", "--max-shard-size", "0"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert err.endswith("argument --max-shard-size: size must be positive, got '0'")
+
+
 class _RootRecords(logging.Handler):
     """What reaches the root logger's handlers (pytest's capture also sits on non-propagating loggers such as
     transformers', where it would see the library's records before mtpquant routes them)."""

@@ -172,7 +172,7 @@ def test_already_quantized_source(tiny_copy: Factory, work: Path, capsys: pytest
         (
             ["--set", "calibration.samples=0"],
             2,
-            "mtpquant/recipes/qwen3_5-nvfp4.yaml + --set: calibration.samples must be positive, got 0",
+            "mtpquant/recipes/qwen3_5-nvfp4.yaml + --set: calibration.samples: input should be greater than 0, got 0",
         ),
         (["--calib-data", "missing.jsonl"], 2, "missing.jsonl: calibration data file does not exist"),
         (

@@ -56,7 +56,7 @@ def test_max_memory_specs(spec: str, caps: tuple[tuple[str, int], ...]) -> None:
         ("cpu", "'cpu' is not DEVICE=SIZE"),
         ("gpu=1GB", "'gpu=1GB' is not DEVICE=SIZE"),
         ("cpu=lots", "'lots' is not a size"),
-        ("cpu=0", "'0' is not a size"),
+        ("cpu=0", "size must be positive, got '0'"),
         ("cpu=1GB,cpu=2GB", "cpu is given twice"),
         (",", "no DEVICE=SIZE given"),
     ],

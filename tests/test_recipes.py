@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from mtpquant.convert.recipes import (
     MODELOPT_NVFP4_DISABLED,
-    ByteSize,
+    MtpSection,
     apply_overrides,
     builtin_recipe_names,
+    byte_size,
     default_recipe_name,
     load_recipe,
     quantizer_enabled,
@@ -19,6 +21,7 @@ from mtpquant.convert.recipes import (
 )
 from mtpquant.errors import RecipeError
 from mtpquant.families import FAMILIES
+from mtpquant.units import ByteSize
 
 FAMILY = {f.key: f for f in FAMILIES}
 
@@ -65,16 +68,60 @@ def test_recipe_by_path_and_unknown_keys(tmp_path: Path) -> None:
     with pytest.raises(RecipeError, match=r"r\.yaml: unknown key 'quantisation' \(allowed: "):
         load_recipe(str(path))
     path.write_text("name: r\nmtp:\n  mode: maybe\n")
-    with pytest.raises(RecipeError, match=r"mtp\.mode must be one of auto, keep, quantize, extract, drop, got 'maybe'"):
+    with pytest.raises(RecipeError) as info:
         load_recipe(str(path))
-    path.write_text("name: r\ncalibration:\n  samples: many\n")
-    with pytest.raises(RecipeError, match=r"calibration\.samples must be an integer, got 'many'"):
-        load_recipe(str(path))
+    assert (
+        str(info.value)
+        == f"{path}: mtp.mode: input should be 'auto', 'keep', 'quantize', 'extract' or 'drop', got 'maybe'"
+    )
     path.write_text("name: [unclosed\n")
     with pytest.raises(RecipeError, match=r"not valid YAML \(line \d+\)"):
         load_recipe(str(path))
     with pytest.raises(RecipeError, match="recipe file does not exist"):
         load_recipe(str(tmp_path / "missing.yaml"))
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        (
+            {"calibration": {"bogus": 1}},
+            "unknown key 'calibration.bogus' (allowed: calibration.data, calibration.samples, "
+            "calibration.seq_len, calibration.batch_size, calibration.chat_template)",
+        ),
+        ({"calibration": {"samples": "many"}}, "calibration.samples: input should be a valid integer, got 'many'"),
+        ({"calibration": {"samples": True}}, "calibration.samples: input should be a valid integer, got True"),
+        ({"calibration": {"seq_len": 0}}, "calibration.seq_len: input should be greater than 0, got 0"),
+        (
+            {"calibration": {"chat_template": "yes"}},
+            "calibration.chat_template: input should be a valid boolean, got 'yes'",
+        ),
+        ({"quantization": {"exclude": ["a", 1]}}, "quantization.exclude[1]: input should be a valid string, got 1"),
+        (
+            {"quantization": {"group_size": 32}},
+            "quantization.group_size: must be 16 (NVFP4 blocks are 16 elements), got 32",
+        ),
+        (
+            {"families": ["qwen9"]},
+            "families: unknown family 'qwen9' (known: qwen3_5, qwen3_5_moe, qwen3_next, qwen4_exp)",
+        ),
+        ({"mtp": ["keep"]}, "mtp: must be a mapping, got ['keep']"),
+        ({"description": 5}, "description: input should be a valid string, got 5"),
+        (
+            {"source": "elsewhere"},
+            "unknown key 'source' (allowed: calibration, description, families, mtp, name, "
+            "output, quantization, schema)",
+        ),
+        ({"name": None}, "name: input should be a valid string, got None"),
+    ],
+)
+def test_a_recipe_file_is_refused_in_one_line_naming_the_file_and_the_key(raw: dict[str, Any], message: str) -> None:
+    with pytest.raises(RecipeError) as info:
+        recipe_from_mapping({"name": "r", **raw}, "r.yaml")
+    assert str(info.value) == f"r.yaml: {message}"
+    # a single pattern stands for a list of one; an empty section for its defaults
+    recipe = recipe_from_mapping({"name": "r", "quantization": {"exclude": "*.gate"}, "mtp": None}, "r.yaml")
+    assert recipe.quantization.exclude == ("*.gate",) and recipe.mtp == MtpSection()
 
 
 def test_overrides() -> None:
@@ -100,13 +147,13 @@ def test_overrides() -> None:
 
 
 def test_a_size_is_parsed_once_and_written_as_given() -> None:
-    assert ByteSize.parse("5GB", "x") == ByteSize("5GB", 5 * 10**9)
-    assert ByteSize.parse("1.5 MiB", "x") == ByteSize("1.5 MiB", int(1.5 * 2**20))
-    assert ByteSize.parse(1234, "x") == ByteSize("1234", 1234)
+    assert byte_size("5GB", "x") == ByteSize("5GB", 5 * 10**9)
+    assert byte_size("1.5 MiB", "x") == ByteSize("1.5 MiB", int(1.5 * 2**20))
+    assert byte_size(1234, "x") == ByteSize("1234", 1234)
     bad_sizes = (("0", "size must be positive, got '0'"), ("5 parsecs", "'5 parsecs' is not a size"), (True, "True is"))
     for bad, why in bad_sizes:
         with pytest.raises(RecipeError, match=f"^--max-shard-size: {re.escape(why)}"):
-            ByteSize.parse(bad, "--max-shard-size")
+            byte_size(bad, "--max-shard-size")
     # a recipe file's size: checked where it is read (file and key named), carried parsed, written back as given
     recipe = recipe_from_mapping({"name": "r", "output": {"max_shard_size": 1000000}}, "r.yaml")
     assert recipe.output.max_shard_size == ByteSize("1000000", 10**6)

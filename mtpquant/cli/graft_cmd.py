@@ -8,7 +8,7 @@ from typing import Any
 
 from mtpquant.cli import HUB_CODES, exit_codes_epilog
 from mtpquant.errors import ExitCode
-from mtpquant.units import parse_bytes
+from mtpquant.units import ByteSize
 
 __all__ = ["parse_size", "register"]
 
@@ -33,10 +33,10 @@ examples:
 
 def parse_size(text: str) -> int:
     """``5GB`` / ``500MiB`` / ``1000000`` -> bytes (argparse type)."""
-    size = parse_bytes(text)
-    if size is None or size <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 5GB, 500MiB)")
-    return size
+    try:
+        return ByteSize.of(text).bytes
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def register(subparsers: Any) -> None:

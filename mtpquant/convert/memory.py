@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from mtpquant.checkpoint.sharded import sharded_tables
 from mtpquant.errors import MemoryPlanError, UsageError
 from mtpquant.machine import available_cpu_bytes
-from mtpquant.units import format_bytes, parse_bytes
+from mtpquant.units import ByteSize, format_bytes
 
 __all__ = [
     "IN_MEMORY_PEAK_FACTOR",
@@ -120,9 +120,10 @@ def parse_max_memory(spec: str, where: str = "--max-memory") -> MemoryCaps:
             device = f"cuda:{device}"
         elif device == "cuda":
             device = "cuda:0"
-        n = parse_bytes(size.strip())
-        if n is None or n <= 0:
-            raise UsageError(f"{where}: {size.strip()!r} is not a size (e.g. 8GiB, 500MB)")
+        try:
+            n = ByteSize.of(size.strip()).bytes
+        except ValueError as exc:
+            raise UsageError(f"{where}: {exc}") from None
         if device in caps:
             raise UsageError(f"{where}: {device} is given twice")
         caps[device], given[device] = n, size.strip()

@@ -26,10 +26,10 @@ from mtpquant.convert.memory import MemoryPlan, available_cpu_bytes, model_block
 from mtpquant.convert.recipes import (
     MTP_FORMATS,
     RECIPE_FILE,
-    ByteSize,
     CalibrationSection,
     Recipe,
     apply_overrides,
+    byte_size,
     default_recipe_name,
     load_recipe,
     quantizer_enabled,
@@ -207,7 +207,7 @@ def _resolve_recipe(options: ConvertOptions, family: Any) -> Recipe:
         ("calibration", "seq_len"): options.calib_seq_len,
         # parsed here, once, with the flag's own message ("--max-shard-size: ... is not a size")
         ("output", "max_shard_size"): (
-            None if options.max_shard_size is None else ByteSize.parse(options.max_shard_size, "--max-shard-size")
+            None if options.max_shard_size is None else byte_size(options.max_shard_size, "--max-shard-size")
         ),
         ("mtp", "mode"): options.mtp,
         ("mtp", "format"): options.mtp_format,

@@ -2,7 +2,8 @@
 
 A recipe says what the main model becomes (scheme, which Linears, calibration algorithm, extra
 exclusions), how it is calibrated, and what happens to the MTP. Unknown keys are errors naming the
-key and the file; ``--set section.key=value`` overrides any leaf. ``to_modelopt_config`` turns the
+key and the file (pydantic checks each file against the typed sections, ``extra="forbid"``, strict leaves);
+``--set section.key=value`` overrides any leaf. ``to_modelopt_config`` turns the
 quantization section into the ``mtq.quantize`` config dict, starting from modelopt's own entries so
 its list of never-quantize modules (routers, conv1d, vision, ``mtp.*``) is kept.
 """
@@ -14,13 +15,25 @@ import dataclasses
 import fnmatch
 import importlib.resources
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal, get_args
+
+from pydantic import (
+    AfterValidator,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PlainValidator,
+    Strict,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+)
+from pydantic.dataclasses import dataclass as checked
 
 from mtpquant.errors import RecipeError
 from mtpquant.families import Family
-from mtpquant.units import parse_bytes
+from mtpquant.units import ByteSize
 
 __all__ = [
     "CALIBRATION_ALGORITHMS",
@@ -31,7 +44,6 @@ __all__ = [
     "RECIPE_FILE",
     "SCHEMES",
     "TARGETS",
-    "ByteSize",
     "CalibrationSection",
     "MtpSection",
     "OutputSection",
@@ -39,6 +51,7 @@ __all__ = [
     "Recipe",
     "apply_overrides",
     "builtin_recipe_names",
+    "byte_size",
     "default_recipe_name",
     "grafted_recipe",
     "load_recipe",
@@ -51,11 +64,16 @@ __all__ = [
 SCHEMA_VERSION = 1
 # The resolved recipe convert writes into OUT (a comment header, then the recipe as ``Recipe.to_yaml`` writes it).
 RECIPE_FILE = "mtpquant_recipe.yaml"
-SCHEMES = ("nvfp4", "nvfp4_w4a16")
-TARGETS = ("all", "experts")
-CALIBRATION_ALGORITHMS = ("max",)
-MTP_MODES = ("auto", "keep", "quantize", "extract", "drop")
-MTP_FORMATS = ("nvfp4", "fp8")
+_Scheme = Literal["nvfp4", "nvfp4_w4a16"]
+_Targets = Literal["all", "experts"]
+_Algorithm = Literal["max"]
+_MtpMode = Literal["auto", "keep", "quantize", "extract", "drop"]
+_MtpFormat = Literal["nvfp4", "fp8"]
+SCHEMES: tuple[str, ...] = get_args(_Scheme)
+TARGETS: tuple[str, ...] = get_args(_Targets)
+CALIBRATION_ALGORITHMS: tuple[str, ...] = get_args(_Algorithm)
+MTP_MODES: tuple[str, ...] = get_args(_MtpMode)
+MTP_FORMATS: tuple[str, ...] = get_args(_MtpFormat)
 
 # The recipe each family converts with when none is named.
 DEFAULT_RECIPES = {
@@ -70,15 +88,27 @@ DEFAULT_RECIPES = {
 _EXPERT_QUANTIZER_PATTERNS = ("*.experts.*", "*block_sparse_moe*")
 
 
-@dataclass(frozen=True)
+# A recipe file's rules, checked by pydantic: unknown keys refused; leaves strict (YAML's 1 is not "1", nor "yes" true)
+_RULES = ConfigDict(extra="forbid")
+_Positive = Annotated[StrictInt, Field(gt=0)]
+_Names = Annotated[tuple[StrictStr, ...], BeforeValidator(lambda v: (v,) if isinstance(v, str) else v)]  # or one
+
+
+def _nvfp4_block(size: int) -> int:
+    if size != 16:
+        raise ValueError(f"must be 16 (NVFP4 blocks are 16 elements), got {size!r}")
+    return size
+
+
+@checked(frozen=True, config=_RULES)
 class QuantizationSection:
     """What the main model becomes."""
 
-    scheme: str = "nvfp4"  # nvfp4 (W4A4) | nvfp4_w4a16 (weights only)
-    targets: str = "all"  # all Linears | routed experts only
-    algorithm: str = "max"
-    group_size: int = 16
-    exclude: tuple[str, ...] = ()  # extra module-name patterns (fnmatch) left in BF16
+    scheme: _Scheme = "nvfp4"  # nvfp4 (W4A4) | nvfp4_w4a16 (weights only)
+    targets: _Targets = "all"  # all Linears | routed experts only
+    algorithm: _Algorithm = "max"
+    group_size: Annotated[StrictInt, AfterValidator(_nvfp4_block)] = 16
+    exclude: _Names = ()  # extra module-name patterns (fnmatch) left in BF16
 
     @property
     def activations(self) -> bool:
@@ -91,67 +121,63 @@ class QuantizationSection:
         return "NVFP4" if self.activations else "W4A16_NVFP4"
 
 
-@dataclass(frozen=True)
+@checked(frozen=True, config=_RULES)
 class CalibrationSection:
     """Calibration data: where from, how much."""
 
-    data: str = "offline"  # offline | a .txt/.jsonl path | a `datasets` name
-    samples: int = 128
-    seq_len: int = 512
-    batch_size: int = 1
-    chat_template: bool = True  # render samples with the tokenizer's chat template when it has one
+    data: StrictStr = "offline"  # offline | a .txt/.jsonl path | a `datasets` name
+    samples: _Positive = 128
+    seq_len: _Positive = 512
+    batch_size: _Positive = 1
+    chat_template: Annotated[bool, Strict()] = True  # render samples with the tokenizer's chat template when it has one
 
 
-@dataclass(frozen=True)
+@checked(frozen=True, config=_RULES)
 class MtpSection:
     """What happens to the MTP layer."""
 
-    mode: str = "auto"  # auto: keep when the source has an MTP, else drop
-    format: str = "nvfp4"  # quantize mode: nvfp4 | fp8
+    mode: _MtpMode = "auto"  # auto: keep when the source has an MTP, else drop
+    format: _MtpFormat = "nvfp4"  # quantize mode: nvfp4 | fp8
 
 
-@dataclass(frozen=True)
-class ByteSize:
-    """A byte budget as written (``5GB``, ``500MiB``, ``1000000``) and its value, parsed once (``parse``)."""
-
-    text: str
-    bytes: int
-
-    @classmethod
-    def parse(cls, value: Any, where: str) -> ByteSize:
-        """``value`` read as a size (GB = 10^9, GiB = 2^30, as huggingface_hub); a one-line ``RecipeError`` naming
-        ``where`` (the flag, or the file and key) when it is not one or is not positive."""
-        if isinstance(value, ByteSize):
-            return value
-        size = None
-        if isinstance(value, (str, int, float)) and not isinstance(value, bool):  # YAML may read a count as a number
-            size = parse_bytes(value if isinstance(value, (str, int)) else str(value))
-        if size is None:
-            raise RecipeError(f"{where}: {value!r} is not a size (for example 5GB, 500MiB or a byte count)")
-        if size <= 0:
-            raise RecipeError(f"{where}: size must be positive, got {value!r}")
-        return cls(str(value), size)
+def byte_size(value: Any, where: str) -> ByteSize:
+    """``value`` read as a size (GB = 10^9, GiB = 2^30, as huggingface_hub; ``units.ByteSize``); a one-line
+    ``RecipeError`` naming ``where`` (the flag, or the file and key) when it is not one or is not positive."""
+    try:
+        return ByteSize.of(value)
+    except ValueError as exc:
+        raise RecipeError(f"{where}: {exc}") from None
 
 
-@dataclass(frozen=True)
+@checked(frozen=True, config=_RULES)
 class OutputSection:
     """Output layout."""
 
-    max_shard_size: ByteSize = ByteSize("5GB", 5 * 10**9)
+    max_shard_size: Annotated[ByteSize, PlainValidator(ByteSize.of)] = ByteSize("5GB", 5 * 10**9)
 
 
-@dataclass(frozen=True)
+def _known_families(families: tuple[str, ...]) -> tuple[str, ...]:
+    from mtpquant.families import FAMILIES
+
+    known = {f.key for f in FAMILIES}
+    unknown = next((f for f in families if f not in known), None)
+    if unknown is not None:
+        raise ValueError(f"unknown family {unknown!r} (known: {', '.join(sorted(known))})")
+    return families
+
+
+@checked(frozen=True, config=_RULES)
 class Recipe:
     """A validated recipe."""
 
-    name: str
-    description: str = ""
-    families: tuple[str, ...] = ()  # empty: every family
-    quantization: QuantizationSection = field(default_factory=QuantizationSection)
-    calibration: CalibrationSection = field(default_factory=CalibrationSection)
-    mtp: MtpSection = field(default_factory=MtpSection)
-    output: OutputSection = field(default_factory=OutputSection)
-    source: str = field(default="<built>", compare=False)
+    name: Annotated[StrictStr, Field(min_length=1)]
+    description: StrictStr = ""
+    families: Annotated[_Names, AfterValidator(_known_families)] = ()  # empty: every family
+    quantization: QuantizationSection = Field(default_factory=QuantizationSection)
+    calibration: CalibrationSection = Field(default_factory=CalibrationSection)
+    mtp: MtpSection = Field(default_factory=MtpSection)
+    output: OutputSection = Field(default_factory=OutputSection)
+    source: str = dataclasses.field(default="<built>", compare=False)
 
     # ---- serialisation --------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -273,25 +299,13 @@ _SECTIONS: dict[str, type] = {
     "mtp": MtpSection,
     "output": OutputSection,
 }
-_CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
-    ("quantization", "scheme"): SCHEMES,
-    ("quantization", "targets"): TARGETS,
-    ("quantization", "algorithm"): CALIBRATION_ALGORITHMS,
-    ("mtp", "mode"): MTP_MODES,
-    ("mtp", "format"): MTP_FORMATS,
-}
-_POSITIVE = {("calibration", "samples"), ("calibration", "seq_len"), ("calibration", "batch_size")}
 
 
-def _checked_leaf(source: str, section: str, key: str, value: Any) -> Any:
-    """One leaf value, checked against its field's type, choices and sign (a recipe file's rules)."""
-    checked = _coerce(source, f"{section}.{key}", value, getattr(_SECTIONS[section](), key))
-    choices = _CHOICES.get((section, key))
-    if choices and checked not in choices:
-        raise RecipeError(f"{source}: {section}.{key} must be one of {', '.join(choices)}, got {value!r}")
-    if (section, key) in _POSITIVE and checked <= 0:
-        raise RecipeError(f"{source}: {section}.{key} must be positive, got {value!r}")
-    return checked
+def _fields(recipe: Recipe) -> dict[str, Any]:
+    """A recipe's keys and typed values (sections as mappings): what a recipe is validated from again, so a value
+    already checked (a parsed size) is not parsed twice."""
+    top = {f.name: getattr(recipe, f.name) for f in dataclasses.fields(recipe) if f.name != "source"}
+    return top | {s: {f.name: getattr(top[s], f.name) for f in dataclasses.fields(top[s])} for s in _SECTIONS}
 
 
 def with_values(recipe: Recipe, values: Mapping[tuple[str, str], Any], where: str) -> Recipe:
@@ -299,89 +313,48 @@ def with_values(recipe: Recipe, values: Mapping[tuple[str, str], Any], where: st
     by the same rules as a recipe file; no round trip through YAML text."""
     if not values:
         return recipe
-    source = f"{recipe.source} + {where}"
-    changed: dict[str, dict[str, Any]] = {}
+    data = _fields(recipe)
     for (section, key), value in values.items():
-        changed.setdefault(section, {})[key] = _checked_leaf(source, section, key, value)
-    sections = {name: dataclasses.replace(getattr(recipe, name), **kv) for name, kv in changed.items()}
-    return dataclasses.replace(recipe, source=source, **sections)
+        data[section][key] = value
+    return recipe_from_mapping(data, f"{recipe.source} + {where}")
 
 
-def _field_types(cls: type) -> dict[str, Any]:
-    return {f.name: f for f in dataclasses.fields(cls)}
+def _refusal(exc: ValidationError, source: str) -> RecipeError:
+    """pydantic's first finding as one line naming the file (``source``) and the key."""
+    err = exc.errors(include_url=False)[0]
+    path = [p for p in err["loc"] if isinstance(p, str)]
+    key = ".".join(path) + "".join(f"[{p}]" for p in err["loc"] if isinstance(p, int))  # exclude[0]
+    if err["type"] in ("unexpected_keyword_argument", "extra_forbidden"):
+        section = _SECTIONS.get(path[0]) if len(path) > 1 else None
+        allowed = [f"{path[0]}.{f.name}" for f in dataclasses.fields(section)] if section else _TOP_KEYS
+        return RecipeError(f"{source}: unknown key {key!r} (allowed: {', '.join(allowed)})")
+    if err["type"] in ("missing", "missing_argument"):
+        return RecipeError(f"{source}: {key!r} is required")
+    if err["type"] == "value_error":  # our own validators' messages name the value
+        return RecipeError(f"{source}: {key}: {err['ctx']['error']}")
+    if err["type"] == "dataclass_type":  # a section that is not a mapping
+        return RecipeError(f"{source}: {key}: must be a mapping, got {err['input']!r}")
+    return RecipeError(f"{source}: {key}: {err['msg'][0].lower()}{err['msg'][1:]}, got {err['input']!r}")
 
 
-def _coerce(where: str, key: str, value: Any, default: Any) -> Any:
-    """Check a leaf against the type of its default."""
-    if isinstance(default, ByteSize):
-        return ByteSize.parse(value, f"{where}: {key}")
-    if isinstance(default, bool):
-        if not isinstance(value, bool):
-            raise RecipeError(f"{where}: {key} must be true or false, got {value!r}")
-        return value
-    if isinstance(default, int):
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise RecipeError(f"{where}: {key} must be an integer, got {value!r}")
-        return value
-    if isinstance(default, tuple):
-        if isinstance(value, str):
-            value = [value]
-        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise RecipeError(f"{where}: {key} must be a list of strings, got {value!r}")
-        return tuple(value)
-    if isinstance(default, str):
-        if not isinstance(value, str):
-            raise RecipeError(f"{where}: {key} must be a string, got {value!r}")
-        return value
-    return value
+_TOP_KEYS = sorted({f.name for f in dataclasses.fields(Recipe)} - {"source"} | {"schema"})
 
 
 def recipe_from_mapping(raw: Any, source: str) -> Recipe:
     """Validate a parsed YAML mapping into a Recipe; unknown keys are one-line errors naming the key."""
     if not isinstance(raw, Mapping):
         raise RecipeError(f"{source}: a recipe must be a YAML mapping")
-    top = _field_types(Recipe)
-    allowed_top = {*top, "schema"} - {"source"}
-    for key in raw:
-        if key not in allowed_top:
-            raise RecipeError(f"{source}: unknown key {key!r} (allowed: {', '.join(sorted(allowed_top))})")
+    unknown = next((k for k in raw if k not in _TOP_KEYS), None)
+    if unknown is not None:  # "source" too: where a recipe came from is not the file's to say
+        raise RecipeError(f"{source}: unknown key {unknown!r} (allowed: {', '.join(_TOP_KEYS)})")
     schema = raw.get("schema", SCHEMA_VERSION)
     if schema != SCHEMA_VERSION:
         raise RecipeError(f"{source}: schema {schema!r} is not supported (this mtpquant reads schema {SCHEMA_VERSION})")
-    name = raw.get("name")
-    if not isinstance(name, str) or not name:
-        raise RecipeError(f"{source}: 'name' is required and must be a non-empty string")
-    kwargs: dict[str, Any] = {"name": name, "source": source}
-    if "description" in raw:
-        kwargs["description"] = _coerce(source, "description", raw["description"], "")
-    if "families" in raw:
-        families = _coerce(source, "families", raw["families"], ())
-        from mtpquant.families import FAMILIES
-
-        known = {f.key for f in FAMILIES}
-        for fam in families:
-            if fam not in known:
-                raise RecipeError(f"{source}: families: unknown family {fam!r} (known: {', '.join(sorted(known))})")
-        kwargs["families"] = families
-    for section, cls in _SECTIONS.items():
-        if section not in raw or raw[section] is None:
-            continue
-        body = raw[section]
-        if not isinstance(body, Mapping):
-            raise RecipeError(f"{source}: {section} must be a mapping")
-        fields = _field_types(cls)
-        values: dict[str, Any] = {}
-        for key, value in body.items():
-            if key not in fields:
-                raise RecipeError(
-                    f"{source}: unknown key '{section}.{key}' (allowed: {', '.join(f'{section}.{k}' for k in fields)})"
-                )
-            values[key] = _checked_leaf(source, section, key, value)
-        kwargs[section] = cls(**values)
-    recipe = Recipe(**kwargs)
-    if recipe.quantization.group_size != 16:
-        raise RecipeError(f"{source}: quantization.group_size must be 16 (NVFP4 blocks are 16 elements)")
-    return recipe
+    data = {k: v for k, v in raw.items() if k != "schema" and not (k in _SECTIONS and v is None)}  # empty: defaults
+    try:
+        return Recipe(source=source, **data)
+    except ValidationError as exc:
+        raise _refusal(exc, source) from None
 
 
 def _parse_yaml(text: str, source: str) -> Any:
@@ -447,7 +420,7 @@ def apply_overrides(recipe: Recipe, overrides: Iterable[str], where: str = "--se
     """Apply ``section.key=value`` overrides (values parsed as YAML scalars/lists)."""
     import yaml
 
-    data: dict[str, Any] = {"schema": SCHEMA_VERSION, **recipe.to_dict()}
+    data = _fields(recipe)
     applied = False
     for item in overrides:
         key, sep, value = item.partition("=")

@@ -193,11 +193,13 @@ def render_markdown(report: Report, plots: dict[str, str]) -> str:
         out += ["## Notes", ""] + [f"- {n}" for n in report.notes] + [""]
     timing = report.timing
     if timing:
-        out.append(
-            f"Time {timing.get('total_s', 0):.1f} s, {timing.get('imports_s', 0):.1f} s of it importing model code "
-            f"({timing.get('tokens_per_second', 0):.1f} sequence tokens/s without it); "
-            f"mtpquant {report.mtpquant_version}, schema {REPORT_SCHEMA}."
-        )
+        spent = f"Time {timing.get('total_s', 0):.1f} s"
+        if "imports_s" in timing:  # the built-in path: model code imported, sequences run here
+            spent += (
+                f", {timing['imports_s']:.1f} s of it importing model code "
+                f"({timing.get('tokens_per_second', 0):.1f} sequence tokens/s without it)"
+            )
+        out.append(f"{spent}; mtpquant {report.mtpquant_version}, schema {REPORT_SCHEMA}.")
     return "\n".join(out) + "\n"
 
 
