@@ -479,6 +479,10 @@ def test_quantize_mode_fp8_is_mixed_precision(tiny_factory: Callable[[str], Path
 def test_result_summary(converted: Callable[[str, str], Run]) -> None:
     result = converted("qwen3_5", "keep").result
     assert {"load", "calibrate", "export", "write", "mtp", "verify", "total"} <= set(result.timings)
+    # the time line's parts add up to its total: the imports are a part of their own, the rest is named "other"
+    parts = {k: v for k, v in result.timings.items() if k != "total"}
+    assert "imports" in parts and parts["other"] >= 0
+    assert sum(parts.values()) == pytest.approx(result.timings["total"], abs=1e-6)
     assert result.peak_rss_bytes > 50 * 2**20
     assert result.calibration_rows == 2 and result.calibration_tokens == 64
     assert result.quantized_linears == 25 and result.unquantized_linears == 7
