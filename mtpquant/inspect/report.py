@@ -1,7 +1,8 @@
 """``inspect``: is the MTP in the checkpoint, in what precision, and will vLLM / SGLang load it?
 
 Reads only config.json, hf_quant_config.json, the index and the safetensors headers, from a
-directory or a Hub repo (through the checkpoint layer, which counts the bytes it fetched).
+directory or a Hub repo (through the checkpoint layer, which counts the bytes it fetched). What each engine
+does with the MTP (verdict lines, serve commands) is drawn in ``verdicts.py``.
 """
 
 from __future__ import annotations
@@ -20,19 +21,25 @@ from mtpquant.checkpoint.source import CheckpointSource
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.engine.server import ENGINE_NAMES
 from mtpquant.errors import ExitCode
-from mtpquant.families import EngineRules, family, is_mtp_name
+from mtpquant.families import is_mtp_name
 from mtpquant.formats.quant_config import QuantMetadata
 from mtpquant.inspect.engines import (
     EngineModule,
     Expectation,
     FusedShardsError,
     engine_modules,
-    sglang_builds_quantized,
-    sglang_mtp_build,
     vllm_expectation,
     vllm_format_refusal,
 )
 from mtpquant.inspect.precision import is_quantized, module_precision, table_precision
+from mtpquant.inspect.verdicts import (
+    MISSING,
+    ModuleReport,
+    engine_verdicts,
+    label_refusal,
+    sglang_keeps_quantized_mtp,
+    sglang_mismatch,
+)
 
 __all__ = [
     "EXIT_DECLARED_MISSING",
@@ -62,23 +69,6 @@ _SEVERITY = (
     ("declared_missing", EXIT_DECLARED_MISSING),
     ("exclusions", EXIT_EXCLUSIONS),
 )
-
-NUM_SPECULATIVE_TOKENS = 3
-MISSING = "MTP declared but missing: speculative decoding will accept nothing"
-
-
-@dataclass
-class ModuleReport:
-    """One MTP module as vLLM builds it: on-disk precision vs the precision vLLM expects."""
-
-    module: str
-    members: list[str]
-    disk: str  # precision on disk (BF16, NVFP4, FP8, FP8-block, NVFP4-CT, mixed, missing)
-    vllm_quantized: bool | None  # None when vLLM refuses the module outright
-    reason: str
-    consistent: bool
-    expects: str | None = None  # the on-disk precision vLLM's method for it loads, where it is checked
-    workaround: bool = False  # unquantized only thanks to an engine workaround
 
 
 @dataclass
@@ -384,176 +374,6 @@ def _main_section(ckpt: Checkpoint, meta: QuantMetadata | None) -> tuple[MainMod
     return main, vision, findings
 
 
-# Precisions whose weight is packed (not the BF16 shape): SGLang cannot load them into a module it built in BF16.
-_PACKED_PRECISIONS = ("NVFP4", "NVFP4-CT")
-
-
-def _sglang_verdict(
-    mods: list[ModuleReport], meta: QuantMetadata | None, precision: str, rules: EngineRules
-) -> tuple[str, bool]:
-    """What SGLang does with this MTP (``inspect/engines.py``: its loader's rules), and whether it serves it
-    with NEXTN."""
-    built = {m.module: _sglang_build(m, meta, rules) for m in mods}
-    for m in mods:
-        q, reason = built[m.module]
-        disk_q = m.disk != "mixed" and is_quantized(m.disk)
-        if m.disk == "missing" or (q == disk_q and m.disk != "mixed"):
-            continue
-        if q is None:
-            return f"SGLang will fail to load the MTP (NEXTN): {reason}", False
-        if m.disk == "mixed":
-            return f"SGLang will fail to load the MTP (NEXTN): {m.module} mixes precisions across its tensors", False
-        if q:
-            return (
-                f"SGLang will fail to load the MTP (NEXTN): it builds {m.module} quantized ({reason}), but it is "
-                f"{m.disk} on disk",
-                False,
-            )
-        if m.disk in _PACKED_PRECISIONS:
-            return (
-                f"SGLang will fail to load the MTP (NEXTN): {reason}, and the packed {m.disk} weight of {m.module} "
-                "does not fit a BF16 module; serve without speculative decoding, or with vLLM",
-                False,
-            )
-        return (
-            f"SGLang will draft with a wrong MTP (NEXTN): {reason}, and loads the {m.disk} values of {m.module} "
-            "without their scales",
-            False,
-        )
-    if any(is_quantized(m.disk) for m in mods):
-        _, why = sglang_mtp_build(meta)
-        return f"SGLang: MTP loads ({precision}; {why})", True
-    return f"SGLang: MTP loads ({precision})", True
-
-
-def _sglang_build(m: ModuleReport, meta: QuantMetadata | None, rules: EngineRules) -> tuple[bool | None, str]:
-    module = EngineModule(m.module, tuple(m.members), _module_kind(m, rules))
-    try:
-        return sglang_builds_quantized(module, meta)
-    except FusedShardsError as exc:
-        return None, str(exc)
-
-
-def _module_kind(m: ModuleReport, rules: EngineRules) -> str:
-    return next((e.kind for e in engine_modules(m.members, rules) if e.prefix == m.module), "linear")
-
-
-def _label_refusal(ckpt: Checkpoint) -> str | None:
-    """A day-0 alias the engines do not know (vLLM 0.32's model registry and SGLang 0.5.23's configs have only the
-    qwen4_exp labels)."""
-    known = ckpt.spec.family.engine.known_architectures
-    unknown = [(where, alias, canon) for where, alias, canon in ckpt.spec.aliases() if known and alias not in known]
-    if not unknown:
-        return None
-    where, alias, canon = unknown[0]
-    return (
-        f"the day-0 label {alias} ({where}) is unknown to vLLM 0.32 and SGLang 0.5.23 (the weights are "
-        f"{canon}'s): relabel with `mtpquant graft QUANT --fix-metadata --out FIXED`"
-    )
-
-
-def _sglang_keeps_quantized_mtp(ckpt: Checkpoint, meta: QuantMetadata | None) -> bool:
-    """SGLang 0.5.23 ``_mtp_quant_config`` (models/qwen3_5_mtp.py 50-69, used by qwen4_exp_mtp.py 47): a
-    MIXED_PRECISION config whose quantized_layers list ``mtp.*`` entries builds the MTP quantized; every other
-    ModelOpt NVFP4 checkpoint gets an unquantized MTP. Applied where the registry says so (``sglang_mixed_mtp``)."""
-    return (
-        ckpt.spec.family.sglang_mixed_mtp
-        and meta is not None
-        and meta.vllm_method == "modelopt_mixed"
-        and any(is_mtp_name(k) for k in meta.quantized_layers)
-    )
-
-
-def _sglang_mismatch(ckpt: Checkpoint, meta: QuantMetadata) -> str | None:
-    """Where SGLang builds the MTP with the MIXED_PRECISION config, the first MTP module whose disk format its
-    resolved quant_algo does not load. SGLang's MTP is one decoder layer under its own index (``mtp.layers.0``,
-    qwen4_exp_mtp.py 42-65), so the checkpoint's names are looked up unchanged."""
-    rules = ckpt.spec.family.engine
-    present = {e.name: e for e in ckpt.mtp_tensors()}
-    names = linear_modules(present)
-    precision = {m: module_precision(ckpt.tensors, m) for m in names}
-    for mod in engine_modules(names, rules):
-        precs = {precision[m] for m in mod.members}
-        disk = precs.pop() if len(precs) == 1 else "mixed"
-        try:
-            e = vllm_expectation(mod, meta, rules)
-        except FusedShardsError as exc:
-            return str(exc)
-        if disk in ("mixed", "missing") or (not e.quantized and not is_quantized(disk)):
-            continue
-        if not e.quantized or (e.expects is not None and disk != e.expects):
-            return f"{mod.prefix} is {disk} on disk but SGLang resolves {e.reason}"
-    return None
-
-
-def _verdicts(
-    report: dict[str, Any],
-    ref: str,
-    meta: QuantMetadata | None = None,
-    rules: EngineRules | None = None,
-    sglang_quantized_ok: bool = False,
-) -> tuple[dict[str, str], dict[str, str], list[Finding]]:
-    notes: list[Finding] = []
-    present = report["mtp_present_tensors"] > 0
-    mods: list[ModuleReport] = report["mtp_modules"]
-    # modules vLLM refuses outright (fused shards disagree) come first: that is the load error users see
-    broken = sorted((m for m in mods if not m.consistent), key=lambda m: m.vllm_quantized is not None)
-    if report["mtp_declared"] and not present:
-        msg = MISSING
-        if report["mtp_removed"] is not None:
-            msg = (
-                f"no MTP (removed on purpose: convert --mtp {report['mtp_removed']}); the config cannot un-declare it, "
-                "so serve without MTP speculative decoding"
-            )
-        return {"vllm": msg, "sglang": msg}, {}, notes
-    if not report["mtp_declared"]:
-        msg = "no MTP declared: speculative decoding with MTP is not available"
-        if present:
-            msg = "MTP tensors present but not declared: engines will not use them"
-        return {"vllm": msg, "sglang": msg}, {}, notes
-    if report["mtp_missing"]:
-        msg = f"MTP incomplete ({len(report['mtp_missing'])} tensors missing): engines will fail or accept nothing"
-        return {"vllm": msg, "sglang": msg}, {}, notes
-    if broken:
-        vllm = f"vLLM will fail to load: {broken[0].module} is {broken[0].disk} on disk but " + (
-            "declared quantized" if broken[0].vllm_quantized else "excluded from quantization"
-        )
-        if broken[0].vllm_quantized is None:
-            vllm = f"vLLM will fail to load: {broken[0].reason}"
-        elif broken[0].expects is not None and broken[0].disk not in ("mixed", broken[0].expects):
-            vllm = f"vLLM will fail to load: {broken[0].module} is {broken[0].disk} on disk but vLLM loads it as " + (
-                f"{broken[0].expects} ({broken[0].reason})"
-            )
-    else:
-        vllm = f"vLLM: MTP loads ({report['mtp_precision']})"
-        for m in (m for m in mods if m.workaround):
-            vllm += (
-                f"; {m.module} is not covered by the exclusions and loads only through vLLM's hard-coded "
-                f"{m.module} workaround"
-            )
-            notes.append(
-                Finding(
-                    "exclusions",
-                    f"exclusions do not cover {m.module}: only vLLM's hard-coded modelopt_fp4 workaround keeps it "
-                    "unquantized (run `mtpquant graft --fix-metadata`)",
-                )
-            )
-    if sglang_quantized_ok:  # the family's own resolution (qwen4_exp: _sglang_mismatch below checks it)
-        sglang, sglang_serves = f"SGLang: MTP loads ({report['mtp_precision']}; quantized_layers lists the MTP)", True
-    else:
-        sglang, sglang_serves = _sglang_verdict(mods, meta, report["mtp_precision"], rules or family("qwen3_5").engine)
-    n = NUM_SPECULATIVE_TOKENS
-    serve: dict[str, str] = {}
-    if not broken:
-        serve["vllm"] = f'vllm serve {ref} --speculative-config \'{{"method":"mtp","num_speculative_tokens":{n}}}\''
-    if sglang_serves:
-        serve["sglang"] = (
-            f"python -m sglang.launch_server --model-path {ref} --speculative-algorithm NEXTN "
-            f"--speculative-num-steps {n} --speculative-eagle-topk 1 --speculative-num-draft-tokens {n + 1}"
-        )
-    return {"vllm": vllm, "sglang": sglang}, serve, notes
-
-
 def inspect_checkpoint(
     ref: str | os.PathLike[str] | CheckpointSource,
     *,
@@ -585,13 +405,13 @@ def _inspect(ckpt: Checkpoint, t0: float) -> InspectReport:
     failures += [Finding("index", p.message) for p in index_problems]
     warnings += [Finding("note", p.message) for p in ckpt.problems if not p.fatal]
     label = ckpt.label
-    sglang_mixed = _sglang_keeps_quantized_mtp(ckpt, meta)
-    verdicts, serve, notes = _verdicts(report, label, meta, ckpt.spec.family.engine, sglang_mixed)
-    sglang_problem = _sglang_mismatch(ckpt, meta) if sglang_mixed and meta is not None else None
+    sglang_mixed = sglang_keeps_quantized_mtp(ckpt, meta)
+    verdicts, serve, notes = engine_verdicts(report, label, meta, ckpt.spec.family.engine, sglang_mixed)
+    sglang_problem = sglang_mismatch(ckpt, meta) if sglang_mixed and meta is not None else None
     if sglang_problem is not None:
         verdicts["sglang"] = f"SGLang will fail to load: {sglang_problem}"
         serve.pop("sglang", None)
-    warnings += notes
+    warnings += [Finding("exclusions", n) for n in notes]
     if ckpt.mtp_only and report["mtp_declared"] and not report["mtp_missing"]:
         # nothing to serve on its own: say what it is for instead of what an engine would do with it as a model
         what = f"MTP-only checkpoint ({report['mtp_precision']}), no model to serve"
@@ -608,7 +428,7 @@ def _inspect(ckpt: Checkpoint, t0: float) -> InspectReport:
         )
     if vision.expected and not vision.present and not ckpt.mtp_only:
         warnings.append(Finding("note", "vision tower (model.visual.*) is missing: image input will not work"))
-    unknown_label = _label_refusal(ckpt)
+    unknown_label = label_refusal(ckpt)
     if unknown_label is not None:  # neither engine resolves the architecture: nothing else matters until relabelled
         failures.append(Finding("format", f"engines will fail to load: {unknown_label}"))
         verdicts = {
