@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         path = result.path
     if args.no_validate:
         return 0
-    from mtpquant.checkpoint.writer import atomic_write_json
+    from mtpquant.checkpoint.filesystem import atomic_write_json
     from mtpquant.validate.run import ValidateOptions, validate
 
     # The validate defaults: 32 held-out prompts, sequences of 128 tokens, k = 1..3, CPU float32.

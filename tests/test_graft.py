@@ -304,12 +304,12 @@ def test_a_wrong_byte_in_the_copy_fails_verification_and_leaves_nothing(
     """The MTP bytes in the written result are checksummed against those read from SRC (while copying): a write
     that goes wrong after the bytes were read (here one byte of one piece flipped) is caught before anything is
     put in place."""
-    import mtpquant.checkpoint.writer as writer
+    import mtpquant.checkpoint.filesystem as filesystem
     from mtpquant.errors import OutputVerificationError
 
     src = tiny_factory("qwen3_5")
     stripped = strip_mtp(src, tmp_path / "stripped", keep_declaration=False)
-    real = writer._write
+    real = filesystem.write_data
     spoiled: list[int] = []
 
     def faulty(fh: Any, data: bytes | memoryview) -> None:
@@ -321,7 +321,7 @@ def test_a_wrong_byte_in_the_copy_fails_verification_and_leaves_nothing(
             return
         real(fh, data)
 
-    monkeypatch.setattr(writer, "_write", faulty)
+    monkeypatch.setattr(filesystem, "write_data", faulty)
     out = tmp_path / "out"
     with pytest.raises(OutputVerificationError, match=r"^the result failed verification.*is not byte-identical to SRC"):
         graft(GraftOptions(quant=stripped, source=src, out=out))

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from mtpquant.checkpoint import writer
+from mtpquant.checkpoint import filesystem, writer
 from mtpquant.checkpoint.writer import PARTIAL_MARK
 from mtpquant.cli import main as cli
 from mtpquant.errors import ExitCode
@@ -22,7 +22,7 @@ Factory = Callable[[str], Path]
 def _fail_at(monkeypatch: pytest.MonkeyPatch, n: int) -> None:
     """Disk full at the n-th write, counting plain writes and in-kernel tensor copies alike."""
     calls = {"n": 0}
-    real_write, real_copy = writer._write, writer._copy_range
+    real_write, real_copy = filesystem.write_data, writer._copy_range
 
     def check(fh: object) -> None:
         calls["n"] += 1
@@ -37,7 +37,7 @@ def _fail_at(monkeypatch: pytest.MonkeyPatch, n: int) -> None:
         check(fh)
         real_copy(fh, src, start, end, observe)
 
-    monkeypatch.setattr(writer, "_write", flaky_write)
+    monkeypatch.setattr(filesystem, "write_data", flaky_write)
     monkeypatch.setattr(writer, "_copy_range", flaky_copy)
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mtpquant.checkpoint.writer import atomic_write_json
+from mtpquant.checkpoint.filesystem import atomic_write_json
 from mtpquant.errors import ExitCode
 from mtpquant.validate.evidence import (
     MIN_UNITS,

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from mtpquant.checkpoint.dtypes import planned
+from mtpquant.checkpoint.filesystem import atomic_write_json
 from mtpquant.checkpoint.table import Checkpoint
-from mtpquant.checkpoint.writer import PARTIAL_MARK, OutputDir, atomic_write_json, find_stale_partials, plan_shards
+from mtpquant.checkpoint.writer import PARTIAL_MARK, OutputDir, find_stale_partials, plan_shards
 from mtpquant.errors import CheckpointError, FilesystemError, OutputExistsError
 
 
@@ -123,10 +124,10 @@ def test_disk_full_at_any_write_leaves_nothing(
 ) -> None:
     import errno
 
-    from mtpquant.checkpoint import writer
+    from mtpquant.checkpoint import filesystem
 
     calls = {"n": 0}
-    real = writer._write
+    real = filesystem.write_data
 
     def flaky(fh: object, data: bytes) -> None:
         calls["n"] += 1
@@ -134,7 +135,7 @@ def test_disk_full_at_any_write_leaves_nothing(
             raise OSError(errno.ENOSPC, "No space left on device", str(getattr(fh, "name", "")))
         real(fh, data)
 
-    monkeypatch.setattr(writer, "_write", flaky)
+    monkeypatch.setattr(filesystem, "write_data", flaky)
     final = tmp_path / "out"
     tensors = [planned(f"model.language_model.layers.{i}.mlp.up_proj.weight", torch.ones(16, 16)) for i in range(4)]
     # one line naming the file being written and its filesystem (exit 19), whatever write it was

@@ -1,4 +1,5 @@
-"""Every output file goes through here: temp sibling directory, byte-budget shards, atomic JSON.
+"""Every output checkpoint is built here: temp sibling directory, byte-budget shards, atomic JSON (on the primitives
+of ``filesystem.py``).
 
 An output is built in ``.<name>.mtpquant-partial-<id>/`` next to its destination and renamed into
 place by ``finalize`` once every header re-opens and the index checks out; nothing that looks like
@@ -11,14 +12,12 @@ time, so memory stays at one tensor.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import json
 import logging
 import os
 import shutil
 import struct
-import sys
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -26,6 +25,17 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from mtpquant.checkpoint import filesystem  # write_data looked up at each call: a test patches the one seam
+from mtpquant.checkpoint.filesystem import (
+    SPACE_ERRNOS,
+    atomic_write_bytes,
+    exchange_dirs,
+    fsync_dir,
+    fsync_file,
+    out_of_space,
+    replace_atomically,
+    space_error,
+)
 from mtpquant.checkpoint.header import ShardHeader, tensor_nbytes
 from mtpquant.checkpoint.index import INDEX_NAME, build_index, check_shard_name
 from mtpquant.checkpoint.lock import OutputLock
@@ -37,16 +47,9 @@ __all__ = [
     "PARTIAL_MARK",
     "OutputDir",
     "PlannedTensor",
-    "atomic_write_bytes",
-    "atomic_write_json",
     "atomic_write_safetensors",
-    "exchange_dirs",
     "find_stale_partials",
-    "fsync_dir",
-    "mount_point",
-    "out_of_space",
     "plan_shards",
-    "space_error",
     "write_safetensors",
 ]
 
@@ -80,122 +83,20 @@ class PlannedTensor:
         return tensor_nbytes(self.dtype, self.shape)
 
 
-_RENAME_EXCHANGE = 2
-_AT_FDCWD = -100
-_UNSUPPORTED = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EXDEV, errno.EPERM}
-
-
-def exchange_dirs(a: Path, b: Path) -> bool:
-    """Atomically swap two paths (Linux ``renameat2`` with ``RENAME_EXCHANGE``); False if unsupported."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        renameat2 = libc.renameat2
-    except (OSError, AttributeError):
-        return False
-    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    renameat2.restype = ctypes.c_int
-    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in _UNSUPPORTED:
-        return False
-    raise OSError(err, os.strerror(err), str(a))
-
-
-
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_dir(path: Path) -> None:
-    """fsync a directory so renames in it survive a crash (best effort)."""
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
-# How libraries word running out of space when they do not raise OSError: safetensors ("I/O error: No space left on
-# device (os error 28)"), and torch.save, which loses the cause ("PytorchStreamWriter failed writing file ...",
-# "[enforce fail at inline_container.cc] unexpected pos"): those count only when the filesystem is in fact full.
-_SPACE_TEXTS = ("No space left on device", "os error 28", "Disk quota exceeded", "os error 122")
-_WRITE_FAILURE_TEXTS = ("PytorchStreamWriter failed writing", "inline_container.cc", "file write failed")
-_NEARLY_FULL = 64 * 1024 * 1024
-
-
-def mount_point(path: Path) -> Path:
-    """The mount point of the filesystem holding ``path`` (the nearest existing directory on its way up)."""
-    p = Path(path).absolute()
-    while not p.exists() and p != p.parent:
-        p = p.parent
-    dev = p.stat().st_dev
-    while p != p.parent and p.parent.stat().st_dev == dev:
-        p = p.parent
-    return p
-
-
-def out_of_space(exc: BaseException, where: Path) -> bool:
-    """Whether ``exc`` (or what caused it) is the filesystem of ``where`` running out of space or quota, however the
-    library that wrote says so."""
-    seen: BaseException | None = exc
-    texts = []
-    while seen is not None:
-        if isinstance(seen, OSError) and seen.errno in _SPACE_ERRNOS:
-            return True
-        texts.append(str(seen))
-        seen = seen.__cause__ or seen.__context__
-    text = " ".join(texts)
-    if any(t in text for t in _SPACE_TEXTS):
-        return True
-    if any(t in text for t in _WRITE_FAILURE_TEXTS):
-        with contextlib.suppress(OSError):
-            return shutil.disk_usage(mount_point(where)).free < _NEARLY_FULL
-    return False
-
-
-def space_error(target: Path, where: Path, doing: str = "") -> FilesystemError:
-    """The one line for running out of space writing ``target``: the filesystem (its mount point) and what is left."""
-    from mtpquant.units import format_bytes
-
-    mount = mount_point(where)
-    try:
-        free = f", {format_bytes(shutil.disk_usage(mount).free)} free"
-    except OSError:
-        free = ""
-    during = f" while {doing}" if doing else ""
-    return FilesystemError(
-        f"{target}: No space left on device (the filesystem mounted at {mount}{free}){during}; nothing was put in place"
-    )
-
-
-def _write(fh: Any, data: bytes | memoryview) -> None:
-    """Every byte mtpquant writes goes through here (one seam for fault-injection tests)."""
-    fh.write(data)
-
-
 _COPY_CHUNK = 64 * 1024 * 1024
 
 
 def _copy_observed(fh: Any, src: Path, start: int, end: int, observe: Callable[[memoryview], None]) -> None:
     for piece in file_pieces(src, start, end, src.name):
         observe(piece)
-        _write(fh, piece)
+        filesystem.write_data(fh, piece)
 
 
 def _copy_range(
     fh: Any, src: Path, start: int, end: int, observe: Callable[[memoryview], None] | None = None
 ) -> None:
     """Append bytes ``[start, end)`` of ``src`` to ``fh``: ``os.copy_file_range`` (no copy through
-    Python, what ``cp`` does), falling back to chunked reads through ``_write`` where unsupported; with
+    Python, what ``cp`` does), falling back to chunked reads through ``filesystem.write_data`` where unsupported; with
     ``observe``, through one reused buffer, each piece shown to ``observe`` before it is written."""
     if observe is not None:
         _copy_observed(fh, src, start, end, observe)
@@ -219,42 +120,8 @@ def _copy_range(
             data = s.read(min(end - offset, _COPY_CHUNK))
             if not data:
                 raise CheckpointError(f"{src.name}: truncated: wanted bytes {start}..{end}, file ends earlier")
-            _write(fh, data)
+            filesystem.write_data(fh, data)
             offset += len(data)
-
-
-def _replace_atomically(path: Path, fill: Callable[[Path], None], *, sync_dir: bool = True) -> None:
-    """``fill`` writes (and fsyncs) a temp file beside ``path``, which then replaces ``path`` and the directory is
-    fsynced (unless ``sync_dir`` is False: a staging directory fsynced once when it is committed); a crash or an
-    error leaves the old file or none, never a partial one."""
-    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
-    try:
-        fill(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
-    if sync_dir:
-        fsync_dir(path.parent)
-
-
-def atomic_write_bytes(path: Path, data: bytes, *, sync_dir: bool = True) -> None:
-    """Write a file via temp file + fsync + ``os.replace``; a crash leaves the old file or none."""
-
-    def fill(tmp: Path) -> None:
-        with tmp.open("wb") as fh:
-            _write(fh, data)
-            fh.flush()
-            os.fsync(fh.fileno())
-
-    _replace_atomically(path, fill, sync_dir=sync_dir)
-
-
-def atomic_write_json(path: Path, obj: Any) -> None:
-    """Atomic JSON write, indented, with a trailing newline; strict JSON (a NaN or an infinity is a ValueError, never
-    the bare ``NaN`` other readers refuse)."""
-    atomic_write_bytes(path, (json.dumps(obj, indent=2, ensure_ascii=False, allow_nan=False) + "\n").encode("utf-8"))
 
 
 def write_safetensors(path: Path, tensors: Iterable[PlannedTensor], metadata: Mapping[str, str] | None = None) -> None:
@@ -271,7 +138,7 @@ def write_safetensors(path: Path, tensors: Iterable[PlannedTensor], metadata: Ma
     raw += b" " * (-len(raw) % 8)
     base = 8 + len(raw)
     with path.open("wb") as fh:
-        _write(fh, struct.pack("<Q", len(raw)) + raw)
+        filesystem.write_data(fh, struct.pack("<Q", len(raw)) + raw)
         if any(t.read_order is not None for t in plan):
             # produce in source order, each at its offset: the file comes out the same, read front to back
             offsets = {t.name: header[t.name]["data_offsets"][0] for t in plan}
@@ -282,7 +149,7 @@ def write_safetensors(path: Path, tensors: Iterable[PlannedTensor], metadata: Ma
                         f"{path.name}: tensor {t.name!r} produced {len(data)} bytes, expected {t.nbytes}"
                     )
                 fh.seek(base + offsets[t.name])
-                _write(fh, data)
+                filesystem.write_data(fh, data)
             fh.flush()
             os.fsync(fh.fileno())
             return
@@ -298,7 +165,7 @@ def write_safetensors(path: Path, tensors: Iterable[PlannedTensor], metadata: Ma
             data = t.produce()
             if len(data) != t.nbytes:
                 raise CheckpointError(f"{path.name}: tensor {t.name!r} produced {len(data)} bytes, expected {t.nbytes}")
-            _write(fh, data)
+            filesystem.write_data(fh, data)
         fh.flush()
         os.fsync(fh.fileno())
 
@@ -308,7 +175,7 @@ def atomic_write_safetensors(
 ) -> None:
     """A standalone safetensors file via temp file + fsync + ``os.replace`` + directory fsync."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    _replace_atomically(path, lambda tmp: write_safetensors(tmp, tensors, metadata))
+    replace_atomically(path, lambda tmp: write_safetensors(tmp, tensors, metadata))
 
 
 def plan_shards(tensors: Iterable[PlannedTensor], max_bytes: int) -> list[list[PlannedTensor]]:
@@ -371,7 +238,7 @@ def _naming(od: OutputDir, relname: str) -> Iterator[None]:
         yield
     except OSError as exc:
         target = od.final / relname
-        if exc.errno in _SPACE_ERRNOS:
+        if exc.errno in SPACE_ERRNOS:
             raise space_error(target, od.path, od.doing) from None
         raise FilesystemError(f"{target}: {exc.strerror or exc} (writing it; nothing was put in place)") from None
 
@@ -421,7 +288,7 @@ class OutputDir:
                 raise
         except OSError as exc:
             self._lock.release()
-            if exc.errno in _SPACE_ERRNOS:
+            if exc.errno in SPACE_ERRNOS:
                 raise space_error(self.final, self.final.parent) from None
             raise
         except BaseException:
@@ -508,7 +375,7 @@ class OutputDir:
         os.umask(umask)
         target.chmod(0o666 & ~umask)
         with self._writing(relname):
-            _fsync_file(target)  # written by a library that may not have flushed it: durable before the rename
+            fsync_file(target)  # written by a library that may not have flushed it: durable before the rename
         self._synced.add(relname)
         return relname
 
@@ -544,7 +411,7 @@ class OutputDir:
                 log.info("hard link of %s failed (%s); copying", src, exc.strerror)
         with self._writing(relname):
             shutil.copyfile(src, target)
-            _fsync_file(target)
+            fsync_file(target)
         self._synced.add(relname)
         self.copied.append(relname)
         self.bytes_written += target.stat().st_size
@@ -562,7 +429,7 @@ class OutputDir:
                 rel = (base / name).relative_to(self.path).as_posix()
                 if rel not in self._synced and not (base / name).is_symlink():
                     with self._writing(rel):
-                        _fsync_file(base / name)
+                        fsync_file(base / name)
         for d in reversed(dirs):
             fsync_dir(d)
 

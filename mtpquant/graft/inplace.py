@@ -28,8 +28,9 @@ import stat
 from collections.abc import Iterable
 from pathlib import Path
 
+from mtpquant.checkpoint.filesystem import exchange_dirs, fsync_dir
 from mtpquant.checkpoint.index import INDEX_NAME
-from mtpquant.checkpoint.writer import OutputDir, exchange_dirs, find_stale_partials, fsync_dir
+from mtpquant.checkpoint.writer import OutputDir, find_stale_partials
 
 __all__ = [
     "JOURNAL",
@@ -37,7 +38,6 @@ __all__ = [
     "clean_stale",
     "commit_exchange",
     "commit_files",
-    "exchange_dirs",
     "exchange_supported",
     "mirror_tree",
     "snapshot",

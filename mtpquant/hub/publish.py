@@ -405,7 +405,7 @@ def publish(opts: PublishOptions) -> PublishResult:
         )
         return result
 
-    from mtpquant.checkpoint.writer import atomic_write_bytes
+    from mtpquant.checkpoint.filesystem import atomic_write_bytes
 
     # the card (and the base model recorded) go into OUT for the upload; a failed upload puts OUT back as it was
     writes = {PROVENANCE_FILE: provenance.to_bytes() if base is not None else None}

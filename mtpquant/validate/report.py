@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from mtpquant.checkpoint.writer import atomic_write_bytes, atomic_write_json
+from mtpquant.checkpoint.filesystem import atomic_write_bytes, atomic_write_json
 from mtpquant.engine.sampling import SamplingSettings
 from mtpquant.engine.server import ENGINE_NAMES
 from mtpquant.inspect.precision import linears_text

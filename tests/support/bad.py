@@ -13,8 +13,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from mtpquant.checkpoint.filesystem import atomic_write_json
 from mtpquant.checkpoint.index import INDEX_NAME
-from mtpquant.checkpoint.writer import PlannedTensor, atomic_write_json, write_safetensors
+from mtpquant.checkpoint.writer import PlannedTensor, write_safetensors
 from mtpquant.families import resolve
 
 __all__ = ["BAD_CASES", "make_bad_corpus", "make_minimal_checkpoint"]
