@@ -32,6 +32,7 @@ from mtpquant.mtp.drafting import draft_chain
 from mtpquant.mtp.module import KVCache, MtpConfig, MtpLayer
 from mtpquant.public import public_checkpoint
 from mtpquant.render import acceptance_text
+from mtpquant.validate.acceptance import Acceptance, AcceptanceRow
 from mtpquant.validate.builtin import SequenceRecord, TargetRun, capture, evaluate_acceptance, replay_greedy
 from mtpquant.validate.load import CheckpointWeights, MtpBundle, load_mtp, load_target
 from mtpquant.validate.metrics import StepRecord, acceptance_stats
@@ -45,8 +46,6 @@ from mtpquant.validate.prompts import (
 from mtpquant.validate.report import _acceptance_plot, render_markdown, write_report
 from mtpquant.validate.run import ValidateOptions, validate
 from mtpquant.validate.schema import (
-    Acceptance,
-    AcceptanceRow,
     Agreement,
     Comparison,
     EngineInfo,

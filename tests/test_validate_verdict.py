@@ -16,6 +16,7 @@ import pytest
 
 from mtpquant.checkpoint.filesystem import atomic_write_json
 from mtpquant.errors import ExitCode
+from mtpquant.validate.acceptance import Acceptance, AcceptanceRow
 from mtpquant.validate.evidence import (
     MIN_UNITS,
     Bootstrap,
@@ -26,16 +27,7 @@ from mtpquant.validate.evidence import (
     units_to_settle,
 )
 from mtpquant.validate.run import ValidateOptions
-from mtpquant.validate.schema import (
-    Acceptance,
-    AcceptanceRow,
-    Agreement,
-    Comparison,
-    KlSummary,
-    MtpInfo,
-    Side,
-    Verdict,
-)
+from mtpquant.validate.schema import Agreement, Comparison, KlSummary, MtpInfo, Side, Verdict
 from mtpquant.validate.verdict import verdict
 
 STEPS = 40  # verification steps per prompt in the hand-made counts

@@ -33,6 +33,7 @@ from tqdm.auto import tqdm
 from mtpquant.engine.sampling import SamplingSettings
 from mtpquant.errors import ValidateError
 from mtpquant.public import public_checkpoint, public_file
+from mtpquant.validate.acceptance import Acceptance
 from mtpquant.validate.assemble import Measured, report_settings
 from mtpquant.validate.hidden import load_hidden, save_hidden
 from mtpquant.validate.load import (
@@ -63,7 +64,7 @@ from mtpquant.validate.replay import (
     evaluate_acceptance,
     replay_greedy,
 )
-from mtpquant.validate.schema import Acceptance, Comparison, MtpInfo, Side
+from mtpquant.validate.schema import Comparison, MtpInfo, Side
 
 __all__ = [
     "SequenceRecord",

@@ -33,23 +33,14 @@ from mtpquant.engine.server import ENGINE_NAMES, EngineServer, ServerInfo, SpecC
 from mtpquant.engine.sizing import Machine, plan_engine_memory, probe_machine
 from mtpquant.errors import EngineAnswerError, ValidateError
 from mtpquant.public import public_args, public_checkpoint
+from mtpquant.validate.acceptance import Acceptance, AcceptanceRow, ContextBucket
 from mtpquant.validate.assemble import Measured, report_settings
 from mtpquant.validate.evidence import Bootstrap
 from mtpquant.validate.measure import EngineMeasurement, measure
 from mtpquant.validate.options import ValidateOptions
 from mtpquant.validate.preflight import check_context_buckets, check_same_model, preflight
 from mtpquant.validate.prompts import PlannedSequence, plan_sequences, prompts_for, tokenize_prompts
-from mtpquant.validate.schema import (
-    Acceptance,
-    AcceptanceRow,
-    Comparison,
-    ContextBucket,
-    EngineInfo,
-    MtpInfo,
-    Predicted,
-    PredictedRow,
-    Side,
-)
+from mtpquant.validate.schema import Comparison, EngineInfo, MtpInfo, Predicted, PredictedRow, Side
 
 __all__ = ["validate_engine"]
 

@@ -18,11 +18,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from mtpquant.validate.acceptance import AcceptanceStats, ContextBucket
 from mtpquant.validate.evidence import UnitCounts
-from mtpquant.validate.schema import AcceptanceStats, ContextBucket
 
 __all__ = [
-    "AcceptanceStats",
     "StepRecord",
     "Summary",
     "acceptance_stats",

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from mtpquant import __version__
-from mtpquant.validate.schema import REPORT_SCHEMA, Acceptance, AcceptanceRow, ContextBucket, Report, Side
+from mtpquant.validate.acceptance import Acceptance, AcceptanceRow, ContextBucket
+from mtpquant.validate.schema import REPORT_SCHEMA, Report, Side
 
 __all__ = ["PROFILE_FILE", "PROFILE_SCHEMA_VERSION", "ProfileHeadline", "profile_headline", "speculation_profile"]
 

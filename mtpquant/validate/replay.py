@@ -21,10 +21,10 @@ from mtpquant.engine.sampling import SamplingSettings
 from mtpquant.errors import ReplayError
 from mtpquant.mtp.drafting import chain_logits, draft_rows, mtp_logits
 from mtpquant.mtp.step import MtpStep
+from mtpquant.validate.acceptance import Acceptance, AcceptanceRow, AcceptanceStats, ContextBucket
 from mtpquant.validate.evidence import CONFIDENCE, Bootstrap, UnitCounts
 from mtpquant.validate.load import MtpBundle
 from mtpquant.validate.metrics import (
-    AcceptanceStats,
     StepRecord,
     acceptance_stats,
     context_buckets,
@@ -34,7 +34,7 @@ from mtpquant.validate.metrics import (
     unit_counts,
 )
 from mtpquant.validate.rules import target_probs, terms
-from mtpquant.validate.schema import Acceptance, AcceptanceRow, Agreement, ContextBucket, KlSummary
+from mtpquant.validate.schema import Agreement, KlSummary
 
 __all__ = [
     "AcceptanceResult",

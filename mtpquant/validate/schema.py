@@ -2,35 +2,32 @@
 
 ``Report.to_json()`` is ``report.json`` (``schema: mtpquant.validate/1``, documented in docs/validate.md);
 ``Report.from_json()`` reads one back, refusing a document of another shape with ``ValueError``. This module
-imports nothing heavy (no torch): publishing reads reports without loading models.
+imports nothing heavy (no torch): publishing reads reports without loading models. The acceptance records a side
+holds live in ``acceptance.py``; the JSON reading they all share in ``jsonrecord.py``.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, cast
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from mtpquant.engine.sampling import SamplingSettings
 from mtpquant.errors import ExitCode
-from mtpquant.validate.evidence import CONFIDENCE, Interval, UnitCounts
+from mtpquant.validate.acceptance import Acceptance, AcceptanceRow
+from mtpquant.validate.evidence import CONFIDENCE, Interval
+from mtpquant.validate.jsonrecord import JsonRecord, as_floats, as_object, require
 
 if TYPE_CHECKING:
-    from pydantic import TypeAdapter
     from torch import Tensor
 
 __all__ = [
     "READABLE_SCHEMAS",
     "REPORT_SCHEMA",
     "VERDICT_STATUSES",
-    "Acceptance",
-    "AcceptanceRow",
-    "AcceptanceStats",
     "Agreement",
     "ChangeEvidence",
     "Comparison",
-    "ContextBucket",
     "EngineInfo",
     "KlSummary",
     "MtpInfo",
@@ -50,263 +47,8 @@ REPORT_SCHEMA = "mtpquant.validate/2"
 READABLE_SCHEMAS = ("mtpquant.validate/1", REPORT_SCHEMA)
 
 
-_R = TypeVar("_R", bound="_JsonRecord")
-
-
-_ADAPTERS: dict[type, TypeAdapter[Any]] = {}
-
-
-def _adapter(cls: type) -> TypeAdapter[Any]:
-    if cls not in _ADAPTERS:
-        from pydantic import TypeAdapter  # on first use: commands that write no report do not import it
-
-        _ADAPTERS[cls] = TypeAdapter(cls)
-    return _ADAPTERS[cls]
-
-
-class _JsonRecord:
-    """A record whose JSON object is its fields in order, (de)serialised by pydantic: read strictly as JSON (no
-    ``"3"`` for 3, no ``true`` for 1), unknown keys ignored (a report a newer mtpquant wrote still reads), missing
-    keys the field's default; the first problem is a ``ValueError`` naming its place (``report.settings.k: ...``)."""
-
-    __pydantic_config__: ClassVar[dict[str, Any]] = {"strict": True, "extra": "ignore"}  # a pydantic.ConfigDict
-
-    def to_json(self) -> dict[str, Any]:
-        """The JSON object."""
-        return dict(_adapter(type(self)).dump_python(self, mode="json"))
-
-    @classmethod
-    def from_json(cls: type[_R], d: Any, where: str) -> _R:
-        """Read the JSON object at ``where``."""
-        from pydantic import ValidationError
-
-        try:
-            return cast(_R, _adapter(cls).validate_json(json.dumps(d)))
-        except ValidationError as exc:
-            error = exc.errors()[0]
-            at = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error["loc"])
-            raise ValueError(f"{where}{at}: {error['msg'].lower()}") from None
-        except (TypeError, ValueError) as exc:  # not JSON at all (a value json cannot write)
-            raise ValueError(f"{where}: not a JSON value ({exc})") from None
-
-
-def _req(d: Mapping[str, Any], key: str, kind: type | tuple[type, ...], where: str) -> Any:
-    value = d.get(key)
-    kinds = kind if isinstance(kind, tuple) else (kind,)
-    if isinstance(value, bool) or not isinstance(value, kinds):
-        raise ValueError(
-            f"{where}.{key}: expected {' or '.join(k.__name__ for k in kinds)}, got {type(value).__name__}"
-        )
-    return value
-
-
-def _map(value: Any, where: str) -> Mapping[str, Any]:
-    if not isinstance(value, Mapping):
-        raise ValueError(f"{where}: expected an object")
-    return value
-
-
-def _floats(value: Any, where: str) -> tuple[float, ...]:
-    if not isinstance(value, list) or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
-        raise ValueError(f"{where}: expected a list of numbers")
-    return tuple(float(v) for v in value)
-
-
-def _ints(value: Any, where: str) -> tuple[int, ...]:
-    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-        raise ValueError(f"{where}: expected a list of integers")
-    return tuple(value)
-
-
 @dataclass(frozen=True)
-class AcceptanceStats:
-    """Acceptance over a run of verification steps; per-position tuples are for positions 1..K (vLLM's counters'
-    terms). ``metrics.acceptance_stats`` computes it from step records, ``measure.engine_stats`` from an engine's
-    counters."""
-
-    num_steps: int
-    num_drafted: int
-    num_accepted: float  # an int when counted; a sum of probabilities when predicted under sampling
-    acceptance_rate: float
-    mean_acceptance_length: float
-    drafted_per_position: tuple[int, ...]
-    accepted_per_position: tuple[float, ...]  # ints when counted, expectations when predicted
-    acceptance_per_position: tuple[float, ...]
-
-
-_STATS_FIELDS = tuple(f.name for f in fields(AcceptanceStats))
-
-
-@dataclass(frozen=True)
-class ContextBucket:
-    """Acceptance of the steps whose context (prompt + generated tokens when the step drafted) lies in
-    [low, high): per-position counts in vLLM's terms, and AL."""
-
-    low: int
-    high: int
-    steps: int
-    accepted: float
-    drafted_per_position: tuple[int, ...]
-    accepted_per_position: tuple[float, ...]
-
-    @property
-    def acceptance_per_position(self) -> tuple[float, ...]:
-        """Accepted / drafted per position (NaN where nothing was drafted)."""
-        pairs = zip(self.accepted_per_position, self.drafted_per_position)
-        return tuple(a / d if d else float("nan") for a, d in pairs)
-
-    @property
-    def mean_acceptance_length(self) -> float:
-        """1 + accepted / steps (NaN without steps)."""
-        return 1.0 + self.accepted / self.steps if self.steps else float("nan")
-
-    def to_json(self) -> dict[str, Any]:
-        """One ``by_context`` entry (rates null where nothing was drafted: strict JSON)."""
-
-        def num(v: float) -> float | int | None:
-            if v != v:  # NaN
-                return None
-            return int(v) if float(v).is_integer() and not isinstance(v, bool) else v
-
-        return {
-            "low": self.low,
-            "high": self.high,
-            "steps": self.steps,
-            "accepted": num(self.accepted),
-            "mean_acceptance_length": num(self.mean_acceptance_length),
-            "drafted_per_position": list(self.drafted_per_position),
-            "accepted_per_position": [num(a) for a in self.accepted_per_position],
-            "acceptance_per_position": [num(a) for a in self.acceptance_per_position],
-        }
-
-    @classmethod
-    def from_json(cls, d: Any, where: str) -> ContextBucket:
-        """Read a ``by_context`` entry."""
-        d = _map(d, where)
-        return cls(
-            int(_req(d, "low", int, where)),
-            int(_req(d, "high", int, where)),
-            int(_req(d, "steps", int, where)),
-            float(_req(d, "accepted", (int, float), where)),
-            _ints(d.get("drafted_per_position"), f"{where}.drafted_per_position"),
-            _floats(d.get("accepted_per_position"), f"{where}.accepted_per_position"),
-        )
-
-
-@dataclass(frozen=True)
-class AcceptanceRow(AcceptanceStats):
-    """Acceptance with k drafts per step: the report's ``by_k`` entry, with AL's interval over the sampling units
-    (prompts) and the per-unit counts it was resampled from."""
-
-    k: int
-    al_interval: Interval | None = None
-    units: UnitCounts | None = None
-    by_context: tuple[ContextBucket, ...] = ()
-
-    @classmethod
-    def of(
-        cls,
-        k: int,
-        stats: AcceptanceStats,
-        units: UnitCounts | None = None,
-        al_interval: Interval | None = None,
-        by_context: tuple[ContextBucket, ...] = (),
-    ) -> AcceptanceRow:
-        """The row of ``stats`` for k."""
-        return cls(
-            k=k,
-            al_interval=al_interval,
-            units=units,
-            by_context=by_context,
-            **{name: getattr(stats, name) for name in _STATS_FIELDS},
-        )
-
-    def to_json(self) -> dict[str, Any]:
-        """The ``by_k`` entry."""
-        out: dict[str, Any] = {"k": self.k}
-        for name in _STATS_FIELDS:
-            value = getattr(self, name)
-            out[name] = list(value) if isinstance(value, tuple) else value
-        if self.al_interval is not None:
-            out["al_interval"] = self.al_interval.to_json()
-        if self.units is not None:
-            out["units"] = self.units.to_json()
-        if self.by_context:
-            out["by_context"] = [b.to_json() for b in self.by_context]
-        return out
-
-    @classmethod
-    def from_json(cls, d: Any, where: str) -> AcceptanceRow:
-        """Read a ``by_k`` entry."""
-        d = _map(d, where)
-        interval = d.get("al_interval")
-        units = d.get("units")
-        return cls(
-            al_interval=None if interval is None else Interval.from_json(interval, f"{where}.al_interval"),
-            units=None if units is None else UnitCounts.from_json(units, f"{where}.units"),
-            by_context=tuple(
-                ContextBucket.from_json(b, f"{where}.by_context[{i}]") for i, b in enumerate(d.get("by_context") or ())
-            ),
-            k=_req(d, "k", int, where),
-            num_steps=_req(d, "num_steps", int, where),
-            num_drafted=_req(d, "num_drafted", int, where),
-            num_accepted=_req(d, "num_accepted", (int, float), where),
-            acceptance_rate=float(_req(d, "acceptance_rate", (int, float), where)),
-            mean_acceptance_length=float(_req(d, "mean_acceptance_length", (int, float), where)),
-            drafted_per_position=_ints(d.get("drafted_per_position"), f"{where}.drafted_per_position"),
-            accepted_per_position=tuple(
-                int(v) if float(v).is_integer() else v
-                for v in _floats(d.get("accepted_per_position"), f"{where}.accepted_per_position")
-            ),
-            acceptance_per_position=_floats(d.get("acceptance_per_position"), f"{where}.acceptance_per_position"),
-        )
-
-
-@dataclass(frozen=True)
-class Acceptance:
-    """Acceptance for k = 1..K under one sampling setting and verification rule, plus the teacher-forced agreement
-    (None when measured by an engine)."""
-
-    by_k: tuple[AcceptanceRow, ...]
-    teacher_forced_agreement: float | None = None
-    sampling: SamplingSettings = field(default_factory=SamplingSettings)
-    rule: str = "vllm"
-
-    @property
-    def al(self) -> list[float]:
-        """Mean acceptance length per k."""
-        return [r.mean_acceptance_length for r in self.by_k]
-
-    def to_json(self) -> dict[str, Any]:
-        """The ``acceptance`` object."""
-        return {
-            "sampling": self.sampling.to_json(),
-            "rule": self.rule,
-            "teacher_forced_agreement": self.teacher_forced_agreement,
-            "by_k": [r.to_json() for r in self.by_k],
-        }
-
-    @classmethod
-    def from_json(cls, d: Any, where: str) -> Acceptance:
-        """Read an ``acceptance`` object."""
-        d = _map(d, where)
-        rows = d.get("by_k")
-        if not isinstance(rows, list) or not rows:
-            raise ValueError(f"{where}.by_k: expected a non-empty list")
-        tf = d.get("teacher_forced_agreement")
-        if tf is not None and not isinstance(tf, (int, float)):
-            raise ValueError(f"{where}.teacher_forced_agreement: expected a number or null")
-        sampling = d.get("sampling")
-        return cls(
-            tuple(AcceptanceRow.from_json(r, f"{where}.by_k[{i}]") for i, r in enumerate(rows)),
-            None if tf is None else float(tf),
-            SamplingSettings.from_json(sampling) if isinstance(sampling, Mapping) else SamplingSettings(),
-            str(d.get("rule") or "vllm"),
-        )
-
-
-@dataclass(frozen=True)
-class MtpInfo(_JsonRecord):
+class MtpInfo(JsonRecord):
     """The MTP of one side: present, why unusable, its precision (Linear count per storage kind)."""
 
     present: bool
@@ -351,11 +93,11 @@ class Side:
     @classmethod
     def from_json(cls, d: Any, where: str) -> Side:
         """Read a side."""
-        d = _map(d, where)
+        d = as_object(d, where)
         acc = d.get("acceptance")
         non_finite = d.get("non_finite") if isinstance(d.get("non_finite"), Mapping) else {}
         return cls(
-            str(_req(d, "checkpoint", str, where)),
+            str(require(d, "checkpoint", str, where)),
             str(d.get("family") or ""),
             dict(d.get("precision") or {}),
             str(d.get("target_source") or ""),
@@ -384,7 +126,7 @@ class KlSummary:
 
 
 @dataclass(frozen=True)
-class Agreement(_JsonRecord):
+class Agreement(JsonRecord):
     """Candidate vs reference logits at identical positions."""
 
     positions: int
@@ -428,24 +170,24 @@ class Comparison:
     @classmethod
     def from_json(cls, d: Any, where: str) -> Comparison:
         """Read a ``comparison`` object."""
-        d = _map(d, where)
+        d = as_object(d, where)
         mtp = d.get("mtp")
         cross = d.get("candidate_mtp_on_reference_target")
         main = d.get("main")
         return cls(
             None if mtp is None else Agreement.from_json(mtp, f"{where}.mtp"),
             None if cross is None else Acceptance.from_json(cross, f"{where}.candidate_mtp_on_reference_target"),
-            _floats(d.get("al_delta_by_k", []), f"{where}.al_delta_by_k"),
-            _floats(d.get("al_delta_from_mtp_by_k", []), f"{where}.al_delta_from_mtp_by_k"),
-            _floats(d.get("al_delta_from_target_by_k", []), f"{where}.al_delta_from_target_by_k"),
-            _floats(d.get("acceptance_delta_per_position", []), f"{where}.acceptance_delta_per_position"),
+            as_floats(d.get("al_delta_by_k", []), f"{where}.al_delta_by_k"),
+            as_floats(d.get("al_delta_from_mtp_by_k", []), f"{where}.al_delta_from_mtp_by_k"),
+            as_floats(d.get("al_delta_from_target_by_k", []), f"{where}.al_delta_from_target_by_k"),
+            as_floats(d.get("acceptance_delta_per_position", []), f"{where}.acceptance_delta_per_position"),
             None if main is None else Agreement.from_json(main, f"{where}.main"),
             not ("main" in d and main is None),
         )
 
 
 @dataclass(frozen=True)
-class Settings(_JsonRecord):
+class Settings(JsonRecord):
     """How the evaluation ran."""
 
     k: int
@@ -465,7 +207,7 @@ class Settings(_JsonRecord):
 
 
 @dataclass(frozen=True)
-class EngineInfo(_JsonRecord):
+class EngineInfo(JsonRecord):
     """The serving engine that measured the acceptance (engine path only)."""
 
     name: str  # "vllm" | "sglang"
@@ -483,7 +225,7 @@ class EngineInfo(_JsonRecord):
 
 
 @dataclass(frozen=True)
-class PredictedRow(_JsonRecord):
+class PredictedRow(JsonRecord):
     """``--compare-reference``: what the engine measured beside the built-in prediction, for one sampling setting
     and k of one side (``label``: the setting's; ``difference``: engine AL minus predicted AL)."""
 
@@ -509,7 +251,7 @@ class PredictedRow(_JsonRecord):
 
 
 @dataclass(frozen=True)
-class Predicted(_JsonRecord):
+class Predicted(JsonRecord):
     """``--compare-reference``: the built-in prediction beside the engine's measurement, per side (None: the side
     was not compared, and its key is left out)."""
 
@@ -551,10 +293,10 @@ class ChangeEvidence:
     @classmethod
     def from_json(cls, d: Any, where: str) -> ChangeEvidence:
         """Read a ``verdict.evidence`` entry."""
-        d = _map(d, where)
+        d = as_object(d, where)
         mtp, target = d.get("mtp"), d.get("target")
         return cls(
-            int(_req(d, "k", int, where)),
+            int(require(d, "k", int, where)),
             Interval.from_json(d.get("change"), f"{where}.change"),
             None if mtp is None else Interval.from_json(mtp, f"{where}.mtp"),
             None if target is None else Interval.from_json(target, f"{where}.target"),
@@ -610,8 +352,8 @@ class Verdict:
     @classmethod
     def from_json(cls, d: Any, where: str) -> Verdict:
         """Read ``verdict``."""
-        d = _map(d, where)
-        status = str(_req(d, "status", str, where))
+        d = as_object(d, where)
+        status = str(require(d, "status", str, where))
         thresholds = d.get("thresholds")
         needed = d.get("prompts_needed")
         return cls(
@@ -676,7 +418,7 @@ class Report:
     @classmethod
     def from_json(cls, d: Any) -> Report:
         """Read ``report.json``; ``ValueError`` for another schema or shape."""
-        d = _map(d, "report")
+        d = as_object(d, "report")
         if d.get("schema") not in READABLE_SCHEMAS:
             raise ValueError(f"report: schema {d.get('schema')!r} is not one of {', '.join(READABLE_SCHEMAS)}")
         mode = d.get("mode")
