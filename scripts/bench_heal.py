@@ -50,6 +50,7 @@ options = json.loads(sys.argv[1])
 r = heal(HealOptions(**options))
 print(json.dumps({
     "cpu_s": r.cpu_seconds, "timings": r.timings, "peak_rss": r.peak_rss_bytes, "action": r.action,
+    "peak_rss_after": r.peak_rss_after,
     "data_bytes": r.data_bytes, "bytes_written": r.bytes_written,
     "check": [[c.k, c.before, c.after, c.low, c.high, c.better] for c in r.check.by_k],
     "kl": [r.training.first_loss, r.training.last_loss],
@@ -159,6 +160,9 @@ def big(work: Path, cap: str) -> str:
         f"| {format_bytes(r['max_rss'])} | {format_bytes(limit)} | {r['max_rss'] / limit:.2f}x | {r['wall_s']:.0f} s | "
         f"{resident}, disk {format_bytes(placement['disk_bytes'])} | {format_bytes(r['data_bytes'])} | "
         f"{format_bytes(r['bytes_written'])} |",
+        "",
+        "peak RSS when each phase ended: "
+        + ", ".join(f"{k} {format_bytes(v)}" for k, v in r.get("peak_rss_after", {}).items()),
         "",
         "heal options: " + json.dumps({k: v for k, v in options.items() if k not in ("quant", "source", "out")}),
     ])

@@ -299,6 +299,10 @@ def test_heal_is_deterministic_and_force_writes_with_the_record(healed_tiny: Hea
     assert (a.training.first_loss, a.training.last_loss) == (b.training.first_loss, b.training.last_loss)
     record = read_provenance(first).heal
     assert record is not None and record.forced == (not a.check.better)  # type: ignore[union-attr]
+    # the peak RSS when each phase ended, in phase order: it names the phase that raised the peak
+    assert list(b.peak_rss_after) == [k for k in b.timings if k != "total"]
+    peaks = list(b.peak_rss_after.values())
+    assert peaks == sorted(peaks) and 0 < peaks[-1] <= b.peak_rss_bytes
 
 
 @pytest.mark.slow

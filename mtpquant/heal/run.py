@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
+import resource
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -55,6 +56,7 @@ class HealResult(WriteLog):
     timings: dict[str, float] = field(default_factory=dict)
     cpu_seconds: float = 0.0
     peak_rss_bytes: int = 0
+    peak_rss_after: dict[str, int] = field(default_factory=dict)  # the peak RSS when each phase ended
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict."""
@@ -66,8 +68,11 @@ class HealResult(WriteLog):
 
 
 class _Timer:
+    """Wall seconds per phase, and the process's peak RSS when each phase ended (which phase raised it)."""
+
     def __init__(self) -> None:
         self.timings: dict[str, float] = {}
+        self.peak_rss_after: dict[str, int] = {}
 
     def __call__(self, name: str) -> Any:
         timer = self
@@ -78,6 +83,7 @@ class _Timer:
 
             def __exit__(self, *exc: object) -> None:
                 timer.timings[name] = timer.timings.get(name, 0.0) + time.perf_counter() - self.t0
+                timer.peak_rss_after[name] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
         return _Span()
 
@@ -111,7 +117,6 @@ def _changes(check: CheckResult) -> str:
 def heal(options: HealOptions) -> HealResult:
     """Heal QUANT's MTP against QUANT's target; see the module docstring. Raises ``HealNotBetterError`` (exit 24,
     nothing written) when the healed MTP is not better beyond noise, and other one-line ``MtpquantError``s."""
-    import resource
 
     c0 = time.process_time()
     timer = _Timer()
@@ -136,6 +141,7 @@ def heal(options: HealOptions) -> HealResult:
     result.destination = str(target.destination)
     result.commit = target.commit
     result.timings = {**timer.timings, "total": time.perf_counter() - t_start}
+    result.peak_rss_after = dict(timer.peak_rss_after)
     result.cpu_seconds = time.process_time() - c0
     result.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     assert result.check is not None
