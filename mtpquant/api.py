@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # a type checker (a user's, through py.typed) sees the real types; at run time they load lazily
     from mtpquant.convert.plan import ConvertOptions, ConvertPlan, plan_convert
     from mtpquant.convert.recipes import builtin_recipe_names
-    from mtpquant.convert.run import ConvertResult, convert
+    from mtpquant.convert.result import ConvertResult
+    from mtpquant.convert.run import convert
     from mtpquant.graft.run import GraftOptions, GraftResult, fix_metadata, graft
     from mtpquant.heal.options import HealOptions
     from mtpquant.heal.plan import HealPlan
@@ -73,7 +74,7 @@ _WHERE = {
     "ConvertPlan": "mtpquant.convert.plan",
     "plan_convert": "mtpquant.convert.plan",
     "builtin_recipe_names": "mtpquant.convert.recipes",
-    "ConvertResult": "mtpquant.convert.run",
+    "ConvertResult": "mtpquant.convert.result",
     "convert": "mtpquant.convert.run",
     "GraftOptions": "mtpquant.graft.run",
     "GraftResult": "mtpquant.graft.run",

@@ -20,7 +20,7 @@ from mtpquant.validate.table import acceptance_table
 
 if TYPE_CHECKING:
     from mtpquant.convert.plan import ConvertPlan
-    from mtpquant.convert.run import ConvertResult
+    from mtpquant.convert.result import ConvertResult
     from mtpquant.graft.run import GraftResult
     from mtpquant.heal.run import HealResult
     from mtpquant.hub.publish import PublishResult

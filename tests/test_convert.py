@@ -25,7 +25,8 @@ from huggingface_hub import ModelCard
 from mtpquant import __version__
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.cli import main as cli
-from mtpquant.convert.run import ConvertOptions, ConvertResult, convert
+from mtpquant.convert.result import ConvertResult
+from mtpquant.convert.run import ConvertOptions, convert
 from mtpquant.formats.nvfp4 import dequantize_nvfp4
 from mtpquant.inspect.report import inspect_checkpoint
 from mtpquant.render import convert_text

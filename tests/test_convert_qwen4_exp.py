@@ -24,7 +24,8 @@ import pytest
 
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.convert.plan import plan_convert
-from mtpquant.convert.run import ConvertOptions, ConvertResult, convert
+from mtpquant.convert.result import ConvertResult
+from mtpquant.convert.run import ConvertOptions, convert
 from mtpquant.families import is_mtp_name
 from tests.support.vllm_env import vllm_env_dir
 

@@ -23,8 +23,9 @@ from mtpquant.checkpoint.lock import OutputLock, lock_path
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.checkpoint.writer import PARTIAL_MARK
 from mtpquant.convert.plan import plan_convert
+from mtpquant.convert.result import ConvertResult
 from mtpquant.convert.resume import RESUME_MARK
-from mtpquant.convert.run import ConvertOptions, ConvertResult, convert
+from mtpquant.convert.run import ConvertOptions, convert
 from mtpquant.errors import ExitCode
 
 pytestmark = pytest.mark.slow

@@ -21,12 +21,10 @@ import dataclasses
 import gc
 import logging
 import os
-import resource
 import shutil
-import sys
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +36,7 @@ from mtpquant.checkpoint.writer import OutputDir
 from mtpquant.convert.calibration import CalibrationData
 from mtpquant.convert.plan import ConvertOptions, ConvertPlan, plan_convert
 from mtpquant.convert.recipes import RECIPE_FILE
+from mtpquant.convert.result import ConvertResult, Timer, bytes_written_so_far, count_output, peak_rss_bytes
 from mtpquant.convert.resume import ResumeState
 from mtpquant.errors import CalibrationDataError, OutputVerificationError
 from mtpquant.families import TensorClass, is_mtp_name
@@ -47,7 +46,7 @@ from mtpquant.public import public_args, public_file, public_name, public_ref
 from mtpquant.surgery.modes import MtpOutcome, WriteContext, load_mtp_layer, same_bytes
 from mtpquant.units import format_bytes
 
-__all__ = ["ConvertOptions", "ConvertPlan", "ConvertResult", "convert", "peak_rss_bytes", "plan_convert"]
+__all__ = ["ConvertOptions", "ConvertPlan", "convert", "plan_convert"]
 
 if TYPE_CHECKING:
     from mtpquant.inspect.report import InspectReport
@@ -58,82 +57,6 @@ summary_log = logging.getLogger(__name__ + ".summary")
 
 SCRATCH = ".modelopt-export"
 OFFLOAD = ".offload"
-
-
-@dataclass
-class ConvertResult:
-    """What convert did: paths, sizes, tensor counts per class, timings, peak memory."""
-
-    plan: ConvertPlan
-    dry_run: bool = False
-    output: Path | None = None
-    mtp_output: Path | None = None
-    output_bytes: int = 0
-    mtp_output_bytes: int = 0
-    tensor_counts: dict[str, int] = field(default_factory=dict)
-    quantized_linears: int = 0
-    unquantized_linears: int = 0
-    mtp_tensors: int = 0
-    mtp_precision: str = ""
-    timings: dict[str, float] = field(default_factory=dict)
-    peak_rss_bytes: int = 0
-    peak_gpu_bytes: int = 0
-    calibration_rows: int = 0
-    calibration_tokens: int = 0
-    layerwise: bool = False
-    resumed_from_layer: int | None = None  # 0-based first layer calibrated by this run, when it resumed
-    placement: dict[str, int] = field(default_factory=dict)  # accelerate's modules per device
-    bytes_written: int = 0  # by this process, all files (/proc/self/io wchar); 0 where unknown
-    resume_bytes: int = 0  # of those, into the layer-wise resume state (removed on success)
-    offload_bytes: int = 0  # of those, weights transformers re-saved for disk offload (none for the 3 families)
-    shards_moved: int = 0  # exported shards renamed into place
-    shards_rewritten: int = 0  # exported shards written again because a tensor had to change
-    verdicts: dict[str, str] = field(default_factory=dict)
-    notes: list[str] = field(default_factory=list)
-
-    @property
-    def mode(self) -> str:
-        """The MTP mode that ran."""
-        return self.plan.mode
-
-    def to_json(self) -> dict[str, Any]:
-        """Plain data for ``--json``."""
-        data = {k: v for k, v in asdict(self).items() if k != "plan"}
-        data["plan"] = self.plan.to_json()
-        data["output"] = str(self.output) if self.output else None
-        data["mtp_output"] = str(self.mtp_output) if self.mtp_output else None
-        data["mode"] = self.mode
-        return data
-
-
-def peak_rss_bytes() -> int:
-    """Peak resident memory of this process so far."""
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(rss if sys.platform == "darwin" else rss * 1024)
-
-
-def bytes_written_so_far() -> int:
-    """Bytes this process has written to files and pipes (Linux ``/proc/self/io`` wchar); 0 where unknown."""
-    try:
-        for line in Path("/proc/self/io").read_text().splitlines():
-            if line.startswith("wchar:"):
-                return int(line.split()[1])
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0
-
-
-class _Timer:
-    def __init__(self) -> None:
-        self.timings: dict[str, float] = {}
-
-    @contextlib.contextmanager
-    def __call__(self, name: str) -> Iterator[None]:
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.timings[name] = self.timings.get(name, 0.0) + time.perf_counter() - t0
 
 
 def _tqdm(progress: bool, **kwargs: Any) -> Any:
@@ -205,31 +128,9 @@ def _verify(plan: ConvertPlan, src: Checkpoint, outcome: MtpOutcome, path: Path)
     return report
 
 
-def _count(path: Path) -> tuple[dict[str, int], int, int, int]:
-    from mtpquant.convert.assemble import quantized_modules_of
-
-    ckpt = Checkpoint.open(path, strict=True)
-    counts: dict[str, int] = {}
-    for name in ckpt.tensors:
-        cls = ckpt.classify(name)
-        counts[cls] = counts.get(cls, 0) + 1
-    quantized = {m for m in quantized_modules_of(ckpt.tensors) if not is_mtp_name(m)}
-    linears = {
-        n[: -len(".weight")]
-        for n, e in ckpt.tensors.items()
-        if n.endswith(".weight")
-        and len(e.shape) == 2
-        and not is_mtp_name(n)
-        and ckpt.classify(n) != TensorClass.VISION
-        and ckpt.classify(n) != TensorClass.EMBED
-    }
-    size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-    return counts, len(quantized), len(linears - quantized), size
-
-
 def convert(options: ConvertOptions) -> ConvertResult:
     """Convert SRC to an NVFP4 checkpoint at OUT; see the module docstring. Raises MtpquantError."""
-    timer = _Timer()
+    timer = Timer()
     t_start = time.perf_counter()
     if not options.dry_run:
         with timer("imports"):  # seconds of torch, transformers and modelopt: a step of their own, not the plan's
@@ -304,7 +205,7 @@ def convert(options: ConvertOptions) -> ConvertResult:
             resume.remove()  # the output is in place: nothing to resume
         result.verdicts = dict(report.verdicts)
         result.mtp_precision = str(report.mtp_precision)
-    counts, quantized, unquantized, size = _count(out_path)
+    counts, quantized, unquantized, size = count_output(out_path)
     result.tensor_counts = counts
     result.quantized_linears = quantized
     result.unquantized_linears = unquantized
@@ -382,7 +283,7 @@ def _run(
     src_dir: Path,
     od: OutputDir,
     mtp_od: OutputDir | None,
-    timer: _Timer,
+    timer: Timer,
     progress: bool,
 ) -> _Run:
     """Everything between planning and finalize."""

@@ -1,0 +1,121 @@
+"""What ``convert`` did, as the ``ConvertResult`` it returns (``--json``), and how its facts are measured: step
+timings, peak resident memory, bytes written, the output's tensor counts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import resource
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mtpquant.checkpoint.table import Checkpoint
+from mtpquant.convert.plan import ConvertPlan
+from mtpquant.families import TensorClass, is_mtp_name
+
+__all__ = ["ConvertResult", "Timer", "bytes_written_so_far", "count_output", "peak_rss_bytes"]
+
+
+@dataclass
+class ConvertResult:
+    """What convert did: paths, sizes, tensor counts per class, timings, peak memory."""
+
+    plan: ConvertPlan
+    dry_run: bool = False
+    output: Path | None = None
+    mtp_output: Path | None = None
+    output_bytes: int = 0
+    mtp_output_bytes: int = 0
+    tensor_counts: dict[str, int] = field(default_factory=dict)
+    quantized_linears: int = 0
+    unquantized_linears: int = 0
+    mtp_tensors: int = 0
+    mtp_precision: str = ""
+    timings: dict[str, float] = field(default_factory=dict)
+    peak_rss_bytes: int = 0
+    peak_gpu_bytes: int = 0
+    calibration_rows: int = 0
+    calibration_tokens: int = 0
+    layerwise: bool = False
+    resumed_from_layer: int | None = None  # 0-based first layer calibrated by this run, when it resumed
+    placement: dict[str, int] = field(default_factory=dict)  # accelerate's modules per device
+    bytes_written: int = 0  # by this process, all files (/proc/self/io wchar); 0 where unknown
+    resume_bytes: int = 0  # of those, into the layer-wise resume state (removed on success)
+    offload_bytes: int = 0  # of those, weights transformers re-saved for disk offload (none for the 3 families)
+    shards_moved: int = 0  # exported shards renamed into place
+    shards_rewritten: int = 0  # exported shards written again because a tensor had to change
+    verdicts: dict[str, str] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def mode(self) -> str:
+        """The MTP mode that ran."""
+        return self.plan.mode
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain data for ``--json``."""
+        data = {k: v for k, v in asdict(self).items() if k != "plan"}
+        data["plan"] = self.plan.to_json()
+        data["output"] = str(self.output) if self.output else None
+        data["mtp_output"] = str(self.mtp_output) if self.mtp_output else None
+        data["mode"] = self.mode
+        return data
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident memory of this process so far."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
+def bytes_written_so_far() -> int:
+    """Bytes this process has written to files and pipes (Linux ``/proc/self/io`` wchar); 0 where unknown."""
+    try:
+        for line in Path("/proc/self/io").read_text().splitlines():
+            if line.startswith("wchar:"):
+                return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+class Timer:
+    """Seconds per named step, summed over the step's entries (``with timer("load"): ...``)."""
+
+    def __init__(self) -> None:
+        self.timings: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.timings[name] = self.timings.get(name, 0.0) + time.perf_counter() - t0
+
+
+def count_output(path: Path) -> tuple[dict[str, int], int, int, int]:
+    """The written output's facts: tensors per class, quantized and unquantized main-model Linears, bytes."""
+    from mtpquant.convert.assemble import quantized_modules_of
+
+    ckpt = Checkpoint.open(path, strict=True)
+    counts: dict[str, int] = {}
+    for name in ckpt.tensors:
+        cls = ckpt.classify(name)
+        counts[cls] = counts.get(cls, 0) + 1
+    quantized = {m for m in quantized_modules_of(ckpt.tensors) if not is_mtp_name(m)}
+    linears = {
+        n[: -len(".weight")]
+        for n, e in ckpt.tensors.items()
+        if n.endswith(".weight")
+        and len(e.shape) == 2
+        and not is_mtp_name(n)
+        and ckpt.classify(n) != TensorClass.VISION
+        and ckpt.classify(n) != TensorClass.EMBED
+    }
+    size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    return counts, len(quantized), len(linears - quantized), size
