@@ -14,7 +14,7 @@ import pytest
 
 from mtpquant.cli import main
 from mtpquant.errors import ExitCode
-from mtpquant.hub.publish import _SCAN_CHUNK
+from mtpquant.hub.files import SCAN_CHUNK
 from tests.support.quants import with_mtp
 
 Factory = Callable[[str], Path]
@@ -66,7 +66,7 @@ def test_the_token_in_use_past_64_mb_and_across_a_seam(
     assert err == f"mtpquant: error: {big} contains the Hub token; refusing to upload it (remove the token from it)"
     big.unlink()
     seam = out / "notes"
-    seam.write_bytes(b"." * (_SCAN_CHUNK - 10) + token.encode() + b"\n")  # split between two pieces of the scan
+    seam.write_bytes(b"." * (SCAN_CHUNK - 10) + token.encode() + b"\n")  # split between two pieces of the scan
     code, err = _publish(capsys, out)
     assert code == ExitCode.PUBLISH_REFUSED and err.startswith(f"mtpquant: error: {seam} contains the Hub token")
 
