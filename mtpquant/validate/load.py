@@ -1,8 +1,7 @@
 """Load a checkpoint's MTP layer and its target (main) model for evaluation, from ``weights.CheckpointWeights``.
 
-Activation emulation (``activations="emulate"``) quantizes each quantized Linear's input with the checkpoint's
-``input_scale`` (NVFP4: dynamic fp8 block scales, as the W4A4 kernels do; FP8: the static per-tensor scale)
-through forward pre-hooks.
+Activation emulation (``activations="emulate"``, the fake-quantizers of ``emulate.py``) is installed on both models'
+quantized Linears.
 
 The target model is the family's transformers text class (``Qwen3_5ForCausalLM``, ...) built on the meta
 device and filled tensor by tensor with the dequantized state dict (the wrapper prefix ``model.language_model.``
@@ -29,13 +28,12 @@ from mtpquant.checkpoint.sharded import sharded_tables
 from mtpquant.engine.sampling import SamplingSettings
 from mtpquant.errors import ValidateLoadError
 from mtpquant.families import FUSED_EXPERT_PIECES, MTP_PREFIX, TensorClass, is_mtp_name, mtp_config
-from mtpquant.formats.fp8 import FP8_E4M3_MAX
-from mtpquant.formats.nvfp4 import quantize_activation_nvfp4
 from mtpquant.hfconfig import transformers_config
 from mtpquant.mtp.build import reference_mtp
 from mtpquant.mtp.module import MtpLayoutError
 from mtpquant.mtp.step import MtpForward
 from mtpquant.validate import ACTIVATION_MODES
+from mtpquant.validate.emulate import activation_quantizer, emulate_fused_experts, pre_hook, shared_quantizer
 from mtpquant.validate.rules import target_probs
 from mtpquant.validate.weights import (
     CheckpointWeights,
@@ -58,33 +56,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-
-def _fp8_activation(x: Tensor, scale: float) -> Tensor:
-    q = (x.float() / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
-    return (q.float() * scale).to(x.dtype)
-
-
-def activation_quantizer(fmt: LinearFormat, pre_quant_scale: Tensor | None) -> Callable[[Tensor], Tensor] | None:
-    """The input fake-quantizer of a quantized Linear (None when it has no input scale: weight-only)."""
-    if fmt.input_scale is None:
-        return None
-    scale = fmt.input_scale
-    nvfp4 = fmt.kind in ("nvfp4", "nvfp4-ct")
-
-    def quantize(x: Tensor) -> Tensor:
-        if pre_quant_scale is not None:
-            x = x * pre_quant_scale.to(device=x.device, dtype=x.dtype)
-        return quantize_activation_nvfp4(x, scale) if nvfp4 else _fp8_activation(x, scale)
-
-    return quantize
-
-
-def _hook(quantize: Callable[[Tensor], Tensor]) -> Callable[..., Any]:
-    def pre_hook(_module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
-        return (quantize(args[0]), *args[1:])
-
-    return pre_hook
 
 
 # ---- MTP ------------------------------------------------------------------------------------------
@@ -145,7 +116,7 @@ def load_mtp(
                 continue
             quantize = activation_quantizer(fmt, weights.pre_quant_scale(module))
             if quantize is not None:
-                modules[module.removeprefix(MTP_PREFIX)].register_forward_pre_hook(_hook(quantize))
+                modules[module.removeprefix(MTP_PREFIX)].register_forward_pre_hook(pre_hook(quantize))
                 emulated.append(module)
     if shared is None:
         shared = (
@@ -487,50 +458,16 @@ def _install_target_emulation(model: nn.Module, weights: CheckpointWeights) -> l
             continue
         quantize = activation_quantizer(fmt, weights.pre_quant_scale(module))
         if quantize is not None and target_module in modules:
-            modules[target_module].register_forward_pre_hook(_hook(quantize))
+            modules[target_module].register_forward_pre_hook(pre_hook(quantize))
             emulated.append(module)
     for stem, by_proj in expert_scales.items():
         # All experts of a layer share one input scale for gate/up and one for down (vLLM takes the
         # max when they differ); the fused experts module gets a forward that quantizes both inputs.
         gate_up = [f for p in ("gate_proj", "up_proj") for f in by_proj.get(p, [])]
         down = by_proj.get("down_proj", [])
-        q_in = _shared_quantizer(gate_up)
-        q_mid = _shared_quantizer(down)
+        q_in = shared_quantizer(gate_up)
+        q_mid = shared_quantizer(down)
         if stem in modules and (q_in or q_mid):
-            _emulate_fused_experts(modules[stem], q_in, q_mid)
+            emulate_fused_experts(modules[stem], q_in, q_mid)
             emulated.append(stem)
     return emulated
-
-
-def _shared_quantizer(fmts: list[LinearFormat]) -> Callable[[Tensor], Tensor] | None:
-    scales = [f.input_scale for f in fmts if f.input_scale is not None]
-    if not scales:
-        return None
-    return activation_quantizer(LinearFormat(fmts[0].module, fmts[0].kind, max(scales)), None)
-
-
-def _emulate_fused_experts(
-    experts: nn.Module,
-    q_in: Callable[[Tensor], Tensor] | None,
-    q_mid: Callable[[Tensor], Tensor] | None,
-) -> None:
-    """Replace a transformers fused-experts forward by the same loop with activation fake-quant.
-
-    Mirrors ``Qwen3_5MoeExperts.forward`` / ``Qwen3NextExperts.forward`` (transformers 5.x).
-    """
-    mod: Any = experts
-
-    def forward(hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
-        final = torch.zeros_like(hidden_states)
-        x_all = q_in(hidden_states) if q_in else hidden_states
-        for e in torch.unique(top_k_index).tolist():
-            token_idx, slot = torch.where(top_k_index == e)
-            gate, up = nn.functional.linear(x_all[token_idx], mod.gate_up_proj[e]).chunk(2, dim=-1)
-            mid = mod.act_fn(gate) * up
-            if q_mid:
-                mid = q_mid(mid)
-            out = nn.functional.linear(mid, mod.down_proj[e]) * top_k_weights[token_idx, slot, None]
-            final.index_add_(0, token_idx, out.to(final.dtype))
-        return final
-
-    mod.forward = forward
