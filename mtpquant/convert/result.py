@@ -84,10 +84,12 @@ def bytes_written_so_far() -> int:
 
 
 class Timer:
-    """Seconds per named step, summed over the step's entries (``with timer("load"): ...``)."""
+    """Seconds per named step, summed over the step's entries (``with timer("load"): ...``), and the process's peak
+    RSS when each step last ended (which step raised it)."""
 
     def __init__(self) -> None:
         self.timings: dict[str, float] = {}
+        self.peak_rss_after: dict[str, int] = {}
 
     @contextlib.contextmanager
     def __call__(self, name: str) -> Iterator[None]:
@@ -96,6 +98,7 @@ class Timer:
             yield
         finally:
             self.timings[name] = self.timings.get(name, 0.0) + time.perf_counter() - t0
+            self.peak_rss_after[name] = peak_rss_bytes()
 
 
 def count_output(path: Path) -> tuple[dict[str, int], int, int, int]:

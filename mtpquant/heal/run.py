@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
-import resource
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -25,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from mtpquant.checkpoint.table import Checkpoint
+from mtpquant.convert.result import Timer, peak_rss_bytes
 from mtpquant.errors import HealNotBetterError, OutputVerificationError
 from mtpquant.graft.write import WriteLog
 from mtpquant.heal.check import CheckResult
@@ -67,27 +67,6 @@ class HealResult(WriteLog):
         return out
 
 
-class _Timer:
-    """Wall seconds per phase, and the process's peak RSS when each phase ended (which phase raised it)."""
-
-    def __init__(self) -> None:
-        self.timings: dict[str, float] = {}
-        self.peak_rss_after: dict[str, int] = {}
-
-    def __call__(self, name: str) -> Any:
-        timer = self
-
-        class _Span:
-            def __enter__(self) -> None:
-                self.t0 = time.perf_counter()
-
-            def __exit__(self, *exc: object) -> None:
-                timer.timings[name] = timer.timings.get(name, 0.0) + time.perf_counter() - self.t0
-                timer.peak_rss_after[name] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-        return _Span()
-
-
 def _record(plan: HealPlan, data: Any, check: CheckResult, forced: bool) -> HealRecord:
     o = plan.options
     return HealRecord(
@@ -119,7 +98,7 @@ def heal(options: HealOptions) -> HealResult:
     nothing written) when the healed MTP is not better beyond noise, and other one-line ``MtpquantError``s."""
 
     c0 = time.process_time()
-    timer = _Timer()
+    timer = Timer()
     t_start = time.perf_counter()
     with timer("plan"):
         plan, quant, src, weights = plan_heal(options)
@@ -143,7 +122,7 @@ def heal(options: HealOptions) -> HealResult:
     result.timings = {**timer.timings, "total": time.perf_counter() - t_start}
     result.peak_rss_after = dict(timer.peak_rss_after)
     result.cpu_seconds = time.process_time() - c0
-    result.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    result.peak_rss_bytes = peak_rss_bytes()
     assert result.check is not None
     verb = "wrote the healed MTP (--force: not better beyond noise)" if result.action == "forced" else "healed the MTP"
     result.message = f"{verb} into {result.destination}: held-out AL {_changes(result.check)}"
@@ -152,7 +131,7 @@ def heal(options: HealOptions) -> HealResult:
 
 
 def _heal(
-    plan: HealPlan, quant: Checkpoint, src: Checkpoint, weights: Any, target: Any, result: HealResult, timer: _Timer
+    plan: HealPlan, quant: Checkpoint, src: Checkpoint, weights: Any, target: Any, result: HealResult, timer: Timer
 ) -> None:
     """Everything between opening the destination and committing it (nothing is put in place on an error)."""
     import torch
