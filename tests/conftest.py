@@ -28,6 +28,14 @@ REAL_LAYOUTS = Path(__file__).resolve().parent / "fixtures" / "real-layouts"
 PEER_FIXTURES = Path(__file__).resolve().parent / "fixtures" / "peers"
 
 
+def pytest_report_header(config: pytest.Config) -> str:
+    """The free disk where tests write: a run that fails on a full disk says in its first lines how much it had."""
+    import tempfile
+
+    free = shutil.disk_usage(tempfile.gettempdir()).free
+    return f"free disk under {tempfile.gettempdir()}: {free / 2**30:.1f} GiB (the largest test needs about 3.5 GiB)"
+
+
 def _fingerprint(root: Path) -> str:
     h = hashlib.sha256()
     for p in sorted(root.rglob("*")):

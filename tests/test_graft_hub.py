@@ -125,7 +125,9 @@ def test_graft_from_the_hub_reads_a_1553_tensor_mtp_in_a_few_requests(
     layout = find_layout("Qwen3-Next-80B-A3B-Instruct", real_layouts)
     # hash_contents=False: stat-derived ids, so serving the 163 GB sparse skeleton never hashes it
     with LocalHub(tmp_path / "hub", hash_contents=False) as hub, hub.client_env(tmp_path / "hf_home"):
-        src = make_skeleton(layout, hub.repo_dir("org/next"), mtp_data="random")  # served in place, not copied
+        # served in place, not copied; "stamped": every MTP tensor distinct, the source a few MB on disk (graft's
+        # OUT still holds the 3.3 GB it downloads)
+        src = make_skeleton(layout, hub.repo_dir("org/next"), mtp_data="stamped")
         quant = make_skeleton(layout, tmp_path / "quant", quant=True)
         mtp = Checkpoint.open(src.path).mtp_tensors()
         mtp_shards = {e.shard for e in mtp}

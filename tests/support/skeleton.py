@@ -413,7 +413,8 @@ def write_sparse_safetensors(
 ) -> int:
     """A safetensors file whose data region is a hole, except tensors ``fill`` gives bytes for.
 
-    Returns the file size. ``fill`` may return None (leave a hole) or the tensor's exact bytes.
+    Returns the file size. ``fill`` may return None (leave a hole), the tensor's exact bytes, or fewer:
+    the tensor's first bytes, the rest of it a hole (reads as zeros).
     """
     raw, offsets = _header(tensors, metadata)
     data_start = 8 + len(raw)
@@ -426,8 +427,8 @@ def write_sparse_safetensors(
                 data = fill(t)
                 if data is None:
                     continue
-                if len(data) != t.nbytes:
-                    raise ValueError(f"{path.name}: fill gave {len(data)} bytes for {t.name!r}, expected {t.nbytes}")
+                if len(data) > t.nbytes:
+                    raise ValueError(f"{path.name}: fill gave {len(data)} bytes for {t.name!r}, at most {t.nbytes}")
                 fh.seek(data_start + off)
                 fh.write(data)
         fh.truncate(size)
@@ -436,13 +437,14 @@ def write_sparse_safetensors(
     return size
 
 
-def _random_fill(seed: int) -> Callable[[SkeletonTensor], bytes | None]:
+def _random_fill(seed: int, head: int | None = None) -> Callable[[SkeletonTensor], bytes | None]:
+    """Pseudo-random bytes in every MTP tensor: all of it, or (``head``) only its first ``head`` bytes."""
     block = random.Random(seed).randbytes(_FILL_BLOCK)
 
     def fill(t: SkeletonTensor) -> bytes | None:
         if not is_mtp_name(t.name):
             return None
-        n = t.nbytes
+        n = t.nbytes if head is None else min(head, t.nbytes)
         start = sum(t.name.encode()) % 4096  # a different phase per tensor, so tensors differ
         reps = (start + n) // len(block) + 1
         return (block * reps)[start : start + n] if reps > 1 else block[start : start + n]
@@ -479,12 +481,13 @@ def make_skeleton(
     """Write the skeleton (or, with ``quant``, the skeleton naive NVFP4 quant) of ``layout`` to ``out``.
 
     ``mtp_data``: ``"sparse"`` (holes, reads as zeros), ``"random"`` (real pseudo-random bytes in every
-    ``mtp.*`` tensor; the rest stays sparse), or ``"normal"`` (every tensor random-normal in its dtype: a
-    full-size model that converts and runs, for measuring memory and bytes on real data; source only;
-    it also gets the trained tiny model's tokenizer).
+    ``mtp.*`` tensor; the rest stays sparse), ``"stamped"`` (pseudo-random bytes in the first 4 KiB of
+    every ``mtp.*`` tensor, the rest of it a hole: distinct tensors for a few MB of disk), or ``"normal"``
+    (every tensor random-normal in its dtype: a full-size model that converts and runs, for measuring
+    memory and bytes on real data; source only; it also gets the trained tiny model's tokenizer).
     """
-    if mtp_data not in ("sparse", "random", "normal"):
-        raise ValueError(f"mtp_data must be 'sparse', 'random' or 'normal', not {mtp_data!r}")
+    if mtp_data not in ("sparse", "random", "stamped", "normal"):
+        raise ValueError(f"mtp_data must be 'sparse', 'random', 'stamped' or 'normal', not {mtp_data!r}")
     if mtp_data == "normal" and quant:
         raise ValueError("random-normal weights are for the BF16 source, not the quant skeleton")
     t0 = time.perf_counter()
@@ -498,6 +501,8 @@ def make_skeleton(
         if mtp_data == "normal"
         else _random_fill(seed)
         if mtp_data == "random" and not quant
+        else _random_fill(seed, head=4096)
+        if mtp_data == "stamped" and not quant
         else None
     )
     by_shard: dict[str, list[SkeletonTensor]] = defaultdict(list)
