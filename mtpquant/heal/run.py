@@ -138,11 +138,11 @@ def _heal(
 
     from mtpquant.convert.calibration import load_tokenizer
     from mtpquant.graft.write import commit
-    from mtpquant.heal.check import check_prompts, compare, unit_counts
+    from mtpquant.heal.check import check_prompts
     from mtpquant.heal.data import collect, training_prompts
     from mtpquant.heal.write import record_step, write_healed
     from mtpquant.validate.builtin import capture
-    from mtpquant.validate.load import CheckpointWeights, compute_dtype, load_mtp, load_target, resolve_device
+    from mtpquant.validate.load import CheckpointWeights, compute_dtype, load_target, resolve_device
     from mtpquant.validate.prompts import plan_sequences, tokenize_prompts
 
     options = plan.options
@@ -182,18 +182,11 @@ def _heal(
     # 3. the healed MTP written the graft way and verified; measured; then committed, or dropped
     with timer("write"):
         json_files = write_healed(plan, quant, src, healed, target, result)
+    del healed  # the float32 training copy: the check reads the written MTP back
+    gc.collect()
     with timer("check"):
-        embed = weights.tensor(weights.embed_name(), dtype).to(device)
-        tied = weights.lm_head_name() == weights.embed_name()
-        head = embed if tied else weights.tensor(weights.lm_head_name(), dtype).to(device)
-        after_weights = CheckpointWeights(Checkpoint.open(od.path, strict=True))
-        before, err = load_mtp(weights, dtype=dtype, device=device, activations=options.activations,
-                               shared=(embed, head))
-        after, err_after = load_mtp(after_weights, dtype=dtype, device=device, activations=options.activations,
-                                    shared=(embed, head))
-        if before is None or after is None:
-            raise OutputVerificationError(f"the healed MTP does not load for evaluation: {err or err_after}")
-        check = compare(unit_counts(before, held_out, options.k), unit_counts(after, held_out, options.k), held_out)
+        check = _check(weights, CheckpointWeights(Checkpoint.open(od.path, strict=True)), held_out, dtype, device,
+                       options)
     result.check = check
     if not check.better and not options.force:
         raise HealNotBetterError(
@@ -205,6 +198,31 @@ def _heal(
     record_step(plan, quant, src, result.record, target)
     with timer("commit"):
         commit(target, result, json_files, what="healing")
+
+
+def _check(before: Any, after: Any, held_out: Any, dtype: Any, device: Any, options: HealOptions) -> CheckResult:
+    """QUANT's MTP (``before``) and the healed one as written (``after``) measured on the held-out run.
+
+    One MTP is loaded at a time, beside one copy of the embedding and LM head: the check is heal's last phase
+    and must not raise its peak memory above training's.
+    """
+    from mtpquant.heal.check import compare, unit_counts
+    from mtpquant.validate.load import load_mtp
+
+    embed = before.tensor(before.embed_name(), dtype).to(device)
+    head = embed if before.lm_head_name() == before.embed_name() else before.tensor(before.lm_head_name(), dtype).to(
+        device
+    )
+    counts = []
+    for label, weights in (("QUANT's", before), ("the healed", after)):
+        bundle, err = load_mtp(weights, dtype=dtype, device=device, activations=options.activations,
+                               shared=(embed, head))
+        if bundle is None:
+            raise OutputVerificationError(f"{label} MTP does not load for evaluation: {err}")
+        counts.append(unit_counts(bundle, held_out, options.k))
+        del bundle
+        gc.collect()
+    return compare(counts[0], counts[1], held_out)
 
 
 def _train(plan: HealPlan, quant: Checkpoint, src: Checkpoint, weights: Any, data: Any,
