@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from mtpquant import __version__, safejson
-from mtpquant.checkpoint.source import CheckpointSource, LocalSource, SourceRef, is_repo_id, read_json
+from mtpquant.checkpoint.source import CheckpointSource, LocalSource, SourceRef, is_repo_id, read_json, read_text
 from mtpquant.errors import BaseModelError, CheckpointError
 
 __all__ = [
@@ -418,10 +418,10 @@ def card_license_fields(text: str) -> dict[str, str] | None:
 def source_license(source: CheckpointSource) -> dict[str, str] | None:
     """The licence fields a checkpoint's own card (README.md metadata) declares; None without a card or fields."""
     try:
-        if not source.exists(_CARD) or source.file_size(_CARD) > _CARD_LIMIT:
+        if not source.exists(_CARD):
             return None
-        text = source.read_range(_CARD, 0, source.file_size(_CARD)).decode("utf-8")
-    except (CheckpointError, UnicodeDecodeError) as exc:
+        text = read_text(source, _CARD, limit=_CARD_LIMIT, what="model card")
+    except CheckpointError as exc:
         log.warning("%s: %s not readable (%s); its licence is not recorded", source.label, _CARD, exc)
         return None
     return card_license_fields(text)

@@ -108,3 +108,18 @@ def test_a_bad_prompts_file_is_a_usage_error(
     )
     assert code == ExitCode.USAGE
     assert err == f"mtpquant: error: {prompts}:2: not a JSON line (nested deeper than the JSON parser allows)"
+
+
+def test_a_tokenizer_past_the_limit_is_not_read(tiny_copy: Factory) -> None:
+    from mtpquant.checkpoint.source import LocalSource
+    from mtpquant.errors import CheckpointError
+    from mtpquant.validate.prompts import tokenize_prompts
+
+    src = tiny_copy("qwen3_5")
+    with (src / "tokenizer.json").open("r+b") as fh:
+        fh.truncate(JSON_LIMIT + 1)  # sparse, as above
+    with pytest.raises(CheckpointError) as caught:
+        tokenize_prompts(LocalSource(src), ["a prompt"])
+    assert str(caught.value) == (
+        f"tokenizer.json: {JSON_LIMIT + 1} bytes, more than the {JSON_LIMIT} mtpquant reads of a tokenizer file"
+    )

@@ -814,13 +814,23 @@ def test_without_directory_exchange_in_place_replace_is_refused(
     )
 
 
-def test_a_recipe_file_that_is_not_a_recipe_is_carried_with_a_warning(tiny_factory: Factory, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("content", "why"),
+    [
+        (b"mtp: [\n", "not valid YAML (line 2)"),
+        (b"mtp:\n  mode: \xff\n", "not UTF-8 text"),
+        (b"#" * (1024 * 1024 + 1), "1048577 bytes, more than the 1048576 mtpquant reads of a recipe file"),
+    ],
+    ids=["yaml", "utf8", "size"],
+)
+def test_a_recipe_file_that_is_not_a_recipe_is_carried_with_a_warning(
+    tiny_factory: Factory, tmp_path: Path, content: bytes, why: str
+) -> None:
     src = tiny_factory("qwen3_5")
     quant = strip_mtp(src, tmp_path / "q")
-    (quant / RECIPE_FILE).write_text("mtp: [\n")
+    (quant / RECIPE_FILE).write_bytes(content)
     result = graft(GraftOptions(quant=quant, source=src, out=tmp_path / "out"))
     assert result.warnings == [
-        f"{quant}: {RECIPE_FILE}: not valid YAML (line 2); carried unchanged (its mtp.mode does not say the MTP "
-        "was grafted)"
+        f"{quant}: {RECIPE_FILE}: {why}; carried unchanged (its mtp.mode does not say the MTP was grafted)"
     ]
-    assert (tmp_path / "out" / RECIPE_FILE).read_text() == "mtp: [\n"
+    assert (tmp_path / "out" / RECIPE_FILE).read_bytes() == content

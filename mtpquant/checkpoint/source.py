@@ -474,15 +474,29 @@ def open_source(ref: str | os.PathLike[str], revision: str | None = None, token:
 JSON_LIMIT = 256 * 1024 * 1024
 
 
+def read_bytes(source: CheckpointSource, relpath: str, *, limit: int = JSON_LIMIT, what: str = "file") -> bytes:
+    """A whole small file of a source (a JSON file, a tokenizer, a card, a recipe), never more than ``limit`` bytes,
+    locally or from the Hub; a larger one is refused in one line naming it (``what``: its kind, for that line)."""
+    size = source.file_size(relpath)
+    if size > limit:
+        raise CheckpointError(f"{relpath}: {size} bytes, more than the {limit} mtpquant reads of a {what}")
+    return source.read_range(relpath, 0, size)
+
+
+def read_text(source: CheckpointSource, relpath: str, *, limit: int = JSON_LIMIT, what: str = "file") -> str:
+    """``read_bytes`` as UTF-8 text; text that is not UTF-8 is refused in one line naming the file."""
+    try:
+        return read_bytes(source, relpath, limit=limit, what=what).decode("utf-8")
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{relpath}: not UTF-8 text") from None
+
+
 def read_json(source: CheckpointSource, relpath: str, *, limit: int = JSON_LIMIT) -> Any:
     """Read and parse a JSON file of a source (never more than ``limit`` bytes, locally or from the Hub, nor nested
     deeper than the parser allows), with a one-line error on failure."""
     from mtpquant import safejson
 
-    size = source.file_size(relpath)
-    if size > limit:
-        raise CheckpointError(f"{relpath}: {size} bytes, more than the {limit} mtpquant reads of a JSON file")
-    raw = source.read_range(relpath, 0, size)
+    raw = read_bytes(source, relpath, limit=limit, what="JSON file")
     try:
         return safejson.loads(raw, limit=limit)
     except safejson.JsonLimitError as exc:

@@ -28,11 +28,11 @@ from pathlib import Path
 from typing import Any, cast
 
 from mtpquant.checkpoint.lock import OutputLock
-from mtpquant.checkpoint.source import CheckpointSource
+from mtpquant.checkpoint.source import CheckpointSource, read_text
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.checkpoint.writer import OutputDir
 from mtpquant.convert.recipes import RECIPE_FILE, grafted_recipe
-from mtpquant.errors import OutputExistsError, RecipeError, UsageError
+from mtpquant.errors import CheckpointError, OutputExistsError, RecipeError, UsageError
 from mtpquant.graft import inplace
 from mtpquant.graft.lineage import GraftError, LineageError, LineageReport, check_lineage, mtp_layer_count
 from mtpquant.graft.plan import Plan, plan_index_fix, plan_shards, weight_map_of
@@ -153,15 +153,11 @@ def _grafted_recipe(quant: Checkpoint, mtp_from: str, warnings: list[str]) -> di
         return {}
     where = f"{quant.label}: {RECIPE_FILE}"
     try:
-        if quant.source.file_size(RECIPE_FILE) > _RECIPE_LIMIT:
-            raise RecipeError(f"{where}: larger than {format_bytes(_RECIPE_LIMIT)}")
-        try:
-            text = quant.source.local_path(RECIPE_FILE).read_text(encoding="utf-8")
-        except UnicodeDecodeError:
-            raise RecipeError(f"{where}: not UTF-8 text") from None
+        text = read_text(quant.source, RECIPE_FILE, limit=_RECIPE_LIMIT, what="recipe file")
         return {RECIPE_FILE: grafted_recipe(text, where, mtp_from)}
-    except RecipeError as exc:
-        warnings.append(f"{exc}; carried unchanged (its mtp.mode does not say the MTP was grafted)")
+    except (CheckpointError, RecipeError) as exc:
+        said = str(exc) if isinstance(exc, RecipeError) else f"{quant.label}: {exc}"
+        warnings.append(f"{said}; carried unchanged (its mtp.mode does not say the MTP was grafted)")
         return {}
 
 

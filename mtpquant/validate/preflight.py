@@ -8,7 +8,7 @@ import errno
 import os
 from pathlib import Path
 
-from mtpquant.checkpoint.source import CheckpointSource
+from mtpquant.checkpoint.source import CheckpointSource, read_text
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.errors import LineageError, ValidateError
 from mtpquant.families import dimension_differences
@@ -36,7 +36,7 @@ def _vocabulary(source: CheckpointSource) -> dict[str, int] | None:
 
     if "tokenizer.json" not in source.list_files():
         return None
-    text = source.read_range("tokenizer.json", 0, source.file_size("tokenizer.json")).decode("utf-8")
+    text = read_text(source, "tokenizer.json", what="tokenizer file")
     return dict(Tokenizer.from_str(text).get_vocab(with_added_tokens=True))
 
 

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from mtpquant.checkpoint.source import CheckpointSource
+from mtpquant.checkpoint.source import CheckpointSource, read_text
 from mtpquant.corpus import offline_documents
 from mtpquant.errors import ConfigError
 from mtpquant.public import public_file
@@ -259,7 +259,7 @@ def tokenize_prompts(source: CheckpointSource, prompts: Sequence[str], vocab: in
 
     if "tokenizer.json" not in source.list_files():
         raise ConfigError(f"{source.label}: tokenizer.json is missing (validate needs the model's tokenizer)")
-    tok = Tokenizer.from_str(source.read_range("tokenizer.json", 0, source.file_size("tokenizer.json")).decode())
+    tok = Tokenizer.from_str(read_text(source, "tokenizer.json", what="tokenizer file"))
     ids = [tok.encode(p, add_special_tokens=False).ids for p in prompts]
     if vocab is not None:
         for row in ids:
