@@ -1,14 +1,9 @@
-"""What ``convert`` did, as the ``ConvertResult`` it returns (``--json``), and how its facts are measured: step
-timings, peak resident memory, bytes written, the output's tensor counts.
+"""What ``convert`` did, as the ``ConvertResult`` it returns (``--json``), and the output's tensor counts (the
+process's own measures, step timings, peak RSS and bytes written, are ``mtpquant.meter``'s).
 """
 
 from __future__ import annotations
 
-import contextlib
-import resource
-import sys
-import time
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,7 +12,7 @@ from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.convert.plan import ConvertPlan
 from mtpquant.families import TensorClass, is_mtp_name
 
-__all__ = ["ConvertResult", "Timer", "bytes_written_so_far", "count_output", "peak_rss_bytes"]
+__all__ = ["ConvertResult", "count_output"]
 
 
 @dataclass
@@ -64,41 +59,6 @@ class ConvertResult:
         data["mtp_output"] = str(self.mtp_output) if self.mtp_output else None
         data["mode"] = self.mode
         return data
-
-
-def peak_rss_bytes() -> int:
-    """Peak resident memory of this process so far."""
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(rss if sys.platform == "darwin" else rss * 1024)
-
-
-def bytes_written_so_far() -> int:
-    """Bytes this process has written to files and pipes (Linux ``/proc/self/io`` wchar); 0 where unknown."""
-    try:
-        for line in Path("/proc/self/io").read_text().splitlines():
-            if line.startswith("wchar:"):
-                return int(line.split()[1])
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0
-
-
-class Timer:
-    """Seconds per named step, summed over the step's entries (``with timer("load"): ...``), and the process's peak
-    RSS when each step last ended (which step raised it)."""
-
-    def __init__(self) -> None:
-        self.timings: dict[str, float] = {}
-        self.peak_rss_after: dict[str, int] = {}
-
-    @contextlib.contextmanager
-    def __call__(self, name: str) -> Iterator[None]:
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.timings[name] = self.timings.get(name, 0.0) + time.perf_counter() - t0
-            self.peak_rss_after[name] = peak_rss_bytes()
 
 
 def count_output(path: Path) -> tuple[dict[str, int], int, int, int]:

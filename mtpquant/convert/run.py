@@ -36,11 +36,12 @@ from mtpquant.checkpoint.writer import OutputDir
 from mtpquant.convert.calibration import CalibrationData
 from mtpquant.convert.plan import ConvertOptions, ConvertPlan, plan_convert
 from mtpquant.convert.recipes import RECIPE_FILE
-from mtpquant.convert.result import ConvertResult, Timer, bytes_written_so_far, count_output, peak_rss_bytes
+from mtpquant.convert.result import ConvertResult, count_output
 from mtpquant.convert.resume import ResumeState
 from mtpquant.errors import CalibrationDataError, OutputVerificationError
 from mtpquant.families import TensorClass, is_mtp_name
 from mtpquant.formats.quant_config import HF_QUANT_CONFIG, with_exclusions, without_exclusions
+from mtpquant.meter import Timer, bytes_written_so_far, peak_rss_bytes
 from mtpquant.provenance import PROVENANCE_FILE, Provenance, Step, check_replaceable, source_license
 from mtpquant.public import public_args, public_file, public_name, public_ref
 from mtpquant.surgery.modes import MtpOutcome, WriteContext, load_mtp_layer, same_bytes

@@ -24,13 +24,13 @@ from pathlib import Path
 from typing import Any
 
 from mtpquant.checkpoint.table import Checkpoint
-from mtpquant.convert.result import Timer, peak_rss_bytes
 from mtpquant.errors import HealNotBetterError, OutputVerificationError
 from mtpquant.graft.write import WriteLog
 from mtpquant.heal.check import CheckResult
 from mtpquant.heal.options import HealOptions
 from mtpquant.heal.plan import HealPlan, plan_heal
 from mtpquant.heal.train import TrainLog
+from mtpquant.meter import Timer, peak_rss_bytes
 from mtpquant.provenance import HealAl, HealRecord
 from mtpquant.public import public_text
 
