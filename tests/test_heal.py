@@ -318,6 +318,24 @@ def test_heal_under_a_memory_cap_reads_the_rest_of_the_target_from_disk(healed_t
     assert b.check == a.check
 
 
+def test_a_head_trained_in_bfloat16_is_checked_in_the_compute_dtype(
+    healed_tiny: HealedTiny, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A vocabulary too large for a float32 head in training (the limit set to 0 here) trains against a bfloat16
+    embedding and LM head; the held-out check still computes in float32: QUANT's MTP measures exactly as in a heal
+    that trained in float32."""
+    from mtpquant.heal import plan as heal_plan
+
+    first, a = healed_tiny.small("keep")
+    monkeypatch.setattr(heal_plan, "HEAD_FULL_PRECISION_LIMIT", 0)
+    b = heal(HealOptions(quant=healed_tiny.quant("keep"), source=TINY_MTP_ASSET, out=tmp_path / "b", force=True,
+                         **SMALL))
+    assert (a.plan.head_dtype, b.plan.head_dtype) == ("float32", "bfloat16")
+    assert a.check is not None and b.check is not None
+    assert [c.before for c in b.check.by_k] == [c.before for c in a.check.by_k]
+    assert digests(tmp_path / "b", mtp=True) != digests(first, mtp=True)  # trained against another head
+
+
 # ---------------------------------------------------------------------------------------------- other families
 
 

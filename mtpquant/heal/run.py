@@ -176,7 +176,8 @@ def _heal(
 
     # 2. training
     with timer("train"):
-        healed, result.training = _train(plan, quant, src, weights, data, device)
+        shared = _shared(weights, getattr(torch, plan.head_dtype), device)
+        healed, result.training = _train(plan, quant, src, data, device, shared)
     shutil.rmtree(scratch, ignore_errors=True)
 
     # 3. the healed MTP written the graft way and verified; measured; then committed, or dropped
@@ -184,9 +185,12 @@ def _heal(
         json_files = write_healed(plan, quant, src, healed, target, result)
     del healed  # the float32 training copy: the check reads the written MTP back
     gc.collect()
+    if shared[0].dtype != dtype:  # training held them in another dtype than the check computes in
+        del shared
+        gc.collect()
+        shared = _shared(weights, dtype, device)
     with timer("check"):
-        check = _check(weights, CheckpointWeights(Checkpoint.open(od.path, strict=True)), held_out, dtype, device,
-                       options)
+        check = _check(weights, CheckpointWeights(Checkpoint.open(od.path, strict=True)), held_out, shared, options)
     result.check = check
     if not check.better and not options.force:
         raise HealNotBetterError(
@@ -200,22 +204,27 @@ def _heal(
         commit(target, result, json_files, what="healing")
 
 
-def _check(before: Any, after: Any, held_out: Any, dtype: Any, device: Any, options: HealOptions) -> CheckResult:
+def _shared(weights: Any, dtype: Any, device: Any) -> tuple[Any, Any]:
+    """QUANT's embedding and LM head (one tensor when tied) in ``dtype`` on ``device``."""
+    embed = weights.tensor(weights.embed_name(), dtype).to(device)
+    tied = weights.lm_head_name() == weights.embed_name()
+    return embed, embed if tied else weights.tensor(weights.lm_head_name(), dtype).to(device)
+
+
+def _check(before: Any, after: Any, held_out: Any, shared: tuple[Any, Any], options: HealOptions) -> CheckResult:
     """QUANT's MTP (``before``) and the healed one as written (``after``) measured on the held-out run.
 
-    One MTP is loaded at a time, beside one copy of the embedding and LM head: the check is heal's last phase
-    and must not raise its peak memory above training's.
+    The check is heal's last phase and must not raise its peak memory above training's: it uses training's
+    embedding and LM head (``shared``; reading them again takes twice their size for a moment, 2.5 GB on
+    Qwen3.5-4B) and loads one MTP at a time.
     """
     from mtpquant.heal.check import compare, unit_counts
     from mtpquant.validate.load import load_mtp
 
-    embed = before.tensor(before.embed_name(), dtype).to(device)
-    head = embed if before.lm_head_name() == before.embed_name() else before.tensor(before.lm_head_name(), dtype).to(
-        device
-    )
+    embed, head = shared
     counts = []
     for label, weights in (("QUANT's", before), ("the healed", after)):
-        bundle, err = load_mtp(weights, dtype=dtype, device=device, activations=options.activations,
+        bundle, err = load_mtp(weights, dtype=embed.dtype, device=embed.device, activations=options.activations,
                                shared=(embed, head))
         if bundle is None:
             raise OutputVerificationError(f"{label} MTP does not load for evaluation: {err}")
@@ -225,9 +234,10 @@ def _check(before: Any, after: Any, held_out: Any, dtype: Any, device: Any, opti
     return compare(counts[0], counts[1], held_out)
 
 
-def _train(plan: HealPlan, quant: Checkpoint, src: Checkpoint, weights: Any, data: Any,
-           device: Any) -> tuple[dict[str, Any], TrainLog]:
-    """The healed MTP weights (float32, on the CPU) by checkpoint name, and how training went."""
+def _train(plan: HealPlan, quant: Checkpoint, src: Checkpoint, data: Any, device: Any,
+           shared: tuple[Any, Any]) -> tuple[dict[str, Any], TrainLog]:
+    """The healed MTP weights (float32, on the CPU) by checkpoint name, and how training went (``shared``: the
+    embedding and LM head, frozen)."""
     import torch
 
     from mtpquant.heal.precision import master_weights
@@ -240,10 +250,7 @@ def _train(plan: HealPlan, quant: Checkpoint, src: Checkpoint, weights: Any, dat
     master, _ = master_weights(quant, src, plan.storage)
     layer = MtpLayer.from_state_dict(MtpConfig.from_text_config(quant.config), master, dtype=torch.float32,
                                      device=device)
-    head_dtype = getattr(torch, plan.head_dtype)
-    embed = weights.tensor(weights.embed_name(), head_dtype).to(device)
-    tied = weights.lm_head_name() == weights.embed_name()
-    head = embed if tied else weights.tensor(weights.lm_head_name(), head_dtype).to(device)
+    embed, head = shared
 
     def calibrate(module: Any) -> None:
         tokens, hidden = data.batch(range(min(options.batch_size, data.sequences)), device)
