@@ -33,7 +33,7 @@ def pytest_report_header(config: pytest.Config) -> str:
     import tempfile
 
     free = shutil.disk_usage(tempfile.gettempdir()).free
-    return f"free disk under {tempfile.gettempdir()}: {free / 2**30:.1f} GiB (the suite needs about 6 GiB: README, Tests)"
+    return f"free disk under {tempfile.gettempdir()}: {free / 2**30:.1f} GiB (the suite needs about 6 GiB)"
 
 
 def _fingerprint(root: Path) -> str:
