@@ -305,15 +305,30 @@ def test_heal_is_deterministic_and_force_writes_with_the_record(healed_tiny: Hea
     assert peaks == sorted(peaks) and 0 < peaks[-1] <= b.peak_rss_bytes
 
 
+def _record_allocator_settings(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the glibc allocator settings heal applies (each still applied), in order."""
+    from mtpquant.convert import memory
+
+    chosen: list[str] = []
+    for name in ("keep_freed_memory", "return_freed_memory"):
+        real = getattr(memory, name)
+        monkeypatch.setattr(memory, name, lambda real=real, name=name: chosen.append(name) or real())
+    return chosen
+
+
 @pytest.mark.slow
-def test_heal_under_a_memory_cap_reads_the_rest_of_the_target_from_disk(healed_tiny: HealedTiny,
-                                                                        tmp_path: Path) -> None:
+def test_heal_under_a_memory_cap_reads_the_rest_of_the_target_from_disk(
+    healed_tiny: HealedTiny, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """--max-memory below QUANT's target: the plan leaves part of it on disk (read from QUANT's files and dequantized
-    when its layer runs), and the heal is the same, byte for byte."""
+    when its layer runs), and the heal is the same, byte for byte. Layers streamed from disk set glibc to return
+    freed memory (convert's setting); a resident target (the bfloat16 test below) keeps it."""
     first, a = healed_tiny.small("keep")
+    chosen = _record_allocator_settings(monkeypatch)
     b = heal(HealOptions(quant=healed_tiny.quant("keep"), source=TINY_MTP_ASSET, out=tmp_path / "b", force=True,
                          max_memory="cpu=4MB", **SMALL))
     assert b.plan.memory.disk_bytes > 0 and b.plan.memory.caps is not None
+    assert chosen == ["return_freed_memory"]
     assert digests(tmp_path / "b", mtp=True) == digests(first, mtp=True)
     assert b.check == a.check
 
@@ -328,9 +343,11 @@ def test_a_head_trained_in_bfloat16_is_checked_in_the_compute_dtype(
 
     first, a = healed_tiny.small("keep")
     monkeypatch.setattr(heal_plan, "HEAD_FULL_PRECISION_LIMIT", 0)
+    chosen = _record_allocator_settings(monkeypatch)
     b = heal(HealOptions(quant=healed_tiny.quant("keep"), source=TINY_MTP_ASSET, out=tmp_path / "b", force=True,
                          **SMALL))
     assert (a.plan.head_dtype, b.plan.head_dtype) == ("float32", "bfloat16")
+    assert b.plan.memory.disk_bytes == 0 and chosen == ["keep_freed_memory"]
     assert a.check is not None and b.check is not None
     assert [c.before for c in b.check.by_k] == [c.before for c in a.check.by_k]
     assert digests(tmp_path / "b", mtp=True) != digests(first, mtp=True)  # trained against another head
