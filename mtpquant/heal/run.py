@@ -181,7 +181,7 @@ def _heal(
 
     # 2. training
     with timer("train"):
-        shared = _shared(weights, getattr(torch, plan.head_dtype), device)
+        shared = weights.embedding_and_head(getattr(torch, plan.head_dtype), device)
         healed, result.training = _train(plan, quant, src, data, device, shared)
     shutil.rmtree(scratch, ignore_errors=True)
 
@@ -193,7 +193,7 @@ def _heal(
     if shared[0].dtype != dtype:  # training held them in another dtype than the check computes in
         del shared
         gc.collect()
-        shared = _shared(weights, dtype, device)
+        shared = weights.embedding_and_head(dtype, device)
     with timer("check"):
         check = _check(weights, CheckpointWeights(Checkpoint.open(od.path, strict=True)), held_out, shared, options)
     result.check = check
@@ -207,13 +207,6 @@ def _heal(
     record_step(plan, quant, src, result.record, target)
     with timer("commit"):
         commit(target, result, json_files, what="healing")
-
-
-def _shared(weights: Any, dtype: Any, device: Any) -> tuple[Any, Any]:
-    """QUANT's embedding and LM head (one tensor when tied) in ``dtype`` on ``device``."""
-    embed = weights.tensor(weights.embed_name(), dtype).to(device)
-    tied = weights.lm_head_name() == weights.embed_name()
-    return embed, embed if tied else weights.tensor(weights.lm_head_name(), dtype).to(device)
 
 
 def _check(before: Any, after: Any, held_out: Any, shared: tuple[Any, Any], options: HealOptions) -> CheckResult:

@@ -119,10 +119,7 @@ def load_mtp(
                 modules[module.removeprefix(MTP_PREFIX)].register_forward_pre_hook(pre_hook(quantize))
                 emulated.append(module)
     if shared is None:
-        shared = (
-            weights.tensor(weights.embed_name(), dtype).to(device),
-            weights.tensor(weights.lm_head_name(), dtype).to(device),
-        )
+        shared = weights.embedding_and_head(dtype, device)
     bundle = MtpBundle(
         layer=layer,
         embed_weight=shared[0],

@@ -282,5 +282,12 @@ class CheckpointWeights:
             return self.embed_name()
         raise ConfigError(f"{self.label}: lm_head.weight is missing and tie_word_embeddings is false")
 
+    def embedding_and_head(self, dtype: torch.dtype, device: torch.device | str = "cpu") -> tuple[Tensor, Tensor]:
+        """The embedding and the LM head in ``dtype`` on ``device``: one tensor, read once, when they are tied."""
+        embed = self.tensor(self.embed_name(), dtype).to(device)
+        if self.lm_head_name() == self.embed_name():
+            return embed, embed
+        return embed, self.tensor(self.lm_head_name(), dtype).to(device)
+
 
 # ---- activation emulation -------------------------------------------------------------------------
