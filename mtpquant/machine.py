@@ -1,22 +1,37 @@
-"""What this machine has to give: its memory (RAM as the kernel and the cgroup allow, GPU 0's as the driver says),
-and the device a run computes on.
+"""What this machine has to give: its memory (RAM as the kernel and the cgroup allow, GPU 0's as the driver says), its
+CPU cores, and the device a run computes on.
 
 One home for the probes convert's memory plan (``convert/memory.py``) and the engines mtpquant starts
-(``engine/sizing.py``) both size themselves by, and for ``--device`` (convert and validate: one resolver, one
-exit code).
+(``engine/sizing.py``) both size themselves by, for ``--device`` (convert and validate: one resolver, one
+exit code), and for how the CLI's process computes on the CPU (``tune_cpu_runtime``: OpenMP's thread count and wait
+policy, chosen before torch loads, a user's own setting kept).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import shutil
 import subprocess
+from collections.abc import MutableMapping
 from pathlib import Path
 
 from mtpquant.errors import DeviceError
 
-__all__ = ["available_cpu_bytes", "gpu_memory", "resolve_device", "total_cpu_bytes"]
+__all__ = [
+    "CPU_RUNTIME_VARIABLES",
+    "available_cpu_bytes",
+    "compute_cores",
+    "gpu_memory",
+    "resolve_device",
+    "total_cpu_bytes",
+    "tune_cpu_runtime",
+]
+
+# The variables ``tune_cpu_runtime`` may set; a user who sets one (or GOMP_SPINCOUNT, libgomp's own knob for the
+# wait) has chosen, and that choice is kept.
+CPU_RUNTIME_VARIABLES = ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")
 
 
 def resolve_device(device: str, *, indexed: bool = True, probe: bool = True) -> str:
@@ -99,3 +114,75 @@ def gpu_memory() -> tuple[int | None, int | None]:
     except (OSError, subprocess.SubprocessError, ValueError, IndexError):
         return None, None
     return total, free
+
+
+def _cpu_list(text: str) -> set[int]:
+    """A kernel CPU list (``0-3,8,10-11``) as CPU numbers."""
+    cpus: set[int] = set()
+    for part in text.strip().split(","):
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def compute_cores(
+    cpus: set[int] | None = None,
+    sysfs: Path = Path("/sys/devices/system/cpu"),
+    cgroup: Path = Path("/sys/fs/cgroup"),
+) -> int:
+    """The CPU cores this process can compute on: the CPUs of its affinity mask (``cpus``, default the process's
+    own), SMT siblings counted once (a core's hyperthreads share its vector units: the physical-core count llama.cpp,
+    ONNX Runtime and torch's MKL default use), bounded by the cgroup's CPU quota (``cpu.max``: a container given 2
+    CPUs of a 64-core host has 2, however many cores its mask shows). At least 1."""
+    if cpus is None:
+        cpus = set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+    cores: set[frozenset[int]] = set()
+    for cpu in cpus:
+        try:
+            siblings = _cpu_list((sysfs / f"cpu{cpu}" / "topology" / "thread_siblings_list").read_text())
+        except (OSError, ValueError):
+            siblings = {cpu}
+        cores.add(frozenset(siblings & cpus or {cpu}))
+    count = max(len(cores), 1)
+    try:
+        quota, _, period = (cgroup / "cpu.max").read_text().strip().partition(" ")
+        if quota != "max" and int(period) > 0:
+            count = min(count, max(math.ceil(int(quota) / int(period)), 1))
+    except (OSError, ValueError):
+        pass
+    return count
+
+
+def tune_cpu_runtime(
+    environ: MutableMapping[str, str] | None = None, *, cores: int | None = None, visible: int | None = None
+) -> dict[str, str]:
+    """Choose how torch's OpenMP threads compute, before torch is imported (libgomp reads its environment once, when
+    it loads); returns what it set. Two settings, each only where the user set nothing (``OMP_WAIT_POLICY`` or
+    ``GOMP_SPINCOUNT``; ``OMP_NUM_THREADS``):
+
+    - ``OMP_WAIT_POLICY=PASSIVE``: a thread that reaches the end of a parallel region sleeps instead of spinning
+      (libgomp spins 300,000 times by default). On a machine another process also uses, the spinning threads take
+      the cores the working ones need: the tiny model's convert took 3.1x the CPU time beside one busy process
+      (docs/BENCHMARKS.md, "the CLI on a busy machine"); with it, the same as on a quiet machine. What Intel's and
+      PyTorch's CPU guides advise for a process sharing its cores.
+    - ``OMP_NUM_THREADS``: the cores the process can compute on (``compute_cores``), set only when that is fewer
+      than the CPUs the OpenMP runtime would count (a CPU quota, SMT siblings): more threads than cores wait on each
+      other at every parallel region.
+
+    The CLI calls this first; the engines it starts inherit the same environment. A program using the Python API
+    runs under its own settings (call this before importing torch to get the CLI's). ``cores`` and ``visible`` (the
+    CPUs OpenMP counts: the affinity mask) default to this machine's."""
+    env = os.environ if environ is None else environ
+    chosen: dict[str, str] = {}
+    if "OMP_WAIT_POLICY" not in env and "GOMP_SPINCOUNT" not in env:
+        chosen["OMP_WAIT_POLICY"] = "PASSIVE"
+    if "OMP_NUM_THREADS" not in env:
+        n = compute_cores() if cores is None else cores
+        if visible is None:
+            visible = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        if n < visible:
+            chosen["OMP_NUM_THREADS"] = str(n)
+    env.update(chosen)
+    return chosen

@@ -15,8 +15,10 @@ skeleton with random-normal weights (``scripts/make_skeleton_checkpoint.py --mtp
 under the cap, then heals it under the same cap with a small schedule (the point is memory: the quantized target
 partly on disk, dequantized when each layer runs) and ``--force`` (random weights cannot improve); goal: peak RSS <=
 cap + 2 GB.
-Children run with ``OMP_WAIT_POLICY=PASSIVE`` (torch's OpenMP threads otherwise spin on a shared machine). The
-sections of docs/BENCHMARKS.md are rewritten with ``--write``.
+(a) runs the ``mtpquant`` command as users run it (``python -m mtpquant heal ... --json``, the calling shell's
+OpenMP settings removed: the CLI chooses its own); (b) calls the API (its schedule is smaller than the CLI's flags
+allow) under the same settings the CLI chooses. Each part rewrites its own section of docs/BENCHMARKS.md with
+``--write``.
 """
 
 from __future__ import annotations
@@ -38,11 +40,15 @@ from _benchlib import command_line, machine, machine_line, run_python, today, wr
 
 from mtpquant.units import format_bytes, parse_bytes  # noqa: E402
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("TQDM_DISABLE", "1")
+# a user's shell: no OpenMP / MKL settings of the benchmark's own (the CLI, and (b)'s child, choose them)
+for _name in [k for k in os.environ if k.startswith(("OMP_", "GOMP_", "KMP_", "MKL_"))]:
+    del os.environ[_name]
 
 _HEAL = """
 import json, sys, time
+from mtpquant.machine import tune_cpu_runtime
+tune_cpu_runtime()
 from pathlib import Path
 from mtpquant.heal.options import HealOptions
 from mtpquant.heal.run import heal
@@ -89,6 +95,19 @@ def _heal(options: dict[str, Any]) -> dict[str, Any]:
     return {**run.output, "wall_s": time.perf_counter() - t0, "max_rss": run.max_rss}
 
 
+def _heal_cli(quant: Path, source: Path, out: Path) -> dict[str, Any]:
+    """``mtpquant heal QUANT --from SRC --out OUT --json``, the default schedule, in a fresh process."""
+    t0 = time.perf_counter()
+    run = run_python(["-m", "mtpquant", "-q", "heal", str(quant), "--from", str(source), "--out", str(out),
+                      "--device", "cpu", "--json"])
+    if run.returncode != 0 or not run.output:
+        raise SystemExit(f"heal failed ({run.returncode}): {run.stderr.strip()[-2000:]}")
+    r = run.output
+    return {"cpu_s": r["cpu_seconds"], "timings": r["timings"], "wall_s": time.perf_counter() - t0,
+            "max_rss": run.max_rss, "kl": [r["training"]["first_loss"], r["training"]["last_loss"]],
+            "check": [[c["k"], c["before"], c["after"], c["low"], c["high"]] for c in r["record"]["by_k"]]}
+
+
 def tiny(work: Path) -> str:
     """(a): the default heal of the trained tiny model (keep and quantize), with the source's AL beside it."""
     from mtpquant.synth.train import TINY_MTP_ASSET
@@ -102,15 +121,13 @@ def tiny(work: Path) -> str:
         out = work / f"tiny-{mode}-healed"
         if out.exists():
             subprocess.run(["rm", "-rf", str(out)], check=True)
-        r = _heal({"quant": str(quant), "source": str(TINY_MTP_ASSET), "out": str(out), "device": "cpu",
-                   "progress": False})
-        rows.append((mode, r))
+        rows.append((mode, _heal_cli(quant, TINY_MTP_ASSET, out)))
     lines = [
         "| MTP | k | BF16 source AL | quant AL (before) | healed AL | change [95 % interval] | healed - source |",
         "|---|---:|---:|---:|---:|---|---:|",
     ]
     for mode, r in rows:
-        for k, before, after, low, high, _better in r["check"]:
+        for k, before, after, low, high in r["check"]:
             src = src_al[k - 1]
             label = "BF16 (`--keep-mtp`)" if mode == "keep" else "NVFP4 (`--mtp quantize`)"
             lines.append(f"| {label} | {k} | {src:.3f} | {before:.3f} | {after:.3f} | {after - before:+.3f} "
@@ -179,18 +196,16 @@ def main() -> int:
     args.work.mkdir(parents=True, exist_ok=True)
     parts = []
     if not args.skip_tiny:
-        parts.append(("(a) the default heal of the trained tiny model", tiny(args.work)))
+        parts.append(("## heal: the default heal of the trained tiny model", tiny(args.work)))
     if not args.skip_4b:
-        parts.append((f"(b) full-size random Qwen3.5-4B under --max-memory cpu={args.cap}", big(args.work, args.cap)))
+        parts.append(("## heal under a memory cap: the full-size random Qwen3.5-4B", big(args.work, args.cap)))
     about = " ".join((__doc__ or "").split("\n\n")[2].split())
-    text = [f"## heal\n\n`{command_line('bench_heal.py')}` on {today()}. {about}",
-            "", machine_line(machine(args.work)), ""]
-    for title, body in parts:
-        text += [f"### {title}", "", body, ""]
-    section = "\n".join(text)
-    print(section)
-    if args.write:
-        write_section("## heal", section)
+    for heading, body in parts:
+        section = "\n".join([heading, "", f"`{command_line('bench_heal.py')}` on {today()}. {about}", "",
+                             machine_line(machine(args.work)), "", body, ""])
+        print(section)
+        if args.write:
+            write_section(heading, section)
     return 0
 
 

@@ -19,16 +19,15 @@ import argparse
 import dataclasses
 import json
 import logging
-import os
 import sys
 from pathlib import Path
 
-# Threads sleep instead of spinning when a core is busy (matters on a shared machine); set before
-# torch is imported.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from mtpquant.machine import tune_cpu_runtime
 
-from mtpquant.synth.train import TrainSpec, train_tiny_mtp
-from mtpquant.validate.prompts import held_out_documents, training_documents
+tune_cpu_runtime()  # the CLI's OpenMP settings (a user's own kept), before torch is imported
+
+from mtpquant.synth.train import TrainSpec, train_tiny_mtp  # noqa: E402
+from mtpquant.validate.prompts import held_out_documents, training_documents  # noqa: E402
 
 ASSETS = Path(__file__).resolve().parent.parent / "mtpquant" / "assets"
 

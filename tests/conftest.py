@@ -10,14 +10,16 @@ from pathlib import Path
 
 import pytest
 
-# torch's OpenMP threads spin while they wait by default; on a shared, oversubscribed machine that burns the CPU
-# other jobs need (measured: 25x the CPU time for the same greedy steps). Set before torch is first imported.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from mtpquant.machine import tune_cpu_runtime
 
-from mtpquant.synth.tiny import make_tiny_checkpoint
-from tests.support.engine import EnginePool
-from tests.support.heal import HealedTiny
-from tests.support.hubserver import LocalHub
+# The tests run the API in this process: under the CLI's OpenMP settings (torch's threads otherwise spin while they
+# wait, which on a shared machine burns the CPU other jobs need), chosen before torch is first imported.
+tune_cpu_runtime()
+
+from mtpquant.synth.tiny import make_tiny_checkpoint  # noqa: E402
+from tests.support.engine import EnginePool  # noqa: E402
+from tests.support.heal import HealedTiny  # noqa: E402
+from tests.support.hubserver import LocalHub  # noqa: E402
 
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

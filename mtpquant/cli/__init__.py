@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 from mtpquant import __version__
 from mtpquant.errors import ExitCode, MtpquantError, exit_code_table
+from mtpquant.machine import tune_cpu_runtime
 
 __all__ = ["HUB_CODES", "exit_codes_epilog", "main", "recorded_command"]
 
@@ -96,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the process exit code."""
+    tuned = tune_cpu_runtime()  # before any command imports torch (machine.tune_cpu_runtime says why)
     parser = build_parser()
     args = parser.parse_args(argv)
     args.verbose += args.sub_verbose
@@ -103,6 +105,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.command_line = recorded_command(sys.argv[1:] if argv is None else argv)
     level = logging.ERROR if args.quiet else (logging.WARNING, logging.INFO, logging.DEBUG)[min(args.verbose, 2)]
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    if tuned:
+        logging.getLogger("mtpquant.machine").info(
+            "CPU runtime: %s (set yours to override)", ", ".join(f"{k}={v}" for k, v in tuned.items())
+        )
     if args.quiet:
         import os
 
