@@ -382,6 +382,29 @@ def acceptance_text(report: Report) -> str:
     return "\n".join(lines)
 
 
+def decision_text(quant: Path, steps: Sequence[tuple[str, Report]], inspection: InspectReport) -> str:
+    """The demo's last word: each validation of ``quant`` in the order they ran (its AL per k, the change from the
+    source's, the verdict), then whether it is ready to publish (the last validation passed and inspect finds it
+    healthy) and what to do next."""
+    width = max(len(label) for label, _ in steps)
+    lines = ["== decision"]
+    for label, report in steps:
+        by_k = report.subject.acceptance.by_k if report.subject.acceptance is not None else ()
+        al = " / ".join(f"{row.mean_acceptance_length:.3f}" for row in by_k)
+        change = " / ".join(f"{d:+.3f}" for d in (report.comparison.al_delta_by_k if report.comparison else ()))
+        lines.append(f"{label:<{width}}  AL {al} (k = 1..{len(by_k)}), change from the source {change}: "
+                     f"{report.verdict.status.upper()}")
+    final = steps[-1][1].verdict
+    if final.status == "pass" and inspection.healthy:
+        lines.append(f"ready to publish: {quant} drafts within the allowed AL drop of its source and inspects healthy "
+                     f"(next: mtpquant publish {quant} --repo ORG/NAME)")
+    elif not inspection.healthy:
+        lines.append(f"not ready: inspect finds {quant} unhealthy (above)")
+    else:
+        lines.append(f"not ready: the last validation is {final.status.upper()}: {'; '.join(final.reasons)}")
+    return "\n".join(lines)
+
+
 def validate_text(report: Report, report_dir: Path | None = None) -> str:
     """The acceptance table, the report's notes, the verdict, and where the report files are."""
     lines = [acceptance_text(report)]
