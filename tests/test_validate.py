@@ -597,6 +597,38 @@ def test_a_report_dir_holding_other_files_is_refused_up_front(
         assert sorted(p.name for p in report_dir.parent.iterdir()) == ["r"]
 
 
+def test_report_md_names_every_servers_arguments_and_memory() -> None:
+    """What a user saw: report.md listed the first of several servers' arguments, and the memory each started
+    server was given came as unlabelled notes (which the card copied). Every server's now, by side and k, and the
+    memory is the server's own record (``EngineInfo.memory``), not a note."""
+    side = _side([1.5, 2.0], per_position=[[0.6], [0.6, 0.4]])
+    settings = Settings(2, 1, 8, "p", "engine", "as served", "as served", None, 0.1, 1.02)
+    engines = tuple(
+        EngineInfo(
+            "vllm", "0.32.0", f"http://127.0.0.1:{port}", "tiny", k, "server", side=label,
+            server_args=(
+                "--model", "tiny", "--port", str(port), "--speculative-config", f'{{"num_speculative_tokens":{k}}}'
+            ),
+            memory=f"engine memory (cpu): KV cache {k} MB" if label == "reference" else "",
+        )
+        for label, port, k in (("reference", 1, 1), ("reference", 2, 2), ("candidate", 3, 1))
+    )  # fmt: skip
+    report = Report("0", "now", "pair", settings, side, Verdict("pass", ("ok",)), side, Comparison(), engine=engines)
+    md = render_markdown(report, {})
+    args = md.split("Server arguments:\n\n", 1)[1].split("\n\n", 1)[0].splitlines()
+    assert args == [
+        '- reference, k = 1: `--model tiny --port 1 --speculative-config {"num_speculative_tokens":1}`',
+        '- reference, k = 2: `--model tiny --port 2 --speculative-config {"num_speculative_tokens":2}`',
+        '- candidate, k = 1: `--model tiny --port 3 --speculative-config {"num_speculative_tokens":1}`',
+    ]
+    memory = md.split("Memory:\n\n", 1)[1].split("\n\n", 1)[0].splitlines()
+    assert memory == [
+        "- reference, k = 1: engine memory (cpu): KV cache 1 MB",
+        "- reference, k = 2: engine memory (cpu): KV cache 2 MB",
+    ]  # a running server (the candidate's) was given nothing by validate
+    assert Report.from_json(report.to_json()).engine == engines  # the memory is part of the record
+
+
 def test_a_report_of_another_shape_is_refused_naming_the_place() -> None:
     """report.json is read strictly (its flat records by pydantic): the first problem, where it is, in one line."""
     side = _side([1.5])
