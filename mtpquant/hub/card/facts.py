@@ -22,6 +22,8 @@ from mtpquant.provenance import Provenance, Step, card_license_fields
 from mtpquant.public import public_args
 from mtpquant.public import public_text as _public_text
 from mtpquant.validate import REPORT_DIR
+from mtpquant.validate.profile import PROFILE_FILE
+from mtpquant.validate.report import MARKDOWN_FILE, REPORT_FILE
 
 if TYPE_CHECKING:
     from mtpquant.inspect.report import InspectReport
@@ -50,9 +52,9 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 # A validation report inside OUT (written by `mtpquant validate ... --report-dir OUT/validation`).
-VALIDATION_REPORT = f"{REPORT_DIR}/report.json"
-VALIDATION_MARKDOWN = f"{REPORT_DIR}/report.md"
-VALIDATION_PROFILE = f"{REPORT_DIR}/speculation_profile.json"  # validate.profile.PROFILE_FILE in the report directory
+VALIDATION_REPORT = f"{REPORT_DIR}/{REPORT_FILE}"
+VALIDATION_MARKDOWN = f"{REPORT_DIR}/{MARKDOWN_FILE}"
+VALIDATION_PROFILE = f"{REPORT_DIR}/{PROFILE_FILE}"
 _REPORT_LIMIT = 64 * 1024 * 1024  # a validation report is a few KB
 _HF_CACHE_SNAPSHOT = re.compile(r"models--([A-Za-z0-9][\w.-]*)--([\w.-]+)[/\\]snapshots[/\\]")
 
