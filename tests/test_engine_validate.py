@@ -309,6 +309,25 @@ def test_validate_through_the_engine_then_publish(
     assert '"num_speculative_tokens":2}' in card and '"num_speculative_tokens":3}' not in card
 
 
+def test_without_report_dir_the_servers_logs_are_removed(
+    outputs: dict[str, Path], vllm: EnginePool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a user saw: without ``--report-dir`` the servers' logs went to a temporary directory nothing removed.
+    A run that finishes removes it (one that fails keeps it, and says where: the tests above)."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))  # where validate's own temporary files go
+    (tmp_path / "tmp").mkdir()
+    report = validate(
+        ValidateOptions(
+            outputs["keep"], num_prompts=4, max_len=64, ks=(1,), device="cpu", engine="vllm",
+            vllm_python=vllm.python, env=CPU_ENV, progress=False,
+        )
+    ).report  # fmt: skip
+    assert [e.k for e in report.engine] == [1] and report.engine[0].memory
+    assert list((tmp_path / "tmp").iterdir()) == []
+
+
 def test_server_pair_grafted_drop_measures_as_keep(
     outputs: dict[str, Path], vllm: EnginePool, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
