@@ -25,6 +25,7 @@ from mtpquant.engine.launch import free_port
 from mtpquant.errors import ExitCode
 from mtpquant.synth.train import TINY_MTP_ASSET
 from tests.support.engine import CONCURRENCY, CPU_ENV, EnginePool
+from tests.support.hubserver import LocalHub
 from tests.support.sglang_replay import SglangReplay
 
 pytestmark = pytest.mark.engine
@@ -164,16 +165,18 @@ def test_engine_measures_what_the_builtin_path_predicts(
     assert args[args.index("--kv-cache-memory-bytes") + 1] == str(512 * 2**20)
     assert "--gpu-memory-utilization" not in args  # on the CPU backend the KV size replaces the utilization check
     sized = f"engine memory (cpu): KV cache 536.87 MB for {CONCURRENCY} sequences of 512"
-    assert any(n.startswith(sized) for n in report.notes)
+    assert report.engine[0].memory.startswith(sized) and not any("engine memory" in n for n in report.notes)
     _agree("quantize", 3, report.predicted.to_json()["reference"] if report.predicted else [])
     assert report.verdict.status == "pass"
-    files = sorted(p.name for p in report_dir.iterdir())
-    assert files == ["acceptance.png", "report.json", "report.md", "speculation_profile.json", "vllm-reference-k3.log"]
+    files = sorted(p.relative_to(report_dir).as_posix() for p in report_dir.rglob("*"))
+    assert files == [
+        "acceptance.png", "logs", "logs/vllm-reference-k3.log", "report.json", "report.md", "speculation_profile.json"
+    ]  # fmt: skip
     profile = json.loads((report_dir / "speculation_profile.json").read_text())
     assert profile["num_speculative_tokens"] == 3 and profile["measurement_conditions"]["engine"] == "vllm 0.32.0"
     md = (report_dir / "report.md").read_text()
     assert "## Engine vs built-in prediction" in md and "| reference | T=0.8 | 3 |" in md
-    assert "GiB for KV cache on node" in (report_dir / "vllm-reference-k3.log").read_text()  # vLLM took the size
+    assert "GiB for KV cache on node" in (report_dir / "logs" / "vllm-reference-k3.log").read_text()  # took the size
 
 
 def test_running_server_measures_what_the_builtin_path_predicts(
@@ -244,8 +247,85 @@ def test_compressed_tensors_outputs_load_and_draft(
     (row,) = report.predicted.to_json()["reference"] if report.predicted else [None]
     assert row is not None and row["k"] == 2 and row["engine_al"] > 1.5 and abs(row["difference"]) <= 0.15, row
     assert report.verdict.status == "pass"
-    log = (tmp_path / "report" / "vllm-reference-k2.log").read_text()
+    log = (tmp_path / "report" / "logs" / "vllm-reference-k2.log").read_text()
     assert "quantization=compressed-tensors" in log and "Using EmulationNvFp4LinearKernel for NVFP4 GEMM" in log
+
+
+def test_validate_through_the_engine_then_publish(
+    outputs: dict[str, Path],
+    vllm: EnginePool,
+    tmp_path: Path,
+    local_hub: LocalHub,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What a user saw: ``validate --engine vllm --report-dir OUT/validation`` wrote each server's log into the report
+    directory, and ``publish OUT --dry-run`` refused (exit 13: a log names the local path); report.md listed the
+    first server's arguments only, the card two unlabelled "engine memory" notes and a serve command at k = 3 after
+    validation measured k <= 2. Now the logs land in validation/logs/, which publish keeps local: the dry run and the
+    upload succeed, no log is uploaded; report.md names every server's arguments and memory by side and k; the card
+    has neither memory note and serves the k validation measured."""
+    import shutil
+
+    from mtpquant.hub.publish import PublishOptions, publish
+
+    for key, value in CPU_ENV.items():
+        monkeypatch.setenv(key, value)
+    out = tmp_path / "tiny-keep"
+    shutil.copytree(outputs["keep"], out)
+    report_dir = out / "validation"
+    code, err = _cli(
+        capsys, str(out), "--engine", "vllm", "--vllm-python", str(vllm.python), "--k", "1,2", "--num-prompts", "8",
+        "--max-len", "64", "--device", "cpu", "--report-dir", str(report_dir),
+    )  # fmt: skip
+    assert code == 0, err
+    files = sorted(p.relative_to(report_dir).as_posix() for p in report_dir.rglob("*"))
+    assert files == [
+        "acceptance.png", "logs", "logs/vllm-reference-k1.log", "logs/vllm-reference-k2.log", "report.json",
+        "report.md", "speculation_profile.json",
+    ]  # fmt: skip
+    assert str(out) in (report_dir / "logs" / "vllm-reference-k1.log").read_text()  # why the logs stay local
+    report = json.loads((report_dir / "report.json").read_text())
+    md = (report_dir / "report.md").read_text()
+    assert [e["k"] for e in report["engine"]] == [1, 2]
+    for e in report["engine"]:
+        assert e["memory"].startswith("engine memory (cpu): KV cache ")
+        assert f"- reference, k = {e['k']}: `{' '.join(e['server_args'])}`" in md
+        assert f"- reference, k = {e['k']}: {e['memory']}" in md
+    assert not any("engine memory" in n for n in report["notes"])
+
+    capsys.readouterr()
+    assert cli(["-q", "publish", str(out), "--repo", "org/tiny-keep", "--dry-run"]) == 0, capsys.readouterr().err
+    assert "logs/" not in capsys.readouterr().out
+    result = publish(PublishOptions(out=out, repo="org/tiny-keep"))
+    uploaded = sorted(local_hub.repo_dir("org/tiny-keep", "main").rglob("*"))
+    names = {p.relative_to(local_hub.repo_dir("org/tiny-keep", "main")).as_posix() for p in uploaded if p.is_file()}
+    assert {f"validation/{f}" for f in files if not f.startswith("logs")} <= names
+    assert not any(n.startswith("validation/logs") or n.endswith(".log") for n in names)
+    assert names - {".gitattributes"} == {f.path for f in result.files}
+    card = result.card
+    assert "engine memory" not in card and "measured this checkpoint through vllm 0.32.0" in card
+    assert "Drafting k = 2 tokens per step, the largest k the validation report measured." in card
+    assert '"num_speculative_tokens":2}' in card and '"num_speculative_tokens":3}' not in card
+
+
+def test_without_report_dir_the_servers_logs_are_removed(
+    outputs: dict[str, Path], vllm: EnginePool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a user saw: without ``--report-dir`` the servers' logs went to a temporary directory nothing removed.
+    A run that finishes removes it (one that fails keeps it, and says where: the tests above)."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))  # where validate's own temporary files go
+    (tmp_path / "tmp").mkdir()
+    report = validate(
+        ValidateOptions(
+            outputs["keep"], num_prompts=4, max_len=64, ks=(1,), device="cpu", engine="vllm",
+            vllm_python=vllm.python, env=CPU_ENV, progress=False,
+        )
+    ).report  # fmt: skip
+    assert [e.k for e in report.engine] == [1] and report.engine[0].memory
+    assert list((tmp_path / "tmp").iterdir()) == []
 
 
 def test_server_pair_grafted_drop_measures_as_keep(
@@ -371,8 +451,12 @@ def test_engine_that_fails_to_start_names_its_log(
     capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    import tempfile
+
     for key, value in CPU_ENV.items():
         monkeypatch.setenv(key, value)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))  # where the servers' logs go while validate runs
+    (tmp_path / "tmp").mkdir()
     path = peer_quant("autoround-nvfp4-native-dense")  # vLLM 0.32 refuses its nv_fp data type, as inspect predicts
     assert "does not support auto-round data_type 'nv_fp'" in inspect_checkpoint(path).verdicts["vllm"]
     report_dir = tmp_path / "r"
@@ -391,13 +475,14 @@ def test_engine_that_fails_to_start_names_its_log(
         str(report_dir),
     )
     assert code == ExitCode.ENGINE_START
-    log = report_dir / "vllm-reference-k1.log"
+    (logs,) = (tmp_path / "tmp").iterdir()  # a failed run keeps its servers' logs (named in the error), no report
+    log = logs / "vllm-reference-k1.log"
     # one line naming the cause (vLLM's own message; its set of types prints in any order) and the log
     assert err.startswith(
         "mtpquant: error: vLLM server exited with code 1 before it was ready: Unsupported data_type: nv_fp"
     )
     assert err.endswith(f"(log: {log})") and "\n" not in err
-    assert sorted(p.name for p in report_dir.iterdir()) == ["vllm-reference-k1.log"]  # the log, no report
+    assert sorted(p.name for p in logs.iterdir()) == ["vllm-reference-k1.log"] and not report_dir.exists()
 
 
 def _requests_running(port: int) -> bool:
@@ -415,7 +500,20 @@ def _requests_running(port: int) -> bool:
     )
 
 
-def test_ctrl_c_leaves_no_server_behind(outputs: dict[str, Path], vllm: EnginePool, tmp_path: Path) -> None:
+@pytest.fixture
+def short_tmpdir() -> Iterator[Path]:
+    """A temporary directory with a short path, for a command's TMPDIR (the servers it starts put sockets there)."""
+    import shutil
+    import tempfile
+
+    path = Path(tempfile.mkdtemp(prefix="mtpq-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_ctrl_c_leaves_no_server_behind(
+    outputs: dict[str, Path], vllm: EnginePool, tmp_path: Path, short_tmpdir: Path
+) -> None:
     import os
     import signal
     import subprocess
@@ -423,6 +521,7 @@ def test_ctrl_c_leaves_no_server_behind(outputs: dict[str, Path], vllm: EnginePo
     import time
 
     report_dir = tmp_path / "r"
+    logs_in = short_tmpdir  # the command's temporary directory: where its server logs while it runs
     cmd = [sys.executable, "-m", "mtpquant", "-q", "validate", str(outputs["keep"]), "--engine", "vllm"]
     cmd += ["--vllm-python", str(vllm.python), "--k", "1", "--device", "cpu", "--report-dir", str(report_dir)]
     cmd += ["--num-prompts", "32", "--max-len", "384"]  # a measurement long enough to be interrupted in
@@ -430,13 +529,16 @@ def test_ctrl_c_leaves_no_server_behind(outputs: dict[str, Path], vllm: EnginePo
     # inherited (a non-interactive shell starts background jobs with SIGINT ignored, and exec keeps that)
     proc = subprocess.Popen(
         cmd,
-        env={**os.environ, **CPU_ENV},
+        env={**os.environ, **CPU_ENV, "TMPDIR": str(logs_in)},
         stderr=subprocess.PIPE,
         text=True,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
-    log = report_dir / "vllm-reference-k1.log"
     deadline = time.monotonic() + 300
+    while not list(logs_in.glob("mtpquant-vllm-logs-*/vllm-reference-k1.log")):
+        assert proc.poll() is None and time.monotonic() < deadline, "the server was never started"
+        time.sleep(0.05)
+    (log,) = logs_in.glob("mtpquant-vllm-logs-*/vllm-reference-k1.log")
     # The server's own log is buffered, so it cannot say when the measurement runs; the server's gauge of running
     # requests does (the log opens with the server's command line, written by mtpquant: its port).
     while not (log.exists() and "--port " in log.read_text(errors="replace")):
@@ -457,4 +559,5 @@ def test_ctrl_c_leaves_no_server_behind(outputs: dict[str, Path], vllm: EnginePo
             break
         time.sleep(0.5)
     assert alive == []
-    assert not (report_dir / "report.json").exists()
+    assert not report_dir.exists()  # no report; the server's log kept where it was written, for a look at why
+    assert list(logs_in.glob("mtpquant-*/*")) == [log]

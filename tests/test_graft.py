@@ -814,6 +814,43 @@ def test_without_directory_exchange_in_place_replace_is_refused(
     )
 
 
+def test_a_validation_report_is_not_carried_into_what_graft_changes(
+    tiny_factory: Factory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a user saw: graft (and heal, the same writer) linked QUANT's ``validation/`` into the result, whose card
+    then showed QUANT's numbers as measured on the changed checkpoint. A report describes the checkpoint it was
+    measured on: --out leaves it behind (QUANT keeps it), in place it is removed, with the exchange and without."""
+    import mtpquant.graft.inplace as inplace
+
+    src = tiny_factory("qwen3_5")
+
+    def with_report(name: str) -> Path:
+        quant = strip_mtp(src, tmp_path / name / "q")
+        (quant / "validation" / "logs").mkdir(parents=True)
+        (quant / "validation" / "report.json").write_text('{"schema": "mtpquant.validate/2"}\n')
+        (quant / "validation" / "logs" / "vllm-reference-k1.log").write_text("a server\n")
+        return quant
+
+    quant = with_report("out")
+    result = graft(GraftOptions(quant=quant, source=src, out=tmp_path / "out" / "grafted"))
+    assert not (tmp_path / "out" / "grafted" / "validation").exists()
+    assert (quant / "validation" / "report.json").exists()  # QUANT is never changed
+    said = "its report measured QUANT before this graft (validate the result for a report on it)"
+    assert f"validation/: not carried over: {said}" in result.warnings
+    assert inspect_checkpoint(tmp_path / "out" / "grafted").healthy
+    for commit in ("exchange", "files"):
+        if commit == "files":
+            monkeypatch.setattr(inplace, "exchange_supported", lambda scratch: False)
+        quant = with_report(commit)
+        result = graft(GraftOptions(quant=quant, source=src, in_place=True))
+        assert result.commit == commit and not (quant / "validation").exists()
+        assert f"validation/: removed: {said}" in result.warnings
+        assert tensor_digests(quant) == tensor_digests(src) and leftovers(quant.parent) == []
+    # a QUANT without a report: nothing said
+    plain = graft(GraftOptions(quant=strip_mtp(src, tmp_path / "plain"), source=src, out=tmp_path / "plain-out"))
+    assert not any(w.startswith("validation/") for w in plain.warnings)
+
+
 @pytest.mark.parametrize(
     ("content", "why"),
     [

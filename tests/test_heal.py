@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -465,6 +466,43 @@ def test_convert_heal_runs_heal_after_the_conversion(tmp_path: Path, capsys: pyt
     assert digests(forced, mtp=False) == digests(out, mtp=False)  # convert is deterministic; heal leaves the rest
     changed = digests(forced, mtp=True)
     assert changed.keys() == digests(out, mtp=True).keys() and changed != digests(out, mtp=True)
+
+
+@pytest.mark.slow
+def test_the_healed_checkpoint_does_not_show_the_unhealed_quants_report(
+    healed_tiny: HealedTiny, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """What a user saw: heal linked QUANT's validation/ into the healed checkpoint, so its card showed the unhealed
+    quant's numbers as "measured this checkpoint". heal leaves the report behind (it measured QUANT), and a report
+    that predates the checkpoint's last change anyway (copied by hand, or carried by an earlier mtpquant) is named
+    as such on the card, its figures not shown."""
+    from mtpquant.validate.run import ValidateOptions, validate
+
+    quant = private_copy(healed_tiny.quant("keep"), tmp_path / "quant")
+    validate(ValidateOptions(quant, num_prompts=2, max_len=24, k=2, device="cpu", report_dir=quant / "validation",
+                             progress=False))
+    out = tmp_path / "healed"
+    result = heal(HealOptions(quant=quant, source=TINY_MTP_ASSET, out=out, force=True, **TINY))
+    assert not (out / "validation").exists() and (quant / "validation" / "report.json").exists()
+    assert ("validation/: not carried over: its report measured QUANT before this heal (validate the result for a "
+            "report on it)") in result.warnings
+
+    def card() -> str:
+        capsys.readouterr()
+        assert cli(["-q", "publish", str(out), "--repo", "org/tiny-healed", "--dry-run"]) == 0
+        return capsys.readouterr().out
+
+    assert "No validation report was found in this checkpoint" in card()
+    shutil.copytree(quant / "validation", out / "validation")  # the unhealed quant's report, as heal carried it
+    created = json.loads((out / "validation" / "report.json").read_text())["created"]
+    healed_at = read_provenance(out).steps[-1].created
+    assert created < healed_at
+    text = card()
+    assert (f"A validation report is included ([`validation/report.md`](validation/report.md)), but it was made "
+            f"({created}) before `mtpquant heal` changed this checkpoint ({healed_at}): its figures describe the "
+            "checkpoint as it was then, not this one, so this card does not show them") in text
+    assert "measured this checkpoint" not in text and "Speculation profile" not in text
+    assert "Drafting k = " not in text  # the serve command's k is not taken from it either
 
 
 @pytest.mark.slow

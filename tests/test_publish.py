@@ -607,6 +607,23 @@ def test_validation_report_single_mode_and_unreadable(made: Path) -> None:
     assert "format this card does not read" in publish(PublishOptions(out=made, repo=REPO, dry_run=True)).card
 
 
+def test_card_serves_the_k_validation_measured(made: Path) -> None:
+    """What a user saw: validation measured k <= 2 and the card's serve commands drafted k = 3. They now draft the
+    largest k the report measured, and say so (an earlier report there is replaced whole by the new one)."""
+    from mtpquant.api import ValidateOptions, validate
+
+    validate(ValidateOptions(made, num_prompts=2, max_len=40, k=2, device="cpu", report_dir=made / "validation",
+                             progress=False))  # fmt: skip
+    card = publish(PublishOptions(out=made, repo=REPO, dry_run=True)).card
+    assert "Drafting k = 2 tokens per step, the largest k the validation report measured." in card
+    assert f'vllm serve {REPO} --speculative-config \'{{"method":"mtp","num_speculative_tokens":2}}\'' in card
+    assert (
+        f"python -m sglang.launch_server --model-path {REPO} --speculative-algorithm NEXTN --speculative-num-steps 2 "
+        "--speculative-eagle-topk 1 --speculative-num-draft-tokens 3"
+    ) in card
+    assert "num_speculative_tokens\":3" not in card and "--speculative-num-steps 3" not in card
+
+
 def test_card_metadata_validator_knows_the_hub_field_types(local_hub: LocalHub) -> None:
     # LocalHub's validate-yaml endpoint is a stub: it answers "no errors" to anything (checked here), so the
     # card is validated by mtpquant itself, against the field types the Hub enforces.

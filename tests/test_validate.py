@@ -549,6 +549,86 @@ def test_report_files(tmp_path: Path) -> None:
     assert "| reference | T=0.8, top-p 0.9 | 2 | 1.500 | 1.750 | -0.250 | 37.5 % / 12.5 % | 50.0 % / 25.0 % |" in md
 
 
+def test_a_report_replaces_an_earlier_one_whole(tmp_path: Path) -> None:
+    """What a user saw: ``--report-dir`` kept what an earlier run left (another model's server logs, an old ``kl.png``),
+    and publish uploaded it beside the new report. The directory is now replaced whole, in one step: the new run's
+    files and nothing else, the engine's logs in ``logs/``, nothing left beside it."""
+    side = _side([1.5, 2.0], per_position=[[0.6], [0.6, 0.4]])
+    settings = Settings(2, 1, 8, "p", "cpu", "float32", "off", None, 0.1, 1.02)
+    pair = Report("0", "now", "pair", settings, side, Verdict("pass", ("ok",)), side, Comparison())
+    report_dir = tmp_path / "work" / "validation"
+    write_report(ValidationReport(pair, mtp_kl=torch.tensor([0.1, 0.2])), report_dir)
+    assert (report_dir / "kl.png").exists()
+    (report_dir / "vllm-candidate-k3.log").write_text("another model's server\n")  # as mtpquant before logs/ left it
+    (report_dir / "logs").mkdir()
+    (report_dir / "logs" / "vllm-reference-k3.log").write_text("another model's server\n")
+    logs = tmp_path / "server-logs"  # what server_logs gives the servers validate starts
+    logs.mkdir()
+    (logs / "vllm-reference-k1.log").write_text("this run's server\n")
+    single = Report("0", "later", "single", settings, side, Verdict("pass", ("ok",)))
+    write_report(ValidationReport(single), report_dir, logs=logs)
+    files = sorted(p.relative_to(report_dir).as_posix() for p in report_dir.rglob("*"))
+    assert files == [
+        "acceptance.png", "logs", "logs/vllm-reference-k1.log", "report.json", "report.md", "speculation_profile.json"
+    ]  # fmt: skip
+    assert json.loads((report_dir / "report.json").read_text())["created"] == "later"
+    assert (report_dir / "logs" / "vllm-reference-k1.log").read_text() == "this run's server\n"
+    assert sorted(p.name for p in report_dir.parent.iterdir()) == ["validation"]  # no temporary directory, no lock
+
+
+def test_a_report_dir_holding_other_files_is_refused_up_front(
+    tiny_factory: Callable[[str], Path], tmp_path: Path, capsys: pytest.CaptureFixture[str], no_target_runs: None
+) -> None:
+    """The report replaces its directory whole, so a directory holding anything validate does not write is refused
+    before any work (exit 5), and left as it was: validate never removes a file it did not write."""
+    ckpt = str(tiny_factory("qwen3_5"))
+    for rel in ("notes.txt", "logs/notes.txt", "report.json/x"):
+        report_dir = tmp_path / rel.replace("/", "-") / "r"
+        (report_dir / rel).parent.mkdir(parents=True)
+        (report_dir / rel).write_text("mine\n")
+        code, err = _cli_err(capsys, ckpt, "--report-dir", str(report_dir))
+        what = rel.split("/")[0] if rel.startswith("report.json") else rel
+        assert (code, err) == (
+            ExitCode.OUTPUT_EXISTS,
+            f"mtpquant: error: {report_dir}: holds {what}, which validate did not write; the report replaces its "
+            "directory whole, so not replacing it (choose another --report-dir, or move that out)",
+        )
+        assert (report_dir / rel).read_text() == "mine\n"
+        assert sorted(p.name for p in report_dir.parent.iterdir()) == ["r"]
+
+
+def test_report_md_names_every_servers_arguments_and_memory() -> None:
+    """What a user saw: report.md listed the first of several servers' arguments, and the memory each started
+    server was given came as unlabelled notes (which the card copied). Every server's now, by side and k, and the
+    memory is the server's own record (``EngineInfo.memory``), not a note."""
+    side = _side([1.5, 2.0], per_position=[[0.6], [0.6, 0.4]])
+    settings = Settings(2, 1, 8, "p", "engine", "as served", "as served", None, 0.1, 1.02)
+    engines = tuple(
+        EngineInfo(
+            "vllm", "0.32.0", f"http://127.0.0.1:{port}", "tiny", k, "server", side=label,
+            server_args=(
+                "--model", "tiny", "--port", str(port), "--speculative-config", f'{{"num_speculative_tokens":{k}}}'
+            ),
+            memory=f"engine memory (cpu): KV cache {k} MB" if label == "reference" else "",
+        )
+        for label, port, k in (("reference", 1, 1), ("reference", 2, 2), ("candidate", 3, 1))
+    )  # fmt: skip
+    report = Report("0", "now", "pair", settings, side, Verdict("pass", ("ok",)), side, Comparison(), engine=engines)
+    md = render_markdown(report, {})
+    args = md.split("Server arguments:\n\n", 1)[1].split("\n\n", 1)[0].splitlines()
+    assert args == [
+        '- reference, k = 1: `--model tiny --port 1 --speculative-config {"num_speculative_tokens":1}`',
+        '- reference, k = 2: `--model tiny --port 2 --speculative-config {"num_speculative_tokens":2}`',
+        '- candidate, k = 1: `--model tiny --port 3 --speculative-config {"num_speculative_tokens":1}`',
+    ]
+    memory = md.split("Memory:\n\n", 1)[1].split("\n\n", 1)[0].splitlines()
+    assert memory == [
+        "- reference, k = 1: engine memory (cpu): KV cache 1 MB",
+        "- reference, k = 2: engine memory (cpu): KV cache 2 MB",
+    ]  # a running server (the candidate's) was given nothing by validate
+    assert Report.from_json(report.to_json()).engine == engines  # the memory is part of the record
+
+
 def test_a_report_of_another_shape_is_refused_naming_the_place() -> None:
     """report.json is read strictly (its flat records by pydantic): the first problem, where it is, in one line."""
     side = _side([1.5])

@@ -3,11 +3,13 @@ hand-made steps and reports."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 
+from mtpquant.engine.sampling import SamplingSettings
 from mtpquant.errors import ValidateError
 from mtpquant.validate.acceptance import Acceptance, AcceptanceRow
 from mtpquant.validate.evidence import Bootstrap, UnitCounts
@@ -15,7 +17,7 @@ from mtpquant.validate.metrics import StepRecord, acceptance_stats, context_buck
 from mtpquant.validate.options import ValidateOptions
 from mtpquant.validate.profile import profile_headline, speculation_profile
 from mtpquant.validate.prompts import context_edges, plan_sequences
-from mtpquant.validate.report import write_report
+from mtpquant.validate.report import _acceptance_plot, write_report
 from mtpquant.validate.schema import MtpInfo, Report, Settings, Side, ValidationReport, Verdict
 
 
@@ -65,7 +67,20 @@ def test_context_buckets_count_steps_by_context() -> None:
     assert high.mean_acceptance_length == pytest.approx(1.875)
 
 
-def _report(steps: list[list[StepRecord]]) -> Report:
+GREEDY = SamplingSettings()
+
+
+def _report(
+    steps: list[list[StepRecord]], edges: tuple[int, ...] = (8, 16), sampling: SamplingSettings = GREEDY
+) -> Report:
+    acceptance = _acceptance(steps, edges, sampling)
+    precision = {"main": {"bf16": 7}}
+    side = Side("ckpt", "qwen3_5", precision, "model", len(steps), 64, 32, MtpInfo(True), acceptance)
+    settings = Settings(2, len(steps), 16, "p", "cpu", "float32", "off", None, 0.1, 1.02, sampling=(sampling,))
+    return Report("0.1.0", "now", "single", settings, side, Verdict("pass", ("ok",)))
+
+
+def _acceptance(steps: list[list[StepRecord]], edges: tuple[int, ...], sampling: SamplingSettings) -> Acceptance:
     rows = []
     for k in (1, 2):
         # the same steps had only k tokens been drafted (greedy chains share prefixes)
@@ -80,13 +95,10 @@ def _report(steps: list[list[StepRecord]]) -> Report:
                 acceptance_stats([r for u in per_k for r in u]),
                 units,
                 Bootstrap(units.units).al(units),
-                context_buckets([r for u in per_k for r in u], (8, 16), k),
+                context_buckets([r for u in per_k for r in u], edges, k),
             )
         )
-    precision = {"main": {"bf16": 7}}
-    side = Side("ckpt", "qwen3_5", precision, "model", len(steps), 64, 32, MtpInfo(True), Acceptance(tuple(rows)))
-    settings = Settings(2, len(steps), 16, "p", "cpu", "float32", "off", None, 0.1, 1.02)
-    return Report("0.1.0", "now", "single", settings, side, Verdict("pass", ("ok",)))
+    return Acceptance(tuple(rows), sampling=sampling)
 
 
 def test_speculation_profile_vectors_and_identities(tmp_path: Path) -> None:
@@ -103,6 +115,7 @@ def test_speculation_profile_vectors_and_identities(tmp_path: Path) -> None:
     assert profile["marginal_accept_rates"] == [round(4 / 6, 6), round(3 / 6, 6)]
     assert profile["conditional_accept_rates"] == [round(4 / 6, 6), round(3 / 4, 6)]
     assert profile["acceptance_length_histogram"] == {"1": 2, "2": 1, "3": 3}
+    assert profile["acceptance_length_histogram_counts"] == "observed"  # greedy chains: whole steps
     al = profile["mean_accept_length"]
     assert al == pytest.approx(1 + 7 / 6) == pytest.approx(1 + sum(profile["marginal_accept_rates"]), abs=1e-5)
     hist = profile["acceptance_length_histogram"]
@@ -120,3 +133,75 @@ def test_speculation_profile_vectors_and_identities(tmp_path: Path) -> None:
     write_report(ValidationReport(report), tmp_path / "r")
     assert json.loads((tmp_path / "r" / "speculation_profile.json").read_text()) == profile
     assert (tmp_path / "r" / "context.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_an_empty_bucket_or_an_unreached_position_is_null_not_zero_acceptance() -> None:
+    """What a user saw: a context bucket no prompt reached was written as 0 % acceptance
+    (``"conditional_accept_rates": [0.0, 0.0]`` beside ``mean_accept_length: null``), which a serving simulator reads
+    as no acceptance at those contexts; a position after one that nothing passed read 0 % too. Both are null now.
+    Under sampling the built-in counts are expectations: the histogram says so."""
+    sampled = SamplingSettings(0.8)
+    steps = [  # every context below 8: the bucket [8, 16) has no step; position 1 is never certain, 2 half as likely
+        [StepRecord(2, 1, through=(0.5, 0.25), context=4), StepRecord(2, 0, through=(0.25, 0.0), context=6)],
+        [StepRecord(2, 0, through=(0.5, 0.25), context=5)],
+    ]
+    profile = speculation_profile(_report(steps, sampling=sampled))
+    assert profile is not None
+    empty = profile["by_context"][1]
+    assert empty == {
+        "context": [8, 16],
+        "steps": 0,
+        "conditional_accept_rates": None,
+        "marginal_accept_rates": None,
+        "mean_accept_length": None,
+        "acceptance_length_histogram": {},
+        "acceptance_length_histogram_counts": "expected",
+    }
+    # k = 2 over 3 steps: expected first-draft acceptances 1.25, both 0.5; the histogram counts fractional steps
+    assert profile["marginal_accept_rates"] == [round(1.25 / 3, 6), round(0.5 / 3, 6)]
+    assert profile["acceptance_length_histogram"] == {"1": 1.75, "2": 0.75, "3": 0.5}
+    assert profile["acceptance_length_histogram_counts"] == "expected"
+    assert profile["measurement_conditions"]["temperature"] == 0.8
+    # a position after one no step passed: its conditional rate is undefined (null), not 0
+    never = [[StepRecord(2, 0, context=4), StepRecord(2, 0, context=5)]]
+    profile = speculation_profile(_report(never))
+    assert profile is not None
+    assert profile["conditional_accept_rates"] == [0.0, None] and profile["marginal_accept_rates"] == [0.0, 0.0]
+    headline = profile_headline(profile)
+    assert headline is not None and headline.conditional_accept_rates == (0.0, None)
+
+
+def test_acceptance_plot_shows_every_sampling_setting_with_its_interval() -> None:
+    """What a user saw: acceptance.png drew the first temperature only, named none and had no intervals. Now one
+    series per sampling setting, named by side and setting, AL with the interval the tables give."""
+    from matplotlib.container import ErrorbarContainer
+
+    steps = [
+        [StepRecord(2, 2, through=(0.9, 0.6), context=4), StepRecord(2, 1, through=(0.7, 0.3), context=5)]
+        for _ in range(12)
+    ] + [[StepRecord(2, 0, through=(0.4, 0.1), context=6)] for _ in range(12)]
+    greedy, hot = SamplingSettings(), SamplingSettings(0.8, 0.9)
+    report = _report(steps)
+    side = report.reference
+    by_sampling = (side.acceptance, _acceptance(steps, (8, 16), hot))
+    assert side.acceptance is not None and greedy == side.acceptance.sampling
+    report = dataclasses.replace(report, reference=dataclasses.replace(side, acceptance_by_sampling=by_sampling))
+    fig = _acceptance_plot(report)
+    bars, lines = fig.axes
+    names = ["checkpoint (T=0)", "checkpoint (T=0.8, top-p 0.9)"]
+    assert bars.get_legend_handles_labels()[1] == names and lines.get_legend_handles_labels()[1] == names
+    assert "95 % intervals" in lines.get_title()
+    containers = [c for c in lines.containers if isinstance(c, ErrorbarContainer)]
+    assert len(containers) == 2
+    for container, acc in zip(containers, by_sampling):
+        assert acc is not None
+        segments = container.lines[2][0].get_segments()
+        drawn = [float(v) for seg in segments for v in (seg[0][0], seg[0][1], seg[1][1])]
+        expected = []
+        for row in acc.by_k:
+            assert row.al_interval is not None and row.al_interval.defined
+            expected += [row.k, row.al_interval.low, row.al_interval.high]
+        assert drawn == pytest.approx(expected)
+    # the per-position bars: both settings at k = 2
+    heights = [round(p.get_height(), 6) for p in bars.patches]
+    assert heights == [round(100 * a, 6) for acc in by_sampling if acc for a in acc.by_k[-1].acceptance_per_position]

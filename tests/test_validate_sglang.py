@@ -254,25 +254,37 @@ def test_real_sglang_server(capsys: pytest.CaptureFixture[str], tmp_path: Path) 
 
 
 def test_engine_sglang_start_failure_names_the_cause_and_the_log(
-    capsys: pytest.CaptureFixture[str], tmp_path: Path
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """``--engine sglang`` with a Python that has no SGLang (this one): the server's own error, its log, exit 44.
-    The log opens with the command mtpquant ran: the NEXTN chain, the recorded CPU settings, the sized memory."""
+    The log opens with the command mtpquant ran: the NEXTN chain, the recorded CPU settings, the sized memory. It is
+    kept (a failed run's logs are what explains it) in the temporary directory the servers log into, and said where;
+    the report directory is not made."""
     import sys
+    import tempfile
 
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
     report_dir = tmp_path / "r"
     code, _, err = _cli(
         capsys, TINY, "--engine", "sglang", "--sglang-python", sys.executable, "--k", "1", "--device", "cpu",
         "--report-dir", str(report_dir),
     )  # fmt: skip
-    log = report_dir / "sglang-reference-k1.log"
+    (logs,) = (tmp_path / "tmp").iterdir()
+    assert logs.name.startswith("mtpquant-sglang-logs-")
+    log = logs / "sglang-reference-k1.log"
     assert code == ExitCode.ENGINE_START
     assert err == (
         f"mtpquant: error: SGLang server exited with code 1 before it was ready: {sys.executable}: "
         "Error while finding module specification for 'sglang.launch_server' (ModuleNotFoundError: No module named "
         f"'sglang') (log: {log})"
     )
-    assert sorted(p.name for p in report_dir.iterdir()) == ["sglang-reference-k1.log"]  # the log, no report
+    assert sorted(p.name for p in logs.iterdir()) == ["sglang-reference-k1.log"]
+    assert f"the engine's server logs are kept in {logs} (the run did not finish)" in caplog.messages
+    assert not report_dir.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["tmp"]  # no report, no trace
     command = log.read_text().splitlines()[0].split()
     assert command[:3] == [sys.executable, "-m", "sglang.launch_server"]
     port = command[command.index("--port") + 1]

@@ -28,6 +28,7 @@ __all__ = [
     "exchange_dirs",
     "fsync_dir",
     "fsync_file",
+    "json_bytes",
     "mount_point",
     "out_of_space",
     "replace_atomically",
@@ -165,7 +166,12 @@ def atomic_write_bytes(path: Path, data: bytes, *, sync_dir: bool = True) -> Non
     replace_atomically(path, fill, sync_dir=sync_dir)
 
 
+def json_bytes(obj: Any) -> bytes:
+    """``obj`` as indented UTF-8 JSON with a trailing newline; strict JSON (a NaN or an infinity is a ValueError,
+    never the bare ``NaN`` other readers refuse)."""
+    return (json.dumps(obj, indent=2, ensure_ascii=False, allow_nan=False) + "\n").encode("utf-8")
+
+
 def atomic_write_json(path: Path, obj: Any) -> None:
-    """Atomic JSON write, indented, with a trailing newline; strict JSON (a NaN or an infinity is a ValueError, never
-    the bare ``NaN`` other readers refuse)."""
-    atomic_write_bytes(path, (json.dumps(obj, indent=2, ensure_ascii=False, allow_nan=False) + "\n").encode("utf-8"))
+    """Atomic JSON write (``json_bytes``)."""
+    atomic_write_bytes(path, json_bytes(obj))

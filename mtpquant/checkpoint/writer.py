@@ -390,7 +390,10 @@ class OutputDir:
 
     def write_text(self, relname: str, text: str) -> None:
         """Atomic text file (as ``write_json``)."""
-        data = text.encode("utf-8")
+        self.write_bytes(relname, text.encode("utf-8"))
+
+    def write_bytes(self, relname: str, data: bytes) -> None:
+        """Atomic file of ``data`` (as ``write_json``)."""
         with self._writing(relname):
             atomic_write_bytes(self._target(relname), data, sync_dir=False)  # fsyncs it
         self._synced.add(relname)
@@ -448,16 +451,19 @@ class OutputDir:
         self.write_json(INDEX_NAME, index)
         return index
 
-    def finalize(self, verify: Callable[[Path], None] | None = None, *, opened: bool = False) -> Path:
+    def finalize(
+        self, verify: Callable[[Path], None] | None = None, *, opened: bool = False, checkpoint: bool = True
+    ) -> Path:
         """Verify the temp directory (headers, index, ``verify``) and rename it into place.
 
         ``opened``: the caller has just opened the finished temp directory with
         ``Checkpoint.open(strict=True)`` itself (as its own verification) and written nothing since,
-        so that open is not repeated here.
+        so that open is not repeated here. ``checkpoint=False``: the directory is not a checkpoint (a validation
+        report), so there are no headers or index to check.
         """
         from mtpquant.checkpoint.table import Checkpoint
 
-        if not opened:
+        if checkpoint and not opened:
             Checkpoint.open(self.path, strict=True)
         if verify is not None:
             verify(self.path)

@@ -70,7 +70,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="N",
         help="prompts of one length generated together by the built-in path (default 16; lower it for memory)",
     )
-    p.add_argument("--report-dir", type=Path, help="write report.json, report.md and plots here")
+    p.add_argument(
+        "--report-dir",
+        type=Path,
+        help="write report.json, report.md, plots (and --engine's server logs, in logs/) here, replacing an earlier "
+        "report whole",
+    )
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     p.add_argument(
         "--dtype", choices=("float32", "bfloat16", "float16"), help="compute dtype (default: fp32 CPU, bf16 CUDA)"

@@ -77,17 +77,21 @@ def snapshot(root: Path) -> dict[str, tuple[int, int, int]]:
     return out
 
 
-def mirror_tree(od: OutputDir, root: Path, skip: Iterable[str], *, link: bool = True) -> None:
-    """Recreate everything under ``root`` in ``od`` (hard links; symlinks as symlinks), except ``skip``.
+def mirror_tree(
+    od: OutputDir, root: Path, skip: Iterable[str], *, link: bool = True, prune: Iterable[str] = ()
+) -> None:
+    """Recreate everything under ``root`` in ``od`` (hard links; symlinks as symlinks), except ``skip`` (files) and
+    ``prune`` (directories, with everything in them).
 
     Hidden files count too: this is the whole directory as the user has it. Files already present
     in ``od`` (written before the mirror, on purpose, so a link can never be written through) are an
     error rather than overwritten.
     """
-    skip = set(skip)
+    skip, pruned = set(skip), set(prune)
     for dirpath, dirnames, filenames in os.walk(root):
         base = Path(dirpath)
         rel_dir = base.relative_to(root)
+        dirnames[:] = [d for d in dirnames if (rel_dir / d).as_posix() not in pruned]
         for name in sorted(dirnames):
             src = base / name
             if src.is_symlink():  # os.walk lists symlinks to directories as directories

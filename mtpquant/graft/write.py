@@ -7,12 +7,14 @@ nothing can be written through a link to QUANT), rewrites the shards that lose t
 file, writes the small files (provenance, metadata, a rewritten recipe, index) and runs the verification; ``commit``
 puts the verified result in place (a rename for ``--out``; an atomic directory exchange, or new files then the small
 ones for ``--in-place``, see ``graft.inplace``). graft writes SRC's MTP through convert's keep mode; heal writes its
-healed MTP, in QUANT's own precision, through the same steps.
+healed MTP, in QUANT's own precision, through the same steps. QUANT's validation report (``validation/``) is not
+carried: it measured QUANT before the change, and a report describes the checkpoint it sits in.
 """
 
 from __future__ import annotations
 
 import logging
+import shutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +30,7 @@ from mtpquant.formats.quant_config import HF_QUANT_CONFIG
 from mtpquant.graft import inplace
 from mtpquant.graft.plan import Plan, new_index, strays
 from mtpquant.provenance import PROVENANCE_FILE, Step, source_provenance
+from mtpquant.validate import REPORT_DIR
 
 __all__ = ["NewMtp", "Target", "WriteLog", "build", "commit", "open_target"]
 
@@ -152,12 +155,18 @@ def build(
             f"{quant.label}: already has a file named {clash[0]} that is not part of the MTP "
             "being replaced; rename or remove it"
         )
+    report = _stale_report(target, quant)
+    if report:
+        result.warnings.append(
+            f"{REPORT_DIR}/: {report}: its report measured QUANT before this {step.tool} (validate the result for a "
+            "report on it)"
+        )
     if target.mode == "in-place":
         assert target.root is not None
-        inplace.mirror_tree(od, target.root, skipped, link=link)
+        inplace.mirror_tree(od, target.root, skipped, link=link, prune=(REPORT_DIR,))
     else:
         for rel in quant.source.list_files():
-            if rel in skipped or rel in plan.strays:
+            if rel in skipped or rel in plan.strays or rel.startswith(f"{REPORT_DIR}/"):
                 continue
             # resolve(): Linux link(2) would link a symlink itself (HF cache snapshots are relative
             # symlinks into blobs/), leaving a dangling link in OUT
@@ -180,6 +189,15 @@ def build(
     return json_files
 
 
+def _stale_report(target: Target, quant: Checkpoint) -> str:
+    """What becomes of QUANT's validation report (``""``: it has none): left out of OUT, or removed in place."""
+    if target.mode == "in-place":
+        assert target.root is not None
+        return "removed" if (target.root / REPORT_DIR).is_dir() else ""
+    has = any(rel.startswith(f"{REPORT_DIR}/") for rel in quant.source.list_files())
+    return "not carried over" if has else ""
+
+
 def commit(target: Target, result: WriteLog, json_files: list[str], *, what: str = "grafting") -> None:
     """Put the verified result in place (``--out``: rename; ``--in-place``: exchange, or new files then JSON)."""
     od = target.od
@@ -193,6 +211,9 @@ def commit(target: Target, result: WriteLog, json_files: list[str], *, what: str
             inplace.commit_exchange(od, target.root)
         else:
             inplace.commit_files(od, target.root, sorted(result.new_shards), json_files)
+            # the change is in place: QUANT's report now describes a checkpoint that is gone (the exchange left it
+            # out of the mirror; without one it is removed after the commit, so a kill never loses a current one)
+            shutil.rmtree(target.root / REPORT_DIR, ignore_errors=True)
     result.bytes_written = od.bytes_written
     if result.copied:
         result.warnings.append(f"hard links failed for {len(result.copied)} file(s); they were copied")

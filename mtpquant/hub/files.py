@@ -15,13 +15,14 @@ from mtpquant.checkpoint.header import MAX_HEADER_BYTES
 from mtpquant.errors import PublishRefusedError
 from mtpquant.hub.card import CARD_NAME
 from mtpquant.public import local_path_needles
+from mtpquant.validate import LOGS_DIR, REPORT_DIR
 
 __all__ = ["HIDDEN", "LOCAL_ONLY", "SCAN_CHUNK", "PublishFile", "plan_files", "refuse_private"]
 
 # Hidden files and folders (temp dirs of interrupted writes, caches) are never uploaded, nor the engine's server
 # logs validate keeps beside its report (they name local paths and ports; the report holds what they showed).
 HIDDEN = [".*", "*/.*"]
-LOCAL_ONLY = ["validation/logs/*"]
+LOCAL_ONLY = [f"{REPORT_DIR}/{LOGS_DIR}/*"]
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ __all__ = [
     "ModuleReport",
     "engine_verdicts",
     "label_refusal",
+    "serve_command",
     "sglang_keeps_quantized_mtp",
     "sglang_mismatch",
 ]
@@ -210,13 +211,21 @@ def engine_verdicts(
         sglang, sglang_serves = f"SGLang: MTP loads ({report['mtp_precision']}; quantized_layers lists the MTP)", True
     else:
         sglang, sglang_serves = _sglang_verdict(mods, meta, report["mtp_precision"], rules or family("qwen3_5").engine)
-    n = NUM_SPECULATIVE_TOKENS
     serve: dict[str, str] = {}
     if not broken:
-        serve["vllm"] = f'vllm serve {ref} --speculative-config \'{{"method":"mtp","num_speculative_tokens":{n}}}\''
+        serve["vllm"] = serve_command("vllm", ref)
     if sglang_serves:
-        serve["sglang"] = (
-            f"python -m sglang.launch_server --model-path {ref} --speculative-algorithm NEXTN "
-            f"--speculative-num-steps {n} --speculative-eagle-topk 1 --speculative-num-draft-tokens {n + 1}"
-        )
+        serve["sglang"] = serve_command("sglang", ref)
     return {"vllm": vllm, "sglang": sglang}, serve, notes
+
+
+def serve_command(engine: str, ref: str, k: int = NUM_SPECULATIVE_TOKENS) -> str:
+    """The command that serves ``ref`` with ``engine`` (``vllm`` | ``sglang``), drafting ``k`` tokens per step with
+    its MTP."""
+    if engine == "sglang":
+        return (
+            f"python -m sglang.launch_server --model-path {ref} --speculative-algorithm NEXTN "
+            f"--speculative-num-steps {k} --speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}"
+        )
+    return f'vllm serve {ref} --speculative-config \'{{"method":"mtp","num_speculative_tokens":{k}}}\''
+

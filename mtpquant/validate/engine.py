@@ -10,18 +10,21 @@ server-wide, read around each group and subtracted (traffic from other clients m
 reported); SGLang's come with each request (exactly these requests) and must describe the k-step MTP chain (NEXTN,
 topk 1): a tree is refused. ``--candidate-server`` pairs work across engines. With ``--engine`` one server is
 started per k (the number of drafts, and vLLM's verification rule, are fixed per server) on 127.0.0.1 and measures
-every setting; its memory is sized for what validate sends (``engine/sizing.py``), its log written into the report
-directory, and it is stopped afterwards (also on Ctrl-C or an error). ``--compare-reference`` also runs the built-in
+every setting; its memory is sized for what validate sends (``engine/sizing.py``), its log written into a temporary
+directory (``server_logs``: moved into the report's ``logs/``, removed, or kept and named when the run fails), and it
+is stopped afterwards (also on Ctrl-C or an error). ``--compare-reference`` also runs the built-in
 prediction on the same prompts and settings and reports both, per setting and k, per position too.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+import shutil
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from itertools import groupby
 from pathlib import Path
 
@@ -42,7 +45,7 @@ from mtpquant.validate.preflight import check_context_buckets, check_same_model,
 from mtpquant.validate.prompts import PlannedSequence, plan_sequences, prompts_for, tokenize_prompts
 from mtpquant.validate.schema import Comparison, EngineInfo, MtpInfo, Predicted, PredictedRow, Side
 
-__all__ = ["validate_engine"]
+__all__ = ["server_logs", "validate_engine"]
 
 log = logging.getLogger(__name__)
 
@@ -125,9 +128,10 @@ def _engine_info(
     label: str,
     spec: SpecConfig | None,
     requested_k: int,
+    memory: str = "",
 ) -> EngineInfo:
     """``requested_k``: the k to report when the server counted no draft positions (a vLLM without per-position
-    counters)."""
+    counters); ``memory``: what a server validate started was given."""
     m = ms[0]
     k = m.k or requested_k
     return EngineInfo(
@@ -148,6 +152,7 @@ def _engine_info(
         side=label,
         speculative=(spec or SpecConfig("mtp", k)).to_json(),
         counters="server-wide" if m.run.others_counted else "per-request",
+        memory=memory,
     )
 
 
@@ -236,8 +241,8 @@ def _started(
             raise EngineAnswerError(
                 f"{process.url}: drafted {ms[0].k} tokens per step, started with {k} (log: {log_path})"
             )
-        engine_info = _engine_info(opts, info, model, ms, args, label, info.speculative, k)
-        return _Measured(label, checkpoint, engine_info, ms, (memory.describe(),))
+        engine_info = _engine_info(opts, info, model, ms, args, label, info.speculative, k, memory.describe())
+        return _Measured(label, checkpoint, engine_info, ms)
 
 
 def _by_context(m: EngineMeasurement, plan: Sequence[PlannedSequence], edges: Sequence[int], k: int) -> tuple[
@@ -361,8 +366,29 @@ def _compare(opts: ValidateOptions, reference: Side, candidate: Side | None) -> 
     return Predicted(method, compared.get("reference"), compared.get("candidate")), notes
 
 
-def validate_engine(opts: ValidateOptions) -> Measured:
-    """The engine path of ``validate`` (see the module docstring): what the engine(s) measured."""
+@contextlib.contextmanager
+def server_logs(opts: ValidateOptions) -> Iterator[Path | None]:
+    """The directory the servers ``--engine`` starts write their logs into (None without ``--engine``): a temporary
+    one, removed when the run ends well (``write_report`` has put the logs into the report's ``logs/`` by then);
+    when the run fails or is interrupted it is kept, and said where (an engine's error names its log)."""
+    if opts.engine is None:
+        yield None
+        return
+    path = Path(tempfile.mkdtemp(prefix=f"mtpquant-{opts.engine}-logs-"))
+    try:
+        yield path
+    except BaseException:
+        if next(path.iterdir(), None) is None:
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            log.warning("the engine's server logs are kept in %s (the run did not finish)", path)
+        raise
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def validate_engine(opts: ValidateOptions, logs: Path | None = None) -> Measured:
+    """The engine path of ``validate`` (see the module docstring): what the engine(s) measured; the servers
+    ``--engine`` starts write their logs into ``logs`` (``server_logs``)."""
     preflight(opts)
     if opts.engine is not None and opts.reference is not None:
         from mtpquant.checkpoint.table import Checkpoint
@@ -387,11 +413,7 @@ def validate_engine(opts: ValidateOptions) -> Measured:
     else:
         assert opts.reference is not None
         plan = _plan(opts, _token_prompts(opts, texts, None, None))
-        logs = (
-            Path(opts.report_dir)
-            if opts.report_dir is not None
-            else Path(tempfile.mkdtemp(prefix=f"mtpquant-{opts.engine}-"))
-        )
+        assert logs is not None, "--engine needs a directory for the servers' logs (server_logs)"
         cpu = _device_is_cpu(opts)
         if cpu and opts.engine == "vllm" and any(not x.greedy for x in opts.sampling_settings):
             notes.append(CPU_SAMPLING_NOTE)

@@ -1,5 +1,6 @@
-"""What ``validate`` checks before it runs anything: the prompts file, the report directory, and that REFERENCE and
-CANDIDATE are the same model. Each failure is one line, and nothing has been loaded, run or written yet.
+"""What ``validate`` checks before it runs anything: the prompts file, the report directory (writable, and holding
+nothing but an earlier report, which the new one replaces: ``report.check_replaceable_report``), and that REFERENCE
+and CANDIDATE are the same model. Each failure is one line, and nothing has been loaded, run or written yet.
 """
 
 from __future__ import annotations
@@ -81,7 +82,10 @@ def preflight(opts: ValidateOptions) -> None:
     if opts.prompts_file is not None and opts.hidden is None:
         prompts_for(opts.prompts_file, opts.num_prompts)
     if opts.report_dir is not None:
+        from mtpquant.validate.report import check_replaceable_report
+
         check_report_dir(Path(opts.report_dir))
+        check_replaceable_report(Path(opts.report_dir))
     if opts.save_hidden is not None:
         check_report_dir(Path(opts.save_hidden).parent)
     if opts.hidden is not None and not Path(opts.hidden).is_file():

@@ -8,7 +8,11 @@ candidate, or the one checkpoint) at the largest k and the first sampling settin
 them (#2247): ``marginal_accept_rates[i]`` = P(the first i + 1 drafts all accepted) per verification step;
 ``conditional_accept_rates[i]`` = marginal[i] / marginal[i - 1]; ``acceptance_length_histogram`` counts steps by
 tokens emitted (accepted drafts + the target's bonus token, 1..K+1), so position i maps to length i + 2 and
-``1 + sum(marginal) == mean_accept_length``. mtpquant adds ``by_k`` (measured at every k, ``accept_length_model``
+``1 + sum(marginal) == mean_accept_length``. A bucket (or k) without a verification step measured nothing: its rates
+and AL are null, never 0 (which a serving simulator would read as no acceptance), and so is a conditional rate after
+a position nothing passed. ``acceptance_length_histogram_counts`` says what the histogram counts: ``observed`` steps
+(an engine's counters, greedy built-in chains), or ``expected`` steps, fractional (the built-in prediction under
+sampling sums acceptance probabilities). mtpquant adds ``by_k`` (measured at every k, ``accept_length_model``
 ``measured_per_k``), ``by_sampling`` (every temperature), ``by_context`` (context-length buckets) and ``mtpquant``
 (producer, report schema). docs/validate.md relates every field to the PRs.
 """
@@ -33,32 +37,42 @@ def _num(v: float) -> float | int:
     return int(v) if float(v).is_integer() else round(float(v), 6)
 
 
-def _vectors(steps: float, accepted_per_position: Sequence[float]) -> dict[str, Any]:
-    """Marginal and conditional rates and the length histogram from steps and per-position counts (survival)."""
+def _vectors(steps: float, accepted_per_position: Sequence[float], counts: str) -> dict[str, Any]:
+    """Marginal and conditional rates and the length histogram from steps and per-position counts (survival); null
+    where nothing was measured (no step; a conditional rate after a position no step passed)."""
     if steps <= 0:
         return {
-            "conditional_accept_rates": [0.0] * len(accepted_per_position),
-            "marginal_accept_rates": [0.0] * len(accepted_per_position),
+            "conditional_accept_rates": None,
+            "marginal_accept_rates": None,
             "mean_accept_length": None,
             "acceptance_length_histogram": {},
+            "acceptance_length_histogram_counts": counts,
         }
     marginal = [a / steps for a in accepted_per_position]
-    conditional, before = [], 1.0
+    conditional: list[float | None] = []
+    before = 1.0
     for m in marginal:
-        conditional.append(m / before if before > 0 else 0.0)
+        conditional.append(round(m / before, 6) if before > 0 else None)
         before = m
     survival = [steps, *accepted_per_position, 0.0]  # steps emitting at least 1, 2, ..., K+1 tokens; then none
     histogram = {str(length): _num(survival[length - 1] - survival[length]) for length in range(1, len(survival))}
     return {
-        "conditional_accept_rates": [round(c, 6) for c in conditional],
+        "conditional_accept_rates": conditional,
         "marginal_accept_rates": [round(m, 6) for m in marginal],
         "mean_accept_length": round(1.0 + sum(accepted_per_position) / steps, 6),
         "acceptance_length_histogram": histogram,
+        "acceptance_length_histogram_counts": counts,
     }
 
 
-def _row(row: AcceptanceRow) -> dict[str, Any]:
-    out = {"k": row.k, "steps": row.num_steps, **_vectors(row.num_steps, row.accepted_per_position)}
+def _counts(report: Report, acc: Acceptance) -> str:
+    """What the histograms of ``acc`` count: ``expected`` steps (fractional) when the built-in path predicted them
+    under sampling, else ``observed`` ones."""
+    return "expected" if not report.engine and not acc.sampling.greedy else "observed"
+
+
+def _row(row: AcceptanceRow, counts: str) -> dict[str, Any]:
+    out = {"k": row.k, "steps": row.num_steps, **_vectors(row.num_steps, row.accepted_per_position, counts)}
     if row.units is not None:
         per_request = [1.0 + a / s for a, s in zip(row.units.accepted, row.units.steps) if s > 0]
         out["mean_accept_length_per_request"] = round(sum(per_request) / len(per_request), 6) if per_request else None
@@ -67,8 +81,8 @@ def _row(row: AcceptanceRow) -> dict[str, Any]:
     return out
 
 
-def _context(bucket: ContextBucket) -> dict[str, Any]:
-    vectors = _vectors(bucket.steps, bucket.accepted_per_position)
+def _context(bucket: ContextBucket, counts: str) -> dict[str, Any]:
+    vectors = _vectors(bucket.steps, bucket.accepted_per_position, counts)
     return {"context": [bucket.low, bucket.high], "steps": bucket.steps, **vectors}
 
 
@@ -110,7 +124,7 @@ def speculation_profile(report: Report) -> dict[str, Any] | None:
         "measured": True,
         "method": "mtp",
         "num_speculative_tokens": top.k,
-        **{k: v for k, v in _row(top).items() if k not in ("k", "steps")},
+        **{k: v for k, v in _row(top, _counts(report, head)).items() if k not in ("k", "steps")},
         "verification_method": "longest_prefix",
         "accept_length_model": "measured_per_k",
         "draft_checkpoint": {
@@ -119,12 +133,12 @@ def speculation_profile(report: Report) -> dict[str, Any] | None:
         },
         "target_model": {"checkpoint": side.checkpoint, "family": side.family, "precision": dict(side.precision)},
         "measurement_conditions": conditions,
-        "by_k": [_row(r) for r in head.by_k],
+        "by_k": [_row(r, _counts(report, head)) for r in head.by_k],
         "by_sampling": [
-            {"sampling": _sampling(acc), "by_k": [_row(r) for r in acc.by_k]}
+            {"sampling": _sampling(acc), "by_k": [_row(r, _counts(report, acc)) for r in acc.by_k]}
             for acc in (side.acceptance_by_sampling or (head,))
         ],
-        "by_context": [_context(b) for b in top.by_context],
+        "by_context": [_context(b, _counts(report, head)) for b in top.by_context],
         "mtpquant": {"report": "report.json", "report_schema": REPORT_SCHEMA, "verdict": report.verdict.status},
     }
 
@@ -135,7 +149,7 @@ class ProfileHeadline:
 
     k: int
     mean_accept_length: float
-    conditional_accept_rates: tuple[float, ...]
+    conditional_accept_rates: tuple[float | None, ...]  # None: after a position no step passed
     conditions: str
 
 
@@ -149,7 +163,7 @@ def profile_headline(data: Mapping[str, Any]) -> ProfileHeadline | None:
         return ProfileHeadline(
             int(data["num_speculative_tokens"]),
             float(data["mean_accept_length"]),
-            tuple(float(x) for x in data["conditional_accept_rates"]),
+            tuple(None if x is None else float(x) for x in data["conditional_accept_rates"]),
             how,
         )
     except (KeyError, TypeError, ValueError):

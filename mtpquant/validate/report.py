@@ -1,49 +1,56 @@
 """Write a validation report: ``report.json``, ``report.md`` and PNG plots (matplotlib, Agg backend).
 
-Files in the report directory (each written atomically):
+Files in the report directory (built beside it and put in place whole, replacing an earlier report):
 
 - ``report.json``: the schema documented in ``docs/validate.md`` (``schema: mtpquant.validate/2``);
 - ``speculation_profile.json``: the subject's measured acceptance in NVIDIA Model-Optimizer's proposed
   speculation-profile shape (``validate.profile``);
 - ``report.md``: verdict, the acceptance table (``validate.table``: k, AL, rate, per-position acceptance) of
   every side, the comparison on identical inputs, notes; it embeds the plots;
-- ``acceptance.png``: per-position acceptance at k = K and AL per k, reference vs candidate;
+- ``acceptance.png``: per-position acceptance at k = K and AL per k with its interval, one series per side and
+  sampling setting;
 - ``kl.png`` (pair mode, when both MTPs exist): distribution of per-position KL(ref || cand) for
-  the MTP and the main model.
+  the MTP and the main model;
+- ``logs/`` (``--engine``): the server log of each engine validate started (kept local by ``publish``).
 """
 
 from __future__ import annotations
 
 import io
 import logging
+import os
+import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from mtpquant.checkpoint.filesystem import atomic_write_bytes, atomic_write_json
+from mtpquant.checkpoint.filesystem import json_bytes
 from mtpquant.engine.sampling import SamplingSettings
 from mtpquant.engine.server import ENGINE_NAMES
+from mtpquant.errors import OutputExistsError
 from mtpquant.inspect.precision import linears_text
 from mtpquant.public import public_json, public_text
+from mtpquant.validate import LOGS_DIR
 from mtpquant.validate.evidence import Interval
 from mtpquant.validate.profile import PROFILE_FILE, speculation_profile
 from mtpquant.validate.schema import REPORT_SCHEMA, Report, Side, ValidationReport, sides
 from mtpquant.validate.table import acceptance_table
 
-__all__ = ["render_markdown", "write_report"]
+__all__ = ["MARKDOWN_FILE", "PLOTS", "REPORT_FILE", "check_replaceable_report", "render_markdown", "write_report"]
 
 log = logging.getLogger(__name__)
 
 # KL values are floored here on the log-scale histogram; exact zeros are counted separately.
 _KL_FLOOR = 1e-12
 
-
-def _al(side: Side) -> list[float]:
-    return side.acceptance.al if side.acceptance else []
-
-
-def _per_position(side: Side) -> list[float]:
-    return list(side.acceptance.by_k[-1].acceptance_per_position) if side.acceptance else []
+REPORT_FILE = "report.json"
+MARKDOWN_FILE = "report.md"
+PLOTS = ("acceptance", "context", "kl")  # each written as NAME.png when there is something to plot
+_WRITTEN = frozenset({REPORT_FILE, MARKDOWN_FILE, PROFILE_FILE, *(f"{p}.png" for p in PLOTS)})
+# what earlier runs left that validate wrote: server logs beside the report (mtpquant before logs/ was used), and the
+# temporary file of an atomic write a kill interrupted (filesystem.replace_atomically)
+_ENGINE_LOG = re.compile(r"(vllm|sglang)-(reference|candidate)-k\d+\.log")
+_INTERRUPTED = re.compile(r"\..+\.tmp-[0-9a-f]{8}")
 
 
 def _signed(interval: Interval | None) -> str:
@@ -164,9 +171,13 @@ def render_markdown(report: Report, plots: dict[str, str]) -> str:
             out.append(
                 f"| {e.side} | {name} {e.version} | {e.url} | `{e.model}` | {e.k} ({e.k_source}) | {e.other_requests} |"
             )
-        args = next((e.server_args for e in report.engine if e.server_args), ())
-        if args:
-            out += ["", "Server arguments: `" + " ".join(args) + "`."]
+        for title, lines in (
+            ("Server arguments", [f"`{' '.join(e.server_args)}`" if e.server_args else "" for e in report.engine]),
+            ("Memory", [e.memory for e in report.engine]),
+        ):
+            if any(lines):  # every server's, named by side and k
+                out += ["", f"{title}:", ""]
+                out += [f"- {e.side}, k = {e.k}: {line}" for e, line in zip(report.engine, lines) if line]
         out += ["", f"Requests: {_requests(report.engine[0].sampling)}.", ""]
     if report.predicted:
         out += [
@@ -216,31 +227,50 @@ def _png(fig: Any) -> bytes:
 
 
 def _acceptance_plot(report: Report) -> Any:
+    """Per-position acceptance at each series' largest k (bars) and AL per k with its bootstrap interval (error
+    bars), one series per side and sampling setting, each named by both."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    shown = [(label, side) for label, side in sides(report) if side.acceptance]
-    if not shown:
+    series = [
+        (f"{label} ({acc.sampling.label})", acc)
+        for label, side in sides(report)
+        if side.acceptance
+        for acc in side.acceptance_by_sampling or (side.acceptance,)
+    ]
+    if not series:
         return None
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.4))
-    width = 0.8 / len(shown)
-    for i, (label, side) in enumerate(shown):
-        pos = _per_position(side)
-        xs = [p + 1 + (i - (len(shown) - 1) / 2) * width for p in range(len(pos))]
-        ax1.bar(xs, [100 * a for a in pos], width=width, label=label)
-        al = _al(side)
-        ax2.plot(range(1, len(al) + 1), al, marker="o", label=label)
-    K = report.settings.k
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
+    width = 0.8 / len(series)
+    for i, (name, acc) in enumerate(series):
+        pos = acc.by_k[-1].acceptance_per_position
+        xs = [p + 1 + (i - (len(series) - 1) / 2) * width for p in range(len(pos))]
+        ax1.bar(xs, [100 * a for a in pos], width=width, label=name)
+        ks = [row.k for row in acc.by_k]
+        al = [row.mean_acceptance_length for row in acc.by_k]
+        below, above = [], []  # the interval's distance from AL (none drawn where it is not defined)
+        for row, a in zip(acc.by_k, al):
+            ci = row.al_interval
+            below.append(a - ci.low if ci is not None and ci.defined else 0.0)
+            above.append(ci.high - a if ci is not None and ci.defined else 0.0)
+        ax2.errorbar(ks, al, yerr=[below, above], marker="o", capsize=3, label=name)
+    K = max(acc.by_k[-1].k for _, acc in series)
     ax1.set(xlabel="draft position", ylabel="acceptance (%)", title=f"per-position acceptance (k={K})", ylim=(0, 100))
     ax1.set_xticks(range(1, K + 1))
     # AL is at least 1 (the target's own token): the axis starts there, so a small drop reads as small
-    ax2.set(xlabel="k (drafts per step)", ylabel="mean acceptance length", title="AL per k")
-    ax2.set_ylim(bottom=1.0, top=max(2.0, max(a for _, side in shown for a in _al(side)) * 1.05))
+    level = f"{100 * report.settings.confidence:.0f} %"
+    ax2.set(xlabel="k (drafts per step)", ylabel="mean acceptance length", title=f"AL per k ({level} intervals)")
+    highest = [
+        max(row.mean_acceptance_length, row.al_interval.high if row.al_interval and row.al_interval.defined else 0)
+        for _, acc in series
+        for row in acc.by_k
+    ]
+    ax2.set_ylim(bottom=1.0, top=max(2.0, max(highest) * 1.05))
     ax2.set_xticks(range(1, K + 1))
-    ax1.legend()
-    ax2.legend()
+    ax1.legend(fontsize=7)
+    ax2.legend(fontsize=7)
     return fig
 
 
@@ -296,27 +326,77 @@ def _kl_plot(report: ValidationReport) -> Any:
     return fig
 
 
-def write_report(report: ValidationReport, directory: Path | str) -> Path:
-    """Write report.json, report.md and the plots into ``directory`` (created if needed). The report may be
-    published with a checkpoint (``publish`` uploads OUT/validation): local directories by their base name."""
+def _foreign(path: Path) -> str | None:
+    """The first entry of the report directory ``path`` that validate did not write (None: none)."""
+    for entry in sorted(os.scandir(path), key=lambda e: e.name):
+        name = entry.name
+        if entry.is_dir(follow_symlinks=False) and name == LOGS_DIR:
+            inner = _foreign_log(Path(entry.path))
+            if inner is not None:
+                return f"{LOGS_DIR}/{inner}"
+        elif not entry.is_file(follow_symlinks=False) or not (
+            name in _WRITTEN or _ENGINE_LOG.fullmatch(name) or _INTERRUPTED.fullmatch(name)
+        ):
+            return name
+    return None
+
+
+def _foreign_log(logs: Path) -> str | None:
+    for entry in sorted(os.scandir(logs), key=lambda e: e.name):
+        if not entry.is_file(follow_symlinks=False) or not entry.name.endswith(".log"):
+            return entry.name
+    return None
+
+
+def check_replaceable_report(path: Path) -> None:
+    """``--report-dir`` is replaced whole by the new report (one run's files, never mixed with an earlier run's), so
+    it may be absent, or a directory holding only files validate writes (an earlier report, its plots and server
+    logs; nothing: an empty one); anything else is refused (exit 5) before any work, naming what is in the way, so
+    validate never removes a file it did not write."""
+    if not os.path.lexists(path):
+        return
+    if path.is_symlink() or not path.is_dir():
+        raise OutputExistsError(
+            f"{path}: exists and is not a report directory; not replacing it (choose another --report-dir)"
+        )
+    other = _foreign(path)
+    if other is not None:
+        raise OutputExistsError(
+            f"{path}: holds {other}, which validate did not write; the report replaces its directory whole, so not "
+            "replacing it (choose another --report-dir, or move that out)"
+        )
+
+
+def write_report(report: ValidationReport, directory: Path | str, *, logs: Path | None = None) -> Path:
+    """Write report.json, report.md, the plots and the engine's server logs (the files of ``logs``, into ``logs/``)
+    as ``directory``: built beside it and put in place in one step, replacing an earlier report directory whole
+    (``preflight.check_replaceable_report`` says which may be replaced), so no file of another run is left in it.
+    The report may be published with a checkpoint (``publish`` uploads OUT/validation, less its ``logs/``): local
+    directories by their base name."""
+    from mtpquant.checkpoint.writer import OutputDir
+
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    plots: dict[str, str] = {}
-    makers: tuple[tuple[str, Callable[[], Any]], ...] = (  # each a matplotlib Figure, or None: nothing to plot
-        ("acceptance", lambda: _acceptance_plot(report.report)),
-        ("context", lambda: _context_plot(report.report)),
-        ("kl", lambda: _kl_plot(report)),
-    )
-    for name, make in makers:
-        fig = make()
-        if fig is not None:
-            atomic_write_bytes(directory / f"{name}.png", _png(fig))
-            plots[name] = f"{name}.png"
-    atomic_write_json(directory / "report.json", public_json(report.to_json()))
-    profile = speculation_profile(report.report)
-    if profile is not None:
-        atomic_write_json(directory / PROFILE_FILE, public_json(profile))
-    markdown = public_text(render_markdown(report.report, plots))
-    atomic_write_bytes(directory / "report.md", markdown.encode("utf-8"))
+    with OutputDir(directory, overwrite=True, replace_check=check_replaceable_report) as od:
+        od.doing = "writing the validation report"
+        plots: dict[str, str] = {}
+        makers: dict[str, Callable[[], Any]] = {  # each a matplotlib Figure, or None: nothing to plot
+            "acceptance": lambda: _acceptance_plot(report.report),
+            "context": lambda: _context_plot(report.report),
+            "kl": lambda: _kl_plot(report),
+        }
+        for name in PLOTS:
+            make = makers[name]
+            fig = make()
+            if fig is not None:
+                od.write_bytes(f"{name}.png", _png(fig))
+                plots[name] = f"{name}.png"
+        od.write_bytes(REPORT_FILE, json_bytes(public_json(report.to_json())))
+        profile = speculation_profile(report.report)
+        if profile is not None:
+            od.write_bytes(PROFILE_FILE, json_bytes(public_json(profile)))
+        od.write_text(MARKDOWN_FILE, public_text(render_markdown(report.report, plots)))
+        for server_log in sorted(logs.iterdir()) if logs is not None else ():
+            od.link_file(server_log, f"{LOGS_DIR}/{server_log.name}")
+        od.finalize(checkpoint=False)
     log.info("wrote report to %s", directory)
     return directory

@@ -10,6 +10,7 @@ the report is assembled (``assemble.py``: the same typed report, ``schema.py``, 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 from mtpquant.validate.assemble import assemble
 from mtpquant.validate.options import ValidateOptions
@@ -21,22 +22,29 @@ log = logging.getLogger(__name__)
 
 
 def validate(opts: ValidateOptions) -> ValidationReport:
-    """Run the evaluation described by ``opts``; writes the report directory when one is given."""
+    """Run the evaluation described by ``opts``; writes the report directory when one is given (replacing an earlier
+    report there whole; the servers ``--engine`` started leave their logs in its ``logs/``)."""
     if opts.engine_path:
-        from mtpquant.validate.engine import validate_engine
+        from mtpquant.validate.engine import server_logs, validate_engine
 
-        measured = validate_engine(opts)
+        with server_logs(opts) as logs:
+            result = assemble(opts, validate_engine(opts, logs))
+            _write(opts, result, logs)
     else:
         from mtpquant.libraries import library_output
         from mtpquant.validate.builtin import validate_builtin
 
         with library_output(opts.progress):  # transformers' messages through logging (-q / -v)
             measured = validate_builtin(opts)
-    result = assemble(opts, measured)
-    if opts.report_dir is not None:
-        from mtpquant.validate.report import write_report
-
-        write_report(result, opts.report_dir)
+        result = assemble(opts, measured)
+        _write(opts, result, None)
     verdict = result.report.verdict
     log.info("validate%s: %s (%s)", " (engine)" if opts.engine_path else "", verdict.status, "; ".join(verdict.reasons))
     return result
+
+
+def _write(opts: ValidateOptions, result: ValidationReport, logs: Path | None) -> None:
+    if opts.report_dir is not None:
+        from mtpquant.validate.report import write_report
+
+        write_report(result, opts.report_dir, logs=logs)

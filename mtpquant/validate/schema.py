@@ -222,6 +222,7 @@ class EngineInfo(JsonRecord):
     side: str = ""  # "reference" | "candidate"
     speculative: Mapping[str, Any] = field(default_factory=dict)  # the settings the server states (or was started with)
     counters: str = "server-wide"  # "server-wide" (vLLM: other requests counted in) | "per-request" (SGLang: exact)
+    memory: str = ""  # the memory a server validate started was given (engine/sizing.py); "" for a running server
 
 
 @dataclass(frozen=True)

@@ -22,10 +22,12 @@ from mtpquant.hub.card.facts import (
     mtp_mode,
     public_command,
     public_text,
+    report_outdated_by,
 )
 from mtpquant.hub.card.metadata import redact
 from mtpquant.hub.card.sidecar import sidecar_body, sidecar_data
 from mtpquant.inspect.precision import is_quantized
+from mtpquant.inspect.verdicts import serve_command
 from mtpquant.units import format_bytes
 from mtpquant.validate.schema import sides
 from mtpquant.validate.table import acceptance_table
@@ -203,6 +205,14 @@ def _validation_lines(facts: CardFacts) -> list[str]:
     rep = v.report
     if rep is None:
         return [f"A validation report is included ({link}), but its figures are in a format this card does not read."]
+    changed = report_outdated_by(facts.provenance, rep.created)
+    if changed is not None:
+        return [
+            f"A validation report is included ({link}), but it was made ({rep.created}) before `mtpquant "
+            f"{changed.tool}` changed this checkpoint ({changed.created}): its figures describe the checkpoint as it "
+            "was then, not this one, so this card does not show them (`mtpquant validate SRC OUT --report-dir "
+            "OUT/validation` measures this one)."
+        ]
     pair = rep.pair and rep.candidate is not None
     sub, ref = rep.subject, (rep.reference if pair else None)
     s = rep.settings
@@ -317,21 +327,26 @@ def _with_revision(cmd: str, revision: str | None) -> str:
     return f"{cmd} --revision {shlex.quote(revision)}" if revision and revision != "main" else cmd
 
 
-def _for_repo(cmd: str, label: str, repo: str) -> str:
-    """inspect's serve command for the local path ``label``, pointed at the Hub repo instead."""
-    for flag in ("vllm serve ", "--model-path "):
-        cmd = cmd.replace(flag + label, flag + repo, 1)
-    return cmd
+def _measured_k(facts: CardFacts) -> int | None:
+    """The largest k the validation report measured on this checkpoint (None: no current report measured one)."""
+    v = facts.validation
+    rep = v.report if v is not None else None
+    if rep is None or rep.subject.acceptance is None or report_outdated_by(facts.provenance, rep.created):
+        return None
+    return max((row.k for row in rep.subject.acceptance.by_k), default=None)
 
 
 def _serving_lines(facts: CardFacts) -> list[str]:
     r = facts.report
     repo = facts.repo_id
-    cmds = {
-        engine: _with_revision(_for_repo(cmd, r.checkpoint, repo), facts.revision)
-        for engine, cmd in r.serve_commands.items()
+    k = _measured_k(facts)
+    cmds = {  # inspect's commands (the engines that load this MTP), for the Hub repo, at the k validation measured
+        engine: _with_revision(serve_command(engine, repo, *([k] if k is not None else [])), facts.revision)
+        for engine in r.serve_commands
     }
     lines: list[str] = []
+    if k is not None and cmds:
+        lines += [f"Drafting k = {k} tokens per step, the largest k the validation report measured.", ""]
     if "vllm" in cmds:
         lines += ["vLLM, with the MTP as draft model:", "", "```bash", cmds["vllm"], "```", ""]
     else:

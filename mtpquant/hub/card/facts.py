@@ -10,6 +10,7 @@ import re
 import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +21,9 @@ from mtpquant.inspect.precision import is_quantized
 from mtpquant.provenance import Provenance, Step, card_license_fields
 from mtpquant.public import public_args
 from mtpquant.public import public_text as _public_text
+from mtpquant.validate import REPORT_DIR
+from mtpquant.validate.profile import PROFILE_FILE
+from mtpquant.validate.report import MARKDOWN_FILE, REPORT_FILE
 
 if TYPE_CHECKING:
     from mtpquant.inspect.report import InspectReport
@@ -42,14 +46,15 @@ __all__ = [
     "read_license",
     "read_recipe",
     "read_validation",
+    "report_outdated_by",
 ]
 
 log = logging.getLogger(__name__)
 
 # A validation report inside OUT (written by `mtpquant validate ... --report-dir OUT/validation`).
-VALIDATION_REPORT = "validation/report.json"
-VALIDATION_MARKDOWN = "validation/report.md"
-VALIDATION_PROFILE = "validation/speculation_profile.json"  # validate.profile.PROFILE_FILE in the report directory
+VALIDATION_REPORT = f"{REPORT_DIR}/{REPORT_FILE}"
+VALIDATION_MARKDOWN = f"{REPORT_DIR}/{MARKDOWN_FILE}"
+VALIDATION_PROFILE = f"{REPORT_DIR}/{PROFILE_FILE}"
 _REPORT_LIMIT = 64 * 1024 * 1024  # a validation report is a few KB
 _HF_CACHE_SNAPSHOT = re.compile(r"models--([A-Za-z0-9][\w.-]*)--([\w.-]+)[/\\]snapshots[/\\]")
 
@@ -138,6 +143,19 @@ def _profile(out: Path) -> ProfileHeadline | None:
         log.warning("%s: not a speculation profile this card reads (%s)", path, exc)
         return None
     return profile_headline(data) if isinstance(data, dict) else None
+
+
+def report_outdated_by(provenance: Provenance, created: str) -> Step | None:
+    """The step that changed the checkpoint after a validation report made at ``created`` (ISO time): its last
+    step other than ``publish`` (which changes no weight or metadata), when that came later; None when the report
+    is the newer one, or a time is not recorded. Such a report describes the checkpoint as it was before."""
+    last = next((s for s in reversed(provenance.steps) if s.tool != "publish"), None)
+    if last is None:
+        return None
+    try:
+        return last if datetime.fromisoformat(last.created) > datetime.fromisoformat(created) else None
+    except (TypeError, ValueError):  # not recorded, or one time without a zone
+        return None
 
 
 def _license_from_card_text(text: str, origin: str) -> LicenseInfo | None:
