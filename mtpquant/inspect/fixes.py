@@ -11,6 +11,7 @@ a shard of the main model missing.
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Callable
 
 from mtpquant.checkpoint.header import TensorEntry, tensor_nbytes
@@ -46,8 +47,10 @@ def fix_commands(ckpt: Checkpoint, clean: Callable[[Checkpoint], bool]) -> list[
     none where no command does."""
     if ckpt.mtp_only:
         return []
-    label = ckpt.label
-    name = label.rstrip("/").rsplit("/", 1)[-1].split("@", 1)[0]
+    # QUANT as graft takes it: the path, or the repo id and the revision asked for (the label says repo@revision)
+    where, _, revision = ckpt.label.partition("@") if ckpt.source.local_root is None else (ckpt.label, "", "")
+    label = shlex.quote(where) + (f" --revision {shlex.quote(revision)}" if revision else "")
+    name = where.rstrip("/").rsplit("/", 1)[-1]
     fatal = any(p.fatal for p in ckpt.problems)
     present = [e.name for e in ckpt.mtp_tensors()]
     if present and not fatal:
