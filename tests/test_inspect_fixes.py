@@ -6,6 +6,7 @@ Where no command repairs a checkpoint, inspect prints none."""
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import shutil
 from collections.abc import Callable
@@ -136,7 +137,12 @@ def _skeletons(name: str) -> Case:
 
 
 for _layout in ("Qwen3.5-0.8B-Base", "Qwen3.5-4B", "Qwen3.5-35B-A3B", "Qwen3-Next-80B-A3B-Instruct"):
-    CASES[f"skeleton-{_layout}"] = _skeletons(_layout)  # graft writes the MTP's bytes: 3.3 GB for Qwen3-Next's
+    CASES[f"skeleton-{_layout}"] = _skeletons(_layout)
+# graft writes the MTP's bytes: 3.3 GB for Qwen3-Next-80B's (40 s on an idle CI core, minutes on a busy one; the same
+# graft from a Hub SRC runs in tests/test_graft_hub.py): planned only (--dry-run), unless MTPQUANT_FULL_LAYOUTS=1
+PLANNED_ONLY = set() if os.environ.get("MTPQUANT_FULL_LAYOUTS", "") not in ("", "0") else {
+    "skeleton-Qwen3-Next-80B-A3B-Instruct"
+}
 
 
 def _q4_skeleton(kind: str) -> Case:
@@ -193,6 +199,10 @@ def test_every_fix_line_leaves_a_clean_checkpoint(
     )
     assert len(fixes) == 1 and fixes[0].startswith(f"mtpquant graft {path} {kind}"), fixes
     out = tmp_path / "fixed"
+    if case in PLANNED_ONLY:
+        assert cli([*_argv(fixes[0], src, out), "--dry-run"]) == 0, capsys.readouterr().err
+        assert "would graft" in capsys.readouterr().out
+        return
     assert cli(_argv(fixes[0], src, out)) == 0, capsys.readouterr().err
     capsys.readouterr()
     report = inspect_checkpoint(out)
