@@ -35,6 +35,7 @@ name (needs the datasets package).
     ExitCode.MEMORY,
     ExitCode.HEAL_NOT_BETTER,
     ExitCode.HEAL_REFUSED,
+    ExitCode.GRAFT_REFUSED,
     *HUB_CODES,
 )
 
