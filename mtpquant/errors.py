@@ -75,7 +75,8 @@ class ExitCode(IntEnum):
     PUBLISH_REFUSED = 13  # publish: checks failed, a secret in a file, nothing publishable
     UPLOAD = 14  # publish: the Hub refused the upload
     SOURCE_QUANTIZED = 15  # convert: the source is already quantized
-    GRAFT_REFUSED = 16  # graft: an existing different MTP, an unusable SRC MTP, an unsupported layout
+    GRAFT_REFUSED = 16  # graft: an existing different MTP, an unusable SRC MTP, an unsupported layout; graft, heal
+    # and convert --heal (at its plan): an in-place write on a filesystem that cannot exchange directories
     VALIDATE_WARN = 17  # validate: acceptance dropped more than allowed
     VALIDATE_FAIL = 18  # validate: the MTP is missing or broken (acceptance ~0)
     IO = 19  # the operating system refused: disk full, permissions, ... (nothing half-written)
@@ -85,7 +86,8 @@ class ExitCode(IntEnum):
     VALIDATE_INCONCLUSIVE = 23  # validate: too few prompts to decide (how many would settle it is named)
     HEAL_NOT_BETTER = 24  # heal: the healed MTP is not better beyond noise on held-out prompts (nothing written)
     VALIDATE_BROKEN = 25  # validate: the candidate is broken (non-finite logits, main model disagrees, AL rises)
-    HEAL_REFUSED = 27  # heal: QUANT's MTP is missing, incomplete, of a family heal does not train, or unwritable
+    HEAL_REFUSED = 27  # heal (convert --heal: at its plan): QUANT's MTP is missing, incomplete, of a family heal does
+    # not train, or unwritable
     HUB_UNREACHABLE = 30  # the Hub (or mirror) cannot be reached or timed out
     HUB_ACCESS = 31  # the repo, revision or file does not exist, or is gated / private / needs a token
     HUB_REFUSED = 32  # the Hub refused the request or rate-limited it beyond the retries

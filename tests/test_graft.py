@@ -614,6 +614,69 @@ def test_refusals_are_one_line_and_write_nothing(
     assert leftovers(tmp_path) == []
 
 
+def test_mtp_shards_deleted_are_put_back_and_a_lost_model_shard_is_refused(
+    tiny_factory: Factory, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The index still names MTP shards that were deleted (what a user did to a convert output): graft --from SRC
+    puts the MTP back, in place too, as it was; a part of an MTP left is replaced only with --replace; --fix-metadata
+    and a lost shard of the model itself are refused in one line, nothing written."""
+    src = tiny_factory("qwen3_5")
+    whole = tmp_path / "whole"
+    graft(GraftOptions(quant=strip_mtp(src, tmp_path / "stripped"), source=src, out=whole, max_shard_bytes=300_000))
+    mtp_shards = sorted({e.shard for e in Checkpoint.open(whole).mtp_tensors()})
+    model_shards = sorted(set(Checkpoint.open(whole).shards) - set(mtp_shards))
+    assert len(mtp_shards) == 4 and all(s.startswith("mtp-") for s in mtp_shards)
+    lost = private_copy(whole, tmp_path / "lost")
+    for shard in mtp_shards:
+        (lost / shard).unlink()
+    part = private_copy(whole, tmp_path / "part")
+    (part / mtp_shards[0]).unlink()
+    lost_n = sum(1 for s in load_json(whole / INDEX_NAME)["weight_map"].values() if s == mtp_shards[0])
+    no_model = private_copy(whole, tmp_path / "no-model")
+    (no_model / model_shards[0]).unlink()
+    first = sorted(n for n, s in load_json(whole / INDEX_NAME)["weight_map"].items() if s == model_shards[0])
+    state = tree_state(tmp_path)
+    for argv, code, text in [
+        (
+            ["graft", str(lost), "--fix-metadata", "--in-place"],
+            ExitCode.GRAFT_REFUSED,
+            f"{lost}: {INDEX_NAME}: shard '{mtp_shards[0]}' does not exist (it held {lost_n} mtp.* tensors); "
+            "--fix-metadata repairs metadata only: put the MTP back with --from SRC",
+        ),
+        (
+            ["graft", str(part), "--from", str(src), "--in-place"],
+            ExitCode.GRAFT_REFUSED,
+            f"{part}: already has part of an MTP ({15 - lost_n} mtp.* tensors; {lost_n} more were in shards that do "
+            "not exist); pass --replace to replace it",
+        ),
+        (
+            ["graft", str(no_model), "--from", str(src), "--out", str(tmp_path / "out")],
+            ExitCode.CHECKPOINT,
+            f"{no_model}: {INDEX_NAME}: shard '{model_shards[0]}' does not exist and held {len(first)} tensors that "
+            f"are not MTP (first: {first[0]}); graft puts back only an MTP: restore that shard from where QUANT came",
+        ),
+    ]:
+        rc, line = _cli_error(capsys, argv)
+        assert (rc, line) == (code, f"mtpquant: error: {text}"), argv
+        assert tree_state(tmp_path) == state, argv
+    assert inspect_checkpoint(no_model).fixes == []  # and inspect offers no command for it
+
+    result = graft(GraftOptions(quant=lost, source=src, in_place=True, max_shard_bytes=300_000))
+    assert result.action == "grafted" and result.new_shards == mtp_shards
+    assert result.metadata_changes == [
+        f"{INDEX_NAME}: the {n} entries of '{shard}' (a shard that does not exist) dropped; SRC's MTP takes their place"
+        for shard, n in [(s, sum(1 for v in load_json(whole / INDEX_NAME)["weight_map"].values() if v == s))
+                         for s in mtp_shards]
+    ]  # fmt: skip
+    replaced = graft(GraftOptions(quant=part, source=src, out=tmp_path / "out", replace=True, max_shard_bytes=300_000))
+    assert replaced.action == "replaced"
+    for repaired in (lost, tmp_path / "out"):
+        assert load_json(repaired / INDEX_NAME) == load_json(whole / INDEX_NAME)
+        assert tensor_digests(repaired) == tensor_digests(whole)
+        assert (repaired / "config.json").read_bytes() == (whole / "config.json").read_bytes()
+        assert inspect_checkpoint(repaired).exit_code(strict=True) == 0
+
+
 def test_out_inside_quant_is_refused(tiny_factory: Factory, tmp_path: Path) -> None:
     """--out inside QUANT is refused before anything is written."""
     quant = strip_mtp(tiny_factory("qwen3_5"), tmp_path / "q")

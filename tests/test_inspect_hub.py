@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from mtpquant.cli import main as cli
 from mtpquant.errors import ExitCode
 from mtpquant.inspect.report import inspect_checkpoint
 from tests.support.cli import one_error
@@ -42,12 +43,21 @@ def test_hub_report_equals_local_and_reads_under_one_percent(local_hub: LocalHub
     assert resolves and all(r.range for r in resolves)  # only ranged reads of shards, never a whole shard
 
 
-def test_hub_declared_but_missing_and_revision(local_hub: LocalHub, naive_export_factory: Factory) -> None:
+def test_hub_declared_but_missing_and_revision(
+    local_hub: LocalHub, naive_export_factory: Factory, tiny_factory: Factory, tmp_path: Path
+) -> None:
     _upload(local_hub, "org/quant", naive_export_factory("qwen3_next"))
     local_hub.create_branch("org/quant", "v2")
     r = inspect_checkpoint("org/quant", revision="v2")
     assert r.verdicts["vllm"] == "vLLM: MTP declared but missing: speculative decoding will accept nothing"
     assert r.checkpoint == "org/quant@v2"
+    # the fix names the repo and its revision as graft takes them, and works
+    fix = "mtpquant graft org/quant --revision v2 --from SRC --out quant-mtp"
+    assert r.fixes == [f"{fix}   (SRC: the BF16 checkpoint it was made from)"]
+    out = tmp_path / "quant-mtp"
+    argv = [*fix.split()[1:-4], "--from", str(tiny_factory("qwen3_next")), "--out", str(out)]
+    assert cli(argv) == 0
+    assert inspect_checkpoint(out).exit_code(strict=True) == 0
 
 
 def test_a_mistyped_local_path_says_both(

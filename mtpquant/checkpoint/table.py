@@ -6,6 +6,7 @@ shard) and classifies every tensor. Tensor data is read only on request, one sha
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections import defaultdict
@@ -199,6 +200,49 @@ class Checkpoint:
     def mtp_tensors(self) -> list[TensorEntry]:
         """Every ``mtp.*`` tensor present, sorted by name."""
         return [self.tensors[n] for n in self._mtp()]
+
+    def lost_tensors(self) -> dict[str, list[str]]:
+        """Each shard the index names that does not exist -> the tensors the index maps to it (empty when none)."""
+        missing = {s for s in self.shards if s not in self.headers}
+        if not missing or self.index is None:
+            return {}
+        lost: dict[str, list[str]] = defaultdict(list)
+        for name, shard in self.index["weight_map"].items():
+            if shard in missing:
+                lost[shard].append(str(name))
+        return {shard: sorted(names) for shard, names in sorted(lost.items())}
+
+    @property
+    def only_mtp_lost(self) -> bool:
+        """The index's fatal defects are all shards that do not exist and that held only ``mtp.*`` tensors (an MTP
+        shard deleted, or never downloaded): the rest of the checkpoint is whole, and ``graft --from SRC`` puts the
+        MTP back."""
+        fatal = [p for p in self.problems if p.fatal]
+        lost = self.lost_tensors()
+        return (
+            bool(fatal)
+            and all(p.code == "missing_shard" for p in fatal)
+            and all(is_mtp_name(n) for names in lost.values() for n in names)
+        )
+
+    def amended(
+        self,
+        config: dict[str, Any],
+        hf_quant_config: dict[str, Any] | None,
+        tensors: dict[str, TensorEntry] | None = None,
+        problems: list[Problem] | None = None,
+    ) -> Checkpoint:
+        """This checkpoint's header-level view as a repair would leave it: new metadata, and (where given) a new
+        tensor table and index problems; nothing is read or written."""
+        view = dataclasses.replace(
+            self,
+            config=config,
+            spec=resolve(config),
+            tensors=self.tensors if tensors is None else tensors,
+            problems=self.problems if problems is None else problems,
+        )
+        view.__dict__["hf_quant_config"] = hf_quant_config  # the cached_property's slot: never read from the source
+        return view
 
     @property
     def total_bytes(self) -> int:

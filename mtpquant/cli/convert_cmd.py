@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from mtpquant.cli import HUB_CODES, add_base_model_arguments, exit_codes_epilog
-from mtpquant.cli.heal_cmd import add_schedule_arguments, schedule_options
+from mtpquant.cli.heal_cmd import SCHEDULE_FIELDS, add_schedule_arguments, schedule_options
 from mtpquant.errors import ExitCode
 
 EPILOG = """MTP modes (default: keep when SRC has an MTP, else drop):
@@ -35,6 +35,7 @@ name (needs the datasets package).
     ExitCode.MEMORY,
     ExitCode.HEAL_NOT_BETTER,
     ExitCode.HEAL_REFUSED,
+    ExitCode.GRAFT_REFUSED,
     *HUB_CODES,
 )
 
@@ -133,6 +134,9 @@ def run(args: argparse.Namespace) -> int:
     heal_flags = [f"--heal-{key.replace('_', '-')}" for key in schedule_options(args)]
     if not args.heal and (heal_flags or args.heal_force):  # would be ignored: refused
         raise RecipeError(f"{(heal_flags or ['--heal-force'])[0]} is only used with --heal")
+    heal_options = _heal_options(args) if args.heal else None
+    if heal_options is not None:
+        _check_heal_values(heal_options)  # now, before the imports; what needs SRC's headers in convert's plan
     options = ConvertOptions(
         src=args.src,
         out=Path(args.out),
@@ -157,37 +161,37 @@ def run(args: argparse.Namespace) -> int:
         base_model=args.base_model,
         base_model_revision=args.base_model_revision,
         output_format=args.output_format,
+        heal=heal_options,
     )
     # The summary is printed below; keep the library's copy of it out of the log.
     logging.getLogger("mtpquant.convert.run.summary").setLevel(logging.WARNING)
     result = convert(options)
     if args.json:
         data = result.plan.to_json() if result.dry_run else result.to_json()
-        if args.heal and not result.dry_run:
+        if heal_options is not None and not result.dry_run:
             assert result.output is not None
-            data = {"convert": data, "heal": _heal(args, result.output).to_json()}
+            data = {"convert": data, "heal": _heal(heal_options, result.output).to_json()}
         print(json.dumps(data, indent=2, default=str))
         return 0
     print(convert_text(result))
-    if args.heal and not result.dry_run:
+    if heal_options is not None and not result.dry_run:
         from mtpquant.render import heal_text
 
         assert result.output is not None
-        print(heal_text(_heal(args, result.output)))
+        print(heal_text(_heal(heal_options, result.output)))
     elif args.heal:
         print("heal       after the conversion: mtpquant heal OUT --from SRC --in-place (planned once OUT exists)")
     return 0
 
 
-def _heal(args: argparse.Namespace, out: Path) -> Any:
-    """``convert --heal``: heal OUT in place against SRC; a heal error says OUT was written (as converted)."""
+def _heal_options(args: argparse.Namespace) -> Any:
+    """``convert --heal``'s heal: OUT in place against SRC (convert's plan refuses what it would refuse)."""
     import os
 
-    from mtpquant.api import HealOptions, heal
-    from mtpquant.errors import MtpquantError
+    from mtpquant.api import HealOptions
 
-    options = HealOptions(
-        quant=out,
+    return HealOptions(
+        quant=Path(args.out).expanduser(),
         source=args.src,
         in_place=True,
         device=args.device,
@@ -198,7 +202,33 @@ def _heal(args: argparse.Namespace, out: Path) -> Any:
         command=args.command_line,
         **schedule_options(args),
     )
+
+
+def _check_heal_values(options: Any) -> None:
+    """heal's values and data source, refused in the flag names convert takes them by (``--heal-steps``, ...)."""
+    import re
+
+    from mtpquant.convert.plan import check_calibration_source
+    from mtpquant.errors import CalibrationDataError, MtpquantError
+
     try:
-        return heal(options)
+        options.check()
+        check_calibration_source(options.data)
+    except CalibrationDataError as exc:
+        raise CalibrationDataError(f"--heal-data: {exc}") from None
+    except MtpquantError as exc:
+        flags = "|".join(key.replace("_", "-") for key in SCHEDULE_FIELDS)
+        raise type(exc)(re.sub(rf"--({flags})\b", r"--heal-\1", str(exc))) from None
+
+
+def _heal(options: Any, out: Path) -> Any:
+    """Heal OUT (as convert wrote it); a heal error says OUT was written (as converted)."""
+    import dataclasses
+
+    from mtpquant.api import heal
+    from mtpquant.errors import MtpquantError
+
+    try:
+        return heal(dataclasses.replace(options, quant=out))
     except MtpquantError as exc:
         raise type(exc)(f"{out} was written as converted, not healed: {exc}") from None

@@ -11,7 +11,7 @@ from mtpquant.cli import HUB_CODES, exit_codes_epilog
 from mtpquant.cli.graft_cmd import parse_size
 from mtpquant.errors import ExitCode
 
-__all__ = ["add_schedule_arguments", "register", "schedule_options"]
+__all__ = ["SCHEDULE_FIELDS", "add_schedule_arguments", "register", "schedule_options"]
 
 _EPILOG = """\
 examples:
@@ -57,11 +57,14 @@ def add_schedule_arguments(p: argparse.ArgumentParser, prefix: str = "") -> None
                    help="held-out prompts of the before/after check (default 64)")
 
 
+# HealOptions field -> the argparse dest of its schedule flag (``--steps``; ``convert --heal-steps``)
+SCHEDULE_FIELDS = {"data": "heal_data", "steps": "heal_steps", "lr": "heal_lr", "seed": "heal_seed",
+                   "chain": "heal_chain", "samples": "heal_samples", "check_prompts": "heal_check_prompts"}
+
+
 def schedule_options(args: argparse.Namespace) -> dict[str, Any]:
     """The HealOptions fields the schedule flags set (only those given)."""
-    fields = {"data": "heal_data", "steps": "heal_steps", "lr": "heal_lr", "seed": "heal_seed",
-              "chain": "heal_chain", "samples": "heal_samples", "check_prompts": "heal_check_prompts"}
-    return {k: getattr(args, v) for k, v in fields.items() if getattr(args, v, None) is not None}
+    return {k: getattr(args, v) for k, v in SCHEDULE_FIELDS.items() if getattr(args, v, None) is not None}
 
 
 def register(subparsers: Any) -> None:

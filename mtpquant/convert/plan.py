@@ -15,7 +15,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mtpquant.checkpoint.header import FLOAT_DTYPES
 from mtpquant.checkpoint.index import INDEX_NAME
@@ -50,6 +50,9 @@ from mtpquant.hfconfig import transformers_config
 from mtpquant.machine import resolve_device
 from mtpquant.provenance import PROVENANCE_FILE, check_base_model
 from mtpquant.surgery.modes import BLOCK, MtpMode, choose_mode
+
+if TYPE_CHECKING:
+    from mtpquant.heal.options import HealOptions
 
 __all__ = [
     "ConvertOptions",
@@ -92,6 +95,8 @@ class ConvertOptions:
     base_model: str | None = None  # the Hub id of the base model (SRC is a local copy of it), for the card
     base_model_revision: str | None = None
     output_format: str = "modelopt"  # modelopt | compressed-tensors (``convert.ct_format``)
+    # ``convert --heal``: the heal the caller runs on OUT next; the plan refuses, before any work, what it would refuse
+    heal: HealOptions | None = None
 
 
 @dataclass(frozen=True)
@@ -267,7 +272,6 @@ def plan_convert(options: ConvertOptions, ckpt: Checkpoint | None = None) -> tup
         ckpt = Checkpoint.open(options.src, revision=options.revision, strict=True)
     spec = ckpt.spec
     family = spec.family
-    transformers_config(ckpt.config)  # transformers' own validation: refused here (exit 3), not at a later load
     local_src = ckpt.source.local_root
     out = Path(options.out).expanduser()
     recipe = _resolve_recipe(options, family)
@@ -287,6 +291,11 @@ def plan_convert(options: ConvertOptions, ckpt: Checkpoint | None = None) -> tup
         q = recipe.quantization
         check_ct_recipe(q.quant_algo, q.activations, mtp_format, mode)
     checked = mtp_mode.check(ckpt, mtp_format, recipe.quantization.targets)
+    if options.heal is not None:  # before transformers loads: a heal that would be refused is refused in a second
+        from mtpquant.heal.support import check_convert
+
+        check_convert(options.heal, ckpt, mode, options.output_format, out, probe=not options.dry_run)
+    transformers_config(ckpt.config)  # transformers' own validation: refused here (exit 3), not at a later load
     notes = [*auto_notes, *checked.notes]
 
     # Which main Linears the recipe quantizes, and their block divisibility.

@@ -31,11 +31,13 @@ class Plan:
     metadata: MetadataPlan = field(default_factory=MetadataPlan)
     mtp_layers: int = 0
     index_fix: str | None = None  # QUANT's index declares a wrong total_size: the change line that corrects it
+    lost: list[str] = field(default_factory=list)  # index entries of shards that do not exist (MTP only), dropped
 
 
 def weight_map_of(ckpt: Checkpoint) -> dict[str, str]:
+    """QUANT's index as graft keeps it: entries of a shard that does not exist (a lost MTP) are left out."""
     if ckpt.index is not None:
-        return {str(k): str(v) for k, v in ckpt.index["weight_map"].items()}
+        return {str(k): str(v) for k, v in ckpt.index["weight_map"].items() if v in ckpt.headers}
     return dict.fromkeys(ckpt.tensors, SINGLE_NAME)
 
 
@@ -101,7 +103,14 @@ def new_index(plan: Plan, mtp_entries: dict[str, TensorEntry], new_shard_of: dic
 
 
 def plan_index_fix(plan: Plan) -> None:
-    """Add the total_size correction (when QUANT's is wrong) to the metadata changes."""
+    """Add the index corrections to the metadata changes: total_size (when QUANT's is wrong), and the entries of
+    shards that do not exist (an MTP lost with its shards) removed."""
     plan.index_fix = total_size_fix(plan.quant)
     if plan.index_fix is not None:
         plan.metadata.changes.append(plan.index_fix)
+    for shard, names in plan.quant.lost_tensors().items():
+        plan.lost += names
+        plan.metadata.changes.append(
+            f"{INDEX_NAME}: the {len(names)} entries of {shard!r} (a shard that does not exist) dropped; SRC's MTP "
+            "takes their place"
+        )

@@ -27,12 +27,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
+from mtpquant.checkpoint.index import INDEX_NAME
 from mtpquant.checkpoint.lock import OutputLock
 from mtpquant.checkpoint.source import CheckpointSource, read_text
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.checkpoint.writer import OutputDir
 from mtpquant.convert.recipes import RECIPE_FILE, grafted_recipe
 from mtpquant.errors import CheckpointError, OutputExistsError, RecipeError, UsageError
+from mtpquant.families import is_mtp_name
 from mtpquant.graft import inplace
 from mtpquant.graft.lineage import GraftError, LineageError, LineageReport, check_lineage, mtp_layer_count
 from mtpquant.graft.plan import Plan, plan_index_fix, plan_shards, weight_map_of
@@ -188,7 +190,27 @@ def _check_out(options: GraftOptions, quant: Checkpoint) -> None:
 
 
 def _open_quant(options: GraftOptions) -> Checkpoint:
-    quant = Checkpoint.open(options.quant, revision=options.revision, token=options.token, name_errors=True)
+    """QUANT, opened; an index defect is refused (as a strict open would) unless it is only a lost MTP: shards that
+    do not exist and held nothing but ``mtp.*`` tensors, which ``--from SRC`` puts back."""
+    quant = Checkpoint.open(
+        options.quant, revision=options.revision, token=options.token, strict=False, name_errors=True
+    )
+    fatal = [p for p in quant.problems if p.fatal]
+    if fatal and not quant.only_mtp_lost:
+        not_mtp = [(s, [n for n in names if not is_mtp_name(n)]) for s, names in quant.lost_tensors().items()]
+        shard, names = next(((s, n) for s, n in not_mtp if n), ("", []))
+        if names:
+            raise CheckpointError(
+                f"{quant.label}: {INDEX_NAME}: shard {shard!r} does not exist and held {len(names)} tensors that are "
+                f"not MTP (first: {names[0]}); graft puts back only an MTP: restore that shard from where QUANT came"
+            )
+        raise CheckpointError(f"{quant.label}: {fatal[0].message}")
+    if fatal and options.fix_metadata:
+        shard, names = next(iter(quant.lost_tensors().items()))
+        raise GraftError(
+            f"{quant.label}: {INDEX_NAME}: shard {shard!r} does not exist (it held {len(names)} mtp.* tensors); "
+            "--fix-metadata repairs metadata only: put the MTP back with --from SRC"
+        )
     if options.in_place and quant.source.local_root is None:
         raise UsageError(f"{quant.label}: --in-place needs a local QUANT directory; for a Hub repo use --out")
     return quant
@@ -277,10 +299,13 @@ def graft(options: GraftOptions) -> GraftResult:
                 src,
             )
         if not options.replace:
-            raise GraftError(
-                f"{quant.label}: already has an MTP ({len(existing)} mtp.* tensors) that differs from SRC's; "
-                "pass --replace to replace it"
+            lost = sum(len(names) for names in quant.lost_tensors().values())
+            what = (
+                f"part of an MTP ({len(existing)} mtp.* tensors; {lost} more were in shards that do not exist)"
+                if lost
+                else f"an MTP ({len(existing)} mtp.* tensors) that differs from SRC's"
             )
+            raise GraftError(f"{quant.label}: already has {what}; pass --replace to replace it")
         plan.removed = sorted(e.name for e in existing)
     plan.add = sorted(e.name for e in src_mtp)
     plan.mtp_layers = lineage.mtp_layers

@@ -143,7 +143,7 @@ def build(
         entries.sort(key=lambda e: e.start)
         od.write_shard(shard, [planned_copy(quant, e) for e in entries], quant.headers[shard].metadata or None)
         result.rewritten.append(shard)
-    rewrite_index = bool(plan.add or plan.removed or plan.index_fix)
+    rewrite_index = bool(plan.add or plan.removed or plan.index_fix or plan.lost)
     json_files = [*plan.metadata.changed_files, INDEX_NAME] if rewrite_index else list(plan.metadata.changed_files)
     json_files[:0] = [PROVENANCE_FILE, *sorted(texts)]  # this step added to what QUANT records; changed texts
     written = set(result.new_shards) | set(plan.rewrite)

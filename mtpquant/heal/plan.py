@@ -14,10 +14,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mtpquant.checkpoint.index import INDEX_NAME
 from mtpquant.checkpoint.table import Checkpoint
-from mtpquant.errors import GraftError, HealRefusedError, MemoryPlanError, MtpModeError, OutputExistsError, UsageError
+from mtpquant.errors import CheckpointError, GraftError, HealRefusedError, MtpModeError, OutputExistsError, UsageError
 from mtpquant.heal.options import HealOptions
 from mtpquant.heal.precision import MtpStorage, mtp_storage
+from mtpquant.heal.support import DTYPE_BYTES, check_family, compute_dtype, plan_target_memory, target_blocks
 from mtpquant.machine import resolve_device
 from mtpquant.units import format_bytes
 
@@ -27,7 +29,6 @@ __all__ = ["HEAD_FULL_PRECISION_LIMIT", "HealPlan", "plan_heal"]
 # stay in their stored dtype (BF16), which halves their memory (the logits are still computed into float32).
 HEAD_FULL_PRECISION_LIMIT = 512 * 2**20
 _RUNTIME_BYTES = 1_000_000_000  # torch + transformers + modelopt imported and running (as convert's plan)
-_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 @dataclass(frozen=True)
@@ -104,23 +105,6 @@ class HealPlan:
         }
 
 
-def _target_blocks(weights: Any, dtype_bytes: int) -> list[Any]:
-    """The quantized target as it will be loaded (dequantized, in the compute dtype), in convert's blocks."""
-    from mtpquant.convert.memory import model_blocks
-    from mtpquant.families import TensorClass
-
-    entries = []
-    for name in weights.names():
-        klass = weights.ckpt.classify(name)
-        if klass not in (TensorClass.MAIN, TensorClass.EMBED, TensorClass.LM_HEAD):
-            continue
-        n = 1
-        for d in weights.shape(name):
-            n *= d
-        entries.append((name, n * dtype_bytes))
-    return model_blocks(entries, is_vision={})
-
-
 def _train_bytes(quant: Checkpoint, options: HealOptions, head_bytes: int, tied: bool) -> int:
     """MTP weights, gradients and AdamW state in float32 (16 bytes a parameter), the embedding and head, a batch of
     hidden states, the layer's activations (~24 per row and hidden unit), one chunk of logits."""
@@ -142,17 +126,38 @@ def _train_bytes(quant: Checkpoint, options: HealOptions, head_bytes: int, tied:
     )
 
 
+def _open_quant(options: HealOptions) -> Checkpoint:
+    """QUANT, opened strictly; an index that names MTP shards that do not exist is heal's refusal (its MTP is
+    incomplete), said with the checkpoint, the shard and graft's command that puts the MTP back."""
+    quant = Checkpoint.open(
+        options.quant, revision=options.revision, token=options.token, strict=False, name_errors=True
+    )
+    fatal = [p for p in quant.problems if p.fatal]
+    if fatal and quant.only_mtp_lost:
+        shard, names = next(iter(quant.lost_tensors().items()))
+        replace = " --replace" if quant.mtp_tensors() else ""
+        raise HealRefusedError(
+            f"{quant.label}: {INDEX_NAME}: shard {shard!r} does not exist (it held {len(names)} mtp.* tensors), so "
+            f"its MTP is incomplete; put it back first with `mtpquant graft {quant.label} --from SRC{replace} --out "
+            "FIXED`"
+        )
+    if fatal:
+        raise CheckpointError(f"{quant.label}: {fatal[0].message}")
+    return quant
+
+
 def plan_heal(options: HealOptions) -> tuple[HealPlan, Checkpoint, Checkpoint, Any]:
     """Check everything that can be checked from headers and build the plan; returns it, QUANT, SRC and QUANT's
     dequantizing reader (``validate.weights.CheckpointWeights``)."""
-    from mtpquant.convert.memory import available_cpu_bytes, plan_memory
+    from mtpquant.convert.plan import check_calibration_source
     from mtpquant.errors import ValidateLoadError
     from mtpquant.graft.lineage import check_lineage
     from mtpquant.surgery.metadata import plan_metadata
     from mtpquant.validate.weights import CheckpointWeights
 
     options.check()
-    quant = Checkpoint.open(options.quant, revision=options.revision, token=options.token)
+    check_calibration_source(options.data)
+    quant = _open_quant(options)
     if options.in_place and quant.source.local_root is None:
         raise UsageError(f"{quant.label}: --in-place needs a local QUANT directory; for a Hub repo use --out")
     out = Path(options.out).absolute() if options.out is not None else None
@@ -162,19 +167,19 @@ def plan_heal(options: HealOptions) -> tuple[HealPlan, Checkpoint, Checkpoint, A
         root = quant.source.local_root
         if root is not None and (out.resolve() == root.resolve() or root.resolve() in out.resolve().parents):
             raise UsageError(f"{out}: --out must not be inside QUANT")
-    src = Checkpoint.open(options.source, revision=options.source_revision, token=options.token)
+    src = Checkpoint.open(options.source, revision=options.source_revision, token=options.token, name_errors=True)
     present = {e.name for e in quant.mtp_tensors()}
     if not present:
         raise HealRefusedError(
             f"{quant.label}: has no MTP (no mtp.* tensors), so there is nothing to heal; put it back first with "
             f"`mtpquant graft {quant.label} --from SRC`"
         )
-    if not quant.spec.family.mtp_heal:
-        raise HealRefusedError(
-            f"{quant.label}: heal does not train the {quant.spec.family.display} MTP yet (it trains the Qwen3 MTP "
-            "layer); the quant is left as it is"
-        )
-    missing = sorted(set(quant.spec.expected_mtp_shapes()) - present)  # a quantized Linear keeps its .weight name
+    check_family(quant.spec.family, quant.label)
+    # a quantized Linear keeps its .weight name (ModelOpt), or stores .weight_packed (compressed-tensors)
+    missing = sorted(
+        n for n in quant.spec.expected_mtp_shapes()
+        if n not in present and not (n.endswith(".weight") and n[: -len("weight")] + "weight_packed" in present)
+    )
     if missing:
         raise HealRefusedError(
             f"{quant.label}: its MTP is incomplete ({len(missing)} tensors missing, first {missing[0]}); repair it "
@@ -196,26 +201,14 @@ def plan_heal(options: HealOptions) -> tuple[HealPlan, Checkpoint, Checkpoint, A
         raise HealRefusedError(str(exc)) from None
     storage = mtp_storage(quant, weights.formats)
     device = resolve_device(options.device, probe=False)  # the plan names the device; the run finds it
-    dtype = options.dtype or ("float32" if device == "cpu" else "bfloat16")
-    if dtype not in _BYTES:
-        raise UsageError(f"--dtype must be one of {', '.join(_BYTES)}, got {dtype!r}")
+    dtype = compute_dtype(options, device)
     spec = quant.spec
     H, V = spec.hidden_size, spec.dim("vocab_size")
-    head_dtype = dtype if V * H * _BYTES[dtype] <= HEAD_FULL_PRECISION_LIMIT else "bfloat16"
-    available = {"cpu": a} if (a := available_cpu_bytes()) is not None else {}
-    try:
-        memory = plan_memory(
-            _target_blocks(weights, _BYTES[dtype]),
-            device="cpu" if device == "cpu" else "cuda",
-            max_memory=options.max_memory,
-            layerwise=False,
-            shard_bytes=options.max_shard_bytes,
-            available=available,
-        )
-    except MemoryPlanError as exc:
-        raise MemoryPlanError(str(exc).replace("convert needs", "heal needs")) from None
+    head_dtype = dtype if V * H * DTYPE_BYTES[dtype] <= HEAD_FULL_PRECISION_LIMIT else "bfloat16"
+    shapes = ((name, weights.shape(name)) for name in weights.names())
+    memory = plan_target_memory(target_blocks(shapes, quant.classify, DTYPE_BYTES[dtype]), options, device)
     seq_len = options.prompt_len + options.new_tokens
-    data_bytes = options.samples * seq_len * (H * _BYTES[dtype] + 8)
+    data_bytes = options.samples * seq_len * (H * DTYPE_BYTES[dtype] + 8)
     tied = weights.lm_head_name() == weights.embed_name()
     notes: list[str] = list(lineage.warnings)
     if storage.fmt != "bf16" and "SGLang" not in " ".join(notes):
@@ -236,7 +229,7 @@ def plan_heal(options: HealOptions) -> tuple[HealPlan, Checkpoint, Checkpoint, A
         dtype=dtype,
         head_dtype=head_dtype,
         memory=memory,
-        train_bytes=_train_bytes(quant, options, V * H * _BYTES[head_dtype], tied),
+        train_bytes=_train_bytes(quant, options, V * H * DTYPE_BYTES[head_dtype], tied),
         data_bytes=data_bytes,
         sequences=options.samples,
         seq_len=seq_len,

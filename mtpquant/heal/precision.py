@@ -28,11 +28,10 @@ from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.checkpoint.writer import PlannedTensor
 from mtpquant.errors import HealRefusedError
 from mtpquant.families import is_mtp_name
+from mtpquant.heal.support import WRITABLE, WRITES_BACK
 from mtpquant.mtp.quantize import mtp_linear_modules, mtp_quantized_modules, quantize_mtp
 
 __all__ = ["MtpStorage", "export_mtp", "master_weights", "mtp_storage"]
-
-_WRITABLE = {"nvfp4": "nvfp4", "fp8": "fp8"}  # LinearFormat.kind -> quantize_mtp's format
 
 
 @dataclass(frozen=True)
@@ -67,12 +66,10 @@ def mtp_storage(quant: Checkpoint, formats: Mapping[str, object]) -> MtpStorage:
             raise HealRefusedError(f"{label}: MTP tensor {bad[0]} is {dtype}; heal cannot read that layout")
         return MtpStorage("bf16", (), False, {})
     kinds = {getattr(f, "kind", "") for f in mtp_formats.values()}
-    if len(kinds) != 1 or next(iter(kinds)) not in _WRITABLE:
+    if len(kinds) != 1 or next(iter(kinds)) not in WRITABLE:
         shown = ", ".join(sorted(kinds))
-        raise HealRefusedError(
-            f"{label}: its MTP is stored as {shown}; heal writes back BF16, ModelOpt NVFP4 and ModelOpt FP8 per tensor"
-        )
-    fmt = _WRITABLE[next(iter(kinds))]
+        raise HealRefusedError(f"{label}: its MTP is stored as {shown}; {WRITES_BACK}")
+    fmt = WRITABLE[next(iter(kinds))]
     pre = sorted(m for m, f in mtp_formats.items() if getattr(f, "has_pre_quant_scale", False))
     if pre:
         raise HealRefusedError(f"{label}: {pre[0]} has an AWQ pre_quant_scale; heal cannot write that layout back")

@@ -31,6 +31,7 @@ from mtpquant.inspect.engines import (
     vllm_expectation,
     vllm_format_refusal,
 )
+from mtpquant.inspect.fixes import fix_commands
 from mtpquant.inspect.precision import is_quantized, module_precision, table_precision
 from mtpquant.inspect.verdicts import (
     MISSING,
@@ -390,7 +391,11 @@ def inspect_checkpoint(
     t0 = time.perf_counter()
     ckpt = checkpoint if checkpoint is not None else Checkpoint.open(ref, revision=revision, token=token, strict=False)
     with bulk_parse():  # per-module records over a table of up to ~300,000 tensors
-        return _inspect(ckpt, t0)
+        report = _inspect(ckpt, t0)
+        if report.exit_code(strict=True):
+            report.fixes = fix_commands(ckpt, lambda c: not _inspect(c, t0).exit_code(strict=True))
+            report.seconds = round(time.perf_counter() - t0, 3)
+        return report
 
 
 def _inspect(ckpt: Checkpoint, t0: float) -> InspectReport:
@@ -474,7 +479,6 @@ def _inspect(ckpt: Checkpoint, t0: float) -> InspectReport:
         serve_commands=serve,
         failures=failures,
         warnings=warnings,
-        fixes=_fixes(label, failures, report["mtp_modules"], report["mtp_declared"]),
         bytes_fetched=ckpt.source.bytes_read,
         requests=ckpt.source.requests,
         checkpoint_bytes=ckpt.total_bytes,
@@ -482,16 +486,3 @@ def _inspect(ckpt: Checkpoint, t0: float) -> InspectReport:
         **report,
     )
 
-
-def _fixes(label: str, failures: list[Finding], mtp_modules: list[ModuleReport], declared: bool) -> list[str]:
-    """The commands that repair what failed, where mtpquant has one: an MTP declared but missing or incomplete goes
-    back in with graft from the checkpoint that has it; MTP exclusions that disagree with the tensors (or an MTP not
-    declared) are rewritten by graft --fix-metadata."""
-    cats = {f.category for f in failures}
-    name = label.rstrip("/").rsplit("/", 1)[-1].split("@", 1)[0]
-    out = []
-    if "declared_missing" in cats and declared:
-        out.append(f"mtpquant graft {label} --from SRC --out {name}-mtp   (SRC: the BF16 checkpoint it was made from)")
-    if (not declared and "declared_missing" in cats) or any(not m.consistent for m in mtp_modules):
-        out.append(f"mtpquant graft {label} --fix-metadata --out {name}-fixed")
-    return out

@@ -205,7 +205,7 @@ def engine_verdicts(
             )
             notes.append(
                 f"exclusions do not cover {m.module}: only vLLM's hard-coded modelopt_fp4 workaround keeps it "
-                "unquantized (run `mtpquant graft --fix-metadata`)"
+                "unquantized (graft --fix-metadata repairs it: the fix line)"
             )
     if sglang_quantized_ok:  # the family's own resolution (qwen4_exp: sglang_mismatch checks it)
         sglang, sglang_serves = f"SGLang: MTP loads ({report['mtp_precision']}; quantized_layers lists the MTP)", True

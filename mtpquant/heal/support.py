@@ -1,0 +1,145 @@
+"""What heal can heal, decided before anything loads (torch-free): the family, the layouts it writes an MTP back in,
+the data, the compute dtype, the memory the quantized target takes, and where an in-place heal can swap.
+
+heal's plan refuses with these; ``convert --heal`` asks them of the output it is about to write (``check_convert``,
+from its own plan), so a conversion is never run for a heal that would then be refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import tempfile
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from mtpquant.errors import GraftError, HealRefusedError, MemoryPlanError, UsageError
+from mtpquant.families import Family, TensorClass
+from mtpquant.heal.options import HealOptions
+from mtpquant.machine import resolve_device
+
+if TYPE_CHECKING:
+    from mtpquant.checkpoint.table import Checkpoint
+    from mtpquant.convert.memory import Block, MemoryPlan
+
+__all__ = [
+    "DTYPE_BYTES",
+    "WRITABLE",
+    "WRITES_BACK",
+    "check_convert",
+    "check_family",
+    "compute_dtype",
+    "plan_target_memory",
+    "target_blocks",
+]
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+WRITABLE = {"nvfp4": "nvfp4", "fp8": "fp8"}  # the quantized kinds heal writes back (LinearFormat.kind -> format)
+WRITES_BACK = "heal writes back BF16, ModelOpt NVFP4 and ModelOpt FP8 per tensor"
+_TARGET = (TensorClass.MAIN, TensorClass.EMBED, TensorClass.LM_HEAD)
+
+
+def check_family(family: Family, label: str, then: str = "the quant is left as it is") -> None:
+    """Refuse a family whose MTP heal does not train (it trains the Qwen3 MTP layer, ``mtp.module.MtpLayer``);
+    ``then``: what the user is told happens instead."""
+    if not family.mtp_heal:
+        raise HealRefusedError(
+            f"{label}: heal does not train the {family.display} MTP yet (it trains the Qwen3 MTP layer); {then}"
+        )
+
+
+def compute_dtype(options: HealOptions, device: str) -> str:
+    """The dtype the target runs and the MTP trains in: ``--dtype``, else float32 on CPU and bfloat16 on CUDA."""
+    dtype = options.dtype or ("float32" if device == "cpu" else "bfloat16")
+    if dtype not in DTYPE_BYTES:
+        raise UsageError(f"--dtype must be one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
+    return dtype
+
+
+def target_blocks(
+    shapes: Iterable[tuple[str, tuple[int, ...]]], classify: Callable[[str], str], dtype_bytes: int
+) -> list[Block]:
+    """The quantized target as heal loads it (dequantized, in the compute dtype), in convert's blocks: ``shapes``
+    gives each tensor's logical (dequantized) shape."""
+    from mtpquant.convert.memory import model_blocks
+
+    entries = []
+    for name, shape in shapes:
+        if classify(name) not in _TARGET:
+            continue
+        n = 1
+        for d in shape:
+            n *= d
+        entries.append((name, n * dtype_bytes))
+    return model_blocks(entries, is_vision={})
+
+
+def plan_target_memory(blocks: list[Block], options: HealOptions, device: str) -> MemoryPlan:
+    """Where the target goes (convert's memory plan: in memory when it fits, else capped, the rest on disk)."""
+    from mtpquant.convert.memory import available_cpu_bytes, plan_memory
+
+    available = {"cpu": a} if (a := available_cpu_bytes()) is not None else {}
+    try:
+        return plan_memory(
+            blocks,
+            device="cpu" if device == "cpu" else "cuda",
+            max_memory=options.max_memory,
+            layerwise=False,
+            shard_bytes=options.max_shard_bytes,
+            available=available,
+        )
+    except MemoryPlanError as exc:
+        raise MemoryPlanError(str(exc).replace("convert needs", "heal needs")) from None
+
+
+def _exchange_possible_beside(out: Path) -> bool:
+    """Whether the filesystem OUT is written on can exchange two directories (an in-place heal swaps OUT so); probed
+    in a temporary directory beside OUT (or its nearest existing ancestor), removed at once."""
+    from mtpquant.graft.inplace import exchange_supported
+
+    parent = out.absolute().parent
+    while not parent.is_dir() and parent != parent.parent:
+        parent = parent.parent
+    with contextlib.ExitStack() as stack:
+        try:
+            scratch = stack.enter_context(tempfile.TemporaryDirectory(prefix=".mtpquant-probe-", dir=parent))
+        except OSError:
+            return True  # not writable: convert refuses OUT itself, in its own words
+        return exchange_supported(Path(scratch))
+
+
+def check_convert(
+    options: HealOptions, src: Checkpoint, mode: str, output_format: str, out: Path, *, probe: bool = True
+) -> None:
+    """``convert --heal``: refuse now, before the conversion, what heal would refuse once OUT exists (``src``: the
+    checkpoint being converted; ``mode``: the MTP mode; ``probe``: test OUT's filesystem, which writes and removes a
+    directory beside OUT), with the exit code heal would give."""
+    from mtpquant.convert.plan import check_calibration_source
+
+    options.check()
+    check_calibration_source(options.data)
+    check_family(src.spec.family, src.label, "nothing was converted: convert it without --heal")
+    if not src.mtp_tensors():
+        raise HealRefusedError(f"{src.label}: has no MTP (no mtp.* tensors), so --heal would have nothing to heal")
+    if mode in ("drop", "extract"):
+        raise HealRefusedError(
+            f"--mtp {mode} leaves OUT without its MTP, so --heal would have nothing to heal (use --mtp keep or "
+            "--mtp quantize)"
+        )
+    if output_format == "compressed-tensors" and mode == "quantize":
+        raise HealRefusedError(
+            f"--format compressed-tensors --mtp quantize stores OUT's MTP as compressed-tensors NVFP4; {WRITES_BACK} "
+            "(use --format modelopt, or --mtp keep)"
+        )
+    device = resolve_device(options.device, probe=False)
+    dtype = compute_dtype(options, device)
+    shapes = ((e.name, e.shape) for e in src.tensors.values())
+    try:
+        plan_target_memory(target_blocks(shapes, src.classify, DTYPE_BYTES[dtype]), options, device)
+    except MemoryPlanError as exc:  # said of heal's target (float32 on CPU), not of the conversion
+        raise MemoryPlanError(f"--heal: {exc}; nothing was converted") from None
+    if options.in_place and probe and not _exchange_possible_beside(out):
+        raise GraftError(
+            f"{out}: --heal heals OUT in place, which needs a filesystem with atomic directory exchange (Linux "
+            "renameat2); convert, then heal OUT with --out"
+        )

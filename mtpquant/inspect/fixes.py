@@ -1,0 +1,67 @@
+"""The repair commands inspect prints (its ``fix`` lines), each one only where it works on this checkpoint.
+
+A command is offered when mtpquant's own plan for it, applied to this checkpoint's headers in memory, leaves a
+checkpoint inspect finds clean (``--strict``): ``graft --fix-metadata`` gets the metadata graft would write
+(``surgery.metadata.plan_metadata``, day-0 labels and ``quantized_layers`` included); ``graft --from SRC`` gets
+SRC's MTP as the BF16 checkpoint this model was made from holds it (the names and shapes config.json implies,
+which graft's lineage check demands of SRC) with that metadata, and an index without the entries of MTP shards
+that do not exist. Nothing is offered where neither works: a defect of the main model, a format no engine loads,
+a shard of the main model missing.
+"""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Callable
+
+from mtpquant.checkpoint.header import TensorEntry, tensor_nbytes
+from mtpquant.checkpoint.table import Checkpoint
+from mtpquant.families import ModelSpec, is_mtp_name, mtp_layer_count
+from mtpquant.surgery.metadata import plan_metadata
+
+__all__ = ["fix_commands"]
+
+_SRC_NOTE = "   (SRC: the BF16 checkpoint it was made from)"
+
+
+def _after(ckpt: Checkpoint, tensors: dict[str, TensorEntry], layers: int, *, lost_dropped: bool) -> Checkpoint:
+    """``ckpt`` as graft leaves it with this tensor table: the metadata planned for it, and (``lost_dropped``) the
+    index rewritten without the entries of shards that do not exist."""
+    plan = plan_metadata(ckpt.spec, ckpt.hf_quant_config, tensors, mtp_layers=layers)
+    config = plan.config if plan.config is not None else ckpt.config
+    hfq = plan.hf_quant_config if plan.hf_quant_config is not None else ckpt.hf_quant_config
+    problems = [p for p in ckpt.problems if not p.fatal] if lost_dropped else None
+    return ckpt.amended(config, hfq, tensors, problems)
+
+
+def _src_mtp(spec: ModelSpec) -> dict[str, TensorEntry]:
+    """The MTP a BF16 SRC of this model holds (graft's lineage check refuses any other), as header entries."""
+    out = {}
+    for name, shape in spec.expected_mtp_shapes().items():
+        out[name] = TensorEntry(name, "BF16", shape, "SRC", 0, tensor_nbytes("BF16", shape))
+    return out
+
+
+def fix_commands(ckpt: Checkpoint, clean: Callable[[Checkpoint], bool]) -> list[str]:
+    """The ``mtpquant`` command that repairs ``ckpt`` (``clean``: whether inspect finds a checkpoint clean), or
+    none where no command does."""
+    if ckpt.mtp_only:
+        return []
+    # QUANT as graft takes it: the path, or the repo id and the revision asked for (the label says repo@revision)
+    where, _, revision = ckpt.label.partition("@") if ckpt.source.local_root is None else (ckpt.label, "", "")
+    label = shlex.quote(where) + (f" --revision {shlex.quote(revision)}" if revision else "")
+    name = where.rstrip("/").rsplit("/", 1)[-1]
+    fatal = any(p.fatal for p in ckpt.problems)
+    present = [e.name for e in ckpt.mtp_tensors()]
+    if present and not fatal:
+        layers = mtp_layer_count(present) or ckpt.spec.mtp.layers
+        if clean(_after(ckpt, ckpt.tensors, layers, lost_dropped=False)):
+            return [f"mtpquant graft {label} --fix-metadata --out {name}-fixed"]
+    if ckpt.spec.mtp.declared and (not fatal or ckpt.only_mtp_lost):
+        table = {n: e for n, e in ckpt.tensors.items() if not is_mtp_name(n)}
+        table.update(_src_mtp(ckpt.spec))
+        if clean(_after(ckpt, table, ckpt.spec.mtp.layers, lost_dropped=True)):
+            # an MTP already there (part of one, or one that differs) is replaced only when asked to
+            replace = " --replace" if present else ""
+            return [f"mtpquant graft {label} --from SRC{replace} --out {name}-mtp{_SRC_NOTE}"]
+    return []
