@@ -160,6 +160,31 @@ def test_modelopt_import_warning_goes_to_the_log(
     assert [r.levelname for r in caplog.records if "not tested" in r.getMessage()] == ["DEBUG"]
 
 
+def test_library_warnings_in_a_block_go_to_the_log(caplog: pytest.LogCaptureFixture) -> None:
+    """modelopt warns through Python's warnings (stderr, past -q): in a ``library_output`` block a warning is a log
+    record under -q / -v, and modelopt's "exported tensor names may not match" (its per-expert export of qwen4_exp,
+    which convert verifies) is INFO, not an alarm."""
+    import warnings
+
+    from mtpquant.libraries import library_output
+
+    caplog.set_level(logging.DEBUG, logger="py.warnings")
+    show = warnings.showwarning
+    with warnings.catch_warnings(), library_output(progress=True):
+        warnings.simplefilter("always")
+        warnings.warn(
+            "Quant-aware reverse weight conversion skipped (scoped WeightConverter (scope_prefix='language_model') "
+            "cannot be reversed scope-aware); exported tensor names may not match the original HF hub checkpoint.",
+            stacklevel=1,
+        )
+        warnings.warn("a real problem", stacklevel=1)
+    assert warnings.showwarning is show  # put back
+    assert [(r.name, r.levelname, r.getMessage()[:40]) for r in caplog.records] == [
+        ("py.warnings", "INFO", "UserWarning: Quant-aware reverse weight "),
+        ("py.warnings", "WARNING", "UserWarning: a real problem"),
+    ]
+
+
 def test_the_api_names_its_types_for_type_checkers() -> None:
     """Every public name of ``mtpquant.api`` is imported under TYPE_CHECKING from the module it loads lazily from:
     a user's type checker sees the real types, not ``Any``."""

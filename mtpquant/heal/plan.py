@@ -9,13 +9,12 @@ LM head, one batch), and disk (the hidden-state shards, the new MTP shards). ``-
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from mtpquant.checkpoint.table import Checkpoint
-from mtpquant.errors import GraftError, HealRefusedError, MemoryPlanError, MtpModeError, OutputExistsError, UsageError
+from mtpquant.errors import GraftError, HealRefusedError, MemoryPlanError, MtpModeError, UsageError
 from mtpquant.heal.options import HealOptions
 from mtpquant.heal.precision import MtpStorage, mtp_storage
 from mtpquant.machine import resolve_device
@@ -156,9 +155,7 @@ def plan_heal(options: HealOptions) -> tuple[HealPlan, Checkpoint, Checkpoint, A
     if options.in_place and quant.source.local_root is None:
         raise UsageError(f"{quant.label}: --in-place needs a local QUANT directory; for a Hub repo use --out")
     out = Path(options.out).absolute() if options.out is not None else None
-    if out is not None:
-        if os.path.lexists(out):
-            raise OutputExistsError(f"{out}: output already exists; heal never overwrites (choose a new --out)")
+    if out is not None:  # options.check() refused an OUT that exists
         root = quant.source.local_root
         if root is not None and (out.resolve() == root.resolve() or root.resolve() in out.resolve().parents):
             raise UsageError(f"{out}: --out must not be inside QUANT")

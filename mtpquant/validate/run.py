@@ -13,6 +13,7 @@ import logging
 
 from mtpquant.validate.assemble import assemble
 from mtpquant.validate.options import ValidateOptions
+from mtpquant.validate.preflight import preflight
 from mtpquant.validate.schema import ValidationReport
 
 __all__ = ["ValidateOptions", "ValidationReport", "validate"]
@@ -22,16 +23,17 @@ log = logging.getLogger(__name__)
 
 def validate(opts: ValidateOptions) -> ValidationReport:
     """Run the evaluation described by ``opts``; writes the report directory when one is given."""
+    opened = preflight(opts)  # torch-free: a bad value or checkpoint is refused before the model code loads
     if opts.engine_path:
         from mtpquant.validate.engine import validate_engine
 
-        measured = validate_engine(opts)
+        measured = validate_engine(opts, opened)
     else:
         from mtpquant.libraries import library_output
         from mtpquant.validate.builtin import validate_builtin
 
         with library_output(opts.progress):  # transformers' messages through logging (-q / -v)
-            measured = validate_builtin(opts)
+            measured = validate_builtin(opts, opened)
     result = assemble(opts, measured)
     if opts.report_dir is not None:
         from mtpquant.validate.report import write_report
