@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import logging
 import re
+import shlex
 import sys
 from pathlib import Path
 
 import pytest
 
-from mtpquant.cli import build_parser
+from mtpquant.cli import COMMANDS, build_parser
 from mtpquant.errors import ExitCode, exit_code_table
 
 _ROW = re.compile(r"^\s+(\d+)  (.+)$")
@@ -33,6 +34,19 @@ def test_every_epilog_is_rows_of_the_one_table(command: str, capsys: pytest.Capt
     assert codes == sorted(codes)
     assert {0, 1, 2, 19, 130} <= set(codes)
     assert "All exit codes: `mtpquant --help`." in epilog
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_command_shows_examples_that_parse(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Every subcommand's --help opens its epilog with examples (only graft and heal had them); each is a command
+    line the parser accepts, for that subcommand."""
+    text = _help(command, capsys)
+    block = text[text.index("\nexamples:\n") + len("\nexamples:\n") :].split("\n\n", 1)[0]
+    examples = [shlex.split(line) for line in block.splitlines()]
+    assert len(examples) >= 2 and all(argv[:2] == ["mtpquant", command] for argv in examples), block
+    for argv in examples:
+        args = build_parser().parse_args(argv[1:])  # argparse exits (code 2) on an example that does not parse
+        assert args.command == command
 
 
 def test_convert_help_names_an_already_quantized_source_15(capsys: pytest.CaptureFixture[str]) -> None:

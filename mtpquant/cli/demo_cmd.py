@@ -13,6 +13,13 @@ from pathlib import Path
 from mtpquant.cli import exit_codes_epilog
 from mtpquant.errors import ExitCode
 
+EXAMPLES = """\
+examples:
+  mtpquant demo
+  mtpquant demo --family qwen4_exp --workdir /tmp/mtpquant-demo
+
+"""
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the ``demo`` subcommand."""
@@ -20,7 +27,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "demo",
         help="convert --keep-mtp, validate and inspect the embedded tiny model",
         description=__doc__,
-        epilog=exit_codes_epilog(
+        epilog=EXAMPLES
+        + exit_codes_epilog(
             ExitCode.OUTPUT_BUSY, ExitCode.MEMORY, ExitCode.VERIFICATION, ExitCode.VALIDATE_FAIL, ExitCode.INSPECT_MTP
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
