@@ -99,3 +99,28 @@ def test_an_unreachable_hub_id_is_refused_at_once(argv: tuple[str, ...], tmp_pat
         ExitCode.HUB_UNREACHABLE, f"org/model: cannot reach 127.0.0.1:{port} ([Errno 111] Connection refused)"
     )
     assert loaded == [] and list(tmp_path.iterdir()) == []
+
+
+def test_a_silent_hub_gets_one_request_and_one_wait(tmp_path: Path) -> None:
+    """A Hub that accepts connections and never answers: huggingface_hub's telemetry used to ask it for its agent
+    harness list first (a second request, waited out up to its 3 s timeout before mtpquant's own request waited its
+    MTPQUANT_HUB_TIMEOUT; on every run, nothing being cached). The CLI turns that telemetry off unless the user set
+    HF_HUB_DISABLE_TELEMETRY: the Hub sees only mtpquant's request."""
+    import time
+
+    from tests.support.rawhttp import RawRequest, RawServer
+
+    def silent(request: RawRequest, sock: object) -> None:
+        time.sleep(10)
+
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_DISABLE_TELEMETRY"}  # as a user's shell has it
+    with RawServer(silent) as hub:
+        proc = subprocess.run(
+            [sys.executable, "-m", "mtpquant", "inspect", "org/model"],
+            capture_output=True, text=True, cwd=REPO, timeout=60,
+            env={**env, "PYTHONPATH": str(REPO), "HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "hf"),
+                 "MTPQUANT_HUB_TIMEOUT": "1"},
+        )  # fmt: skip
+        paths = [r.path.split("?")[0] for r in hub.requests]
+    assert proc.returncode == ExitCode.HUB_UNREACHABLE and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert paths == ["/api/models/org/model/tree/main"]

@@ -96,6 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the process exit code."""
+    import os
+
+    # huggingface_hub's telemetry first asks the Hub for its list of agent harnesses (3 s timeout, again on every run
+    # while the Hub cannot be reached): a second request before mtpquant's first, and a second wait when the Hub is
+    # down. Off unless the user chose (huggingface_hub's own setting; read when huggingface_hub is first imported).
+    os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
     parser = build_parser()
     args = parser.parse_args(argv)
     args.verbose += args.sub_verbose
@@ -104,8 +110,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     level = logging.ERROR if args.quiet else (logging.WARNING, logging.INFO, logging.DEBUG)[min(args.verbose, 2)]
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     if args.quiet:
-        import os
-
         os.environ["TQDM_DISABLE"] = "1"
     try:
         return int(args.func(args))
