@@ -186,7 +186,7 @@ class EngineProcess:
             code = self.proc.poll()
             if code is not None:
                 raise EngineStartError(
-                    f"{self.name} server exited with code {code} before it was ready: {self.failure_line()} "
+                    f"{self.name} server exited with code {code} before it was ready: {self.failure_cause()} "
                     f"(log: {self.log_path})"
                 )
             with contextlib.suppress(requests.RequestException):
@@ -198,6 +198,18 @@ class EngineProcess:
                     f"{self.name} server not ready after {self.startup_timeout:g} s (log: {self.log_path})"
                 )
             time.sleep(0.5)
+
+    def failure_cause(self) -> str:
+        """Why the server did not start, in one line: what it needs, for a refusal the engine words for its own
+        developers (``engine.sglang.start_refusal``), else the most telling line of its log (``failure_line``)."""
+        if self.engine == "sglang":
+            from mtpquant.engine.sglang import start_refusal
+
+            with contextlib.suppress(OSError):
+                explained = start_refusal(self.log_path.read_text(errors="replace"))
+                if explained is not None:
+                    return explained
+        return self.failure_line()
 
     def failure_line(self) -> str:
         """The most telling line of the server log: the last exception message in it."""
