@@ -1,13 +1,14 @@
 """What the libraries mtpquant drives show while they work: their log messages and their progress bars.
 
-transformers logs to stderr through a handler of its own, outside Python logging's configuration, so its
-messages ignore ``-q``; and some of them read like failures though they describe what mtpquant does on
-purpose: a calibration document longer than the model's context (calibration cuts the token stream into
-rows), the CPU fallback of the linear-attention kernels, a deprecated config attribute modelopt's export
-reads. ``library_output`` routes transformers' records through Python logging for the length of a block
-(those at DEBUG, every other at its own level, all under the caller's ``-q`` / ``-v``) and turns
-transformers' and huggingface_hub's progress bars off when asked. Everything is put back on exit, so a
-program that embeds mtpquant keeps its own settings.
+transformers logs to stderr through a handler of its own, outside Python logging's configuration, and modelopt
+warns through Python's ``warnings``, so their messages ignore ``-q``; and some of them read like failures though
+they describe what mtpquant does on purpose: a calibration document longer than the model's context (calibration
+cuts the token stream into rows), the CPU fallback of the linear-attention kernels, a deprecated config attribute
+modelopt's export reads, modelopt's export keeping per-expert names it cannot map back to a fused source layout.
+``library_output`` routes transformers' records and the Python warnings raised in a block through Python logging
+(those in ``ON_PURPOSE`` at its level, every other at its own, all under the caller's ``-q`` / ``-v``) and turns
+transformers' and huggingface_hub's progress bars off when asked. Everything is put back on exit, so a program
+that embeds mtpquant keeps its own settings.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import contextlib
 import logging
 import re
 from collections.abc import Iterator
+from typing import Any
 
 __all__ = ["ON_PURPOSE", "import_libraries", "library_output"]
 
@@ -32,6 +34,9 @@ ON_PURPOSE: tuple[tuple[re.Pattern[str], int], ...] = (
     # the linear-attention kernels' PyTorch fallback (always so on CPU): slower, not wrong
     (re.compile(r"The fast path is not available because one of the required library is not installed"), logging.INFO),
     (re.compile(r"is falling back to its reference PyTorch implementation"), logging.INFO),
+    # modelopt's export cannot map per-expert NVFP4 names back to a fused source layout (qwen4_exp's experts):
+    # per-expert names are what vLLM loads, and convert verifies its output (exact MTP and vision sets, inspect)
+    (re.compile(r"exported tensor names may not match the original HF hub checkpoint"), logging.INFO),
 )
 
 
@@ -50,6 +55,16 @@ class _Forward(logging.Handler):
         root = logging.getLogger()
         if root.isEnabledFor(record.levelno):
             root.handle(record)
+
+
+def _show_warning(
+    message: Warning | str, category: type[Warning], filename: str, lineno: int, file: Any = None, line: Any = None
+) -> None:
+    """``warnings.showwarning`` in a ``library_output`` block: the warning as a log record of ``py.warnings`` (the
+    logger ``logging.captureWarnings`` uses), at its ``ON_PURPOSE`` level or WARNING."""
+    del filename, lineno, file, line  # where in the library: not what a user acts on
+    text = str(message)
+    logging.getLogger("py.warnings").log(_level(text, logging.WARNING), "%s: %s", category.__name__, text)
 
 
 def import_libraries(*names: str) -> None:
@@ -72,8 +87,10 @@ def import_libraries(*names: str) -> None:
 
 @contextlib.contextmanager
 def library_output(progress: bool) -> Iterator[None]:
-    """transformers' log records through Python logging, and (``progress`` False) no transformers or
-    huggingface_hub progress bars, for the block."""
+    """transformers' log records and Python warnings through Python logging, and (``progress`` False) no
+    transformers or huggingface_hub progress bars, for the block."""
+    import warnings
+
     import huggingface_hub.utils as hf_utils
     import transformers.utils.logging as tf_logging
 
@@ -83,6 +100,8 @@ def library_output(progress: bool) -> Iterator[None]:
     tf_bars = tf_logging.is_progress_bar_enabled()
     hf_bars = not hf_utils.are_progress_bars_disabled()
     forward = _Forward()
+    show = warnings.showwarning
+    warnings.showwarning = _show_warning
     if not outer:
         tf_logging.disable_default_handler()
         logger.addHandler(forward)
@@ -93,6 +112,7 @@ def library_output(progress: bool) -> Iterator[None]:
     try:
         yield
     finally:
+        warnings.showwarning = show
         if not outer:
             logger.removeHandler(forward)
             logger.propagate = propagate

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import logging
 import re
+import shlex
 import sys
 from pathlib import Path
 
 import pytest
 
-from mtpquant.cli import build_parser
+from mtpquant.cli import COMMANDS, build_parser
 from mtpquant.errors import ExitCode, exit_code_table
 
 _ROW = re.compile(r"^\s+(\d+)  (.+)$")
@@ -33,6 +34,19 @@ def test_every_epilog_is_rows_of_the_one_table(command: str, capsys: pytest.Capt
     assert codes == sorted(codes)
     assert {0, 1, 2, 19, 130} <= set(codes)
     assert "All exit codes: `mtpquant --help`." in epilog
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_command_shows_examples_that_parse(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Every subcommand's --help opens its epilog with examples (only graft and heal had them); each is a command
+    line the parser accepts, for that subcommand."""
+    text = _help(command, capsys)
+    block = text[text.index("\nexamples:\n") + len("\nexamples:\n") :].split("\n\n", 1)[0]
+    examples = [shlex.split(line) for line in block.splitlines()]
+    assert len(examples) >= 2 and all(argv[:2] == ["mtpquant", command] for argv in examples), block
+    for argv in examples:
+        args = build_parser().parse_args(argv[1:])  # argparse exits (code 2) on an example that does not parse
+        assert args.command == command
 
 
 def test_convert_help_names_an_already_quantized_source_15(capsys: pytest.CaptureFixture[str]) -> None:
@@ -158,6 +172,31 @@ def test_modelopt_import_warning_goes_to_the_log(
         import_libraries("noisy_library")
     assert [str(w.message) for w in seen] == ["a real problem"]  # another warning stays a warning
     assert [r.levelname for r in caplog.records if "not tested" in r.getMessage()] == ["DEBUG"]
+
+
+def test_library_warnings_in_a_block_go_to_the_log(caplog: pytest.LogCaptureFixture) -> None:
+    """modelopt warns through Python's warnings (stderr, past -q): in a ``library_output`` block a warning is a log
+    record under -q / -v, and modelopt's "exported tensor names may not match" (its per-expert export of qwen4_exp,
+    which convert verifies) is INFO, not an alarm."""
+    import warnings
+
+    from mtpquant.libraries import library_output
+
+    caplog.set_level(logging.DEBUG, logger="py.warnings")
+    show = warnings.showwarning
+    with warnings.catch_warnings(), library_output(progress=True):
+        warnings.simplefilter("always")
+        warnings.warn(
+            "Quant-aware reverse weight conversion skipped (scoped WeightConverter (scope_prefix='language_model') "
+            "cannot be reversed scope-aware); exported tensor names may not match the original HF hub checkpoint.",
+            stacklevel=1,
+        )
+        warnings.warn("a real problem", stacklevel=1)
+    assert warnings.showwarning is show  # put back
+    assert [(r.name, r.levelname, r.getMessage()[:40]) for r in caplog.records] == [
+        ("py.warnings", "INFO", "UserWarning: Quant-aware reverse weight "),
+        ("py.warnings", "WARNING", "UserWarning: a real problem"),
+    ]
 
 
 def test_the_api_names_its_types_for_type_checkers() -> None:

@@ -107,10 +107,17 @@ def test_output_exists(tiny_factory: Factory, work: Path, capsys: pytest.Capture
     out.mkdir()
     (out / "keep.txt").write_text("x")
     code, msg = _run(capsys, str(tiny_factory("qwen3_5")), str(out))
-    assert code == 5
-    assert msg == f"{out}: output already exists (use --overwrite to replace it)"
+    assert code == 5  # not "use --overwrite": --overwrite would refuse a folder mtpquant did not write
+    assert msg == (
+        f"{out}: not a checkpoint mtpquant wrote (no readable mtpquant_provenance.json; it holds 1 entry: keep.txt); "
+        "not replacing it (--overwrite replaces only a checkpoint mtpquant wrote): remove it yourself or choose "
+        "another output"
+    )
     assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]
     _nothing_written(work, "out")
+    (out / "keep.txt").unlink()  # an empty folder is one --overwrite replaces
+    code, msg = _run(capsys, str(tiny_factory("qwen3_5")), str(out))
+    assert (code, msg) == (5, f"{out}: output already exists (use --overwrite to replace it)")
 
 
 def test_extract_mtp_out_exists(tiny_factory: Factory, work: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -26,6 +26,7 @@ from mtpquant.errors import EngineAnswerError, ExitCode
 from mtpquant.synth.train import TINY_MTP_ASSET
 from mtpquant.validate.measure import engine_stats
 from tests.support.sglang_replay import RECORDED, SglangReplay
+from tests.support.sglang_start import fake_sglang, scheduler_refusal
 
 TINY = str(TINY_MTP_ASSET)
 MODEL = "tiny-qwen3_5-mtp"  # the recorded server's model (its path, as recorded)
@@ -296,6 +297,89 @@ def test_engine_sglang_start_failure_names_the_cause_and_the_log(
         "--speculative-num-draft-tokens", "2",
         "--device", "cpu", "--dtype", "bfloat16", "--disable-radix-cache", "--skip-server-warmup",
     ]  # fmt: skip
+
+
+def test_engine_sglang_start_refusals_say_what_the_server_needs(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--engine sglang` on the shipped tiny model, on a CPU without AMX (tests/support/sglang_start.py goes through
+    SGLang's start-up as far as it gets there): the asset lacked preprocessor_config.json, which SGLang reads for
+    this vision-language architecture (transformers' own error, with the asset as it was); with the file, SGLang's
+    torch_native attention refuses NEXTN, and the error said so in SGLang's words ("ValueError: EAGLE is not
+    supported in decode attention backend torch_native"). Each is now one line saying what the server needs."""
+    import shutil
+    import sys
+
+    from mtpquant.synth.tiny import vision_processor_configs
+
+    monkeypatch.setenv("PYTHONPATH", str(fake_sglang(tmp_path / "engine")))
+    argv = ("--engine", "sglang", "--sglang-python", sys.executable, "--k", "1,2", "--device", "cpu")
+    # the asset ships the files the Qwen3.5 checkpoints ship, for its vision tower's sizes
+    config = json.loads((TINY_MTP_ASSET / "config.json").read_text())
+    for name, expected in vision_processor_configs(config["vision_config"]).items():
+        assert json.loads((TINY_MTP_ASSET / name).read_text()) == expected
+    old = tmp_path / "asset-as-it-was"
+    shutil.copytree(TINY_MTP_ASSET, old)
+    (old / "preprocessor_config.json").unlink()
+    (old / "video_preprocessor_config.json").unlink()
+    for model, report_dir, cause in [
+        (old, tmp_path / "r1",
+         f"{old}: no preprocessor_config.json, which SGLang reads to serve this vision-language architecture, text "
+         "too (the Qwen3.5 checkpoints ship it and video_preprocessor_config.json: copy both from the base model)"),
+        (TINY_MTP_ASSET, tmp_path / "r2",
+         "SGLang cannot draft NEXTN on the torch_native attention backend (what it chooses on a CPU without AMX): its "
+         "MTP speculative decoding needs a GPU (flashinfer, fa3 or triton attention) or an Intel CPU with AMX "
+         "(intel_amx); here, measure with --engine vllm or the built-in path"),
+    ]:  # fmt: skip
+        code, _, err = _cli(capsys, str(model), *argv, "--report-dir", str(report_dir))
+        log = report_dir / "sglang-reference-k1.log"  # the first server mtpquant starts (k = 1)
+        killed = "-9" if model == TINY_MTP_ASSET else "1"  # SGLang's launcher kills its own process tree
+        assert (code, err) == (
+            ExitCode.ENGINE_START,
+            f"mtpquant: error: SGLang server exited with code {killed} before it was ready: {cause} (log: {log})",
+        )
+
+
+@pytest.mark.parametrize("steps", [1, 2])
+def test_the_nextn_refusal_of_either_draft_backend(steps: int) -> None:
+    """SGLang words the refusal after its draft backend: the draft-extend one (1 step) or the multi-step decode one."""
+    from mtpquant.engine.sglang import start_refusal
+
+    explained = start_refusal(scheduler_refusal(steps))
+    assert explained is not None and explained.startswith("SGLang cannot draft NEXTN on the torch_native attention")
+    assert start_refusal("ValueError: something else") is None
+
+
+def test_the_asset_processor_loads_in_transformers() -> None:
+    """transformers' AutoImageProcessor reads the asset's preprocessor_config.json as the Qwen3.5 one (this
+    environment has no torchvision, which AutoProcessor's video processor needs: the vLLM environment's transformers
+    builds the whole Qwen3VLProcessor, below)."""
+    from transformers import AutoImageProcessor
+
+    processor = AutoImageProcessor.from_pretrained(TINY_MTP_ASSET)
+    assert type(processor).__name__.startswith("Qwen2VLImageProcessor")
+    assert (processor.patch_size, processor.merge_size, processor.temporal_patch_size) == (16, 2, 2)
+    assert (processor.size.shortest_edge, processor.size.longest_edge) == (65536, 16777216)
+
+
+def test_the_asset_processor_loads_as_autoprocessor() -> None:
+    """The whole processor an engine builds (transformers' AutoProcessor: image, video and tokenizer), in the vLLM
+    environment's transformers (5.19, with torchvision)."""
+    import subprocess
+
+    from tests.support.vllm_env import vllm_python
+
+    python = vllm_python()
+    if not python.exists():
+        pytest.skip("the vLLM test engine is not installed (python -m tests.support.vllm_env)")
+    code = (
+        "import sys; from transformers import AutoProcessor; p = AutoProcessor.from_pretrained(sys.argv[1]); "
+        "print(type(p).__name__, type(p.image_processor).__name__, type(p.video_processor).__name__, "
+        "p.video_processor.size.longest_edge, p.video_processor.size.shortest_edge)"
+    )
+    out = subprocess.run([str(python), "-c", code, TINY], capture_output=True, text=True, timeout=300, check=True)
+    assert out.stdout.split() == ["Qwen3VLProcessor", "Qwen2VLImageProcessor", "Qwen3VLVideoProcessor", "25165824",
+                                  "4096"]  # fmt: skip
 
 
 def test_engine_sglang_needs_its_python(capsys: pytest.CaptureFixture[str]) -> None:

@@ -248,10 +248,12 @@ class OutputDir:
 
     ``overwrite``: an existing ``final`` may be replaced, after ``replace_check(final)`` (if given) accepts what is
     there, at the start and again just before the replacement (``convert --overwrite`` replaces only a checkpoint
-    mtpquant wrote). The replacement is one atomic exchange of the two directories (Linux ``renameat2``), so a kill
-    leaves the old ``final`` or the new one; the old tree, left under the temp name, is removed, or by the next run
-    if a kill comes first. Where the filesystem cannot exchange, the old tree is renamed aside first
-    (``.<name>.mtpquant-old-<id>``) and the next run for ``final`` puts it back if a kill left no ``final``.
+    mtpquant wrote). Without ``overwrite`` an existing ``final`` is refused, by ``replace_check`` first (so the
+    error suggests ``--overwrite`` only where it would work). The replacement is one atomic exchange of the two
+    directories (Linux ``renameat2``), so a kill leaves the old ``final`` or the new one; the old tree, left under
+    the temp name, is removed, or by the next run if a kill comes first. Where the filesystem cannot exchange, the
+    old tree is renamed aside first (``.<name>.mtpquant-old-<id>``) and the next run for ``final`` puts it back if a
+    kill left no ``final``.
     """
 
     def __init__(
@@ -272,10 +274,10 @@ class OutputDir:
         try:
             _recover_aside(self.final)
             if os.path.lexists(self.final):
+                if replace_check is not None:  # what --overwrite would refuse is refused so, with or without it
+                    replace_check(self.final)
                 if not overwrite:
                     raise OutputExistsError(f"{self.final}: output already exists (use --overwrite to replace it)")
-                if replace_check is not None:
-                    replace_check(self.final)
             for stale in find_stale_partials(self.final):
                 log.warning("removing leftover temporary directory of an interrupted run: %s", stale)
                 shutil.rmtree(stale, ignore_errors=True)

@@ -97,6 +97,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the process exit code."""
+    import os
+
+    # huggingface_hub's telemetry first asks the Hub for its list of agent harnesses (3 s timeout, again on every run
+    # while the Hub cannot be reached): a second request before mtpquant's first, and a second wait when the Hub is
+    # down. Off unless the user chose (huggingface_hub's own setting; read when huggingface_hub is first imported).
+    os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
     tuned = tune_cpu_runtime()  # before any command imports torch (machine.tune_cpu_runtime says why)
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -110,8 +116,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             "CPU runtime: %s (set yours to override)", ", ".join(f"{k}={v}" for k, v in tuned.items())
         )
     if args.quiet:
-        import os
-
         os.environ["TQDM_DISABLE"] = "1"
     try:
         return int(args.func(args))

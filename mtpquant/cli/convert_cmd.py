@@ -11,7 +11,15 @@ from mtpquant.cli import HUB_CODES, add_base_model_arguments, exit_codes_epilog
 from mtpquant.cli.heal_cmd import SCHEDULE_FIELDS, add_schedule_arguments, schedule_options
 from mtpquant.errors import ExitCode
 
-EPILOG = """MTP modes (default: keep when SRC has an MTP, else drop):
+EPILOG = """\
+examples:
+  mtpquant convert Qwen/Qwen3.5-4B ./Qwen3.5-4B-NVFP4-MTP
+  mtpquant convert Qwen/Qwen3.5-4B ./Qwen3.5-4B-NVFP4-MTP --dry-run
+  mtpquant convert ./Qwen3.5-27B ./Qwen3.5-27B-NVFP4-MTP --mtp quantize --max-memory cpu=48GiB
+  mtpquant convert ./Qwen3.5-27B ./Qwen3.5-27B-NVFP4 --mtp extract --format compressed-tensors
+  mtpquant convert Qwen/Qwen3.5-4B ./Qwen3.5-4B-NVFP4-MTP --calib-data calib.jsonl --heal
+
+MTP modes (default: keep when SRC has an MTP, else drop):
   keep      every mtp.* tensor copied byte for byte into mtp-*.safetensors, excluded as mtp*
   quantize  MTP Linears to NVFP4 (or --mtp-format fp8) with calibrated input scales; mtp.fc, norms,
             router and shared_expert_gate stay BF16. vLLM serves it; SGLang loads it as FP8 (MIXED_PRECISION)

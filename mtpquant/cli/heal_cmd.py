@@ -113,8 +113,7 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Build the options, call the API, print the summary."""
-    from mtpquant.api import HealOptions, heal
-    from mtpquant.render import heal_text
+    from mtpquant.heal.options import HealOptions  # torch-free
 
     extra: dict[str, Any] = schedule_options(args)
     for name in ("temperature", "k"):
@@ -139,6 +138,10 @@ def run(args: argparse.Namespace) -> int:
         command=args.command_line,
         **extra,
     )
+    options.check()  # a bad value or an existing OUT: refused at once, before heal's imports load torch
+    from mtpquant.api import heal
+    from mtpquant.render import heal_text
+
     result = heal(options)
     if args.json:
         print(json.dumps(result.plan.to_json() if args.dry_run else result.to_json(), indent=2, default=str))

@@ -10,7 +10,13 @@ from mtpquant.cli import HUB_CODES, exit_codes_epilog
 from mtpquant.errors import ExitCode
 from mtpquant.render import inspect_text
 
-EPILOG = """The most severe FAIL finding decides the exit code (index, then format, then MTP, then exclusions);
+EPILOG = """\
+examples:
+  mtpquant inspect nvidia/Qwen3.5-397B-A17B-NVFP4
+  mtpquant inspect ./Qwen3.5-27B-NVFP4 --json
+  mtpquant inspect my-org/Qwen3.5-4B-NVFP4-MTP --revision v2 --strict
+
+The most severe FAIL finding decides the exit code (index, then format, then MTP, then exclusions);
 --strict also counts warnings that carry one of these causes (e.g. an MTP that loads only through vLLM's mtp.fc
 workaround). Errors reading the checkpoint (bad header, no config) are exit 3.
 

@@ -10,7 +10,13 @@ from mtpquant.errors import ExitCode
 from mtpquant.render import publish_plan_text
 from mtpquant.units import format_bytes
 
-EPILOG = """Before anything is uploaded, OUT must pass the checks of `mtpquant inspect` (MTP present when
+EPILOG = """\
+examples:
+  mtpquant publish ./Qwen3.5-4B-NVFP4-MTP --repo my-org/Qwen3.5-4B-NVFP4-MTP --dry-run
+  mtpquant publish ./Qwen3.5-4B-NVFP4-MTP --repo my-org/Qwen3.5-4B-NVFP4-MTP --private
+  mtpquant publish ./Qwen3.5-4B-NVFP4-MTP --repo my-org/Qwen3.5-4B-NVFP4-MTP --create-pr --base-model Qwen/Qwen3.5-4B
+
+Before anything is uploaded, OUT must pass the checks of `mtpquant inspect` (MTP present when
 declared, exclusions consistent with the tensors, index intact); --force publishes a failing OUT anyway
 and the card says so. An incomplete OUT (a shard or tensor the index names is absent) is never published.
 

@@ -9,6 +9,13 @@ from mtpquant.cli import exit_codes_epilog
 from mtpquant.errors import ExitCode
 from mtpquant.synth.tiny import TINY_VARIANTS  # torch-free: the choices at start-up
 
+EXAMPLES = """\
+examples:
+  mtpquant tiny ./tiny-qwen3_5
+  mtpquant tiny ./tiny-moe --variant qwen3_5_moe --overwrite
+
+"""
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the ``tiny`` subcommand."""
@@ -19,7 +26,7 @@ def register(sub: argparse._SubParsersAction) -> None:
             "Write a tiny checkpoint (a few MB, random weights) with the tensor names, shapes, shards, configs\n"
             "and tokenizer of a real Qwen layout: something to try every command on in seconds. Prints its path."
         ),
-        epilog=exit_codes_epilog(ExitCode.OUTPUT_EXISTS),
+        epilog=EXAMPLES + exit_codes_epilog(ExitCode.OUTPUT_EXISTS),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("out", type=Path, metavar="OUT", help="the directory to write (must not exist unless --overwrite)")

@@ -12,6 +12,16 @@ from mtpquant.errors import ExitCode
 from mtpquant.validate import ACTIVATION_MODES  # torch-free: the choices at start-up
 from mtpquant.validate.options import ENGINES
 
+EXAMPLES = """\
+examples:
+  mtpquant validate ./Qwen3.5-4B-NVFP4-MTP
+  mtpquant validate Qwen/Qwen3.5-4B ./Qwen3.5-4B-NVFP4-MTP --report-dir ./Qwen3.5-4B-NVFP4-MTP/validation
+  mtpquant validate Qwen/Qwen3.5-4B ./Qwen3.5-4B-NVFP4-MTP --temperature 0 0.7 --top-p 1 0.95 --k 3
+  mtpquant validate ./Qwen3.5-4B-NVFP4-MTP --engine vllm --vllm-python /opt/vllm/bin/python --k 1,3
+  mtpquant validate --server http://127.0.0.1:8000 --candidate-server http://127.0.0.1:8001
+
+"""
+
 EXIT_CODES = (
     ExitCode.CHECKPOINT,
     ExitCode.ARCHITECTURE,
@@ -44,7 +54,7 @@ def register(sub: argparse._SubParsersAction) -> None:
             f"or drafting for nothing), {int(ExitCode.VALIDATE_BROKEN)} fail (the candidate is broken), "
             f"{int(ExitCode.VALIDATE_INCONCLUSIVE)} inconclusive (too few prompts to decide)."
         ),
-        epilog=exit_codes_epilog(*EXIT_CODES),
+        epilog=EXAMPLES + exit_codes_epilog(*EXIT_CODES),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(

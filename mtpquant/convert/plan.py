@@ -244,11 +244,11 @@ def _check_output(path: Path, src: Path | None, overwrite: bool, what: str) -> N
         if a == b or b in a.parents or a in b.parents:
             raise OutputExistsError(f"{path}: {what} must not be the source directory, inside it, or contain it")
     if os.path.lexists(path):
-        if not overwrite:
-            raise OutputExistsError(f"{path}: output already exists (use --overwrite to replace it)")
         from mtpquant.provenance import check_replaceable
 
-        check_replaceable(path)
+        check_replaceable(path)  # what --overwrite would refuse is refused so, with or without it
+        if not overwrite:
+            raise OutputExistsError(f"{path}: output already exists (use --overwrite to replace it)")
 
 
 def _check_not_quantized(ckpt: Checkpoint) -> None:
@@ -268,12 +268,18 @@ def _check_not_quantized(ckpt: Checkpoint) -> None:
 def plan_convert(options: ConvertOptions, ckpt: Checkpoint | None = None) -> tuple[ConvertPlan, Checkpoint]:
     """Build the plan and run every early refusal; returns the plan and the opened source."""
     base_model, base_revision = check_base_model(options.base_model, options.base_model_revision)
+    if options.output_format not in FORMATS:
+        raise RecipeError(f"--format must be one of {', '.join(FORMATS)}, got {options.output_format!r}")
+    if options.resume_every is not None and options.resume_every < 1:
+        raise UsageError(f"--resume-every must be >= 1, got {options.resume_every}")
     if ckpt is None:
         ckpt = Checkpoint.open(options.src, revision=options.revision, strict=True)
     spec = ckpt.spec
     family = spec.family
     local_src = ckpt.source.local_root
     out = Path(options.out).expanduser()
+    _check_output(out, local_src, options.overwrite, "OUT")  # before transformers loads (seconds): refused at once
+    transformers_config(ckpt.config)  # transformers' own validation: refused here (exit 3), not at a later load
     recipe = _resolve_recipe(options, family)
     _check_not_quantized(ckpt)
     mtp_format = recipe.mtp.format
@@ -285,8 +291,6 @@ def plan_convert(options: ConvertOptions, ckpt: Checkpoint | None = None) -> tup
         raise RecipeError(f"--mtp-out is only used with --mtp extract (mode is {mode})")
     if options.mtp_format is not None and not mtp_mode.takes_format:
         raise RecipeError(f"--mtp-format is only used with --mtp quantize (mode is {mode})")
-    if options.output_format not in FORMATS:
-        raise RecipeError(f"--format must be one of {', '.join(FORMATS)}, got {options.output_format!r}")
     if options.output_format == "compressed-tensors":
         q = recipe.quantization
         check_ct_recipe(q.quant_algo, q.activations, mtp_format, mode)
@@ -311,7 +315,6 @@ def plan_convert(options: ConvertOptions, ckpt: Checkpoint | None = None) -> tup
                 f"with --set 'quantization.exclude=[\"{m}\"]' or use another recipe"
             )
 
-    _check_output(out, local_src, options.overwrite, "OUT")
     mtp_out: Path | None = None
     if mtp_mode.writes_side_output:
         mtp_out = Path(options.mtp_out).expanduser() if options.mtp_out else out.with_name(out.name + "-mtp")
@@ -330,8 +333,6 @@ def plan_convert(options: ConvertOptions, ckpt: Checkpoint | None = None) -> tup
         shard_bytes=recipe.output.max_shard_size.bytes,
         available=_available_memory(device),
     )
-    if options.resume_every is not None and options.resume_every < 1:
-        raise UsageError(f"--resume-every must be >= 1, got {options.resume_every}")
     layers = spec.dim("num_hidden_layers")
     activations = _layer_inputs_bytes(ckpt, recipe.calibration)
     plan = ConvertPlan(

@@ -133,14 +133,13 @@ def convert(options: ConvertOptions) -> ConvertResult:
     """Convert SRC to an NVFP4 checkpoint at OUT; see the module docstring. Raises MtpquantError."""
     timer = Timer()
     t_start = time.perf_counter()
-    if not options.dry_run:
-        with timer("imports"):  # seconds of torch, transformers and modelopt: a step of their own, not the plan's
-            _import_libraries()
-    with timer("plan"):
+    with timer("plan"):  # torch-free: a bad option, SRC or OUT is refused before the libraries load
         plan, ckpt = plan_convert(options)
     log.debug("plan: %s", plan.to_json())
     if options.dry_run:
         return ConvertResult(plan, dry_run=True, timings=timer.timings, notes=list(plan.notes))
+    with timer("imports"):  # seconds of torch, transformers and modelopt: a step of their own, not the plan's
+        _import_libraries()
     progress = options.progress and os.environ.get("TQDM_DISABLE", "") in {"", "0"}
     result = ConvertResult(plan, notes=[*plan.notes, *plan.memory.notes])
     from mtpquant.convert.memory import return_freed_memory

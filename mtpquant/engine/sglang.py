@@ -22,6 +22,7 @@ What SGLang 0.5.23 answers (recorded in ``tests/fixtures/sglang-cpu``, from a re
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -39,7 +40,7 @@ from mtpquant.engine.server import (
 )
 from mtpquant.errors import EngineAnswerError, EngineSpecDecodeError
 
-__all__ = ["CHAIN_ALGORITHMS", "SglangClient", "nextn_args", "sglang_settings"]
+__all__ = ["CHAIN_ALGORITHMS", "SglangClient", "nextn_args", "sglang_settings", "start_refusal"]
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +67,38 @@ REPORTED_ARGS = (
     "max_total_tokens",
     "max_running_requests",
 )
+
+
+# SGLang's refusals at start-up whose own words do not say what the server needs.
+# - sglang/srt/speculative/draft_utils.py, DraftBackendFactory: NEXTN (EAGLE) drafts only with the attention backends
+#   it lists (flashinfer, fa3, triton, ... on a GPU; intel_amx on a CPU with AMX); on a CPU without AMX SGLang chooses
+#   torch_native, which it does not list: "EAGLE is not supported in [decode ]attention backend torch_native".
+# - transformers' AutoProcessor, which SGLang calls for a vision-language architecture (Qwen3.5 is one) even to serve
+#   text: "Can't load image processor for 'PATH'. ... containing a preprocessor_config.json file".
+_NO_DRAFT_BACKEND = re.compile(r"EAGLE is not supported in (?:decode )?attention backend (\w+)")
+_NO_PREPROCESSOR = re.compile(r"Can't load image processor for '([^']*)'.*preprocessor_config\.json")
+
+
+def start_refusal(log_text: str) -> str | None:
+    """What an SGLang server that failed to start needs, in one line, when its log holds a refusal SGLang words for
+    its own developers (see above); None otherwise."""
+    found = _NO_DRAFT_BACKEND.search(log_text)
+    if found is not None:
+        backend = found.group(1)
+        chosen = " (what it chooses on a CPU without AMX)" if backend == "torch_native" else ""
+        return (
+            f"SGLang cannot draft NEXTN on the {backend} attention backend{chosen}: its MTP speculative decoding "
+            "needs a GPU (flashinfer, fa3 or triton attention) or an Intel CPU with AMX (intel_amx); here, measure "
+            "with --engine vllm or the built-in path"
+        )
+    found = _NO_PREPROCESSOR.search(log_text)
+    if found is not None:
+        return (
+            f"{found.group(1)}: no preprocessor_config.json, which SGLang reads to serve this vision-language "
+            "architecture, text too (the Qwen3.5 checkpoints ship it and video_preprocessor_config.json: copy both "
+            "from the base model)"
+        )
+    return None
 
 
 def nextn_args(k: int) -> list[str]:

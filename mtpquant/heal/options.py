@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mtpquant.errors import UsageError
+from mtpquant.errors import OutputExistsError, UsageError
 from mtpquant.graft.run import DEFAULT_MAX_SHARD_BYTES  # heal writes its MTP shards as graft does
 
 __all__ = ["DEFAULT_MAX_SHARD_BYTES", "HealOptions"]
@@ -60,9 +60,14 @@ class HealOptions:
     command: tuple[str, ...] = ()  # the command line, recorded in the provenance file (the CLI sets it)
 
     def check(self) -> None:
-        """Refuse contradictory or out-of-range options (one line each)."""
+        """Refuse contradictory or out-of-range options and an OUT that exists (one line each): what needs no
+        checkpoint, so the CLI runs it before it loads torch."""
         if (self.out is None) == (not self.in_place):
             raise UsageError("give exactly one of --out OUT or --in-place")
+        if self.out is not None and os.path.lexists(self.out):
+            raise OutputExistsError(
+                f"{Path(self.out).absolute()}: output already exists; heal never overwrites (choose a new --out)"
+            )
         positive = {
             "--samples": self.samples,
             "--prompt-len": self.prompt_len,

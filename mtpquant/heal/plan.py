@@ -9,14 +9,19 @@ LM head, one batch), and disk (the hidden-state shards, the new MTP shards). ``-
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from mtpquant.checkpoint.index import INDEX_NAME
 from mtpquant.checkpoint.table import Checkpoint
-from mtpquant.errors import CheckpointError, GraftError, HealRefusedError, MtpModeError, OutputExistsError, UsageError
+from mtpquant.errors import (
+    CheckpointError,
+    GraftError,
+    HealRefusedError,
+    MtpModeError,
+    UsageError,
+)
 from mtpquant.heal.options import HealOptions
 from mtpquant.heal.precision import MtpStorage, mtp_storage
 from mtpquant.heal.support import DTYPE_BYTES, check_family, compute_dtype, plan_target_memory, target_blocks
@@ -161,9 +166,7 @@ def plan_heal(options: HealOptions) -> tuple[HealPlan, Checkpoint, Checkpoint, A
     if options.in_place and quant.source.local_root is None:
         raise UsageError(f"{quant.label}: --in-place needs a local QUANT directory; for a Hub repo use --out")
     out = Path(options.out).absolute() if options.out is not None else None
-    if out is not None:
-        if os.path.lexists(out):
-            raise OutputExistsError(f"{out}: output already exists; heal never overwrites (choose a new --out)")
+    if out is not None:  # options.check() refused an OUT that exists
         root = quant.source.local_root
         if root is not None and (out.resolve() == root.resolve() or root.resolve() in out.resolve().parents):
             raise UsageError(f"{out}: --out must not be inside QUANT")

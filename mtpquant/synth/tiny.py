@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ __all__ = [
     "make_tiny_checkpoint",
     "tiny_config",
     "tiny_tokenizer",
+    "vision_processor_configs",
 ]
 
 log = logging.getLogger(__name__)
@@ -272,6 +274,33 @@ def _assign_shards(names: list[str], spec: TinySpec) -> dict[str, int]:
         # Like Qwen3.5-4B: the MTP MLP sits in the first shard, the rest in the last.
         where[n] = 0 if (count > 1 and ".mlp." in n) else count - 1
     return where
+
+
+def vision_processor_configs(vision: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """``preprocessor_config.json`` and ``video_preprocessor_config.json`` as the Qwen3.5 checkpoints on the Hub ship
+    them (Qwen/Qwen3.5-2B-Base: transformers' ``Qwen3VLProcessor``, its image and video processors), the patch, merge
+    and temporal sizes those of ``vision`` (the checkpoint's ``vision_config``). An engine that serves the wrapper
+    architecture builds its multimodal processor from them even for text (SGLang 0.5.23 does not start without)."""
+    sizes = {
+        "patch_size": vision["patch_size"],
+        "temporal_patch_size": vision["temporal_patch_size"],
+        "merge_size": vision["spatial_merge_size"],
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+        "processor_class": "Qwen3VLProcessor",
+    }
+    return {
+        "preprocessor_config.json": {
+            "size": {"longest_edge": 16777216, "shortest_edge": 65536},
+            **sizes,
+            "image_processor_type": "Qwen2VLImageProcessorFast",
+        },
+        "video_preprocessor_config.json": {
+            "size": {"longest_edge": 25165824, "shortest_edge": 4096},
+            **sizes,
+            "video_processor_type": "Qwen3VLVideoProcessor",
+        },
+    }
 
 
 def tiny_tokenizer(vocab_size: int) -> Any:

@@ -44,7 +44,14 @@ from mtpquant.checkpoint.index import SINGLE_NAME
 from mtpquant.checkpoint.writer import OutputDir
 from mtpquant.families import MTP_PREFIX, family
 from mtpquant.mtp.module import MtpConfig, MtpLayer
-from mtpquant.synth.tiny import TinySpec, _assign_shards, check_synthetic_replaceable, tiny_config, tiny_tokenizer
+from mtpquant.synth.tiny import (
+    TinySpec,
+    _assign_shards,
+    check_synthetic_replaceable,
+    tiny_config,
+    tiny_tokenizer,
+    vision_processor_configs,
+)
 
 __all__ = [
     "TINY_MTP_ASSET",
@@ -342,6 +349,9 @@ def _save(
         od.write_json("generation_config.json", {"bos_token_id": 1, "eos_token_id": 2, "do_sample": False})
         od.write_text("tokenizer.json", tok.to_str())
         od.write_json("tokenizer_config.json", tok_config)
+        if spec.family == "qwen3_5":  # the Qwen3.5 layout's processor files (the engines build the VL processor)
+            for name, processor in vision_processor_configs(config["vision_config"]).items():
+                od.write_json(name, processor)
         od.write_json(
             "training.json",
             {

@@ -47,7 +47,7 @@ from mtpquant.validate.load import (
     text_model_class,
 )
 from mtpquant.validate.options import ValidateOptions
-from mtpquant.validate.preflight import check_context_buckets, check_same_model, preflight
+from mtpquant.validate.preflight import Opened
 from mtpquant.validate.prompts import (
     PlannedSequence,
     context_edges,
@@ -261,19 +261,16 @@ def _targets(
     return runs, prompts_desc, "model", "model" if pair else "", notes, opts.max_len
 
 
-def validate_builtin(opts: ValidateOptions) -> Measured:
-    """The built-in path of ``validate``: replay on transformers with the checkpoints' own weights."""
-    preflight(opts)
+def validate_builtin(opts: ValidateOptions, opened: Opened) -> Measured:
+    """The built-in path of ``validate``: replay on transformers with the checkpoints' own weights (``opened``:
+    what ``preflight(opts)`` opened and checked)."""
     t_start = time.perf_counter()
     device = resolve_device(opts.device)
     dtype = compute_dtype(device, opts.dtype)
-    assert opts.reference is not None  # opts.check(): the built-in path needs a checkpoint
+    assert opened.reference is not None  # preflight: the built-in path needs a checkpoint
     K = max(opts.k_values)
-    ref_w = CheckpointWeights.open(opts.reference)
-    cand_w = CheckpointWeights.open(opts.candidate) if opts.candidate is not None else None
-    if cand_w is not None:
-        check_same_model(ref_w.ckpt, cand_w.ckpt)
-    check_context_buckets(ref_w.ckpt, opts.context_buckets)
+    ref_w = CheckpointWeights(opened.reference)
+    cand_w = CheckpointWeights(opened.candidate) if opened.candidate is not None else None
     notes: list[str] = []
     if opts.activations == "off":
         notes.append(

@@ -41,7 +41,7 @@ from mtpquant.validate.assemble import Measured, report_settings
 from mtpquant.validate.evidence import Bootstrap
 from mtpquant.validate.measure import EngineMeasurement, measure
 from mtpquant.validate.options import ValidateOptions
-from mtpquant.validate.preflight import check_context_buckets, check_same_model, preflight
+from mtpquant.validate.preflight import Opened
 from mtpquant.validate.prompts import PlannedSequence, plan_sequences, prompts_for, tokenize_prompts
 from mtpquant.validate.schema import Comparison, EngineInfo, MtpInfo, Predicted, PredictedRow, Side
 
@@ -326,7 +326,9 @@ def _device_is_cpu(opts: ValidateOptions) -> bool:
     return resolve_device(opts.device).type == "cpu"
 
 
-def _compare(opts: ValidateOptions, reference: Side, candidate: Side | None) -> tuple[Predicted, list[str]]:
+def _compare(
+    opts: ValidateOptions, opened: Opened, reference: Side, candidate: Side | None
+) -> tuple[Predicted, list[str]]:
     """The built-in prediction on the same prompts and settings, beside what the engine measured, per side, setting
     and k (AL and per-position acceptance)."""
     from mtpquant.validate.builtin import validate_builtin
@@ -334,7 +336,8 @@ def _compare(opts: ValidateOptions, reference: Side, candidate: Side | None) -> 
     builtin = validate_builtin(
         dataclasses.replace(
             opts, engine=None, server=None, candidate_server=None, compare_reference=False, report_dir=None
-        )
+        ),
+        opened,
     )
     compared: dict[str, tuple[PredictedRow, ...]] = {}
     notes = []
@@ -386,17 +389,10 @@ def server_logs(opts: ValidateOptions) -> Iterator[Path | None]:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def validate_engine(opts: ValidateOptions, logs: Path | None = None) -> Measured:
-    """The engine path of ``validate`` (see the module docstring): what the engine(s) measured; the servers
-    ``--engine`` starts write their logs into ``logs`` (``server_logs``)."""
-    preflight(opts)
-    if opts.engine is not None and opts.reference is not None:
-        from mtpquant.checkpoint.table import Checkpoint
-
-        ref_ckpt = Checkpoint.open(opts.reference)
-        check_context_buckets(ref_ckpt, opts.context_buckets)
-        if opts.candidate is not None:
-            check_same_model(ref_ckpt, Checkpoint.open(opts.candidate))
+def validate_engine(opts: ValidateOptions, opened: Opened, logs: Path | None = None) -> Measured:
+    """The engine path of ``validate`` (see the module docstring): what the engine(s) measured (``opened``: what
+    ``preflight(opts)`` opened and checked); the servers ``--engine`` starts write their logs into ``logs``
+    (``server_logs``)."""
     t_start = time.perf_counter()
     texts, prompts_desc = prompts_for(opts.prompts_file, opts.num_prompts, opts.prompt_chars)
     notes = [ENGINE_NOTE]
@@ -463,7 +459,7 @@ def validate_engine(opts: ValidateOptions, logs: Path | None = None) -> Measured
         )
     predicted = None
     if opts.compare_reference:
-        predicted, compare_notes = _compare(opts, reference, candidate)
+        predicted, compare_notes = _compare(opts, opened, reference, candidate)
         notes += compare_notes
     ks = sorted({m.engine.k for side in measured.values() for m in side})
     how = report_settings(

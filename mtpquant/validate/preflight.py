@@ -1,12 +1,15 @@
-"""What ``validate`` checks before it runs anything: the prompts file, the report directory (writable, and holding
-nothing but an earlier report, which the new one replaces: ``report.check_replaceable_report``), and that REFERENCE
-and CANDIDATE are the same model. Each failure is one line, and nothing has been loaded, run or written yet.
+"""What ``validate`` checks before it runs anything: the options, the prompts file, the report directory (writable,
+and holding nothing but an earlier report, which the new one replaces: ``report.check_replaceable_report``), and that
+REFERENCE and CANDIDATE open and are the same model. Each failure is one line, and nothing has been loaded, run or
+written yet: this module is torch-free, so a bad value or an unreachable checkpoint is refused before the model code
+loads.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from mtpquant.checkpoint.source import CheckpointSource, read_text
@@ -16,7 +19,7 @@ from mtpquant.families import dimension_differences
 from mtpquant.validate.options import ValidateOptions
 from mtpquant.validate.prompts import prompts_for
 
-__all__ = ["check_context_buckets", "check_report_dir", "check_same_model", "preflight"]
+__all__ = ["Opened", "check_context_buckets", "check_report_dir", "check_same_model", "preflight"]
 
 
 def check_report_dir(path: Path) -> None:
@@ -75,9 +78,18 @@ def check_context_buckets(checkpoint: Checkpoint, buckets: tuple[int, ...]) -> N
         )
 
 
-def preflight(opts: ValidateOptions) -> None:
-    """The checks every path runs first: options, the prompts file, the report directory (each path then checks the
-    pair with ``check_same_model`` as soon as it has opened both checkpoints)."""
+@dataclass(frozen=True)
+class Opened:
+    """The checkpoints ``preflight`` opened (header tables only), for the path that measures them."""
+
+    reference: Checkpoint | None = None
+    candidate: Checkpoint | None = None
+
+
+def preflight(opts: ValidateOptions) -> Opened:
+    """The checks every path runs first: options, the prompts file, the report directory; then, where validate
+    reads the checkpoints (the built-in path, ``--engine``), REFERENCE and CANDIDATE opened, the same model, and the
+    context buckets within the model's. A running server's checkpoint (``--server``) is the server's to read."""
     opts.check()
     if opts.prompts_file is not None and opts.hidden is None:
         prompts_for(opts.prompts_file, opts.num_prompts)
@@ -90,3 +102,11 @@ def preflight(opts: ValidateOptions) -> None:
         check_report_dir(Path(opts.save_hidden).parent)
     if opts.hidden is not None and not Path(opts.hidden).is_file():
         raise ValidateError(f"--hidden {opts.hidden}: no such file")
+    if opts.reference is None or opts.server is not None:
+        return Opened()
+    reference = Checkpoint.open(opts.reference, name_errors=True)
+    candidate = Checkpoint.open(opts.candidate, name_errors=True) if opts.candidate is not None else None
+    if candidate is not None:
+        check_same_model(reference, candidate)
+    check_context_buckets(reference, opts.context_buckets)
+    return Opened(reference, candidate)

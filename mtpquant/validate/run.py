@@ -14,6 +14,7 @@ from pathlib import Path
 
 from mtpquant.validate.assemble import assemble
 from mtpquant.validate.options import ValidateOptions
+from mtpquant.validate.preflight import preflight
 from mtpquant.validate.schema import ValidationReport
 
 __all__ = ["ValidateOptions", "ValidationReport", "validate"]
@@ -24,18 +25,19 @@ log = logging.getLogger(__name__)
 def validate(opts: ValidateOptions) -> ValidationReport:
     """Run the evaluation described by ``opts``; writes the report directory when one is given (replacing an earlier
     report there whole; the servers ``--engine`` started leave their logs in its ``logs/``)."""
+    opened = preflight(opts)  # torch-free: a bad value or checkpoint is refused before the model code loads
     if opts.engine_path:
         from mtpquant.validate.engine import server_logs, validate_engine
 
         with server_logs(opts) as logs:
-            result = assemble(opts, validate_engine(opts, logs))
+            result = assemble(opts, validate_engine(opts, opened, logs))
             _write(opts, result, logs)
     else:
         from mtpquant.libraries import library_output
         from mtpquant.validate.builtin import validate_builtin
 
         with library_output(opts.progress):  # transformers' messages through logging (-q / -v)
-            measured = validate_builtin(opts)
+            measured = validate_builtin(opts, opened)
         result = assemble(opts, measured)
         _write(opts, result, None)
     verdict = result.report.verdict

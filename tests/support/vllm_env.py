@@ -180,7 +180,7 @@ def ensure_vllm_env(env: Path | None = None) -> Path:
         patch_torchvision(py)
         _install_plugin(env, py)
         # the engine must import (with its plugin) before the environment counts as ready
-        _run(py, "-c", "import vllm.entrypoints.openai.api_server, mtpquant_vllm_cpu_nvfp4")
+        _run(py, "-c", "import vllm.entrypoints.launchers.api_server.entry, mtpquant_vllm_cpu_nvfp4")
         (env / _READY).write_text(_recipe_digest() + "\n")
     return py
 
