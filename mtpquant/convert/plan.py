@@ -279,7 +279,6 @@ def plan_convert(options: ConvertOptions, ckpt: Checkpoint | None = None) -> tup
     local_src = ckpt.source.local_root
     out = Path(options.out).expanduser()
     _check_output(out, local_src, options.overwrite, "OUT")  # before transformers loads (seconds): refused at once
-    transformers_config(ckpt.config)  # transformers' own validation: refused here (exit 3), not at a later load
     recipe = _resolve_recipe(options, family)
     _check_not_quantized(ckpt)
     mtp_format = recipe.mtp.format
