@@ -309,10 +309,12 @@ def test_engine_sglang_start_refusals_say_what_the_server_needs(
     supported in decode attention backend torch_native"). Each is now one line saying what the server needs."""
     import shutil
     import sys
+    import tempfile
 
     from mtpquant.synth.tiny import vision_processor_configs
 
     monkeypatch.setenv("PYTHONPATH", str(fake_sglang(tmp_path / "engine")))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))  # where the servers' logs go while validate runs
     argv = ("--engine", "sglang", "--sglang-python", sys.executable, "--k", "1,2", "--device", "cpu")
     # the asset ships the files the Qwen3.5 checkpoints ship, for its vision tower's sizes
     config = json.loads((TINY_MTP_ASSET / "config.json").read_text())
@@ -331,8 +333,11 @@ def test_engine_sglang_start_refusals_say_what_the_server_needs(
          "MTP speculative decoding needs a GPU (flashinfer, fa3 or triton attention) or an Intel CPU with AMX "
          "(intel_amx); here, measure with --engine vllm or the built-in path"),
     ]:  # fmt: skip
+        shutil.rmtree(tmp_path / "tmp", ignore_errors=True)
+        (tmp_path / "tmp").mkdir()
         code, _, err = _cli(capsys, str(model), *argv, "--report-dir", str(report_dir))
-        log = report_dir / "sglang-reference-k1.log"  # the first server mtpquant starts (k = 1)
+        (logs,) = (tmp_path / "tmp").iterdir()  # a failed run keeps its servers' logs where they were written
+        log = logs / "sglang-reference-k1.log"  # the first server mtpquant starts (k = 1)
         killed = "-9" if model == TINY_MTP_ASSET else "1"  # SGLang's launcher kills its own process tree
         assert (code, err) == (
             ExitCode.ENGINE_START,
