@@ -109,7 +109,7 @@ def test_validate_through_sglang(capsys: pytest.CaptureFixture[str], tmp_path: P
     ]
     # the built-in path's prompts (the checkpoint's tokenizer, the first 32 tokens) and greedy settings
     from mtpquant.checkpoint.source import open_source
-    from mtpquant.validate.prompts import default_prompts, tokenize_prompts
+    from mtpquant.text.prompts import default_prompts, tokenize_prompts
 
     ids = tokenize_prompts(open_source(TINY), default_prompts(4))
     assert sent == [

@@ -9,14 +9,13 @@ from typing import Any
 
 from mtpquant.engine.sampling import SamplingSettings, rule
 from mtpquant.errors import OutputExistsError, ValidateError
-from mtpquant.validate import ACTIVATION_MODES
+from mtpquant.measure import ACTIVATION_MODES, HIDDEN_FORMAT
 
-__all__ = ["ENGINES", "HIDDEN_FORMAT", "ValidateOptions", "check_hidden_destination"]
+__all__ = ["ENGINES", "ValidateOptions", "check_hidden_destination"]
 
 ENGINES = ("vllm", "sglang")
 
 
-HIDDEN_FORMAT = "mtpquant.hidden/1"  # the ``format`` a hidden-state file's safetensors metadata holds
 
 
 def check_hidden_destination(path: Path) -> None:
@@ -24,7 +23,7 @@ def check_hidden_destination(path: Path) -> None:
     is refused before any work (exit 5), so an unrelated file is never overwritten."""
     import os
 
-    from mtpquant import safejson
+    from mtpquant.net import safejson
 
     if not os.path.lexists(path):
         return
