@@ -17,7 +17,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # a type checker (a user's, through py.typed) sees the real types; at run time they load lazily
-    from mtpquant.compose import convert_and_heal
+    from mtpquant.checkpoint.table import Checkpoint
     from mtpquant.convert.plan import ConvertOptions, ConvertPlan, plan_convert
     from mtpquant.convert.result import ConvertResult
     from mtpquant.convert.run import convert
@@ -78,7 +78,6 @@ _WHERE = {
     "builtin_recipe_names": "mtpquant.recipes.recipe",
     "ConvertResult": "mtpquant.convert.result",
     "convert": "mtpquant.convert.run",
-    "convert_and_heal": "mtpquant.compose",
     "GraftOptions": "mtpquant.graft.run",
     "GraftResult": "mtpquant.graft.run",
     "graft": "mtpquant.graft.run",
@@ -98,6 +97,30 @@ _WHERE = {
     "ValidateOptions": "mtpquant.validate.options",
     "validate": "mtpquant.validate.run",
 }
+
+
+def convert_and_heal(options: ConvertOptions, heal: HealOptions) -> tuple[ConvertResult, HealResult | None]:
+    """``convert --heal``: ``convert(options)``, then ``heal`` of OUT in place against SRC (``heal.quant`` is replaced
+    by OUT). A dry run plans the conversion (the heal's refusals included) and heals nothing (None)."""
+    import dataclasses
+    from pathlib import Path
+
+    from mtpquant.convert.run import convert
+    from mtpquant.errors import MtpquantError
+    from mtpquant.heal.run import heal as run_heal
+    from mtpquant.heal.support import check_convert
+
+    def plan_check(src: Checkpoint, mode: str) -> None:
+        check_convert(heal, src, mode, options.output_format, Path(options.out), probe=not options.dry_run)
+
+    converted = convert(dataclasses.replace(options, plan_check=plan_check))
+    if converted.dry_run:
+        return converted, None
+    assert converted.output is not None
+    try:
+        return converted, run_heal(dataclasses.replace(heal, quant=converted.output))
+    except MtpquantError as exc:
+        raise type(exc)(f"{converted.output} was written as converted, not healed: {exc}") from None
 
 
 def __getattr__(name: str) -> Any:

@@ -14,8 +14,8 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "mtpquant"
 # One package per command (inspect's work is the shared ``diagnose`` service, called directly by the API).
 COMMANDS = ("convert", "graft", "heal", "validate", "publish")
-# Above the commands: they compose them (the CLI, the API, the text forms, ``convert --heal``).
-ABOVE = ("cli", "api", "render", "compose", "__main__")
+# Above the commands: they compose them (the CLI, the API with ``convert --heal``, the text forms).
+ABOVE = ("cli", "api", "render", "__main__")
 
 
 def _room(module: str) -> str:

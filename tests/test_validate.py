@@ -19,7 +19,6 @@ from safetensors.torch import load_file, save_file
 
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.cli import main
-from mtpquant.engine.sampling import SamplingSettings
 from mtpquant.errors import ExitCode, ValidateError
 from mtpquant.formats.fp8 import quantize_fp8_per_tensor
 from mtpquant.formats.nvfp4 import (
@@ -36,6 +35,7 @@ from mtpquant.mtp.drafting import draft_chain
 from mtpquant.mtp.module import KVCache, MtpConfig, MtpLayer
 from mtpquant.public import public_checkpoint
 from mtpquant.records.acceptance import Acceptance, AcceptanceRow
+from mtpquant.records.sampling import SamplingSettings
 from mtpquant.records.table import acceptance_table
 from mtpquant.records.validation import (
     Agreement,

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from mtpquant.engine.sampling import SamplingSettings
 from mtpquant.errors import ValidateError
 from mtpquant.measure.metrics import StepRecord, acceptance_stats, context_buckets, unit_counts
 from mtpquant.records.acceptance import Acceptance, AcceptanceRow
 from mtpquant.records.evidence import Bootstrap, UnitCounts
 from mtpquant.records.profile import profile_headline, speculation_profile
+from mtpquant.records.sampling import SamplingSettings
 from mtpquant.records.validation import MtpInfo, Report, Settings, Side, ValidationReport, Verdict
 from mtpquant.text.prompts import context_edges, plan_sequences
 from mtpquant.validate.options import ValidateOptions

@@ -19,10 +19,10 @@ import pytest
 from mtpquant.cli import main as cli
 from mtpquant.engine.connect import connect
 from mtpquant.engine.launch import free_port
-from mtpquant.engine.sampling import GREEDY, SamplingSettings
 from mtpquant.engine.server import DraftCounts
 from mtpquant.engine.sglang import SglangClient
 from mtpquant.errors import EngineAnswerError, ExitCode
+from mtpquant.records.sampling import GREEDY, SamplingSettings
 from mtpquant.synth.train import TINY_MTP_ASSET
 from mtpquant.validate.measure import engine_stats
 from tests.support.sglang_replay import RECORDED, SglangReplay

@@ -92,7 +92,7 @@ class ConvertOptions:
     base_model_revision: str | None = None
     output_format: str = "modelopt"  # modelopt | compressed-tensors (``convert.ct_format``)
     # A check the caller adds to the plan, called with SRC (headers) and the MTP mode once both are known and before
-    # transformers loads: ``convert --heal`` (``mtpquant.compose``) refuses there what heal would refuse on OUT.
+    # transformers loads: ``convert --heal`` (``api.convert_and_heal``) refuses there what heal would refuse on OUT.
     plan_check: Callable[[Checkpoint, str], None] | None = None
 
 

@@ -8,9 +8,9 @@ from collections.abc import Hashable, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from mtpquant.engine.sampling import SamplingSettings
 from mtpquant.measure.load import TargetModel
 from mtpquant.measure.replay import SequenceRecord, TargetRun
+from mtpquant.records.sampling import SamplingSettings
 from mtpquant.text.prompts import PlannedSequence
 
 __all__ = ["capture"]

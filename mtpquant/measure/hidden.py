@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from mtpquant.checkpoint.writer import atomic_write_safetensors
-from mtpquant.engine.sampling import SamplingSettings
 from mtpquant.errors import HiddenFileError
 from mtpquant.measure import HIDDEN_FORMAT
 from mtpquant.measure.replay import SequenceRecord, TargetRun
+from mtpquant.records.sampling import SamplingSettings
 
 __all__ = ["load_hidden", "save_hidden"]
 

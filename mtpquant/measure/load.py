@@ -25,7 +25,6 @@ import torch
 from torch import Tensor, nn
 
 from mtpquant.checkpoint.sharded import sharded_tables
-from mtpquant.engine.sampling import SamplingSettings
 from mtpquant.errors import ValidateLoadError
 from mtpquant.families import FUSED_EXPERT_PIECES, MTP_PREFIX, TensorClass, is_mtp_name, mtp_config
 from mtpquant.hfconfig import transformers_config
@@ -41,6 +40,7 @@ from mtpquant.measure.weights import (
 from mtpquant.mtp.build import reference_mtp
 from mtpquant.mtp.module import MtpLayoutError
 from mtpquant.mtp.step import MtpForward
+from mtpquant.records.sampling import SamplingSettings
 
 __all__ = [
     "ACTIVATION_MODES",

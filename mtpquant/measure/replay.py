@@ -17,7 +17,6 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from mtpquant.engine.sampling import SamplingSettings
 from mtpquant.errors import ReplayError
 from mtpquant.measure.load import MtpBundle
 from mtpquant.measure.metrics import (
@@ -34,6 +33,7 @@ from mtpquant.mtp.drafting import chain_logits, draft_rows, mtp_logits
 from mtpquant.mtp.step import MtpStep
 from mtpquant.records.acceptance import Acceptance, AcceptanceRow, AcceptanceStats, ContextBucket
 from mtpquant.records.evidence import CONFIDENCE, Bootstrap, UnitCounts
+from mtpquant.records.sampling import SamplingSettings
 from mtpquant.records.validation import Agreement, KlSummary
 
 __all__ = [

@@ -9,7 +9,7 @@ softmax(logits / temperature) for the sampled-draft rules (vLLM applies no top-k
 ``llm_base_proposer.py::compute_probs_and_sample_next_token``).
 
 For one draft position with target distribution p, draft distribution q and the token x the target's sequence
-actually has there (``mtpquant.engine.sampling`` describes the rules), ``terms`` gives
+actually has there (``mtpquant.records.sampling`` describes the rules), ``terms`` gives
 
 - ``expected``: the probability that the draft is accepted, beta = sum_v A(v) with A(v) = P(accepted and the
   emitted token is v): min(p, q) for ``vllm`` (q one-hot: p(d)) and ``probabilistic``, p * q for ``strict``;
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from mtpquant.engine.sampling import RULES, SamplingSettings
+from mtpquant.records.sampling import RULES, SamplingSettings
 
 __all__ = ["DraftTerms", "draft_probs", "target_probs", "terms"]
 

@@ -9,9 +9,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from mtpquant.engine.sampling import SamplingSettings
 from mtpquant.records.evidence import Interval, UnitCounts
 from mtpquant.records.jsonrecord import as_floats, as_ints, as_object, require
+from mtpquant.records.sampling import SamplingSettings
 
 __all__ = ["Acceptance", "AcceptanceRow", "AcceptanceStats", "ContextBucket"]
 

@@ -12,11 +12,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from mtpquant.engine.sampling import SamplingSettings
 from mtpquant.errors import ExitCode
 from mtpquant.records.acceptance import Acceptance, AcceptanceRow
 from mtpquant.records.evidence import CONFIDENCE, Interval
 from mtpquant.records.jsonrecord import JsonRecord, as_floats, as_object, require
+from mtpquant.records.sampling import SamplingSettings
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -211,7 +211,7 @@ class Settings(JsonRecord):
     min_main_agreement: float = 0.5
     confidence: float = CONFIDENCE
     sampling: tuple[SamplingSettings, ...] = (SamplingSettings(),)  # every setting measured; the first is the headline
-    rule: str = "vllm"  # how drafts are verified (``mtpquant.engine.sampling.RULES``)
+    rule: str = "vllm"  # how drafts are verified (``mtpquant.records.sampling.RULES``)
 
 
 @dataclass(frozen=True)

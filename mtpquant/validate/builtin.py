@@ -29,7 +29,6 @@ from typing import Any
 
 import torch
 
-from mtpquant.engine.sampling import SamplingSettings
 from mtpquant.errors import ValidateError
 from mtpquant.measure.capture import capture
 from mtpquant.measure.hidden import load_hidden, save_hidden
@@ -52,6 +51,7 @@ from mtpquant.measure.replay import (
 )
 from mtpquant.public import public_checkpoint, public_file
 from mtpquant.records.acceptance import Acceptance
+from mtpquant.records.sampling import SamplingSettings
 from mtpquant.records.validation import Comparison, MtpInfo, Side
 from mtpquant.text.prompts import (
     context_edges,

@@ -26,12 +26,12 @@ from typing import Any
 
 from mtpquant.checkpoint.filesystem import json_bytes
 from mtpquant.checkpoint.precision import linears_text
-from mtpquant.engine.sampling import SamplingSettings
 from mtpquant.engine.server import ENGINE_NAMES
 from mtpquant.errors import OutputExistsError
 from mtpquant.public import public_json, public_text
 from mtpquant.records.evidence import Interval
 from mtpquant.records.profile import PROFILE_FILE, speculation_profile
+from mtpquant.records.sampling import SamplingSettings
 from mtpquant.records.table import acceptance_table
 from mtpquant.records.validation import (
     LOGS_DIR,
