@@ -17,7 +17,6 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # a type checker (a user's, through py.typed) sees the real types; at run time they load lazily
-    from mtpquant.checkpoint.table import Checkpoint
     from mtpquant.convert.plan import ConvertOptions, ConvertPlan, plan_convert
     from mtpquant.convert.result import ConvertResult
     from mtpquant.convert.run import convert
@@ -105,6 +104,7 @@ def convert_and_heal(options: ConvertOptions, heal: HealOptions) -> tuple[Conver
     import dataclasses
     from pathlib import Path
 
+    from mtpquant.checkpoint.table import Checkpoint
     from mtpquant.convert.run import convert
     from mtpquant.errors import MtpquantError
     from mtpquant.heal.run import heal as run_heal
