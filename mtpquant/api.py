@@ -107,8 +107,7 @@ def convert_and_heal(options: ConvertOptions, heal: HealOptions) -> tuple[Conver
     from mtpquant.checkpoint.table import Checkpoint
     from mtpquant.convert.run import convert
     from mtpquant.errors import MtpquantError
-    from mtpquant.heal.run import heal as run_heal
-    from mtpquant.heal.support import check_convert
+    from mtpquant.heal.support import check_convert  # torch-free: refusals come before the heavy imports
 
     def plan_check(src: Checkpoint, mode: str) -> None:
         check_convert(heal, src, mode, options.output_format, Path(options.out), probe=not options.dry_run)
@@ -117,6 +116,8 @@ def convert_and_heal(options: ConvertOptions, heal: HealOptions) -> tuple[Conver
     if converted.dry_run:
         return converted, None
     assert converted.output is not None
+    from mtpquant.heal.run import heal as run_heal
+
     try:
         return converted, run_heal(dataclasses.replace(heal, quant=converted.output))
     except MtpquantError as exc:
