@@ -5,7 +5,7 @@ results). Imports are lazy so that ``inspect`` and ``graft`` start without torch
 
 A program that embeds mtpquant shares one thing with it: huggingface_hub's process-wide HTTP client. The first
 call that reaches the Hub (a repo id given as a checkpoint, ``publish``) sets huggingface_hub's client factory
-(``huggingface_hub.set_client_factory``, ``mtpquant.hubhttp.configure_client``) to mtpquant's transport, so every
+(``huggingface_hub.set_client_factory``, ``mtpquant.net.hub.configure_client``) to mtpquant's transport, so every
 huggingface_hub call in the process then has its deadline (``MTPQUANT_HUB_TIMEOUT``), its byte caps on the Hub's
 JSON answers and its request counting. A program that needs its own factory sets it again after mtpquant's calls
 (mtpquant sets it once per process, and again only when ``MTPQUANT_HUB_TIMEOUT`` changes).
@@ -18,21 +18,21 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # a type checker (a user's, through py.typed) sees the real types; at run time they load lazily
     from mtpquant.convert.plan import ConvertOptions, ConvertPlan, plan_convert
-    from mtpquant.convert.recipes import builtin_recipe_names
     from mtpquant.convert.result import ConvertResult
     from mtpquant.convert.run import convert
+    from mtpquant.diagnose.report import InspectReport, inspect_checkpoint
     from mtpquant.graft.run import GraftOptions, GraftResult, fix_metadata, graft
     from mtpquant.heal.options import HealOptions
     from mtpquant.heal.plan import HealPlan
     from mtpquant.heal.run import HealResult, heal
-    from mtpquant.hub.publish import PublishOptions, PublishResult, publish
-    from mtpquant.inspect.report import InspectReport, inspect_checkpoint
+    from mtpquant.measure import ACTIVATION_MODES
+    from mtpquant.publish.run import PublishOptions, PublishResult, publish
+    from mtpquant.recipes.recipe import builtin_recipe_names
+    from mtpquant.records.validation import Report, ValidationReport
     from mtpquant.synth.tiny import TINY_VARIANTS, make_tiny_checkpoint
     from mtpquant.synth.train import TINY_MTP_ASSET, TINY_MTP_ASSETS
-    from mtpquant.validate import ACTIVATION_MODES
     from mtpquant.validate.options import ValidateOptions
     from mtpquant.validate.run import validate
-    from mtpquant.validate.schema import Report, ValidationReport
 
 __all__ = [
     "ACTIVATION_MODES",
@@ -55,6 +55,7 @@ __all__ = [
     "ValidationReport",
     "builtin_recipe_names",
     "convert",
+    "convert_and_heal",
     "fix_metadata",
     "graft",
     "heal",
@@ -66,14 +67,14 @@ __all__ = [
 ]
 
 _WHERE = {
-    "ACTIVATION_MODES": "mtpquant.validate",
+    "ACTIVATION_MODES": "mtpquant.measure",
     "TINY_MTP_ASSET": "mtpquant.synth.train",
     "TINY_MTP_ASSETS": "mtpquant.synth.train",
     "TINY_VARIANTS": "mtpquant.synth.tiny",
     "ConvertOptions": "mtpquant.convert.plan",
     "ConvertPlan": "mtpquant.convert.plan",
     "plan_convert": "mtpquant.convert.plan",
-    "builtin_recipe_names": "mtpquant.convert.recipes",
+    "builtin_recipe_names": "mtpquant.recipes.recipe",
     "ConvertResult": "mtpquant.convert.result",
     "convert": "mtpquant.convert.run",
     "GraftOptions": "mtpquant.graft.run",
@@ -84,17 +85,43 @@ _WHERE = {
     "HealPlan": "mtpquant.heal.plan",
     "HealResult": "mtpquant.heal.run",
     "heal": "mtpquant.heal.run",
-    "InspectReport": "mtpquant.inspect.report",
-    "inspect_checkpoint": "mtpquant.inspect.report",
+    "InspectReport": "mtpquant.diagnose.report",
+    "inspect_checkpoint": "mtpquant.diagnose.report",
     "make_tiny_checkpoint": "mtpquant.synth.tiny",
-    "PublishOptions": "mtpquant.hub.publish",
-    "PublishResult": "mtpquant.hub.publish",
-    "publish": "mtpquant.hub.publish",
-    "Report": "mtpquant.validate.schema",
-    "ValidationReport": "mtpquant.validate.schema",
+    "PublishOptions": "mtpquant.publish.run",
+    "PublishResult": "mtpquant.publish.run",
+    "publish": "mtpquant.publish.run",
+    "Report": "mtpquant.records.validation",
+    "ValidationReport": "mtpquant.records.validation",
     "ValidateOptions": "mtpquant.validate.options",
     "validate": "mtpquant.validate.run",
 }
+
+
+def convert_and_heal(options: ConvertOptions, heal: HealOptions) -> tuple[ConvertResult, HealResult | None]:
+    """``convert --heal``: ``convert(options)``, then ``heal`` of OUT in place against SRC (``heal.quant`` is replaced
+    by OUT). A dry run plans the conversion (the heal's refusals included) and heals nothing (None)."""
+    import dataclasses
+    from pathlib import Path
+
+    from mtpquant.checkpoint.table import Checkpoint
+    from mtpquant.convert.run import convert
+    from mtpquant.errors import MtpquantError
+    from mtpquant.heal.support import check_convert  # torch-free: refusals come before the heavy imports
+
+    def plan_check(src: Checkpoint, mode: str) -> None:
+        check_convert(heal, src, mode, options.output_format, Path(options.out), probe=not options.dry_run)
+
+    converted = convert(dataclasses.replace(options, plan_check=plan_check))
+    if converted.dry_run:
+        return converted, None
+    assert converted.output is not None
+    from mtpquant.heal.run import heal as run_heal
+
+    try:
+        return converted, run_heal(dataclasses.replace(heal, quant=converted.output))
+    except MtpquantError as exc:
+        raise type(exc)(f"{converted.output} was written as converted, not healed: {exc}") from None
 
 
 def __getattr__(name: str) -> Any:

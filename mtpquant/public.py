@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from mtpquant.checkpoint.source import SourceRef
-from mtpquant.nethttp import scrub_credentials
+from mtpquant.net.http import scrub_credentials
 
 __all__ = [
     "local_path_needles",

@@ -12,19 +12,19 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from mtpquant.checkpoint.precision import linears_text
 from mtpquant.engine.server import ENGINE_NAMES
-from mtpquant.inspect.precision import linears_text
+from mtpquant.records.table import acceptance_table
+from mtpquant.records.validation import Report
 from mtpquant.units import format_bytes
-from mtpquant.validate.schema import Report
-from mtpquant.validate.table import acceptance_table
 
 if TYPE_CHECKING:
     from mtpquant.convert.plan import ConvertPlan
     from mtpquant.convert.result import ConvertResult
+    from mtpquant.diagnose.report import InspectReport
     from mtpquant.graft.run import GraftResult
     from mtpquant.heal.run import HealResult
-    from mtpquant.hub.publish import PublishResult
-    from mtpquant.inspect.report import InspectReport
+    from mtpquant.publish.run import PublishResult
 
 __all__ = [
     "acceptance_text",

@@ -8,7 +8,7 @@ settings removed (``OMP_*``, ``GOMP_*``, ``KMP_*``, ``MKL_*``: a user's shell ha
 (a Python busy loop) running beside it the whole time, so the machine is busy as a shared one is. Three settings,
 run in turn (default, tuned, default, tuned, ...; the untuned runs last, they are slow):
 
-- default: nothing set; what the CLI chooses for itself (``mtpquant.machine.tune_cpu_runtime``);
+- default: nothing set; what the CLI chooses for itself (``mtpquant.runtime.machine.tune_cpu_runtime``);
 - tuned: ``OMP_WAIT_POLICY=PASSIVE`` set by the caller, the setting the test suite and the earlier benchmarks ran
   with (the CLI keeps a user's setting, so this is what a hand-tuned shell gets);
 - untuned: ``GOMP_SPINCOUNT=300000``, libgomp's own default spin, which the CLI keeps as a user's choice: the CLI as

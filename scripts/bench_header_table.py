@@ -58,7 +58,7 @@ elif mode == "open":
     ckpt = Checkpoint.open(path, strict=False)
     print(json.dumps({"s": time.perf_counter() - t}))
 else:
-    from mtpquant.inspect.report import inspect_checkpoint
+    from mtpquant.diagnose.report import inspect_checkpoint
     t = time.perf_counter()
     report = inspect_checkpoint(path)
     print(json.dumps({"s": time.perf_counter() - t, "verdict": report.verdicts["vllm"]}))

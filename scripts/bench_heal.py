@@ -47,7 +47,7 @@ for _name in [k for k in os.environ if k.startswith(("OMP_", "GOMP_", "KMP_", "M
 
 _HEAL = """
 import json, sys, time
-from mtpquant.machine import tune_cpu_runtime
+from mtpquant.runtime.machine import tune_cpu_runtime
 tune_cpu_runtime()
 from pathlib import Path
 from mtpquant.heal.options import HealOptions
@@ -67,9 +67,9 @@ print(json.dumps({
 _SOURCE_AL = """
 import json, sys, torch
 from mtpquant.heal.check import check_prompts, unit_counts
-from mtpquant.validate.builtin import capture
-from mtpquant.validate.load import CheckpointWeights, load_mtp, load_target
-from mtpquant.validate.prompts import plan_sequences, tokenize_prompts
+from mtpquant.measure.capture import capture
+from mtpquant.measure.load import CheckpointWeights, load_mtp, load_target
+from mtpquant.text.prompts import plan_sequences, tokenize_prompts
 src, n, max_len, k = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 w = CheckpointWeights.open(src)
 ids = tokenize_prompts(w.ckpt.source, check_prompts(n), int(w.shape(w.embed_name())[0]))

@@ -40,7 +40,7 @@ from _benchlib import (
     write_section,
 )
 
-from mtpquant.inspect.report import inspect_checkpoint
+from mtpquant.diagnose.report import inspect_checkpoint
 from tests.support.qwen4_exp_skeleton import make_qwen4_exp_skeleton
 from tests.support.skeleton import find_layout, make_skeleton
 

@@ -109,7 +109,7 @@ def _tiny(src: Path, out: Path, mode: str, flags: list[str]) -> dict[str, Any]:
 def markdown(
     dry: list[dict[str, Any]], tiny: list[dict[str, Any]], facts: dict[str, Any], cap: str, tiny_cap: str
 ) -> str:
-    from mtpquant.convert.memory import parse_max_memory
+    from mtpquant.runtime.memory import parse_max_memory
 
     limit = sum(n for _, n in parse_max_memory(cap).caps)
     ram = facts["ram_gib"] * 2**30

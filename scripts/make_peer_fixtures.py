@@ -92,7 +92,7 @@ def make_source(variant: str, root: Path) -> Path:
 
 def calibration_text(root: Path) -> Path:
     """Real text for the peers' calibration: mtpquant's offline corpus (pydoc topics + stdlib source)."""
-    from mtpquant.corpus import offline_documents
+    from mtpquant.text.corpus import offline_documents
 
     docs = [text[:2000] for _, text in offline_documents("mixed")][:80]
     path = root / "calibration.txt"

@@ -31,10 +31,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from mtpquant.diagnose.report import inspect_checkpoint
 from mtpquant.engine.launch import EngineProcess, free_port, vllm_args
 from mtpquant.errors import EngineStartError
 from mtpquant.graft.run import fix_metadata
-from mtpquant.inspect.report import inspect_checkpoint
 from mtpquant.synth.tiny import make_tiny_checkpoint
 
 FIXTURES = ("nvidia-mixed", "nvidia-mixed-refreshed", "nvfp4-mtp-partly-excluded")

@@ -7,7 +7,7 @@ Usage (the assets in the repository were made with these commands)::
     .venv/bin/python scripts/train_tiny_mtp.py --family qwen4_exp --seq-len 64 --batch-size 8 --steps 1500 \
         --eval-every 500 --overwrite                 # -> mtpquant/assets/tiny-qwen4_exp-mtp
 
-Trains on the offline corpus minus the held-out documents (``mtpquant.validate.prompts``), writes
+Trains on the offline corpus minus the held-out documents (``mtpquant.text.prompts``), writes
 BF16 safetensors (2 shards, MTP on both), configs, tokenizer and ``training.json``, then runs
 ``mtpquant validate`` on the result with the default held-out prompts and records the acceptance
 in ``training.json``.
@@ -22,12 +22,12 @@ import logging
 import sys
 from pathlib import Path
 
-from mtpquant.machine import tune_cpu_runtime
+from mtpquant.runtime.machine import tune_cpu_runtime
 
 tune_cpu_runtime()  # the CLI's OpenMP settings (a user's own kept), before torch is imported
 
 from mtpquant.synth.train import TrainSpec, train_tiny_mtp  # noqa: E402
-from mtpquant.validate.prompts import held_out_documents, training_documents  # noqa: E402
+from mtpquant.text.prompts import held_out_documents, training_documents  # noqa: E402
 
 ASSETS = Path(__file__).resolve().parent.parent / "mtpquant" / "assets"
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from mtpquant.machine import tune_cpu_runtime
+from mtpquant.runtime.machine import tune_cpu_runtime
 
 # The tests run the API in this process: under the CLI's OpenMP settings (torch's threads otherwise spin while they
 # wait, which on a shared machine burns the CPU other jobs need), chosen before torch is first imported.

@@ -14,8 +14,8 @@ from huggingface_hub import ModelCard
 
 from mtpquant.cli import main
 from mtpquant.errors import ExitCode, PublishRefusedError
-from mtpquant.hub.publish import PublishOptions, publish
-from mtpquant.provenance import read_provenance
+from mtpquant.publish.run import PublishOptions, publish
+from mtpquant.records.provenance import read_provenance
 from tests.support.hubserver import LocalHub
 
 pytestmark = pytest.mark.slow

@@ -113,7 +113,7 @@ def test_a_bad_prompts_file_is_a_usage_error(
 def test_a_tokenizer_past_the_limit_is_not_read(tiny_copy: Factory) -> None:
     from mtpquant.checkpoint.source import LocalSource
     from mtpquant.errors import CheckpointError
-    from mtpquant.validate.prompts import tokenize_prompts
+    from mtpquant.text.prompts import tokenize_prompts
 
     src = tiny_copy("qwen3_5")
     with (src / "tokenizer.json").open("r+b") as fh:

@@ -65,7 +65,7 @@ def test_convert_runs_transformers_own_validation_before_any_work(
 
 
 def test_the_tokenizer_load_reports_a_refused_config_as_one(tiny_copy: Factory) -> None:
-    from mtpquant.convert.calibration import load_tokenizer
+    from mtpquant.text.calibration import load_tokenizer
 
     src = _edit(tiny_copy("qwen3_5"), lambda c: c["text_config"].__setitem__("rope_parameters", "abc"))
     # no tokenizer.json and no tokenizer class: transformers' AutoTokenizer reads config.json to choose one

@@ -27,8 +27,8 @@ from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.cli import main as cli
 from mtpquant.convert.result import ConvertResult
 from mtpquant.convert.run import ConvertOptions, convert
+from mtpquant.diagnose.report import inspect_checkpoint
 from mtpquant.formats.nvfp4 import dequantize_nvfp4
-from mtpquant.inspect.report import inspect_checkpoint
 from mtpquant.render import convert_text
 from mtpquant.surgery.shards import MTP_SHARD_PATTERN
 
@@ -541,7 +541,7 @@ def test_hub_source_through_the_cli(
     # recipe goes public with OUT
     assert header[2] == f"# command: mtpquant {' '.join(argv[:2])} out {' '.join(argv[3:])} --device cpu"
     # the base model is recorded (a Hub SRC) and joins the card's metadata: the quant appears under its base model
-    from mtpquant.hub.publish import PublishOptions, publish
+    from mtpquant.publish.run import PublishOptions, publish
 
     card = publish(PublishOptions(out=out, repo="me/tiny-next-NVFP4", dry_run=True)).card
     meta = ModelCard(card).data.to_dict()

@@ -9,9 +9,8 @@ from typing import Any
 
 import pytest
 
-from mtpquant.convert.calibration import build_calibration_data, load_tokenizer
-from mtpquant.convert.plan import check_calibration_source
 from mtpquant.errors import CalibrationDataError
+from mtpquant.text.calibration import build_calibration_data, check_calibration_source, load_tokenizer
 
 TEMPLATE = "{% for m in messages %}<|bos|>{{ m['role'] }}\n{{ m['content'] }}<|endoftext|>{% endfor %}"
 

@@ -95,7 +95,7 @@ def test_filesystem_without_directory_exchange(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, no_work: None
 ) -> None:
     """--heal heals OUT in place, which swaps directories: a filesystem that cannot is found before converting."""
-    import mtpquant.graft.inplace as inplace
+    import mtpquant.surgery.inplace as inplace
 
     monkeypatch.setattr(inplace, "exchange_supported", lambda scratch: False)
     out = tmp_path / "out"

@@ -196,7 +196,7 @@ def test_experts_only_recipe_quantizes_the_mtp_experts_only(
 
     # through convert: the recipe's targets reach --mtp quantize, and the output loads (inspect's verdict)
     from mtpquant.convert.run import ConvertOptions, convert
-    from mtpquant.inspect.report import inspect_checkpoint
+    from mtpquant.diagnose.report import inspect_checkpoint
 
     out = tmp_path / "experts"
     run = convert(

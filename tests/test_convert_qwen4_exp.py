@@ -354,7 +354,7 @@ def test_validate_keep_mtp_agrees_exactly_and_hidden_files_replay(
 ) -> None:
     import torch
 
-    from mtpquant.validate.hidden import load_hidden
+    from mtpquant.measure.hidden import load_hidden
     from mtpquant.validate.run import ValidateOptions, validate
 
     keep, _ = outputs("keep")

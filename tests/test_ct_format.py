@@ -15,9 +15,9 @@ import torch
 from mtpquant.api import ConvertOptions, GraftOptions, ValidateOptions, convert, graft, validate
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.cli import main
+from mtpquant.diagnose.report import inspect_checkpoint
 from mtpquant.errors import ExitCode
 from mtpquant.formats.nvfp4 import dequantize_nvfp4, from_compressed_tensors
-from mtpquant.inspect.report import inspect_checkpoint
 from mtpquant.synth.train import TINY_MTP_ASSET
 
 pytestmark = pytest.mark.slow

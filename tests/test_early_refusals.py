@@ -18,7 +18,7 @@ import pytest
 
 from mtpquant.engine.launch import free_port
 from mtpquant.errors import ExitCode
-from mtpquant.provenance import PROVENANCE_FILE, Provenance, Step
+from mtpquant.records.provenance import PROVENANCE_FILE, Provenance, Step
 from mtpquant.synth.train import TINY_MTP_ASSET
 
 REPO = Path(__file__).resolve().parents[1]

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from mtpquant.api import GraftOptions, graft, inspect_checkpoint
-from mtpquant.engine.sampling import GREEDY
+from mtpquant.records.sampling import GREEDY
 from mtpquant.validate.measure import measure
 from tests.support.engine import EnginePool, prompt_ids
 

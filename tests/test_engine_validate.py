@@ -267,7 +267,7 @@ def test_validate_through_the_engine_then_publish(
     has neither memory note and serves the k validation measured."""
     import shutil
 
-    from mtpquant.hub.publish import PublishOptions, publish
+    from mtpquant.publish.run import PublishOptions, publish
 
     for key, value in CPU_ENV.items():
         monkeypatch.setenv(key, value)

@@ -28,13 +28,13 @@ from mtpquant.checkpoint.index import INDEX_NAME
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.checkpoint.writer import PARTIAL_MARK, OutputDir, PlannedTensor
 from mtpquant.cli import main
-from mtpquant.convert.recipes import RECIPE_FILE, MtpSection, Recipe
+from mtpquant.diagnose.report import inspect_checkpoint
 from mtpquant.errors import ExitCode
 from mtpquant.families import is_mtp_name
 from mtpquant.formats.quant_config import HF_QUANT_CONFIG
 from mtpquant.graft.run import GraftOptions, GraftResult, fix_metadata, graft
-from mtpquant.inspect.report import inspect_checkpoint
-from mtpquant.provenance import PROVENANCE_FILE, read_provenance
+from mtpquant.recipes.recipe import RECIPE_FILE, MtpSection, Recipe
+from mtpquant.records.provenance import PROVENANCE_FILE, read_provenance
 from tests.support.kills import KILL_PRELUDE
 
 FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
@@ -691,7 +691,7 @@ def test_out_inside_quant_is_refused(tiny_factory: Factory, tmp_path: Path) -> N
 _DRIVER = KILL_PRELUDE + textwrap.dedent(
     """
     import mtpquant.checkpoint.table as table
-    import mtpquant.graft.inplace as inplace
+    import mtpquant.surgery.inplace as inplace
     from mtpquant.graft.run import GraftOptions, graft
 
     for name in ("fsync", "link", "replace", "rename", "unlink", "mkdir", "rmdir", "symlink"):
@@ -854,7 +854,7 @@ def test_snapshot_of_symlinks_and_hidden_files(tiny_factory: Factory, tmp_path: 
 def test_without_directory_exchange_in_place_replace_is_refused(
     tiny_factory: Factory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import mtpquant.graft.inplace as inplace
+    import mtpquant.surgery.inplace as inplace
     from mtpquant.graft.run import GraftError
 
     monkeypatch.setattr(inplace, "exchange_supported", lambda scratch: False)
@@ -883,7 +883,7 @@ def test_a_validation_report_is_not_carried_into_what_graft_changes(
     """What a user saw: graft (and heal, the same writer) linked QUANT's ``validation/`` into the result, whose card
     then showed QUANT's numbers as measured on the changed checkpoint. A report describes the checkpoint it was
     measured on: --out leaves it behind (QUANT keeps it), in place it is removed, with the exchange and without."""
-    import mtpquant.graft.inplace as inplace
+    import mtpquant.surgery.inplace as inplace
 
     src = tiny_factory("qwen3_5")
 

@@ -11,9 +11,9 @@ import pytest
 
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.cli import main
+from mtpquant.diagnose.report import inspect_checkpoint
 from mtpquant.errors import ExitCode, MtpModeError
 from mtpquant.graft.run import GraftOptions, graft
-from mtpquant.inspect.report import inspect_checkpoint
 from tests.support.hubserver import LocalHub
 from tests.test_graft import tensor_digests, tree_state
 

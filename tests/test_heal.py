@@ -26,20 +26,20 @@ from mtpquant.checkpoint.lock import OutputLock
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.cli import main as cli
 from mtpquant.convert.run import ConvertOptions, convert
+from mtpquant.diagnose.report import inspect_checkpoint
 from mtpquant.errors import ExitCode, HealNotBetterError
 from mtpquant.families import is_mtp_name
-from mtpquant.graft.inplace import clean_stale
 from mtpquant.heal.options import HealOptions
 from mtpquant.heal.precision import export_mtp, master_weights, mtp_storage
 from mtpquant.heal.run import heal
 from mtpquant.heal.train import _chain_outputs, chain_mask, distill_loss
-from mtpquant.inspect.report import inspect_checkpoint
+from mtpquant.measure.weights import CheckpointWeights
 from mtpquant.mtp.drafting import draft_chain
 from mtpquant.mtp.module import KVCache, MtpConfig, MtpLayer
-from mtpquant.provenance import PROVENANCE_FILE, HealAl, HealRecord, Provenance, Step, read_provenance
+from mtpquant.records.evidence import UnitCounts, better_beyond_noise
+from mtpquant.records.provenance import PROVENANCE_FILE, HealAl, HealRecord, Provenance, Step, read_provenance
+from mtpquant.surgery.inplace import clean_stale
 from mtpquant.synth.train import TINY_MTP_ASSET
-from mtpquant.validate.evidence import UnitCounts, better_beyond_noise
-from mtpquant.validate.weights import CheckpointWeights
 from tests.support.cli import one_error
 from tests.support.heal import CALIB, SMALL, HealedTiny, proof
 from tests.test_graft import leftovers, private_copy, tree_state
@@ -308,7 +308,7 @@ def test_heal_is_deterministic_and_force_writes_with_the_record(healed_tiny: Hea
 
 def _record_allocator_settings(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The names of the glibc allocator settings heal applies (each still applied), in order."""
-    from mtpquant.convert import memory
+    from mtpquant.runtime import memory
 
     chosen: list[str] = []
     for name in ("keep_freed_memory", "return_freed_memory"):
@@ -380,7 +380,7 @@ def test_moe_and_qwen3_next_heal_without_error(tiny_factory: Factory, tmp_path: 
 _DRIVER = textwrap.dedent(
     """
     import json, os, signal, sys
-    import mtpquant.graft.inplace as inplace
+    import mtpquant.surgery.inplace as inplace
     from mtpquant.heal.options import HealOptions
     from mtpquant.heal.run import heal
 

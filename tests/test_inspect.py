@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mtpquant.cli import main as cli
-from mtpquant.inspect.engines import FusedShardsError, ct_ignored, expand_modelopt_patterns, modelopt_excluded
-from mtpquant.inspect.report import EXIT_DECLARED_MISSING, EXIT_EXCLUSIONS, EXIT_INDEX, inspect_checkpoint
+from mtpquant.diagnose.report import EXIT_DECLARED_MISSING, EXIT_EXCLUSIONS, EXIT_INDEX, inspect_checkpoint
+from mtpquant.engine.loading import FusedShardsError, ct_ignored, expand_modelopt_patterns, modelopt_excluded
 from mtpquant.render import inspect_text
 from tests.support.quants import with_mtp
 
@@ -322,7 +322,7 @@ def test_inspect_does_not_import_torch() -> None:
     import sys
 
     code = (
-        "import sys; from mtpquant.inspect.report import inspect_checkpoint; import mtpquant.cli; "
+        "import sys; from mtpquant.diagnose.report import inspect_checkpoint; import mtpquant.cli; "
         "mtpquant.cli.build_parser(); print('torch' in sys.modules, 'transformers' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from mtpquant.cli import main as cli
+from mtpquant.diagnose.report import inspect_checkpoint
 from mtpquant.errors import ExitCode
-from mtpquant.inspect.report import inspect_checkpoint
 from mtpquant.synth.tiny import TINY_VARIANTS
 from mtpquant.synth.train import TINY_MTP_ASSETS
 from tests.support.bad import make_minimal_checkpoint

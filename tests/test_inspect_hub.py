@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from mtpquant.cli import main as cli
+from mtpquant.diagnose.report import inspect_checkpoint
 from mtpquant.errors import ExitCode
-from mtpquant.inspect.report import inspect_checkpoint
 from tests.support.cli import one_error
 from tests.support.hubserver import LocalHub
 

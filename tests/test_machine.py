@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from mtpquant.machine import compute_cores, tune_cpu_runtime
+from mtpquant.runtime.machine import compute_cores, tune_cpu_runtime
 
 REPO = Path(__file__).resolve().parents[1]
 

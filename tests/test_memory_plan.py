@@ -12,10 +12,10 @@ import pytest
 
 import mtpquant.convert.plan as plan_module
 from mtpquant.cli import main
-from mtpquant.convert.memory import MemoryCaps, parse_max_memory, plan_memory
 from mtpquant.convert.plan import ConvertOptions, _loaded_blocks, plan_convert
 from mtpquant.errors import ExitCode, MemoryPlanError, UsageError
 from mtpquant.render import plan_lines
+from mtpquant.runtime.memory import MemoryCaps, parse_max_memory, plan_memory
 from mtpquant.units import format_bytes
 from tests.support.skeleton import find_layout, make_skeleton
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mtpquant.validate.metrics import (
+from mtpquant.measure.metrics import (
     StepRecord,
     Summary,
     acceptance_stats,

@@ -2,7 +2,7 @@
 on what is read, no redirect to another host for the engine client, and no credential from a URL in any message.
 
 The servers are scripted raw sockets on 127.0.0.1 (``tests/support/rawhttp.py``); the clients are the real ones
-(httpx through ``mtpquant.nethttp``, huggingface_hub for the Hub), never patched.
+(httpx through ``mtpquant.net.http``, huggingface_hub for the Hub), never patched.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from mtpquant.cli import main
 from mtpquant.engine.http import JSON_CAP, EngineHttp
 from mtpquant.engine.vllm import VllmClient
 from mtpquant.errors import EngineAnswerError, EngineUnreachableError, ExitCode
-from mtpquant.hubhttp import API_CAP
+from mtpquant.net.hub import API_CAP
 from tests.support.rawhttp import RawRequest, RawServer, answer, drip
 
 REPO = "org/tiny"

@@ -20,7 +20,7 @@ from mtpquant.checkpoint.writer import OutputDir
 from mtpquant.cli import main
 from mtpquant.convert.run import ConvertOptions, convert
 from mtpquant.errors import ExitCode
-from mtpquant.provenance import PROVENANCE_FILE, Provenance, Step, check_replaceable
+from mtpquant.records.provenance import PROVENANCE_FILE, Provenance, Step, check_replaceable
 from tests.support.cli import one_error
 from tests.support.kills import KILL_PRELUDE
 from tests.test_graft import leftovers, tree_state
@@ -101,7 +101,7 @@ _DRIVER = KILL_PRELUDE + textwrap.dedent(
     import shutil
     from pathlib import Path
     import mtpquant.checkpoint.writer as writer
-    from mtpquant.provenance import PROVENANCE_FILE, Provenance, Step, check_replaceable
+    from mtpquant.records.provenance import PROVENANCE_FILE, Provenance, Step, check_replaceable
 
     out = Path(args["out"])
     od = writer.OutputDir(out, overwrite=True, replace_check=check_replaceable)

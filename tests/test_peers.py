@@ -17,7 +17,7 @@ import pytest
 
 from mtpquant.api import GraftOptions, graft, inspect_checkpoint
 from mtpquant.checkpoint.index import INDEX_NAME
-from mtpquant.inspect.report import EXIT_EXCLUSIONS, EXIT_FORMAT
+from mtpquant.diagnose.report import EXIT_EXCLUSIONS, EXIT_FORMAT
 from mtpquant.synth.train import TINY_MTP_ASSET
 from tests.conftest import PEER_FIXTURES
 

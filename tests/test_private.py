@@ -14,7 +14,7 @@ import pytest
 
 from mtpquant.cli import main
 from mtpquant.errors import ExitCode
-from mtpquant.hub.files import SCAN_CHUNK
+from mtpquant.publish.files import SCAN_CHUNK
 from tests.support.quants import with_mtp
 
 Factory = Callable[[str], Path]

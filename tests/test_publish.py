@@ -16,15 +16,15 @@ from huggingface_hub import HfApi, ModelCard
 from huggingface_hub.repocard import REGEX_YAML_BLOCK, metadata_load
 
 from mtpquant.cli import main as cli
+from mtpquant.diagnose.report import inspect_checkpoint
 from mtpquant.errors import ExitCode, HubAccessError
-from mtpquant.hub.card import card_origin, redact, validate_card_metadata
-from mtpquant.hub.publish import (
+from mtpquant.publish.card import card_origin, redact, validate_card_metadata
+from mtpquant.publish.run import (
     PublishOptions,
     PublishRefusedError,
     PublishUsageError,
     publish,
 )
-from mtpquant.inspect.report import inspect_checkpoint
 from mtpquant.units import format_bytes
 from tests.support.hubserver import LocalHub
 from tests.support.quants import with_mtp
@@ -415,7 +415,7 @@ def test_token_is_sent_but_never_printed_logged_or_written(
 ) -> None:
     _debug_everything(caplog)
     other = "hf_SomeOtherTokenInTheCommandLine42"
-    from mtpquant.provenance import PROVENANCE_FILE, Provenance, Step
+    from mtpquant.records.provenance import PROVENANCE_FILE, Provenance, Step
 
     step = Step("convert", ("mtpquant", "convert", "SRC", "OUT", "--token", other), mode="keep")
     (out / PROVENANCE_FILE).write_bytes(Provenance((step,)).to_bytes())
@@ -484,7 +484,7 @@ def test_a_file_holding_the_token_is_never_uploaded(tmp_path: Path, out: Path) -
 
 def test_provenance_from_a_hub_source_and_an_unknown_licence(made: Path) -> None:
     from mtpquant.checkpoint.source import SourceRef
-    from mtpquant.provenance import PROVENANCE_FILE, Provenance, Step
+    from mtpquant.records.provenance import PROVENANCE_FILE, Provenance, Step
 
     # as convert records a Hub SRC: the repo, the revision asked for, the commit it resolved to
     step = Step(
@@ -531,8 +531,8 @@ def test_unreachable_hub_is_one_line(
 
 # ---- the card's facts in other modes, and the metadata checks ----------------------------------------------------
 def test_quantized_mtp_card_carries_the_sglang_caveat(out: Path) -> None:
-    from mtpquant.hub.card import CardFacts, build_card
-    from mtpquant.provenance import read_provenance
+    from mtpquant.publish.card import CardFacts, build_card
+    from mtpquant.records.provenance import read_provenance
 
     report = inspect_checkpoint(out)
     mods = [

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from mtpquant.checkpoint.table import Checkpoint
+from mtpquant.diagnose.report import inspect_checkpoint
 from mtpquant.errors import ExitCode
 from mtpquant.graft.run import GraftOptions, fix_metadata, graft
-from mtpquant.inspect.report import inspect_checkpoint
 from tests.support.hubserver import LocalHub
 from tests.support.qwen4_exp_quants import make_qwen4_exp_quant
 

@@ -28,9 +28,9 @@ import pytest
 
 from mtpquant.checkpoint.modules import linear_modules
 from mtpquant.checkpoint.table import Checkpoint
+from mtpquant.diagnose.report import _engine_view
+from mtpquant.engine.loading import BLOCK_FP8_MOE_ALGOS, engine_modules, mixed_algo
 from mtpquant.families import family
-from mtpquant.inspect.engines import BLOCK_FP8_MOE_ALGOS, engine_modules, mixed_algo
-from mtpquant.inspect.report import _engine_view
 from tests.support.qwen4_exp_quants import QUANT_KINDS, make_qwen4_exp_quant
 from tests.support.vllm_env import vllm_env_dir
 

@@ -8,7 +8,9 @@ from typing import Any
 
 import pytest
 
-from mtpquant.convert.recipes import (
+from mtpquant.errors import RecipeError
+from mtpquant.families import FAMILIES
+from mtpquant.recipes.recipe import (
     MODELOPT_NVFP4_DISABLED,
     MtpSection,
     apply_overrides,
@@ -19,8 +21,6 @@ from mtpquant.convert.recipes import (
     quantizer_enabled,
     recipe_from_mapping,
 )
-from mtpquant.errors import RecipeError
-from mtpquant.families import FAMILIES
 from mtpquant.units import ByteSize
 
 FAMILY = {f.key: f for f in FAMILIES}

@@ -45,10 +45,10 @@ def test_the_key_covers_the_calibration_content_and_the_device(tiny_factory: Cal
 
     import torch
 
-    from mtpquant.convert.calibration import CalibrationData
     from mtpquant.convert.plan import plan_convert
     from mtpquant.convert.resume import resume_key
     from mtpquant.convert.run import _resume_inputs
+    from mtpquant.text.calibration import CalibrationData
 
     src = tiny_factory("qwen3_5")
     plan, _ = plan_convert(ConvertOptions(src=str(src), out=src.parent / "unused", dry_run=True, device="cpu"))

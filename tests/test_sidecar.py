@@ -12,13 +12,13 @@ from huggingface_hub import ModelCard
 
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.cli import main
-from mtpquant.convert.recipes import RECIPE_FILE
 from mtpquant.convert.run import ConvertOptions, convert
+from mtpquant.diagnose.report import inspect_checkpoint
 from mtpquant.errors import ExitCode, LineageError
 from mtpquant.graft.run import GraftOptions, graft
-from mtpquant.hub.card import card_origin, validate_card_metadata
-from mtpquant.hub.publish import PublishOptions, publish
-from mtpquant.inspect.report import inspect_checkpoint
+from mtpquant.publish.card import card_origin, validate_card_metadata
+from mtpquant.publish.run import PublishOptions, publish
+from mtpquant.recipes.recipe import RECIPE_FILE
 from tests.support.hubserver import LocalHub
 from tests.test_graft import tensor_digests, tree_state
 

@@ -15,7 +15,7 @@ from safetensors import safe_open
 from mtpquant.checkpoint.header import tensor_nbytes
 from mtpquant.checkpoint.index import INDEX_NAME
 from mtpquant.checkpoint.table import Checkpoint
-from mtpquant.inspect.report import inspect_checkpoint
+from mtpquant.diagnose.report import inspect_checkpoint
 from tests.support.layouts import expand_layout
 from tests.support.skeleton import (
     Layout,
@@ -229,7 +229,7 @@ def test_normal_skeleton_is_a_full_size_model_with_real_weights_and_a_tokenizer(
     real_layouts: Path, tmp_path: Path
 ) -> None:
     from mtpquant.checkpoint.table import Checkpoint
-    from mtpquant.convert.calibration import load_tokenizer
+    from mtpquant.text.calibration import load_tokenizer
 
     result = make_skeleton(find_layout("Qwen3.5-0.8B", real_layouts), tmp_path / "src", mtp_data="normal")
     ckpt = Checkpoint.open(result.path, strict=True)

@@ -14,8 +14,8 @@ import pytest
 from mtpquant.checkpoint.source import LocalSource
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.errors import CheckpointError, ExitCode
-from mtpquant.hub.files import plan_files
-from mtpquant.hub.publish import PublishRefusedError
+from mtpquant.publish.files import plan_files
+from mtpquant.publish.run import PublishRefusedError
 from tests.support.cli import one_error
 
 Factory = Callable[[str], Path]

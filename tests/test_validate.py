@@ -19,7 +19,6 @@ from safetensors.torch import load_file, save_file
 
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.cli import main
-from mtpquant.engine.sampling import SamplingSettings
 from mtpquant.errors import ExitCode, ValidateError
 from mtpquant.formats.fp8 import quantize_fp8_per_tensor
 from mtpquant.formats.nvfp4 import (
@@ -28,24 +27,17 @@ from mtpquant.formats.nvfp4 import (
     quantize_nvfp4,
     to_compressed_tensors,
 )
+from mtpquant.measure.capture import capture
+from mtpquant.measure.load import CheckpointWeights, MtpBundle, load_mtp, load_target
+from mtpquant.measure.metrics import StepRecord, acceptance_stats
+from mtpquant.measure.replay import SequenceRecord, TargetRun, evaluate_acceptance, replay_greedy
 from mtpquant.mtp.drafting import draft_chain
 from mtpquant.mtp.module import KVCache, MtpConfig, MtpLayer
 from mtpquant.public import public_checkpoint
-from mtpquant.render import acceptance_text
-from mtpquant.validate.acceptance import Acceptance, AcceptanceRow
-from mtpquant.validate.builtin import SequenceRecord, TargetRun, capture, evaluate_acceptance, replay_greedy
-from mtpquant.validate.load import CheckpointWeights, MtpBundle, load_mtp, load_target
-from mtpquant.validate.metrics import StepRecord, acceptance_stats
-from mtpquant.validate.prompts import (
-    default_prompts,
-    held_out_documents,
-    load_prompts,
-    plan_sequences,
-    training_documents,
-)
-from mtpquant.validate.report import _acceptance_plot, render_markdown, write_report
-from mtpquant.validate.run import ValidateOptions, validate
-from mtpquant.validate.schema import (
+from mtpquant.records.acceptance import Acceptance, AcceptanceRow
+from mtpquant.records.sampling import SamplingSettings
+from mtpquant.records.table import acceptance_table
+from mtpquant.records.validation import (
     Agreement,
     Comparison,
     EngineInfo,
@@ -57,7 +49,16 @@ from mtpquant.validate.schema import (
     ValidationReport,
     Verdict,
 )
-from mtpquant.validate.table import acceptance_table
+from mtpquant.render import acceptance_text
+from mtpquant.text.prompts import (
+    default_prompts,
+    held_out_documents,
+    load_prompts,
+    plan_sequences,
+    training_documents,
+)
+from mtpquant.validate.report import _acceptance_plot, render_markdown, write_report
+from mtpquant.validate.run import ValidateOptions, validate
 
 CPU = torch.device("cpu")
 

@@ -9,16 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from mtpquant.engine.sampling import SamplingSettings
 from mtpquant.errors import ValidateError
-from mtpquant.validate.acceptance import Acceptance, AcceptanceRow
-from mtpquant.validate.evidence import Bootstrap, UnitCounts
-from mtpquant.validate.metrics import StepRecord, acceptance_stats, context_buckets, unit_counts
+from mtpquant.measure.metrics import StepRecord, acceptance_stats, context_buckets, unit_counts
+from mtpquant.records.acceptance import Acceptance, AcceptanceRow
+from mtpquant.records.evidence import Bootstrap, UnitCounts
+from mtpquant.records.profile import profile_headline, speculation_profile
+from mtpquant.records.sampling import SamplingSettings
+from mtpquant.records.validation import MtpInfo, Report, Settings, Side, ValidationReport, Verdict
+from mtpquant.text.prompts import context_edges, plan_sequences
 from mtpquant.validate.options import ValidateOptions
-from mtpquant.validate.profile import profile_headline, speculation_profile
-from mtpquant.validate.prompts import context_edges, plan_sequences
 from mtpquant.validate.report import _acceptance_plot, write_report
-from mtpquant.validate.schema import MtpInfo, Report, Settings, Side, ValidationReport, Verdict
 
 
 def test_plan_without_buckets_is_the_usual_cut() -> None:

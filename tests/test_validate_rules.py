@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from mtpquant.engine.sampling import RULES, SamplingSettings
-from mtpquant.validate.replay import walk
-from mtpquant.validate.rules import draft_probs, target_probs, terms
+from mtpquant.measure.replay import walk
+from mtpquant.measure.rules import draft_probs, target_probs, terms
+from mtpquant.records.sampling import RULES, SamplingSettings
 
 T08 = SamplingSettings(temperature=0.8)
 

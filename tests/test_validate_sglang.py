@@ -19,10 +19,10 @@ import pytest
 from mtpquant.cli import main as cli
 from mtpquant.engine.connect import connect
 from mtpquant.engine.launch import free_port
-from mtpquant.engine.sampling import GREEDY, SamplingSettings
 from mtpquant.engine.server import DraftCounts
 from mtpquant.engine.sglang import SglangClient
 from mtpquant.errors import EngineAnswerError, ExitCode
+from mtpquant.records.sampling import GREEDY, SamplingSettings
 from mtpquant.synth.train import TINY_MTP_ASSET
 from mtpquant.validate.measure import engine_stats
 from tests.support.sglang_replay import RECORDED, SglangReplay
@@ -109,7 +109,7 @@ def test_validate_through_sglang(capsys: pytest.CaptureFixture[str], tmp_path: P
     ]
     # the built-in path's prompts (the checkpoint's tokenizer, the first 32 tokens) and greedy settings
     from mtpquant.checkpoint.source import open_source
-    from mtpquant.validate.prompts import default_prompts, tokenize_prompts
+    from mtpquant.text.prompts import default_prompts, tokenize_prompts
 
     ids = tokenize_prompts(open_source(TINY), default_prompts(4))
     assert sent == [

@@ -25,10 +25,10 @@ from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.cli import main
 from mtpquant.errors import ExitCode, ValidateError
 from mtpquant.families import TensorClass
+from mtpquant.records.evidence import Bootstrap, UnitCounts
+from mtpquant.records.validation import ValidationReport
 from mtpquant.synth.train import TINY_MTP_ASSET
-from mtpquant.validate.evidence import Bootstrap, UnitCounts
 from mtpquant.validate.run import ValidateOptions, validate
-from mtpquant.validate.schema import ValidationReport
 
 pytestmark = pytest.mark.slow
 

@@ -16,8 +16,8 @@ import pytest
 
 from mtpquant.checkpoint.filesystem import atomic_write_json
 from mtpquant.errors import ExitCode
-from mtpquant.validate.acceptance import Acceptance, AcceptanceRow
-from mtpquant.validate.evidence import (
+from mtpquant.records.acceptance import Acceptance, AcceptanceRow
+from mtpquant.records.evidence import (
     MIN_UNITS,
     Bootstrap,
     Interval,
@@ -26,8 +26,8 @@ from mtpquant.validate.evidence import (
     decide,
     units_to_settle,
 )
+from mtpquant.records.validation import Agreement, Comparison, KlSummary, MtpInfo, Side, Verdict
 from mtpquant.validate.run import ValidateOptions
-from mtpquant.validate.schema import Agreement, Comparison, KlSummary, MtpInfo, Side, Verdict
 from mtpquant.validate.verdict import verdict
 
 STEPS = 40  # verification steps per prompt in the hand-made counts

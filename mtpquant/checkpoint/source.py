@@ -244,7 +244,7 @@ class HubSource:
     """A model repo on the Hub (or any server in the Hub's URL layout, via ``HF_ENDPOINT``).
 
     Uses huggingface_hub for everything: the file list, small-file downloads through the HF cache, and
-    ranged reads of shard headers and tensors over its shared HTTP client (``mtpquant.hubhttp``: a
+    ranged reads of shard headers and tensors over its shared HTTP client (``mtpquant.net.hub``: a
     timeout, ``Retry-After``, checked lengths, one-line errors). Ranges announced with ``plan_reads``
     are merged into as few requests as possible (adjacent tensors are one read) and served from a
     bounded cache. ``requests`` counts every HTTP request this source made (redirects included).
@@ -259,7 +259,7 @@ class HubSource:
     ) -> None:
         from huggingface_hub import HfApi
 
-        from mtpquant.hubhttp import configure_client
+        from mtpquant.net.hub import configure_client
 
         configure_client()
         self.repo_id = repo_id
@@ -286,7 +286,7 @@ class HubSource:
     @contextlib.contextmanager
     def _hub(self, what: str) -> Iterator[None]:
         """Hub calls: errors as one line naming the repo; requests counted."""
-        from mtpquant.hubhttp import hub_errors, request_count
+        from mtpquant.net.hub import hub_errors, request_count
 
         before = request_count()
         try:
@@ -340,7 +340,7 @@ class HubSource:
         from huggingface_hub import hf_hub_url
         from huggingface_hub.utils import build_hf_headers
 
-        from mtpquant.hubhttp import read_range
+        from mtpquant.net.hub import read_range
 
         url = hf_hub_url(self.repo_id, relpath, revision=self.revision, endpoint=self.endpoint)
         with self._hub(f"reading {relpath}"):
@@ -494,7 +494,7 @@ def read_text(source: CheckpointSource, relpath: str, *, limit: int = JSON_LIMIT
 def read_json(source: CheckpointSource, relpath: str, *, limit: int = JSON_LIMIT) -> Any:
     """Read and parse a JSON file of a source (never more than ``limit`` bytes, locally or from the Hub, nor nested
     deeper than the parser allows), with a one-line error on failure."""
-    from mtpquant import safejson
+    from mtpquant.net import safejson
 
     raw = read_bytes(source, relpath, limit=limit, what="JSON file")
     try:

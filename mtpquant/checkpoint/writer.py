@@ -44,6 +44,7 @@ from mtpquant.errors import CheckpointError, FilesystemError, MtpquantError, Out
 
 __all__ = [
     "ASIDE_MARK",
+    "DEFAULT_MAX_SHARD_BYTES",
     "PARTIAL_MARK",
     "OutputDir",
     "PlannedTensor",
@@ -54,6 +55,9 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+# The byte budget of one output shard unless a recipe or --max-shard-size says otherwise (convert, graft, heal).
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 
 PARTIAL_MARK = ".mtpquant-partial-"
 ASIDE_MARK = ".mtpquant-old-"  # an old output renamed aside by a replacement where exchange is unsupported

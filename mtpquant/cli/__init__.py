@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from mtpquant import __version__
 from mtpquant.errors import ExitCode, MtpquantError, exit_code_table
-from mtpquant.machine import tune_cpu_runtime
+from mtpquant.runtime.machine import tune_cpu_runtime
 
 __all__ = ["HUB_CODES", "exit_codes_epilog", "main", "recorded_command"]
 
@@ -112,7 +112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     level = logging.ERROR if args.quiet else (logging.WARNING, logging.INFO, logging.DEBUG)[min(args.verbose, 2)]
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     if tuned:
-        logging.getLogger("mtpquant.machine").info(
+        logging.getLogger("mtpquant.runtime.machine").info(
             "CPU runtime: %s (set yours to override)", ", ".join(f"{k}={v}" for k, v in tuned.items())
         )
     if args.quiet:
@@ -144,7 +144,7 @@ def _hub_error(exc: BaseException) -> MtpquantError | None:
     """The one-line error for an exception raised by huggingface_hub or httpx, else None."""
     if not type(exc).__module__.startswith(("huggingface_hub", "httpx", "httpcore")):
         return None
-    from mtpquant.hubhttp import translate
+    from mtpquant.net.hub import translate
 
     return translate(exc, "the Hub", "a request")
 

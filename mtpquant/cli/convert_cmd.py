@@ -169,24 +169,26 @@ def run(args: argparse.Namespace) -> int:
         base_model=args.base_model,
         base_model_revision=args.base_model_revision,
         output_format=args.output_format,
-        heal=heal_options,
     )
     # The summary is printed below; keep the library's copy of it out of the log.
     logging.getLogger("mtpquant.convert.run.summary").setLevel(logging.WARNING)
-    result = convert(options)
+    if heal_options is None:
+        result, healed = convert(options), None
+    else:
+        from mtpquant.api import convert_and_heal
+
+        result, healed = convert_and_heal(options, heal_options)
     if args.json:
         data = result.plan.to_json() if result.dry_run else result.to_json()
-        if heal_options is not None and not result.dry_run:
-            assert result.output is not None
-            data = {"convert": data, "heal": _heal(heal_options, result.output).to_json()}
+        if healed is not None:
+            data = {"convert": data, "heal": healed.to_json()}
         print(json.dumps(data, indent=2, default=str))
         return 0
     print(convert_text(result))
-    if heal_options is not None and not result.dry_run:
+    if healed is not None:
         from mtpquant.render import heal_text
 
-        assert result.output is not None
-        print(heal_text(_heal(heal_options, result.output)))
+        print(heal_text(healed))
     elif args.heal:
         print("heal       after the conversion: mtpquant heal OUT --from SRC --in-place (planned once OUT exists)")
     return 0
@@ -216,8 +218,8 @@ def _check_heal_values(options: Any) -> None:
     """heal's values and data source, refused in the flag names convert takes them by (``--heal-steps``, ...)."""
     import re
 
-    from mtpquant.convert.plan import check_calibration_source
     from mtpquant.errors import CalibrationDataError, MtpquantError
+    from mtpquant.text.calibration import check_calibration_source
 
     try:
         options.check()
@@ -227,16 +229,3 @@ def _check_heal_values(options: Any) -> None:
     except MtpquantError as exc:
         flags = "|".join(key.replace("_", "-") for key in SCHEDULE_FIELDS)
         raise type(exc)(re.sub(rf"--({flags})\b", r"--heal-\1", str(exc))) from None
-
-
-def _heal(options: Any, out: Path) -> Any:
-    """Heal OUT (as convert wrote it); a heal error says OUT was written (as converted)."""
-    import dataclasses
-
-    from mtpquant.api import heal
-    from mtpquant.errors import MtpquantError
-
-    try:
-        return heal(dataclasses.replace(options, quant=out))
-    except MtpquantError as exc:
-        raise type(exc)(f"{out} was written as converted, not healed: {exc}") from None

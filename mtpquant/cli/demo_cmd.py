@@ -16,7 +16,7 @@ from mtpquant.cli import exit_codes_epilog
 from mtpquant.errors import ExitCode
 
 if TYPE_CHECKING:
-    from mtpquant.validate.schema import Report
+    from mtpquant.records.validation import Report
 
 _EPILOG = """\
 examples:

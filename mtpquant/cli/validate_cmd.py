@@ -7,9 +7,9 @@ import json
 from pathlib import Path
 
 from mtpquant.cli import HUB_CODES, exit_codes_epilog
-from mtpquant.engine.sampling import RULES
 from mtpquant.errors import ExitCode
-from mtpquant.validate import ACTIVATION_MODES  # torch-free: the choices at start-up
+from mtpquant.measure import ACTIVATION_MODES  # torch-free: the choices at start-up
+from mtpquant.records.sampling import RULES
 from mtpquant.validate.options import ENGINES
 
 EXAMPLES = """\

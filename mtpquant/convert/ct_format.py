@@ -50,7 +50,7 @@ def ct_ignore(patterns: Iterable[str]) -> list[str]:
     vLLM matches the ignore list of a module it builds packed (``in_proj_ba``, ``qkv_proj``, ...) shard by shard,
     so an excluded packed name also lists its shards' names.
     """
-    from mtpquant.inspect.engines import PACKED
+    from mtpquant.engine.loading import PACKED
 
     out: list[str] = []
     for p in patterns:

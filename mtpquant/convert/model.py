@@ -9,8 +9,6 @@ models. modelopt prints progress to stdout; here that text goes to the debug log
 
 from __future__ import annotations
 
-import contextlib
-import io
 import logging
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -19,8 +17,9 @@ from typing import Any
 import torch
 
 from mtpquant.checkpoint.table import Checkpoint
-from mtpquant.convert.memory import MemoryPlan
 from mtpquant.families import ModelSpec
+from mtpquant.runtime.libraries import modelopt_quiet
+from mtpquant.runtime.memory import MemoryPlan
 
 __all__ = [
     "base_model",
@@ -30,7 +29,6 @@ __all__ = [
     "input_device",
     "is_offloaded",
     "load_main_model",
-    "modelopt_quiet",
     "mtp_hidden_states",
     "placement",
     "quantize_main_model",
@@ -38,40 +36,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-
-class _LogWriter(io.TextIOBase):
-    """A text stream that forwards complete lines to a logger at DEBUG."""
-
-    def __init__(self, logger: logging.Logger) -> None:
-        self._logger = logger
-        self._buf = ""
-
-    def write(self, s: str) -> int:
-        self._buf += s
-        while "\n" in self._buf:
-            line, self._buf = self._buf.split("\n", 1)
-            if line.strip():
-                self._logger.debug("modelopt: %s", line.strip())
-        return len(s)
-
-    def flush(self) -> None:
-        if self._buf.strip():
-            self._logger.debug("modelopt: %s", self._buf.strip())
-        self._buf = ""
-
-
-@contextlib.contextmanager
-def modelopt_quiet(progress: bool = True) -> Iterator[None]:
-    """Send what modelopt prints to the debug log (library code never prints); without ``progress``, its
-    progress bars (stderr) too."""
-    writer = _LogWriter(logging.getLogger("mtpquant.modelopt"))
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(contextlib.redirect_stdout(writer))
-        if not progress:
-            stack.enter_context(contextlib.redirect_stderr(writer))
-        yield
-    writer.flush()
 
 
 def source_dtype(spec: ModelSpec) -> torch.dtype:

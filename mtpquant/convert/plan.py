@@ -12,18 +12,28 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from mtpquant.checkpoint.header import FLOAT_DTYPES
 from mtpquant.checkpoint.index import INDEX_NAME
 from mtpquant.checkpoint.modules import FUSED_EXPERT_PARAMS, linear_modules
 from mtpquant.checkpoint.table import PICKLE_SUFFIXES, Checkpoint
 from mtpquant.convert.ct_format import FORMATS, check_ct_recipe
-from mtpquant.convert.memory import MemoryPlan, available_cpu_bytes, model_blocks, plan_memory
-from mtpquant.convert.recipes import (
+from mtpquant.convert.resume import resume_interval
+from mtpquant.errors import (
+    IndivisibleDimensionError,
+    OutputExistsError,
+    RecipeError,
+    SourceQuantizedError,
+    UsageError,
+)
+from mtpquant.families import TensorClass
+from mtpquant.formats.quant_config import HF_QUANT_CONFIG
+from mtpquant.hfconfig import transformers_config
+from mtpquant.recipes.recipe import (
     MTP_FORMATS,
     RECIPE_FILE,
     CalibrationSection,
@@ -35,30 +45,16 @@ from mtpquant.convert.recipes import (
     quantizer_enabled,
     with_values,
 )
-from mtpquant.convert.resume import resume_interval
-from mtpquant.errors import (
-    CalibrationDataError,
-    IndivisibleDimensionError,
-    OutputExistsError,
-    RecipeError,
-    SourceQuantizedError,
-    UsageError,
-)
-from mtpquant.families import TensorClass
-from mtpquant.formats.quant_config import HF_QUANT_CONFIG
-from mtpquant.hfconfig import transformers_config
-from mtpquant.machine import resolve_device
-from mtpquant.provenance import PROVENANCE_FILE, check_base_model
+from mtpquant.records.provenance import PROVENANCE_FILE, check_base_model
+from mtpquant.runtime.machine import resolve_device
+from mtpquant.runtime.memory import MemoryPlan, available_cpu_bytes, model_blocks, plan_memory
 from mtpquant.surgery.modes import BLOCK, MtpMode, choose_mode
-
-if TYPE_CHECKING:
-    from mtpquant.heal.options import HealOptions
+from mtpquant.text.calibration import check_calibration_source
 
 __all__ = [
     "ConvertOptions",
     "ConvertPlan",
     "carried_files",
-    "check_calibration_source",
     "plan_convert",
 ]
 
@@ -95,8 +91,9 @@ class ConvertOptions:
     base_model: str | None = None  # the Hub id of the base model (SRC is a local copy of it), for the card
     base_model_revision: str | None = None
     output_format: str = "modelopt"  # modelopt | compressed-tensors (``convert.ct_format``)
-    # ``convert --heal``: the heal the caller runs on OUT next; the plan refuses, before any work, what it would refuse
-    heal: HealOptions | None = None
+    # A check the caller adds to the plan, called with SRC (headers) and the MTP mode once both are known and before
+    # transformers loads: ``convert --heal`` (``api.convert_and_heal``) refuses there what heal would refuse on OUT.
+    plan_check: Callable[[Checkpoint, str], None] | None = None
 
 
 @dataclass(frozen=True)
@@ -223,28 +220,13 @@ def _resolve_recipe(options: ConvertOptions, family: Any) -> Recipe:
     return recipe
 
 
-def check_calibration_source(data: str) -> None:
-    """Refuse early a calibration file that does not exist or a dataset name without `datasets`."""
-    import importlib.util
-
-    if data == "offline" or Path(data).is_file():
-        return
-    if Path(data).suffix.lower() in {".txt", ".jsonl", ".json"} or data.startswith((".", "/", "~")):
-        raise CalibrationDataError(f"{data}: calibration data file does not exist")
-    if importlib.util.find_spec("datasets") is None:
-        raise CalibrationDataError(
-            f"calibration data {data!r} is not a file, and loading it as a dataset needs the `datasets` package "
-            "(pip install datasets), which is not installed"
-        )
-
-
 def _check_output(path: Path, src: Path | None, overwrite: bool, what: str) -> None:
     if src is not None:
         a, b = path.resolve(), src.resolve()
         if a == b or b in a.parents or a in b.parents:
             raise OutputExistsError(f"{path}: {what} must not be the source directory, inside it, or contain it")
     if os.path.lexists(path):
-        from mtpquant.provenance import check_replaceable
+        from mtpquant.records.provenance import check_replaceable
 
         check_replaceable(path)  # what --overwrite would refuse is refused so, with or without it
         if not overwrite:
@@ -294,10 +276,8 @@ def plan_convert(options: ConvertOptions, ckpt: Checkpoint | None = None) -> tup
         q = recipe.quantization
         check_ct_recipe(q.quant_algo, q.activations, mtp_format, mode)
     checked = mtp_mode.check(ckpt, mtp_format, recipe.quantization.targets)
-    if options.heal is not None:  # before transformers loads: a heal that would be refused is refused in a second
-        from mtpquant.heal.support import check_convert
-
-        check_convert(options.heal, ckpt, mode, options.output_format, out, probe=not options.dry_run)
+    if options.plan_check is not None:  # before transformers loads: refused in a second, not after the conversion
+        options.plan_check(ckpt, mode)
     transformers_config(ckpt.config)  # transformers' own validation: refused here (exit 3), not at a later load
     notes = [*auto_notes, *checked.notes]
 

@@ -1,5 +1,5 @@
 """What ``convert`` did, as the ``ConvertResult`` it returns (``--json``), and the output's tensor counts (the
-process's own measures, step timings, peak RSS and bytes written, are ``mtpquant.meter``'s).
+process's own measures, step timings, peak RSS and bytes written, are ``mtpquant.runtime.meter``'s).
 """
 
 from __future__ import annotations

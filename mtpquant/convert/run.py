@@ -33,24 +33,24 @@ from mtpquant.checkpoint.lock import OutputLock
 from mtpquant.checkpoint.source import SourceRef
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.checkpoint.writer import OutputDir
-from mtpquant.convert.calibration import CalibrationData
 from mtpquant.convert.plan import ConvertOptions, ConvertPlan, plan_convert
-from mtpquant.convert.recipes import RECIPE_FILE
 from mtpquant.convert.result import ConvertResult, count_output
 from mtpquant.convert.resume import ResumeState
 from mtpquant.errors import CalibrationDataError, OutputVerificationError
 from mtpquant.families import TensorClass, is_mtp_name
 from mtpquant.formats.quant_config import HF_QUANT_CONFIG, with_exclusions, without_exclusions
-from mtpquant.meter import Timer, bytes_written_so_far, peak_rss_bytes
-from mtpquant.provenance import PROVENANCE_FILE, Provenance, Step, check_replaceable, source_license
 from mtpquant.public import public_args, public_file, public_name, public_ref
+from mtpquant.recipes.recipe import RECIPE_FILE
+from mtpquant.records.provenance import PROVENANCE_FILE, Provenance, Step, check_replaceable, source_license
+from mtpquant.runtime.meter import Timer, bytes_written_so_far, peak_rss_bytes
 from mtpquant.surgery.modes import MtpOutcome, WriteContext, load_mtp_layer, same_bytes
+from mtpquant.text.calibration import CalibrationData
 from mtpquant.units import format_bytes
 
 __all__ = ["ConvertOptions", "ConvertPlan", "convert", "plan_convert"]
 
 if TYPE_CHECKING:
-    from mtpquant.inspect.report import InspectReport
+    from mtpquant.diagnose.report import InspectReport
 
 log = logging.getLogger(__name__)
 # The end-of-run summary; the CLI prints it itself and quiets this logger.
@@ -105,7 +105,7 @@ def _output_metadata(
 def _verify(plan: ConvertPlan, src: Checkpoint, outcome: MtpOutcome, path: Path) -> InspectReport:
     """The finalize check of the output at ``path``: exact MTP and vision tensor sets, the mode's own checks, a clean
     inspect verdict (the inspect that gates publish); returns that inspect report."""
-    from mtpquant.inspect.report import inspect_checkpoint
+    from mtpquant.diagnose.report import inspect_checkpoint
 
     mode = plan.mtp_mode
     out = Checkpoint.open(path, strict=True)
@@ -142,11 +142,11 @@ def convert(options: ConvertOptions) -> ConvertResult:
         _import_libraries()
     progress = options.progress and os.environ.get("TQDM_DISABLE", "") in {"", "0"}
     result = ConvertResult(plan, notes=[*plan.notes, *plan.memory.notes])
-    from mtpquant.convert.memory import return_freed_memory
+    from mtpquant.runtime.memory import return_freed_memory
 
     return_freed_memory()
     written_before = bytes_written_so_far()
-    from mtpquant.libraries import library_output
+    from mtpquant.runtime.libraries import library_output
 
     with contextlib.ExitStack() as stack:
         # OUT's lock first, before any download or long work: a second run on the same OUT is refused at once
@@ -225,7 +225,7 @@ def convert(options: ConvertOptions) -> ConvertResult:
 
 def _import_libraries() -> None:
     """Import what the conversion runs on (torch, transformers, modelopt's quantization and export)."""
-    from mtpquant.libraries import import_libraries
+    from mtpquant.runtime.libraries import import_libraries
 
     import_libraries("torch", "transformers", "modelopt.torch.quantization", "modelopt.torch.export")
 
@@ -290,7 +290,6 @@ def _run(
     import torch
 
     from mtpquant.convert.assemble import carry_files, mixed_precision_config, place_main_shards, quantized_modules_of
-    from mtpquant.convert.calibration import build_calibration_data, load_tokenizer
     from mtpquant.convert.model import (
         calibration_loop,
         export_quantized,
@@ -302,6 +301,7 @@ def _run(
         quantize_main_model,
         source_dtype,
     )
+    from mtpquant.text.calibration import build_calibration_data, load_tokenizer
 
     recipe = plan.recipe
     cal = recipe.calibration

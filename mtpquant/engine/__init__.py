@@ -1,4 +1,8 @@
-"""Serving engines (vLLM, SGLang) as mtpquant talks to them: over HTTP, never by import.
+"""Serving engines (vLLM, SGLang): what they do with a checkpoint, and mtpquant talking to them (over HTTP, never by
+import).
+
+- ``loading``: how vLLM and SGLang resolve a checkpoint's exclusions and formats (their loader code's rules, as data
+  and functions); ``verdicts``: what each engine builds for each MTP module, the verdict line, the serve command;
 
 - ``connect``: which engine serves at a URL (vLLM's ``/version``, SGLang's ``/get_server_info``) and its client;
 - ``server``: what every client returns (``ServerInfo``, ``Completion``, ``DraftCounts``, ``EngineRun``) and the

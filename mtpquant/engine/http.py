@@ -1,7 +1,7 @@
 """The HTTP transport to one engine server: the one place every request to vLLM or SGLang goes through.
 
 - **Bounded.** Each request has one overall deadline (``timeout``: from its start through the last byte of the
-  answer, headers included; ``mtpquant.nethttp``), so a server that drips its answer cannot hold a run; an answer
+  answer, headers included; ``mtpquant.net.http``), so a server that drips its answer cannot hold a run; an answer
   is read streamed and refused past its byte cap (``JSON_CAP``, ``METRICS_CAP``); of an error answer only the first
   ``ERROR_CAP`` bytes are read. Answers are asked for unencoded (``Accept-Encoding: identity``) and an encoded one
   is refused, so a cap on the wire is a cap in memory.
@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 from urllib.parse import urljoin, urlsplit
 
 from mtpquant.errors import EngineAnswerError, EngineUnreachableError, UsageError
-from mtpquant.nethttp import BoundExceededError, bounded_transport, budget, split_credentials
+from mtpquant.net.http import BoundExceededError, bounded_transport, budget, split_credentials
 
 __all__ = [
     "API_KEY_ENV",
@@ -71,7 +71,7 @@ class Answer:
 
     def json(self) -> Any:
         """The body as JSON; ``ValueError`` when it is not (nested too deeply included)."""
-        from mtpquant.safejson import loads
+        from mtpquant.net.safejson import loads
 
         return loads(self.content)
 

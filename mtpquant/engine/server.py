@@ -15,8 +15,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from mtpquant.engine.sampling import SamplingSettings
 from mtpquant.errors import EngineModelError
+from mtpquant.records.sampling import SamplingSettings
 
 __all__ = [
     "ENGINE_NAMES",

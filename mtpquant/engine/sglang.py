@@ -27,7 +27,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from mtpquant.engine.http import EngineClientBase, EngineHttp
-from mtpquant.engine.sampling import SamplingSettings
 from mtpquant.engine.server import (
     Completion,
     DraftCounts,
@@ -39,6 +38,7 @@ from mtpquant.engine.server import (
     sum_counts,
 )
 from mtpquant.errors import EngineAnswerError, EngineSpecDecodeError
+from mtpquant.records.sampling import SamplingSettings
 
 __all__ = ["CHAIN_ALGORITHMS", "SglangClient", "nextn_args", "sglang_settings", "start_refusal"]
 

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from mtpquant.families import ModelSpec
-from mtpquant.machine import available_cpu_bytes, gpu_memory, total_cpu_bytes
+from mtpquant.runtime.machine import available_cpu_bytes, gpu_memory, total_cpu_bytes
 from mtpquant.units import format_bytes
 
 __all__ = ["KV_FLOOR", "SEQS", "EngineMemory", "Machine", "kv_bytes", "plan_engine_memory", "probe_machine"]

@@ -13,9 +13,9 @@ from collections.abc import Sequence
 
 from mtpquant.engine.counters import CounterSnapshot, parse_metrics
 from mtpquant.engine.http import METRICS_CAP, EngineClientBase, EngineHttp
-from mtpquant.engine.sampling import GREEDY, SamplingSettings
 from mtpquant.engine.server import Completion, DraftCounts, EngineRun, ServerInfo, split_groups
 from mtpquant.errors import EngineAnswerError, EngineSpecDecodeError
+from mtpquant.records.sampling import GREEDY, SamplingSettings
 
 __all__ = ["VllmClient", "is_vllm"]
 

@@ -11,7 +11,7 @@ Plan from headers, refuse early, then act:
    add the exclusions in ``config.json`` and ``hf_quant_config.json``;
 4. verify the result (headers, index, MTP bytes against SRC, the inspect checks) before it is put
    in place: ``--out`` by renaming a temp sibling, ``--in-place`` by an atomic directory exchange
-   (see ``mtpquant.graft.inplace``).
+   (see ``mtpquant.surgery.inplace``).
 
 ``--fix-metadata`` runs step 3's metadata part alone and touches no tensor file.
 """
@@ -31,24 +31,23 @@ from mtpquant.checkpoint.index import INDEX_NAME
 from mtpquant.checkpoint.lock import OutputLock
 from mtpquant.checkpoint.source import CheckpointSource, read_text
 from mtpquant.checkpoint.table import Checkpoint
-from mtpquant.checkpoint.writer import OutputDir
-from mtpquant.convert.recipes import RECIPE_FILE, grafted_recipe
+from mtpquant.checkpoint.writer import DEFAULT_MAX_SHARD_BYTES, OutputDir
+from mtpquant.diagnose.verify import verify_result
 from mtpquant.errors import CheckpointError, OutputExistsError, RecipeError, UsageError
 from mtpquant.families import is_mtp_name
-from mtpquant.graft import inplace
-from mtpquant.graft.lineage import GraftError, LineageError, LineageReport, check_lineage, mtp_layer_count
-from mtpquant.graft.plan import Plan, plan_index_fix, plan_shards, weight_map_of
 from mtpquant.graft.source import TrackedSource
-from mtpquant.graft.verify import verify_result
-from mtpquant.graft.write import NewMtp, Target, WriteLog, build, commit, open_target
-from mtpquant.provenance import Step
 from mtpquant.public import public_args, public_name, public_ref
+from mtpquant.recipes.recipe import RECIPE_FILE, grafted_recipe
+from mtpquant.records.provenance import Step
+from mtpquant.surgery import inplace
+from mtpquant.surgery.lineage import GraftError, LineageError, LineageReport, check_lineage, mtp_layer_count
 from mtpquant.surgery.metadata import plan_metadata
 from mtpquant.surgery.modes import MODES, WriteContext
+from mtpquant.surgery.plan import Plan, plan_index_fix, plan_shards, weight_map_of
+from mtpquant.surgery.write import NewMtp, Target, WriteLog, build, commit, open_target
 from mtpquant.units import format_bytes
 
 __all__ = [
-    "DEFAULT_MAX_SHARD_BYTES",
     "GraftError",
     "GraftOptions",
     "GraftResult",
@@ -59,7 +58,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 
 
 @dataclass(frozen=True)

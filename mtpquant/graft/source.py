@@ -16,7 +16,7 @@ from pathlib import Path
 from mtpquant.checkpoint.digest import Checksum, checksum
 from mtpquant.checkpoint.header import TensorEntry
 from mtpquant.checkpoint.source import CheckpointSource, SourceRef, read_file_range
-from mtpquant.hubhttp import RangeIgnoredError
+from mtpquant.net.hub import RangeIgnoredError
 
 __all__ = ["TrackedSource"]
 

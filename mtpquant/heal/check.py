@@ -15,9 +15,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from mtpquant.errors import ReplayError
-from mtpquant.validate.evidence import CONFIDENCE, UnitCounts, better_beyond_noise
-from mtpquant.validate.load import MtpBundle
-from mtpquant.validate.replay import TargetRun, evaluate_acceptance
+from mtpquant.measure.load import MtpBundle
+from mtpquant.measure.replay import TargetRun, evaluate_acceptance
+from mtpquant.records.evidence import CONFIDENCE, UnitCounts, better_beyond_noise
 
 __all__ = ["CONFIDENCE", "AlChange", "CheckResult", "check_prompts", "compare", "unit_counts"]
 
@@ -26,7 +26,7 @@ PROMPT_CHARS = 300
 
 def check_prompts(n: int) -> list[str]:
     """``n`` held-out prompts, all different (validate's default prompts, in pieces of ``PROMPT_CHARS``)."""
-    from mtpquant.validate.prompts import default_prompts
+    from mtpquant.text.prompts import default_prompts
 
     return list(dict.fromkeys(default_prompts(n, chars=PROMPT_CHARS)))
 

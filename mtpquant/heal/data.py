@@ -39,8 +39,8 @@ SPREAD = 4
 
 def training_prompts(tokenizer: Any, data: str, samples: int, prompt_len: int, vocab: int) -> tuple[Tensor, str]:
     """``[samples, prompt_len]`` prompt tokens from the calibration text ``data`` and its description."""
-    from mtpquant.convert.calibration import build_calibration_data
-    from mtpquant.validate.prompts import held_out_documents
+    from mtpquant.text.calibration import build_calibration_data
+    from mtpquant.text.prompts import held_out_documents
 
     held_out = frozenset(name for name, _ in held_out_documents())
     cal = build_calibration_data(tokenizer, data, samples * SPREAD, prompt_len, exclude=held_out)

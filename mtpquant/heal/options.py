@@ -6,10 +6,10 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mtpquant.checkpoint.writer import DEFAULT_MAX_SHARD_BYTES
 from mtpquant.errors import OutputExistsError, UsageError
-from mtpquant.graft.run import DEFAULT_MAX_SHARD_BYTES  # heal writes its MTP shards as graft does
 
-__all__ = ["DEFAULT_MAX_SHARD_BYTES", "HealOptions"]
+__all__ = ["HealOptions"]
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from mtpquant.errors import (
 from mtpquant.heal.options import HealOptions
 from mtpquant.heal.precision import MtpStorage, mtp_storage
 from mtpquant.heal.support import DTYPE_BYTES, check_family, compute_dtype, plan_target_memory, target_blocks
-from mtpquant.machine import resolve_device
+from mtpquant.runtime.machine import resolve_device
 from mtpquant.units import format_bytes
 
 __all__ = ["HEAD_FULL_PRECISION_LIMIT", "HealPlan", "plan_heal"]
@@ -154,11 +154,11 @@ def _open_quant(options: HealOptions) -> Checkpoint:
 def plan_heal(options: HealOptions) -> tuple[HealPlan, Checkpoint, Checkpoint, Any]:
     """Check everything that can be checked from headers and build the plan; returns it, QUANT, SRC and QUANT's
     dequantizing reader (``validate.weights.CheckpointWeights``)."""
-    from mtpquant.convert.plan import check_calibration_source
     from mtpquant.errors import ValidateLoadError
-    from mtpquant.graft.lineage import check_lineage
+    from mtpquant.measure.weights import CheckpointWeights
+    from mtpquant.surgery.lineage import check_lineage
     from mtpquant.surgery.metadata import plan_metadata
-    from mtpquant.validate.weights import CheckpointWeights
+    from mtpquant.text.calibration import check_calibration_source
 
     options.check()
     check_calibration_source(options.data)

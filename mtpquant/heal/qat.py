@@ -95,7 +95,7 @@ def quantize_for_training(layer: nn.Module, storage: MtpStorage, calibrate: Call
     """
     import modelopt.torch.quantization as mtq
 
-    from mtpquant.convert.model import modelopt_quiet
+    from mtpquant.runtime.libraries import modelopt_quiet
 
     if storage.fmt == "bf16":
         return 0

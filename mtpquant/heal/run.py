@@ -25,14 +25,14 @@ from typing import Any
 
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.errors import HealNotBetterError, OutputVerificationError
-from mtpquant.graft.write import WriteLog
 from mtpquant.heal.check import CheckResult
 from mtpquant.heal.options import HealOptions
 from mtpquant.heal.plan import HealPlan, plan_heal
 from mtpquant.heal.train import TrainLog
-from mtpquant.meter import Timer, peak_rss_bytes
-from mtpquant.provenance import HealAl, HealRecord
 from mtpquant.public import public_text
+from mtpquant.records.provenance import HealAl, HealRecord
+from mtpquant.runtime.meter import Timer, peak_rss_bytes
+from mtpquant.surgery.write import WriteLog
 
 __all__ = ["HealOptions", "HealPlan", "HealResult", "heal", "plan_heal"]
 
@@ -105,8 +105,8 @@ def heal(options: HealOptions) -> HealResult:
     if options.dry_run:
         return HealResult(plan=plan, action="planned",
                           message=f"would heal the MTP of {plan.quant} into {plan.destination}", timings=timer.timings)
-    from mtpquant.convert.memory import keep_freed_memory, return_freed_memory
-    from mtpquant.graft.write import open_target
+    from mtpquant.runtime.memory import keep_freed_memory, return_freed_memory
+    from mtpquant.surgery.write import open_target
 
     # layers streamed from disk: every large tensor returned when freed (convert's setting); a resident target:
     # freed memory kept for the next step's tensors (a third less CPU on the tiny model's heal)
@@ -118,7 +118,7 @@ def heal(options: HealOptions) -> HealResult:
     target = open_target(quant, out, replaces=True)
     result = HealResult(plan=plan, action="healed", message="", cleaned=list(target.cleaned),
                         warnings=list(plan.notes))
-    from mtpquant.libraries import library_output
+    from mtpquant.runtime.libraries import library_output
 
     with target.od, library_output(options.progress):  # transformers' messages under our logging levels
         _heal(plan, quant, src, weights, target, result, timer)
@@ -141,14 +141,14 @@ def _heal(
     """Everything between opening the destination and committing it (nothing is put in place on an error)."""
     import torch
 
-    from mtpquant.convert.calibration import load_tokenizer
-    from mtpquant.graft.write import commit
     from mtpquant.heal.check import check_prompts
     from mtpquant.heal.data import collect, training_prompts
     from mtpquant.heal.write import record_step, write_healed
-    from mtpquant.validate.builtin import capture
-    from mtpquant.validate.load import CheckpointWeights, compute_dtype, load_target, resolve_device
-    from mtpquant.validate.prompts import plan_sequences, tokenize_prompts
+    from mtpquant.measure.capture import capture
+    from mtpquant.measure.load import CheckpointWeights, compute_dtype, load_target, resolve_device
+    from mtpquant.surgery.write import commit
+    from mtpquant.text.calibration import load_tokenizer
+    from mtpquant.text.prompts import plan_sequences, tokenize_prompts
 
     options = plan.options
     torch.set_flush_denormal(True)  # denormals in tiny AdamW updates make CPU kernels crawl
@@ -217,7 +217,7 @@ def _check(before: Any, after: Any, held_out: Any, shared: tuple[Any, Any], opti
     Qwen3.5-4B) and loads one MTP at a time.
     """
     from mtpquant.heal.check import compare, unit_counts
-    from mtpquant.validate.load import load_mtp
+    from mtpquant.measure.load import load_mtp
 
     embed, head = shared
     counts = []

@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING
 from mtpquant.errors import GraftError, HealRefusedError, MemoryPlanError, UsageError
 from mtpquant.families import Family, TensorClass
 from mtpquant.heal.options import HealOptions
-from mtpquant.machine import resolve_device
+from mtpquant.runtime.machine import resolve_device
 
 if TYPE_CHECKING:
     from mtpquant.checkpoint.table import Checkpoint
-    from mtpquant.convert.memory import Block, MemoryPlan
+    from mtpquant.runtime.memory import Block, MemoryPlan
 
 __all__ = [
     "DTYPE_BYTES",
@@ -61,7 +61,7 @@ def target_blocks(
 ) -> list[Block]:
     """The quantized target as heal loads it (dequantized, in the compute dtype), in convert's blocks: ``shapes``
     gives each tensor's logical (dequantized) shape."""
-    from mtpquant.convert.memory import model_blocks
+    from mtpquant.runtime.memory import model_blocks
 
     entries = []
     for name, shape in shapes:
@@ -76,7 +76,7 @@ def target_blocks(
 
 def plan_target_memory(blocks: list[Block], options: HealOptions, device: str) -> MemoryPlan:
     """Where the target goes (convert's memory plan: in memory when it fits, else capped, the rest on disk)."""
-    from mtpquant.convert.memory import available_cpu_bytes, plan_memory
+    from mtpquant.runtime.memory import available_cpu_bytes, plan_memory
 
     available = {"cpu": a} if (a := available_cpu_bytes()) is not None else {}
     try:
@@ -95,7 +95,7 @@ def plan_target_memory(blocks: list[Block], options: HealOptions, device: str) -
 def _exchange_possible_beside(out: Path) -> bool:
     """Whether the filesystem OUT is written on can exchange two directories (an in-place heal swaps OUT so); probed
     in a temporary directory beside OUT (or its nearest existing ancestor), removed at once."""
-    from mtpquant.graft.inplace import exchange_supported
+    from mtpquant.surgery.inplace import exchange_supported
 
     parent = out.absolute().parent
     while not parent.is_dir() and parent != parent.parent:
@@ -114,7 +114,7 @@ def check_convert(
     """``convert --heal``: refuse now, before the conversion, what heal would refuse once OUT exists (``src``: the
     checkpoint being converted; ``mode``: the MTP mode; ``probe``: test OUT's filesystem, which writes and removes a
     directory beside OUT), with the exit code heal would give."""
-    from mtpquant.convert.plan import check_calibration_source
+    from mtpquant.text.calibration import check_calibration_source
 
     options.check()
     check_calibration_source(options.data)

@@ -16,16 +16,16 @@ from typing import Any
 
 from mtpquant.checkpoint.digest import checksum
 from mtpquant.checkpoint.table import Checkpoint
+from mtpquant.diagnose.verify import verify_result
 from mtpquant.errors import OutputVerificationError
 from mtpquant.families import mtp_layer_count
-from mtpquant.graft.plan import Plan, plan_index_fix, plan_shards, weight_map_of
-from mtpquant.graft.verify import verify_result
-from mtpquant.graft.write import NewMtp, Target, WriteLog, build
 from mtpquant.heal.plan import HealPlan
 from mtpquant.heal.precision import export_mtp
-from mtpquant.provenance import PROVENANCE_FILE, HealRecord, Step, source_provenance
 from mtpquant.public import public_args, public_ref
+from mtpquant.records.provenance import PROVENANCE_FILE, HealRecord, Step, source_provenance
+from mtpquant.surgery.plan import Plan, plan_index_fix, plan_shards, weight_map_of
 from mtpquant.surgery.shards import write_planned_mtp
+from mtpquant.surgery.write import NewMtp, Target, WriteLog, build
 
 __all__ = ["heal_step", "record_step", "write_healed"]
 
@@ -39,7 +39,7 @@ def heal_step(plan: HealPlan, src: Checkpoint, record: HealRecord | None) -> Ste
 
 
 def _verify(quant: Checkpoint, hashes: dict[str, str], layers: int, warnings: list[str]) -> Any:
-    from mtpquant.inspect.report import inspect_checkpoint
+    from mtpquant.diagnose.report import inspect_checkpoint
 
     expected = {e.name: e.shape for e in quant.mtp_tensors()}
     dtypes = {e.name: e.dtype for e in quant.mtp_tensors()}

@@ -4,7 +4,7 @@ convert's outputs and graft's repairs alike (``plan_metadata``, from the result'
 Engines decide per module whether a Linear is quantized from the exclusion lists, so an MTP kept
 unquantized must be covered in every file that declares quantization: ``hf_quant_config.json``
 ``exclude_modules`` and ``config.json`` ``quantization_config.ignore``. Matching follows the engines
-(``mtpquant.inspect.engines``): ModelOpt lists by exact name, substring or fnmatch with ``X*`` also
+(``mtpquant.engine.loading``): ModelOpt lists by exact name, substring or fnmatch with ``X*`` also
 covering ``X`` and ``X.*``; compressed-tensors lists by exact name or ``re:`` regex only.
 """
 
@@ -18,6 +18,7 @@ from typing import Any
 
 from mtpquant.checkpoint.header import FLOAT_DTYPES
 from mtpquant.checkpoint.modules import module_stems
+from mtpquant.engine.loading import FusedShardsError, ct_ignored, mixed_algo, modelopt_excluded
 from mtpquant.families import ModelSpec, family, is_mtp_name, resolve
 from mtpquant.formats.quant_config import (
     HF_QUANT_CONFIG,
@@ -28,7 +29,6 @@ from mtpquant.formats.quant_config import (
     read_quant_metadata,
     with_exclusions,
 )
-from mtpquant.inspect.engines import FusedShardsError, ct_ignored, mixed_algo, modelopt_excluded
 from mtpquant.surgery.repairs import repair_labels
 
 __all__ = [

@@ -20,10 +20,10 @@ from typing import Any
 
 from mtpquant.checkpoint.header import FLOAT_DTYPES
 from mtpquant.checkpoint.modules import linear_modules
+from mtpquant.checkpoint.precision import module_precision, table_precision
+from mtpquant.engine.loading import FusedShardsError, engine_modules, mixed_algo, vllm_expectation
 from mtpquant.families import ModelSpec, is_mtp_name
 from mtpquant.formats.quant_config import HF_QUANT_CONFIG, read_quant_metadata, with_exclusions
-from mtpquant.inspect.engines import FusedShardsError, engine_modules, mixed_algo, vllm_expectation
-from mtpquant.inspect.precision import module_precision, table_precision
 
 __all__ = ["repair_labels"]
 

@@ -307,7 +307,7 @@ def tiny_tokenizer(vocab_size: int) -> Any:
     """A byte-level BPE tokenizer trained on offline text shipped with CPython."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from mtpquant.corpus import offline_corpus
+    from mtpquant.text.corpus import offline_corpus
 
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -362,7 +362,7 @@ def _save(
                 "cpu_seconds": round(cpu_seconds, 1),
                 "torch": torch.__version__,
                 "history": history,
-                "note": "trained by scripts/train_tiny_mtp.py; held-out text: mtpquant.validate.prompts",
+                "note": "trained by scripts/train_tiny_mtp.py; held-out text: mtpquant.text.prompts",
             },
         )
         return od.finalize()

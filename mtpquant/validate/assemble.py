@@ -12,9 +12,9 @@ from datetime import datetime, timezone
 from typing import TYPE_CHECKING
 
 from mtpquant import __version__
-from mtpquant.validate.acceptance import Acceptance
+from mtpquant.records.acceptance import Acceptance
+from mtpquant.records.validation import Comparison, EngineInfo, Predicted, Report, Settings, Side, ValidationReport
 from mtpquant.validate.options import ValidateOptions
-from mtpquant.validate.schema import Comparison, EngineInfo, Predicted, Report, Settings, Side, ValidationReport
 from mtpquant.validate.verdict import verdict
 
 if TYPE_CHECKING:

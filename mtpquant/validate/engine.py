@@ -31,19 +31,19 @@ from pathlib import Path
 from mtpquant.engine.connect import client_for, connect
 from mtpquant.engine.http import engine_api_key
 from mtpquant.engine.launch import EngineProcess, free_port, sglang_args, vllm_args
-from mtpquant.engine.sampling import rule
 from mtpquant.engine.server import ENGINE_NAMES, EngineServer, ServerInfo, SpecConfig, resolve_model
 from mtpquant.engine.sizing import Machine, plan_engine_memory, probe_machine
 from mtpquant.errors import EngineAnswerError, ValidateError
 from mtpquant.public import public_args, public_checkpoint
-from mtpquant.validate.acceptance import Acceptance, AcceptanceRow, ContextBucket
+from mtpquant.records.acceptance import Acceptance, AcceptanceRow, ContextBucket
+from mtpquant.records.evidence import Bootstrap
+from mtpquant.records.sampling import rule
+from mtpquant.records.validation import Comparison, EngineInfo, MtpInfo, Predicted, PredictedRow, Side
+from mtpquant.text.prompts import PlannedSequence, plan_sequences, prompts_for, tokenize_prompts
 from mtpquant.validate.assemble import Measured, report_settings
-from mtpquant.validate.evidence import Bootstrap
 from mtpquant.validate.measure import EngineMeasurement, measure
 from mtpquant.validate.options import ValidateOptions
 from mtpquant.validate.preflight import Opened
-from mtpquant.validate.prompts import PlannedSequence, plan_sequences, prompts_for, tokenize_prompts
-from mtpquant.validate.schema import Comparison, EngineInfo, MtpInfo, Predicted, PredictedRow, Side
 
 __all__ = ["server_logs", "validate_engine"]
 
@@ -321,7 +321,7 @@ def _family(checkpoint: str | Path | None) -> str:
 def _device_is_cpu(opts: ValidateOptions) -> bool:
     if opts.device == "cpu":
         return True
-    from mtpquant.validate.weights import resolve_device
+    from mtpquant.measure.weights import resolve_device
 
     return resolve_device(opts.device).type == "cpu"
 

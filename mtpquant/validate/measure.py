@@ -16,10 +16,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from mtpquant.engine.sampling import SamplingSettings
 from mtpquant.engine.server import Completion, DraftCounts, EngineRun, EngineServer, ServerInfo
-from mtpquant.validate.acceptance import AcceptanceStats
-from mtpquant.validate.evidence import UnitCounts
+from mtpquant.records.acceptance import AcceptanceStats
+from mtpquant.records.evidence import UnitCounts
+from mtpquant.records.sampling import SamplingSettings
 
 __all__ = ["EngineMeasurement", "engine_stats", "measure"]
 

@@ -7,16 +7,15 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
-from mtpquant.engine.sampling import SamplingSettings, rule
 from mtpquant.errors import OutputExistsError, ValidateError
-from mtpquant.validate import ACTIVATION_MODES
+from mtpquant.measure import ACTIVATION_MODES, HIDDEN_FORMAT
+from mtpquant.records.sampling import SamplingSettings, rule
 
-__all__ = ["ENGINES", "HIDDEN_FORMAT", "ValidateOptions", "check_hidden_destination"]
+__all__ = ["ENGINES", "ValidateOptions", "check_hidden_destination"]
 
 ENGINES = ("vllm", "sglang")
 
 
-HIDDEN_FORMAT = "mtpquant.hidden/1"  # the ``format`` a hidden-state file's safetensors metadata holds
 
 
 def check_hidden_destination(path: Path) -> None:
@@ -24,7 +23,7 @@ def check_hidden_destination(path: Path) -> None:
     is refused before any work (exit 5), so an unrelated file is never overwritten."""
     import os
 
-    from mtpquant import safejson
+    from mtpquant.net import safejson
 
     if not os.path.lexists(path):
         return
@@ -66,7 +65,7 @@ class ValidateOptions:
     broken_al: float = 1.02  # AL below this at k=1 means the MTP is broken (~0 % acceptance)
     min_main_agreement: float = 0.5  # pair: candidate main-model top-1 agreement below this means a broken candidate
     confidence: float = 0.95  # two-sided level of the bootstrap intervals the verdict decides on
-    # ---- sampling: how the target samples and how drafts are verified (``mtpquant.engine.sampling``) -----------
+    # ---- sampling: how the target samples and how drafts are verified (``mtpquant.records.sampling``) -----------
     temperatures: tuple[float, ...] = (0.0,)  # each one measured; the first is the headline (comparisons, verdict)
     top_p: tuple[float, ...] = (1.0,)  # one value for every temperature, or one per temperature
     top_k: tuple[int, ...] = (0,)  # the same

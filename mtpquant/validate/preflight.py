@@ -16,8 +16,8 @@ from mtpquant.checkpoint.source import CheckpointSource, read_text
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.errors import LineageError, ValidateError
 from mtpquant.families import dimension_differences
+from mtpquant.text.prompts import prompts_for
 from mtpquant.validate.options import ValidateOptions
-from mtpquant.validate.prompts import prompts_for
 
 __all__ = ["Opened", "check_context_buckets", "check_report_dir", "check_same_model", "preflight"]
 

@@ -25,26 +25,32 @@ from pathlib import Path
 from typing import Any
 
 from mtpquant.checkpoint.filesystem import json_bytes
-from mtpquant.engine.sampling import SamplingSettings
+from mtpquant.checkpoint.precision import linears_text
 from mtpquant.engine.server import ENGINE_NAMES
 from mtpquant.errors import OutputExistsError
-from mtpquant.inspect.precision import linears_text
 from mtpquant.public import public_json, public_text
-from mtpquant.validate import LOGS_DIR
-from mtpquant.validate.evidence import Interval
-from mtpquant.validate.profile import PROFILE_FILE, speculation_profile
-from mtpquant.validate.schema import REPORT_SCHEMA, Report, Side, ValidationReport, sides
-from mtpquant.validate.table import acceptance_table
+from mtpquant.records.evidence import Interval
+from mtpquant.records.profile import PROFILE_FILE, speculation_profile
+from mtpquant.records.sampling import SamplingSettings
+from mtpquant.records.table import acceptance_table
+from mtpquant.records.validation import (
+    LOGS_DIR,
+    MARKDOWN_FILE,
+    REPORT_FILE,
+    REPORT_SCHEMA,
+    Report,
+    Side,
+    ValidationReport,
+    sides,
+)
 
-__all__ = ["MARKDOWN_FILE", "PLOTS", "REPORT_FILE", "check_replaceable_report", "render_markdown", "write_report"]
+__all__ = ["PLOTS", "check_replaceable_report", "render_markdown", "write_report"]
 
 log = logging.getLogger(__name__)
 
 # KL values are floored here on the log-scale histogram; exact zeros are counted separately.
 _KL_FLOOR = 1e-12
 
-REPORT_FILE = "report.json"
-MARKDOWN_FILE = "report.md"
 PLOTS = ("acceptance", "context", "kl")  # each written as NAME.png when there is something to plot
 _WRITTEN = frozenset({REPORT_FILE, MARKDOWN_FILE, PROFILE_FILE, *(f"{p}.png" for p in PLOTS)})
 # what earlier runs left that validate wrote: server logs beside the report (mtpquant before logs/ was used), and the

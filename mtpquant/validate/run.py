@@ -12,10 +12,10 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from mtpquant.records.validation import ValidationReport
 from mtpquant.validate.assemble import assemble
 from mtpquant.validate.options import ValidateOptions
 from mtpquant.validate.preflight import preflight
-from mtpquant.validate.schema import ValidationReport
 
 __all__ = ["ValidateOptions", "ValidationReport", "validate"]
 
@@ -33,7 +33,7 @@ def validate(opts: ValidateOptions) -> ValidationReport:
             result = assemble(opts, validate_engine(opts, opened, logs))
             _write(opts, result, logs)
     else:
-        from mtpquant.libraries import library_output
+        from mtpquant.runtime.libraries import library_output
         from mtpquant.validate.builtin import validate_builtin
 
         with library_output(opts.progress):  # transformers' messages through logging (-q / -v)

@@ -28,10 +28,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from mtpquant.validate.acceptance import Acceptance, AcceptanceRow
-from mtpquant.validate.evidence import Bootstrap, Interval, UnitCounts, decide, units_to_settle
+from mtpquant.records.acceptance import Acceptance, AcceptanceRow
+from mtpquant.records.evidence import Bootstrap, Interval, UnitCounts, decide, units_to_settle
+from mtpquant.records.validation import ChangeEvidence, Comparison, Side, Verdict
 from mtpquant.validate.options import ValidateOptions
-from mtpquant.validate.schema import ChangeEvidence, Comparison, Side, Verdict
 
 __all__ = ["change_evidence", "verdict"]
 

@@ -103,7 +103,7 @@ def prompt_ids(checkpoint: Path, n: int, max_len: int = 96) -> tuple[list[list[i
     and how many tokens to generate for each (the rest of ``max_len``), as ``validate`` uses them."""
     from tokenizers import Tokenizer
 
-    from mtpquant.validate.prompts import default_prompts
+    from mtpquant.text.prompts import default_prompts
 
     tok = Tokenizer.from_file(str(checkpoint / "tokenizer.json"))
     ids = [tok.encode(p, add_special_tokens=False).ids[: max_len // 2] for p in default_prompts(n)]

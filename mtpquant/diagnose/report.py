@@ -1,0 +1,488 @@
+"""``inspect``: is the MTP in the checkpoint, in what precision, and will vLLM / SGLang load it?
+
+Reads only config.json, hf_quant_config.json, the index and the safetensors headers, from a
+directory or a Hub repo (through the checkpoint layer, which counts the bytes it fetched). What each engine
+does with the MTP (verdict lines, serve commands) is drawn in ``verdicts.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from mtpquant.checkpoint.header import bulk_parse
+from mtpquant.checkpoint.modules import linear_modules, module_of
+from mtpquant.checkpoint.precision import is_quantized, module_precision, table_precision
+from mtpquant.checkpoint.source import CheckpointSource
+from mtpquant.checkpoint.table import Checkpoint
+from mtpquant.diagnose.fixes import fix_commands
+from mtpquant.engine.loading import (
+    EngineModule,
+    Expectation,
+    FusedShardsError,
+    engine_modules,
+    vllm_expectation,
+    vllm_format_refusal,
+)
+from mtpquant.engine.server import ENGINE_NAMES
+from mtpquant.engine.verdicts import (
+    MISSING,
+    ModuleReport,
+    engine_verdicts,
+    label_refusal,
+    sglang_keeps_quantized_mtp,
+    sglang_mismatch,
+)
+from mtpquant.errors import ExitCode
+from mtpquant.families import is_mtp_name
+from mtpquant.formats.quant_config import QuantMetadata
+
+__all__ = [
+    "EXIT_DECLARED_MISSING",
+    "EXIT_EXCLUSIONS",
+    "EXIT_FORMAT",
+    "EXIT_INDEX",
+    "SCHEMA_VERSION",
+    "IndexInfo",
+    "InspectReport",
+    "MainModelInfo",
+    "QuantizationInfo",
+    "VisionInfo",
+    "inspect_checkpoint",
+]
+
+log = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+# Exit codes by finding category (documented in docs/inspect.md and the CLI help), most severe first.
+EXIT_INDEX = int(ExitCode.INSPECT_INDEX)
+EXIT_FORMAT = int(ExitCode.INSPECT_FORMAT)
+EXIT_DECLARED_MISSING = int(ExitCode.INSPECT_MTP)
+EXIT_EXCLUSIONS = int(ExitCode.INSPECT_EXCLUSIONS)
+_SEVERITY = (
+    ("index", EXIT_INDEX),
+    ("format", EXIT_FORMAT),
+    ("declared_missing", EXIT_DECLARED_MISSING),
+    ("exclusions", EXIT_EXCLUSIONS),
+)
+
+
+@dataclass
+class Finding:
+    """A failure or warning with the category that decides its --strict exit code."""
+
+    category: str  # "declared_missing" | "exclusions" | "index" | "format" | "note"
+    message: str
+
+
+@dataclass
+class QuantizationInfo:
+    """The checkpoint's quantization metadata as inspect read it (all None / empty: not quantized)."""
+
+    method: str | None  # "modelopt" | "compressed-tensors" | ...
+    vllm_method: str | None  # the method vLLM loads it as
+    algorithm: str | None
+    group_size: int | None
+    kv_cache: str | None
+    exclude: list[str]
+    declared_in: list[str]  # the files that declare it
+
+
+@dataclass
+class MainModelInfo:
+    """The main model's Linear modules: how many, how many quantized, by precision."""
+
+    linear_modules: int
+    quantized: int
+    unquantized: int
+    precisions: dict[str, int]  # Linear count per on-disk precision
+    inconsistent_modules: list[str]  # whose metadata disagrees with their tensors
+
+
+@dataclass
+class VisionInfo:
+    """The vision tower (``model.visual.*``): present, its tensors, its Linears by precision, expected here."""
+
+    present: bool
+    tensors: int
+    precisions: dict[str, int]
+    expected: bool
+
+
+@dataclass
+class IndexInfo:
+    """The shard index: shards, tensors, what is wrong (``problems``: fatal) or only advisory (``warnings``)."""
+
+    shards: int
+    tensors: int
+    problems: list[str]
+    warnings: list[str]
+    intact: bool
+
+
+@dataclass
+class InspectReport:
+    """Everything inspect found; ``to_json`` gives the documented schema."""
+
+    checkpoint: str
+    family: str
+    architecture: str
+    kind: str  # "model" | "mtp-only" (an MTP sidecar: the MTP alone, to graft into a quant or load beside it)
+    mtp_declared: bool
+    mtp_declaration: str
+    mtp_expected_tensors: int
+    mtp_present_tensors: int
+    mtp_bytes: int
+    mtp_shards: list[str]
+    mtp_missing: list[str]
+    mtp_unexpected: list[str]
+    mtp_modules: list[ModuleReport]
+    mtp_precision: str
+    quantization: QuantizationInfo
+    main_model: MainModelInfo
+    vision: VisionInfo
+    index: IndexInfo
+    verdicts: dict[str, str]
+    serve_commands: dict[str, str]
+    failures: list[Finding] = field(default_factory=list)
+    warnings: list[Finding] = field(default_factory=list)
+    fixes: list[str] = field(default_factory=list)  # the commands that repair the failures, where one does
+    mtp_removed: str | None = None  # the MTP mode (drop / extract) an mtpquant run removed the MTP with
+    bytes_fetched: int = 0
+    requests: int = 0  # network requests (a Hub repo); 0 for a local directory
+    checkpoint_bytes: int = 0
+    seconds: float = 0.0
+
+    @property
+    def healthy(self) -> bool:
+        """No failure: the MTP is present when declared, metadata agrees with tensors, index intact."""
+        return not self.failures
+
+    @property
+    def failure_messages(self) -> list[str]:
+        """One-line reasons, failures first."""
+        return [f.message for f in self.failures]
+
+    def exit_code(self, *, strict: bool = False) -> int:
+        """0, or the code of the most severe category among the failures (with ``strict``: warnings too)."""
+        found = [*self.failures, *self.warnings] if strict else self.failures
+        cats = {f.category for f in found}
+        for cat, code in _SEVERITY:
+            if cat in cats:
+                return code
+        return 0
+
+    def to_json(self) -> dict[str, Any]:
+        """The stable JSON form (schema in docs/inspect.md)."""
+        data = asdict(self)
+        data["schema_version"] = SCHEMA_VERSION
+        data["healthy"] = self.healthy
+        return data
+
+
+def _engine_view(ckpt: Checkpoint, meta: QuantMetadata | None) -> tuple[QuantMetadata | None, int]:
+    """The MTP's quantization metadata as the engine reads it (Qwen4-Exp: mtp.layers.i renamed in every list)."""
+    layout = ckpt.spec.family.mtp
+    if meta is None or not layout.engine_layer_offset:
+        return meta, 0
+    n = ckpt.spec.dim("num_hidden_layers")
+    return (
+        dataclasses.replace(
+            meta,
+            exclude=tuple(layout.engine_name(p, n) for p in meta.exclude),
+            quantized_layers={layout.engine_name(k, n): v for k, v in meta.quantized_layers.items()},
+        ),
+        n,
+    )
+
+
+def _missing_param(ckpt: Checkpoint, mod: EngineModule, engine_prefix: str, e: Expectation) -> str:
+    """vLLM's load error for routed experts whose tensors its method has no parameter for (routed_experts.py
+    1020-1029), for the first such tensor in checkpoint order; "" when none."""
+    for member in sorted(mod.members):
+        for name in sorted(n for n in ckpt.tensors if n.startswith(member + ".")):
+            suffix = name[len(member) + 1 :]
+            if suffix not in e.params:
+                w = "w2" if member.endswith("down_proj") else "w13"
+                return f" (vLLM: Layer {engine_prefix} has no parameter '{w}_{suffix}')"
+    return ""
+
+
+def _module_reports(
+    ckpt: Checkpoint, names: list[str], meta: QuantMetadata | None, precision: dict[str, str] | None = None
+) -> tuple[list[ModuleReport], list[Finding]]:
+    """``precision``: each name's ``module_precision``, when the caller has it already."""
+    if precision is None:
+        precision = {m: module_precision(ckpt.tensors, m) for m in names}
+    family = ckpt.spec.family
+    mtp_meta, layers = _engine_view(ckpt, meta)
+    reports: list[ModuleReport] = []
+    findings: list[Finding] = []
+    for mod in engine_modules(names, family.engine):
+        if mod.kind == "embedding":  # shards of one table, one table-wide scale
+            disk = table_precision(ckpt.tensors, mod.prefix, mod.members)
+            precision.update(dict.fromkeys(mod.members, disk))
+        precs = {precision[m] for m in mod.members}
+        disk = precs.pop() if len(precs) == 1 else "mixed"
+        mtp = is_mtp_name(mod.prefix)
+        engine_prefix = family.mtp.engine_name(mod.prefix, layers) if mtp else mod.prefix
+        try:
+            e = vllm_expectation(mod, mtp_meta if mtp else meta, family.engine, engine_prefix)
+        except FusedShardsError as exc:
+            reports.append(ModuleReport(mod.prefix, list(mod.members), disk, None, str(exc), False))
+            findings.append(Finding("exclusions", f"vLLM will fail to load: {exc}"))
+            continue
+        if e.refusal is not None:
+            reports.append(ModuleReport(mod.prefix, list(mod.members), disk, None, e.refusal, False))
+            findings.append(Finding("exclusions", f"vLLM will fail to load: {e.refusal}"))
+            continue
+        q, reason = e.quantized, e.reason
+        disk_q = disk != "mixed" and is_quantized(disk)
+        consistent = disk != "mixed" and disk != "missing" and q == disk_q
+        wrong_format = consistent and q and e.expects is not None and disk != e.expects
+        if wrong_format:
+            consistent = False
+        if disk == "missing":
+            consistent = True  # reported through the missing-tensor check
+        if mod.kind == "unquantized" and disk_q:
+            reason = "vLLM builds it unquantized, but it is quantized on disk"
+        expects = e.expects if e.quantized else None
+        reports.append(ModuleReport(mod.prefix, list(mod.members), disk, q, reason, consistent, expects, e.workaround))
+        if not consistent:
+            if disk == "mixed":
+                msg = f"vLLM will fail to load: {mod.prefix} mixes precisions across its tensors"
+            elif wrong_format:
+                msg = (
+                    f"vLLM will fail to load: {mod.prefix} is {disk} on disk but {reason} selects {e.method}, which "
+                    f"loads {e.expects}"
+                    + (_missing_param(ckpt, mod, engine_prefix, e) if mod.kind == "experts" else "")
+                )
+            elif q:
+                msg = f"vLLM will fail to load: {mod.prefix} is {disk} on disk but declared quantized"
+            else:
+                msg = f"vLLM will fail to load: {mod.prefix} is {disk} on disk but excluded from quantization"
+                if mod.kind == "experts" and e.method is not None:
+                    msg += f" ({reason}){_missing_param(ckpt, mod, engine_prefix, e)}"
+            findings.append(Finding("exclusions", msg))
+    return reports, findings
+
+
+def _removed_on_purpose(ckpt: Checkpoint) -> str | None:
+    """``drop`` / ``extract`` when an mtpquant run removed the MTP of a checkpoint whose family has no config key to
+    un-declare it (Qwen3-Next: engines assume one layer), as its provenance file records; else None."""
+    if ckpt.spec.family.mtp_key is not None or ckpt.mtp_tensors():
+        return None
+    from mtpquant.records.provenance import source_provenance
+
+    mode = source_provenance(ckpt.source).mode
+    return mode if mode in ("drop", "extract") else None
+
+
+def _mtp_section(ckpt: Checkpoint, meta: QuantMetadata | None, report: dict[str, Any]) -> list[Finding]:
+    findings: list[Finding] = []
+    spec = ckpt.spec
+    report["mtp_removed"] = _removed_on_purpose(ckpt)
+    present = ckpt.mtp_tensors()
+    present_names = {e.name for e in present}
+    expected = spec.expected_mtp_shapes(present_names)
+    present_modules = {module_of(n) for n in present_names}
+    missing = []
+    for name in expected:
+        mod = module_of(name)
+        if name in present_names or (name.endswith(".weight") and mod + ".weight_packed" in present_names):
+            continue
+        missing.append(name)
+    expected_modules = {module_of(n) for n in expected}
+    unexpected = sorted(n for n in present_names if module_of(n) not in expected_modules)
+    report.update(
+        mtp_declared=spec.mtp.declared,
+        mtp_declaration=spec.mtp.describe(),
+        mtp_expected_tensors=len(expected),
+        mtp_present_tensors=len(present),
+        mtp_bytes=sum(e.nbytes for e in present),
+        mtp_shards=sorted({e.shard for e in present}),
+        mtp_missing=missing,
+        mtp_unexpected=unexpected,
+    )
+    mods = linear_modules({e.name: e for e in present})
+    reports, mod_findings = _module_reports(ckpt, mods, meta) if present else ([], [])
+    report["mtp_modules"] = reports
+    precs = sorted({r.disk for r in reports})
+    report["mtp_precision"] = (
+        "absent" if not present else (precs[0] if len(precs) == 1 else "mixed: " + ", ".join(precs))
+    )
+    if spec.mtp.declared and not present:
+        if report["mtp_removed"] is None:
+            findings.append(Finding("declared_missing", MISSING))
+    elif spec.mtp.declared and missing:
+        findings.append(
+            Finding(
+                "declared_missing",
+                f"MTP incomplete: {len(missing)} of {len(expected)} expected tensors missing (first: {missing[0]})",
+            )
+        )
+    elif not spec.mtp.declared and present:
+        findings.append(
+            Finding(
+                "declared_missing",
+                f"MTP present ({len(present)} tensors) but not declared in config.json: engines will not use it",
+            )
+        )
+    if unexpected and spec.mtp.declared:
+        findings.append(
+            Finding("declared_missing", f"unexpected MTP tensor {unexpected[0]} ({len(unexpected)} in all)")
+        )
+    findings += mod_findings
+    del present_modules
+    return findings
+
+
+def _main_section(ckpt: Checkpoint, meta: QuantMetadata | None) -> tuple[MainModelInfo, VisionInfo, list[Finding]]:
+    groups = ckpt.by_class()
+    main_tensors = {e.name: e for cls in ("main", "lm_head") for e in groups.get(cls, [])}
+    mods = linear_modules(main_tensors)
+    precision = {m: module_precision(ckpt.tensors, m) for m in mods}
+    reports, findings = _module_reports(ckpt, mods, meta, precision)  # embedding-table shards: the table's precision
+    precs = Counter(precision.values())
+    quantized = sum(n for p, n in precs.items() if is_quantized(p))
+    bad = [r for r in reports if not r.consistent]
+    main = MainModelInfo(
+        linear_modules=len(mods),
+        quantized=quantized,
+        unquantized=len(mods) - quantized,
+        precisions=dict(sorted(precs.items())),
+        inconsistent_modules=[r.module for r in bad],
+    )
+    vision_entries = groups.get("vision", [])
+    vprecs = Counter(module_precision(ckpt.tensors, m) for m in linear_modules({e.name: e for e in vision_entries}))
+    vision = VisionInfo(
+        present=bool(vision_entries),
+        tensors=len(vision_entries),
+        precisions=dict(sorted(vprecs.items())),
+        expected=ckpt.spec.family.has_vision and ckpt.spec.wrapped,
+    )
+    if len(findings) > 3:  # keep the list readable: the first few plus a count
+        rest = len(findings) - 3
+        findings = [
+            *findings[:3],
+            Finding("exclusions", f"... and {rest} more main-model modules whose metadata disagrees with the tensors"),
+        ]
+    return main, vision, findings
+
+
+def inspect_checkpoint(
+    ref: str | os.PathLike[str] | CheckpointSource,
+    *,
+    revision: str | None = None,
+    token: str | None = None,
+    checkpoint: Checkpoint | None = None,
+) -> InspectReport:
+    """Inspect a checkpoint directory or Hub repo from metadata and headers only.
+
+    ``checkpoint``: ``ref`` already opened with ``Checkpoint.open`` (a caller that has just opened
+    and validated it, graft's verification say), used instead of opening it again. Its ``problems``
+    are what a non-strict open finds: a strict open that succeeded collects the same list.
+    """
+    t0 = time.perf_counter()
+    ckpt = checkpoint if checkpoint is not None else Checkpoint.open(ref, revision=revision, token=token, strict=False)
+    with bulk_parse():  # per-module records over a table of up to ~300,000 tensors
+        report = _inspect(ckpt, t0)
+        if report.exit_code(strict=True):
+            report.fixes = fix_commands(ckpt, lambda c: not _inspect(c, t0).exit_code(strict=True))
+            report.seconds = round(time.perf_counter() - t0, 3)
+        return report
+
+
+def _inspect(ckpt: Checkpoint, t0: float) -> InspectReport:
+    meta = ckpt.quant_metadata
+    report: dict[str, Any] = {}
+    failures: list[Finding] = []
+    warnings: list[Finding] = []
+    failures += _mtp_section(ckpt, meta, report)
+    main, vision, main_findings = _main_section(ckpt, meta)
+    failures += main_findings
+    index_problems = [p for p in ckpt.problems if p.fatal]
+    failures += [Finding("index", p.message) for p in index_problems]
+    warnings += [Finding("note", p.message) for p in ckpt.problems if not p.fatal]
+    label = ckpt.label
+    sglang_mixed = sglang_keeps_quantized_mtp(ckpt, meta)
+    verdicts, serve, notes = engine_verdicts(report, label, meta, ckpt.spec.family.engine, sglang_mixed)
+    sglang_problem = sglang_mismatch(ckpt, meta) if sglang_mixed and meta is not None else None
+    if sglang_problem is not None:
+        verdicts["sglang"] = f"SGLang will fail to load: {sglang_problem}"
+        serve.pop("sglang", None)
+    warnings += [Finding("exclusions", n) for n in notes]
+    if ckpt.mtp_only and report["mtp_declared"] and not report["mtp_missing"]:
+        # nothing to serve on its own: say what it is for instead of what an engine would do with it as a model
+        what = f"MTP-only checkpoint ({report['mtp_precision']}), no model to serve"
+        use = f"graft it into a quant of its base model: mtpquant graft QUANT --from {label}"
+        verdicts = {"vllm": f"vLLM: {what}; {use}", "sglang": f"SGLang: {what}; {use}"}
+        serve = {}
+    if main_findings and verdicts["vllm"].startswith("vLLM: MTP loads"):
+        # the MTP would load, but the main model does not: that is what a user sees
+        verdicts["vllm"] = main_findings[0].message
+        serve.pop("vllm", None)
+    if meta is not None and len(set(meta.exclude_by_file.values())) > 1:
+        warnings.append(
+            Finding("note", "config.json and hf_quant_config.json list different exclusions; vLLM reads config.json")
+        )
+    if vision.expected and not vision.present and not ckpt.mtp_only:
+        warnings.append(Finding("note", "vision tower (model.visual.*) is missing: image input will not work"))
+    unknown_label = label_refusal(ckpt)
+    if unknown_label is not None:  # neither engine resolves the architecture: nothing else matters until relabelled
+        failures.append(Finding("format", f"engines will fail to load: {unknown_label}"))
+        verdicts = {
+            "vllm": f"vLLM will fail to load: {unknown_label}",
+            "sglang": f"SGLang will fail to load: {unknown_label}",
+        }
+        serve = {}
+    refusal = vllm_format_refusal(meta)
+    if refusal is not None:
+        failures.append(Finding("format", f"vLLM will fail to load: {refusal}"))
+        verdicts["vllm"] = f"vLLM will fail to load: {refusal}"
+        serve.pop("vllm", None)
+    if index_problems:
+        verdicts = dict.fromkeys(verdicts, f"index corrupt: {index_problems[0].message}")
+        serve = {}
+    verdicts = {e: v if v.startswith(ENGINE_NAMES[e]) else f"{ENGINE_NAMES[e]}: {v}" for e, v in verdicts.items()}
+    quant = QuantizationInfo(
+        method=meta.method if meta else None,
+        vllm_method=meta.vllm_method if meta else None,
+        algorithm=meta.algo if meta else None,
+        group_size=meta.group_size if meta else None,
+        kv_cache=meta.kv_cache_algo if meta else None,
+        exclude=list(meta.exclude) if meta else [],
+        declared_in=list(meta.declared_in) if meta else [],
+    )
+    index = IndexInfo(
+        shards=len(ckpt.shards),
+        tensors=len(ckpt.tensors),
+        problems=[p.message for p in index_problems],
+        warnings=[p.message for p in ckpt.problems if not p.fatal],
+        intact=not index_problems,
+    )
+    return InspectReport(
+        checkpoint=label,
+        family=ckpt.spec.family.display,
+        architecture=ckpt.spec.architecture,
+        kind="mtp-only" if ckpt.mtp_only else "model",
+        quantization=quant,
+        main_model=main,
+        vision=vision,
+        index=index,
+        verdicts=verdicts,
+        serve_commands=serve,
+        failures=failures,
+        warnings=warnings,
+        bytes_fetched=ckpt.source.bytes_read,
+        requests=ckpt.source.requests,
+        checkpoint_bytes=ckpt.total_bytes,
+        seconds=round(time.perf_counter() - t0, 3),
+        **report,
+    )
+

@@ -1,0 +1,84 @@
+"""Activation emulation (``activations="emulate"``): each quantized Linear's input fake-quantized with the
+checkpoint's ``input_scale`` (NVFP4: dynamic fp8 block scales, as the W4A4 kernels do; FP8: the static per-tensor
+scale), through forward pre-hooks, and transformers' fused experts given a forward that quantizes both their inputs.
+``load.py`` installs them on the MTP and the target model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from mtpquant.formats.fp8 import FP8_E4M3_MAX
+from mtpquant.formats.nvfp4 import quantize_activation_nvfp4
+from mtpquant.measure.weights import LinearFormat
+
+__all__ = ["activation_quantizer", "emulate_fused_experts", "pre_hook", "shared_quantizer"]
+
+
+def _fp8_activation(x: Tensor, scale: float) -> Tensor:
+    q = (x.float() / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    return (q.float() * scale).to(x.dtype)
+
+
+def activation_quantizer(fmt: LinearFormat, pre_quant_scale: Tensor | None) -> Callable[[Tensor], Tensor] | None:
+    """The input fake-quantizer of a quantized Linear (None when it has no input scale: weight-only)."""
+    if fmt.input_scale is None:
+        return None
+    scale = fmt.input_scale
+    nvfp4 = fmt.kind in ("nvfp4", "nvfp4-ct")
+
+    def quantize(x: Tensor) -> Tensor:
+        if pre_quant_scale is not None:
+            x = x * pre_quant_scale.to(device=x.device, dtype=x.dtype)
+        return quantize_activation_nvfp4(x, scale) if nvfp4 else _fp8_activation(x, scale)
+
+    return quantize
+
+
+def pre_hook(quantize: Callable[[Tensor], Tensor]) -> Callable[..., Any]:
+    """A forward pre-hook that fake-quantizes the module's first input with ``quantize``."""
+
+    def hook(_module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        return (quantize(args[0]), *args[1:])
+
+    return hook
+
+
+def shared_quantizer(fmts: list[LinearFormat]) -> Callable[[Tensor], Tensor] | None:
+    """One input fake-quantizer for Linears that share an input (fused experts): the largest input scale, as vLLM
+    takes."""
+    scales = [f.input_scale for f in fmts if f.input_scale is not None]
+    if not scales:
+        return None
+    return activation_quantizer(LinearFormat(fmts[0].module, fmts[0].kind, max(scales)), None)
+
+
+def emulate_fused_experts(
+    experts: nn.Module,
+    q_in: Callable[[Tensor], Tensor] | None,
+    q_mid: Callable[[Tensor], Tensor] | None,
+) -> None:
+    """Replace a transformers fused-experts forward by the same loop with activation fake-quant.
+
+    Mirrors ``Qwen3_5MoeExperts.forward`` / ``Qwen3NextExperts.forward`` (transformers 5.x).
+    """
+    mod: Any = experts
+
+    def forward(hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        final = torch.zeros_like(hidden_states)
+        x_all = q_in(hidden_states) if q_in else hidden_states
+        for e in torch.unique(top_k_index).tolist():
+            token_idx, slot = torch.where(top_k_index == e)
+            gate, up = nn.functional.linear(x_all[token_idx], mod.gate_up_proj[e]).chunk(2, dim=-1)
+            mid = mod.act_fn(gate) * up
+            if q_mid:
+                mid = q_mid(mid)
+            out = nn.functional.linear(mid, mod.down_proj[e]) * top_k_weights[token_idx, slot, None]
+            final.index_add_(0, token_idx, out.to(final.dtype))
+        return final
+
+    mod.forward = forward

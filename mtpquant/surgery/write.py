@@ -1,0 +1,219 @@
+"""Writing a changed quant the graft way: only the new bytes are written, everything else is linked, and the
+result is verified where it was built before it is put in place.
+
+``open_target`` takes the destination (``--out``: a new directory; ``--in-place``: QUANT itself, locked, its
+interrupted runs cleaned, snapshotted); ``build`` writes the new MTP shards first (into an empty directory, so
+nothing can be written through a link to QUANT), rewrites the shards that lose tensors, links or mirrors every other
+file, writes the small files (provenance, metadata, a rewritten recipe, index) and runs the verification; ``commit``
+puts the verified result in place (a rename for ``--out``; an atomic directory exchange, or new files then the small
+ones for ``--in-place``, see ``graft.inplace``). graft writes SRC's MTP through convert's keep mode; heal writes its
+healed MTP, in QUANT's own precision, through the same steps. QUANT's validation report (``validation/``) is not
+carried: it measured QUANT before the change, and a report describes the checkpoint it sits in.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mtpquant.checkpoint.dtypes import planned_copy
+from mtpquant.checkpoint.header import TensorEntry
+from mtpquant.checkpoint.index import INDEX_NAME
+from mtpquant.checkpoint.lock import OutputLock
+from mtpquant.checkpoint.table import Checkpoint
+from mtpquant.checkpoint.writer import OutputDir
+from mtpquant.errors import GraftError
+from mtpquant.formats.quant_config import HF_QUANT_CONFIG
+from mtpquant.records.provenance import PROVENANCE_FILE, Step, source_provenance
+from mtpquant.records.validation import REPORT_DIR
+from mtpquant.surgery import inplace
+from mtpquant.surgery.plan import Plan, new_index, strays
+
+__all__ = ["NewMtp", "Target", "WriteLog", "build", "commit", "open_target"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True)
+class WriteLog:
+    """What ``open_target``, ``build`` and ``commit`` did: the part of graft's and heal's results they fill."""
+
+    bytes_written: int = 0
+    new_shards: list[str] = field(default_factory=list)
+    linked: list[str] = field(default_factory=list)
+    copied: list[str] = field(default_factory=list)
+    rewritten: list[str] = field(default_factory=list)
+    dropped: list[str] = field(default_factory=list)
+    cleaned: list[str] = field(default_factory=list)  # what interrupted runs left and the opening removed
+    warnings: list[str] = field(default_factory=list)
+    verified_with: list[str] = field(default_factory=list)
+    commit: str | None = None  # "rename" (--out) | "exchange" | "files" (--in-place)
+
+
+@dataclass
+class Target:
+    """Where the result is built and how it is put in place."""
+
+    od: OutputDir
+    mode: str  # "out" | "in-place"
+    root: Path | None  # QUANT's directory for in-place
+    commit: str  # "rename" | "exchange" | "files"
+    before: dict[str, tuple[int, int, int]] = field(default_factory=dict)
+    cleaned: list[str] = field(default_factory=list)  # what interrupted runs left and the opening removed
+
+    @property
+    def destination(self) -> Path:
+        """The directory that holds the result once it is committed."""
+        return self.root if self.root is not None else self.od.final
+
+
+@dataclass(frozen=True)
+class NewMtp:
+    """The MTP tensors to write as new shards: their names, and the function that writes them into a directory
+    (returning the shard names)."""
+
+    names: tuple[str, ...]
+    write: Callable[[OutputDir], list[str]]
+
+
+def open_target(quant: Checkpoint, out: Path | None, *, replaces: bool) -> Target:
+    """The destination, opened: ``out`` (must not exist), else QUANT itself (``replaces``: the change drops or
+    rewrites a shard, which in place needs an atomic directory exchange)."""
+    if out is not None:
+        return Target(OutputDir(out), "out", None, "rename")
+    assert quant.source.local_root is not None  # --in-place was refused for a remote QUANT
+    root = quant.source.local_root.resolve()
+    if root.stat().st_dev != root.parent.stat().st_dev:
+        raise GraftError(f"{root}: is a mount point; --in-place needs to build next to it: use --out")
+    lock = OutputLock.acquire(root)  # before the clean-up: a live run's temp directory is never a leftover
+    try:
+        cleaned = inplace.clean_stale(root)
+        before = inplace.snapshot(root)
+    except BaseException:
+        lock.release()
+        raise
+    od = OutputDir(root, overwrite=True, lock=lock)
+    mode = "exchange" if inplace.exchange_supported(od.path) else "files"
+    if mode == "files" and replaces:
+        od.abort()
+        raise GraftError(
+            f"{root}: replacing an MTP in place needs a filesystem with atomic directory "
+            "exchange (Linux renameat2); use --out"
+        )
+    return Target(od, "in-place", root, mode, before, cleaned)
+
+
+def build(
+    target: Target,
+    plan: Plan,
+    new_mtp: NewMtp | None,
+    step: Step,
+    result: WriteLog,
+    verify: Callable[[Path], list[str]],
+    *,
+    link: bool = True,
+    skip: frozenset[str] = frozenset(),
+    texts: Mapping[str, str] | None = None,
+) -> list[str]:
+    """Build the changed quant in ``target``'s temporary directory and verify it; returns the small files written
+    (``commit`` needs them). ``step`` is added to QUANT's provenance; ``skip`` names files not carried over;
+    ``texts`` are files of QUANT written with new text (``relpath -> text``)."""
+    texts = texts or {}
+    od, quant = target.od, plan.quant
+    plan.strays = strays(quant, plan.weight_map)  # after the clean-up of interrupted runs
+    new_shard_of: dict[str, str] = {}
+    mtp_entries: dict[str, TensorEntry] = {}
+    # New bytes first, into an empty directory: nothing can be written through a link to QUANT.
+    if plan.add and new_mtp is not None:
+        if sorted(new_mtp.names) != sorted(plan.add):
+            raise GraftError("internal: the new MTP holds other tensors than planned")
+        result.new_shards = new_mtp.write(od)
+        headers = od.shard_headers()
+        for shard in result.new_shards:
+            for name, entry in headers[shard].tensors.items():
+                new_shard_of[name] = shard
+                mtp_entries[name] = entry
+        if set(new_shard_of) != set(plan.add):
+            raise GraftError("internal: the MTP shards written do not hold exactly the MTP tensors planned")
+    for shard, names in sorted(plan.rewrite.items()):
+        entries = [quant.tensors[n] for n in names]
+        entries.sort(key=lambda e: e.start)
+        od.write_shard(shard, [planned_copy(quant, e) for e in entries], quant.headers[shard].metadata or None)
+        result.rewritten.append(shard)
+    rewrite_index = bool(plan.add or plan.removed or plan.index_fix or plan.lost)
+    json_files = [*plan.metadata.changed_files, INDEX_NAME] if rewrite_index else list(plan.metadata.changed_files)
+    json_files[:0] = [PROVENANCE_FILE, *sorted(texts)]  # this step added to what QUANT records; changed texts
+    written = set(result.new_shards) | set(plan.rewrite)
+    skipped = written | set(plan.drop) | set(json_files) | set(skip)
+    carried_strays = set(plan.strays) if target.mode == "in-place" else set()  # --out leaves strays behind
+    clash = sorted(written & (set(plan.link) | carried_strays))
+    if clash:
+        raise GraftError(
+            f"{quant.label}: already has a file named {clash[0]} that is not part of the MTP "
+            "being replaced; rename or remove it"
+        )
+    report = _stale_report(target, quant)
+    if report:
+        result.warnings.append(
+            f"{REPORT_DIR}/: {report}: its report measured QUANT before this {step.tool} (validate the result for a "
+            "report on it)"
+        )
+    if target.mode == "in-place":
+        assert target.root is not None
+        inplace.mirror_tree(od, target.root, skipped, link=link, prune=(REPORT_DIR,))
+    else:
+        for rel in quant.source.list_files():
+            if rel in skipped or rel in plan.strays or rel.startswith(f"{REPORT_DIR}/"):
+                continue
+            # resolve(): Linux link(2) would link a symlink itself (HF cache snapshots are relative
+            # symlinks into blobs/), leaving a dangling link in OUT
+            od.link_file(quant.source.local_path(rel).resolve(), rel, link=link)
+        for s in plan.strays:
+            result.warnings.append(f"{s}: not referenced by QUANT's index; not carried into OUT")
+    if plan.metadata.hf_quant_config is not None:
+        od.write_json(HF_QUANT_CONFIG, plan.metadata.hf_quant_config)
+    if plan.metadata.config is not None:
+        od.write_json("config.json", plan.metadata.config)
+    od.write_text(PROVENANCE_FILE, source_provenance(quant.source).then(step).to_bytes().decode("utf-8"))
+    for rel, text in sorted(texts.items()):
+        od.write_text(rel, text)
+    if INDEX_NAME in json_files:
+        od.write_json(INDEX_NAME, new_index(plan, mtp_entries, new_shard_of))
+    result.linked = sorted(od.linked)
+    result.copied = sorted(od.copied)
+    result.dropped = sorted(plan.drop)
+    result.verified_with = verify(od.path)
+    return json_files
+
+
+def _stale_report(target: Target, quant: Checkpoint) -> str:
+    """What becomes of QUANT's validation report (``""``: it has none): left out of OUT, or removed in place."""
+    if target.mode == "in-place":
+        assert target.root is not None
+        return "removed" if (target.root / REPORT_DIR).is_dir() else ""
+    has = any(rel.startswith(f"{REPORT_DIR}/") for rel in quant.source.list_files())
+    return "not carried over" if has else ""
+
+
+def commit(target: Target, result: WriteLog, json_files: list[str], *, what: str = "grafting") -> None:
+    """Put the verified result in place (``--out``: rename; ``--in-place``: exchange, or new files then JSON)."""
+    od = target.od
+    if target.mode == "out":
+        od.finalize(opened=True)  # the verification opened the finished directory strictly, just now
+    else:
+        assert target.root is not None
+        if inplace.snapshot(target.root) != target.before:
+            raise GraftError(f"{target.root}: changed while {what}; nothing was changed, rerun it")
+        if target.commit == "exchange":
+            inplace.commit_exchange(od, target.root)
+        else:
+            inplace.commit_files(od, target.root, sorted(result.new_shards), json_files)
+            # the change is in place: QUANT's report now describes a checkpoint that is gone (the exchange left it
+            # out of the mirror; without one it is removed after the commit, so a kill never loses a current one)
+            shutil.rmtree(target.root / REPORT_DIR, ignore_errors=True)
+    result.bytes_written = od.bytes_written
+    if result.copied:
+        result.warnings.append(f"hard links failed for {len(result.copied)} file(s); they were copied")
