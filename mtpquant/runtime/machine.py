@@ -165,8 +165,8 @@ def tune_cpu_runtime(
     - ``OMP_WAIT_POLICY=PASSIVE``: a thread that reaches the end of a parallel region sleeps instead of spinning
       (libgomp spins 300,000 times by default). On a machine another process also uses, the spinning threads take
       the cores the working ones need: beside one busy process the tiny model's convert took 5.9x the CPU time, its
-      heal 2.5x (docs/BENCHMARKS.md, "the CLI on a busy machine"); with it, what a hand-tuned shell gets. What Intel's and
-      PyTorch's CPU guides advise for a process sharing its cores.
+      heal 2.5x (docs/BENCHMARKS.md, "the CLI on a busy machine"); with it, what a hand-tuned shell gets. What
+      Intel's and PyTorch's CPU guides advise for a process sharing its cores.
     - ``OMP_NUM_THREADS``: the cores the process can compute on (``compute_cores``), set only when that is fewer
       than the CPUs the OpenMP runtime would count (a CPU quota, SMT siblings): more threads than cores wait on each
       other at every parallel region.
