@@ -14,6 +14,7 @@ JSON answers and its request counting. A program that needs its own factory sets
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # a type checker (a user's, through py.typed) sees the real types; at run time they load lazily
@@ -98,9 +99,12 @@ _WHERE = {
 }
 
 
-def convert_and_heal(options: ConvertOptions, heal: HealOptions) -> tuple[ConvertResult, HealResult | None]:
+def convert_and_heal(
+    options: ConvertOptions, heal: HealOptions, on_converted: Callable[[ConvertResult], None] | None = None
+) -> tuple[ConvertResult, HealResult | None]:
     """``convert --heal``: ``convert(options)``, then ``heal`` of OUT in place against SRC (``heal.quant`` is replaced
-    by OUT). A dry run plans the conversion (the heal's refusals included) and heals nothing (None)."""
+    by OUT); ``on_converted`` sees the conversion's result before the heal starts (the CLI prints it there). A dry run
+    plans the conversion (the heal's refusals included) and heals nothing (None)."""
     import dataclasses
     from pathlib import Path
 
@@ -113,6 +117,8 @@ def convert_and_heal(options: ConvertOptions, heal: HealOptions) -> tuple[Conver
         check_convert(heal, src, mode, options.output_format, Path(options.out), probe=not options.dry_run)
 
     converted = convert(dataclasses.replace(options, plan_check=plan_check))
+    if on_converted is not None:
+        on_converted(converted)
     if converted.dry_run:
         return converted, None
     assert converted.output is not None

@@ -177,14 +177,16 @@ def run(args: argparse.Namespace) -> int:
     else:
         from mtpquant.api import convert_and_heal
 
-        result, healed = convert_and_heal(options, heal_options)
+        show = None if args.json else (lambda converted: print(convert_text(converted), flush=True))
+        result, healed = convert_and_heal(options, heal_options, on_converted=show)
     if args.json:
         data = result.plan.to_json() if result.dry_run else result.to_json()
         if healed is not None:
             data = {"convert": data, "heal": healed.to_json()}
         print(json.dumps(data, indent=2, default=str))
         return 0
-    print(convert_text(result))
+    if heal_options is None:
+        print(convert_text(result))
     if healed is not None:
         from mtpquant.render import heal_text
 
