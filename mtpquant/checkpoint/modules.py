@@ -34,15 +34,16 @@ def module_of(name: str) -> str:
 
 
 def linear_modules(tensors: Mapping[str, Any]) -> list[str]:
-    """Checkpoint Linear modules: 2-D weights (or packed weights), plus fused 3-D expert params."""
+    """Checkpoint Linear modules: 2-D weights (or packed weights), plus fused 3-D expert params; the one rule of
+    what a Linear is. ``tensors`` maps names to what has a ``shape`` (header entries, tensors) or to shapes."""
     mods = set()
     for name, e in tensors.items():
         if name.endswith(".weight"):  # most names of a table: test this first
-            if len(e.shape) == 2:
+            if len(getattr(e, "shape", e)) == 2:
                 mods.add(name[:-7])
         elif name.endswith(".weight_packed"):
             mods.add(name[:-14])
-        elif name.endswith(FUSED_EXPERT_PARAMS) and len(e.shape) == 3:
+        elif name.endswith(FUSED_EXPERT_PARAMS) and len(getattr(e, "shape", e)) == 3:
             mods.add(name)
     return sorted(m for m in mods if not m.endswith(("embed_tokens", "pos_embed")))
 

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mtpquant.checkpoint.header import FLOAT_DTYPES
+from mtpquant.checkpoint.modules import module_of
+from mtpquant.checkpoint.precision import is_quantized, module_precision
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.errors import GraftError, LineageError
 from mtpquant.families import ModelSpec, dimension_differences, is_mtp_name, mtp_layer_count, resolve
@@ -26,18 +28,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-# Unquantized storage dtypes: what an MTP kept "as is" must be stored in.
-
-_QUANT_SUFFIXES = (
-    ".weight_scale",
-    ".weight_scale_2",
-    ".weight_scale_inv",
-    ".input_scale",
-    ".weight_packed",
-    ".weight_global_scale",
-    ".input_global_scale",
-)
 
 
 @dataclass(frozen=True)
@@ -60,9 +50,9 @@ def _spec_with_layers(spec: ModelSpec, layers: int) -> ModelSpec:
     return resolve(declare_mtp(spec, layers))
 
 
-def _is_quantized_module(tensors: Mapping[str, Any], weight_name: str) -> bool:
-    stem = weight_name[: -len(".weight")] if weight_name.endswith(".weight") else weight_name
-    return any(stem + s in tensors for s in _QUANT_SUFFIXES)
+def _quantized(tensors: Mapping[str, Any], name: str) -> bool:
+    """Whether ``name`` belongs to a module stored quantized (the one rule, ``checkpoint.precision``)."""
+    return is_quantized(module_precision(tensors, module_of(name)))
 
 
 def _final_norm_warning(quant: Checkpoint, src: Checkpoint) -> str | None:
@@ -108,7 +98,7 @@ def check_lineage(quant: Checkpoint, src: Checkpoint, *, weight_check: bool = Tr
         q, s = quant.tensors[name], src.tensors[name]
         if is_mtp_name(name) or q.dtype not in FLOAT_DTYPES or s.dtype not in FLOAT_DTYPES:
             continue
-        if _is_quantized_module(quant.tensors, name):
+        if _quantized(quant.tensors, name):
             continue
         if q.shape != s.shape:
             diffs.append(f"{name} shape {list(q.shape)} vs {list(s.shape)}")
@@ -121,7 +111,7 @@ def check_lineage(quant: Checkpoint, src: Checkpoint, *, weight_check: bool = Tr
     missing = sorted(set(expected) - set(src_mtp))
     extra = sorted(set(src_mtp) - set(expected))
     if extra:
-        quantized = [n for n in extra if n.endswith(_QUANT_SUFFIXES)]
+        quantized = [n for n in extra if _quantized(src.tensors, n)]
         if quantized:
             raise GraftError(
                 f"{src.label}: SRC's MTP is quantized ({quantized[0]}); graft copies an unquantized MTP: "

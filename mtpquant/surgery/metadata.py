@@ -16,8 +16,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from mtpquant.checkpoint.header import FLOAT_DTYPES
-from mtpquant.checkpoint.modules import module_stems
+from mtpquant.checkpoint.modules import linear_modules, module_stems
+from mtpquant.checkpoint.precision import is_quantized, module_precision
 from mtpquant.engine.loading import FusedShardsError, ct_ignored, mixed_algo, modelopt_excluded
 from mtpquant.families import ModelSpec, family, is_mtp_name, resolve
 from mtpquant.formats.quant_config import (
@@ -26,7 +26,6 @@ from mtpquant.formats.quant_config import (
     MTP_MODELOPT_PATTERNS,
     QuantMetadata,
     exclusion_lists,
-    read_quant_metadata,
     with_exclusions,
 )
 from mtpquant.surgery.repairs import repair_labels
@@ -39,7 +38,6 @@ __all__ = [
     "uncovered_modules",
 ]
 
-_QUANT_SUFFIXES = (".weight_scale", ".weight_scale_inv", ".weight_packed", ".weight_global_scale")
 _LAYER = re.compile(r"^(mtp\.layers\.\d+)\.")
 _DEFAULT_PACKED = family("qwen3_5").engine.packed
 
@@ -47,20 +45,13 @@ _DEFAULT_PACKED = family("qwen3_5").engine.packed
 def mtp_modules(tensors: Mapping[str, Any], packed: Mapping[str, tuple[str, ...]] | None = None) -> dict[str, bool]:
     """Every MTP Linear module (and the engine's packed names for them) -> whether it is stored unquantized.
 
-    ``tensors`` maps names to objects with ``dtype`` and ``shape`` (header entries). A module is a
-    Linear when it has a 2-D ``weight`` (or a compressed-tensors ``weight_packed``). ``packed``: the family's
-    packed groups (``EngineRules.packed``; Qwen3.5's by default); routed experts are one engine module too.
+    ``tensors`` maps names to objects with ``dtype`` and ``shape`` (header entries). The Linears and whether each is
+    quantized follow the one rule of each (``checkpoint.modules.linear_modules``, ``checkpoint.precision``).
+    ``packed``: the family's packed groups (``EngineRules.packed``; Qwen3.5's by default); routed experts are one
+    engine module too.
     """
-    modules: dict[str, bool] = {}
-    for name, entry in tensors.items():
-        if not is_mtp_name(name):
-            continue
-        for suffix in (".weight", ".weight_packed"):
-            if name.endswith(suffix) and len(entry.shape) == 2:
-                stem = name[: -len(suffix)]
-                quantized = suffix == ".weight_packed" or entry.dtype not in FLOAT_DTYPES
-                quantized = quantized or any(stem + s in tensors for s in _QUANT_SUFFIXES)
-                modules[stem] = modules.get(stem, True) and not quantized
+    linears = linear_modules({n: e for n, e in tensors.items() if is_mtp_name(n)})
+    modules = {m: not is_quantized(module_precision(tensors, m)) for m in linears}
     # vLLM packs q/k/v into qkv_proj and gate/up into gate_up_proj and matches exclusions on those
     # prefixes too (vllm/model_executor/models/qwen3_next_mtp.py, packed_modules_mapping).
     groups = packed if packed is not None else _DEFAULT_PACKED
@@ -198,16 +189,15 @@ def plan_metadata(
         plan.changes.append(f"config.json: {where} = {mtp_layers} (was {before})")
 
     hfq = copy.deepcopy(dict(hf_quant_config)) if hf_quant_config is not None else None
-    config, hfq = repair_labels(spec, config, hfq, tensors, plan.changes)
+    config, hfq, meta = repair_labels(spec, config, hfq, tensors, plan.changes)
     modules = mtp_modules(tensors, spec.family.engine.packed)
     unquantized = [m for m, plain in modules.items() if plain]
     all_plain = len(unquantized) == len(modules)
-    meta = read_quant_metadata(config, hfq)
     if meta is not None and meta.is_modelopt and meta.algo.upper() == "MIXED_PRECISION":
         # MIXED_PRECISION builds a module unquantized unless quantized_layers lists it: only listed ones need more
         unquantized = [m for m in unquantized if _listed(m, meta, spec.family.engine.packed)]
+    lists = exclusion_lists(config, hfq)
     if meta is not None and unquantized:
-        lists = exclusion_lists(config, hfq)
         missing = {f: uncovered_modules(unquantized, pats, ct) for f, ct, pats in lists}
         if any(missing.values()):
             if all_plain:
@@ -217,9 +207,10 @@ def plan_metadata(
                 real = module_stems(tensors)
                 names = sorted({m for ms in missing.values() for m in ms if m in real})
                 modelopt, ct = names, names
-            new_config, new_hfq = with_exclusions(config, hfq, modelopt, ct)
-            for f, is_ct, pats in exclusion_lists(new_config, new_hfq):
-                old = next((p for g, _, p in lists if g == f), [])
+            config, hfq = with_exclusions(config, hfq, modelopt, ct)
+            old_lists, lists = lists, exclusion_lists(config, hfq)
+            for f, is_ct, pats in lists:
+                old = next((p for g, _, p in old_lists if g == f), [])
                 added = [p for p in pats if p not in old]
                 if added:
                     what = "ignore" if f == "config.json" else "exclude_modules"
@@ -227,10 +218,9 @@ def plan_metadata(
                 still = uncovered_modules(unquantized, pats, is_ct)
                 if still:
                     plan.warnings.append(f"{f}: MTP module {still[0]} is still not excluded")
-            config, hfq = new_config, new_hfq
     quantized_but_excluded = [
         (f, m)
-        for f, ct, pats in exclusion_lists(config, hfq)
+        for f, ct, pats in lists
         for m, plain in modules.items()
         if not plain and not uncovered_modules([m], pats, ct)
     ]
