@@ -19,7 +19,6 @@ sequences comes from a generator seeded by ``seed``; on the CPU the same inputs 
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ from tqdm.auto import tqdm
 
 from mtpquant.heal.data import HealData
 from mtpquant.mtp.module import KVCache
+from mtpquant.mtp.schedule import warmup_cosine
 
 __all__ = ["Schedule", "TrainLog", "chain_mask", "distill", "distill_loss"]
 
@@ -55,12 +55,9 @@ class Schedule:
     weight_decay: float = 0.0
 
     def lr_at(self, step: int) -> float:
-        """The learning rate of step ``step`` (0-based)."""
+        """The learning rate of step ``step`` (0-based): the one schedule, ``mtp.schedule.warmup_cosine``."""
         warmup = max(1, round(self.steps * self.warmup_share))
-        if step < warmup:
-            return self.lr * (step + 1) / warmup
-        progress = (step - warmup) / max(1, self.steps - warmup)
-        return self.lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+        return warmup_cosine(step, steps=self.steps, peak=self.lr, warmup=warmup, min_ratio=self.min_lr_ratio)
 
 
 @dataclass(frozen=True)
