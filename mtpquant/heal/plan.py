@@ -24,8 +24,8 @@ from mtpquant.errors import (
 )
 from mtpquant.heal.options import HealOptions
 from mtpquant.heal.precision import MtpStorage, mtp_storage
-from mtpquant.heal.support import DTYPE_BYTES, check_family, compute_dtype, plan_target_memory, target_blocks
-from mtpquant.runtime.machine import resolve_device
+from mtpquant.heal.support import check_family, plan_target_memory, target_blocks
+from mtpquant.runtime.machine import DTYPE_BYTES, compute_dtype, resolve_device
 from mtpquant.units import format_bytes
 
 __all__ = ["HEAD_FULL_PRECISION_LIMIT", "HealPlan", "plan_heal"]
@@ -204,7 +204,7 @@ def plan_heal(options: HealOptions) -> tuple[HealPlan, Checkpoint, Checkpoint, A
         raise HealRefusedError(str(exc)) from None
     storage = mtp_storage(quant, weights.formats)
     device = resolve_device(options.device, probe=False)  # the plan names the device; the run finds it
-    dtype = compute_dtype(options, device)
+    dtype = compute_dtype(device, options.dtype)
     spec = quant.spec
     H, V = spec.hidden_size, spec.dim("vocab_size")
     head_dtype = dtype if V * H * DTYPE_BYTES[dtype] <= HEAD_FULL_PRECISION_LIMIT else "bfloat16"

@@ -145,15 +145,16 @@ def _heal(
     from mtpquant.heal.data import collect, training_prompts
     from mtpquant.heal.write import record_step, write_healed
     from mtpquant.measure.capture import capture
-    from mtpquant.measure.load import CheckpointWeights, compute_dtype, load_target, resolve_device
+    from mtpquant.measure.load import CheckpointWeights, load_target
+    from mtpquant.runtime.machine import resolve_device
     from mtpquant.surgery.write import commit
     from mtpquant.text.calibration import load_tokenizer
     from mtpquant.text.prompts import plan_sequences, tokenize_prompts
 
     options = plan.options
     torch.set_flush_denormal(True)  # denormals in tiny AdamW updates make CPU kernels crawl
-    device = resolve_device(plan.device)
-    dtype = compute_dtype(device, plan.dtype)
+    device = torch.device(resolve_device(plan.device))
+    dtype = getattr(torch, plan.dtype)
     od = target.od
     scratch = od.path / DATA_DIR
     vocab = quant.spec.dim("vocab_size")

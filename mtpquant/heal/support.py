@@ -13,10 +13,10 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mtpquant.errors import GraftError, HealRefusedError, MemoryPlanError, UsageError
+from mtpquant.errors import GraftError, HealRefusedError, MemoryPlanError
 from mtpquant.families import Family, TensorClass
 from mtpquant.heal.options import HealOptions
-from mtpquant.runtime.machine import resolve_device
+from mtpquant.runtime.machine import DTYPE_BYTES, compute_dtype, resolve_device
 
 if TYPE_CHECKING:
     from mtpquant.checkpoint.table import Checkpoint
@@ -28,12 +28,10 @@ __all__ = [
     "WRITES_BACK",
     "check_convert",
     "check_family",
-    "compute_dtype",
     "plan_target_memory",
     "target_blocks",
 ]
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 WRITABLE = {"nvfp4": "nvfp4", "fp8": "fp8"}  # the quantized kinds heal writes back (LinearFormat.kind -> format)
 WRITES_BACK = "heal writes back BF16, ModelOpt NVFP4 and ModelOpt FP8 per tensor"
 _TARGET = (TensorClass.MAIN, TensorClass.EMBED, TensorClass.LM_HEAD)
@@ -46,14 +44,6 @@ def check_family(family: Family, label: str, then: str = "the quant is left as i
         raise HealRefusedError(
             f"{label}: heal does not train the {family.display} MTP yet (it trains the Qwen3 MTP layer); {then}"
         )
-
-
-def compute_dtype(options: HealOptions, device: str) -> str:
-    """The dtype the target runs and the MTP trains in: ``--dtype``, else float32 on CPU and bfloat16 on CUDA."""
-    dtype = options.dtype or ("float32" if device == "cpu" else "bfloat16")
-    if dtype not in DTYPE_BYTES:
-        raise UsageError(f"--dtype must be one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
-    return dtype
 
 
 def target_blocks(
@@ -132,7 +122,7 @@ def check_convert(
             "(use --format modelopt, or --mtp keep)"
         )
     device = resolve_device(options.device, probe=False)
-    dtype = compute_dtype(options, device)
+    dtype = compute_dtype(device, options.dtype)
     shapes = ((e.name, e.shape) for e in src.tensors.values())
     try:
         plan_target_memory(target_blocks(shapes, src.classify, DTYPE_BYTES[dtype]), options, device)

@@ -34,8 +34,6 @@ from mtpquant.measure.rules import target_probs
 from mtpquant.measure.weights import (
     CheckpointWeights,
     LinearFormat,
-    compute_dtype,
-    resolve_device,
 )
 from mtpquant.mtp.build import reference_mtp
 from mtpquant.mtp.module import MtpLayoutError
@@ -48,10 +46,8 @@ __all__ = [
     "LinearFormat",
     "MtpBundle",
     "TargetModel",
-    "compute_dtype",
     "load_mtp",
     "load_target",
-    "resolve_device",
     "text_model_class",
 ]
 

@@ -36,10 +36,8 @@ from mtpquant.measure.load import (
     CheckpointWeights,
     MtpBundle,
     TargetModel,
-    compute_dtype,
     load_mtp,
     load_target,
-    resolve_device,
     text_model_class,
 )
 from mtpquant.measure.replay import (
@@ -53,6 +51,7 @@ from mtpquant.public import public_checkpoint, public_file
 from mtpquant.records.acceptance import Acceptance
 from mtpquant.records.sampling import SamplingSettings
 from mtpquant.records.validation import Comparison, MtpInfo, Side
+from mtpquant.runtime.machine import compute_dtype, resolve_device
 from mtpquant.text.prompts import (
     context_edges,
     plan_sequences,
@@ -195,8 +194,8 @@ def validate_builtin(opts: ValidateOptions, opened: Opened) -> Measured:
     """The built-in path of ``validate``: replay on transformers with the checkpoints' own weights (``opened``:
     what ``preflight(opts)`` opened and checked)."""
     t_start = time.perf_counter()
-    device = resolve_device(opts.device)
-    dtype = compute_dtype(device, opts.dtype)
+    device = torch.device(resolve_device(opts.device))
+    dtype = getattr(torch, compute_dtype(device.type, opts.dtype))
     assert opened.reference is not None  # preflight: the built-in path needs a checkpoint
     K = max(opts.k_values)
     ref_w = CheckpointWeights(opened.reference)

@@ -321,9 +321,9 @@ def _family(checkpoint: str | Path | None) -> str:
 def _device_is_cpu(opts: ValidateOptions) -> bool:
     if opts.device == "cpu":
         return True
-    from mtpquant.measure.weights import resolve_device
+    from mtpquant.runtime.machine import resolve_device
 
-    return resolve_device(opts.device).type == "cpu"
+    return resolve_device(opts.device) == "cpu"
 
 
 def _compare(
