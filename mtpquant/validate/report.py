@@ -86,7 +86,8 @@ def _mtp_precision(side: Side, report: Report) -> str:
 
 def _requests(sampling: Mapping[str, Any]) -> str:
     """An engine entry's request settings as prose: ``T=0 (seed 0), rule vllm, ignore_eos on, 1 at a time``."""
-    settings = [SamplingSettings.from_json(x) for x in sampling.get("settings") or () if isinstance(x, Mapping)]
+    given = [x for x in sampling.get("settings") or () if isinstance(x, Mapping)]
+    settings = [SamplingSettings.from_json(x, "sampling") for x in given]
     parts = ["; ".join(f"{x.label} (seed {x.seed})" for x in settings)] if settings else []
     if "rule" in sampling:
         parts.append(f"rule {sampling['rule']}")
