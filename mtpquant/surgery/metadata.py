@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from mtpquant.checkpoint.modules import linear_modules, module_stems
@@ -88,14 +88,14 @@ def uncovered_modules(modules: Iterable[str], patterns: Iterable[str], compresse
     return out
 
 
-@dataclass
+@dataclass(frozen=True)
 class MetadataPlan:
     """New contents of config.json / hf_quant_config.json (None: unchanged) and what changed."""
 
     config: dict[str, Any] | None = None
     hf_quant_config: dict[str, Any] | None = None
-    changes: list[str] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)
+    changes: tuple[str, ...] = ()
+    warnings: tuple[str, ...] = ()
 
     @property
     def changed_files(self) -> list[str]:
@@ -180,16 +180,17 @@ def plan_metadata(
     unquantized the family patterns are added (``mtp*``; ``re:^mtp\\..*`` for compressed-tensors),
     otherwise the exact names of the uncovered unquantized modules.
     """
-    plan = MetadataPlan()
+    changes: list[str] = []
+    warnings: list[str] = []
     config: dict[str, Any] = copy.deepcopy(dict(spec.config))
     if mtp_layers > 0 and spec.family.mtp_key is not None and spec.mtp.layers != mtp_layers:
         config = declare_mtp(spec, mtp_layers, reference_config)
         where = resolve(config).mtp.key
         before = "absent" if spec.mtp.key is None else repr(spec.mtp.value)
-        plan.changes.append(f"config.json: {where} = {mtp_layers} (was {before})")
+        changes.append(f"config.json: {where} = {mtp_layers} (was {before})")
 
     hfq = copy.deepcopy(dict(hf_quant_config)) if hf_quant_config is not None else None
-    config, hfq, meta = repair_labels(spec, config, hfq, tensors, plan.changes)
+    config, hfq, meta = repair_labels(spec, config, hfq, tensors, changes)
     modules = mtp_modules(tensors, spec.family.engine.packed)
     unquantized = [m for m, plain in modules.items() if plain]
     all_plain = len(unquantized) == len(modules)
@@ -214,10 +215,10 @@ def plan_metadata(
                 added = [p for p in pats if p not in old]
                 if added:
                     what = "ignore" if f == "config.json" else "exclude_modules"
-                    plan.changes.append(f"{f}: {what} += {', '.join(added)}")
+                    changes.append(f"{f}: {what} += {', '.join(added)}")
                 still = uncovered_modules(unquantized, pats, is_ct)
                 if still:
-                    plan.warnings.append(f"{f}: MTP module {still[0]} is still not excluded")
+                    warnings.append(f"{f}: MTP module {still[0]} is still not excluded")
     quantized_but_excluded = [
         (f, m)
         for f, ct, pats in lists
@@ -226,15 +227,16 @@ def plan_metadata(
     ]
     if quantized_but_excluded:
         f, m = quantized_but_excluded[0]
-        plan.warnings.append(
+        warnings.append(
             f"{f}: MTP module {m} is stored quantized but excluded; engines will fail to load it "
             "(exclusions are only ever added here, never removed)"
         )
-    if config != spec.config:
-        plan.config = config
-    if hfq is not None and hfq != hf_quant_config:
-        plan.hf_quant_config = hfq
-    return plan
+    return MetadataPlan(
+        config if config != spec.config else None,
+        hfq if hfq is not None and hfq != hf_quant_config else None,
+        tuple(changes),
+        tuple(warnings),
+    )
 
 
 def _listed(module: str, meta: QuantMetadata, packed: Mapping[str, tuple[str, ...]]) -> bool:
