@@ -22,8 +22,9 @@ if TYPE_CHECKING:  # a type checker (a user's, through py.typed) sees the real t
     from mtpquant.convert.result import ConvertResult
     from mtpquant.convert.run import convert
     from mtpquant.diagnose.report import InspectReport, inspect_checkpoint
-    from mtpquant.graft.run import GraftOptions, GraftResult, fix_metadata, graft
-    from mtpquant.heal.options import HealOptions
+    from mtpquant.graft.options import GraftOptions
+    from mtpquant.graft.run import GraftResult, fix_metadata, graft
+    from mtpquant.heal.options import HealOptions, HealSizes
     from mtpquant.heal.plan import HealPlan
     from mtpquant.heal.run import HealResult, heal
     from mtpquant.measure import ACTIVATION_MODES
@@ -48,6 +49,7 @@ __all__ = [
     "HealOptions",
     "HealPlan",
     "HealResult",
+    "HealSizes",
     "InspectReport",
     "PublishOptions",
     "PublishResult",
@@ -78,11 +80,12 @@ _WHERE = {
     "builtin_recipe_names": "mtpquant.recipes.recipe",
     "ConvertResult": "mtpquant.convert.result",
     "convert": "mtpquant.convert.run",
-    "GraftOptions": "mtpquant.graft.run",
+    "GraftOptions": "mtpquant.graft.options",
     "GraftResult": "mtpquant.graft.run",
     "graft": "mtpquant.graft.run",
     "fix_metadata": "mtpquant.graft.run",
     "HealOptions": "mtpquant.heal.options",
+    "HealSizes": "mtpquant.heal.options",
     "HealPlan": "mtpquant.heal.plan",
     "HealResult": "mtpquant.heal.run",
     "heal": "mtpquant.heal.run",

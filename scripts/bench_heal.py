@@ -50,10 +50,10 @@ import json, sys, time
 from mtpquant.runtime.machine import tune_cpu_runtime
 tune_cpu_runtime()
 from pathlib import Path
-from mtpquant.heal.options import HealOptions
+from mtpquant.heal.options import HealOptions, HealSizes
 from mtpquant.heal.run import heal
 options = json.loads(sys.argv[1])
-r = heal(HealOptions(**options))
+r = heal(HealOptions(**options | {"sizes": HealSizes(**options.get("sizes", {}))}))
 print(json.dumps({
     "cpu_s": r.cpu_seconds, "timings": r.timings, "peak_rss": r.peak_rss_bytes, "action": r.action,
     "peak_rss_after": r.peak_rss_after,
@@ -165,8 +165,8 @@ def big(work: Path, cap: str) -> str:
     # embedding on disk under a 3 GiB cap, which heal refuses (exit 22)
     options = {"quant": str(quant), "source": str(src), "out": str(out), "device": "cpu", "max_memory": f"cpu={cap}",
                "dtype": "bfloat16",
-               "samples": 2, "prompt_len": 16, "new_tokens": 8, "steps": 2, "batch_size": 2, "check_prompts": 5,
-               "check_len": 16, "batch_prompts": 8, "force": True, "progress": False}
+               "samples": 2, "steps": 2, "check_prompts": 5, "force": True, "progress": False,
+               "sizes": {"prompt_len": 16, "new_tokens": 8, "batch_size": 2, "check_len": 16, "batch_prompts": 8}}
     r = _heal(options)
     limit = (parse_bytes(cap) or 0) + 2_000_000_000
     placement = r["placement"]

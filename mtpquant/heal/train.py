@@ -29,35 +29,15 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from mtpquant.heal.data import HealData
+from mtpquant.heal.plan import Schedule
 from mtpquant.mtp.module import KVCache
-from mtpquant.mtp.schedule import warmup_cosine
 
-__all__ = ["Schedule", "TrainLog", "chain_mask", "distill", "distill_loss"]
+__all__ = ["TrainLog", "chain_mask", "distill", "distill_loss"]
 
 log = logging.getLogger(__name__)
 
 # Rows of [rows, vocab] logits computed at once (bounded memory for 248k-token vocabularies).
 _KL_CHUNK_ROWS = 256
-
-
-@dataclass(frozen=True)
-class Schedule:
-    """How the layer trains: AdamW, linear warm-up then cosine decay to ``min_lr_ratio`` x lr, clipped gradients."""
-
-    steps: int = 100
-    lr: float = 1e-3
-    batch_size: int = 8
-    chain: int = 2
-    seed: int = 0
-    warmup_share: float = 0.1
-    min_lr_ratio: float = 0.1
-    grad_clip: float = 1.0
-    weight_decay: float = 0.0
-
-    def lr_at(self, step: int) -> float:
-        """The learning rate of step ``step`` (0-based): the one schedule, ``mtp.schedule.warmup_cosine``."""
-        warmup = max(1, round(self.steps * self.warmup_share))
-        return warmup_cosine(step, steps=self.steps, peak=self.lr, warmup=warmup, min_ratio=self.min_lr_ratio)
 
 
 @dataclass(frozen=True)

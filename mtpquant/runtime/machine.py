@@ -16,6 +16,7 @@ import shutil
 import subprocess
 from collections.abc import MutableMapping
 from pathlib import Path
+from typing import Literal, get_args
 
 from mtpquant.errors import DeviceError, UsageError
 
@@ -24,6 +25,7 @@ __all__ = [
     "CPU_RUNTIME_VARIABLES",
     "DEVICES",
     "DTYPE_BYTES",
+    "ComputeDtype",
     "available_cpu_bytes",
     "compute_cores",
     "compute_dtype",
@@ -41,8 +43,9 @@ CPU_RUNTIME_VARIABLES = ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")
 # ``--device``'s names (where a run computes on one GPU, ``cuda:N`` too: ``resolve_device(indexed=True)``).
 DEVICES = ("cpu", "cuda", "auto")
 # ``--dtype``'s names, the dtypes a model computes in, and their bytes per element.
+ComputeDtype = Literal["float32", "bfloat16", "float16"]
+COMPUTE_DTYPES: tuple[str, ...] = get_args(ComputeDtype)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-COMPUTE_DTYPES = tuple(DTYPE_BYTES)
 
 
 def compute_dtype(device: str, dtype: str | None = None) -> str:
