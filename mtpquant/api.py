@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # a type checker (a user's, through py.typed) sees the real types; at run time they load lazily
     from mtpquant.checkpoint.table import Checkpoint
-    from mtpquant.convert.plan import ConvertOptions, ConvertPlan, plan_convert
+    from mtpquant.convert.options import ConvertOptions
+    from mtpquant.convert.plan import ConvertPlan, plan_convert
     from mtpquant.convert.result import ConvertResult
     from mtpquant.convert.run import convert
     from mtpquant.diagnose.report import InspectReport, inspect_checkpoint
@@ -28,7 +29,8 @@ if TYPE_CHECKING:  # a type checker (a user's, through py.typed) sees the real t
     from mtpquant.heal.plan import HealPlan
     from mtpquant.heal.run import HealResult, heal
     from mtpquant.measure import ACTIVATION_MODES
-    from mtpquant.publish.run import PublishOptions, PublishResult, publish
+    from mtpquant.publish.options import PublishOptions
+    from mtpquant.publish.run import PublishResult, publish
     from mtpquant.recipes.recipe import builtin_recipe_names
     from mtpquant.records.validation import Report, ValidationReport
     from mtpquant.synth.tiny import TINY_VARIANTS, make_tiny_checkpoint
@@ -74,7 +76,7 @@ _WHERE = {
     "TINY_MTP_ASSET": "mtpquant.synth.train",
     "TINY_MTP_ASSETS": "mtpquant.synth.train",
     "TINY_VARIANTS": "mtpquant.synth.tiny",
-    "ConvertOptions": "mtpquant.convert.plan",
+    "ConvertOptions": "mtpquant.convert.options",
     "ConvertPlan": "mtpquant.convert.plan",
     "plan_convert": "mtpquant.convert.plan",
     "builtin_recipe_names": "mtpquant.recipes.recipe",
@@ -92,7 +94,7 @@ _WHERE = {
     "InspectReport": "mtpquant.diagnose.report",
     "inspect_checkpoint": "mtpquant.diagnose.report",
     "make_tiny_checkpoint": "mtpquant.synth.tiny",
-    "PublishOptions": "mtpquant.publish.run",
+    "PublishOptions": "mtpquant.publish.options",
     "PublishResult": "mtpquant.publish.run",
     "publish": "mtpquant.publish.run",
     "Report": "mtpquant.records.validation",

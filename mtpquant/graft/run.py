@@ -144,8 +144,7 @@ def _check_options(options: GraftOptions) -> None:
         raise UsageError("--fix-metadata takes no --from: it repairs metadata only and touches no tensor file")
     if not options.fix_metadata and options.source is None:
         raise UsageError("give --from SRC (the checkpoint that still has the MTP), or --fix-metadata")
-    if options.max_shard_bytes <= 0:
-        raise UsageError("--max-shard-size must be positive")
+    options.check_fields(UsageError)
 
 
 def _check_out(options: GraftOptions, quant: Checkpoint) -> None:

@@ -10,12 +10,13 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated
 
 from annotated_types import Ge, Gt
 
 from mtpquant.checkpoint.writer import DEFAULT_MAX_SHARD_BYTES
 from mtpquant.errors import OutputExistsError, UsageError
+from mtpquant.measure import Activations
 from mtpquant.records.record import FLAG, Options
 from mtpquant.runtime.machine import ComputeDtype
 
@@ -75,7 +76,7 @@ class HealOptions(Options):
     device: str = "auto"  # cpu | cuda | cuda:N | auto (runtime.machine.resolve_device)
     dtype: ComputeDtype | None = None  # compute dtype: float32 on CPU, bfloat16 on CUDA unless given
     max_memory: str | None = None  # caps for the quantized target, e.g. "cpu=3GiB" (the rest read from disk)
-    activations: Literal["emulate", "off"] = "emulate"  # emulate W4A4 activation quantization as the engines run it
+    activations: Activations = "emulate"  # emulate W4A4 activation quantization as the engines run it
     # ---- the write ----------------------------------------------------------------------------------------
     revision: str | None = None  # QUANT's Hub revision
     source_revision: str | None = field(default=None, metadata={FLAG: "--from-revision"})  # SRC's Hub revision

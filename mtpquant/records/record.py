@@ -174,6 +174,8 @@ def _refusal(name: str, kind: str, msg: str, ctx: dict[str, Any], value: Any) ->
         return f"{name} must be {bound}, got {value}"
     if kind == "less_than_equal":
         return f"{name} must be <= {ctx['le']}, got {value}"
+    if kind == "less_than":
+        return f"{name} must be < {ctx['lt']}, got {value}"
     if kind == "literal_error":
         return f"{name} must be {str(ctx['expected']).replace(chr(39), '')}, got {value!r}"
     return f"{name}: {msg[0].lower()}{msg[1:]}, got {value!r}"
