@@ -66,17 +66,15 @@ print(json.dumps({
 
 _SOURCE_AL = """
 import json, sys, torch
-from mtpquant.heal.check import check_prompts, unit_counts
-from mtpquant.measure.capture import capture
+from mtpquant.heal.check import held_out_run
 from mtpquant.measure.load import CheckpointWeights, load_mtp, load_target
-from mtpquant.text.prompts import plan_sequences, tokenize_prompts
+from mtpquant.measure.replay import evaluate_acceptance
 src, n, max_len, k = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 w = CheckpointWeights.open(src)
-ids = tokenize_prompts(w.ckpt.source, check_prompts(n), int(w.shape(w.embed_name())[0]))
 target = load_target(w, device=torch.device("cpu"), dtype=torch.float32)
-run = capture(target, plan_sequences(ids, max_len), label="source", progress=False, batch_size=32)
+run = held_out_run(target, w.ckpt.source, int(w.shape(w.embed_name())[0]), n, max_len, batch_size=32, progress=False)
 bundle, _ = load_mtp(w)
-print(json.dumps({"al": [u.mean_acceptance_length for u in unit_counts(bundle, run, k)]}))
+print(json.dumps({"al": [u.mean_acceptance_length for u in evaluate_acceptance(bundle, run, k, progress=False).units]}))
 """
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["FUSED_EXPERT_PARAMS", "PRECISION_SUFFIXES", "linear_modules", "module_of", "module_stems"]
+__all__ = ["FUSED_EXPERT_PARAMS", "PRECISION_SUFFIXES", "QUANT_PARAMS", "linear_modules", "module_of"]
 
 # Tensor name suffixes that belong to one Linear module's weight and its quantization scales.
 PRECISION_SUFFIXES = (
@@ -22,6 +22,8 @@ PRECISION_SUFFIXES = (
     ".input_scale",
     ".weight",
 )
+# The names of a quantized Linear's quantization parameters (its scales, its packed weight).
+QUANT_PARAMS = PRECISION_SUFFIXES[:-1]
 FUSED_EXPERT_PARAMS = (".experts.gate_up_proj", ".experts.down_proj")  # Qwen3.5-MoE: [E, out, in] tensors
 
 
@@ -46,13 +48,3 @@ def linear_modules(tensors: Mapping[str, Any]) -> list[str]:
         elif name.endswith(FUSED_EXPERT_PARAMS) and len(getattr(e, "shape", e)) == 3:
             mods.add(name)
     return sorted(m for m in mods if not m.endswith(("embed_tokens", "pos_embed")))
-
-
-def module_stems(tensors: Mapping[str, Any]) -> set[str]:
-    """Module names that own a ``weight`` (or ``weight_packed``) tensor, whatever its shape."""
-    out = set()
-    for n in tensors:
-        for suffix in (".weight", ".weight_packed"):
-            if n.endswith(suffix):
-                out.add(n[: -len(suffix)])
-    return out

@@ -24,7 +24,7 @@ from mtpquant.errors import (
 )
 from mtpquant.heal.options import SAMPLED, HealOptions, HealSizes
 from mtpquant.heal.precision import MtpStorage, mtp_storage
-from mtpquant.heal.support import check_family, plan_target_memory, target_blocks
+from mtpquant.heal.support import check_family, plan_target_memory
 from mtpquant.runtime.machine import DTYPE_BYTES, compute_dtype, resolve_device
 from mtpquant.units import format_bytes
 
@@ -54,12 +54,10 @@ class Schedule:
     grad_clip: float = 1.0
     weight_decay: float = 0.0
 
-    def lr_at(self, step: int) -> float:
-        """The learning rate of step ``step`` (0-based): the one schedule, ``mtp.schedule.warmup_cosine``."""
-        from mtpquant.mtp.schedule import warmup_cosine  # the mtp package loads torch: not at plan time
-
-        warmup = max(1, round(self.steps * self.warmup_share))
-        return warmup_cosine(step, steps=self.steps, peak=self.lr, warmup=warmup, min_ratio=self.min_lr_ratio)
+    @property
+    def warmup(self) -> int:
+        """Steps of the linear warm-up (the learning rate then follows ``mtp.schedule.warmup_cosine``)."""
+        return max(1, round(self.steps * self.warmup_share))
 
 
 @dataclass(frozen=True)
@@ -225,22 +223,23 @@ def plan_heal(options: HealOptions) -> tuple[HealPlan, Checkpoint, Checkpoint, C
             f"{quant.label}: its MTP metadata is incomplete ({metadata.changes[0]}); repair it first with "
             "`mtpquant graft QUANT --fix-metadata`"
         )
+    device = resolve_device(options.device, probe=False)  # the plan names the device; the run finds it
+    dtype = compute_dtype(device, options.dtype)
     try:
         weights = CheckpointWeights(quant)
     except ValidateLoadError as exc:
         raise HealRefusedError(str(exc)) from None
+    tied = weights.lm_head_name() == weights.embed_name()
+    shapes = [(name, weights.shape(name)) for name in weights.names()]
     storage = mtp_storage(quant, weights.formats)
-    device = resolve_device(options.device, probe=False)  # the plan names the device; the run finds it
-    dtype = compute_dtype(device, options.dtype)
     spec = quant.spec
     H, V = spec.hidden_size, spec.dim("vocab_size")
     head_dtype = dtype if V * H * DTYPE_BYTES[dtype] <= HEAD_FULL_PRECISION_LIMIT else "bfloat16"
-    shapes = ((name, weights.shape(name)) for name in weights.names())
-    memory = plan_target_memory(target_blocks(shapes, quant.classify, DTYPE_BYTES[dtype]), options, device)
+    memory = plan_target_memory(shapes, quant.classify, DTYPE_BYTES[dtype], device, max_memory=options.max_memory,
+                                shard_bytes=options.max_shard_bytes)
     seq_len = options.sizes.seq_len
     schedule = Schedule(options.steps, options.lr, options.sizes.batch_size, options.chain, options.seed)
     data_bytes = options.samples * seq_len * (H * DTYPE_BYTES[dtype] + 8)
-    tied = weights.lm_head_name() == weights.embed_name()
     notes: list[str] = list(lineage.warnings)
     if storage.fmt != "bf16" and "SGLang" not in " ".join(notes):
         notes.append("SGLang serves only a BF16 MTP; the healed quantized MTP is for vLLM, as before")

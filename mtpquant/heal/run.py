@@ -23,22 +23,16 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from mtpquant.checkpoint.table import Checkpoint
-from mtpquant.errors import HealNotBetterError, OutputVerificationError
+from mtpquant.errors import HealNotBetterError
 from mtpquant.heal.check import CheckResult
-from mtpquant.heal.options import SAMPLED, HealOptions
-from mtpquant.heal.plan import HealPlan, Schedule, plan_heal
+from mtpquant.heal.options import HealOptions
+from mtpquant.heal.plan import HealPlan, plan_heal
 from mtpquant.heal.train import TrainLog
-from mtpquant.public import public_text
-from mtpquant.records.provenance import HealAl, HealRecord
+from mtpquant.records.provenance import HealRecord
 from mtpquant.runtime.meter import Timer, peak_rss_bytes
 from mtpquant.surgery.write import Destination, WriteLog
 
 if TYPE_CHECKING:
-    import torch
-
-    from mtpquant.heal.data import HealData
-    from mtpquant.measure.load import TargetModel
-    from mtpquant.measure.replay import TargetRun
     from mtpquant.measure.weights import CheckpointWeights
 
 __all__ = ["HealOptions", "HealPlan", "HealResult", "heal", "plan_heal"]
@@ -83,27 +77,6 @@ class _Healed:
     training: TrainLog
     record: HealRecord
     data_bytes: int
-
-
-def _record(plan: HealPlan, data: HealData, check: CheckResult, forced: bool) -> HealRecord:
-    t = plan.schedule
-    return HealRecord(
-        precision=plan.storage.label,
-        data=public_text(data.source),  # the record goes public with OUT: local paths by base name
-        sequences=data.sequences,
-        tokens=data.tokens,
-        sampled=data.sampled,
-        temperature=data.temperature,
-        steps=t.steps,
-        lr=t.lr,
-        batch_size=t.batch_size,
-        chain=t.chain,
-        seed=t.seed,
-        check_sequences=check.sequences,
-        by_k=tuple(HealAl(c.k, c.before, c.after, c.low, c.high) for c in check.by_k),
-        better=check.better,
-        forced=forced,
-    )
 
 
 def _changes(check: CheckResult) -> str:
@@ -164,23 +137,33 @@ def _heal(
     """Everything between opening the destination and committing it (nothing is put in place on an error)."""
     import torch
 
-    from mtpquant.heal.write import heal_step, record_step, write_healed
+    from mtpquant.heal.check import check, held_out_run
+    from mtpquant.heal.data import training_data
+    from mtpquant.heal.train import train
+    from mtpquant.heal.write import record_step, write_healed
     from mtpquant.measure.load import load_target
     from mtpquant.measure.weights import CheckpointWeights
     from mtpquant.runtime.machine import resolve_device
     from mtpquant.surgery.write import commit
 
-    options = plan.options
+    options, sizes = plan.options, plan.options.sizes
     torch.set_flush_denormal(True)  # denormals in tiny AdamW updates make CPU kernels crawl
     device = torch.device(resolve_device(plan.device))
     dtype = getattr(torch, plan.dtype)
     scratch = dest.od.path / DATA_DIR
+    vocab = quant.spec.dim("vocab_size")
 
     # 1. the quantized target: the held-out sequences, then the training data
     with timer("target"):
         target = load_target(weights, device=device, dtype=dtype, activations=options.activations,
                              max_memory=plan.memory.caps.for_accelerate() if plan.memory.caps else None)
-    held_out, data = _target_runs(plan, quant, target, scratch, timer)
+    with timer("check_target"):
+        held_out = held_out_run(target, quant.source, vocab, options.check_prompts, sizes.check_len,
+                                batch_size=sizes.batch_prompts, progress=options.progress)
+    with timer("data"):
+        data = training_data(target, quant.source, vocab, options.data, options.samples, sizes,
+                             temperature=options.temperature, seed=plan.schedule.seed, directory=scratch,
+                             progress=options.progress)
     target.model = None
     del target
     gc.collect()
@@ -188,13 +171,14 @@ def _heal(
     # 2. training
     with timer("train"):
         shared = weights.embedding_and_head(getattr(torch, plan.head_dtype), device)
-        trained, training = _train(plan.schedule, quant, src, plan, data, device, shared)
+        trained, training = train(quant, src, plan.storage, data, shared, plan.schedule, device=device,
+                                  progress=options.progress)
     data_bytes = data.nbytes
     shutil.rmtree(scratch, ignore_errors=True)
 
     # 3. the healed MTP written the graft way and verified; measured; then committed, or dropped
     with timer("write"):
-        built = write_healed(quant, src, plan.storage, trained, dest, heal_step(options.command, src, None),
+        built = write_healed(quant, src, plan.storage, trained, dest, command=options.command,
                              max_shard_bytes=options.max_shard_bytes, link=options.link)
     del trained  # the float32 training copy: the check reads the written MTP back
     gc.collect()
@@ -204,105 +188,13 @@ def _heal(
         shared = weights.embedding_and_head(dtype, device)
     with timer("check"):
         after = CheckpointWeights(Checkpoint.open(dest.od.path, strict=True))
-        check = _check(weights, after, held_out, shared, options.activations, options.k)
-    if not check.better and not options.force:
+        result = check(weights, after, held_out, shared, activations=options.activations, k=options.k)
+    if not result.better and not options.force:
         raise HealNotBetterError(
-            f"{plan.quant}: the healed MTP is not better beyond noise on {check.sequences} held-out prompts "
-            f"(AL {_changes(check)}); nothing written"
+            f"{plan.quant}: the healed MTP is not better beyond noise on {result.sequences} held-out prompts "
+            f"(AL {_changes(result)}); nothing written"
         )
-    record = _record(plan, data, check, forced=not check.better)
-    record_step(quant, dest, heal_step(options.command, src, record))
+    record = record_step(quant, src, dest, options.command, plan.storage.label, plan.schedule, data, result)
     with timer("commit"):
         written = commit(dest, built, what="healing")
-    return _Healed(written, check, training, record, data_bytes)
-
-
-def _target_runs(
-    plan: HealPlan, quant: Checkpoint, target: TargetModel, scratch: Any, timer: Timer
-) -> tuple[TargetRun, HealData]:
-    """The target's greedy continuations of the held-out prompts (the check's sequences), then its continuations of
-    the calibration prompts with its hidden states (the training data, in shards under ``scratch``)."""
-    from mtpquant.heal.check import check_prompts
-    from mtpquant.heal.data import collect, training_prompts
-    from mtpquant.measure.capture import capture
-    from mtpquant.text.calibration import load_tokenizer
-    from mtpquant.text.prompts import plan_sequences, tokenize_prompts
-
-    options, sizes = plan.options, plan.options.sizes
-    vocab = quant.spec.dim("vocab_size")
-    with timer("check_target"):
-        ids = tokenize_prompts(quant.source, check_prompts(options.check_prompts), vocab)
-        held_out = capture(target, plan_sequences(ids, sizes.check_len), label="held-out", progress=options.progress,
-                           batch_size=sizes.batch_prompts)
-    with timer("data"):
-        tokenizer = load_tokenizer(quant.source.local_dir(["*.safetensors", "*.bin", "*.pt", "*.pth"]))
-        prompts, source = training_prompts(tokenizer, options.data, options.samples, sizes.prompt_len, vocab)
-        data = collect(
-            target, prompts, new_tokens=sizes.new_tokens, temperature=options.temperature, sampled=SAMPLED,
-            seed=plan.schedule.seed, batch_size=sizes.batch_prompts, directory=scratch, source=source,
-            progress=options.progress,
-        )
-    return held_out, data
-
-
-def _check(
-    before: CheckpointWeights,
-    after: CheckpointWeights,
-    held_out: TargetRun,
-    shared: tuple[torch.Tensor, torch.Tensor],
-    activations: str,
-    k: int,
-) -> CheckResult:
-    """QUANT's MTP (``before``) and the healed one as written (``after``) measured on the held-out run.
-
-    The check is heal's last phase and must not raise its peak memory above training's: it uses training's
-    embedding and LM head (``shared``; reading them again takes twice their size for a moment, 2.5 GB on
-    Qwen3.5-4B) and loads one MTP at a time.
-    """
-    from mtpquant.heal.check import compare, unit_counts
-    from mtpquant.measure.load import load_mtp
-
-    embed, head = shared
-    counts = []
-    for label, weights in (("QUANT's", before), ("the healed", after)):
-        bundle, err = load_mtp(weights, dtype=embed.dtype, device=embed.device, activations=activations,
-                               shared=(embed, head))
-        if bundle is None:
-            raise OutputVerificationError(f"{label} MTP does not load for evaluation: {err}")
-        counts.append(unit_counts(bundle, held_out, k))
-        del bundle
-        gc.collect()
-    return compare(counts[0], counts[1], held_out)
-
-
-def _train(
-    schedule: Schedule,
-    quant: Checkpoint,
-    src: Checkpoint,
-    plan: HealPlan,
-    data: HealData,
-    device: torch.device,
-    shared: tuple[torch.Tensor, torch.Tensor],
-) -> tuple[dict[str, torch.Tensor], TrainLog]:
-    """The healed MTP weights (float32, on the CPU) by checkpoint name, and how training went (``shared``: the
-    embedding and LM head, frozen)."""
-    import torch
-
-    from mtpquant.heal.precision import master_weights
-    from mtpquant.heal.qat import quantize_for_training
-    from mtpquant.heal.train import distill
-    from mtpquant.mtp.module import MTP_PREFIX, MtpConfig, MtpLayer
-
-    torch.manual_seed(schedule.seed)
-    master, _ = master_weights(quant, src, plan.storage)
-    layer = MtpLayer.from_state_dict(MtpConfig.from_text_config(quant.config), master, dtype=torch.float32,
-                                     device=device)
-    embed, head = shared
-
-    def calibrate(module: Any) -> None:
-        tokens, hidden = data.batch(range(min(schedule.batch_size, data.sequences)), device)
-        module(hidden[:, :-1].float(), torch.nn.functional.embedding(tokens[:, 1:], embed).float())
-
-    quantize_for_training(layer, plan.storage, calibrate)
-    trained = distill(layer, data, embed, head, schedule, device=device, progress=plan.options.progress)
-    return {MTP_PREFIX + n: p.detach().float().cpu() for n, p in layer.named_parameters()}, trained
+    return _Healed(written, result, training, record, data_bytes)

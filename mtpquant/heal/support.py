@@ -64,18 +64,27 @@ def target_blocks(
     return model_blocks(entries, is_vision={})
 
 
-def plan_target_memory(blocks: list[Block], options: HealOptions, device: str) -> MemoryPlan:
-    """Where the target goes (convert's memory plan: in memory when it fits, else capped, the rest on disk)."""
+def plan_target_memory(
+    shapes: Iterable[tuple[str, tuple[int, ...]]],
+    classify: Callable[[str], str],
+    dtype_bytes: int,
+    device: str,
+    *,
+    max_memory: str | None,
+    shard_bytes: int,
+) -> MemoryPlan:
+    """Where the target goes (convert's memory plan: in memory when it fits, else capped by ``max_memory``, the rest
+    on disk); ``shapes``: its tensors' logical shapes (``target_blocks``)."""
     from mtpquant.runtime.memory import available_cpu_bytes, plan_memory
 
     available = {"cpu": a} if (a := available_cpu_bytes()) is not None else {}
     try:
         return plan_memory(
-            blocks,
+            target_blocks(shapes, classify, dtype_bytes),
             device="cpu" if device == "cpu" else "cuda",
-            max_memory=options.max_memory,
+            max_memory=max_memory,
             layerwise=False,
-            shard_bytes=options.max_shard_bytes,
+            shard_bytes=shard_bytes,
             available=available,
         )
     except MemoryPlanError as exc:
@@ -125,7 +134,8 @@ def check_convert(
     dtype = compute_dtype(device, options.dtype)
     shapes = ((e.name, e.shape) for e in src.tensors.values())
     try:
-        plan_target_memory(target_blocks(shapes, src.classify, DTYPE_BYTES[dtype]), options, device)
+        plan_target_memory(shapes, src.classify, DTYPE_BYTES[dtype], device, max_memory=options.max_memory,
+                           shard_bytes=options.max_shard_bytes)
     except MemoryPlanError as exc:  # said of heal's target (float32 on CPU), not of the conversion
         raise MemoryPlanError(f"--heal: {exc}; nothing was converted") from None
     if options.in_place and probe and not _exchange_possible_beside(out):

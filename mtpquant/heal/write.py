@@ -20,9 +20,12 @@ from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.diagnose.verify import verify_result
 from mtpquant.errors import OutputVerificationError
 from mtpquant.families import mtp_layer_count
+from mtpquant.heal.check import CheckResult
+from mtpquant.heal.data import HealData
+from mtpquant.heal.plan import Schedule
 from mtpquant.heal.precision import MtpStorage, export_mtp
-from mtpquant.public import public_args, public_ref
-from mtpquant.records.provenance import PROVENANCE_FILE, HealRecord, Step, source_provenance
+from mtpquant.public import public_args, public_ref, public_text
+from mtpquant.records.provenance import PROVENANCE_FILE, HealAl, HealRecord, Step, source_provenance
 from mtpquant.surgery.metadata import MetadataPlan
 from mtpquant.surgery.plan import plan_change
 from mtpquant.surgery.shards import write_planned_mtp
@@ -90,25 +93,55 @@ def write_healed(
     storage: MtpStorage,
     healed: dict[str, Any],
     dest: Destination,
-    step: Step,
     *,
+    command: tuple[str, ...],
     max_shard_bytes: int,
     link: bool,
 ) -> Built:
     """Build the healed quant (``healed``: the trained weights, written in QUANT's ``storage``) in ``dest``'s
     temporary directory and verify it (``src``: the checkpoint QUANT was made from, whose dtypes a quantized MTP is
-    quantized from). ``step`` is the provenance's heal step (without its record: ``record_step``
-    adds it once the check has run)."""
+    quantized from). The provenance gains the heal step of ``command``, without its record yet (``record_step`` adds
+    it once the check has run)."""
     tensors = export_mtp(quant, src, storage, healed)
     hashes = {t.name: checksum(t.produce()) for t in tensors}
     names = sorted(t.name for t in tensors)
     layers = mtp_layer_count(names) or quant.spec.mtp.layers
     plan = plan_change(quant, MetadataPlan(), add=names, removed=names, mtp_layers=layers)
     new_mtp = NewMtp(tuple(names), lambda od: write_planned_mtp(od, tensors, max_shard_bytes))
+    step = heal_step(command, src, None)
     return build(dest, plan, new_mtp, step, _verify(quant, hashes, layers), link=link)
 
 
-def record_step(quant: Checkpoint, dest: Destination, step: Step) -> None:
-    """Rewrite the built result's provenance with the heal's step, its record included (before the commit)."""
+def record_step(
+    quant: Checkpoint,
+    src: Checkpoint,
+    dest: Destination,
+    command: tuple[str, ...],
+    precision: str,
+    schedule: Schedule,
+    data: HealData,
+    check: CheckResult,
+) -> HealRecord:
+    """Rewrite the built result's provenance with the heal's step, its record included (before the commit): the
+    MTP's ``precision``, the training ``schedule`` on ``data``, the held-out ``check``. Returns the record."""
+    record = HealRecord(
+        precision=precision,
+        data=public_text(data.source),  # the record goes public with OUT: local paths by base name
+        sequences=data.sequences,
+        tokens=data.tokens,
+        sampled=data.sampled,
+        temperature=data.temperature,
+        steps=schedule.steps,
+        lr=schedule.lr,
+        batch_size=schedule.batch_size,
+        chain=schedule.chain,
+        seed=schedule.seed,
+        check_sequences=check.sequences,
+        by_k=tuple(HealAl(c.k, c.before, c.after, c.low, c.high) for c in check.by_k),
+        better=check.better,
+        forced=not check.better,
+    )
+    step = heal_step(command, src, record)
     provenance = source_provenance(quant.source).then(step)
     dest.od.write_text(PROVENANCE_FILE, provenance.to_bytes().decode("utf-8"))
+    return record

@@ -8,13 +8,10 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 from mtpquant.checkpoint.header import FLOAT_DTYPES
-from mtpquant.checkpoint.modules import module_of
-from mtpquant.checkpoint.precision import is_quantized, module_precision
+from mtpquant.checkpoint.modules import QUANT_PARAMS
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.errors import GraftError, LineageError
 from mtpquant.families import ModelSpec, dimension_differences, is_mtp_name, mtp_layer_count, resolve
@@ -48,11 +45,6 @@ def _spec_with_layers(spec: ModelSpec, layers: int) -> ModelSpec:
     from mtpquant.surgery.metadata import declare_mtp
 
     return resolve(declare_mtp(spec, layers))
-
-
-def _quantized(tensors: Mapping[str, Any], name: str) -> bool:
-    """Whether ``name`` belongs to a module stored quantized (the one rule, ``checkpoint.precision``)."""
-    return is_quantized(module_precision(tensors, module_of(name)))
 
 
 def _final_norm_warning(quant: Checkpoint, src: Checkpoint) -> str | None:
@@ -93,12 +85,11 @@ def check_lineage(quant: Checkpoint, src: Checkpoint, *, weight_check: bool = Tr
     layers = mtp_layer_count(src_mtp)
     if qs.mtp.declared and layers and qs.mtp.layers != layers:
         diffs.append(f"MTP layers {qs.mtp.layers} ({qs.mtp.describe()}) vs {layers} in SRC's tensors")
-    # Shapes of tensors both hold unquantized (embeddings, norms, vision, ...): a cheap second opinion.
+    # Shapes of tensors both hold unquantized (embeddings, norms, vision, ...): a cheap second opinion. (A quantized
+    # Linear's tensors are not among them: its weight is packed, its scales exist in QUANT alone.)
     for name in sorted(set(quant.tensors) & set(src.tensors)):
         q, s = quant.tensors[name], src.tensors[name]
         if is_mtp_name(name) or q.dtype not in FLOAT_DTYPES or s.dtype not in FLOAT_DTYPES:
-            continue
-        if _quantized(quant.tensors, name):
             continue
         if q.shape != s.shape:
             diffs.append(f"{name} shape {list(q.shape)} vs {list(s.shape)}")
@@ -111,7 +102,7 @@ def check_lineage(quant: Checkpoint, src: Checkpoint, *, weight_check: bool = Tr
     missing = sorted(set(expected) - set(src_mtp))
     extra = sorted(set(src_mtp) - set(expected))
     if extra:
-        quantized = [n for n in extra if _quantized(src.tensors, n)]
+        quantized = [n for n in extra if n.endswith(QUANT_PARAMS)]
         if quantized:
             raise GraftError(
                 f"{src.label}: SRC's MTP is quantized ({quantized[0]}); graft copies an unquantized MTP: "

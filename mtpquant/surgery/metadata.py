@@ -16,8 +16,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from mtpquant.checkpoint.modules import linear_modules, module_stems
-from mtpquant.checkpoint.precision import is_quantized, module_precision
+from mtpquant.checkpoint.precision import is_quantized, linear_precisions
 from mtpquant.engine.loading import FusedShardsError, ct_ignored, mixed_algo, modelopt_excluded
 from mtpquant.families import ModelSpec, family, is_mtp_name, resolve
 from mtpquant.formats.quant_config import (
@@ -42,16 +41,14 @@ _LAYER = re.compile(r"^(mtp\.layers\.\d+)\.")
 _DEFAULT_PACKED = family("qwen3_5").engine.packed
 
 
-def mtp_modules(tensors: Mapping[str, Any], packed: Mapping[str, tuple[str, ...]] | None = None) -> dict[str, bool]:
+def mtp_modules(precision: Mapping[str, str], packed: Mapping[str, tuple[str, ...]] | None = None) -> dict[str, bool]:
     """Every MTP Linear module (and the engine's packed names for them) -> whether it is stored unquantized.
 
-    ``tensors`` maps names to objects with ``dtype`` and ``shape`` (header entries). The Linears and whether each is
-    quantized follow the one rule of each (``checkpoint.modules.linear_modules``, ``checkpoint.precision``).
-    ``packed``: the family's packed groups (``EngineRules.packed``; Qwen3.5's by default); routed experts are one
-    engine module too.
+    ``precision`` maps every Linear of a table to its precision on disk (``checkpoint.precision.linear_precisions``:
+    the one rule of what a Linear is, and of what is quantized). ``packed``: the family's packed groups
+    (``EngineRules.packed``; Qwen3.5's by default); routed experts are one engine module too.
     """
-    linears = linear_modules({n: e for n, e in tensors.items() if is_mtp_name(n)})
-    modules = {m: not is_quantized(module_precision(tensors, m)) for m in linears}
+    modules = {m: not is_quantized(p) for m, p in precision.items() if is_mtp_name(m)}
     # vLLM packs q/k/v into qkv_proj and gate/up into gate_up_proj and matches exclusions on those
     # prefixes too (vllm/model_executor/models/qwen3_next_mtp.py, packed_modules_mapping).
     groups = packed if packed is not None else _DEFAULT_PACKED
@@ -190,8 +187,9 @@ def plan_metadata(
         changes.append(f"config.json: {where} = {mtp_layers} (was {before})")
 
     hfq = copy.deepcopy(dict(hf_quant_config)) if hf_quant_config is not None else None
-    config, hfq, meta = repair_labels(spec, config, hfq, tensors, changes)
-    modules = mtp_modules(tensors, spec.family.engine.packed)
+    precision = linear_precisions(tensors)
+    config, hfq, meta = repair_labels(spec, config, hfq, tensors, precision, changes)
+    modules = mtp_modules(precision, spec.family.engine.packed)
     unquantized = [m for m, plain in modules.items() if plain]
     all_plain = len(unquantized) == len(modules)
     if meta is not None and meta.is_modelopt and meta.algo.upper() == "MIXED_PRECISION":
@@ -205,8 +203,7 @@ def plan_metadata(
                 modelopt, ct = list(MTP_MODELOPT_PATTERNS), list(MTP_CT_PATTERNS)
             else:
                 # exact names of real modules; vLLM treats a fused group as excluded when all members are
-                real = module_stems(tensors)
-                names = sorted({m for ms in missing.values() for m in ms if m in real})
+                names = sorted({m for ms in missing.values() for m in ms if m in precision})
                 modelopt, ct = names, names
             config, hfq = with_exclusions(config, hfq, modelopt, ct)
             old_lists, lists = lists, exclusion_lists(config, hfq)

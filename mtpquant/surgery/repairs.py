@@ -19,8 +19,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from mtpquant.checkpoint.header import FLOAT_DTYPES
-from mtpquant.checkpoint.modules import linear_modules
-from mtpquant.checkpoint.precision import module_precision, table_precision
+from mtpquant.checkpoint.precision import table_precision
 from mtpquant.engine.loading import FusedShardsError, engine_modules, mixed_algo, vllm_expectation
 from mtpquant.families import ModelSpec, is_mtp_name
 from mtpquant.formats.quant_config import HF_QUANT_CONFIG, QuantMetadata, read_quant_metadata, with_exclusions
@@ -92,7 +91,7 @@ def _relabel_experts(
     spec: ModelSpec,
     config: dict[str, Any],
     hfq: dict[str, Any] | None,
-    tensors: Mapping[str, Any],
+    precision: Mapping[str, str],
     meta: QuantMetadata,
     changes: list[str],
 ) -> None:
@@ -100,8 +99,7 @@ def _relabel_experts(
     if not layer_maps:
         return
     rules = spec.family.engine
-    names = linear_modules({n: e for n, e in tensors.items() if is_mtp_name(n)})
-    precision = {m: module_precision(tensors, m) for m in names}
+    names = [m for m in precision if is_mtp_name(m)]
     for mod in engine_modules(names, rules):
         if mod.kind != "experts":
             continue
@@ -135,13 +133,14 @@ def _exclude_tables(
     config: dict[str, Any],
     hfq: dict[str, Any] | None,
     tensors: Mapping[str, Any],
+    precision: Mapping[str, str],
     meta: QuantMetadata,
     changes: list[str],
 ) -> tuple[dict[str, Any], dict[str, Any] | None]:
     rules = spec.family.engine
     if not rules.embedding_tables or meta.algo.upper() == "MIXED_PRECISION":
         return config, hfq
-    names = linear_modules({n: e for n, e in tensors.items() if not is_mtp_name(n)})
+    names = [m for m in precision if not is_mtp_name(m)]
     refused = [
         mod.prefix
         for mod in engine_modules(names, rules)
@@ -159,10 +158,16 @@ def _exclude_tables(
 
 
 def repair_labels(
-    spec: ModelSpec, config: dict[str, Any], hfq: dict[str, Any] | None, tensors: Mapping[str, Any], changes: list[str]
+    spec: ModelSpec,
+    config: dict[str, Any],
+    hfq: dict[str, Any] | None,
+    tensors: Mapping[str, Any],
+    precision: Mapping[str, str],
+    changes: list[str],
 ) -> tuple[dict[str, Any], dict[str, Any] | None, QuantMetadata | None]:
     """``config`` / ``hfq`` (edited copies) with the label repairs applied, and the quantization they declare then
-    (None: none); one line per repair in ``changes``. The metadata is parsed once, and again only after a repair
+    (None: none); one line per repair in ``changes``. ``precision``: every Linear of ``tensors`` -> its precision on
+    disk (``checkpoint.precision.linear_precisions``). The metadata is parsed once, and again only after a repair
     changed it."""
     _relabel_aliases(spec, config, changes)
     _rename_engine_indices(spec, _layer_maps(config, hfq), tensors, changes)
@@ -170,11 +175,11 @@ def repair_labels(
     if meta is None:
         return config, hfq, None
     before = len(changes)
-    _relabel_experts(spec, config, hfq, tensors, meta, changes)
+    _relabel_experts(spec, config, hfq, precision, meta, changes)
     if len(changes) != before:
         meta = read_quant_metadata(config, hfq)
         assert meta is not None
-    new_config, new_hfq = _exclude_tables(spec, config, hfq, tensors, meta, changes)
+    new_config, new_hfq = _exclude_tables(spec, config, hfq, tensors, precision, meta, changes)
     if new_config is not config or new_hfq is not hfq:
         meta = read_quant_metadata(new_config, new_hfq)
     return new_config, new_hfq, meta
