@@ -164,9 +164,8 @@ def _heal(
         data = training_data(target, quant.source, vocab, options.data, options.samples, sizes,
                              temperature=options.temperature, seed=plan.schedule.seed, directory=scratch,
                              progress=options.progress)
-    target.model = None
+    target.release()
     del target
-    gc.collect()
 
     # 2. training
     with timer("train"):

@@ -170,6 +170,15 @@ class TargetModel:
         self.hidden_source = hidden_source  # the family's MtpLayout.hidden_source
         self.input_device = next(model.parameters()).device
 
+    def release(self) -> None:
+        """Free the model's memory before the next model loads (the target is unusable after)."""
+        import gc
+
+        self.model = None
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
     @property
     def lm_head_weight(self) -> Tensor:
         """The output head ``[V, H]``."""

@@ -35,7 +35,6 @@ from mtpquant.measure.hidden import load_hidden, save_hidden
 from mtpquant.measure.load import (
     CheckpointWeights,
     MtpBundle,
-    TargetModel,
     load_mtp,
     load_target,
     text_model_class,
@@ -65,21 +64,6 @@ from mtpquant.validate.preflight import Opened
 __all__ = ["validate_builtin"]
 
 log = logging.getLogger(__name__)
-
-
-def _tokenize(prompts: Sequence[str], weights: CheckpointWeights) -> list[list[int]]:
-    """Token ids of each prompt with the checkpoint's own tokenizer (``tokenizer.json``)."""
-    return tokenize_prompts(weights.ckpt.source, prompts, int(weights.shape(weights.embed_name())[0]))
-
-
-def _release(target: TargetModel) -> None:
-    """Free a target model's memory before the next one loads."""
-    import gc
-
-    target.model = None
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def _side(
@@ -152,8 +136,10 @@ def _targets(
         else:
             cand_src = f"hidden file {opts.hidden} ({runs[settings[0]]['cand'].source})" if pair else ""
         return runs, prompts_desc, ref_src, cand_src, notes, int(meta.get("max_len", opts.max_len))
+    vocab = int(ref_w.shape(ref_w.embed_name())[0])
     prompts, prompts_desc = prompts_for(opts.prompts_file, opts.num_prompts, opts.prompt_chars)
-    plan = plan_sequences(_tokenize(prompts, ref_w), opts.max_len, opts.context_buckets)
+    ids = tokenize_prompts(ref_w.ckpt.source, prompts, vocab)  # the checkpoint's own tokenizer
+    plan = plan_sequences(ids, opts.max_len, opts.context_buckets)
     if not plan:
         raise ValidateError(
             "no prompt is long enough"
@@ -166,7 +152,7 @@ def _targets(
         runs[s]["ref"] = capture(
             target, plan, label=label, progress=opts.progress, batch_size=opts.batch_size, sampling=s
         )
-    _release(target)
+    target.release()
     if cand_w is not None:
         target = load_target(cand_w, device=device, dtype=dtype, activations=opts.activations)
         for i, s in enumerate(settings):
@@ -180,7 +166,7 @@ def _targets(
                 batch_size=opts.batch_size,
                 sampling=s,
             )
-        _release(target)
+        target.release()
     if opts.save_hidden is not None:
         save_hidden(
             opts.save_hidden,
@@ -301,6 +287,7 @@ def validate_builtin(opts: ValidateOptions, opened: Opened) -> Measured:
     timing["sequence_tokens"] = float(evaluated)
     work_s = timing["total_s"] - timing["imports_s"]
     timing["tokens_per_second"] = evaluated / work_s if work_s > 0 else 0.0
+    hidden_file = public_file(str(opts.hidden)) if opts.hidden else None
     how = report_settings(
         opts,
         k=K,
@@ -310,7 +297,7 @@ def validate_builtin(opts: ValidateOptions, opened: Opened) -> Measured:
         device=str(device),
         dtype=str(dtype).removeprefix("torch."),
         activations=opts.activations,
-        hidden_file=public_file(str(opts.hidden)) if opts.hidden else None,
+        hidden_file=hidden_file,
     )
     return Measured(
         settings=how,
