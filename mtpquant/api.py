@@ -18,16 +18,19 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # a type checker (a user's, through py.typed) sees the real types; at run time they load lazily
-    from mtpquant.convert.plan import ConvertOptions, ConvertPlan, plan_convert
+    from mtpquant.convert.options import ConvertOptions
+    from mtpquant.convert.plan import ConvertPlan, plan_convert
     from mtpquant.convert.result import ConvertResult
     from mtpquant.convert.run import convert
     from mtpquant.diagnose.report import InspectReport, inspect_checkpoint
-    from mtpquant.graft.run import GraftOptions, GraftResult, fix_metadata, graft
-    from mtpquant.heal.options import HealOptions
+    from mtpquant.graft.options import GraftOptions
+    from mtpquant.graft.run import GraftResult, fix_metadata, graft
+    from mtpquant.heal.options import HealOptions, HealSizes
     from mtpquant.heal.plan import HealPlan
     from mtpquant.heal.run import HealResult, heal
     from mtpquant.measure import ACTIVATION_MODES
-    from mtpquant.publish.run import PublishOptions, PublishResult, publish
+    from mtpquant.publish.options import PublishOptions
+    from mtpquant.publish.run import PublishResult, publish
     from mtpquant.recipes.recipe import builtin_recipe_names
     from mtpquant.records.validation import Report, ValidationReport
     from mtpquant.synth.tiny import TINY_VARIANTS, make_tiny_checkpoint
@@ -48,6 +51,7 @@ __all__ = [
     "HealOptions",
     "HealPlan",
     "HealResult",
+    "HealSizes",
     "InspectReport",
     "PublishOptions",
     "PublishResult",
@@ -72,24 +76,25 @@ _WHERE = {
     "TINY_MTP_ASSET": "mtpquant.synth.train",
     "TINY_MTP_ASSETS": "mtpquant.synth.train",
     "TINY_VARIANTS": "mtpquant.synth.tiny",
-    "ConvertOptions": "mtpquant.convert.plan",
+    "ConvertOptions": "mtpquant.convert.options",
     "ConvertPlan": "mtpquant.convert.plan",
     "plan_convert": "mtpquant.convert.plan",
     "builtin_recipe_names": "mtpquant.recipes.recipe",
     "ConvertResult": "mtpquant.convert.result",
     "convert": "mtpquant.convert.run",
-    "GraftOptions": "mtpquant.graft.run",
+    "GraftOptions": "mtpquant.graft.options",
     "GraftResult": "mtpquant.graft.run",
     "graft": "mtpquant.graft.run",
     "fix_metadata": "mtpquant.graft.run",
     "HealOptions": "mtpquant.heal.options",
+    "HealSizes": "mtpquant.heal.options",
     "HealPlan": "mtpquant.heal.plan",
     "HealResult": "mtpquant.heal.run",
     "heal": "mtpquant.heal.run",
     "InspectReport": "mtpquant.diagnose.report",
     "inspect_checkpoint": "mtpquant.diagnose.report",
     "make_tiny_checkpoint": "mtpquant.synth.tiny",
-    "PublishOptions": "mtpquant.publish.run",
+    "PublishOptions": "mtpquant.publish.options",
     "PublishResult": "mtpquant.publish.run",
     "publish": "mtpquant.publish.run",
     "Report": "mtpquant.records.validation",

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from mtpquant.checkpoint.precision import linears_text
 from mtpquant.engine.server import ENGINE_NAMES
 from mtpquant.records.table import acceptance_table
-from mtpquant.records.validation import Report
+from mtpquant.records.validation import Report, sides
 from mtpquant.units import format_bytes
 
 if TYPE_CHECKING:
@@ -336,7 +336,7 @@ def publish_plan_text(result: PublishResult) -> str:
 def acceptance_text(report: Report) -> str:
     """The acceptance table (``validate.table``), then the comparison on identical inputs, the AL change per k, the
     engines and the engine-vs-prediction rows."""
-    lines = [acceptance_table(report)]
+    lines = [acceptance_table(report, sides(report))]
     cmp = report.comparison
     for title, m in (("MTP", cmp.mtp if cmp else None), ("Main model", cmp.main if cmp else None)):
         if m is not None and m.kl is not None:

@@ -50,10 +50,10 @@ import json, sys, time
 from mtpquant.runtime.machine import tune_cpu_runtime
 tune_cpu_runtime()
 from pathlib import Path
-from mtpquant.heal.options import HealOptions
+from mtpquant.heal.options import HealOptions, HealSizes
 from mtpquant.heal.run import heal
 options = json.loads(sys.argv[1])
-r = heal(HealOptions(**options))
+r = heal(HealOptions(**options | {"sizes": HealSizes(**options.get("sizes", {}))}))
 print(json.dumps({
     "cpu_s": r.cpu_seconds, "timings": r.timings, "peak_rss": r.peak_rss_bytes, "action": r.action,
     "peak_rss_after": r.peak_rss_after,
@@ -66,17 +66,15 @@ print(json.dumps({
 
 _SOURCE_AL = """
 import json, sys, torch
-from mtpquant.heal.check import check_prompts, unit_counts
-from mtpquant.measure.capture import capture
+from mtpquant.heal.check import held_out_run
 from mtpquant.measure.load import CheckpointWeights, load_mtp, load_target
-from mtpquant.text.prompts import plan_sequences, tokenize_prompts
+from mtpquant.measure.replay import evaluate_acceptance
 src, n, max_len, k = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 w = CheckpointWeights.open(src)
-ids = tokenize_prompts(w.ckpt.source, check_prompts(n), int(w.shape(w.embed_name())[0]))
 target = load_target(w, device=torch.device("cpu"), dtype=torch.float32)
-run = capture(target, plan_sequences(ids, max_len), label="source", progress=False, batch_size=32)
+run = held_out_run(target, w.ckpt.source, int(w.shape(w.embed_name())[0]), n, max_len, batch_size=32, progress=False)
 bundle, _ = load_mtp(w)
-print(json.dumps({"al": [u.mean_acceptance_length for u in unit_counts(bundle, run, k)]}))
+print(json.dumps({"al": [u.mean_acceptance_length for u in evaluate_acceptance(bundle, run, k, progress=False).units]}))
 """
 
 
@@ -165,8 +163,8 @@ def big(work: Path, cap: str) -> str:
     # embedding on disk under a 3 GiB cap, which heal refuses (exit 22)
     options = {"quant": str(quant), "source": str(src), "out": str(out), "device": "cpu", "max_memory": f"cpu={cap}",
                "dtype": "bfloat16",
-               "samples": 2, "prompt_len": 16, "new_tokens": 8, "steps": 2, "batch_size": 2, "check_prompts": 5,
-               "check_len": 16, "batch_prompts": 8, "force": True, "progress": False}
+               "samples": 2, "steps": 2, "check_prompts": 5, "force": True, "progress": False,
+               "sizes": {"prompt_len": 16, "new_tokens": 8, "batch_size": 2, "check_len": 16, "batch_prompts": 8}}
     r = _heal(options)
     limit = (parse_bytes(cap) or 0) + 2_000_000_000
     placement = r["placement"]

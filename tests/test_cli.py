@@ -221,20 +221,18 @@ def test_one_device_resolver_one_exit_code(monkeypatch: pytest.MonkeyPatch) -> N
     import torch
 
     from mtpquant.errors import DeviceError
-    from mtpquant.measure.weights import resolve_device as validate_device
     from mtpquant.runtime.machine import resolve_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    for resolve in (resolve_device, lambda d: str(validate_device(d))):
-        assert resolve("cpu") == "cpu" and resolve("auto") == "cpu"
-        for bad, message in [
-            ("tpu", "--device must be cpu, cuda, cuda:N or auto, got 'tpu'"),
-            ("cuda", "--device cuda: no CUDA device is visible to torch (use --device cpu)"),
-            ("cuda:1", "--device cuda:1: no CUDA device is visible to torch (use --device cpu)"),
-        ]:
-            with pytest.raises(DeviceError) as refused:
-                resolve(bad)
-            assert (str(refused.value), refused.value.exit_code) == (message, ExitCode.USAGE)
+    assert resolve_device("cpu") == "cpu" and resolve_device("auto") == "cpu"
+    for bad, message in [
+        ("tpu", "--device must be cpu, cuda, cuda:N or auto, got 'tpu'"),
+        ("cuda", "--device cuda: no CUDA device is visible to torch (use --device cpu)"),
+        ("cuda:1", "--device cuda:1: no CUDA device is visible to torch (use --device cpu)"),
+    ]:
+        with pytest.raises(DeviceError) as refused:
+            resolve_device(bad)
+        assert (str(refused.value), refused.value.exit_code) == (message, ExitCode.USAGE)
     # convert spreads the model over every GPU: no cuda:N; a dry run checks the name without looking for a GPU
     with pytest.raises(DeviceError, match=r"^--device must be cpu, cuda or auto, got 'cuda:1'$"):
         resolve_device("cuda:1", indexed=False)

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from mtpquant.checkpoint.dtypes import tensor_bytes
+from mtpquant.checkpoint.modules import linear_modules
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.mtp.module import MtpConfig, MtpLayer
 from mtpquant.mtp.quantize import (
@@ -28,7 +29,6 @@ from mtpquant.mtp.quantize import (
     mtp_excluded_modules,
     mtp_expert_input_groups,
     mtp_fused_groups,
-    mtp_linear_modules,
     quantize_mtp,
 )
 
@@ -148,7 +148,7 @@ def test_quantized_mtp_bit_identical_to_modelopt(
 
 def test_groups_and_exclusions(mtp_weights: Callable[[str], tuple[dict[str, Any], dict[str, torch.Tensor]]]) -> None:
     _, weights = mtp_weights("qwen3_5_moe")
-    modules = mtp_linear_modules({n: tuple(t.shape) for n, t in weights.items()})
+    modules = linear_modules({n: tuple(t.shape) for n, t in weights.items()})
     assert mtp_excluded_modules(modules) == ["mtp.fc", "mtp.layers.0.mlp.gate", "mtp.layers.0.mlp.shared_expert_gate"]
     groups = mtp_fused_groups(modules)
     assert ["mtp.layers.0.self_attn.k_proj", "mtp.layers.0.self_attn.q_proj", "mtp.layers.0.self_attn.v_proj"] in [
@@ -185,7 +185,7 @@ def test_experts_only_recipe_quantizes_the_mtp_experts_only(
     tmp_path: Path,
 ) -> None:
     config, weights = mtp_weights("qwen3_5_moe")
-    modules = mtp_linear_modules({n: tuple(t.shape) for n, t in weights.items()})
+    modules = linear_modules({n: tuple(t.shape) for n, t in weights.items()})
     experts = [m for m in modules if ".mlp.experts." in m]
     result = quantize_mtp(weights, None, "nvfp4", activations=False, targets="experts")
     assert result.quantized_modules == experts

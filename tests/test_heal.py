@@ -8,6 +8,7 @@ acceptance beyond noise takes CPU-minutes per mode and runs with ``MTPQUANT_HEAL
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import shutil
@@ -47,7 +48,8 @@ from tests.test_graft import leftovers, private_copy, tree_state
 Factory = Callable[[str], Path]
 
 # Smaller still: the kill test runs heal three times in fresh processes.
-TINY = {**SMALL, "samples": 4, "new_tokens": 8, "steps": 1, "check_prompts": 5, "check_len": 16}
+TINY = {**SMALL, "samples": 4, "steps": 1, "check_prompts": 5,
+        "sizes": dataclasses.replace(SMALL["sizes"], new_tokens=8, check_len=16)}
 
 
 def digests(path: Path, *, mtp: bool) -> dict[str, str]:
@@ -381,7 +383,7 @@ _DRIVER = textwrap.dedent(
     """
     import json, os, signal, sys
     import mtpquant.surgery.inplace as inplace
-    from mtpquant.heal.options import HealOptions
+    from mtpquant.heal.options import HealOptions, HealSizes
     from mtpquant.heal.run import heal
 
     args = json.loads(sys.argv[1])
@@ -397,7 +399,7 @@ _DRIVER = textwrap.dedent(
         return out
 
     inplace.exchange_dirs = exchange
-    heal(HealOptions(**args["options"]))
+    heal(HealOptions(**args["options"] | {"sizes": HealSizes(**args["options"]["sizes"])}))
     """
 )
 
@@ -413,7 +415,8 @@ def test_kill_during_an_in_place_heal_leaves_the_old_or_the_new_quant(healed_tin
     script.write_text(_DRIVER)
 
     def run(quant: Path, kill: str) -> subprocess.CompletedProcess[str]:
-        options = {"quant": str(quant), "source": str(TINY_MTP_ASSET), "in_place": True, "force": True, **TINY}
+        options = {"quant": str(quant), "source": str(TINY_MTP_ASSET), "in_place": True, "force": True, **TINY,
+                   "sizes": dataclasses.asdict(TINY["sizes"])}
         return subprocess.run([sys.executable, str(script), json.dumps({"options": options, "kill": kill})],
                               capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parents[1])
 

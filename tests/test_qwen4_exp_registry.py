@@ -166,10 +166,11 @@ def test_quantize_refuses_attn_output_gate_false_at_plan_time(
 def test_quantizable_mtp_modules_are_registry_data() -> None:
     """What a quantized MTP may quantize: the engine's quantizable Linears less those kept BF16 (Qwen3.5: every
     Linear but mtp.fc and the gates, as before; Qwen4-Exp: fc_embedding, fc_hidden, o_proj, the experts)."""
-    from mtpquant.mtp.quantize import mtp_linear_modules, mtp_quantized_modules
+    from mtpquant.checkpoint.modules import linear_modules
+    from mtpquant.mtp.quantize import mtp_quantized_modules
 
     q4 = resolve(_full()).expected_mtp_shapes(["mtp.layers.0.mlp.experts.0.up_proj.weight"])
-    quantized = mtp_quantized_modules(mtp_linear_modules(q4), family("qwen4_exp").mtp)
+    quantized = mtp_quantized_modules(linear_modules(q4), family("qwen4_exp").mtp)
     assert [m for m in quantized if ".experts." not in m] == [
         "mtp.fc_embedding",
         "mtp.fc_hidden",
@@ -180,5 +181,5 @@ def test_quantizable_mtp_modules_are_registry_data() -> None:
     ]
     assert sum(".experts." in m for m in quantized) == 3 * 512
     q35 = json.loads((Path(__file__).parent / "fixtures/real-layouts/Qwen3.5-4B_config.json").read_text())
-    modules = mtp_linear_modules(resolve(q35).expected_mtp_shapes())
+    modules = linear_modules(resolve(q35).expected_mtp_shapes())
     assert sorted(set(modules) - set(mtp_quantized_modules(modules))) == ["mtp.fc"]

@@ -48,6 +48,7 @@ from mtpquant.records.validation import (
     Side,
     ValidationReport,
     Verdict,
+    sides,
 )
 from mtpquant.render import acceptance_text
 from mtpquant.text.prompts import (
@@ -479,9 +480,9 @@ def test_report_files(tmp_path: Path) -> None:
     assert "![Acceptance](acceptance.png)" in md and "![KL distribution](kl.png)" in md
     written = json.loads((tmp_path / "r" / "report.json").read_text())
     assert written == data.to_json() and Report.from_json(written) == data  # the schema round-trips exactly
-    assert "candidate    1  1.500" in acceptance_table(data)
+    assert "candidate    1  1.500" in acceptance_table(data, sides(data))
     # one acceptance table: the terminal's text and report.md's (and the card's) Markdown come from one function
-    table = acceptance_table(data, markdown=True)
+    table = acceptance_table(data, sides(data), markdown=True)
     assert table.splitlines()[:4] == [
         "| | k | AL | 95 % CI | acceptance rate | per-position acceptance |",
         "|---|---|---|---|---|---|",
@@ -497,7 +498,7 @@ def test_report_files(tmp_path: Path) -> None:
     )
     assert "Mode: pair; k = 1..3; 1 sequence of 8 tokens; prompts: p; device cpu (float32); activations off." in lines
     assert lines[-1] == "Time 1.0 s; mtpquant 0, schema mtpquant.validate/2."  # no import time measured: none named
-    assert _acceptance_plot(data).axes[1].get_ylim() == (1.0, 2.625)
+    assert _acceptance_plot(data, sides(data)).axes[1].get_ylim() == (1.0, 2.625)
     engine = EngineInfo(
         "vllm",
         "0.32.0",
@@ -513,11 +514,13 @@ def test_report_files(tmp_path: Path) -> None:
         },
     )
     served = dataclasses.replace(side, mtp=MtpInfo(True))
-    md = render_markdown(dataclasses.replace(data, reference=served, candidate=served, engine=(engine,)), {})
+    shown = dataclasses.replace(data, reference=served, candidate=served, engine=(engine,))
+    md = render_markdown(shown, {}, sides(shown))
     assert "Family qwen3_5; target from model; MTP precision as the engine serves it." in md
     assert "Requests: T=0 (seed 0); T=0.8, top-p 0.9 (seed 0), rule vllm, ignore_eos on, 1 at a time." in md
     unusable = dataclasses.replace(side, mtp=MtpInfo(False, "no mtp.* tensors"), acceptance=None)
-    md = render_markdown(dataclasses.replace(data, candidate=unusable), {})
+    unusable_report = dataclasses.replace(data, candidate=unusable)
+    md = render_markdown(unusable_report, {}, sides(unusable_report))
     assert "Family qwen3_5; target from model; MTP precision not read (no usable MTP).\n\n**MTP unavailable:** " in md
     assert "None" not in md and "{" not in md
     # --compare-reference's rows are typed (Predicted) and write the published shape, byte for byte
@@ -546,7 +549,7 @@ def test_report_files(tmp_path: Path) -> None:
         "reference T=0.8, top-p 0.9 k=2: engine AL 1.500, built-in prediction 1.750, difference -0.250; "
         "per position engine/predicted 37.5/50.0% 12.5/25.0%"
     )
-    md = render_markdown(compared, {})
+    md = render_markdown(compared, {}, sides(compared))
     assert "| reference | T=0.8, top-p 0.9 | 2 | 1.500 | 1.750 | -0.250 | 37.5 % / 12.5 % | 50.0 % / 25.0 % |" in md
 
 
@@ -615,7 +618,7 @@ def test_report_md_names_every_servers_arguments_and_memory() -> None:
         for label, port, k in (("reference", 1, 1), ("reference", 2, 2), ("candidate", 3, 1))
     )  # fmt: skip
     report = Report("0", "now", "pair", settings, side, Verdict("pass", ("ok",)), side, Comparison(), engine=engines)
-    md = render_markdown(report, {})
+    md = render_markdown(report, {}, sides(report))
     args = md.split("Server arguments:\n\n", 1)[1].split("\n\n", 1)[0].splitlines()
     assert args == [
         '- reference, k = 1: `--model tiny --port 1 --speculative-config {"num_speculative_tokens":1}`',

@@ -15,7 +15,7 @@ from mtpquant.records.acceptance import Acceptance, AcceptanceRow
 from mtpquant.records.evidence import Bootstrap, UnitCounts
 from mtpquant.records.profile import profile_headline, speculation_profile
 from mtpquant.records.sampling import SamplingSettings
-from mtpquant.records.validation import MtpInfo, Report, Settings, Side, ValidationReport, Verdict
+from mtpquant.records.validation import MtpInfo, Report, Settings, Side, ValidationReport, Verdict, sides
 from mtpquant.text.prompts import context_edges, plan_sequences
 from mtpquant.validate.options import ValidateOptions
 from mtpquant.validate.report import _acceptance_plot, write_report
@@ -186,7 +186,7 @@ def test_acceptance_plot_shows_every_sampling_setting_with_its_interval() -> Non
     by_sampling = (side.acceptance, _acceptance(steps, (8, 16), hot))
     assert side.acceptance is not None and greedy == side.acceptance.sampling
     report = dataclasses.replace(report, reference=dataclasses.replace(side, acceptance_by_sampling=by_sampling))
-    fig = _acceptance_plot(report)
+    fig = _acceptance_plot(report, sides(report))
     bars, lines = fig.axes
     names = ["checkpoint (T=0)", "checkpoint (T=0.8, top-p 0.9)"]
     assert bars.get_legend_handles_labels()[1] == names and lines.get_legend_handles_labels()[1] == names

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["FUSED_EXPERT_PARAMS", "PRECISION_SUFFIXES", "linear_modules", "module_of", "module_stems"]
+__all__ = ["FUSED_EXPERT_PARAMS", "PRECISION_SUFFIXES", "QUANT_PARAMS", "linear_modules", "module_of"]
 
 # Tensor name suffixes that belong to one Linear module's weight and its quantization scales.
 PRECISION_SUFFIXES = (
@@ -22,6 +22,8 @@ PRECISION_SUFFIXES = (
     ".input_scale",
     ".weight",
 )
+# The names of a quantized Linear's quantization parameters (its scales, its packed weight).
+QUANT_PARAMS = PRECISION_SUFFIXES[:-1]
 FUSED_EXPERT_PARAMS = (".experts.gate_up_proj", ".experts.down_proj")  # Qwen3.5-MoE: [E, out, in] tensors
 
 
@@ -34,24 +36,15 @@ def module_of(name: str) -> str:
 
 
 def linear_modules(tensors: Mapping[str, Any]) -> list[str]:
-    """Checkpoint Linear modules: 2-D weights (or packed weights), plus fused 3-D expert params."""
+    """Checkpoint Linear modules: 2-D weights (or packed weights), plus fused 3-D expert params; the one rule of
+    what a Linear is. ``tensors`` maps names to what has a ``shape`` (header entries, tensors) or to shapes."""
     mods = set()
     for name, e in tensors.items():
         if name.endswith(".weight"):  # most names of a table: test this first
-            if len(e.shape) == 2:
+            if len(getattr(e, "shape", e)) == 2:
                 mods.add(name[:-7])
         elif name.endswith(".weight_packed"):
             mods.add(name[:-14])
-        elif name.endswith(FUSED_EXPERT_PARAMS) and len(e.shape) == 3:
+        elif name.endswith(FUSED_EXPERT_PARAMS) and len(getattr(e, "shape", e)) == 3:
             mods.add(name)
     return sorted(m for m in mods if not m.endswith(("embed_tokens", "pos_embed")))
-
-
-def module_stems(tensors: Mapping[str, Any]) -> set[str]:
-    """Module names that own a ``weight`` (or ``weight_packed``) tensor, whatever its shape."""
-    out = set()
-    for n in tensors:
-        for suffix in (".weight", ".weight_packed"):
-            if n.endswith(suffix):
-                out.add(n[: -len(suffix)])
-    return out

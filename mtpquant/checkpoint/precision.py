@@ -6,10 +6,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from mtpquant.checkpoint.header import FLOAT_DTYPES
-from mtpquant.checkpoint.modules import FUSED_EXPERT_PARAMS
+from mtpquant.checkpoint.modules import FUSED_EXPERT_PARAMS, linear_modules
 
 __all__ = [
     "is_quantized",
+    "linear_precisions",
     "linears_text",
     "module_precision",
     "table_precision",
@@ -38,6 +39,12 @@ def module_precision(tensors: Mapping[str, Any], module: str) -> str:
     if w.dtype in FLOAT_DTYPES and scale is None and module + ".weight_scale_inv" not in tensors:
         return str(w.dtype)
     return f"other ({w.dtype})"
+
+
+def linear_precisions(tensors: Mapping[str, Any]) -> dict[str, str]:
+    """Every Linear module of ``tensors`` (``modules.linear_modules``) -> its precision on disk
+    (``module_precision``)."""
+    return {m: module_precision(tensors, m) for m in linear_modules(tensors)}
 
 
 def table_precision(tensors: Mapping[str, Any], table: str, shards: Sequence[str]) -> str:

@@ -13,7 +13,16 @@ from mtpquant import __version__
 from mtpquant.errors import ExitCode, MtpquantError, exit_code_table
 from mtpquant.runtime.machine import tune_cpu_runtime
 
-__all__ = ["HUB_CODES", "exit_codes_epilog", "main", "recorded_command"]
+__all__ = [
+    "HUB_CODES",
+    "add_device_argument",
+    "add_dtype_argument",
+    "add_shard_size_argument",
+    "exit_codes_epilog",
+    "main",
+    "parse_size",
+    "recorded_command",
+]
 
 # Subcommand modules, each with `register(subparsers)` setting `func(args) -> int` on its parser.
 COMMANDS = ("demo", "convert", "graft", "heal", "inspect", "validate", "publish", "tiny")
@@ -67,6 +76,41 @@ def add_base_model_arguments(p: argparse.ArgumentParser) -> None:
         help="Hub id of the base model (when it is not recorded: SRC was a local copy), written into the card",
     )
     p.add_argument("--base-model-revision", metavar="REV", help="the base model's revision (branch, tag or commit)")
+
+
+def parse_size(text: str) -> int:
+    """``5GB`` / ``500MiB`` / ``1000000`` -> bytes (argparse type)."""
+    from mtpquant.units import ByteSize
+
+    try:
+        return ByteSize.of(text).bytes
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_shard_size_argument(p: argparse.ArgumentParser, what: str = "byte budget per new MTP shard") -> None:
+    """``--max-shard-size SIZE`` (graft, heal), its default the one shard-size default."""
+    from mtpquant.checkpoint.writer import DEFAULT_MAX_SHARD_BYTES
+    from mtpquant.units import format_bytes
+
+    p.add_argument("--max-shard-size", type=parse_size, default=DEFAULT_MAX_SHARD_BYTES, metavar="SIZE",
+                   help=f"{what} (default {format_bytes(DEFAULT_MAX_SHARD_BYTES)})")
+
+
+def add_device_argument(p: argparse.ArgumentParser, default: str, *, indexed: bool, what: str = "") -> None:
+    """``--device``: ``runtime.machine.DEVICES`` (and ``cuda:N`` where a run computes on one GPU: ``indexed``)."""
+    from mtpquant.runtime.machine import DEVICES
+
+    names = ", ".join(DEVICES[:-1]) + (", cuda:N" if indexed else "") + f" or {DEVICES[-1]}"
+    p.add_argument("--device", default=default, metavar="DEVICE" if indexed else None,
+                   choices=None if indexed else DEVICES, help=f"{what}{names} (default {default})")
+
+
+def add_dtype_argument(p: argparse.ArgumentParser) -> None:
+    """``--dtype``: ``runtime.machine.COMPUTE_DTYPES``; by default float32 on the CPU, bfloat16 on CUDA."""
+    from mtpquant.runtime.machine import COMPUTE_DTYPES
+
+    p.add_argument("--dtype", choices=COMPUTE_DTYPES, help="compute dtype (default: float32 on CPU, bfloat16 on CUDA)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -7,9 +7,13 @@ import json
 from pathlib import Path
 from typing import Any
 
-from mtpquant.cli import HUB_CODES, add_base_model_arguments, exit_codes_epilog
+from mtpquant.checkpoint.writer import DEFAULT_MAX_SHARD_BYTES
+from mtpquant.cli import HUB_CODES, add_base_model_arguments, add_device_argument, exit_codes_epilog
 from mtpquant.cli.heal_cmd import SCHEDULE_FIELDS, add_schedule_arguments, schedule_options
+from mtpquant.convert.options import ConvertOptions  # torch-free: the defaults and choices at start-up
 from mtpquant.errors import ExitCode
+from mtpquant.records.record import field_choices, field_default
+from mtpquant.units import format_bytes
 
 EPILOG = """\
 examples:
@@ -63,26 +67,25 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("src", metavar="SRC", help="source checkpoint: local directory or Hub repo id (org/name)")
     p.add_argument("out", metavar="OUT", help="output directory (must not exist unless --overwrite)")
     p.add_argument("--recipe", metavar="NAME|PATH", help="built-in recipe name or YAML file (default: by family)")
-    p.add_argument("--mtp", choices=("keep", "quantize", "extract", "drop"), help="what to do with the MTP layer")
+    p.add_argument("--mtp", choices=field_choices(ConvertOptions, "mtp"), help="what to do with the MTP layer")
     p.add_argument("--keep-mtp", action="store_true", help="same as --mtp keep")
-    p.add_argument("--mtp-format", choices=("nvfp4", "fp8"), help="format of the MTP Linears with --mtp quantize")
+    p.add_argument("--mtp-format", choices=field_choices(ConvertOptions, "mtp_format"),
+                   help="format of the MTP Linears with --mtp quantize")
+    layout = field_default(ConvertOptions, "output_format")
     p.add_argument(
         "--format",
         dest="output_format",
-        choices=("modelopt", "compressed-tensors"),
-        default="modelopt",
-        help="checkpoint layout: modelopt (default) or compressed-tensors (nvfp4-pack-quantized, as llm-compressor)",
+        choices=field_choices(ConvertOptions, "output_format"),
+        default=layout,
+        help=f"checkpoint layout: modelopt or compressed-tensors (nvfp4-pack-quantized, as llm-compressor); default "
+        f"{layout}",
     )
     p.add_argument("--mtp-out", metavar="DIR", type=Path, help="where --mtp extract writes the MTP (default OUT-mtp)")
     p.add_argument("--calib-data", metavar="PATH|DATASET", help="calibration text (default: offline CPython text)")
     p.add_argument("--calib-samples", metavar="N", type=int, help="calibration rows (default: the recipe's)")
     p.add_argument("--calib-seq-len", metavar="L", type=int, help="tokens per calibration row (default: the recipe's)")
-    p.add_argument(
-        "--device",
-        choices=("cpu", "cuda", "auto"),
-        default="auto",
-        help="cuda uses accelerate device_map=auto (GPU sharding, CPU/disk offload); default auto",
-    )
+    add_device_argument(p, field_default(ConvertOptions, "device"), indexed=False,
+                        what="cuda uses accelerate device_map=auto (GPU sharding, CPU/disk offload): ")
     p.add_argument(
         "--max-memory",
         metavar="SPEC",
@@ -102,7 +105,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="layer-wise calibration: commit the resume state every N layers, so a kill redoes at most N (default: "
         "as often as keeps the saved layer inputs within 5%% of the output)",
     )
-    p.add_argument("--max-shard-size", metavar="SIZE", help="output shard budget, e.g. 5GB, 500MiB (default 5GB)")
+    p.add_argument("--max-shard-size", metavar="SIZE", help="output shard budget, e.g. 5GB, 500MiB (default: the "
+                   f"recipe's, {format_bytes(DEFAULT_MAX_SHARD_BYTES)} unless it says)")
     p.add_argument(
         "--set",
         dest="overrides",
@@ -133,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
     import logging
     import os
 
-    from mtpquant.api import ConvertOptions, convert
+    from mtpquant.api import convert
     from mtpquant.errors import RecipeError
     from mtpquant.render import convert_text
 

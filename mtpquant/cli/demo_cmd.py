@@ -12,7 +12,7 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mtpquant.cli import exit_codes_epilog
+from mtpquant.cli import add_device_argument, exit_codes_epilog
 from mtpquant.errors import ExitCode
 
 if TYPE_CHECKING:
@@ -44,7 +44,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--workdir", type=Path, default=Path("runs/demo"), help="where outputs go (default runs/demo)")
-    p.add_argument("--device", choices=("cpu", "cuda", "auto"), default="auto")
+    add_device_argument(p, "auto", indexed=False)
     p.add_argument("--num-prompts", type=int, default=64, help="validation prompts (default 64)")
     p.add_argument(
         "--family", choices=("qwen3_5", "qwen4_exp"), default="qwen3_5", help="which embedded model (default qwen3_5)"

@@ -6,11 +6,10 @@ import argparse
 import json
 from typing import Any
 
-from mtpquant.cli import HUB_CODES, exit_codes_epilog
+from mtpquant.cli import HUB_CODES, add_shard_size_argument, exit_codes_epilog
 from mtpquant.errors import ExitCode
-from mtpquant.units import ByteSize
 
-__all__ = ["parse_size", "register"]
+__all__ = ["register"]
 
 _EPILOG = """\
 examples:
@@ -29,14 +28,6 @@ examples:
     ExitCode.OUTPUT_BUSY,
     *HUB_CODES,
 )
-
-
-def parse_size(text: str) -> int:
-    """``5GB`` / ``500MiB`` / ``1000000`` -> bytes (argparse type)."""
-    try:
-        return ByteSize.of(text).bytes
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def register(subparsers: Any) -> None:
@@ -75,13 +66,7 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--revision", metavar="REV", help="QUANT's Hub revision (branch, tag or commit)")
     p.add_argument("--from-revision", dest="source_revision", metavar="REV", help="SRC's Hub revision")
-    p.add_argument(
-        "--max-shard-size",
-        type=parse_size,
-        default="5GB",
-        metavar="SIZE",
-        help="byte budget per new MTP shard (default 5GB)",
-    )
+    add_shard_size_argument(p)
     p.add_argument("--copy", action="store_true", help="copy untouched files instead of hard-linking them")
     p.add_argument("--dry-run", action="store_true", help="check and plan, print the plan, write nothing")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -90,7 +75,7 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Build the options, call the API, print the summary."""
-    from mtpquant.api import GraftOptions, graft
+    from mtpquant.api import GraftOptions, graft  # graft.options: torch-free
     from mtpquant.render import graft_text
 
     options = GraftOptions(

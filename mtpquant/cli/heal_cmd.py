@@ -7,9 +7,16 @@ import json
 import os
 from typing import Any
 
-from mtpquant.cli import HUB_CODES, exit_codes_epilog
-from mtpquant.cli.graft_cmd import parse_size
+from mtpquant.cli import (
+    HUB_CODES,
+    add_device_argument,
+    add_dtype_argument,
+    add_shard_size_argument,
+    exit_codes_epilog,
+)
 from mtpquant.errors import ExitCode
+from mtpquant.heal.options import HealOptions  # torch-free: the defaults at start-up
+from mtpquant.records.record import field_choices, field_default
 
 __all__ = ["SCHEDULE_FIELDS", "add_schedule_arguments", "register", "schedule_options"]
 
@@ -42,19 +49,26 @@ beyond noise at every k = 1..K.
 
 
 def add_schedule_arguments(p: argparse.ArgumentParser, prefix: str = "") -> None:
-    """The data and schedule flags (``heal``'s, and ``convert --heal``'s with ``prefix="heal-"``)."""
+    """The data and schedule flags (``heal``'s, and ``convert --heal``'s with ``prefix="heal-"``); their defaults
+    are ``HealOptions``'."""
+
+    def default(name: str) -> str:
+        return f"default {field_default(HealOptions, name):g}"
+
     p.add_argument(f"--{prefix}data", dest="heal_data", metavar="PATH|DATASET",
                    help="calibration text the prompts come from (default: the offline CPython text without "
                    "validate's held-out documents); a .txt/.jsonl file or a `datasets` name")
-    p.add_argument(f"--{prefix}steps", dest="heal_steps", type=int, metavar="N", help="training steps (default 100)")
-    p.add_argument(f"--{prefix}lr", dest="heal_lr", type=float, metavar="LR", help="peak learning rate (default 1e-3)")
-    p.add_argument(f"--{prefix}seed", dest="heal_seed", type=int, metavar="N", help="seed (default 0)")
+    p.add_argument(f"--{prefix}steps", dest="heal_steps", type=int, metavar="N",
+                   help=f"training steps ({default('steps')})")
+    p.add_argument(f"--{prefix}lr", dest="heal_lr", type=float, metavar="LR",
+                   help=f"peak learning rate ({default('lr')})")
+    p.add_argument(f"--{prefix}seed", dest="heal_seed", type=int, metavar="N", help=f"seed ({default('seed')})")
     p.add_argument(f"--{prefix}chain", dest="heal_chain", type=int, metavar="K",
-                   help="train the first K chained drafts, as the engines draft (default 2)")
+                   help=f"train the first K chained drafts, as the engines draft ({default('chain')})")
     p.add_argument(f"--{prefix}samples", dest="heal_samples", type=int, metavar="N",
-                   help="calibration prompts the target continues (default 64)")
+                   help=f"calibration prompts the target continues ({default('samples')})")
     p.add_argument(f"--{prefix}check-prompts", dest="heal_check_prompts", type=int, metavar="N",
-                   help="held-out prompts of the before/after check (default 64)")
+                   help=f"held-out prompts of the before/after check ({default('check_prompts')})")
 
 
 # HealOptions field -> the argparse dest of its schedule flag (``--steps``; ``convert --heal-steps``)
@@ -89,22 +103,22 @@ def register(subparsers: Any) -> None:
                        help="heal QUANT itself: built beside it, verified, then swapped in atomically")
     add_schedule_arguments(p)
     p.add_argument("--temperature", type=float, metavar="T", help="serving temperature of the sampled continuations "
-                   "(default 0.7)")
-    p.add_argument("--k", type=int, metavar="K", help="the check measures AL for k = 1..K (default 3)")
+                   f"(default {field_default(HealOptions, 'temperature'):g})")
+    p.add_argument("--k", type=int, metavar="K",
+                   help=f"the check measures AL for k = 1..K (default {field_default(HealOptions, 'k')})")
     p.add_argument("--force", action="store_true",
                    help="write the healed MTP even if the check does not show it better (the provenance says so)")
-    p.add_argument("--device", choices=("cpu", "cuda", "auto"), default="auto", help="default auto")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
-                   help="compute dtype (default: float32 on CPU, bfloat16 on CUDA)")
+    add_device_argument(p, field_default(HealOptions, "device"), indexed=True)
+    add_dtype_argument(p)
     p.add_argument("--max-memory", metavar="SPEC",
                    help="memory caps for the quantized target, e.g. cpu=3GiB: what does not fit is read from QUANT's "
                    "files and dequantized when its layer runs")
-    p.add_argument("--activations", choices=("emulate", "off"), default="emulate",
-                   help="emulate W4A4 activation quantization as the engines run it (default), or off")
+    activations = field_default(HealOptions, "activations")
+    p.add_argument("--activations", choices=field_choices(HealOptions, "activations"), default=activations,
+                   help=f"emulate W4A4 activation quantization as the engines run it, or off (default {activations})")
     p.add_argument("--revision", metavar="REV", help="QUANT's Hub revision")
     p.add_argument("--from-revision", dest="source_revision", metavar="REV", help="SRC's Hub revision")
-    p.add_argument("--max-shard-size", type=parse_size, default="5GB", metavar="SIZE",
-                   help="byte budget per new MTP shard (default 5GB)")
+    add_shard_size_argument(p)
     p.add_argument("--copy", action="store_true", help="copy untouched files instead of hard-linking them")
     p.add_argument("--dry-run", action="store_true", help="print the plan (memory and disk too) and write nothing")
     p.add_argument("--json", action="store_true", help="print the result (or plan) as JSON")
@@ -113,8 +127,6 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Build the options, call the API, print the summary."""
-    from mtpquant.heal.options import HealOptions  # torch-free
-
     extra: dict[str, Any] = schedule_options(args)
     for name in ("temperature", "k"):
         if getattr(args, name) is not None:

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import argparse
 import json
+from functools import partial
 from pathlib import Path
 
-from mtpquant.cli import HUB_CODES, exit_codes_epilog
+from mtpquant.cli import HUB_CODES, add_device_argument, add_dtype_argument, exit_codes_epilog
 from mtpquant.errors import ExitCode
-from mtpquant.measure import ACTIVATION_MODES  # torch-free: the choices at start-up
+from mtpquant.records.record import field_choices, field_default
 from mtpquant.records.sampling import RULES
-from mtpquant.validate.options import ENGINES
+from mtpquant.validate.options import ValidateOptions  # torch-free: the defaults and choices at start-up
+
+_D = partial(field_default, ValidateOptions)
 
 EXAMPLES = """\
 examples:
@@ -62,23 +65,24 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("candidate", nargs="?", help="the quantized checkpoint to compare against REFERENCE")
     p.add_argument("--prompts", type=Path, help="prompt file: .jsonl ({'text': ...}) or text blocks")
-    p.add_argument("--num-prompts", type=int, default=32, help="number of prompts (default 32)")
-    p.add_argument(
-        "--max-len", type=int, default=128, help="tokens per sequence: prompt (<= half) + greedy continuation"
-    )
+    p.add_argument("--num-prompts", type=int, default=_D("num_prompts"),
+                   help=f"number of prompts (default {_D('num_prompts')})")
+    p.add_argument("--max-len", type=int, default=_D("max_len"),
+                   help=f"tokens per sequence: prompt (<= half) + greedy continuation (default {_D('max_len')})")
     p.add_argument(
         "--k",
         type=_ks,
-        default=(3, None),
+        default=(_D("k"), _D("ks")),
         metavar="K|K1,K2,..",
-        help="k = 1..K drafts per step (default 3), or the listed k values (--engine: one server each)",
+        help=f"k = 1..K drafts per step (default {_D('k')}), or the listed k values (--engine: one server each)",
     )
     p.add_argument(
         "--batch-size",
         type=int,
-        default=16,
+        default=_D("batch_size"),
         metavar="N",
-        help="prompts of one length generated together by the built-in path (default 16; lower it for memory)",
+        help=f"prompts of one length generated together by the built-in path (default {_D('batch_size')}; lower it "
+        "for memory)",
     )
     p.add_argument(
         "--report-dir",
@@ -86,11 +90,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="write report.json, report.md, plots (and --engine's server logs, in logs/) here, replacing an earlier "
         "report whole",
     )
-    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
-    p.add_argument(
-        "--dtype", choices=("float32", "bfloat16", "float16"), help="compute dtype (default: fp32 CPU, bf16 CUDA)"
-    )
-    p.add_argument("--activations", choices=ACTIVATION_MODES, default="off", help="emulate: W4A4 activation fake-quant")
+    add_device_argument(p, _D("device"), indexed=True)
+    add_dtype_argument(p)
+    p.add_argument("--activations", choices=field_choices(ValidateOptions, "activations"), default=_D("activations"),
+                   help=f"emulate: W4A4 activation fake-quant (default {_D('activations')})")
     p.add_argument(
         "--save-hidden", type=Path, metavar="FILE", help="save target hidden states and tokens (safetensors)"
     )
@@ -98,19 +101,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--warn-al-drop",
         type=float,
-        default=0.1,
-        help="the allowed AL drop per k: warn when the drop exceeds it beyond noise (default 0.1)",
+        default=_D("warn_al_drop"),
+        help=f"the allowed AL drop per k: warn when the drop exceeds it beyond noise (default {_D('warn_al_drop')})",
     )
     p.add_argument(
         "--min-main-agreement",
         type=float,
-        default=0.5,
+        default=_D("min_main_agreement"),
         metavar="F",
         help="pair: a candidate whose main model agrees with the reference's top-1 token less often is broken "
-        "(default 0.5)",
+        f"(default {_D('min_main_agreement')})",
     )
     p.add_argument(
-        "--confidence", type=float, default=0.95, help="level of the bootstrap intervals over prompts (default 0.95)"
+        "--confidence", type=float, default=_D("confidence"),
+        help=f"level of the bootstrap intervals over prompts (default {_D('confidence')})"
     )
     p.add_argument("--json", action="store_true", help="print report.json to stdout instead of the table")
     g = p.add_argument_group("sampling (as users serve: Qwen recommends temperature 0.6-1.0)")
@@ -118,7 +122,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--temperature",
         type=float,
         nargs="+",
-        default=[0.0],
+        default=list(_D("temperatures")),
         metavar="T",
         help="the target samples at each T (0: greedy, the default); the first is the headline of the verdict",
     )
@@ -126,25 +130,26 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--top-p",
         type=float,
         nargs="+",
-        default=[1.0],
+        default=list(_D("top_p")),
         metavar="P",
-        help="nucleus sampling of the target (default 1: off); one value, or one per --temperature",
+        help=f"nucleus sampling of the target (default {_D('top_p')[0]:g}: off); one value, or one per --temperature",
     )
     g.add_argument(
         "--top-k",
         type=int,
         nargs="+",
-        default=[0],
+        default=list(_D("top_k")),
         metavar="K",
-        help="top-k sampling of the target (default 0: off); one value, or one per --temperature",
+        help=f"top-k sampling of the target (default {_D('top_k')[0]}: off); one value, or one per --temperature",
     )
     g.add_argument(
         "--rule",
         choices=tuple(RULES),
-        default="vllm",
+        default=_D("rule"),
         help="how drafts are verified: " + "; ".join(f"{r.name}: {r.description}" for r in RULES.values()),
     )
-    g.add_argument("--seed", type=int, default=0, help="prompt i samples with seed + i (default 0)")
+    g.add_argument("--seed", type=int, default=_D("seed"),
+                   help=f"prompt i samples with seed + i (default {_D('seed')})")
     p.add_argument(
         "--context-buckets",
         type=int,
@@ -167,10 +172,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         "(never put a key or password in the URL: it is removed from every report and message)",
     )
     e.add_argument("--served-model", metavar="NAME", help="the model name to ask for (default: the only one served)")
-    e.add_argument("--engine", choices=ENGINES, help="start the engine for CHECKPOINT [CANDIDATE] on 127.0.0.1")
+    e.add_argument("--engine", choices=field_choices(ValidateOptions, "engine"),
+                   help="start the engine for CHECKPOINT [CANDIDATE] on 127.0.0.1")
     e.add_argument("--vllm-python", type=Path, metavar="PATH", help="the python of the vLLM environment")
     e.add_argument("--sglang-python", type=Path, metavar="PATH", help="the python of the SGLang environment")
-    e.add_argument("--tensor-parallel-size", type=int, default=1, help="--engine: tensor parallelism")
+    e.add_argument("--tensor-parallel-size", type=int, default=_D("tensor_parallel_size"),
+                   help=f"--engine: tensor parallelism (default {_D('tensor_parallel_size')})")
     e.add_argument(
         "--engine-arg",
         action="append",
@@ -184,11 +191,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     e.add_argument(
         "--concurrency",
         type=int,
-        default=1,
+        default=_D("concurrency"),
         metavar="N",
-        help="requests in flight at once (default 1: per-prompt counters, the finest intervals)",
+        help=f"requests in flight at once (default {_D('concurrency')}: per-prompt counters, the finest intervals)",
     )
-    e.add_argument("--startup-timeout", type=float, default=900.0, help="--engine: seconds to wait for the server")
+    e.add_argument("--startup-timeout", type=float, default=_D("startup_timeout"),
+                   help=f"--engine: seconds to wait for the server (default {_D('startup_timeout'):g})")
     p.set_defaults(func=run)
 
 
@@ -205,7 +213,7 @@ def _ks(text: str) -> tuple[int, tuple[int, ...] | None]:
 
 def run(args: argparse.Namespace) -> int:
     """Run validate and print the acceptance table (or the JSON report)."""
-    from mtpquant.api import ValidateOptions, validate
+    from mtpquant.api import validate
     from mtpquant.render import validate_text
 
     opts = ValidateOptions(

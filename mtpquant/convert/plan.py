@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,7 +21,8 @@ from mtpquant.checkpoint.header import FLOAT_DTYPES
 from mtpquant.checkpoint.index import INDEX_NAME
 from mtpquant.checkpoint.modules import FUSED_EXPERT_PARAMS, linear_modules
 from mtpquant.checkpoint.table import PICKLE_SUFFIXES, Checkpoint
-from mtpquant.convert.ct_format import FORMATS, check_ct_recipe
+from mtpquant.convert.ct_format import check_ct_recipe
+from mtpquant.convert.options import ConvertOptions
 from mtpquant.convert.resume import resume_interval
 from mtpquant.errors import (
     IndivisibleDimensionError,
@@ -62,38 +63,6 @@ log = logging.getLogger(__name__)
 
 # Files convert writes itself (or must not copy) instead of carrying them over from the source.
 _REWRITTEN = {"config.json", HF_QUANT_CONFIG, INDEX_NAME, PROVENANCE_FILE, "README.md", "README", "model_card.md"}
-
-
-@dataclass(frozen=True)
-class ConvertOptions:
-    """Everything ``convert`` needs; the CLI builds one from its flags (None: take the recipe's value)."""
-
-    src: str
-    out: Path
-    recipe: str | None = None
-    mtp: str | None = None  # keep | quantize | extract | drop; None: the recipe's (auto: keep if present)
-    mtp_format: str | None = None  # nvfp4 | fp8 (quantize mode)
-    mtp_out: Path | None = None  # extract mode; default OUT-mtp
-    calib_data: str | None = None  # offline | file | datasets name
-    calib_samples: int | None = None
-    calib_seq_len: int | None = None
-    device: str = "auto"  # cpu | cuda | auto
-    max_memory: str | None = None  # per-device caps, e.g. "cpu=8GiB" or "cuda:0=70GiB,cpu=200GiB"
-    layerwise: bool = False  # calibrate layer by layer (resumable) even when the model fits in memory
-    resume_every: int | None = None  # layer-wise: commit the resume state every N layers (None: resume.resume_interval)
-    max_shard_size: str | int | None = None
-    overrides: tuple[str, ...] = ()  # --set section.key=value
-    dry_run: bool = False
-    overwrite: bool = False
-    revision: str | None = None
-    progress: bool = True
-    command: tuple[str, ...] = ()  # the command line, recorded in OUT's recipe header (the CLI sets it)
-    base_model: str | None = None  # the Hub id of the base model (SRC is a local copy of it), for the card
-    base_model_revision: str | None = None
-    output_format: str = "modelopt"  # modelopt | compressed-tensors (``convert.ct_format``)
-    # A check the caller adds to the plan, called with SRC (headers) and the MTP mode once both are known and before
-    # transformers loads: ``convert --heal`` (``api.convert_and_heal``) refuses there what heal would refuse on OUT.
-    plan_check: Callable[[Checkpoint, str], None] | None = None
 
 
 @dataclass(frozen=True)
@@ -250,10 +219,7 @@ def _check_not_quantized(ckpt: Checkpoint) -> None:
 def plan_convert(options: ConvertOptions, ckpt: Checkpoint | None = None) -> tuple[ConvertPlan, Checkpoint]:
     """Build the plan and run every early refusal; returns the plan and the opened source."""
     base_model, base_revision = check_base_model(options.base_model, options.base_model_revision)
-    if options.output_format not in FORMATS:
-        raise RecipeError(f"--format must be one of {', '.join(FORMATS)}, got {options.output_format!r}")
-    if options.resume_every is not None and options.resume_every < 1:
-        raise UsageError(f"--resume-every must be >= 1, got {options.resume_every}")
+    options.check_fields(UsageError)
     if ckpt is None:
         ckpt = Checkpoint.open(options.src, revision=options.revision, strict=True)
     spec = ckpt.spec

@@ -10,6 +10,7 @@ from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.diagnose.report import inspect_checkpoint
 from mtpquant.errors import OutputVerificationError
 from mtpquant.surgery.metadata import plan_metadata
+from mtpquant.surgery.write import Verified
 
 __all__ = ["verify_result"]
 
@@ -22,9 +23,8 @@ def verify_result(
     src_hashes: dict[str, str] | None,
     mtp_layers: int,
     quant: Checkpoint,
-    warnings: list[str],
-) -> list[str]:
-    """Check the finished result where it was built; raise if it is not healthy. Returns checks run.
+) -> Verified:
+    """Check the finished result where it was built; raise if it is not healthy. Returns the checks run.
 
     The inspect verdict must be clean, except for failures QUANT already had that graft does not
     touch (a main-model defect, say): those stay, and are reported as warnings.
@@ -65,6 +65,7 @@ def verify_result(
         raise fail(f"metadata still incomplete ({leftover.changes[0]})")
     checks.append("exclusions")
     report = inspect_checkpoint(path, checkpoint=ckpt)
+    warnings = []
     if not report.healthy:
         baseline = set(inspect_checkpoint(quant.source, checkpoint=quant).failure_messages)
         new = [m for m in report.failure_messages if m not in baseline]
@@ -75,4 +76,4 @@ def verify_result(
             log.warning("%s", warning)
             warnings.append(warning)
     checks.append("inspect")
-    return checks
+    return Verified(tuple(checks), tuple(warnings))

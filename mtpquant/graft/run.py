@@ -22,7 +22,7 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -31,10 +31,11 @@ from mtpquant.checkpoint.index import INDEX_NAME
 from mtpquant.checkpoint.lock import OutputLock
 from mtpquant.checkpoint.source import CheckpointSource, read_text
 from mtpquant.checkpoint.table import Checkpoint
-from mtpquant.checkpoint.writer import DEFAULT_MAX_SHARD_BYTES, OutputDir
+from mtpquant.checkpoint.writer import OutputDir
 from mtpquant.diagnose.verify import verify_result
 from mtpquant.errors import CheckpointError, OutputExistsError, RecipeError, UsageError
 from mtpquant.families import is_mtp_name
+from mtpquant.graft.options import GraftOptions
 from mtpquant.graft.source import TrackedSource
 from mtpquant.public import public_args, public_name, public_ref
 from mtpquant.recipes.recipe import RECIPE_FILE, grafted_recipe
@@ -43,8 +44,8 @@ from mtpquant.surgery import inplace
 from mtpquant.surgery.lineage import GraftError, LineageError, LineageReport, check_lineage, mtp_layer_count
 from mtpquant.surgery.metadata import plan_metadata
 from mtpquant.surgery.modes import MODES, WriteContext
-from mtpquant.surgery.plan import Plan, plan_index_fix, plan_shards, weight_map_of
-from mtpquant.surgery.write import NewMtp, Target, WriteLog, build, commit, open_target
+from mtpquant.surgery.plan import Plan, plan_change
+from mtpquant.surgery.write import NewMtp, Verified, WriteLog, build, commit, open_destination
 from mtpquant.units import format_bytes
 
 __all__ = [
@@ -59,33 +60,13 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
-
-@dataclass(frozen=True)
-class GraftOptions:
-    """Everything ``mtpquant graft`` takes; the CLI builds one of these and calls ``graft``."""
-
-    quant: str | os.PathLike[str]
-    source: str | os.PathLike[str] | None = None  # SRC: a directory or Hub repo id (None with fix_metadata)
-    out: str | os.PathLike[str] | None = None
-    in_place: bool = False
-    replace: bool = False
-    fix_metadata: bool = False
-    revision: str | None = None  # QUANT's Hub revision
-    source_revision: str | None = None  # SRC's Hub revision
-    token: str | None = field(default=None, repr=False)
-    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
-    link: bool = True  # hard-link untouched files (False: copy them)
-    dry_run: bool = False
-    command: tuple[str, ...] = ()  # the command line, recorded in the provenance file (the CLI sets it)
-
-
-@dataclass(kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class GraftResult(WriteLog):
     """What graft did (or, with ``dry_run``, would do); what it wrote in ``WriteLog``'s fields."""
 
     quant: str
     source: str | None
-    destination: str | None  # the directory that holds the result (None for a no-op / dry run)
+    destination: str | None = None  # the directory that holds the result (None for a no-op / dry run)
     mode: str  # "out" | "in-place"
     action: str  # "grafted" | "replaced" | "metadata" | "noop" | "planned"
     message: str
@@ -107,22 +88,11 @@ class GraftResult(WriteLog):
 # ---------------------------------------------------------------------------------------------- writing
 
 
-def _open_target(options: GraftOptions, quant: Checkpoint, plan: Plan, result: GraftResult) -> Target:
-    target = open_target(
-        quant, Path(options.out) if options.out is not None else None, replaces=bool(plan.drop or plan.rewrite)
-    )
-    result.cleaned = target.cleaned
-    return target
-
-
 def _write(
-    target: Target,
-    options: GraftOptions,
-    plan: Plan,
-    src: Checkpoint | None,
-    result: GraftResult,
-    verify: Callable[[Path], list[str]],
-) -> None:
+    options: GraftOptions, plan: Plan, src: Checkpoint | None, verify: Callable[[Path], Verified], warnings: list[str]
+) -> tuple[WriteLog, str]:
+    """Write ``plan`` (SRC's MTP when ``src`` is given, else the metadata alone) and put it in place; returns what
+    the write did and the directory that holds the result."""
     new_mtp = None
     if plan.add and src is not None:
         source = src
@@ -130,17 +100,20 @@ def _write(
         def write_keep(od: OutputDir) -> list[str]:
             # graft puts the MTP back the way convert's keep mode writes it (the same code: extract + graft == keep)
             keep = MODES["keep"].write(WriteContext(od, source, options.max_shard_bytes))
-            if keep.names != sorted(plan.add):
+            if keep.names != list(plan.add):
                 raise GraftError("internal: keep mode wrote other MTP tensors than graft planned")
             return keep.shards
 
-        new_mtp = NewMtp(tuple(plan.add), write_keep)
+        new_mtp = NewMtp(plan.add, write_keep)
     ref = src.source.ref() if src is not None else None
     # the provenance goes public with OUT: local directories by their base name
     step = Step("graft", public_args(options.command, ref), source=public_ref(ref), mode="keep")
-    texts = _grafted_recipe(plan.quant, public_name(src.label, ref), result.warnings) if new_mtp and src else {}
-    json_files = build(target, plan, new_mtp, step, result, verify, link=options.link, texts=texts)
-    commit(target, result, json_files)
+    texts = _grafted_recipe(plan.quant, public_name(src.label, ref), warnings) if new_mtp and src else {}
+    out = Path(options.out) if options.out is not None else None
+    dest = open_destination(plan.quant, out, replaces=bool(plan.drop or plan.rewrite))
+    with dest.od:
+        built = build(dest, plan, new_mtp, step, verify, link=options.link, texts=texts)
+        return commit(dest, built), str(dest.path)
 
 
 _RECIPE_LIMIT = 1 << 20  # a resolved recipe is a few hundred bytes
@@ -171,8 +144,7 @@ def _check_options(options: GraftOptions) -> None:
         raise UsageError("--fix-metadata takes no --from: it repairs metadata only and touches no tensor file")
     if not options.fix_metadata and options.source is None:
         raise UsageError("give --from SRC (the checkpoint that still has the MTP), or --fix-metadata")
-    if options.max_shard_bytes <= 0:
-        raise UsageError("--max-shard-size must be positive")
+    options.check_fields(UsageError)
 
 
 def _check_out(options: GraftOptions, quant: Checkpoint) -> None:
@@ -224,21 +196,47 @@ def _identical_mtp(quant: Checkpoint, src: Checkpoint) -> bool:
     return all(quant.read_raw(q[n]) == src.read_raw(s[n]) for n in sorted(q))
 
 
-def _finish(result: GraftResult, t0: float, quant: Checkpoint, src: Checkpoint | None) -> GraftResult:
-    if result.action == "noop" and result.mode == "in-place":
+def _result(
+    options: GraftOptions,
+    quant: Checkpoint,
+    src: Checkpoint | None,
+    t0: float,
+    action: str,
+    message: str,
+    *,
+    mtp: tuple[int, int],
+    written: WriteLog | None = None,
+    warnings: Sequence[str] = (),
+    **facts: Any,
+) -> GraftResult:
+    """The result, made once: the facts, the MTP's tensors and bytes (``mtp``), what the write did (``written``),
+    the network counts and the time."""
+    log_ = written or WriteLog()
+    done = {f.name: getattr(log_, f.name) for f in dataclasses.fields(WriteLog)}
+    done["warnings"] = [*warnings, *log_.warnings]
+    if action == "noop" and options.in_place:
         # an earlier run may have been killed after putting its result in place: tidy up after it
         assert quant.source.local_root is not None
         root = quant.source.local_root.resolve()
         with OutputLock.acquire(root):
-            result.cleaned = inplace.clean_stale(root)
-    result.quant_bytes_fetched = quant.source.bytes_read
-    result.quant_requests = quant.source.requests
-    if src is not None:
-        result.src_bytes_fetched = src.source.bytes_read
-        result.src_requests = src.source.requests
-    result.seconds = round(time.perf_counter() - t0, 3)
-    log.info("%s", result.message)
-    return result
+            done["cleaned"] = inplace.clean_stale(root)
+    log.info("%s", message)
+    return GraftResult(
+        **done,
+        **facts,
+        quant=quant.label,
+        source=src.label if src is not None else None,
+        mtp_tensors=mtp[0],
+        mtp_bytes=mtp[1],
+        mode="out" if options.out is not None else "in-place",
+        action=action,
+        message=message,
+        quant_bytes_fetched=quant.source.bytes_read,
+        quant_requests=quant.source.requests,
+        src_bytes_fetched=src.source.bytes_read if src is not None else 0,
+        src_requests=src.source.requests if src is not None else 0,
+        seconds=round(time.perf_counter() - t0, 3),
+    )
 
 
 def graft(options: GraftOptions) -> GraftResult:
@@ -252,50 +250,37 @@ def graft(options: GraftOptions) -> GraftResult:
     _check_options(options)
     quant = _open_quant(options)
     _check_out(options, quant)
-    mode = "out" if options.out is not None else "in-place"
-    hfq = quant.hf_quant_config
-    weight_map = weight_map_of(quant)
-    plan = Plan(quant, hfq, weight_map)
-    result = GraftResult(quant=quant.label, source=None, destination=None, mode=mode, action="planned", message="")
     if options.fix_metadata:
-        return _finish(_fix_metadata(options, plan, result), t0, quant, None)
+        return _fix_metadata(options, quant, t0)
 
     assert options.source is not None
     src = Checkpoint.open(options.source, revision=options.source_revision, token=options.token, name_errors=True)
-    result.source = src.label
     src_mtp = src.mtp_tensors()
     tracked = TrackedSource(src.source, src_mtp)
     src = dataclasses.replace(src, source=cast(CheckpointSource, tracked))
     lineage: LineageReport = check_lineage(quant, src)
-    result.warnings += list(lineage.warnings)
-    result.mtp_tensors, result.mtp_bytes = len(src_mtp), lineage.mtp_bytes
+    warnings = list(lineage.warnings)
+    sizes = (len(src_mtp), lineage.mtp_bytes)
+    hfq = quant.hf_quant_config
 
     existing = quant.mtp_tensors()
+    removed: list[str] = []
     if existing:
         if _identical_mtp(quant, src):
-            plan.metadata = plan_metadata(
+            metadata = plan_metadata(
                 quant.spec, hfq, quant.tensors, mtp_layers=lineage.mtp_layers, reference_config=src.config
             )
-            plan_index_fix(plan)
+            plan = plan_change(quant, metadata)
             if not plan.metadata.changes:
                 same = f"{quant.label} already has this MTP ({len(existing)} tensors, byte-identical to SRC's)"
                 if options.out is not None and not options.dry_run:
                     # the output asked for is made all the same: QUANT as it is, its files linked
-                    return _finish(
-                        _metadata_only(options, plan, result, lineage.mtp_layers, f"{same}; nothing to change"),
-                        t0,
-                        quant,
-                        src,
-                    )
-                result.action = "noop"
-                result.message = f"{same} and its metadata is complete: nothing to do, nothing written"
-                return _finish(result, t0, quant, src)
-            return _finish(
-                _metadata_only(options, plan, result, lineage.mtp_layers, "MTP already present and identical to SRC's"),
-                t0,
-                quant,
-                src,
-            )
+                    return _metadata_only(options, plan, src, t0, lineage.mtp_layers, f"{same}; nothing to change",
+                                          warnings, sizes)
+                message = f"{same} and its metadata is complete: nothing to do, nothing written"
+                return _result(options, quant, src, t0, "noop", message, warnings=warnings, mtp=sizes)
+            return _metadata_only(options, plan, src, t0, lineage.mtp_layers,
+                                  "MTP already present and identical to SRC's", warnings, sizes)
         if not options.replace:
             lost = sum(len(names) for names in quant.lost_tensors().values())
             what = (
@@ -304,94 +289,80 @@ def graft(options: GraftOptions) -> GraftResult:
                 else f"an MTP ({len(existing)} mtp.* tensors) that differs from SRC's"
             )
             raise GraftError(f"{quant.label}: already has {what}; pass --replace to replace it")
-        plan.removed = sorted(e.name for e in existing)
-    plan.add = sorted(e.name for e in src_mtp)
-    plan.mtp_layers = lineage.mtp_layers
-    plan_shards(plan, set(plan.removed))
-    table: dict[str, Any] = {n: e for n, e in quant.tensors.items() if n not in set(plan.removed)}
+        removed = sorted(e.name for e in existing)
+    gone = set(removed)
+    table: dict[str, Any] = {n: e for n, e in quant.tensors.items() if n not in gone}
     table.update({e.name: e for e in src_mtp})
-    plan.metadata = plan_metadata(quant.spec, hfq, table, mtp_layers=lineage.mtp_layers, reference_config=src.config)
-    plan_index_fix(plan)
-    result.metadata_changes = list(plan.metadata.changes)
-    result.warnings += plan.metadata.warnings
-    result.action = "replaced" if plan.removed else "grafted"
+    metadata = plan_metadata(quant.spec, hfq, table, mtp_layers=lineage.mtp_layers, reference_config=src.config)
+    plan = plan_change(quant, metadata, add=[e.name for e in src_mtp], removed=removed, mtp_layers=lineage.mtp_layers)
+    warnings += plan.metadata.warnings
+    changes = list(plan.metadata.changes)
     if options.dry_run:
-        result.action = "planned"
-        result.message = (
+        message = (
             f"would graft {len(plan.add)} MTP tensors ({format_bytes(lineage.mtp_bytes)}) from {src.label} "
             f"into {quant.label}; link {len(plan.link)} shard(s), rewrite {len(plan.rewrite)}, "
             f"drop {len(plan.drop)}; {len(plan.metadata.changes)} metadata change(s)"
         )
-        return _finish(result, t0, quant, src)
+        return _result(options, quant, src, t0, "planned", message, warnings=warnings, metadata_changes=changes,
+                       mtp=sizes)
 
-    target = _open_target(options, quant, plan, result)
-    with target.od:
-        _write(
-            target,
-            options,
-            plan,
-            src,
-            result,
-            lambda p: verify_result(p, lineage.expected, tracked.hashes, lineage.mtp_layers, quant, result.warnings),
-        )
-    result.src_shards_downloaded = list(tracked.downloaded)
-    result.destination = str(target.root if target.root is not None else target.od.final)
-    result.commit = target.commit
+    def verify(path: Path) -> Verified:
+        return verify_result(path, lineage.expected, tracked.hashes, lineage.mtp_layers, quant)
+
+    written, destination = _write(options, plan, src, verify, warnings)
     verb = "replaced the MTP of" if plan.removed else "grafted the MTP into"
-    result.message = (
-        f"{verb} {result.destination}: {len(plan.add)} tensors, {format_bytes(lineage.mtp_bytes)} in "
-        f"{len(result.new_shards)} new shard(s); wrote {format_bytes(result.bytes_written)}"
+    message = (
+        f"{verb} {destination}: {len(plan.add)} tensors, {format_bytes(lineage.mtp_bytes)} in "
+        f"{len(written.new_shards)} new shard(s); wrote {format_bytes(written.bytes_written)}"
     )
-    return _finish(result, t0, quant, src)
+    return _result(options, quant, src, t0, "replaced" if plan.removed else "grafted", message, written=written,
+                   warnings=warnings, destination=destination, metadata_changes=changes,
+                   src_shards_downloaded=list(tracked.downloaded), mtp=sizes)
 
 
-def _fix_metadata(options: GraftOptions, plan: Plan, result: GraftResult) -> GraftResult:
-    quant = plan.quant
+def _fix_metadata(options: GraftOptions, quant: Checkpoint, t0: float) -> GraftResult:
     names = [e.name for e in quant.mtp_tensors()]
     if not names:
         raise GraftError(
             f"{quant.label}: has no mtp.* tensors, so there is no MTP metadata to repair; graft one with --from SRC"
         )
     layers = mtp_layer_count(names) or quant.spec.mtp.layers
-    plan.metadata = plan_metadata(quant.spec, plan.hfq, quant.tensors, mtp_layers=layers)
-    plan_index_fix(plan)
-    result.warnings += plan.metadata.warnings
-    result.mtp_tensors = len(names)
-    result.mtp_bytes = sum(quant.tensors[n].nbytes for n in names)
+    plan = plan_change(quant, plan_metadata(quant.spec, quant.hf_quant_config, quant.tensors, mtp_layers=layers))
+    warnings = list(plan.metadata.warnings)
+    sizes = (len(names), sum(quant.tensors[n].nbytes for n in names))
     if not plan.metadata.changes:
-        result.action = "noop"
-        result.message = f"{quant.label}: MTP metadata is already complete; nothing written"
-        return result
+        message = f"{quant.label}: MTP metadata is already complete; nothing written"
+        return _result(options, quant, None, t0, "noop", message, warnings=warnings, mtp=sizes)
     if options.dry_run:
-        result.metadata_changes = list(plan.metadata.changes)
-        result.message = f"would change: {'; '.join(plan.metadata.changes)}"
-        return result
-    return _metadata_only(options, plan, result, layers, "repaired MTP metadata")
+        message = f"would change: {'; '.join(plan.metadata.changes)}"
+        return _result(options, quant, None, t0, "planned", message, warnings=warnings,
+                       metadata_changes=list(plan.metadata.changes), mtp=sizes)
+    return _metadata_only(options, plan, None, t0, layers, "repaired MTP metadata", warnings, sizes)
 
 
-def _metadata_only(options: GraftOptions, plan: Plan, result: GraftResult, layers: int, what: str) -> GraftResult:
+def _metadata_only(
+    options: GraftOptions,
+    plan: Plan,
+    src: Checkpoint | None,
+    t0: float,
+    layers: int,
+    what: str,
+    warnings: list[str],
+    sizes: tuple[int, int],
+) -> GraftResult:
     """Write the JSON changes only; every tensor file is linked (--out) or left alone (--in-place)."""
     quant = plan.quant
-    plan.link = sorted(set(plan.weight_map.values()))
-    result.metadata_changes = list(plan.metadata.changes)
-    result.warnings += [w for w in plan.metadata.warnings if w not in result.warnings]
+    warnings = warnings + [w for w in plan.metadata.warnings if w not in warnings]
     expected = {e.name: e.shape for e in quant.mtp_tensors()}
-    target = _open_target(options, quant, plan, result)
-    with target.od:
-        _write(
-            target,
-            options,
-            plan,
-            None,
-            result,
-            lambda p: verify_result(p, expected, None, layers, quant, result.warnings),
-        )
-    result.action = "metadata"
-    result.destination = str(target.root if target.root is not None else target.od.final)
-    result.commit = target.commit
+
+    def verify(path: Path) -> Verified:
+        return verify_result(path, expected, None, layers, quant)
+
+    written, destination = _write(options, plan, None, verify, warnings)
     changes = "; ".join(plan.metadata.changes)
-    result.message = f"{what} in {result.destination}: {changes}" if changes else f"{what}: wrote {result.destination}"
-    return result
+    message = f"{what} in {destination}: {changes}" if changes else f"{what}: wrote {destination}"
+    return _result(options, quant, src, t0, "metadata", message, written=written, warnings=warnings,
+                   destination=destination, metadata_changes=list(plan.metadata.changes), mtp=sizes)
 
 
 def fix_metadata(

@@ -3,23 +3,32 @@
 The quantized target continues held-out prompts greedily: validate's default prompts (``validate.prompts``: text
 held out from the tiny model's training and from heal's data), cut into 300-character pieces so that 64 of them are
 all different (the prompts use at most half of a 128-token sequence, about 64 tokens, either way); on those
-sequences the built-in replay (``validate.replay.evaluate_acceptance``, the engines' drafting and greedy
+sequences the built-in replay (``measure.replay.evaluate_acceptance``, the engines' drafting and greedy
 verification) measures the AL of QUANT's MTP and of the healed one, for k = 1..K, each sequence counted on its own.
-The change is decided with validate's paired bootstrap over the sequences (``validate.evidence.better_beyond_noise``):
+The change is decided with the paired bootstrap over the sequences (``records.evidence.better_beyond_noise``):
 the healed MTP is better when, at every k, the lower end of the 95 % interval of AL(after) - AL(before) is above 0.
 """
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from mtpquant.errors import ReplayError
-from mtpquant.measure.load import MtpBundle
+from mtpquant.errors import OutputVerificationError
+from mtpquant.measure.load import load_mtp
 from mtpquant.measure.replay import TargetRun, evaluate_acceptance
 from mtpquant.records.evidence import CONFIDENCE, UnitCounts, better_beyond_noise
 
-__all__ = ["CONFIDENCE", "AlChange", "CheckResult", "check_prompts", "compare", "unit_counts"]
+if TYPE_CHECKING:
+    from torch import Tensor
+
+    from mtpquant.checkpoint.source import CheckpointSource
+    from mtpquant.measure.load import TargetModel
+    from mtpquant.measure.weights import CheckpointWeights
+
+__all__ = ["CONFIDENCE", "AlChange", "CheckResult", "check", "check_prompts", "compare", "held_out_run"]
 
 PROMPT_CHARS = 300
 
@@ -62,19 +71,47 @@ class CheckResult:
         return bool(self.by_k) and all(c.better for c in self.by_k)
 
 
-def unit_counts(bundle: MtpBundle, run: TargetRun, k_max: int) -> list[UnitCounts]:
-    """Per k = 1..k_max, the counts of every sequence of ``run`` (``evaluate_acceptance`` one sequence at a time)."""
-    steps: list[list[int]] = [[] for _ in range(k_max)]
-    accepted: list[list[float]] = [[] for _ in range(k_max)]
-    for seq in run.sequences:
-        try:
-            result = evaluate_acceptance(bundle, TargetRun(run.source, [seq]), k_max, progress=False)
-        except ReplayError:  # too short to draft on: no steps, nothing to count
-            continue
-        for i, stats in enumerate(result.by_k):
-            steps[i].append(stats.num_steps)
-            accepted[i].append(stats.num_accepted)
-    return [UnitCounts(tuple(s), tuple(a), ((),) * len(s), ((),) * len(s)) for s, a in zip(steps, accepted)]
+def held_out_run(
+    target: TargetModel, source: CheckpointSource, vocab: int, prompts: int, seq_len: int, *, batch_size: int,
+    progress: bool,
+) -> TargetRun:
+    """The target's greedy continuations of ``prompts`` held-out prompts (tokenized with ``source``'s tokenizer, of
+    ``vocab`` entries) to ``seq_len`` tokens: the check's sequences."""
+    from mtpquant.measure.capture import capture
+    from mtpquant.text.prompts import plan_sequences, tokenize_prompts
+
+    texts = check_prompts(prompts)
+    ids = tokenize_prompts(source, texts, vocab)
+    return capture(target, plan_sequences(ids, seq_len), label="held-out", progress=progress, batch_size=batch_size)
+
+
+def check(
+    before: CheckpointWeights,
+    after: CheckpointWeights,
+    held_out: TargetRun,
+    shared: tuple[Tensor, Tensor],
+    *,
+    activations: str,
+    k: int,
+) -> CheckResult:
+    """QUANT's MTP (``before``) and the healed one as written (``after``) measured on the held-out run, each
+    sequence a unit, for k = 1..``k``; then compared.
+
+    The check is heal's last phase and must not raise its peak memory above training's: it uses training's
+    embedding and LM head (``shared``; reading them again takes twice their size for a moment, 2.5 GB on
+    Qwen3.5-4B) and loads one MTP at a time.
+    """
+    embed, head = shared
+    counts = []
+    for label, weights in (("QUANT's", before), ("the healed", after)):
+        bundle, err = load_mtp(weights, dtype=embed.dtype, device=embed.device, activations=activations,
+                               shared=(embed, head))
+        if bundle is None:
+            raise OutputVerificationError(f"{label} MTP does not load for evaluation: {err}")
+        counts.append(evaluate_acceptance(bundle, held_out, k, progress=False).units)
+        del bundle
+        gc.collect()
+    return compare(counts[0], counts[1], held_out)
 
 
 def compare(before: Sequence[UnitCounts], after: Sequence[UnitCounts], run: TargetRun) -> CheckResult:

@@ -18,7 +18,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -27,8 +27,12 @@ from tqdm.auto import tqdm
 from mtpquant.checkpoint.dtypes import planned
 from mtpquant.checkpoint.writer import atomic_write_safetensors
 from mtpquant.errors import CalibrationDataError
+from mtpquant.heal.options import SAMPLED, HealSizes
 
-__all__ = ["DATA_FORMAT", "HealData", "collect", "continue_prompts", "training_prompts"]
+if TYPE_CHECKING:
+    from mtpquant.checkpoint.source import CheckpointSource
+
+__all__ = ["DATA_FORMAT", "HealData", "collect", "continue_prompts", "training_data", "training_prompts"]
 
 log = logging.getLogger(__name__)
 
@@ -195,3 +199,29 @@ def collect(
     )
     log.info("heal data: %s", json.dumps({"sequences": data.sequences, "tokens": data.tokens, "shards": len(shards)}))
     return data
+
+
+def training_data(
+    target: Any,
+    source: CheckpointSource,
+    vocab: int,
+    data: str,
+    samples: int,
+    sizes: HealSizes,
+    *,
+    temperature: float,
+    seed: int,
+    directory: Path,
+    progress: bool = True,
+) -> HealData:
+    """The training data: ``samples`` prompts of the calibration text ``data`` (tokenized with ``source``'s tokenizer,
+    of ``vocab`` entries) continued by the target (``SAMPLED`` of them at ``temperature``), in shards under
+    ``directory``."""
+    from mtpquant.text.calibration import load_tokenizer
+
+    tokenizer = load_tokenizer(source.local_dir(["*.safetensors", "*.bin", "*.pt", "*.pth"]))
+    prompts, described = training_prompts(tokenizer, data, samples, sizes.prompt_len, vocab)
+    return collect(
+        target, prompts, new_tokens=sizes.new_tokens, temperature=temperature, sampled=SAMPLED, seed=seed,
+        batch_size=sizes.batch_prompts, directory=directory, source=described, progress=progress,
+    )

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mtpquant.checkpoint.index import INDEX_NAME
 from mtpquant.checkpoint.table import Checkpoint
@@ -22,18 +22,42 @@ from mtpquant.errors import (
     MtpModeError,
     UsageError,
 )
-from mtpquant.heal.options import HealOptions
+from mtpquant.heal.options import SAMPLED, HealOptions, HealSizes
 from mtpquant.heal.precision import MtpStorage, mtp_storage
-from mtpquant.heal.support import DTYPE_BYTES, check_family, compute_dtype, plan_target_memory, target_blocks
-from mtpquant.runtime.machine import resolve_device
+from mtpquant.heal.support import check_family, plan_target_memory
+from mtpquant.runtime.machine import DTYPE_BYTES, compute_dtype, resolve_device
 from mtpquant.units import format_bytes
 
-__all__ = ["HEAD_FULL_PRECISION_LIMIT", "HealPlan", "plan_heal"]
+if TYPE_CHECKING:
+    from mtpquant.measure.weights import CheckpointWeights
+    from mtpquant.runtime.memory import MemoryPlan
+
+__all__ = ["HEAD_FULL_PRECISION_LIMIT", "HealPlan", "Schedule", "plan_heal"]
 
 # The shared LM head and embedding train in the compute dtype up to this size; above it (a 248k vocabulary) they
 # stay in their stored dtype (BF16), which halves their memory (the logits are still computed into float32).
 HEAD_FULL_PRECISION_LIMIT = 512 * 2**20
 _RUNTIME_BYTES = 1_000_000_000  # torch + transformers + modelopt imported and running (as convert's plan)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """How the layer trains: AdamW, linear warm-up then cosine decay to ``min_lr_ratio`` x lr, clipped gradients."""
+
+    steps: int = 100
+    lr: float = 1e-3
+    batch_size: int = 8
+    chain: int = 2
+    seed: int = 0
+    warmup_share: float = 0.1
+    min_lr_ratio: float = 0.1
+    grad_clip: float = 1.0
+    weight_decay: float = 0.0
+
+    @property
+    def warmup(self) -> int:
+        """Steps of the linear warm-up (the learning rate then follows ``mtp.schedule.warmup_cosine``)."""
+        return max(1, round(self.steps * self.warmup_share))
 
 
 @dataclass(frozen=True)
@@ -52,27 +76,28 @@ class HealPlan:
     device: str
     dtype: str  # compute dtype of the target and the training
     head_dtype: str  # dtype the shared embedding and LM head are held in during training
-    memory: Any  # convert.memory.MemoryPlan of the quantized target
+    memory: MemoryPlan  # where the quantized target goes (convert's memory plan)
     train_bytes: int  # estimated peak of the training phase
     data_bytes: int  # the hidden-state shards on disk
     sequences: int
     seq_len: int
+    schedule: Schedule
     options: HealOptions = field(repr=False)
     notes: tuple[str, ...] = ()
 
     def lines(self) -> list[str]:
         """The ``--dry-run`` lines."""
-        o = self.options
-        greedy = o.samples - round(o.samples * o.sampled)
+        o, t, sizes = self.options, self.schedule, self.options.sizes
+        greedy = o.samples - round(o.samples * SAMPLED)
         out = [
             f"heal       {self.quant} (MTP {self.storage.label}, {self.mtp_tensors} tensors, "
             f"{format_bytes(self.mtp_bytes)}) -> {self.destination} ({self.mode})",
             f"weights    training starts from {self.master}'s MTP"
             + ("; modelopt fake quantization in the loop, written back as " + self.storage.label
                if self.storage.fmt != "bf16" else "; written back as BF16"),
-            f"data       {o.samples} prompts of {o.prompt_len} tokens ({o.data}) continued by QUANT's target for "
-            f"{o.new_tokens} tokens: {greedy} greedy, {o.samples - greedy} at temperature {o.temperature:g}",
-            f"schedule   {o.steps} steps x {o.batch_size} sequences, lr {o.lr:g}, chain {o.chain}, seed {o.seed}; "
+            f"data       {o.samples} prompts of {sizes.prompt_len} tokens ({o.data}) continued by QUANT's target for "
+            f"{sizes.new_tokens} tokens: {greedy} greedy, {o.samples - greedy} at temperature {o.temperature:g}",
+            f"schedule   {t.steps} steps x {t.batch_size} sequences, lr {t.lr:g}, chain {t.chain}, seed {t.seed}; "
             f"{self.device}, {self.dtype}",
             f"check      held-out AL at k = 1..{o.k} on {o.check_prompts} prompts of validate's held-out text, before "
             "and after; nothing is written unless better beyond noise at every k"
@@ -110,7 +135,7 @@ class HealPlan:
         }
 
 
-def _train_bytes(quant: Checkpoint, options: HealOptions, head_bytes: int, tied: bool) -> int:
+def _train_bytes(quant: Checkpoint, schedule: Schedule, sizes: HealSizes, head_bytes: int, tied: bool) -> int:
     """MTP weights, gradients and AdamW state in float32 (16 bytes a parameter), the embedding and head, a batch of
     hidden states, the layer's activations (~24 per row and hidden unit), one chunk of logits."""
     params = 0
@@ -121,7 +146,7 @@ def _train_bytes(quant: Checkpoint, options: HealOptions, head_bytes: int, tied:
         params += n * (2 if e.dtype == "U8" else 1)
     spec = quant.spec
     H, V = spec.hidden_size, spec.dim("vocab_size")
-    rows = options.batch_size * (options.prompt_len + options.new_tokens) * options.chain
+    rows = schedule.batch_size * sizes.seq_len * schedule.chain
     return (
         _RUNTIME_BYTES
         + 16 * params
@@ -151,9 +176,9 @@ def _open_quant(options: HealOptions) -> Checkpoint:
     return quant
 
 
-def plan_heal(options: HealOptions) -> tuple[HealPlan, Checkpoint, Checkpoint, Any]:
+def plan_heal(options: HealOptions) -> tuple[HealPlan, Checkpoint, Checkpoint, CheckpointWeights]:
     """Check everything that can be checked from headers and build the plan; returns it, QUANT, SRC and QUANT's
-    dequantizing reader (``validate.weights.CheckpointWeights``)."""
+    dequantizing reader (``measure.weights.CheckpointWeights``)."""
     from mtpquant.errors import ValidateLoadError
     from mtpquant.measure.weights import CheckpointWeights
     from mtpquant.surgery.lineage import check_lineage
@@ -198,21 +223,23 @@ def plan_heal(options: HealOptions) -> tuple[HealPlan, Checkpoint, Checkpoint, A
             f"{quant.label}: its MTP metadata is incomplete ({metadata.changes[0]}); repair it first with "
             "`mtpquant graft QUANT --fix-metadata`"
         )
+    device = resolve_device(options.device, probe=False)  # the plan names the device; the run finds it
+    dtype = compute_dtype(device, options.dtype)
     try:
         weights = CheckpointWeights(quant)
     except ValidateLoadError as exc:
         raise HealRefusedError(str(exc)) from None
+    tied = weights.lm_head_name() == weights.embed_name()
+    shapes = [(name, weights.shape(name)) for name in weights.names()]
     storage = mtp_storage(quant, weights.formats)
-    device = resolve_device(options.device, probe=False)  # the plan names the device; the run finds it
-    dtype = compute_dtype(options, device)
     spec = quant.spec
     H, V = spec.hidden_size, spec.dim("vocab_size")
     head_dtype = dtype if V * H * DTYPE_BYTES[dtype] <= HEAD_FULL_PRECISION_LIMIT else "bfloat16"
-    shapes = ((name, weights.shape(name)) for name in weights.names())
-    memory = plan_target_memory(target_blocks(shapes, quant.classify, DTYPE_BYTES[dtype]), options, device)
-    seq_len = options.prompt_len + options.new_tokens
+    memory = plan_target_memory(shapes, quant.classify, DTYPE_BYTES[dtype], device, max_memory=options.max_memory,
+                                shard_bytes=options.max_shard_bytes)
+    seq_len = options.sizes.seq_len
+    schedule = Schedule(options.steps, options.lr, options.sizes.batch_size, options.chain, options.seed)
     data_bytes = options.samples * seq_len * (H * DTYPE_BYTES[dtype] + 8)
-    tied = weights.lm_head_name() == weights.embed_name()
     notes: list[str] = list(lineage.warnings)
     if storage.fmt != "bf16" and "SGLang" not in " ".join(notes):
         notes.append("SGLang serves only a BF16 MTP; the healed quantized MTP is for vLLM, as before")
@@ -232,10 +259,11 @@ def plan_heal(options: HealOptions) -> tuple[HealPlan, Checkpoint, Checkpoint, A
         dtype=dtype,
         head_dtype=head_dtype,
         memory=memory,
-        train_bytes=_train_bytes(quant, options, V * H * DTYPE_BYTES[head_dtype], tied),
+        train_bytes=_train_bytes(quant, schedule, options.sizes, V * H * DTYPE_BYTES[head_dtype], tied),
         data_bytes=data_bytes,
         sequences=options.samples,
         seq_len=seq_len,
+        schedule=schedule,
         options=options,
         notes=tuple(notes),
     )

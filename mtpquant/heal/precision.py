@@ -24,12 +24,13 @@ from torch import Tensor
 
 from mtpquant.checkpoint.dtypes import planned, torch_dtype
 from mtpquant.checkpoint.header import FLOAT_DTYPES
+from mtpquant.checkpoint.modules import linear_modules
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.checkpoint.writer import PlannedTensor
 from mtpquant.errors import HealRefusedError
 from mtpquant.families import is_mtp_name
 from mtpquant.heal.support import WRITABLE, WRITES_BACK
-from mtpquant.mtp.quantize import mtp_linear_modules, mtp_quantized_modules, quantize_mtp
+from mtpquant.mtp.quantize import mtp_quantized_modules, quantize_mtp
 
 __all__ = ["MtpStorage", "export_mtp", "master_weights", "mtp_storage"]
 
@@ -74,7 +75,7 @@ def mtp_storage(quant: Checkpoint, formats: Mapping[str, object]) -> MtpStorage:
     if pre:
         raise HealRefusedError(f"{label}: {pre[0]} has an AWQ pre_quant_scale; heal cannot write that layout back")
     shapes = {e.name: e.shape for e in quant.mtp_tensors()}
-    expected = set(mtp_quantized_modules(mtp_linear_modules(_logical_shapes(shapes)), quant.spec.family.mtp))
+    expected = set(mtp_quantized_modules(linear_modules(_logical_shapes(shapes)), quant.spec.family.mtp))
     if set(mtp_formats) != expected:
         odd = sorted(set(mtp_formats) ^ expected)[0]
         raise HealRefusedError(

@@ -6,7 +6,7 @@ Steps: plan from headers (``plan.py``; ``--dry-run`` stops there) -> the destina
 the held-out prompts (the check's sequences) -> its continuations of the calibration prompts and its hidden states,
 in shards on disk (``data.py``) -> the target released -> the MTP's training weights (``precision.py``), modelopt's
 fake quantization on the Linears QUANT stores quantized (``qat.py``), self-distillation (``train.py``) -> the
-healed MTP in QUANT's format, written as new MTP shards with every other file linked, verified (``graft.write``)
+healed MTP in QUANT's format, written as new MTP shards with every other file linked, verified (``surgery.write``)
 -> the check: QUANT's MTP and the written one measured on the held-out sequences (``check.py``) -> nothing
 written unless better beyond noise at every k (exit 24), else the provenance records the heal and the result is
 put in place (rename, or atomic directory exchange).
@@ -20,19 +20,20 @@ import logging
 import shutil
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mtpquant.checkpoint.table import Checkpoint
-from mtpquant.errors import HealNotBetterError, OutputVerificationError
+from mtpquant.errors import HealNotBetterError
 from mtpquant.heal.check import CheckResult
 from mtpquant.heal.options import HealOptions
 from mtpquant.heal.plan import HealPlan, plan_heal
 from mtpquant.heal.train import TrainLog
-from mtpquant.public import public_text
-from mtpquant.records.provenance import HealAl, HealRecord
+from mtpquant.records.provenance import HealRecord
 from mtpquant.runtime.meter import Timer, peak_rss_bytes
-from mtpquant.surgery.write import WriteLog
+from mtpquant.surgery.write import Destination, WriteLog
+
+if TYPE_CHECKING:
+    from mtpquant.measure.weights import CheckpointWeights
 
 __all__ = ["HealOptions", "HealPlan", "HealResult", "heal", "plan_heal"]
 
@@ -41,7 +42,7 @@ log = logging.getLogger(__name__)
 DATA_DIR = ".heal-data"
 
 
-@dataclass(kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class HealResult(WriteLog):
     """What heal did (or, with ``dry_run``, would do); what it wrote in ``WriteLog``'s fields."""
 
@@ -67,25 +68,15 @@ class HealResult(WriteLog):
         return out
 
 
-def _record(plan: HealPlan, data: Any, check: CheckResult, forced: bool) -> HealRecord:
-    o = plan.options
-    return HealRecord(
-        precision=plan.storage.label,
-        data=public_text(data.source),  # the record goes public with OUT: local paths by base name
-        sequences=data.sequences,
-        tokens=data.tokens,
-        sampled=data.sampled,
-        temperature=o.temperature,
-        steps=o.steps,
-        lr=o.lr,
-        batch_size=o.batch_size,
-        chain=o.chain,
-        seed=o.seed,
-        check_sequences=check.sequences,
-        by_k=tuple(HealAl(c.k, c.before, c.after, c.low, c.high) for c in check.by_k),
-        better=check.better,
-        forced=forced,
-    )
+@dataclass(frozen=True)
+class _Healed:
+    """What ``_heal`` did: the write, the check, the training, the record, the data's bytes."""
+
+    written: WriteLog
+    check: CheckResult
+    training: TrainLog
+    record: HealRecord
+    data_bytes: int
 
 
 def _changes(check: CheckResult) -> str:
@@ -105,8 +96,9 @@ def heal(options: HealOptions) -> HealResult:
     if options.dry_run:
         return HealResult(plan=plan, action="planned",
                           message=f"would heal the MTP of {plan.quant} into {plan.destination}", timings=timer.timings)
+    from mtpquant.runtime.libraries import library_output
     from mtpquant.runtime.memory import keep_freed_memory, return_freed_memory
-    from mtpquant.surgery.write import open_target
+    from mtpquant.surgery.write import open_destination
 
     # layers streamed from disk: every large tensor returned when freed (convert's setting); a resident target:
     # freed memory kept for the next step's tensors (a third less CPU on the tiny model's heal)
@@ -114,148 +106,94 @@ def heal(options: HealOptions) -> HealResult:
         return_freed_memory()
     else:
         keep_freed_memory()
-    out = Path(options.out).absolute() if options.out is not None else None
-    target = open_target(quant, out, replaces=True)
-    result = HealResult(plan=plan, action="healed", message="", cleaned=list(target.cleaned),
-                        warnings=list(plan.notes))
-    from mtpquant.runtime.libraries import library_output
-
-    with target.od, library_output(options.progress):  # transformers' messages under our logging levels
-        _heal(plan, quant, src, weights, target, result, timer)
-    result.destination = str(target.destination)
-    result.commit = target.commit
-    result.timings = {**timer.timings, "total": time.perf_counter() - t_start}
-    result.peak_rss_after = dict(timer.peak_rss_after)
-    result.cpu_seconds = time.process_time() - c0
-    result.peak_rss_bytes = peak_rss_bytes()
-    assert result.check is not None
-    verb = "wrote the healed MTP (--force: not better beyond noise)" if result.action == "forced" else "healed the MTP"
-    result.message = f"{verb} into {result.destination}: held-out AL {_changes(result.check)}"
-    log.info("%s", result.message)
-    return result
+    dest = open_destination(quant, options.out_path, replaces=True)
+    with dest.od, library_output(options.progress):  # transformers' messages under our logging levels
+        healed = _heal(plan, quant, src, weights, dest, timer)
+    action = "healed" if healed.check.better else "forced"
+    verb = "wrote the healed MTP (--force: not better beyond noise)" if action == "forced" else "healed the MTP"
+    message = f"{verb} into {dest.path}: held-out AL {_changes(healed.check)}"
+    log.info("%s", message)
+    written = {f.name: getattr(healed.written, f.name) for f in dataclasses.fields(WriteLog)}
+    return HealResult(
+        **written | {"warnings": [*plan.notes, *healed.written.warnings]},
+        plan=plan,
+        action=action,
+        message=message,
+        destination=str(dest.path),
+        record=healed.record,
+        check=healed.check,
+        training=healed.training,
+        data_bytes=healed.data_bytes,
+        timings={**timer.timings, "total": time.perf_counter() - t_start},
+        cpu_seconds=time.process_time() - c0,
+        peak_rss_bytes=peak_rss_bytes(),
+        peak_rss_after=dict(timer.peak_rss_after),
+    )
 
 
 def _heal(
-    plan: HealPlan, quant: Checkpoint, src: Checkpoint, weights: Any, target: Any, result: HealResult, timer: Timer
-) -> None:
+    plan: HealPlan, quant: Checkpoint, src: Checkpoint, weights: CheckpointWeights, dest: Destination, timer: Timer
+) -> _Healed:
     """Everything between opening the destination and committing it (nothing is put in place on an error)."""
     import torch
 
-    from mtpquant.heal.check import check_prompts
-    from mtpquant.heal.data import collect, training_prompts
+    from mtpquant.heal.check import check, held_out_run
+    from mtpquant.heal.data import training_data
+    from mtpquant.heal.train import train
     from mtpquant.heal.write import record_step, write_healed
-    from mtpquant.measure.capture import capture
-    from mtpquant.measure.load import CheckpointWeights, compute_dtype, load_target, resolve_device
+    from mtpquant.measure.load import load_target
+    from mtpquant.measure.weights import CheckpointWeights
+    from mtpquant.runtime.machine import resolve_device
     from mtpquant.surgery.write import commit
-    from mtpquant.text.calibration import load_tokenizer
-    from mtpquant.text.prompts import plan_sequences, tokenize_prompts
 
-    options = plan.options
+    options, sizes = plan.options, plan.options.sizes
     torch.set_flush_denormal(True)  # denormals in tiny AdamW updates make CPU kernels crawl
-    device = resolve_device(plan.device)
-    dtype = compute_dtype(device, plan.dtype)
-    od = target.od
-    scratch = od.path / DATA_DIR
+    device = torch.device(resolve_device(plan.device))
+    dtype = getattr(torch, plan.dtype)
+    scratch = dest.od.path / DATA_DIR
     vocab = quant.spec.dim("vocab_size")
 
     # 1. the quantized target: the held-out sequences, then the training data
     with timer("target"):
-        model = load_target(weights, device=device, dtype=dtype, activations=options.activations,
-                            max_memory=plan.memory.caps.for_accelerate() if plan.memory.caps else None)
+        target = load_target(weights, device=device, dtype=dtype, activations=options.activations,
+                             max_memory=plan.memory.caps.for_accelerate() if plan.memory.caps else None)
     with timer("check_target"):
-        ids = tokenize_prompts(quant.source, check_prompts(options.check_prompts), vocab)
-        held_out = capture(model, plan_sequences(ids, options.check_len), label="held-out", progress=options.progress,
-                           batch_size=options.batch_prompts)
+        held_out = held_out_run(target, quant.source, vocab, options.check_prompts, sizes.check_len,
+                                batch_size=sizes.batch_prompts, progress=options.progress)
     with timer("data"):
-        tokenizer = load_tokenizer(quant.source.local_dir(["*.safetensors", "*.bin", "*.pt", "*.pth"]))
-        prompts, source = training_prompts(tokenizer, options.data, options.samples, options.prompt_len, vocab)
-        data = collect(
-            model, prompts, new_tokens=options.new_tokens, temperature=options.temperature, sampled=options.sampled,
-            seed=options.seed, batch_size=options.batch_prompts, directory=scratch, source=source,
-            progress=options.progress,
-        )
-        result.data_bytes = data.nbytes
-    model.model = None
-    del model
-    gc.collect()
+        data = training_data(target, quant.source, vocab, options.data, options.samples, sizes,
+                             temperature=options.temperature, seed=plan.schedule.seed, directory=scratch,
+                             progress=options.progress)
+    target.release()
+    del target
 
     # 2. training
     with timer("train"):
         shared = weights.embedding_and_head(getattr(torch, plan.head_dtype), device)
-        healed, result.training = _train(plan, quant, src, data, device, shared)
+        trained, training = train(quant, src, plan.storage, data, shared, plan.schedule, device=device,
+                                  progress=options.progress)
+    data_bytes = data.nbytes
     shutil.rmtree(scratch, ignore_errors=True)
 
     # 3. the healed MTP written the graft way and verified; measured; then committed, or dropped
     with timer("write"):
-        json_files = write_healed(plan, quant, src, healed, target, result)
-    del healed  # the float32 training copy: the check reads the written MTP back
+        built = write_healed(quant, src, plan.storage, trained, dest, command=options.command,
+                             max_shard_bytes=options.max_shard_bytes, link=options.link)
+    del trained  # the float32 training copy: the check reads the written MTP back
     gc.collect()
     if shared[0].dtype != dtype:  # training held them in another dtype than the check computes in
         del shared
         gc.collect()
         shared = weights.embedding_and_head(dtype, device)
     with timer("check"):
-        check = _check(weights, CheckpointWeights(Checkpoint.open(od.path, strict=True)), held_out, shared, options)
-    result.check = check
-    if not check.better and not options.force:
+        after = CheckpointWeights(Checkpoint.open(dest.od.path, strict=True))
+        result = check(weights, after, held_out, shared, activations=options.activations, k=options.k)
+    if not result.better and not options.force:
         raise HealNotBetterError(
-            f"{plan.quant}: the healed MTP is not better beyond noise on {check.sequences} held-out prompts "
-            f"(AL {_changes(check)}); nothing written"
+            f"{plan.quant}: the healed MTP is not better beyond noise on {result.sequences} held-out prompts "
+            f"(AL {_changes(result)}); nothing written"
         )
-    result.action = "healed" if check.better else "forced"
-    result.record = _record(plan, data, check, forced=not check.better)
-    record_step(plan, quant, src, result.record, target)
+    record = record_step(quant, src, dest, options.command, plan.storage.label, plan.schedule, data, result)
     with timer("commit"):
-        commit(target, result, json_files, what="healing")
-
-
-def _check(before: Any, after: Any, held_out: Any, shared: tuple[Any, Any], options: HealOptions) -> CheckResult:
-    """QUANT's MTP (``before``) and the healed one as written (``after``) measured on the held-out run.
-
-    The check is heal's last phase and must not raise its peak memory above training's: it uses training's
-    embedding and LM head (``shared``; reading them again takes twice their size for a moment, 2.5 GB on
-    Qwen3.5-4B) and loads one MTP at a time.
-    """
-    from mtpquant.heal.check import compare, unit_counts
-    from mtpquant.measure.load import load_mtp
-
-    embed, head = shared
-    counts = []
-    for label, weights in (("QUANT's", before), ("the healed", after)):
-        bundle, err = load_mtp(weights, dtype=embed.dtype, device=embed.device, activations=options.activations,
-                               shared=(embed, head))
-        if bundle is None:
-            raise OutputVerificationError(f"{label} MTP does not load for evaluation: {err}")
-        counts.append(unit_counts(bundle, held_out, options.k))
-        del bundle
-        gc.collect()
-    return compare(counts[0], counts[1], held_out)
-
-
-def _train(plan: HealPlan, quant: Checkpoint, src: Checkpoint, data: Any, device: Any,
-           shared: tuple[Any, Any]) -> tuple[dict[str, Any], TrainLog]:
-    """The healed MTP weights (float32, on the CPU) by checkpoint name, and how training went (``shared``: the
-    embedding and LM head, frozen)."""
-    import torch
-
-    from mtpquant.heal.precision import master_weights
-    from mtpquant.heal.qat import quantize_for_training
-    from mtpquant.heal.train import Schedule, distill
-    from mtpquant.mtp.module import MTP_PREFIX, MtpConfig, MtpLayer
-
-    options = plan.options
-    torch.manual_seed(options.seed)
-    master, _ = master_weights(quant, src, plan.storage)
-    layer = MtpLayer.from_state_dict(MtpConfig.from_text_config(quant.config), master, dtype=torch.float32,
-                                     device=device)
-    embed, head = shared
-
-    def calibrate(module: Any) -> None:
-        tokens, hidden = data.batch(range(min(options.batch_size, data.sequences)), device)
-        module(hidden[:, :-1].float(), torch.nn.functional.embedding(tokens[:, 1:], embed).float())
-
-    quantize_for_training(layer, plan.storage, calibrate)
-    schedule = Schedule(steps=options.steps, lr=options.lr, batch_size=options.batch_size, chain=options.chain,
-                        seed=options.seed)
-    trained = distill(layer, data, embed, head, schedule, device=device, progress=options.progress)
-    return {MTP_PREFIX + n: p.detach().float().cpu() for n, p in layer.named_parameters()}, trained
+        written = commit(dest, built, what="healing")
+    return _Healed(written, result, training, record, data_bytes)

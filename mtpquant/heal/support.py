@@ -13,10 +13,10 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mtpquant.errors import GraftError, HealRefusedError, MemoryPlanError, UsageError
+from mtpquant.errors import GraftError, HealRefusedError, MemoryPlanError
 from mtpquant.families import Family, TensorClass
 from mtpquant.heal.options import HealOptions
-from mtpquant.runtime.machine import resolve_device
+from mtpquant.runtime.machine import DTYPE_BYTES, compute_dtype, resolve_device
 
 if TYPE_CHECKING:
     from mtpquant.checkpoint.table import Checkpoint
@@ -28,12 +28,10 @@ __all__ = [
     "WRITES_BACK",
     "check_convert",
     "check_family",
-    "compute_dtype",
     "plan_target_memory",
     "target_blocks",
 ]
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 WRITABLE = {"nvfp4": "nvfp4", "fp8": "fp8"}  # the quantized kinds heal writes back (LinearFormat.kind -> format)
 WRITES_BACK = "heal writes back BF16, ModelOpt NVFP4 and ModelOpt FP8 per tensor"
 _TARGET = (TensorClass.MAIN, TensorClass.EMBED, TensorClass.LM_HEAD)
@@ -46,14 +44,6 @@ def check_family(family: Family, label: str, then: str = "the quant is left as i
         raise HealRefusedError(
             f"{label}: heal does not train the {family.display} MTP yet (it trains the Qwen3 MTP layer); {then}"
         )
-
-
-def compute_dtype(options: HealOptions, device: str) -> str:
-    """The dtype the target runs and the MTP trains in: ``--dtype``, else float32 on CPU and bfloat16 on CUDA."""
-    dtype = options.dtype or ("float32" if device == "cpu" else "bfloat16")
-    if dtype not in DTYPE_BYTES:
-        raise UsageError(f"--dtype must be one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
-    return dtype
 
 
 def target_blocks(
@@ -74,18 +64,27 @@ def target_blocks(
     return model_blocks(entries, is_vision={})
 
 
-def plan_target_memory(blocks: list[Block], options: HealOptions, device: str) -> MemoryPlan:
-    """Where the target goes (convert's memory plan: in memory when it fits, else capped, the rest on disk)."""
+def plan_target_memory(
+    shapes: Iterable[tuple[str, tuple[int, ...]]],
+    classify: Callable[[str], str],
+    dtype_bytes: int,
+    device: str,
+    *,
+    max_memory: str | None,
+    shard_bytes: int,
+) -> MemoryPlan:
+    """Where the target goes (convert's memory plan: in memory when it fits, else capped by ``max_memory``, the rest
+    on disk); ``shapes``: its tensors' logical shapes (``target_blocks``)."""
     from mtpquant.runtime.memory import available_cpu_bytes, plan_memory
 
     available = {"cpu": a} if (a := available_cpu_bytes()) is not None else {}
     try:
         return plan_memory(
-            blocks,
+            target_blocks(shapes, classify, dtype_bytes),
             device="cpu" if device == "cpu" else "cuda",
-            max_memory=options.max_memory,
+            max_memory=max_memory,
             layerwise=False,
-            shard_bytes=options.max_shard_bytes,
+            shard_bytes=shard_bytes,
             available=available,
         )
     except MemoryPlanError as exc:
@@ -132,10 +131,11 @@ def check_convert(
             "(use --format modelopt, or --mtp keep)"
         )
     device = resolve_device(options.device, probe=False)
-    dtype = compute_dtype(options, device)
+    dtype = compute_dtype(device, options.dtype)
     shapes = ((e.name, e.shape) for e in src.tensors.values())
     try:
-        plan_target_memory(target_blocks(shapes, src.classify, DTYPE_BYTES[dtype]), options, device)
+        plan_target_memory(shapes, src.classify, DTYPE_BYTES[dtype], device, max_memory=options.max_memory,
+                           shard_bytes=options.max_shard_bytes)
     except MemoryPlanError as exc:  # said of heal's target (float32 on CPU), not of the conversion
         raise MemoryPlanError(f"--heal: {exc}; nothing was converted") from None
     if options.in_place and probe and not _exchange_possible_beside(out):

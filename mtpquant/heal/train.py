@@ -19,7 +19,6 @@ sequences comes from a generator seeded by ``seed``; on the CPU the same inputs 
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,38 +28,19 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
+from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.heal.data import HealData
+from mtpquant.heal.plan import Schedule
+from mtpquant.heal.precision import MtpStorage
 from mtpquant.mtp.module import KVCache
+from mtpquant.mtp.schedule import warmup_cosine
 
-__all__ = ["Schedule", "TrainLog", "chain_mask", "distill", "distill_loss"]
+__all__ = ["TrainLog", "chain_mask", "distill", "distill_loss", "train"]
 
 log = logging.getLogger(__name__)
 
 # Rows of [rows, vocab] logits computed at once (bounded memory for 248k-token vocabularies).
 _KL_CHUNK_ROWS = 256
-
-
-@dataclass(frozen=True)
-class Schedule:
-    """How the layer trains: AdamW, linear warm-up then cosine decay to ``min_lr_ratio`` x lr, clipped gradients."""
-
-    steps: int = 100
-    lr: float = 1e-3
-    batch_size: int = 8
-    chain: int = 2
-    seed: int = 0
-    warmup_share: float = 0.1
-    min_lr_ratio: float = 0.1
-    grad_clip: float = 1.0
-    weight_decay: float = 0.0
-
-    def lr_at(self, step: int) -> float:
-        """The learning rate of step ``step`` (0-based)."""
-        warmup = max(1, round(self.steps * self.warmup_share))
-        if step < warmup:
-            return self.lr * (step + 1) / warmup
-        progress = (step - warmup) / max(1, self.steps - warmup)
-        return self.lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 @dataclass(frozen=True)
@@ -170,8 +150,10 @@ def distill(
         batch, order = order[: schedule.batch_size], order[schedule.batch_size :]
         tokens, hidden = data.batch(batch, device)
         hidden = hidden.to(dtype)
+        lr = warmup_cosine(step, steps=schedule.steps, peak=schedule.lr, warmup=schedule.warmup,
+                           min_ratio=schedule.min_lr_ratio)
         for group in opt.param_groups:
-            group["lr"] = schedule.lr_at(step)
+            group["lr"] = lr
         opt.zero_grad(set_to_none=True)
         outputs, teachers = _chain_outputs(layer, tokens, hidden, embed, schedule.chain)
         loss = float(distill_loss(outputs, teachers, head))
@@ -194,3 +176,36 @@ def distill(
     log.info("heal training: KL %.4f -> %.4f over %d steps (%.1f s)", result.first_loss, result.last_loss,
              result.steps, result.seconds)
     return result
+
+
+def train(
+    quant: Checkpoint,
+    src: Checkpoint,
+    storage: MtpStorage,
+    data: HealData,
+    shared: tuple[Tensor, Tensor],
+    schedule: Schedule,
+    *,
+    device: torch.device,
+    progress: bool = True,
+) -> tuple[dict[str, Tensor], TrainLog]:
+    """The healed MTP weights (float32, on the CPU) by checkpoint name, and how training went: QUANT's MTP layer from
+    its master weights (``precision.master_weights``), with modelopt's fake quantization where QUANT stores it
+    quantized (``qat``), distilled on ``data`` against the frozen embedding and LM head (``shared``)."""
+    from mtpquant.heal.precision import master_weights
+    from mtpquant.heal.qat import quantize_for_training
+    from mtpquant.mtp.module import MTP_PREFIX, MtpConfig, MtpLayer
+
+    torch.manual_seed(schedule.seed)
+    master, _ = master_weights(quant, src, storage)
+    layer = MtpLayer.from_state_dict(MtpConfig.from_text_config(quant.config), master, dtype=torch.float32,
+                                     device=device)
+    embed, head = shared
+
+    def calibrate(module: nn.Module) -> None:
+        tokens, hidden = data.batch(range(min(schedule.batch_size, data.sequences)), device)
+        module(hidden[:, :-1].float(), F.embedding(tokens[:, 1:], embed).float())
+
+    quantize_for_training(layer, storage, calibrate)
+    log_ = distill(layer, data, embed, head, schedule, device=device, progress=progress)
+    return {MTP_PREFIX + n: p.detach().float().cpu() for n, p in layer.named_parameters()}, log_

@@ -11,6 +11,7 @@ the metadata), plus every MTP dtype as QUANT's, every other tensor QUANT's own b
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,37 +20,40 @@ from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.diagnose.verify import verify_result
 from mtpquant.errors import OutputVerificationError
 from mtpquant.families import mtp_layer_count
-from mtpquant.heal.plan import HealPlan
-from mtpquant.heal.precision import export_mtp
-from mtpquant.public import public_args, public_ref
-from mtpquant.records.provenance import PROVENANCE_FILE, HealRecord, Step, source_provenance
-from mtpquant.surgery.plan import Plan, plan_index_fix, plan_shards, weight_map_of
+from mtpquant.heal.check import CheckResult
+from mtpquant.heal.data import HealData
+from mtpquant.heal.plan import Schedule
+from mtpquant.heal.precision import MtpStorage, export_mtp
+from mtpquant.public import public_args, public_ref, public_text
+from mtpquant.records.provenance import PROVENANCE_FILE, HealAl, HealRecord, Step, source_provenance
+from mtpquant.surgery.metadata import MetadataPlan
+from mtpquant.surgery.plan import plan_change
 from mtpquant.surgery.shards import write_planned_mtp
-from mtpquant.surgery.write import NewMtp, Target, WriteLog, build
+from mtpquant.surgery.write import Built, Destination, NewMtp, Verified, build
 
 __all__ = ["heal_step", "record_step", "write_healed"]
 
 log = logging.getLogger(__name__)
 
 
-def heal_step(plan: HealPlan, src: Checkpoint, record: HealRecord | None) -> Step:
+def heal_step(command: tuple[str, ...], src: Checkpoint, record: HealRecord | None) -> Step:
     """The provenance step of this heal (local directories by their base name: the file goes public with OUT)."""
     ref = src.source.ref()
-    return Step("heal", public_args(plan.options.command, ref), source=public_ref(ref), heal=record)
+    return Step("heal", public_args(command, ref), source=public_ref(ref), heal=record)
 
 
-def _verify(quant: Checkpoint, hashes: dict[str, str], layers: int, warnings: list[str]) -> Any:
+def _verify(quant: Checkpoint, hashes: dict[str, str], layers: int) -> Callable[[Path], Verified]:
     from mtpquant.diagnose.report import inspect_checkpoint
 
     expected = {e.name: e.shape for e in quant.mtp_tensors()}
     dtypes = {e.name: e.dtype for e in quant.mtp_tensors()}
     baseline = inspect_checkpoint(quant.source, checkpoint=quant)
 
-    def verify(path: Path) -> list[str]:
+    def verify(path: Path) -> Verified:
         def fail(reason: str) -> OutputVerificationError:
             return OutputVerificationError(f"the healed result failed verification and was not put in place: {reason}")
 
-        checks = verify_result(path, expected, hashes, layers, quant, warnings)
+        verified = verify_result(path, expected, hashes, layers, quant)
         out = Checkpoint.open(path, strict=True, reuse=quant)
         odd = sorted(n for n, d in dtypes.items() if out.tensors[n].dtype != d)
         if odd:
@@ -63,12 +67,10 @@ def _verify(quant: Checkpoint, hashes: dict[str, str], layers: int, warnings: li
                 raise fail(f"{name} is not QUANT's")
             if not _same_file(path / a.shard, quant, b.shard) and out.read_raw(a) != quant.read_raw(b):
                 raise fail(f"{name} is not byte-identical to QUANT's")
-        checks.append("rest-bytes")
         report = inspect_checkpoint(path, checkpoint=out)
         if report.verdicts != baseline.verdicts or report.mtp_precision != baseline.mtp_precision:
             raise fail(f"inspect verdicts changed: {report.verdicts} (QUANT: {baseline.verdicts})")
-        checks.append("same-verdicts")
-        return checks
+        return Verified((*verified.checks, "rest-bytes", "same-verdicts"), verified.warnings)
 
     return verify
 
@@ -86,26 +88,60 @@ def _same_file(path: Path, quant: Checkpoint, shard: str) -> bool:
 
 
 def write_healed(
-    plan: HealPlan, quant: Checkpoint, src: Checkpoint, healed: dict[str, Any], target: Target, result: WriteLog
-) -> list[str]:
-    """Build the healed quant in ``target``'s temporary directory and verify it; returns the JSON files to commit.
-    The provenance step carries no record yet (``record_step`` adds it once the check has run)."""
-    tensors = export_mtp(quant, src, plan.storage, healed)
+    quant: Checkpoint,
+    src: Checkpoint,
+    storage: MtpStorage,
+    healed: dict[str, Any],
+    dest: Destination,
+    *,
+    command: tuple[str, ...],
+    max_shard_bytes: int,
+    link: bool,
+) -> Built:
+    """Build the healed quant (``healed``: the trained weights, written in QUANT's ``storage``) in ``dest``'s
+    temporary directory and verify it (``src``: the checkpoint QUANT was made from, whose dtypes a quantized MTP is
+    quantized from). The provenance gains the heal step of ``command``, without its record yet (``record_step`` adds
+    it once the check has run)."""
+    tensors = export_mtp(quant, src, storage, healed)
     hashes = {t.name: checksum(t.produce()) for t in tensors}
     names = sorted(t.name for t in tensors)
-    gplan = Plan(quant, quant.hf_quant_config, weight_map_of(quant))
-    gplan.removed = list(names)
-    gplan.add = list(names)
-    gplan.mtp_layers = mtp_layer_count(names) or quant.spec.mtp.layers
-    plan_shards(gplan, set(names))
-    plan_index_fix(gplan)
-    max_bytes = plan.options.max_shard_bytes
-    new_mtp = NewMtp(tuple(names), lambda od: write_planned_mtp(od, tensors, max_bytes))
-    verify = _verify(quant, hashes, gplan.mtp_layers, result.warnings)
-    return build(target, gplan, new_mtp, heal_step(plan, src, None), result, verify, link=plan.options.link)
+    layers = mtp_layer_count(names) or quant.spec.mtp.layers
+    plan = plan_change(quant, MetadataPlan(), add=names, removed=names, mtp_layers=layers)
+    new_mtp = NewMtp(tuple(names), lambda od: write_planned_mtp(od, tensors, max_shard_bytes))
+    step = heal_step(command, src, None)
+    return build(dest, plan, new_mtp, step, _verify(quant, hashes, layers), link=link)
 
 
-def record_step(plan: HealPlan, quant: Checkpoint, src: Checkpoint, record: HealRecord, target: Target) -> None:
-    """Rewrite the built result's provenance with the heal's record (before the commit)."""
-    provenance = source_provenance(quant.source).then(heal_step(plan, src, record))
-    target.od.write_text(PROVENANCE_FILE, provenance.to_bytes().decode("utf-8"))
+def record_step(
+    quant: Checkpoint,
+    src: Checkpoint,
+    dest: Destination,
+    command: tuple[str, ...],
+    precision: str,
+    schedule: Schedule,
+    data: HealData,
+    check: CheckResult,
+) -> HealRecord:
+    """Rewrite the built result's provenance with the heal's step, its record included (before the commit): the
+    MTP's ``precision``, the training ``schedule`` on ``data``, the held-out ``check``. Returns the record."""
+    record = HealRecord(
+        precision=precision,
+        data=public_text(data.source),  # the record goes public with OUT: local paths by base name
+        sequences=data.sequences,
+        tokens=data.tokens,
+        sampled=data.sampled,
+        temperature=data.temperature,
+        steps=schedule.steps,
+        lr=schedule.lr,
+        batch_size=schedule.batch_size,
+        chain=schedule.chain,
+        seed=schedule.seed,
+        check_sequences=check.sequences,
+        by_k=tuple(HealAl(c.k, c.before, c.after, c.low, c.high) for c in check.by_k),
+        better=check.better,
+        forced=not check.better,
+    )
+    step = heal_step(command, src, record)
+    provenance = source_provenance(quant.source).then(step)
+    dest.od.write_text(PROVENANCE_FILE, provenance.to_bytes().decode("utf-8"))
+    return record

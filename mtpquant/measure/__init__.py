@@ -11,9 +11,12 @@ weights (no engine). validate's built-in path and heal's check both measure thro
 The constants below are torch-free, so the CLI and the options checks use them without importing torch.
 """
 
+from typing import Literal, get_args
+
 # The activation modes of the built-in path (``--activations``): off (dequantized weights, full-precision
 # activations) or emulate (the engines' W4A4 activation quantization).
-ACTIVATION_MODES = ("off", "emulate")
+Activations = Literal["off", "emulate"]
+ACTIVATION_MODES: tuple[str, ...] = get_args(Activations)
 
 # The ``format`` a hidden-state file's safetensors metadata holds (``--save-hidden`` / ``--hidden``).
 HIDDEN_FORMAT = "mtpquant.hidden/1"

@@ -99,6 +99,6 @@ def _load_hidden(path: Path) -> tuple[dict[str, TargetRun], dict[str, Any]]:
             on_ref = None
             if f"{group}.hidden_on_ref.00000" in keys:
                 on_ref = [fh.get_tensor(f"{group}.hidden_on_ref.{i:05d}") for i in range(len(seqs))]
-            sampling = SamplingSettings.from_json(g.get("sampling") or {})
+            sampling = SamplingSettings.from_json(g.get("sampling") or {}, f"{path}: sampling")
             runs[group] = TargetRun(str(g["source"]), seqs, on_ref, sampling)
     return runs, safejson.loads(md.get("meta", "{}"))

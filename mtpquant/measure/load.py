@@ -34,8 +34,6 @@ from mtpquant.measure.rules import target_probs
 from mtpquant.measure.weights import (
     CheckpointWeights,
     LinearFormat,
-    compute_dtype,
-    resolve_device,
 )
 from mtpquant.mtp.build import reference_mtp
 from mtpquant.mtp.module import MtpLayoutError
@@ -48,10 +46,8 @@ __all__ = [
     "LinearFormat",
     "MtpBundle",
     "TargetModel",
-    "compute_dtype",
     "load_mtp",
     "load_target",
-    "resolve_device",
     "text_model_class",
 ]
 
@@ -173,6 +169,15 @@ class TargetModel:
         self.emulated = emulated
         self.hidden_source = hidden_source  # the family's MtpLayout.hidden_source
         self.input_device = next(model.parameters()).device
+
+    def release(self) -> None:
+        """Free the model's memory before the next model loads (the target is unusable after)."""
+        import gc
+
+        self.model = None
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
     @property
     def lm_head_weight(self) -> Tensor:

@@ -29,9 +29,8 @@ from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.errors import ConfigError, ValidateLoadError
 from mtpquant.formats.fp8 import dequantize_fp8_block, dequantize_fp8_per_tensor
 from mtpquant.formats.nvfp4 import dequantize_nvfp4, from_compressed_tensors
-from mtpquant.runtime import machine
 
-__all__ = ["CheckpointWeights", "LinearFormat", "compute_dtype", "resolve_device"]
+__all__ = ["CheckpointWeights", "LinearFormat"]
 
 log = logging.getLogger(__name__)
 
@@ -46,21 +45,6 @@ _SCALE_SUFFIXES = (
 )
 # KV-cache scales (modelopt ``k_proj.k_scale`` ...): not weights; the KV cache is not emulated.
 _KV_SCALE_SUFFIXES = ("k_scale", "v_scale")
-
-
-def resolve_device(device: str) -> torch.device:
-    """``--device`` (``mtpquant.runtime.machine.resolve_device``: cpu, cuda, cuda:N or auto) as a torch device."""
-    return torch.device(machine.resolve_device(device))
-
-
-def compute_dtype(device: torch.device, dtype: str | None = None) -> torch.dtype:
-    """The compute dtype: explicit, else float32 on CPU (BF16 weights upcast exactly) and bfloat16 on CUDA."""
-    if dtype is not None:
-        table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-        if dtype not in table:
-            raise ValidateLoadError(f"dtype {dtype!r}: expected one of {', '.join(table)}")
-        return table[dtype]
-    return torch.float32 if device.type == "cpu" else torch.bfloat16
 
 
 @dataclass(frozen=True)

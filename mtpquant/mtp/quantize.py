@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from mtpquant.checkpoint.modules import linear_modules
 from mtpquant.families import FUSED_EXPERT_PIECES, MTP_PREFIX, MtpLayout, family, matches
 from mtpquant.formats.fp8 import fp8_scale_from_amax, quantize_fp8_per_tensor
 from mtpquant.formats.nvfp4 import input_scale_from_amax, quantize_nvfp4, shared_global_scale
@@ -44,7 +45,6 @@ __all__ = [
     "mtp_excluded_modules",
     "mtp_expert_input_groups",
     "mtp_fused_groups",
-    "mtp_linear_modules",
     "mtp_quantized_modules",
     "per_expert_shapes",
     "per_expert_weights",
@@ -93,15 +93,6 @@ def per_expert_weights(weights: Mapping[str, Tensor]) -> dict[str, Tensor]:
             for p, part in zip(pieces, t[e].chunk(len(pieces), dim=0)):
                 out[f"{m['stem']}.{e}.{p}.weight"] = part
     return out
-
-
-def mtp_linear_modules(weight_shapes: Mapping[str, Sequence[int]]) -> list[str]:
-    """Checkpoint module names of every MTP Linear (2-D ``mtp.*.weight``), sorted."""
-    return sorted(
-        n[: -len(".weight")]
-        for n, s in weight_shapes.items()
-        if n.startswith(MTP_PREFIX) and n.endswith(".weight") and len(s) == 2
-    )
 
 
 def mtp_excluded_modules(modules: Sequence[str], layout: MtpLayout = _QWEN3_MTP, targets: str = "all") -> list[str]:
@@ -297,7 +288,7 @@ def quantize_mtp(
     if fmt not in MTP_FORMATS:
         raise ValueError(f"MTP format {fmt!r} is not one of {', '.join(MTP_FORMATS)}")
     weights = per_expert_weights(weights)
-    modules = mtp_linear_modules({n: tuple(t.shape) for n, t in weights.items()})
+    modules = linear_modules(weights)
     quantized = mtp_quantized_modules(modules, layout, targets)
     excluded = mtp_excluded_modules(modules, layout, targets)
     amax = _input_amax(quantized, input_amax or {}, layout, targets) if activations else {}

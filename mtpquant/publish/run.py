@@ -26,7 +26,7 @@ import dataclasses
 import logging
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +56,7 @@ from mtpquant.publish.card import (
     validate_card_metadata,
 )
 from mtpquant.publish.files import HIDDEN, LOCAL_ONLY, PublishFile, plan_files, refuse_private
+from mtpquant.publish.options import PublishOptions
 from mtpquant.records.provenance import PROVENANCE_FILE, Step, check_base_model, source_provenance
 
 __all__ = [
@@ -76,26 +77,6 @@ _REPLACED_REMOTE = ["*.safetensors", "*.safetensors.index.json"]
 _INCOMPLETE = frozenset({"missing_shard", "missing_tensor"})
 _LICENSE_FILES = ("LICENSE", "LICENSE.txt", "LICENSE.md")
 _BRANCH_RE = re.compile(r"[A-Za-z0-9._/-]+")
-
-
-@dataclass(frozen=True)
-class PublishOptions:
-    """One ``mtpquant publish`` invocation."""
-
-    out: Path
-    repo: str
-    private: bool = False
-    revision: str | None = None  # branch to commit to (created from main when missing) or refs/pr/N
-    create_pr: bool = False
-    commit_message: str | None = None
-    dry_run: bool = False
-    force: bool = False
-    overwrite_card: bool = False
-    token: str | None = field(default=None, repr=False)  # None: huggingface_hub's usual sources
-    endpoint: str | None = None  # None: HF_ENDPOINT read at call time, else huggingface_hub's default
-    base_model: str | None = None  # the Hub id of the base model, recorded in OUT's provenance and the card
-    base_model_revision: str | None = None
-    command: tuple[str, ...] = ()  # the command line, recorded with --base-model (the CLI sets it)
 
 
 @dataclass(frozen=True)
@@ -142,6 +123,7 @@ def validate_repo_id(repo: str) -> str:
 
 
 def _check_options(opts: PublishOptions) -> None:
+    opts.check_fields(PublishUsageError)
     validate_repo_id(opts.repo)
     rev = opts.revision
     if rev is not None:

@@ -5,38 +5,46 @@ Imports nothing heavy (no torch).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Annotated, Any
+
+from annotated_types import MinLen
 
 from mtpquant.records.evidence import Interval, UnitCounts
-from mtpquant.records.jsonrecord import as_floats, as_ints, as_object, require
+from mtpquant.records.record import Record
 from mtpquant.records.sampling import SamplingSettings
 
 __all__ = ["Acceptance", "AcceptanceRow", "AcceptanceStats", "ContextBucket"]
 
 
 @dataclass(frozen=True)
-class AcceptanceStats:
+class AcceptanceStats(Record):
     """Acceptance over a run of verification steps; per-position tuples are for positions 1..K (vLLM's counters'
     terms). ``metrics.acceptance_stats`` computes it from step records, ``measure.engine_stats`` from an engine's
     counters."""
 
     num_steps: int
     num_drafted: int
-    num_accepted: float  # an int when counted; a sum of probabilities when predicted under sampling
+    num_accepted: int | float  # an int when counted; a sum of probabilities when predicted under sampling
     acceptance_rate: float
     mean_acceptance_length: float
     drafted_per_position: tuple[int, ...]
-    accepted_per_position: tuple[float, ...]  # ints when counted, expectations when predicted
+    accepted_per_position: tuple[int | float, ...]  # ints when counted, expectations when predicted
     acceptance_per_position: tuple[float, ...]
 
 
 _STATS_FIELDS = tuple(f.name for f in fields(AcceptanceStats))
 
 
+def _num(v: float) -> float | int | None:
+    """A count or rate as the report writes it: null for NaN (strict JSON), a whole number as an int."""
+    if v != v:  # NaN
+        return None
+    return int(v) if float(v).is_integer() and not isinstance(v, bool) else v
+
+
 @dataclass(frozen=True)
-class ContextBucket:
+class ContextBucket(Record):
     """Acceptance of the steps whose context (prompt + generated tokens when the step drafted) lies in
     [low, high): per-position counts in vLLM's terms, and AL."""
 
@@ -58,37 +66,18 @@ class ContextBucket:
         """1 + accepted / steps (NaN without steps)."""
         return 1.0 + self.accepted / self.steps if self.steps else float("nan")
 
-    def to_json(self) -> dict[str, Any]:
-        """One ``by_context`` entry (rates null where nothing was drafted: strict JSON)."""
-
-        def num(v: float) -> float | int | None:
-            if v != v:  # NaN
-                return None
-            return int(v) if float(v).is_integer() and not isinstance(v, bool) else v
-
+    def json_out(self, data: dict[str, Any]) -> dict[str, Any]:
+        """One ``by_context`` entry, with its AL and rates (null where nothing was drafted: strict JSON)."""
         return {
             "low": self.low,
             "high": self.high,
             "steps": self.steps,
-            "accepted": num(self.accepted),
-            "mean_acceptance_length": num(self.mean_acceptance_length),
-            "drafted_per_position": list(self.drafted_per_position),
-            "accepted_per_position": [num(a) for a in self.accepted_per_position],
-            "acceptance_per_position": [num(a) for a in self.acceptance_per_position],
+            "accepted": _num(self.accepted),
+            "mean_acceptance_length": _num(self.mean_acceptance_length),
+            "drafted_per_position": data["drafted_per_position"],
+            "accepted_per_position": [_num(a) for a in self.accepted_per_position],
+            "acceptance_per_position": [_num(a) for a in self.acceptance_per_position],
         }
-
-    @classmethod
-    def from_json(cls, d: Any, where: str) -> ContextBucket:
-        """Read a ``by_context`` entry."""
-        d = as_object(d, where)
-        return cls(
-            int(require(d, "low", int, where)),
-            int(require(d, "high", int, where)),
-            int(require(d, "steps", int, where)),
-            float(require(d, "accepted", (int, float), where)),
-            as_ints(d.get("drafted_per_position"), f"{where}.drafted_per_position"),
-            as_floats(d.get("accepted_per_position"), f"{where}.accepted_per_position"),
-        )
 
 
 @dataclass(frozen=True)
@@ -119,53 +108,19 @@ class AcceptanceRow(AcceptanceStats):
             **{name: getattr(stats, name) for name in _STATS_FIELDS},
         )
 
-    def to_json(self) -> dict[str, Any]:
-        """The ``by_k`` entry."""
-        out: dict[str, Any] = {"k": self.k}
-        for name in _STATS_FIELDS:
-            value = getattr(self, name)
-            out[name] = list(value) if isinstance(value, tuple) else value
-        if self.al_interval is not None:
-            out["al_interval"] = self.al_interval.to_json()
-        if self.units is not None:
-            out["units"] = self.units.to_json()
-        if self.by_context:
-            out["by_context"] = [b.to_json() for b in self.by_context]
-        return out
-
-    @classmethod
-    def from_json(cls, d: Any, where: str) -> AcceptanceRow:
-        """Read a ``by_k`` entry."""
-        d = as_object(d, where)
-        interval = d.get("al_interval")
-        units = d.get("units")
-        return cls(
-            al_interval=None if interval is None else Interval.from_json(interval, f"{where}.al_interval"),
-            units=None if units is None else UnitCounts.from_json(units, f"{where}.units"),
-            by_context=tuple(
-                ContextBucket.from_json(b, f"{where}.by_context[{i}]") for i, b in enumerate(d.get("by_context") or ())
-            ),
-            k=require(d, "k", int, where),
-            num_steps=require(d, "num_steps", int, where),
-            num_drafted=require(d, "num_drafted", int, where),
-            num_accepted=require(d, "num_accepted", (int, float), where),
-            acceptance_rate=float(require(d, "acceptance_rate", (int, float), where)),
-            mean_acceptance_length=float(require(d, "mean_acceptance_length", (int, float), where)),
-            drafted_per_position=as_ints(d.get("drafted_per_position"), f"{where}.drafted_per_position"),
-            accepted_per_position=tuple(
-                int(v) if float(v).is_integer() else v
-                for v in as_floats(d.get("accepted_per_position"), f"{where}.accepted_per_position")
-            ),
-            acceptance_per_position=as_floats(d.get("acceptance_per_position"), f"{where}.acceptance_per_position"),
-        )
+    def json_out(self, data: dict[str, Any]) -> dict[str, Any]:
+        """The ``by_k`` entry: k first; the interval, units and buckets only where measured."""
+        out = {"k": data["k"], **{name: data[name] for name in _STATS_FIELDS}}
+        out |= {key: data[key] for key in ("al_interval", "units") if data[key] is not None}
+        return out | ({"by_context": data["by_context"]} if data["by_context"] else {})
 
 
 @dataclass(frozen=True)
-class Acceptance:
+class Acceptance(Record):
     """Acceptance for k = 1..K under one sampling setting and verification rule, plus the teacher-forced agreement
     (None when measured by an engine)."""
 
-    by_k: tuple[AcceptanceRow, ...]
+    by_k: Annotated[tuple[AcceptanceRow, ...], MinLen(1)]
     teacher_forced_agreement: float | None = None
     sampling: SamplingSettings = field(default_factory=SamplingSettings)
     rule: str = "vllm"
@@ -175,29 +130,6 @@ class Acceptance:
         """Mean acceptance length per k."""
         return [r.mean_acceptance_length for r in self.by_k]
 
-    def to_json(self) -> dict[str, Any]:
-        """The ``acceptance`` object."""
-        return {
-            "sampling": self.sampling.to_json(),
-            "rule": self.rule,
-            "teacher_forced_agreement": self.teacher_forced_agreement,
-            "by_k": [r.to_json() for r in self.by_k],
-        }
-
-    @classmethod
-    def from_json(cls, d: Any, where: str) -> Acceptance:
-        """Read an ``acceptance`` object."""
-        d = as_object(d, where)
-        rows = d.get("by_k")
-        if not isinstance(rows, list) or not rows:
-            raise ValueError(f"{where}.by_k: expected a non-empty list")
-        tf = d.get("teacher_forced_agreement")
-        if tf is not None and not isinstance(tf, (int, float)):
-            raise ValueError(f"{where}.teacher_forced_agreement: expected a number or null")
-        sampling = d.get("sampling")
-        return cls(
-            tuple(AcceptanceRow.from_json(r, f"{where}.by_k[{i}]") for i, r in enumerate(rows)),
-            None if tf is None else float(tf),
-            SamplingSettings.from_json(sampling) if isinstance(sampling, Mapping) else SamplingSettings(),
-            str(d.get("rule") or "vllm"),
-        )
+    def json_out(self, data: dict[str, Any]) -> dict[str, Any]:
+        """The ``acceptance`` object: the sampling setting and rule first."""
+        return {key: data[key] for key in ("sampling", "rule", "teacher_forced_agreement", "by_k")}

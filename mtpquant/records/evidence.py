@@ -16,9 +16,11 @@ of the interval (``units_to_settle``). ``better_beyond_noise`` is the one-line q
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from mtpquant.records.record import Record, finite_or_none
 
 if TYPE_CHECKING:  # numpy is imported where it computes: the report schema reads these types without it
     import numpy as np
@@ -41,8 +43,15 @@ MIN_UNITS = 5  # below this many prompts a percentile bootstrap cannot give an i
 _SETTLE_CAP = 100  # "units_to_settle" says "more than 100x the sample" beyond this factor
 
 
+def _whole(value: Any) -> Any:
+    """Counts as JSON: a whole float as an int, in lists and lists of lists."""
+    if isinstance(value, list):
+        return [_whole(v) for v in value]
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
 @dataclass(frozen=True)
-class UnitCounts:
+class UnitCounts(Record):
     """Acceptance counts of one measurement at one k, per sampling unit (a prompt, or a group of prompts).
 
     ``steps[u]``, ``accepted[u]``: verification steps and accepted draft tokens of unit u;
@@ -96,33 +105,9 @@ class UnitCounts:
             self._matrix(self.drafted_per_position),
         )
 
-    def to_json(self) -> dict[str, Any]:
+    def json_out(self, data: dict[str, Any]) -> dict[str, Any]:
         """The ``units`` object of a report row (lists per unit; integers stay integers)."""
-
-        def num(v: float) -> float | int:
-            return int(v) if float(v).is_integer() else float(v)
-
-        return {
-            "steps": [num(v) for v in self.steps],
-            "accepted": [num(v) for v in self.accepted],
-            "accepted_per_position": [[num(v) for v in row] for row in self.accepted_per_position],
-            "drafted_per_position": [[num(v) for v in row] for row in self.drafted_per_position],
-        }
-
-    @classmethod
-    def from_json(cls, d: Any, where: str) -> UnitCounts:
-        """Read a ``units`` object; ``ValueError`` when it is not one."""
-        if not isinstance(d, Mapping):
-            raise ValueError(f"{where}: expected an object")
-        try:
-            return cls(
-                tuple(float(v) for v in d["steps"]),
-                tuple(float(v) for v in d["accepted"]),
-                tuple(tuple(float(v) for v in row) for row in d["accepted_per_position"]),
-                tuple(tuple(float(v) for v in row) for row in d["drafted_per_position"]),
-            )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"{where}: not a units object ({exc})") from None
+        return {key: _whole(value) for key, value in data.items()}
 
     @classmethod
     def concat(cls, parts: Sequence[UnitCounts]) -> UnitCounts:
@@ -135,8 +120,11 @@ class UnitCounts:
         )
 
 
+_ENDS = ("estimate", "low", "high")
+
+
 @dataclass(frozen=True)
-class Interval:
+class Interval(Record):
     """A point estimate and its two-sided bootstrap interval at ``level`` over ``units`` sampling units."""
 
     estimate: float
@@ -150,35 +138,14 @@ class Interval:
         """Whether the interval rests on enough units to decide anything (``MIN_UNITS``)."""
         return self.units >= MIN_UNITS and all(math.isfinite(v) for v in (self.estimate, self.low, self.high))
 
-    def to_json(self) -> dict[str, Any]:
+    def json_out(self, data: dict[str, Any]) -> dict[str, Any]:
         """``{"estimate", "low", "high", "level", "units"}`` (strict JSON: a non-finite value is null)."""
-
-        def num(v: float) -> float | None:
-            return v if math.isfinite(v) else None
-
-        return {
-            "estimate": num(self.estimate),
-            "low": num(self.low),
-            "high": num(self.high),
-            "level": self.level,
-            "units": self.units,
-        }
+        return {k: finite_or_none(v) if k in _ENDS else v for k, v in data.items()}
 
     @classmethod
-    def from_json(cls, d: Any, where: str) -> Interval:
-        """Read an interval object (null numbers read as NaN)."""
-        if not isinstance(d, Mapping):
-            raise ValueError(f"{where}: expected an object")
-
-        def num(key: str) -> float:
-            v = d.get(key)
-            if v is None:
-                return float("nan")
-            if isinstance(v, bool) or not isinstance(v, (int, float)):
-                raise ValueError(f"{where}.{key}: expected a number or null")
-            return float(v)
-
-        return cls(num("estimate"), num("low"), num("high"), float(d.get("level", CONFIDENCE)), int(d.get("units", 0)))
+    def json_in(cls, data: dict[str, Any]) -> dict[str, Any]:
+        """A null estimate or end reads as NaN."""
+        return {k: float("nan") if k in _ENDS and v is None else v for k, v in data.items()}
 
     def text(self, signed: bool = False, digits: int = 3) -> str:
         """``-0.088 [-0.151, -0.031]`` (the estimate, then the interval)."""

@@ -21,17 +21,19 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from mtpquant import __version__
 from mtpquant.checkpoint.source import CheckpointSource, LocalSource, SourceRef, is_repo_id, read_json, read_text
 from mtpquant.errors import BaseModelError, CheckpointError
 from mtpquant.net import safejson
+from mtpquant.records.record import Record
 
 __all__ = [
     "PROVENANCE_FILE",
@@ -52,7 +54,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 PROVENANCE_FILE = "mtpquant_provenance.json"
-PROVENANCE_SCHEMA = "mtpquant.records.provenance/1"
+PROVENANCE_SCHEMA: Literal["mtpquant.records.provenance/1"] = "mtpquant.records.provenance/1"
 _PROVENANCE_LIMIT = 16 * 1024 * 1024
 _LIBRARIES = ("nvidia-modelopt", "transformers", "torch", "huggingface_hub", "safetensors")
 
@@ -68,33 +70,17 @@ def library_versions(names: Sequence[str] = _LIBRARIES) -> dict[str, str]:
     return out
 
 
-def _ref_json(ref: SourceRef | None) -> dict[str, Any] | None:
-    if ref is None:
-        return None
-    return {"repo_id": ref.repo_id, "revision": ref.revision, "commit": ref.commit, "path": ref.path}
+def _rounded(v: float) -> float | None:
+    return round(v, 6) if math.isfinite(v) else None
 
 
-def _ref_from(value: Any) -> SourceRef | None:
-    if not isinstance(value, Mapping):
-        return None
-
-    def s(key: str) -> str | None:
-        v = value.get(key)
-        return v if isinstance(v, str) and v else None
-
-    return SourceRef(repo_id=s("repo_id"), revision=s("revision"), commit=s("commit"), path=s("path"))
-
-
-def _num(d: Mapping[str, Any], key: str, kind: type = float) -> Any:
-    value = d.get(key)
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"heal record: {key} is not a number")
-    return kind(value)
+_AL = ("before", "after", "low", "high")
 
 
 @dataclass(frozen=True)
-class HealAl:
-    """The held-out AL at one k before and after heal, and the paired 95 % interval of the change."""
+class HealAl(Record):
+    """The held-out AL at one k before and after heal, and the paired 95 % interval of the change; as JSON
+    ``{"k", "before", "after", "low", "high"}``, rounded to 6 digits, a non-finite value null."""
 
     k: int
     before: float
@@ -102,30 +88,18 @@ class HealAl:
     low: float
     high: float
 
-    def to_json(self) -> dict[str, Any]:
-        """``{"k", "before", "after", "low", "high"}`` (a non-finite interval end is null)."""
-
-        def num(v: float) -> float | None:
-            return round(v, 6) if v == v and abs(v) != float("inf") else None
-
-        return {"k": self.k, "before": num(self.before), "after": num(self.after), "low": num(self.low),
-                "high": num(self.high)}
+    def json_out(self, data: dict[str, Any]) -> dict[str, Any]:
+        """Six digits; null where not finite."""
+        return {k: _rounded(v) if k in _AL else v for k, v in data.items()}
 
     @classmethod
-    def from_json(cls, d: Any) -> HealAl:
-        """Read one row; ``ValueError`` when it is not one."""
-        if not isinstance(d, Mapping):
-            raise ValueError("heal record: a by_k row is not an object")
-
-        def num(key: str) -> float:
-            v = d.get(key)
-            return float("nan") if v is None else float(_num(d, key))
-
-        return cls(_num(d, "k", int), num("before"), num("after"), num("low"), num("high"))
+    def json_in(cls, data: dict[str, Any]) -> dict[str, Any]:
+        """A null value reads as NaN."""
+        return {k: float("nan") if k in _AL and v is None else v for k, v in data.items()}
 
 
 @dataclass(frozen=True)
-class HealRecord:
+class HealRecord(Record):
     """What ``mtpquant heal`` did to the MTP: precision, data, schedule, seed, the held-out check."""
 
     precision: str  # "BF16", "NVFP4 (W4A4)", ...
@@ -144,52 +118,16 @@ class HealRecord:
     better: bool  # better beyond noise at every k
     forced: bool = False  # written with --force although the check did not show it better
 
-    def to_json(self) -> dict[str, Any]:
-        """The step's ``heal`` object."""
-        return {
-            "precision": self.precision,
-            "data": self.data,
-            "sequences": self.sequences,
-            "tokens": self.tokens,
-            "sampled": self.sampled,
-            "temperature": self.temperature,
-            "steps": self.steps,
-            "lr": self.lr,
-            "batch_size": self.batch_size,
-            "chain": self.chain,
-            "seed": self.seed,
-            "check_sequences": self.check_sequences,
-            "by_k": [row.to_json() for row in self.by_k],
-            "better": self.better,
-            "forced": self.forced,
-        }
 
-    @classmethod
-    def from_json(cls, d: Any) -> HealRecord:
-        """Read a ``heal`` object; ``ValueError`` when it is not one."""
-        if not isinstance(d, Mapping) or not isinstance(d.get("by_k"), list):
-            raise ValueError("heal record: not an object with by_k")
-        return cls(
-            precision=str(d.get("precision", "")),
-            data=str(d.get("data", "")),
-            sequences=_num(d, "sequences", int),
-            tokens=_num(d, "tokens", int),
-            sampled=_num(d, "sampled", int),
-            temperature=_num(d, "temperature"),
-            steps=_num(d, "steps", int),
-            lr=_num(d, "lr"),
-            batch_size=_num(d, "batch_size", int),
-            chain=_num(d, "chain", int),
-            seed=_num(d, "seed", int),
-            check_sequences=_num(d, "check_sequences", int),
-            by_k=tuple(HealAl.from_json(r) for r in d["by_k"]),
-            better=bool(d.get("better")),
-            forced=bool(d.get("forced")),
-        )
+# A step's keys, in the order the file has them (``heal`` only in a heal step).
+_STEP_KEYS = (
+    "tool", "created", "command", "mtpquant_version", "versions", "source", "mode", "recipe", "recipe_file",
+    "base_model", "base_model_revision", "license",
+)
 
 
 @dataclass(frozen=True)
-class Step:
+class Step(Record):
     """One mtpquant run that produced or changed the directory."""
 
     tool: str  # "convert" | "graft" | "heal" | "publish"
@@ -206,59 +144,23 @@ class Step:
     versions: Mapping[str, str] = field(default_factory=library_versions)
     created: str = field(default_factory=lambda: datetime.now(timezone.utc).isoformat(timespec="seconds"))
 
-    def to_json(self) -> dict[str, Any]:
-        """The step's JSON object."""
-        return {
-            "tool": self.tool,
-            "created": self.created,
-            "command": list(self.command),
-            "mtpquant_version": self.mtpquant_version,
-            "versions": dict(self.versions),
-            "source": _ref_json(self.source),
-            "mode": self.mode,
-            "recipe": self.recipe,
-            "recipe_file": self.recipe_file,
-            "base_model": self.base_model,
-            "base_model_revision": self.base_model_revision,
-            "license": dict(self.license) if self.license else None,
-        } | ({"heal": self.heal.to_json()} if self.heal is not None else {})
+    def json_out(self, data: dict[str, Any]) -> dict[str, Any]:
+        """The step's JSON object (an empty licence as null; ``heal`` only in a heal step)."""
+        out = {key: data[key] for key in _STEP_KEYS} | {"license": data["license"] or None}
+        return out | ({"heal": data["heal"]} if self.heal is not None else {})
 
     @classmethod
-    def from_json(cls, d: Any) -> Step:
-        """Read a step; ``ValueError`` when it is not one."""
-        if not isinstance(d, Mapping) or not isinstance(d.get("tool"), str):
-            raise ValueError("a provenance step needs a 'tool'")
-
-        def s(key: str) -> str | None:
-            v = d.get(key)
-            return v if isinstance(v, str) and v else None
-
-        command = d.get("command")
-        versions = d.get("versions")
-        lic = d.get("license")
-        heal = d.get("heal")
-        return cls(
-            tool=str(d["tool"]),
-            command=tuple(str(c) for c in command) if isinstance(command, list) else (),
-            source=_ref_from(d.get("source")),
-            mode=s("mode"),
-            recipe=s("recipe"),
-            recipe_file=s("recipe_file"),
-            base_model=s("base_model"),
-            base_model_revision=s("base_model_revision"),
-            license={str(k): v for k, v in lic.items() if isinstance(v, str)} if isinstance(lic, Mapping) else None,
-            heal=HealRecord.from_json(heal) if heal is not None else None,
-            mtpquant_version=s("mtpquant_version") or "",
-            versions={str(k): str(v) for k, v in versions.items()} if isinstance(versions, Mapping) else {},
-            created=s("created") or "",
-        )
+    def json_in(cls, data: dict[str, Any]) -> dict[str, Any]:
+        """What a step read does not record is unknown (empty), never this run's versions or time."""
+        return {"mtpquant_version": "", "versions": {}, "created": "", **data}
 
 
 @dataclass(frozen=True)
-class Provenance:
+class Provenance(Record):
     """Every recorded step, oldest first."""
 
     steps: tuple[Step, ...] = ()
+    schema: Literal["mtpquant.records.provenance/1"] = field(default=PROVENANCE_SCHEMA, kw_only=True)
 
     def then(self, step: Step) -> Provenance:
         """This provenance with one more step. The same command run again (a rerun that completes an
@@ -311,20 +213,18 @@ class Provenance:
         """The licence the source's card declared (the first step that recorded one)."""
         return next((s.license for s in self.steps if s.license), None)
 
-    def to_json(self) -> dict[str, Any]:
-        """The file's JSON."""
-        return {"schema": PROVENANCE_SCHEMA, "steps": [s.to_json() for s in self.steps]}
+    def json_out(self, data: dict[str, Any]) -> dict[str, Any]:
+        """The file's JSON: the schema, then the steps."""
+        return {"schema": PROVENANCE_SCHEMA, "steps": data["steps"]}
 
     def to_bytes(self) -> bytes:
         """The file's bytes."""
         return (json.dumps(self.to_json(), indent=2) + "\n").encode("utf-8")
 
     @classmethod
-    def from_json(cls, d: Any) -> Provenance:
-        """Read the file's JSON; ``ValueError`` for another schema."""
-        if not isinstance(d, Mapping) or d.get("schema") != PROVENANCE_SCHEMA or not isinstance(d.get("steps"), list):
-            raise ValueError(f"not an {PROVENANCE_SCHEMA} document")
-        return cls(tuple(Step.from_json(s) for s in d["steps"]))
+    def from_json(cls, d: Any, where: str = PROVENANCE_FILE) -> Provenance:
+        """Read the file's JSON; ``ValueError`` naming the place of the first problem (another schema too)."""
+        return super().from_json(d, where)
 
 
 def source_provenance(source: CheckpointSource) -> Provenance:

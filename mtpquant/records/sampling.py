@@ -32,14 +32,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from mtpquant.records.record import Record
+
 __all__ = ["GREEDY", "GREEDY_EPS", "RULES", "SamplingSettings", "SpecRule", "rule"]
 
 GREEDY_EPS = 1e-5  # vLLM's _SAMPLING_EPS: a temperature below it samples greedily
 
 
 @dataclass(frozen=True)
-class SamplingSettings:
-    """One request's sampling: temperature (0: greedy), top-p (1: off), top-k (0: off), the request's seed."""
+class SamplingSettings(Record):
+    """One request's sampling: temperature (0: greedy), top-p (1: off), top-k (0: off), the request's seed; its JSON
+    object ``{"temperature", "top_p", "top_k", "seed"}`` (missing keys: the defaults)."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -96,17 +99,6 @@ class SamplingSettings:
                 fields["top_k"] = self.top_k
             fields["sampling_seed"] = self.seed
         return fields
-
-    def to_json(self) -> dict[str, Any]:
-        """``{"temperature", "top_p", "top_k", "seed"}``."""
-        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed}
-
-    @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> SamplingSettings:
-        """Read ``to_json``'s object (missing keys: the defaults)."""
-        return cls(
-            float(d.get("temperature", 0.0)), float(d.get("top_p", 1.0)), int(d.get("top_k", 0)), int(d.get("seed", 0))
-        )
 
 
 GREEDY = SamplingSettings()

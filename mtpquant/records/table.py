@@ -7,24 +7,26 @@ acceptance rate, and the acceptance at each draft position (vLLM's unconditional
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
-from mtpquant.records.validation import Report, sides
+from mtpquant.records.validation import Report, Side
 
 __all__ = ["acceptance_table"]
 
 
-def acceptance_table(report: Report, *, markdown: bool = False, names: Mapping[str, str] | None = None) -> str:
-    """The table as aligned text, or as a Markdown table (``markdown``). ``names``: how to call a side
-    (``reference``, ``candidate``, ``checkpoint``) where the reader knows it by another name (the card's
-    ``this checkpoint``)."""
+def acceptance_table(
+    report: Report, shown: Sequence[tuple[str, Side]], *, markdown: bool = False, names: Mapping[str, str] | None = None
+) -> str:
+    """The table of ``report``'s sides ``shown`` (``records.validation.sides``) as aligned text, or as a Markdown
+    table (``markdown``). ``names``: how to call a side (``reference``, ``candidate``, ``checkpoint``) where the
+    reader knows it by another name (the card's ``this checkpoint``)."""
     level = f"{100 * report.settings.confidence:.0f} % CI"
     several = len(report.settings.sampling) > 1
     if markdown:
         lines = [f"| | k | AL | {level} | acceptance rate | per-position acceptance |", "|---|---|---|---|---|---|"]
     else:
         lines = [f"{'':<11} {'k':>2} {'AL':>6} {level:>17} {'rate':>7}  per-position acceptance"]
-    for key, side in sides(report):
+    for key, side in shown:
         name = label = (names or {}).get(key, key)
         if not side.acceptance:
             error = side.mtp.error or "not evaluated"

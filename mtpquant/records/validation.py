@@ -1,21 +1,21 @@
 """The validation report as typed data: what ``validate`` builds, ``report.py`` writes and the model card reads.
 
-``Report.to_json()`` is ``report.json`` (``schema: mtpquant.validate/1``, documented in docs/validate.md);
-``Report.from_json()`` reads one back, refusing a document of another shape with ``ValueError``. This module
-imports nothing heavy (no torch): publishing reads reports without loading models. The acceptance records a side
-holds live in ``acceptance.py``; the JSON reading they all share in ``jsonrecord.py``.
+``Report.to_json()`` is ``report.json`` (``schema: mtpquant.validate/2``, documented in docs/validate.md);
+``Report.from_json()`` reads one back, refusing a document of another shape with ``ValueError`` naming the place.
+Every record here is a ``records.record.Record``. This module imports nothing heavy (no torch): publishing reads
+reports without loading models. The acceptance records a side holds live in ``acceptance.py``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from mtpquant.errors import ExitCode
 from mtpquant.records.acceptance import Acceptance, AcceptanceRow
 from mtpquant.records.evidence import CONFIDENCE, Interval
-from mtpquant.records.jsonrecord import JsonRecord, as_floats, as_object, require
+from mtpquant.records.record import Record
 from mtpquant.records.sampling import SamplingSettings
 
 if TYPE_CHECKING:
@@ -49,14 +49,14 @@ LOGS_DIR = "logs"
 REPORT_FILE = "report.json"
 MARKDOWN_FILE = "report.md"
 
-REPORT_SCHEMA = "mtpquant.validate/2"
+REPORT_SCHEMA: Literal["mtpquant.validate/2"] = "mtpquant.validate/2"
 # Earlier schemas this module still reads (their missing keys take their defaults): a report written by an older
 # mtpquant inside OUT/validation still gives the model card its figures.
 READABLE_SCHEMAS = ("mtpquant.validate/1", REPORT_SCHEMA)
 
 
 @dataclass(frozen=True)
-class MtpInfo(JsonRecord):
+class MtpInfo(Record):
     """The MTP of one side: present, why unusable, its precision (Linear count per storage kind)."""
 
     present: bool
@@ -66,7 +66,7 @@ class MtpInfo(JsonRecord):
 
 
 @dataclass(frozen=True)
-class Side:
+class Side(Record):
     """One evaluated (target, MTP) pair: the single checkpoint, the reference or the candidate."""
 
     checkpoint: str
@@ -82,49 +82,23 @@ class Side:
     non_finite_mtp: int = 0  # MTP rows (teacher-forced) whose output was not finite
     acceptance_by_sampling: tuple[Acceptance, ...] = ()  # every sampling setting measured (the first: ``acceptance``)
 
-    def to_json(self) -> dict[str, Any]:
-        """The ``reference`` / ``candidate`` object."""
-        return {
-            "checkpoint": self.checkpoint,
-            "family": self.family,
-            "precision": dict(self.precision),
-            "target_source": self.target_source,
-            "sequences": self.sequences,
-            "tokens": self.tokens,
-            "generated_tokens": self.generated_tokens,
-            "mtp": self.mtp.to_json(),
-            "acceptance": self.acceptance.to_json() if self.acceptance is not None else None,
-            "non_finite": {"target": self.non_finite_target, "mtp": self.non_finite_mtp},
-            "acceptance_by_sampling": [a.to_json() for a in self.acceptance_by_sampling],
-        }
+    def json_out(self, data: dict[str, Any]) -> dict[str, Any]:
+        """The ``reference`` / ``candidate`` object (the non-finite counts as one ``non_finite`` object)."""
+        out = {k: v for k, v in data.items() if not k.startswith("non_finite_") and k != "acceptance_by_sampling"}
+        out["non_finite"] = {"target": data["non_finite_target"], "mtp": data["non_finite_mtp"]}
+        return out | {"acceptance_by_sampling": data["acceptance_by_sampling"]}
 
     @classmethod
-    def from_json(cls, d: Any, where: str) -> Side:
-        """Read a side."""
-        d = as_object(d, where)
-        acc = d.get("acceptance")
-        non_finite = d.get("non_finite") if isinstance(d.get("non_finite"), Mapping) else {}
-        return cls(
-            str(require(d, "checkpoint", str, where)),
-            str(d.get("family") or ""),
-            dict(d.get("precision") or {}),
-            str(d.get("target_source") or ""),
-            int(d.get("sequences") or 0),
-            int(d.get("tokens") or 0),
-            int(d.get("generated_tokens") or 0),
-            MtpInfo.from_json(d.get("mtp"), f"{where}.mtp"),
-            None if acc is None else Acceptance.from_json(acc, f"{where}.acceptance"),
-            int(non_finite.get("target") or 0),
-            int(non_finite.get("mtp") or 0),
-            tuple(
-                Acceptance.from_json(a, f"{where}.acceptance_by_sampling[{i}]")
-                for i, a in enumerate(d.get("acceptance_by_sampling") or ())
-            ),
-        )
+    def json_in(cls, data: dict[str, Any]) -> dict[str, Any]:
+        """``non_finite`` read into its two fields."""
+        nf = data.get("non_finite")
+        if not isinstance(nf, dict):
+            return data
+        return {**data, "non_finite_target": nf.get("target", 0), "non_finite_mtp": nf.get("mtp", 0)}
 
 
 @dataclass(frozen=True)
-class KlSummary:
+class KlSummary(Record):
     """KL(ref || cand) per position, in nats."""
 
     mean: float
@@ -134,7 +108,7 @@ class KlSummary:
 
 
 @dataclass(frozen=True)
-class Agreement(JsonRecord):
+class Agreement(Record):
     """Candidate vs reference logits at identical positions."""
 
     positions: int
@@ -144,7 +118,7 @@ class Agreement(JsonRecord):
 
 
 @dataclass(frozen=True)
-class Comparison:
+class Comparison(Record):
     """Pair mode: the two sides on identical inputs and the AL change split into MTP and target parts."""
 
     mtp: Agreement | None = None
@@ -156,46 +130,31 @@ class Comparison:
     main: Agreement | None = None
     main_compared: bool = True  # False: both sides share the reference target (``main`` is null)
 
-    def to_json(self) -> dict[str, Any]:
-        """The ``comparison`` object (MTP keys only when both MTPs were usable)."""
+    def json_out(self, data: dict[str, Any]) -> dict[str, Any]:
+        """The ``comparison`` object (MTP keys only when both MTPs were usable; ``main`` null when not compared)."""
         out: dict[str, Any] = {}
         if self.mtp is not None and self.candidate_mtp_on_reference_target is not None:
-            out["mtp"] = self.mtp.to_json()
-            out["candidate_mtp_on_reference_target"] = self.candidate_mtp_on_reference_target.to_json()
+            out["mtp"] = data["mtp"]
+            out["candidate_mtp_on_reference_target"] = data["candidate_mtp_on_reference_target"]
         if self.al_delta_by_k:  # the built-in path (with both MTPs) and the engine path (two servers)
-            out["al_delta_by_k"] = list(self.al_delta_by_k)
+            out["al_delta_by_k"] = data["al_delta_by_k"]
         if self.al_delta_from_mtp_by_k:  # the built-in path's split of the change
-            out["al_delta_from_mtp_by_k"] = list(self.al_delta_from_mtp_by_k)
-            out["al_delta_from_target_by_k"] = list(self.al_delta_from_target_by_k)
+            out["al_delta_from_mtp_by_k"] = data["al_delta_from_mtp_by_k"]
+            out["al_delta_from_target_by_k"] = data["al_delta_from_target_by_k"]
         if self.acceptance_delta_per_position:
-            out["acceptance_delta_per_position"] = list(self.acceptance_delta_per_position)
-        if self.main is not None:
-            out["main"] = self.main.to_json()
-        elif not self.main_compared:
-            out["main"] = None
+            out["acceptance_delta_per_position"] = data["acceptance_delta_per_position"]
+        if self.main is not None or not self.main_compared:
+            out["main"] = data["main"]
         return out
 
     @classmethod
-    def from_json(cls, d: Any, where: str) -> Comparison:
-        """Read a ``comparison`` object."""
-        d = as_object(d, where)
-        mtp = d.get("mtp")
-        cross = d.get("candidate_mtp_on_reference_target")
-        main = d.get("main")
-        return cls(
-            None if mtp is None else Agreement.from_json(mtp, f"{where}.mtp"),
-            None if cross is None else Acceptance.from_json(cross, f"{where}.candidate_mtp_on_reference_target"),
-            as_floats(d.get("al_delta_by_k", []), f"{where}.al_delta_by_k"),
-            as_floats(d.get("al_delta_from_mtp_by_k", []), f"{where}.al_delta_from_mtp_by_k"),
-            as_floats(d.get("al_delta_from_target_by_k", []), f"{where}.al_delta_from_target_by_k"),
-            as_floats(d.get("acceptance_delta_per_position", []), f"{where}.acceptance_delta_per_position"),
-            None if main is None else Agreement.from_json(main, f"{where}.main"),
-            not ("main" in d and main is None),
-        )
+    def json_in(cls, data: dict[str, Any]) -> dict[str, Any]:
+        """``main: null`` (not absent) says the main models were not compared."""
+        return {**data, "main_compared": not ("main" in data and data["main"] is None)}
 
 
 @dataclass(frozen=True)
-class Settings(JsonRecord):
+class Settings(Record):
     """How the evaluation ran."""
 
     k: int
@@ -215,7 +174,7 @@ class Settings(JsonRecord):
 
 
 @dataclass(frozen=True)
-class EngineInfo(JsonRecord):
+class EngineInfo(Record):
     """The serving engine that measured the acceptance (engine path only)."""
 
     name: str  # "vllm" | "sglang"
@@ -234,7 +193,7 @@ class EngineInfo(JsonRecord):
 
 
 @dataclass(frozen=True)
-class PredictedRow(JsonRecord):
+class PredictedRow(Record):
     """``--compare-reference``: what the engine measured beside the built-in prediction, for one sampling setting
     and k of one side (``label``: the setting's; ``difference``: engine AL minus predicted AL)."""
 
@@ -260,7 +219,7 @@ class PredictedRow(JsonRecord):
 
 
 @dataclass(frozen=True)
-class Predicted(JsonRecord):
+class Predicted(Record):
     """``--compare-reference``: the built-in prediction beside the engine's measurement, per side (None: the side
     was not compared, and its key is left out)."""
 
@@ -272,13 +231,13 @@ class Predicted(JsonRecord):
         """(label, rows) of the compared sides, reference first."""
         return [(label, rows) for label, rows in (("reference", self.reference), ("candidate", self.candidate)) if rows]
 
-    def to_json(self) -> dict[str, Any]:
+    def json_out(self, data: dict[str, Any]) -> dict[str, Any]:
         """The ``predicted_vs_engine`` object (a side not compared left out)."""
-        return {key: value for key, value in super().to_json().items() if value is not None}
+        return {key: value for key, value in data.items() if value is not None}
 
 
 @dataclass(frozen=True)
-class ChangeEvidence:
+class ChangeEvidence(Record):
     """The AL change at one k, candidate minus reference, with its interval and what it was decided to be."""
 
     k: int
@@ -288,37 +247,17 @@ class ChangeEvidence:
     decision: str = "inconclusive"  # "within" (the allowed drop) | "drop" (beyond it) | "inconclusive"
     label: str = ""  # the measurement it belongs to, when there are several (e.g. "T=0.8")
 
-    def to_json(self) -> dict[str, Any]:
-        """One ``verdict.evidence`` entry."""
-        return {
-            "k": self.k,
-            **({"label": self.label} if self.label else {}),
-            "change": self.change.to_json(),
-            "mtp": None if self.mtp is None else self.mtp.to_json(),
-            "target": None if self.target is None else self.target.to_json(),
-            "decision": self.decision,
-        }
-
-    @classmethod
-    def from_json(cls, d: Any, where: str) -> ChangeEvidence:
-        """Read a ``verdict.evidence`` entry."""
-        d = as_object(d, where)
-        mtp, target = d.get("mtp"), d.get("target")
-        return cls(
-            int(require(d, "k", int, where)),
-            Interval.from_json(d.get("change"), f"{where}.change"),
-            None if mtp is None else Interval.from_json(mtp, f"{where}.mtp"),
-            None if target is None else Interval.from_json(target, f"{where}.target"),
-            str(d.get("decision") or "inconclusive"),
-            str(d.get("label") or ""),
-        )
+    def json_out(self, data: dict[str, Any]) -> dict[str, Any]:
+        """One ``verdict.evidence`` entry (its label only when it has one)."""
+        label = {"label": self.label} if self.label else {}
+        return {"k": self.k, **label, **{key: data[key] for key in ("change", "mtp", "target", "decision")}}
 
 
 VERDICT_STATUSES = ("pass", "warn", "fail", "inconclusive")
 
 
 @dataclass(frozen=True)
-class Verdict:
+class Verdict(Record):
     """``pass`` | ``warn`` | ``fail`` | ``inconclusive``, and why.
 
     ``broken``: a ``fail`` because the candidate itself is broken (non-finite logits, main-model agreement below
@@ -347,41 +286,14 @@ class Verdict:
             }.get(self.status, ExitCode.INTERNAL)
         )
 
-    def to_json(self) -> dict[str, Any]:
-        """The ``verdict`` object."""
-        return {
-            "status": self.status,
-            "reasons": list(self.reasons),
-            "broken": self.broken,
-            "thresholds": dict(self.thresholds),
-            "evidence": [e.to_json() for e in self.evidence],
-            "prompts_needed": self.prompts_needed,
-        }
-
-    @classmethod
-    def from_json(cls, d: Any, where: str) -> Verdict:
-        """Read ``verdict``."""
-        d = as_object(d, where)
-        status = str(require(d, "status", str, where))
-        thresholds = d.get("thresholds")
-        needed = d.get("prompts_needed")
-        return cls(
-            status,
-            tuple(str(r) for r in d.get("reasons") or ()),
-            bool(d.get("broken")),
-            {str(k): float(v) for k, v in thresholds.items()} if isinstance(thresholds, Mapping) else {},
-            tuple(ChangeEvidence.from_json(e, f"{where}.evidence[{i}]") for i, e in enumerate(d.get("evidence") or ())),
-            int(needed) if isinstance(needed, int) and not isinstance(needed, bool) else None,
-        )
-
 
 @dataclass(frozen=True)
-class Report:
-    """A whole validation report."""
+class Report(Record):
+    """A whole validation report (``report.json``)."""
 
     mtpquant_version: str
     created: str
-    mode: str  # "single" | "pair"
+    mode: Literal["single", "pair"]
     settings: Settings
     reference: Side  # the single checkpoint in single mode
     verdict: Verdict
@@ -391,6 +303,8 @@ class Report:
     notes: tuple[str, ...] = ()
     engine: tuple[EngineInfo, ...] = ()  # engine path: the server(s) that measured, one per side and K
     predicted: Predicted | None = None  # --compare-reference: built-in prediction vs engine, per k
+    # the schema it was read in (one of ``READABLE_SCHEMAS``); a report is written in ``REPORT_SCHEMA``
+    schema: Literal["mtpquant.validate/1", "mtpquant.validate/2"] = field(default=REPORT_SCHEMA, kw_only=True)
 
     @property
     def pair(self) -> bool:
@@ -402,56 +316,32 @@ class Report:
         """The side the verdict is about: the candidate (pair) or the one checkpoint."""
         return self.candidate if self.pair and self.candidate is not None else self.reference
 
-    def to_json(self) -> dict[str, Any]:
-        """``report.json``."""
-        out: dict[str, Any] = {
-            "schema": REPORT_SCHEMA,
-            "mtpquant_version": self.mtpquant_version,
-            "created": self.created,
-            "mode": self.mode,
-            "settings": self.settings.to_json(),
-            "reference": self.reference.to_json(),
-        }
+    def json_out(self, data: dict[str, Any]) -> dict[str, Any]:
+        """``report.json``: the schema first; the candidate and the comparison in pair mode, the engines and the
+        prediction where there are some; the verdict last."""
+        out: dict[str, Any] = {"schema": REPORT_SCHEMA}
+        out |= {key: data[key] for key in ("mtpquant_version", "created", "mode", "settings", "reference")}
         if self.candidate is not None:
-            out["candidate"] = self.candidate.to_json()
-            out["comparison"] = (self.comparison or Comparison()).to_json()
+            out["candidate"] = data["candidate"]
+            out["comparison"] = data["comparison"] if self.comparison is not None else Comparison().to_json()
         if self.engine:
-            out["engine"] = [e.to_json() for e in self.engine]
+            out["engine"] = data["engine"]
         if self.predicted is not None:
-            out["predicted_vs_engine"] = self.predicted.to_json()
-        out["timing"] = dict(self.timing)
-        out["notes"] = list(self.notes)
-        out["verdict"] = self.verdict.to_json()
-        return out
+            out["predicted_vs_engine"] = data["predicted"]
+        return out | {key: data[key] for key in ("timing", "notes", "verdict")}
 
     @classmethod
-    def from_json(cls, d: Any) -> Report:
-        """Read ``report.json``; ``ValueError`` for another schema or shape."""
-        d = as_object(d, "report")
-        if d.get("schema") not in READABLE_SCHEMAS:
-            raise ValueError(f"report: schema {d.get('schema')!r} is not one of {', '.join(READABLE_SCHEMAS)}")
-        mode = d.get("mode")
-        if mode not in ("single", "pair"):
-            raise ValueError(f"report.mode: {mode!r} is neither single nor pair")
-        candidate = d.get("candidate")
-        comparison = d.get("comparison")
-        timing = d.get("timing")
-        engine = d.get("engine") or []
-        predicted = d.get("predicted_vs_engine")
-        return cls(
-            str(d.get("mtpquant_version") or ""),
-            str(d.get("created") or ""),
-            str(mode),
-            Settings.from_json(d.get("settings"), "report.settings"),
-            Side.from_json(d.get("reference"), "report.reference"),
-            Verdict.from_json(d.get("verdict"), "report.verdict"),
-            None if candidate is None else Side.from_json(candidate, "report.candidate"),
-            None if comparison is None else Comparison.from_json(comparison, "report.comparison"),
-            {str(k): float(v) for k, v in timing.items()} if isinstance(timing, Mapping) else {},
-            tuple(str(n) for n in d.get("notes") or ()),
-            tuple(EngineInfo.from_json(e, f"report.engine[{i}]") for i, e in enumerate(engine)),
-            None if predicted is None else Predicted.from_json(predicted, "report.predicted_vs_engine"),
-        )
+    def json_in(cls, data: dict[str, Any]) -> dict[str, Any]:
+        """``predicted_vs_engine`` read as ``predicted``."""
+        if "predicted_vs_engine" not in data:
+            return data
+        moved = {"predicted": data["predicted_vs_engine"]}
+        return {k: v for k, v in data.items() if k != "predicted_vs_engine"} | moved
+
+    @classmethod
+    def from_json(cls, d: Any, where: str = "report") -> Report:
+        """Read ``report.json``; ``ValueError`` naming the place of the first problem (another schema too)."""
+        return super().from_json(d, where)
 
 
 def sides(report: Report) -> Sequence[tuple[str, Side]]:

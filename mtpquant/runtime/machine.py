@@ -16,13 +16,19 @@ import shutil
 import subprocess
 from collections.abc import MutableMapping
 from pathlib import Path
+from typing import Literal, get_args
 
-from mtpquant.errors import DeviceError
+from mtpquant.errors import DeviceError, UsageError
 
 __all__ = [
+    "COMPUTE_DTYPES",
     "CPU_RUNTIME_VARIABLES",
+    "DEVICES",
+    "DTYPE_BYTES",
+    "ComputeDtype",
     "available_cpu_bytes",
     "compute_cores",
+    "compute_dtype",
     "gpu_memory",
     "resolve_device",
     "total_cpu_bytes",
@@ -32,6 +38,23 @@ __all__ = [
 # The variables ``tune_cpu_runtime`` may set; a user who sets one (or GOMP_SPINCOUNT, libgomp's own knob for the
 # wait) has chosen, and that choice is kept.
 CPU_RUNTIME_VARIABLES = ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")
+
+
+# ``--device``'s names (where a run computes on one GPU, ``cuda:N`` too: ``resolve_device(indexed=True)``).
+DEVICES = ("cpu", "cuda", "auto")
+# ``--dtype``'s names, the dtypes a model computes in, and their bytes per element.
+ComputeDtype = Literal["float32", "bfloat16", "float16"]
+COMPUTE_DTYPES: tuple[str, ...] = get_args(ComputeDtype)
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def compute_dtype(device: str, dtype: str | None = None) -> str:
+    """The dtype a run computes in on ``device`` (``resolve_device``'s answer): ``dtype`` (``--dtype``), else float32
+    on the CPU (BF16 weights upcast exactly) and bfloat16 on CUDA; another name is a one-line ``UsageError``."""
+    name = dtype or ("float32" if device == "cpu" else "bfloat16")
+    if name not in DTYPE_BYTES:
+        raise UsageError(f"--dtype must be one of {', '.join(COMPUTE_DTYPES)}, got {name!r}")
+    return name
 
 
 def resolve_device(device: str, *, indexed: bool = True, probe: bool = True) -> str:

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 from mtpquant.checkpoint.header import FLOAT_DTYPES
+from mtpquant.checkpoint.modules import QUANT_PARAMS
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.errors import GraftError, LineageError
 from mtpquant.families import ModelSpec, dimension_differences, is_mtp_name, mtp_layer_count, resolve
@@ -26,18 +25,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-# Unquantized storage dtypes: what an MTP kept "as is" must be stored in.
-
-_QUANT_SUFFIXES = (
-    ".weight_scale",
-    ".weight_scale_2",
-    ".weight_scale_inv",
-    ".input_scale",
-    ".weight_packed",
-    ".weight_global_scale",
-    ".input_global_scale",
-)
 
 
 @dataclass(frozen=True)
@@ -58,11 +45,6 @@ def _spec_with_layers(spec: ModelSpec, layers: int) -> ModelSpec:
     from mtpquant.surgery.metadata import declare_mtp
 
     return resolve(declare_mtp(spec, layers))
-
-
-def _is_quantized_module(tensors: Mapping[str, Any], weight_name: str) -> bool:
-    stem = weight_name[: -len(".weight")] if weight_name.endswith(".weight") else weight_name
-    return any(stem + s in tensors for s in _QUANT_SUFFIXES)
 
 
 def _final_norm_warning(quant: Checkpoint, src: Checkpoint) -> str | None:
@@ -103,12 +85,11 @@ def check_lineage(quant: Checkpoint, src: Checkpoint, *, weight_check: bool = Tr
     layers = mtp_layer_count(src_mtp)
     if qs.mtp.declared and layers and qs.mtp.layers != layers:
         diffs.append(f"MTP layers {qs.mtp.layers} ({qs.mtp.describe()}) vs {layers} in SRC's tensors")
-    # Shapes of tensors both hold unquantized (embeddings, norms, vision, ...): a cheap second opinion.
+    # Shapes of tensors both hold unquantized (embeddings, norms, vision, ...): a cheap second opinion. (A quantized
+    # Linear's tensors are not among them: its weight is packed, its scales exist in QUANT alone.)
     for name in sorted(set(quant.tensors) & set(src.tensors)):
         q, s = quant.tensors[name], src.tensors[name]
         if is_mtp_name(name) or q.dtype not in FLOAT_DTYPES or s.dtype not in FLOAT_DTYPES:
-            continue
-        if _is_quantized_module(quant.tensors, name):
             continue
         if q.shape != s.shape:
             diffs.append(f"{name} shape {list(q.shape)} vs {list(s.shape)}")
@@ -121,7 +102,7 @@ def check_lineage(quant: Checkpoint, src: Checkpoint, *, weight_check: bool = Tr
     missing = sorted(set(expected) - set(src_mtp))
     extra = sorted(set(src_mtp) - set(expected))
     if extra:
-        quantized = [n for n in extra if n.endswith(_QUANT_SUFFIXES)]
+        quantized = [n for n in extra if n.endswith(QUANT_PARAMS)]
         if quantized:
             raise GraftError(
                 f"{src.label}: SRC's MTP is quantized ({quantized[0]}); graft copies an unquantized MTP: "

@@ -13,11 +13,10 @@ from __future__ import annotations
 import copy
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from mtpquant.checkpoint.header import FLOAT_DTYPES
-from mtpquant.checkpoint.modules import module_stems
+from mtpquant.checkpoint.precision import is_quantized, linear_precisions
 from mtpquant.engine.loading import FusedShardsError, ct_ignored, mixed_algo, modelopt_excluded
 from mtpquant.families import ModelSpec, family, is_mtp_name, resolve
 from mtpquant.formats.quant_config import (
@@ -26,7 +25,6 @@ from mtpquant.formats.quant_config import (
     MTP_MODELOPT_PATTERNS,
     QuantMetadata,
     exclusion_lists,
-    read_quant_metadata,
     with_exclusions,
 )
 from mtpquant.surgery.repairs import repair_labels
@@ -39,28 +37,18 @@ __all__ = [
     "uncovered_modules",
 ]
 
-_QUANT_SUFFIXES = (".weight_scale", ".weight_scale_inv", ".weight_packed", ".weight_global_scale")
 _LAYER = re.compile(r"^(mtp\.layers\.\d+)\.")
 _DEFAULT_PACKED = family("qwen3_5").engine.packed
 
 
-def mtp_modules(tensors: Mapping[str, Any], packed: Mapping[str, tuple[str, ...]] | None = None) -> dict[str, bool]:
+def mtp_modules(precision: Mapping[str, str], packed: Mapping[str, tuple[str, ...]] | None = None) -> dict[str, bool]:
     """Every MTP Linear module (and the engine's packed names for them) -> whether it is stored unquantized.
 
-    ``tensors`` maps names to objects with ``dtype`` and ``shape`` (header entries). A module is a
-    Linear when it has a 2-D ``weight`` (or a compressed-tensors ``weight_packed``). ``packed``: the family's
-    packed groups (``EngineRules.packed``; Qwen3.5's by default); routed experts are one engine module too.
+    ``precision`` maps every Linear of a table to its precision on disk (``checkpoint.precision.linear_precisions``:
+    the one rule of what a Linear is, and of what is quantized). ``packed``: the family's packed groups
+    (``EngineRules.packed``; Qwen3.5's by default); routed experts are one engine module too.
     """
-    modules: dict[str, bool] = {}
-    for name, entry in tensors.items():
-        if not is_mtp_name(name):
-            continue
-        for suffix in (".weight", ".weight_packed"):
-            if name.endswith(suffix) and len(entry.shape) == 2:
-                stem = name[: -len(suffix)]
-                quantized = suffix == ".weight_packed" or entry.dtype not in FLOAT_DTYPES
-                quantized = quantized or any(stem + s in tensors for s in _QUANT_SUFFIXES)
-                modules[stem] = modules.get(stem, True) and not quantized
+    modules = {m: not is_quantized(p) for m, p in precision.items() if is_mtp_name(m)}
     # vLLM packs q/k/v into qkv_proj and gate/up into gate_up_proj and matches exclusions on those
     # prefixes too (vllm/model_executor/models/qwen3_next_mtp.py, packed_modules_mapping).
     groups = packed if packed is not None else _DEFAULT_PACKED
@@ -97,14 +85,14 @@ def uncovered_modules(modules: Iterable[str], patterns: Iterable[str], compresse
     return out
 
 
-@dataclass
+@dataclass(frozen=True)
 class MetadataPlan:
     """New contents of config.json / hf_quant_config.json (None: unchanged) and what changed."""
 
     config: dict[str, Any] | None = None
     hf_quant_config: dict[str, Any] | None = None
-    changes: list[str] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)
+    changes: tuple[str, ...] = ()
+    warnings: tuple[str, ...] = ()
 
     @property
     def changed_files(self) -> list[str]:
@@ -189,62 +177,63 @@ def plan_metadata(
     unquantized the family patterns are added (``mtp*``; ``re:^mtp\\..*`` for compressed-tensors),
     otherwise the exact names of the uncovered unquantized modules.
     """
-    plan = MetadataPlan()
+    changes: list[str] = []
+    warnings: list[str] = []
     config: dict[str, Any] = copy.deepcopy(dict(spec.config))
     if mtp_layers > 0 and spec.family.mtp_key is not None and spec.mtp.layers != mtp_layers:
         config = declare_mtp(spec, mtp_layers, reference_config)
         where = resolve(config).mtp.key
         before = "absent" if spec.mtp.key is None else repr(spec.mtp.value)
-        plan.changes.append(f"config.json: {where} = {mtp_layers} (was {before})")
+        changes.append(f"config.json: {where} = {mtp_layers} (was {before})")
 
     hfq = copy.deepcopy(dict(hf_quant_config)) if hf_quant_config is not None else None
-    config, hfq = repair_labels(spec, config, hfq, tensors, plan.changes)
-    modules = mtp_modules(tensors, spec.family.engine.packed)
+    precision = linear_precisions(tensors)
+    config, hfq, meta = repair_labels(spec, config, hfq, tensors, precision, changes)
+    modules = mtp_modules(precision, spec.family.engine.packed)
     unquantized = [m for m, plain in modules.items() if plain]
     all_plain = len(unquantized) == len(modules)
-    meta = read_quant_metadata(config, hfq)
     if meta is not None and meta.is_modelopt and meta.algo.upper() == "MIXED_PRECISION":
         # MIXED_PRECISION builds a module unquantized unless quantized_layers lists it: only listed ones need more
         unquantized = [m for m in unquantized if _listed(m, meta, spec.family.engine.packed)]
+    lists = exclusion_lists(config, hfq)
     if meta is not None and unquantized:
-        lists = exclusion_lists(config, hfq)
         missing = {f: uncovered_modules(unquantized, pats, ct) for f, ct, pats in lists}
         if any(missing.values()):
             if all_plain:
                 modelopt, ct = list(MTP_MODELOPT_PATTERNS), list(MTP_CT_PATTERNS)
             else:
                 # exact names of real modules; vLLM treats a fused group as excluded when all members are
-                real = module_stems(tensors)
-                names = sorted({m for ms in missing.values() for m in ms if m in real})
+                names = sorted({m for ms in missing.values() for m in ms if m in precision})
                 modelopt, ct = names, names
-            new_config, new_hfq = with_exclusions(config, hfq, modelopt, ct)
-            for f, is_ct, pats in exclusion_lists(new_config, new_hfq):
-                old = next((p for g, _, p in lists if g == f), [])
+            config, hfq = with_exclusions(config, hfq, modelopt, ct)
+            old_lists, lists = lists, exclusion_lists(config, hfq)
+            for f, is_ct, pats in lists:
+                old = next((p for g, _, p in old_lists if g == f), [])
                 added = [p for p in pats if p not in old]
                 if added:
                     what = "ignore" if f == "config.json" else "exclude_modules"
-                    plan.changes.append(f"{f}: {what} += {', '.join(added)}")
+                    changes.append(f"{f}: {what} += {', '.join(added)}")
                 still = uncovered_modules(unquantized, pats, is_ct)
                 if still:
-                    plan.warnings.append(f"{f}: MTP module {still[0]} is still not excluded")
-            config, hfq = new_config, new_hfq
+                    warnings.append(f"{f}: MTP module {still[0]} is still not excluded")
     quantized_but_excluded = [
         (f, m)
-        for f, ct, pats in exclusion_lists(config, hfq)
+        for f, ct, pats in lists
         for m, plain in modules.items()
         if not plain and not uncovered_modules([m], pats, ct)
     ]
     if quantized_but_excluded:
         f, m = quantized_but_excluded[0]
-        plan.warnings.append(
+        warnings.append(
             f"{f}: MTP module {m} is stored quantized but excluded; engines will fail to load it "
             "(exclusions are only ever added here, never removed)"
         )
-    if config != spec.config:
-        plan.config = config
-    if hfq is not None and hfq != hf_quant_config:
-        plan.hf_quant_config = hfq
-    return plan
+    return MetadataPlan(
+        config if config != spec.config else None,
+        hfq if hfq is not None and hfq != hf_quant_config else None,
+        tuple(changes),
+        tuple(warnings),
+    )
 
 
 def _listed(module: str, meta: QuantMetadata, packed: Mapping[str, tuple[str, ...]]) -> bool:

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
 from mtpquant.checkpoint.header import FLOAT_DTYPES
+from mtpquant.checkpoint.modules import linear_modules
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.checkpoint.writer import OutputDir, PlannedTensor
 from mtpquant.errors import IndivisibleDimensionError, MtpConfigError, MtpModeError, OutputVerificationError
@@ -219,7 +220,7 @@ class QuantizeMode(MtpMode):
     takes_format = True
 
     def check(self, ckpt: Checkpoint, fmt: str, targets: str = "all") -> ModeCheck:
-        from mtpquant.mtp.quantize import mtp_linear_modules, mtp_quantized_modules, per_expert_shapes
+        from mtpquant.mtp.quantize import mtp_quantized_modules, per_expert_shapes
 
         label = ckpt.label
         names = _check_mtp_complete(ckpt, "--mtp quantize")
@@ -237,7 +238,7 @@ class QuantizeMode(MtpMode):
                 "--mtp quantize needs a BF16/F16/F32 MTP"
             )
         shapes = per_expert_shapes({e.name: e.shape for e in ckpt.mtp_tensors()})
-        quantized = tuple(mtp_quantized_modules(mtp_linear_modules(shapes), ckpt.spec.family.mtp, targets))
+        quantized = tuple(mtp_quantized_modules(linear_modules(shapes), ckpt.spec.family.mtp, targets))
         if fmt == "nvfp4":
             for m in quantized:
                 in_dim = shapes[m + ".weight"][-1]

@@ -3,7 +3,9 @@ which MTP tensors are added or replaced, the new index (with the right ``total_s
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,26 +14,74 @@ from mtpquant.checkpoint.index import INDEX_NAME, SINGLE_NAME
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.surgery.metadata import MetadataPlan
 
-__all__ = ["Plan", "new_index", "plan_index_fix", "plan_shards", "strays", "total_size_fix", "weight_map_of"]
+__all__ = ["Plan", "new_index", "plan_change", "strays", "total_size_fix", "weight_map_of"]
 
 
-@dataclass
+@dataclass(frozen=True)
 class Plan:
-    """The whole change, decided from headers before anything is written."""
+    """The whole change, decided from headers before anything is written (``plan_change`` makes one)."""
 
     quant: Checkpoint
-    hfq: dict[str, Any] | None
-    weight_map: dict[str, str]  # QUANT's current map (implied for a single-file checkpoint)
-    link: list[str] = field(default_factory=list)  # shards kept as they are
-    rewrite: dict[str, list[str]] = field(default_factory=dict)  # shard -> tensors kept (MTP removed)
-    drop: list[str] = field(default_factory=list)  # shards holding only the MTP being replaced
-    add: list[str] = field(default_factory=list)  # MTP tensor names to write
-    removed: list[str] = field(default_factory=list)  # QUANT's MTP tensors being replaced
-    strays: list[str] = field(default_factory=list)  # unreferenced *.safetensors in QUANT
-    metadata: MetadataPlan = field(default_factory=MetadataPlan)
+    weight_map: Mapping[str, str]  # QUANT's current map (implied for a single-file checkpoint)
+    metadata: MetadataPlan  # the JSON changes, the index corrections' lines included
+    link: tuple[str, ...] = ()  # shards kept as they are
+    rewrite: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # shard -> tensors kept (MTP removed)
+    drop: tuple[str, ...] = ()  # shards holding only the MTP being replaced
+    add: tuple[str, ...] = ()  # MTP tensor names to write
+    removed: tuple[str, ...] = ()  # QUANT's MTP tensors being replaced
     mtp_layers: int = 0
     index_fix: str | None = None  # QUANT's index declares a wrong total_size: the change line that corrects it
-    lost: list[str] = field(default_factory=list)  # index entries of shards that do not exist (MTP only), dropped
+    lost: tuple[str, ...] = ()  # index entries of shards that do not exist (MTP only), dropped
+
+
+def plan_change(
+    quant: Checkpoint,
+    metadata: MetadataPlan,
+    *,
+    add: Iterable[str] = (),
+    removed: Iterable[str] = (),
+    mtp_layers: int = 0,
+) -> Plan:
+    """The change that writes ``add`` (new MTP tensors) in place of ``removed`` (QUANT's), with ``metadata``: which
+    shards are linked, rewritten without the removed tensors or dropped, and the index corrections (a wrong
+    ``total_size``; the entries of shards that do not exist), whose lines join the metadata's changes."""
+    weight_map = weight_map_of(quant)
+    gone = set(removed)
+    by_shard: dict[str, list[str]] = defaultdict(list)
+    for name, shard in weight_map.items():
+        by_shard[shard].append(name)
+    link, drop, rewrite = [], [], {}
+    for shard in sorted(by_shard):
+        names = by_shard[shard]
+        taken = [n for n in names if n in gone]
+        if not taken:
+            link.append(shard)
+        elif len(taken) == len(names):
+            drop.append(shard)
+        else:
+            rewrite[shard] = tuple(sorted(n for n in names if n not in gone))
+    index_fix = total_size_fix(quant)
+    changes = [index_fix] if index_fix is not None else []
+    lost: list[str] = []
+    for shard, names in quant.lost_tensors().items():
+        lost += names
+        changes.append(
+            f"{INDEX_NAME}: the {len(names)} entries of {shard!r} (a shard that does not exist) dropped; SRC's MTP "
+            "takes their place"
+        )
+    return Plan(
+        quant,
+        weight_map,
+        dataclasses.replace(metadata, changes=(*metadata.changes, *changes)),
+        tuple(link),
+        rewrite,
+        tuple(drop),
+        tuple(sorted(add)),
+        tuple(sorted(gone)),
+        mtp_layers,
+        index_fix,
+        tuple(lost),
+    )
 
 
 def weight_map_of(ckpt: Checkpoint) -> dict[str, str]:
@@ -54,26 +104,12 @@ def total_size_fix(ckpt: Checkpoint) -> str | None:
     return f"{INDEX_NAME}: metadata.total_size = {ckpt.total_bytes} (was {old!r})"
 
 
-def strays(ckpt: Checkpoint, weight_map: dict[str, str]) -> list[str]:
+def strays(ckpt: Checkpoint, weight_map: Mapping[str, str]) -> list[str]:
+    """Top-level ``*.safetensors`` files of ``ckpt`` its index does not reference."""
     referenced = set(weight_map.values())
     return sorted(
         f for f in ckpt.source.list_files() if f.endswith(".safetensors") and "/" not in f and f not in referenced
     )
-
-
-def plan_shards(plan: Plan, removed: set[str]) -> None:
-    by_shard: dict[str, list[str]] = defaultdict(list)
-    for name, shard in plan.weight_map.items():
-        by_shard[shard].append(name)
-    for shard in sorted(by_shard):
-        names = by_shard[shard]
-        gone = [n for n in names if n in removed]
-        if not gone:
-            plan.link.append(shard)
-        elif len(gone) == len(names):
-            plan.drop.append(shard)
-        else:
-            plan.rewrite[shard] = sorted(n for n in names if n not in removed)
 
 
 def new_index(plan: Plan, mtp_entries: dict[str, TensorEntry], new_shard_of: dict[str, str]) -> dict[str, Any]:
@@ -100,17 +136,3 @@ def new_index(plan: Plan, mtp_entries: dict[str, TensorEntry], new_shard_of: dic
         else:
             out[key] = index[key]
     return out
-
-
-def plan_index_fix(plan: Plan) -> None:
-    """Add the index corrections to the metadata changes: total_size (when QUANT's is wrong), and the entries of
-    shards that do not exist (an MTP lost with its shards) removed."""
-    plan.index_fix = total_size_fix(plan.quant)
-    if plan.index_fix is not None:
-        plan.metadata.changes.append(plan.index_fix)
-    for shard, names in plan.quant.lost_tensors().items():
-        plan.lost += names
-        plan.metadata.changes.append(
-            f"{INDEX_NAME}: the {len(names)} entries of {shard!r} (a shard that does not exist) dropped; SRC's MTP "
-            "takes their place"
-        )

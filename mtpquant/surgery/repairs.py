@@ -19,11 +19,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from mtpquant.checkpoint.header import FLOAT_DTYPES
-from mtpquant.checkpoint.modules import linear_modules
-from mtpquant.checkpoint.precision import module_precision, table_precision
+from mtpquant.checkpoint.precision import table_precision
 from mtpquant.engine.loading import FusedShardsError, engine_modules, mixed_algo, vllm_expectation
 from mtpquant.families import ModelSpec, is_mtp_name
-from mtpquant.formats.quant_config import HF_QUANT_CONFIG, read_quant_metadata, with_exclusions
+from mtpquant.formats.quant_config import HF_QUANT_CONFIG, QuantMetadata, read_quant_metadata, with_exclusions
 
 __all__ = ["repair_labels"]
 
@@ -89,15 +88,18 @@ def _rename_engine_indices(
 
 
 def _relabel_experts(
-    spec: ModelSpec, config: dict[str, Any], hfq: dict[str, Any] | None, tensors: Mapping[str, Any], changes: list[str]
+    spec: ModelSpec,
+    config: dict[str, Any],
+    hfq: dict[str, Any] | None,
+    precision: Mapping[str, str],
+    meta: QuantMetadata,
+    changes: list[str],
 ) -> None:
     layer_maps = _layer_maps(config, hfq)
-    meta = read_quant_metadata(config, hfq)
-    if not layer_maps or meta is None:
+    if not layer_maps:
         return
     rules = spec.family.engine
-    names = linear_modules({n: e for n, e in tensors.items() if is_mtp_name(n)})
-    precision = {m: module_precision(tensors, m) for m in names}
+    names = [m for m in precision if is_mtp_name(m)]
     for mod in engine_modules(names, rules):
         if mod.kind != "experts":
             continue
@@ -127,13 +129,18 @@ def _relabel_experts(
 
 
 def _exclude_tables(
-    spec: ModelSpec, config: dict[str, Any], hfq: dict[str, Any] | None, tensors: Mapping[str, Any], changes: list[str]
+    spec: ModelSpec,
+    config: dict[str, Any],
+    hfq: dict[str, Any] | None,
+    tensors: Mapping[str, Any],
+    precision: Mapping[str, str],
+    meta: QuantMetadata,
+    changes: list[str],
 ) -> tuple[dict[str, Any], dict[str, Any] | None]:
     rules = spec.family.engine
-    meta = read_quant_metadata(config, hfq)
-    if not rules.embedding_tables or meta is None or meta.algo.upper() == "MIXED_PRECISION":
+    if not rules.embedding_tables or meta.algo.upper() == "MIXED_PRECISION":
         return config, hfq
-    names = linear_modules({n: e for n, e in tensors.items() if not is_mtp_name(n)})
+    names = [m for m in precision if not is_mtp_name(m)]
     refused = [
         mod.prefix
         for mod in engine_modules(names, rules)
@@ -151,10 +158,28 @@ def _exclude_tables(
 
 
 def repair_labels(
-    spec: ModelSpec, config: dict[str, Any], hfq: dict[str, Any] | None, tensors: Mapping[str, Any], changes: list[str]
-) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """``config`` / ``hfq`` (edited copies) with the label repairs applied; one line per repair in ``changes``."""
+    spec: ModelSpec,
+    config: dict[str, Any],
+    hfq: dict[str, Any] | None,
+    tensors: Mapping[str, Any],
+    precision: Mapping[str, str],
+    changes: list[str],
+) -> tuple[dict[str, Any], dict[str, Any] | None, QuantMetadata | None]:
+    """``config`` / ``hfq`` (edited copies) with the label repairs applied, and the quantization they declare then
+    (None: none); one line per repair in ``changes``. ``precision``: every Linear of ``tensors`` -> its precision on
+    disk (``checkpoint.precision.linear_precisions``). The metadata is parsed once, and again only after a repair
+    changed it."""
     _relabel_aliases(spec, config, changes)
     _rename_engine_indices(spec, _layer_maps(config, hfq), tensors, changes)
-    _relabel_experts(spec, config, hfq, tensors, changes)
-    return _exclude_tables(spec, config, hfq, tensors, changes)
+    meta = read_quant_metadata(config, hfq)
+    if meta is None:
+        return config, hfq, None
+    before = len(changes)
+    _relabel_experts(spec, config, hfq, precision, meta, changes)
+    if len(changes) != before:
+        meta = read_quant_metadata(config, hfq)
+        assert meta is not None
+    new_config, new_hfq = _exclude_tables(spec, config, hfq, tensors, precision, meta, changes)
+    if new_config is not config or new_hfq is not hfq:
+        meta = read_quant_metadata(new_config, new_hfq)
+    return new_config, new_hfq, meta

@@ -1,7 +1,7 @@
 """Writing a changed quant the graft way: only the new bytes are written, everything else is linked, and the
 result is verified where it was built before it is put in place.
 
-``open_target`` takes the destination (``--out``: a new directory; ``--in-place``: QUANT itself, locked, its
+``open_destination`` takes the destination (``--out``: a new directory; ``--in-place``: QUANT itself, locked, its
 interrupted runs cleaned, snapshotted); ``build`` writes the new MTP shards first (into an empty directory, so
 nothing can be written through a link to QUANT), rewrites the shards that lose tensors, links or mirrors every other
 file, writes the small files (provenance, metadata, a rewritten recipe, index) and runs the verification; ``commit``
@@ -32,14 +32,14 @@ from mtpquant.records.validation import REPORT_DIR
 from mtpquant.surgery import inplace
 from mtpquant.surgery.plan import Plan, new_index, strays
 
-__all__ = ["NewMtp", "Target", "WriteLog", "build", "commit", "open_target"]
+__all__ = ["Built", "Destination", "NewMtp", "Verified", "WriteLog", "build", "commit", "open_destination"]
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class WriteLog:
-    """What ``open_target``, ``build`` and ``commit`` did: the part of graft's and heal's results they fill."""
+    """What writing the change did (``commit`` returns it): the part of graft's and heal's results about the write."""
 
     bytes_written: int = 0
     new_shards: list[str] = field(default_factory=list)
@@ -53,19 +53,27 @@ class WriteLog:
     commit: str | None = None  # "rename" (--out) | "exchange" | "files" (--in-place)
 
 
-@dataclass
-class Target:
-    """Where the result is built and how it is put in place."""
+@dataclass(frozen=True)
+class Verified:
+    """What a verification of the built result established: the checks it passed, and what it warns of."""
+
+    checks: tuple[str, ...]
+    warnings: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Destination:
+    """Where the result is built (``od``) and how it is put in place; ``open_destination`` makes one."""
 
     od: OutputDir
     mode: str  # "out" | "in-place"
     root: Path | None  # QUANT's directory for in-place
     commit: str  # "rename" | "exchange" | "files"
-    before: dict[str, tuple[int, int, int]] = field(default_factory=dict)
-    cleaned: list[str] = field(default_factory=list)  # what interrupted runs left and the opening removed
+    before: Mapping[str, tuple[int, int, int]] = field(default_factory=dict)
+    cleaned: tuple[str, ...] = ()  # what interrupted runs left and the opening removed
 
     @property
-    def destination(self) -> Path:
+    def path(self) -> Path:
         """The directory that holds the result once it is committed."""
         return self.root if self.root is not None else self.od.final
 
@@ -79,11 +87,23 @@ class NewMtp:
     write: Callable[[OutputDir], list[str]]
 
 
-def open_target(quant: Checkpoint, out: Path | None, *, replaces: bool) -> Target:
+@dataclass(frozen=True)
+class Built:
+    """What ``build`` wrote and checked in the destination's temporary directory; ``commit`` puts it in place."""
+
+    new_shards: tuple[str, ...]
+    rewritten: tuple[str, ...]
+    dropped: tuple[str, ...]
+    json_files: tuple[str, ...]  # the small files written (the in-place commit without an exchange needs them)
+    verified: Verified
+    warnings: tuple[str, ...]
+
+
+def open_destination(quant: Checkpoint, out: Path | None, *, replaces: bool) -> Destination:
     """The destination, opened: ``out`` (must not exist), else QUANT itself (``replaces``: the change drops or
     rewrites a shard, which in place needs an atomic directory exchange)."""
     if out is not None:
-        return Target(OutputDir(out), "out", None, "rename")
+        return Destination(OutputDir(out), "out", None, "rename")
     assert quant.source.local_root is not None  # --in-place was refused for a remote QUANT
     root = quant.source.local_root.resolve()
     if root.stat().st_dev != root.parent.stat().st_dev:
@@ -103,36 +123,37 @@ def open_target(quant: Checkpoint, out: Path | None, *, replaces: bool) -> Targe
             f"{root}: replacing an MTP in place needs a filesystem with atomic directory "
             "exchange (Linux renameat2); use --out"
         )
-    return Target(od, "in-place", root, mode, before, cleaned)
+    return Destination(od, "in-place", root, mode, before, tuple(cleaned))
 
 
 def build(
-    target: Target,
+    dest: Destination,
     plan: Plan,
     new_mtp: NewMtp | None,
     step: Step,
-    result: WriteLog,
-    verify: Callable[[Path], list[str]],
+    verify: Callable[[Path], Verified],
     *,
     link: bool = True,
     skip: frozenset[str] = frozenset(),
     texts: Mapping[str, str] | None = None,
-) -> list[str]:
-    """Build the changed quant in ``target``'s temporary directory and verify it; returns the small files written
-    (``commit`` needs them). ``step`` is added to QUANT's provenance; ``skip`` names files not carried over;
-    ``texts`` are files of QUANT written with new text (``relpath -> text``)."""
+) -> Built:
+    """Build the changed quant in ``dest``'s temporary directory and verify it. ``step`` is added to QUANT's
+    provenance; ``skip`` names files not carried over; ``texts`` are files of QUANT written with new text
+    (``relpath -> text``)."""
     texts = texts or {}
-    od, quant = target.od, plan.quant
-    plan.strays = strays(quant, plan.weight_map)  # after the clean-up of interrupted runs
+    od, quant = dest.od, plan.quant
+    stray = strays(quant, plan.weight_map)  # after the clean-up of interrupted runs
+    warnings: list[str] = []
+    new_shards: list[str] = []
     new_shard_of: dict[str, str] = {}
     mtp_entries: dict[str, TensorEntry] = {}
     # New bytes first, into an empty directory: nothing can be written through a link to QUANT.
     if plan.add and new_mtp is not None:
         if sorted(new_mtp.names) != sorted(plan.add):
             raise GraftError("internal: the new MTP holds other tensors than planned")
-        result.new_shards = new_mtp.write(od)
+        new_shards = new_mtp.write(od)
         headers = od.shard_headers()
-        for shard in result.new_shards:
+        for shard in new_shards:
             for name, entry in headers[shard].tensors.items():
                 new_shard_of[name] = shard
                 mtp_entries[name] = entry
@@ -142,37 +163,35 @@ def build(
         entries = [quant.tensors[n] for n in names]
         entries.sort(key=lambda e: e.start)
         od.write_shard(shard, [planned_copy(quant, e) for e in entries], quant.headers[shard].metadata or None)
-        result.rewritten.append(shard)
     rewrite_index = bool(plan.add or plan.removed or plan.index_fix or plan.lost)
     json_files = [*plan.metadata.changed_files, INDEX_NAME] if rewrite_index else list(plan.metadata.changed_files)
     json_files[:0] = [PROVENANCE_FILE, *sorted(texts)]  # this step added to what QUANT records; changed texts
-    written = set(result.new_shards) | set(plan.rewrite)
+    written = set(new_shards) | set(plan.rewrite)
     skipped = written | set(plan.drop) | set(json_files) | set(skip)
-    carried_strays = set(plan.strays) if target.mode == "in-place" else set()  # --out leaves strays behind
+    carried_strays = set(stray) if dest.mode == "in-place" else set()  # --out leaves strays behind
     clash = sorted(written & (set(plan.link) | carried_strays))
     if clash:
         raise GraftError(
             f"{quant.label}: already has a file named {clash[0]} that is not part of the MTP "
             "being replaced; rename or remove it"
         )
-    report = _stale_report(target, quant)
+    report = _stale_report(dest, quant)
     if report:
-        result.warnings.append(
+        warnings.append(
             f"{REPORT_DIR}/: {report}: its report measured QUANT before this {step.tool} (validate the result for a "
             "report on it)"
         )
-    if target.mode == "in-place":
-        assert target.root is not None
-        inplace.mirror_tree(od, target.root, skipped, link=link, prune=(REPORT_DIR,))
+    if dest.mode == "in-place":
+        assert dest.root is not None
+        inplace.mirror_tree(od, dest.root, skipped, link=link, prune=(REPORT_DIR,))
     else:
         for rel in quant.source.list_files():
-            if rel in skipped or rel in plan.strays or rel.startswith(f"{REPORT_DIR}/"):
+            if rel in skipped or rel in stray or rel.startswith(f"{REPORT_DIR}/"):
                 continue
             # resolve(): Linux link(2) would link a symlink itself (HF cache snapshots are relative
             # symlinks into blobs/), leaving a dangling link in OUT
             od.link_file(quant.source.local_path(rel).resolve(), rel, link=link)
-        for s in plan.strays:
-            result.warnings.append(f"{s}: not referenced by QUANT's index; not carried into OUT")
+        warnings += [f"{s}: not referenced by QUANT's index; not carried into OUT" for s in stray]
     if plan.metadata.hf_quant_config is not None:
         od.write_json(HF_QUANT_CONFIG, plan.metadata.hf_quant_config)
     if plan.metadata.config is not None:
@@ -182,38 +201,52 @@ def build(
         od.write_text(rel, text)
     if INDEX_NAME in json_files:
         od.write_json(INDEX_NAME, new_index(plan, mtp_entries, new_shard_of))
-    result.linked = sorted(od.linked)
-    result.copied = sorted(od.copied)
-    result.dropped = sorted(plan.drop)
-    result.verified_with = verify(od.path)
-    return json_files
+    verified = verify(od.path)
+    return Built(
+        tuple(new_shards), tuple(sorted(plan.rewrite)), tuple(sorted(plan.drop)), tuple(json_files), verified,
+        tuple(warnings),
+    )
 
 
-def _stale_report(target: Target, quant: Checkpoint) -> str:
+def _stale_report(dest: Destination, quant: Checkpoint) -> str:
     """What becomes of QUANT's validation report (``""``: it has none): left out of OUT, or removed in place."""
-    if target.mode == "in-place":
-        assert target.root is not None
-        return "removed" if (target.root / REPORT_DIR).is_dir() else ""
+    if dest.mode == "in-place":
+        assert dest.root is not None
+        return "removed" if (dest.root / REPORT_DIR).is_dir() else ""
     has = any(rel.startswith(f"{REPORT_DIR}/") for rel in quant.source.list_files())
     return "not carried over" if has else ""
 
 
-def commit(target: Target, result: WriteLog, json_files: list[str], *, what: str = "grafting") -> None:
-    """Put the verified result in place (``--out``: rename; ``--in-place``: exchange, or new files then JSON)."""
-    od = target.od
-    if target.mode == "out":
+def commit(dest: Destination, built: Built, *, what: str = "grafting") -> WriteLog:
+    """Put the verified result in place (``--out``: rename; ``--in-place``: exchange, or new files then JSON) and
+    say what the write did."""
+    od = dest.od
+    if dest.mode == "out":
         od.finalize(opened=True)  # the verification opened the finished directory strictly, just now
     else:
-        assert target.root is not None
-        if inplace.snapshot(target.root) != target.before:
-            raise GraftError(f"{target.root}: changed while {what}; nothing was changed, rerun it")
-        if target.commit == "exchange":
-            inplace.commit_exchange(od, target.root)
+        assert dest.root is not None
+        if inplace.snapshot(dest.root) != dest.before:
+            raise GraftError(f"{dest.root}: changed while {what}; nothing was changed, rerun it")
+        if dest.commit == "exchange":
+            inplace.commit_exchange(od, dest.root)
         else:
-            inplace.commit_files(od, target.root, sorted(result.new_shards), json_files)
+            inplace.commit_files(od, dest.root, sorted(built.new_shards), list(built.json_files))
             # the change is in place: QUANT's report now describes a checkpoint that is gone (the exchange left it
             # out of the mirror; without one it is removed after the commit, so a kill never loses a current one)
-            shutil.rmtree(target.root / REPORT_DIR, ignore_errors=True)
-    result.bytes_written = od.bytes_written
-    if result.copied:
-        result.warnings.append(f"hard links failed for {len(result.copied)} file(s); they were copied")
+            shutil.rmtree(dest.root / REPORT_DIR, ignore_errors=True)
+    copied = sorted(od.copied)
+    warnings = [*built.warnings, *built.verified.warnings]
+    if copied:
+        warnings.append(f"hard links failed for {len(copied)} file(s); they were copied")
+    return WriteLog(
+        bytes_written=od.bytes_written,
+        new_shards=list(built.new_shards),
+        linked=sorted(od.linked),
+        copied=copied,
+        rewritten=list(built.rewritten),
+        dropped=list(built.dropped),
+        cleaned=list(dest.cleaned),
+        warnings=warnings,
+        verified_with=list(built.verified.checks),
+        commit=dest.commit,
+    )

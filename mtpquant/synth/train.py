@@ -28,7 +28,6 @@ import contextlib
 import copy
 import functools
 import logging
-import math
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
@@ -44,6 +43,7 @@ from mtpquant.checkpoint.index import SINGLE_NAME
 from mtpquant.checkpoint.writer import OutputDir
 from mtpquant.families import MTP_PREFIX, family
 from mtpquant.mtp.module import MtpConfig, MtpLayer
+from mtpquant.mtp.schedule import warmup_cosine
 from mtpquant.synth.tiny import (
     TinySpec,
     _assign_shards,
@@ -122,13 +122,6 @@ class TrainResult:
     seconds: float
     cpu_seconds: float
     history: list[dict[str, float]]
-
-
-def _lr_at(step: int, spec: TrainSpec) -> float:
-    if step < spec.warmup_steps:
-        return spec.lr * (step + 1) / spec.warmup_steps
-    progress = (step - spec.warmup_steps) / max(1, spec.steps - spec.warmup_steps)
-    return spec.lr * (spec.min_lr_ratio + (1 - spec.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 def _token_stream(tok: Any, docs: Sequence[tuple[str, str]], eos: int) -> torch.Tensor:
@@ -279,7 +272,9 @@ def train_tiny_mtp(
         bar = tqdm(range(spec.steps), desc="train tiny MTP", unit="step")
         for step in bar:
             for group in opt.param_groups:
-                group["lr"] = _lr_at(step, spec)
+                group["lr"] = warmup_cosine(
+                    step, steps=spec.steps, peak=spec.lr, warmup=spec.warmup_steps, min_ratio=spec.min_lr_ratio
+                )
             main, aux, _ = _losses(model, mtp, _batch(train_stream, spec, gen), source)
             loss = main + spec.mtp_weight * aux
             opt.zero_grad(set_to_none=True)

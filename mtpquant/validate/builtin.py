@@ -35,11 +35,8 @@ from mtpquant.measure.hidden import load_hidden, save_hidden
 from mtpquant.measure.load import (
     CheckpointWeights,
     MtpBundle,
-    TargetModel,
-    compute_dtype,
     load_mtp,
     load_target,
-    resolve_device,
     text_model_class,
 )
 from mtpquant.measure.replay import (
@@ -53,6 +50,7 @@ from mtpquant.public import public_checkpoint, public_file
 from mtpquant.records.acceptance import Acceptance
 from mtpquant.records.sampling import SamplingSettings
 from mtpquant.records.validation import Comparison, MtpInfo, Side
+from mtpquant.runtime.machine import compute_dtype, resolve_device
 from mtpquant.text.prompts import (
     context_edges,
     plan_sequences,
@@ -66,21 +64,6 @@ from mtpquant.validate.preflight import Opened
 __all__ = ["validate_builtin"]
 
 log = logging.getLogger(__name__)
-
-
-def _tokenize(prompts: Sequence[str], weights: CheckpointWeights) -> list[list[int]]:
-    """Token ids of each prompt with the checkpoint's own tokenizer (``tokenizer.json``)."""
-    return tokenize_prompts(weights.ckpt.source, prompts, int(weights.shape(weights.embed_name())[0]))
-
-
-def _release(target: TargetModel) -> None:
-    """Free a target model's memory before the next one loads."""
-    import gc
-
-    target.model = None
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def _side(
@@ -153,8 +136,10 @@ def _targets(
         else:
             cand_src = f"hidden file {opts.hidden} ({runs[settings[0]]['cand'].source})" if pair else ""
         return runs, prompts_desc, ref_src, cand_src, notes, int(meta.get("max_len", opts.max_len))
+    vocab = int(ref_w.shape(ref_w.embed_name())[0])
     prompts, prompts_desc = prompts_for(opts.prompts_file, opts.num_prompts, opts.prompt_chars)
-    plan = plan_sequences(_tokenize(prompts, ref_w), opts.max_len, opts.context_buckets)
+    ids = tokenize_prompts(ref_w.ckpt.source, prompts, vocab)  # the checkpoint's own tokenizer
+    plan = plan_sequences(ids, opts.max_len, opts.context_buckets)
     if not plan:
         raise ValidateError(
             "no prompt is long enough"
@@ -167,7 +152,7 @@ def _targets(
         runs[s]["ref"] = capture(
             target, plan, label=label, progress=opts.progress, batch_size=opts.batch_size, sampling=s
         )
-    _release(target)
+    target.release()
     if cand_w is not None:
         target = load_target(cand_w, device=device, dtype=dtype, activations=opts.activations)
         for i, s in enumerate(settings):
@@ -181,7 +166,7 @@ def _targets(
                 batch_size=opts.batch_size,
                 sampling=s,
             )
-        _release(target)
+        target.release()
     if opts.save_hidden is not None:
         save_hidden(
             opts.save_hidden,
@@ -195,8 +180,8 @@ def validate_builtin(opts: ValidateOptions, opened: Opened) -> Measured:
     """The built-in path of ``validate``: replay on transformers with the checkpoints' own weights (``opened``:
     what ``preflight(opts)`` opened and checked)."""
     t_start = time.perf_counter()
-    device = resolve_device(opts.device)
-    dtype = compute_dtype(device, opts.dtype)
+    device = torch.device(resolve_device(opts.device))
+    dtype = getattr(torch, compute_dtype(device.type, opts.dtype))
     assert opened.reference is not None  # preflight: the built-in path needs a checkpoint
     K = max(opts.k_values)
     ref_w = CheckpointWeights(opened.reference)
@@ -302,6 +287,7 @@ def validate_builtin(opts: ValidateOptions, opened: Opened) -> Measured:
     timing["sequence_tokens"] = float(evaluated)
     work_s = timing["total_s"] - timing["imports_s"]
     timing["tokens_per_second"] = evaluated / work_s if work_s > 0 else 0.0
+    hidden_file = public_file(str(opts.hidden)) if opts.hidden else None
     how = report_settings(
         opts,
         k=K,
@@ -311,7 +297,7 @@ def validate_builtin(opts: ValidateOptions, opened: Opened) -> Measured:
         device=str(device),
         dtype=str(dtype).removeprefix("torch."),
         activations=opts.activations,
-        hidden_file=public_file(str(opts.hidden)) if opts.hidden else None,
+        hidden_file=hidden_file,
     )
     return Measured(
         settings=how,

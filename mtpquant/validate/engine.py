@@ -28,6 +28,7 @@ from collections.abc import Iterator, Sequence
 from itertools import groupby
 from pathlib import Path
 
+from mtpquant.checkpoint.source import open_source
 from mtpquant.engine.connect import client_for, connect
 from mtpquant.engine.http import engine_api_key
 from mtpquant.engine.launch import EngineProcess, free_port, sglang_args, vllm_args
@@ -81,15 +82,8 @@ class _Measured:
         return self.measurements[0]
 
 
-def _token_prompts(
-    opts: ValidateOptions, texts: Sequence[str], client: EngineServer | None, model: str | None
-) -> list[list[int]]:
-    """Token ids as the built-in path makes them: the local checkpoint's tokenizer, else the server's."""
-    if opts.reference is not None:
-        from mtpquant.checkpoint.source import open_source
-
-        return tokenize_prompts(open_source(opts.reference), texts)
-    assert client is not None and model is not None
+def _server_prompts(client: EngineServer, model: str, texts: Sequence[str]) -> list[list[int]]:
+    """Token ids of ``texts`` from the server's own tokenizer (no local checkpoint to tokenize with)."""
     try:
         ids = [client.tokenize(model, t) for t in texts]
     except EngineAnswerError as exc:
@@ -164,7 +158,7 @@ def _running(
     log.info("%s: %s serving %s", info.url, info.display, ", ".join(info.models))
     model = resolve_model(info, opts.served_model)
     if plan is None:
-        plan = _plan(opts, _token_prompts(opts, texts, server, model))
+        plan = _plan(opts, _server_prompts(server, model, texts))
     ms = _measure_all(opts, server, info, model, plan)
     args = server.server_args()
     engine_info = _engine_info(opts, info, model, ms, args, label, info.speculative, max(opts.k_values))
@@ -321,9 +315,9 @@ def _family(checkpoint: str | Path | None) -> str:
 def _device_is_cpu(opts: ValidateOptions) -> bool:
     if opts.device == "cpu":
         return True
-    from mtpquant.measure.weights import resolve_device
+    from mtpquant.runtime.machine import resolve_device
 
-    return resolve_device(opts.device).type == "cpu"
+    return resolve_device(opts.device) == "cpu"
 
 
 def _compare(
@@ -395,10 +389,13 @@ def validate_engine(opts: ValidateOptions, opened: Opened, logs: Path | None = N
     (``server_logs``)."""
     t_start = time.perf_counter()
     texts, prompts_desc = prompts_for(opts.prompts_file, opts.num_prompts, opts.prompt_chars)
+    plan: list[PlannedSequence] | None = None
+    if opts.reference is not None:  # the prompts as the built-in path makes them: the local checkpoint's tokenizer
+        source = opened.reference.source if opened.reference is not None else open_source(opts.reference)
+        plan = _plan(opts, tokenize_prompts(source, texts))
     notes = [ENGINE_NOTE]
     measured: dict[str, list[_Measured]] = {"reference": [], "candidate": []}
     checkpoints: dict[str, str] = {}
-    plan: list[PlannedSequence] | None = None
     if opts.server is not None:
         for label, url in (("reference", opts.server), ("candidate", opts.candidate_server)):
             if url is None:
@@ -407,8 +404,7 @@ def validate_engine(opts: ValidateOptions, opened: Opened, logs: Path | None = N
             measured[label].append(m)
             checkpoints[label] = str(opts.reference if label == "reference" and opts.reference else m.checkpoint)
     else:
-        assert opts.reference is not None
-        plan = _plan(opts, _token_prompts(opts, texts, None, None))
+        assert opts.reference is not None and plan is not None
         assert logs is not None, "--engine needs a directory for the servers' logs (server_logs)"
         cpu = _device_is_cpu(opts)
         if cpu and opts.engine == "vllm" and any(not x.greedy for x in opts.sampling_settings):

@@ -5,16 +5,21 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from itertools import pairwise
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal, get_args
+
+from annotated_types import Ge, Interval
 
 from mtpquant.errors import OutputExistsError, ValidateError
-from mtpquant.measure import ACTIVATION_MODES, HIDDEN_FORMAT
+from mtpquant.measure import HIDDEN_FORMAT, Activations
+from mtpquant.records.record import FLAG, Options
 from mtpquant.records.sampling import SamplingSettings, rule
+from mtpquant.runtime.machine import ComputeDtype
 
 __all__ = ["ENGINES", "ValidateOptions", "check_hidden_destination"]
 
-ENGINES = ("vllm", "sglang")
-
+Engine = Literal["vllm", "sglang"]
+ENGINES: tuple[str, ...] = get_args(Engine)
+Positive = Annotated[int, Ge(1)]
 
 
 
@@ -45,50 +50,51 @@ def check_hidden_destination(path: Path) -> None:
 
 
 @dataclass(frozen=True)
-class ValidateOptions:
-    """Everything ``mtpquant validate`` does, as one frozen object (the CLI fills it)."""
+class ValidateOptions(Options):
+    """Everything ``mtpquant validate`` does, as one frozen record (the CLI fills it; its defaults are these)."""
 
     reference: Path | str | None  # single mode: the checkpoint to evaluate (None: --server alone)
     candidate: Path | str | None = None
-    prompts_file: Path | None = None
-    num_prompts: int = 32
-    max_len: int = 128  # tokens per sequence: prompt (at most half) + greedy continuation
-    k: int = 3
-    batch_size: int = 16  # built-in path: prompts of one length generated together
+    prompts_file: Path | None = field(default=None, metadata={FLAG: "--prompts"})
+    num_prompts: Positive = 32
+    max_len: Annotated[int, Ge(4)] = 128  # tokens per sequence: prompt (at most half) + greedy continuation
+    k: int = 3  # k = 1..k (``ks``: the listed values instead)
+    batch_size: Positive = 16  # built-in path: prompts of one length generated together
     report_dir: Path | None = None
-    device: str = "auto"
-    dtype: str | None = None  # float32 on CPU, bfloat16 on CUDA unless given
-    activations: str = "off"  # off | emulate (W4A4: quantize Linear inputs with input_scale)
+    device: str = "auto"  # cpu | cuda | cuda:N | auto (runtime.machine.resolve_device)
+    dtype: ComputeDtype | None = None  # float32 on CPU, bfloat16 on CUDA unless given
+    activations: Activations = "off"  # emulate: W4A4, Linear inputs quantized with input_scale
     save_hidden: Path | None = None
     hidden: Path | None = None
-    warn_al_drop: float = 0.1
-    broken_al: float = 1.02  # AL below this at k=1 means the MTP is broken (~0 % acceptance)
-    min_main_agreement: float = 0.5  # pair: candidate main-model top-1 agreement below this means a broken candidate
-    confidence: float = 0.95  # two-sided level of the bootstrap intervals the verdict decides on
+    warn_al_drop: Annotated[float, Ge(0)] = 0.1
+    broken_al: float = field(default=1.02, metadata={FLAG: None})  # AL below this at k=1: the MTP is broken
+    # pair: candidate main-model top-1 agreement below this means a broken candidate
+    min_main_agreement: Annotated[float, Interval(ge=0, le=1)] = 0.5
+    confidence: Annotated[float, Interval(ge=0.5, lt=1)] = 0.95  # two-sided level of the bootstrap intervals
     # ---- sampling: how the target samples and how drafts are verified (``mtpquant.records.sampling``) -----------
-    temperatures: tuple[float, ...] = (0.0,)  # each one measured; the first is the headline (comparisons, verdict)
+    temperatures: tuple[float, ...] = field(default=(0.0,), metadata={FLAG: "--temperature"})  # the first: headline
     top_p: tuple[float, ...] = (1.0,)  # one value for every temperature, or one per temperature
     top_k: tuple[int, ...] = (0,)  # the same
     rule: str = "vllm"  # vllm | probabilistic | strict
     seed: int = 0  # prompt i samples with seed + i (built-in generators and the engine's per-request seed)
     context_buckets: tuple[int, ...] = ()  # upper ends of context-length buckets the prompts are planned to fill
-    progress: bool = True
+    progress: bool = field(default=True, metadata={FLAG: None})
     # ---- the engine path: a running server, or one mtpquant starts ------------------------------------------
-    ks: tuple[int, ...] | None = None  # explicit k values (--k 1,3); None: 1..k
+    ks: tuple[int, ...] | None = field(default=None, metadata={FLAG: "--k"})  # explicit k values (--k 1,3)
     server: str | None = None  # URL of a running vLLM or SGLang server (the reference, or the one checkpoint)
     api_key_file: Path | None = None  # the servers' key (else MTPQUANT_ENGINE_API_KEY); never stored
     candidate_server: str | None = None
     served_model: str | None = None  # the model name to ask the server(s) for (default: the only one served)
-    engine: str | None = None  # "vllm" | "sglang": start the engine for REFERENCE [and CANDIDATE]
+    engine: Engine | None = None  # start the engine for REFERENCE [and CANDIDATE]
     vllm_python: Path | None = None  # the python of the vLLM environment
     sglang_python: Path | None = None  # the python of the SGLang environment
-    tensor_parallel_size: int = 1
-    engine_args: tuple[str, ...] = ()
+    tensor_parallel_size: Positive = 1
+    engine_args: tuple[str, ...] = field(default=(), metadata={FLAG: "--engine-arg"})
     compare_reference: bool = False  # also run the built-in prediction and put both side by side
-    concurrency: int = 1  # requests in flight at once; counters are read between groups (each group one unit)
+    concurrency: Positive = 1  # requests in flight at once; counters are read between groups (each group one unit)
     startup_timeout: float = 900.0
-    request_timeout: float = 600.0
-    env: dict[str, str] = field(default_factory=dict)  # extra environment for the servers mtpquant starts
+    request_timeout: float = field(default=600.0, metadata={FLAG: None})
+    env: dict[str, str] = field(default_factory=dict, metadata={FLAG: None})  # more environment for started servers
 
     @property
     def k_values(self) -> tuple[int, ...]:
@@ -131,24 +137,11 @@ class ValidateOptions:
         """Reject impossible settings with one-line errors."""
         if self.k < 1 or any(k < 1 for k in self.ks or ()):
             raise ValidateError(f"--k must be >= 1, got {','.join(map(str, self.ks or (self.k,)))}")
-        if self.max_len < 4:
-            raise ValidateError(f"--max-len must be >= 4, got {self.max_len}")
-        if self.num_prompts < 1:
-            raise ValidateError(f"--num-prompts must be >= 1, got {self.num_prompts}")
-        if self.batch_size < 1:
-            raise ValidateError(f"--batch-size must be >= 1, got {self.batch_size}")
-        if self.activations not in ACTIVATION_MODES:
-            raise ValidateError(f"--activations must be one of {', '.join(ACTIVATION_MODES)}")
+        self.check_fields(ValidateError)
         if self.hidden is not None and self.save_hidden is not None:
             raise ValidateError("--hidden and --save-hidden exclude each other")
         if self.save_hidden is not None:
             check_hidden_destination(Path(self.save_hidden))
-        if self.warn_al_drop < 0:
-            raise ValidateError("--warn-al-drop must be >= 0")
-        if not 0 <= self.min_main_agreement <= 1:
-            raise ValidateError(f"--min-main-agreement must be in [0, 1], got {self.min_main_agreement}")
-        if not 0.5 <= self.confidence < 1:
-            raise ValidateError(f"--confidence must be in [0.5, 1), got {self.confidence}")
         if not self.temperatures:
             raise ValidateError("--temperature needs at least one value")
         try:
@@ -172,8 +165,6 @@ class ValidateOptions:
         if self.candidate_server is not None and self.server is None:
             raise ValidateError("--candidate-server needs --server (the reference server)")
         if self.engine is not None:
-            if self.engine not in ENGINES:
-                raise ValidateError(f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
             name = "SGLang" if self.engine == "sglang" else "vLLM"
             if self.engine_python is None:
                 raise ValidateError(
@@ -192,7 +183,3 @@ class ValidateOptions:
             raise ValidateError(
                 f"--context-buckets must ascend from at least 2, got {' '.join(map(str, buckets))}"
             )
-        if self.concurrency < 1:
-            raise ValidateError(f"--concurrency must be >= 1, got {self.concurrency}")
-        if self.tensor_parallel_size < 1:
-            raise ValidateError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")

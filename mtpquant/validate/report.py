@@ -20,7 +20,7 @@ import io
 import logging
 import os
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -63,9 +63,9 @@ def _signed(interval: Interval | None) -> str:
     return interval.text(signed=True) if interval is not None else "n/a"
 
 
-def _ks(report: Report) -> str:
+def _ks(report: Report, shown: Sequence[tuple[str, Side]]) -> str:
     """``1..3`` when every k up to K was measured, else the k values (an engine measures its own k)."""
-    ks = sorted({row.k for _, side in sides(report) if side.acceptance for row in side.acceptance.by_k})
+    ks = sorted({row.k for _, side in shown if side.acceptance for row in side.acceptance.by_k})
     if not ks or ks == list(range(1, ks[-1] + 1)):
         return f"1..{ks[-1] if ks else report.settings.k}"
     return ", ".join(map(str, ks))
@@ -86,7 +86,8 @@ def _mtp_precision(side: Side, report: Report) -> str:
 
 def _requests(sampling: Mapping[str, Any]) -> str:
     """An engine entry's request settings as prose: ``T=0 (seed 0), rule vllm, ignore_eos on, 1 at a time``."""
-    settings = [SamplingSettings.from_json(x) for x in sampling.get("settings") or () if isinstance(x, Mapping)]
+    given = [x for x in sampling.get("settings") or () if isinstance(x, Mapping)]
+    settings = [SamplingSettings.from_json(x, "sampling") for x in given]
     parts = ["; ".join(f"{x.label} (seed {x.seed})" for x in settings)] if settings else []
     if "rule" in sampling:
         parts.append(f"rule {sampling['rule']}")
@@ -97,8 +98,8 @@ def _requests(sampling: Mapping[str, Any]) -> str:
     return ", ".join(parts) or "the engine's defaults"
 
 
-def render_markdown(report: Report, plots: dict[str, str]) -> str:
-    """report.md: verdict, tables, comparison, plots and notes."""
+def render_markdown(report: Report, plots: dict[str, str], shown: Sequence[tuple[str, Side]]) -> str:
+    """report.md: verdict, tables, comparison, plots and notes (``shown``: the report's ``sides``)."""
     v = report.verdict
     s = report.settings
     out = [f"# MTP validation: {v.status.upper()}" + (" (the candidate is broken)" if v.broken else ""), ""]
@@ -126,11 +127,11 @@ def render_markdown(report: Report, plots: dict[str, str]) -> str:
             )
     out += [
         "",
-        f"Mode: {report.mode}; k = {_ks(report)}; {_count(s.num_prompts, 'sequence')} of {s.max_len} tokens; "
+        f"Mode: {report.mode}; k = {_ks(report, shown)}; {_count(s.num_prompts, 'sequence')} of {s.max_len} tokens; "
         f"prompts: {s.prompts}; device {s.device} ({s.dtype}); activations {s.activations}.",
         "",
     ]
-    for label, side in sides(report):
+    for label, side in shown:
         out += [f"## {label.capitalize()}: `{side.checkpoint}`", ""]
         out.append(f"Family {side.family}; target from {side.target_source}; MTP {_mtp_precision(side, report)}.")
         out.append("")
@@ -145,7 +146,7 @@ def render_markdown(report: Report, plots: dict[str, str]) -> str:
         ]
         if agreement:
             out += [f"Teacher-forced MTP agreement with the target: {', '.join(agreement)}.", ""]
-    out += ["## Acceptance", "", acceptance_table(report, markdown=True), ""]
+    out += ["## Acceptance", "", acceptance_table(report, shown, markdown=True), ""]
     cmp = report.comparison
     if cmp is not None and (cmp.mtp is not None or cmp.main is not None):
         out += [
@@ -232,7 +233,7 @@ def _png(fig: Any) -> bytes:
         plt.close(fig)
 
 
-def _acceptance_plot(report: Report) -> Any:
+def _acceptance_plot(report: Report, shown: Sequence[tuple[str, Side]]) -> Any:
     """Per-position acceptance at each series' largest k (bars) and AL per k with its bootstrap interval (error
     bars), one series per side and sampling setting, each named by both."""
     import matplotlib
@@ -242,7 +243,7 @@ def _acceptance_plot(report: Report) -> Any:
 
     series = [
         (f"{label} ({acc.sampling.label})", acc)
-        for label, side in sides(report)
+        for label, side in shown
         if side.acceptance
         for acc in side.acceptance_by_sampling or (side.acceptance,)
     ]
@@ -280,25 +281,25 @@ def _acceptance_plot(report: Report) -> Any:
     return fig
 
 
-def _context_plot(report: Report) -> Any:
+def _context_plot(report: Report, shown: Sequence[tuple[str, Side]]) -> Any:
     """Per-position acceptance at k = K by context-length bucket, one line per side and position."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    shown = [(label, side) for label, side in sides(report) if side.acceptance and side.acceptance.by_k[-1].by_context]
-    if not shown:
+    bucketed = [(label, side) for label, side in shown if side.acceptance and side.acceptance.by_k[-1].by_context]
+    if not bucketed:
         return None
     fig, ax = plt.subplots(figsize=(6.5, 3.4))
-    for (label, side), style in zip(shown, ("-", "--")):
+    for (label, side), style in zip(bucketed, ("-", "--")):
         assert side.acceptance is not None
         row = side.acceptance.by_k[-1]
         xs = [f"{b.low}-{b.high}" for b in row.by_context]
         for i in range(row.k):
             ys = [100 * b.acceptance_per_position[i] if b.steps else float("nan") for b in row.by_context]
             ax.plot(xs, ys, style, marker="o", label=f"{label}, position {i + 1}")
-    sampling = shown[0][1].acceptance.sampling.label if shown[0][1].acceptance else ""
+    sampling = bucketed[0][1].acceptance.sampling.label if bucketed[0][1].acceptance else ""
     title = f"per-position acceptance by context (k={report.settings.k}, {sampling})"
     ax.set(xlabel="context length (tokens)", ylabel="acceptance (%)", title=title, ylim=(0, 100))
     ax.legend(fontsize=7)
@@ -382,25 +383,23 @@ def write_report(report: ValidationReport, directory: Path | str, *, logs: Path 
     from mtpquant.checkpoint.writer import OutputDir
 
     directory = Path(directory)
+    data = report.report
+    shown = sides(data)
+    # each a matplotlib Figure, or None: nothing to plot
+    figures = {"acceptance": _acceptance_plot(data, shown), "context": _context_plot(data, shown),
+               "kl": _kl_plot(report)}
+    plots = {name: f"{name}.png" for name in PLOTS if figures[name] is not None}
+    files = {f"{name}.png": _png(figures[name]) for name in plots}
+    markdown = render_markdown(data, plots, shown)
+    profile = speculation_profile(data)
+    documents = {REPORT_FILE: report.to_json(), **({PROFILE_FILE: profile} if profile is not None else {})}
+    public = {name: public_json(document) for name, document in documents.items()}
+    files |= {name: json_bytes(document) for name, document in public.items()}
+    files[MARKDOWN_FILE] = public_text(markdown).encode("utf-8")
     with OutputDir(directory, overwrite=True, replace_check=check_replaceable_report) as od:
         od.doing = "writing the validation report"
-        plots: dict[str, str] = {}
-        makers: dict[str, Callable[[], Any]] = {  # each a matplotlib Figure, or None: nothing to plot
-            "acceptance": lambda: _acceptance_plot(report.report),
-            "context": lambda: _context_plot(report.report),
-            "kl": lambda: _kl_plot(report),
-        }
-        for name in PLOTS:
-            make = makers[name]
-            fig = make()
-            if fig is not None:
-                od.write_bytes(f"{name}.png", _png(fig))
-                plots[name] = f"{name}.png"
-        od.write_bytes(REPORT_FILE, json_bytes(public_json(report.to_json())))
-        profile = speculation_profile(report.report)
-        if profile is not None:
-            od.write_bytes(PROFILE_FILE, json_bytes(public_json(profile)))
-        od.write_text(MARKDOWN_FILE, public_text(render_markdown(report.report, plots)))
+        for name, content in files.items():
+            od.write_bytes(name, content)
         for server_log in sorted(logs.iterdir()) if logs is not None else ():
             od.link_file(server_log, f"{LOGS_DIR}/{server_log.name}")
         od.finalize(checkpoint=False)

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from mtpquant.convert.run import ConvertOptions, convert
-from mtpquant.heal.options import HealOptions
+from mtpquant.heal.options import HealOptions, HealSizes
 from mtpquant.heal.run import HealResult, heal
 from mtpquant.synth.train import TINY_MTP_ASSET
 
@@ -28,12 +28,9 @@ CALIB = {"calib_samples": 16, "calib_seq_len": 128}
 # A schedule that runs in seconds: for the mechanics, not for gains.
 SMALL: dict[str, Any] = {
     "samples": 8,
-    "prompt_len": 16,
-    "new_tokens": 16,
     "steps": 3,
-    "batch_size": 4,
     "check_prompts": 6,
-    "check_len": 32,
+    "sizes": HealSizes(prompt_len=16, new_tokens=16, batch_size=4, check_len=32),
     "device": "cpu",
     "progress": False,
 }

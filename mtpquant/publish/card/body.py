@@ -238,7 +238,7 @@ def _validation_lines(facts: CardFacts) -> list[str]:
         if side is not None and side.mtp.error:
             lines += [f"MTP of {label} not evaluated: {_md_escape(public_text(side.mtp.error))}.", ""]
     if any(side.acceptance for _, side in sides(rep)):
-        lines += [acceptance_table(rep, markdown=True, names=_CARD_NAMES), ""]
+        lines += [acceptance_table(rep, sides(rep), markdown=True, names=_CARD_NAMES), ""]
     sub_tf = sub.acceptance.teacher_forced_agreement if sub.acceptance else None
     ref_tf = ref.acceptance.teacher_forced_agreement if ref is not None and ref.acceptance else None
     extra = []
