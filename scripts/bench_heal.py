@@ -67,7 +67,9 @@ print(json.dumps({
 _SOURCE_AL = """
 import json, sys, torch
 from mtpquant.heal.check import held_out_run
-from mtpquant.measure.load import CheckpointWeights, load_mtp, load_target
+from mtpquant.measure.drafter import load_mtp
+from mtpquant.measure.target import load_target
+from mtpquant.measure.weights import CheckpointWeights
 from mtpquant.measure.replay import evaluate_acceptance
 src, n, max_len, k = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 w = CheckpointWeights.open(src)

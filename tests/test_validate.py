@@ -27,10 +27,11 @@ from mtpquant.formats.nvfp4 import (
     quantize_nvfp4,
     to_compressed_tensors,
 )
-from mtpquant.measure.capture import capture
-from mtpquant.measure.load import CheckpointWeights, MtpBundle, load_mtp, load_target
+from mtpquant.measure.drafter import MtpBundle, load_mtp
 from mtpquant.measure.metrics import StepRecord, acceptance_stats
 from mtpquant.measure.replay import SequenceRecord, TargetRun, evaluate_acceptance, replay_greedy
+from mtpquant.measure.target import capture, load_target
+from mtpquant.measure.weights import CheckpointWeights
 from mtpquant.mtp.drafting import draft_chain
 from mtpquant.mtp.module import KVCache, MtpConfig, MtpLayer
 from mtpquant.public import public_checkpoint

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from mtpquant.errors import OutputVerificationError
-from mtpquant.measure.load import load_mtp
+from mtpquant.measure.drafter import load_mtp
 from mtpquant.measure.replay import TargetRun, evaluate_acceptance
 from mtpquant.records.evidence import CONFIDENCE, UnitCounts, better_beyond_noise
 
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from torch import Tensor
 
     from mtpquant.checkpoint.source import CheckpointSource
-    from mtpquant.measure.load import TargetModel
+    from mtpquant.measure.target import TargetModel
     from mtpquant.measure.weights import CheckpointWeights
 
 __all__ = ["CONFIDENCE", "AlChange", "CheckResult", "check", "check_prompts", "compare", "held_out_run"]
@@ -77,7 +77,7 @@ def held_out_run(
 ) -> TargetRun:
     """The target's greedy continuations of ``prompts`` held-out prompts (tokenized with ``source``'s tokenizer, of
     ``vocab`` entries) to ``seq_len`` tokens: the check's sequences."""
-    from mtpquant.measure.capture import capture
+    from mtpquant.measure.target import capture
     from mtpquant.text.prompts import plan_sequences, tokenize_prompts
 
     texts = check_prompts(prompts)

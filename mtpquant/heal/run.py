@@ -141,7 +141,7 @@ def _heal(
     from mtpquant.heal.data import training_data
     from mtpquant.heal.train import train
     from mtpquant.heal.write import record_step, write_healed
-    from mtpquant.measure.load import load_target
+    from mtpquant.measure.target import load_target
     from mtpquant.measure.weights import CheckpointWeights
     from mtpquant.runtime.machine import resolve_device
     from mtpquant.surgery.write import commit

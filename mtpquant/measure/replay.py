@@ -1,6 +1,6 @@
 """Greedy speculative decoding replayed exactly as the engines run it, and comparisons on identical inputs.
 
-A target's greedy sequences (``TargetRun``) come from ``capture.capture`` or a hidden-state file
+A target's greedy sequences (``TargetRun``) come from ``target.capture`` or a hidden-state file
 (``hidden``). On them the MTP layer drafts with its own KV cache, chaining for k > 1
 (``mtpquant.mtp.drafting.draft_rows``: the engines' chain from every row, batched over rows), and greedy
 verification accepts the longest matching prefix plus one target token (``replay_greedy``). ``compare_mtp`` /
@@ -18,7 +18,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from mtpquant.errors import ReplayError
-from mtpquant.measure.load import MtpBundle
+from mtpquant.measure.drafter import MtpBundle
 from mtpquant.measure.metrics import (
     StepRecord,
     acceptance_stats,

@@ -34,6 +34,8 @@ __all__ = [
     "UnitCounts",
     "better_beyond_noise",
     "decide",
+    "split_change",
+    "units_to_decide",
     "units_to_settle",
 ]
 
@@ -246,6 +248,32 @@ def units_to_settle(interval: Interval, boundary: float) -> int | None:
     if factor > _SETTLE_CAP:
         return None
     return max(MIN_UNITS, math.ceil(n * factor))
+
+
+def split_change(
+    reference: UnitCounts, candidate: UnitCounts, cross: UnitCounts | None, boundary: float, *, level: float
+) -> tuple[Interval, Interval | None, Interval | None, str]:
+    """The AL change from ``reference`` to ``candidate`` on the same units, paired, split into the MTP's part (to
+    ``cross``: the candidate MTP on the reference target) and the target's part (from ``cross``), with the change's
+    ``decide`` against ``boundary``. ``cross`` on other units is left out (parts None)."""
+    plan = Bootstrap(reference.units, level=level)
+    change = plan.al_change(reference, candidate)
+    mtp = target = None
+    if cross is not None and cross.units == reference.units:
+        mtp, target = plan.al_change(reference, cross), plan.al_change(cross, candidate)
+    return change, mtp, target, decide(change, boundary)
+
+
+def units_to_decide(changes: Sequence[Interval], boundary: float) -> int | None:
+    """About how many units would turn undecided changes into a decision, if their estimates hold: the fewest that
+    settle one change below ``boundary`` (one below decides), else the most that settle every change above it (above
+    needs all of them); None when no practical number does (``units_to_settle``)."""
+    below = [units_to_settle(c, boundary) for c in changes if c.estimate < boundary]
+    if below:
+        known = [n for n in below if n is not None]
+        return min(known) if known else None
+    above = [units_to_settle(c, boundary) for c in changes]
+    return None if any(n is None for n in above) else max(n for n in above if n is not None)
 
 
 def better_beyond_noise(

@@ -30,15 +30,8 @@ from typing import Any
 import torch
 
 from mtpquant.errors import ValidateError
-from mtpquant.measure.capture import capture
+from mtpquant.measure.drafter import MtpBundle, load_mtp
 from mtpquant.measure.hidden import load_hidden, save_hidden
-from mtpquant.measure.load import (
-    CheckpointWeights,
-    MtpBundle,
-    load_mtp,
-    load_target,
-    text_model_class,
-)
 from mtpquant.measure.replay import (
     AcceptanceResult,
     TargetRun,
@@ -46,6 +39,8 @@ from mtpquant.measure.replay import (
     compare_mtp,
     evaluate_acceptance,
 )
+from mtpquant.measure.target import capture, load_target, text_model_class
+from mtpquant.measure.weights import CheckpointWeights
 from mtpquant.public import public_checkpoint, public_file
 from mtpquant.records.acceptance import Acceptance
 from mtpquant.records.sampling import SamplingSettings
@@ -54,7 +49,6 @@ from mtpquant.runtime.machine import compute_dtype, resolve_device
 from mtpquant.text.prompts import (
     context_edges,
     plan_sequences,
-    prompts_for,
     tokenize_prompts,
 )
 from mtpquant.validate.assemble import Measured, report_settings
@@ -101,7 +95,12 @@ Runs = dict[SamplingSettings, dict[str, TargetRun]]  # per sampling setting: "re
 
 
 def _targets(
-    opts: ValidateOptions, ref_w: CheckpointWeights, cand_w: CheckpointWeights | None, device: Any, dtype: Any
+    opts: ValidateOptions,
+    prompts: tuple[list[str], str] | None,
+    ref_w: CheckpointWeights,
+    cand_w: CheckpointWeights | None,
+    device: Any,
+    dtype: Any,
 ) -> tuple[Runs, str, str, str, list[str], int]:
     """The target runs for every sampling setting (from a hidden-state file or the target models, each loaded once):
     runs, prompts, ref and cand sources, notes, and the ``max_len`` they were made with (a hidden file's own)."""
@@ -137,8 +136,9 @@ def _targets(
             cand_src = f"hidden file {opts.hidden} ({runs[settings[0]]['cand'].source})" if pair else ""
         return runs, prompts_desc, ref_src, cand_src, notes, int(meta.get("max_len", opts.max_len))
     vocab = int(ref_w.shape(ref_w.embed_name())[0])
-    prompts, prompts_desc = prompts_for(opts.prompts_file, opts.num_prompts, opts.prompt_chars)
-    ids = tokenize_prompts(ref_w.ckpt.source, prompts, vocab)  # the checkpoint's own tokenizer
+    assert prompts is not None  # preflight read them (no --hidden file)
+    texts, prompts_desc = prompts
+    ids = tokenize_prompts(ref_w.ckpt.source, texts, vocab)  # the checkpoint's own tokenizer
     plan = plan_sequences(ids, opts.max_len, opts.context_buckets)
     if not plan:
         raise ValidateError(
@@ -202,7 +202,9 @@ def validate_builtin(opts: ValidateOptions, opened: Opened) -> Measured:
 
     # 1. target runs: from a hidden-state file or from the target models.
     t0 = time.perf_counter()
-    runs, prompts_desc, ref_src, cand_src, target_notes, max_len = _targets(opts, ref_w, cand_w, device, dtype)
+    runs, prompts_desc, ref_src, cand_src, target_notes, max_len = _targets(
+        opts, opened.prompts, ref_w, cand_w, device, dtype
+    )
     notes += target_notes
     timing["targets_s"] = time.perf_counter() - t0
 

@@ -29,6 +29,7 @@ from itertools import groupby
 from pathlib import Path
 
 from mtpquant.checkpoint.source import open_source
+from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.engine.connect import client_for, connect
 from mtpquant.engine.http import engine_api_key
 from mtpquant.engine.launch import EngineProcess, free_port, sglang_args, vllm_args
@@ -40,7 +41,7 @@ from mtpquant.records.acceptance import Acceptance, AcceptanceRow, ContextBucket
 from mtpquant.records.evidence import Bootstrap
 from mtpquant.records.sampling import rule
 from mtpquant.records.validation import Comparison, EngineInfo, MtpInfo, Predicted, PredictedRow, Side
-from mtpquant.text.prompts import PlannedSequence, plan_sequences, prompts_for, tokenize_prompts
+from mtpquant.text.prompts import PlannedSequence, plan_sequences, tokenize_prompts
 from mtpquant.validate.assemble import Measured, report_settings
 from mtpquant.validate.measure import EngineMeasurement, measure
 from mtpquant.validate.options import ValidateOptions
@@ -177,22 +178,20 @@ def _draft_notes(info: ServerInfo, model: str) -> tuple[str, ...]:
 def _started(
     opts: ValidateOptions,
     checkpoint: str,
+    ckpt: Checkpoint,
     label: str,
     k: int,
     plan: list[PlannedSequence],
     logs: Path,
     machine: Machine,
 ) -> _Measured:
-    """Start the engine for ``checkpoint`` with ``k`` MTP drafts (and the rule), its memory sized for validate,
-    measure every sampling setting, stop."""
+    """Start the engine for ``checkpoint`` (``ckpt``: its header table, as preflight opened it) with ``k`` MTP drafts
+    (and the rule), its memory sized for validate, measure every sampling setting, stop."""
     import os
-
-    from mtpquant.checkpoint.table import Checkpoint
 
     engine = opts.engine
     python = opts.engine_python
     assert engine is not None and python is not None
-    ckpt = Checkpoint.open(checkpoint)
     cpu = machine.device == "cpu"
     memory = plan_engine_memory(
         engine,
@@ -301,12 +300,12 @@ def _side(
     )
 
 
-def _family(checkpoint: str | Path | None) -> str:
+def _family(checkpoint: str | Path | None, opened: Checkpoint | None) -> str:
+    if opened is not None:
+        return opened.spec.family.key
     if checkpoint is None:
         return ""
     try:
-        from mtpquant.checkpoint.table import Checkpoint
-
         return Checkpoint.open(checkpoint, strict=False).spec.family.key
     except Exception:  # a remote name, an unreadable path: the family is only a label here
         return ""
@@ -388,7 +387,8 @@ def validate_engine(opts: ValidateOptions, opened: Opened, logs: Path | None = N
     ``preflight(opts)`` opened and checked); the servers ``--engine`` starts write their logs into ``logs``
     (``server_logs``)."""
     t_start = time.perf_counter()
-    texts, prompts_desc = prompts_for(opts.prompts_file, opts.num_prompts, opts.prompt_chars)
+    assert opened.prompts is not None, "the engine path measures prompts, not a hidden-state file"
+    texts, prompts_desc = opened.prompts
     plan: list[PlannedSequence] | None = None
     if opts.reference is not None:  # the prompts as the built-in path makes them: the local checkpoint's tokenizer
         source = opened.reference.source if opened.reference is not None else open_source(opts.reference)
@@ -410,12 +410,16 @@ def validate_engine(opts: ValidateOptions, opened: Opened, logs: Path | None = N
         if cpu and opts.engine == "vllm" and any(not x.greedy for x in opts.sampling_settings):
             notes.append(CPU_SAMPLING_NOTE)
         machine = probe_machine(cpu)
-        for label, ckpt in (("reference", opts.reference), ("candidate", opts.candidate)):
-            if ckpt is None:
+        for label, name, opened_ckpt in (
+            ("reference", opts.reference, opened.reference),
+            ("candidate", opts.candidate, opened.candidate),
+        ):
+            if name is None:
                 continue
-            checkpoints[label] = str(ckpt)
+            assert opened_ckpt is not None  # preflight opens what --engine serves
+            checkpoints[label] = str(name)
             for k in opts.k_values:
-                measured[label].append(_started(opts, str(ckpt), label, k, plan, logs, machine))
+                measured[label].append(_started(opts, str(name), opened_ckpt, label, k, plan, logs, machine))
     assert plan is not None
     if measured["candidate"] and opts.server is not None:
         ref_k, cand_k = (measured[side][0].engine.k for side in ("reference", "candidate"))
@@ -436,12 +440,14 @@ def validate_engine(opts: ValidateOptions, opened: Opened, logs: Path | None = N
                 f"{m.engine.other_requests} other request(s) finished on {m.engine.url} during the measurement "
                 f"(k={m.engine.k}); {counted}"
             )
-    reference = _side(opts, checkpoints["reference"], _family(opts.reference), measured["reference"], plan)
+    ref_family = _family(opts.reference, opened.reference)
+    reference = _side(opts, checkpoints["reference"], ref_family, measured["reference"], plan)
     candidate = None
     comparison = None
     extra: list[tuple[str, Acceptance, Acceptance, Acceptance | None]] = []
     if measured["candidate"]:
-        candidate = _side(opts, checkpoints["candidate"], _family(opts.candidate), measured["candidate"], plan)
+        cand_family = _family(opts.candidate, opened.candidate)
+        candidate = _side(opts, checkpoints["candidate"], cand_family, measured["candidate"], plan)
         extra = [
             (r.sampling.label, r, c, None)
             for r, c in list(zip(reference.acceptance_by_sampling, candidate.acceptance_by_sampling))[1:]

@@ -80,10 +80,12 @@ def check_context_buckets(checkpoint: Checkpoint, buckets: tuple[int, ...]) -> N
 
 @dataclass(frozen=True)
 class Opened:
-    """The checkpoints ``preflight`` opened (header tables only), for the path that measures them."""
+    """What ``preflight`` read, for the path that measures: the checkpoints (header tables only) and the prompts with
+    how the report describes them (None with ``--hidden``: the prompts are the file's)."""
 
     reference: Checkpoint | None = None
     candidate: Checkpoint | None = None
+    prompts: tuple[list[str], str] | None = None
 
 
 def preflight(opts: ValidateOptions) -> Opened:
@@ -91,8 +93,7 @@ def preflight(opts: ValidateOptions) -> Opened:
     reads the checkpoints (the built-in path, ``--engine``), REFERENCE and CANDIDATE opened, the same model, and the
     context buckets within the model's. A running server's checkpoint (``--server``) is the server's to read."""
     opts.check()
-    if opts.prompts_file is not None and opts.hidden is None:
-        prompts_for(opts.prompts_file, opts.num_prompts)
+    prompts = prompts_for(opts.prompts_file, opts.num_prompts, opts.prompt_chars) if opts.hidden is None else None
     if opts.report_dir is not None:
         from mtpquant.validate.report import check_replaceable_report
 
@@ -103,10 +104,10 @@ def preflight(opts: ValidateOptions) -> Opened:
     if opts.hidden is not None and not Path(opts.hidden).is_file():
         raise ValidateError(f"--hidden {opts.hidden}: no such file")
     if opts.reference is None or opts.server is not None:
-        return Opened()
+        return Opened(prompts=prompts)
     reference = Checkpoint.open(opts.reference, name_errors=True)
     candidate = Checkpoint.open(opts.candidate, name_errors=True) if opts.candidate is not None else None
     if candidate is not None:
         check_same_model(reference, candidate)
     check_context_buckets(reference, opts.context_buckets)
-    return Opened(reference, candidate)
+    return Opened(reference, candidate, prompts)

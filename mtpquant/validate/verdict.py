@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from mtpquant.records.acceptance import Acceptance, AcceptanceRow
-from mtpquant.records.evidence import Bootstrap, Interval, UnitCounts, decide, units_to_settle
+from mtpquant.records.evidence import Interval, UnitCounts, split_change, units_to_decide
 from mtpquant.records.validation import ChangeEvidence, Comparison, Side, Verdict
 from mtpquant.validate.options import ValidateOptions
 
@@ -59,16 +59,12 @@ def change_evidence(
         if k not in ref_al:
             continue
         if k in ref_u and k in cand_u and ref_u[k].units == cand_u[k].units:
-            plan = Bootstrap(ref_u[k].units, level=level)
-            change = plan.al_change(ref_u[k], cand_u[k])
-            mtp = target = None
-            if k in cross_u and cross_u[k].units == ref_u[k].units:
-                mtp = plan.al_change(ref_u[k], cross_u[k])
-                target = plan.al_change(cross_u[k], cand_u[k])
+            change, mtp, target, side = split_change(ref_u[k], cand_u[k], cross_u.get(k), -threshold, level=level)
         else:  # no per-prompt counts (an older report): a point estimate, which decides nothing
             delta = row.mean_acceptance_length - ref_al[k]
             change, mtp, target = Interval(delta, float("nan"), float("nan"), level, 0), None, None
-        decision = {"above": "within", "below": "drop"}.get(decide(change, -threshold), "inconclusive")
+            side = "inconclusive"
+        decision = {"above": "within", "below": "drop"}.get(side, "inconclusive")
         out.append(ChangeEvidence(k, change, mtp, target, decision, label))
     return tuple(out)
 
@@ -194,7 +190,7 @@ def verdict(
             evidence=tuple(evidence),
         )
     if unsure:
-        needed = _prompts_to_settle(unsure, tau)
+        needed = units_to_decide([e.change for e in unsure], -tau)
         settle = (
             f"about {needed} prompts would settle it"
             if needed is not None
@@ -219,18 +215,6 @@ def verdict(
         ],
         evidence=tuple(evidence),
     )
-
-
-def _prompts_to_settle(unsure: Sequence[ChangeEvidence], tau: float) -> int | None:
-    """About how many prompts would turn the undecided changes into a verdict, if their estimates hold: the
-    fewest that settle one change below the threshold (that alone makes a ``warn``), else the most that settle
-    every change above it (a ``pass`` needs all of them); None when no practical number does."""
-    below = [units_to_settle(e.change, -tau) for e in unsure if e.change.estimate < -tau]
-    if below:
-        known = [n for n in below if n is not None]
-        return min(known) if known else None
-    above = [units_to_settle(e.change, -tau) for e in unsure]
-    return None if any(n is None for n in above) else max(n for n in above if n is not None)
 
 
 def _units_text(evidence: Sequence[ChangeEvidence]) -> str:

@@ -1,14 +1,14 @@
-"""Load a checkpoint's MTP layer and its target (main) model for evaluation, from ``weights.CheckpointWeights``.
-
-Activation emulation (``activations="emulate"``, the fake-quantizers of ``emulate.py``) is installed on both models'
-quantized Linears.
+"""The target (main) model for evaluation: loaded from ``weights.CheckpointWeights`` (``load_target``) and run over
+planned sequences (``capture``: its continuations, greedy or sampled, and its hidden states, computed once and
+measured against as many MTPs as needed: validate's sides, heal's before and after).
 
 The target model is the family's transformers text class (``Qwen3_5ForCausalLM``, ...) built on the meta
 device and filled tensor by tensor with the dequantized state dict (the wrapper prefix ``model.language_model.``
 mapped to ``model.``; per-expert tensors re-fused into transformers' 3-D ``experts.gate_up_proj`` /
 ``experts.down_proj``), then placed by an accelerate ``device_map``: ``{"": "cpu"}`` on CPU,
 ``infer_auto_device_map`` over the GPUs (and CPU offload) otherwise. The same code path serves every device.
-Only this module (of ``validate``) imports transformers.
+Activation emulation (``activations="emulate"``, the fake-quantizers of ``emulate.py``) is installed on its
+quantized Linears. Only this module and ``drafter`` (of ``measure``) import transformers' model code.
 """
 
 from __future__ import annotations
@@ -17,116 +17,31 @@ import copy
 import logging
 import re
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, cast
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
+from tqdm.auto import tqdm
 
 from mtpquant.checkpoint.sharded import sharded_tables
 from mtpquant.errors import ValidateLoadError
-from mtpquant.families import FUSED_EXPERT_PIECES, MTP_PREFIX, TensorClass, is_mtp_name, mtp_config
+from mtpquant.families import FUSED_EXPERT_PIECES, TensorClass
 from mtpquant.hfconfig import transformers_config
-from mtpquant.measure import ACTIVATION_MODES
 from mtpquant.measure.emulate import activation_quantizer, emulate_fused_experts, pre_hook, shared_quantizer
+from mtpquant.measure.replay import SequenceRecord, TargetRun
 from mtpquant.measure.rules import target_probs
 from mtpquant.measure.weights import (
     CheckpointWeights,
     LinearFormat,
 )
-from mtpquant.mtp.build import reference_mtp
-from mtpquant.mtp.module import MtpLayoutError
-from mtpquant.mtp.step import MtpForward
 from mtpquant.records.sampling import SamplingSettings
+from mtpquant.text.prompts import PlannedSequence
 
-__all__ = [
-    "ACTIVATION_MODES",
-    "CheckpointWeights",
-    "LinearFormat",
-    "MtpBundle",
-    "TargetModel",
-    "load_mtp",
-    "load_target",
-    "text_model_class",
-]
+__all__ = ["TargetModel", "capture", "load_target", "text_model_class"]
 
 log = logging.getLogger(__name__)
 
-
-# ---- MTP ------------------------------------------------------------------------------------------
-@dataclass
-class MtpBundle:
-    """A checkpoint's MTP layer with the embeddings and head it shares with its target."""
-
-    layer: MtpForward
-    embed_weight: Tensor
-    lm_head_weight: Tensor
-    precision: dict[str, int]
-    emulated: list[str] = field(default_factory=list)
-
-    def embed(self, tokens: Tensor) -> Tensor:
-        """``embed_tokens(tokens)`` with the target's table."""
-        return nn.functional.embedding(tokens.to(self.embed_weight.device), self.embed_weight)
-
-
-def load_mtp(
-    weights: CheckpointWeights,
-    *,
-    dtype: torch.dtype = torch.float32,
-    device: torch.device | str = "cpu",
-    activations: str = "off",
-    shared: tuple[Tensor, Tensor] | None = None,
-) -> tuple[MtpBundle | None, str | None]:
-    """The MTP layer of a checkpoint, or ``(None, reason)`` when it is missing or malformed.
-
-    ``shared``: the target's embedding and LM head, already in memory (not read again: heal compares two MTP layers
-    of one target).
-    """
-    if activations not in ACTIVATION_MODES:
-        raise ValueError(f"activations must be one of {ACTIVATION_MODES}, got {activations!r}")
-    names = weights.names(TensorClass.MTP)
-    declared = weights.spec.mtp.declared
-    if not names:
-        reason = (
-            f"MTP declared ({weights.spec.mtp.describe()}) but no mtp.* tensors are present"
-            if declared
-            else "the checkpoint has no MTP layer (no mtp.* tensors, none declared)"
-        )
-        return None, reason
-    try:
-        mtp_config(weights.ckpt.config)
-    except ValueError as exc:
-        return None, f"MTP config: {exc}"
-    emulate = activations == "emulate"
-    tensors = {n: weights.tensor(n, dtype, fold_pre_quant=not emulate) for n in names}
-    try:
-        layer = reference_mtp(weights.ckpt.config, tensors, dtype=dtype, device=device)
-    except MtpLayoutError as exc:
-        return None, str(exc)
-    emulated: list[str] = []
-    if emulate:
-        modules = dict(cast(nn.Module, layer).named_modules())
-        for module, fmt in weights.formats.items():
-            if not is_mtp_name(module):
-                continue
-            quantize = activation_quantizer(fmt, weights.pre_quant_scale(module))
-            if quantize is not None:
-                modules[module.removeprefix(MTP_PREFIX)].register_forward_pre_hook(pre_hook(quantize))
-                emulated.append(module)
-    if shared is None:
-        shared = weights.embedding_and_head(dtype, device)
-    bundle = MtpBundle(
-        layer=layer,
-        embed_weight=shared[0],
-        lm_head_weight=shared[1],
-        precision=weights.precision_summary().get(TensorClass.MTP, {}),
-        emulated=emulated,
-    )
-    return bundle, None
-
-
-# ---- target model ---------------------------------------------------------------------------------
 _PER_EXPERT_PROJS = {p for pieces in FUSED_EXPERT_PIECES.values() for p in pieces}
 _EXPERT_RE = re.compile(
     r"^(?P<stem>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>" + "|".join(sorted(_PER_EXPERT_PROJS)) + r")\.weight$"
@@ -473,3 +388,63 @@ def _install_target_emulation(model: nn.Module, weights: CheckpointWeights) -> l
             emulate_fused_experts(modules[stem], q_in, q_mid)
             emulated.append(stem)
     return emulated
+
+
+def _batches(lengths: Sequence[Hashable], batch_size: int) -> list[list[int]]:
+    """Indices of equal ``lengths`` in chunks of at most ``batch_size``, in first-seen order (no padding: every
+    row of a batch has the inputs it would have alone)."""
+    groups: dict[Hashable, list[int]] = {}
+    for i, n in enumerate(lengths):
+        groups.setdefault(n, []).append(i)
+    return [g[j : j + batch_size] for g in groups.values() for j in range(0, len(g), batch_size)]
+
+
+def capture(
+    target: TargetModel,
+    plan: Sequence[PlannedSequence],
+    *,
+    label: str,
+    reference: TargetRun | None = None,
+    progress: bool = True,
+    batch_size: int = 16,
+    sampling: SamplingSettings | None = None,
+) -> TargetRun:
+    """Continuations (greedy, or sampled with ``sampling``) and hidden states for each planned sequence (and over
+    ``reference``'s sequences).
+
+    Sequences of the same prompt and continuation lengths are generated together, ``batch_size`` at a time (nothing
+    is padded or masked). The tokens are those of one prompt at a time (a sampled prompt draws from its own
+    generator, seeded by ``sampling.for_prompt(i)``); the hidden states are bit-identical on CPU for the dense
+    family and within float rounding for MoE experts, whose GEMMs see more rows when batched
+    (tests/test_validate.py); on GPU batched GEMMs may round differently too.
+    """
+    shapes = [(len(s.prompt), s.new_tokens) for s in plan]
+    records: list[SequenceRecord | None] = [None] * len(plan)
+    with tqdm(total=len(plan), desc=f"target {label}", unit="prompt", disable=not progress) as bar:
+        for batch in _batches(shapes, batch_size):
+            new = plan[batch[0]].new_tokens
+            prompt = torch.tensor([list(plan[i].prompt) for i in batch], dtype=torch.long)
+            generators = (
+                [torch.Generator().manual_seed(sampling.for_prompt(i).seed) for i in batch]
+                if sampling is not None and not sampling.greedy
+                else []
+            )
+            tokens = target.generate(prompt, new, sampling, generators).cpu()
+            head, mtp_input = target.hidden_states(tokens)
+            for row, i in enumerate(batch):
+                extra = None if mtp_input is None else mtp_input[row].cpu().clone()
+                records[i] = SequenceRecord(tokens[row].clone(), len(plan[i].prompt), head[row].cpu().clone(), extra)
+            bar.update(len(batch))
+    seqs = [r for r in records if r is not None]
+    on_ref = None
+    if reference is not None:
+        ref_seqs = reference.sequences
+        hidden_on_ref: list[torch.Tensor | None] = [None] * len(ref_seqs)
+        with tqdm(total=len(ref_seqs), desc=f"target {label} on reference", disable=not progress) as bar:
+            for batch in _batches([len(s.tokens) for s in ref_seqs], batch_size):
+                hidden = target.hidden(torch.stack([ref_seqs[i].tokens for i in batch])).cpu()
+                for row, i in enumerate(batch):
+                    hidden_on_ref[i] = hidden[row].clone()
+                bar.update(len(batch))
+        on_ref = [h for h in hidden_on_ref if h is not None]
+    return TargetRun(label, seqs, on_ref, sampling or SamplingSettings())
