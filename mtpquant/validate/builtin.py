@@ -211,8 +211,6 @@ def validate_builtin(opts: ValidateOptions, opened: Opened) -> Measured:
     # 2. MTP layers and acceptance, per sampling setting (the first is the headline: comparisons and verdict).
     t0 = time.perf_counter()
     settings = opts.sampling_settings
-    ref_head = ref_w.tensor(ref_w.lm_head_name(), dtype)
-    ref_mtp, ref_err = load_mtp(ref_w, dtype=dtype, device=device, activations=opts.activations)
 
     def evaluate(bundle: MtpBundle, run: TargetRun, head: torch.Tensor, label: str) -> AcceptanceResult:
         s = run.sampling
@@ -228,8 +226,18 @@ def validate_builtin(opts: ValidateOptions, opened: Opened) -> Measured:
             context_edges=context_edges(max_len, opts.context_buckets),
         )
 
-    ref_accs = [evaluate(ref_mtp, runs[s]["ref"], ref_head, "reference") for s in settings] if ref_mtp else []
-    reference = _side(ref_w, ref_mtp, ref_err, runs[settings[0]]["ref"], ref_accs, ref_src, opts.confidence)
+    def measure_side(
+        w: CheckpointWeights, key: str, label: str, src: str, ref_head: torch.Tensor | None
+    ) -> tuple[MtpBundle | None, torch.Tensor, list[AcceptanceResult], Side]:
+        """One side's MTP loaded and measured at every setting, verified by its own target's head (the reference's
+        where its runs are the reference's: a hidden-state file of the reference target only)."""
+        head = w.tensor(w.lm_head_name(), dtype)
+        mtp, err = load_mtp(w, dtype=dtype, device=device, activations=opts.activations)
+        verify = {s: ref_head if ref_head is not None and runs[s][key] is runs[s]["ref"] else head for s in settings}
+        accs = [evaluate(mtp, runs[s][key], verify[s], label) for s in settings] if mtp else []
+        return mtp, head, accs, _side(w, mtp, err, runs[settings[0]][key], accs, src, opts.confidence)
+
+    ref_mtp, ref_head, ref_accs, reference = measure_side(ref_w, "ref", "reference", ref_src, None)
     candidate: Side | None = None
     comparison: Comparison | None = None
     extra: list[tuple[str, Acceptance, Acceptance, Acceptance | None]] = []
@@ -237,14 +245,7 @@ def validate_builtin(opts: ValidateOptions, opened: Opened) -> Measured:
     if cand_w is not None:
         headline = runs[settings[0]]
         cand_run = headline["cand"]
-        cand_head = cand_w.tensor(cand_w.lm_head_name(), dtype)
-        cand_mtp, cand_err = load_mtp(cand_w, dtype=dtype, device=device, activations=opts.activations)
-        # the candidate's own target verifies its drafts (its own head), unless the runs are the reference's
-        heads = {s: ref_head if runs[s]["cand"] is runs[s]["ref"] else cand_head for s in settings}
-        cand_accs = (
-            [evaluate(cand_mtp, runs[s]["cand"], heads[s], "candidate") for s in settings] if cand_mtp else []
-        )
-        candidate = _side(cand_w, cand_mtp, cand_err, cand_run, cand_accs, cand_src, opts.confidence)
+        cand_mtp, cand_head, cand_accs, candidate = measure_side(cand_w, "cand", "candidate", cand_src, ref_head)
         parts: dict[str, Any] = {}
         if ref_mtp is not None and cand_mtp is not None and ref_accs and cand_accs:
             mtp_cmp = compare_mtp(ref_mtp, cand_mtp, headline["ref"])

@@ -28,7 +28,6 @@ from collections.abc import Iterator, Sequence
 from itertools import groupby
 from pathlib import Path
 
-from mtpquant.checkpoint.source import open_source
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.engine.connect import client_for, connect
 from mtpquant.engine.http import engine_api_key
@@ -390,9 +389,8 @@ def validate_engine(opts: ValidateOptions, opened: Opened, logs: Path | None = N
     assert opened.prompts is not None, "the engine path measures prompts, not a hidden-state file"
     texts, prompts_desc = opened.prompts
     plan: list[PlannedSequence] | None = None
-    if opts.reference is not None:  # the prompts as the built-in path makes them: the local checkpoint's tokenizer
-        source = opened.reference.source if opened.reference is not None else open_source(opts.reference)
-        plan = _plan(opts, tokenize_prompts(source, texts))
+    if opened.tokenizer is not None:  # the prompts as the built-in path makes them: the local checkpoint's tokenizer
+        plan = _plan(opts, tokenize_prompts(opened.tokenizer, texts))
     notes = [ENGINE_NOTE]
     measured: dict[str, list[_Measured]] = {"reference": [], "candidate": []}
     checkpoints: dict[str, str] = {}

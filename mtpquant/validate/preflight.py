@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from mtpquant.checkpoint.source import CheckpointSource, read_text
+from mtpquant.checkpoint.source import CheckpointSource, open_source, read_text
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.errors import LineageError, ValidateError
 from mtpquant.families import dimension_differences
@@ -86,6 +86,8 @@ class Opened:
     reference: Checkpoint | None = None
     candidate: Checkpoint | None = None
     prompts: tuple[list[str], str] | None = None
+    # whose tokenizer turns the prompts into tokens: REFERENCE's (with --server, REFERENCE names what it serves)
+    tokenizer: CheckpointSource | None = None
 
 
 def preflight(opts: ValidateOptions) -> Opened:
@@ -104,10 +106,11 @@ def preflight(opts: ValidateOptions) -> Opened:
     if opts.hidden is not None and not Path(opts.hidden).is_file():
         raise ValidateError(f"--hidden {opts.hidden}: no such file")
     if opts.reference is None or opts.server is not None:
-        return Opened(prompts=prompts)
+        tokenizer = open_source(opts.reference) if opts.reference is not None else None
+        return Opened(prompts=prompts, tokenizer=tokenizer)
     reference = Checkpoint.open(opts.reference, name_errors=True)
     candidate = Checkpoint.open(opts.candidate, name_errors=True) if opts.candidate is not None else None
     if candidate is not None:
         check_same_model(reference, candidate)
     check_context_buckets(reference, opts.context_buckets)
-    return Opened(reference, candidate, prompts)
+    return Opened(reference, candidate, prompts, reference.source)
