@@ -27,7 +27,7 @@ from mtpquant.checkpoint.header import (
 from mtpquant.checkpoint.index import INDEX_NAME, SINGLE_NAME, Problem, check_shard_name, parse_index, validate_index
 from mtpquant.checkpoint.source import CheckpointSource, open_source, read_json
 from mtpquant.errors import CheckpointError, ConfigError, MtpquantError
-from mtpquant.families import ModelSpec, is_mtp_name, resolve, tensor_classifier
+from mtpquant.families import ModelSpec, resolve, tensor_classifier
 from mtpquant.formats.quant_config import HF_QUANT_CONFIG, QuantMetadata, read_quant_metadata
 
 if TYPE_CHECKING:
@@ -178,27 +178,34 @@ class Checkpoint:
 
     def by_class(self) -> dict[str, list[TensorEntry]]:
         """Tensors grouped by class, each group sorted by name."""
-        classify = tensor_classifier(self.main_prefix or self.spec.main_prefix, self.spec.family.has_vision)
+        classify = tensor_classifier(
+            self.main_prefix or self.spec.main_prefix, self.spec.family.has_vision, self.spec.mtp_names
+        )
         groups: dict[str, list[TensorEntry]] = defaultdict(list)
         tensors = self.tensors
         for name in sorted(tensors):
             groups[classify(name)].append(tensors[name])
         return dict(groups)
 
+    def is_mtp(self, name: str) -> bool:
+        """Whether a tensor or module name belongs to the MTP, by the family's storage (``ModelSpec.is_mtp``)."""
+        return self.spec.is_mtp(name)
+
     @property
     def mtp_only(self) -> bool:
-        """An MTP sidecar: every tensor is ``mtp.*`` (``convert --mtp extract``'s MTP directory, say)."""
+        """An MTP sidecar: every tensor is an MTP tensor (``convert --mtp extract``'s MTP directory, say)."""
         return bool(self.tensors) and len(self._mtp()) == len(self.tensors)
 
     def _mtp(self) -> list[str]:
-        # classify() answers MTP exactly for the names is_mtp_name() accepts (its first test): filter with that,
+        # classify() answers MTP exactly for the names the family's test accepts (its first test): filter with that,
         # then sort the few MTP names only, not the whole table; once (the table does not change after open)
         if self._mtp_names is None:
-            self._mtp_names = sorted(n for n in self.tensors if is_mtp_name(n))
+            is_mtp = self.spec.mtp_names.is_mtp
+            self._mtp_names = sorted(n for n in self.tensors if is_mtp(n))
         return self._mtp_names
 
     def mtp_tensors(self) -> list[TensorEntry]:
-        """Every ``mtp.*`` tensor present, sorted by name."""
+        """Every MTP tensor present (the family's storage: ``mtp.*``, appended layers, ...), sorted by name."""
         return [self.tensors[n] for n in self._mtp()]
 
     def lost_tensors(self) -> dict[str, list[str]]:
@@ -214,7 +221,7 @@ class Checkpoint:
 
     @property
     def only_mtp_lost(self) -> bool:
-        """The index's fatal defects are all shards that do not exist and that held only ``mtp.*`` tensors (an MTP
+        """The index's fatal defects are all shards that do not exist and that held only MTP tensors (an MTP
         shard deleted, or never downloaded): the rest of the checkpoint is whole, and ``graft --from SRC`` puts the
         MTP back."""
         fatal = [p for p in self.problems if p.fatal]
@@ -222,7 +229,7 @@ class Checkpoint:
         return (
             bool(fatal)
             and all(p.code == "missing_shard" for p in fatal)
-            and all(is_mtp_name(n) for names in lost.values() for n in names)
+            and all(self.spec.is_mtp(n) for names in lost.values() for n in names)
         )
 
     def amended(

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from mtpquant.checkpoint.header import TensorEntry, tensor_nbytes
 from mtpquant.checkpoint.table import Checkpoint
-from mtpquant.families import ModelSpec, is_mtp_name, mtp_layer_count
+from mtpquant.families import ModelSpec
 from mtpquant.surgery.metadata import plan_metadata
 
 __all__ = ["fix_commands"]
@@ -54,11 +54,11 @@ def fix_commands(ckpt: Checkpoint, clean: Callable[[Checkpoint], bool]) -> list[
     fatal = any(p.fatal for p in ckpt.problems)
     present = [e.name for e in ckpt.mtp_tensors()]
     if present and not fatal:
-        layers = mtp_layer_count(present) or ckpt.spec.mtp.layers
+        layers = ckpt.spec.mtp_depth(present) or ckpt.spec.mtp.layers
         if clean(_after(ckpt, ckpt.tensors, layers, lost_dropped=False)):
             return [f"mtpquant graft {label} --fix-metadata --out {name}-fixed"]
     if ckpt.spec.mtp.declared and (not fatal or ckpt.only_mtp_lost):
-        table = {n: e for n, e in ckpt.tensors.items() if not is_mtp_name(n)}
+        table = {n: e for n, e in ckpt.tensors.items() if not ckpt.is_mtp(n)}
         table.update(_src_mtp(ckpt.spec))
         if clean(_after(ckpt, table, ckpt.spec.mtp.layers, lost_dropped=True)):
             # an MTP already there (part of one, or one that differs) is replaced only when asked to

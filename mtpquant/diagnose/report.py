@@ -39,7 +39,6 @@ from mtpquant.engine.verdicts import (
     sglang_mismatch,
 )
 from mtpquant.errors import ExitCode
-from mtpquant.families import is_mtp_name
 from mtpquant.formats.quant_config import QuantMetadata
 
 __all__ = [
@@ -186,7 +185,8 @@ class InspectReport:
 
 
 def _engine_view(ckpt: Checkpoint, meta: QuantMetadata | None) -> tuple[QuantMetadata | None, int]:
-    """The MTP's quantization metadata as the engine reads it (Qwen4-Exp: mtp.layers.i renamed in every list)."""
+    """The MTP's quantization metadata as the engine reads it (Qwen4-Exp: mtp.layers.i renamed in every list), and
+    the trunk's layer count the engine's MTP names count from."""
     layout = ckpt.spec.family.mtp
     if meta is None or not layout.engine_layer_offset:
         return meta, 0
@@ -220,7 +220,7 @@ def _module_reports(
     if precision is None:
         precision = {m: module_precision(ckpt.tensors, m) for m in names}
     family = ckpt.spec.family
-    mtp_meta, layers = _engine_view(ckpt, meta)
+    mtp_meta, _ = _engine_view(ckpt, meta)
     reports: list[ModuleReport] = []
     findings: list[Finding] = []
     for mod in engine_modules(names, family.engine):
@@ -229,8 +229,8 @@ def _module_reports(
             precision.update(dict.fromkeys(mod.members, disk))
         precs = {precision[m] for m in mod.members}
         disk = precs.pop() if len(precs) == 1 else "mixed"
-        mtp = is_mtp_name(mod.prefix)
-        engine_prefix = family.mtp.engine_name(mod.prefix, layers) if mtp else mod.prefix
+        mtp = ckpt.is_mtp(mod.prefix)
+        engine_prefix = ckpt.spec.engine_mtp_name(mod.prefix) if mtp else mod.prefix
         try:
             e = vllm_expectation(mod, mtp_meta if mtp else meta, family.engine, engine_prefix)
         except FusedShardsError as exc:
@@ -411,7 +411,9 @@ def _inspect(ckpt: Checkpoint, t0: float) -> InspectReport:
     warnings += [Finding("note", p.message) for p in ckpt.problems if not p.fatal]
     label = ckpt.label
     sglang_mixed = sglang_keeps_quantized_mtp(ckpt, meta)
-    verdicts, serve, notes = engine_verdicts(report, label, meta, ckpt.spec.family.engine, sglang_mixed)
+    verdicts, serve, notes = engine_verdicts(
+        report, label, meta, ckpt.spec.family.engine, sglang_mixed, ckpt.spec.mtp_names.is_mtp
+    )
     sglang_problem = sglang_mismatch(ckpt, meta) if sglang_mixed and meta is not None else None
     if sglang_problem is not None:
         verdicts["sglang"] = f"SGLang will fail to load: {sglang_problem}"

@@ -31,12 +31,12 @@ from __future__ import annotations
 import bisect
 import functools
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from fnmatch import translate
 from typing import Any
 
-from mtpquant.families import EngineRules, family, is_mtp_name, matches
+from mtpquant.families import QWEN_MTP_NAMES, EngineRules, family, matches
 from mtpquant.formats.quant_config import QuantMetadata
 
 __all__ = [
@@ -474,27 +474,36 @@ def engine_modules(linear_names: Sequence[str], rules: EngineRules = _QWEN3) -> 
     return [EngineModule(prefix, tuple(names), kinds[prefix]) for prefix, names in members.items()]
 
 
-def sglang_mtp_build(meta: QuantMetadata | None) -> tuple[bool, str]:
-    """Whether SGLang builds the MTP with the checkpoint's quantization at all, and why (see the module docstring)."""
+def sglang_mtp_build(
+    meta: QuantMetadata | None, is_mtp: Callable[[str], bool] = QWEN_MTP_NAMES.is_mtp
+) -> tuple[bool, str]:
+    """Whether SGLang builds the MTP with the checkpoint's quantization at all, and why (see the module docstring);
+    ``is_mtp``: the family's MTP name test (``ModelSpec.is_mtp``; the ``mtp.`` namespace by default)."""
     if meta is None:
         return False, "the checkpoint declares no quantization"
     method = meta.vllm_method  # SGLang names the ModelOpt and compressed-tensors formats as vLLM does
     if method == "modelopt_fp4":
         return False, "SGLang builds the MTP of a serialized modelopt_fp4 checkpoint in BF16"
     if method == "modelopt_mixed":
-        if any(is_mtp_name(name) for name in meta.quantized_layers):
+        if any(is_mtp(name) for name in meta.quantized_layers):
             return True, "quantized_layers lists the MTP"
-        return False, "SGLang builds the MTP in BF16: modelopt_mixed lists no mtp.* module in quantized_layers"
+        return False, "SGLang builds the MTP in BF16: modelopt_mixed lists no MTP module in quantized_layers"
     return True, f"SGLang builds the MTP with the checkpoint's {method} quantization"
 
 
-def sglang_builds_quantized(module: EngineModule, meta: QuantMetadata | None) -> tuple[bool, str]:
-    """Whether SGLang builds this MTP module quantized, and a short reason. Raises FusedShardsError."""
-    if module.prefix == "mtp.fc":
-        return False, "SGLang builds mtp.fc as a plain Linear"
+def sglang_builds_quantized(
+    module: EngineModule,
+    meta: QuantMetadata | None,
+    rules: EngineRules = _QWEN3,
+    is_mtp: Callable[[str], bool] = QWEN_MTP_NAMES.is_mtp,
+) -> tuple[bool, str]:
+    """Whether SGLang builds this MTP module quantized, and a short reason (``rules``, ``is_mtp``: the family's; the
+    Qwen3.5 ones by default). Raises FusedShardsError."""
+    if matches(module.prefix, rules.sglang_plain):
+        return False, f"SGLang builds {module.prefix} as a plain Linear"
     if module.kind == "unquantized":
         return False, "SGLang builds it without a quantization config"
-    whole, why = sglang_mtp_build(meta)
+    whole, why = sglang_mtp_build(meta, is_mtp)
     if not whole or meta is None:
         return False, why
     if meta.is_compressed_tensors:

@@ -6,17 +6,19 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import Any
 
 from mtpquant.errors import ConfigError, MtpConfigError, UnsupportedArchitectureError
 from mtpquant.families.mtp_config import MtpConfig, config_int
 from mtpquant.families.qwen3 import QWEN3_FAMILIES
 from mtpquant.families.qwen4_exp import QWEN4_EXP
-from mtpquant.families.schema import Family, is_mtp_name
+from mtpquant.families.schema import MTP_PREFIX, Family
+from mtpquant.families.storage import APPENDED, NAMESPACE, MtpNames
 
 __all__ = [
     "FAMILIES",
+    "QWEN_MTP_NAMES",
     "VISION_PREFIX",
     "ModelSpec",
     "MtpDeclaration",
@@ -33,7 +35,9 @@ VISION_PREFIX = "model.visual."
 
 FAMILIES: tuple[Family, ...] = (*QWEN3_FAMILIES, QWEN4_EXP)
 
-_PER_EXPERT_MTP = re.compile(r"^mtp\.layers\.\d+\.mlp\.experts\.\d+\.")
+_PER_EXPERT_MTP = re.compile(r"\.mlp\.experts\.\d+\.")
+# The name test of the ``mtp.`` namespace (Qwen's storage): what a caller with no config at hand may assume.
+QWEN_MTP_NAMES = MtpNames(NAMESPACE, (MTP_PREFIX + "layers.",), 0, 1, MTP_PREFIX)
 
 
 def supported_architectures() -> list[str]:
@@ -149,23 +153,82 @@ class ModelSpec:
             return {}
         layout = self.family.mtp
         per_expert = layout.per_expert
+        if present is not None:
+            present = list(present)
         if layout.either_expert_form and present is not None:
-            per_expert = any(_PER_EXPERT_MTP.match(n) for n in present)
-        return layout.shapes(self.text, self.mtp.layers, per_expert)
+            per_expert = any(_PER_EXPERT_MTP.search(n) for n in present)
+        shapes = layout.shapes(self.text, self.mtp.layers, per_expert)
+        if layout.copies and not layout.copies_required:
+            copies = tuple("." + c for c in layout.copies)
+            if present is None or not any(n.endswith(copies) for n in present):  # all or none, as the source has them
+                shapes = {n: s for n, s in shapes.items() if not n.endswith(copies)}
+        return shapes
 
     def classify(self, name: str, main_prefix: str | None = None) -> str:
         """Class of one tensor name: main / mtp / vision / embed / lm_head / other."""
-        return classify_tensor(name, main_prefix or self.main_prefix, self.family.has_vision)
+        return tensor_classifier(main_prefix or self.main_prefix, self.family.has_vision, self.mtp_names)(name)
+
+    # ---- where the MTP lives --------------------------------------------------------------------------------------
+    @cached_property
+    def mtp_names(self) -> MtpNames:
+        """The family's MTP name test resolved against this config (the trunk's layer count for appended layers)."""
+        storage = self.family.mtp.storage
+        first = self.dim("num_hidden_layers") if storage.kind == APPENDED else 0
+        sublayers = 1
+        if storage.sublayers_key is not None:
+            pattern = self.text.get(storage.sublayers_key)
+            sublayers = len(pattern) if isinstance(pattern, (str, list)) and pattern else 1
+        return storage.resolve(self.family.text_only_prefixes, first, sublayers)
+
+    def is_mtp(self, name: str) -> bool:
+        """Whether a tensor or module name belongs to the MTP (the family's storage; anchored, never a substring)."""
+        return self.mtp_names.is_mtp(name)
+
+    def mtp_depth(self, names: Iterable[str]) -> int:
+        """The MTP depth a set of MTP tensor names holds (Nemotron-H: sub-layers per depth counted as one)."""
+        return self.mtp_names.depth(names)
+
+    def engine_mtp_name(self, name: str) -> str:
+        """An MTP module name as the engine's draft builds it (for its quantization rules)."""
+        return self.family.mtp.engine_name(name, self.mtp_names.first or self._layers_or_zero())
+
+    def _layers_or_zero(self) -> int:
+        value = self.text.get("num_hidden_layers")
+        return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+    def mtp_exclusion_patterns(self, layers: int | None = None) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The exclusion patterns that cover the whole MTP of ``layers`` depths (default: the declared depth) in
+        every form the engines match, as (ModelOpt ``exclude_modules`` / ``ignore`` patterns, compressed-tensors
+        ``ignore`` patterns): ``mtp*`` and ``re:^mtp\\..*`` for the ``mtp.`` namespace; one per appended layer,
+        ``model.layers.61*``, plus the engine's own form of the name where its draft renames the layer
+        (GLM-5.3-Flash: ``model.language_model.layers.45*`` and ``model.layers.45*``)."""
+        names = self.mtp_names
+        if names.kind != APPENDED:
+            stem = names.namespace.rstrip(".")
+            return (f"{stem}*",), (f"re:^{re.escape(stem)}\\..*",)
+        depth = self.mtp.layers if layers is None else layers
+        prefix = self.family.wrapper_prefix
+        stems: list[str] = []
+        for i in range(depth):
+            stem = f"{prefix}layers.{names.first + i}"
+            engine = self.engine_mtp_name(stem + ".x")[:-2]
+            stems += [stem] + ([] if engine.startswith(stem + ".") or engine == stem else [engine])
+        return tuple(f"{s}*" for s in stems), tuple(f"re:^{re.escape(s)}\\..*" for s in stems)
 
 
 @lru_cache(maxsize=32)
-def tensor_classifier(main_prefix: str, has_vision: bool = True) -> Callable[[str], str]:
-    """The class of a tensor name given the main-model prefix, as one function (a table classifies every name)."""
+def tensor_classifier(
+    main_prefix: str, has_vision: bool = True, names: MtpNames = QWEN_MTP_NAMES
+) -> Callable[[str], str]:
+    """The class of a tensor name given the main-model prefix and the family's MTP name test (``names``: the
+    ``mtp.`` namespace unless given), as one function (a table classifies every name). The MTP test comes first:
+    an appended MTP layer sits under the main prefix."""
     embed = main_prefix + "embed_tokens."
     vision = VISION_PREFIX if has_vision else None
+    is_mtp = names.is_mtp
 
     def classify(name: str) -> str:
-        if is_mtp_name(name):
+        if is_mtp(name):
             return TensorClass.MTP
         if vision is not None and name.startswith(vision):
             return TensorClass.VISION
@@ -178,9 +241,9 @@ def tensor_classifier(main_prefix: str, has_vision: bool = True) -> Callable[[st
     return classify
 
 
-def classify_tensor(name: str, main_prefix: str, has_vision: bool = True) -> str:
-    """Class of a tensor name given the main-model prefix."""
-    return tensor_classifier(main_prefix, has_vision)(name)
+def classify_tensor(name: str, main_prefix: str, has_vision: bool = True, names: MtpNames = QWEN_MTP_NAMES) -> str:
+    """Class of a tensor name given the main-model prefix (and the family's MTP name test)."""
+    return tensor_classifier(main_prefix, has_vision, names)(name)
 
 
 def _identify(config: Mapping[str, Any]) -> tuple[Family, str]:

@@ -34,13 +34,12 @@ from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.checkpoint.writer import DEFAULT_MAX_SHARD_BYTES, OutputDir
 from mtpquant.diagnose.verify import verify_result
 from mtpquant.errors import CheckpointError, OutputExistsError, RecipeError, UsageError
-from mtpquant.families import is_mtp_name
 from mtpquant.graft.source import TrackedSource
 from mtpquant.public import public_args, public_name, public_ref
 from mtpquant.recipes.recipe import RECIPE_FILE, grafted_recipe
 from mtpquant.records.provenance import Step
 from mtpquant.surgery import inplace
-from mtpquant.surgery.lineage import GraftError, LineageError, LineageReport, check_lineage, mtp_layer_count
+from mtpquant.surgery.lineage import GraftError, LineageError, LineageReport, check_lineage
 from mtpquant.surgery.metadata import plan_metadata
 from mtpquant.surgery.modes import MODES, WriteContext
 from mtpquant.surgery.plan import Plan, plan_index_fix, plan_shards, weight_map_of
@@ -195,7 +194,7 @@ def _open_quant(options: GraftOptions) -> Checkpoint:
     )
     fatal = [p for p in quant.problems if p.fatal]
     if fatal and not quant.only_mtp_lost:
-        not_mtp = [(s, [n for n in names if not is_mtp_name(n)]) for s, names in quant.lost_tensors().items()]
+        not_mtp = [(s, [n for n in names if not quant.is_mtp(n)]) for s, names in quant.lost_tensors().items()]
         shard, names = next(((s, n) for s, n in not_mtp if n), ("", []))
         if names:
             raise CheckpointError(
@@ -352,7 +351,7 @@ def _fix_metadata(options: GraftOptions, plan: Plan, result: GraftResult) -> Gra
         raise GraftError(
             f"{quant.label}: has no mtp.* tensors, so there is no MTP metadata to repair; graft one with --from SRC"
         )
-    layers = mtp_layer_count(names) or quant.spec.mtp.layers
+    layers = quant.spec.mtp_depth(names) or quant.spec.mtp.layers
     plan.metadata = plan_metadata(quant.spec, plan.hfq, quant.tensors, mtp_layers=layers)
     plan_index_fix(plan)
     result.warnings += plan.metadata.warnings

@@ -18,7 +18,6 @@ from mtpquant.checkpoint.digest import checksum
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.diagnose.verify import verify_result
 from mtpquant.errors import OutputVerificationError
-from mtpquant.families import mtp_layer_count
 from mtpquant.heal.plan import HealPlan
 from mtpquant.heal.precision import export_mtp
 from mtpquant.public import public_args, public_ref
@@ -96,7 +95,7 @@ def write_healed(
     gplan = Plan(quant, quant.hf_quant_config, weight_map_of(quant))
     gplan.removed = list(names)
     gplan.add = list(names)
-    gplan.mtp_layers = mtp_layer_count(names) or quant.spec.mtp.layers
+    gplan.mtp_layers = quant.spec.mtp_depth(names) or quant.spec.mtp.layers
     plan_shards(gplan, set(names))
     plan_index_fix(gplan)
     max_bytes = plan.options.max_shard_bytes

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from mtpquant.checkpoint.sharded import sharded_tables
 from mtpquant.errors import ValidateLoadError
-from mtpquant.families import FUSED_EXPERT_PIECES, MTP_PREFIX, TensorClass, is_mtp_name, mtp_config
+from mtpquant.families import FUSED_EXPERT_PIECES, MTP_PREFIX, TensorClass, mtp_config
 from mtpquant.hfconfig import transformers_config
 from mtpquant.measure import ACTIVATION_MODES
 from mtpquant.measure.emulate import activation_quantizer, emulate_fused_experts, pre_hook, shared_quantizer
@@ -112,7 +112,7 @@ def load_mtp(
     if emulate:
         modules = dict(cast(nn.Module, layer).named_modules())
         for module, fmt in weights.formats.items():
-            if not is_mtp_name(module):
+            if not weights.ckpt.is_mtp(module):
                 continue
             quantize = activation_quantizer(fmt, weights.pre_quant_scale(module))
             if quantize is not None:

@@ -15,14 +15,13 @@ from typing import Any
 from mtpquant.checkpoint.header import FLOAT_DTYPES
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.errors import GraftError, LineageError
-from mtpquant.families import ModelSpec, dimension_differences, is_mtp_name, mtp_layer_count, resolve
+from mtpquant.families import ModelSpec, dimension_differences, resolve
 
 __all__ = [
     "GraftError",
     "LineageError",
     "LineageReport",
     "check_lineage",
-    "mtp_layer_count",
 ]
 
 log = logging.getLogger(__name__)
@@ -100,13 +99,13 @@ def check_lineage(quant: Checkpoint, src: Checkpoint, *, weight_check: bool = Tr
             f"{src.label}: SRC has no mtp.* tensors (its config: {ss.mtp.describe()}); graft needs the original "
             "checkpoint that still has its MTP"
         )
-    layers = mtp_layer_count(src_mtp)
+    layers = ss.mtp_depth(src_mtp)
     if qs.mtp.declared and layers and qs.mtp.layers != layers:
         diffs.append(f"MTP layers {qs.mtp.layers} ({qs.mtp.describe()}) vs {layers} in SRC's tensors")
     # Shapes of tensors both hold unquantized (embeddings, norms, vision, ...): a cheap second opinion.
     for name in sorted(set(quant.tensors) & set(src.tensors)):
         q, s = quant.tensors[name], src.tensors[name]
-        if is_mtp_name(name) or q.dtype not in FLOAT_DTYPES or s.dtype not in FLOAT_DTYPES:
+        if qs.is_mtp(name) or ss.is_mtp(name) or q.dtype not in FLOAT_DTYPES or s.dtype not in FLOAT_DTYPES:
             continue
         if _is_quantized_module(quant.tensors, name):
             continue

@@ -11,19 +11,16 @@ covering ``X`` and ``X.*``; compressed-tensors lists by exact name or ``re:`` re
 from __future__ import annotations
 
 import copy
-import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from mtpquant.checkpoint.header import FLOAT_DTYPES
 from mtpquant.checkpoint.modules import module_stems
 from mtpquant.engine.loading import FusedShardsError, ct_ignored, mixed_algo, modelopt_excluded
-from mtpquant.families import ModelSpec, family, is_mtp_name, resolve
+from mtpquant.families import ModelSpec, resolve
 from mtpquant.formats.quant_config import (
     HF_QUANT_CONFIG,
-    MTP_CT_PATTERNS,
-    MTP_MODELOPT_PATTERNS,
     QuantMetadata,
     exclusion_lists,
     read_quant_metadata,
@@ -40,20 +37,20 @@ __all__ = [
 ]
 
 _QUANT_SUFFIXES = (".weight_scale", ".weight_scale_inv", ".weight_packed", ".weight_global_scale")
-_LAYER = re.compile(r"^(mtp\.layers\.\d+)\.")
-_DEFAULT_PACKED = family("qwen3_5").engine.packed
 
 
-def mtp_modules(tensors: Mapping[str, Any], packed: Mapping[str, tuple[str, ...]] | None = None) -> dict[str, bool]:
-    """Every MTP Linear module (and the engine's packed names for them) -> whether it is stored unquantized.
+def mtp_modules(spec: ModelSpec, tensors: Mapping[str, Any]) -> dict[str, bool]:
+    """Every MTP Linear module of ``spec``'s family (and the engine's packed names for them) -> whether it is stored
+    unquantized.
 
     ``tensors`` maps names to objects with ``dtype`` and ``shape`` (header entries). A module is a
-    Linear when it has a 2-D ``weight`` (or a compressed-tensors ``weight_packed``). ``packed``: the family's
-    packed groups (``EngineRules.packed``; Qwen3.5's by default); routed experts are one engine module too.
+    Linear when it has a 2-D ``weight`` (or a compressed-tensors ``weight_packed``). Packed groups are the family's
+    (``EngineRules.packed``); routed experts are one engine module too.
     """
+    names = spec.mtp_names
     modules: dict[str, bool] = {}
     for name, entry in tensors.items():
-        if not is_mtp_name(name):
+        if not names.is_mtp(name):
             continue
         for suffix in (".weight", ".weight_packed"):
             if name.endswith(suffix) and len(entry.shape) == 2:
@@ -63,15 +60,14 @@ def mtp_modules(tensors: Mapping[str, Any], packed: Mapping[str, tuple[str, ...]
                 modules[stem] = modules.get(stem, True) and not quantized
     # vLLM packs q/k/v into qkv_proj and gate/up into gate_up_proj and matches exclusions on those
     # prefixes too (vllm/model_executor/models/qwen3_next_mtp.py, packed_modules_mapping).
-    groups = packed if packed is not None else _DEFAULT_PACKED
+    groups = spec.family.engine.packed
     fused: dict[str, list[str]] = {}
     for stem in modules:
-        m = _LAYER.match(stem)
-        if not m:
+        layer = names.layer_prefix(stem)
+        if layer is None:
             continue
-        layer = m.group(1)
-        if stem.startswith(layer + ".mlp.experts."):  # routed experts: one engine module, whatever their leaves
-            fused.setdefault(f"{layer}.mlp.experts", []).append(stem)
+        if stem.startswith(layer + "mlp.experts."):  # routed experts: one engine module, whatever their leaves
+            fused.setdefault(f"{layer}mlp.experts", []).append(stem)
             continue
         for fused_name, shards in groups.items():
             for shard in shards:
@@ -82,14 +78,23 @@ def mtp_modules(tensors: Mapping[str, Any], packed: Mapping[str, tuple[str, ...]
     return dict(sorted(modules.items()))
 
 
-def uncovered_modules(modules: Iterable[str], patterns: Iterable[str], compressed_tensors: bool) -> list[str]:
-    """Modules that no exclusion pattern covers, by the matching rules of the list's format."""
+def uncovered_modules(
+    modules: Iterable[str],
+    patterns: Iterable[str],
+    compressed_tensors: bool,
+    engine_name: Callable[[str], str] | None = None,
+) -> list[str]:
+    """Modules that no exclusion pattern covers, by the matching rules of the list's format; with ``engine_name``
+    (the engine's draft renames MTP modules: ``ModelSpec.engine_mtp_name``) a module is covered only when both its
+    checkpoint name and the engine's are."""
     patterns = list(patterns)
     match = ct_ignored if compressed_tensors else modelopt_excluded
     out = []
     for m in modules:
         try:
             covered = match(m, patterns)
+            if covered and engine_name is not None and engine_name(m) != m:
+                covered = match(engine_name(m), patterns)
         except FusedShardsError:  # some members of a fused module excluded, some not: not covered
             covered = False
         if not covered:
@@ -186,8 +191,9 @@ def plan_metadata(
 
     ``tensors`` is the full tensor table of the result (name -> header entry). Unquantized MTP
     modules must be excluded everywhere quantization is declared; when every MTP module is
-    unquantized the family patterns are added (``mtp*``; ``re:^mtp\\..*`` for compressed-tensors),
-    otherwise the exact names of the uncovered unquantized modules.
+    unquantized the family patterns are added (``ModelSpec.mtp_exclusion_patterns``: ``mtp*`` and ``re:^mtp\\..*``
+    for the ``mtp.`` namespace, ``model.layers.61*`` for an appended layer, with the engine's own form where its draft
+    renames the layer), otherwise the exact names of the uncovered unquantized modules (and their engine names).
     """
     plan = MetadataPlan()
     config: dict[str, Any] = copy.deepcopy(dict(spec.config))
@@ -199,7 +205,8 @@ def plan_metadata(
 
     hfq = copy.deepcopy(dict(hf_quant_config)) if hf_quant_config is not None else None
     config, hfq = repair_labels(spec, config, hfq, tensors, plan.changes)
-    modules = mtp_modules(tensors, spec.family.engine.packed)
+    modules = mtp_modules(spec, tensors)
+    rename = spec.engine_mtp_name if spec.family.mtp.engine_rename is not None else None
     unquantized = [m for m, plain in modules.items() if plain]
     all_plain = len(unquantized) == len(modules)
     meta = read_quant_metadata(config, hfq)
@@ -208,14 +215,16 @@ def plan_metadata(
         unquantized = [m for m in unquantized if _listed(m, meta, spec.family.engine.packed)]
     if meta is not None and unquantized:
         lists = exclusion_lists(config, hfq)
-        missing = {f: uncovered_modules(unquantized, pats, ct) for f, ct, pats in lists}
+        missing = {f: uncovered_modules(unquantized, pats, ct, rename) for f, ct, pats in lists}
         if any(missing.values()):
             if all_plain:
-                modelopt, ct = list(MTP_MODELOPT_PATTERNS), list(MTP_CT_PATTERNS)
+                modelopt, ct = (list(p) for p in resolve(config).mtp_exclusion_patterns(mtp_layers or None))
             else:
                 # exact names of real modules; vLLM treats a fused group as excluded when all members are
                 real = module_stems(tensors)
                 names = sorted({m for ms in missing.values() for m in ms if m in real})
+                if rename is not None:
+                    names = sorted({*names, *(rename(m) for m in names)})
                 modelopt, ct = names, names
             new_config, new_hfq = with_exclusions(config, hfq, modelopt, ct)
             for f, is_ct, pats in exclusion_lists(new_config, new_hfq):
@@ -224,7 +233,7 @@ def plan_metadata(
                 if added:
                     what = "ignore" if f == "config.json" else "exclude_modules"
                     plan.changes.append(f"{f}: {what} += {', '.join(added)}")
-                still = uncovered_modules(unquantized, pats, is_ct)
+                still = uncovered_modules(unquantized, pats, is_ct, rename)
                 if still:
                     plan.warnings.append(f"{f}: MTP module {still[0]} is still not excluded")
             config, hfq = new_config, new_hfq

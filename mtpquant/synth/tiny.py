@@ -20,7 +20,7 @@ from typing import Any
 from mtpquant.checkpoint.dtypes import planned
 from mtpquant.checkpoint.index import SINGLE_NAME
 from mtpquant.checkpoint.writer import OutputDir
-from mtpquant.families import FAMILIES, is_mtp_name, resolve
+from mtpquant.families import FAMILIES, resolve
 from mtpquant.synth.qwen4_exp import ROPE_PARAMETERS
 
 __all__ = [
@@ -264,11 +264,12 @@ def _qwen4_exp_tensors(spec: TinySpec, config: dict[str, Any]) -> dict[str, Any]
     return out
 
 
-def _assign_shards(names: list[str], spec: TinySpec) -> dict[str, int]:
+def _assign_shards(names: list[str], spec: TinySpec, config: dict[str, Any]) -> dict[str, int]:
     """Shard number per tensor: main tensors spread in order; MTP split over first and last shard."""
     count = spec.shards
-    main = [n for n in names if not is_mtp_name(n)]
-    mtp = [n for n in names if is_mtp_name(n)]
+    is_mtp = resolve(config).is_mtp
+    main = [n for n in names if not is_mtp(n)]
+    mtp = [n for n in names if is_mtp(n)]
     where = {n: min(count - 1, i * count // max(1, len(main))) for i, n in enumerate(main)}
     for n in mtp:
         # Like Qwen3.5-4B: the MTP MLP sits in the first shard, the rest in the last.
@@ -369,7 +370,7 @@ def make_tiny_checkpoint(
     if spec.mtp:
         tensors |= _mtp_tensors(spec, config)
     names = sorted(tensors)
-    where = _assign_shards(names, spec)
+    where = _assign_shards(names, spec, config)
     count = spec.shards
     with OutputDir(Path(out), overwrite=overwrite, replace_check=check_synthetic_replaceable) as od:
         for i in range(count):
