@@ -46,7 +46,7 @@ def test_subspace_and_sublayer_storage() -> None:
     assert mimo.is_mtp("model.mtp_layers.0.input_proj.weight") and not mimo.is_mtp("model.layers.0.mlp.up_proj.weight")
     assert mimo.depth(["model.mtp_layers.0.input_proj.weight"]) == 1
     # Nemotron-H: mtp.layers.0 and .1 are the attention and MoE sub-layers of ONE depth ("*E")
-    nemotron = MtpStorage(NAMESPACE, sublayers_key="mtp_hybrid_override_pattern").resolve(("model.",), 0, 2)
+    nemotron = MtpStorage(NAMESPACE, sublayers_key=("mtp_hybrid_override_pattern",)).resolve(("model.",), 0, 2)
     assert nemotron.depth(["mtp.layers.0.eh_proj.weight", "mtp.layers.1.final_layernorm.weight"]) == 1
     assert nemotron.depth(["mtp.layers.3.norm.weight"]) == 2
 

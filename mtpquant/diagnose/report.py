@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from mtpquant.checkpoint.header import bulk_parse
+from mtpquant.checkpoint.index import INDEX_NAME
 from mtpquant.checkpoint.modules import linear_modules, module_of
 from mtpquant.checkpoint.precision import is_quantized, module_precision, table_precision
 from mtpquant.checkpoint.source import CheckpointSource
@@ -39,6 +40,7 @@ from mtpquant.engine.verdicts import (
     sglang_mismatch,
 )
 from mtpquant.errors import ExitCode
+from mtpquant.families import NEVER_SHIPPED, NOT_MTP, RECOGNISED
 from mtpquant.formats.quant_config import QuantMetadata
 
 __all__ = [
@@ -63,7 +65,10 @@ EXIT_INDEX = int(ExitCode.INSPECT_INDEX)
 EXIT_FORMAT = int(ExitCode.INSPECT_FORMAT)
 EXIT_DECLARED_MISSING = int(ExitCode.INSPECT_MTP)
 EXIT_EXCLUSIONS = int(ExitCode.INSPECT_EXCLUSIONS)
+# Families whose MTP mtpquant does not repair say so first: there is no MTP question to answer after that.
 _SEVERITY = (
+    (NEVER_SHIPPED, int(ExitCode.MTP_NEVER_SHIPPED)),
+    (NOT_MTP, int(ExitCode.NOT_AN_MTP)),
     ("index", EXIT_INDEX),
     ("format", EXIT_FORMAT),
     ("declared_missing", EXIT_DECLARED_MISSING),
@@ -75,7 +80,7 @@ _SEVERITY = (
 class Finding:
     """A failure or warning with the category that decides its --strict exit code."""
 
-    category: str  # "declared_missing" | "exclusions" | "index" | "format" | "note"
+    category: str  # "declared_missing" | "exclusions" | "index" | "format" | "never_shipped" | "not_mtp" | "note"
     message: str
 
 
@@ -151,6 +156,13 @@ class InspectReport:
     failures: list[Finding] = field(default_factory=list)
     warnings: list[Finding] = field(default_factory=list)
     fixes: list[str] = field(default_factory=list)  # the commands that repair the failures, where one does
+    # the drafter class each engine builds for this family's MTP ("" where the engine has none)
+    drafters: dict[str, str] = field(default_factory=dict)
+    # what the MTP inventory enumerates ("exact", "glue": each layer's glue, "none": presence only), the MTP depths
+    # present, and what mtpquant does with the family ("supported", "recognised", "not_mtp", "never_shipped")
+    mtp_inventory: str = "exact"
+    mtp_layers_present: int = 0
+    mtp_status: str = "supported"
     mtp_removed: str | None = None  # the MTP mode (drop / extract) an mtpquant run removed the MTP with
     bytes_fetched: int = 0
     requests: int = 0  # network requests (a Hub repo); 0 for a local directory
@@ -283,6 +295,21 @@ def _removed_on_purpose(ckpt: Checkpoint) -> str | None:
     return mode if mode in ("drop", "extract") else None
 
 
+def _vllm_without_mtp(ckpt: Checkpoint, meta: QuantMetadata | None) -> str | None:
+    """What vLLM's drafter does with a declared MTP none of whose weights it finds, for families whose drafter is
+    named in the registry (the family's own check, else its model loader's: ``DefaultModelLoader.track_weights_loading``
+    runs for an unquantized checkpoint only); None: the generic verdict stands."""
+    rules = ckpt.spec.family.engine
+    if not rules.drafters.get("vllm"):
+        return None
+    if rules.missing_mtp_error:
+        layer = ckpt.spec.mtp_names.first
+        return f"{MISSING}; vLLM will fail to load: {rules.missing_mtp_error.format(layer=layer)}"
+    if meta is None:
+        return f"{MISSING}; vLLM will fail to load: ValueError: Following weights were not initialized from checkpoint"
+    return f"{MISSING}; vLLM loads without an error and drafts from uninitialized MTP weights"
+
+
 def _mtp_section(ckpt: Checkpoint, meta: QuantMetadata | None, report: dict[str, Any]) -> list[Finding]:
     findings: list[Finding] = []
     spec = ckpt.spec
@@ -290,16 +317,16 @@ def _mtp_section(ckpt: Checkpoint, meta: QuantMetadata | None, report: dict[str,
     present = ckpt.mtp_tensors()
     present_names = {e.name for e in present}
     expected = spec.expected_mtp_shapes(present_names)
-    present_modules = {module_of(n) for n in present_names}
     missing = []
     for name in expected:
         mod = module_of(name)
         if name in present_names or (name.endswith(".weight") and mod + ".weight_packed" in present_names):
             continue
         missing.append(name)
-    expected_modules = {module_of(n) for n in expected}
-    unexpected = sorted(n for n in present_names if module_of(n) not in expected_modules)
+    unexpected = spec.mtp_unexpected(present_names, expected, module_of)
     report.update(
+        mtp_inventory=spec.family.mtp.inventory,
+        mtp_layers_present=spec.mtp_depth(present_names),
         mtp_declared=spec.mtp.declared,
         mtp_declaration=spec.mtp.describe(),
         mtp_expected_tensors=len(expected),
@@ -316,14 +343,30 @@ def _mtp_section(ckpt: Checkpoint, meta: QuantMetadata | None, report: dict[str,
     report["mtp_precision"] = (
         "absent" if not present else (precs[0] if len(precs) == 1 else "mixed: " + ", ".join(precs))
     )
+    forgotten = ckpt.forgotten_mtp() if spec.mtp.declared and (not present or missing) else {}
+    for shard, tensors in forgotten.items():  # the MTP is on disk, but no loader opens its file
+        findings.append(
+            Finding(
+                "index",
+                f"{shard} holds {len(tensors)} MTP tensors but {INDEX_NAME} does not list it: loaders read only the "
+                "shards the index names (vLLM's filter_duplicate_safetensors_files), so engines see no MTP",
+            )
+        )
+    depth = report["mtp_layers_present"]
     if spec.mtp.declared and not present:
         if report["mtp_removed"] is None:
             findings.append(Finding("declared_missing", MISSING))
     elif spec.mtp.declared and missing:
+        held = (
+            f" ({spec.mtp.describe()}, the checkpoint holds {depth} layer{'' if depth == 1 else 's'})"
+            if 0 < depth < spec.mtp.layers
+            else ""
+        )
         findings.append(
             Finding(
                 "declared_missing",
-                f"MTP incomplete: {len(missing)} of {len(expected)} expected tensors missing (first: {missing[0]})",
+                f"MTP incomplete{held}: {len(missing)} of {len(expected)} expected tensors missing (first: "
+                f"{missing[0]})",
             )
         )
     elif not spec.mtp.declared and present:
@@ -338,7 +381,6 @@ def _mtp_section(ckpt: Checkpoint, meta: QuantMetadata | None, report: dict[str,
             Finding("declared_missing", f"unexpected MTP tensor {unexpected[0]} ({len(unexpected)} in all)")
         )
     findings += mod_findings
-    del present_modules
     return findings
 
 
@@ -435,6 +477,22 @@ def _inspect(ckpt: Checkpoint, t0: float) -> InspectReport:
         )
     if vision.expected and not vision.present and not ckpt.mtp_only:
         warnings.append(Finding("note", "vision tower (model.visual.*) is missing: image input will not work"))
+    family = ckpt.spec.family
+    if family.status in (NEVER_SHIPPED, NOT_MTP):  # no MTP question to answer: say what the family's drafter is
+        failures = [f for f in failures if f.category not in ("declared_missing", "exclusions")]
+        failures.insert(0, Finding(family.status, family.status_note))
+        verdicts = {e: f"{ENGINE_NAMES[e]}: no MTP to draft with: {family.status_note}" for e in ENGINE_NAMES}
+        serve = {}
+    elif family.status == RECOGNISED:
+        warnings.append(Finding("note", family.status_note))
+    if report["mtp_declared"] and not report["mtp_present_tensors"] and report["mtp_removed"] is None:
+        missing = _vllm_without_mtp(ckpt, meta)
+        if missing is not None:
+            verdicts["vllm"] = missing
+            serve.pop("vllm", None)
+    if family.engine.drafters.get("sglang") == "" and "sglang" in verdicts and family.status != NEVER_SHIPPED:
+        verdicts["sglang"] = f"SGLang: has no MTP drafter for {family.display} (SGLang 0.5.23)"
+        serve.pop("sglang", None)
     unknown_label = label_refusal(ckpt)
     if unknown_label is not None:  # neither engine resolves the architecture: nothing else matters until relabelled
         failures.append(Finding("format", f"engines will fail to load: {unknown_label}"))
@@ -470,8 +528,10 @@ def _inspect(ckpt: Checkpoint, t0: float) -> InspectReport:
     )
     return InspectReport(
         checkpoint=label,
-        family=ckpt.spec.family.display,
+        family=family.display,
         architecture=ckpt.spec.architecture,
+        drafters=dict(family.engine.drafters),
+        mtp_status=family.status,
         kind="mtp-only" if ckpt.mtp_only else "model",
         quantization=quant,
         main_model=main,

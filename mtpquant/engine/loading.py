@@ -436,7 +436,8 @@ def vllm_builds_quantized(module: EngineModule, meta: QuantMetadata | None) -> t
     return e.quantized, e.reason
 
 
-_EXPERT_RE = re.compile(r"^(.*\.mlp\.experts)(\.\d+\.\w+|\.gate_up_proj|\.down_proj)$")
+# routed experts: ``mlp.experts`` (Qwen, DeepSeek, GLM), ``mixer.experts`` (Nemotron-H), per expert or fused 3-D
+_EXPERT_RE = re.compile(r"^(.*\.(?:mlp|mixer)\.experts)(\.\d+\.\w+|\.gate_up_proj|\.down_proj)$")
 _TABLE_SHARD = re.compile(r"^(.*)\.shard_\d+$")
 
 
@@ -452,7 +453,7 @@ def engine_modules(linear_names: Sequence[str], rules: EngineRules = _QWEN3) -> 
     # longest shard names first: "indexer.index_qk_proj" before a plain leaf
     shards = sorted(((s, p) for p, ss in rules.packed.items() for s in ss), key=lambda sp: -len(sp[0]))
     for name in sorted(linear_names):
-        m = _EXPERT_RE.match(name) if ".mlp.experts." in name else None
+        m = _EXPERT_RE.match(name) if ".experts." in name else None
         if m:
             add(m.group(1), name, "experts")
             continue

@@ -41,6 +41,7 @@ from mtpquant.families.spec import (
     mtp_config,
     resolve,
     supported_architectures,
+    surgery_refusal,
     tensor_classifier,
 )
 from mtpquant.families.storage import APPENDED, NAMESPACE, SUBSPACE, MtpNames, MtpStorage
@@ -78,6 +79,7 @@ __all__ = [
     "mtp_layer_count",
     "resolve",
     "supported_architectures",
+    "surgery_refusal",
     "tensor_classifier",
 ]
 

@@ -122,6 +122,10 @@ class MtpLayout:
     # ``model.language_model.``, nests Step's block under ``mtp_block``, names DeepSeek's MTP head ``{layer}.head``);
     # None: the checkpoint's name. The engine reads its exclusion lists unchanged (unlike ``engine_layer_offset``).
     engine_rename: Callable[[str, int], str] | None = None
+    # What ``shapes`` enumerates: "exact" (every MTP tensor), "glue" (each declared layer's glue only: the block
+    # follows per-layer config mtpquant does not model; tensors inside a declared layer are not unexpected), "none"
+    # (nothing: presence only, for families mtpquant recognises without modelling).
+    inventory: str = "exact"
 
     def engine_name(self, name: str, num_hidden_layers: int) -> str:
         """An MTP module or pattern as the engine names it (patterns that do not start with ``mtp.`` unchanged).
@@ -166,11 +170,18 @@ class EngineRules:
     embedding_tables: tuple[str, ...] = ()
     # architectures / model types the engine release knows (None: every architecture of the family)
     known_architectures: frozenset[str] | None = None
+    # fnmatch patterns of modules built unquantized whose FP8 checkpoint weight the engine dequantizes as it loads
+    # (DeepSeek-V3.2's indexer wk: _try_load_fp8_indexer_wk), so FP8 on disk loads too
+    dequantized_on_load: tuple[str, ...] = ()
     # fnmatch patterns of MTP modules SGLang builds as a plain Linear (never quantized): Qwen's ``mtp.fc``,
     # DeepSeek's / GLM's ``eh_proj`` (sgl: models/deepseek_nextn.py, glm4_moe_nextn.py)
     sglang_plain: tuple[str, ...] = ("mtp.fc",)
     # The drafter each engine builds for the family's MTP: engine -> class ("" where the engine has none)
     drafters: Mapping[str, str] = field(default_factory=dict)
+    # What vLLM's drafter raises when the checkpoint has none of a declared MTP layer's weights ({layer}: its index):
+    # the loader's own check (DeepSeek's and GLM-5's is_mtp_completeness_check_enabled, Step's parameter check);
+    # "": none (its model loader's weight tracking catches it only for an unquantized checkpoint)
+    missing_mtp_error: str = ""
 
 
 @dataclass(frozen=True)

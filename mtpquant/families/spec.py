@@ -9,11 +9,20 @@ from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
 from typing import Any
 
-from mtpquant.errors import ConfigError, MtpConfigError, UnsupportedArchitectureError
+from mtpquant.errors import (
+    ConfigError,
+    MtpConfigError,
+    MtpNeverShippedError,
+    MtpquantError,
+    NotAnMtpError,
+    UnsupportedArchitectureError,
+)
 from mtpquant.families.mtp_config import MtpConfig, config_int
+from mtpquant.families.nextn import NEXTN_FAMILIES
+from mtpquant.families.others import OTHER_FAMILIES
 from mtpquant.families.qwen3 import QWEN3_FAMILIES
 from mtpquant.families.qwen4_exp import QWEN4_EXP
-from mtpquant.families.schema import MTP_PREFIX, Family
+from mtpquant.families.schema import MTP_PREFIX, NEVER_SHIPPED, SUPPORTED, Family
 from mtpquant.families.storage import APPENDED, NAMESPACE, MtpNames
 
 __all__ = [
@@ -28,12 +37,13 @@ __all__ = [
     "mtp_config",
     "resolve",
     "supported_architectures",
+    "surgery_refusal",
     "tensor_classifier",
 ]
 
 VISION_PREFIX = "model.visual."
 
-FAMILIES: tuple[Family, ...] = (*QWEN3_FAMILIES, QWEN4_EXP)
+FAMILIES: tuple[Family, ...] = (*QWEN3_FAMILIES, QWEN4_EXP, *NEXTN_FAMILIES, *OTHER_FAMILIES)
 
 _PER_EXPERT_MTP = re.compile(r"\.mlp\.experts\.\d+\.")
 # The name test of the ``mtp.`` namespace (Qwen's storage): what a caller with no config at hand may assume.
@@ -158,6 +168,8 @@ class ModelSpec:
         if layout.either_expert_form and present is not None:
             per_expert = any(_PER_EXPERT_MTP.search(n) for n in present)
         shapes = layout.shapes(self.text, self.mtp.layers, per_expert)
+        if layout.storage.kind == APPENDED and (prefix := self.appended_prefix(present)) != "model.":
+            shapes = {prefix + n[len("model.") :]: s for n, s in shapes.items()}  # written as model.layers.{N+i}.
         if layout.copies and not layout.copies_required:
             copies = tuple("." + c for c in layout.copies)
             if present is None or not any(n.endswith(copies) for n in present):  # all or none, as the source has them
@@ -175,10 +187,42 @@ class ModelSpec:
         storage = self.family.mtp.storage
         first = self.dim("num_hidden_layers") if storage.kind == APPENDED else 0
         sublayers = 1
-        if storage.sublayers_key is not None:
-            pattern = self.text.get(storage.sublayers_key)
-            sublayers = len(pattern) if isinstance(pattern, (str, list)) and pattern else 1
+        for key in storage.sublayers_key:
+            pattern = self.text.get(key)
+            if isinstance(pattern, (str, list)) and pattern:
+                sublayers = len(pattern)
+                break
         return storage.resolve(self.family.text_only_prefixes, first, sublayers)
+
+    def appended_prefix(self, present: Iterable[str] | None = None) -> str:
+        """Where appended MTP layers sit: under the prefix ``present`` (MTP names) uses, else the wrapper's prefix for
+        a wrapper config (GLM-5.3-Flash: ``model.language_model.``), else ``model.``."""
+        for name in present or ():
+            for root in self.mtp_names.roots:
+                if name.startswith(root):
+                    return root[: -len("layers.")]
+        return self.family.wrapper_prefix if self.wrapped else "model."
+
+    def mtp_unexpected(
+        self, present: Iterable[str], expected: Iterable[str], module_of: Callable[[str], str] = str
+    ) -> list[str]:
+        """The MTP tensors of ``present`` the layout does not account for (sorted): those whose module (``module_of``;
+        by default the name itself) the expected set lacks; where the inventory is the glue only, those outside the
+        declared layers; none where it is presence only."""
+        inventory = self.family.mtp.inventory
+        if inventory == "none":
+            return []
+        modules = {module_of(n) for n in expected}
+        names = self.mtp_names
+        depth = self.mtp.layers
+        out = []
+        for n in present:
+            if module_of(n) in modules:
+                continue
+            if inventory == "glue" and (d := names.depth_of(n)) is not None and d < depth:
+                continue
+            out.append(n)
+        return sorted(out)
 
     def is_mtp(self, name: str) -> bool:
         """Whether a tensor or module name belongs to the MTP (the family's storage; anchored, never a substring)."""
@@ -207,7 +251,7 @@ class ModelSpec:
             stem = names.namespace.rstrip(".")
             return (f"{stem}*",), (f"re:^{re.escape(stem)}\\..*",)
         depth = self.mtp.layers if layers is None else layers
-        prefix = self.family.wrapper_prefix
+        prefix = self.appended_prefix()
         stems: list[str] = []
         for i in range(depth):
             stem = f"{prefix}layers.{names.first + i}"
@@ -286,6 +330,15 @@ def resolve(config: Mapping[str, Any]) -> ModelSpec:
     text: Mapping[str, Any] = config["text_config"] if wrapped else config
     mtp = _declaration(family, text, wrapped)
     return ModelSpec(family=family, architecture=arch, config=config, text=text, wrapped=wrapped, mtp=mtp)
+
+
+def surgery_refusal(family: Family, label: str, what: str) -> MtpquantError | None:
+    """The one-line refusal of an MTP surgery (``what``: "graft", "graft --fix-metadata", ...) on ``label`` for a
+    family mtpquant does not repair (its own exit code: never shipped, or not an MTP), or None."""
+    if family.status == SUPPORTED:
+        return None
+    error = MtpNeverShippedError if family.status == NEVER_SHIPPED else NotAnMtpError
+    return error(f"{label}: {what} refused: {family.status_note}")
 
 
 def mtp_config(config: Mapping[str, Any]) -> MtpConfig:

@@ -39,9 +39,9 @@ class MtpStorage:
     # NAMESPACE / SUBSPACE: what follows ``root`` up to and including the depth's layer number ("layers.{i}.", or
     # "{i}." for MiMo-7B's model.mtp_layers.{i}); the glue outside any layer (Qwen's mtp.fc) has no number
     layer: str = "layers."
-    # A config key whose length is the number of sub-layers one depth stores (Nemotron-H: each character of
-    # mtp_hybrid_override_pattern is one mtp.layers.{j}; the depth is j // len + 1); None: one layer per depth
-    sublayers_key: str | None = None
+    # Config keys (the first present wins) whose length is the number of sub-layers one depth stores (Nemotron-H:
+    # each character of mtp_hybrid_override_pattern is one mtp.layers.{j}; the depth is j // len + 1); (): one layer
+    sublayers_key: tuple[str, ...] = ()
 
     def resolve(self, prefixes: Iterable[str], first: int, sublayers: int = 1) -> MtpNames:
         """The name test for one config: ``prefixes`` the family's main-model prefixes (APPENDED), ``first`` the

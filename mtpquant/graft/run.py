@@ -34,6 +34,7 @@ from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.checkpoint.writer import DEFAULT_MAX_SHARD_BYTES, OutputDir
 from mtpquant.diagnose.verify import verify_result
 from mtpquant.errors import CheckpointError, OutputExistsError, RecipeError, UsageError
+from mtpquant.families import surgery_refusal
 from mtpquant.graft.source import TrackedSource
 from mtpquant.public import public_args, public_name, public_ref
 from mtpquant.recipes.recipe import RECIPE_FILE, grafted_recipe
@@ -188,7 +189,7 @@ def _check_out(options: GraftOptions, quant: Checkpoint) -> None:
 
 def _open_quant(options: GraftOptions) -> Checkpoint:
     """QUANT, opened; an index defect is refused (as a strict open would) unless it is only a lost MTP: shards that
-    do not exist and held nothing but ``mtp.*`` tensors, which ``--from SRC`` puts back."""
+    do not exist and held nothing but MTP tensors, which ``--from SRC`` puts back."""
     quant = Checkpoint.open(
         options.quant, revision=options.revision, token=options.token, strict=False, name_errors=True
     )
@@ -205,7 +206,7 @@ def _open_quant(options: GraftOptions) -> Checkpoint:
     if fatal and options.fix_metadata:
         shard, names = next(iter(quant.lost_tensors().items()))
         raise GraftError(
-            f"{quant.label}: {INDEX_NAME}: shard {shard!r} does not exist (it held {len(names)} mtp.* tensors); "
+            f"{quant.label}: {INDEX_NAME}: shard {shard!r} does not exist (it held {len(names)} MTP tensors); "
             "--fix-metadata repairs metadata only: put the MTP back with --from SRC"
         )
     if options.in_place and quant.source.local_root is None:
@@ -250,6 +251,10 @@ def graft(options: GraftOptions) -> GraftResult:
     t0 = time.perf_counter()
     _check_options(options)
     quant = _open_quant(options)
+    what = "graft --fix-metadata" if options.fix_metadata else "graft"
+    refusal = surgery_refusal(quant.spec.family, quant.label, what)
+    if refusal is not None:
+        raise refusal
     _check_out(options, quant)
     mode = "out" if options.out is not None else "in-place"
     hfq = quant.hf_quant_config
@@ -298,9 +303,9 @@ def graft(options: GraftOptions) -> GraftResult:
         if not options.replace:
             lost = sum(len(names) for names in quant.lost_tensors().values())
             what = (
-                f"part of an MTP ({len(existing)} mtp.* tensors; {lost} more were in shards that do not exist)"
+                f"part of an MTP ({len(existing)} MTP tensors; {lost} more were in shards that do not exist)"
                 if lost
-                else f"an MTP ({len(existing)} mtp.* tensors) that differs from SRC's"
+                else f"an MTP ({len(existing)} MTP tensors) that differs from SRC's"
             )
             raise GraftError(f"{quant.label}: already has {what}; pass --replace to replace it")
         plan.removed = sorted(e.name for e in existing)
@@ -347,16 +352,30 @@ def graft(options: GraftOptions) -> GraftResult:
 def _fix_metadata(options: GraftOptions, plan: Plan, result: GraftResult) -> GraftResult:
     quant = plan.quant
     names = [e.name for e in quant.mtp_tensors()]
-    if not names:
+    if not names and quant.spec.mtp.declared:  # the MTP in a shard the index forgot (GLM-4.7's mtp.safetensors)
+        for shard, tensors in quant.forgotten_mtp().items():
+            plan.adopted.update(tensors)
+            plan.metadata.changes.append(
+                f"{INDEX_NAME}: {shard} indexed ({len(tensors)} MTP tensors the index did not list; loaders read only "
+                "the shards the index names)"
+            )
+        names = sorted(plan.adopted)
+    if not names and (not quant.spec.mtp.declared or quant.spec.family.mtp_key is None):
+        why = "and declares none" if not quant.spec.mtp.declared else "and its family has no key to un-declare it"
         raise GraftError(
-            f"{quant.label}: has no mtp.* tensors, so there is no MTP metadata to repair; graft one with --from SRC"
+            f"{quant.label}: has no MTP tensors {why}, so there is no MTP metadata to repair; graft one with "
+            "--from SRC"
         )
-    layers = quant.spec.mtp_depth(names) or quant.spec.mtp.layers
-    plan.metadata = plan_metadata(quant.spec, plan.hfq, quant.tensors, mtp_layers=layers)
+    # no MTP at all but one declared (a publisher that never shipped it, Step-3.7-Flash-NVFP4): un-declared, so that
+    # engines stop expecting it; --from SRC puts it back instead
+    layers = quant.spec.mtp_depth(names) or (quant.spec.mtp.layers if names else 0)
+    reindexed = list(plan.metadata.changes)
+    plan.metadata = plan_metadata(quant.spec, plan.hfq, {**quant.tensors, **plan.adopted}, mtp_layers=layers)
+    plan.metadata.changes[:0] = reindexed
     plan_index_fix(plan)
     result.warnings += plan.metadata.warnings
     result.mtp_tensors = len(names)
-    result.mtp_bytes = sum(quant.tensors[n].nbytes for n in names)
+    result.mtp_bytes = sum((plan.adopted.get(n) or quant.tensors[n]).nbytes for n in names)
     if not plan.metadata.changes:
         result.action = "noop"
         result.message = f"{quant.label}: MTP metadata is already complete; nothing written"
@@ -374,7 +393,7 @@ def _metadata_only(options: GraftOptions, plan: Plan, result: GraftResult, layer
     plan.link = sorted(set(plan.weight_map.values()))
     result.metadata_changes = list(plan.metadata.changes)
     result.warnings += [w for w in plan.metadata.warnings if w not in result.warnings]
-    expected = {e.name: e.shape for e in quant.mtp_tensors()}
+    expected = {e.name: e.shape for e in [*quant.mtp_tensors(), *plan.adopted.values()]}
     target = _open_target(options, quant, plan, result)
     with target.od:
         _write(

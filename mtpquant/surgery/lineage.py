@@ -96,7 +96,7 @@ def check_lineage(quant: Checkpoint, src: Checkpoint, *, weight_check: bool = Tr
         from mtpquant.errors import MtpModeError
 
         raise MtpModeError(
-            f"{src.label}: SRC has no mtp.* tensors (its config: {ss.mtp.describe()}); graft needs the original "
+            f"{src.label}: SRC has no MTP tensors (its config: {ss.mtp.describe()}); graft needs the original "
             "checkpoint that still has its MTP"
         )
     layers = ss.mtp_depth(src_mtp)
@@ -116,9 +116,10 @@ def check_lineage(quant: Checkpoint, src: Checkpoint, *, weight_check: bool = Tr
     if diffs:
         raise LineageError("lineage mismatch between QUANT and SRC: " + "; ".join(diffs))
 
-    expected = _spec_with_layers(qs, layers).expected_mtp_shapes(src_mtp)
+    target = _spec_with_layers(qs, layers)
+    expected = target.expected_mtp_shapes(src_mtp)
     missing = sorted(set(expected) - set(src_mtp))
-    extra = sorted(set(src_mtp) - set(expected))
+    extra = target.mtp_unexpected(src_mtp, expected)
     if extra:
         quantized = [n for n in extra if n.endswith(_QUANT_SUFFIXES)]
         if quantized:
@@ -141,6 +142,8 @@ def check_lineage(quant: Checkpoint, src: Checkpoint, *, weight_check: bool = Tr
     ]
     if shape_diffs:
         raise LineageError("lineage mismatch in MTP shapes: " + "; ".join(shape_diffs[:4]))
+    if qs.family.mtp.inventory != "exact":  # the glue checked; the layers' blocks are SRC's as they are
+        expected = {n: e.shape for n, e in src_mtp.items()}
     odd = sorted(n for n, e in src_mtp.items() if e.dtype not in FLOAT_DTYPES)
     if odd:
         raise GraftError(

@@ -66,8 +66,9 @@ def mtp_modules(spec: ModelSpec, tensors: Mapping[str, Any]) -> dict[str, bool]:
         layer = names.layer_prefix(stem)
         if layer is None:
             continue
-        if stem.startswith(layer + "mlp.experts."):  # routed experts: one engine module, whatever their leaves
-            fused.setdefault(f"{layer}mlp.experts", []).append(stem)
+        block = next((b for b in ("mlp.experts.", "mixer.experts.") if stem.startswith(layer + b)), None)
+        if block is not None:  # routed experts: one engine module, whatever their leaves
+            fused.setdefault(layer + block[:-1], []).append(stem)
             continue
         for fused_name, shards in groups.items():
             for shard in shards:
@@ -202,6 +203,12 @@ def plan_metadata(
         where = resolve(config).mtp.key
         before = "absent" if spec.mtp.key is None else repr(spec.mtp.value)
         plan.changes.append(f"config.json: {where} = {mtp_layers} (was {before})")
+    elif mtp_layers == 0 and spec.mtp.declared and spec.family.mtp_key and not any(map(spec.is_mtp, tensors)):
+        config = declare_mtp(spec, 0)
+        plan.changes.append(
+            f"config.json: {spec.mtp.key} = 0 (was {spec.mtp.value!r}): no MTP tensors, so the declaration engines "
+            "would wait for is removed (graft --from SRC puts the MTP back instead)"
+        )
 
     hfq = copy.deepcopy(dict(hf_quant_config)) if hf_quant_config is not None else None
     config, hfq = repair_labels(spec, config, hfq, tensors, plan.changes)

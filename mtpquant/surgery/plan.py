@@ -32,6 +32,8 @@ class Plan:
     mtp_layers: int = 0
     index_fix: str | None = None  # QUANT's index declares a wrong total_size: the change line that corrects it
     lost: list[str] = field(default_factory=list)  # index entries of shards that do not exist (MTP only), dropped
+    # MTP tensors in shards the index forgot, indexed as they are (the shard linked like any other): name -> entry
+    adopted: dict[str, TensorEntry] = field(default_factory=dict)
 
 
 def weight_map_of(ckpt: Checkpoint) -> dict[str, str]:
