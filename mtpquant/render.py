@@ -77,7 +77,7 @@ def inspect_text(r: InspectReport) -> str:
             "quantization",
             "none"
             if q.method is None
-            else f"{q.method} {q.algorithm} (vLLM: {q.vllm_method})"
+            else " ".join(filter(None, (q.method, q.algorithm))) + f" (vLLM: {q.vllm_method})"
             + (f", group size {q.group_size}" if q.group_size is not None else "")
             + f", KV cache {q.kv_cache or 'unquantized'}",
         ),

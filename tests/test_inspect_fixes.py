@@ -119,6 +119,33 @@ for _kind in QUANT_KINDS:
         f.tiny("qwen4_exp"),
         _Q4_FIX.get(k),
     )
+# the families beyond Qwen: the published quant layouts (tests/support/nextn_quants.py), SRC their BF16 source
+_NEXTN_FIX = {
+    "deepseek-nvidia-fp4": (None, None),
+    "deepseek-mtp-lost": ("deepseek_v3", LOST),
+    "deepseek-eh-proj-nvfp4": ("deepseek_v3", REPLACE),
+    "deepseek-mtp-nvfp4": (None, METADATA),
+    "glm5-next-one-prefix": (None, METADATA),
+    "step-not-shipped": ("step-bf16", LOST),
+    "glm47-mtp-unindexed": (None, METADATA),
+}
+
+
+def _nextn(kind: str, src: str | None, fix: str | tuple[str, ...] | None) -> Case:
+    def build(f: Fixtures) -> tuple[Path, Path | None, str | tuple[str, ...] | None]:
+        from tests.support.nextn_quants import make_nextn_quant
+
+        quant = make_nextn_quant(kind, f.tmp / kind, f.tiny("glm4_moe"))
+        if src is None:
+            return quant, None, fix
+        source = f.tiny(src) if src in TINY_VARIANTS else make_nextn_quant(src, f.tmp / src)
+        return quant, source, fix
+
+    return build
+
+
+for _kind, (_src, _fix) in _NEXTN_FIX.items():
+    CASES[f"nextn-{_kind}"] = _nextn(_kind, _src, _fix)
 for _peer in sorted(p.name for p in PEERS.iterdir() if p.is_dir()):
     # autoround's llm-compressor export: its MTP exclusions are repaired, but the MoE one also has main-model
     # modules whose metadata disagrees with the tensors, which no command repairs; the native one no engine loads

@@ -38,9 +38,10 @@ from mtpquant.engine.verdicts import (
     label_refusal,
     sglang_keeps_quantized_mtp,
     sglang_mismatch,
+    unquantized_why,
 )
 from mtpquant.errors import ExitCode
-from mtpquant.families import NEVER_SHIPPED, NOT_MTP, RECOGNISED
+from mtpquant.families import NEVER_SHIPPED, NOT_MTP, RECOGNISED, EngineRules, matches
 from mtpquant.formats.quant_config import QuantMetadata
 
 __all__ = [
@@ -235,6 +236,7 @@ def _module_reports(
     mtp_meta, _ = _engine_view(ckpt, meta)
     reports: list[ModuleReport] = []
     findings: list[Finding] = []
+    one_form: list[tuple[str, str]] = []  # (checkpoint name, engine name) excluded only under the checkpoint's name
     for mod in engine_modules(names, family.engine):
         if mod.kind == "embedding":  # shards of one table, one table-wide scale
             disk = table_precision(ckpt.tensors, mod.prefix, mod.members)
@@ -263,6 +265,8 @@ def _module_reports(
             consistent = True  # reported through the missing-tensor check
         if mod.kind == "unquantized" and disk_q:
             reason = "vLLM builds it unquantized, but it is quantized on disk"
+            if matches(engine_prefix, family.engine.dequantized_on_load):  # DeepSeek-V3.2's FP8 indexer wk
+                consistent, reason = True, "vLLM dequantizes it to BF16 as it loads"
         expects = e.expects if e.quantized else None
         reports.append(ModuleReport(mod.prefix, list(mod.members), disk, q, reason, consistent, expects, e.workaround))
         if not consistent:
@@ -274,14 +278,38 @@ def _module_reports(
                     f"loads {e.expects}"
                     + (_missing_param(ckpt, mod, engine_prefix, e) if mod.kind == "experts" else "")
                 )
+            elif q and engine_prefix != mod.prefix and _excluded_as(mod, meta, family.engine):
+                one_form.append((mod.prefix, engine_prefix))
+                reports[-1].reason = f"excluded as {mod.prefix}, but vLLM's draft builds it as {engine_prefix}"
+                continue
             elif q:
                 msg = f"vLLM will fail to load: {mod.prefix} is {disk} on disk but declared quantized"
+            elif mod.kind == "unquantized":
+                msg = f"vLLM will fail to load: {mod.prefix} is {disk} on disk but {unquantized_why(reason)}"
             else:
                 msg = f"vLLM will fail to load: {mod.prefix} is {disk} on disk but excluded from quantization"
                 if mod.kind == "experts" and e.method is not None:
                     msg += f" ({reason}){_missing_param(ckpt, mod, engine_prefix, e)}"
             findings.append(Finding("exclusions", msg))
+    if one_form:  # one line for them all: the exclusions name the MTP one way, vLLM's draft another
+        ckpt_name, engine_name = one_form[0]
+        findings.append(
+            Finding(
+                "exclusions",
+                f"vLLM will fail to load: the exclusions cover the unquantized MTP only under the checkpoint's names "
+                f"({ckpt_name}), but vLLM's draft builds it as {engine_name}, which they do not match: "
+                f"{len(one_form)} module{'s' if len(one_form) > 1 else ''} built quantized over unquantized weights",
+            )
+        )
     return reports, findings
+
+
+def _excluded_as(mod: EngineModule, meta: QuantMetadata | None, rules: EngineRules) -> bool:
+    """Whether the metadata leaves ``mod`` unquantized under its checkpoint name (what an exporter excludes)."""
+    try:
+        return not vllm_expectation(mod, meta, rules, mod.prefix).quantized
+    except FusedShardsError:
+        return False
 
 
 def _removed_on_purpose(ckpt: Checkpoint) -> str | None:

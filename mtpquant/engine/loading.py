@@ -42,6 +42,7 @@ from mtpquant.formats.quant_config import QuantMetadata
 __all__ = [
     "BLOCK_FP8_MOE_ALGOS",
     "INC_DATA_TYPES",
+    "LM_HEADS",
     "MODELOPT_QUANT_ALGOS",
     "EngineModule",
     "Expectation",
@@ -72,6 +73,11 @@ BLOCK_FP8_MOE_ALGOS = ("FP8_PB_WO", "FP8_BLOCK_SCALES")
 # Element types vLLM 0.32's INC (AutoRound) config accepts: INCConfig.SUPPORTED_DTYPES, plus the mx_fp family.
 INC_DATA_TYPES = ("int", "fp", "mx_fp")
 _REGEX_CHARS = set(r"*+?^$()[]{}|\\")
+# LM heads as the engines name them (the model's lm_head; an MTP layer's own head, vLLM's "{layer}.head" for DeepSeek
+# and GLM, "shared_head.head" for Step): vLLM's Fp8Config quantizes LinearBase and routed experts only
+# (quantization/fp8.py get_quant_method), so an FP8 checkpoint keeps them unquantized
+LM_HEADS = ("lm_head", "*.head", "*.shared_head.head")
+_FP8_HEAD = "vLLM's Fp8Config builds the LM head unquantized (it quantizes Linear layers and experts only)"
 
 
 class FusedShardsError(ValueError):
@@ -427,6 +433,8 @@ def vllm_expectation(
     if meta.is_auto_round:
         q, reason = auto_round_quantized(prefix, meta)
         return Expectation(q, reason)
+    if meta.vllm_method == "fp8" and matches(prefix, LM_HEADS):
+        return Expectation(False, _FP8_HEAD)
     return Expectation(True, f"quant_method {meta.method!r}")
 
 
@@ -516,4 +524,6 @@ def sglang_builds_quantized(
     if meta.is_modelopt:
         excluded = modelopt_excluded(module.prefix, meta.exclude)
         return not excluded, "excluded" if excluded else "not excluded"
+    if meta.vllm_method == "fp8" and matches(module.prefix, LM_HEADS):
+        return False, "SGLang builds the MTP head unquantized (its Fp8Config quantizes Linear layers and experts only)"
     return True, why

@@ -34,6 +34,7 @@ __all__ = [
     "serve_command",
     "sglang_keeps_quantized_mtp",
     "sglang_mismatch",
+    "unquantized_why",
 ]
 
 NUM_SPECULATIVE_TOKENS = 3
@@ -197,10 +198,12 @@ def engine_verdicts(
         return {"vllm": msg, "sglang": msg}, {}, notes
     if broken:
         vllm = f"vLLM will fail to load: {broken[0].module} is {broken[0].disk} on disk but " + (
-            "declared quantized" if broken[0].vllm_quantized else "excluded from quantization"
+            "declared quantized" if broken[0].vllm_quantized else unquantized_why(broken[0].reason)
         )
         if broken[0].vllm_quantized is None:
             vllm = f"vLLM will fail to load: {broken[0].reason}"
+        elif broken[0].vllm_quantized and broken[0].reason.startswith("excluded as "):  # one name form excluded
+            vllm = f"vLLM will fail to load: {broken[0].module} is {broken[0].disk} on disk and {broken[0].reason}"
         elif broken[0].expects is not None and broken[0].disk not in ("mixed", broken[0].expects):
             vllm = f"vLLM will fail to load: {broken[0].module} is {broken[0].disk} on disk but vLLM loads it as " + (
                 f"{broken[0].expects} ({broken[0].reason})"
@@ -228,6 +231,14 @@ def engine_verdicts(
     if sglang_serves:
         serve["sglang"] = serve_command("sglang", ref)
     return {"vllm": vllm, "sglang": sglang}, serve, notes
+
+
+def unquantized_why(reason: str) -> str:
+    """Why vLLM builds a module unquantized, as a verdict says it: "excluded from quantization", or that vLLM builds it
+    without a quantization config (a plain ``nn.Linear`` such as DeepSeek's ``eh_proj``, a router)."""
+    if reason.startswith("vLLM builds it"):
+        return "vLLM builds it without a quantization config"
+    return "excluded from quantization"
 
 
 def serve_command(engine: str, ref: str, k: int = NUM_SPECULATIVE_TOKENS) -> str:
