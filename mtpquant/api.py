@@ -22,6 +22,7 @@ if TYPE_CHECKING:  # a type checker (a user's, through py.typed) sees the real t
     from mtpquant.convert.result import ConvertResult
     from mtpquant.convert.run import convert
     from mtpquant.diagnose.report import InspectReport, inspect_checkpoint
+    from mtpquant.graft.extract import ExtractOptions, ExtractResult, extract_mtp
     from mtpquant.graft.run import GraftOptions, GraftResult, fix_metadata, graft
     from mtpquant.heal.options import HealOptions
     from mtpquant.heal.plan import HealPlan
@@ -43,6 +44,8 @@ __all__ = [
     "ConvertOptions",
     "ConvertPlan",
     "ConvertResult",
+    "ExtractOptions",
+    "ExtractResult",
     "GraftOptions",
     "GraftResult",
     "HealOptions",
@@ -57,6 +60,7 @@ __all__ = [
     "builtin_recipe_names",
     "convert",
     "convert_and_heal",
+    "extract_mtp",
     "fix_metadata",
     "graft",
     "heal",
@@ -78,6 +82,9 @@ _WHERE = {
     "builtin_recipe_names": "mtpquant.recipes.recipe",
     "ConvertResult": "mtpquant.convert.result",
     "convert": "mtpquant.convert.run",
+    "ExtractOptions": "mtpquant.graft.extract",
+    "ExtractResult": "mtpquant.graft.extract",
+    "extract_mtp": "mtpquant.graft.extract",
     "GraftOptions": "mtpquant.graft.run",
     "GraftResult": "mtpquant.graft.run",
     "graft": "mtpquant.graft.run",

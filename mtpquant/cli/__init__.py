@@ -16,7 +16,7 @@ from mtpquant.runtime.machine import tune_cpu_runtime
 __all__ = ["HUB_CODES", "exit_codes_epilog", "main", "recorded_command"]
 
 # Subcommand modules, each with `register(subparsers)` setting `func(args) -> int` on its parser.
-COMMANDS = ("demo", "convert", "graft", "heal", "inspect", "validate", "publish", "tiny")
+COMMANDS = ("demo", "convert", "graft", "extract", "heal", "inspect", "validate", "publish", "tiny")
 
 # Every command can end with these; a command's epilog adds its own (``exit_codes_epilog``).
 _COMMON_CODES = (ExitCode.OK, ExitCode.INTERNAL, ExitCode.USAGE, ExitCode.IO, ExitCode.INTERRUPTED)

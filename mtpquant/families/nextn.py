@@ -26,12 +26,14 @@ from mtpquant.families.schema import EngineRules, Family, MtpLayout
 from mtpquant.families.storage import APPENDED, MtpStorage
 
 __all__ = [
+    "COPIES",
     "DEEPSEEK_V3",
     "DEEPSEEK_V32",
     "GLM4_MOE",
     "GLM5_NEXT",
     "GLM_MOE_DSA",
     "NEXTN_FAMILIES",
+    "NEXTN_STANDALONE",
     "STEP3P5",
     "mla_shapes",
     "moe_shapes",
@@ -42,6 +44,8 @@ _APPENDED = MtpStorage(APPENDED)
 # Leaves (relative to the MTP layer) that are the layer's own, not its decoder block (vLLM _rewrite_spec_layer_name)
 GLUE = ("embed_tokens", "enorm", "hnorm", "eh_proj", "shared_head")
 COPIES = ("shared_head.head.weight", "embed_tokens.weight")
+# SGLang's standalone export of a DeepSeek MTP (scripts/export_deepseek_nextn.py): the draft class it loads as
+NEXTN_STANDALONE = "DeepseekV3ForCausalLMNextN"
 
 
 def nextn_glue_shapes(
@@ -278,6 +282,7 @@ DEEPSEEK_V3 = _family(
     _engine(_DEEPSEEK_PACKED, "DeepSeekMTPModel", "DeepseekV3ForCausalLMNextN", missing_mtp_error=_COMPLETENESS),
     "DeepseekV3ForCausalLM",
     lineage_keys=_DEEPSEEK_LINEAGE,
+    nextn_architecture=NEXTN_STANDALONE,
 )
 # V3.2 and GLM-5.x: the MLA with its sparse-attention indexer; vLLM's DeepseekV32MTPModel (speculative.py 663-694)
 # (an FP8 wk is dequantized to BF16 as it loads: _try_load_fp8_indexer_wk, deepseek_v2.py)
@@ -296,6 +301,7 @@ DEEPSEEK_V32 = _family(
     _engine(_DEEPSEEK_PACKED, "DeepseekV32MTPModel", "DeepseekV3ForCausalLMNextN", **_V32_ENGINE),
     "DeepseekV32ForCausalLM",
     lineage_keys=(*_DEEPSEEK_LINEAGE, "index_n_heads", "index_head_dim"),
+    nextn_architecture=NEXTN_STANDALONE,
 )
 GLM_MOE_DSA = _family(
     "glm_moe_dsa",

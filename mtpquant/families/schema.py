@@ -227,6 +227,10 @@ class Family:
     status_note: str = ""
     # Whether convert (modelopt NVFP4 through the family's transformers class and mtpquant's calibration) takes it.
     convert: bool = True
+    # The architecture of the family's standalone MTP export, the community's extracted form (SGLang's
+    # scripts/export_deepseek_nextn.py: "DeepseekV3ForCausalLMNextN", num_hidden_layers 1, the MTP at layer 0,
+    # without the head / embedding copies, in nextn_layer_parameters.safetensors); None: the family has none
+    nextn_architecture: str | None = None
 
     @property
     def mtp_key(self) -> str | None:

@@ -167,10 +167,11 @@ class ModelSpec:
             present = list(present)
         if layout.either_expert_form and present is not None:
             per_expert = any(_PER_EXPERT_MTP.search(n) for n in present)
-        shapes = layout.shapes(self.text, self.mtp.layers, per_expert)
+        text = {**self.text, "num_hidden_layers": 0} if self.nextn_standalone else self.text
+        shapes = layout.shapes(text, self.mtp.layers, per_expert)
         if layout.storage.kind == APPENDED and (prefix := self.appended_prefix(present)) != "model.":
             shapes = {prefix + n[len("model.") :]: s for n, s in shapes.items()}  # written as model.layers.{N+i}.
-        if layout.copies and not layout.copies_required:
+        if layout.copies and (not layout.copies_required or self.nextn_standalone):  # the NextN export drops them
             copies = tuple("." + c for c in layout.copies)
             if present is None or not any(n.endswith(copies) for n in present):  # all or none, as the source has them
                 shapes = {n: s for n, s in shapes.items() if not n.endswith(copies)}
@@ -181,11 +182,17 @@ class ModelSpec:
         return tensor_classifier(main_prefix or self.main_prefix, self.family.has_vision, self.mtp_names)(name)
 
     # ---- where the MTP lives --------------------------------------------------------------------------------------
+    @property
+    def nextn_standalone(self) -> bool:
+        """A standalone MTP export (SGLang's NextN form): ``num_hidden_layers`` 1, the MTP at layer 0, no copies."""
+        return self.architecture == self.family.nextn_architecture
+
     @cached_property
     def mtp_names(self) -> MtpNames:
-        """The family's MTP name test resolved against this config (the trunk's layer count for appended layers)."""
+        """The family's MTP name test resolved against this config (the trunk's layer count for appended layers; 0 for
+        a standalone NextN export, whose one layer is the MTP: SGLang's deepseek_nextn.py takes layer 0 then)."""
         storage = self.family.mtp.storage
-        first = self.dim("num_hidden_layers") if storage.kind == APPENDED else 0
+        first = 0 if self.nextn_standalone else self.dim("num_hidden_layers") if storage.kind == APPENDED else 0
         sublayers = 1
         for key in storage.sublayers_key:
             pattern = self.text.get(key)
@@ -202,6 +209,22 @@ class ModelSpec:
                 if name.startswith(root):
                     return root[: -len("layers.")]
         return self.family.wrapper_prefix if self.wrapped else "model."
+
+    def mtp_rename_to(self, other: ModelSpec) -> Callable[[str], str]:
+        """This checkpoint's MTP names as ``other`` (a checkpoint of the same family) numbers its MTP layers: a
+        standalone NextN export's layer 0 becomes the model's layer ``num_hidden_layers``; the identity otherwise."""
+        mine, theirs = self.mtp_names, other.mtp_names
+        if mine.kind != APPENDED or mine.first == theirs.first:
+            return lambda name: name
+
+        def rename(name: str) -> str:
+            prefix = mine.layer_prefix(name)
+            depth = mine.depth_of(name)
+            if prefix is None or depth is None:
+                return name
+            return f"{theirs.roots[0]}{theirs.first + depth}.{name[len(prefix) :]}"
+
+        return rename
 
     def mtp_unexpected(
         self, present: Iterable[str], expected: Iterable[str], module_of: Callable[[str], str] = str
@@ -299,6 +322,9 @@ def _identify(config: Mapping[str, Any]) -> tuple[Family, str]:
         for arch in architectures:
             if arch in family.architectures:
                 return family, arch
+    for family in FAMILIES:  # a standalone MTP export: the model type says whose (V3 and V3.2 share the class)
+        if family.nextn_architecture in architectures and model_type in family.model_types:
+            return family, str(family.nextn_architecture)
     for family in FAMILIES:
         if model_type in family.model_types:
             text = model_type.endswith("_text") or family.wrapper_class is None

@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
+from mtpquant.checkpoint.digest import checksum
+from mtpquant.checkpoint.dtypes import planned_copy
 from mtpquant.checkpoint.index import INDEX_NAME
 from mtpquant.checkpoint.lock import OutputLock
 from mtpquant.checkpoint.source import CheckpointSource, read_text
@@ -44,6 +46,7 @@ from mtpquant.surgery.lineage import GraftError, LineageError, LineageReport, ch
 from mtpquant.surgery.metadata import plan_metadata
 from mtpquant.surgery.modes import MODES, WriteContext
 from mtpquant.surgery.plan import Plan, plan_index_fix, plan_shards, weight_map_of
+from mtpquant.surgery.shards import write_planned_mtp
 from mtpquant.surgery.write import NewMtp, Target, WriteLog, build, commit, open_target
 from mtpquant.units import format_bytes
 
@@ -122,9 +125,26 @@ def _write(
     src: Checkpoint | None,
     result: GraftResult,
     verify: Callable[[Path], list[str]],
+    lineage: LineageReport | None = None,
 ) -> None:
     new_mtp = None
-    if plan.add and src is not None:
+    if plan.add and src is not None and lineage is not None and (lineage.renamed or lineage.from_quant):
+        renamed, from_quant, quant, source = lineage.renamed, lineage.from_quant, plan.quant, src
+
+        def write_renamed(od: OutputDir) -> list[str]:
+            # a standalone NextN export: its layer 0 under QUANT's MTP layer, the copies it dropped from QUANT's own
+            # head and embedding (bytes as stored, through the same MTP shard layout keep mode writes)
+            planned = [
+                dataclasses.replace(planned_copy(source, e), name=renamed.get(e.name, e.name))
+                for e in source.mtp_tensors()
+            ]
+            planned += [
+                dataclasses.replace(planned_copy(quant, quant.tensors[q]), name=n) for n, q in from_quant.items()
+            ]
+            return write_planned_mtp(od, planned, options.max_shard_bytes)
+
+        new_mtp = NewMtp(tuple(plan.add), write_renamed)
+    elif plan.add and src is not None:
         source = src
 
         def write_keep(od: OutputDir) -> list[str]:
@@ -272,7 +292,8 @@ def graft(options: GraftOptions) -> GraftResult:
     src = dataclasses.replace(src, source=cast(CheckpointSource, tracked))
     lineage: LineageReport = check_lineage(quant, src)
     result.warnings += list(lineage.warnings)
-    result.mtp_tensors, result.mtp_bytes = len(src_mtp), lineage.mtp_bytes
+    result.mtp_tensors = len(src_mtp) + len(lineage.from_quant)
+    result.mtp_bytes = lineage.mtp_bytes
 
     existing = quant.mtp_tensors()
     if existing:
@@ -309,11 +330,13 @@ def graft(options: GraftOptions) -> GraftResult:
             )
             raise GraftError(f"{quant.label}: already has {what}; pass --replace to replace it")
         plan.removed = sorted(e.name for e in existing)
-    plan.add = sorted(e.name for e in src_mtp)
+    renamed = {e.name: e._replace(name=lineage.renamed.get(e.name, e.name)) for e in src_mtp}
+    plan.add = sorted({*(e.name for e in renamed.values()), *lineage.from_quant})
     plan.mtp_layers = lineage.mtp_layers
     plan_shards(plan, set(plan.removed))
     table: dict[str, Any] = {n: e for n, e in quant.tensors.items() if n not in set(plan.removed)}
-    table.update({e.name: e for e in src_mtp})
+    table.update({e.name: e for e in renamed.values()})
+    table.update({n: quant.tensors[q]._replace(name=n) for n, q in lineage.from_quant.items()})
     plan.metadata = plan_metadata(quant.spec, hfq, table, mtp_layers=lineage.mtp_layers, reference_config=src.config)
     plan_index_fix(plan)
     result.metadata_changes = list(plan.metadata.changes)
@@ -329,6 +352,11 @@ def graft(options: GraftOptions) -> GraftResult:
         return _finish(result, t0, quant, src)
 
     target = _open_target(options, quant, plan, result)
+
+    def hashes() -> dict[str, str]:  # SRC's bytes as read (under their names in the result), QUANT's copies read now
+        read = {lineage.renamed.get(n, n): h for n, h in tracked.hashes.items()}
+        return read | {n: checksum(quant.read_raw(quant.tensors[q])) for n, q in lineage.from_quant.items()}
+
     with target.od:
         _write(
             target,
@@ -336,7 +364,8 @@ def graft(options: GraftOptions) -> GraftResult:
             plan,
             src,
             result,
-            lambda p: verify_result(p, lineage.expected, tracked.hashes, lineage.mtp_layers, quant, result.warnings),
+            lambda p: verify_result(p, lineage.expected, hashes(), lineage.mtp_layers, quant, result.warnings),
+            lineage,
         )
     result.src_shards_downloaded = list(tracked.downloaded)
     result.destination = str(target.root if target.root is not None else target.od.final)

@@ -48,6 +48,11 @@ class LineageReport:
     expected: dict[str, tuple[int, ...]] = field(repr=False)  # MTP names/shapes QUANT's config implies
     mtp_bytes: int = 0
     warnings: tuple[str, ...] = ()
+    # SRC's MTP name -> its name in QUANT, where they differ (a standalone NextN export's layer 0 -> layer N)
+    renamed: dict[str, str] = field(default_factory=dict, repr=False)
+    # MTP copies SRC lacks and QUANT's own tensors give (the head / embedding copies a NextN export dropped):
+    # name in the result -> QUANT's tensor
+    from_quant: dict[str, str] = field(default_factory=dict, repr=False)
 
 
 def _spec_with_layers(spec: ModelSpec, layers: int) -> ModelSpec:
@@ -90,8 +95,11 @@ def check_lineage(quant: Checkpoint, src: Checkpoint, *, weight_check: bool = Tr
             f"lineage mismatch: QUANT is {qs.family.display} ({qs.architecture}), SRC is "
             f"{ss.family.display} ({ss.architecture})"
         )
-    diffs = dimension_differences(qs.text, ss.text, qs.family)
-    src_mtp = {e.name: e for e in src.mtp_tensors()}
+    # a standalone NextN export keeps one layer, its MTP: the trunk's depth is QUANT's to say
+    src_text = {**ss.text, "num_hidden_layers": qs.text.get("num_hidden_layers")} if ss.nextn_standalone else ss.text
+    diffs = dimension_differences(qs.text, src_text, qs.family)
+    rename = ss.mtp_rename_to(qs)
+    src_mtp = {rename(e.name): e for e in src.mtp_tensors()}
     if not src_mtp:
         from mtpquant.errors import MtpModeError
 
@@ -99,7 +107,7 @@ def check_lineage(quant: Checkpoint, src: Checkpoint, *, weight_check: bool = Tr
             f"{src.label}: SRC has no MTP tensors (its config: {ss.mtp.describe()}); graft needs the original "
             "checkpoint that still has its MTP"
         )
-    layers = ss.mtp_depth(src_mtp)
+    layers = ss.mtp_depth(e.name for e in src_mtp.values())  # SRC's own numbering
     if qs.mtp.declared and layers and qs.mtp.layers != layers:
         diffs.append(f"MTP layers {qs.mtp.layers} ({qs.mtp.describe()}) vs {layers} in SRC's tensors")
     # Shapes of tensors both hold unquantized (embeddings, norms, vision, ...): a cheap second opinion.
@@ -118,7 +126,8 @@ def check_lineage(quant: Checkpoint, src: Checkpoint, *, weight_check: bool = Tr
 
     target = _spec_with_layers(qs, layers)
     expected = target.expected_mtp_shapes(src_mtp)
-    missing = sorted(set(expected) - set(src_mtp))
+    from_quant = _copies_from_quant(quant, set(expected) - set(src_mtp)) if ss.nextn_standalone else {}
+    missing = sorted(set(expected) - set(src_mtp) - set(from_quant))
     extra = target.mtp_unexpected(src_mtp, expected)
     if extra:
         quantized = [n for n in extra if n.endswith(_QUANT_SUFFIXES)]
@@ -138,7 +147,7 @@ def check_lineage(quant: Checkpoint, src: Checkpoint, *, weight_check: bool = Tr
     shape_diffs = [
         f"{n} {list(src_mtp[n].shape)} in SRC vs {list(shape)} implied by QUANT"
         for n, shape in sorted(expected.items())
-        if src_mtp[n].shape != shape
+        if n in src_mtp and src_mtp[n].shape != shape
     ]
     if shape_diffs:
         raise LineageError("lineage mismatch in MTP shapes: " + "; ".join(shape_diffs[:4]))
@@ -161,6 +170,26 @@ def check_lineage(quant: Checkpoint, src: Checkpoint, *, weight_check: bool = Tr
         family=qs.family.key,
         mtp_layers=layers,
         expected=expected,
-        mtp_bytes=sum(e.nbytes for e in src_mtp.values()),
+        mtp_bytes=sum(e.nbytes for e in src_mtp.values()) + sum(quant.tensors[n].nbytes for n in from_quant.values()),
         warnings=tuple(warnings),
+        renamed={e.name: n for n, e in src_mtp.items() if e.name != n},
+        from_quant=from_quant,
     )
+
+
+def _copies_from_quant(quant: Checkpoint, wanted: set[str]) -> dict[str, str]:
+    """The head / embedding copies a standalone NextN export dropped (SGLang's export skips them: its loader takes
+    the target's), as QUANT's own unquantized ``lm_head`` and embedding: result name -> QUANT's tensor. A copy QUANT
+    cannot give unquantized is left missing (graft then refuses, naming it)."""
+    out: dict[str, str] = {}
+    for name in sorted(wanted):
+        if name.endswith(".shared_head.head.weight"):
+            source = "lm_head.weight"
+        elif name.endswith(".embed_tokens.weight"):
+            source = quant.main_prefix + "embed_tokens.weight"
+        else:
+            continue
+        entry = quant.tensors.get(source)
+        if entry is not None and entry.dtype in FLOAT_DTYPES and not _is_quantized_module(quant.tensors, source):
+            out[name] = source
+    return out
