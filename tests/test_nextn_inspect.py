@@ -133,7 +133,7 @@ def test_glm5_next_quant_excluding_one_prefix_form(quants: Factory) -> None:
     assert r.failure_messages == [
         "vLLM will fail to load: the exclusions cover the unquantized MTP only under the checkpoint's names "
         "(model.language_model.layers.2.mlp.experts), but vLLM's draft builds it as model.layers.2.mlp.experts, which "
-        "they do not match: 7 modules built quantized over unquantized weights"
+        "they do not match: 10 modules built quantized over unquantized weights"
     ]
     assert r.verdicts["sglang"] == "SGLang: has no MTP drafter for GLM-5.3-Flash (SGLang 0.5.23)"
     assert r.fixes == [f"mtpquant graft {r.checkpoint} --fix-metadata --out glm5-next-one-prefix-fixed"]

@@ -97,6 +97,7 @@ class TinySpec:
     alias: bool = False  # qwen4_exp: the day-0 qwen3_8_flash_next labels over the same weights
     copies: bool = True  # families whose MTP may carry head / embedding copies (GLM-4.5 does, GLM-4.6+ do not)
     mtp_file: str | None = None  # the MTP in a file of its own (GLM-4.6 / 4.7: mtp.safetensors), in the index
+    overrides: tuple[tuple[str, Any], ...] = ()  # families beyond Qwen: config keys set over the tiny defaults
 
 
 TINY_VARIANTS: dict[str, TinySpec] = {
@@ -111,6 +112,14 @@ TINY_VARIANTS: dict[str, TinySpec] = {
     # mtp.safetensors (GLM-4.6 / 4.7, without head / embedding copies)
     "deepseek_v3": TinySpec("deepseek_v3", shards=3),
     "deepseek_v32": TinySpec("deepseek_v32", shards=3),
+    # DeepSeek's own MLA dimensions (kv_lora_rank 512 + qk_rope_head_dim 64 = 576: what vLLM's GPU MLA backends take;
+    # its CPU build refuses MLA), 16 heads: the GPU serve check's (scripts/nextn_serve_check.py)
+    "deepseek_v3-mla": TinySpec(
+        "deepseek_v3",
+        shards=3,
+        overrides=(("kv_lora_rank", 512), ("qk_rope_head_dim", 64), ("qk_nope_head_dim", 128), ("v_head_dim", 128),
+                   ("num_attention_heads", 16), ("num_key_value_heads", 16), ("hidden_size", 256)),
+    ),
     "glm4_moe": TinySpec("glm4_moe", shards=2, copies=False, mtp_file="mtp.safetensors"),
     "glm4_moe-copies": TinySpec("glm4_moe", shards=3),
     "nemotron_h": TinySpec("nemotron_h", shards=3),
@@ -124,7 +133,7 @@ def tiny_config(spec: TinySpec) -> dict[str, Any]:
     from mtpquant.synth.nextn import NEXTN_CONFIGS, nextn_config
 
     if spec.family in NEXTN_CONFIGS:
-        return nextn_config(spec.family, spec.mtp)
+        return {**nextn_config(spec.family, spec.mtp), **dict(spec.overrides)}
     if spec.family == "qwen4_exp":
         from mtpquant.synth.qwen4_exp import TINY_TEXT_CONFIG, qwen4_exp_config
 

@@ -64,6 +64,12 @@ _GLM5_NEXT: dict[str, Any] = {
     "text_config": {
         **{k: v for k, v in nextn_config("deepseek_v3").items() if k not in ("architectures", "model_type")},
         "model_type": "glm5_next_text",
+        "pad_token_id": 0,
+        "qk_rope_head_dim": 0,  # GLM-5.3-Flash's DSA attention is NoPE (transformers' Glm5NextTextConfig checks it)
+        "qk_nope_head_dim": 96,
+        "index_n_heads": 2,
+        "index_head_dim": 32,
+        "index_topk": 16,
         "index_share_for_mtp_iteration": True,
     },
 }
