@@ -150,7 +150,7 @@ def test_deepseek_v41_dspark_is_not_an_mtp(tmp_path: Path, capsys: pytest.Captur
     assert "graft refused: DeepSeek-V4.1 keeps a DSpark drafter under mtp.*" in capsys.readouterr().err
 
 
-def test_deepseek_v4_is_recognised_with_its_drafter(tmp_path: Path) -> None:
+def test_deepseek_v4_is_recognised_with_its_drafter(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     cfg = {"architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "hidden_size": 64,
            "vocab_size": 128, "num_hidden_layers": 1, "num_nextn_predict_layers": 1}
     path = _write(tmp_path / "v4", cfg, _TRUNK)  # a quant that lost mtp.0.* (RedHat's V4-Flash NVFP4)
@@ -158,6 +158,9 @@ def test_deepseek_v4_is_recognised_with_its_drafter(tmp_path: Path) -> None:
     assert r.drafters == {"vllm": "DeepSeekV4MTPModel", "sglang": "DeepseekV4ForCausalLMNextN"}
     assert r.exit_code() == ExitCode.INSPECT_MTP and r.mtp_status == "recognised" and r.fixes == []
     assert any("recognised, not modelled" in w.message for w in r.warnings)
+    assert cli(["graft", str(path), "--fix-metadata", "--out", str(tmp_path / "out")]) == ExitCode.NOT_AN_MTP
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "graft --fix-metadata refused: DeepSeek-V4's MTP (mtp.{i}.*" in err
 
 
 def test_convert_refuses_the_families_it_does_not_quantize(tiny_factory: Factory, tmp_path: Path) -> None:

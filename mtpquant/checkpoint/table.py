@@ -201,7 +201,7 @@ class Checkpoint:
         # classify() answers MTP exactly for the names the family's test accepts (its first test): filter with that,
         # then sort the few MTP names only, not the whole table; once (the table does not change after open)
         if self._mtp_names is None:
-            is_mtp = self.spec.mtp_names.is_mtp
+            is_mtp = self.spec.mtp_names.matcher
             self._mtp_names = sorted(n for n in self.tensors if is_mtp(n))
         return self._mtp_names
 

@@ -68,15 +68,19 @@ def fix_commands(ckpt: Checkpoint, clean: Callable[[Checkpoint], bool]) -> list[
         if clean(_after(ckpt, table, layers, lost_dropped=False, adopted=True)):
             return [f"mtpquant graft {label} --fix-metadata --out {name}-fixed"]
     commands = []
+    grafted_clean = False
     if ckpt.spec.mtp.declared and (not fatal or ckpt.only_mtp_lost):
-        table = {n: e for n, e in ckpt.tensors.items() if not ckpt.is_mtp(n)}
+        is_mtp = ckpt.spec.mtp_names.matcher
+        table = {n: e for n, e in ckpt.tensors.items() if not is_mtp(n)}
         table.update(_src_mtp(ckpt.spec))
-        if clean(_after(ckpt, table, ckpt.spec.mtp.layers, lost_dropped=True)):
+        grafted_clean = clean(_after(ckpt, table, ckpt.spec.mtp.layers, lost_dropped=True))
+        if grafted_clean:
             # an MTP already there (part of one, or one that differs) is replaced only when asked to
             replace = " --replace" if present else ""
             commands.append(f"mtpquant graft {label} --from SRC{replace} --out {name}-mtp{_SRC_NOTE}")
     # declared, never shipped (or lost): --fix-metadata un-declares it, so engines stop waiting for it
+    # (where the MTP put back leaves it clean, so does no MTP at all: the same model and metadata, nothing declared)
     undeclarable = not present and not fatal and ckpt.spec.mtp.declared and ckpt.spec.family.mtp_key is not None
-    if undeclarable and clean(_after(ckpt, ckpt.tensors, 0, lost_dropped=False)):
+    if undeclarable and (grafted_clean or clean(_after(ckpt, ckpt.tensors, 0, lost_dropped=False))):
         commands.append(f"mtpquant graft {label} --fix-metadata --out {name}-no-mtp{_UNDECLARE_NOTE}")
     return commands

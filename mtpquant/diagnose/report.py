@@ -237,13 +237,14 @@ def _module_reports(
     reports: list[ModuleReport] = []
     findings: list[Finding] = []
     one_form: list[tuple[str, str]] = []  # (checkpoint name, engine name) excluded only under the checkpoint's name
+    is_mtp = ckpt.spec.mtp_names.matcher
     for mod in engine_modules(names, family.engine):
         if mod.kind == "embedding":  # shards of one table, one table-wide scale
             disk = table_precision(ckpt.tensors, mod.prefix, mod.members)
             precision.update(dict.fromkeys(mod.members, disk))
         precs = {precision[m] for m in mod.members}
         disk = precs.pop() if len(precs) == 1 else "mixed"
-        mtp = ckpt.is_mtp(mod.prefix)
+        mtp = bool(is_mtp(mod.prefix))
         engine_prefix = ckpt.spec.engine_mtp_name(mod.prefix) if mtp else mod.prefix
         try:
             e = vllm_expectation(mod, mtp_meta if mtp else meta, family.engine, engine_prefix)

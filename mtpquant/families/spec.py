@@ -292,7 +292,7 @@ def tensor_classifier(
     an appended MTP layer sits under the main prefix."""
     embed = main_prefix + "embed_tokens."
     vision = VISION_PREFIX if has_vision else None
-    is_mtp = names.is_mtp
+    is_mtp = names.matcher
 
     def classify(name: str) -> str:
         if is_mtp(name):

@@ -18,7 +18,7 @@ drafter under ``mtp.``; a DeepSeek-V3 ``model.layers.61.`` is its MTP only becau
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -64,9 +64,16 @@ class MtpNames:
 
     def is_mtp(self, name: str) -> bool:
         """Whether a tensor (or module) name is part of the MTP, anchored: never a substring test."""
+        return bool(self.matcher(name))
+
+    @cached_property
+    def matcher(self) -> Callable[[str], object]:
+        """``is_mtp`` as one callable whose result is truthy for an MTP name, for loops over a whole table (a header
+        table holds ~10^5 names): the namespace's anchored prefix is one C-level regex match."""
         if self.kind != APPENDED:
-            return name.startswith(self.namespace)
-        return self._layer_number(name) is not None
+            return re.compile(re.escape(self.namespace)).match
+        layer_number = self._layer_number
+        return lambda name: layer_number(name) is not None  # layer 0 (a standalone NextN export's) is an MTP
 
     def _layer_number(self, name: str) -> int | None:
         """APPENDED: the absolute layer number of a name at or past the trunk's end; None otherwise."""

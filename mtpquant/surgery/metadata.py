@@ -48,9 +48,10 @@ def mtp_modules(spec: ModelSpec, tensors: Mapping[str, Any]) -> dict[str, bool]:
     (``EngineRules.packed``); routed experts are one engine module too.
     """
     names = spec.mtp_names
+    is_mtp = names.matcher
     modules: dict[str, bool] = {}
     for name, entry in tensors.items():
-        if not names.is_mtp(name):
+        if not is_mtp(name):
             continue
         for suffix in (".weight", ".weight_packed"):
             if name.endswith(suffix) and len(entry.shape) == 2:
@@ -203,7 +204,9 @@ def plan_metadata(
         where = resolve(config).mtp.key
         before = "absent" if spec.mtp.key is None else repr(spec.mtp.value)
         plan.changes.append(f"config.json: {where} = {mtp_layers} (was {before})")
-    elif mtp_layers == 0 and spec.mtp.declared and spec.family.mtp_key and not any(map(spec.is_mtp, tensors)):
+    elif mtp_layers == 0 and spec.mtp.declared and spec.family.mtp_key and not any(
+        map(spec.mtp_names.matcher, tensors)
+    ):
         config = declare_mtp(spec, 0)
         plan.changes.append(
             f"config.json: {spec.mtp.key} = 0 (was {spec.mtp.value!r}): no MTP tensors, so the declaration engines "
