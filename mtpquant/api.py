@@ -23,6 +23,7 @@ if TYPE_CHECKING:  # a type checker (a user's, through py.typed) sees the real t
     from mtpquant.convert.result import ConvertResult
     from mtpquant.convert.run import convert
     from mtpquant.diagnose.report import InspectReport, inspect_checkpoint
+    from mtpquant.graft.extract import ExtractOptions, ExtractResult, extract_mtp
     from mtpquant.graft.options import GraftOptions
     from mtpquant.graft.run import GraftResult, fix_metadata, graft
     from mtpquant.heal.options import HealOptions, HealSizes
@@ -46,6 +47,8 @@ __all__ = [
     "ConvertOptions",
     "ConvertPlan",
     "ConvertResult",
+    "ExtractOptions",
+    "ExtractResult",
     "GraftOptions",
     "GraftResult",
     "HealOptions",
@@ -61,6 +64,7 @@ __all__ = [
     "builtin_recipe_names",
     "convert",
     "convert_and_heal",
+    "extract_mtp",
     "fix_metadata",
     "graft",
     "heal",
@@ -82,6 +86,9 @@ _WHERE = {
     "builtin_recipe_names": "mtpquant.recipes.recipe",
     "ConvertResult": "mtpquant.convert.result",
     "convert": "mtpquant.convert.run",
+    "ExtractOptions": "mtpquant.graft.extract",
+    "ExtractResult": "mtpquant.graft.extract",
+    "extract_mtp": "mtpquant.graft.extract",
     "GraftOptions": "mtpquant.graft.options",
     "GraftResult": "mtpquant.graft.run",
     "graft": "mtpquant.graft.run",

@@ -36,7 +36,9 @@ __all__ = [
     "MemoryPlanError",
     "MtpConfigError",
     "MtpModeError",
+    "MtpNeverShippedError",
     "MtpquantError",
+    "NotAnMtpError",
     "OutputBusyError",
     "OutputExistsError",
     "OutputVerificationError",
@@ -86,8 +88,10 @@ class ExitCode(IntEnum):
     VALIDATE_INCONCLUSIVE = 23  # validate: too few prompts to decide (how many would settle it is named)
     HEAL_NOT_BETTER = 24  # heal: the healed MTP is not better beyond noise on held-out prompts (nothing written)
     VALIDATE_BROKEN = 25  # validate: the candidate is broken (non-finite logits, main model disagrees, AL rises)
+    MTP_NEVER_SHIPPED = 26  # the family declares an MTP its publisher never shipped (MiniMax-M2): nothing to repair
     HEAL_REFUSED = 27  # heal (convert --heal: at its plan): QUANT's MTP is missing, incomplete, of a family heal does
     # not train, or unwritable
+    NOT_AN_MTP = 28  # the drafter is not an MTP mtpquant repairs (DeepSeek-V4.1's DSpark; DeepSeek-V4: recognised only)
     HUB_UNREACHABLE = 30  # the Hub (or mirror) cannot be reached or timed out
     HUB_ACCESS = 31  # the repo, revision or file does not exist, or is gated / private / needs a token
     HUB_REFUSED = 32  # the Hub refused the request or rate-limited it beyond the retries
@@ -126,7 +130,9 @@ _MEANING = {
     ExitCode.VALIDATE_INCONCLUSIVE: "validate: inconclusive, the sample is too small to decide",
     ExitCode.HEAL_NOT_BETTER: "heal: the healed MTP is not better beyond noise; nothing written",
     ExitCode.VALIDATE_BROKEN: "validate: the candidate is broken (non-finite, disagreeing, or AL too high)",
+    ExitCode.MTP_NEVER_SHIPPED: "MTP declared but never shipped by its publisher (MiniMax-M2): nothing to repair",
     ExitCode.HEAL_REFUSED: "heal refused (MTP missing, incomplete, or in a format heal cannot write)",
+    ExitCode.NOT_AN_MTP: "not an MTP mtpquant repairs (DeepSeek-V4.1's DSpark drafter; DeepSeek-V4 recognised only)",
     ExitCode.HUB_UNREACHABLE: "Hub unreachable or timed out",
     ExitCode.HUB_ACCESS: "Hub repo/file not found, gated, private, or bad token",
     ExitCode.HUB_REFUSED: "Hub refused the request or rate-limited it",
@@ -236,6 +242,19 @@ class MtpModeError(MtpquantError):
     """The requested MTP mode needs an MTP the source does not have (or has only in part)."""
 
     exit_code = ExitCode.MTP_MODE
+
+
+class MtpNeverShippedError(MtpquantError):
+    """The family declares an MTP whose weights its publisher never released (MiniMax-M2): nothing to graft or fix."""
+
+    exit_code = ExitCode.MTP_NEVER_SHIPPED
+
+
+class NotAnMtpError(MtpquantError):
+    """The checkpoint's drafter is not an MTP mtpquant repairs: another kind of drafter under the MTP's names
+    (DeepSeek-V4.1's DSpark), or an MTP mtpquant recognises without modelling (DeepSeek-V4)."""
+
+    exit_code = ExitCode.NOT_AN_MTP
 
 
 class IndivisibleDimensionError(MtpquantError):

@@ -45,16 +45,29 @@ def inspect_text(r: InspectReport) -> str:
     main = r.main_model
     expected_present = r.mtp_expected_tensors - len(r.mtp_missing)
     scales = r.mtp_present_tensors - expected_present - len(r.mtp_unexpected)
+    if r.mtp_inventory == "exact":
+        counted = f"{expected_present}/{r.mtp_expected_tensors} expected tensors" + (
+            f" (+{scales} quantization scales)" if scales > 0 else ""
+        )
+    else:  # the glue of each layer is known (or nothing is): the tensors as they are
+        layers = f"{r.mtp_layers_present} layer{'' if r.mtp_layers_present == 1 else 's'}"
+        counted = f"{r.mtp_present_tensors} tensors in {layers}" + (
+            f" (glue {expected_present}/{r.mtp_expected_tensors})" if r.mtp_inventory == "glue" else ""
+        )
     rows = [
         ("checkpoint", r.checkpoint),
         ("family", f"{r.family} ({r.architecture})"),
+        *(
+            [("drafter", ", ".join(f"{ENGINE_NAMES.get(e, e)} {c or '(none)'}" for e, c in r.drafters.items()))]
+            if r.drafters
+            else []
+        ),
         ("MTP declared", r.mtp_declaration),
         (
             "MTP present",
             f"none: removed on purpose (convert --mtp {r.mtp_removed})"
             if r.mtp_removed
-            else f"{expected_present}/{r.mtp_expected_tensors} expected tensors"
-            + (f" (+{scales} quantization scales)" if scales > 0 else "")
+            else counted
             + (f" (+{len(r.mtp_unexpected)} unexpected)" if r.mtp_unexpected else "")
             + f", {format_bytes(r.mtp_bytes)}"
             + (f" in {', '.join(r.mtp_shards)}" if r.mtp_shards else ""),
@@ -64,7 +77,7 @@ def inspect_text(r: InspectReport) -> str:
             "quantization",
             "none"
             if q.method is None
-            else f"{q.method} {q.algorithm} (vLLM: {q.vllm_method})"
+            else " ".join(filter(None, (q.method, q.algorithm))) + f" (vLLM: {q.vllm_method})"
             + (f", group size {q.group_size}" if q.group_size is not None else "")
             + f", KV cache {q.kv_cache or 'unquantized'}",
         ),

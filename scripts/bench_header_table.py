@@ -4,6 +4,7 @@ of the same shard-header bytes, measured side by side on the same files.
 
     .venv/bin/python scripts/bench_header_table.py                 # Qwen3-Next-80B-A3B + Qwen3.5-35B-A3B quants
     .venv/bin/python scripts/bench_header_table.py --runs 7 --no-write
+    .venv/bin/python scripts/bench_header_table.py --layout deepseek-v3-fp8 --layout deepseek-r1-nvfp4   # beyond Qwen
 
 Each case writes a sparse skeleton of a fine-grained MoE NVFP4 quant (scripts/make_skeleton_checkpoint.py;
 four header entries per expert Linear), then runs, ``--runs`` times and interleaved, each measurement in a fresh
@@ -12,6 +13,8 @@ already in memory; with the interpreter's default garbage collection, and again 
 is the parse alone), ``Checkpoint.open`` (config, index, every header, the index checks) and
 ``inspect_checkpoint`` (open plus the per-module verdicts). Ratios are per run (the same round), then the median.
 Targets (issue #15): open <= 2x the limit, inspect <= 3x. Replaces this benchmark's section of docs/BENCHMARKS.md.
+The full-size skeletons of the families beyond Qwen (``tests/support/nextn_skeleton.py``: ``deepseek-v3-fp8``, the
+91,991-tensor DeepSeek-V3 release; ``deepseek-r1-nvfp4``, NVIDIA's FP4 layout; ``glm-4.5``) are layouts too (#35).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.support
 
 from _benchlib import LAYOUTS, PYTHON, REPO, command_line, fmt_bytes, machine, machine_line, today, write_section
 
+from tests.support.nextn_skeleton import FULL_LAYOUTS, make_nextn_skeleton
 from tests.support.skeleton import find_layout, make_skeleton
 
 HEADING = "## header table and inspect vs the JSON parse of the same headers"
@@ -72,9 +76,13 @@ def child(mode: str, path: Path) -> dict[str, Any]:
 
 
 def bench_case(layout_name: str, root: Path, runs: int) -> dict[str, Any]:
-    layout = find_layout(layout_name, LAYOUTS)
-    path = root / f"{layout.name}-quant"
-    make_skeleton(layout, path, quant=True)
+    if layout_name in FULL_LAYOUTS:  # a release or published quant as it is (tests/support/nextn_skeleton.py)
+        name, path = layout_name, root / layout_name
+        make_nextn_skeleton(layout_name, path)
+    else:
+        layout = find_layout(layout_name, LAYOUTS)
+        name, path = layout.name, root / f"{layout.name}-quant"
+        make_skeleton(layout, path, quant=True)
     results: dict[str, list[dict[str, Any]]] = {m: [] for m in MODES}
     for _ in range(runs):
         for mode in MODES:
@@ -85,7 +93,7 @@ def bench_case(layout_name: str, root: Path, runs: int) -> dict[str, Any]:
         return [a["s"] / b["s"] for a, b in zip(results[mode], results[limit])]
 
     return {
-        "layout": layout.name,
+        "layout": name,
         "tensors": first["tensors"],
         "header_bytes": first["header_bytes"],
         "s": {m: statistics.median(r["s"] for r in results[m]) for m in MODES},
@@ -100,7 +108,10 @@ def section(rows: list[dict[str, Any]], runs: int, m: dict[str, Any]) -> str:
         HEADING,
         "",
         f"`{command_line('bench_header_table.py')}` on {today()}: sparse skeletons of fine-grained MoE NVFP4 quants "
-        "(real tensor names, shapes, dtypes, shards; four header entries per expert Linear). Per case, "
+        "(real tensor names, shapes, dtypes, shards; four header entries per expert Linear) and, beyond Qwen (#35), "
+        "the DeepSeek-V3 release (`deepseek-v3-fp8`: 163 shards, block-FP8, its MTP layer 61 with the head and "
+        "embedding copies) and NVIDIA's DeepSeek-R1-FP4 layout (`deepseek-r1-nvfp4`), whose MTP is an appended "
+        "decoder layer the config alone tells from the trunk (tests/support/nextn_skeleton.py). Per case, "
         f"{runs} rounds, each measurement in a fresh interpreter, interleaved: the limit is `json.loads` of every "
         "shard header's bytes (already read), with the default garbage collection and again with the collector "
         "off (the parse alone); `Checkpoint.open` reads config.json, the index and every header and runs every "
@@ -129,6 +140,15 @@ def section(rows: list[dict[str, Any]], runs: int, m: dict[str, Any]) -> str:
             verdicts.append(
                 f"{r['layout']} {mode}: {got:.2f}x the limit, target {target:g}x: {state} "
                 f"({strict:.2f}x the collector-off parse)"
+            )
+    qwen = [r["ratio"]["inspect"] for r in rows if r["layout"].startswith("Qwen")]
+    for r in rows:
+        if qwen and not r["layout"].startswith("Qwen"):  # #35: the same ratio as the Qwen skeletons
+            got = r["ratio"]["inspect"]
+            state = "within" if got <= max(qwen) else "above"
+            verdicts.append(
+                f"{r['layout']} inspect {got:.2f}x the limit, {state} the Qwen skeletons' "
+                f"{min(qwen):.2f}-{max(qwen):.2f}x"
             )
     lines += ["", "Result: " + "; ".join(verdicts) + ".", ""]
     lines += [

@@ -25,6 +25,11 @@
 #      on the published quant layouts (NVIDIA's MIXED_PRECISION, its refreshed metadata before and after
 #      `graft --fix-metadata`, ...), each outcome compared with inspect's verdict (the family has no CPU path in
 #      vLLM or SGLang, so this is its only engine check); GPU_CHECK_QWEN4_EXP=DIR adds a real checkpoint
+#   6b. with GPU_CHECK_VLLM_PYTHON: the DeepSeek MTP serve check, scripts/nextn_serve_check.py: vLLM started with MTP
+#      on the tiny DeepSeek-V3 with DeepSeek's own MLA dimensions (its CPU build cannot run MLA), on a copy that lost
+#      its MTP (inspect predicts "MTP speculative decoding layer 2 weights missing from checkpoint"), and after graft
+#      put it back from the BF16 checkpoint and from SGLang's standalone NextN form (mtpquant extract --nextn); each
+#      outcome compared with inspect's verdict; GPU_CHECK_DEEPSEEK=DIR adds a real checkpoint
 #   7. (with GPU_CHECK_SGLANG_PYTHON, the python of an SGLang GPU environment, e.g. one made from the
 #      lmsysorg/sglang image or `pip install sglang` on a machine with network) NVFP4 + SGLang, which no CPU can
 #      run (`Invalid quantization method on CPU: modelopt_fp4`): the tiny model converted in each MTP mode and
@@ -178,6 +183,10 @@ EOF3
   [[ -n "${GPU_CHECK_QWEN4_EXP:-}" ]] && Q4=(--checkpoint "$GPU_CHECK_QWEN4_EXP")
   timeout $(( 1800 * SCALE )) "$PY" scripts/qwen4_exp_serve_check.py --vllm-python "$GPU_CHECK_VLLM_PYTHON" \
     --work "$WORK/qwen4-exp" "${Q4[@]}"
+  DS=()
+  [[ -n "${GPU_CHECK_DEEPSEEK:-}" ]] && DS=(--checkpoint "$GPU_CHECK_DEEPSEEK")
+  timeout $(( 1200 * SCALE )) "$PY" scripts/nextn_serve_check.py --vllm-python "$GPU_CHECK_VLLM_PYTHON" \
+    --work "$WORK/nextn" "${DS[@]}"
 fi
 
 if [[ -n "${GPU_CHECK_SGLANG_PYTHON:-}" ]]; then

@@ -46,9 +46,15 @@ def test_unsupported_architecture(tiny_copy: Factory, work: Path, capsys: pytest
     code, msg = _run(capsys, str(src), str(work / "out"))
     assert code == 4
     assert msg == (
-        "config.json: unsupported architecture LlamaForCausalLM; supported: Qwen3NextForCausalLM, "
-        "Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5MoeForCausalLM, "
-        "Qwen3_5MoeForConditionalGeneration, Qwen4ExpForCausalLM, Qwen4ExpForConditionalGeneration"
+        "config.json: unsupported architecture LlamaForCausalLM; supported: DeepseekV32ForCausalLM, "
+        "DeepseekV3ForCausalLM, DeepseekV41ForCausalLM, DeepseekV4ForCausalLM, "
+        "DeepseekV4ForConditionalGeneration, Glm4MoeForCausalLM, Glm5NextForCausalLM, "
+        "Glm5NextForConditionalGeneration, GlmMoeDsaForCausalLM, MiMoForCausalLM, "
+        "MiMoV2FlashForCausalLM, MiMoV2ForCausalLM, MiniMaxM2ForCausalLM, NemotronHForCausalLM, "
+        "NemotronHPuzzleForCausalLM, Qwen3NextForCausalLM, Qwen3_5ForCausalLM, "
+        "Qwen3_5ForConditionalGeneration, Qwen3_5MoeForCausalLM, "
+        "Qwen3_5MoeForConditionalGeneration, Qwen4ExpForCausalLM, Qwen4ExpForConditionalGeneration, "
+        "Step3p5ForCausalLM, Step3p7ForConditionalGeneration"
     )
     _nothing_written(work)
 

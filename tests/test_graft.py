@@ -565,6 +565,11 @@ def test_refusals_are_one_line_and_write_nothing(
     hfq = load_json(bad_meta / HF_QUANT_CONFIG)
     hfq["quantization"]["exclude_modules"] = ["lm_head", 5]
     (bad_meta / HF_QUANT_CONFIG).write_text(json.dumps(hfq))
+    # no MTP and none declared: nothing for --fix-metadata to repair (with one declared, it un-declares it)
+    undeclared = private_copy(naive_export_factory("qwen3_5"), tmp_path / "undeclared")
+    cfg = load_json(undeclared / "config.json")
+    cfg["text_config"]["mtp_num_hidden_layers"] = 0
+    (undeclared / "config.json").write_text(json.dumps(cfg))
     out = str(tmp_path / "out")
     cases = [
         (["graft", str(bad_meta), "--from", str(src), "--in-place"], ExitCode.CHECKPOINT, "must be a list of strings"),
@@ -583,7 +588,7 @@ def test_refusals_are_one_line_and_write_nothing(
         (
             ["graft", str(quant), "--from", str(naive_export_factory("qwen3_5")), "--out", out],
             ExitCode.MTP_MODE,
-            "has no mtp.* tensors",
+            "has no MTP tensors",
         ),
         (
             ["graft", str(quant), "--from", str(src), "--out", str(tmp_path / "exists")],
@@ -603,7 +608,7 @@ def test_refusals_are_one_line_and_write_nothing(
             f"{hostile}: model.safetensors.index.json: shard name '../escape.safetensors' is not a relative",
         ),
         (["graft", str(missing_shard), "--from", str(src), "--in-place"], ExitCode.CHECKPOINT, "does not exist"),
-        (["graft", str(quant), "--fix-metadata", "--in-place"], ExitCode.GRAFT_REFUSED, "no mtp.* tensors"),
+        (["graft", str(undeclared), "--fix-metadata", "--in-place"], ExitCode.GRAFT_REFUSED, "and declares none"),
         (["graft", str(quant), "--from", str(src), "--fix-metadata", "--in-place"], ExitCode.USAGE, "takes no --from"),
     ]
     state = tree_state(tmp_path)
@@ -640,13 +645,13 @@ def test_mtp_shards_deleted_are_put_back_and_a_lost_model_shard_is_refused(
         (
             ["graft", str(lost), "--fix-metadata", "--in-place"],
             ExitCode.GRAFT_REFUSED,
-            f"{lost}: {INDEX_NAME}: shard '{mtp_shards[0]}' does not exist (it held {lost_n} mtp.* tensors); "
+            f"{lost}: {INDEX_NAME}: shard '{mtp_shards[0]}' does not exist (it held {lost_n} MTP tensors); "
             "--fix-metadata repairs metadata only: put the MTP back with --from SRC",
         ),
         (
             ["graft", str(part), "--from", str(src), "--in-place"],
             ExitCode.GRAFT_REFUSED,
-            f"{part}: already has part of an MTP ({15 - lost_n} mtp.* tensors; {lost_n} more were in shards that do "
+            f"{part}: already has part of an MTP ({15 - lost_n} MTP tensors; {lost_n} more were in shards that do "
             "not exist); pass --replace to replace it",
         ),
         (

@@ -69,7 +69,7 @@ def test_hub_quant_and_hub_src_with_revisions(
     publish(hub, "org/src", src, revision="bf16")  # ... the original on a branch
     publish(hub, "org/quant", naive, revision="v2")
     hub.create_repo("org/quant", {"README.md": "placeholder"}, exist_ok=True)
-    with pytest.raises(MtpModeError, match="has no mtp"):
+    with pytest.raises(MtpModeError, match="has no MTP"):
         graft(GraftOptions(quant="org/quant", revision="v2", source="org/src", out=tmp_path / "x"))
     assert not (tmp_path / "x").exists()
     ref = tmp_path / "ref"

@@ -198,7 +198,7 @@ def test_graft_refuses_bad_quant_and_bad_source(
             # when asked (tests/test_inspect_fixes.py runs the command inspect prints for it, --replace included)
             assert code == ExitCode.GRAFT_REFUSED
             assert err == (
-                f"mtpquant: error: {quant}: already has part of an MTP (5 mtp.* tensors; 10 more were in shards "
+                f"mtpquant: error: {quant}: already has part of an MTP (5 MTP tensors; 10 more were in shards "
                 "that do not exist); pass --replace to replace it\n"
             )
             continue

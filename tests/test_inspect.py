@@ -116,8 +116,12 @@ def test_modelopt_export_without_mtp_is_declared_but_missing(naive_export_factor
     assert r.verdicts["vllm"] == "vLLM: MTP declared but missing: speculative decoding will accept nothing"
     assert r.failure_messages == ["MTP declared but missing: speculative decoding will accept nothing"]
     assert r.exit_code(strict=True) == EXIT_DECLARED_MISSING
+    # graft puts the MTP back; where the config has a key, --fix-metadata un-declares it instead (Qwen3-Next has none)
+    undeclare = f"mtpquant graft {r.checkpoint} --fix-metadata --out {variant}-no-mtp   (or serve it without MTP: " \
+        "un-declares the MTP it does not have)"
     assert r.fixes == [
-        f"mtpquant graft {r.checkpoint} --from SRC --out {variant}-mtp   (SRC: the BF16 checkpoint it was made from)"
+        f"mtpquant graft {r.checkpoint} --from SRC --out {variant}-mtp   (SRC: the BF16 checkpoint it was made from)",
+        *([undeclare] if variant != "qwen3_next" else []),
     ]
     assert r.quantization.algorithm == "NVFP4" and r.quantization.vllm_method == "modelopt_fp4"
     assert r.main_model.quantized > 0 and r.main_model.inconsistent_modules == []

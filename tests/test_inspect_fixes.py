@@ -31,6 +31,9 @@ PEERS = Path(__file__).resolve().parent / "fixtures" / "peers"
 LAYOUTS = Path(__file__).resolve().parent / "fixtures" / "real-layouts"
 
 METADATA, GRAFT, REPLACE = "--fix-metadata", "--from SRC", "--from SRC --replace"
+# an MTP declared and absent: graft puts it back; where the config has a depth key, --fix-metadata un-declares it
+UNDECLARE = "--fix-metadata --out {name}-no-mtp"
+LOST = (GRAFT, UNDECLARE)
 
 
 @dataclass
@@ -43,8 +46,9 @@ class Fixtures:
     tmp: Path
 
 
-# case -> (checkpoint, SRC it was made from or None, the fix inspect must print: METADATA / GRAFT / REPLACE / None)
-Case = Callable[[Fixtures], tuple[Path, "Path | None", "str | None"]]
+# case -> (checkpoint, SRC it was made from or None, the fixes inspect must print, in order: METADATA / GRAFT /
+# REPLACE / UNDECLARE, a tuple of them, or None)
+Case = Callable[[Fixtures], tuple[Path, "Path | None", "str | tuple[str, ...] | None"]]
 CASES: dict[str, Case] = {}
 
 
@@ -67,8 +71,8 @@ for _v in TINY_VARIANTS:
 for _key, _asset in TINY_MTP_ASSETS.items():
     CASES[f"asset-{_key}"] = lambda f, a=_asset: (a, None, None)
 for _v in ("qwen3_5", "qwen3_5_moe", "qwen3_next"):
-    # modelopt's naive export: the MTP lost, still declared
-    CASES[f"naive-{_v}"] = lambda f, v=_v: (f.naive(v), f.tiny(v), GRAFT)
+    # modelopt's naive export: the MTP lost, still declared (Qwen3-Next has no key to un-declare it)
+    CASES[f"naive-{_v}"] = lambda f, v=_v: (f.naive(v), f.tiny(v), GRAFT if v == "qwen3_next" else LOST)
     # the MTP put back in its own shard, then that shard deleted: the index names a shard that does not exist
     CASES[f"naive-{_v}-mtp-shard-deleted"] = lambda f, v=_v: (
         _without(with_mtp(f.naive(v), f.tiny(v), f.tmp / "q"), f.tmp / "lost", "mtp.safetensors"),
@@ -105,7 +109,7 @@ for _mode in ("keep", "quantize"):
 _Q4_FIX = {
     "nvidia-mixed-refreshed": METADATA,
     "nvidia-mixed-engine-index": METADATA,
-    "nvfp4-mtp-dropped": GRAFT,
+    "nvfp4-mtp-dropped": LOST,
     "nvfp4-mtp-partly-excluded": METADATA,
     "alias": METADATA,
 }
@@ -115,6 +119,33 @@ for _kind in QUANT_KINDS:
         f.tiny("qwen4_exp"),
         _Q4_FIX.get(k),
     )
+# the families beyond Qwen: the published quant layouts (tests/support/nextn_quants.py), SRC their BF16 source
+_NEXTN_FIX = {
+    "deepseek-nvidia-fp4": (None, None),
+    "deepseek-mtp-lost": ("deepseek_v3", LOST),
+    "deepseek-eh-proj-nvfp4": ("deepseek_v3", REPLACE),
+    "deepseek-mtp-nvfp4": (None, METADATA),
+    "glm5-next-one-prefix": (None, METADATA),
+    "step-not-shipped": ("step-bf16", LOST),
+    "glm47-mtp-unindexed": (None, METADATA),
+}
+
+
+def _nextn(kind: str, src: str | None, fix: str | tuple[str, ...] | None) -> Case:
+    def build(f: Fixtures) -> tuple[Path, Path | None, str | tuple[str, ...] | None]:
+        from tests.support.nextn_quants import make_nextn_quant
+
+        quant = make_nextn_quant(kind, f.tmp / kind, f.tiny("glm4_moe"))
+        if src is None:
+            return quant, None, fix
+        source = f.tiny(src) if src in TINY_VARIANTS else make_nextn_quant(src, f.tmp / src)
+        return quant, source, fix
+
+    return build
+
+
+for _kind, (_src, _fix) in _NEXTN_FIX.items():
+    CASES[f"nextn-{_kind}"] = _nextn(_kind, _src, _fix)
 for _peer in sorted(p.name for p in PEERS.iterdir() if p.is_dir()):
     # autoround's llm-compressor export: its MTP exclusions are repaired, but the MoE one also has main-model
     # modules whose metadata disagrees with the tensors, which no command repairs; the native one no engine loads
@@ -127,11 +158,12 @@ for _bad in sorted(p.name for p in BAD.iterdir() if p.is_dir()):
 
 
 def _skeletons(name: str) -> Case:
-    def build(f: Fixtures) -> tuple[Path, Path | None, str | None]:
+    def build(f: Fixtures) -> tuple[Path, Path | None, str | tuple[str, ...] | None]:
         from tests.support.skeleton import find_layout, make_skeleton
 
         layout = find_layout(name, LAYOUTS)
-        return make_skeleton(layout, f.tmp / "q", quant=True).path, make_skeleton(layout, f.tmp / "src").path, GRAFT
+        fix = GRAFT if name.startswith("Qwen3-Next") else LOST
+        return make_skeleton(layout, f.tmp / "q", quant=True).path, make_skeleton(layout, f.tmp / "src").path, fix
 
     return build
 
@@ -146,7 +178,7 @@ PLANNED_ONLY = set() if os.environ.get("MTPQUANT_FULL_LAYOUTS", "") not in ("", 
 
 
 def _q4_skeleton(kind: str) -> Case:
-    def build(f: Fixtures) -> tuple[Path, Path | None, str | None]:
+    def build(f: Fixtures) -> tuple[Path, Path | None, str | tuple[str, ...] | None]:
         from tests.support.qwen4_exp_skeleton import make_qwen4_exp_skeleton
 
         return make_qwen4_exp_skeleton(f.tmp / "q", kind).path, None, None
@@ -191,21 +223,24 @@ def test_every_fix_line_leaves_a_clean_checkpoint(
     path, src, want = CASES[case](Fixtures(tiny_factory, naive_export_factory, healed_tiny, tmp_path))
     fixes = _fix_lines(path, capsys)
     name = path.name
-    if want is None:
-        assert fixes == []
-        return
-    kind = {METADATA: "--fix-metadata", GRAFT: f"--from SRC --out {name}-mtp"}.get(
-        want, f"--from SRC --replace --out {name}-mtp"
-    )
-    assert len(fixes) == 1 and fixes[0].startswith(f"mtpquant graft {path} {kind}"), fixes
-    out = tmp_path / "fixed"
-    if case in PLANNED_ONLY:
-        assert cli([*_argv(fixes[0], src, out), "--dry-run"]) == 0, capsys.readouterr().err
-        assert "would graft" in capsys.readouterr().out
-        return
-    assert cli(_argv(fixes[0], src, out)) == 0, capsys.readouterr().err
-    capsys.readouterr()
-    report = inspect_checkpoint(out)
-    assert report.failure_messages == [] and report.exit_code(strict=True) == 0, report.failure_messages
-    assert report.fixes == []
-    assert _fix_lines(out, capsys) == []
+    wants = () if want is None else (want,) if isinstance(want, str) else want
+    kinds = [
+        {METADATA: "--fix-metadata", GRAFT: f"--from SRC --out {name}-mtp", UNDECLARE: UNDECLARE.format(name=name)}.get(
+            w, f"--from SRC --replace --out {name}-mtp"
+        )
+        for w in wants
+    ]
+    assert len(fixes) == len(kinds), fixes
+    for i, (fix, kind) in enumerate(zip(fixes, kinds)):
+        assert fix.startswith(f"mtpquant graft {path} {kind}"), fixes
+        out = tmp_path / f"fixed-{i}"
+        if case in PLANNED_ONLY and "--from" in fix:
+            assert cli([*_argv(fix, src, out), "--dry-run"]) == 0, capsys.readouterr().err
+            assert "would graft" in capsys.readouterr().out
+            continue
+        assert cli(_argv(fix, src, out)) == 0, capsys.readouterr().err
+        capsys.readouterr()
+        report = inspect_checkpoint(out)
+        assert report.failure_messages == [] and report.exit_code(strict=True) == 0, report.failure_messages
+        assert report.fixes == []
+        assert _fix_lines(out, capsys) == []

@@ -32,22 +32,8 @@ from mtpquant.diagnose.report import _engine_view
 from mtpquant.engine.loading import BLOCK_FP8_MOE_ALGOS, engine_modules, mixed_algo
 from mtpquant.families import family
 from tests.support.qwen4_exp_quants import QUANT_KINDS, make_qwen4_exp_quant
-from tests.support.vllm_env import vllm_env_dir
-
-
-def _vllm_source(relative: str) -> ast.Module:
-    matches = sorted(vllm_env_dir().glob(f"lib/python3*/site-packages/vllm/{relative}"))
-    if not matches:
-        pytest.skip(f"the vLLM {relative} of the test engine is not installed (python -m tests.support.vllm_env)")
-    return ast.parse(matches[0].read_text(), filename=str(matches[0]))
-
-
-def _functions(tree: ast.Module, names: set[str], namespace: dict[str, Any]) -> dict[str, Any]:
-    """vLLM's module-level functions ``names``, compiled from its source as they are."""
-    nodes = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in names]
-    assert {n.name for n in nodes} == names, "vLLM's source no longer has these functions"
-    exec(compile(ast.Module(body=nodes, type_ignores=[]), "<vllm>", "exec"), namespace)
-    return {n: namespace[n] for n in names}
+from tests.support.vllm_source import vllm_functions as _functions
+from tests.support.vllm_source import vllm_source as _vllm_source
 
 
 @pytest.fixture(scope="module")

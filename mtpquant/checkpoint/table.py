@@ -27,7 +27,7 @@ from mtpquant.checkpoint.header import (
 from mtpquant.checkpoint.index import INDEX_NAME, SINGLE_NAME, Problem, check_shard_name, parse_index, validate_index
 from mtpquant.checkpoint.source import CheckpointSource, open_source, read_json
 from mtpquant.errors import CheckpointError, ConfigError, MtpquantError
-from mtpquant.families import ModelSpec, is_mtp_name, resolve, tensor_classifier
+from mtpquant.families import APPENDED, ModelSpec, resolve, tensor_classifier
 from mtpquant.formats.quant_config import HF_QUANT_CONFIG, QuantMetadata, read_quant_metadata
 
 if TYPE_CHECKING:
@@ -58,6 +58,7 @@ class Checkpoint:
     # parsed headers (``Checkpoint.open(..., reuse=...)``).
     fingerprints: dict[str, tuple[int, int, int, int]] = field(default_factory=dict)
     _mtp_names: list[str] | None = field(default=None, init=False, repr=False, compare=False)
+    _forgotten: dict[str, dict[str, TensorEntry]] | None = field(default=None, init=False, repr=False, compare=False)
 
     # ---- opening ------------------------------------------------------------------------------
     @classmethod
@@ -178,28 +179,56 @@ class Checkpoint:
 
     def by_class(self) -> dict[str, list[TensorEntry]]:
         """Tensors grouped by class, each group sorted by name."""
-        classify = tensor_classifier(self.main_prefix or self.spec.main_prefix, self.spec.family.has_vision)
+        classify = tensor_classifier(
+            self.main_prefix or self.spec.main_prefix, self.spec.family.has_vision, self.spec.mtp_names
+        )
         groups: dict[str, list[TensorEntry]] = defaultdict(list)
         tensors = self.tensors
         for name in sorted(tensors):
             groups[classify(name)].append(tensors[name])
         return dict(groups)
 
+    def is_mtp(self, name: str) -> bool:
+        """Whether a tensor or module name belongs to the MTP, by the family's storage (``ModelSpec.is_mtp``)."""
+        return self.spec.is_mtp(name)
+
     @property
     def mtp_only(self) -> bool:
-        """An MTP sidecar: every tensor is ``mtp.*`` (``convert --mtp extract``'s MTP directory, say)."""
+        """An MTP sidecar: every tensor is an MTP tensor (``convert --mtp extract``'s MTP directory, say)."""
         return bool(self.tensors) and len(self._mtp()) == len(self.tensors)
 
     def _mtp(self) -> list[str]:
-        # classify() answers MTP exactly for the names is_mtp_name() accepts (its first test): filter with that,
+        # classify() answers MTP exactly for the names the family's test accepts (its first test): filter with that,
         # then sort the few MTP names only, not the whole table; once (the table does not change after open)
         if self._mtp_names is None:
-            self._mtp_names = sorted(n for n in self.tensors if is_mtp_name(n))
+            is_mtp = self.spec.mtp_names.matcher
+            self._mtp_names = sorted(n for n in self.tensors if is_mtp(n))
         return self._mtp_names
 
     def mtp_tensors(self) -> list[TensorEntry]:
-        """Every ``mtp.*`` tensor present, sorted by name."""
+        """Every MTP tensor present (the family's storage: ``mtp.*``, appended layers, ...), sorted by name."""
         return [self.tensors[n] for n in self._mtp()]
+
+    def forgotten_mtp(self) -> dict[str, dict[str, TensorEntry]]:
+        """Shards beside the index that it does not list and that hold only MTP tensors (GLM-4.7's ``mtp.safetensors``
+        left out of a ModelOpt export's index): shard -> its tensors. Loaders read only the shards the index names
+        (vLLM 0.32 ``filter_duplicate_safetensors_files``), so to them this MTP is missing. Each such shard's header is
+        read (two small reads); one that does not parse is left out (the stray-shard note still names it)."""
+        if self._forgotten is None:
+            self._forgotten = {}
+            if self.index is not None:
+                referenced = set(self.shards)
+                files = self.source.list_files()
+                for shard in sorted(f for f in files if f.endswith(".safetensors") and "/" not in f):
+                    if shard in referenced:
+                        continue
+                    try:
+                        header = read_shard_header(self.source, shard)
+                    except MtpquantError:
+                        continue
+                    if header.tensors and all(self.spec.is_mtp(n) for n in header.tensors):
+                        self._forgotten[shard] = dict(header.tensors)
+        return self._forgotten
 
     def lost_tensors(self) -> dict[str, list[str]]:
         """Each shard the index names that does not exist -> the tensors the index maps to it (empty when none)."""
@@ -214,7 +243,7 @@ class Checkpoint:
 
     @property
     def only_mtp_lost(self) -> bool:
-        """The index's fatal defects are all shards that do not exist and that held only ``mtp.*`` tensors (an MTP
+        """The index's fatal defects are all shards that do not exist and that held only MTP tensors (an MTP
         shard deleted, or never downloaded): the rest of the checkpoint is whole, and ``graft --from SRC`` puts the
         MTP back."""
         fatal = [p for p in self.problems if p.fatal]
@@ -222,7 +251,7 @@ class Checkpoint:
         return (
             bool(fatal)
             and all(p.code == "missing_shard" for p in fatal)
-            and all(is_mtp_name(n) for names in lost.values() for n in names)
+            and all(self.spec.is_mtp(n) for names in lost.values() for n in names)
         )
 
     def amended(
@@ -231,9 +260,16 @@ class Checkpoint:
         hf_quant_config: dict[str, Any] | None,
         tensors: dict[str, TensorEntry] | None = None,
         problems: list[Problem] | None = None,
+        *,
+        indexed_forgotten: bool = False,
     ) -> Checkpoint:
         """This checkpoint's header-level view as a repair would leave it: new metadata, and (where given) a new
-        tensor table and index problems; nothing is read or written."""
+        tensor table and index problems; ``indexed_forgotten``: the MTP shards the index forgot are indexed (their
+        tensors in ``tensors``, their stray-shard notes gone). Nothing is read or written."""
+        if indexed_forgotten:
+            adopted = set(self.forgotten_mtp())
+            problems = [p for p in (self.problems if problems is None else problems)
+                        if not (p.code == "stray_shard" and p.message.split(":", 1)[0] in adopted)]
         view = dataclasses.replace(
             self,
             config=config,
@@ -242,6 +278,8 @@ class Checkpoint:
             problems=self.problems if problems is None else problems,
         )
         view.__dict__["hf_quant_config"] = hf_quant_config  # the cached_property's slot: never read from the source
+        if indexed_forgotten:
+            view._forgotten = {}
         return view
 
     @property
@@ -401,7 +439,11 @@ def _check_config_bounds(spec: ModelSpec) -> None:
         layers = spec.text.get("num_hidden_layers")
         if not isinstance(kinds, list) or not all(isinstance(k, str) and k in _LAYER_TYPES for k in kinds):
             raise ConfigError(f"config.json: {where}layer_types must be a list of layer kinds, got {str(kinds)[:80]}")
-        if isinstance(layers, int) and len(kinds) != layers:
+        # configs of appended-layer families may list the MTP layers too (Step-3.5's legacy per-layer lists carry
+        # num_nextn_predict_layers trailing entries: transformers' Step3p7Config splits them off into mtp_*)
+        if isinstance(layers, int) and len(kinds) not in (
+            {layers, layers + spec.mtp.layers} if spec.family.mtp.storage.kind == APPENDED else {layers}
+        ):
             raise ConfigError(
                 f"config.json: {where}layer_types lists {len(kinds)} layers but num_hidden_layers is {layers}"
             )

@@ -25,7 +25,7 @@ __all__ = [
 ]
 
 # Subcommand modules, each with `register(subparsers)` setting `func(args) -> int` on its parser.
-COMMANDS = ("demo", "convert", "graft", "heal", "inspect", "validate", "publish", "tiny")
+COMMANDS = ("demo", "convert", "graft", "extract", "heal", "inspect", "validate", "publish", "tiny")
 
 # Every command can end with these; a command's epilog adds its own (``exit_codes_epilog``).
 _COMMON_CODES = (ExitCode.OK, ExitCode.INTERNAL, ExitCode.USAGE, ExitCode.IO, ExitCode.INTERRUPTED)

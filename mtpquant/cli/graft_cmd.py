@@ -26,6 +26,8 @@ examples:
     ExitCode.LINEAGE,
     ExitCode.GRAFT_REFUSED,
     ExitCode.OUTPUT_BUSY,
+    ExitCode.MTP_NEVER_SHIPPED,
+    ExitCode.NOT_AN_MTP,
     *HUB_CODES,
 )
 

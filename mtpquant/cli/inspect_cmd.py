@@ -27,6 +27,8 @@ workaround). Errors reading the checkpoint (bad header, no config) are exit 3.
     ExitCode.INSPECT_EXCLUSIONS,
     ExitCode.INSPECT_INDEX,
     ExitCode.INSPECT_FORMAT,
+    ExitCode.MTP_NEVER_SHIPPED,
+    ExitCode.NOT_AN_MTP,
     *HUB_CODES,
 )
 

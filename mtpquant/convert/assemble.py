@@ -33,7 +33,7 @@ from mtpquant.checkpoint.header import TensorEntry
 from mtpquant.checkpoint.sharded import sharded_tables
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.checkpoint.writer import OutputDir, PlannedTensor
-from mtpquant.families import TensorClass, is_mtp_name
+from mtpquant.families import TensorClass
 
 __all__ = [
     "MainShards",
@@ -108,7 +108,7 @@ def place_main_shards(export: Checkpoint, src: Checkpoint, od: OutputDir, scratc
         planned: list[PlannedTensor] = []
         changed = False
         for name in sorted(header.tensors, key=lambda n: header.tensors[n].start):
-            if is_mtp_name(name) or name in tables:  # never the main model's / written from the source's shards
+            if src.is_mtp(name) or name in tables:  # never the main model's / written from the source's shards
                 changed = True
                 continue
             entry = export.tensors[name]

@@ -22,7 +22,6 @@ from typing import Any
 
 from mtpquant.checkpoint.writer import OutputDir
 from mtpquant.errors import RecipeError
-from mtpquant.formats.quant_config import MTP_CT_PATTERNS, MTP_MODELOPT_PATTERNS
 
 __all__ = ["FORMATS", "check_ct_recipe", "ct_ignore", "ct_tensor_names", "to_compressed_tensors"]
 
@@ -44,8 +43,9 @@ def check_ct_recipe(quant_algo: str, activations: bool, mtp_format: str, mode: s
         raise RecipeError("--format compressed-tensors with --mtp quantize needs --mtp-format nvfp4")
 
 
-def ct_ignore(patterns: Iterable[str]) -> list[str]:
-    """modelopt exclusions as compressed-tensors ``ignore`` entries (in order, without duplicates).
+def ct_ignore(patterns: Iterable[str], mtp_patterns: tuple[Sequence[str], Sequence[str]]) -> list[str]:
+    """modelopt exclusions as compressed-tensors ``ignore`` entries (in order, without duplicates); ``mtp_patterns``:
+    the family's whole-MTP patterns in both forms (``ModelSpec.mtp_exclusion_patterns``).
 
     vLLM matches the ignore list of a module it builds packed (``in_proj_ba``, ``qkv_proj``, ...) shard by shard,
     so an excluded packed name also lists its shards' names.
@@ -54,8 +54,8 @@ def ct_ignore(patterns: Iterable[str]) -> list[str]:
 
     out: list[str] = []
     for p in patterns:
-        if p in MTP_MODELOPT_PATTERNS:
-            out += MTP_CT_PATTERNS
+        if p in mtp_patterns[0]:
+            out += mtp_patterns[1]
         elif p.startswith("re:") or not any(c in p for c in "*?["):
             out.append(p)
             base, _, last = p.rpartition(".")
@@ -78,20 +78,23 @@ def ct_tensor_names(names: Sequence[str]) -> list[str]:
     return sorted(out)
 
 
-def to_compressed_tensors(od: OutputDir, exclude: Sequence[str], device: str) -> dict[str, Any]:
+def to_compressed_tensors(
+    od: OutputDir, exclude: Sequence[str], device: str, mtp_patterns: tuple[Sequence[str], Sequence[str]]
+) -> dict[str, Any]:
     """Convert the modelopt shards in ``od``'s temporary directory in place; returns the ``quantization_config``
     that replaces modelopt's in config.json (the caller writes it).
 
     ``od`` holds the finished modelopt shards, their index and config.json; ``exclude`` is modelopt's
-    ``exclude_modules``. The converter writes into a scratch directory inside ``od``; its shards replace the
-    modelopt ones (renames) and the index is rebuilt from them.
+    ``exclude_modules``; ``mtp_patterns`` the family's whole-MTP patterns (ModelOpt, compressed-tensors). The
+    converter writes into a scratch directory inside ``od``; its shards replace the modelopt ones (renames) and the
+    index is rebuilt from them.
     """
     from compressed_tensors.entrypoints.convert import convert_checkpoint
     from compressed_tensors.entrypoints.convert.converters.modelopt_nvfp4 import ModelOptNvfp4Converter
     from loguru import logger as ct_logger  # compressed-tensors logs through loguru: its notes stay out of ours
 
     scratch = od.path / _SCRATCH
-    converter = ModelOptNvfp4Converter(ignore=ct_ignore(exclude), targets=["Linear"])
+    converter = ModelOptNvfp4Converter(ignore=ct_ignore(exclude, mtp_patterns), targets=["Linear"])
     log.info("converting to compressed-tensors (nvfp4-pack-quantized) with compressed-tensors' ModelOpt converter")
     ct_logger.disable("compressed_tensors")
     try:

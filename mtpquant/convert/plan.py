@@ -29,9 +29,10 @@ from mtpquant.errors import (
     OutputExistsError,
     RecipeError,
     SourceQuantizedError,
+    UnsupportedArchitectureError,
     UsageError,
 )
-from mtpquant.families import TensorClass
+from mtpquant.families import FAMILIES, TensorClass
 from mtpquant.formats.quant_config import HF_QUANT_CONFIG
 from mtpquant.hfconfig import transformers_config
 from mtpquant.recipes.recipe import (
@@ -224,6 +225,12 @@ def plan_convert(options: ConvertOptions, ckpt: Checkpoint | None = None) -> tup
         ckpt = Checkpoint.open(options.src, revision=options.revision, strict=True)
     spec = ckpt.spec
     family = spec.family
+    if not family.convert:  # recognised for the MTP doctor (inspect, graft, --fix-metadata), not converted
+        convertible = ", ".join(sorted(f.display for f in FAMILIES if f.convert))
+        raise UnsupportedArchitectureError(
+            f"{ckpt.label}: convert does not quantize {family.display} ({spec.architecture}); it converts "
+            f"{convertible}. inspect, graft and graft --fix-metadata work on it"
+        )
     local_src = ckpt.source.local_root
     out = Path(options.out).expanduser()
     _check_output(out, local_src, options.overwrite, "OUT")  # before transformers loads (seconds): refused at once

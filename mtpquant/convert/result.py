@@ -10,7 +10,7 @@ from typing import Any
 
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.convert.plan import ConvertPlan
-from mtpquant.families import TensorClass, is_mtp_name
+from mtpquant.families import TensorClass
 
 __all__ = ["ConvertResult", "count_output"]
 
@@ -70,13 +70,13 @@ def count_output(path: Path) -> tuple[dict[str, int], int, int, int]:
     for name in ckpt.tensors:
         cls = ckpt.classify(name)
         counts[cls] = counts.get(cls, 0) + 1
-    quantized = {m for m in quantized_modules_of(ckpt.tensors) if not is_mtp_name(m)}
+    quantized = {m for m in quantized_modules_of(ckpt.tensors) if not ckpt.is_mtp(m)}
     linears = {
         n[: -len(".weight")]
         for n, e in ckpt.tensors.items()
         if n.endswith(".weight")
         and len(e.shape) == 2
-        and not is_mtp_name(n)
+        and not ckpt.is_mtp(n)
         and ckpt.classify(n) != TensorClass.VISION
         and ckpt.classify(n) != TensorClass.EMBED
     }

@@ -37,7 +37,7 @@ from mtpquant.convert.plan import ConvertOptions, ConvertPlan, plan_convert
 from mtpquant.convert.result import ConvertResult, count_output
 from mtpquant.convert.resume import ResumeState
 from mtpquant.errors import CalibrationDataError, OutputVerificationError
-from mtpquant.families import TensorClass, is_mtp_name
+from mtpquant.families import TensorClass
 from mtpquant.formats.quant_config import HF_QUANT_CONFIG, with_exclusions, without_exclusions
 from mtpquant.public import public_args, public_file, public_name, public_ref
 from mtpquant.recipes.recipe import RECIPE_FILE
@@ -83,14 +83,13 @@ def _output_metadata(
     by the one planner graft uses (``surgery.metadata.plan_metadata``)."""
     from mtpquant.convert.assemble import packed_exclusions
     from mtpquant.families import resolve
-    from mtpquant.formats.quant_config import MTP_CT_PATTERNS, MTP_MODELOPT_PATTERNS
     from mtpquant.surgery.metadata import declare_mtp, plan_metadata
 
     config = declare_mtp(ckpt.spec, declared_layers)
     qc = exported.config.get("quantization_config")
     if qc is not None:
         config["quantization_config"] = copy.deepcopy(qc)
-    config, hfq = without_exclusions(config, exported.hf_quant_config, MTP_MODELOPT_PATTERNS, MTP_CT_PATTERNS)
+    config, hfq = without_exclusions(config, exported.hf_quant_config, *ckpt.spec.mtp_exclusion_patterns())
     if hfq is not None:
         listed = hfq.get("quantization", {}).get("exclude_modules", [])
         packed = packed_exclusions(exported.tensors, listed, ckpt.spec.family.engine.packed)
@@ -110,7 +109,7 @@ def _verify(plan: ConvertPlan, src: Checkpoint, outcome: MtpOutcome, path: Path)
     mode = plan.mtp_mode
     out = Checkpoint.open(path, strict=True)
     where = f"{plan.out}: verification failed"
-    mtp = {n for n in out.tensors if is_mtp_name(n)}
+    mtp = {e.name for e in out.mtp_tensors()}
     expect_mtp = set(outcome.names)
     if mtp != expect_mtp:
         extra = sorted(mtp - expect_mtp) or sorted(expect_mtp - mtp)
@@ -430,7 +429,8 @@ def _run(
         assert hfq is not None, "an NVFP4 recipe always exports quantization metadata"
         with timer("format"):
             exclude = hfq["quantization"].get("exclude_modules") or []
-            config["quantization_config"] = to_compressed_tensors(od, exclude, plan.device)
+            mtp_patterns = ckpt.spec.mtp_exclusion_patterns()
+            config["quantization_config"] = to_compressed_tensors(od, exclude, plan.device, mtp_patterns)
             od.write_json("config.json", config)
         outcome.names = ct_tensor_names(outcome.names)
     return _Run(

@@ -5,8 +5,9 @@ checkpoint inspect finds clean (``--strict``): ``graft --fix-metadata`` gets the
 (``surgery.metadata.plan_metadata``, day-0 labels and ``quantized_layers`` included); ``graft --from SRC`` gets
 SRC's MTP as the BF16 checkpoint this model was made from holds it (the names and shapes config.json implies,
 which graft's lineage check demands of SRC) with that metadata, and an index without the entries of MTP shards
-that do not exist. Nothing is offered where neither works: a defect of the main model, a format no engine loads,
-a shard of the main model missing.
+that do not exist. Where the MTP is declared and there is none at all, ``graft --fix-metadata`` (the declaration set
+to 0: serve without MTP) is offered after it. Nothing is offered where neither works: a defect of the main model, a
+format no engine loads, a shard of the main model missing, a family mtpquant does not repair.
 """
 
 from __future__ import annotations
@@ -16,22 +17,25 @@ from collections.abc import Callable
 
 from mtpquant.checkpoint.header import TensorEntry, tensor_nbytes
 from mtpquant.checkpoint.table import Checkpoint
-from mtpquant.families import ModelSpec, is_mtp_name, mtp_layer_count
+from mtpquant.families import SUPPORTED, ModelSpec
 from mtpquant.surgery.metadata import plan_metadata
 
 __all__ = ["fix_commands"]
 
 _SRC_NOTE = "   (SRC: the BF16 checkpoint it was made from)"
+_UNDECLARE_NOTE = "   (or serve it without MTP: un-declares the MTP it does not have)"
 
 
-def _after(ckpt: Checkpoint, tensors: dict[str, TensorEntry], layers: int, *, lost_dropped: bool) -> Checkpoint:
-    """``ckpt`` as graft leaves it with this tensor table: the metadata planned for it, and (``lost_dropped``) the
-    index rewritten without the entries of shards that do not exist."""
+def _after(
+    ckpt: Checkpoint, tensors: dict[str, TensorEntry], layers: int, *, lost_dropped: bool, adopted: bool = False
+) -> Checkpoint:
+    """``ckpt`` as graft leaves it with this tensor table: the metadata planned for it, (``lost_dropped``) the index
+    rewritten without the entries of shards that do not exist, (``adopted``) with the MTP shards it forgot."""
     plan = plan_metadata(ckpt.spec, ckpt.hf_quant_config, tensors, mtp_layers=layers)
     config = plan.config if plan.config is not None else ckpt.config
     hfq = plan.hf_quant_config if plan.hf_quant_config is not None else ckpt.hf_quant_config
     problems = [p for p in ckpt.problems if not p.fatal] if lost_dropped else None
-    return ckpt.amended(config, hfq, tensors, problems)
+    return ckpt.amended(config, hfq, tensors, problems, indexed_forgotten=adopted)
 
 
 def _src_mtp(spec: ModelSpec) -> dict[str, TensorEntry]:
@@ -45,7 +49,7 @@ def _src_mtp(spec: ModelSpec) -> dict[str, TensorEntry]:
 def fix_commands(ckpt: Checkpoint, clean: Callable[[Checkpoint], bool]) -> list[str]:
     """The ``mtpquant`` command that repairs ``ckpt`` (``clean``: whether inspect finds a checkpoint clean), or
     none where no command does."""
-    if ckpt.mtp_only:
+    if ckpt.mtp_only or ckpt.spec.family.status != SUPPORTED:
         return []
     # QUANT as graft takes it: the path, or the repo id and the revision asked for (the label says repo@revision)
     where, _, revision = ckpt.label.partition("@") if ckpt.source.local_root is None else (ckpt.label, "", "")
@@ -54,14 +58,29 @@ def fix_commands(ckpt: Checkpoint, clean: Callable[[Checkpoint], bool]) -> list[
     fatal = any(p.fatal for p in ckpt.problems)
     present = [e.name for e in ckpt.mtp_tensors()]
     if present and not fatal:
-        layers = mtp_layer_count(present) or ckpt.spec.mtp.layers
+        layers = ckpt.spec.mtp_depth(present) or ckpt.spec.mtp.layers
         if clean(_after(ckpt, ckpt.tensors, layers, lost_dropped=False)):
             return [f"mtpquant graft {label} --fix-metadata --out {name}-fixed"]
+    forgotten = ckpt.forgotten_mtp() if ckpt.spec.mtp.declared and not present and not fatal else {}
+    if forgotten:  # the MTP is there, in a shard the index forgot: indexing it is the repair
+        table = {**ckpt.tensors, **{n: e for shard in forgotten.values() for n, e in shard.items()}}
+        layers = ckpt.spec.mtp_depth(table) or ckpt.spec.mtp.layers
+        if clean(_after(ckpt, table, layers, lost_dropped=False, adopted=True)):
+            return [f"mtpquant graft {label} --fix-metadata --out {name}-fixed"]
+    commands = []
+    grafted_clean = False
     if ckpt.spec.mtp.declared and (not fatal or ckpt.only_mtp_lost):
-        table = {n: e for n, e in ckpt.tensors.items() if not is_mtp_name(n)}
+        is_mtp = ckpt.spec.mtp_names.matcher
+        table = {n: e for n, e in ckpt.tensors.items() if not is_mtp(n)}
         table.update(_src_mtp(ckpt.spec))
-        if clean(_after(ckpt, table, ckpt.spec.mtp.layers, lost_dropped=True)):
+        grafted_clean = clean(_after(ckpt, table, ckpt.spec.mtp.layers, lost_dropped=True))
+        if grafted_clean:
             # an MTP already there (part of one, or one that differs) is replaced only when asked to
             replace = " --replace" if present else ""
-            return [f"mtpquant graft {label} --from SRC{replace} --out {name}-mtp{_SRC_NOTE}"]
-    return []
+            commands.append(f"mtpquant graft {label} --from SRC{replace} --out {name}-mtp{_SRC_NOTE}")
+    # declared, never shipped (or lost): --fix-metadata un-declares it, so engines stop waiting for it
+    # (where the MTP put back leaves it clean, so does no MTP at all: the same model and metadata, nothing declared)
+    undeclarable = not present and not fatal and ckpt.spec.mtp.declared and ckpt.spec.family.mtp_key is not None
+    if undeclarable and (grafted_clean or clean(_after(ckpt, ckpt.tensors, 0, lost_dropped=False))):
+        commands.append(f"mtpquant graft {label} --fix-metadata --out {name}-no-mtp{_UNDECLARE_NOTE}")
+    return commands

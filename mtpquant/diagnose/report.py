@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from mtpquant.checkpoint.header import bulk_parse
+from mtpquant.checkpoint.index import INDEX_NAME
 from mtpquant.checkpoint.modules import linear_modules, module_of
 from mtpquant.checkpoint.precision import is_quantized, module_precision, table_precision
 from mtpquant.checkpoint.source import CheckpointSource
@@ -37,9 +38,10 @@ from mtpquant.engine.verdicts import (
     label_refusal,
     sglang_keeps_quantized_mtp,
     sglang_mismatch,
+    unquantized_why,
 )
 from mtpquant.errors import ExitCode
-from mtpquant.families import is_mtp_name
+from mtpquant.families import NEVER_SHIPPED, NOT_MTP, RECOGNISED, EngineRules, matches
 from mtpquant.formats.quant_config import QuantMetadata
 
 __all__ = [
@@ -64,7 +66,10 @@ EXIT_INDEX = int(ExitCode.INSPECT_INDEX)
 EXIT_FORMAT = int(ExitCode.INSPECT_FORMAT)
 EXIT_DECLARED_MISSING = int(ExitCode.INSPECT_MTP)
 EXIT_EXCLUSIONS = int(ExitCode.INSPECT_EXCLUSIONS)
+# Families whose MTP mtpquant does not repair say so first: there is no MTP question to answer after that.
 _SEVERITY = (
+    (NEVER_SHIPPED, int(ExitCode.MTP_NEVER_SHIPPED)),
+    (NOT_MTP, int(ExitCode.NOT_AN_MTP)),
     ("index", EXIT_INDEX),
     ("format", EXIT_FORMAT),
     ("declared_missing", EXIT_DECLARED_MISSING),
@@ -76,7 +81,7 @@ _SEVERITY = (
 class Finding:
     """A failure or warning with the category that decides its --strict exit code."""
 
-    category: str  # "declared_missing" | "exclusions" | "index" | "format" | "note"
+    category: str  # "declared_missing" | "exclusions" | "index" | "format" | "never_shipped" | "not_mtp" | "note"
     message: str
 
 
@@ -152,6 +157,13 @@ class InspectReport:
     failures: list[Finding] = field(default_factory=list)
     warnings: list[Finding] = field(default_factory=list)
     fixes: list[str] = field(default_factory=list)  # the commands that repair the failures, where one does
+    # the drafter class each engine builds for this family's MTP ("" where the engine has none)
+    drafters: dict[str, str] = field(default_factory=dict)
+    # what the MTP inventory enumerates ("exact", "glue": each layer's glue, "none": presence only), the MTP depths
+    # present, and what mtpquant does with the family ("supported", "recognised", "not_mtp", "never_shipped")
+    mtp_inventory: str = "exact"
+    mtp_layers_present: int = 0
+    mtp_status: str = "supported"
     mtp_removed: str | None = None  # the MTP mode (drop / extract) an mtpquant run removed the MTP with
     bytes_fetched: int = 0
     requests: int = 0  # network requests (a Hub repo); 0 for a local directory
@@ -186,7 +198,8 @@ class InspectReport:
 
 
 def _engine_view(ckpt: Checkpoint, meta: QuantMetadata | None) -> tuple[QuantMetadata | None, int]:
-    """The MTP's quantization metadata as the engine reads it (Qwen4-Exp: mtp.layers.i renamed in every list)."""
+    """The MTP's quantization metadata as the engine reads it (Qwen4-Exp: mtp.layers.i renamed in every list), and
+    the trunk's layer count the engine's MTP names count from."""
     layout = ckpt.spec.family.mtp
     if meta is None or not layout.engine_layer_offset:
         return meta, 0
@@ -220,17 +233,19 @@ def _module_reports(
     if precision is None:
         precision = {m: module_precision(ckpt.tensors, m) for m in names}
     family = ckpt.spec.family
-    mtp_meta, layers = _engine_view(ckpt, meta)
+    mtp_meta, _ = _engine_view(ckpt, meta)
     reports: list[ModuleReport] = []
     findings: list[Finding] = []
+    one_form: list[tuple[str, str]] = []  # (checkpoint name, engine name) excluded only under the checkpoint's name
+    is_mtp = ckpt.spec.mtp_names.matcher
     for mod in engine_modules(names, family.engine):
         if mod.kind == "embedding":  # shards of one table, one table-wide scale
             disk = table_precision(ckpt.tensors, mod.prefix, mod.members)
             precision.update(dict.fromkeys(mod.members, disk))
         precs = {precision[m] for m in mod.members}
         disk = precs.pop() if len(precs) == 1 else "mixed"
-        mtp = is_mtp_name(mod.prefix)
-        engine_prefix = family.mtp.engine_name(mod.prefix, layers) if mtp else mod.prefix
+        mtp = bool(is_mtp(mod.prefix))
+        engine_prefix = ckpt.spec.engine_mtp_name(mod.prefix) if mtp else mod.prefix
         try:
             e = vllm_expectation(mod, mtp_meta if mtp else meta, family.engine, engine_prefix)
         except FusedShardsError as exc:
@@ -251,6 +266,8 @@ def _module_reports(
             consistent = True  # reported through the missing-tensor check
         if mod.kind == "unquantized" and disk_q:
             reason = "vLLM builds it unquantized, but it is quantized on disk"
+            if matches(engine_prefix, family.engine.dequantized_on_load):  # DeepSeek-V3.2's FP8 indexer wk
+                consistent, reason = True, "vLLM dequantizes it to BF16 as it loads"
         expects = e.expects if e.quantized else None
         reports.append(ModuleReport(mod.prefix, list(mod.members), disk, q, reason, consistent, expects, e.workaround))
         if not consistent:
@@ -262,14 +279,38 @@ def _module_reports(
                     f"loads {e.expects}"
                     + (_missing_param(ckpt, mod, engine_prefix, e) if mod.kind == "experts" else "")
                 )
+            elif q and engine_prefix != mod.prefix and _excluded_as(mod, meta, family.engine):
+                one_form.append((mod.prefix, engine_prefix))
+                reports[-1].reason = f"excluded as {mod.prefix}, but vLLM's draft builds it as {engine_prefix}"
+                continue
             elif q:
                 msg = f"vLLM will fail to load: {mod.prefix} is {disk} on disk but declared quantized"
+            elif mod.kind == "unquantized":
+                msg = f"vLLM will fail to load: {mod.prefix} is {disk} on disk but {unquantized_why(reason)}"
             else:
                 msg = f"vLLM will fail to load: {mod.prefix} is {disk} on disk but excluded from quantization"
                 if mod.kind == "experts" and e.method is not None:
                     msg += f" ({reason}){_missing_param(ckpt, mod, engine_prefix, e)}"
             findings.append(Finding("exclusions", msg))
+    if one_form:  # one line for them all: the exclusions name the MTP one way, vLLM's draft another
+        ckpt_name, engine_name = one_form[0]
+        findings.append(
+            Finding(
+                "exclusions",
+                f"vLLM will fail to load: the exclusions cover the unquantized MTP only under the checkpoint's names "
+                f"({ckpt_name}), but vLLM's draft builds it as {engine_name}, which they do not match: "
+                f"{len(one_form)} module{'s' if len(one_form) > 1 else ''} built quantized over unquantized weights",
+            )
+        )
     return reports, findings
+
+
+def _excluded_as(mod: EngineModule, meta: QuantMetadata | None, rules: EngineRules) -> bool:
+    """Whether the metadata leaves ``mod`` unquantized under its checkpoint name (what an exporter excludes)."""
+    try:
+        return not vllm_expectation(mod, meta, rules, mod.prefix).quantized
+    except FusedShardsError:
+        return False
 
 
 def _removed_on_purpose(ckpt: Checkpoint) -> str | None:
@@ -283,6 +324,21 @@ def _removed_on_purpose(ckpt: Checkpoint) -> str | None:
     return mode if mode in ("drop", "extract") else None
 
 
+def _vllm_without_mtp(ckpt: Checkpoint, meta: QuantMetadata | None) -> str | None:
+    """What vLLM's drafter does with a declared MTP none of whose weights it finds, for families whose drafter is
+    named in the registry (the family's own check, else its model loader's: ``DefaultModelLoader.track_weights_loading``
+    runs for an unquantized checkpoint only); None: the generic verdict stands."""
+    rules = ckpt.spec.family.engine
+    if not rules.drafters.get("vllm"):
+        return None
+    if rules.missing_mtp_error:
+        layer = ckpt.spec.mtp_names.first
+        return f"{MISSING}; vLLM will fail to load: {rules.missing_mtp_error.format(layer=layer)}"
+    if meta is None:
+        return f"{MISSING}; vLLM will fail to load: ValueError: Following weights were not initialized from checkpoint"
+    return f"{MISSING}; vLLM loads without an error and drafts from uninitialized MTP weights"
+
+
 def _mtp_section(ckpt: Checkpoint, meta: QuantMetadata | None, report: dict[str, Any]) -> list[Finding]:
     findings: list[Finding] = []
     spec = ckpt.spec
@@ -290,16 +346,16 @@ def _mtp_section(ckpt: Checkpoint, meta: QuantMetadata | None, report: dict[str,
     present = ckpt.mtp_tensors()
     present_names = {e.name for e in present}
     expected = spec.expected_mtp_shapes(present_names)
-    present_modules = {module_of(n) for n in present_names}
     missing = []
     for name in expected:
         mod = module_of(name)
         if name in present_names or (name.endswith(".weight") and mod + ".weight_packed" in present_names):
             continue
         missing.append(name)
-    expected_modules = {module_of(n) for n in expected}
-    unexpected = sorted(n for n in present_names if module_of(n) not in expected_modules)
+    unexpected = spec.mtp_unexpected(present_names, expected, module_of)
     report.update(
+        mtp_inventory=spec.family.mtp.inventory,
+        mtp_layers_present=spec.mtp_depth(present_names),
         mtp_declared=spec.mtp.declared,
         mtp_declaration=spec.mtp.describe(),
         mtp_expected_tensors=len(expected),
@@ -316,14 +372,30 @@ def _mtp_section(ckpt: Checkpoint, meta: QuantMetadata | None, report: dict[str,
     report["mtp_precision"] = (
         "absent" if not present else (precs[0] if len(precs) == 1 else "mixed: " + ", ".join(precs))
     )
+    forgotten = ckpt.forgotten_mtp() if spec.mtp.declared and (not present or missing) else {}
+    for shard, tensors in forgotten.items():  # the MTP is on disk, but no loader opens its file
+        findings.append(
+            Finding(
+                "index",
+                f"{shard} holds {len(tensors)} MTP tensors but {INDEX_NAME} does not list it: loaders read only the "
+                "shards the index names (vLLM's filter_duplicate_safetensors_files), so engines see no MTP",
+            )
+        )
+    depth = report["mtp_layers_present"]
     if spec.mtp.declared and not present:
         if report["mtp_removed"] is None:
             findings.append(Finding("declared_missing", MISSING))
     elif spec.mtp.declared and missing:
+        held = (
+            f" ({spec.mtp.describe()}, the checkpoint holds {depth} layer{'' if depth == 1 else 's'})"
+            if 0 < depth < spec.mtp.layers
+            else ""
+        )
         findings.append(
             Finding(
                 "declared_missing",
-                f"MTP incomplete: {len(missing)} of {len(expected)} expected tensors missing (first: {missing[0]})",
+                f"MTP incomplete{held}: {len(missing)} of {len(expected)} expected tensors missing (first: "
+                f"{missing[0]})",
             )
         )
     elif not spec.mtp.declared and present:
@@ -338,7 +410,6 @@ def _mtp_section(ckpt: Checkpoint, meta: QuantMetadata | None, report: dict[str,
             Finding("declared_missing", f"unexpected MTP tensor {unexpected[0]} ({len(unexpected)} in all)")
         )
     findings += mod_findings
-    del present_modules
     return findings
 
 
@@ -411,7 +482,9 @@ def _inspect(ckpt: Checkpoint, t0: float) -> InspectReport:
     warnings += [Finding("note", p.message) for p in ckpt.problems if not p.fatal]
     label = ckpt.label
     sglang_mixed = sglang_keeps_quantized_mtp(ckpt, meta)
-    verdicts, serve, notes = engine_verdicts(report, label, meta, ckpt.spec.family.engine, sglang_mixed)
+    verdicts, serve, notes = engine_verdicts(
+        report, label, meta, ckpt.spec.family.engine, sglang_mixed, ckpt.spec.mtp_names.is_mtp
+    )
     sglang_problem = sglang_mismatch(ckpt, meta) if sglang_mixed and meta is not None else None
     if sglang_problem is not None:
         verdicts["sglang"] = f"SGLang will fail to load: {sglang_problem}"
@@ -433,6 +506,22 @@ def _inspect(ckpt: Checkpoint, t0: float) -> InspectReport:
         )
     if vision.expected and not vision.present and not ckpt.mtp_only:
         warnings.append(Finding("note", "vision tower (model.visual.*) is missing: image input will not work"))
+    family = ckpt.spec.family
+    if family.status in (NEVER_SHIPPED, NOT_MTP):  # no MTP question to answer: say what the family's drafter is
+        failures = [f for f in failures if f.category not in ("declared_missing", "exclusions")]
+        failures.insert(0, Finding(family.status, family.status_note))
+        verdicts = {e: f"{ENGINE_NAMES[e]}: no MTP to draft with: {family.status_note}" for e in ENGINE_NAMES}
+        serve = {}
+    elif family.status == RECOGNISED:
+        warnings.append(Finding("note", family.status_note))
+    if report["mtp_declared"] and not report["mtp_present_tensors"] and report["mtp_removed"] is None:
+        missing = _vllm_without_mtp(ckpt, meta)
+        if missing is not None:
+            verdicts["vllm"] = missing
+            serve.pop("vllm", None)
+    if family.engine.drafters.get("sglang") == "" and "sglang" in verdicts and family.status != NEVER_SHIPPED:
+        verdicts["sglang"] = f"SGLang: has no MTP drafter for {family.display} (SGLang 0.5.23)"
+        serve.pop("sglang", None)
     unknown_label = label_refusal(ckpt)
     if unknown_label is not None:  # neither engine resolves the architecture: nothing else matters until relabelled
         failures.append(Finding("format", f"engines will fail to load: {unknown_label}"))
@@ -468,8 +557,10 @@ def _inspect(ckpt: Checkpoint, t0: float) -> InspectReport:
     )
     return InspectReport(
         checkpoint=label,
-        family=ckpt.spec.family.display,
+        family=family.display,
         architecture=ckpt.spec.architecture,
+        drafters=dict(family.engine.drafters),
+        mtp_status=family.status,
         kind="mtp-only" if ckpt.mtp_only else "model",
         quantization=quant,
         main_model=main,

@@ -31,17 +31,18 @@ from __future__ import annotations
 import bisect
 import functools
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from fnmatch import translate
 from typing import Any
 
-from mtpquant.families import EngineRules, family, is_mtp_name, matches
+from mtpquant.families import QWEN_MTP_NAMES, EngineRules, family, matches
 from mtpquant.formats.quant_config import QuantMetadata
 
 __all__ = [
     "BLOCK_FP8_MOE_ALGOS",
     "INC_DATA_TYPES",
+    "LM_HEADS",
     "MODELOPT_QUANT_ALGOS",
     "EngineModule",
     "Expectation",
@@ -72,6 +73,11 @@ BLOCK_FP8_MOE_ALGOS = ("FP8_PB_WO", "FP8_BLOCK_SCALES")
 # Element types vLLM 0.32's INC (AutoRound) config accepts: INCConfig.SUPPORTED_DTYPES, plus the mx_fp family.
 INC_DATA_TYPES = ("int", "fp", "mx_fp")
 _REGEX_CHARS = set(r"*+?^$()[]{}|\\")
+# LM heads as the engines name them (the model's lm_head; an MTP layer's own head, vLLM's "{layer}.head" for DeepSeek
+# and GLM, "shared_head.head" for Step): vLLM's Fp8Config quantizes LinearBase and routed experts only
+# (quantization/fp8.py get_quant_method), so an FP8 checkpoint keeps them unquantized
+LM_HEADS = ("lm_head", "*.head", "*.shared_head.head")
+_FP8_HEAD = "vLLM's Fp8Config builds the LM head unquantized (it quantizes Linear layers and experts only)"
 
 
 class FusedShardsError(ValueError):
@@ -427,6 +433,8 @@ def vllm_expectation(
     if meta.is_auto_round:
         q, reason = auto_round_quantized(prefix, meta)
         return Expectation(q, reason)
+    if meta.vllm_method == "fp8" and matches(prefix, LM_HEADS):
+        return Expectation(False, _FP8_HEAD)
     return Expectation(True, f"quant_method {meta.method!r}")
 
 
@@ -436,7 +444,8 @@ def vllm_builds_quantized(module: EngineModule, meta: QuantMetadata | None) -> t
     return e.quantized, e.reason
 
 
-_EXPERT_RE = re.compile(r"^(.*\.mlp\.experts)(\.\d+\.\w+|\.gate_up_proj|\.down_proj)$")
+# routed experts: ``mlp.experts`` (Qwen, DeepSeek, GLM), ``mixer.experts`` (Nemotron-H), per expert or fused 3-D
+_EXPERT_RE = re.compile(r"^(.*\.(?:mlp|mixer)\.experts)(\.\d+\.\w+|\.gate_up_proj|\.down_proj)$")
 _TABLE_SHARD = re.compile(r"^(.*)\.shard_\d+$")
 
 
@@ -452,7 +461,7 @@ def engine_modules(linear_names: Sequence[str], rules: EngineRules = _QWEN3) -> 
     # longest shard names first: "indexer.index_qk_proj" before a plain leaf
     shards = sorted(((s, p) for p, ss in rules.packed.items() for s in ss), key=lambda sp: -len(sp[0]))
     for name in sorted(linear_names):
-        m = _EXPERT_RE.match(name) if ".mlp.experts." in name else None
+        m = _EXPERT_RE.match(name) if ".experts." in name else None
         if m:
             add(m.group(1), name, "experts")
             continue
@@ -474,27 +483,36 @@ def engine_modules(linear_names: Sequence[str], rules: EngineRules = _QWEN3) -> 
     return [EngineModule(prefix, tuple(names), kinds[prefix]) for prefix, names in members.items()]
 
 
-def sglang_mtp_build(meta: QuantMetadata | None) -> tuple[bool, str]:
-    """Whether SGLang builds the MTP with the checkpoint's quantization at all, and why (see the module docstring)."""
+def sglang_mtp_build(
+    meta: QuantMetadata | None, is_mtp: Callable[[str], bool] = QWEN_MTP_NAMES.is_mtp
+) -> tuple[bool, str]:
+    """Whether SGLang builds the MTP with the checkpoint's quantization at all, and why (see the module docstring);
+    ``is_mtp``: the family's MTP name test (``ModelSpec.is_mtp``; the ``mtp.`` namespace by default)."""
     if meta is None:
         return False, "the checkpoint declares no quantization"
     method = meta.vllm_method  # SGLang names the ModelOpt and compressed-tensors formats as vLLM does
     if method == "modelopt_fp4":
         return False, "SGLang builds the MTP of a serialized modelopt_fp4 checkpoint in BF16"
     if method == "modelopt_mixed":
-        if any(is_mtp_name(name) for name in meta.quantized_layers):
+        if any(is_mtp(name) for name in meta.quantized_layers):
             return True, "quantized_layers lists the MTP"
-        return False, "SGLang builds the MTP in BF16: modelopt_mixed lists no mtp.* module in quantized_layers"
+        return False, "SGLang builds the MTP in BF16: modelopt_mixed lists no MTP module in quantized_layers"
     return True, f"SGLang builds the MTP with the checkpoint's {method} quantization"
 
 
-def sglang_builds_quantized(module: EngineModule, meta: QuantMetadata | None) -> tuple[bool, str]:
-    """Whether SGLang builds this MTP module quantized, and a short reason. Raises FusedShardsError."""
-    if module.prefix == "mtp.fc":
-        return False, "SGLang builds mtp.fc as a plain Linear"
+def sglang_builds_quantized(
+    module: EngineModule,
+    meta: QuantMetadata | None,
+    rules: EngineRules = _QWEN3,
+    is_mtp: Callable[[str], bool] = QWEN_MTP_NAMES.is_mtp,
+) -> tuple[bool, str]:
+    """Whether SGLang builds this MTP module quantized, and a short reason (``rules``, ``is_mtp``: the family's; the
+    Qwen3.5 ones by default). Raises FusedShardsError."""
+    if matches(module.prefix, rules.sglang_plain):
+        return False, f"SGLang builds {module.prefix} as a plain Linear"
     if module.kind == "unquantized":
         return False, "SGLang builds it without a quantization config"
-    whole, why = sglang_mtp_build(meta)
+    whole, why = sglang_mtp_build(meta, is_mtp)
     if not whole or meta is None:
         return False, why
     if meta.is_compressed_tensors:
@@ -506,4 +524,6 @@ def sglang_builds_quantized(module: EngineModule, meta: QuantMetadata | None) ->
     if meta.is_modelopt:
         excluded = modelopt_excluded(module.prefix, meta.exclude)
         return not excluded, "excluded" if excluded else "not excluded"
+    if meta.vllm_method == "fp8" and matches(module.prefix, LM_HEADS):
+        return False, "SGLang builds the MTP head unquantized (its Fp8Config quantizes Linear layers and experts only)"
     return True, why

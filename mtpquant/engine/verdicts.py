@@ -7,6 +7,7 @@ the engines' own loader rules they apply are in ``engines.py``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +22,7 @@ from mtpquant.engine.loading import (
     sglang_mtp_build,
     vllm_expectation,
 )
-from mtpquant.families import EngineRules, family, is_mtp_name
+from mtpquant.families import QWEN_MTP_NAMES, EngineRules, family
 from mtpquant.formats.quant_config import QuantMetadata
 
 __all__ = [
@@ -33,6 +34,7 @@ __all__ = [
     "serve_command",
     "sglang_keeps_quantized_mtp",
     "sglang_mismatch",
+    "unquantized_why",
 ]
 
 NUM_SPECULATIVE_TOKENS = 3
@@ -58,11 +60,15 @@ _PACKED_PRECISIONS = ("NVFP4", "NVFP4-CT")
 
 
 def _sglang_verdict(
-    mods: list[ModuleReport], meta: QuantMetadata | None, precision: str, rules: EngineRules
+    mods: list[ModuleReport],
+    meta: QuantMetadata | None,
+    precision: str,
+    rules: EngineRules,
+    is_mtp: Callable[[str], bool],
 ) -> tuple[str, bool]:
-    """What SGLang does with this MTP (``inspect/engines.py``: its loader's rules), and whether it serves it
+    """What SGLang does with this MTP (``engine/loading.py``: its loader's rules), and whether it serves it
     with NEXTN."""
-    built = {m.module: _sglang_build(m, meta, rules) for m in mods}
+    built = {m.module: _sglang_build(m, meta, rules, is_mtp) for m in mods}
     for m in mods:
         q, reason = built[m.module]
         disk_q = m.disk != "mixed" and is_quantized(m.disk)
@@ -90,15 +96,17 @@ def _sglang_verdict(
             False,
         )
     if any(is_quantized(m.disk) for m in mods):
-        _, why = sglang_mtp_build(meta)
+        _, why = sglang_mtp_build(meta, is_mtp)
         return f"SGLang: MTP loads ({precision}; {why})", True
     return f"SGLang: MTP loads ({precision})", True
 
 
-def _sglang_build(m: ModuleReport, meta: QuantMetadata | None, rules: EngineRules) -> tuple[bool | None, str]:
+def _sglang_build(
+    m: ModuleReport, meta: QuantMetadata | None, rules: EngineRules, is_mtp: Callable[[str], bool]
+) -> tuple[bool | None, str]:
     module = EngineModule(m.module, tuple(m.members), _module_kind(m, rules))
     try:
-        return sglang_builds_quantized(module, meta)
+        return sglang_builds_quantized(module, meta, rules, is_mtp)
     except FusedShardsError as exc:
         return None, str(exc)
 
@@ -129,7 +137,7 @@ def sglang_keeps_quantized_mtp(ckpt: Checkpoint, meta: QuantMetadata | None) -> 
         ckpt.spec.family.sglang_mixed_mtp
         and meta is not None
         and meta.vllm_method == "modelopt_mixed"
-        and any(is_mtp_name(k) for k in meta.quantized_layers)
+        and any(ckpt.is_mtp(k) for k in meta.quantized_layers)
     )
 
 
@@ -161,10 +169,12 @@ def engine_verdicts(
     meta: QuantMetadata | None = None,
     rules: EngineRules | None = None,
     sglang_quantized_ok: bool = False,
+    is_mtp: Callable[[str], bool] = QWEN_MTP_NAMES.is_mtp,
 ) -> tuple[dict[str, str], dict[str, str], list[str]]:
     """The verdict line per engine, the serve command per engine that loads the MTP, and the exclusion warnings
     (``notes``) from ``report``: the MTP facts the report has gathered (``mtp_*`` keys). ``sglang_quantized_ok``: the
-    family's own SGLang resolution keeps this MTP quantized (``sglang_keeps_quantized_mtp``)."""
+    family's own SGLang resolution keeps this MTP quantized (``sglang_keeps_quantized_mtp``); ``is_mtp``: the family's
+    MTP name test."""
     notes: list[str] = []
     present = report["mtp_present_tensors"] > 0
     mods: list[ModuleReport] = report["mtp_modules"]
@@ -188,10 +198,12 @@ def engine_verdicts(
         return {"vllm": msg, "sglang": msg}, {}, notes
     if broken:
         vllm = f"vLLM will fail to load: {broken[0].module} is {broken[0].disk} on disk but " + (
-            "declared quantized" if broken[0].vllm_quantized else "excluded from quantization"
+            "declared quantized" if broken[0].vllm_quantized else unquantized_why(broken[0].reason)
         )
         if broken[0].vllm_quantized is None:
             vllm = f"vLLM will fail to load: {broken[0].reason}"
+        elif broken[0].vllm_quantized and broken[0].reason.startswith("excluded as "):  # one name form excluded
+            vllm = f"vLLM will fail to load: {broken[0].module} is {broken[0].disk} on disk and {broken[0].reason}"
         elif broken[0].expects is not None and broken[0].disk not in ("mixed", broken[0].expects):
             vllm = f"vLLM will fail to load: {broken[0].module} is {broken[0].disk} on disk but vLLM loads it as " + (
                 f"{broken[0].expects} ({broken[0].reason})"
@@ -210,13 +222,23 @@ def engine_verdicts(
     if sglang_quantized_ok:  # the family's own resolution (qwen4_exp: sglang_mismatch checks it)
         sglang, sglang_serves = f"SGLang: MTP loads ({report['mtp_precision']}; quantized_layers lists the MTP)", True
     else:
-        sglang, sglang_serves = _sglang_verdict(mods, meta, report["mtp_precision"], rules or family("qwen3_5").engine)
+        sglang, sglang_serves = _sglang_verdict(
+            mods, meta, report["mtp_precision"], rules or family("qwen3_5").engine, is_mtp
+        )
     serve: dict[str, str] = {}
     if not broken:
         serve["vllm"] = serve_command("vllm", ref)
     if sglang_serves:
         serve["sglang"] = serve_command("sglang", ref)
     return {"vllm": vllm, "sglang": sglang}, serve, notes
+
+
+def unquantized_why(reason: str) -> str:
+    """Why vLLM builds a module unquantized, as a verdict says it: "excluded from quantization", or that vLLM builds it
+    without a quantization config (a plain ``nn.Linear`` such as DeepSeek's ``eh_proj``, a router)."""
+    if reason.startswith("vLLM builds it"):
+        return "vLLM builds it without a quantization config"
+    return "excluded from quantization"
 
 
 def serve_command(engine: str, ref: str, k: int = NUM_SPECULATIVE_TOKENS) -> str:

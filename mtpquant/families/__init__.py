@@ -17,6 +17,10 @@ from __future__ import annotations
 from mtpquant.families.mtp_config import MtpConfig, config_int
 from mtpquant.families.schema import (
     MTP_PREFIX,
+    NEVER_SHIPPED,
+    NOT_MTP,
+    RECOGNISED,
+    SUPPORTED,
     EngineRules,
     Family,
     ForcedUnquantized,
@@ -27,6 +31,7 @@ from mtpquant.families.schema import (
 )
 from mtpquant.families.spec import (
     FAMILIES,
+    QWEN_MTP_NAMES,
     VISION_PREFIX,
     ModelSpec,
     MtpDeclaration,
@@ -36,13 +41,23 @@ from mtpquant.families.spec import (
     mtp_config,
     resolve,
     supported_architectures,
+    surgery_refusal,
     tensor_classifier,
 )
+from mtpquant.families.storage import APPENDED, NAMESPACE, SUBSPACE, MtpNames, MtpStorage
 
 __all__ = [
+    "APPENDED",
     "FAMILIES",
     "FUSED_EXPERT_PIECES",
     "MTP_PREFIX",
+    "NAMESPACE",
+    "NEVER_SHIPPED",
+    "NOT_MTP",
+    "QWEN_MTP_NAMES",
+    "RECOGNISED",
+    "SUBSPACE",
+    "SUPPORTED",
     "VISION_PREFIX",
     "EngineRules",
     "Family",
@@ -51,6 +66,8 @@ __all__ = [
     "MtpConfig",
     "MtpDeclaration",
     "MtpLayout",
+    "MtpNames",
+    "MtpStorage",
     "TensorClass",
     "classify_tensor",
     "config_int",
@@ -62,6 +79,7 @@ __all__ = [
     "mtp_layer_count",
     "resolve",
     "supported_architectures",
+    "surgery_refusal",
     "tensor_classifier",
 ]
 

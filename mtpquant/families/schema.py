@@ -16,8 +16,16 @@ from fnmatch import translate
 from functools import lru_cache
 from typing import Any
 
+from mtpquant.families.storage import NAMESPACE, MtpStorage
+
+QWEN_STORAGE = MtpStorage(NAMESPACE)  # the ``mtp.`` namespace: Qwen's, every family's default
+
 __all__ = [
     "MTP_PREFIX",
+    "NEVER_SHIPPED",
+    "NOT_MTP",
+    "RECOGNISED",
+    "SUPPORTED",
     "EngineRules",
     "Family",
     "ForcedUnquantized",
@@ -30,12 +38,21 @@ __all__ = [
 
 MTP_PREFIX = "mtp."
 
+# What mtpquant does with a family's MTP (``Family.status``): the whole doctor (inspect, graft, extract,
+# --fix-metadata); inspect only, every surgery refused in one line; a drafter that is not an MTP; a declaration whose
+# weights were never published.
+SUPPORTED = "supported"
+RECOGNISED = "recognised"
+NOT_MTP = "not_mtp"
+NEVER_SHIPPED = "never_shipped"
+
 # (text config, MTP depth, per-expert bank) -> every mtp.* tensor name with its shape
 Shapes = Callable[[Mapping[str, Any], int, bool], dict[str, tuple[int, ...]]]
 
 
 def is_mtp_name(name: str) -> bool:
-    """Anchored MTP test: ``mtp.`` at the start of the name, never a substring match."""
+    """The ``mtp.`` namespace test (Qwen's storage), anchored. Right only for a family known to store its MTP there:
+    ask ``ModelSpec.is_mtp`` (the family's own storage) wherever a checkpoint is at hand."""
     return name.startswith(MTP_PREFIX)
 
 
@@ -93,6 +110,22 @@ class MtpLayout:
     # Torch-free checks of the text config beyond MtpConfig's that the family's reference forward needs (one-line
     # MtpConfigError each), run by ``families.mtp_config`` at plan time; None: none.
     config_check: Callable[[Mapping[str, Any]], None] | None = None
+    # Where the MTP tensors live (the storage class); Qwen's own ``mtp.`` namespace by default.
+    storage: MtpStorage = QWEN_STORAGE
+    # Copies of the head and the embedding some checkpoints carry inside each MTP layer (leaf names relative to the
+    # layer: DeepSeek-V3's and GLM-4.5's ``shared_head.head.weight`` and ``embed_tokens.weight``), all or none.
+    copies: tuple[str, ...] = ()
+    # Whether the family's checkpoints always carry them (DeepSeek-V3: the drafter loads its head from them);
+    # False: a checkpoint may or may not (GLM-4.5 does, GLM-4.6+ do not; vLLM maps lm_head into the MTP's head).
+    copies_required: bool = False
+    # A module name as the engine's draft builds it, for its quantization rules (vLLM strips GLM-5.3-Flash's
+    # ``model.language_model.``, nests Step's block under ``mtp_block``, names DeepSeek's MTP head ``{layer}.head``);
+    # None: the checkpoint's name. The engine reads its exclusion lists unchanged (unlike ``engine_layer_offset``).
+    engine_rename: Callable[[str, int], str] | None = None
+    # What ``shapes`` enumerates: "exact" (every MTP tensor), "glue" (each declared layer's glue only: the block
+    # follows per-layer config mtpquant does not model; tensors inside a declared layer are not unexpected), "none"
+    # (nothing: presence only, for families mtpquant recognises without modelling).
+    inventory: str = "exact"
 
     def engine_name(self, name: str, num_hidden_layers: int) -> str:
         """An MTP module or pattern as the engine names it (patterns that do not start with ``mtp.`` unchanged).
@@ -100,6 +133,8 @@ class MtpLayout:
         Mirrors ``_remap_ignored_layers`` in vLLM 0.32 ``vllm/models/qwen4_exp/nvidia/mtp.py`` (lines 68-83): every
         number after ``.layers.`` in a name starting with ``mtp.`` is offset by ``num_hidden_layers``.
         """
+        if self.engine_rename is not None:
+            return self.engine_rename(name, num_hidden_layers)
         if not self.engine_layer_offset or not name.startswith(MTP_PREFIX):
             return name
         return _LAYER_NUMBER.sub(lambda m: str(num_hidden_layers + int(m.group(0))), name)
@@ -135,6 +170,18 @@ class EngineRules:
     embedding_tables: tuple[str, ...] = ()
     # architectures / model types the engine release knows (None: every architecture of the family)
     known_architectures: frozenset[str] | None = None
+    # fnmatch patterns of modules built unquantized whose FP8 checkpoint weight the engine dequantizes as it loads
+    # (DeepSeek-V3.2's indexer wk: _try_load_fp8_indexer_wk), so FP8 on disk loads too
+    dequantized_on_load: tuple[str, ...] = ()
+    # fnmatch patterns of MTP modules SGLang builds as a plain Linear (never quantized): Qwen's ``mtp.fc``,
+    # DeepSeek's / GLM's ``eh_proj`` (sgl: models/deepseek_nextn.py, glm4_moe_nextn.py)
+    sglang_plain: tuple[str, ...] = ("mtp.fc",)
+    # The drafter each engine builds for the family's MTP: engine -> class ("" where the engine has none)
+    drafters: Mapping[str, str] = field(default_factory=dict)
+    # What vLLM's drafter raises when the checkpoint has none of a declared MTP layer's weights ({layer}: its index):
+    # the loader's own check (DeepSeek's and GLM-5's is_mtp_completeness_check_enabled, Step's parameter check);
+    # "": none (its model loader's weight tracking catches it only for an unquantized checkpoint)
+    missing_mtp_error: str = ""
 
 
 @dataclass(frozen=True)
@@ -174,6 +221,16 @@ class Family:
     # Whether SGLang builds a quantized MTP from a MIXED_PRECISION config that lists mtp.* layers (SGLang 0.5.23
     # _mtp_quant_config); otherwise mtpquant reports that SGLang serves only a BF16 MTP.
     sglang_mixed_mtp: bool = False
+    # What mtpquant does with the family's MTP (SUPPORTED, RECOGNISED, NOT_MTP, NEVER_SHIPPED), and for the last
+    # three the one line that says why (inspect reports it, every surgery refuses with it).
+    status: str = SUPPORTED
+    status_note: str = ""
+    # Whether convert (modelopt NVFP4 through the family's transformers class and mtpquant's calibration) takes it.
+    convert: bool = True
+    # The architecture of the family's standalone MTP export, the community's extracted form (SGLang's
+    # scripts/export_deepseek_nextn.py: "DeepseekV3ForCausalLMNextN", num_hidden_layers 1, the MTP at layer 0,
+    # without the head / embedding copies, in nextn_layer_parameters.safetensors); None: the family has none
+    nextn_architecture: str | None = None
 
     @property
     def mtp_key(self) -> str | None:

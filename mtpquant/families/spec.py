@@ -6,17 +6,28 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import Any
 
-from mtpquant.errors import ConfigError, MtpConfigError, UnsupportedArchitectureError
+from mtpquant.errors import (
+    ConfigError,
+    MtpConfigError,
+    MtpNeverShippedError,
+    MtpquantError,
+    NotAnMtpError,
+    UnsupportedArchitectureError,
+)
 from mtpquant.families.mtp_config import MtpConfig, config_int
+from mtpquant.families.nextn import NEXTN_FAMILIES
+from mtpquant.families.others import OTHER_FAMILIES
 from mtpquant.families.qwen3 import QWEN3_FAMILIES
 from mtpquant.families.qwen4_exp import QWEN4_EXP
-from mtpquant.families.schema import Family, is_mtp_name
+from mtpquant.families.schema import MTP_PREFIX, NEVER_SHIPPED, SUPPORTED, Family
+from mtpquant.families.storage import APPENDED, NAMESPACE, MtpNames
 
 __all__ = [
     "FAMILIES",
+    "QWEN_MTP_NAMES",
     "VISION_PREFIX",
     "ModelSpec",
     "MtpDeclaration",
@@ -26,14 +37,17 @@ __all__ = [
     "mtp_config",
     "resolve",
     "supported_architectures",
+    "surgery_refusal",
     "tensor_classifier",
 ]
 
 VISION_PREFIX = "model.visual."
 
-FAMILIES: tuple[Family, ...] = (*QWEN3_FAMILIES, QWEN4_EXP)
+FAMILIES: tuple[Family, ...] = (*QWEN3_FAMILIES, QWEN4_EXP, *NEXTN_FAMILIES, *OTHER_FAMILIES)
 
-_PER_EXPERT_MTP = re.compile(r"^mtp\.layers\.\d+\.mlp\.experts\.\d+\.")
+_PER_EXPERT_MTP = re.compile(r"\.mlp\.experts\.\d+\.")
+# The name test of the ``mtp.`` namespace (Qwen's storage): what a caller with no config at hand may assume.
+QWEN_MTP_NAMES = MtpNames(NAMESPACE, (MTP_PREFIX + "layers.",), 0, 1, MTP_PREFIX)
 
 
 def supported_architectures() -> list[str]:
@@ -149,23 +163,139 @@ class ModelSpec:
             return {}
         layout = self.family.mtp
         per_expert = layout.per_expert
+        if present is not None:
+            present = list(present)
         if layout.either_expert_form and present is not None:
-            per_expert = any(_PER_EXPERT_MTP.match(n) for n in present)
-        return layout.shapes(self.text, self.mtp.layers, per_expert)
+            per_expert = any(_PER_EXPERT_MTP.search(n) for n in present)
+        text = {**self.text, "num_hidden_layers": 0} if self.nextn_standalone else self.text
+        shapes = layout.shapes(text, self.mtp.layers, per_expert)
+        if layout.storage.kind == APPENDED and (prefix := self.appended_prefix(present)) != "model.":
+            shapes = {prefix + n[len("model.") :]: s for n, s in shapes.items()}  # written as model.layers.{N+i}.
+        if layout.copies and (not layout.copies_required or self.nextn_standalone):  # the NextN export drops them
+            copies = tuple("." + c for c in layout.copies)
+            if present is None or not any(n.endswith(copies) for n in present):  # all or none, as the source has them
+                shapes = {n: s for n, s in shapes.items() if not n.endswith(copies)}
+        return shapes
 
     def classify(self, name: str, main_prefix: str | None = None) -> str:
         """Class of one tensor name: main / mtp / vision / embed / lm_head / other."""
-        return classify_tensor(name, main_prefix or self.main_prefix, self.family.has_vision)
+        return tensor_classifier(main_prefix or self.main_prefix, self.family.has_vision, self.mtp_names)(name)
+
+    # ---- where the MTP lives --------------------------------------------------------------------------------------
+    @property
+    def nextn_standalone(self) -> bool:
+        """A standalone MTP export (SGLang's NextN form): ``num_hidden_layers`` 1, the MTP at layer 0, no copies."""
+        return self.architecture == self.family.nextn_architecture
+
+    @cached_property
+    def mtp_names(self) -> MtpNames:
+        """The family's MTP name test resolved against this config (the trunk's layer count for appended layers; 0 for
+        a standalone NextN export, whose one layer is the MTP: SGLang's deepseek_nextn.py takes layer 0 then)."""
+        storage = self.family.mtp.storage
+        first = 0 if self.nextn_standalone else self.dim("num_hidden_layers") if storage.kind == APPENDED else 0
+        sublayers = 1
+        for key in storage.sublayers_key:
+            pattern = self.text.get(key)
+            if isinstance(pattern, (str, list)) and pattern:
+                sublayers = len(pattern)
+                break
+        return storage.resolve(self.family.text_only_prefixes, first, sublayers)
+
+    def appended_prefix(self, present: Iterable[str] | None = None) -> str:
+        """Where appended MTP layers sit: under the prefix ``present`` (MTP names) uses, else the wrapper's prefix for
+        a wrapper config (GLM-5.3-Flash: ``model.language_model.``), else ``model.``."""
+        for name in present or ():
+            for root in self.mtp_names.roots:
+                if name.startswith(root):
+                    return root[: -len("layers.")]
+        return self.family.wrapper_prefix if self.wrapped else "model."
+
+    def mtp_rename_to(self, other: ModelSpec) -> Callable[[str], str]:
+        """This checkpoint's MTP names as ``other`` (a checkpoint of the same family) numbers its MTP layers: a
+        standalone NextN export's layer 0 becomes the model's layer ``num_hidden_layers``; the identity otherwise."""
+        mine, theirs = self.mtp_names, other.mtp_names
+        if mine.kind != APPENDED or mine.first == theirs.first:
+            return lambda name: name
+
+        def rename(name: str) -> str:
+            prefix = mine.layer_prefix(name)
+            depth = mine.depth_of(name)
+            if prefix is None or depth is None:
+                return name
+            return f"{theirs.roots[0]}{theirs.first + depth}.{name[len(prefix) :]}"
+
+        return rename
+
+    def mtp_unexpected(
+        self, present: Iterable[str], expected: Iterable[str], module_of: Callable[[str], str] = str
+    ) -> list[str]:
+        """The MTP tensors of ``present`` the layout does not account for (sorted): those whose module (``module_of``;
+        by default the name itself) the expected set lacks; where the inventory is the glue only, those outside the
+        declared layers; none where it is presence only."""
+        inventory = self.family.mtp.inventory
+        if inventory == "none":
+            return []
+        modules = {module_of(n) for n in expected}
+        names = self.mtp_names
+        depth = self.mtp.layers
+        out = []
+        for n in present:
+            if module_of(n) in modules:
+                continue
+            if inventory == "glue" and (d := names.depth_of(n)) is not None and d < depth:
+                continue
+            out.append(n)
+        return sorted(out)
+
+    def is_mtp(self, name: str) -> bool:
+        """Whether a tensor or module name belongs to the MTP (the family's storage; anchored, never a substring)."""
+        return self.mtp_names.is_mtp(name)
+
+    def mtp_depth(self, names: Iterable[str]) -> int:
+        """The MTP depth a set of MTP tensor names holds (Nemotron-H: sub-layers per depth counted as one)."""
+        return self.mtp_names.depth(names)
+
+    def engine_mtp_name(self, name: str) -> str:
+        """An MTP module name as the engine's draft builds it (for its quantization rules)."""
+        return self.family.mtp.engine_name(name, self.mtp_names.first or self._layers_or_zero())
+
+    def _layers_or_zero(self) -> int:
+        value = self.text.get("num_hidden_layers")
+        return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+    def mtp_exclusion_patterns(self, layers: int | None = None) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The exclusion patterns that cover the whole MTP of ``layers`` depths (default: the declared depth) in
+        every form the engines match, as (ModelOpt ``exclude_modules`` / ``ignore`` patterns, compressed-tensors
+        ``ignore`` patterns): ``mtp*`` and ``re:^mtp\\..*`` for the ``mtp.`` namespace; one per appended layer,
+        ``model.layers.61*``, plus the engine's own form of the name where its draft renames the layer
+        (GLM-5.3-Flash: ``model.language_model.layers.45*`` and ``model.layers.45*``)."""
+        names = self.mtp_names
+        if names.kind != APPENDED:
+            stem = names.namespace.rstrip(".")
+            return (f"{stem}*",), (f"re:^{re.escape(stem)}\\..*",)
+        depth = self.mtp.layers if layers is None else layers
+        prefix = self.appended_prefix()
+        stems: list[str] = []
+        for i in range(depth):
+            stem = f"{prefix}layers.{names.first + i}"
+            engine = self.engine_mtp_name(stem + ".x")[:-2]
+            stems += [stem] + ([] if engine.startswith(stem + ".") or engine == stem else [engine])
+        return tuple(f"{s}*" for s in stems), tuple(f"re:^{re.escape(s)}\\..*" for s in stems)
 
 
 @lru_cache(maxsize=32)
-def tensor_classifier(main_prefix: str, has_vision: bool = True) -> Callable[[str], str]:
-    """The class of a tensor name given the main-model prefix, as one function (a table classifies every name)."""
+def tensor_classifier(
+    main_prefix: str, has_vision: bool = True, names: MtpNames = QWEN_MTP_NAMES
+) -> Callable[[str], str]:
+    """The class of a tensor name given the main-model prefix and the family's MTP name test (``names``: the
+    ``mtp.`` namespace unless given), as one function (a table classifies every name). The MTP test comes first:
+    an appended MTP layer sits under the main prefix."""
     embed = main_prefix + "embed_tokens."
     vision = VISION_PREFIX if has_vision else None
+    is_mtp = names.matcher
 
     def classify(name: str) -> str:
-        if is_mtp_name(name):
+        if is_mtp(name):
             return TensorClass.MTP
         if vision is not None and name.startswith(vision):
             return TensorClass.VISION
@@ -178,9 +308,9 @@ def tensor_classifier(main_prefix: str, has_vision: bool = True) -> Callable[[st
     return classify
 
 
-def classify_tensor(name: str, main_prefix: str, has_vision: bool = True) -> str:
-    """Class of a tensor name given the main-model prefix."""
-    return tensor_classifier(main_prefix, has_vision)(name)
+def classify_tensor(name: str, main_prefix: str, has_vision: bool = True, names: MtpNames = QWEN_MTP_NAMES) -> str:
+    """Class of a tensor name given the main-model prefix (and the family's MTP name test)."""
+    return tensor_classifier(main_prefix, has_vision, names)(name)
 
 
 def _identify(config: Mapping[str, Any]) -> tuple[Family, str]:
@@ -192,6 +322,9 @@ def _identify(config: Mapping[str, Any]) -> tuple[Family, str]:
         for arch in architectures:
             if arch in family.architectures:
                 return family, arch
+    for family in FAMILIES:  # a standalone MTP export: the model type says whose (V3 and V3.2 share the class)
+        if family.nextn_architecture in architectures and model_type in family.model_types:
+            return family, str(family.nextn_architecture)
     for family in FAMILIES:
         if model_type in family.model_types:
             text = model_type.endswith("_text") or family.wrapper_class is None
@@ -223,6 +356,15 @@ def resolve(config: Mapping[str, Any]) -> ModelSpec:
     text: Mapping[str, Any] = config["text_config"] if wrapped else config
     mtp = _declaration(family, text, wrapped)
     return ModelSpec(family=family, architecture=arch, config=config, text=text, wrapped=wrapped, mtp=mtp)
+
+
+def surgery_refusal(family: Family, label: str, what: str) -> MtpquantError | None:
+    """The one-line refusal of an MTP surgery (``what``: "graft", "graft --fix-metadata", ...) on ``label`` for a
+    family mtpquant does not repair (its own exit code: never shipped, or not an MTP), or None."""
+    if family.status == SUPPORTED:
+        return None
+    error = MtpNeverShippedError if family.status == NEVER_SHIPPED else NotAnMtpError
+    return error(f"{label}: {what} refused: {family.status_note}")
 
 
 def mtp_config(config: Mapping[str, Any]) -> MtpConfig:

@@ -18,8 +18,6 @@ from mtpquant.errors import ConfigError
 
 __all__ = [
     "HF_QUANT_CONFIG",
-    "MTP_CT_PATTERNS",
-    "MTP_MODELOPT_PATTERNS",
     "QuantMetadata",
     "exclusion_lists",
     "quantization_config_of",
@@ -29,10 +27,6 @@ __all__ = [
 ]
 
 HF_QUANT_CONFIG = "hf_quant_config.json"
-# Patterns every engine resolves to "the whole MTP": vLLM expands `mtp*` to `mtp` and `mtp.*`;
-# compressed-tensors matches only exact names or `re:` regexes.
-MTP_MODELOPT_PATTERNS = ("mtp*",)
-MTP_CT_PATTERNS = (r"re:^mtp\..*",)
 
 
 @dataclass(frozen=True)
@@ -282,8 +276,8 @@ def _edit(
 def with_exclusions(
     config: Mapping[str, Any],
     hf_quant_config: Mapping[str, Any] | None,
-    modelopt: Iterable[str] = MTP_MODELOPT_PATTERNS,
-    ct: Iterable[str] = MTP_CT_PATTERNS,
+    modelopt: Iterable[str],
+    ct: Iterable[str],
 ) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """Copies of both files with patterns appended (ModelOpt forms and compressed-tensors forms)."""
     return _edit(config, hf_quant_config, modelopt, ct, remove=False)
@@ -292,8 +286,8 @@ def with_exclusions(
 def without_exclusions(
     config: Mapping[str, Any],
     hf_quant_config: Mapping[str, Any] | None,
-    modelopt: Iterable[str] = MTP_MODELOPT_PATTERNS,
-    ct: Iterable[str] = MTP_CT_PATTERNS,
+    modelopt: Iterable[str],
+    ct: Iterable[str],
 ) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """Copies of both files with the given patterns removed from every exclusion list."""
     return _edit(config, hf_quant_config, modelopt, ct, remove=True)

@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
+from mtpquant.checkpoint.digest import checksum
+from mtpquant.checkpoint.dtypes import planned_copy
 from mtpquant.checkpoint.index import INDEX_NAME
 from mtpquant.checkpoint.lock import OutputLock
 from mtpquant.checkpoint.source import CheckpointSource, read_text
@@ -34,17 +36,18 @@ from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.checkpoint.writer import OutputDir
 from mtpquant.diagnose.verify import verify_result
 from mtpquant.errors import CheckpointError, OutputExistsError, RecipeError, UsageError
-from mtpquant.families import is_mtp_name
+from mtpquant.families import surgery_refusal
 from mtpquant.graft.options import GraftOptions
 from mtpquant.graft.source import TrackedSource
 from mtpquant.public import public_args, public_name, public_ref
 from mtpquant.recipes.recipe import RECIPE_FILE, grafted_recipe
 from mtpquant.records.provenance import Step
 from mtpquant.surgery import inplace
-from mtpquant.surgery.lineage import GraftError, LineageError, LineageReport, check_lineage, mtp_layer_count
+from mtpquant.surgery.lineage import GraftError, LineageError, LineageReport, check_lineage
 from mtpquant.surgery.metadata import plan_metadata
 from mtpquant.surgery.modes import MODES, WriteContext
 from mtpquant.surgery.plan import Plan, plan_change
+from mtpquant.surgery.shards import write_planned_mtp
 from mtpquant.surgery.write import NewMtp, Verified, WriteLog, build, commit, open_destination
 from mtpquant.units import format_bytes
 
@@ -89,12 +92,33 @@ class GraftResult(WriteLog):
 
 
 def _write(
-    options: GraftOptions, plan: Plan, src: Checkpoint | None, verify: Callable[[Path], Verified], warnings: list[str]
+    options: GraftOptions,
+    plan: Plan,
+    src: Checkpoint | None,
+    verify: Callable[[Path], Verified],
+    warnings: list[str],
+    lineage: LineageReport | None = None,
 ) -> tuple[WriteLog, str]:
     """Write ``plan`` (SRC's MTP when ``src`` is given, else the metadata alone) and put it in place; returns what
     the write did and the directory that holds the result."""
     new_mtp = None
-    if plan.add and src is not None:
+    if plan.add and src is not None and lineage is not None and (lineage.renamed or lineage.from_quant):
+        renamed, from_quant, quant, origin = lineage.renamed, lineage.from_quant, plan.quant, src
+
+        def write_renamed(od: OutputDir) -> list[str]:
+            # a standalone NextN export: its layer 0 under QUANT's MTP layer, the copies it dropped from QUANT's own
+            # head and embedding (bytes as stored, through the same MTP shard layout keep mode writes)
+            planned = [
+                dataclasses.replace(planned_copy(origin, e), name=renamed.get(e.name, e.name))
+                for e in origin.mtp_tensors()
+            ]
+            planned += [
+                dataclasses.replace(planned_copy(quant, quant.tensors[q]), name=n) for n, q in from_quant.items()
+            ]
+            return write_planned_mtp(od, planned, options.max_shard_bytes)
+
+        new_mtp = NewMtp(plan.add, write_renamed)
+    elif plan.add and src is not None:
         source = src
 
         def write_keep(od: OutputDir) -> list[str]:
@@ -161,13 +185,13 @@ def _check_out(options: GraftOptions, quant: Checkpoint) -> None:
 
 def _open_quant(options: GraftOptions) -> Checkpoint:
     """QUANT, opened; an index defect is refused (as a strict open would) unless it is only a lost MTP: shards that
-    do not exist and held nothing but ``mtp.*`` tensors, which ``--from SRC`` puts back."""
+    do not exist and held nothing but MTP tensors, which ``--from SRC`` puts back."""
     quant = Checkpoint.open(
         options.quant, revision=options.revision, token=options.token, strict=False, name_errors=True
     )
     fatal = [p for p in quant.problems if p.fatal]
     if fatal and not quant.only_mtp_lost:
-        not_mtp = [(s, [n for n in names if not is_mtp_name(n)]) for s, names in quant.lost_tensors().items()]
+        not_mtp = [(s, [n for n in names if not quant.is_mtp(n)]) for s, names in quant.lost_tensors().items()]
         shard, names = next(((s, n) for s, n in not_mtp if n), ("", []))
         if names:
             raise CheckpointError(
@@ -178,7 +202,7 @@ def _open_quant(options: GraftOptions) -> Checkpoint:
     if fatal and options.fix_metadata:
         shard, names = next(iter(quant.lost_tensors().items()))
         raise GraftError(
-            f"{quant.label}: {INDEX_NAME}: shard {shard!r} does not exist (it held {len(names)} mtp.* tensors); "
+            f"{quant.label}: {INDEX_NAME}: shard {shard!r} does not exist (it held {len(names)} MTP tensors); "
             "--fix-metadata repairs metadata only: put the MTP back with --from SRC"
         )
     if options.in_place and quant.source.local_root is None:
@@ -249,6 +273,10 @@ def graft(options: GraftOptions) -> GraftResult:
     t0 = time.perf_counter()
     _check_options(options)
     quant = _open_quant(options)
+    what = "graft --fix-metadata" if options.fix_metadata else "graft"
+    refusal = surgery_refusal(quant.spec.family, quant.label, what)
+    if refusal is not None:
+        raise refusal
     _check_out(options, quant)
     if options.fix_metadata:
         return _fix_metadata(options, quant, t0)
@@ -260,7 +288,7 @@ def graft(options: GraftOptions) -> GraftResult:
     src = dataclasses.replace(src, source=cast(CheckpointSource, tracked))
     lineage: LineageReport = check_lineage(quant, src)
     warnings = list(lineage.warnings)
-    sizes = (len(src_mtp), lineage.mtp_bytes)
+    sizes = (len(src_mtp) + len(lineage.from_quant), lineage.mtp_bytes)
     hfq = quant.hf_quant_config
 
     existing = quant.mtp_tensors()
@@ -284,17 +312,20 @@ def graft(options: GraftOptions) -> GraftResult:
         if not options.replace:
             lost = sum(len(names) for names in quant.lost_tensors().values())
             what = (
-                f"part of an MTP ({len(existing)} mtp.* tensors; {lost} more were in shards that do not exist)"
+                f"part of an MTP ({len(existing)} MTP tensors; {lost} more were in shards that do not exist)"
                 if lost
-                else f"an MTP ({len(existing)} mtp.* tensors) that differs from SRC's"
+                else f"an MTP ({len(existing)} MTP tensors) that differs from SRC's"
             )
             raise GraftError(f"{quant.label}: already has {what}; pass --replace to replace it")
         removed = sorted(e.name for e in existing)
     gone = set(removed)
+    renamed = [e._replace(name=lineage.renamed.get(e.name, e.name)) for e in src_mtp]  # SRC's under QUANT's names
     table: dict[str, Any] = {n: e for n, e in quant.tensors.items() if n not in gone}
-    table.update({e.name: e for e in src_mtp})
+    table.update({e.name: e for e in renamed})
+    table.update({n: quant.tensors[q]._replace(name=n) for n, q in lineage.from_quant.items()})
     metadata = plan_metadata(quant.spec, hfq, table, mtp_layers=lineage.mtp_layers, reference_config=src.config)
-    plan = plan_change(quant, metadata, add=[e.name for e in src_mtp], removed=removed, mtp_layers=lineage.mtp_layers)
+    add = sorted({*(e.name for e in renamed), *lineage.from_quant})
+    plan = plan_change(quant, metadata, add=add, removed=removed, mtp_layers=lineage.mtp_layers)
     warnings += plan.metadata.warnings
     changes = list(plan.metadata.changes)
     if options.dry_run:
@@ -307,9 +338,12 @@ def graft(options: GraftOptions) -> GraftResult:
                        mtp=sizes)
 
     def verify(path: Path) -> Verified:
-        return verify_result(path, lineage.expected, tracked.hashes, lineage.mtp_layers, quant)
+        # SRC's bytes as read (under their names in the result), QUANT's copies read now
+        read = {lineage.renamed.get(n, n): h for n, h in tracked.hashes.items()}
+        hashes = read | {n: checksum(quant.read_raw(quant.tensors[q])) for n, q in lineage.from_quant.items()}
+        return verify_result(path, lineage.expected, hashes, lineage.mtp_layers, quant)
 
-    written, destination = _write(options, plan, src, verify, warnings)
+    written, destination = _write(options, plan, src, verify, warnings, lineage)
     verb = "replaced the MTP of" if plan.removed else "grafted the MTP into"
     message = (
         f"{verb} {destination}: {len(plan.add)} tensors, {format_bytes(lineage.mtp_bytes)} in "
@@ -322,14 +356,30 @@ def graft(options: GraftOptions) -> GraftResult:
 
 def _fix_metadata(options: GraftOptions, quant: Checkpoint, t0: float) -> GraftResult:
     names = [e.name for e in quant.mtp_tensors()]
-    if not names:
+    adopted: dict[str, Any] = {}
+    reindexed: list[str] = []
+    if not names and quant.spec.mtp.declared:  # the MTP in a shard the index forgot (GLM-4.7's mtp.safetensors)
+        for shard, tensors in quant.forgotten_mtp().items():
+            adopted.update(tensors)
+            reindexed.append(
+                f"{INDEX_NAME}: {shard} indexed ({len(tensors)} MTP tensors the index did not list; loaders read only "
+                "the shards the index names)"
+            )
+        names = sorted(adopted)
+    if not names and (not quant.spec.mtp.declared or quant.spec.family.mtp_key is None):
+        why = "and declares none" if not quant.spec.mtp.declared else "and its family has no key to un-declare it"
         raise GraftError(
-            f"{quant.label}: has no mtp.* tensors, so there is no MTP metadata to repair; graft one with --from SRC"
+            f"{quant.label}: has no MTP tensors {why}, so there is no MTP metadata to repair; graft one with "
+            "--from SRC"
         )
-    layers = mtp_layer_count(names) or quant.spec.mtp.layers
-    plan = plan_change(quant, plan_metadata(quant.spec, quant.hf_quant_config, quant.tensors, mtp_layers=layers))
+    # no MTP at all but one declared (a publisher that never shipped it, Step-3.7-Flash-NVFP4): un-declared, so that
+    # engines stop expecting it; --from SRC puts it back instead
+    layers = quant.spec.mtp_depth(names) or (quant.spec.mtp.layers if names else 0)
+    metadata = plan_metadata(quant.spec, quant.hf_quant_config, {**quant.tensors, **adopted}, mtp_layers=layers)
+    metadata = dataclasses.replace(metadata, changes=(*reindexed, *metadata.changes))
+    plan = plan_change(quant, metadata, adopted=adopted)
     warnings = list(plan.metadata.warnings)
-    sizes = (len(names), sum(quant.tensors[n].nbytes for n in names))
+    sizes = (len(names), sum((adopted.get(n) or quant.tensors[n]).nbytes for n in names))
     if not plan.metadata.changes:
         message = f"{quant.label}: MTP metadata is already complete; nothing written"
         return _result(options, quant, None, t0, "noop", message, warnings=warnings, mtp=sizes)
@@ -353,7 +403,7 @@ def _metadata_only(
     """Write the JSON changes only; every tensor file is linked (--out) or left alone (--in-place)."""
     quant = plan.quant
     warnings = warnings + [w for w in plan.metadata.warnings if w not in warnings]
-    expected = {e.name: e.shape for e in quant.mtp_tensors()}
+    expected = {e.name: e.shape for e in [*quant.mtp_tensors(), *plan.adopted.values()]}
 
     def verify(path: Path) -> Verified:
         return verify_result(path, expected, None, layers, quant)

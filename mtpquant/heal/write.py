@@ -19,7 +19,6 @@ from mtpquant.checkpoint.digest import checksum
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.diagnose.verify import verify_result
 from mtpquant.errors import OutputVerificationError
-from mtpquant.families import mtp_layer_count
 from mtpquant.heal.check import CheckResult
 from mtpquant.heal.data import HealData
 from mtpquant.heal.plan import Schedule
@@ -105,7 +104,7 @@ def write_healed(
     tensors = export_mtp(quant, src, storage, healed)
     hashes = {t.name: checksum(t.produce()) for t in tensors}
     names = sorted(t.name for t in tensors)
-    layers = mtp_layer_count(names) or quant.spec.mtp.layers
+    layers = quant.spec.mtp_depth(names) or quant.spec.mtp.layers
     plan = plan_change(quant, MetadataPlan(), add=names, removed=names, mtp_layers=layers)
     new_mtp = NewMtp(tuple(names), lambda od: write_planned_mtp(od, tensors, max_shard_bytes))
     step = heal_step(command, src, None)

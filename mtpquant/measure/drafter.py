@@ -12,7 +12,7 @@ from typing import cast
 import torch
 from torch import Tensor, nn
 
-from mtpquant.families import MTP_PREFIX, TensorClass, is_mtp_name, mtp_config
+from mtpquant.families import MTP_PREFIX, TensorClass, mtp_config
 from mtpquant.measure import ACTIVATION_MODES
 from mtpquant.measure.emulate import activation_quantizer, pre_hook
 from mtpquant.measure.weights import (
@@ -81,7 +81,7 @@ def load_mtp(
     if emulate:
         modules = dict(cast(nn.Module, layer).named_modules())
         for module, fmt in weights.formats.items():
-            if not is_mtp_name(module):
+            if not weights.ckpt.is_mtp(module):
                 continue
             quantize = activation_quantizer(fmt, weights.pre_quant_scale(module))
             if quantize is not None:

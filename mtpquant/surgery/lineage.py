@@ -12,16 +12,16 @@ from dataclasses import dataclass, field
 
 from mtpquant.checkpoint.header import FLOAT_DTYPES
 from mtpquant.checkpoint.modules import QUANT_PARAMS
+from mtpquant.checkpoint.precision import is_quantized, module_precision
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.errors import GraftError, LineageError
-from mtpquant.families import ModelSpec, dimension_differences, is_mtp_name, mtp_layer_count, resolve
+from mtpquant.families import ModelSpec, dimension_differences, resolve
 
 __all__ = [
     "GraftError",
     "LineageError",
     "LineageReport",
     "check_lineage",
-    "mtp_layer_count",
 ]
 
 log = logging.getLogger(__name__)
@@ -36,6 +36,11 @@ class LineageReport:
     expected: dict[str, tuple[int, ...]] = field(repr=False)  # MTP names/shapes QUANT's config implies
     mtp_bytes: int = 0
     warnings: tuple[str, ...] = ()
+    # SRC's MTP name -> its name in QUANT, where they differ (a standalone NextN export's layer 0 -> layer N)
+    renamed: dict[str, str] = field(default_factory=dict, repr=False)
+    # MTP copies SRC lacks and QUANT's own tensors give (the head / embedding copies a NextN export dropped):
+    # name in the result -> QUANT's tensor
+    from_quant: dict[str, str] = field(default_factory=dict, repr=False)
 
 
 def _spec_with_layers(spec: ModelSpec, layers: int) -> ModelSpec:
@@ -73,23 +78,26 @@ def check_lineage(quant: Checkpoint, src: Checkpoint, *, weight_check: bool = Tr
             f"lineage mismatch: QUANT is {qs.family.display} ({qs.architecture}), SRC is "
             f"{ss.family.display} ({ss.architecture})"
         )
-    diffs = dimension_differences(qs.text, ss.text, qs.family)
-    src_mtp = {e.name: e for e in src.mtp_tensors()}
+    # a standalone NextN export keeps one layer, its MTP: the trunk's depth is QUANT's to say
+    src_text = {**ss.text, "num_hidden_layers": qs.text.get("num_hidden_layers")} if ss.nextn_standalone else ss.text
+    diffs = dimension_differences(qs.text, src_text, qs.family)
+    rename = ss.mtp_rename_to(qs)
+    src_mtp = {rename(e.name): e for e in src.mtp_tensors()}
     if not src_mtp:
         from mtpquant.errors import MtpModeError
 
         raise MtpModeError(
-            f"{src.label}: SRC has no mtp.* tensors (its config: {ss.mtp.describe()}); graft needs the original "
+            f"{src.label}: SRC has no MTP tensors (its config: {ss.mtp.describe()}); graft needs the original "
             "checkpoint that still has its MTP"
         )
-    layers = mtp_layer_count(src_mtp)
+    layers = ss.mtp_depth(e.name for e in src_mtp.values())  # SRC's own numbering
     if qs.mtp.declared and layers and qs.mtp.layers != layers:
         diffs.append(f"MTP layers {qs.mtp.layers} ({qs.mtp.describe()}) vs {layers} in SRC's tensors")
     # Shapes of tensors both hold unquantized (embeddings, norms, vision, ...): a cheap second opinion. (A quantized
     # Linear's tensors are not among them: its weight is packed, its scales exist in QUANT alone.)
     for name in sorted(set(quant.tensors) & set(src.tensors)):
         q, s = quant.tensors[name], src.tensors[name]
-        if is_mtp_name(name) or q.dtype not in FLOAT_DTYPES or s.dtype not in FLOAT_DTYPES:
+        if qs.is_mtp(name) or ss.is_mtp(name) or q.dtype not in FLOAT_DTYPES or s.dtype not in FLOAT_DTYPES:
             continue
         if q.shape != s.shape:
             diffs.append(f"{name} shape {list(q.shape)} vs {list(s.shape)}")
@@ -98,9 +106,11 @@ def check_lineage(quant: Checkpoint, src: Checkpoint, *, weight_check: bool = Tr
     if diffs:
         raise LineageError("lineage mismatch between QUANT and SRC: " + "; ".join(diffs))
 
-    expected = _spec_with_layers(qs, layers).expected_mtp_shapes(src_mtp)
-    missing = sorted(set(expected) - set(src_mtp))
-    extra = sorted(set(src_mtp) - set(expected))
+    target = _spec_with_layers(qs, layers)
+    expected = target.expected_mtp_shapes(src_mtp)
+    from_quant = _copies_from_quant(quant, set(expected) - set(src_mtp)) if ss.nextn_standalone else {}
+    missing = sorted(set(expected) - set(src_mtp) - set(from_quant))
+    extra = target.mtp_unexpected(src_mtp, expected)
     if extra:
         quantized = [n for n in extra if n.endswith(QUANT_PARAMS)]
         if quantized:
@@ -119,10 +129,12 @@ def check_lineage(quant: Checkpoint, src: Checkpoint, *, weight_check: bool = Tr
     shape_diffs = [
         f"{n} {list(src_mtp[n].shape)} in SRC vs {list(shape)} implied by QUANT"
         for n, shape in sorted(expected.items())
-        if src_mtp[n].shape != shape
+        if n in src_mtp and src_mtp[n].shape != shape
     ]
     if shape_diffs:
         raise LineageError("lineage mismatch in MTP shapes: " + "; ".join(shape_diffs[:4]))
+    if qs.family.mtp.inventory != "exact":  # the glue checked; the layers' blocks are SRC's as they are
+        expected = {n: e.shape for n, e in src_mtp.items()}
     odd = sorted(n for n, e in src_mtp.items() if e.dtype not in FLOAT_DTYPES)
     if odd:
         raise GraftError(
@@ -140,6 +152,27 @@ def check_lineage(quant: Checkpoint, src: Checkpoint, *, weight_check: bool = Tr
         family=qs.family.key,
         mtp_layers=layers,
         expected=expected,
-        mtp_bytes=sum(e.nbytes for e in src_mtp.values()),
+        mtp_bytes=sum(e.nbytes for e in src_mtp.values()) + sum(quant.tensors[n].nbytes for n in from_quant.values()),
         warnings=tuple(warnings),
+        renamed={e.name: n for n, e in src_mtp.items() if e.name != n},
+        from_quant=from_quant,
     )
+
+
+def _copies_from_quant(quant: Checkpoint, wanted: set[str]) -> dict[str, str]:
+    """The head / embedding copies a standalone NextN export dropped (SGLang's export skips them: its loader takes
+    the target's), as QUANT's own unquantized ``lm_head`` and embedding: result name -> QUANT's tensor. A copy QUANT
+    cannot give unquantized is left missing (graft then refuses, naming it)."""
+    out: dict[str, str] = {}
+    for name in sorted(wanted):
+        if name.endswith(".shared_head.head.weight"):
+            source = "lm_head.weight"
+        elif name.endswith(".embed_tokens.weight"):
+            source = quant.main_prefix + "embed_tokens.weight"
+        else:
+            continue
+        entry = quant.tensors.get(source)
+        stem = source.removesuffix(".weight")
+        if entry is not None and not is_quantized(module_precision(quant.tensors, stem)):
+            out[name] = source
+    return out

@@ -11,18 +11,15 @@ covering ``X`` and ``X.*``; compressed-tensors lists by exact name or ``re:`` re
 from __future__ import annotations
 
 import copy
-import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from mtpquant.checkpoint.precision import is_quantized, linear_precisions
 from mtpquant.engine.loading import FusedShardsError, ct_ignored, mixed_algo, modelopt_excluded
-from mtpquant.families import ModelSpec, family, is_mtp_name, resolve
+from mtpquant.families import ModelSpec, resolve
 from mtpquant.formats.quant_config import (
     HF_QUANT_CONFIG,
-    MTP_CT_PATTERNS,
-    MTP_MODELOPT_PATTERNS,
     QuantMetadata,
     exclusion_lists,
     with_exclusions,
@@ -37,29 +34,27 @@ __all__ = [
     "uncovered_modules",
 ]
 
-_LAYER = re.compile(r"^(mtp\.layers\.\d+)\.")
-_DEFAULT_PACKED = family("qwen3_5").engine.packed
-
-
-def mtp_modules(precision: Mapping[str, str], packed: Mapping[str, tuple[str, ...]] | None = None) -> dict[str, bool]:
-    """Every MTP Linear module (and the engine's packed names for them) -> whether it is stored unquantized.
+def mtp_modules(spec: ModelSpec, precision: Mapping[str, str]) -> dict[str, bool]:
+    """Every MTP Linear module of ``spec``'s family (and the engine's packed names for them) -> whether it is stored
+    unquantized.
 
     ``precision`` maps every Linear of a table to its precision on disk (``checkpoint.precision.linear_precisions``:
-    the one rule of what a Linear is, and of what is quantized). ``packed``: the family's packed groups
-    (``EngineRules.packed``; Qwen3.5's by default); routed experts are one engine module too.
+    the one rule of what a Linear is, and of what is quantized). Packed groups are the family's
+    (``EngineRules.packed``); routed experts are one engine module too.
     """
-    modules = {m: not is_quantized(p) for m, p in precision.items() if is_mtp_name(m)}
+    names = spec.mtp_names
+    modules = {m: not is_quantized(p) for m, p in precision.items() if names.matcher(m)}
     # vLLM packs q/k/v into qkv_proj and gate/up into gate_up_proj and matches exclusions on those
     # prefixes too (vllm/model_executor/models/qwen3_next_mtp.py, packed_modules_mapping).
-    groups = packed if packed is not None else _DEFAULT_PACKED
+    groups = spec.family.engine.packed
     fused: dict[str, list[str]] = {}
     for stem in modules:
-        m = _LAYER.match(stem)
-        if not m:
+        layer = names.layer_prefix(stem)
+        if layer is None:
             continue
-        layer = m.group(1)
-        if stem.startswith(layer + ".mlp.experts."):  # routed experts: one engine module, whatever their leaves
-            fused.setdefault(f"{layer}.mlp.experts", []).append(stem)
+        block = next((b for b in ("mlp.experts.", "mixer.experts.") if stem.startswith(layer + b)), None)
+        if block is not None:  # routed experts: one engine module, whatever their leaves
+            fused.setdefault(layer + block[:-1], []).append(stem)
             continue
         for fused_name, shards in groups.items():
             for shard in shards:
@@ -70,14 +65,23 @@ def mtp_modules(precision: Mapping[str, str], packed: Mapping[str, tuple[str, ..
     return dict(sorted(modules.items()))
 
 
-def uncovered_modules(modules: Iterable[str], patterns: Iterable[str], compressed_tensors: bool) -> list[str]:
-    """Modules that no exclusion pattern covers, by the matching rules of the list's format."""
+def uncovered_modules(
+    modules: Iterable[str],
+    patterns: Iterable[str],
+    compressed_tensors: bool,
+    engine_name: Callable[[str], str] | None = None,
+) -> list[str]:
+    """Modules that no exclusion pattern covers, by the matching rules of the list's format; with ``engine_name``
+    (the engine's draft renames MTP modules: ``ModelSpec.engine_mtp_name``) a module is covered only when both its
+    checkpoint name and the engine's are."""
     patterns = list(patterns)
     match = ct_ignored if compressed_tensors else modelopt_excluded
     out = []
     for m in modules:
         try:
             covered = match(m, patterns)
+            if covered and engine_name is not None and engine_name(m) != m:
+                covered = match(engine_name(m), patterns)
         except FusedShardsError:  # some members of a fused module excluded, some not: not covered
             covered = False
         if not covered:
@@ -185,11 +189,20 @@ def plan_metadata(
         where = resolve(config).mtp.key
         before = "absent" if spec.mtp.key is None else repr(spec.mtp.value)
         changes.append(f"config.json: {where} = {mtp_layers} (was {before})")
+    elif mtp_layers == 0 and spec.mtp.declared and spec.family.mtp_key and not any(
+        map(spec.mtp_names.matcher, tensors)
+    ):
+        config = declare_mtp(spec, 0)
+        changes.append(
+            f"config.json: {spec.mtp.key} = 0 (was {spec.mtp.value!r}): no MTP tensors, so the declaration engines "
+            "would wait for is removed (graft --from SRC puts the MTP back instead)"
+        )
 
     hfq = copy.deepcopy(dict(hf_quant_config)) if hf_quant_config is not None else None
     precision = linear_precisions(tensors)
     config, hfq, meta = repair_labels(spec, config, hfq, tensors, precision, changes)
-    modules = mtp_modules(precision, spec.family.engine.packed)
+    modules = mtp_modules(spec, precision)
+    rename = spec.engine_mtp_name if spec.family.mtp.engine_rename is not None else None
     unquantized = [m for m, plain in modules.items() if plain]
     all_plain = len(unquantized) == len(modules)
     if meta is not None and meta.is_modelopt and meta.algo.upper() == "MIXED_PRECISION":
@@ -197,13 +210,15 @@ def plan_metadata(
         unquantized = [m for m in unquantized if _listed(m, meta, spec.family.engine.packed)]
     lists = exclusion_lists(config, hfq)
     if meta is not None and unquantized:
-        missing = {f: uncovered_modules(unquantized, pats, ct) for f, ct, pats in lists}
+        missing = {f: uncovered_modules(unquantized, pats, ct, rename) for f, ct, pats in lists}
         if any(missing.values()):
             if all_plain:
-                modelopt, ct = list(MTP_MODELOPT_PATTERNS), list(MTP_CT_PATTERNS)
+                modelopt, ct = (list(p) for p in resolve(config).mtp_exclusion_patterns(mtp_layers or None))
             else:
                 # exact names of real modules; vLLM treats a fused group as excluded when all members are
                 names = sorted({m for ms in missing.values() for m in ms if m in precision})
+                if rename is not None:
+                    names = sorted({*names, *(rename(m) for m in names)})
                 modelopt, ct = names, names
             config, hfq = with_exclusions(config, hfq, modelopt, ct)
             old_lists, lists = lists, exclusion_lists(config, hfq)
@@ -213,7 +228,7 @@ def plan_metadata(
                 if added:
                     what = "ignore" if f == "config.json" else "exclude_modules"
                     changes.append(f"{f}: {what} += {', '.join(added)}")
-                still = uncovered_modules(unquantized, pats, is_ct)
+                still = uncovered_modules(unquantized, pats, is_ct, rename)
                 if still:
                     warnings.append(f"{f}: MTP module {still[0]} is still not excluded")
     quantized_but_excluded = [

@@ -32,6 +32,8 @@ class Plan:
     mtp_layers: int = 0
     index_fix: str | None = None  # QUANT's index declares a wrong total_size: the change line that corrects it
     lost: tuple[str, ...] = ()  # index entries of shards that do not exist (MTP only), dropped
+    # MTP tensors in shards the index forgot, indexed as they are (the shard linked like any other): name -> entry
+    adopted: Mapping[str, TensorEntry] = field(default_factory=dict)
 
 
 def plan_change(
@@ -41,10 +43,12 @@ def plan_change(
     add: Iterable[str] = (),
     removed: Iterable[str] = (),
     mtp_layers: int = 0,
+    adopted: Mapping[str, TensorEntry] | None = None,
 ) -> Plan:
     """The change that writes ``add`` (new MTP tensors) in place of ``removed`` (QUANT's), with ``metadata``: which
     shards are linked, rewritten without the removed tensors or dropped, and the index corrections (a wrong
-    ``total_size``; the entries of shards that do not exist), whose lines join the metadata's changes."""
+    ``total_size``; the entries of shards that do not exist), whose lines join the metadata's changes. ``adopted``:
+    MTP tensors of a shard the index forgot, indexed as they are."""
     weight_map = weight_map_of(quant)
     gone = set(removed)
     by_shard: dict[str, list[str]] = defaultdict(list)
@@ -81,6 +85,7 @@ def plan_change(
         mtp_layers,
         index_fix,
         tuple(lost),
+        dict(adopted or {}),
     )
 
 

@@ -14,14 +14,13 @@ Every repair edits both ``config.json`` and ``hf_quant_config.json`` where they 
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from typing import Any
 
 from mtpquant.checkpoint.header import FLOAT_DTYPES
 from mtpquant.checkpoint.precision import table_precision
 from mtpquant.engine.loading import FusedShardsError, engine_modules, mixed_algo, vllm_expectation
-from mtpquant.families import ModelSpec, is_mtp_name
+from mtpquant.families import ModelSpec
 from mtpquant.formats.quant_config import HF_QUANT_CONFIG, QuantMetadata, read_quant_metadata, with_exclusions
 
 __all__ = ["repair_labels"]
@@ -32,7 +31,6 @@ _LABEL_FOR_DISK: dict[str, dict[str, Any]] = {
     "NVFP4": {"quant_algo": "NVFP4", "group_size": 16},
     "FP8": {"quant_algo": "FP8"},
 }
-_MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.")
 
 
 def _relabel_aliases(spec: ModelSpec, config: dict[str, Any], changes: list[str]) -> None:
@@ -68,13 +66,16 @@ def _rename_engine_indices(
     if not spec.family.mtp.engine_layer_offset:
         return
     n = spec.dim("num_hidden_layers")
-    held = {int(m.group(1)) for t in tensors if (m := _MTP_LAYER.match(t))}
+    names = spec.mtp_names
+    held = {d for t in tensors if (d := names.depth_of(t)) is not None}
+    root = names.roots[0]
     for f, layers in layer_maps:
         renamed = 0
         for key in list(layers):
-            m = _MTP_LAYER.match(key)
-            if m and int(m.group(1)) not in held and int(m.group(1)) - n in held:
-                new = f"mtp.layers.{int(m.group(1)) - n}.{key[m.end() :]}"
+            d = names.depth_of(key)
+            prefix = names.layer_prefix(key)
+            if d is not None and prefix is not None and d not in held and d - n in held:
+                new = f"{root}{d - n}.{key[len(prefix) :]}"
                 layers[new] = layers.pop(key)
                 renamed += 1
         if renamed:
@@ -83,7 +84,7 @@ def _rename_engine_indices(
             layers.update(ordered)
             changes.append(
                 f"{f}: quantized_layers: {renamed} MTP entries renamed from the engine's layer index "
-                f"mtp.layers.{n}+i to the checkpoint's mtp.layers.i (vLLM adds num_hidden_layers itself)"
+                f"{root}{n}+i to the checkpoint's {root}i (vLLM adds num_hidden_layers itself)"
             )
 
 
@@ -99,7 +100,7 @@ def _relabel_experts(
     if not layer_maps:
         return
     rules = spec.family.engine
-    names = [m for m in precision if is_mtp_name(m)]
+    names = [m for m in precision if spec.is_mtp(m)]
     for mod in engine_modules(names, rules):
         if mod.kind != "experts":
             continue
@@ -140,7 +141,7 @@ def _exclude_tables(
     rules = spec.family.engine
     if not rules.embedding_tables or meta.algo.upper() == "MIXED_PRECISION":
         return config, hfq
-    names = [m for m in precision if not is_mtp_name(m)]
+    names = [m for m in precision if not spec.is_mtp(m)]
     refused = [
         mod.prefix
         for mod in engine_modules(names, rules)

@@ -14,7 +14,6 @@ from collections.abc import Iterable, Sequence
 from mtpquant.checkpoint.dtypes import planned_copy
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.checkpoint.writer import OutputDir, PlannedTensor
-from mtpquant.families import is_mtp_name
 
 __all__ = ["MTP_SHARD_METADATA", "MTP_SHARD_PATTERN", "mtp_planned_tensors", "write_mtp_shards", "write_planned_mtp"]
 
@@ -23,8 +22,8 @@ MTP_SHARD_METADATA = {"format": "pt"}
 
 
 def mtp_planned_tensors(ckpt: Checkpoint, names: Iterable[str] | None = None) -> list[PlannedTensor]:
-    """Planned copies of the MTP tensors of ``ckpt`` (all ``mtp.*`` by default), sorted by name."""
-    chosen = sorted(names) if names is not None else sorted(n for n in ckpt.tensors if is_mtp_name(n))
+    """Planned copies of the MTP tensors of ``ckpt`` (all of them by default), sorted by name."""
+    chosen = sorted(names) if names is not None else [e.name for e in ckpt.mtp_tensors()]
     ckpt.prefetch(chosen)  # a remote source reads adjacent tensors in one request
     return [planned_copy(ckpt, ckpt.tensors[n]) for n in chosen]
 

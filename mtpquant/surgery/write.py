@@ -159,11 +159,15 @@ def build(
                 mtp_entries[name] = entry
         if set(new_shard_of) != set(plan.add):
             raise GraftError("internal: the MTP shards written do not hold exactly the MTP tensors planned")
+    for name, entry in sorted(plan.adopted.items()):  # an MTP shard the index forgot: indexed, linked as it is
+        new_shard_of[name] = entry.shard
+        mtp_entries[name] = entry
+    stray = [s for s in stray if s not in set(new_shard_of.values())]  # an adopted shard is QUANT's, not a stray
     for shard, names in sorted(plan.rewrite.items()):
         entries = [quant.tensors[n] for n in names]
         entries.sort(key=lambda e: e.start)
         od.write_shard(shard, [planned_copy(quant, e) for e in entries], quant.headers[shard].metadata or None)
-    rewrite_index = bool(plan.add or plan.removed or plan.index_fix or plan.lost)
+    rewrite_index = bool(plan.add or plan.removed or plan.index_fix or plan.lost or plan.adopted)
     json_files = [*plan.metadata.changed_files, INDEX_NAME] if rewrite_index else list(plan.metadata.changed_files)
     json_files[:0] = [PROVENANCE_FILE, *sorted(texts)]  # this step added to what QUANT records; changed texts
     written = set(new_shards) | set(plan.rewrite)

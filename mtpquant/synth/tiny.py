@@ -20,7 +20,7 @@ from typing import Any
 from mtpquant.checkpoint.dtypes import planned
 from mtpquant.checkpoint.index import SINGLE_NAME
 from mtpquant.checkpoint.writer import OutputDir
-from mtpquant.families import FAMILIES, is_mtp_name, resolve
+from mtpquant.families import FAMILIES, resolve
 from mtpquant.synth.qwen4_exp import ROPE_PARAMETERS
 
 __all__ = [
@@ -95,6 +95,9 @@ class TinySpec:
     vocab_size: int = 512
     hidden_size: int = 128
     alias: bool = False  # qwen4_exp: the day-0 qwen3_8_flash_next labels over the same weights
+    copies: bool = True  # families whose MTP may carry head / embedding copies (GLM-4.5 does, GLM-4.6+ do not)
+    mtp_file: str | None = None  # the MTP in a file of its own (GLM-4.6 / 4.7: mtp.safetensors), in the index
+    overrides: tuple[tuple[str, Any], ...] = ()  # families beyond Qwen: config keys set over the tiny defaults
 
 
 TINY_VARIANTS: dict[str, TinySpec] = {
@@ -105,11 +108,32 @@ TINY_VARIANTS: dict[str, TinySpec] = {
     "qwen3_next": TinySpec("qwen3_next", shards=2),
     "qwen4_exp": TinySpec("qwen4_exp", shards=2),
     "qwen4_exp-alias": TinySpec("qwen4_exp", shards=2, alias=True),
+    # beyond Qwen (synth.nextn): the whole MTP in the last shard (DeepSeek-V3: model-00163-of-000163), or in its own
+    # mtp.safetensors (GLM-4.6 / 4.7, without head / embedding copies)
+    "deepseek_v3": TinySpec("deepseek_v3", shards=3),
+    "deepseek_v32": TinySpec("deepseek_v32", shards=3),
+    # DeepSeek's own MLA dimensions (kv_lora_rank 512 + qk_rope_head_dim 64 = 576: what vLLM's GPU MLA backends take;
+    # its CPU build refuses MLA), 16 heads: the GPU serve check's (scripts/nextn_serve_check.py)
+    "deepseek_v3-mla": TinySpec(
+        "deepseek_v3",
+        shards=3,
+        overrides=(("kv_lora_rank", 512), ("qk_rope_head_dim", 64), ("qk_nope_head_dim", 128), ("v_head_dim", 128),
+                   ("num_attention_heads", 16), ("num_key_value_heads", 16), ("hidden_size", 256)),
+    ),
+    "glm4_moe": TinySpec("glm4_moe", shards=2, copies=False, mtp_file="mtp.safetensors"),
+    "glm4_moe-copies": TinySpec("glm4_moe", shards=3),
+    "nemotron_h": TinySpec("nemotron_h", shards=3),
+    "mimo_v2_flash": TinySpec("mimo_v2_flash", shards=3),
+    "mimo": TinySpec("mimo", shards=3),
 }
 
 
 def tiny_config(spec: TinySpec) -> dict[str, Any]:
     """The config.json of a tiny checkpoint, shaped like the real one of its family."""
+    from mtpquant.synth.nextn import NEXTN_CONFIGS, nextn_config
+
+    if spec.family in NEXTN_CONFIGS:
+        return {**nextn_config(spec.family, spec.mtp), **dict(spec.overrides)}
     if spec.family == "qwen4_exp":
         from mtpquant.synth.qwen4_exp import TINY_TEXT_CONFIG, qwen4_exp_config
 
@@ -264,15 +288,29 @@ def _qwen4_exp_tensors(spec: TinySpec, config: dict[str, Any]) -> dict[str, Any]
     return out
 
 
-def _assign_shards(names: list[str], spec: TinySpec) -> dict[str, int]:
+def _assign_shards(names: list[str], spec: TinySpec, config: dict[str, Any]) -> dict[str, int]:
     """Shard number per tensor: main tensors spread in order; MTP split over first and last shard."""
     count = spec.shards
-    main = [n for n in names if not is_mtp_name(n)]
-    mtp = [n for n in names if is_mtp_name(n)]
+    is_mtp = resolve(config).is_mtp
+    main = [n for n in names if not is_mtp(n)]
+    mtp = [n for n in names if is_mtp(n)]
     where = {n: min(count - 1, i * count // max(1, len(main))) for i, n in enumerate(main)}
     for n in mtp:
         # Like Qwen3.5-4B: the MTP MLP sits in the first shard, the rest in the last.
         where[n] = 0 if (count > 1 and ".mlp." in n) else count - 1
+    return where
+
+
+def _nextn_shards(names: list[str], spec: TinySpec, config: dict[str, Any]) -> dict[str, int]:
+    """The published layout of the families beyond Qwen: the trunk over the first shards in order, the whole MTP
+    alone in the last one (DeepSeek-V3), or in ``spec.mtp_file`` (-1; GLM-4.6 / 4.7's ``mtp.safetensors``)."""
+    is_mtp = resolve(config).is_mtp
+    main = [n for n in names if not is_mtp(n)]
+    trunk = spec.shards if spec.mtp_file is not None else max(1, spec.shards - 1)
+    where = {n: min(trunk - 1, i * trunk // max(1, len(main))) for i, n in enumerate(main)}
+    for n in names:
+        if is_mtp(n):
+            where[n] = -1 if spec.mtp_file is not None else spec.shards - 1
     return where
 
 
@@ -361,15 +399,20 @@ def make_tiny_checkpoint(
         spec = TINY_VARIANTS[spec]
     if spec.family not in {f.key for f in FAMILIES}:
         raise ValueError(f"unknown family {spec.family!r}")
+    from mtpquant.synth.nextn import NEXTN_CONFIGS, nextn_tensors
+
     config = tiny_config(spec)
-    if spec.family == "qwen4_exp":
+    nextn = spec.family in NEXTN_CONFIGS
+    if nextn:
+        tensors = nextn_tensors(spec.family, config, spec.seed, spec.copies)
+    elif spec.family == "qwen4_exp":
         tensors = _qwen4_exp_tensors(spec, config)
     else:
         tensors = _disk_layout(spec, _main_state_dict(spec, config))
-    if spec.mtp:
+    if spec.mtp and not nextn:
         tensors |= _mtp_tensors(spec, config)
     names = sorted(tensors)
-    where = _assign_shards(names, spec)
+    where = _nextn_shards(names, spec, config) if nextn else _assign_shards(names, spec, config)
     count = spec.shards
     with OutputDir(Path(out), overwrite=overwrite, replace_check=check_synthetic_replaceable) as od:
         for i in range(count):
@@ -380,7 +423,9 @@ def make_tiny_checkpoint(
             else:
                 shard = f"model-{i + 1:05d}-of-{count:05d}.safetensors"
             od.write_shard(shard, [planned(n, tensors[n]) for n in names if where[n] == i], {"format": "pt"})
-        if count > 1:
+        if spec.mtp_file is not None:
+            od.write_shard(spec.mtp_file, [planned(n, tensors[n]) for n in names if where[n] == -1], {"format": "pt"})
+        if count > 1 or spec.mtp_file is not None:
             od.write_index()
         od.write_json("config.json", config)
         od.write_json("generation_config.json", {"eos_token_id": 2, "do_sample": False})

@@ -326,7 +326,7 @@ def _save(
     for name, t in mtp.state_dict().items():
         tensors[MTP_PREFIX + name] = t.detach().to(torch.bfloat16).contiguous()
     names = sorted(tensors)
-    where = _assign_shards(names, TinySpec(spec.family, shards=spec.shards))
+    where = _assign_shards(names, TinySpec(spec.family, shards=spec.shards), config)
     tok_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": "<|bos|>",

@@ -1,0 +1,364 @@
+"""Registry entries whose MTP is a decoder layer appended to the trunk ("NextN"): DeepSeek-V3 / R1 / V3.1,
+DeepSeek-V3.2, GLM-4.5 / 4.6 / 4.7 / 4.5-Air, GLM-5.x (``glm_moe_dsa``), GLM-5.3-Flash (``glm5_next``), Step-3.5 / 3.7.
+
+Each MTP depth ``i`` is ``{prefix}layers.{num_hidden_layers + i}.*``: the glue ``enorm``, ``hnorm``, ``eh_proj``
+[H, 2H], ``shared_head.norm`` (DeepSeek-V3 and GLM-4.5 also carry copies of the head and the embedding,
+``shared_head.head`` and ``embed_tokens``) around one decoder layer of the trunk's MoE kind. Facts from vLLM 0.32
+(``model_executor/models/deepseek_mtp.py``, ``glm4_moe_mtp.py``, ``step3p5_mtp.py``, ``models/glm5next/common/mtp.py``,
+``config/speculative.py`` ``hf_config_override``) and transformers 5.19 (the trunk classes, whose
+``_keys_to_ignore_on_load_unexpected`` drop these layers on a plain load); see shared/reference/mtp-families.md §5-7.
+
+vLLM builds the drafter from the same checkpoint with the target's quantization config: ``eh_proj`` a plain
+``nn.Linear`` (never quantized), the router ``mlp.gate`` unquantized, the block and the head (``{layer}.head``,
+a ``ParallelLMHead``) by the exclusions, under the layer's own name (``model.layers.61.self_attn...``; Step's block
+under ``model.layers.45.mtp_block.``; GLM-5.3-Flash's ``model.language_model.`` stripped). SGLang's NextN classes
+build the whole draft BF16 for ``modelopt_fp4`` and ``eh_proj`` as a plain Linear.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from mtpquant.families.mtp_config import config_int
+from mtpquant.families.schema import EngineRules, Family, MtpLayout
+from mtpquant.families.storage import APPENDED, MtpStorage
+
+__all__ = [
+    "COPIES",
+    "DEEPSEEK_V3",
+    "DEEPSEEK_V32",
+    "GLM4_MOE",
+    "GLM5_NEXT",
+    "GLM_MOE_DSA",
+    "NEXTN_FAMILIES",
+    "NEXTN_STANDALONE",
+    "STEP3P5",
+    "mla_shapes",
+    "moe_shapes",
+    "nextn_glue_shapes",
+]
+
+_APPENDED = MtpStorage(APPENDED)
+# Leaves (relative to the MTP layer) that are the layer's own, not its decoder block (vLLM _rewrite_spec_layer_name)
+GLUE = ("embed_tokens", "enorm", "hnorm", "eh_proj", "shared_head")
+COPIES = ("shared_head.head.weight", "embed_tokens.weight")
+# SGLang's standalone export of a DeepSeek MTP (scripts/export_deepseek_nextn.py): the draft class it loads as
+NEXTN_STANDALONE = "DeepseekV3ForCausalLMNextN"
+
+
+def nextn_glue_shapes(
+    p: str, text: Mapping[str, Any], head: str = "head", embed: bool = True
+) -> dict[str, tuple[int, ...]]:
+    """The NextN glue of one MTP layer under ``p``, with the copy of the head (``shared_head.{head}``) and, with
+    ``embed``, of the embedding."""
+    H, V = config_int(text, "hidden_size"), config_int(text, "vocab_size")
+    shapes: dict[str, tuple[int, ...]] = {
+        p + "eh_proj.weight": (H, 2 * H),
+        p + "enorm.weight": (H,),
+        p + "hnorm.weight": (H,),
+        p + "shared_head.norm.weight": (H,),
+        p + f"shared_head.{head}.weight": (V, H),
+    }
+    if embed:
+        shapes[p + "embed_tokens.weight"] = (V, H)
+    return shapes
+
+
+def mla_shapes(p: str, text: Mapping[str, Any], indexer: bool) -> dict[str, tuple[int, ...]]:
+    """DeepSeek's multi-head latent attention under ``p`` (transformers DeepseekV3Attention; with ``indexer`` the
+    V3.2 / GLM-5 sparse-attention indexer, DeepseekV32Indexer)."""
+    H, heads = config_int(text, "hidden_size"), config_int(text, "num_attention_heads")
+    nope, rope = config_int(text, "qk_nope_head_dim"), config_int(text, "qk_rope_head_dim")
+    kv, v = config_int(text, "kv_lora_rank"), config_int(text, "v_head_dim")
+    q_rank = text.get("q_lora_rank")
+    a = p + "self_attn."
+    shapes: dict[str, tuple[int, ...]] = {}
+    if q_rank is None:
+        shapes[a + "q_proj.weight"] = (heads * (nope + rope), H)
+    else:
+        q_rank = config_int(text, "q_lora_rank")
+        shapes |= {
+            a + "q_a_proj.weight": (q_rank, H),
+            a + "q_a_layernorm.weight": (q_rank,),
+            a + "q_b_proj.weight": (heads * (nope + rope), q_rank),
+        }
+    shapes |= {
+        a + "kv_a_proj_with_mqa.weight": (kv + rope, H),
+        a + "kv_a_layernorm.weight": (kv,),
+        a + "kv_b_proj.weight": (heads * (nope + v), kv),
+        a + "o_proj.weight": (H, heads * v),
+    }
+    if indexer:
+        ih, ihd = config_int(text, "index_n_heads"), config_int(text, "index_head_dim")
+        i = a + "indexer."
+        shapes |= {
+            i + "wq_b.weight": (ih * ihd, config_int(text, "q_lora_rank")),
+            i + "wk.weight": (ihd, H),
+            i + "k_norm.weight": (ihd,),
+            i + "k_norm.bias": (ihd,),
+            i + "weights_proj.weight": (ih, H),
+        }
+    return shapes
+
+
+def moe_shapes(p: str, text: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+    """The DeepSeek-style MoE block under ``p``: router with its correction bias, shared experts, routed experts per
+    expert (as the checkpoints store them)."""
+    H, E = config_int(text, "hidden_size"), config_int(text, "n_routed_experts")
+    inter = config_int(text, "moe_intermediate_size")
+    shared = inter * int(text.get("n_shared_experts") or 1)
+    m = p + "mlp."
+    shapes: dict[str, tuple[int, ...]] = {
+        m + "gate.weight": (E, H),
+        m + "gate.e_score_correction_bias": (E,),
+        m + "shared_experts.gate_proj.weight": (shared, H),
+        m + "shared_experts.up_proj.weight": (shared, H),
+        m + "shared_experts.down_proj.weight": (H, shared),
+    }
+    for e in range(E):
+        q = f"{m}experts.{e}."
+        shapes |= {q + "gate_proj.weight": (inter, H), q + "up_proj.weight": (inter, H)}
+        shapes[q + "down_proj.weight"] = (H, inter)
+    return shapes
+
+
+def _norms(p: str, text: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+    H = config_int(text, "hidden_size")
+    return {p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,)}
+
+
+def _layers(text: Mapping[str, Any], layers: int) -> list[str]:
+    """Each MTP layer's prefix as the shape functions write it (``model.layers.{N+i}.``; ``ModelSpec`` moves the names
+    under the checkpoint's own prefix, GLM-5.3-Flash's ``model.language_model.`` say)."""
+    n = config_int(text, "num_hidden_layers")
+    return [f"model.layers.{n + i}." for i in range(layers)]
+
+
+def _deepseek_shapes(indexer: bool) -> Any:
+    def shapes(text: Mapping[str, Any], layers: int, per_expert: bool) -> dict[str, tuple[int, ...]]:
+        del per_expert  # routed experts are stored per expert
+        out: dict[str, tuple[int, ...]] = {}
+        for p in _layers(text, layers):
+            out |= nextn_glue_shapes(p, text) | _norms(p, text) | mla_shapes(p, text, indexer) | moe_shapes(p, text)
+        return out
+
+    return shapes
+
+
+def glm4_moe_shapes(text: Mapping[str, Any], layers: int, per_expert: bool) -> dict[str, tuple[int, ...]]:
+    """GLM-4.5 / 4.6 / 4.7 / 4.5-Air: grouped-query attention with optional bias and QK norm, the MoE block
+    (502 tensors for GLM-4.5 with its head and embedding copies, 500 without: GLM-4.6 / 4.7)."""
+    del per_expert
+    H, heads, kv = (config_int(text, k) for k in ("hidden_size", "num_attention_heads", "num_key_value_heads"))
+    hd = text.get("head_dim") or H // heads
+    out: dict[str, tuple[int, ...]] = {}
+    for p in _layers(text, layers):
+        a = p + "self_attn."
+        attn: dict[str, tuple[int, ...]] = {
+            a + "q_proj.weight": (heads * hd, H),
+            a + "k_proj.weight": (kv * hd, H),
+            a + "v_proj.weight": (kv * hd, H),
+            a + "o_proj.weight": (H, heads * hd),
+        }
+        if text.get("attention_bias"):
+            attn |= {a + "q_proj.bias": (heads * hd,), a + "k_proj.bias": (kv * hd,), a + "v_proj.bias": (kv * hd,)}
+        if text.get("use_qk_norm"):
+            attn |= {a + "q_norm.weight": (hd,), a + "k_norm.weight": (hd,)}
+        out |= nextn_glue_shapes(p, text) | _norms(p, text) | attn | moe_shapes(p, text)
+    return out
+
+
+def _glue_only(head: str, embed: bool) -> Any:
+    """The glue of every declared layer (the inventory mtpquant checks where the block's layout follows per-layer
+    config it does not model: Step's per-layer attention kinds, GLM-5.3-Flash's KDA / DSA layers)."""
+
+    def shapes(text: Mapping[str, Any], layers: int, per_expert: bool) -> dict[str, tuple[int, ...]]:
+        del per_expert
+        out: dict[str, tuple[int, ...]] = {}
+        for p in _layers(text, layers):
+            out |= nextn_glue_shapes(p, text, head, embed)
+        return out
+
+    return shapes
+
+
+def _layer_rename(pattern: re.Pattern[str], block_infix: str = "", head: str = "head") -> Any:
+    """vLLM's draft name of an MTP module: the layer prefix normalised to ``model.layers.{n}.``; the shared head
+    ``{layer}.head`` (DeepSeek / GLM: ``SharedHead(prefix=layer)``; Step: ``{layer}.shared_head.head``); the block
+    under ``block_infix`` (Step: ``mtp_block.``)."""
+
+    def rename(name: str, num_hidden_layers: int) -> str:
+        del num_hidden_layers
+        m = pattern.match(name)
+        if m is None:
+            return name
+        layer, rest = f"model.layers.{m.group(1)}.", name[m.end() :]
+        if rest.startswith(("shared_head.head", "shared_head.output")):
+            return layer + head + rest[len(rest.split(".", 2)[0]) + len(rest.split(".", 2)[1]) + 1 :]
+        if rest.startswith(GLUE):
+            return layer + rest
+        return layer + block_infix + rest.replace("transformer.", "", 1)
+
+    return rename
+
+
+_MODEL_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_ANY_LAYER = re.compile(r"^model\.(?:language_model\.)?layers\.(\d+)\.")
+
+# vLLM 0.32 deepseek_mtp.py DeepSeekMTP.load_weights: stacked_params_mapping (wk + weights_proj: V3.2's indexer)
+_DEEPSEEK_PACKED = {"gate_up_proj": ("gate_proj", "up_proj"), "fused_qkv_a_proj": ("q_a_proj", "kv_a_proj_with_mqa")}
+_GLM_PACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+# the router is a GateLinear without a quantization config; eh_proj a plain nn.Linear (deepseek_mtp.py 84,
+# glm4_moe_mtp.py 87); V3.2's indexer wk_weights_proj is built with quant_config=None (deepseek_v2.py 712)
+_NEXTN_UNQUANTIZED = ("*.mlp.gate", "*.eh_proj")
+_NEXTN_SGLANG = ("*.eh_proj",)
+# the draft's load_weights raises (deepseek_mtp.py 520-533, deepseek_v32/nvidia/mtp.py 485-496, glm5next mtp.py 436-443)
+_COMPLETENESS = "ValueError: MTP speculative decoding layer {layer} weights missing from checkpoint"
+
+
+def _mtp(shapes: Any, **kw: Any) -> MtpLayout:
+    return MtpLayout(
+        depth_keys=("num_nextn_predict_layers",),
+        default_layers=0,
+        setting_keys=kw.pop("setting_keys", ()),
+        shapes=shapes,
+        per_expert=True,
+        either_expert_form=False,
+        engine_linears=("*.self_attn.*", "*.mlp.*_proj", "*.mlp.experts", "*.shared_head.head"),
+        unquantized=("*.eh_proj", "*.mlp.gate", "*norm*"),
+        fused_groups=(("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("q_a_proj", "kv_a_proj_with_mqa")),
+        storage=_APPENDED,
+        **kw,
+    )
+
+
+def _family(key: str, display: str, model_types: set[str], archs: set[str], mtp: MtpLayout, engine: EngineRules,
+            text_class: str, **kw: Any) -> Family:
+    return Family(
+        key=key,
+        display=display,
+        model_types=frozenset(model_types),
+        architectures=frozenset(archs),
+        moe=True,
+        wrapper_prefix=kw.pop("wrapper_prefix", "model."),
+        text_only_prefixes=kw.pop("text_only_prefixes", ("model.",)),
+        has_vision=kw.pop("has_vision", False),
+        mtp=mtp,
+        engine=engine,
+        wrapper_class=kw.pop("wrapper_class", None),
+        text_class=text_class,
+        fused_groups=(("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("gate_proj", "up_proj")),
+        unquantized=("lm_head", "*embed_tokens", "*.mlp.gate", "*self_attn*", "*.eh_proj", "*norm*"),
+        fused_main_experts=False,
+        mtp_forward=False,
+        mtp_heal=False,
+        convert=False,
+        **kw,
+    )
+
+
+def _engine(packed: Mapping[str, tuple[str, ...]], vllm: str, sglang: str, **kw: Any) -> EngineRules:
+    return EngineRules(
+        packed=packed,
+        built_unquantized=kw.pop("built_unquantized", _NEXTN_UNQUANTIZED),
+        sglang_plain=_NEXTN_SGLANG,
+        drafters={"vllm": vllm, "sglang": sglang},
+        **kw,
+    )
+
+
+_DEEPSEEK_LINEAGE = ("q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
+                     "n_routed_experts", "n_shared_experts", "first_k_dense_replace")
+
+DEEPSEEK_V3 = _family(
+    "deepseek_v3",
+    "DeepSeek-V3 / R1 / V3.1",
+    {"deepseek_v3"},
+    {"DeepseekV3ForCausalLM"},
+    _mtp(_deepseek_shapes(indexer=False), copies=COPIES, copies_required=True,
+         engine_rename=_layer_rename(_MODEL_LAYER)),
+    _engine(_DEEPSEEK_PACKED, "DeepSeekMTPModel", "DeepseekV3ForCausalLMNextN", missing_mtp_error=_COMPLETENESS),
+    "DeepseekV3ForCausalLM",
+    lineage_keys=_DEEPSEEK_LINEAGE,
+    nextn_architecture=NEXTN_STANDALONE,
+)
+# V3.2 and GLM-5.x: the MLA with its sparse-attention indexer; vLLM's DeepseekV32MTPModel (speculative.py 663-694)
+# (an FP8 wk is dequantized to BF16 as it loads: _try_load_fp8_indexer_wk, deepseek_v2.py)
+_V32_ENGINE = {
+    "built_unquantized": (*_NEXTN_UNQUANTIZED, "*.indexer.wk", "*.indexer.weights_proj"),
+    "dequantized_on_load": ("*.indexer.wk",),
+    "missing_mtp_error": _COMPLETENESS,
+}
+DEEPSEEK_V32 = _family(
+    "deepseek_v32",
+    "DeepSeek-V3.2",
+    {"deepseek_v32"},
+    {"DeepseekV32ForCausalLM"},
+    _mtp(_deepseek_shapes(indexer=True), copies=COPIES, copies_required=True,
+         setting_keys=("index_share_for_mtp_iteration",), engine_rename=_layer_rename(_MODEL_LAYER)),
+    _engine(_DEEPSEEK_PACKED, "DeepseekV32MTPModel", "DeepseekV3ForCausalLMNextN", **_V32_ENGINE),
+    "DeepseekV32ForCausalLM",
+    lineage_keys=(*_DEEPSEEK_LINEAGE, "index_n_heads", "index_head_dim"),
+    nextn_architecture=NEXTN_STANDALONE,
+)
+GLM_MOE_DSA = _family(
+    "glm_moe_dsa",
+    "GLM-5 / 5.1 / 5.2",
+    {"glm_moe_dsa"},
+    {"GlmMoeDsaForCausalLM"},
+    _mtp(_deepseek_shapes(indexer=True), copies=COPIES, setting_keys=("index_share_for_mtp_iteration",),
+         engine_rename=_layer_rename(_MODEL_LAYER)),
+    _engine(_DEEPSEEK_PACKED, "DeepseekV32MTPModel", "GlmMoeDsaForCausalLMNextN", **_V32_ENGINE),
+    "GlmMoeDsaForCausalLM",
+    lineage_keys=(*_DEEPSEEK_LINEAGE, "index_n_heads", "index_head_dim"),
+)
+GLM4_MOE = _family(
+    "glm4_moe",
+    "GLM-4.5 / 4.6 / 4.7 / 4.5-Air",
+    {"glm4_moe"},
+    {"Glm4MoeForCausalLM"},
+    _mtp(glm4_moe_shapes, copies=COPIES, engine_rename=_layer_rename(_MODEL_LAYER)),
+    _engine(_GLM_PACKED, "Glm4MoeMTPModel", "Glm4MoeForCausalLMNextN"),
+    "Glm4MoeForCausalLM",
+    lineage_keys=("head_dim", "n_routed_experts", "n_shared_experts", "first_k_dense_replace", "use_qk_norm",
+                  "attention_bias"),
+)
+# GLM-5.3-Flash: the text tower under model.language_model.; vLLM's Glm5NextMTP strips that prefix (mtp.py 332-337)
+# and builds layer 45 as model.layers.45.*, so an exclusion must match that name too (nvidia/GLM-5.3-Flash-NVFP4)
+GLM5_NEXT = _family(
+    "glm5_next",
+    "GLM-5.3-Flash",
+    {"glm5_next", "glm5_next_text"},
+    {"Glm5NextForConditionalGeneration", "Glm5NextForCausalLM"},
+    _mtp(_glue_only("head", embed=False), copies=COPIES, inventory="glue",
+         setting_keys=("index_share_for_mtp_iteration",), engine_rename=_layer_rename(_ANY_LAYER)),
+    _engine(_DEEPSEEK_PACKED, "Glm5NextMTPModel", "", missing_mtp_error=_COMPLETENESS),
+    "Glm5NextForCausalLM",
+    wrapper_prefix="model.language_model.",
+    text_only_prefixes=("model.language_model.", "model."),
+    has_vision=True,
+    wrapper_class="Glm5NextForConditionalGeneration",
+)
+# Step-3.5 / 3.7: three appended layers, the head stored as shared_head.output; vLLM's Step3p5MTP builds the block as
+# model.layers.{n}.mtp_block.* and strips a .transformer. infix (step3p5_mtp.py 74, 286-289, 323-345)
+STEP3P5 = _family(
+    "step3p5",
+    "Step-3.5 / 3.7-Flash",
+    {"step3p5", "step3p7"},
+    {"Step3p5ForCausalLM", "Step3p7ForConditionalGeneration"},
+    _mtp(_glue_only("output", embed=False), copies=("shared_head.output.weight",), copies_required=True,
+         inventory="glue",
+         engine_rename=_layer_rename(_MODEL_LAYER, block_infix="mtp_block.", head="shared_head.head")),
+    _engine({"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")},
+            "Step3p5MTP", "Step3p5MTP",
+            missing_mtp_error="RuntimeError: Some parameters like model.layers.{layer}... are not in the checkpoint "
+            "and will falsely use random initialization"),
+    "Step3p5ForCausalLM",
+    wrapper_prefix="model.language_model.",
+    text_only_prefixes=("model.language_model.", "model."),
+    wrapper_class="Step3p7ForConditionalGeneration",
+)
+
+NEXTN_FAMILIES: tuple[Family, ...] = (DEEPSEEK_V3, DEEPSEEK_V32, GLM_MOE_DSA, GLM4_MOE, GLM5_NEXT, STEP3P5)
