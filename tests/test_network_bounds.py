@@ -20,6 +20,7 @@ from mtpquant.cli import main
 from mtpquant.engine.http import JSON_CAP, EngineHttp
 from mtpquant.engine.vllm import VllmClient
 from mtpquant.errors import EngineAnswerError, EngineUnreachableError, ExitCode
+from mtpquant.net.http import transport_class
 from mtpquant.net.hub import API_CAP
 from tests.support.rawhttp import RawRequest, RawServer, answer, drip
 
@@ -80,10 +81,12 @@ def test_a_dripping_engine_is_cut_off_at_the_deadline(where: str) -> None:
             sock.sendall(head + b"\r\n\r\n")
             drip(sock, body, 0.2)
 
+    transport_class()  # httpx and httpcore imported before the clock starts (seconds on a busy machine)
     with RawServer(script) as server:
+        client = VllmClient(server.url, timeout=1.5)
         t0 = time.monotonic()
         with pytest.raises(EngineUnreachableError) as exc:
-            VllmClient(server.url, timeout=1.5).info()
+            client.info()
         elapsed = time.monotonic() - t0
     assert str(exc.value) == f"{server.url}: no answer to /version within 1.5 s"
     assert 1.4 < elapsed < 3.0  # each byte came within the wait between bytes: only the deadline ends it

@@ -61,7 +61,7 @@ EXPECTED: dict[str, tuple[str, list[str], object, int]] = {
             _bf16("mtp.layers.0.self_attn.o_proj"),
             *(
                 f"vLLM will fail to load: model.language_model.layers.{i}.mlp.shared_expert_gate is NVFP4-CT on disk "
-                "but excluded from quantization"
+                "but vLLM builds it without a quantization config"
                 for i in range(3)
             ),
             "... and 1 more main-model modules whose metadata disagrees with the tensors",
@@ -164,7 +164,7 @@ def test_fix_metadata_repairs_autoround_quant(peer_quant: Factory, tmp_path: Pat
 def _gate_failure() -> str:
     return (
         "vLLM will fail to load: model.language_model.layers.0.mlp.shared_expert_gate is NVFP4-CT on disk but "
-        "excluded from quantization"
+        "vLLM builds it without a quantization config"
     )
 
 

@@ -103,7 +103,9 @@ def test_recipe_by_path_and_unknown_keys(tmp_path: Path) -> None:
         ),
         (
             {"families": ["qwen9"]},
-            "families: unknown family 'qwen9' (known: qwen3_5, qwen3_5_moe, qwen3_next, qwen4_exp)",
+            "families: unknown family 'qwen9' (known: deepseek_v3, deepseek_v32, deepseek_v4, deepseek_v41, glm4_moe, "
+            "glm5_next, glm_moe_dsa, mimo, mimo_v2_flash, minimax_m2, nemotron_h, "
+            "qwen3_5, qwen3_5_moe, qwen3_next, qwen4_exp, step3p5)",
         ),
         ({"mtp": ["keep"]}, "mtp: must be a mapping, got ['keep']"),
         ({"description": 5}, "description: input should be a valid string, got 5"),
