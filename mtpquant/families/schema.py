@@ -21,6 +21,7 @@ __all__ = [
     "EngineRules",
     "Family",
     "ForcedUnquantized",
+    "MtpGroup",
     "MtpLayout",
     "Shapes",
     "is_mtp_name",
@@ -60,6 +61,18 @@ def _matcher(patterns: tuple[str, ...]) -> Callable[[str], Any]:
 
 
 @dataclass(frozen=True)
+class MtpGroup:
+    """One precision group of a family's MTP: the Linears that take one precision together when the MTP's precision is
+    chosen per group (``convert --mtp auto``, ``tune-mtp``). A group holds whole fused and packed groups (q/k/v,
+    gate/up, every routed expert: engines build each as one module, so they share one precision)."""
+
+    key: str  # "input" | "attention" | "mlp" | "shared_expert" | "experts"
+    label: str  # for reports: "input projection (mtp.fc)"
+    # fnmatch on MTP Linear module names, mtp. included (routed experts by their per-expert names)
+    modules: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class MtpLayout:
     """How one family stores and declares its MTP, and which of its modules may be quantized."""
 
@@ -93,6 +106,13 @@ class MtpLayout:
     # Torch-free checks of the text config beyond MtpConfig's that the family's reference forward needs (one-line
     # MtpConfigError each), run by ``families.mtp_config`` at plan time; None: none.
     config_check: Callable[[Mapping[str, Any]], None] | None = None
+    # The precision groups, in the order reports list them (``MtpGroup``); MTP Linears in no group stay unquantized
+    # (routers, gates, the engines' unquantized projections). (): the precision cannot be chosen per group.
+    groups: tuple[MtpGroup, ...] = ()
+
+    def group_of(self, module: str) -> MtpGroup | None:
+        """The precision group an MTP Linear belongs to (None: none, it stays in the source precision)."""
+        return next((g for g in self.groups if matches(module, g.modules)), None)
 
     def engine_name(self, name: str, num_hidden_layers: int) -> str:
         """An MTP module or pattern as the engine names it (patterns that do not start with ``mtp.`` unchanged).
