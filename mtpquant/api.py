@@ -115,8 +115,14 @@ def convert_and_heal(
 
     from mtpquant.checkpoint.table import Checkpoint
     from mtpquant.convert.run import convert
-    from mtpquant.errors import MtpquantError
+    from mtpquant.errors import MtpquantError, UsageError
     from mtpquant.heal.support import check_convert  # torch-free: refusals come before the heavy imports
+
+    if options.mtp == "auto":
+        raise UsageError(
+            "--heal with --mtp auto is not supported yet (healing each finalist before the choice is #38's open "
+            "point); convert with --mtp auto, or heal a --mtp keep / quantize convert"
+        )
 
     def plan_check(src: Checkpoint, mode: str) -> None:
         check_convert(heal, src, mode, options.output_format, Path(options.out), probe=not options.dry_run)

@@ -68,7 +68,7 @@ RECIPE_FILE = "mtpquant_recipe.yaml"
 _Scheme = Literal["nvfp4", "nvfp4_w4a16"]
 _Targets = Literal["all", "experts"]
 _Algorithm = Literal["max"]
-_MtpMode = Literal["auto", "keep", "quantize", "extract", "drop"]
+_MtpMode = Literal["auto", "keep", "quantize", "extract", "drop", "search"]
 _MtpFormat = Literal["nvfp4", "fp8"]
 SCHEMES: tuple[str, ...] = get_args(_Scheme)
 TARGETS: tuple[str, ...] = get_args(_Targets)
@@ -137,8 +137,10 @@ class CalibrationSection:
 class MtpSection:
     """What happens to the MTP layer."""
 
-    mode: _MtpMode = "auto"  # auto: keep when the source has an MTP, else drop
+    mode: _MtpMode = "auto"  # auto: keep when the source has an MTP, else drop; search: convert --mtp auto
     format: _MtpFormat = "nvfp4"  # quantize mode: nvfp4 | fp8
+    # search: the precision it chose per MTP group (recorded in OUT's recipe; written only when there is one)
+    precision: Mapping[StrictStr, Literal["bf16", "fp8", "nvfp4"]] = Field(default_factory=dict)
 
 
 def byte_size(value: Any, where: str) -> ByteSize:
@@ -287,7 +289,12 @@ def _plain(obj: Any) -> Any:
     if isinstance(obj, ByteSize):
         return obj.text
     if dataclasses.is_dataclass(obj):
-        return {f.name: _plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        fields = {f.name: _plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        if isinstance(obj, MtpSection) and not obj.precision:  # recorded by a search only: recipes stay as they were
+            fields.pop("precision")
+        return fields
+    if isinstance(obj, Mapping):
+        return {k: _plain(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return [_plain(v) for v in obj]
     return obj

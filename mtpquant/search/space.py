@@ -176,7 +176,7 @@ class MtpSpace:
         self.main_algo = main_algo
         self.activations = activations
         self.engines = tuple(engines)
-        self.precisions = tuple(p for p in PRECISIONS if p in precisions)
+        self.precisions = tuple(p for p in PRECISIONS if p in precisions or p == "bf16")
         self.source: dict[str, Planned] = {}
         self.split: dict[str, list[str]] = {}  # a fused 3-D source tensor -> the per-expert weights it holds
         for name, entry in sorted(source.items()):
