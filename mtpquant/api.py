@@ -33,8 +33,12 @@ if TYPE_CHECKING:  # a type checker (a user's, through py.typed) sees the real t
     from mtpquant.publish.run import PublishResult, publish
     from mtpquant.recipes.recipe import builtin_recipe_names
     from mtpquant.records.validation import Report, ValidationReport
+    from mtpquant.search.run import SearchResult
+    from mtpquant.search.settings import SearchSettings
     from mtpquant.synth.tiny import TINY_VARIANTS, make_tiny_checkpoint
     from mtpquant.synth.train import TINY_MTP_ASSET, TINY_MTP_ASSETS
+    from mtpquant.tune.options import TuneOptions
+    from mtpquant.tune.run import TunePlan, TuneResult, tune_mtp
     from mtpquant.validate.options import ValidateOptions
     from mtpquant.validate.run import validate
 
@@ -56,6 +60,11 @@ __all__ = [
     "PublishOptions",
     "PublishResult",
     "Report",
+    "SearchResult",
+    "SearchSettings",
+    "TuneOptions",
+    "TunePlan",
+    "TuneResult",
     "ValidateOptions",
     "ValidationReport",
     "builtin_recipe_names",
@@ -68,6 +77,7 @@ __all__ = [
     "make_tiny_checkpoint",
     "plan_convert",
     "publish",
+    "tune_mtp",
     "validate",
 ]
 
@@ -99,6 +109,12 @@ _WHERE = {
     "publish": "mtpquant.publish.run",
     "Report": "mtpquant.records.validation",
     "ValidationReport": "mtpquant.records.validation",
+    "SearchResult": "mtpquant.search.run",
+    "SearchSettings": "mtpquant.search.settings",
+    "TuneOptions": "mtpquant.tune.options",
+    "TunePlan": "mtpquant.tune.run",
+    "TuneResult": "mtpquant.tune.run",
+    "tune_mtp": "mtpquant.tune.run",
     "ValidateOptions": "mtpquant.validate.options",
     "validate": "mtpquant.validate.run",
 }

@@ -46,6 +46,7 @@ __all__ = [
     "RecipeError",
     "ReplayError",
     "SourceQuantizedError",
+    "TuneRefusedError",
     "UnsupportedArchitectureError",
     "UploadError",
     "UsageError",
@@ -88,6 +89,7 @@ class ExitCode(IntEnum):
     VALIDATE_BROKEN = 25  # validate: the candidate is broken (non-finite logits, main model disagrees, AL rises)
     HEAL_REFUSED = 27  # heal (convert --heal: at its plan): QUANT's MTP is missing, incomplete, of a family heal does
     # not train, or unwritable
+    TUNE_REFUSED = 28  # tune-mtp: QUANT is not a local ModelOpt NVFP4 quant, or no quantized MTP configuration loads
     HUB_UNREACHABLE = 30  # the Hub (or mirror) cannot be reached or timed out
     HUB_ACCESS = 31  # the repo, revision or file does not exist, or is gated / private / needs a token
     HUB_REFUSED = 32  # the Hub refused the request or rate-limited it beyond the retries
@@ -127,6 +129,7 @@ _MEANING = {
     ExitCode.HEAL_NOT_BETTER: "heal: the healed MTP is not better beyond noise; nothing written",
     ExitCode.VALIDATE_BROKEN: "validate: the candidate is broken (non-finite, disagreeing, or AL too high)",
     ExitCode.HEAL_REFUSED: "heal refused (MTP missing, incomplete, or in a format heal cannot write)",
+    ExitCode.TUNE_REFUSED: "tune-mtp refused (QUANT not a local ModelOpt NVFP4 quant, nothing to choose from)",
     ExitCode.HUB_UNREACHABLE: "Hub unreachable or timed out",
     ExitCode.HUB_ACCESS: "Hub repo/file not found, gated, private, or bad token",
     ExitCode.HUB_REFUSED: "Hub refused the request or rate-limited it",
@@ -278,6 +281,12 @@ class HealRefusedError(MtpquantError):
     """heal refuses: QUANT's MTP is missing or incomplete, or stored in a format heal cannot write back."""
 
     exit_code = ExitCode.HEAL_REFUSED
+
+
+class TuneRefusedError(MtpquantError):
+    """tune-mtp refuses: QUANT is not a local ModelOpt NVFP4 quant, or the engines load no quantized MTP of it."""
+
+    exit_code = ExitCode.TUNE_REFUSED
 
 
 class PublishRefusedError(MtpquantError):

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from mtpquant.heal.run import HealResult
     from mtpquant.publish.run import PublishResult
     from mtpquant.search.run import SearchResult
+    from mtpquant.tune.run import TuneResult
 
 __all__ = [
     "acceptance_text",
@@ -38,6 +39,7 @@ __all__ = [
     "plan_lines",
     "publish_plan_text",
     "search_lines",
+    "tune_text",
     "validate_text",
 ]
 
@@ -260,6 +262,38 @@ def _merged_verdicts(verdicts: Mapping[str, str]) -> list[str]:
         body = verdict[len(name) + 2 :] if verdict.startswith(name + ": ") else None
         by_text.setdefault(body if body is not None else verdict, []).append(name if body is not None else "")
     return [f"{', '.join(names)}: {text}" if all(names) else text for text, names in by_text.items()]
+
+
+def tune_text(result: TuneResult) -> str:
+    """What tune-mtp did (or, for a dry run, would do)."""
+    p = result.plan
+    lines = [result.message]
+    if result.action == "planned":
+        s = p.settings
+        lines += [
+            f"target     {p.quant}'s main model ({p.main_algo}); SRC {p.source}",
+            f"search     groups {', '.join(p.groups)}; {p.configurations} configurations load in {s.engine} "
+            f"({', '.join(s.precisions)}), {format_bytes(p.smallest_bytes)} to {format_bytes(p.bf16_bytes)} (QUANT's "
+            f"MTP now {format_bytes(p.mtp_bytes)}); budget {s.budget:g} AL at k = 1..{s.k} on {s.num_prompts} "
+            "held-out prompts",
+            f"calib      {p.calibration.samples} x {p.calibration.seq_len} tokens from {p.calibration.data} "
+            f"({p.calibration_from})",
+            f"output     {p.destination}",
+        ]
+        lines += [f"note       {n}" for n in p.notes]
+        return "\n".join(lines)
+    if result.search is not None:
+        lines += search_lines(result.search)
+    lines.append(f"MTP        {format_bytes(result.mtp_bytes_before)} -> {format_bytes(result.mtp_bytes_after)}")
+    lines += [f"metadata   {c}" for c in result.metadata_changes]
+    lines.append(
+        f"written    {format_bytes(result.bytes_written)}; new shards: {', '.join(result.new_shards) or 'none'}; "
+        f"hard-linked {len(result.linked)}, copied {len(result.copied)}"
+    )
+    lines.append(f"verified   {', '.join(result.verified_with)}; put in place by {result.commit}")
+    lines.append("time       " + ", ".join(f"{k} {v:.1f}s" for k, v in result.timings.items()))
+    lines += [f"warning    {w}" for w in result.warnings]
+    return "\n".join(lines)
 
 
 def graft_text(result: GraftResult) -> str:

@@ -290,7 +290,7 @@ def _run(
     """Everything between planning and finalize."""
     import torch
 
-    from mtpquant.convert.assemble import carry_files, mixed_precision_config, place_main_shards, quantized_modules_of
+    from mtpquant.convert.assemble import carry_files, place_main_shards, quantized_modules_of
     from mtpquant.convert.model import (
         calibration_loop,
         export_quantized,
@@ -302,6 +302,7 @@ def _run(
         quantize_main_model,
         source_dtype,
     )
+    from mtpquant.formats.quant_config import mixed_precision_config
     from mtpquant.text.calibration import build_calibration_data, load_tokenizer
 
     recipe = plan.recipe

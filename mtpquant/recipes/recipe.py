@@ -59,6 +59,7 @@ __all__ = [
     "nvfp4_quantizer_cfg",
     "quantizer_enabled",
     "recipe_from_mapping",
+    "tuned_recipe",
     "with_values",
 ]
 
@@ -376,6 +377,27 @@ def _parse_yaml(text: str, source: str) -> Any:
         raise RecipeError(f"{source}: not valid YAML{where}") from None
 
 
+def _header_and_recipe(text: str, source: str) -> tuple[list[str], Recipe]:
+    """A resolved recipe file's comment header (its lines) and the recipe."""
+    header = []
+    for line in text.splitlines():
+        if not line.startswith("#"):
+            break
+        header.append(line[2:] if line.startswith("# ") else line[1:])
+    return header, recipe_from_mapping(_parse_yaml(text, source), source)
+
+
+def tuned_recipe(text: str, source: str, precision: Mapping[str, str], what: str) -> str:
+    """A resolved recipe file's text once ``tune-mtp`` has re-quantized its checkpoint's MTP: ``mtp.mode`` is
+    ``search`` with the ``precision`` it chose per group, and the comment header adds ``what`` was done and the mode
+    before it. ``RecipeError`` when ``text`` is not a recipe."""
+    header, recipe = _header_and_recipe(text, source)
+    header.append(f"{what}: mtp.mode was {recipe.mtp.mode}, now search.")
+    chosen: Any = dict(precision)  # checked against the section's choices when the recipe is made
+    tuned = dataclasses.replace(recipe, mtp=dataclasses.replace(recipe.mtp, mode="search", precision=chosen))
+    return tuned.to_yaml("\n".join(header))
+
+
 def grafted_recipe(text: str, source: str, mtp_from: str) -> str:
     """A resolved recipe file's text (``RECIPE_FILE``, as ``source`` names it) once graft has put ``mtp_from``'s MTP
     into its checkpoint: ``mtp.mode`` is ``keep`` (the MTP as SRC has it, which convert's keep mode writes), and
@@ -383,12 +405,7 @@ def grafted_recipe(text: str, source: str, mtp_from: str) -> str:
     convert writes it. ``RecipeError`` when ``text`` is not a recipe."""
     from mtpquant import __version__
 
-    header = []
-    for line in text.splitlines():
-        if not line.startswith("#"):
-            break
-        header.append(line[2:] if line.startswith("# ") else line[1:])
-    recipe = recipe_from_mapping(_parse_yaml(text, source), source)
+    header, recipe = _header_and_recipe(text, source)
     header.append(
         f"MTP grafted from {mtp_from} by mtpquant {__version__} graft: mtp.mode was {recipe.mtp.mode}, now keep."
     )
