@@ -34,7 +34,7 @@ from mtpquant.families import is_mtp_name
 from mtpquant.recipes.recipe import RECIPE_FILE, load_recipe
 from mtpquant.search.report import read_result
 from mtpquant.search.run import search_space
-from mtpquant.synth.train import TINY_MTP_ASSET
+from mtpquant.synth.train import TINY_MTP_ASSET, TINY_MTP_ASSETS
 
 pytestmark = pytest.mark.slow
 
@@ -165,3 +165,32 @@ def test_tune_mtp_refusals(made: dict[str, Any], tiny_factory: Callable[[str], P
     code, err = run("convert", str(TINY_MTP_ASSET), str(tmp_path / "c"), "--al-budget", "0.1", "--dry-run")
     assert code == ExitCode.USAGE and err.endswith("--al-budget is only used with --mtp auto")
     assert not any(tmp_path.iterdir())
+
+
+def test_the_trained_tiny_moe_mtp(tmp_path: Path) -> None:
+    """The trained tiny Qwen3.8-Flash-Next (its MTP an MoE: fused routed experts, a shared expert, two input
+    projections) converted with --mtp auto for every engine: each group alone is measured (the ones no engine loads
+    alone too: a quantized shared expert beside BF16 routed experts is read by vLLM's MIXED_PRECISION resolution as
+    quantized experts), the choice is within the budget, loads in vLLM and SGLang as inspect reads them, and routed
+    experts it quantized are written per expert. (No trained Qwen3.5-MoE ships: the Qwen3.5-MoE space is checked from
+    headers in tests/test_search_space.py; vLLM's CPU backend runs no NVFP4 MoE, so no engine measures either.)"""
+    settings = SearchSettings(num_prompts=16, max_len=64, engine="any")
+    result = convert(ConvertOptions(src=str(TINY_MTP_ASSETS["qwen4_exp"]), out=tmp_path / "q4", mtp="auto",
+                                    search=settings, device="cpu", progress=False, calib_samples=8,
+                                    calib_seq_len=64))  # fmt: skip
+    search = result.search
+    assert search is not None and result.output is not None
+    alone = {(j.assignment.changed()[0], j.assignment[j.assignment.changed()[0]]): j
+             for j in search.evaluated if j.role == "sensitivity"}  # fmt: skip
+    assert set(alone) == {(g, p) for g in ("input", "attention", "shared_expert", "experts") for p in ("fp8", "nvfp4")}
+    chosen = search.choice
+    assert chosen.accepted and all(c.change is None or c.change.low > -settings.budget
+                                   for s in chosen.by_sampling for c in s.by_k)  # fmt: skip
+    verdicts = inspect_checkpoint(result.output).verdicts
+    assert verdicts["vllm"].startswith("vLLM: MTP loads") and verdicts["sglang"].startswith("SGLang: MTP loads")
+    names = {e.name for e in Checkpoint.open(result.output).mtp_tensors()}
+    fused = {"mtp.layers.0.mlp.experts.gate_up_proj", "mtp.layers.0.mlp.experts.down_proj"}
+    if chosen.assignment["experts"] == "bf16":
+        assert fused <= names
+    else:
+        assert not fused & names and "mtp.layers.0.mlp.experts.3.down_proj.weight_scale" in names

@@ -182,3 +182,17 @@ def test_full_size_bytes_from_the_config_alone() -> None:
     assert space.group_keys == ("input", "attention", "shared_expert", "experts")
     ratio = space.nbytes(Assignment.uniform(space.group_keys, "nvfp4")) / bf16
     assert 0.28 < ratio < 0.29  # 4.5 bits a weight (E2M1 + one E4M3 scale per 16) of 16, plus norms and router
+
+
+def test_a_quantized_shared_expert_needs_its_routed_experts_quantized(tiny_factory: Factory) -> None:
+    """Qwen3.5-MoE: vLLM resolves the routed experts of a MIXED_PRECISION config by any quantized_layers key below
+    their parent, so a quantized shared expert beside BF16 routed experts builds the experts quantized: no declaration
+    loads it (plain: the experts' per-expert exclusions do not exclude the fused module), and the space leaves it
+    out; with the routed experts quantized too it loads, declared plain (the attention and input excluded by name)."""
+    ckpt = Checkpoint.open(tiny_factory("qwen3_5_moe"))
+    space = MtpSpace(ckpt.spec.family, {e.name: e for e in ckpt.mtp_tensors()}, engines=("vllm",))
+    alone = space.bf16.with_group("shared_expert", "nvfp4")
+    assert space.declaration(alone).kind is None
+    assert "mtp.layers.0.mlp.experts" in str(space.declaration(alone).refusal)
+    assert space.declaration(alone.with_group("experts", "nvfp4")).kind == "plain"
+    assert alone not in space.configurations()

@@ -56,7 +56,7 @@ class Judged(Record):
 
     assignment: Assignment
     nbytes: int
-    declaration: str  # plain | mixed
+    declaration: str  # plain | mixed | none (a group alone the engines do not load: measured, never chosen)
     role: Literal["baseline", "sensitivity", "confirm"]
     by_sampling: tuple[SettingChange, ...]
     units_to_settle: int | None = None  # inconclusive: about how many prompts would decide it
@@ -72,9 +72,15 @@ class Judged(Record):
         return "within" if verdicts == {"within"} else "inconclusive"
 
     @property
+    def loads(self) -> bool:
+        """Whether the chosen engines load it (a group alone may not: SGLang's whole-layer rule, vLLM's routed experts
+        resolved by a quantized shared expert)."""
+        return self.declaration != "none"
+
+    @property
     def accepted(self) -> bool:
-        """Whether it may be taken: the BF16 MTP, or within the budget everywhere."""
-        return self.verdict in ("baseline", "within")
+        """Whether it may be taken: the BF16 MTP, or within the budget everywhere, and loadable."""
+        return self.loads and self.verdict in ("baseline", "within")
 
     def changes(self) -> list[Interval]:
         """Every (setting, k) change interval."""
@@ -116,7 +122,8 @@ def judge(
                 verdict = "beyond"
             rows.append(KChange(k, plan.al(c), change, verdict))
         out.append(SettingChange(s, tuple(rows)))
-    judged = Judged(assignment, space.nbytes(assignment), str(space.declaration(assignment).kind), role, tuple(out))
+    declaration = space.declaration(assignment).kind or "none"
+    judged = Judged(assignment, space.nbytes(assignment), declaration, role, tuple(out))
     if judged.verdict == "inconclusive":
         settle = units_to_decide(judged.changes(), boundary)
         judged = Judged(judged.assignment, judged.nbytes, judged.declaration, role, judged.by_sampling, settle)
@@ -159,15 +166,15 @@ def next_candidates(
 
 
 def pareto_front(judged: Sequence[Judged]) -> list[int]:
-    """Indices of the measured configurations no other beats in both bytes and worst AL loss (fewer bytes and no
-    larger loss, or no more bytes and a smaller loss)."""
+    """Indices of the measured configurations the engines load that no other beats in both bytes and worst AL loss
+    (fewer bytes and no larger loss, or no more bytes and a smaller loss)."""
     front = []
     for i, a in enumerate(judged):
         dominated = any(
             (b.nbytes <= a.nbytes and b.worst <= a.worst) and (b.nbytes < a.nbytes or b.worst < a.worst)
             for j, b in enumerate(judged)
-            if j != i
+            if j != i and b.loads
         )
-        if not dominated:
+        if a.loads and not dominated:
             front.append(i)
     return front

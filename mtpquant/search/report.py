@@ -68,7 +68,7 @@ def render_markdown(result: SearchResult) -> str:
                 if c.change is not None:
                     cell += f" ({c.change.text(signed=True)})"
                 cells.append(cell)
-            mark = " **chosen**" if i == result.chosen else ""
+            mark = " **chosen**" if i == result.chosen else "" if j.loads else " (does not load alone)"
             front = " (front)" if i in result.front else ""
             lines.append(
                 f"| {j.assignment.label}{mark} | {format_bytes(j.nbytes)} | {j.nbytes / bf16:.2f} | {j.declaration} "
@@ -101,8 +101,9 @@ def _pareto_png(result: SearchResult) -> bytes:
         xs = [j.nbytes / 1e6 for j in result.evaluated]
         ys = [j.worst for j in result.evaluated]
         colors = {"baseline": "tab:blue", "within": "tab:green", "inconclusive": "tab:orange", "beyond": "tab:red"}
-        for j, x, y in zip(result.evaluated, xs, ys):
-            ax.scatter([x], [y], color=colors[j.verdict], s=30, zorder=3)
+        for j, x, y in zip(result.evaluated, xs, ys):  # hollow: measured alone, not loadable alone
+            color = colors[j.verdict]
+            ax.scatter([x], [y], s=30, zorder=3, facecolors=color if j.loads else "none", edgecolors=color)
         for v, c in colors.items():
             ax.scatter([], [], color=c, label=v)
         front = sorted(result.front, key=lambda i: xs[i])

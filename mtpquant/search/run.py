@@ -1,11 +1,11 @@
 """The precision search: the smallest MTP whose predicted AL stays within the budget of the BF16 MTP's.
 
 ``search_mtp``: the quantized target run once (``measure.prepare``), the BF16 MTP measured, every precision group
-alone in every precision the engines load (the sensitivity), then the smallest combinations the sensitivity
-predicts within the budget confirmed (``decide.next_candidates``); the smallest measured configuration within the
-budget at every k and sampling setting is chosen (``decide``). convert ``--mtp auto`` runs it on the main model it
-just exported, ``tune-mtp`` on an existing quant: the same inputs (the main model's bytes, the source's MTP, the
-calibration rows, the prompts) give the same choice.
+alone in every precision (the sensitivity; measured even where the engines load the group only beside others), then
+the smallest combinations the sensitivity predicts within the budget confirmed (``decide.next_candidates``); the
+smallest measured configuration within the budget at every k and sampling setting is chosen (``decide``). convert
+``--mtp auto`` runs it on the main model it just exported, ``tune-mtp`` on an existing quant: the same inputs (the
+main model's bytes, the source's MTP, the calibration rows, the prompts) give the same choice.
 """
 
 from __future__ import annotations
@@ -143,11 +143,10 @@ def search_mtp(
     t1 = time.perf_counter()
     measure(space.bf16, "baseline")
     singles: dict[tuple[str, str], Judged] = {}
-    for key in space.group_keys:
+    for key in space.group_keys:  # every group alone, loadable or not: what quantizing it costs
         for p in space.precisions:
-            a = space.bf16.with_group(key, p)
-            if p != "bf16" and space.declaration(a).kind is not None:
-                singles[(key, p)] = measure(a, "sensitivity")
+            if p != "bf16" and space.refusal(key, p) is None:
+                singles[(key, p)] = measure(space.bf16.with_group(key, p), "sensitivity")
     seconds["sensitivity"] = time.perf_counter() - t1
     t2 = time.perf_counter()
     best = min((j for j in judged if j.accepted), key=lambda j: j.nbytes)
@@ -204,7 +203,7 @@ def _why(judged: list[Judged], best: Judged, settings: SearchSettings, space: Mt
             f"the smallest measured configuration whose AL stays within {budget} of the BF16 MTP's at {where} beyond "
             f"noise: {format_bytes(best.nbytes)}, {best.nbytes / bf16:.2f}x the BF16 MTP's {format_bytes(bf16)}"
         )
-    smaller = sorted((j for j in judged if j.nbytes < best.nbytes and j.verdict == "inconclusive"),
+    smaller = sorted((j for j in judged if j.nbytes < best.nbytes and j.loads and j.verdict == "inconclusive"),
                      key=lambda j: j.nbytes)
     not_taken = None
     if smaller:
