@@ -136,8 +136,8 @@ def convert_and_heal(
 
     if options.mtp == "auto":
         raise UsageError(
-            "--heal with --mtp auto is not supported yet (healing each finalist before the choice is #38's open "
-            "point); convert with --mtp auto, or heal a --mtp keep / quantize convert"
+            "--heal with --mtp auto is not supported yet (the search would have to heal each finalist before its "
+            "choice); convert with --mtp auto, then heal the chosen MTP: mtpquant heal OUT --from SRC --in-place"
         )
 
     def plan_check(src: Checkpoint, mode: str) -> None:

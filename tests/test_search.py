@@ -20,11 +20,13 @@ import pytest
 from mtpquant.api import (
     ConvertOptions,
     ConvertResult,
+    PublishOptions,
     SearchSettings,
     TuneOptions,
     TuneResult,
     convert,
     inspect_checkpoint,
+    publish,
     tune_mtp,
 )
 from mtpquant.checkpoint.table import Checkpoint
@@ -144,10 +146,55 @@ def test_a_budget_of_zero_keeps_the_bf16_mtp(made: dict[str, Any], tmp_path: Pat
     assert result.mtp_bytes_after == result.mtp_bytes_before
 
 
+def test_the_card_describes_the_chosen_mtp(made: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """publish's card of a --mtp auto convert: the search's section with the chosen precision of every group, its
+    bytes, the predicted AL of the BF16 MTP and of the chosen one per k with the change's interval (the report's
+    numbers), and the links to the full report; mtp_search/ is published beside it. A keep convert's card has none."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    result: ConvertResult = made["auto"]
+    assert result.search is not None and result.output is not None
+    chosen = result.search.choice
+    dry = publish(PublishOptions(out=result.output, repo="me/tiny-auto", dry_run=True, base_model="Qwen/Qwen3.5-0.8B"))
+    card = dry.card
+    assert "MTP) layer's precision chosen per module group by search" in card
+    assert "## MTP precision chosen by search" in card and "| Mode | `search` |" in card
+    for g in result.search.groups:
+        assert f"| {g.label} | {g.linears} | {chosen.assignment[g.key]} |" in card
+    base = result.search.evaluated[0].by_sampling[0].by_k
+    for c, b in zip(chosen.by_sampling[0].by_k, base, strict=True):
+        assert c.change is not None
+        assert f"| {c.k} | {b.al.text()} | {c.al.text()} | {c.change.text(signed=True)} |" in card
+    assert "[`mtp_search/report.md`](mtp_search/report.md)" in card
+    assert {"mtp_search/report.json", "mtp_search/report.md", "mtp_search/pareto.png",
+            "mtp_search/speculation_profile.json"} <= {f.path for f in dry.files}  # fmt: skip
+    keep = publish(PublishOptions(out=made["root"] / "keep", repo="me/tiny-keep", dry_run=True,
+                                  base_model="Qwen/Qwen3.5-0.8B"))  # fmt: skip
+    assert "chosen by search" not in keep.card
+
+
+def test_the_search_is_deterministic_with_its_seed(made: dict[str, Any], tmp_path: Path) -> None:
+    """Two tune-mtp runs of the same quant with the same seed: the same configurations measured, the same numbers
+    (every AL and interval in report.json; only the timings differ), the same choice and the same MTP bytes."""
+    root: Path = made["root"]
+    small = SearchSettings(num_prompts=16, max_len=64, max_confirm=1, seed=7)
+    for name in ("one", "two"):
+        tune_mtp(TuneOptions(quant=root / "keep", source=TINY_MTP_ASSET, out=tmp_path / name, search=small,
+                             device="cpu", progress=False))  # fmt: skip
+    reports = []
+    for name in ("one", "two"):
+        report = json.loads((tmp_path / name / "mtp_search/report.json").read_text())
+        assert report.pop("seconds").keys() == {"target", "sensitivity", "confirm", "total"}
+        reports.append(report)
+    assert reports[0] == reports[1] and reports[0]["settings"]["seed"] == 7
+    assert len(reports[0]["evaluated"]) >= 7  # the BF16 MTP and the 6 groups alone at least
+    assert digests(tmp_path / "one", mtp=True) == digests(tmp_path / "two", mtp=True)
+
+
 def test_tune_mtp_refusals(made: dict[str, Any], tiny_factory: Callable[[str], Path], tmp_path: Path,
                            capsys: pytest.CaptureFixture[str]) -> None:
     """One line and its exit code, nothing written: a BF16 checkpoint is no quant (28); an existing OUT (5); a
-    source of another family (9); --al-budget without --mtp auto (2)."""
+    source of another family (9); --al-budget without --mtp auto (2); --mtp auto with --heal (2: finalists are not
+    healed yet)."""
     root: Path = made["root"]
 
     def run(*argv: str) -> tuple[int, str]:
@@ -164,6 +211,9 @@ def test_tune_mtp_refusals(made: dict[str, Any], tiny_factory: Callable[[str], P
     assert code == ExitCode.LINEAGE and "lineage mismatch" in err
     code, err = run("convert", str(TINY_MTP_ASSET), str(tmp_path / "c"), "--al-budget", "0.1", "--dry-run")
     assert code == ExitCode.USAGE and err.endswith("--al-budget is only used with --mtp auto")
+    code, err = run("convert", str(TINY_MTP_ASSET), str(tmp_path / "d"), "--mtp", "auto", "--heal")
+    assert code == ExitCode.USAGE and "--heal with --mtp auto is not supported yet" in err
+    assert err.endswith("mtpquant heal OUT --from SRC --in-place")
     assert not any(tmp_path.iterdir())
 
 
@@ -186,6 +236,12 @@ def test_the_trained_tiny_moe_mtp(tmp_path: Path) -> None:
     chosen = search.choice
     assert chosen.accepted and all(c.change is None or c.change.low > -settings.budget
                                    for s in chosen.by_sampling for c in s.by_k)  # fmt: skip
+    # smaller than the BF16 MTP whenever some configuration the engines load fits the budget
+    if any(j.accepted for j in search.evaluated if j.role != "baseline"):
+        assert chosen.nbytes < search.bf16_bytes and chosen.nbytes == min(j.nbytes for j in search.evaluated
+                                                                          if j.accepted)  # fmt: skip
+    else:
+        assert chosen.assignment.all_bf16
     verdicts = inspect_checkpoint(result.output).verdicts
     assert verdicts["vllm"].startswith("vLLM: MTP loads") and verdicts["sglang"].startswith("SGLang: MTP loads")
     names = {e.name for e in Checkpoint.open(result.output).mtp_tensors()}
