@@ -196,3 +196,21 @@ def test_a_quantized_shared_expert_needs_its_routed_experts_quantized(tiny_facto
     assert "mtp.layers.0.mlp.experts" in str(space.declaration(alone).refusal)
     assert space.declaration(alone.with_group("experts", "nvfp4")).kind == "plain"
     assert alone not in space.configurations()
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_group_bytes_add_up_to_the_mtp(tiny_factory: Factory, variant: str) -> None:
+    """Every group's bytes in each precision (the report's and the card's group table) plus the tensors outside any
+    group (norms, router, gates) are the MTP's bytes, for every configuration; a group in BF16 counts its source
+    tensors, fused 3-D experts included (Qwen3.8-Flash-Next stores its MTP experts fused)."""
+    ckpt = Checkpoint.open(tiny_factory(variant))
+    space = MtpSpace(ckpt.spec.family, {e.name: e for e in ckpt.mtp_tensors()})
+    rest = space.nbytes(space.bf16) - sum(space.group_bytes(g, "bf16") for g in space.group_keys)
+    assert all(space.group_bytes(g, "bf16") > 0 for g in space.group_keys) and rest >= 0
+    if space.split:  # the fused experts in BF16 are the source's tensors, byte for byte
+        experts = next(g for g in space.group_keys if any(space.members[g][0] in p for ps in space.split.values()
+                                                          for p in ps))  # fmt: skip
+        assert space.group_bytes(experts, "bf16") == sum(ckpt.tensors[n].nbytes for n in space.split)
+    for combo in itertools.product(space.precisions, repeat=len(space.group_keys)):
+        a = Assignment(space.group_keys, combo)  # type: ignore[arg-type]
+        assert space.nbytes(a) == rest + sum(space.group_bytes(g, a[g]) for g in space.group_keys), a.label

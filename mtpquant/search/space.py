@@ -256,8 +256,13 @@ class MtpSpace:
     def group_bytes(self, key: str, precision: str) -> int:
         """The bytes of group ``key``'s Linears in ``precision`` (the rest of the MTP left out)."""
         table = self.planned_table(self.bf16.with_group(key, precision))
-        members = self.members[key]
-        return sum(t.nbytes for n, t in table.items() if n.rsplit(".", 1)[0] in members)
+        members = set(self.members[key])
+
+        def of_group(name: str) -> bool:  # a member's tensor, or a fused source tensor holding members (BF16)
+            pieces = self.split.get(name, [name])
+            return any(p.rsplit(".", 1)[0] in members for p in pieces)
+
+        return sum(t.nbytes for n, t in table.items() if of_group(n))
 
     # ---- which configurations exist --------------------------------------------------------------------
     def refusal(self, key: str, precision: str) -> str | None:
