@@ -34,8 +34,12 @@ if TYPE_CHECKING:  # a type checker (a user's, through py.typed) sees the real t
     from mtpquant.publish.run import PublishResult, publish
     from mtpquant.recipes.recipe import builtin_recipe_names
     from mtpquant.records.validation import Report, ValidationReport
+    from mtpquant.search.run import SearchResult
+    from mtpquant.search.settings import SearchSettings
     from mtpquant.synth.tiny import TINY_VARIANTS, make_tiny_checkpoint
     from mtpquant.synth.train import TINY_MTP_ASSET, TINY_MTP_ASSETS
+    from mtpquant.tune.options import TuneOptions
+    from mtpquant.tune.run import TunePlan, TuneResult, tune_mtp
     from mtpquant.validate.options import ValidateOptions
     from mtpquant.validate.run import validate
 
@@ -59,6 +63,11 @@ __all__ = [
     "PublishOptions",
     "PublishResult",
     "Report",
+    "SearchResult",
+    "SearchSettings",
+    "TuneOptions",
+    "TunePlan",
+    "TuneResult",
     "ValidateOptions",
     "ValidationReport",
     "builtin_recipe_names",
@@ -72,6 +81,7 @@ __all__ = [
     "make_tiny_checkpoint",
     "plan_convert",
     "publish",
+    "tune_mtp",
     "validate",
 ]
 
@@ -106,6 +116,12 @@ _WHERE = {
     "publish": "mtpquant.publish.run",
     "Report": "mtpquant.records.validation",
     "ValidationReport": "mtpquant.records.validation",
+    "SearchResult": "mtpquant.search.run",
+    "SearchSettings": "mtpquant.search.settings",
+    "TuneOptions": "mtpquant.tune.options",
+    "TunePlan": "mtpquant.tune.run",
+    "TuneResult": "mtpquant.tune.run",
+    "tune_mtp": "mtpquant.tune.run",
     "ValidateOptions": "mtpquant.validate.options",
     "validate": "mtpquant.validate.run",
 }
@@ -122,8 +138,14 @@ def convert_and_heal(
 
     from mtpquant.checkpoint.table import Checkpoint
     from mtpquant.convert.run import convert
-    from mtpquant.errors import MtpquantError
+    from mtpquant.errors import MtpquantError, UsageError
     from mtpquant.heal.support import check_convert  # torch-free: refusals come before the heavy imports
+
+    if options.mtp == "auto":
+        raise UsageError(
+            "--heal with --mtp auto is not supported yet (the search would have to heal each finalist before its "
+            "choice); convert with --mtp auto, then heal the chosen MTP: mtpquant heal OUT --from SRC --in-place"
+        )
 
     def plan_check(src: Checkpoint, mode: str) -> None:
         check_convert(heal, src, mode, options.output_format, Path(options.out), probe=not options.dry_run)

@@ -48,6 +48,7 @@ __all__ = [
     "RecipeError",
     "ReplayError",
     "SourceQuantizedError",
+    "TuneRefusedError",
     "UnsupportedArchitectureError",
     "UploadError",
     "UsageError",
@@ -92,6 +93,7 @@ class ExitCode(IntEnum):
     HEAL_REFUSED = 27  # heal (convert --heal: at its plan): QUANT's MTP is missing, incomplete, of a family heal does
     # not train, or unwritable
     NOT_AN_MTP = 28  # the drafter is not an MTP mtpquant repairs (DeepSeek-V4.1's DSpark; DeepSeek-V4: recognised only)
+    TUNE_REFUSED = 29  # tune-mtp: QUANT is not a local ModelOpt NVFP4 quant, or no quantized MTP configuration loads
     HUB_UNREACHABLE = 30  # the Hub (or mirror) cannot be reached or timed out
     HUB_ACCESS = 31  # the repo, revision or file does not exist, or is gated / private / needs a token
     HUB_REFUSED = 32  # the Hub refused the request or rate-limited it beyond the retries
@@ -133,6 +135,7 @@ _MEANING = {
     ExitCode.MTP_NEVER_SHIPPED: "MTP declared but never shipped by its publisher (MiniMax-M2): nothing to repair",
     ExitCode.HEAL_REFUSED: "heal refused (MTP missing, incomplete, or in a format heal cannot write)",
     ExitCode.NOT_AN_MTP: "not an MTP mtpquant repairs (DeepSeek-V4.1's DSpark drafter; DeepSeek-V4 recognised only)",
+    ExitCode.TUNE_REFUSED: "tune-mtp refused (QUANT not a local ModelOpt NVFP4 quant, nothing to choose from)",
     ExitCode.HUB_UNREACHABLE: "Hub unreachable or timed out",
     ExitCode.HUB_ACCESS: "Hub repo/file not found, gated, private, or bad token",
     ExitCode.HUB_REFUSED: "Hub refused the request or rate-limited it",
@@ -297,6 +300,12 @@ class HealRefusedError(MtpquantError):
     """heal refuses: QUANT's MTP is missing or incomplete, or stored in a format heal cannot write back."""
 
     exit_code = ExitCode.HEAL_REFUSED
+
+
+class TuneRefusedError(MtpquantError):
+    """tune-mtp refuses: QUANT is not a local ModelOpt NVFP4 quant, or the engines load no quantized MTP of it."""
+
+    exit_code = ExitCode.TUNE_REFUSED
 
 
 class PublishRefusedError(MtpquantError):

@@ -2,7 +2,8 @@
 
 ``inspect_text`` (InspectReport), ``plan_lines`` / ``convert_text`` (ConvertPlan / ConvertResult),
 ``graft_text`` (GraftResult), ``heal_text`` (HealResult), ``publish_plan_text`` (a dry-run PublishResult),
-``acceptance_text`` and ``validate_text`` (a validation Report). Imports only the result types; sizes through
+``acceptance_text`` and ``validate_text`` (a validation Report), ``search_lines`` (the MTP precision
+search). Imports only the result types; sizes through
 ``units.format_bytes``.
 """
 
@@ -25,6 +26,8 @@ if TYPE_CHECKING:
     from mtpquant.graft.run import GraftResult
     from mtpquant.heal.run import HealResult
     from mtpquant.publish.run import PublishResult
+    from mtpquant.search.run import SearchResult
+    from mtpquant.tune.run import TuneResult
 
 __all__ = [
     "acceptance_text",
@@ -35,6 +38,8 @@ __all__ = [
     "inspect_text",
     "plan_lines",
     "publish_plan_text",
+    "search_lines",
+    "tune_text",
     "validate_text",
 ]
 
@@ -164,6 +169,14 @@ def plan_lines(plan: ConvertPlan) -> list[str]:
         f"MTP        {plan.mtp_declaration}; {len(plan.mtp_tensors)} tensors ({format_bytes(plan.mtp_bytes)}) in source"
     )
     out.append("mode       " + plan.mode_line())
+    if plan.search is not None and plan.search_space is not None:
+        s, space = plan.search, plan.search_space
+        out.append(
+            f"search     groups {', '.join(space['groups'])}; {space['configurations']} configurations load in "
+            f"{s.engine} ({', '.join(s.precisions)}), {format_bytes(space['smallest_bytes'])} to "
+            f"{format_bytes(space['bf16_bytes'])}; budget {s.budget:g} AL at k = 1..{s.k} on {s.num_prompts} "
+            f"held-out prompts"
+        )
     c = r.calibration
     out.append(
         f"calib      {c.samples} x {c.seq_len} tokens from {c.data}, batch {c.batch_size}"
@@ -226,9 +239,32 @@ def convert_text(result: ConvertResult) -> str:
     if result.peak_gpu_bytes:
         mem += f", peak GPU {format_bytes(result.peak_gpu_bytes)}"
     lines.append(f"memory     {mem}")
+    if result.search is not None:
+        lines += search_lines(result.search)
     lines += [f"verdict    {v}" for v in _merged_verdicts(result.verdicts)]
     lines += [f"note       {n}" for n in result.notes]
     return "\n".join(lines)
+
+
+def search_lines(result: SearchResult) -> list[str]:
+    """The precision search in a few lines: the choice, its bytes against the BF16 MTP's, the AL change per k (greedy),
+    why, what was left out for want of evidence, the report's place."""
+    chosen = result.choice
+    s = result.settings
+    greedy = chosen.by_sampling[0]
+    changes = " / ".join(c.change.text(signed=True) if c.change else f"{c.al.estimate:.3f}" for c in greedy.by_k)
+    lines = [
+        f"search     chose {chosen.assignment.label}: {format_bytes(chosen.nbytes)}, "
+        f"{chosen.nbytes / result.bf16_bytes:.2f}x the BF16 MTP's {format_bytes(result.bf16_bytes)} "
+        f"(declared {chosen.declaration}; budget {s.budget:g} AL, engines {s.engine})",
+        f"measured   {len(result.evaluated)} of {result.configurations} configurations on {result.prompts} held-out "
+        f"prompts, k = 1..{s.k}, {', '.join(x.label for x in result.sampling)}; AL change (greedy): {changes}",
+        f"why        {result.reason}",
+    ]
+    if result.not_taken:
+        lines.append(f"not taken  {result.not_taken}")
+    lines.append("report     mtp_search/report.md (every configuration), mtp_search/pareto.png")
+    return lines
 
 
 def _merged_verdicts(verdicts: Mapping[str, str]) -> list[str]:
@@ -239,6 +275,38 @@ def _merged_verdicts(verdicts: Mapping[str, str]) -> list[str]:
         body = verdict[len(name) + 2 :] if verdict.startswith(name + ": ") else None
         by_text.setdefault(body if body is not None else verdict, []).append(name if body is not None else "")
     return [f"{', '.join(names)}: {text}" if all(names) else text for text, names in by_text.items()]
+
+
+def tune_text(result: TuneResult) -> str:
+    """What tune-mtp did (or, for a dry run, would do)."""
+    p = result.plan
+    lines = [result.message]
+    if result.action == "planned":
+        s = p.settings
+        lines += [
+            f"target     {p.quant}'s main model ({p.main_algo}); SRC {p.source}",
+            f"search     groups {', '.join(p.groups)}; {p.configurations} configurations load in {s.engine} "
+            f"({', '.join(s.precisions)}), {format_bytes(p.smallest_bytes)} to {format_bytes(p.bf16_bytes)} (QUANT's "
+            f"MTP now {format_bytes(p.mtp_bytes)}); budget {s.budget:g} AL at k = 1..{s.k} on {s.num_prompts} "
+            "held-out prompts",
+            f"calib      {p.calibration.samples} x {p.calibration.seq_len} tokens from {p.calibration.data} "
+            f"({p.calibration_from})",
+            f"output     {p.destination}",
+        ]
+        lines += [f"note       {n}" for n in p.notes]
+        return "\n".join(lines)
+    if result.search is not None:
+        lines += search_lines(result.search)
+    lines.append(f"MTP        {format_bytes(result.mtp_bytes_before)} -> {format_bytes(result.mtp_bytes_after)}")
+    lines += [f"metadata   {c}" for c in result.metadata_changes]
+    lines.append(
+        f"written    {format_bytes(result.bytes_written)}; new shards: {', '.join(result.new_shards) or 'none'}; "
+        f"hard-linked {len(result.linked)}, copied {len(result.copied)}"
+    )
+    lines.append(f"verified   {', '.join(result.verified_with)}; put in place by {result.commit}")
+    lines.append("time       " + ", ".join(f"{k} {v:.1f}s" for k, v in result.timings.items()))
+    lines += [f"warning    {w}" for w in result.warnings]
+    return "\n".join(lines)
 
 
 def graft_text(result: GraftResult) -> str:

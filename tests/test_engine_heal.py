@@ -15,8 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from mtpquant.api import ValidateOptions, validate
-from tests.support.engine import CPU_ENV, EnginePool
+from tests.support.engine import EnginePool, engine_acceptance
 from tests.support.heal import HealedTiny, proof
 
 pytestmark = pytest.mark.engine
@@ -26,37 +25,15 @@ MAX_LEN = 128
 KS = (1, 2)
 
 
-def _measure(path: Path, vllm: EnginePool, report_dir: Path) -> dict[int, dict[str, float]]:
-    report = validate(
-        ValidateOptions(
-            path,
-            num_prompts=PROMPTS,
-            max_len=MAX_LEN,
-            ks=KS,
-            device="cpu",
-            activations="emulate",  # the engine runs the W4A4 activations too
-            engine="vllm",
-            vllm_python=vllm.python,
-            env=CPU_ENV,
-            compare_reference=True,
-            report_dir=report_dir,
-            progress=False,
-        )
-    ).report
-    rows = report.predicted.reference or () if report.predicted else ()
-    assert [r.k for r in rows] == list(KS)
-    assert all(e.other_requests == 0 for e in report.engine)
-    return {r.k: {"engine": r.engine_al, "predicted": r.predicted_al} for r in rows}
-
-
 @proof
 @pytest.mark.parametrize("mode", ["keep", "quantize"])
 def test_engine_measures_the_heals_improvement(
     healed_tiny: HealedTiny, vllm: EnginePool, tmp_path: Path, mode: str
 ) -> None:
-    unhealed = _measure(healed_tiny.quant(mode), vllm, tmp_path / "unhealed")
+    unhealed = engine_acceptance(healed_tiny.quant(mode), vllm, tmp_path / "unhealed", ks=KS, prompts=PROMPTS,
+                                 max_len=MAX_LEN)
     healed_path, _ = healed_tiny.healed(mode)
-    healed = _measure(healed_path, vllm, tmp_path / "healed")
+    healed = engine_acceptance(healed_path, vllm, tmp_path / "healed", ks=KS, prompts=PROMPTS, max_len=MAX_LEN)
     gains = {
         k: {
             "engine": healed[k]["engine"] - unhealed[k]["engine"],

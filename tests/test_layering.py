@@ -13,7 +13,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "mtpquant"
 # One package per command (inspect's work is the shared ``diagnose`` service, called directly by the API).
-COMMANDS = ("convert", "graft", "heal", "validate", "publish")
+COMMANDS = ("convert", "graft", "heal", "tune", "validate", "publish")
 # Above the commands: they compose them (the CLI, the API with ``convert --heal``, the text forms).
 ABOVE = ("cli", "api", "render", "__main__")
 

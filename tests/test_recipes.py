@@ -72,7 +72,7 @@ def test_recipe_by_path_and_unknown_keys(tmp_path: Path) -> None:
         load_recipe(str(path))
     assert (
         str(info.value)
-        == f"{path}: mtp.mode: input should be 'auto', 'keep', 'quantize', 'extract' or 'drop', got 'maybe'"
+        == f"{path}: mtp.mode: input should be 'auto', 'keep', 'quantize', 'extract', 'drop' or 'search', got 'maybe'"
     )
     path.write_text("name: [unclosed\n")
     with pytest.raises(RecipeError, match=r"not valid YAML \(line \d+\)"):

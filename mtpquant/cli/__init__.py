@@ -24,8 +24,9 @@ __all__ = [
     "recorded_command",
 ]
 
-# Subcommand modules, each with `register(subparsers)` setting `func(args) -> int` on its parser.
-COMMANDS = ("demo", "convert", "graft", "extract", "heal", "inspect", "validate", "publish", "tiny")
+# Subcommands, each a module (``tune-mtp``: ``tune_mtp_cmd``) with `register(subparsers)` setting `func(args) -> int`
+# on its parser.
+COMMANDS = ("demo", "convert", "graft", "extract", "heal", "tune-mtp", "inspect", "validate", "publish", "tiny")
 
 # Every command can end with these; a command's epilog adds its own (``exit_codes_epilog``).
 _COMMON_CODES = (ExitCode.OK, ExitCode.INTERNAL, ExitCode.USAGE, ExitCode.IO, ExitCode.INTERRUPTED)
@@ -127,10 +128,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_logging_flags(parser)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMANDS:
+        where = f"mtpquant.cli.{name.replace('-', '_')}_cmd"
         try:
-            module = importlib.import_module(f"mtpquant.cli.{name}_cmd")
+            module = importlib.import_module(where)
         except ModuleNotFoundError as exc:
-            if exc.name != f"mtpquant.cli.{name}_cmd":
+            if exc.name != where:
                 raise
             continue
         module.register(sub)

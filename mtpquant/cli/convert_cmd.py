@@ -10,6 +10,7 @@ from typing import Any
 from mtpquant.checkpoint.writer import DEFAULT_MAX_SHARD_BYTES
 from mtpquant.cli import HUB_CODES, add_base_model_arguments, add_device_argument, exit_codes_epilog
 from mtpquant.cli.heal_cmd import SCHEDULE_FIELDS, add_schedule_arguments, schedule_options
+from mtpquant.cli.search_args import add_search_arguments, search_settings
 from mtpquant.convert.options import ConvertOptions  # torch-free: the defaults and choices at start-up
 from mtpquant.errors import ExitCode
 from mtpquant.records.record import field_choices, field_default
@@ -30,6 +31,10 @@ MTP modes (default: keep when SRC has an MTP, else drop):
             or compressed-tensors NVFP4, not as ModelOpt NVFP4 (it builds that MTP in BF16).
   extract   OUT without MTP (declaration set to 0); the MTP goes to --mtp-out (default OUT-mtp)
   drop      no MTP in OUT, declaration set to 0
+  auto      the precision of each MTP group (input projection, attention, MLP or shared expert, routed
+            experts) chosen among BF16, FP8 and NVFP4: the smallest MTP whose AL, predicted on the quantized
+            main model, stays within --al-budget of the BF16 MTP's at k = 1..3 beyond noise, loadable by
+            --engine; the report goes to OUT/mtp_search/ (in a recipe: mtp.mode: search)
 
 Calibration data (default: offline text shipped with CPython, tokenised with SRC's tokenizer and chat
 template): --calib-data FILE (.txt paragraphs, or .jsonl with "text" or "messages"), or a `datasets`
@@ -81,6 +86,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         f"{layout}",
     )
     p.add_argument("--mtp-out", metavar="DIR", type=Path, help="where --mtp extract writes the MTP (default OUT-mtp)")
+    add_search_arguments(p, when="--mtp auto: ")
     p.add_argument("--calib-data", metavar="PATH|DATASET", help="calibration text (default: offline CPython text)")
     p.add_argument("--calib-samples", metavar="N", type=int, help="calibration rows (default: the recipe's)")
     p.add_argument("--calib-seq-len", metavar="L", type=int, help="tokens per calibration row (default: the recipe's)")
@@ -146,6 +152,9 @@ def run(args: argparse.Namespace) -> int:
     heal_flags = [f"--heal-{key.replace('_', '-')}" for key in schedule_options(args)]
     if not args.heal and (heal_flags or args.heal_force):  # would be ignored: refused
         raise RecipeError(f"{(heal_flags or ['--heal-force'])[0]} is only used with --heal")
+    search, search_flags = search_settings(args)
+    if search_flags and args.mtp != "auto":
+        raise RecipeError(f"{search_flags[0]} is only used with --mtp auto")
     heal_options = _heal_options(args) if args.heal else None
     if heal_options is not None:
         _check_heal_values(heal_options)  # now, before the imports; what needs SRC's headers in convert's plan
@@ -173,6 +182,7 @@ def run(args: argparse.Namespace) -> int:
         base_model=args.base_model,
         base_model_revision=args.base_model_revision,
         output_format=args.output_format,
+        search=search,
     )
     # The summary is printed below; keep the library's copy of it out of the log.
     logging.getLogger("mtpquant.convert.run.summary").setLevel(logging.WARNING)

@@ -38,7 +38,6 @@ from mtpquant.families import TensorClass
 __all__ = [
     "MainShards",
     "carry_files",
-    "mixed_precision_config",
     "packed_exclusions",
     "place_main_shards",
     "quantized_modules_of",
@@ -202,20 +201,3 @@ def carry_files(od: OutputDir, src_root: Path, files: Iterable[str]) -> list[str
         od.link_file(src_root / rel, rel, link=False)
         done.append(rel)
     return done
-
-
-def mixed_precision_config(
-    hf_quant_config: Mapping[str, Any], main_modules: Iterable[str], main_algo: str, extra: Mapping[str, Any]
-) -> dict[str, Any]:
-    """``hf_quant_config.json`` rewritten as MIXED_PRECISION: per-module ``quantized_layers``."""
-    import copy
-
-    hfq = copy.deepcopy(dict(hf_quant_config))
-    q = hfq.setdefault("quantization", {})
-    group = q.get("group_size", 16)
-    layers: dict[str, Any] = {m: {"quant_algo": main_algo, "group_size": group} for m in sorted(main_modules)}
-    layers.update({k: dict(v) for k, v in extra.items()})
-    q["quant_algo"] = "MIXED_PRECISION"
-    q["quantized_layers"] = dict(sorted(layers.items()))
-    q.pop("group_size", None)
-    return hfq

@@ -13,6 +13,7 @@ from annotated_types import Ge
 
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.records.record import FLAG, Options
+from mtpquant.search.settings import SearchSettings
 
 __all__ = ["ConvertOptions"]
 
@@ -26,7 +27,8 @@ class ConvertOptions(Options):
     src: str | os.PathLike[str]
     out: Path | str
     recipe: str | None = None
-    mtp: Literal["keep", "quantize", "extract", "drop"] | None = None  # None: the recipe's (auto: keep if present)
+    # None: the recipe's (its default keeps the MTP when SRC has one); auto: the precision search (a recipe's search)
+    mtp: Literal["keep", "quantize", "extract", "drop", "auto"] | None = None
     mtp_format: Literal["nvfp4", "fp8"] | None = None  # quantize mode
     mtp_out: Path | str | None = None  # extract mode; default OUT-mtp
     calib_data: str | None = None  # offline | file | datasets name
@@ -46,6 +48,9 @@ class ConvertOptions(Options):
     base_model: str | None = None  # the Hub id of the base model (SRC is a local copy of it), for the card
     base_model_revision: str | None = None
     output_format: Literal["modelopt", "compressed-tensors"] = field(default="modelopt", metadata={FLAG: "--format"})
+    # --mtp auto: the budget, the engines, the precisions tried and how acceptance is measured (--al-budget, --engine,
+    # --mtp-precisions, --search-prompts set its fields)
+    search: SearchSettings = field(default_factory=SearchSettings, metadata={FLAG: None})
     # A check the caller adds to the plan, called with SRC (headers) and the MTP mode once both are known and before
     # transformers loads: ``convert --heal`` (``api.convert_and_heal``) refuses there what heal would refuse on OUT.
     plan_check: Callable[[Checkpoint, str], None] | None = field(default=None, metadata={FLAG: None})

@@ -50,6 +50,7 @@ from mtpquant.recipes.recipe import (
 from mtpquant.records.provenance import PROVENANCE_FILE, check_base_model
 from mtpquant.runtime.machine import resolve_device
 from mtpquant.runtime.memory import MemoryPlan, available_cpu_bytes, model_blocks, plan_memory
+from mtpquant.search.settings import SearchSettings
 from mtpquant.surgery.modes import BLOCK, MtpMode, choose_mode
 from mtpquant.text.calibration import check_calibration_source
 
@@ -102,7 +103,8 @@ class ConvertPlan:
     base_model: str | None = None  # --base-model
     base_model_revision: str | None = None
     output_format: str = "modelopt"  # modelopt | compressed-tensors
-
+    search: SearchSettings | None = None  # --mtp auto: what the search is asked
+    search_space: dict[str, Any] | None = None  # --mtp auto: the configurations the engines load, from headers
 
     @property
     def mode(self) -> str:
@@ -138,6 +140,7 @@ class ConvertPlan:
             "notes": list(self.notes),
             "base_model": self.base_model,
             "base_model_revision": self.base_model_revision,
+            **({"search": {**self.search.to_json(), **(self.search_space or {})}} if self.search else {}),
         }
 
 
@@ -181,7 +184,7 @@ def _resolve_recipe(options: ConvertOptions, family: Any) -> Recipe:
         ("output", "max_shard_size"): (
             None if options.max_shard_size is None else byte_size(options.max_shard_size, "--max-shard-size")
         ),
-        ("mtp", "mode"): options.mtp,
+        ("mtp", "mode"): "search" if options.mtp == "auto" else options.mtp,
         ("mtp", "format"): options.mtp_format,
     }
     recipe = with_values(recipe, {k: v for k, v in flags.items() if v is not None}, "command-line flags")
@@ -248,7 +251,16 @@ def plan_convert(options: ConvertOptions, ckpt: Checkpoint | None = None) -> tup
     if options.output_format == "compressed-tensors":
         q = recipe.quantization
         check_ct_recipe(q.quant_algo, q.activations, mtp_format, mode)
+    searching = mtp_mode.needs_target
+    if options.search != SearchSettings() and not searching:
+        raise RecipeError(
+            "--al-budget, --engine, --mtp-precisions and --search-prompts are only used with --mtp auto "
+            f"(mode is {mode})"
+        )
+    if searching and options.output_format != "modelopt":
+        raise RecipeError("--mtp auto writes the ModelOpt format only (--format modelopt)")
     checked = mtp_mode.check(ckpt, mtp_format, recipe.quantization.targets)
+    search_space = _search_space(ckpt, options.search, recipe) if searching else None
     if options.plan_check is not None:  # before transformers loads: refused in a second, not after the conversion
         options.plan_check(ckpt, mode)
     transformers_config(ckpt.config)  # transformers' own validation: refused here (exit 3), not at a later load
@@ -320,8 +332,31 @@ def plan_convert(options: ConvertOptions, ckpt: Checkpoint | None = None) -> tup
         base_model=base_model,
         base_model_revision=base_revision,
         output_format=options.output_format,
+        search=options.search if searching else None,
+        search_space=search_space,
     )
     return plan, ckpt
+
+
+def _search_space(ckpt: Checkpoint, settings: SearchSettings, recipe: Recipe) -> dict[str, Any]:
+    """What ``--dry-run`` says of the search from headers: the groups, how many configurations the engines load,
+    the BF16 MTP's bytes and the smallest configuration's. Refuses a search with nothing to choose from."""
+    from mtpquant.search.run import search_space
+
+    q = recipe.quantization
+    space = search_space(ckpt, settings, main_algo=q.quant_algo, activations=q.activations)
+    configurations = space.configurations()
+    if len(configurations) < 2:
+        raise RecipeError(
+            f"--mtp auto: {settings.engine} loads no quantized configuration of this MTP with the precisions "
+            f"{', '.join(settings.precisions)}; nothing to search (use --mtp keep)"
+        )
+    return {
+        "groups": list(space.group_keys),
+        "configurations": len(configurations),
+        "bf16_bytes": space.nbytes(space.bf16),
+        "smallest_bytes": space.nbytes(configurations[0]),
+    }
 
 
 _LOAD_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}

@@ -45,6 +45,7 @@ class ConvertResult:
     shards_rewritten: int = 0  # exported shards written again because a tensor had to change
     verdicts: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    search: Any = None  # --mtp auto: the SearchResult (what was measured, what was chosen and why)
 
     @property
     def mode(self) -> str:
@@ -53,8 +54,9 @@ class ConvertResult:
 
     def to_json(self) -> dict[str, Any]:
         """Plain data for ``--json``."""
-        data = {k: v for k, v in asdict(self).items() if k != "plan"}
+        data = {k: v for k, v in asdict(self).items() if k not in ("plan", "search")}
         data["plan"] = self.plan.to_json()
+        data["search"] = self.search.to_json() if self.search is not None else None
         data["output"] = str(self.output) if self.output else None
         data["mtp_output"] = str(self.mtp_output) if self.mtp_output else None
         data["mode"] = self.mode

@@ -203,6 +203,7 @@ def convert(options: ConvertOptions) -> ConvertResult:
             result.resume_bytes = resume.bytes_written()
             resume.remove()  # the output is in place: nothing to resume
         result.verdicts = dict(report.verdicts)
+        result.search = outcome.search.result if outcome.search is not None else None
         result.mtp_precision = str(report.mtp_precision)
     counts, quantized, unquantized, size = count_output(out_path)
     result.tensor_counts = counts
@@ -288,7 +289,7 @@ def _run(
     """Everything between planning and finalize."""
     import torch
 
-    from mtpquant.convert.assemble import carry_files, mixed_precision_config, place_main_shards, quantized_modules_of
+    from mtpquant.convert.assemble import carry_files, place_main_shards, quantized_modules_of
     from mtpquant.convert.model import (
         calibration_loop,
         export_quantized,
@@ -300,6 +301,7 @@ def _run(
         quantize_main_model,
         source_dtype,
     )
+    from mtpquant.formats.quant_config import mixed_precision_config
     from mtpquant.text.calibration import build_calibration_data, load_tokenizer
 
     recipe = plan.recipe
@@ -385,6 +387,17 @@ def _run(
     with timer("write"):
         main = place_main_shards(exported, ckpt, od, scratch)
 
+    measured = None
+    if mode.needs_target:  # --mtp auto: the search measures on the main model as OUT now holds it
+        from mtpquant.surgery.modes import MeasureContext
+
+        with timer("search"), _main_view(od, exported.config) as target:
+            od.doing = "measuring the MTP's precision configurations"
+            q = recipe.quantization
+            context = MeasureContext(ckpt, target, tokenizer, cal, plan.search, q.quant_algo, q.activations,
+                                     plan.device, progress)
+            measured = mode.measure(context)
+            od.doing = ""
 
     with timer("mtp"):
         ctx = WriteContext(
@@ -398,8 +411,11 @@ def _run(
             activations=recipe.quantization.activations,
             targets=recipe.quantization.targets,
             main_algo=recipe.quantization.quant_algo,
+            measured=measured,
         )
         outcome = mode.write(ctx)
+        if outcome.search is not None:
+            recipe = _record_search(od, recipe, outcome.search, ckpt)
 
     with timer("write"):
         table = {name: entry for header in od.shard_headers().values() for name, entry in header.tensors.items()}
@@ -446,6 +462,40 @@ def _run(
         shards_rewritten=len(main.rewritten),
         offload_bytes=offload_bytes,
     )
+
+
+@contextlib.contextmanager
+def _main_view(od: OutputDir, config: dict[str, Any]) -> Iterator[Checkpoint]:
+    """OUT's main-model shards as written so far, opened as a checkpoint (hard links beside them, the exported
+    config, an index of those shards): the quantized target ``tune-mtp`` would read from the finished OUT."""
+    import json
+
+    from mtpquant.checkpoint.index import INDEX_NAME, build_index
+
+    view = od.path / ".search-target"
+    view.mkdir()
+    try:
+        headers = od.shard_headers()
+        for shard in headers:
+            os.link(od.path / shard, view / shard)
+        (view / "config.json").write_text(json.dumps(config))
+        (view / INDEX_NAME).write_text(json.dumps(build_index(headers)))
+        yield Checkpoint.open(view, strict=True)
+    finally:
+        shutil.rmtree(view, ignore_errors=True)
+
+
+def _record_search(od: OutputDir, recipe: Any, found: Any, ckpt: Checkpoint) -> Any:
+    """The search's report into ``mtp_search/``, and the recipe with the precision it chose per group."""
+    from mtpquant.public import public_checkpoint
+    from mtpquant.search.report import search_documents
+
+    result = found.result
+    name = public_checkpoint(ckpt.label)
+    for rel, data in search_documents(result, found.chosen.acceptance, checkpoint=name).items():
+        od.write_bytes(rel, data)
+    chosen = dict(zip(result.choice.assignment.groups, result.choice.assignment.precisions))
+    return dataclasses.replace(recipe, mtp=dataclasses.replace(recipe.mtp, precision=chosen))
 
 
 def _recipe_header(plan: ConvertPlan, ref: SourceRef) -> str:

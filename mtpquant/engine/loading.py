@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from fnmatch import translate
 from typing import Any
 
+from mtpquant.checkpoint.precision import is_quantized
 from mtpquant.families import QWEN_MTP_NAMES, EngineRules, family, matches
 from mtpquant.formats.quant_config import QuantMetadata
 
@@ -53,6 +54,7 @@ __all__ = [
     "expand_modelopt_patterns",
     "mixed_algo",
     "modelopt_excluded",
+    "mtp_load_refusal",
     "sglang_builds_quantized",
     "sglang_mtp_build",
     "vllm_builds_quantized",
@@ -527,3 +529,56 @@ def sglang_builds_quantized(
     if meta.vllm_method == "fp8" and matches(module.prefix, LM_HEADS):
         return False, "SGLang builds the MTP head unquantized (its Fp8Config quantizes Linear layers and experts only)"
     return True, why
+
+
+def _declared_format(
+    prefix: str, meta: QuantMetadata, packed: Mapping[str, tuple[str, ...]], experts: bool
+) -> str | None:
+    """The on-disk format the metadata declares for a quantized module (None: not checked): a plain ModelOpt config
+    its one quant_algo's, MIXED_PRECISION the module's resolved algo's (routed experts: the MoE method's)."""
+    if not meta.is_modelopt:
+        return None
+    algo = meta.algo.upper()
+    if algo == "MIXED_PRECISION":
+        resolved = mixed_algo(prefix, meta, packed) or ""
+        if experts:
+            return _MOE_METHODS[resolved][0] if resolved in _MOE_METHODS else None
+        return _LINEAR_FORMATS.get(resolved)
+    return _LINEAR_FORMATS.get(algo)
+
+
+def mtp_load_refusal(
+    engine: str, precision: Mapping[str, str], meta: QuantMetadata | None, rules: EngineRules = _QWEN3
+) -> str | None:
+    """Why ``engine`` (``vllm`` | ``sglang``) does not load an MTP stored as ``precision`` (every MTP Linear -> its
+    on-disk precision: ``BF16``, ``NVFP4``, ``FP8``, ...) under ``meta``, or None when every module loads.
+
+    Each module as the engine builds it (``engine_modules``: packed groups and routed experts are one module whose
+    members share one precision) must be built quantized exactly when it is stored quantized, in the format its
+    metadata declares (``vllm_expectation``; SGLang: ``sglang_builds_quantized``, which decides the whole MTP first).
+    The precision search (``convert --mtp auto``) asks it of every configuration before measuring one.
+    """
+    packed = rules.packed
+    for module in engine_modules(sorted(precision), rules):
+        disks = sorted({precision[m] for m in module.members})
+        if len(disks) > 1:
+            return f"{engine}: {module.prefix} is one module, its members are stored as {', '.join(disks)}"
+        disk = disks[0]
+        try:
+            if engine == "sglang":
+                built, why = sglang_builds_quantized(module, meta)
+            else:
+                e = vllm_expectation(module, meta, rules)
+                if e.refusal is not None:
+                    return f"{engine}: {e.refusal}"
+                built, why = e.quantized, e.reason
+            expects = _declared_format(module.prefix, meta, packed, module.kind == "experts") if meta else None
+        except FusedShardsError as exc:
+            return f"{engine}: {exc}"
+        stored = is_quantized(disk)
+        if built != stored:
+            how = "quantized" if built else "unquantized"
+            return f"{engine} builds {module.prefix} {how} ({why}), but it is {disk} on disk"
+        if built and expects is not None and expects != disk:
+            return f"{engine} loads {module.prefix} as {expects} ({why}), but it is {disk} on disk"
+    return None

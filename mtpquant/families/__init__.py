@@ -3,8 +3,8 @@
 Architecture knowledge lives here and nowhere else: recognition from ``config.json`` (day-0 aliases
 included), tensor prefixes, how the MTP is declared, its exact tensor inventory and shapes, which MTP modules
 engines build as quantizable Linears, fused and packed groups, the modules NVFP4 must leave unquantized, the
-engine's MTP layer-index remap, and the torch-free MTP config parse. Other modules ask the registry instead of
-testing ``model_type`` or naming MTP tensors themselves.
+engine's MTP layer-index remap, the MTP's precision groups, and the torch-free MTP config parse. Other modules ask
+the registry instead of testing ``model_type`` or naming MTP tensors themselves.
 
 - ``schema``: the dataclasses one family fills in (``Family``, ``MtpLayout``, ``EngineRules``);
 - ``qwen3``, ``qwen4_exp``: the entries (Qwen3.5 dense / MoE and Qwen3-Next; Qwen3.8-Flash-Next);
@@ -24,6 +24,7 @@ from mtpquant.families.schema import (
     EngineRules,
     Family,
     ForcedUnquantized,
+    MtpGroup,
     MtpLayout,
     is_mtp_name,
     matches,
@@ -65,6 +66,7 @@ __all__ = [
     "ModelSpec",
     "MtpConfig",
     "MtpDeclaration",
+    "MtpGroup",
     "MtpLayout",
     "MtpNames",
     "MtpStorage",

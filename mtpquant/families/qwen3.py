@@ -11,9 +11,20 @@ from collections.abc import Mapping
 from typing import Any
 
 from mtpquant.families.mtp_config import config_int
-from mtpquant.families.schema import EngineRules, Family, ForcedUnquantized, MtpLayout
+from mtpquant.families.schema import EngineRules, Family, ForcedUnquantized, MtpGroup, MtpLayout
 
-__all__ = ["QWEN3_FAMILIES", "attention_shapes", "expert_bank_shapes", "qwen3_mtp_shapes", "shared_expert_shapes"]
+__all__ = [
+    "ATTENTION_GROUP",
+    "EXPERTS_GROUP",
+    "INPUT_GROUP",
+    "MLP_GROUP",
+    "QWEN3_FAMILIES",
+    "SHARED_EXPERT_GROUP",
+    "attention_shapes",
+    "expert_bank_shapes",
+    "qwen3_mtp_shapes",
+    "shared_expert_shapes",
+]
 
 
 def attention_shapes(p: str, text: Mapping[str, Any], gate: int) -> dict[str, tuple[int, ...]]:
@@ -97,7 +108,21 @@ def _moe_shapes(text: Mapping[str, Any], layers: int, per_expert: bool) -> dict[
     return qwen3_mtp_shapes(text, layers, moe=True)
 
 
-def _layout(shapes: Any, keys: tuple[str, ...], default: int) -> MtpLayout:
+# The precision groups (``convert --mtp auto``): the input projection, the attention projections (q/k/v are packed
+# into vLLM's qkv_proj), then the dense MLP (gate/up packed) or the MoE's shared expert and routed experts (one fused
+# MoE module in the engines). The router mlp.gate and shared_expert_gate are in none: engines never quantize them.
+INPUT_GROUP = MtpGroup("input", "input projection (mtp.fc)", ("mtp.fc",))
+ATTENTION_GROUP = MtpGroup("attention", "attention projections", ("mtp.layers.*.self_attn.*_proj",))
+MLP_GROUP = MtpGroup(
+    "mlp", "dense MLP", ("mtp.layers.*.mlp.gate_proj", "mtp.layers.*.mlp.up_proj", "mtp.layers.*.mlp.down_proj")
+)
+SHARED_EXPERT_GROUP = MtpGroup("shared_expert", "shared expert", ("mtp.layers.*.mlp.shared_expert.*_proj",))
+EXPERTS_GROUP = MtpGroup("experts", "routed experts", ("mtp.layers.*.mlp.experts.*_proj",))
+_DENSE_GROUPS = (INPUT_GROUP, ATTENTION_GROUP, MLP_GROUP)
+_MOE_GROUPS = (INPUT_GROUP, ATTENTION_GROUP, SHARED_EXPERT_GROUP, EXPERTS_GROUP)
+
+
+def _layout(shapes: Any, keys: tuple[str, ...], default: int, groups: tuple[MtpGroup, ...]) -> MtpLayout:
     return MtpLayout(
         depth_keys=keys,
         default_layers=default,
@@ -115,6 +140,7 @@ def _layout(shapes: Any, keys: tuple[str, ...], default: int) -> MtpLayout:
         # workaround build mtp.fc unquantized; the gates are never quantized by vLLM)
         unquantized=("mtp.fc", "mtp.layers.*.mlp.gate", "mtp.layers.*.mlp.shared_expert_gate"),
         fused_groups=(("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")),
+        groups=groups,
     )
 
 
@@ -163,7 +189,7 @@ QWEN3_FAMILIES: tuple[Family, ...] = (
         wrapper_prefix="model.language_model.",
         text_only_prefixes=("model.language_model.", "model."),
         has_vision=True,
-        mtp=_layout(_dense_shapes, ("mtp_num_hidden_layers",), 0),
+        mtp=_layout(_dense_shapes, ("mtp_num_hidden_layers",), 0, _DENSE_GROUPS),
         engine=_ENGINE,
         wrapper_class="Qwen3_5ForConditionalGeneration",
         text_class="Qwen3_5ForCausalLM",
@@ -185,7 +211,7 @@ QWEN3_FAMILIES: tuple[Family, ...] = (
         wrapper_prefix="model.language_model.",
         text_only_prefixes=("model.language_model.", "model."),
         has_vision=True,
-        mtp=_layout(_moe_shapes, ("mtp_num_hidden_layers",), 0),
+        mtp=_layout(_moe_shapes, ("mtp_num_hidden_layers",), 0, _MOE_GROUPS),
         engine=_ENGINE,
         wrapper_class="Qwen3_5MoeForConditionalGeneration",
         text_class="Qwen3_5MoeForCausalLM",
@@ -208,7 +234,7 @@ QWEN3_FAMILIES: tuple[Family, ...] = (
         wrapper_prefix="model.",
         text_only_prefixes=("model.",),
         has_vision=False,
-        mtp=_layout(_moe_shapes, (), 1),
+        mtp=_layout(_moe_shapes, (), 1, _MOE_GROUPS),
         engine=_ENGINE,
         wrapper_class=None,
         text_class="Qwen3NextForCausalLM",

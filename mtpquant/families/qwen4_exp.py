@@ -18,8 +18,14 @@ from typing import Any
 
 from mtpquant.errors import MtpConfigError
 from mtpquant.families.mtp_config import config_int
-from mtpquant.families.qwen3 import attention_shapes, expert_bank_shapes, shared_expert_shapes
-from mtpquant.families.schema import EngineRules, Family, ForcedUnquantized, MtpLayout
+from mtpquant.families.qwen3 import (
+    EXPERTS_GROUP,
+    SHARED_EXPERT_GROUP,
+    attention_shapes,
+    expert_bank_shapes,
+    shared_expert_shapes,
+)
+from mtpquant.families.schema import EngineRules, Family, ForcedUnquantized, MtpGroup, MtpLayout
 
 __all__ = ["QWEN4_EXP"]
 
@@ -131,6 +137,14 @@ _MTP = MtpLayout(
     # model.py 636-642: the drafter reads the multi-stream state the final mixer collapses
     hidden_source="hyper_connection_mixer",
     config_check=qwen4_exp_mtp_check,
+    # the precision groups: the two input projections, the attention's o_proj (q/k/v and the indexer stay BF16: QSA
+    # builds its qkv projection without modelopt_fp4), the shared expert and the routed experts
+    groups=(
+        MtpGroup("input", "input projections (mtp.fc_embedding, mtp.fc_hidden)", ("mtp.fc_embedding", "mtp.fc_hidden")),
+        MtpGroup("attention", "attention output projection", ("mtp.layers.*.self_attn.o_proj",)),
+        SHARED_EXPERT_GROUP,
+        EXPERTS_GROUP,
+    ),
 )
 
 _ENGINE = EngineRules(

@@ -29,6 +29,7 @@ __all__ = [
     "EngineRules",
     "Family",
     "ForcedUnquantized",
+    "MtpGroup",
     "MtpLayout",
     "Shapes",
     "is_mtp_name",
@@ -74,6 +75,18 @@ def matches(name: str, patterns: tuple[str, ...]) -> bool:
 def _matcher(patterns: tuple[str, ...]) -> Callable[[str], Any]:
     """The patterns as one compiled regex (fnmatch's own translation): one C call per name."""
     return re.compile("|".join(f"(?:{translate(p)})" for p in patterns)).match
+
+
+@dataclass(frozen=True)
+class MtpGroup:
+    """One precision group of a family's MTP: the Linears that take one precision together when the MTP's precision is
+    chosen per group (``convert --mtp auto``, ``tune-mtp``). A group holds whole fused and packed groups (q/k/v,
+    gate/up, every routed expert: engines build each as one module, so they share one precision)."""
+
+    key: str  # "input" | "attention" | "mlp" | "shared_expert" | "experts"
+    label: str  # for reports: "input projection (mtp.fc)"
+    # fnmatch on MTP Linear module names, mtp. included (routed experts by their per-expert names)
+    modules: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -126,6 +139,13 @@ class MtpLayout:
     # follows per-layer config mtpquant does not model; tensors inside a declared layer are not unexpected), "none"
     # (nothing: presence only, for families mtpquant recognises without modelling).
     inventory: str = "exact"
+    # The precision groups, in the order reports list them (``MtpGroup``); MTP Linears in no group stay unquantized
+    # (routers, gates, the engines' unquantized projections). (): the precision cannot be chosen per group.
+    groups: tuple[MtpGroup, ...] = ()
+
+    def group_of(self, module: str) -> MtpGroup | None:
+        """The precision group an MTP Linear belongs to (None: none, it stays in the source precision)."""
+        return next((g for g in self.groups if matches(module, g.modules)), None)
 
     def engine_name(self, name: str, num_hidden_layers: int) -> str:
         """An MTP module or pattern as the engine names it (patterns that do not start with ``mtp.`` unchanged).

@@ -20,6 +20,7 @@ __all__ = [
     "HF_QUANT_CONFIG",
     "QuantMetadata",
     "exclusion_lists",
+    "mixed_precision_config",
     "quantization_config_of",
     "read_quant_metadata",
     "with_exclusions",
@@ -291,3 +292,23 @@ def without_exclusions(
 ) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """Copies of both files with the given patterns removed from every exclusion list."""
     return _edit(config, hf_quant_config, modelopt, ct, remove=True)
+
+
+def mixed_precision_config(
+    hf_quant_config: Mapping[str, Any], main_modules: Iterable[str], main_algo: str, extra: Mapping[str, Any]
+) -> dict[str, Any]:
+    """``hf_quant_config.json`` rewritten as MIXED_PRECISION: per-module ``quantized_layers`` (the main model's modules
+    in ``main_algo``, then ``extra``'s entries). A config that already is MIXED_PRECISION keeps its own entries (less
+    any MTP entry ``extra`` replaces)."""
+    hfq = copy.deepcopy(dict(hf_quant_config))
+    q = hfq.setdefault("quantization", {})
+    if str(q.get("quant_algo", "")).upper() == "MIXED_PRECISION":
+        layers = {k: v for k, v in (q.get("quantized_layers") or {}).items() if not k.startswith("mtp.")}
+    else:
+        group = q.get("group_size", 16)
+        layers = {m: {"quant_algo": main_algo, "group_size": group} for m in sorted(main_modules)}
+    layers.update({k: dict(v) for k, v in extra.items()})
+    q["quant_algo"] = "MIXED_PRECISION"
+    q["quantized_layers"] = dict(sorted(layers.items()))
+    q.pop("group_size", None)
+    return hfq

@@ -6,23 +6,26 @@ bundle serves validate's built-in path and heal's check.
 from __future__ import annotations
 
 import logging
+import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
 
 from mtpquant.families import MTP_PREFIX, TensorClass, mtp_config
 from mtpquant.measure import ACTIVATION_MODES
-from mtpquant.measure.emulate import activation_quantizer, pre_hook
-from mtpquant.measure.weights import (
-    CheckpointWeights,
-)
+from mtpquant.measure.emulate import activation_quantizer, emulate_fused_experts, pre_hook, shared_quantizer
+from mtpquant.measure.weights import CheckpointWeights, LinearFormat
 from mtpquant.mtp.build import reference_mtp
 from mtpquant.mtp.module import MtpLayoutError
 from mtpquant.mtp.step import MtpForward
 
-__all__ = ["MtpBundle", "load_mtp"]
+__all__ = ["MtpBundle", "load_mtp", "mtp_bundle"]
+
+# a per-expert Linear of transformers' fused experts (Qwen4-Exp's MTP): its stem and projection
+_EXPERT = re.compile(r"^(?P<stem>.*\.mlp\.experts)\.\d+\.(?P<proj>\w+)$")
 
 log = logging.getLogger(__name__)
 
@@ -73,27 +76,63 @@ def load_mtp(
         return None, f"MTP config: {exc}"
     emulate = activations == "emulate"
     tensors = {n: weights.tensor(n, dtype, fold_pre_quant=not emulate) for n in names}
-    try:
-        layer = reference_mtp(weights.ckpt.config, tensors, dtype=dtype, device=device)
-    except MtpLayoutError as exc:
-        return None, str(exc)
-    emulated: list[str] = []
-    if emulate:
-        modules = dict(cast(nn.Module, layer).named_modules())
-        for module, fmt in weights.formats.items():
-            if not weights.ckpt.is_mtp(module):
-                continue
-            quantize = activation_quantizer(fmt, weights.pre_quant_scale(module))
-            if quantize is not None:
-                modules[module.removeprefix(MTP_PREFIX)].register_forward_pre_hook(pre_hook(quantize))
-                emulated.append(module)
+    formats = {m: f for m, f in weights.formats.items() if weights.ckpt.is_mtp(m)} if emulate else {}
     if shared is None:
         shared = weights.embedding_and_head(dtype, device)
-    bundle = MtpBundle(
-        layer=layer,
-        embed_weight=shared[0],
-        lm_head_weight=shared[1],
-        precision=weights.precision_summary().get(TensorClass.MTP, {}),
-        emulated=emulated,
-    )
+    try:
+        bundle = mtp_bundle(
+            weights.ckpt.config,
+            tensors,
+            shared=shared,
+            dtype=dtype,
+            device=device,
+            emulate=formats,
+            pre_quant_scale=weights.pre_quant_scale,
+            precision=weights.precision_summary().get(TensorClass.MTP, {}),
+        )
+    except MtpLayoutError as exc:
+        return None, str(exc)
     return bundle, None
+
+
+def mtp_bundle(
+    config: Mapping[str, Any],
+    tensors: Mapping[str, Tensor],
+    *,
+    shared: tuple[Tensor, Tensor],
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    emulate: Mapping[str, LinearFormat] | None = None,
+    pre_quant_scale: Callable[[str], Tensor | None] = lambda _module: None,
+    precision: dict[str, int] | None = None,
+) -> MtpBundle:
+    """The family's MTP from its logical ``mtp.*`` tensors (dequantized weights; per-expert or fused experts) with
+    the target's embedding and head (``shared``), and the activations of the Linears in ``emulate`` (module -> its
+    stored format) fake-quantized as the engines run them: a pre-hook per Linear, the shared input scale of each
+    projection kind for transformers' fused experts (``emulate.emulate_fused_experts``). MtpLayoutError when the
+    tensors do not fit the family's layout. ``load_mtp`` builds a checkpoint's through it; the precision search its
+    candidates, from tensors in memory."""
+    layer = reference_mtp(config, tensors, dtype=dtype, device=device)
+    emulated: list[str] = []
+    modules = dict(cast(nn.Module, layer).named_modules())
+    experts: dict[str, dict[str, list[LinearFormat]]] = {}
+    for module, fmt in sorted((emulate or {}).items()):
+        name = module.removeprefix(MTP_PREFIX)
+        if name not in modules:
+            m = _EXPERT.match(name)
+            if m is None or m["stem"] not in modules:
+                raise MtpLayoutError(f"{module}: no such Linear in the MTP to emulate its activations")
+            experts.setdefault(m["stem"], {}).setdefault(m["proj"], []).append(fmt)
+            continue
+        quantize = activation_quantizer(fmt, pre_quant_scale(module))
+        if quantize is not None:
+            modules[name].register_forward_pre_hook(pre_hook(quantize))
+            emulated.append(module)
+    for stem, by_proj in sorted(experts.items()):
+        q_in = shared_quantizer([f for p in ("gate_proj", "up_proj") for f in by_proj.get(p, [])])
+        q_mid = shared_quantizer(by_proj.get("down_proj", []))
+        if q_in or q_mid:
+            emulate_fused_experts(modules[stem], q_in, q_mid)
+            emulated.append(MTP_PREFIX + stem)
+    return MtpBundle(layer=layer, embed_weight=shared[0], lm_head_weight=shared[1], precision=precision or {},
+                     emulated=emulated)

@@ -26,7 +26,7 @@ import re
 from collections import defaultdict
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -127,7 +127,11 @@ def _engine_linear(module: str, layout: MtpLayout) -> bool:
 
 def mtp_fused_groups(modules: Sequence[str], layout: MtpLayout = _QWEN3_MTP, targets: str = "all") -> list[list[str]]:
     """Groups of quantized Linears fed by one input: q/k/v, gate/up (dense, shared, each expert)."""
-    present = set(mtp_quantized_modules(modules, layout, targets))
+    return _fused_among(set(mtp_quantized_modules(modules, layout, targets)), layout)
+
+
+def _fused_among(present: set[str], layout: MtpLayout) -> list[list[str]]:
+    """``present`` in groups fed by one input (the family's fused leaves under one parent), the rest alone."""
     groups: list[list[str]] = []
     seen: set[str] = set()
     for m in sorted(present):
@@ -243,7 +247,8 @@ class MtpQuantResult:
     quantized_modules: list[str]
     excluded_modules: list[str]  # exact names to list in exclude_modules / ignore
     kept_tensors: list[str]  # source tensor names copied unchanged (fc, norms, router, ...)
-    fmt: str
+    fmt: str  # nvfp4 | fp8, or "mixed" (a precision per module: ``precision``)
+    precision: dict[str, str] = field(default_factory=dict)  # every quantized module -> nvfp4 | fp8
 
 
 def _input_amax(
@@ -278,36 +283,53 @@ def quantize_mtp(
     activations: bool = True,
     layout: MtpLayout = _QWEN3_MTP,
     targets: str = "all",
+    precision: Mapping[str, str] | None = None,
 ) -> MtpQuantResult:
     """Quantize the MTP Linears of ``weights`` (the source ``mtp.*`` tensors, BF16).
 
     ``input_amax`` maps module names (``mtp.layers.0.self_attn.q_proj``) to the calibrated input
     amax; required when ``activations`` (W4A4 / FP8 W8A8), ignored otherwise. ``targets``: the recipe's
-    (``experts``: the routed experts only, as in the main model).
+    (``experts``: the routed experts only, as in the main model). ``precision``: a precision per MTP Linear
+    (``nvfp4`` | ``fp8`` | ``bf16``; a module absent keeps the source's) instead of ``fmt`` for the modules quantize
+    mode quantizes (``convert --mtp auto``: one per precision group); every module's scales are those the uniform
+    format gives it (scales are shared only within one precision group), so one precision for every group quantize
+    mode quantizes writes the same bytes as ``fmt``.
     """
-    if fmt not in MTP_FORMATS:
-        raise ValueError(f"MTP format {fmt!r} is not one of {', '.join(MTP_FORMATS)}")
     weights = per_expert_weights(weights)
     modules = linear_modules(weights)
-    quantized = mtp_quantized_modules(modules, layout, targets)
-    excluded = mtp_excluded_modules(modules, layout, targets)
+    if precision is None:
+        if fmt not in MTP_FORMATS:
+            raise ValueError(f"MTP format {fmt!r} is not one of {', '.join(MTP_FORMATS)}")
+        chosen = dict.fromkeys(mtp_quantized_modules(modules, layout, targets), fmt)
+        excluded = mtp_excluded_modules(modules, layout, targets)
+    else:
+        unknown = sorted(set(precision) - set(modules))
+        if unknown:
+            raise ValueError(f"MTP precision given for {unknown[0]}, which is not an MTP Linear of the weights")
+        wrong = sorted(p for p in precision.values() if p not in (*MTP_FORMATS, "bf16"))
+        if wrong:
+            raise ValueError(f"MTP precision {wrong[0]!r} is not one of bf16, {', '.join(MTP_FORMATS)}")
+        chosen = {m: p for m, p in sorted(precision.items()) if p != "bf16"}
+        built = {m for m in modules if _engine_linear(m, layout)}
+        excluded = sorted(m for m in modules if m not in chosen and (m in built or layout.is_unquantized(m)))
+        fmt = next(iter(set(chosen.values()))) if len(set(chosen.values())) == 1 else "mixed"
+    quantized = sorted(chosen)
     amax = _input_amax(quantized, input_amax or {}, layout, targets) if activations else {}
     out: dict[str, Tensor] = {}
-    if fmt == "nvfp4":
-        for group in mtp_fused_groups(modules, layout, targets):
-            g = shared_global_scale([weights[m + ".weight"] for m in group])
-            for m in group:
-                q = quantize_nvfp4(weights[m + ".weight"], weight_scale_2=g)
-                out[m + ".weight"] = q.packed
-                out[m + ".weight_scale"] = q.weight_scale
-                out[m + ".weight_scale_2"] = q.weight_scale_2
-    else:
-        for m in quantized:
-            w8, scale = quantize_fp8_per_tensor(weights[m + ".weight"])
-            out[m + ".weight"] = w8
-            out[m + ".weight_scale"] = scale
+    for group in _fused_among({m for m, p in chosen.items() if p == "nvfp4"}, layout):
+        g = shared_global_scale([weights[m + ".weight"] for m in group])
+        for m in group:
+            q = quantize_nvfp4(weights[m + ".weight"], weight_scale_2=g)
+            out[m + ".weight"] = q.packed
+            out[m + ".weight_scale"] = q.weight_scale
+            out[m + ".weight_scale_2"] = q.weight_scale_2
+    for m in (m for m in quantized if chosen[m] == "fp8"):
+        w8, scale = quantize_fp8_per_tensor(weights[m + ".weight"])
+        out[m + ".weight"] = w8
+        out[m + ".weight_scale"] = scale
     for m in quantized if activations else ():
-        out[m + ".input_scale"] = input_scale_from_amax(amax[m]) if fmt == "nvfp4" else fp8_scale_from_amax(amax[m])
+        nvfp4 = chosen[m] == "nvfp4"
+        out[m + ".input_scale"] = input_scale_from_amax(amax[m]) if nvfp4 else fp8_scale_from_amax(amax[m])
     quantized_weights = {m + ".weight" for m in quantized}
     kept = sorted(n for n in weights if n not in quantized_weights)
-    return MtpQuantResult(out, quantized, excluded, kept, fmt)
+    return MtpQuantResult(out, quantized, excluded, kept, fmt, chosen)

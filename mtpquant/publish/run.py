@@ -51,6 +51,7 @@ from mtpquant.publish.card import (
     is_repo_id,
     read_license,
     read_recipe,
+    read_search,
     read_validation,
     redact,
     validate_card_metadata,
@@ -229,6 +230,7 @@ def publish(opts: PublishOptions) -> PublishResult:
         revision=opts.revision if not opts.create_pr else None,
         forced=forced,
         license_file=next((f.path for f in files if f.path in _LICENSE_FILES), None),
+        search=read_search(out) if provenance.mode == "search" else None,
     )
     card_text = str(build_card(facts))
     problems = validate_card_metadata(_metadata(card_text))

@@ -59,6 +59,7 @@ __all__ = [
     "nvfp4_quantizer_cfg",
     "quantizer_enabled",
     "recipe_from_mapping",
+    "tuned_recipe",
     "with_values",
 ]
 
@@ -68,7 +69,7 @@ RECIPE_FILE = "mtpquant_recipe.yaml"
 _Scheme = Literal["nvfp4", "nvfp4_w4a16"]
 _Targets = Literal["all", "experts"]
 _Algorithm = Literal["max"]
-_MtpMode = Literal["auto", "keep", "quantize", "extract", "drop"]
+_MtpMode = Literal["auto", "keep", "quantize", "extract", "drop", "search"]
 _MtpFormat = Literal["nvfp4", "fp8"]
 SCHEMES: tuple[str, ...] = get_args(_Scheme)
 TARGETS: tuple[str, ...] = get_args(_Targets)
@@ -137,8 +138,10 @@ class CalibrationSection:
 class MtpSection:
     """What happens to the MTP layer."""
 
-    mode: _MtpMode = "auto"  # auto: keep when the source has an MTP, else drop
+    mode: _MtpMode = "auto"  # auto: keep when the source has an MTP, else drop; search: convert --mtp auto
     format: _MtpFormat = "nvfp4"  # quantize mode: nvfp4 | fp8
+    # search: the precision it chose per MTP group (recorded in OUT's recipe; written only when there is one)
+    precision: Mapping[StrictStr, Literal["bf16", "fp8", "nvfp4"]] = Field(default_factory=dict)
 
 
 def byte_size(value: Any, where: str) -> ByteSize:
@@ -287,7 +290,12 @@ def _plain(obj: Any) -> Any:
     if isinstance(obj, ByteSize):
         return obj.text
     if dataclasses.is_dataclass(obj):
-        return {f.name: _plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        fields = {f.name: _plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        if isinstance(obj, MtpSection) and not obj.precision:  # recorded by a search only: recipes stay as they were
+            fields.pop("precision")
+        return fields
+    if isinstance(obj, Mapping):
+        return {k: _plain(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return [_plain(v) for v in obj]
     return obj
@@ -369,6 +377,27 @@ def _parse_yaml(text: str, source: str) -> Any:
         raise RecipeError(f"{source}: not valid YAML{where}") from None
 
 
+def _header_and_recipe(text: str, source: str) -> tuple[list[str], Recipe]:
+    """A resolved recipe file's comment header (its lines) and the recipe."""
+    header = []
+    for line in text.splitlines():
+        if not line.startswith("#"):
+            break
+        header.append(line[2:] if line.startswith("# ") else line[1:])
+    return header, recipe_from_mapping(_parse_yaml(text, source), source)
+
+
+def tuned_recipe(text: str, source: str, precision: Mapping[str, str], what: str) -> str:
+    """A resolved recipe file's text once ``tune-mtp`` has re-quantized its checkpoint's MTP: ``mtp.mode`` is
+    ``search`` with the ``precision`` it chose per group, and the comment header adds ``what`` was done and the mode
+    before it. ``RecipeError`` when ``text`` is not a recipe."""
+    header, recipe = _header_and_recipe(text, source)
+    header.append(f"{what}: mtp.mode was {recipe.mtp.mode}, now search.")
+    chosen: Any = dict(precision)  # checked against the section's choices when the recipe is made
+    tuned = dataclasses.replace(recipe, mtp=dataclasses.replace(recipe.mtp, mode="search", precision=chosen))
+    return tuned.to_yaml("\n".join(header))
+
+
 def grafted_recipe(text: str, source: str, mtp_from: str) -> str:
     """A resolved recipe file's text (``RECIPE_FILE``, as ``source`` names it) once graft has put ``mtp_from``'s MTP
     into its checkpoint: ``mtp.mode`` is ``keep`` (the MTP as SRC has it, which convert's keep mode writes), and
@@ -376,12 +405,7 @@ def grafted_recipe(text: str, source: str, mtp_from: str) -> str:
     convert writes it. ``RecipeError`` when ``text`` is not a recipe."""
     from mtpquant import __version__
 
-    header = []
-    for line in text.splitlines():
-        if not line.startswith("#"):
-            break
-        header.append(line[2:] if line.startswith("# ") else line[1:])
-    recipe = recipe_from_mapping(_parse_yaml(text, source), source)
+    header, recipe = _header_and_recipe(text, source)
     header.append(
         f"MTP grafted from {mtp_from} by mtpquant {__version__} graft: mtp.mode was {recipe.mtp.mode}, now keep."
     )

@@ -14,6 +14,11 @@ and graft dispatch through ``MODES``; graft puts an MTP back the way ``keep`` wr
 - extract: nothing MTP in the main output, the declaration set to 0; the MTP goes to its own directory
   (its own OutputDir): the same shards, an index, the source config, a README.
 - drop: nothing MTP, the declaration set to 0.
+- search (``convert --mtp auto``): the MTP's precision chosen per precision group by the search
+  (``mtpquant.search``: the smallest MTP whose predicted AL stays within the budget of the BF16 MTP's on the quantized
+  target OUT holds), measured after the main model is exported (``measure``) and written as it chose: the BF16 MTP as
+  keep writes it, else the quantized groups from the search's calibrated input scales with SRC's other bytes,
+  declared plain or MIXED_PRECISION as the chosen engines load it; its report goes into OUT's ``mtp_search/``.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from mtpquant.surgery.shards import mtp_planned_tensors, write_mtp_shards, write
 __all__ = [
     "MODES",
     "MODE_NAMES",
+    "MeasureContext",
     "ModeCheck",
     "MtpMode",
     "MtpOutcome",
@@ -84,6 +90,22 @@ class WriteContext:
     activations: bool = True  # quantize: W4A4 (input scales) or weights only
     targets: str = "all"  # quantize: the recipe's targets (experts: the MTP's routed experts only)
     main_algo: str = "NVFP4"  # the main model's quant_algo (an FP8 MTP beside it makes MIXED_PRECISION)
+    measured: Any = None  # what the mode's ``measure`` returned (search: the SearchOutcome)
+
+
+@dataclass
+class MeasureContext:
+    """What a mode that measures on the quantized main model (``needs_target``) needs, once it is exported."""
+
+    ckpt: Checkpoint  # SRC
+    target: Checkpoint  # the quantized main model as OUT holds it
+    tokenizer: Any  # SRC's tokenizer
+    calibration: Any  # the recipe's calibration section
+    settings: Any  # the search's SearchSettings
+    main_algo: str
+    activations: bool  # W4A4: quantized Linears carry input scales
+    device: str
+    progress: bool = False
 
 
 @dataclass
@@ -94,6 +116,7 @@ class MtpOutcome:
     names: list[str] = field(default_factory=list)  # mtp.* tensor names written into OUT
     shards: list[str] = field(default_factory=list)  # the mtp-* shards holding them
     quantized_layers: dict[str, dict[str, Any]] = field(default_factory=dict)  # for MIXED_PRECISION
+    search: Any = None  # search mode: the SearchOutcome (its report, the chosen configuration)
 
 
 def same_bytes(out: Checkpoint, src: Checkpoint, names: list[str], where: str) -> None:
@@ -121,6 +144,7 @@ class MtpMode:
     needs_calibration: ClassVar[bool] = False  # the MTP runs during calibration (quantize)
     takes_format: ClassVar[bool] = False  # --mtp-format applies (quantize)
     writes_side_output: ClassVar[bool] = False  # the MTP goes to a directory of its own (extract)
+    needs_target: ClassVar[bool] = False  # measures on the exported main model before writing (search)
 
     # ---- plan time ---------------------------------------------------------------------------------
     def check(self, ckpt: Checkpoint, fmt: str, targets: str = "all") -> ModeCheck:
@@ -153,6 +177,11 @@ class MtpMode:
     def declared_layers(self, ckpt: Checkpoint) -> int:
         """MTP layers the output's config declares (0: un-declared, set to 0 where the family has a key)."""
         return max(1, ckpt.spec.mtp.layers) if self.declares else 0
+
+    def measure(self, ctx: MeasureContext) -> Any:
+        """What the mode measures on the quantized main model before writing (``needs_target`` modes)."""
+        del ctx
+        raise NotImplementedError(f"--mtp {self.name} measures nothing")
 
     def write(self, ctx: WriteContext) -> MtpOutcome:
         """Write the MTP (if any) and say how OUT's metadata changes."""
@@ -222,21 +251,7 @@ class QuantizeMode(MtpMode):
     def check(self, ckpt: Checkpoint, fmt: str, targets: str = "all") -> ModeCheck:
         from mtpquant.mtp.quantize import mtp_quantized_modules, per_expert_shapes
 
-        label = ckpt.label
-        names = _check_mtp_complete(ckpt, "--mtp quantize")
-        try:  # the reference forward runs during calibration: refuse what it cannot compute now, not after loading
-            mtp_config(ckpt.config)
-        except MtpConfigError as exc:
-            raise MtpModeError(f"{label}: --mtp quantize cannot calibrate this MTP: {exc}; use --mtp keep") from None
-        extra = sorted(names - set(ckpt.spec.expected_mtp_shapes(names)))
-        if extra:
-            raise MtpModeError(f"{label}: unexpected MTP tensor {extra[0]}; --mtp quantize needs the exact layout")
-        bad_dtype = sorted(n for n in names if ckpt.tensors[n].dtype not in FLOAT_DTYPES)
-        if bad_dtype:
-            raise MtpModeError(
-                f"{label}: MTP tensor {bad_dtype[0]} is {ckpt.tensors[bad_dtype[0]].dtype}; "
-                "--mtp quantize needs a BF16/F16/F32 MTP"
-            )
+        _check_quantizable(ckpt, "--mtp quantize")
         shapes = per_expert_shapes({e.name: e.shape for e in ckpt.mtp_tensors()})
         quantized = tuple(mtp_quantized_modules(linear_modules(shapes), ckpt.spec.family.mtp, targets))
         if fmt == "nvfp4":
@@ -292,6 +307,90 @@ class QuantizeMode(MtpMode):
         if layer_algo != ctx.main_algo:
             outcome.quantized_layers = {m: {"quant_algo": layer_algo} for m in result.quantized_modules}
         return outcome
+
+
+def _check_quantizable(ckpt: Checkpoint, flag: str) -> set[str]:
+    """The source's MTP tensor names, refusing an MTP the reference forward cannot calibrate (incomplete, beyond
+    the exact layout, not in a float dtype, a config the forward cannot compute)."""
+    label = ckpt.label
+    names = _check_mtp_complete(ckpt, flag)
+    try:  # the reference forward runs during calibration: refuse what it cannot compute now, not after loading
+        mtp_config(ckpt.config)
+    except MtpConfigError as exc:
+        raise MtpModeError(f"{label}: {flag} cannot calibrate this MTP: {exc}; use --mtp keep") from None
+    extra = sorted(names - set(ckpt.spec.expected_mtp_shapes(names)))
+    if extra:
+        raise MtpModeError(f"{label}: unexpected MTP tensor {extra[0]}; {flag} needs the exact layout")
+    bad_dtype = sorted(n for n in names if ckpt.tensors[n].dtype not in FLOAT_DTYPES)
+    if bad_dtype:
+        raise MtpModeError(
+            f"{label}: MTP tensor {bad_dtype[0]} is {ckpt.tensors[bad_dtype[0]].dtype}; {flag} needs a BF16/F16/F32 MTP"
+        )
+    return names
+
+
+class SearchMode(MtpMode):
+    """The MTP's precision chosen per group by the precision search (``convert --mtp auto``)."""
+
+    name = "search"
+    declares = True
+    needs_target = True
+
+    def check(self, ckpt: Checkpoint, fmt: str, targets: str = "all") -> ModeCheck:
+        del fmt, targets
+        _check_quantizable(ckpt, "--mtp auto")
+        groups = ckpt.spec.family.mtp.groups
+        if not groups:
+            raise MtpModeError(
+                f"{ckpt.label}: {ckpt.spec.family.display} has no MTP precision groups in the registry; --mtp auto "
+                "cannot choose its precision (use --mtp keep or quantize)"
+            )
+        note = (
+            "--mtp auto: the main model is converted first; then its quantized target drafts with the BF16 MTP and "
+            f"with each of {', '.join(g.key for g in groups)} quantized (held-out prompts, once per group and "
+            "precision), and the smallest MTP within the AL budget is written (report in mtp_search/)"
+        )
+        return ModeCheck((note,))
+
+    def plan_line(self, plan: PlanView) -> str:
+        return (
+            f"auto: the precision of each MTP group chosen by measurement ({len(plan.mtp_tensors)} MTP tensors; BF16, "
+            "FP8 or NVFP4 per group, the smallest MTP whose predicted AL stays within the budget of the BF16 MTP's)"
+        )
+
+    def measure(self, ctx: MeasureContext) -> Any:
+        import torch
+
+        from mtpquant.measure.weights import CheckpointWeights
+        from mtpquant.public import public_checkpoint
+        from mtpquant.runtime.machine import compute_dtype, resolve_device
+        from mtpquant.search.measure import calibration_rows
+        from mtpquant.search.run import search_mtp
+
+        cal = ctx.calibration
+        rows = calibration_rows(ctx.tokenizer, cal.data, cal.samples, cal.seq_len, chat_template=cal.chat_template)
+        device = torch.device(resolve_device(ctx.device))
+        dtype = getattr(torch, compute_dtype(device.type, None))
+        return search_mtp(
+            CheckpointWeights(ctx.target), ctx.ckpt, ctx.ckpt.source, rows, ctx.settings,
+            main_algo=ctx.main_algo, activations=ctx.activations, target_name=public_checkpoint(ctx.ckpt.label),
+            device=device, dtype=dtype, progress=ctx.progress,
+        )  # fmt: skip
+
+    def write(self, ctx: WriteContext) -> MtpOutcome:
+        from mtpquant.search.write import chosen_mtp
+
+        found = ctx.measured
+        assert found is not None, "search mode writes what its measurement chose"
+        chosen = chosen_mtp(ctx.ckpt, found.space, found.result.choice.assignment, found.amax)
+        shards = write_planned_mtp(ctx.od, chosen.tensors, ctx.max_bytes)
+        return MtpOutcome(sorted(t.name for t in chosen.tensors), shards, chosen.quantized_layers, search=found)
+
+    def verify(self, out: Checkpoint, src: Checkpoint, outcome: MtpOutcome, where: str) -> None:
+        """The tensors SRC's bytes were kept for are SRC's bytes."""
+        kept = sorted(n for n in outcome.names if n in src.tensors and out.tensors[n].dtype == src.tensors[n].dtype
+                      and out.tensors[n].shape == src.tensors[n].shape)
+        same_bytes(out, src, kept, where)
 
 
 class ExtractMode(MtpMode):
@@ -353,7 +452,9 @@ class DropMode(MtpMode):
         return MtpOutcome()
 
 
-MODES: Mapping[str, MtpMode] = {m.name: m for m in (KeepMode(), QuantizeMode(), ExtractMode(), DropMode())}
+MODES: Mapping[str, MtpMode] = {
+    m.name: m for m in (KeepMode(), QuantizeMode(), ExtractMode(), DropMode(), SearchMode())
+}
 MODE_NAMES = tuple(MODES)
 
 

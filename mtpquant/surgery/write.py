@@ -136,11 +136,13 @@ def build(
     link: bool = True,
     skip: frozenset[str] = frozenset(),
     texts: Mapping[str, str] | None = None,
+    blobs: Mapping[str, bytes] | None = None,
 ) -> Built:
     """Build the changed quant in ``dest``'s temporary directory and verify it. ``step`` is added to QUANT's
     provenance; ``skip`` names files not carried over; ``texts`` are files of QUANT written with new text
-    (``relpath -> text``)."""
-    texts = texts or {}
+    (``relpath -> text``), ``blobs`` files written with new bytes (a report's plots)."""
+    texts = {**(texts or {})}
+    blobs = blobs or {}
     od, quant = dest.od, plan.quant
     stray = strays(quant, plan.weight_map)  # after the clean-up of interrupted runs
     warnings: list[str] = []
@@ -169,7 +171,7 @@ def build(
         od.write_shard(shard, [planned_copy(quant, e) for e in entries], quant.headers[shard].metadata or None)
     rewrite_index = bool(plan.add or plan.removed or plan.index_fix or plan.lost or plan.adopted)
     json_files = [*plan.metadata.changed_files, INDEX_NAME] if rewrite_index else list(plan.metadata.changed_files)
-    json_files[:0] = [PROVENANCE_FILE, *sorted(texts)]  # this step added to what QUANT records; changed texts
+    json_files[:0] = [PROVENANCE_FILE, *sorted({*texts, *blobs})]  # this step added to what QUANT records; new files
     written = set(new_shards) | set(plan.rewrite)
     skipped = written | set(plan.drop) | set(json_files) | set(skip)
     carried_strays = set(stray) if dest.mode == "in-place" else set()  # --out leaves strays behind
@@ -203,6 +205,8 @@ def build(
     od.write_text(PROVENANCE_FILE, source_provenance(quant.source).then(step).to_bytes().decode("utf-8"))
     for rel, text in sorted(texts.items()):
         od.write_text(rel, text)
+    for rel, data in sorted(blobs.items()):
+        od.write_bytes(rel, data)
     if INDEX_NAME in json_files:
         od.write_json(INDEX_NAME, new_index(plan, mtp_entries, new_shard_of))
     verified = verify(od.path)

@@ -19,7 +19,7 @@ from mtpquant.engine.sizing import plan_engine_memory, probe_machine
 from mtpquant.engine.vllm import VllmClient
 from mtpquant.errors import EngineStartError
 
-__all__ = ["CONCURRENCY", "CPU_ENV", "EnginePool", "RunningServer", "prompt_ids"]
+__all__ = ["CONCURRENCY", "CPU_ENV", "EnginePool", "RunningServer", "engine_acceptance", "prompt_ids"]
 
 # The servers' environment: nothing about memory (mtpquant sizes it, engine/sizing.py), no tokenizer threads.
 CPU_ENV = {"TOKENIZERS_PARALLELISM": "false"}
@@ -108,3 +108,33 @@ def prompt_ids(checkpoint: Path, n: int, max_len: int = 96) -> tuple[list[list[i
     tok = Tokenizer.from_file(str(checkpoint / "tokenizer.json"))
     ids = [tok.encode(p, add_special_tokens=False).ids[: max_len // 2] for p in default_prompts(n)]
     return ids, [max_len - len(i) for i in ids]
+
+
+def engine_acceptance(
+    path: Path, vllm: EnginePool, report_dir: Path, *, ks: tuple[int, ...], prompts: int = 32, max_len: int = 128
+) -> dict[int, dict[str, float]]:
+    """``validate --engine vllm --compare-reference`` of ``path``: per k, the AL vLLM's own counters give
+    (``engine``) and validate's built-in replay predicts on the same prompts (``predicted``), activations emulated on
+    the built-in side (the engine runs the W4A4 activations too); no other request reached the server."""
+    from mtpquant.api import ValidateOptions, validate
+
+    report = validate(
+        ValidateOptions(
+            path,
+            num_prompts=prompts,
+            max_len=max_len,
+            ks=ks,
+            device="cpu",
+            activations="emulate",
+            engine="vllm",
+            vllm_python=vllm.python,
+            env=CPU_ENV,
+            compare_reference=True,
+            report_dir=report_dir,
+            progress=False,
+        )
+    ).report
+    rows = report.predicted.reference or () if report.predicted else ()
+    assert [r.k for r in rows] == list(ks)
+    assert all(e.other_requests == 0 for e in report.engine)
+    return {r.k: {"engine": r.engine_al, "predicted": r.predicted_al} for r in rows}

@@ -12,6 +12,7 @@ from mtpquant.card_marker import card_origin
 from mtpquant.publish.card.body import build_card, card_data
 from mtpquant.publish.card.facts import CardFacts, read_license, read_recipe, read_validation
 from mtpquant.publish.card.metadata import CARD_NAME, is_repo_id, redact, validate_card_metadata
+from mtpquant.publish.card.search import read_search
 
 __all__ = [
     "CARD_NAME",
@@ -22,6 +23,7 @@ __all__ = [
     "is_repo_id",
     "read_license",
     "read_recipe",
+    "read_search",
     "read_validation",
     "redact",
     "validate_card_metadata",

@@ -27,6 +27,7 @@ from mtpquant.publish.card.facts import (
     report_outdated_by,
 )
 from mtpquant.publish.card.metadata import redact
+from mtpquant.publish.card.search import search_lines
 from mtpquant.publish.card.sidecar import sidecar_body, sidecar_data
 from mtpquant.records.table import acceptance_table
 from mtpquant.records.validation import sides
@@ -432,6 +433,8 @@ def build_card(facts: CardFacts) -> ModelCard:
     mtp_phrase = {
         "keep": f"its Multi-Token-Prediction (MTP) layer kept in {r.mtp_precision}",
         "quantize": f"its Multi-Token-Prediction (MTP) layer quantized ({r.mtp_precision})",
+        "search": f"its Multi-Token-Prediction (MTP) layer's precision chosen per module group by search "
+        f"({r.mtp_precision})",
         "drop": "no Multi-Token-Prediction (MTP) layer (dropped on purpose; no MTP speculative decoding)",
         "missing": "its Multi-Token-Prediction (MTP) layer **declared but missing**",
     }.get(mtp_mode(facts), f"MTP: {r.mtp_precision}")
@@ -449,6 +452,7 @@ def build_card(facts: CardFacts) -> ModelCard:
         "",
         *_mtp_table(facts),
         "",
+        *search_lines(facts.search),
         "## What was quantized, and how",
         "",
         _quant_line(facts),

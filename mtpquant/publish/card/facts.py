@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from mtpquant.diagnose.report import InspectReport
     from mtpquant.records.profile import ProfileHeadline
     from mtpquant.records.validation import Report
+    from mtpquant.search.run import SearchResult
 
 __all__ = [
     "VALIDATION_MARKDOWN",
@@ -94,6 +95,7 @@ class CardFacts:
     revision: str | None = None
     forced: bool = False
     license_file: str | None = None  # a LICENSE file shipped in OUT (carried over from the source)
+    search: SearchResult | None = None  # mtp_search/report.json, while the MTP in OUT is the one the search chose
 
 
 # ---- reading OUT ---------------------------------------------------------------------------------------------------

@@ -1,0 +1,104 @@
+"""``mtpquant tune-mtp``: an existing quant's MTP re-quantized per precision group (parsing and printing only)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from typing import Any
+
+from mtpquant.cli import HUB_CODES, add_device_argument, add_shard_size_argument, exit_codes_epilog
+from mtpquant.cli.search_args import add_search_arguments, search_settings
+from mtpquant.errors import ExitCode
+
+__all__ = ["register"]
+
+_EPILOG = """\
+examples:
+  mtpquant tune-mtp ./Qwen3.5-27B-NVFP4 --from Qwen/Qwen3.5-27B --out ./Qwen3.5-27B-NVFP4-small-mtp
+  mtpquant tune-mtp ./Qwen3.5-27B-NVFP4 --from ./Qwen3.5-27B --in-place --al-budget 0.03 --engine any
+  mtpquant tune-mtp ./Qwen3.5-27B-NVFP4 --from ./Qwen3.5-27B --out OUT --dry-run
+
+QUANT's main model is the quantized target: the BF16 MTP of SRC and each precision group quantized (BF16, FP8,
+NVFP4) draft on its hidden states over held-out prompts; the smallest MTP whose AL stays within --al-budget of the
+BF16 MTP's at k = 1..3 beyond noise, and that --engine loads, is written in place of QUANT's MTP (only the MTP
+bytes; the metadata's MTP entries replaced). The report goes to mtp_search/ in the result. The same source, budget
+and calibration choose what `convert --mtp auto` chooses.
+
+""" + exit_codes_epilog(
+    ExitCode.CHECKPOINT,
+    ExitCode.ARCHITECTURE,
+    ExitCode.OUTPUT_EXISTS,
+    ExitCode.MTP_MODE,
+    ExitCode.VERIFICATION,
+    ExitCode.LINEAGE,
+    ExitCode.GRAFT_REFUSED,
+    ExitCode.OUTPUT_BUSY,
+    ExitCode.TUNE_REFUSED,
+    *HUB_CODES,
+)
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``tune-mtp`` subcommand."""
+    p = subparsers.add_parser(
+        "tune-mtp",
+        help="shrink a quant's MTP to the smallest precision per group that keeps its acceptance",
+        description=(
+            "Choose the precision of each MTP group of QUANT (input projection, attention, MLP or shared expert, "
+            "routed experts) by measurement on QUANT's own quantized target, re-quantize the MTP from SRC's BF16 one "
+            "and write only the MTP bytes."
+        ),
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("quant", metavar="QUANT", help="the quant whose MTP to tune: a local directory (ModelOpt NVFP4)")
+    p.add_argument("--from", dest="source", required=True, metavar="SRC",
+                   help="its BF16 source, which holds the MTP to quantize: a directory or Hub repo id")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--out", metavar="OUT", help="write the tuned checkpoint here (must not exist)")
+    where.add_argument("--in-place", action="store_true",
+                       help="tune QUANT itself: built beside it, verified, then swapped in atomically")
+    add_search_arguments(p)
+    p.add_argument("--calib-data", metavar="PATH|DATASET",
+                   help="calibration text of the MTP's input scales (default: QUANT's recipe's)")
+    p.add_argument("--calib-samples", metavar="N", type=int, help="calibration rows (default: QUANT's recipe's)")
+    p.add_argument("--calib-seq-len", metavar="L", type=int, help="tokens per row (default: QUANT's recipe's)")
+    add_device_argument(p, "auto", indexed=False, what="")
+    p.add_argument("--from-revision", dest="source_revision", metavar="REV", help="SRC's Hub revision")
+    add_shard_size_argument(p)
+    p.add_argument("--copy", action="store_true", help="copy untouched files instead of hard-linking them")
+    p.add_argument("--dry-run", action="store_true", help="check and plan from headers, print the plan, write nothing")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Build the options, call the API, print the summary."""
+    from mtpquant.api import TuneOptions, tune_mtp
+    from mtpquant.render import tune_text
+
+    search, _ = search_settings(args)
+    options = TuneOptions(
+        quant=args.quant,
+        source=args.source,
+        out=args.out,
+        in_place=args.in_place,
+        search=search,
+        calib_data=args.calib_data,
+        calib_samples=args.calib_samples,
+        calib_seq_len=args.calib_seq_len,
+        device=args.device,
+        source_revision=args.source_revision,
+        max_shard_bytes=args.max_shard_size,
+        link=not args.copy,
+        dry_run=args.dry_run,
+        progress=os.environ.get("TQDM_DISABLE", "") in {"", "0"},
+        command=args.command_line,
+    )
+    result = tune_mtp(options)
+    if args.json:
+        print(json.dumps(result.to_json(), indent=2, default=str))
+        return 0
+    print(tune_text(result))
+    return 0

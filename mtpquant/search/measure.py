@@ -1,0 +1,221 @@
+"""What the precision search measures with: the quantized target run once, and every candidate MTP built in memory.
+
+``prepare``: the quantized target (dequantized as validate loads it, its activations emulated as the engines run
+them) calibrates the BF16 MTP's input scales on its own hidden states over the calibration rows (the inputs the MTP
+sees when it drafts for this target), continues the held-out prompts at every sampling setting once and keeps its
+hidden states, embedding and head; then it is released. ``Candidates``: each precision group quantized once per
+precision (``mtp.quantize.quantize_mtp``: the bytes the output would hold) and dequantized, so a configuration's MTP
+is the source's weights with its groups replaced, built and measured by ``measure.replay.evaluate_acceptance`` on
+the captured runs.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+from torch import Tensor, nn
+
+from mtpquant.formats.fp8 import dequantize_fp8_per_tensor
+from mtpquant.formats.nvfp4 import dequantize_nvfp4
+from mtpquant.measure.drafter import MtpBundle, mtp_bundle
+from mtpquant.measure.replay import TargetRun, evaluate_acceptance
+from mtpquant.measure.weights import LinearFormat
+from mtpquant.mtp.build import reference_mtp
+from mtpquant.mtp.quantize import MtpCalibrator, per_expert_weights, quantize_mtp
+from mtpquant.records.evidence import UnitCounts
+from mtpquant.records.sampling import SamplingSettings
+from mtpquant.search.space import Assignment, MtpSpace
+
+if TYPE_CHECKING:
+    from mtpquant.checkpoint.source import CheckpointSource
+    from mtpquant.measure.weights import CheckpointWeights
+    from mtpquant.records.acceptance import Acceptance
+
+__all__ = ["Candidates", "Evaluation", "SearchInputs", "calibration_rows", "prepare", "search_prompts"]
+
+log = logging.getLogger(__name__)
+
+PROMPT_CHARS = 300  # held-out prompts in pieces this long: many different ones, each filling half a sequence
+
+
+def search_prompts(n: int) -> list[str]:
+    """``n`` held-out prompts, all different (validate's default prompts in pieces of ``PROMPT_CHARS``)."""
+    from mtpquant.text.prompts import default_prompts
+
+    return list(dict.fromkeys(default_prompts(n, chars=PROMPT_CHARS)))
+
+
+@dataclass
+class SearchInputs:
+    """What the target gave, once: its runs per sampling setting, its embedding and head, the MTP's input amax."""
+
+    runs: dict[SamplingSettings, TargetRun]
+    embed: Tensor
+    head: Tensor
+    amax: dict[str, Tensor]
+    calibration_rows: int
+    calibration_tokens: int
+
+    @property
+    def sequences(self) -> int:
+        """Sequences per sampling setting."""
+        return len(next(iter(self.runs.values())).sequences)
+
+    @property
+    def tokens(self) -> int:
+        """Tokens over every run."""
+        return sum(r.num_tokens for r in self.runs.values())
+
+
+def prepare(
+    target: CheckpointWeights,
+    source_mtp: Mapping[str, Tensor],
+    mtp_config: Mapping[str, object],
+    tokenizer: CheckpointSource,
+    calibration: Tensor,
+    *,
+    settings: Sequence[SamplingSettings],
+    num_prompts: int,
+    max_len: int,
+    activations: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    batch_size: int = 16,
+    progress: bool = False,
+) -> SearchInputs:
+    """Run the quantized ``target`` once: the BF16 MTP (``source_mtp``, its family's ``mtp_config``) calibrated on
+    its hidden states over the ``calibration`` rows ``[N, L]``, and its continuations of ``num_prompts`` held-out
+    prompts (``tokenizer``'s) to ``max_len`` tokens at every sampling setting."""
+    from mtpquant.errors import ConfigError
+    from mtpquant.measure.target import capture, load_target
+    from mtpquant.text.prompts import plan_sequences, tokenize_prompts
+
+    model = load_target(target, device=device, dtype=dtype, activations=activations)
+    embed, head = model.embed_weight.detach(), model.lm_head_weight.detach()
+    calibrator = MtpCalibrator(cast(nn.Module, reference_mtp(mtp_config, dict(source_mtp), dtype=dtype, device=device)))
+    with torch.no_grad():
+        for batch in calibration.split(max(1, batch_size)):
+            last, mtp_input = model.hidden_states(batch)
+            hidden = (mtp_input if mtp_input is not None else last)[:, :-1]
+            calibrator.observe(hidden, torch.nn.functional.embedding(batch[:, 1:].to(embed.device), embed))
+    vocab = int(embed.shape[0])
+    ids = tokenize_prompts(tokenizer, search_prompts(num_prompts), vocab)
+    plan = plan_sequences(ids, max_len)
+    if not plan:
+        raise ConfigError(f"{tokenizer.label}: no held-out prompt tokenizes to two tokens or more")
+    runs = {
+        s: capture(model, plan, label=f"search ({s.label})", progress=progress, batch_size=batch_size, sampling=s)
+        for s in settings
+    }
+    model.release()
+    del calibrator.layer
+    gc.collect()
+    rows = int(calibration.shape[0])
+    return SearchInputs(runs, embed, head, dict(calibrator.amax), rows, rows * int(calibration.shape[1]))
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """One configuration measured: per sampling setting, the counts per k (``units[s][k - 1]``, one unit per prompt)
+    and the report's acceptance record."""
+
+    assignment: Assignment
+    units: tuple[tuple[UnitCounts, ...], ...]
+    acceptance: tuple[Acceptance, ...]
+
+
+class Candidates:
+    """Every configuration of ``space`` as an MTP in memory, from the source's weights and the calibrated amax: each
+    group quantized once per precision, dequantized, and put in the source's place."""
+
+    def __init__(
+        self,
+        space: MtpSpace,
+        source_mtp: Mapping[str, Tensor],
+        mtp_config: Mapping[str, object],
+        inputs: SearchInputs,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        emulate: bool,
+    ) -> None:
+        self.space = space
+        self.source = per_expert_weights(source_mtp)
+        self.config = mtp_config
+        self.inputs = inputs
+        self.dtype = dtype
+        self.device = device
+        self.emulate = emulate
+        self._groups: dict[tuple[str, str], tuple[dict[str, Tensor], dict[str, LinearFormat]]] = {}
+
+    def group(self, key: str, precision: str) -> tuple[dict[str, Tensor], dict[str, LinearFormat]]:
+        """Group ``key`` in ``precision``: its dequantized weights and (activations quantized) their formats."""
+        if (key, precision) not in self._groups:
+            members = self.space.members[key]
+            result = quantize_mtp(
+                self.source,
+                self.inputs.amax,
+                activations=self.space.activations,
+                layout=self.space.family.mtp,
+                precision=dict.fromkeys(members, precision),
+            )
+            t = result.tensors
+            weights: dict[str, Tensor] = {}
+            formats: dict[str, LinearFormat] = {}
+            for m in members:
+                if precision == "nvfp4":
+                    w = dequantize_nvfp4(t[m + ".weight"], t[m + ".weight_scale"], t[m + ".weight_scale_2"])
+                else:
+                    w = dequantize_fp8_per_tensor(t[m + ".weight"], t[m + ".weight_scale"])
+                weights[m + ".weight"] = w.to(self.dtype)
+                scale = t.get(m + ".input_scale")
+                formats[m] = LinearFormat(m, precision, None if scale is None else float(scale.float().max()))
+            self._groups[(key, precision)] = (weights, formats)
+        return self._groups[(key, precision)]
+
+    def bundle(self, assignment: Assignment) -> MtpBundle:
+        """The MTP of ``assignment``: the source's weights, each quantized group's dequantized ones in their place,
+        those groups' activations fake-quantized when the search emulates them."""
+        tensors = {n: t.to(self.dtype) for n, t in self.source.items()}
+        formats: dict[str, LinearFormat] = {}
+        for key, precision in zip(assignment.groups, assignment.precisions):
+            if precision == "bf16":
+                continue
+            weights, fmts = self.group(key, precision)
+            tensors.update(weights)
+            formats.update(fmts)
+        return mtp_bundle(
+            self.config,
+            tensors,
+            shared=(self.inputs.embed, self.inputs.head),
+            dtype=self.dtype,
+            device=self.device,
+            emulate=formats if self.emulate else None,
+        )
+
+    def evaluate(self, assignment: Assignment, k: int) -> Evaluation:
+        """``assignment``'s MTP measured on every captured run for k = 1..``k``."""
+        bundle = self.bundle(assignment)
+        units, acceptance = [], []
+        for s, run in self.inputs.runs.items():
+            result = evaluate_acceptance(bundle, run, k, progress=False, sampling=s, target_head=self.inputs.head)
+            units.append(tuple(result.units))
+            acceptance.append(result.typed())
+        del bundle
+        return Evaluation(assignment, tuple(units), tuple(acceptance))
+
+
+def calibration_rows(tokenizer: Any, data: str, samples: int, seq_len: int, *, chat_template: bool) -> Tensor:
+    """``[samples, seq_len]`` calibration tokens for the MTP's input scales: the recipe's calibration text in the
+    model's tokenizer, without the held-out documents the search's prompts come from."""
+    from mtpquant.text.calibration import build_calibration_data
+    from mtpquant.text.prompts import held_out_documents
+
+    held_out = frozenset(name for name, _ in held_out_documents())
+    rows = build_calibration_data(tokenizer, data, samples, seq_len, chat_template=chat_template, exclude=held_out)
+    return rows.input_ids

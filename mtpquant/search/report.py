@@ -1,0 +1,172 @@
+"""The search's report, written into the output as ``mtp_search/``: ``report.json`` (``SearchResult``), ``report.md``
+(every measured configuration: bytes, AL per k with its interval and the change from the BF16 MTP, per sampling
+setting; the chosen one and why), ``pareto.png`` (bytes against the worst AL loss, the front joined, the budget and
+the choice marked) and ``speculation_profile.json`` (the chosen MTP's predicted acceptance, in the shape of
+validate's: ``records.profile``)."""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from mtpquant import __version__
+from mtpquant.records.acceptance import Acceptance
+from mtpquant.records.profile import (
+    PROFILE_FILE,
+    Conditions,
+    DraftCheckpoint,
+    ProfileRow,
+    ProfileSource,
+    SamplingProfile,
+    SamplingRule,
+    SpeculationProfile,
+    TargetModel,
+)
+from mtpquant.search.run import SearchResult
+from mtpquant.units import format_bytes
+
+__all__ = ["MARKDOWN_FILE", "PLOT_FILE", "REPORT_FILE", "SEARCH_DIR", "render_markdown", "search_documents"]
+
+SEARCH_DIR = "mtp_search"
+REPORT_FILE = "report.json"
+MARKDOWN_FILE = "report.md"
+PLOT_FILE = "pareto.png"
+REPORT_SCHEMA = "mtpquant.mtp-search/1"
+
+
+def render_markdown(result: SearchResult) -> str:
+    """``report.md``: the settings, the groups, every measured configuration, the choice and why."""
+    s = result.settings
+    bf16 = result.bf16_bytes
+    lines = [
+        f"# MTP precision search ({result.family})",
+        "",
+        f"Target: `{result.target}` (the quantized main model; its hidden states computed once). Budget: the AL may "
+        f"drop at most {s.budget:g} below the BF16 MTP's at every k = 1..{s.k} and sampling setting, decided with "
+        f"{100 * s.confidence:.0f} % paired bootstrap intervals over {result.prompts} held-out prompts (max_len "
+        f"{s.max_len}, activations {s.activations}, seed {s.seed}). Engines: {s.engine}. "
+        f"{result.configurations} configurations load there; {len(result.evaluated)} were measured.",
+        "",
+        "| group | Linears | " + " | ".join(p for p in s.precisions) + " |",
+        "|---|---:|" + "---:|" * len(s.precisions),
+    ]
+    for g in result.groups:
+        lines.append(f"| {g.label} | {g.linears} | " + " | ".join(format_bytes(g.bytes[p]) for p in s.precisions)
+                     + " |")
+    lines += ["", "## Measured configurations", ""]
+    for setting in result.sampling:
+        head = "| configuration | bytes | x BF16 | declared | role | " + " | ".join(
+            f"AL k={k} (change)" for k in range(1, s.k + 1)) + " | verdict |"
+        lines += [f"### {setting.label}", "", head, "|---|---:|---:|---|---|" + "---|" * s.k + "---|"]
+        for i, j in enumerate(result.evaluated):
+            row = next(x for x in j.by_sampling if x.sampling == setting)
+            cells = []
+            for c in row.by_k:
+                cell = c.al.text()
+                if c.change is not None:
+                    cell += f" ({c.change.text(signed=True)})"
+                cells.append(cell)
+            mark = " **chosen**" if i == result.chosen else "" if j.loads else " (does not load alone)"
+            front = " (front)" if i in result.front else ""
+            lines.append(
+                f"| {j.assignment.label}{mark} | {format_bytes(j.nbytes)} | {j.nbytes / bf16:.2f} | {j.declaration} "
+                f"| {j.role}{front} | " + " | ".join(cells) + f" | {j.verdict} |"
+            )
+        lines.append("")
+    chosen = result.choice
+    lines += [
+        "## Chosen",
+        "",
+        f"**{chosen.assignment.label}**: {format_bytes(chosen.nbytes)} ({chosen.nbytes / bf16:.2f}x the BF16 MTP's "
+        f"{format_bytes(bf16)}), declared {chosen.declaration}. {result.reason[0].upper()}{result.reason[1:]}.",
+    ]
+    if result.not_taken:
+        lines += ["", f"Not taken for want of evidence: {result.not_taken}."]
+    secs = ", ".join(f"{k} {v:.1f} s" for k, v in result.seconds.items())
+    lines += ["", f"Time: {secs}; mtpquant {__version__}, schema {REPORT_SCHEMA}.", ""]
+    return "\n".join(lines)
+
+
+def _pareto_png(result: SearchResult) -> bytes:
+    """Bytes (x) against the worst AL loss over every k and setting (y), the front joined, budget and choice marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    try:
+        xs = [j.nbytes / 1e6 for j in result.evaluated]
+        ys = [j.worst for j in result.evaluated]
+        colors = {"baseline": "tab:blue", "within": "tab:green", "inconclusive": "tab:orange", "beyond": "tab:red"}
+        for j, x, y in zip(result.evaluated, xs, ys):  # hollow: measured alone, not loadable alone
+            color = colors[j.verdict]
+            ax.scatter([x], [y], s=30, zorder=3, facecolors=color if j.loads else "none", edgecolors=color)
+        for v, c in colors.items():
+            ax.scatter([], [], color=c, label=v)
+        front = sorted(result.front, key=lambda i: xs[i])
+        ax.plot([xs[i] for i in front], [ys[i] for i in front], color="grey", lw=1, zorder=2, label="Pareto front")
+        chosen = result.chosen
+        ax.scatter([xs[chosen]], [ys[chosen]], s=160, facecolors="none", edgecolors="black", zorder=4, label="chosen")
+        ax.axhline(result.settings.budget, color="black", ls="--", lw=1, label=f"budget {result.settings.budget:g}")
+        for j, x, y in zip(result.evaluated, xs, ys):
+            short = "/".join(p[0].upper() if p != "nvfp4" else "N" for p in j.assignment.precisions)
+            ax.annotate(short, (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
+        groups = "/".join(result.evaluated[0].assignment.groups)
+        ax.set(xlabel="MTP bytes on disk (MB)", ylabel="worst AL loss vs BF16 (estimate)",
+               title=f"MTP precision search ({groups}: B=bf16, F=fp8, N=nvfp4)")
+        ax.legend(fontsize=7)
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+        return buf.getvalue()
+    finally:
+        plt.close(fig)
+
+
+def chosen_profile(result: SearchResult, acceptance: Sequence[Acceptance], *, checkpoint: str) -> SpeculationProfile:
+    """The chosen MTP's predicted acceptance as a speculation profile (the headline: the largest k, greedy)."""
+    head = acceptance[0]
+    top = head.by_k[-1]
+    s = result.settings
+    rule = SamplingRule.of(head)
+    counts = "observed"
+
+    def rows(acc: Acceptance) -> tuple[ProfileRow, ...]:
+        return tuple(ProfileRow.of(r, "observed" if acc.sampling.greedy else "expected") for r in acc.by_k)
+
+    conditions = Conditions(
+        rule.temperature, rule.top_p, rule.top_k, rule.seed, rule.rule,
+        dataset="held-out offline prompts (mtpquant precision search)", num_samples=result.prompts,
+        osl=0.0, validation="built-in prediction (mtpquant precision search: the chosen MTP on the quantized target's "
+        "hidden states)", engine="built-in", activations=s.activations, versions={"mtpquant": __version__},
+    )  # fmt: skip
+    return SpeculationProfile(
+        num_speculative_tokens=top.k,
+        headline=ProfileRow.of(top, counts),
+        draft_checkpoint=DraftCheckpoint(checkpoint, None),
+        target_model=TargetModel(checkpoint, result.family, {"mtp_precision": result.choice.assignment.to_json()}),
+        measurement_conditions=conditions,
+        by_k=rows(head),
+        by_sampling=tuple(SamplingProfile(SamplingRule.of(a), rows(a)) for a in acceptance),
+        by_context=(),
+        mtpquant=ProfileSource(REPORT_FILE, REPORT_SCHEMA, result.choice.verdict),
+    )
+
+
+def search_documents(result: SearchResult, acceptance: Sequence[Acceptance], *, checkpoint: str) -> dict[str, bytes]:
+    """Every file of ``mtp_search/`` (relative to the output) and its bytes."""
+    report = {"schema": REPORT_SCHEMA, "mtpquant_version": __version__, **result.to_json()}
+    profile = chosen_profile(result, acceptance, checkpoint=checkpoint).to_json()
+    return {
+        f"{SEARCH_DIR}/{REPORT_FILE}": (json.dumps(report, indent=2) + "\n").encode(),
+        f"{SEARCH_DIR}/{MARKDOWN_FILE}": render_markdown(result).encode(),
+        f"{SEARCH_DIR}/{PLOT_FILE}": _pareto_png(result),
+        f"{SEARCH_DIR}/{PROFILE_FILE}": (json.dumps(profile, indent=2) + "\n").encode(),
+    }
+
+
+def read_result(data: Any) -> SearchResult:
+    """``report.json`` read back (``ValueError`` naming the first problem)."""
+    return SearchResult.from_json(data, f"{SEARCH_DIR}/{REPORT_FILE}")

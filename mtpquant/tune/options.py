@@ -1,0 +1,44 @@
+"""``mtpquant tune-mtp``'s options, as one frozen record (torch-free: the CLI reads its defaults at start-up)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Literal
+
+from annotated_types import Ge
+
+from mtpquant.checkpoint.writer import DEFAULT_MAX_SHARD_BYTES
+from mtpquant.records.record import FLAG, Options
+from mtpquant.search.settings import SearchSettings
+
+__all__ = ["TuneOptions"]
+
+
+@dataclass(frozen=True)
+class TuneOptions(Options):
+    """Everything ``tune-mtp`` takes: QUANT (local), SRC (its BF16 source, local or a Hub repo), where the result goes,
+    what the search is asked, the calibration of the MTP's input scales (None: QUANT's recipe's, else the family's
+    default recipe's)."""
+
+    quant: str | os.PathLike[str]
+    source: str | os.PathLike[str] = field(metadata={FLAG: "--from"})
+    out: str | os.PathLike[str] | None = None
+    in_place: bool = False
+    search: SearchSettings = field(default_factory=SearchSettings, metadata={FLAG: None})
+    calib_data: str | None = None
+    calib_samples: Annotated[int, Ge(1)] | None = None
+    calib_seq_len: Annotated[int, Ge(2)] | None = None
+    device: Literal["cpu", "cuda", "auto"] | str = "auto"
+    source_revision: str | None = field(default=None, metadata={FLAG: "--from-revision"})
+    max_shard_bytes: Annotated[int, Ge(1)] = field(default=DEFAULT_MAX_SHARD_BYTES, metadata={FLAG: "--max-shard-size"})
+    link: bool = field(default=True, metadata={FLAG: "--copy"})  # hard-link untouched files (False: copy them)
+    dry_run: bool = False
+    progress: bool = field(default=True, metadata={FLAG: None})
+    command: tuple[str, ...] = field(default=(), metadata={FLAG: None})  # the command line (the CLI sets it)
+
+    @property
+    def out_path(self) -> Path | None:
+        """``--out`` as a path (None: in place)."""
+        return Path(self.out).expanduser() if self.out is not None else None

@@ -1,0 +1,57 @@
+"""``convert --mtp auto`` measured by the real vLLM CPU engine: the chosen MTP loads, and the AL vLLM measures with it
+is within the budget + 0.1 of the AL it measures with the BF16 MTP, on the same prompts and the same quantized target.
+
+The trained tiny Qwen3.5 converted with ``--mtp auto`` (the default search: budget 0.05 AL, vLLM) and with
+``--keep-mtp`` (``tests/support/heal.py``'s convert, the same calibration, so the same main-model bytes), each served
+by vLLM with MTP speculative decoding at k = 1..3 on 32 held-out prompts (``tests/support/engine.engine_acceptance``).
+The chosen MTP mixes FP8 and NVFP4 groups under a MIXED_PRECISION declaration: the engine loading it at all is half of
+the proof. (The trained tiny Qwen3.8-Flash-Next is not served: vLLM's CPU backend runs no NVFP4 MoE.)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+
+from mtpquant.api import ConvertOptions, SearchSettings, convert
+from mtpquant.checkpoint.table import Checkpoint
+from mtpquant.families import is_mtp_name
+from mtpquant.synth.train import TINY_MTP_ASSET
+from tests.support.engine import EnginePool, engine_acceptance
+from tests.support.heal import CALIB, HealedTiny
+
+pytestmark = pytest.mark.engine
+
+KS = (1, 2, 3)
+TOLERANCE = 0.1  # the engine against the prediction: sampling noise of 32 prompts, the engine's own numerics
+
+
+def _main_digests(path: Path) -> dict[str, str]:
+    ckpt = Checkpoint.open(path)
+    names = [n for n in ckpt.tensors if not is_mtp_name(n)]
+    return {e.name: hashlib.sha256(data).hexdigest() for e, data in ckpt.iter_raw(names)}
+
+
+def test_vllm_loads_the_chosen_mtp_and_measures_its_al_within_the_budget(
+    healed_tiny: HealedTiny, vllm: EnginePool, tmp_path: Path
+) -> None:
+    settings = SearchSettings()
+    auto = convert(ConvertOptions(src=str(TINY_MTP_ASSET), out=tmp_path / "auto", mtp="auto", search=settings,
+                                  device="cpu", progress=False, **CALIB))  # fmt: skip
+    search = auto.search
+    assert search is not None and auto.output is not None
+    chosen = search.choice
+    assert chosen.verdict == "within" and chosen.nbytes < search.bf16_bytes  # some group fits: smaller than BF16
+    keep = healed_tiny.quant("keep")
+    assert _main_digests(auto.output) == _main_digests(keep)  # the same quantized target
+    bf16 = engine_acceptance(keep, vllm, tmp_path / "bf16", ks=KS)
+    measured = engine_acceptance(auto.output, vllm, tmp_path / "auto-validate", ks=KS)
+    numbers = {"chosen": chosen.assignment.label, "bytes": [chosen.nbytes, search.bf16_bytes], "bf16": bf16,
+               "auto": measured}  # fmt: skip
+    (tmp_path / "search-engine.json").write_text(json.dumps(numbers))
+    print("\n" + json.dumps(numbers))  # for BENCHMARKS.md
+    for k in KS:
+        assert measured[k]["engine"] >= bf16[k]["engine"] - (settings.budget + TOLERANCE), (k, numbers)
