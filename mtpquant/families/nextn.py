@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from mtpquant.families.mtp_config import config_int
@@ -35,6 +36,7 @@ __all__ = [
     "NEXTN_FAMILIES",
     "NEXTN_STANDALONE",
     "STEP3P5",
+    "AppendedForward",
     "mla_shapes",
     "moe_shapes",
     "nextn_glue_shapes",
@@ -46,6 +48,30 @@ GLUE = ("embed_tokens", "enorm", "hnorm", "eh_proj", "shared_head")
 COPIES = ("shared_head.head.weight", "embed_tokens.weight")
 # SGLang's standalone export of a DeepSeek MTP (scripts/export_deepseek_nextn.py): the draft class it loads as
 NEXTN_STANDALONE = "DeepseekV3ForCausalLMNextN"
+
+
+@dataclass(frozen=True)
+class AppendedForward:
+    """How one family's appended MTP layer computes, as the engine's drafter computes it (``mtp.nextn``): the glue
+    ``eh_proj(cat(enorm(embed(x_{t+1})), hnorm(h_t)))`` (``hidden_first``: MiMo-7B's ``[hidden, embed]``), the
+    trunk's decoder layer, ``shared_head.norm``, then the target's head (vLLM 0.32 shares the target's embedding and
+    LM head with every MTP drafter, ``llm_base_proposer._maybe_share_lm_head``, whatever copies the layer carries).
+
+    The block, norms and RoPE are transformers' classes ``transformers.models.{module}.modeling_{module}.{prefix}*``
+    (``DecoderLayer``, ``RMSNorm``, ``RotaryEmbedding``; ``{prefix}Config``), composed by transformers' generic
+    ``modeling_layers.MtpLayer``.
+    """
+
+    module: str  # transformers model package: "glm4_moe"
+    prefix: str  # its class prefix: "Glm4Moe"
+    # The stream the next draft step reads: shared_head.norm's output (True: vLLM deepseek_mtp.py returns
+    # (hidden, shared_head(hidden)) and the proposer recycles the second) or its input (False: glm4_moe_mtp.py
+    # returns the pre-norm hidden alone)
+    recycle_normed: bool
+    hidden_first: bool = False
+    # vLLM's NextN layers zero the token embedding at position 0 ("masking inputs at position 0, as not needed by
+    # MTP": deepseek_mtp.py, glm4_moe_mtp.py)
+    mask_position_zero: bool = True
 
 
 def nextn_glue_shapes(
@@ -252,9 +278,9 @@ def _family(key: str, display: str, model_types: set[str], archs: set[str], mtp:
         fused_groups=(("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("gate_proj", "up_proj")),
         unquantized=("lm_head", "*embed_tokens", "*.mlp.gate", "*self_attn*", "*.eh_proj", "*norm*"),
         fused_main_experts=False,
-        mtp_forward=False,
-        mtp_heal=False,
-        convert=False,
+        mtp_forward=kw.pop("mtp_forward", False),
+        mtp_heal=kw.pop("mtp_heal", False),
+        convert=kw.pop("convert", False),
         **kw,
     )
 
@@ -278,11 +304,13 @@ DEEPSEEK_V3 = _family(
     {"deepseek_v3"},
     {"DeepseekV3ForCausalLM"},
     _mtp(_deepseek_shapes(indexer=False), copies=COPIES, copies_required=True,
-         engine_rename=_layer_rename(_MODEL_LAYER)),
+         engine_rename=_layer_rename(_MODEL_LAYER),
+         appended=AppendedForward("deepseek_v3", "DeepseekV3", recycle_normed=True)),
     _engine(_DEEPSEEK_PACKED, "DeepSeekMTPModel", "DeepseekV3ForCausalLMNextN", missing_mtp_error=_COMPLETENESS),
     "DeepseekV3ForCausalLM",
     lineage_keys=_DEEPSEEK_LINEAGE,
     nextn_architecture=NEXTN_STANDALONE,
+    mtp_forward=True,
 )
 # V3.2 and GLM-5.x: the MLA with its sparse-attention indexer; vLLM's DeepseekV32MTPModel (speculative.py 663-694)
 # (an FP8 wk is dequantized to BF16 as it loads: _try_load_fp8_indexer_wk, deepseek_v2.py)
@@ -319,11 +347,13 @@ GLM4_MOE = _family(
     "GLM-4.5 / 4.6 / 4.7 / 4.5-Air",
     {"glm4_moe"},
     {"Glm4MoeForCausalLM"},
-    _mtp(glm4_moe_shapes, copies=COPIES, engine_rename=_layer_rename(_MODEL_LAYER)),
+    _mtp(glm4_moe_shapes, copies=COPIES, engine_rename=_layer_rename(_MODEL_LAYER),
+         appended=AppendedForward("glm4_moe", "Glm4Moe", recycle_normed=False)),
     _engine(_GLM_PACKED, "Glm4MoeMTPModel", "Glm4MoeForCausalLMNextN"),
     "Glm4MoeForCausalLM",
     lineage_keys=("head_dim", "n_routed_experts", "n_shared_experts", "first_k_dense_replace", "use_qk_norm",
                   "attention_bias"),
+    mtp_forward=True,
 )
 # GLM-5.3-Flash: the text tower under model.language_model.; vLLM's Glm5NextMTP strips that prefix (mtp.py 332-337)
 # and builds layer 45 as model.layers.45.*, so an exclusion must match that name too (nvidia/GLM-5.3-Flash-NVFP4)

@@ -126,6 +126,9 @@ class MtpLayout:
     # follows per-layer config mtpquant does not model; tensors inside a declared layer are not unexpected), "none"
     # (nothing: presence only, for families mtpquant recognises without modelling).
     inventory: str = "exact"
+    # How an appended-layer ("NextN") MTP computes (``families.nextn.AppendedForward``: the transformers classes of
+    # its block, the concatenation order, which stream the next draft step reads); None: not that kind of MTP.
+    appended: Any = None
 
     def engine_name(self, name: str, num_hidden_layers: int) -> str:
         """An MTP module or pattern as the engine names it (patterns that do not start with ``mtp.`` unchanged).

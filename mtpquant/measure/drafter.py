@@ -6,25 +6,32 @@ bundle serves validate's built-in path and heal's check.
 from __future__ import annotations
 
 import logging
+import re
+from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import cast
 
 import torch
 from torch import Tensor, nn
 
-from mtpquant.families import MTP_PREFIX, TensorClass, mtp_config
+from mtpquant.families import TensorClass, check_mtp_forward
 from mtpquant.measure import ACTIVATION_MODES
-from mtpquant.measure.emulate import activation_quantizer, pre_hook
+from mtpquant.measure.emulate import activation_quantizer, emulate_fused_experts, pre_hook, shared_quantizer
 from mtpquant.measure.weights import (
     CheckpointWeights,
+    LinearFormat,
 )
 from mtpquant.mtp.build import reference_mtp
 from mtpquant.mtp.module import MtpLayoutError
+from mtpquant.mtp.names import checkpoint_name, module_name
 from mtpquant.mtp.step import MtpForward
 
 __all__ = ["MtpBundle", "load_mtp"]
 
 log = logging.getLogger(__name__)
+
+# a per-expert Linear of a bank (``...mlp.experts.{e}.gate_proj``), by the forward's module name
+_EXPERT = re.compile(r"^(?P<stem>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)$")
 
 
 # ---- MTP ------------------------------------------------------------------------------------------
@@ -41,6 +48,34 @@ class MtpBundle:
     def embed(self, tokens: Tensor) -> Tensor:
         """``embed_tokens(tokens)`` with the target's table."""
         return nn.functional.embedding(tokens.to(self.embed_weight.device), self.embed_weight)
+
+
+def _install_mtp_emulation(layer: MtpForward, weights: CheckpointWeights) -> list[str]:
+    """Activation fake-quant hooks on the MTP's quantized Linears (by their checkpoint names: ``mtp.names``); a
+    per-expert bank the forward holds fused (transformers' 3-D experts) gets the fused forward that quantizes both
+    inputs, one scale per kind as vLLM takes them (``emulate.emulate_fused_experts``)."""
+    modules = dict(cast(nn.Module, layer).named_modules())
+    emulated: list[str] = []
+    banks: dict[str, dict[str, list[LinearFormat]]] = defaultdict(lambda: defaultdict(list))
+    for module, fmt in weights.formats.items():
+        if not weights.ckpt.is_mtp(module):
+            continue
+        name = module_name(layer, module)
+        expert = _EXPERT.match(name)
+        if name not in modules and expert is not None and expert["stem"] in modules:
+            banks[expert["stem"]][expert["proj"]].append(fmt)
+            continue
+        quantize = activation_quantizer(fmt, weights.pre_quant_scale(module))
+        if quantize is not None:
+            modules[name].register_forward_pre_hook(pre_hook(quantize))
+            emulated.append(module)
+    for stem, by_proj in banks.items():
+        q_in = shared_quantizer([f for p in ("gate_proj", "up_proj") for f in by_proj.get(p, [])])
+        q_mid = shared_quantizer(by_proj.get("down_proj", []))
+        if q_in or q_mid:
+            emulate_fused_experts(modules[stem], q_in, q_mid)
+            emulated.append(checkpoint_name(layer, stem))
+    return emulated
 
 
 def load_mtp(
@@ -68,7 +103,7 @@ def load_mtp(
         )
         return None, reason
     try:
-        mtp_config(weights.ckpt.config)
+        check_mtp_forward(weights.ckpt.config)
     except ValueError as exc:
         return None, f"MTP config: {exc}"
     emulate = activations == "emulate"
@@ -77,16 +112,7 @@ def load_mtp(
         layer = reference_mtp(weights.ckpt.config, tensors, dtype=dtype, device=device)
     except MtpLayoutError as exc:
         return None, str(exc)
-    emulated: list[str] = []
-    if emulate:
-        modules = dict(cast(nn.Module, layer).named_modules())
-        for module, fmt in weights.formats.items():
-            if not weights.ckpt.is_mtp(module):
-                continue
-            quantize = activation_quantizer(fmt, weights.pre_quant_scale(module))
-            if quantize is not None:
-                modules[module.removeprefix(MTP_PREFIX)].register_forward_pre_hook(pre_hook(quantize))
-                emulated.append(module)
+    emulated = _install_mtp_emulation(layer, weights) if emulate else []
     if shared is None:
         shared = weights.embedding_and_head(dtype, device)
     bundle = MtpBundle(

@@ -200,15 +200,20 @@ def _per_expert(name: str, t: Any) -> dict[str, Any]:
 
 
 def _glue(shapes: Mapping[str, tuple[int, ...]], have: Mapping[str, Any], gen: Any) -> dict[str, Any]:
-    """The MTP tensors the registry names that the trunk's layer does not give: norms 1 (plain RMSNorm), the
-    projections random, scaled by their input width."""
+    """The MTP tensors the registry names that the trunk's layer does not give: the head and embedding copies the
+    trunk's own (as the releases ship them: DeepSeek-V3's layer 61 copies ``lm_head`` and ``embed_tokens``), norms 1
+    (plain RMSNorm), the projections random, scaled by their input width."""
     import torch
 
+    copies = {".shared_head.head.weight": "lm_head.weight", ".embed_tokens.weight": "model.embed_tokens.weight"}
     out: dict[str, Any] = {}
     for name, shape in shapes.items():
         if name in have:
             continue
-        if len(shape) == 1:
+        source = next((have[t] for s, t in copies.items() if name.endswith(s) and t in have), None)
+        if source is not None and tuple(source.shape) == tuple(shape):
+            out[name] = source.clone()
+        elif len(shape) == 1:
             out[name] = torch.ones(shape, dtype=torch.bfloat16)
         else:
             out[name] = (torch.randn(shape, generator=gen) * (1.0 / shape[-1] ** 0.5)).to(torch.bfloat16)
