@@ -299,3 +299,43 @@ def test_capped_is_the_in_memory_output(
     assert [n for n in a.tensors if raw(a, n) != raw(b, n)] == []
     for name in ("config.json", "hf_quant_config.json"):
         assert json.loads((reference / name).read_text()) == json.loads((out / name).read_text())
+
+
+# ---- validate's built-in path ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("variant", FAMILIES)
+@pytest.mark.parametrize("mode", ["keep", "quantize"])
+def test_validate_runs_to_a_report_greedy_and_sampled(
+    mode: str, variant: str, tiny_factory: Callable[[str], Path], outputs: Callable[..., tuple[Path, ConvertResult]],
+    tmp_path: Path,
+) -> None:
+    """validate's built-in prediction through the family's MTP forward (mtp/nextn.py), greedy and at T = 0.8, to a
+    report: keep's MTP drafts exactly as the source's on identical inputs; quantize's is NVFP4 and differs a little.
+    The tiny models are random, so the verdict is the broken-MTP one, on both sides alike."""
+    from mtpquant.records.validation import REPORT_FILE
+    from mtpquant.validate.run import ValidateOptions, validate
+
+    out, _ = outputs(variant, mode)
+    opts = ValidateOptions(
+        reference=str(tiny_factory(variant)), candidate=str(out), num_prompts=3, max_len=40, k=2, device="cpu",
+        progress=False, temperatures=(0.0, 0.8), report_dir=tmp_path / "report",
+    )  # fmt: skip
+    report = validate(opts).report
+    assert report.candidate is not None and report.comparison is not None and report.comparison.mtp is not None
+    assert report.reference.family == report.candidate.family == variant
+    assert report.candidate.mtp.present and report.candidate.mtp.error is None
+    assert [a.sampling.temperature for a in report.candidate.acceptance_by_sampling] == [0.0, 0.8]
+    assert all(len(a.by_k) == 2 for a in (*report.reference.acceptance_by_sampling,
+                                         *report.candidate.acceptance_by_sampling))  # fmt: skip
+    mtp = report.comparison.mtp
+    assert mtp.positions > 0 and mtp.kl is not None
+    if mode == "keep":
+        assert mtp.top1_agreement == 1.0 and mtp.kl.max == 0.0
+        assert report.candidate.mtp.precision == {"bf16": {"glm4_moe": 21, "deepseek_v3": 24}[variant]}
+    else:
+        assert 0.9 <= mtp.top1_agreement < 1.0 or mtp.kl.max > 0.0
+        assert report.candidate.mtp.precision is not None
+        assert report.candidate.mtp.precision["nvfp4"] == len(MTP_QUANTIZED[variant])
+    data = json.loads((tmp_path / "report" / REPORT_FILE).read_text())
+    assert data["verdict"]["status"] == report.verdict.status and data["candidate"]["family"] == variant

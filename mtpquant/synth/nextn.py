@@ -19,7 +19,7 @@ from typing import Any
 
 from mtpquant.families import resolve
 
-__all__ = ["NEXTN_CONFIGS", "nextn_config", "nextn_tensors"]
+__all__ = ["NEXTN_CONFIGS", "nextn_config", "nextn_tensors", "per_expert"]
 
 _COMMON: dict[str, Any] = {
     "vocab_size": 512,
@@ -186,7 +186,7 @@ def _trunk_config(family: str, config: Mapping[str, Any], depth: int) -> dict[st
     return cfg
 
 
-def _per_expert(name: str, t: Any) -> dict[str, Any]:
+def per_expert(name: str, t: Any) -> dict[str, Any]:
     """transformers' fused experts (``experts.gate_up_proj`` [E, 2I, H], ``experts.up_proj`` / ``down_proj``
     [E, out, in]) as the checkpoints store them, one Linear per expert."""
     stem, _, leaf = name.rpartition(".")
@@ -237,7 +237,7 @@ def nextn_tensors(family: str, config: Mapping[str, Any], seed: int = 0, copies:
         keep_f32 = name.endswith(("e_score_correction_bias", ".A_log", ".D", ".dt_bias"))
         t = t.detach().to(torch.float32 if keep_f32 else torch.bfloat16).contiguous()
         if t.dim() == 3 and ".experts." in name:
-            tensors |= _per_expert(name, t)
+            tensors |= per_expert(name, t)
         elif not name.endswith(".sinks"):
             tensors[name] = t
     n = config["num_hidden_layers"]
