@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -88,3 +89,40 @@ def test_qwen4_exp_asset_layout() -> None:
     assert training["spec"]["family"] == "qwen4_exp"
     # measured by scripts/train_tiny_mtp.py (32 held-out prompts)
     assert training["acceptance"]["by_k"][0]["acceptance_rate"] >= 0.4
+
+
+@pytest.mark.slow
+def test_demo_glm4_moe(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The same job on the trained tiny GLM-4.5-layout model (the appended-layer MTP ``model.layers.2``): the kept
+    MTP drafts exactly as the source's; heal does not train this family's MTP yet and says so without writing."""
+    argv = ["-q", "demo", "--family", "glm4_moe", "--workdir", str(tmp_path), "--num-prompts", "4", "--device", "cpu"]
+    assert cli(argv) == 23  # the decision: inconclusive on 4 prompts
+    out = capsys.readouterr().out
+    assert "MTP on identical inputs: top-1 agreement 100.00 %, KL(ref||cand) mean 0" in out
+    assert "vLLM: MTP loads (BF16)" in out and "verdict: healthy" in out
+    assert "drafter        vLLM Glm4MoeMTPModel, SGLang Glm4MoeForCausalLMNextN" in out
+    report = json.loads((tmp_path / "tiny-glm4_moe-nvfp4" / "validation" / "report.json").read_text())
+    assert report["reference"]["family"] == "glm4_moe" and report["verdict"]["status"] == "inconclusive"
+    assert report["reference"]["acceptance"]["by_k"][0]["acceptance_rate"] >= 0.4
+    assert "\nheal wrote nothing: " in out
+
+
+def test_glm4_moe_asset_layout(tiny_factory: Callable[[str], Path]) -> None:
+    """The trained asset has the tiny glm4_moe variant's tensor set (the MTP ``model.layers.2`` alone in
+    ``mtp.safetensors``, experts per expert, the routers' correction bias F32), its vocabulary 2048."""
+    from mtpquant.checkpoint.table import Checkpoint
+    from mtpquant.families import TensorClass
+    from mtpquant.synth.train import TINY_MTP_ASSETS
+
+    asset = TINY_MTP_ASSETS["glm4_moe"]
+    ckpt = Checkpoint.open(asset, strict=True)
+    tiny = Checkpoint.open(tiny_factory("glm4_moe"), strict=True)
+    assert sum(p.stat().st_size for p in asset.iterdir()) <= 4 * 1024 * 1024
+    assert ckpt.config["architectures"] == ["Glm4MoeForCausalLM"] and ckpt.config["vocab_size"] == 2048
+    assert sorted(ckpt.tensors) == sorted(tiny.tensors)
+    assert {n: e.dtype for n, e in ckpt.tensors.items()} == {n: e.dtype for n, e in tiny.tensors.items()}
+    mtp = ckpt.by_class()[TensorClass.MTP]
+    assert len(mtp) == 32 and {e.shard for e in mtp} == {"mtp.safetensors"}
+    training = json.loads((asset / "training.json").read_text())
+    assert training["spec"]["family"] == "glm4_moe"
+    assert training["acceptance"]["by_k"][0]["acceptance_rate"] >= 0.6  # measured by scripts/train_tiny_mtp.py

@@ -29,6 +29,8 @@ FAMILY = {f.key: f for f in FAMILIES}
 def test_builtin_recipes_load_and_cover_the_issue() -> None:
     names = builtin_recipe_names()
     assert names == [
+        "deepseek_v3-nvfp4",
+        "glm4_moe-nvfp4",
         "nvfp4-w4a16",
         "qwen3_5-nvfp4",
         "qwen3_5_moe-experts-nvfp4",
@@ -54,6 +56,8 @@ def test_default_recipe_per_family() -> None:
     assert default_recipe_name(FAMILY["qwen3_5_moe"]) == "qwen3_5_moe-nvfp4"
     assert default_recipe_name(FAMILY["qwen3_next"]) == "qwen3_next-nvfp4"
     assert default_recipe_name(FAMILY["qwen4_exp"]) == "qwen4_exp-nvfp4"
+    assert default_recipe_name(FAMILY["glm4_moe"]) == "glm4_moe-nvfp4"
+    assert default_recipe_name(FAMILY["deepseek_v3"]) == "deepseek_v3-nvfp4"
     for family in FAMILIES:
         load_recipe(default_recipe_name(family)).check_family(family)
         load_recipe("nvfp4-w4a16").check_family(family)

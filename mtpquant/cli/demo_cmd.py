@@ -1,9 +1,10 @@
 """``mtpquant demo``: the product's whole story on an embedded checkpoint, ending in a decision.
 
 Converts a shipped tiny model whose MTP is trained (``--family qwen3_5``, the default: tiny Qwen3.5;
-``--family qwen4_exp``: tiny Qwen3.8-Flash-Next) to NVFP4 with ``--keep-mtp`` and validates the quant's MTP drafts
-against the source; heals the quant's MTP in place against its own NVFP4 target (written only if better beyond
-noise) and validates it again; inspects it and ends with a decision: whether the quant is ready to publish, and why.
+``--family qwen4_exp``: tiny Qwen3.8-Flash-Next; ``--family glm4_moe``: tiny GLM-4.5 layout) to NVFP4 with
+``--keep-mtp`` and validates the quant's MTP drafts against the source; heals the quant's MTP in place against its
+own NVFP4 target (written only if better beyond noise) and validates it again; inspects it and ends with a decision:
+whether the quant is ready to publish, and why.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ _EPILOG = """\
 examples:
   mtpquant demo
   mtpquant demo --family qwen4_exp --workdir /tmp/demo
+  mtpquant demo --family glm4_moe --num-prompts 32
   mtpquant demo --no-heal --num-prompts 32
 
 """ + exit_codes_epilog(
@@ -47,7 +49,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_device_argument(p, "auto", indexed=False)
     p.add_argument("--num-prompts", type=int, default=64, help="validation prompts (default 64)")
     p.add_argument(
-        "--family", choices=("qwen3_5", "qwen4_exp"), default="qwen3_5", help="which embedded model (default qwen3_5)"
+        "--family",
+        choices=("qwen3_5", "qwen4_exp", "glm4_moe"),
+        default="qwen3_5",
+        help="which embedded model (default qwen3_5)",
     )
     p.add_argument("--no-heal", dest="heal", action="store_false", help="stop after the first validation")
     p.set_defaults(func=run)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from mtpquant.families.mtp_config import config_int
@@ -35,6 +36,7 @@ __all__ = [
     "NEXTN_FAMILIES",
     "NEXTN_STANDALONE",
     "STEP3P5",
+    "AppendedForward",
     "mla_shapes",
     "moe_shapes",
     "nextn_glue_shapes",
@@ -46,6 +48,30 @@ GLUE = ("embed_tokens", "enorm", "hnorm", "eh_proj", "shared_head")
 COPIES = ("shared_head.head.weight", "embed_tokens.weight")
 # SGLang's standalone export of a DeepSeek MTP (scripts/export_deepseek_nextn.py): the draft class it loads as
 NEXTN_STANDALONE = "DeepseekV3ForCausalLMNextN"
+
+
+@dataclass(frozen=True)
+class AppendedForward:
+    """How one family's appended MTP layer computes, as the engine's drafter computes it (``mtp.nextn``): the glue
+    ``eh_proj(cat(enorm(embed(x_{t+1})), hnorm(h_t)))`` (``hidden_first``: MiMo-7B's ``[hidden, embed]``), the
+    trunk's decoder layer, ``shared_head.norm``, then the target's head (vLLM 0.32 shares the target's embedding and
+    LM head with every MTP drafter, ``llm_base_proposer._maybe_share_lm_head``, whatever copies the layer carries).
+
+    The block, norms and RoPE are transformers' classes ``transformers.models.{module}.modeling_{module}.{prefix}*``
+    (``DecoderLayer``, ``RMSNorm``, ``RotaryEmbedding``; ``{prefix}Config``), composed by transformers' generic
+    ``modeling_layers.MtpLayer``.
+    """
+
+    module: str  # transformers model package: "glm4_moe"
+    prefix: str  # its class prefix: "Glm4Moe"
+    # The stream the next draft step reads: shared_head.norm's output (True: vLLM deepseek_mtp.py returns
+    # (hidden, shared_head(hidden)) and the proposer recycles the second) or its input (False: glm4_moe_mtp.py
+    # returns the pre-norm hidden alone)
+    recycle_normed: bool
+    hidden_first: bool = False
+    # vLLM's NextN layers zero the token embedding at position 0 ("masking inputs at position 0, as not needed by
+    # MTP": deepseek_mtp.py, glm4_moe_mtp.py)
+    mask_position_zero: bool = True
 
 
 def nextn_glue_shapes(
@@ -227,11 +253,22 @@ def _mtp(shapes: Any, **kw: Any) -> MtpLayout:
         per_expert=True,
         either_expert_form=False,
         engine_linears=("*.self_attn.*", "*.mlp.*_proj", "*.mlp.experts", "*.shared_head.head"),
-        unquantized=("*.eh_proj", "*.mlp.gate", "*norm*"),
+        # the head copy stays BF16 as lm_head does (vLLM 0.32 replaces it by the target's head anyway); DeepSeek's
+        # MLA as its main model's (the block follows the target's exclusions)
+        unquantized=("*.eh_proj", "*.mlp.gate", "*norm*", "*.shared_head.head", *kw.pop("unquantized", ())),
         fused_groups=(("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("q_a_proj", "kv_a_proj_with_mqa")),
         storage=_APPENDED,
         **kw,
     )
+
+
+# What NVFP4 leaves in BF16 in every NextN family's main model: what vLLM builds unquantized (routers, with their
+# F32 e_score_correction_bias, eh_proj, norms) and modelopt never quantizes (lm_head, embeddings)
+_MAIN_UNQUANTIZED = ("lm_head", "*embed_tokens", "*.mlp.gate", "*.eh_proj", "*norm*")
+# DeepSeek's multi-head latent attention stays BF16 (NVIDIA's DeepSeek-R1-FP4 / V3-0324-FP4 quantize the MLPs and
+# experts only; ModelOpt's examples/deepseek/ptq.py); GLM's grouped-query attention is quantized (vLLM builds
+# qkv_proj / o_proj with the checkpoint's quantization)
+_MLA_UNQUANTIZED = ("*self_attn*",)
 
 
 def _family(key: str, display: str, model_types: set[str], archs: set[str], mtp: MtpLayout, engine: EngineRules,
@@ -250,11 +287,11 @@ def _family(key: str, display: str, model_types: set[str], archs: set[str], mtp:
         wrapper_class=kw.pop("wrapper_class", None),
         text_class=text_class,
         fused_groups=(("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("gate_proj", "up_proj")),
-        unquantized=("lm_head", "*embed_tokens", "*.mlp.gate", "*self_attn*", "*.eh_proj", "*norm*"),
+        unquantized=(*_MAIN_UNQUANTIZED, *kw.pop("unquantized", ())),
         fused_main_experts=False,
-        mtp_forward=False,
-        mtp_heal=False,
-        convert=False,
+        mtp_forward=kw.pop("mtp_forward", False),
+        mtp_heal=kw.pop("mtp_heal", False),
+        convert=kw.pop("convert", False),
         **kw,
     )
 
@@ -277,12 +314,16 @@ DEEPSEEK_V3 = _family(
     "DeepSeek-V3 / R1 / V3.1",
     {"deepseek_v3"},
     {"DeepseekV3ForCausalLM"},
-    _mtp(_deepseek_shapes(indexer=False), copies=COPIES, copies_required=True,
-         engine_rename=_layer_rename(_MODEL_LAYER)),
+    _mtp(_deepseek_shapes(indexer=False), copies=COPIES, copies_required=True, unquantized=("*.self_attn.*",),
+         engine_rename=_layer_rename(_MODEL_LAYER),
+         appended=AppendedForward("deepseek_v3", "DeepseekV3", recycle_normed=True)),
     _engine(_DEEPSEEK_PACKED, "DeepSeekMTPModel", "DeepseekV3ForCausalLMNextN", missing_mtp_error=_COMPLETENESS),
     "DeepseekV3ForCausalLM",
+    unquantized=_MLA_UNQUANTIZED,
     lineage_keys=_DEEPSEEK_LINEAGE,
     nextn_architecture=NEXTN_STANDALONE,
+    mtp_forward=True,
+    convert=True,
 )
 # V3.2 and GLM-5.x: the MLA with its sparse-attention indexer; vLLM's DeepseekV32MTPModel (speculative.py 663-694)
 # (an FP8 wk is dequantized to BF16 as it loads: _try_load_fp8_indexer_wk, deepseek_v2.py)
@@ -300,6 +341,7 @@ DEEPSEEK_V32 = _family(
          setting_keys=("index_share_for_mtp_iteration",), engine_rename=_layer_rename(_MODEL_LAYER)),
     _engine(_DEEPSEEK_PACKED, "DeepseekV32MTPModel", "DeepseekV3ForCausalLMNextN", **_V32_ENGINE),
     "DeepseekV32ForCausalLM",
+    unquantized=_MLA_UNQUANTIZED,
     lineage_keys=(*_DEEPSEEK_LINEAGE, "index_n_heads", "index_head_dim"),
     nextn_architecture=NEXTN_STANDALONE,
 )
@@ -312,6 +354,7 @@ GLM_MOE_DSA = _family(
          engine_rename=_layer_rename(_MODEL_LAYER)),
     _engine(_DEEPSEEK_PACKED, "DeepseekV32MTPModel", "GlmMoeDsaForCausalLMNextN", **_V32_ENGINE),
     "GlmMoeDsaForCausalLM",
+    unquantized=_MLA_UNQUANTIZED,
     lineage_keys=(*_DEEPSEEK_LINEAGE, "index_n_heads", "index_head_dim"),
 )
 GLM4_MOE = _family(
@@ -319,11 +362,14 @@ GLM4_MOE = _family(
     "GLM-4.5 / 4.6 / 4.7 / 4.5-Air",
     {"glm4_moe"},
     {"Glm4MoeForCausalLM"},
-    _mtp(glm4_moe_shapes, copies=COPIES, engine_rename=_layer_rename(_MODEL_LAYER)),
+    _mtp(glm4_moe_shapes, copies=COPIES, engine_rename=_layer_rename(_MODEL_LAYER),
+         appended=AppendedForward("glm4_moe", "Glm4Moe", recycle_normed=False)),
     _engine(_GLM_PACKED, "Glm4MoeMTPModel", "Glm4MoeForCausalLMNextN"),
     "Glm4MoeForCausalLM",
     lineage_keys=("head_dim", "n_routed_experts", "n_shared_experts", "first_k_dense_replace", "use_qk_norm",
                   "attention_bias"),
+    mtp_forward=True,
+    convert=True,
 )
 # GLM-5.3-Flash: the text tower under model.language_model.; vLLM's Glm5NextMTP strips that prefix (mtp.py 332-337)
 # and builds layer 45 as model.layers.45.*, so an exclusion must match that name too (nvidia/GLM-5.3-Flash-NVFP4)
@@ -336,6 +382,7 @@ GLM5_NEXT = _family(
          setting_keys=("index_share_for_mtp_iteration",), engine_rename=_layer_rename(_ANY_LAYER)),
     _engine(_DEEPSEEK_PACKED, "Glm5NextMTPModel", "", missing_mtp_error=_COMPLETENESS),
     "Glm5NextForCausalLM",
+    unquantized=_MLA_UNQUANTIZED,
     wrapper_prefix="model.language_model.",
     text_only_prefixes=("model.language_model.", "model."),
     has_vision=True,

@@ -139,6 +139,9 @@ class MtpLayout:
     # follows per-layer config mtpquant does not model; tensors inside a declared layer are not unexpected), "none"
     # (nothing: presence only, for families mtpquant recognises without modelling).
     inventory: str = "exact"
+    # How an appended-layer ("NextN") MTP computes (``families.nextn.AppendedForward``: the transformers classes of
+    # its block, the concatenation order, which stream the next draft step reads); None: not that kind of MTP.
+    appended: Any = None
     # The precision groups, in the order reports list them (``MtpGroup``); MTP Linears in no group stay unquantized
     # (routers, gates, the engines' unquantized projections). (): the precision cannot be chosen per group.
     groups: tuple[MtpGroup, ...] = ()

@@ -32,6 +32,7 @@ __all__ = [
     "ModelSpec",
     "MtpDeclaration",
     "TensorClass",
+    "check_mtp_forward",
     "classify_tensor",
     "dimension_differences",
     "mtp_config",
@@ -367,15 +368,24 @@ def surgery_refusal(family: Family, label: str, what: str) -> MtpquantError | No
     return error(f"{label}: {what} refused: {family.status_note}")
 
 
-def mtp_config(config: Mapping[str, Any]) -> MtpConfig:
-    """The reference forward's dimensions for ``config``, or one line saying why not (a family without a
-    reference forward by name, then whatever ``MtpConfig`` refuses): every refusal before anything loads."""
+def check_mtp_forward(config: Mapping[str, Any]) -> ModelSpec:
+    """Refuse, in one line, a config whose MTP mtpquant's reference forward cannot compute (a family without one by
+    name, the family's own checks, then, for the Qwen forward, whatever ``MtpConfig`` refuses); the resolved spec.
+    Every refusal before anything loads."""
     spec = resolve(config)
     family = spec.family
     if not family.mtp_forward:
         raise MtpConfigError(f"mtpquant has no reference MTP forward for {family.display} ({family.key}) yet")
     if family.mtp.config_check is not None:
         family.mtp.config_check(spec.text)
+    if family.mtp.appended is None:
+        MtpConfig.from_text_config(config)
+    return spec
+
+
+def mtp_config(config: Mapping[str, Any]) -> MtpConfig:
+    """The Qwen reference forward's dimensions for ``config``, or one line saying why not (``check_mtp_forward``)."""
+    check_mtp_forward(config)
     return MtpConfig.from_text_config(config)
 
 

@@ -14,18 +14,20 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 
-from mtpquant.families import MTP_PREFIX, TensorClass, mtp_config
+from mtpquant.families import TensorClass, check_mtp_forward
 from mtpquant.measure import ACTIVATION_MODES
 from mtpquant.measure.emulate import activation_quantizer, emulate_fused_experts, pre_hook, shared_quantizer
 from mtpquant.measure.weights import CheckpointWeights, LinearFormat
 from mtpquant.mtp.build import reference_mtp
 from mtpquant.mtp.module import MtpLayoutError
+from mtpquant.mtp.names import checkpoint_name, module_name
 from mtpquant.mtp.step import MtpForward
 
 __all__ = ["MtpBundle", "load_mtp", "mtp_bundle"]
 
-# a per-expert Linear of transformers' fused experts (Qwen4-Exp's MTP): its stem and projection
-_EXPERT = re.compile(r"^(?P<stem>.*\.mlp\.experts)\.\d+\.(?P<proj>\w+)$")
+# a per-expert Linear of transformers' fused experts (a bank: Qwen4-Exp's, GLM's and DeepSeek's MTP experts), by the
+# forward's module name: its stem and projection
+_EXPERT = re.compile(r"^(?P<stem>.*\.mlp\.experts)\.\d+\.(?P<proj>gate_proj|up_proj|down_proj)$")
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +73,7 @@ def load_mtp(
         )
         return None, reason
     try:
-        mtp_config(weights.ckpt.config)
+        check_mtp_forward(weights.ckpt.config)
     except ValueError as exc:
         return None, f"MTP config: {exc}"
     emulate = activations == "emulate"
@@ -117,7 +119,7 @@ def mtp_bundle(
     modules = dict(cast(nn.Module, layer).named_modules())
     experts: dict[str, dict[str, list[LinearFormat]]] = {}
     for module, fmt in sorted((emulate or {}).items()):
-        name = module.removeprefix(MTP_PREFIX)
+        name = module_name(layer, module)
         if name not in modules:
             m = _EXPERT.match(name)
             if m is None or m["stem"] not in modules:
@@ -133,6 +135,6 @@ def mtp_bundle(
         q_mid = shared_quantizer(by_proj.get("down_proj", []))
         if q_in or q_mid:
             emulate_fused_experts(modules[stem], q_in, q_mid)
-            emulated.append(MTP_PREFIX + stem)
+            emulated.append(checkpoint_name(layer, stem))
     return MtpBundle(layer=layer, embed_weight=shared[0], lm_head_weight=shared[1], precision=precision or {},
                      emulated=emulated)

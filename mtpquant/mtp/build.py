@@ -1,7 +1,8 @@
-"""The reference MTP of a checkpoint, whichever family: ``MtpLayer`` (Qwen3.5, Qwen3.5-MoE, Qwen3-Next) or
-``Qwen4ExpMtp`` (Qwen3.8-Flash-Next), built from its ``mtp.*`` tensors for calibration (convert ``--mtp quantize``)
-and validation. The family's registry entry says which forward it has (``Family.mtp_forward``) and what it reads;
-``families.mtp_config`` refuses, before anything loads, what a forward cannot compute.
+"""The reference MTP of a checkpoint, whichever family: ``MtpLayer`` (Qwen3.5, Qwen3.5-MoE, Qwen3-Next),
+``Qwen4ExpMtp`` (Qwen3.8-Flash-Next) or ``NextnMtp`` (the appended-layer families: GLM-4.5, DeepSeek-V3), built from
+its MTP tensors for calibration (convert ``--mtp quantize``) and validation. The family's registry entry says which
+forward it has (``Family.mtp_forward``, ``MtpLayout.appended``) and what it reads; ``families.check_mtp_forward``
+refuses, before anything loads, what a forward cannot compute.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mtpquant.families import FUSED_EXPERT_PIECES, ModelSpec, mtp_config, resolve
+from mtpquant.families import FUSED_EXPERT_PIECES, ModelSpec, check_mtp_forward, mtp_config, resolve
 from mtpquant.mtp.module import MtpLayer, MtpLayoutError, check_mtp_tensors
 from mtpquant.mtp.step import MtpForward
 
@@ -62,7 +63,20 @@ def _qwen4_exp(
     return Qwen4ExpMtp.from_state_dict(text, spec.mtp.layers, fused, index_share=share, dtype=dtype, device=device)
 
 
-# The reference forward of each family that has one (Family.mtp_forward); the Qwen3 forward by default.
+def _nextn(spec: ModelSpec, config: Mapping[str, Any], tensors: Mapping[str, Tensor], dtype: Any, device: Any) -> Any:
+    from mtpquant.mtp.nextn import NextnMtp
+
+    check_mtp_forward(config)
+    root = spec.appended_prefix(tensors) + "layers."
+    expected = spec.expected_mtp_shapes(tensors)
+    forward = spec.family.mtp.appended
+    return NextnMtp.from_state_dict(
+        spec.text, forward, spec.mtp.layers, root, spec.mtp_names.first, expected, tensors, dtype=dtype, device=device
+    )
+
+
+# The reference forward of each family that has one (Family.mtp_forward); the appended-layer one for the families
+# whose layout says how it computes (MtpLayout.appended); the Qwen3 forward by default.
 _BUILDERS: dict[str, _Builder] = {"qwen4_exp": _qwen4_exp}
 
 
@@ -73,7 +87,9 @@ def reference_mtp(
     dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
 ) -> MtpForward:
-    """The family's reference MTP with the checkpoint's ``mtp.*`` tensors (names and shapes checked; MtpLayoutError
+    """The family's reference MTP with the checkpoint's MTP tensors (names and shapes checked; MtpLayoutError
     names what does not fit, MtpConfigError what the forward cannot compute)."""
     spec = resolve(config)
+    if spec.family.mtp.appended is not None:
+        return _nextn(spec, config, tensors, dtype, device)
     return _BUILDERS.get(spec.family.key, _qwen3)(spec, config, tensors, dtype, device)

@@ -34,9 +34,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mtpquant.checkpoint.modules import linear_modules
-from mtpquant.families import FUSED_EXPERT_PIECES, MTP_PREFIX, MtpLayout, family, matches
+from mtpquant.families import FUSED_EXPERT_PIECES, MtpLayout, family, matches
 from mtpquant.formats.fp8 import fp8_scale_from_amax, quantize_fp8_per_tensor
 from mtpquant.formats.nvfp4 import input_scale_from_amax, quantize_nvfp4, shared_global_scale
+from mtpquant.mtp.names import checkpoint_name
 
 __all__ = [
     "MTP_FORMATS",
@@ -179,10 +180,10 @@ class MtpCalibrator:
     def __init__(self, layer: nn.Module) -> None:
         self.layer = layer
         self.linears: dict[str, nn.Linear] = {
-            MTP_PREFIX + name: mod for name, mod in layer.named_modules() if isinstance(mod, nn.Linear)
+            checkpoint_name(layer, name): mod for name, mod in layer.named_modules() if isinstance(mod, nn.Linear)
         }
         self.experts: dict[str, nn.Module] = {
-            MTP_PREFIX + name: mod for name, mod in layer.named_modules() if _is_fused_experts(mod)
+            checkpoint_name(layer, name): mod for name, mod in layer.named_modules() if _is_fused_experts(mod)
         }
         self.amax: dict[str, Tensor] = {}
         self.rows = 0

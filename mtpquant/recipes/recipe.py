@@ -83,6 +83,8 @@ DEFAULT_RECIPES = {
     "qwen3_5_moe": "qwen3_5_moe-nvfp4",
     "qwen3_next": "qwen3_next-nvfp4",
     "qwen4_exp": "qwen4_exp-nvfp4",
+    "glm4_moe": "glm4_moe-nvfp4",
+    "deepseek_v3": "deepseek_v3-nvfp4",
 }
 
 # Routed-expert Linears as modelopt names their quantizers (fused 3-D and per-expert experts);

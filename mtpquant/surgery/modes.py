@@ -34,7 +34,7 @@ from mtpquant.checkpoint.modules import linear_modules
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.checkpoint.writer import OutputDir, PlannedTensor
 from mtpquant.errors import IndivisibleDimensionError, MtpConfigError, MtpModeError, OutputVerificationError
-from mtpquant.families import MTP_PREFIX, mtp_config
+from mtpquant.families import check_mtp_forward
 from mtpquant.surgery.shards import mtp_planned_tensors, write_mtp_shards, write_planned_mtp
 
 __all__ = [
@@ -289,17 +289,22 @@ class QuantizeMode(MtpMode):
 
     def write(self, ctx: WriteContext) -> MtpOutcome:
         from mtpquant.checkpoint.dtypes import planned as in_memory
+        from mtpquant.mtp.names import checkpoint_name
         from mtpquant.mtp.quantize import quantize_mtp
 
         assert ctx.calibrator is not None, "quantize mode needs the calibrator that ran during calibration"
         layer = ctx.calibrator.layer
-        weights = {MTP_PREFIX + n: p.detach().cpu() for n, p in layer.named_parameters()}
+        weights = {checkpoint_name(layer, n): p.detach().cpu() for n, p in layer.named_parameters()}
         layout = ctx.ckpt.spec.family.mtp
         result = quantize_mtp(
             weights, ctx.calibrator.amax, ctx.fmt, activations=ctx.activations, layout=layout, targets=ctx.targets
         )
         planned: list[PlannedTensor] = [in_memory(n, t) for n, t in result.tensors.items()]
         kept = [n for n in result.kept_tensors if n in ctx.ckpt.tensors]
+        # what the forward holds as buffers or not at all (a router's e_score_correction_bias, the head / embedding
+        # copies of an appended layer), byte for byte too
+        done = {*weights, *kept, *result.tensors, *(m + ".weight" for m in result.quantized_modules)}
+        kept += sorted(e.name for e in ctx.ckpt.mtp_tensors() if e.name not in done)
         planned += mtp_planned_tensors(ctx.ckpt, kept)
         shards = write_planned_mtp(ctx.od, planned, ctx.max_bytes)
         outcome = MtpOutcome(sorted(t.name for t in planned), shards)
@@ -315,7 +320,7 @@ def _check_quantizable(ckpt: Checkpoint, flag: str) -> set[str]:
     label = ckpt.label
     names = _check_mtp_complete(ckpt, flag)
     try:  # the reference forward runs during calibration: refuse what it cannot compute now, not after loading
-        mtp_config(ckpt.config)
+        check_mtp_forward(ckpt.config)
     except MtpConfigError as exc:
         raise MtpModeError(f"{label}: {flag} cannot calibrate this MTP: {exc}; use --mtp keep") from None
     extra = sorted(names - set(ckpt.spec.expected_mtp_shapes(names)))

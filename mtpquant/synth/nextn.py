@@ -19,7 +19,7 @@ from typing import Any
 
 from mtpquant.families import resolve
 
-__all__ = ["NEXTN_CONFIGS", "nextn_config", "nextn_tensors"]
+__all__ = ["NEXTN_CONFIGS", "nextn_config", "nextn_tensors", "per_expert"]
 
 _COMMON: dict[str, Any] = {
     "vocab_size": 512,
@@ -186,7 +186,7 @@ def _trunk_config(family: str, config: Mapping[str, Any], depth: int) -> dict[st
     return cfg
 
 
-def _per_expert(name: str, t: Any) -> dict[str, Any]:
+def per_expert(name: str, t: Any) -> dict[str, Any]:
     """transformers' fused experts (``experts.gate_up_proj`` [E, 2I, H], ``experts.up_proj`` / ``down_proj``
     [E, out, in]) as the checkpoints store them, one Linear per expert."""
     stem, _, leaf = name.rpartition(".")
@@ -200,15 +200,20 @@ def _per_expert(name: str, t: Any) -> dict[str, Any]:
 
 
 def _glue(shapes: Mapping[str, tuple[int, ...]], have: Mapping[str, Any], gen: Any) -> dict[str, Any]:
-    """The MTP tensors the registry names that the trunk's layer does not give: norms 1 (plain RMSNorm), the
-    projections random, scaled by their input width."""
+    """The MTP tensors the registry names that the trunk's layer does not give: the head and embedding copies the
+    trunk's own (as the releases ship them: DeepSeek-V3's layer 61 copies ``lm_head`` and ``embed_tokens``), norms 1
+    (plain RMSNorm), the projections random, scaled by their input width."""
     import torch
 
+    copies = {".shared_head.head.weight": "lm_head.weight", ".embed_tokens.weight": "model.embed_tokens.weight"}
     out: dict[str, Any] = {}
     for name, shape in shapes.items():
         if name in have:
             continue
-        if len(shape) == 1:
+        source = next((have[t] for s, t in copies.items() if name.endswith(s) and t in have), None)
+        if source is not None and tuple(source.shape) == tuple(shape):
+            out[name] = source.clone()
+        elif len(shape) == 1:
             out[name] = torch.ones(shape, dtype=torch.bfloat16)
         else:
             out[name] = (torch.randn(shape, generator=gen) * (1.0 / shape[-1] ** 0.5)).to(torch.bfloat16)
@@ -232,7 +237,7 @@ def nextn_tensors(family: str, config: Mapping[str, Any], seed: int = 0, copies:
         keep_f32 = name.endswith(("e_score_correction_bias", ".A_log", ".D", ".dt_bias"))
         t = t.detach().to(torch.float32 if keep_f32 else torch.bfloat16).contiguous()
         if t.dim() == 3 and ".experts." in name:
-            tensors |= _per_expert(name, t)
+            tensors |= per_expert(name, t)
         elif not name.endswith(".sinks"):
             tensors[name] = t
     n = config["num_hidden_layers"]

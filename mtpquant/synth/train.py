@@ -1,5 +1,7 @@
 """Train a tiny model together with its MTP layer, on CPU, seeded and reproducible: Qwen3.5 dense (the shipped
-``tiny-qwen3_5-mtp``) or Qwen3.8-Flash-Next (``tiny-qwen4_exp-mtp``, ``TrainSpec.family = "qwen4_exp"``).
+``tiny-qwen3_5-mtp``), Qwen3.8-Flash-Next (``tiny-qwen4_exp-mtp``, ``TrainSpec.family = "qwen4_exp"``) or the
+GLM-4.5 layout (``tiny-glm4_moe-mtp``: transformers' ``Glm4MoeForCausalLM`` in ``synth.nextn``'s tiny layout, the
+MTP ``mtp.nextn.NextnMtp``, written as ``model.layers.{N}`` in ``mtp.safetensors``, experts per expert).
 
 The main model is transformers' ``Qwen3_5ForConditionalGeneration`` / ``Qwen4ExpForConditionalGeneration`` built
 from a tiny config in the real layout (``mtpquant.synth.tiny`` / ``synth.qwen4_exp``: wrapper config, tiny vision
@@ -26,10 +28,11 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import functools
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -41,12 +44,14 @@ from tqdm.auto import tqdm
 from mtpquant.checkpoint.dtypes import planned
 from mtpquant.checkpoint.index import SINGLE_NAME
 from mtpquant.checkpoint.writer import OutputDir
-from mtpquant.families import MTP_PREFIX, family
+from mtpquant.families import family
 from mtpquant.mtp.module import MtpConfig, MtpLayer
+from mtpquant.mtp.names import checkpoint_name
 from mtpquant.mtp.schedule import warmup_cosine
 from mtpquant.synth.tiny import (
     TinySpec,
     _assign_shards,
+    _nextn_shards,
     check_synthetic_replaceable,
     tiny_config,
     tiny_tokenizer,
@@ -66,7 +71,7 @@ log = logging.getLogger(__name__)
 
 # The trained checkpoints shipped with the package (scripts/train_tiny_mtp.py writes them), by family.
 _ASSETS = Path(__file__).resolve().parent.parent / "assets"
-TINY_MTP_ASSETS = {key: _ASSETS / f"tiny-{key}-mtp" for key in ("qwen3_5", "qwen4_exp")}
+TINY_MTP_ASSETS = {key: _ASSETS / f"tiny-{key}-mtp" for key in ("qwen3_5", "qwen4_exp", "glm4_moe")}
 TINY_MTP_ASSET = TINY_MTP_ASSETS["qwen3_5"]  # the default (demo, skeleton tokenizer)
 
 # Real Qwen3.5 checkpoints keep the Gated DeltaNet A_log and gated norm in float32 (as synth.tiny).
@@ -77,7 +82,7 @@ _KEEP_F32 = (".linear_attn.A_log", ".linear_attn.norm.weight")
 class TrainSpec:
     """What to train and how; every field is recorded in the asset's ``training.json``."""
 
-    family: str = "qwen3_5"  # qwen3_5 | qwen4_exp
+    family: str = "qwen3_5"  # qwen3_5 | qwen4_exp | glm4_moe
     hidden_size: int = 128
     intermediate_size: int = 384  # qwen3_5 (dense MLP); qwen4_exp keeps synth.qwen4_exp's tiny expert sizes
     vocab_size: int = 2048
@@ -97,12 +102,21 @@ class TrainSpec:
 
 
 FAMILIES = tuple(TINY_MTP_ASSETS)
+# The appended-layer families trained here, in synth.nextn's tiny layout (GLM-4.7-style: the MTP in its own file)
+_NEXTN = {"glm4_moe": TinySpec("glm4_moe", shards=2, copies=False, mtp_file="mtp.safetensors")}
+
+
+def _tiny_spec(spec: TrainSpec) -> TinySpec:
+    return _NEXTN.get(spec.family, TinySpec(spec.family, shards=spec.shards))
 
 
 def trained_config(spec: TrainSpec) -> dict[str, Any]:
     """The wrapper ``config.json`` of the trained model (synth.tiny's layout with the spec's sizes)."""
     if spec.family not in FAMILIES:
         raise ValueError(f"family {spec.family!r} is not one of {', '.join(FAMILIES)}")
+    if spec.family in _NEXTN:
+        sizes = (("vocab_size", spec.vocab_size), ("hidden_size", spec.hidden_size), ("pad_token_id", 0))
+        return tiny_config(dataclasses.replace(_NEXTN[spec.family], overrides=sizes))
     tiny = TinySpec(spec.family, shards=spec.shards, vocab_size=spec.vocab_size, hidden_size=spec.hidden_size)
     cfg = tiny_config(tiny)
     if spec.family == "qwen3_5":
@@ -137,9 +151,14 @@ def _batch(stream: torch.Tensor, spec: TrainSpec, gen: torch.Generator) -> torch
     return torch.stack([stream[s : s + spec.seq_len] for s in starts.tolist()])
 
 
+def _language_model(model: Any) -> Any:
+    """The text tower: under the wrapper's ``language_model`` (Qwen) or the causal LM's ``model`` (GLM)."""
+    return getattr(model.model, "language_model", model.model)
+
+
 def _mtp_input(model: Any, x: torch.Tensor, source: str | None) -> tuple[torch.Tensor, torch.Tensor]:
     """The language model's final hidden state (the LM head's input) and the MTP's hidden input over ``x``."""
-    lm = model.model.language_model
+    lm = _language_model(model)
     if source is None:
         h = lm(input_ids=x, use_cache=False).last_hidden_state  # after the final norm
         return h, h
@@ -155,7 +174,7 @@ def _mtp_input(model: Any, x: torch.Tensor, source: str | None) -> tuple[torch.T
 def _losses(
     model: Any, mtp: Any, x: torch.Tensor, source: str | None
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
-    lm = model.model.language_model
+    lm = _language_model(model)
     h, h_mtp = _mtp_input(model, x, source)
     logits = model.lm_head(h[:, :-1])
     V = logits.shape[-1]
@@ -206,18 +225,34 @@ def _build(spec: TrainSpec, config: dict[str, Any]) -> tuple[Any, Any]:
     """The family's transformers model (float32) and its reference MTP, initialised like the trunk."""
     import transformers
 
-    if spec.family == "qwen4_exp":
+    if spec.family in _NEXTN:
+        from mtpquant.mtp.nextn import NextnMtp
+
+        skip = ("architectures", "model_type", "dtype", "num_nextn_predict_layers")
+        hf_config: Any = transformers.CONFIG_MAPPING[spec.family](**{k: v for k, v in config.items() if k not in skip})
+        model = getattr(transformers, config["architectures"][0])(hf_config).float()
+        forward = family(spec.family).mtp.appended
+        assert forward is not None
+        mtp: Any = NextnMtp(config, forward, 1, "model.layers.", config["num_hidden_layers"]).float()
+        with torch.no_grad():  # transformers' blocks outside a PreTrainedModel are not initialised: as the trunk
+            for name, p in mtp.named_parameters():
+                if p.dim() < 2:
+                    p.fill_(0.0 if name.endswith(".bias") else 1.0)
+            for name, b in mtp.named_buffers():
+                if name.endswith("e_score_correction_bias"):
+                    b.zero_()
+    elif spec.family == "qwen4_exp":
         from mtpquant.mtp.qwen4_exp import Qwen4ExpMtp
 
-        hf_config: Any = transformers.Qwen4ExpConfig.from_dict(copy.deepcopy(config))
+        hf_config = transformers.Qwen4ExpConfig.from_dict(copy.deepcopy(config))
         model = transformers.Qwen4ExpForConditionalGeneration(hf_config).float()
-        mtp: Any = Qwen4ExpMtp(config["text_config"], 1).float()
+        mtp = Qwen4ExpMtp(config["text_config"], 1).float()
     else:
         hf_config = transformers.Qwen3_5Config.from_dict(copy.deepcopy(config))
         model = transformers.Qwen3_5ForConditionalGeneration(hf_config).float()
         mtp = MtpLayer(MtpConfig.from_text_config(config)).float()
     with torch.no_grad():
-        std = float(getattr(hf_config.text_config, "initializer_range", 0.02))
+        std = float(getattr(getattr(hf_config, "text_config", hf_config), "initializer_range", 0.02))
         for p in mtp.parameters():
             if p.dim() >= 2:  # match the trunk's initializer (transformers: normal, std 0.02)
                 p.normal_(0.0, std)
@@ -251,8 +286,9 @@ def train_tiny_mtp(
     config = trained_config(spec)
     model, mtp = _build(spec, config)
     source = family(spec.family).mtp.hidden_source  # where the MTP reads the trunk (None: after the final norm)
-    lm = model.model.language_model
-    model.model.visual.requires_grad_(False)
+    lm = _language_model(model)
+    if hasattr(model.model, "visual"):
+        model.model.visual.requires_grad_(False)
     params = [*lm.parameters(), *model.lm_head.parameters(), *mtp.parameters()]
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
@@ -323,10 +359,10 @@ def _save(
     overwrite: bool,
 ) -> Path:
     tensors = _checkpoint_tensors(spec, model, config)
-    for name, t in mtp.state_dict().items():
-        tensors[MTP_PREFIX + name] = t.detach().to(torch.bfloat16).contiguous()
+    tensors |= _layout({checkpoint_name(mtp, n): t for n, t in mtp.state_dict().items()}, spec.family in _NEXTN)
     names = sorted(tensors)
-    where = _assign_shards(names, TinySpec(spec.family, shards=spec.shards), config)
+    tiny = _tiny_spec(spec)
+    where = (_nextn_shards if spec.family in _NEXTN else _assign_shards)(names, tiny, config)
     tok_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": "<|bos|>",
@@ -335,10 +371,12 @@ def _save(
         "model_max_length": 4096,
     }
     with OutputDir(Path(out), overwrite=overwrite, replace_check=check_synthetic_replaceable) as od:
-        for i in range(spec.shards):
-            shard = SINGLE_NAME if spec.shards == 1 else f"model-{i + 1:05d}-of-{spec.shards:05d}.safetensors"
+        for i in range(tiny.shards):
+            shard = SINGLE_NAME if tiny.shards == 1 else f"model-{i + 1:05d}-of-{tiny.shards:05d}.safetensors"
             od.write_shard(shard, [planned(n, tensors[n]) for n in names if where[n] == i], {"format": "pt"})
-        if spec.shards > 1:
+        if tiny.mtp_file is not None:
+            od.write_shard(tiny.mtp_file, [planned(n, tensors[n]) for n in names if where[n] == -1], {"format": "pt"})
+        if tiny.shards > 1 or tiny.mtp_file is not None:
             od.write_index()
         od.write_json("config.json", config)
         od.write_json("generation_config.json", {"bos_token_id": 1, "eos_token_id": 2, "do_sample": False})
@@ -363,10 +401,28 @@ def _save(
         return od.finalize()
 
 
+def _layout(state: Mapping[str, torch.Tensor], nextn: bool) -> dict[str, torch.Tensor]:
+    """Tensors as the checkpoint stores them: BF16; the appended-layer families' routers' correction bias in F32 and
+    their fused experts one Linear per expert (``synth.nextn``)."""
+    from mtpquant.synth.nextn import per_expert
+
+    out: dict[str, torch.Tensor] = {}
+    for name, t in state.items():
+        keep_f32 = nextn and name.endswith("e_score_correction_bias")
+        t = t.detach().to(torch.float32 if keep_f32 else torch.bfloat16).contiguous()
+        if nextn and t.dim() == 3 and ".experts." in name:
+            out |= per_expert(name, t)
+        else:
+            out[name] = t
+    return out
+
+
 def _checkpoint_tensors(spec: TrainSpec, model: Any, config: dict[str, Any]) -> dict[str, torch.Tensor]:
     """The main model's tensors in the family's real checkpoint layout and dtypes (Qwen4-Exp: each PLE n-gram
     table as its ``shard_{i}`` row shards, int64 buffers, float32 A_log / gated norm, per ``synth.qwen4_exp``)."""
     state = model.state_dict()
+    if spec.family in _NEXTN:
+        return _layout(state, True)
     if spec.family != "qwen4_exp":
         return {
             name: t.detach().to(torch.float32 if name.endswith(_KEEP_F32) else torch.bfloat16).contiguous()
