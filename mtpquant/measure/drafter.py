@@ -6,6 +6,7 @@ bundle serves validate's built-in path and heal's check.
 from __future__ import annotations
 
 import logging
+from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -14,12 +15,11 @@ from torch import Tensor, nn
 
 from mtpquant.families import MTP_PREFIX, TensorClass, is_mtp_name, mtp_config
 from mtpquant.measure import ACTIVATION_MODES
-from mtpquant.measure.emulate import activation_quantizer, pre_hook
-from mtpquant.measure.weights import (
-    CheckpointWeights,
-)
+from mtpquant.measure.emulate import activation_quantizer, emulate_expert_banks, pre_hook
+from mtpquant.measure.weights import CheckpointWeights, LinearFormat
 from mtpquant.mtp.build import reference_mtp
 from mtpquant.mtp.module import MtpLayoutError
+from mtpquant.mtp.quantize import expert_linear
 from mtpquant.mtp.step import MtpForward
 
 __all__ = ["MtpBundle", "load_mtp"]
@@ -80,13 +80,20 @@ def load_mtp(
     emulated: list[str] = []
     if emulate:
         modules = dict(cast(nn.Module, layer).named_modules())
+        banks: dict[str, dict[str, list[LinearFormat]]] = defaultdict(lambda: defaultdict(list))
         for module, fmt in weights.formats.items():
             if not is_mtp_name(module):
                 continue
+            name = module.removeprefix(MTP_PREFIX)
+            expert = expert_linear(name)
+            if name not in modules and expert is not None:  # stored per expert, computed fused (Qwen4-Exp)
+                banks[expert["stem"]][expert["proj"]].append(fmt)
+                continue
             quantize = activation_quantizer(fmt, weights.pre_quant_scale(module))
             if quantize is not None:
-                modules[module.removeprefix(MTP_PREFIX)].register_forward_pre_hook(pre_hook(quantize))
+                modules[name].register_forward_pre_hook(pre_hook(quantize))
                 emulated.append(module)
+        emulated += [MTP_PREFIX + stem for stem in emulate_expert_banks(modules, banks)]
     if shared is None:
         shared = weights.embedding_and_head(dtype, device)
     bundle = MtpBundle(
