@@ -289,7 +289,8 @@ def heal_text(result: HealResult) -> str:
         lines.append(f"check      {check.sequences} held-out prompts (the quantized target's own continuations) at "
                      f"{len(check.settings)} settings, sampled ones verified by --rule {check.rule}")
         for s in check.settings:
-            verdict = "better beyond noise" if s.better else "NOT better beyond noise"
+            verdict = {"better": "better beyond noise", "worse": "WORSE beyond noise"}.get(s.verdict,
+                                                                                     "no change beyond noise")
             lines.append(f"           {s.sampling.label}: {verdict}")
             lines += ["             " + line for line in heal_table([(c.k, c.before, c.after, c.low, c.high)
                                                                      for c in s.by_k])]

@@ -35,7 +35,8 @@ the first sampled --temperature, else 0.7). A BF16 MTP stays BF16; an NVFP4/FP8 
 quantization in the loop and is written back in the same format and scales layout. Before anything is written, the
 MTP's AL is measured before and after on held-out prompts (validate's built-in replay) at each sampling setting
 given (greedy by default; --temperature 0 0.7: greedy and sampled at 0.7, as validate measures); nothing is written
-unless the healed MTP is better beyond noise at every k = 1..K of every setting.
+unless the healed MTP is better beyond noise at every k = 1..K of the first setting, and worse beyond noise at no k
+of any (a heal that helps greedy acceptance and hurts sampled acceptance is refused).
 
 """ + exit_codes_epilog(
     ExitCode.CHECKPOINT,
@@ -109,8 +110,8 @@ def register(subparsers: Any) -> None:
                    help=f"the check measures AL for k = 1..K (default {field_default(HealOptions, 'k')})")
     add_sampling_arguments(
         p, HealOptions, "the check measures at each T, the target sampling the held-out continuations with seed "
-        "--seed + prompt index (0: greedy, the default); the healed MTP must be better at every one; the first "
-        f"sampled T is also the training data's (default {DATA_TEMPERATURE:g})"
+        "--seed + prompt index (0: greedy, the default); the healed MTP must be better at the first and worse at "
+        f"none; the first sampled T is also the training data's (default {DATA_TEMPERATURE:g})"
     )
     p.add_argument("--force", action="store_true",
                    help="write the healed MTP even if the check does not show it better (the provenance says so)")

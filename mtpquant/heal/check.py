@@ -7,9 +7,10 @@ setting checked (greedily by default; ``heal --temperature 0 0.7``: also sampled
 validate samples); on those sequences the built-in replay (``measure.replay.evaluate_acceptance``: the engines'
 drafting, greedy verification or the sampled walk under the verification rule) measures the AL of QUANT's MTP and
 of the healed one, for k = 1..K, each sequence counted on its own. The change is decided with the paired bootstrap
-over the sequences (``records.evidence.better_beyond_noise``): the healed MTP is better at a setting when, at every
-k, the lower end of the 95 % interval of AL(after) - AL(before) is above 0, and better when it is better at every
-setting checked (a heal that helps greedy acceptance and hurts sampled acceptance is not better).
+over the sequences (``records.evidence.better_beyond_noise``), at each setting: better when, at every k, the lower
+end of the 95 % interval of AL(after) - AL(before) is above 0; worse when, at some k, its upper end is below 0. The
+healed MTP is better when it is better at the first setting checked (the headline: greedy by default) and worse at
+none (a heal that helps greedy acceptance and hurts sampled acceptance is not better).
 """
 
 from __future__ import annotations
@@ -61,6 +62,11 @@ class AlChange:
         """AL(after) - AL(before)."""
         return self.after - self.before
 
+    @property
+    def worse(self) -> bool:
+        """Whether the healed MTP is worse beyond noise (the interval's upper end below 0)."""
+        return self.high < 0
+
 
 @dataclass(frozen=True)
 class SettingCheck:
@@ -73,6 +79,16 @@ class SettingCheck:
     def better(self) -> bool:
         """Whether the healed MTP is better beyond noise at every k."""
         return bool(self.by_k) and all(c.better for c in self.by_k)
+
+    @property
+    def worse(self) -> bool:
+        """Whether the healed MTP is worse beyond noise at some k."""
+        return any(c.worse for c in self.by_k)
+
+    @property
+    def verdict(self) -> str:
+        """``better``, ``worse`` or ``no change`` (beyond noise)."""
+        return "better" if self.better else "worse" if self.worse else "no change"
 
 
 @dataclass(frozen=True)
@@ -92,8 +108,8 @@ class CheckResult:
 
     @property
     def better(self) -> bool:
-        """Whether the healed MTP is better beyond noise at every k of every setting."""
-        return bool(self.settings) and all(s.better for s in self.settings)
+        """Whether the healed MTP is better beyond noise at every k of the first setting and worse at no k of any."""
+        return bool(self.settings) and self.settings[0].better and not any(s.worse for s in self.settings)
 
     @property
     def greedy_only(self) -> bool:

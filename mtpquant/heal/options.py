@@ -58,7 +58,7 @@ class HealOptions(Options):
     chained drafts, then the held-out check on 64 prompts of validate's held-out text, greedy. ``temperatures``,
     ``top_p``, ``top_k`` and ``rule`` are validate's sampling flags (``records.sampling.check_sampling``): the check
     runs at each setting (the target samples the held-out continuations with seed ``seed`` + prompt index) and the
-    healed MTP is written only when it is better beyond noise at every one of them.
+    healed MTP is written only when it is better beyond noise at the first and worse beyond noise at none.
     """
 
     quant: str | os.PathLike[str]

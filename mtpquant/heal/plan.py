@@ -105,7 +105,7 @@ class HealPlan:
             + ("and after" if greedy_only else f"and after, at {', '.join(s.label for s in settings)} "
                f"(--rule {o.rule})")
             + "; nothing is written unless better beyond noise at every k"
-            + ("" if greedy_only else " of every setting")
+            + ("" if greedy_only else f" at {settings[0].label} and worse at no k of any setting")
             + (" (--force: written anyway)" if o.force else ""),
             *self.memory.lines(
                 "the quantized target, dequantized" + (": the layers on disk read from QUANT's files and "

@@ -8,7 +8,8 @@ in shards on disk (``data.py``) -> the target released -> the MTP's training wei
 fake quantization on the Linears QUANT stores quantized (``qat.py``), self-distillation (``train.py``) -> the
 healed MTP in QUANT's format, written as new MTP shards with every other file linked, verified (``surgery.write``)
 -> the check: QUANT's MTP and the written one measured on the held-out sequences at each sampling setting
-(``check.py``) -> nothing written unless better beyond noise at every k of every setting (exit 24), else the
+(``check.py``) -> nothing written unless better beyond noise at every k of the first setting and worse beyond noise
+at no k of any (exit 24), else the
 provenance records the heal and the result is put in place (rename, or atomic directory exchange).
 """
 
@@ -86,8 +87,7 @@ def _changes(check: CheckResult) -> str:
 
     if check.greedy_only:
         return one(check.by_k)
-    return "; ".join(f"{s.sampling.label}: {one(s.by_k)}" + ("" if s.better else " (not better)")
-                     for s in check.settings)
+    return "; ".join(f"{s.sampling.label} ({s.verdict}): {one(s.by_k)}" for s in check.settings)
 
 
 def heal(options: HealOptions) -> HealResult:
@@ -196,10 +196,16 @@ def _heal(
         result = check(weights, after, held_out, shared, activations=options.activations, k=options.k,
                        rule=options.rule)
     if not result.better and not options.force:
-        where = "" if result.greedy_only else f" at {', '.join(s.sampling.label for s in result.settings)}"
+        worse = [s.sampling.label for s in result.settings if s.worse]
+        if result.greedy_only:
+            what = "not better beyond noise"
+        elif worse:
+            what = f"worse beyond noise at {', '.join(worse)}"
+        else:
+            what = f"not better beyond noise at {result.settings[0].sampling.label}"
         raise HealNotBetterError(
-            f"{plan.quant}: the healed MTP is not better beyond noise{where} on {result.sequences} held-out prompts "
-            f"(AL {_changes(result)}); nothing written"
+            f"{plan.quant}: the healed MTP is {what} on {result.sequences} held-out prompts (AL {_changes(result)}); "
+            "nothing written"
         )
     record = record_step(quant, src, dest, options.command, plan.storage.label, plan.schedule, data, result)
     with timer("commit"):

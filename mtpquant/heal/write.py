@@ -145,7 +145,7 @@ def record_step(
         better=check.better,
         forced=not check.better,
         checks=() if check.greedy_only else tuple(
-            HealCheck(s.sampling, check.rule, _al(s.by_k), s.better) for s in check.settings
+            HealCheck(s.sampling, check.rule, _al(s.by_k), s.better, s.worse) for s in check.settings
         ),
     )
     step = heal_step(command, src, record)

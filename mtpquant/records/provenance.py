@@ -12,7 +12,7 @@ what QUANT already records. ``publish`` reads it for the model card, as typed da
 A ``heal`` step also records what heal did (``"heal"``: ``HealRecord``: the MTP's precision, the data, the schedule,
 the seed, and the held-out AL per k before and after with the paired 95 % interval of the change); the key is absent
 from other steps. A heal checked at other sampling settings than the default (greedy) one also records the check
-at each (``"checks"``: the sampling settings, the verification rule, the AL per k and the decision); absent, the
+at each (``"checks"``: the sampling settings, the verification rule, the AL per k, better / worse); absent, the
 check was greedy. Steps are oldest first; every field but ``tool`` may be null. The file goes to the Hub with the
 checkpoint, so it names local directories by their base name only (``mtpquant.public``): ``command`` as run with
 each local path shortened, ``source.path`` the source directory's name. ``license`` is the licence the source's own
@@ -105,12 +105,14 @@ class HealAl(Record):
 @dataclass(frozen=True)
 class HealCheck(Record):
     """heal's held-out check at one sampling setting: the settings (``{"temperature", "top_p", "top_k", "seed"}``),
-    the rule that verified the drafts, the AL per k before and after, and whether it was better beyond noise."""
+    the rule that verified the drafts, the AL per k before and after, and whether it was better beyond noise (at
+    every k) or worse (at some k)."""
 
     sampling: SamplingSettings
     rule: str
     by_k: tuple[HealAl, ...]
     better: bool
+    worse: bool = False
 
 
 @dataclass(frozen=True)
@@ -130,7 +132,7 @@ class HealRecord(Record):
     seed: int
     check_sequences: int  # held-out sequences of the check
     by_k: tuple[HealAl, ...]  # at the first setting checked (greedy by default)
-    better: bool  # better beyond noise at every k (of every setting checked)
+    better: bool  # better beyond noise at every k (of the first setting checked, and worse at no k of any)
     forced: bool = False  # written with --force although the check did not show it better
     checks: tuple[HealCheck, ...] = ()  # the check at each setting, when not the default alone (greedy)
 
