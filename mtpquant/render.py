@@ -361,11 +361,20 @@ def heal_text(result: HealResult) -> str:
         return "\n".join([result.message, *result.plan.lines()])
     lines = [result.message]
     check = result.check
-    if check is not None:
+    if check is not None and check.greedy_only:
         lines.append(f"check      {check.sequences} held-out prompts, {check.tokens} tokens (greedy, the quantized "
                      "target's own continuations)")
         lines += ["           " + line for line in heal_table([(c.k, c.before, c.after, c.low, c.high)
                                                                for c in check.by_k])]
+    elif check is not None:
+        lines.append(f"check      {check.sequences} held-out prompts (the quantized target's own continuations) at "
+                     f"{len(check.settings)} settings, sampled ones verified by --rule {check.rule}")
+        for s in check.settings:
+            verdict = {"better": "better beyond noise", "worse": "WORSE beyond noise"}.get(s.verdict,
+                                                                                     "no change beyond noise")
+            lines.append(f"           {s.sampling.label}: {verdict}")
+            lines += ["             " + line for line in heal_table([(c.k, c.before, c.after, c.low, c.high)
+                                                                     for c in s.by_k])]
     record = result.record
     if record is not None:
         greedy = record.sequences - record.sampled

@@ -125,6 +125,14 @@ def healed_tiny(tmp_path_factory: pytest.TempPathFactory) -> HealedTiny:
 
 
 @pytest.fixture(scope="session")
+def healed_tiny_qwen4(tmp_path_factory: pytest.TempPathFactory) -> HealedTiny:
+    """The same of the trained tiny Qwen3.8-Flash-Next (Qwen4-Exp)."""
+    from mtpquant.synth.train import TINY_MTP_ASSETS
+
+    return HealedTiny(tmp_path_factory.mktemp("healed-tiny-qwen4"), TINY_MTP_ASSETS["qwen4_exp"])
+
+
+@pytest.fixture(scope="session")
 def vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EnginePool]:
     """Real vLLM CPU servers, shared by the engine tests (the engine environment is built when missing)."""
     from tests.support.vllm_env import ensure_vllm_env

@@ -26,10 +26,6 @@ CT = (
     "--format compressed-tensors --mtp quantize stores OUT's MTP as compressed-tensors NVFP4; heal writes back BF16, "
     "ModelOpt NVFP4 and ModelOpt FP8 per tensor (use --format modelopt, or --mtp keep)"
 )
-Q4_TEXT = (
-    f"{Q4}: heal does not train the Qwen3.8-Flash-Next (Qwen4-Exp) MTP yet (it trains the Qwen3 MTP layer); nothing "
-    "was converted: convert it without --heal"
-)
 MEMORY = (
     "--heal: --max-memory cpu=1MiB leaves the model's first weights (the embedding, 1.05 MB) on disk, where "
     "modelopt's export cannot run the model from: they and the room accelerate keeps for one layer need 2.69 MB "
@@ -37,7 +33,7 @@ MEMORY = (
 )
 # (SRC, extra flags, exit code, the one line): each converted in full and then refused by heal before
 CASES = {
-    "qwen4_exp": (Q4, [], ExitCode.HEAL_REFUSED, Q4_TEXT),
+    "qwen4_exp-extract": (Q4, ["--mtp", "extract"], ExitCode.HEAL_REFUSED, NO_HEAL.format("extract")),
     "mtp-drop": (ASSET, ["--mtp", "drop"], ExitCode.HEAL_REFUSED, NO_HEAL.format("drop")),
     "mtp-extract": (ASSET, ["--mtp", "extract"], ExitCode.HEAL_REFUSED, NO_HEAL.format("extract")),
     "ct-quantize": (ASSET, ["--format", "compressed-tensors", "--mtp", "quantize"], ExitCode.HEAL_REFUSED, CT),
@@ -108,7 +104,7 @@ def test_filesystem_without_directory_exchange(
 
 
 def test_refused_before_the_heavy_imports(tmp_path: Path) -> None:
-    """heal's values and the family are refused before torch or transformers is imported (about a second)."""
+    """heal's values and the MTP mode are refused before torch or transformers is imported (about a second)."""
     script = (
         "import sys; from mtpquant.cli import main\n"
         "code = main(sys.argv[1:])\n"
@@ -116,7 +112,7 @@ def test_refused_before_the_heavy_imports(tmp_path: Path) -> None:
     )
     for argv, code in [
         (["convert", str(ASSET), str(tmp_path / "a"), "--heal", "--heal-steps", "0"], ExitCode.USAGE),
-        (["convert", str(Q4), str(tmp_path / "b"), "--heal", "--dry-run"], ExitCode.HEAL_REFUSED),
+        (["convert", str(Q4), str(tmp_path / "b"), "--heal", "--mtp", "drop", "--dry-run"], ExitCode.HEAL_REFUSED),
     ]:
         done = subprocess.run([sys.executable, "-c", script, "-q", *argv], capture_output=True, text=True,
                               timeout=300, cwd=Path(__file__).resolve().parents[1])  # fmt: skip

@@ -28,11 +28,12 @@ from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.cli import main as cli
 from mtpquant.convert.run import ConvertOptions, convert
 from mtpquant.diagnose.report import inspect_checkpoint
-from mtpquant.errors import ExitCode, HealNotBetterError
-from mtpquant.families import is_mtp_name
+from mtpquant.errors import ExitCode, HealNotBetterError, HealRefusedError
+from mtpquant.families import FAMILIES, family, is_mtp_name
 from mtpquant.heal.options import HealOptions
 from mtpquant.heal.precision import export_mtp, master_weights, mtp_storage
 from mtpquant.heal.run import heal
+from mtpquant.heal.support import check_family
 from mtpquant.heal.train import _chain_outputs, chain_mask, distill_loss
 from mtpquant.measure.weights import CheckpointWeights
 from mtpquant.mtp.drafting import draft_chain
@@ -191,8 +192,6 @@ def test_refusals_are_one_line_and_write_nothing(healed_tiny: HealedTiny, tiny_f
          "output already exists"),
         ([str(keep), "--from", str(tiny_factory("qwen3_5_moe")), "--out", str(tmp_path / "b")], ExitCode.LINEAGE,
          "lineage mismatch"),
-        ([str(tiny_factory("qwen4_exp")), "--from", str(tiny_factory("qwen4_exp")), "--out", str(tmp_path / "q4")],
-         ExitCode.HEAL_REFUSED, "heal does not train the Qwen3.8-Flash-Next (Qwen4-Exp) MTP yet"),
         ([str(keep), "--from", str(TINY_MTP_ASSET), "--out", str(tmp_path / "c"), "--steps", "0"], ExitCode.USAGE,
          "--steps must be >= 1"),
         ([str(keep), "--from", str(TINY_MTP_ASSET), "--out", str(tmp_path / "d"), "--max-memory", "cpu=1200kB"],
@@ -202,6 +201,18 @@ def test_refusals_are_one_line_and_write_nothing(healed_tiny: HealedTiny, tiny_f
         got, err = one_error(capsys, "-q", "heal", *argv)
         assert got == code and text in err, (argv, err)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["drop", "exists"]
+
+
+def test_every_family_heals_and_a_family_flagged_off_is_refused_in_one_line() -> None:
+    """Every Qwen family's MTP trains (Qwen4-Exp's two-stream one too); a family whose MTP heal does not train
+    (``Family.mtp_heal`` off) is refused by name before any work."""
+    assert [f.key for f in FAMILIES if f.mtp_heal] == ["qwen3_5", "qwen3_5_moe", "qwen3_next", "qwen4_exp"]
+    off = dataclasses.replace(family("qwen4_exp"), mtp_heal=False)
+    with pytest.raises(HealRefusedError) as refused:
+        check_family(off, "./q")
+    assert str(refused.value) == (
+        "./q: heal does not train the Qwen3.8-Flash-Next (Qwen4-Exp) MTP yet; the quant is left as it is"
+    )
 
 
 # ---------------------------------------------------------------------------------------------- the format

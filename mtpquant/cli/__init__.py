@@ -17,6 +17,7 @@ __all__ = [
     "HUB_CODES",
     "add_device_argument",
     "add_dtype_argument",
+    "add_sampling_arguments",
     "add_shard_size_argument",
     "exit_codes_epilog",
     "main",
@@ -112,6 +113,27 @@ def add_dtype_argument(p: argparse.ArgumentParser) -> None:
     from mtpquant.runtime.machine import COMPUTE_DTYPES
 
     p.add_argument("--dtype", choices=COMPUTE_DTYPES, help="compute dtype (default: float32 on CPU, bfloat16 on CUDA)")
+
+
+def add_sampling_arguments(p: argparse.ArgumentParser, options: type, temperature_help: str) -> argparse._ArgumentGroup:
+    """The sampling flags ``--temperature``, ``--top-p``, ``--top-k``, ``--rule`` (validate's and heal's: the settings
+    ``records.sampling.check_sampling`` reads), their defaults those of ``options``' fields ``temperatures``, ``top_p``,
+    ``top_k``, ``rule``; returns their group."""
+    from mtpquant.records.record import field_default
+    from mtpquant.records.sampling import RULES
+
+    top_p, top_k = field_default(options, "top_p"), field_default(options, "top_k")
+    each = "one value, or one per --temperature"
+    g = p.add_argument_group("sampling (as users serve: Qwen recommends temperature 0.6-1.0)")
+    g.add_argument("--temperature", type=float, nargs="+", default=list(field_default(options, "temperatures")),
+                   metavar="T", help=temperature_help)
+    g.add_argument("--top-p", type=float, nargs="+", default=list(top_p), metavar="P",
+                   help=f"nucleus sampling of the target (default {top_p[0]:g}: off); {each}")
+    g.add_argument("--top-k", type=int, nargs="+", default=list(top_k), metavar="K",
+                   help=f"top-k sampling of the target (default {top_k[0]}: off); {each}")
+    g.add_argument("--rule", choices=tuple(RULES), default=field_default(options, "rule"),
+                   help="how drafts are verified: " + "; ".join(f"{r.name}: {r.description}" for r in RULES.values()))
+    return g
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -11,11 +11,12 @@ from mtpquant.cli import (
     HUB_CODES,
     add_device_argument,
     add_dtype_argument,
+    add_sampling_arguments,
     add_shard_size_argument,
     exit_codes_epilog,
 )
 from mtpquant.errors import ExitCode
-from mtpquant.heal.options import HealOptions  # torch-free: the defaults at start-up
+from mtpquant.heal.options import DATA_TEMPERATURE, HealOptions  # torch-free: the defaults at start-up
 from mtpquant.records.record import field_choices, field_default
 
 __all__ = ["SCHEDULE_FIELDS", "add_schedule_arguments", "register", "schedule_options"]
@@ -25,14 +26,17 @@ examples:
   mtpquant heal ./Qwen3.6-27B-NVFP4 --from Qwen/Qwen3.6-27B --in-place
   mtpquant heal ./quant --from ./bf16-source --out ./quant-healed --steps 400 --lr 2e-4
   mtpquant heal ./quant --from ./bf16-source --in-place --dry-run --max-memory cpu=3GiB
+  mtpquant heal ./quant --from ./bf16-source --out ./quant-healed --temperature 0 0.7
 
 Only the mtp.* weights train (trunk, embeddings and LM head frozen), by self-distillation: the MTP's distribution
 for x_{t+2} from (h_t of the quantized target, embedding of x_{t+1}) is fitted to the quantized target's own
 distribution at t+1, on text the quantized target produces from the calibration prompts (greedily and at
---temperature). A BF16 MTP stays BF16; an NVFP4/FP8 MTP trains with modelopt's fake quantization in the loop and
-is written back in the same format and scales layout. Before anything is written, the MTP's AL is measured before
-and after on held-out prompts (validate's built-in replay); nothing is written unless the healed MTP is better
-beyond noise at every k = 1..K.
+the first sampled --temperature, else 0.7). A BF16 MTP stays BF16; an NVFP4/FP8 MTP trains with modelopt's fake
+quantization in the loop and is written back in the same format and scales layout. Before anything is written, the
+MTP's AL is measured before and after on held-out prompts (validate's built-in replay) at each sampling setting
+given (greedy by default; --temperature 0 0.7: greedy and sampled at 0.7, as validate measures); nothing is written
+unless the healed MTP is better beyond noise at every k = 1..K of the first setting, and worse beyond noise at no k
+of any (a heal that helps greedy acceptance and hurts sampled acceptance is refused).
 
 """ + exit_codes_epilog(
     ExitCode.CHECKPOINT,
@@ -102,10 +106,13 @@ def register(subparsers: Any) -> None:
     where.add_argument("--in-place", action="store_true",
                        help="heal QUANT itself: built beside it, verified, then swapped in atomically")
     add_schedule_arguments(p)
-    p.add_argument("--temperature", type=float, metavar="T", help="serving temperature of the sampled continuations "
-                   f"(default {field_default(HealOptions, 'temperature'):g})")
     p.add_argument("--k", type=int, metavar="K",
                    help=f"the check measures AL for k = 1..K (default {field_default(HealOptions, 'k')})")
+    add_sampling_arguments(
+        p, HealOptions, "the check measures at each T, the target sampling the held-out continuations with seed "
+        "--seed + prompt index (0: greedy, the default); the healed MTP must be better at the first and worse at "
+        f"none; the first sampled T is also the training data's (default {DATA_TEMPERATURE:g})"
+    )
     p.add_argument("--force", action="store_true",
                    help="write the healed MTP even if the check does not show it better (the provenance says so)")
     add_device_argument(p, field_default(HealOptions, "device"), indexed=True)
@@ -128,9 +135,8 @@ def register(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     """Build the options, call the API, print the summary."""
     extra: dict[str, Any] = schedule_options(args)
-    for name in ("temperature", "k"):
-        if getattr(args, name) is not None:
-            extra[name] = getattr(args, name)
+    if args.k is not None:
+        extra["k"] = args.k
     options = HealOptions(
         quant=args.quant,
         source=args.source,
@@ -141,6 +147,10 @@ def run(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         max_memory=args.max_memory,
         activations=args.activations,
+        temperatures=tuple(args.temperature),
+        top_p=tuple(args.top_p),
+        top_k=tuple(args.top_k),
+        rule=args.rule,
         revision=args.revision,
         source_revision=args.source_revision,
         max_shard_bytes=args.max_shard_size,

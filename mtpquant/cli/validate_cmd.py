@@ -7,10 +7,9 @@ import json
 from functools import partial
 from pathlib import Path
 
-from mtpquant.cli import HUB_CODES, add_device_argument, add_dtype_argument, exit_codes_epilog
+from mtpquant.cli import HUB_CODES, add_device_argument, add_dtype_argument, add_sampling_arguments, exit_codes_epilog
 from mtpquant.errors import ExitCode
 from mtpquant.records.record import field_choices, field_default
-from mtpquant.records.sampling import RULES
 from mtpquant.validate.options import ValidateOptions  # torch-free: the defaults and choices at start-up
 
 _D = partial(field_default, ValidateOptions)
@@ -117,36 +116,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         help=f"level of the bootstrap intervals over prompts (default {_D('confidence')})"
     )
     p.add_argument("--json", action="store_true", help="print report.json to stdout instead of the table")
-    g = p.add_argument_group("sampling (as users serve: Qwen recommends temperature 0.6-1.0)")
-    g.add_argument(
-        "--temperature",
-        type=float,
-        nargs="+",
-        default=list(_D("temperatures")),
-        metavar="T",
-        help="the target samples at each T (0: greedy, the default); the first is the headline of the verdict",
-    )
-    g.add_argument(
-        "--top-p",
-        type=float,
-        nargs="+",
-        default=list(_D("top_p")),
-        metavar="P",
-        help=f"nucleus sampling of the target (default {_D('top_p')[0]:g}: off); one value, or one per --temperature",
-    )
-    g.add_argument(
-        "--top-k",
-        type=int,
-        nargs="+",
-        default=list(_D("top_k")),
-        metavar="K",
-        help=f"top-k sampling of the target (default {_D('top_k')[0]}: off); one value, or one per --temperature",
-    )
-    g.add_argument(
-        "--rule",
-        choices=tuple(RULES),
-        default=_D("rule"),
-        help="how drafts are verified: " + "; ".join(f"{r.name}: {r.description}" for r in RULES.values()),
+    g = add_sampling_arguments(
+        p, ValidateOptions, "the target samples at each T (0: greedy, the default); the first is the headline of the "
+        "verdict"
     )
     g.add_argument("--seed", type=int, default=_D("seed"),
                    help=f"prompt i samples with seed + i (default {_D('seed')})")

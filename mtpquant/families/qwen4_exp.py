@@ -192,7 +192,6 @@ QWEN4_EXP = Family(
     engine=_ENGINE,
     wrapper_class="Qwen4ExpForConditionalGeneration",
     text_class="Qwen4ExpForCausalLM",
-    mtp_heal=False,  # heal trains the Qwen3 MTP layer; this family's two-stream MTP is not trainable there yet
     fused_groups=(
         ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.indexer.index_qk_proj"),
         ("shared_expert.gate_proj", "shared_expert.up_proj"),

@@ -239,7 +239,7 @@ class Family:
     lineage_keys: tuple[str, ...] = ()
     # Whether mtpquant has a reference forward of this family's MTP (quantize mode, validate).
     mtp_forward: bool = True
-    # Whether heal can train this family's MTP (it trains the Qwen3 MTP layer, mtp.module.MtpLayer).
+    # Whether heal can train this family's MTP (it trains the reference forward, by its MtpForward step).
     mtp_heal: bool = True
     # Whether SGLang builds a quantized MTP from a MIXED_PRECISION config that lists mtp.* layers (SGLang 0.5.23
     # _mtp_quant_config); otherwise mtpquant reports that SGLang serves only a BF16 MTP.

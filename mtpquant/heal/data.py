@@ -3,12 +3,15 @@
 The prompts are rows of the calibration text (``convert.calibration``: the model's own tokenizer and chat template;
 the offline corpus without the documents validate holds out, so the held-out check never sees training text), cut
 from spread-out places of the token stream. The quantized target continues each prompt, greedily or at the serving
-temperature, and one more causal pass gives its post-final-norm hidden states. Each batch of sequences is written at
-once as a shard (``data-NNNNN.safetensors``: ``tokens`` int64 ``[b, T]``, ``hidden`` ``[b, T, H]``), so memory
-holds one batch; training reads the sequences it needs from the shards (``HealData.batch``).
+temperature, and one more causal pass gives its post-final-norm hidden states (and, where the family's MTP reads
+another tensor, that one: Qwen4-Exp's multi-stream state before the final hyper-connection mixer, as vLLM feeds its
+drafter). Each batch of sequences is written at once as a shard (``data-NNNNN.safetensors``: ``tokens`` int64
+``[b, T]``, ``hidden`` ``[b, T, H]``, Qwen4-Exp also ``mtp_input`` ``[b, T, hc_count * H]``), so memory holds one
+batch; training reads the sequences it needs from the shards (``HealData.batch``).
 
-What training needs from a sequence is all in the shard: row t's input is ``(h_t, embed(x_{t+1}))``, and the
-target's own distribution for ``x_{t+2}`` is ``softmax(lm_head(h_{t+1}))``.
+What training needs from a sequence is all in the shard: row t's input is ``(m_t, embed(x_{t+1}))`` with ``m_t``
+the MTP's hidden input (``h_t``, or the multi-stream state), and the target's own distribution for ``x_{t+2}`` is
+``softmax(lm_head(h_{t+1}))``.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from mtpquant.heal.options import SAMPLED, HealSizes
 if TYPE_CHECKING:
     from mtpquant.checkpoint.source import CheckpointSource
 
-__all__ = ["DATA_FORMAT", "HealData", "collect", "continue_prompts", "training_data", "training_prompts"]
+__all__ = ["DATA_FORMAT", "HealBatch", "HealData", "collect", "continue_prompts", "training_data", "training_prompts"]
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +88,21 @@ def continue_prompts(target: Any, prompts: Tensor, new_tokens: int, temperature:
 
 
 @dataclass(frozen=True)
+class HealBatch:
+    """Sequences read from the shards: ``tokens`` ``[b, T]``, the LM head's input ``hidden`` ``[b, T, H]``, and the
+    MTP's hidden input where it is another tensor (``mtp_input``, Qwen4-Exp ``[b, T, hc_count * H]``; else None)."""
+
+    tokens: Tensor
+    hidden: Tensor
+    mtp_input: Tensor | None = None
+
+    @property
+    def mtp_hidden(self) -> Tensor:
+        """The MTP's hidden input at every position."""
+        return self.hidden if self.mtp_input is None else self.mtp_input
+
+
+@dataclass(frozen=True)
 class HealData:
     """The sequences the target produced and its hidden states over them, in shards under ``directory``."""
 
@@ -98,6 +116,7 @@ class HealData:
     sampled: int  # sequences continued at the temperature
     temperature: float
     source: str  # where the prompts came from
+    mtp_input: bool = False  # the shards hold the MTP's own hidden input (``mtp_input``) beside ``hidden``
 
     @property
     def sequences(self) -> int:
@@ -122,26 +141,24 @@ class HealData:
             index -= n
         raise IndexError(index)
 
-    def batch(self, indices: Sequence[int], device: torch.device | str = "cpu") -> tuple[Tensor, Tensor]:
-        """Tokens ``[b, T]`` and hidden states ``[b, T, H]`` of the sequences ``indices`` (read from the shards)."""
+    def batch(self, indices: Sequence[int], device: torch.device | str = "cpu") -> HealBatch:
+        """The sequences ``indices``, read from the shards."""
         from safetensors import safe_open
 
         where: dict[str, list[tuple[int, int]]] = {}
         for pos, index in enumerate(indices):
             shard, row = self.locate(index)
             where.setdefault(shard, []).append((pos, row))
-        tokens: list[Tensor | None] = [None] * len(indices)
-        hidden: list[Tensor | None] = [None] * len(indices)
+        keys = ("tokens", "hidden", "mtp_input") if self.mtp_input else ("tokens", "hidden")
+        rows: dict[str, list[Tensor | None]] = {key: [None] * len(indices) for key in keys}
         for shard, picks in where.items():
             with safe_open(str(self.directory / shard), framework="pt") as fh:
-                tok, hid = fh.get_slice("tokens"), fh.get_slice("hidden")
+                slices = {key: fh.get_slice(key) for key in keys}
                 for pos, row in picks:
-                    tokens[pos] = tok[row : row + 1]
-                    hidden[pos] = hid[row : row + 1]
-        return (
-            torch.cat([t for t in tokens if t is not None]).to(device),
-            torch.cat([h for h in hidden if h is not None]).to(device),
-        )
+                    for key in keys:
+                        rows[key][pos] = slices[key][row : row + 1]
+        tensors = {key: torch.cat([t for t in got if t is not None]).to(device) for key, got in rows.items()}
+        return HealBatch(**tensors)
 
 
 def collect(
@@ -167,21 +184,23 @@ def collect(
     shards: list[str] = []
     rows: list[int] = []
     hidden_size = 0
+    with_mtp_input = False
     with tqdm(total=n, desc="heal data", unit="seq", disable=not progress) as bar:
         for kind, lo, hi in (("greedy", 0, n_greedy), ("sampled", n_greedy, n)):
             for start in range(lo, hi, batch_size):
                 batch = prompts[start : min(start + batch_size, hi)]
                 temp = None if kind == "greedy" else temperature
                 tokens = continue_prompts(target, batch, new_tokens, temp, generator).cpu()
-                hidden = target.hidden(tokens).cpu()
+                head, mtp_input = target.hidden_states(tokens)
+                hidden = head.cpu()
                 hidden_size = int(hidden.shape[-1])
                 name = f"data-{len(shards) + 1:05d}.safetensors"
                 meta = {"format": DATA_FORMAT, "kind": kind, "prompt_len": str(int(prompts.shape[1]))}
-                atomic_write_safetensors(
-                    directory / name,
-                    [planned("tokens", tokens.contiguous()), planned("hidden", hidden.contiguous())],
-                    meta,
-                )
+                tensors = [planned("tokens", tokens.contiguous()), planned("hidden", hidden.contiguous())]
+                if mtp_input is not None:
+                    tensors.append(planned("mtp_input", mtp_input.cpu().contiguous()))
+                    with_mtp_input = True
+                atomic_write_safetensors(directory / name, tensors, meta)
                 shards.append(name)
                 rows.append(int(tokens.shape[0]))
                 bar.update(int(tokens.shape[0]))
@@ -196,6 +215,7 @@ def collect(
         n_sampled,
         temperature,
         source,
+        mtp_input=with_mtp_input,
     )
     log.info("heal data: %s", json.dumps({"sequences": data.sequences, "tokens": data.tokens, "shards": len(shards)}))
     return data

@@ -18,13 +18,16 @@ from mtpquant.checkpoint.writer import DEFAULT_MAX_SHARD_BYTES
 from mtpquant.errors import OutputExistsError, UsageError
 from mtpquant.measure import Activations
 from mtpquant.records.record import FLAG, Options
+from mtpquant.records.sampling import SamplingSettings, check_sampling, sampling_settings
 from mtpquant.runtime.machine import ComputeDtype
 
-__all__ = ["SAMPLED", "HealOptions", "HealSizes"]
+__all__ = ["DATA_TEMPERATURE", "SAMPLED", "HealOptions", "HealSizes"]
 
-# The share of the calibration prompts the target continues at ``--temperature`` (the rest greedily): both kinds of
-# text the engines verify drafts on.
+# The share of the calibration prompts the target continues at a serving temperature (the rest greedily): both kinds
+# of text the engines verify drafts on.
 SAMPLED = 0.5
+# That temperature when every --temperature checked is greedy (Qwen recommends 0.6-1.0 to serve with).
+DATA_TEMPERATURE = 0.7
 
 Positive = Annotated[int, Ge(1)]
 
@@ -51,8 +54,11 @@ class HealOptions(Options):
     """Everything ``mtpquant heal`` takes; the CLI builds one of these and calls ``heal``.
 
     The default heal is short: 64 calibration prompts of 64 tokens continued by the quantized target for 128
-    tokens (half greedily, half at ``temperature``), 100 steps of 8 sequences at lr 1e-3 training the first two
-    chained drafts, then the held-out check on 64 prompts of validate's held-out text.
+    tokens (half greedily, half at ``data_temperature``), 100 steps of 8 sequences at lr 1e-3 training the first two
+    chained drafts, then the held-out check on 64 prompts of validate's held-out text, greedy. ``temperatures``,
+    ``top_p``, ``top_k`` and ``rule`` are validate's sampling flags (``records.sampling.check_sampling``): the check
+    runs at each setting (the target samples the held-out continuations with seed ``seed`` + prompt index) and the
+    healed MTP is written only when it is better beyond noise at the first and worse beyond noise at none.
     """
 
     quant: str | os.PathLike[str]
@@ -62,7 +68,6 @@ class HealOptions(Options):
     # ---- the data: calibration prompts continued by the quantized target itself ---------------------------
     data: str = "offline"  # offline | a .txt/.jsonl file | a `datasets` name (as convert's --calib-data)
     samples: Positive = 64  # prompts
-    temperature: Annotated[float, Gt(0)] = 0.7  # the serving temperature of the sampled continuations
     # ---- the training -----------------------------------------------------------------------------------------
     steps: Positive = 100
     lr: Annotated[float, Gt(0)] = 1e-3
@@ -71,6 +76,11 @@ class HealOptions(Options):
     # ---- the held-out check -------------------------------------------------------------------------------
     check_prompts: Positive = 64
     k: Positive = 3  # the check measures AL for k = 1..k
+    # the sampling settings the check measures at (validate's --temperature, --top-p, --top-k, --rule)
+    temperatures: tuple[float, ...] = field(default=(0.0,), metadata={FLAG: "--temperature"})
+    top_p: tuple[float, ...] = (1.0,)  # one value for every temperature, or one per temperature
+    top_k: tuple[int, ...] = (0,)  # the same
+    rule: str = "vllm"  # vllm | probabilistic | strict
     force: bool = False  # write the healed MTP even when the check does not show it better (the record says so)
     # ---- where it runs ------------------------------------------------------------------------------------
     device: str = "auto"  # cpu | cuda | cuda:N | auto (runtime.machine.resolve_device)
@@ -98,8 +108,23 @@ class HealOptions(Options):
                 f"{Path(self.out).absolute()}: output already exists; heal never overwrites (choose a new --out)"
             )
         self.check_fields(UsageError)
+        try:
+            check_sampling(self.temperatures, self.top_p, self.top_k, self.seed, self.rule)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
         if self.chain >= self.sizes.seq_len - 1:
             raise UsageError(f"--chain {self.chain} does not fit sequences of {self.sizes.seq_len}")
+
+    @property
+    def sampling_settings(self) -> tuple[SamplingSettings, ...]:
+        """The settings the check measures at, in the order given (the first is the headline)."""
+        return sampling_settings(self.temperatures, self.top_p, self.top_k, self.seed)
+
+    @property
+    def data_temperature(self) -> float:
+        """The temperature the sampled half of the training data is continued at: the first sampled setting's,
+        else ``DATA_TEMPERATURE``."""
+        return next((s.temperature for s in self.sampling_settings if not s.greedy), DATA_TEMPERATURE)
 
     @property
     def out_path(self) -> Path | None:

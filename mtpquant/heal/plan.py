@@ -89,6 +89,8 @@ class HealPlan:
         """The ``--dry-run`` lines."""
         o, t, sizes = self.options, self.schedule, self.options.sizes
         greedy = o.samples - round(o.samples * SAMPLED)
+        settings = o.sampling_settings
+        greedy_only = len(settings) == 1 and settings[0].greedy
         out = [
             f"heal       {self.quant} (MTP {self.storage.label}, {self.mtp_tensors} tensors, "
             f"{format_bytes(self.mtp_bytes)}) -> {self.destination} ({self.mode})",
@@ -96,11 +98,14 @@ class HealPlan:
             + ("; modelopt fake quantization in the loop, written back as " + self.storage.label
                if self.storage.fmt != "bf16" else "; written back as BF16"),
             f"data       {o.samples} prompts of {sizes.prompt_len} tokens ({o.data}) continued by QUANT's target for "
-            f"{sizes.new_tokens} tokens: {greedy} greedy, {o.samples - greedy} at temperature {o.temperature:g}",
+            f"{sizes.new_tokens} tokens: {greedy} greedy, {o.samples - greedy} at temperature {o.data_temperature:g}",
             f"schedule   {t.steps} steps x {t.batch_size} sequences, lr {t.lr:g}, chain {t.chain}, seed {t.seed}; "
             f"{self.device}, {self.dtype}",
             f"check      held-out AL at k = 1..{o.k} on {o.check_prompts} prompts of validate's held-out text, before "
-            "and after; nothing is written unless better beyond noise at every k"
+            + ("and after" if greedy_only else f"and after, at {', '.join(s.label for s in settings)} "
+               f"(--rule {o.rule})")
+            + "; nothing is written unless better beyond noise at every k"
+            + ("" if greedy_only else f" at {settings[0].label} and worse at no k of any setting")
             + (" (--force: written anyway)" if o.force else ""),
             *self.memory.lines(
                 "the quantized target, dequantized" + (": the layers on disk read from QUANT's files and "
@@ -135,9 +140,17 @@ class HealPlan:
         }
 
 
+def _mtp_input_streams(quant: Checkpoint) -> int:
+    """How many hidden-size streams the MTP's own hidden input has where it is not the LM head's (Qwen4-Exp: the
+    multi-stream state, ``MtpLayout.hidden_source``, ``hc_count`` streams), stored beside it; 0 otherwise."""
+    if quant.spec.family.mtp.hidden_source is None:
+        return 0
+    return quant.spec.dim("hc_count")
+
+
 def _train_bytes(quant: Checkpoint, schedule: Schedule, sizes: HealSizes, head_bytes: int, tied: bool) -> int:
     """MTP weights, gradients and AdamW state in float32 (16 bytes a parameter), the embedding and head, a batch of
-    hidden states, the layer's activations (~24 per row and hidden unit), one chunk of logits."""
+    hidden states, the layer's activations (~24 per row and hidden unit of every stream), one chunk of logits."""
     params = 0
     for e in quant.mtp_tensors():
         n = 1
@@ -151,7 +164,7 @@ def _train_bytes(quant: Checkpoint, schedule: Schedule, sizes: HealSizes, head_b
         _RUNTIME_BYTES
         + 16 * params
         + head_bytes * (1 if tied else 2)
-        + rows * H * 4 * 24
+        + rows * H * 4 * 24 * max(1, _mtp_input_streams(quant))
         + 4 * 256 * V * 4
     )
 
@@ -205,7 +218,7 @@ def plan_heal(options: HealOptions) -> tuple[HealPlan, Checkpoint, Checkpoint, C
     check_family(quant.spec.family, quant.label)
     # a quantized Linear keeps its .weight name (ModelOpt), or stores .weight_packed (compressed-tensors)
     missing = sorted(
-        n for n in quant.spec.expected_mtp_shapes()
+        n for n in quant.spec.expected_mtp_shapes(present)
         if n not in present and not (n.endswith(".weight") and n[: -len("weight")] + "weight_packed" in present)
     )
     if missing:
@@ -239,7 +252,7 @@ def plan_heal(options: HealOptions) -> tuple[HealPlan, Checkpoint, Checkpoint, C
                                 shard_bytes=options.max_shard_bytes)
     seq_len = options.sizes.seq_len
     schedule = Schedule(options.steps, options.lr, options.sizes.batch_size, options.chain, options.seed)
-    data_bytes = options.samples * seq_len * (H * DTYPE_BYTES[dtype] + 8)
+    data_bytes = options.samples * seq_len * (H * DTYPE_BYTES[dtype] * (1 + _mtp_input_streams(quant)) + 8)
     notes: list[str] = list(lineage.warnings)
     if storage.fmt != "bf16" and "SGLang" not in " ".join(notes):
         notes.append("SGLang serves only a BF16 MTP; the healed quantized MTP is for vLLM, as before")

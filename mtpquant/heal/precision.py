@@ -9,6 +9,10 @@ heal writes the healed MTP in exactly the layout QUANT has, so every engine load
   ``input_scale`` is QUANT's own, byte for byte (the fake quantization trained with it); ``mtp.fc``, norms, router
   and ``shared_expert_gate`` in their stored dtype.
 
+The routed experts go back in QUANT's form: a fused bank (``experts.gate_up_proj`` [E, 2I, H]) stays fused, a
+per-expert one per expert (the reference forward trains them fused: ``mtp.build.fuse_mtp_experts``; convert's
+quantized experts are per expert, ``mtp.quantize.per_expert_weights``).
+
 Training starts from QUANT's own MTP when it is unquantized (a BF16 MTP healed twice keeps the first heal), and from
 SRC's BF16 MTP when QUANT's is quantized (the weights it was quantized from). Other layouts (FP8 blocks, AWQ
 pre-quant scales, compressed-tensors, a quantized set other than modelopt's) are refused before any work.
@@ -28,9 +32,8 @@ from mtpquant.checkpoint.modules import linear_modules
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.checkpoint.writer import PlannedTensor
 from mtpquant.errors import HealRefusedError
-from mtpquant.families import is_mtp_name
 from mtpquant.heal.support import WRITABLE, WRITES_BACK
-from mtpquant.mtp.quantize import mtp_quantized_modules, quantize_mtp
+from mtpquant.mtp.quantize import mtp_quantized_modules, per_expert_weights, quantize_mtp
 
 __all__ = ["MtpStorage", "export_mtp", "master_weights", "mtp_storage"]
 
@@ -59,7 +62,7 @@ def mtp_storage(quant: Checkpoint, formats: Mapping[str, object]) -> MtpStorage:
     """QUANT's MTP storage from its header table and the quantized-Linear formats validate's reader found
     (``CheckpointWeights.formats``); refuses what heal cannot write back."""
     label = quant.label
-    mtp_formats = {m: f for m, f in formats.items() if is_mtp_name(m)}
+    mtp_formats = {m: f for m, f in formats.items() if quant.is_mtp(m)}
     if not mtp_formats:
         bad = sorted(e.name for e in quant.mtp_tensors() if e.dtype not in FLOAT_DTYPES)
         if bad:
@@ -108,6 +111,13 @@ def master_weights(quant: Checkpoint, src: Checkpoint, storage: MtpStorage) -> t
     return {n: origin.read_tensor(n).to(torch.float32) for n in names}, origin.label
 
 
+def _as_stored(tensors: Mapping[str, Tensor], stored: Mapping[str, object]) -> dict[str, Tensor]:
+    """``tensors`` with fused expert banks split per expert where QUANT stores them so (names not in ``stored``)."""
+    if all(name in stored for name in tensors):
+        return dict(tensors)
+    return per_expert_weights(tensors)
+
+
 def export_mtp(
     quant: Checkpoint, src: Checkpoint, storage: MtpStorage, healed: Mapping[str, Tensor]
 ) -> list[PlannedTensor]:
@@ -117,7 +127,7 @@ def export_mtp(
     if storage.fmt != "bf16":
         # quantize as convert does: from the source's dtype (the healed float32 rounded to it), modelopt's math
         src_dtype = {n: torch_dtype(src.tensors[n].dtype) for n in healed if n in src.tensors}
-        weights = {n: t.to(src_dtype.get(n, torch.bfloat16)) for n, t in healed.items()}
+        weights = _as_stored({n: t.to(src_dtype.get(n, torch.bfloat16)) for n, t in healed.items()}, entries)
         result = quantize_mtp(weights, None, storage.fmt, activations=False, layout=quant.spec.family.mtp)
         quantized = {m + ".weight" for m in storage.quantized}
         for name, tensor in result.tensors.items():
@@ -125,11 +135,11 @@ def export_mtp(
         for m in storage.quantized:
             if storage.activations:
                 out[m + ".input_scale"] = quant.read_tensor(m + ".input_scale")  # QUANT's own bytes
-        for name, tensor in healed.items():
+        for name, tensor in _as_stored(healed, entries).items():
             if name not in quantized:
                 out[name] = tensor.to(torch_dtype(entries[name].dtype))
     else:
-        for name, tensor in healed.items():
+        for name, tensor in _as_stored(healed, entries).items():
             out[name] = tensor.to(torch_dtype(entries[name].dtype))
     if set(out) != set(entries):
         diff = sorted(set(out) ^ set(entries))[0]

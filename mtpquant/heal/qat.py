@@ -6,6 +6,13 @@ of the heal data, and its straight-through estimator carries the gradients throu
 quantizers then take QUANT's own ``input_scale`` (amax = input_scale x 6 x 448 for NVFP4, x 448 for FP8), so
 training sees the activations exactly as the engines quantize them with the scales that stay in the checkpoint.
 
+Qwen4-Exp's reference forward computes the routed experts fused (transformers' 3-D ``gate_up_proj`` /
+``down_proj``) while QUANT stores them per expert: modelopt wraps such a module as ``_QuantFusedExperts`` (one
+weight quantizer per expert and projection, ``gate_up_proj_weight_quantizers.{e}`` / ``down_proj_weight_quantizers.
+{e}``, and one shared input quantizer per projection), so expert e's gate/up is rounded as one group (the global
+scale they share on export) and its down on its own; the shared input quantizers take the bank's input scale (the
+largest, as vLLM takes one per bank).
+
 modelopt 0.47 fake-quantizes FP8 on any device, but its NVFP4 fake quantization (dynamic 16-element blocks with
 E4M3 scales) runs only in its CUDA extension or Triton kernel. For NVFP4 the quantizers therefore use a modelopt
 *backend* (``register_quant_backend``, the extension point modelopt provides for this), ``mtpquant_nvfp4``: the
@@ -17,12 +24,13 @@ and dequantized; the input quantized as the W4A4 kernels do (``quantize_activati
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from mtpquant.families import MTP_PREFIX
 from mtpquant.formats.nvfp4 import (
     E2M1_MAX,
     E4M3_MAX,
@@ -33,7 +41,7 @@ from mtpquant.formats.nvfp4 import (
     weight_amax,
 )
 from mtpquant.heal.precision import MtpStorage
-from mtpquant.mtp.module import MTP_PREFIX
+from mtpquant.mtp.quantize import expert_linear, is_fused_experts
 
 __all__ = ["NVFP4_BACKEND", "fake_quant_config", "nvfp4_fake_quant", "quantize_for_training"]
 
@@ -61,19 +69,37 @@ def nvfp4_fake_quant(inputs: Tensor, quantizer: Any) -> Tensor:
     return inputs + (fake - x).to(inputs.dtype)
 
 
-def fake_quant_config(storage: MtpStorage) -> dict[str, Any]:
+def _quantizers(module: str, fused: Collection[str]) -> dict[str, str]:
+    """The quantizer names (``weight``, ``input``) of QUANT's quantized MTP Linear ``module`` in the reference layer
+    (without ``mtp.``): its own, or, for an expert of a fused bank in ``fused``, the bank's quantizers of its
+    projection (``_QuantFusedExperts``)."""
+    name = module.removeprefix(MTP_PREFIX)
+    expert = expert_linear(name)
+    if expert is None or expert["stem"] not in fused:
+        return {"weight": f"{name}.weight_quantizer", "input": f"{name}.input_quantizer"}
+    proj = "down_proj" if expert["proj"] == "down_proj" else "gate_up_proj"
+    stem = expert["stem"]
+    return {"weight": f"{stem}.{proj}_weight_quantizers.{expert['e']}", "input": f"{stem}.{proj}_input_quantizer"}
+
+
+def fake_quant_config(storage: MtpStorage, fused: Collection[str] = ()) -> dict[str, Any]:
     """``mtq.quantize``'s config: every quantizer off but the weight (and input) quantizers of QUANT's quantized MTP
-    Linears, in QUANT's format; module names as the reference layer has them (without ``mtp.``)."""
+    Linears, in QUANT's format; module names as the reference layer has them (without ``mtp.``; ``fused``: its fused
+    expert banks)."""
     entries: list[dict[str, Any]] = [{"quantizer_name": "*", "enable": False}]
     kinds = ("weight", "input") if storage.activations else ("weight",)
+    seen: set[str] = set()
     for module in storage.quantized:
-        name = module.removeprefix(MTP_PREFIX)
+        names = _quantizers(module, fused)
         for kind in kinds:
+            if names[kind] in seen:  # a fused bank's shared input quantizer, or gate and up of one expert
+                continue
+            seen.add(names[kind])
             if storage.fmt == "nvfp4":
                 cfg = {**_NVFP4_CFG, "backend": NVFP4_BACKEND, "backend_extra_args": {"role": kind}}
             else:
                 cfg = dict(_FP8_CFG)
-            entries.append({"quantizer_name": f"{name}.{kind}_quantizer", "cfg": cfg})
+            entries.append({"quantizer_name": names[kind], "cfg": cfg})
     return {"quant_cfg": entries, "algorithm": "max"}
 
 
@@ -100,16 +126,18 @@ def quantize_for_training(layer: nn.Module, storage: MtpStorage, calibrate: Call
     if storage.fmt == "bf16":
         return 0
     _register_backend()
+    fused = {name for name, mod in layer.named_modules() if is_fused_experts(mod)}
     with modelopt_quiet(progress=False), torch.no_grad():
-        mtq.quantize(layer, fake_quant_config(storage), calibrate)
+        mtq.quantize(layer, fake_quant_config(storage, fused), calibrate)
     factor = E2M1_MAX * E4M3_MAX if storage.fmt == "nvfp4" else E4M3_MAX
-    modules: dict[str, Any] = dict(layer.named_modules())
-    count = 0
-    for module in storage.quantized:
-        mod = modules[module.removeprefix(MTP_PREFIX)]
-        count += 1
-        if storage.activations:
-            quantizer: Any = mod.input_quantizer
-            quantizer.amax = torch.tensor(storage.input_scales[module] * factor, dtype=torch.float32)
+    if storage.activations:
+        scales: dict[str, float] = {}  # input quantizer -> QUANT's input scale (a fused bank's: the largest)
+        for module in storage.quantized:
+            name = _quantizers(module, fused)["input"]
+            scales[name] = max(scales.get(name, 0.0), storage.input_scales[module])
+        for name, scale in scales.items():
+            quantizer: Any = layer.get_submodule(name)
+            quantizer.amax = torch.tensor(scale * factor, dtype=torch.float32)
+    count = len(storage.quantized)
     log.info("heal: modelopt fake quantization on %d MTP Linears (%s)", count, storage.label)
     return count

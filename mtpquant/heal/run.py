@@ -7,9 +7,10 @@ the held-out prompts (the check's sequences) -> its continuations of the calibra
 in shards on disk (``data.py``) -> the target released -> the MTP's training weights (``precision.py``), modelopt's
 fake quantization on the Linears QUANT stores quantized (``qat.py``), self-distillation (``train.py``) -> the
 healed MTP in QUANT's format, written as new MTP shards with every other file linked, verified (``surgery.write``)
--> the check: QUANT's MTP and the written one measured on the held-out sequences (``check.py``) -> nothing
-written unless better beyond noise at every k (exit 24), else the provenance records the heal and the result is
-put in place (rename, or atomic directory exchange).
+-> the check: QUANT's MTP and the written one measured on the held-out sequences at each sampling setting
+(``check.py``) -> nothing written unless better beyond noise at every k of the first setting and worse beyond noise
+at no k of any (exit 24), else the
+provenance records the heal and the result is put in place (rename, or atomic directory exchange).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.errors import HealNotBetterError
-from mtpquant.heal.check import CheckResult
+from mtpquant.heal.check import AlChange, CheckResult
 from mtpquant.heal.options import HealOptions
 from mtpquant.heal.plan import HealPlan, plan_heal
 from mtpquant.heal.train import TrainLog
@@ -80,8 +81,13 @@ class _Healed:
 
 
 def _changes(check: CheckResult) -> str:
-    return ", ".join(f"k={c.k}: {c.before:.3f} -> {c.after:.3f} ({c.change:+.3f} [{c.low:+.3f}, {c.high:+.3f}])"
-                     for c in check.by_k)
+    def one(changes: tuple[AlChange, ...]) -> str:
+        return ", ".join(f"k={c.k}: {c.before:.3f} -> {c.after:.3f} ({c.change:+.3f} [{c.low:+.3f}, {c.high:+.3f}])"
+                         for c in changes)
+
+    if check.greedy_only:
+        return one(check.by_k)
+    return "; ".join(f"{s.sampling.label} ({s.verdict}): {one(s.by_k)}" for s in check.settings)
 
 
 def heal(options: HealOptions) -> HealResult:
@@ -137,7 +143,7 @@ def _heal(
     """Everything between opening the destination and committing it (nothing is put in place on an error)."""
     import torch
 
-    from mtpquant.heal.check import check, held_out_run
+    from mtpquant.heal.check import check, held_out_runs
     from mtpquant.heal.data import training_data
     from mtpquant.heal.train import train
     from mtpquant.heal.write import record_step, write_healed
@@ -158,11 +164,11 @@ def _heal(
         target = load_target(weights, device=device, dtype=dtype, activations=options.activations,
                              max_memory=plan.memory.caps.for_accelerate() if plan.memory.caps else None)
     with timer("check_target"):
-        held_out = held_out_run(target, quant.source, vocab, options.check_prompts, sizes.check_len,
-                                batch_size=sizes.batch_prompts, progress=options.progress)
+        held_out = held_out_runs(target, quant.source, vocab, options.check_prompts, sizes.check_len,
+                                 options.sampling_settings, batch_size=sizes.batch_prompts, progress=options.progress)
     with timer("data"):
         data = training_data(target, quant.source, vocab, options.data, options.samples, sizes,
-                             temperature=options.temperature, seed=plan.schedule.seed, directory=scratch,
+                             temperature=options.data_temperature, seed=plan.schedule.seed, directory=scratch,
                              progress=options.progress)
     target.release()
     del target
@@ -187,11 +193,19 @@ def _heal(
         shared = weights.embedding_and_head(dtype, device)
     with timer("check"):
         after = CheckpointWeights(Checkpoint.open(dest.od.path, strict=True))
-        result = check(weights, after, held_out, shared, activations=options.activations, k=options.k)
+        result = check(weights, after, held_out, shared, activations=options.activations, k=options.k,
+                       rule=options.rule)
     if not result.better and not options.force:
+        worse = [s.sampling.label for s in result.settings if s.worse]
+        if result.greedy_only:
+            what = "not better beyond noise"
+        elif worse:
+            what = f"worse beyond noise at {', '.join(worse)}"
+        else:
+            what = f"not better beyond noise at {result.settings[0].sampling.label}"
         raise HealNotBetterError(
-            f"{plan.quant}: the healed MTP is not better beyond noise on {result.sequences} held-out prompts "
-            f"(AL {_changes(result)}); nothing written"
+            f"{plan.quant}: the healed MTP is {what} on {result.sequences} held-out prompts (AL {_changes(result)}); "
+            "nothing written"
         )
     record = record_step(quant, src, dest, options.command, plan.storage.label, plan.schedule, data, result)
     with timer("commit"):

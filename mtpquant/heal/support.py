@@ -38,12 +38,10 @@ _TARGET = (TensorClass.MAIN, TensorClass.EMBED, TensorClass.LM_HEAD)
 
 
 def check_family(family: Family, label: str, then: str = "the quant is left as it is") -> None:
-    """Refuse a family whose MTP heal does not train (it trains the Qwen3 MTP layer, ``mtp.module.MtpLayer``);
-    ``then``: what the user is told happens instead."""
+    """Refuse a family whose MTP heal does not train (``Family.mtp_heal``: heal trains a family's reference forward
+    through its ``step``, ``mtp.step.MtpForward``); ``then``: what the user is told happens instead."""
     if not family.mtp_heal:
-        raise HealRefusedError(
-            f"{label}: heal does not train the {family.display} MTP yet (it trains the Qwen3 MTP layer); {then}"
-        )
+        raise HealRefusedError(f"{label}: heal does not train the {family.display} MTP yet; {then}")
 
 
 def target_blocks(

@@ -1,15 +1,19 @@
 """Self-distillation of the MTP layer to the quantized target: only ``mtp.*`` weights train.
 
-For row t of a sequence the layer sees what the engines feed it, ``(h_t, embed(x_{t+1}))`` with ``h_t`` the quantized
-target's post-final-norm hidden state, and is trained so that its distribution for ``x_{t+2}``,
-``softmax(lm_head(MTP(...)))``, matches the target's own, ``softmax(lm_head(h_{t+1}))``: the loss is
+For row t of a sequence the layer sees what the engines feed it, ``(m_t, embed(x_{t+1}))`` with ``m_t`` the quantized
+target's hidden state the family's MTP reads (Qwen3.5 / Qwen3-Next: post-final-norm ``h_t``; Qwen4-Exp: the
+multi-stream state before the final hyper-connection mixer), and is trained so that its distribution for
+``x_{t+2}``, ``softmax(lm_head(MTP(...)))``, matches the target's own, ``softmax(lm_head(h_{t+1}))``: the loss is
 KL(target || MTP), summed over the vocabulary and averaged over rows. Trunk, embeddings and LM head are frozen (the
-shared embedding and head are plain tensors here, never parameters).
+shared embedding and head are plain tensors here, never parameters). Every family's MTP trains through this one
+path, by its ``step`` (``mtp.step.MtpForward``: ``mtp.module.MtpLayer``, ``mtp.qwen4_exp.Qwen4ExpMtp``).
 
-``chain`` > 1 also trains the drafts after the first as the engines make them (``mtp.drafting.draft_rows``): step j
-feeds the layer its own post-norm output of step j - 1 and the token ``x_{t+j}`` (the draft itself wherever the
-chain can still be accepted), at position t + j - 1, attending to the teacher-forced rows up to t and to its own
-chain; its target is the target's distribution for ``x_{t+j+1}``. Gradients flow through the chain.
+``chain`` > 1 also trains the drafts after the first as the engines make them (``mtp.drafting.chain_logits``): step
+j feeds the layer its own next-step hidden of step j - 1 (Qwen3.5: its post-norm output; Qwen4-Exp: its
+multi-stream output) and the token ``x_{t+j}`` (the draft itself wherever the chain can still be accepted), at
+position t + j - 1, attending to the teacher-forced rows up to t and to its own chain (with Qwen4-Exp's index
+sharing: to the keys the first step's indexer selected for row t); its target is the target's distribution for
+``x_{t+j+1}``. Gradients flow through the chain.
 
 The KL over a large vocabulary is computed a chunk of rows at a time (the logits of a 248k vocabulary are ~1 MB a
 row), with the layer's outputs detached in between, so memory holds one chunk of logits. Seeded: the order of the
@@ -22,6 +26,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -32,8 +37,8 @@ from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.heal.data import HealData
 from mtpquant.heal.plan import Schedule
 from mtpquant.heal.precision import MtpStorage
-from mtpquant.mtp.module import KVCache
 from mtpquant.mtp.schedule import warmup_cosine
+from mtpquant.mtp.step import MtpForward
 
 __all__ = ["TrainLog", "chain_mask", "distill", "distill_loss", "train"]
 
@@ -88,35 +93,45 @@ def distill_loss(outputs: Tensor, teacher_hidden: Tensor, head: Tensor, *, chunk
 
 
 def _chain_outputs(
-    layer: nn.Module, tokens: Tensor, hidden: Tensor, embed: Callable[[Tensor], Tensor], chain: int
+    layer: MtpForward,
+    tokens: Tensor,
+    hidden: Tensor,
+    embed: Callable[[Tensor], Tensor],
+    chain: int,
+    mtp_hidden: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The layer's outputs for every trained (row, chain step) ``[R, H]`` and the target's hidden states one
-    position after each (the teacher) ``[R, H]``."""
+    position after each (the teacher) ``[R, H]``; ``mtp_hidden``: the MTP's hidden input where it is not ``hidden``
+    (Qwen4-Exp's multi-stream state)."""
     B, T, H = hidden.shape
     L = T - 1  # rows 0..T-2 draft (row T-1 has no next token)
-    out, cache = layer(hidden[:, :-1], embed(tokens[:, 1:]))
-    outputs = [out.reshape(-1, H)]
+    first = layer.step((hidden if mtp_hidden is None else mtp_hidden)[:, :-1], embed(tokens[:, 1:]))
+    outputs = [first.out.reshape(-1, H)]
     teachers = [hidden[:, 1:].reshape(-1, H)]
-    keys, values = [cache.key], [cache.value]
+    parts: list[Any] = []  # each chain step's own L cache rows
+    shared = first.selection if layer.index_share else None  # step 1's token selection, reused by the chain
     positions = torch.arange(L, device=hidden.device)
-    prev = out
+    prev = first.next_hidden
     for j in range(2, chain + 1):
         valid = L - (j - 1)  # rows t <= T-1-j have a token x_{t+j} and a teacher h_{t+j}
         step_tokens = torch.zeros(B, L, dtype=tokens.dtype, device=tokens.device)
         step_tokens[:, :valid] = tokens[:, j : j + valid]
-        past = KVCache(torch.cat(keys, dim=2), torch.cat(values, dim=2))
         mask = chain_mask(L, j, hidden.device).expand(B, 1, L, j * L)
-        out, cache = layer(prev, embed(step_tokens), positions + (j - 1), past, attn_mask=mask)
-        keys.append(cache.key[:, :, -L:])
-        values.append(cache.value[:, :, -L:])
-        outputs.append(out[:, :valid].reshape(-1, H))
+        selection = None
+        if shared is not None:  # the rows step 1 selected, none of the chain's (mtp.drafting.chain_logits)
+            pad = torch.zeros(*shared.shape[:-1], (j - 1) * L, dtype=torch.bool, device=shared.device)
+            selection = torch.cat((shared, pad), dim=-1)
+        new = layer.step(prev, embed(step_tokens), positions + (j - 1), first.cache.cat(parts), mask, step=j - 1,
+                         selection=selection)
+        parts.append(new.cache.last(L))
+        outputs.append(new.out[:, :valid].reshape(-1, H))
         teachers.append(hidden[:, j : j + valid].reshape(-1, H))
-        prev = out
+        prev = new.next_hidden
     return torch.cat(outputs), torch.cat(teachers)
 
 
 def distill(
-    layer: nn.Module,
+    layer: MtpForward,
     data: HealData,
     embed_weight: Tensor,
     head: Tensor,
@@ -126,7 +141,8 @@ def distill(
     progress: bool = True,
 ) -> TrainLog:
     """Train ``layer``'s parameters (float32, on ``device``) to the target's distributions in ``data``."""
-    params = [p for p in layer.parameters() if p.is_floating_point()]
+    module = cast(nn.Module, layer)
+    params = [p for p in module.parameters() if p.is_floating_point()]
     for p in params:
         p.requires_grad_(True)
     opt = torch.optim.AdamW(
@@ -142,27 +158,28 @@ def distill(
     losses: list[float] = []
     rows = 0
     t0 = time.perf_counter()
-    layer.train()
+    module.train()
     bar = tqdm(range(schedule.steps), desc="heal train", unit="step", disable=not progress)
     for step in bar:
         if len(order) < schedule.batch_size:
             order += torch.randperm(data.sequences, generator=generator).tolist()
         batch, order = order[: schedule.batch_size], order[schedule.batch_size :]
-        tokens, hidden = data.batch(batch, device)
-        hidden = hidden.to(dtype)
+        rows_in = data.batch(batch, device)
+        hidden = rows_in.hidden.to(dtype)
+        mtp_hidden = None if rows_in.mtp_input is None else rows_in.mtp_input.to(dtype)
         lr = warmup_cosine(step, steps=schedule.steps, peak=schedule.lr, warmup=schedule.warmup,
                            min_ratio=schedule.min_lr_ratio)
         for group in opt.param_groups:
             group["lr"] = lr
         opt.zero_grad(set_to_none=True)
-        outputs, teachers = _chain_outputs(layer, tokens, hidden, embed, schedule.chain)
+        outputs, teachers = _chain_outputs(layer, rows_in.tokens, hidden, embed, schedule.chain, mtp_hidden)
         loss = float(distill_loss(outputs, teachers, head))
         torch.nn.utils.clip_grad_norm_(params, schedule.grad_clip, foreach=False)
         opt.step()
         losses.append(loss)
         rows += int(outputs.shape[0])
         bar.set_postfix(kl=f"{loss:.4f}")
-    layer.eval()
+    module.eval()
     for p in params:
         p.requires_grad_(False)
     tenth = max(1, len(losses) // 10)
@@ -189,23 +206,25 @@ def train(
     device: torch.device,
     progress: bool = True,
 ) -> tuple[dict[str, Tensor], TrainLog]:
-    """The healed MTP weights (float32, on the CPU) by checkpoint name, and how training went: QUANT's MTP layer from
-    its master weights (``precision.master_weights``), with modelopt's fake quantization where QUANT stores it
-    quantized (``qat``), distilled on ``data`` against the frozen embedding and LM head (``shared``)."""
+    """The healed MTP weights (float32, on the CPU) by checkpoint name, and how training went: QUANT's MTP from its
+    master weights (``precision.master_weights``) as the family's reference forward (``mtp.build.reference_mtp``;
+    Qwen4-Exp's experts fused), with modelopt's fake quantization where QUANT stores it quantized (``qat``),
+    distilled on ``data`` against the frozen embedding and LM head (``shared``)."""
     from mtpquant.heal.precision import master_weights
     from mtpquant.heal.qat import quantize_for_training
-    from mtpquant.mtp.module import MTP_PREFIX, MtpConfig, MtpLayer
+    from mtpquant.mtp.build import reference_mtp
+    from mtpquant.mtp.names import checkpoint_name
 
     torch.manual_seed(schedule.seed)
     master, _ = master_weights(quant, src, storage)
-    layer = MtpLayer.from_state_dict(MtpConfig.from_text_config(quant.config), master, dtype=torch.float32,
-                                     device=device)
+    layer = reference_mtp(quant.config, master, dtype=torch.float32, device=device)
     embed, head = shared
 
     def calibrate(module: nn.Module) -> None:
-        tokens, hidden = data.batch(range(min(schedule.batch_size, data.sequences)), device)
-        module(hidden[:, :-1].float(), F.embedding(tokens[:, 1:], embed).float())
+        rows = data.batch(range(min(schedule.batch_size, data.sequences)), device)
+        module(rows.mtp_hidden[:, :-1].float(), F.embedding(rows.tokens[:, 1:], embed).float())
 
-    quantize_for_training(layer, storage, calibrate)
+    quantize_for_training(cast(nn.Module, layer), storage, calibrate)
     log_ = distill(layer, data, embed, head, schedule, device=device, progress=progress)
-    return {MTP_PREFIX + n: p.detach().float().cpu() for n, p in layer.named_parameters()}, log_
+    named = cast(nn.Module, layer).named_parameters()
+    return {checkpoint_name(layer, n): p.detach().float().cpu() for n, p in named}, log_

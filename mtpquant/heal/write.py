@@ -19,12 +19,12 @@ from mtpquant.checkpoint.digest import checksum
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.diagnose.verify import verify_result
 from mtpquant.errors import OutputVerificationError
-from mtpquant.heal.check import CheckResult
+from mtpquant.heal.check import AlChange, CheckResult
 from mtpquant.heal.data import HealData
 from mtpquant.heal.plan import Schedule
 from mtpquant.heal.precision import MtpStorage, export_mtp
 from mtpquant.public import public_args, public_ref, public_text
-from mtpquant.records.provenance import PROVENANCE_FILE, HealAl, HealRecord, Step, source_provenance
+from mtpquant.records.provenance import PROVENANCE_FILE, HealAl, HealCheck, HealRecord, Step, source_provenance
 from mtpquant.surgery.metadata import MetadataPlan
 from mtpquant.surgery.plan import plan_change
 from mtpquant.surgery.shards import write_planned_mtp
@@ -111,6 +111,10 @@ def write_healed(
     return build(dest, plan, new_mtp, step, _verify(quant, hashes, layers), link=link)
 
 
+def _al(changes: tuple[AlChange, ...]) -> tuple[HealAl, ...]:
+    return tuple(HealAl(c.k, c.before, c.after, c.low, c.high) for c in changes)
+
+
 def record_step(
     quant: Checkpoint,
     src: Checkpoint,
@@ -136,9 +140,12 @@ def record_step(
         chain=schedule.chain,
         seed=schedule.seed,
         check_sequences=check.sequences,
-        by_k=tuple(HealAl(c.k, c.before, c.after, c.low, c.high) for c in check.by_k),
+        by_k=_al(check.by_k),
         better=check.better,
         forced=not check.better,
+        checks=() if check.greedy_only else tuple(
+            HealCheck(s.sampling, check.rule, _al(s.by_k), s.better, s.worse) for s in check.settings
+        ),
     )
     step = heal_step(command, src, record)
     provenance = source_provenance(quant.source).then(step)

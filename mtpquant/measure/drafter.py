@@ -6,7 +6,7 @@ bundle serves validate's built-in path and heal's check.
 from __future__ import annotations
 
 import logging
-import re
+from collections import defaultdict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -16,18 +16,15 @@ from torch import Tensor, nn
 
 from mtpquant.families import TensorClass, check_mtp_forward
 from mtpquant.measure import ACTIVATION_MODES
-from mtpquant.measure.emulate import activation_quantizer, emulate_fused_experts, pre_hook, shared_quantizer
+from mtpquant.measure.emulate import activation_quantizer, emulate_expert_banks, pre_hook
 from mtpquant.measure.weights import CheckpointWeights, LinearFormat
 from mtpquant.mtp.build import reference_mtp
 from mtpquant.mtp.module import MtpLayoutError
 from mtpquant.mtp.names import checkpoint_name, module_name
+from mtpquant.mtp.quantize import expert_linear
 from mtpquant.mtp.step import MtpForward
 
 __all__ = ["MtpBundle", "load_mtp", "mtp_bundle"]
-
-# a per-expert Linear of transformers' fused experts (a bank: Qwen4-Exp's, GLM's and DeepSeek's MTP experts), by the
-# forward's module name: its stem and projection
-_EXPERT = re.compile(r"^(?P<stem>.*\.mlp\.experts)\.\d+\.(?P<proj>gate_proj|up_proj|down_proj)$")
 
 log = logging.getLogger(__name__)
 
@@ -111,30 +108,25 @@ def mtp_bundle(
     """The family's MTP from its logical ``mtp.*`` tensors (dequantized weights; per-expert or fused experts) with
     the target's embedding and head (``shared``), and the activations of the Linears in ``emulate`` (module -> its
     stored format) fake-quantized as the engines run them: a pre-hook per Linear, the shared input scale of each
-    projection kind for transformers' fused experts (``emulate.emulate_fused_experts``). MtpLayoutError when the
+    projection kind for transformers' fused experts (``emulate.emulate_expert_banks``). MtpLayoutError when the
     tensors do not fit the family's layout. ``load_mtp`` builds a checkpoint's through it; the precision search its
     candidates, from tensors in memory."""
     layer = reference_mtp(config, tensors, dtype=dtype, device=device)
     emulated: list[str] = []
     modules = dict(cast(nn.Module, layer).named_modules())
-    experts: dict[str, dict[str, list[LinearFormat]]] = {}
+    banks: dict[str, dict[str, list[LinearFormat]]] = defaultdict(lambda: defaultdict(list))
     for module, fmt in sorted((emulate or {}).items()):
         name = module_name(layer, module)
-        if name not in modules:
-            m = _EXPERT.match(name)
-            if m is None or m["stem"] not in modules:
+        if name not in modules:  # stored per expert, computed fused (transformers' expert banks)
+            expert = expert_linear(name)
+            if expert is None or expert["stem"] not in modules:
                 raise MtpLayoutError(f"{module}: no such Linear in the MTP to emulate its activations")
-            experts.setdefault(m["stem"], {}).setdefault(m["proj"], []).append(fmt)
+            banks[expert["stem"]][expert["proj"]].append(fmt)
             continue
         quantize = activation_quantizer(fmt, pre_quant_scale(module))
         if quantize is not None:
             modules[name].register_forward_pre_hook(pre_hook(quantize))
             emulated.append(module)
-    for stem, by_proj in sorted(experts.items()):
-        q_in = shared_quantizer([f for p in ("gate_proj", "up_proj") for f in by_proj.get(p, [])])
-        q_mid = shared_quantizer(by_proj.get("down_proj", []))
-        if q_in or q_mid:
-            emulate_fused_experts(modules[stem], q_in, q_mid)
-            emulated.append(checkpoint_name(layer, stem))
+    emulated += [checkpoint_name(layer, stem) for stem in emulate_expert_banks(modules, banks)]
     return MtpBundle(layer=layer, embed_weight=shared[0], lm_head_weight=shared[1], precision=precision or {},
                      emulated=emulated)

@@ -6,7 +6,7 @@ scale), through forward pre-hooks, and transformers' fused experts given a forwa
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -16,7 +16,7 @@ from mtpquant.formats.fp8 import FP8_E4M3_MAX
 from mtpquant.formats.nvfp4 import quantize_activation_nvfp4
 from mtpquant.measure.weights import LinearFormat
 
-__all__ = ["activation_quantizer", "emulate_fused_experts", "pre_hook", "shared_quantizer"]
+__all__ = ["activation_quantizer", "emulate_expert_banks", "emulate_fused_experts", "pre_hook", "shared_quantizer"]
 
 
 def _fp8_activation(x: Tensor, scale: float) -> Tensor:
@@ -82,3 +82,21 @@ def emulate_fused_experts(
         return final
 
     mod.forward = forward
+
+
+def emulate_expert_banks(
+    modules: Mapping[str, nn.Module], banks: Mapping[str, Mapping[str, Sequence[LinearFormat]]]
+) -> list[str]:
+    """Activation emulation on transformers' fused experts whose checkpoint stores them per expert: ``banks`` maps
+    a fused experts module's name (in ``modules``) to the formats of its per-expert Linears by projection
+    (``gate_proj``, ``up_proj``, ``down_proj``). All experts of a bank share one input scale for gate/up and one
+    for down (vLLM takes the max when they differ). Returns the banks emulated."""
+    emulated: list[str] = []
+    for stem, by_proj in banks.items():
+        gate_up = [f for p in ("gate_proj", "up_proj") for f in by_proj.get(p, [])]
+        q_in = shared_quantizer(gate_up)
+        q_mid = shared_quantizer(list(by_proj.get("down_proj", [])))
+        if stem in modules and (q_in or q_mid):
+            emulate_fused_experts(modules[stem], q_in, q_mid)
+            emulated.append(stem)
+    return emulated

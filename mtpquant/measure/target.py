@@ -28,13 +28,14 @@ from mtpquant.checkpoint.sharded import sharded_tables
 from mtpquant.errors import ValidateLoadError
 from mtpquant.families import FUSED_EXPERT_PIECES, TensorClass
 from mtpquant.hfconfig import transformers_config
-from mtpquant.measure.emulate import activation_quantizer, emulate_fused_experts, pre_hook, shared_quantizer
+from mtpquant.measure.emulate import activation_quantizer, emulate_expert_banks, pre_hook
 from mtpquant.measure.replay import SequenceRecord, TargetRun
 from mtpquant.measure.rules import target_probs
 from mtpquant.measure.weights import (
     CheckpointWeights,
     LinearFormat,
 )
+from mtpquant.mtp.qwen4_exp import exact_selections
 from mtpquant.records.sampling import SamplingSettings
 from mtpquant.text.prompts import PlannedSequence
 
@@ -346,6 +347,7 @@ def load_target(
         raise ValidateLoadError(f"{weights.label}: {len(missing)} main-model weights missing: {shown}")
     # Emulation first: a fused-experts forward it replaces is then the one accelerate's hooks wrap.
     emulated = _install_target_emulation(model, weights) if emulate else []
+    exact_selections(model)  # Qwen4-Exp's QSA selections without transformers' per-query loop, bit for bit
     # Buffers (rotary inv_freq) were built on CPU; dispatch_model moves everything per the map. Modules on disk
     # read their weights from ``_OnDisk`` (offload_index {}: nothing was saved to an offload folder).
     if on_disk:
@@ -377,17 +379,7 @@ def _install_target_emulation(model: nn.Module, weights: CheckpointWeights) -> l
         if quantize is not None and target_module in modules:
             modules[target_module].register_forward_pre_hook(pre_hook(quantize))
             emulated.append(module)
-    for stem, by_proj in expert_scales.items():
-        # All experts of a layer share one input scale for gate/up and one for down (vLLM takes the
-        # max when they differ); the fused experts module gets a forward that quantizes both inputs.
-        gate_up = [f for p in ("gate_proj", "up_proj") for f in by_proj.get(p, [])]
-        down = by_proj.get("down_proj", [])
-        q_in = shared_quantizer(gate_up)
-        q_mid = shared_quantizer(down)
-        if stem in modules and (q_in or q_mid):
-            emulate_fused_experts(modules[stem], q_in, q_mid)
-            emulated.append(stem)
-    return emulated
+    return emulated + emulate_expert_banks(modules, expert_scales)
 
 
 def _batches(lengths: Sequence[Hashable], batch_size: int) -> list[list[int]]:

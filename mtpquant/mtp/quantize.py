@@ -43,6 +43,8 @@ __all__ = [
     "MTP_FORMATS",
     "MtpCalibrator",
     "MtpQuantResult",
+    "expert_linear",
+    "is_fused_experts",
     "mtp_excluded_modules",
     "mtp_expert_input_groups",
     "mtp_fused_groups",
@@ -58,6 +60,20 @@ MTP_FORMATS = ("nvfp4", "fp8")
 # ``fused_groups``); the Qwen3.5 / Qwen3-Next layout (one and the same) is the default.
 _QWEN3_MTP = family("qwen3_5").mtp
 _EXPERT = re.compile(r"^(?P<moe>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>\w+)$")
+
+
+# one Linear of a per-expert bank (``mtp.layers.0.mlp.experts.3.gate_proj``): the bank, the expert, the projection
+_EXPERT_LINEAR = re.compile(
+    r"^(?P<stem>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>"
+    + "|".join(sorted({p for pieces in FUSED_EXPERT_PIECES.values() for p in pieces}))
+    + r")$"
+)
+
+
+def expert_linear(module: str) -> re.Match[str] | None:
+    """``module`` as one Linear of a per-expert bank: ``stem`` (the bank, a fused experts module's name), ``e``,
+    ``proj`` (``gate_proj``, ``up_proj``, ``down_proj``); None otherwise."""
+    return _EXPERT_LINEAR.match(module)
 
 
 _FUSED_EXPERTS = re.compile(r"^(?P<stem>.*\.mlp\.experts)\.(?P<fused>" + "|".join(FUSED_EXPERT_PIECES) + r")$")
@@ -162,7 +178,7 @@ def _natural(name: str) -> list[object]:
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
 
 
-def _is_fused_experts(module: nn.Module) -> bool:
+def is_fused_experts(module: nn.Module) -> bool:
     """transformers' fused experts (3-D ``gate_up_proj`` / ``down_proj`` parameters, e.g. ``Qwen4ExpTextExperts``)."""
     params = dict(module.named_parameters(recurse=False))
     return all(k in params and params[k].dim() == 3 for k in FUSED_EXPERT_PIECES)
@@ -183,7 +199,7 @@ class MtpCalibrator:
             checkpoint_name(layer, name): mod for name, mod in layer.named_modules() if isinstance(mod, nn.Linear)
         }
         self.experts: dict[str, nn.Module] = {
-            checkpoint_name(layer, name): mod for name, mod in layer.named_modules() if _is_fused_experts(mod)
+            checkpoint_name(layer, name): mod for name, mod in layer.named_modules() if is_fused_experts(mod)
         }
         self.amax: dict[str, Tensor] = {}
         self.rows = 0

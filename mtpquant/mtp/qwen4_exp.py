@@ -34,6 +34,7 @@ hand-written re-implementation of vLLM's two-stream step.
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -47,6 +48,7 @@ from mtpquant.mtp.step import MtpStep
 __all__ = [
     "Qwen4ExpMtp",
     "Qwen4ExpMtpCache",
+    "exact_selections",
     "qwen4_exp_mtp_config",
 ]
 
@@ -136,6 +138,47 @@ class _CacheAdapter:
             index_key = torch.cat((self.past.index_key.to(index_key.dtype), index_key), dim=1)
         self.index_key = index_key
         return index_key
+
+
+def _index_keys(indexer: Any, hidden_states: Tensor, past_key_values: Any) -> None:
+    """The part of transformers' ``Qwen4ExpTextQSAIndexer.forward`` that feeds the cache: the new rows' raw indexer
+    keys, appended by ``update_indexer`` (the selection itself is then not needed: every key is selected, or step
+    0's selection is shared)."""
+    B, T, _ = hidden_states.shape
+    heads, kv_heads, dim = indexer.index_n_heads, indexer.index_kv_heads, indexer.index_head_dim
+    _, token_k = torch.split(indexer.index_qk_proj(hidden_states), [heads * dim, kv_heads * dim], dim=-1)
+    raw_keys = token_k.reshape(B, T, -1, dim).squeeze(2)
+    if past_key_values is not None:
+        past_key_values.update_indexer(raw_keys, indexer.layer_idx)
+
+
+def _select(indexer: Any, hidden_states: Tensor, embeddings: Any, attention_mask: Tensor, past: Any) -> Tensor:
+    """transformers' QSA selection, exactly, without its per-(row, query) loop where it selects every visible key:
+    when the keys fit the token budget (the indexer keeps ``budget // ratio`` blocks of the visible ones, and the
+    tail), the selection is the mask of visible keys itself (in the mask's form: bool, or 0 / the dtype's min)."""
+    if attention_mask.shape[-1] > indexer.token_budget:
+        selected: Tensor = type(indexer).forward(indexer, hidden_states, embeddings, attention_mask, past)
+        return selected
+    _index_keys(indexer, hidden_states, past)
+    if not attention_mask.is_floating_point():
+        return attention_mask
+    visible = attention_mask == 0
+    return torch.where(visible, attention_mask.new_zeros(()), torch.finfo(attention_mask.dtype).min)
+
+
+def exact_selections(model: nn.Module) -> int:
+    """Give every transformers ``Qwen4ExpTextQSAIndexer`` in ``model`` the loop-free selection where it selects every
+    visible key (``_select``: the same mask, bit for bit); returns how many. The target model validate and heal run
+    (``measure.target``) spends most of its time in that loop otherwise."""
+    found = [m for m in model.modules() if type(m).__name__ == "Qwen4ExpTextQSAIndexer"]  # other families: none
+    if not found:
+        return 0
+    from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpTextQSAIndexer
+
+    indexers = [m for m in found if isinstance(m, Qwen4ExpTextQSAIndexer)]
+    for module in indexers:
+        module.forward = functools.partial(_select, module)  # type: ignore[method-assign]
+    return len(indexers)
 
 
 class Qwen4ExpMtp(nn.Module):
@@ -250,12 +293,19 @@ class Qwen4ExpMtp(nn.Module):
         cos, sin = self.rotary_emb(x, key_positions[None].expand(3, -1, -1))
         cache = _CacheAdapter(past)
         recorded: list[Tensor] = []
+        indexer = layer.self_attn.indexer
 
-        def indexer_hook(_module: nn.Module, _args: Any, output: Tensor) -> Tensor:
-            recorded.append(output if selection is None else selection.to(output.device))
-            return recorded[-1]
+        def select(hidden_states: Tensor, embeddings: Any, attention_mask: Tensor, past_key_values: Any) -> Tensor:
+            if selection is None:
+                chosen = _select(indexer, hidden_states, embeddings, attention_mask, past_key_values)
+            else:  # step 0's selection shared: the indexer only extends its keys
+                _index_keys(indexer, hidden_states, past_key_values)
+                chosen = selection.to(attention_mask.device)
+            recorded.append(chosen)
+            return chosen
 
-        handle = layer.self_attn.indexer.register_forward_hook(indexer_hook)
+        own = indexer.__dict__.get("forward")  # an instance's own forward, put back after
+        indexer.forward = select
         try:
             x = layer(
                 x,
@@ -264,7 +314,10 @@ class Qwen4ExpMtp(nn.Module):
                 past_key_values=cache,
             )
         finally:
-            handle.remove()
+            if own is None:
+                del indexer.forward  # the class's forward again
+            else:
+                indexer.forward = own
         assert cache.key is not None and cache.value is not None and cache.index_key is not None
         out = self.hyper_connection_mixer(x)
         return MtpStep(out, x, Qwen4ExpMtpCache(cache.key, cache.value, cache.index_key, key_positions), recorded[0])

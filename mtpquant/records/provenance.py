@@ -11,7 +11,9 @@ what QUANT already records. ``publish`` reads it for the model card, as typed da
 
 A ``heal`` step also records what heal did (``"heal"``: ``HealRecord``: the MTP's precision, the data, the schedule,
 the seed, and the held-out AL per k before and after with the paired 95 % interval of the change); the key is absent
-from other steps. Steps are oldest first; every field but ``tool`` may be null. The file goes to the Hub with the
+from other steps. A heal checked at other sampling settings than the default (greedy) one also records the check
+at each (``"checks"``: the sampling settings, the verification rule, the AL per k, better / worse); absent, the
+check was greedy. Steps are oldest first; every field but ``tool`` may be null. The file goes to the Hub with the
 checkpoint, so it names local directories by their base name only (``mtpquant.public``): ``command`` as run with
 each local path shortened, ``source.path`` the source directory's name. ``license`` is the licence the source's own
 card declared (its README.md metadata), read when the step ran so the card does not need the source later.
@@ -34,12 +36,14 @@ from mtpquant.checkpoint.source import CheckpointSource, LocalSource, SourceRef,
 from mtpquant.errors import BaseModelError, CheckpointError
 from mtpquant.net import safejson
 from mtpquant.records.record import Record
+from mtpquant.records.sampling import SamplingSettings
 
 __all__ = [
     "PROVENANCE_FILE",
     "PROVENANCE_SCHEMA",
     "BaseModelError",
     "HealAl",
+    "HealCheck",
     "HealRecord",
     "Provenance",
     "Step",
@@ -99,6 +103,19 @@ class HealAl(Record):
 
 
 @dataclass(frozen=True)
+class HealCheck(Record):
+    """heal's held-out check at one sampling setting: the settings (``{"temperature", "top_p", "top_k", "seed"}``),
+    the rule that verified the drafts, the AL per k before and after, and whether it was better beyond noise (at
+    every k) or worse (at some k)."""
+
+    sampling: SamplingSettings
+    rule: str
+    by_k: tuple[HealAl, ...]
+    better: bool
+    worse: bool = False
+
+
+@dataclass(frozen=True)
 class HealRecord(Record):
     """What ``mtpquant heal`` did to the MTP: precision, data, schedule, seed, the held-out check."""
 
@@ -114,9 +131,14 @@ class HealRecord(Record):
     chain: int
     seed: int
     check_sequences: int  # held-out sequences of the check
-    by_k: tuple[HealAl, ...]
-    better: bool  # better beyond noise at every k
+    by_k: tuple[HealAl, ...]  # at the first setting checked (greedy by default)
+    better: bool  # better beyond noise at every k (of the first setting checked, and worse at no k of any)
     forced: bool = False  # written with --force although the check did not show it better
+    checks: tuple[HealCheck, ...] = ()  # the check at each setting, when not the default alone (greedy)
+
+    def json_out(self, data: dict[str, Any]) -> dict[str, Any]:
+        """``checks`` only when the check ran at other settings than the default one (greedy)."""
+        return data if self.checks else {k: v for k, v in data.items() if k != "checks"}
 
 
 # A step's keys, in the order the file has them (``heal`` only in a heal step).

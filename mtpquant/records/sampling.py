@@ -28,13 +28,14 @@ A greedy request is greedy under every rule: the draft is accepted when it equal
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from mtpquant.records.record import Record
 
-__all__ = ["GREEDY", "GREEDY_EPS", "RULES", "SamplingSettings", "SpecRule", "rule"]
+__all__ = ["GREEDY", "GREEDY_EPS", "RULES", "SamplingSettings", "SpecRule", "check_sampling", "rule",
+           "sampling_settings"]
 
 GREEDY_EPS = 1e-5  # vLLM's _SAMPLING_EPS: a temperature below it samples greedily
 
@@ -141,3 +142,40 @@ def rule(name: str) -> SpecRule:
         return RULES[name]
     except KeyError:
         raise ValueError(f"unknown rule {name!r}; choose one of {', '.join(RULES)}") from None
+
+
+def sampling_settings(
+    temperatures: Sequence[float], top_p: Sequence[float], top_k: Sequence[int], seed: int
+) -> tuple[SamplingSettings, ...]:
+    """The settings of ``--temperature T... --top-p P... --top-k K...`` (validate's and heal's flags): one per
+    temperature, in the order given; a single top-p / top-k applies to every temperature, else one per temperature.
+    ``ValueError`` names what does not fit."""
+    n = len(temperatures)
+
+    def each(values: Sequence[Any], flag: str) -> tuple[Any, ...]:
+        if len(values) == 1:
+            return tuple(values) * n
+        if len(values) != n:
+            raise ValueError(f"{flag} takes one value or one per temperature ({n}), got {len(values)}")
+        return tuple(values)
+
+    return tuple(
+        SamplingSettings(t, p, k, seed) for t, p, k in zip(temperatures, each(top_p, "--top-p"), each(top_k, "--top-k"))
+    )
+
+
+def check_sampling(
+    temperatures: Sequence[float], top_p: Sequence[float], top_k: Sequence[int], seed: int, rule_name: str
+) -> tuple[tuple[SamplingSettings, ...], SpecRule]:
+    """The settings and the verification rule of the sampling flags, or a one-line ``ValueError`` in the flags'
+    words (no temperature, a value out of range, a setting listed twice, an unknown rule)."""
+    if not temperatures:
+        raise ValueError("--temperature needs at least one value")
+    try:
+        settings = sampling_settings(temperatures, top_p, top_k, seed)
+        spec_rule = rule(rule_name)
+    except ValueError as exc:
+        raise ValueError(f"--temperature/--top-p/--top-k/--rule: {exc}") from None
+    if len(set(settings)) != len(settings):
+        raise ValueError("--temperature/--top-p/--top-k: a sampling setting is listed twice")
+    return settings, spec_rule

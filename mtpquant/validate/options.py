@@ -5,14 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from itertools import pairwise
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Literal, get_args
 
 from annotated_types import Ge, Interval
 
 from mtpquant.errors import OutputExistsError, ValidateError
 from mtpquant.measure import HIDDEN_FORMAT, Activations
 from mtpquant.records.record import FLAG, Options
-from mtpquant.records.sampling import SamplingSettings, rule
+from mtpquant.records.sampling import SamplingSettings, check_sampling, sampling_settings
 from mtpquant.runtime.machine import ComputeDtype
 
 __all__ = ["ENGINES", "ValidateOptions", "check_hidden_destination"]
@@ -103,20 +103,8 @@ class ValidateOptions(Options):
 
     @property
     def sampling_settings(self) -> tuple[SamplingSettings, ...]:
-        """One ``SamplingSettings`` per temperature, in the order given (a single top-p / top-k applies to all)."""
-        n = len(self.temperatures)
-
-        def each(values: tuple[Any, ...], flag: str) -> tuple[Any, ...]:
-            if len(values) == 1:
-                return values * n
-            if len(values) != n:
-                raise ValueError(f"{flag} takes one value or one per temperature ({n}), got {len(values)}")
-            return values
-
-        return tuple(
-            SamplingSettings(t, p, k, self.seed)
-            for t, p, k in zip(self.temperatures, each(self.top_p, "--top-p"), each(self.top_k, "--top-k"))
-        )
+        """One ``SamplingSettings`` per temperature, in the order given (``records.sampling.sampling_settings``)."""
+        return sampling_settings(self.temperatures, self.top_p, self.top_k, self.seed)
 
     @property
     def prompt_chars(self) -> int:
@@ -142,15 +130,10 @@ class ValidateOptions(Options):
             raise ValidateError("--hidden and --save-hidden exclude each other")
         if self.save_hidden is not None:
             check_hidden_destination(Path(self.save_hidden))
-        if not self.temperatures:
-            raise ValidateError("--temperature needs at least one value")
         try:
-            settings = self.sampling_settings
-            spec_rule = rule(self.rule)
+            _, spec_rule = check_sampling(self.temperatures, self.top_p, self.top_k, self.seed, self.rule)
         except ValueError as exc:
-            raise ValidateError(f"--temperature/--top-p/--top-k/--rule: {exc}") from None
-        if len(set(settings)) != len(settings):
-            raise ValidateError("--temperature/--top-p/--top-k: a sampling setting is listed twice")
+            raise ValidateError(str(exc)) from None
         if self.engine == "vllm" and spec_rule.vllm_config is None:
             raise ValidateError(
                 f"--rule {self.rule}: vLLM 0.32 has no such verification mode; it is a built-in prediction only"

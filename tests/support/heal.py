@@ -42,10 +42,12 @@ proof = pytest.mark.skipif(not PROOF, reason="the default heal takes CPU-minutes
 
 @dataclass
 class HealedTiny:
-    """Lazily built: ``quant(mode)`` (convert of the trained tiny model), ``small(mode)`` (a seconds-long forced
-    heal of it), ``healed(mode)`` (its default heal)."""
+    """Lazily built: ``quant(mode)`` (convert of the trained tiny model ``source``: Qwen3.5 by default, or the
+    trained tiny Qwen4-Exp), ``small(mode)`` (a seconds-long forced heal of it), ``healed(mode)`` (its default
+    heal)."""
 
     root: Path
+    source: Path = TINY_MTP_ASSET
     _quants: dict[str, Path] = field(default_factory=dict)
     _healed: dict[tuple[str, str], tuple[Path, HealResult]] = field(default_factory=dict)
 
@@ -53,7 +55,7 @@ class HealedTiny:
         """``convert --mtp MODE`` of the trained tiny model (NVFP4 main model)."""
         if mode not in self._quants:
             out = self.root / f"quant-{mode}"
-            convert(ConvertOptions(src=str(TINY_MTP_ASSET), out=out, mtp=mode, device="cpu", progress=False,
+            convert(ConvertOptions(src=str(self.source), out=out, mtp=mode, device="cpu", progress=False,
                                    calib_samples=CALIB["calib_samples"], calib_seq_len=CALIB["calib_seq_len"]))
             self._quants[mode] = out
         return self._quants[mode]
@@ -61,7 +63,7 @@ class HealedTiny:
     def _heal(self, mode: str, kind: str, **options: Any) -> tuple[Path, HealResult]:
         if (mode, kind) not in self._healed:
             out = self.root / f"{kind}-{mode}"
-            result = heal(HealOptions(quant=self.quant(mode), source=TINY_MTP_ASSET, out=out, **options))
+            result = heal(HealOptions(quant=self.quant(mode), source=self.source, out=out, **options))
             self._healed[mode, kind] = (out, result)
         return self._healed[mode, kind]
 

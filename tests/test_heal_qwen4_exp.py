@@ -1,0 +1,90 @@
+"""heal of Qwen3.8-Flash-Next (``qwen4_exp``): its two-stream MTP trained by the same path as the Qwen3 MTP.
+
+The trained tiny Qwen4-Exp (``mtpquant/assets/tiny-qwen4_exp-mtp``) converted with ``--keep-mtp`` (BF16 MTP) and
+``--mtp quantize`` (NVFP4 MTP, its experts per expert): a seconds-long forced heal of each shows what is written
+(only ``mtp.*`` bytes, in QUANT's names, dtypes, shapes and scales); the default heal's gain (held-out AL at
+k = 1..3 beyond noise, and validate's AL of the healed quant above the unhealed one's) takes CPU-minutes per mode and
+runs with ``MTPQUANT_HEAL_PROOF=1`` (``scripts/bench_heal.py`` records the same numbers in docs/BENCHMARKS.md).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from mtpquant.checkpoint.table import Checkpoint
+from mtpquant.cli import main as cli
+from mtpquant.diagnose.report import inspect_checkpoint
+from mtpquant.families import is_mtp_name
+from mtpquant.heal.precision import export_mtp, master_weights, mtp_storage
+from mtpquant.measure.weights import CheckpointWeights
+from mtpquant.records.provenance import PROVENANCE_FILE, read_provenance
+from mtpquant.synth.train import TINY_MTP_ASSETS
+from mtpquant.validate.run import ValidateOptions, validate
+from tests.support.heal import HealedTiny, proof
+from tests.test_graft import tree_state
+from tests.test_heal import digests, layout
+
+ASSET = TINY_MTP_ASSETS["qwen4_exp"]
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize("mode", ["keep", "quantize"])
+def test_written_back_in_the_quants_own_layout(healed_tiny_qwen4: HealedTiny, mode: str) -> None:
+    """QUANT's MTP read as training's weights (fused experts) and exported unchanged is QUANT's MTP, byte for byte:
+    per-expert experts stay per expert, the NVFP4 groups and scales are convert's."""
+    quant = healed_tiny_qwen4.quant(mode)
+    q, src = Checkpoint.open(quant), Checkpoint.open(ASSET)
+    storage = mtp_storage(q, CheckpointWeights(q).formats)
+    assert (storage.fmt, storage.activations) == (("bf16", False) if mode == "keep" else ("nvfp4", True))
+    master, _ = master_weights(q, src, storage)
+    written = export_mtp(q, src, storage, master)
+    assert sorted(t.name for t in written) == sorted(n for n in q.tensors if is_mtp_name(n))
+    for t in written:
+        assert t.produce() == q.read_raw(q.tensors[t.name]), t.name
+
+
+@pytest.mark.parametrize("mode", ["keep", "quantize"])
+def test_heal_changes_only_the_mtp_and_inspects_healthy(healed_tiny_qwen4: HealedTiny, mode: str) -> None:
+    quant = healed_tiny_qwen4.quant(mode)
+    out, result = healed_tiny_qwen4.small(mode)
+    check = result.check
+    assert result.action in ("healed", "forced") and check is not None and check.sequences == 6
+    assert [c.k for c in check.by_k] == [1, 2, 3]
+    assert digests(out, mtp=False) == digests(quant, mtp=False)  # every other tensor bit-identical
+    assert digests(out, mtp=True) != digests(quant, mtp=True)
+    assert layout(out) == layout(quant)  # same names, dtypes, shapes
+    changed = {k for k, v in tree_state(out).items() if tree_state(quant).get(k) != v}
+    assert {PROVENANCE_FILE, *result.new_shards} <= changed <= {"model.safetensors.index.json", PROVENANCE_FILE,
+                                                                 *result.new_shards}
+    healed, before = inspect_checkpoint(out), inspect_checkpoint(quant)
+    assert healed.verdicts == before.verdicts and healed.verdicts["vllm"].startswith("vLLM: MTP loads"), healed.verdicts
+    if mode == "quantize":  # QUANT's input scales kept byte for byte, the experts per expert
+        q, o = Checkpoint.open(quant), Checkpoint.open(out)
+        scales = [n for n in q.tensors if is_mtp_name(n) and n.endswith(".input_scale")]
+        assert scales and all(o.read_raw(o.tensors[n]) == q.read_raw(q.tensors[n]) for n in scales)
+        assert any(".mlp.experts.0.gate_proj.weight" in n for n in o.tensors if is_mtp_name(n))
+    record = read_provenance(out).heal
+    assert record is not None and record.precision == ("BF16" if mode == "keep" else "NVFP4 (W4A4)")
+    assert [s.tool for s in read_provenance(out).steps] == ["convert", "heal"]
+
+
+@proof
+@pytest.mark.parametrize("mode", ["keep", "quantize"])
+def test_default_heal_improves_acceptance(healed_tiny_qwen4: HealedTiny, tmp_path: Path, mode: str) -> None:
+    """The default heal (the CLI, exit 0): better beyond noise at k = 1..3 on heal's held-out check, and validate
+    (the built-in replay, unhealed quant vs healed quant on validate's own prompts) measures a higher AL at each k."""
+    quant = healed_tiny_qwen4.quant(mode)
+    out = tmp_path / "healed"
+    assert cli(["-q", "heal", str(quant), "--from", str(ASSET), "--out", str(out), "--device", "cpu"]) == 0
+    record = read_provenance(out).heal
+    assert record is not None and record.better and not record.forced
+    assert [r.k for r in record.by_k] == [1, 2, 3]
+    assert all(r.low > 0 and r.after > r.before for r in record.by_k), record.by_k
+    assert digests(out, mtp=False) == digests(quant, mtp=False) and layout(out) == layout(quant)
+    report = validate(ValidateOptions(quant, out, num_prompts=32, k=3, device="cpu", progress=False)).to_json()
+    before = [r["mean_acceptance_length"] for r in report["reference"]["acceptance"]["by_k"]]
+    after = [r["mean_acceptance_length"] for r in report["candidate"]["acceptance"]["by_k"]]
+    assert all(a > b for a, b in zip(after, before, strict=True)), (before, after)
