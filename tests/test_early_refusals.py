@@ -87,10 +87,15 @@ def test_refused_before_the_libraries_load(
 
 
 @pytest.mark.parametrize(
-    "argv", [("convert", "org/model", "{tmp}/out"), ("validate", "org/model")], ids=["convert", "validate"]
-)
+    "argv",
+    [("convert", "org/model", "{tmp}/out"), ("validate", "org/model"),
+     ("heal", "org/model", "--from", "org/model", "--out", "{tmp}/out"),
+     ("graft", "org/model", "--from", "org/model", "--out", "{tmp}/out")],
+    ids=["convert", "validate", "heal", "graft"],
+)  # fmt: skip
 def test_an_unreachable_hub_id_is_refused_at_once(argv: tuple[str, ...], tmp_path: Path) -> None:
-    """A Hub that refuses connections: exit 30 in one line, before any library loads (convert took 10 s)."""
+    """A Hub that refuses connections: exit 30 in one line, before any library loads (convert took 10 s, heal 3-10 s:
+    its plan read QUANT's weights through torch before SRC was open)."""
     port = free_port()  # nothing listens there
     code, loaded, message = _cli(
         *(a.format(tmp=tmp_path) for a in argv), env={"HF_ENDPOINT": f"http://127.0.0.1:{port}"}

@@ -193,7 +193,6 @@ def plan_heal(options: HealOptions) -> tuple[HealPlan, Checkpoint, Checkpoint, C
     """Check everything that can be checked from headers and build the plan; returns it, QUANT, SRC and QUANT's
     dequantizing reader (``measure.weights.CheckpointWeights``)."""
     from mtpquant.errors import ValidateLoadError
-    from mtpquant.measure.weights import CheckpointWeights
     from mtpquant.surgery.lineage import check_lineage
     from mtpquant.surgery.metadata import plan_metadata
     from mtpquant.text.calibration import check_calibration_source
@@ -238,6 +237,8 @@ def plan_heal(options: HealOptions) -> tuple[HealPlan, Checkpoint, Checkpoint, C
         )
     device = resolve_device(options.device, probe=False)  # the plan names the device; the run finds it
     dtype = compute_dtype(device, options.dtype)
+    from mtpquant.measure.weights import CheckpointWeights  # torch: once QUANT and SRC are open and checked
+
     try:
         weights = CheckpointWeights(quant)
     except ValidateLoadError as exc:

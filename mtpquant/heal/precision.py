@@ -22,9 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-
-import torch
-from torch import Tensor
+from typing import TYPE_CHECKING
 
 from mtpquant.checkpoint.dtypes import planned, torch_dtype
 from mtpquant.checkpoint.header import FLOAT_DTYPES
@@ -33,7 +31,12 @@ from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.checkpoint.writer import PlannedTensor
 from mtpquant.errors import HealRefusedError
 from mtpquant.heal.support import WRITABLE, WRITES_BACK
-from mtpquant.mtp.quantize import mtp_quantized_modules, per_expert_weights, quantize_mtp
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+# torch and the torch-side MTP code (``mtp.quantize``) are imported where they are used: planning a heal
+# (``mtp_storage``) must not load them before QUANT and SRC are open (an unreachable Hub id is refused first).
 
 __all__ = ["MtpStorage", "export_mtp", "master_weights", "mtp_storage"]
 
@@ -78,6 +81,8 @@ def mtp_storage(quant: Checkpoint, formats: Mapping[str, object]) -> MtpStorage:
     if pre:
         raise HealRefusedError(f"{label}: {pre[0]} has an AWQ pre_quant_scale; heal cannot write that layout back")
     shapes = {e.name: e.shape for e in quant.mtp_tensors()}
+    from mtpquant.mtp.quantize import mtp_quantized_modules
+
     expected = set(mtp_quantized_modules(linear_modules(_logical_shapes(shapes)), quant.spec.family.mtp))
     if set(mtp_formats) != expected:
         odd = sorted(set(mtp_formats) ^ expected)[0]
@@ -99,6 +104,8 @@ def _logical_shapes(stored: Mapping[str, tuple[int, ...]]) -> dict[str, tuple[in
 
 def master_weights(quant: Checkpoint, src: Checkpoint, storage: MtpStorage) -> tuple[dict[str, Tensor], str]:
     """The float32 MTP weights healing starts from, and which checkpoint they come from."""
+    import torch
+
     origin = quant if storage.fmt == "bf16" else src
     names = sorted(e.name for e in origin.mtp_tensors())
     bad = [n for n in names if origin.tensors[n].dtype not in FLOAT_DTYPES]
@@ -113,6 +120,8 @@ def master_weights(quant: Checkpoint, src: Checkpoint, storage: MtpStorage) -> t
 
 def _as_stored(tensors: Mapping[str, Tensor], stored: Mapping[str, object]) -> dict[str, Tensor]:
     """``tensors`` with fused expert banks split per expert where QUANT stores them so (names not in ``stored``)."""
+    from mtpquant.mtp.quantize import per_expert_weights
+
     if all(name in stored for name in tensors):
         return dict(tensors)
     return per_expert_weights(tensors)
@@ -122,6 +131,10 @@ def export_mtp(
     quant: Checkpoint, src: Checkpoint, storage: MtpStorage, healed: Mapping[str, Tensor]
 ) -> list[PlannedTensor]:
     """Every ``mtp.*`` tensor of QUANT with the healed values, in QUANT's names, dtypes and shapes."""
+    import torch
+
+    from mtpquant.mtp.quantize import quantize_mtp
+
     entries = {e.name: e for e in quant.mtp_tensors()}
     out: dict[str, Tensor] = {}
     if storage.fmt != "bf16":

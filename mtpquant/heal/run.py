@@ -25,15 +25,15 @@ from typing import TYPE_CHECKING, Any
 
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.errors import HealNotBetterError
-from mtpquant.heal.check import AlChange, CheckResult
 from mtpquant.heal.options import HealOptions
 from mtpquant.heal.plan import HealPlan, plan_heal
-from mtpquant.heal.train import TrainLog
 from mtpquant.records.provenance import HealRecord
 from mtpquant.runtime.meter import Timer, peak_rss_bytes
 from mtpquant.surgery.write import Destination, WriteLog
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # torch-side: imported where the work starts, after QUANT and SRC are open and planned
+    from mtpquant.heal.check import AlChange, CheckResult
+    from mtpquant.heal.train import TrainLog
     from mtpquant.measure.weights import CheckpointWeights
 
 __all__ = ["HealOptions", "HealPlan", "HealResult", "heal", "plan_heal"]
