@@ -173,10 +173,11 @@ def test_the_card_describes_the_chosen_mtp(made: dict[str, Any], monkeypatch: py
 
 
 def test_the_search_is_deterministic_with_its_seed(made: dict[str, Any], tmp_path: Path) -> None:
-    """Two tune-mtp runs of the same quant with the same seed: the same configurations measured, the same numbers
-    (every AL and interval in report.json; only the timings differ), the same choice and the same MTP bytes."""
+    """Two tune-mtp runs of the same quant with the same seed, greedy and sampled at T = 0.7: the same configurations
+    measured, the same numbers (every AL and interval in report.json; only the timings differ), the same choice and
+    the same MTP bytes; report.md has a table of every configuration per sampling setting."""
     root: Path = made["root"]
-    small = SearchSettings(num_prompts=16, max_len=64, max_confirm=1, seed=7)
+    small = SearchSettings(num_prompts=16, max_len=64, max_confirm=1, seed=7, temperatures=(0.7,))
     for name in ("one", "two"):
         tune_mtp(TuneOptions(quant=root / "keep", source=TINY_MTP_ASSET, out=tmp_path / name, search=small,
                              device="cpu", progress=False))  # fmt: skip
@@ -188,6 +189,11 @@ def test_the_search_is_deterministic_with_its_seed(made: dict[str, Any], tmp_pat
     assert reports[0] == reports[1] and reports[0]["settings"]["seed"] == 7
     assert len(reports[0]["evaluated"]) >= 7  # the BF16 MTP and the 6 groups alone at least
     assert digests(tmp_path / "one", mtp=True) == digests(tmp_path / "two", mtp=True)
+    md = (tmp_path / "one" / "mtp_search/report.md").read_text()
+    rows = len(reports[0]["evaluated"])
+    for label in ("T=0", "T=0.7"):
+        table = md.split(f"### {label}\n", 1)[1].split("\n\n", 1)[0].strip()
+        assert len(table.splitlines()) == 2 + rows  # the head, the rule, every configuration
 
 
 def test_tune_mtp_refusals(made: dict[str, Any], tiny_factory: Callable[[str], Path], tmp_path: Path,
