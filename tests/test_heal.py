@@ -396,7 +396,6 @@ _DRIVER = textwrap.dedent(
     import mtpquant.surgery.inplace as inplace
     from mtpquant.heal.options import HealOptions, HealSizes
     from mtpquant.heal.run import heal
-from mtpquant.heal.support import check_family
 
     args = json.loads(sys.argv[1])
     real = inplace.exchange_dirs
