@@ -4,17 +4,18 @@ the full-size random Qwen3.5-4B under ``--max-memory cpu=3GiB``.
 
     python scripts/bench_heal.py --work /root/bench-heal              # both; the 4B source is built if missing
     python scripts/bench_heal.py --work /root/bench-heal --skip-4b    # (a) only
+    python scripts/bench_heal.py --work /root/bench-heal --skip-4b --family qwen4_exp   # (a) on Qwen3.8-Flash-Next
 
-(a) converts the trained tiny model (``--keep-mtp``: BF16 MTP; ``--mtp quantize``: NVFP4 MTP; 16 x 128 calibration
-tokens) and heals each with the default schedule in a fresh process: its CPU time (goal: about 2 CPU-minutes on this
-2-core machine), wall time, peak RSS, and the held-out AL per k before and after with the paired 95 % interval;
-beside them the BF16 source model's AL on the same held-out prompts (its own target and MTP), so the table shows
-what quantization cost and what heal gives back (on the tiny model more than it cost: its MTP is undertrained, and
-self-distillation on the target's own text improves it beyond the source's). (b) converts the full-size Qwen3.5-4B
-skeleton with random-normal weights (``scripts/make_skeleton_checkpoint.py --mtp-data normal``) with ``--keep-mtp``
-under the cap, then heals it under the same cap with a small schedule (the point is memory: the quantized target
-partly on disk, dequantized when each layer runs) and ``--force`` (random weights cannot improve); goal: peak RSS <=
-cap + 2 GB.
+(a) converts the trained tiny model (``--family``: Qwen3.5, or Qwen3.8-Flash-Next, ``qwen4_exp``) (``--keep-mtp``:
+BF16 MTP; ``--mtp quantize``: NVFP4 MTP; 16 x 128 calibration tokens) and heals each with the default schedule in a
+fresh process: its CPU time (goal: about 2 CPU-minutes on this 2-core machine), wall time, peak RSS, and the
+held-out AL per k before and after with the paired 95 % interval; beside them the BF16 source model's AL on the same
+held-out prompts (its own target and MTP), so the table shows what quantization cost and what heal gives back (on
+the tiny model more than it cost: its MTP is undertrained, and self-distillation on the target's own text improves
+it beyond the source's). (b) converts the full-size Qwen3.5-4B skeleton with random-normal weights
+(``scripts/make_skeleton_checkpoint.py --mtp-data normal``) with ``--keep-mtp`` under the cap, then heals it under
+the same cap with a small schedule (the point is memory: the quantized target partly on disk, dequantized when each
+layer runs) and ``--force`` (random weights cannot improve); goal: peak RSS <= cap + 2 GB.
 (a) runs the ``mtpquant`` command as users run it (``python -m mtpquant heal ... --json``, the calling shell's
 OpenMP settings removed: the CLI chooses its own); (b) calls the API (its schedule is smaller than the CLI's flags
 allow) under the same settings the CLI chooses. Each part rewrites its own section of docs/BENCHMARKS.md with
@@ -66,7 +67,7 @@ print(json.dumps({
 
 _SOURCE_AL = """
 import json, sys, torch
-from mtpquant.heal.check import held_out_run
+from mtpquant.heal.check import held_out_runs
 from mtpquant.measure.drafter import load_mtp
 from mtpquant.measure.target import load_target
 from mtpquant.measure.weights import CheckpointWeights
@@ -74,7 +75,8 @@ from mtpquant.measure.replay import evaluate_acceptance
 src, n, max_len, k = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 w = CheckpointWeights.open(src)
 target = load_target(w, device=torch.device("cpu"), dtype=torch.float32)
-run = held_out_run(target, w.ckpt.source, int(w.shape(w.embed_name())[0]), n, max_len, batch_size=32, progress=False)
+run = held_out_runs(target, w.ckpt.source, int(w.shape(w.embed_name())[0]), n, max_len, batch_size=32,
+                    progress=False)[0].run
 bundle, _ = load_mtp(w)
 print(json.dumps({"al": [u.mean_acceptance_length for u in evaluate_acceptance(bundle, run, k, progress=False).units]}))
 """
@@ -108,20 +110,22 @@ def _heal_cli(quant: Path, source: Path, out: Path) -> dict[str, Any]:
             "check": [[c["k"], c["before"], c["after"], c["low"], c["high"]] for c in r["record"]["by_k"]]}
 
 
-def tiny(work: Path) -> str:
-    """(a): the default heal of the trained tiny model (keep and quantize), with the source's AL beside it."""
-    from mtpquant.synth.train import TINY_MTP_ASSET
+def tiny(work: Path, family: str = "qwen3_5") -> str:
+    """(a): the default heal of the family's trained tiny model (keep and quantize), with the source's AL beside it."""
+    from mtpquant.synth.train import TINY_MTP_ASSETS
 
+    asset = TINY_MTP_ASSETS[family]
+    stem = "tiny" if family == "qwen3_5" else f"tiny-{family}"
     calib = ["--calib-samples", "16", "--calib-seq-len", "128"]
     rows = []
-    src_al = _last_json(run_python(["-c", _SOURCE_AL, str(TINY_MTP_ASSET), "64", "128", "3"]))["al"]
+    src_al = _last_json(run_python(["-c", _SOURCE_AL, str(asset), "64", "128", "3"]))["al"]
     for mode, flag in (("keep", ["--keep-mtp"]), ("quantize", ["--mtp", "quantize"])):
-        quant = work / f"tiny-{mode}"
-        _convert(TINY_MTP_ASSET, quant, [*flag, *calib])
-        out = work / f"tiny-{mode}-healed"
+        quant = work / f"{stem}-{mode}"
+        _convert(asset, quant, [*flag, *calib])
+        out = work / f"{stem}-{mode}-healed"
         if out.exists():
             subprocess.run(["rm", "-rf", str(out)], check=True)
-        rows.append((mode, _heal_cli(quant, TINY_MTP_ASSET, out)))
+        rows.append((mode, _heal_cli(quant, asset, out)))
     lines = [
         "| MTP | k | BF16 source AL | quant AL (before) | healed AL | change [95 % interval] | healed - source |",
         "|---|---:|---:|---:|---:|---|---:|",
@@ -191,12 +195,16 @@ def main() -> int:
     parser.add_argument("--cap", default="3GiB", help="(b)'s --max-memory cpu= cap (default 3GiB)")
     parser.add_argument("--skip-tiny", action="store_true")
     parser.add_argument("--skip-4b", action="store_true")
+    parser.add_argument("--family", choices=("qwen3_5", "qwen4_exp"), default="qwen3_5",
+                        help="(a)'s trained tiny model (default qwen3_5; qwen4_exp writes its own section)")
     parser.add_argument("--write", action="store_true", help="rewrite the sections of docs/BENCHMARKS.md")
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     parts = []
     if not args.skip_tiny:
-        parts.append(("## heal: the default heal of the trained tiny model", tiny(args.work)))
+        heading = ("## heal: the default heal of the trained tiny model" if args.family == "qwen3_5"
+                   else "## heal on Qwen3.8-Flash-Next (qwen4_exp): the default heal of its trained tiny model")
+        parts.append((heading, tiny(args.work, args.family)))
     if not args.skip_4b:
         parts.append(("## heal under a memory cap: the full-size random Qwen3.5-4B", big(args.work, args.cap)))
     about = " ".join((__doc__ or "").split("\n\n")[2].split())

@@ -20,6 +20,9 @@
 #      differ by more than the engine test's tolerance (AL within max(0.1, 0.05 k))
 #   5b. heals the tiny model's quant (its BF16 MTP) with --device cuda, the default schedule (--force: written even if
 #      the check finds no gain, so the step times the whole path) and prints the held-out AL before and after
+#   5c. heals the tiny Qwen3.8-Flash-Next's quantize convert (its NVFP4 MTP) the same way; with GPU_CHECK_VLLM_PYTHON,
+#      serves the healed quant beside the unhealed one (the same 16 prompts, k = 1 and 3) and prints vLLM's AL for
+#      both: heal's gain as the engine measures it (this family has no CPU path in vLLM)
 #   6. with GPU_CHECK_VLLM_PYTHON set (a python with vLLM >= 0.32, CUDA build): the Qwen3.8-Flash-Next
 #      (qwen4_exp) serve check, scripts/qwen4_exp_serve_check.py: vLLM started with MTP on the tiny qwen4_exp and
 #      on the published quant layouts (NVIDIA's MIXED_PRECISION, its refreshed metadata before and after
@@ -135,6 +138,9 @@ step q4-keep 120 "${C[@]}" "$TINY4" "$WORK/q4-keep" "${CAL[@]}"
 step q4-quantize 120 "$PY" -m mtpquant convert --mtp quantize --device "$DEVICE" --overwrite --json "$TINY4" \
   "$WORK/q4-quantize" "${CAL[@]}"
 step q4-validate 300 "$PY" -m mtpquant validate "$TINY4" "$WORK/q4-quantize" --device "$DEVICE" --json
+rm -rf "$WORK/q4-healed"
+step q4-heal 300 "$PY" -m mtpquant heal "$WORK/q4-quantize" --from "$TINY4" --out "$WORK/q4-healed" \
+  --device "$DEVICE" --force --json
 "$PY" - "$WORK" <<'EOF'
 import json, sys
 from pathlib import Path
@@ -144,9 +150,13 @@ for name in ("q4-keep", "q4-quantize"):
     print(f"{name:<12} peak GPU {r['peak_gpu_bytes'] / 1e9:.2f} GB, verdict {r['verdicts']['vllm']}")
 v = json.loads((work / "q4-validate.json").read_text())
 print(f"q4-validate  verdict {v['verdict']['status']}: {v['verdict']['reasons'][0]}")
+h = json.loads((work / "q4-heal.json").read_text())
+rows = ", ".join(f"k={r['k']} {r['before']:.3f} -> {r['after']:.3f} [{r['low']:+.3f}, {r['high']:+.3f}]"
+                 for r in h["record"]["by_k"])
+print(f"q4-heal      {h['action']}: {rows}")
 EOF
 if [[ -n "${GPU_CHECK_VLLM_PYTHON:-}" ]]; then
-  for q in q4-keep q4-quantize; do
+  for q in q4-keep q4-quantize q4-healed; do
     # a verdict (0 pass, 17 warn, 18 fail) is a measurement to read below; any other exit is a broken check
     set +e
     timeout $(( 1200 * SCALE )) "$PY" -m mtpquant validate "$TINY4" "$WORK/$q" --engine vllm \
@@ -161,7 +171,7 @@ from pathlib import Path
 work = Path(sys.argv[1])
 bad = 0
 print(f"{'qwen4_exp on vLLM':<18} {'side':<10} {'k':>2} {'engine AL':>9} {'predicted':>9}  agrees")
-for name in ("q4-keep", "q4-quantize"):
+for name in ("q4-keep", "q4-quantize", "q4-healed"):
     code = int((work / f"{name}-served.exit").read_text())
     if code not in (0, 17, 18):
         print(f"{name:<18} validate --engine vllm exited {code} (see {work / (name + '-served.log')})")
@@ -177,6 +187,17 @@ for name in ("q4-keep", "q4-quantize"):
             bad += not ok
             print(f"{name:<18} {side:<10} {r['k']:>2} {r['engine_al']:>9.3f} {r['predicted_al']:>9.3f}  "
                   f"{'yes' if ok else 'NO'}")
+# heal's gain as vLLM measures it: the healed quant's engine AL beside the unhealed one's (the same prompts)
+served = {}
+for name in ("q4-quantize", "q4-healed"):
+    if (work / f"{name}-served.json").is_file() and int((work / f"{name}-served.exit").read_text()) in (0, 17, 18):
+        rows = json.loads((work / f"{name}-served.json").read_text()).get("predicted_vs_engine", {}).get("candidate")
+        served[name] = {r["k"]: r["engine_al"] for r in rows or []}
+if len(served) == 2:
+    for k in sorted(served["q4-quantize"]):
+        before, after = served["q4-quantize"][k], served["q4-healed"].get(k, float("nan"))
+        print(f"qwen4_exp heal on vLLM  k={k}: engine AL {before:.3f} (unhealed) -> {after:.3f} (healed), "
+              f"{after - before:+.3f}")
 sys.exit(1 if bad else 0)
 EOF3
   Q4=()

@@ -358,3 +358,27 @@ def test_draft_rows_are_draft_chains(text: dict[str, Any], share: bool, tensors:
     b = draft_chain(other, hidden, tokens, embed, head, 3)
     assert torch.equal(a.logits[:, 0], b.logits[:, 0]) and torch.equal(a.tokens[:, :2], b.tokens[:, :2])
     assert not torch.allclose(a.logits[:, 1], b.logits[:, 1], atol=1e-3)
+
+
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_loop_free_selection_is_transformers_where_every_key_fits(kind: str, tensors: dict[str, Tensor]) -> None:
+    """``exact_selections``: where the visible keys fit the token budget, the selection is transformers' own, bit
+    for bit (a bool or an additive float mask, rows that see fewer keys than a block included); past the budget it
+    is transformers' forward itself."""
+    from mtpquant.mtp.qwen4_exp import exact_selections
+
+    for text, fits in ((TEXT, True), (SMALL_BUDGET, False)):
+        mtp = Qwen4ExpMtp(text)
+        mtp.load_state_dict({k.removeprefix("mtp."): v for k, v in tensors.items()})
+        indexer = mtp.layers[0].self_attn.indexer
+        B, T = 2, 13
+        x = torch.randn(B, T, H, generator=torch.Generator().manual_seed(3))
+        cos, sin = mtp.rotary_emb(x, torch.arange(T)[None, None].expand(3, B, -1))
+        visible = torch.ones(T, T, dtype=torch.bool).tril()[None, None].expand(B, 1, T, T).clone()
+        visible[1, :, :, :2] = False  # the second row's first keys masked (padding)
+        mask = visible if kind == "bool" else torch.where(visible, 0.0, torch.finfo(torch.float32).min)
+        expected = type(indexer).forward(indexer, x, (cos, sin), mask, None)
+        assert exact_selections(mtp) == 1
+        got = indexer.forward(x, (cos, sin), mask, None)
+        assert got.dtype == expected.dtype and torch.equal(got, expected)
+        assert torch.equal(got, mask) == fits  # within the budget: every visible key, the mask itself

@@ -102,7 +102,7 @@ class HealPlan:
             f"schedule   {t.steps} steps x {t.batch_size} sequences, lr {t.lr:g}, chain {t.chain}, seed {t.seed}; "
             f"{self.device}, {self.dtype}",
             f"check      held-out AL at k = 1..{o.k} on {o.check_prompts} prompts of validate's held-out text, before "
-            + ("and after" if greedy_only else f"and after, at {', '.join(s.label for s in settings)} "
+            + ("and after" if greedy_only else f"and after, at {' and '.join(s.label for s in settings)} "
                f"(--rule {o.rule})")
             + "; nothing is written unless better beyond noise at every k"
             + ("" if greedy_only else f" at {settings[0].label} and worse at no k of any setting")

@@ -200,7 +200,7 @@ def _heal(
         if result.greedy_only:
             what = "not better beyond noise"
         elif worse:
-            what = f"worse beyond noise at {', '.join(worse)}"
+            what = f"worse beyond noise at {' and '.join(worse)}"
         else:
             what = f"not better beyond noise at {result.settings[0].sampling.label}"
         raise HealNotBetterError(
