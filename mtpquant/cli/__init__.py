@@ -15,8 +15,13 @@ from mtpquant.runtime.machine import tune_cpu_runtime
 
 __all__ = [
     "HUB_CODES",
+    "MTP_KIND_CODES",
+    "READ_CODES",
+    "WRITE_CODES",
+    "add_command",
     "add_device_argument",
     "add_dtype_argument",
+    "add_report_flags",
     "add_sampling_arguments",
     "add_shard_size_argument",
     "exit_codes_epilog",
@@ -33,6 +38,12 @@ COMMANDS = ("demo", "convert", "graft", "extract", "heal", "tune-mtp", "inspect"
 _COMMON_CODES = (ExitCode.OK, ExitCode.INTERNAL, ExitCode.USAGE, ExitCode.IO, ExitCode.INTERRUPTED)
 # A command that takes a Hub repo id where it takes a checkpoint.
 HUB_CODES = (ExitCode.HUB_UNREACHABLE, ExitCode.HUB_ACCESS, ExitCode.HUB_REFUSED)
+# A command that reads a checkpoint (a local directory or a Hub repo id) and knows its family.
+READ_CODES = (ExitCode.CHECKPOINT, ExitCode.ARCHITECTURE, *HUB_CODES)
+# A command that writes a checkpoint of its MTP (convert, graft, extract): OUT, the MTP mode, the verified output.
+WRITE_CODES = (ExitCode.OUTPUT_EXISTS, ExitCode.MTP_MODE, ExitCode.VERIFICATION)
+# The family's MTP status refuses it (``families.schema.Family.status``): inspect reports it, every surgery refuses.
+MTP_KIND_CODES = (ExitCode.MTP_NEVER_SHIPPED, ExitCode.NOT_AN_MTP)
 
 
 # Flags that change only what a command prints (--dry-run: that it writes nothing): left out of the command line an
@@ -60,6 +71,32 @@ def recorded_command(argv: Sequence[str]) -> tuple[str, ...]:
 def exit_codes_epilog(*codes: ExitCode) -> str:
     """The exit codes a subcommand can end with, as its ``--help`` lists them: rows of the one table."""
     return "exit codes:\n" + exit_code_table({*_COMMON_CODES, *codes}) + "\nAll exit codes: `mtpquant --help`."
+
+
+def add_command(
+    sub: argparse._SubParsersAction,
+    name: str,
+    *,
+    summary: str,
+    description: str,
+    examples: str,
+    codes: Sequence[ExitCode],
+) -> argparse.ArgumentParser:
+    """A subcommand's parser (``summary``: its line in ``mtpquant --help``); its epilog: ``examples`` (raw text),
+    then the exit ``codes`` it can end with."""
+    return sub.add_parser(
+        name,
+        help=summary,
+        description=description,
+        epilog=examples + exit_codes_epilog(*codes),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+
+
+def add_report_flags(p: argparse.ArgumentParser, dry_run: str, json: str = "print the result as JSON") -> None:
+    """``--dry-run`` (``dry_run``: what it still does) and ``--json`` (``json``: what it prints)."""
+    p.add_argument("--dry-run", action="store_true", help=dry_run)
+    p.add_argument("--json", action="store_true", help=json)
 
 
 def _add_logging_flags(p: argparse.ArgumentParser, dest: str = "") -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from mtpquant.checkpoint.writer import DEFAULT_MAX_SHARD_BYTES
-from mtpquant.cli import HUB_CODES, add_base_model_arguments, add_device_argument, exit_codes_epilog
+from mtpquant.cli import READ_CODES, WRITE_CODES, add_base_model_arguments, add_command, add_device_argument
 from mtpquant.cli.heal_cmd import SCHEDULE_FIELDS, add_schedule_arguments, schedule_options
 from mtpquant.cli.search_args import add_search_arguments, search_settings
 from mtpquant.convert.options import ConvertOptions  # torch-free: the defaults and choices at start-up
@@ -16,7 +16,7 @@ from mtpquant.errors import ExitCode
 from mtpquant.records.record import field_choices, field_default
 from mtpquant.units import format_bytes
 
-EPILOG = """\
+EXAMPLES = """\
 examples:
   mtpquant convert Qwen/Qwen3.5-4B ./Qwen3.5-4B-NVFP4-MTP
   mtpquant convert Qwen/Qwen3.5-4B ./Qwen3.5-4B-NVFP4-MTP --dry-run
@@ -40,34 +40,32 @@ Calibration data (default: offline text shipped with CPython, tokenised with SRC
 template): --calib-data FILE (.txt paragraphs, or .jsonl with "text" or "messages"), or a `datasets`
 name (needs the datasets package).
 
-""" + exit_codes_epilog(
-    ExitCode.CHECKPOINT,
-    ExitCode.ARCHITECTURE,
-    ExitCode.OUTPUT_EXISTS,
-    ExitCode.MTP_MODE,
+"""
+EXIT_CODES = (
+    *READ_CODES,
+    *WRITE_CODES,
     ExitCode.INDIVISIBLE,
-    ExitCode.VERIFICATION,
     ExitCode.SOURCE_QUANTIZED,
     ExitCode.OUTPUT_BUSY,
     ExitCode.MEMORY,
     ExitCode.HEAL_NOT_BETTER,
     ExitCode.HEAL_REFUSED,
     ExitCode.GRAFT_REFUSED,
-    *HUB_CODES,
 )
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the ``convert`` subcommand."""
-    p = sub.add_parser(
+    p = add_command(
+        sub,
         "convert",
-        help="quantize a BF16 Qwen checkpoint to NVFP4 with modelopt, keeping its MTP layer",
+        summary="quantize a BF16 Qwen checkpoint to NVFP4 with modelopt, keeping its MTP layer",
         description=(
             "Quantize SRC (a local directory or a Hub repo id) to NVFP4 through nvidia-modelopt and write OUT. "
             "Nothing appears at OUT until the output is complete and verified (inspect verdict clean)."
         ),
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        examples=EXAMPLES,
+        codes=EXIT_CODES,
     )
     p.add_argument("src", metavar="SRC", help="source checkpoint: local directory or Hub repo id (org/name)")
     p.add_argument("out", metavar="OUT", help="output directory (must not exist unless --overwrite)")

@@ -7,7 +7,7 @@ import json
 from functools import partial
 from pathlib import Path
 
-from mtpquant.cli import HUB_CODES, add_device_argument, add_dtype_argument, add_sampling_arguments, exit_codes_epilog
+from mtpquant.cli import READ_CODES, add_command, add_device_argument, add_dtype_argument, add_sampling_arguments
 from mtpquant.errors import ExitCode
 from mtpquant.records.record import field_choices, field_default
 from mtpquant.validate.options import ValidateOptions  # torch-free: the defaults and choices at start-up
@@ -25,8 +25,7 @@ examples:
 """
 
 EXIT_CODES = (
-    ExitCode.CHECKPOINT,
-    ExitCode.ARCHITECTURE,
+    *READ_CODES,
     ExitCode.OUTPUT_EXISTS,
     ExitCode.LINEAGE,
     ExitCode.VALIDATE_WARN,
@@ -38,15 +37,15 @@ EXIT_CODES = (
     ExitCode.ENGINE_MODEL,
     ExitCode.ENGINE_SPEC_DECODE,
     ExitCode.ENGINE_START,
-    *HUB_CODES,
 )
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the ``validate`` subcommand."""
-    p = sub.add_parser(
+    p = add_command(
+        sub,
         "validate",
-        help="measure what speculative decoding with the MTP accepts (one checkpoint, or before vs after)",
+        summary="measure what speculative decoding with the MTP accepts (one checkpoint, or before vs after)",
         description=(
             "With one checkpoint: its MTP acceptance per draft position, acceptance rate and mean acceptance "
             "length for k = 1..K under greedy verification, or sampled (--temperature). With REFERENCE and "
@@ -56,8 +55,8 @@ def register(sub: argparse._SubParsersAction) -> None:
             f"or drafting for nothing), {int(ExitCode.VALIDATE_BROKEN)} fail (the candidate is broken), "
             f"{int(ExitCode.VALIDATE_INCONCLUSIVE)} inconclusive (too few prompts to decide)."
         ),
-        epilog=EXAMPLES + exit_codes_epilog(*EXIT_CODES),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        examples=EXAMPLES,
+        codes=EXIT_CODES,
     )
     p.add_argument(
         "reference", nargs="?", help="checkpoint directory or Hub repo id (alone: the checkpoint to evaluate)"
