@@ -3,15 +3,23 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import logging
+import os
 import re
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from mtpquant import __version__
 from mtpquant.errors import ExitCode, MtpquantError, exit_code_table
 from mtpquant.runtime.machine import tune_cpu_runtime
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+    Options = TypeVar("Options", bound=DataclassInstance)
 
 __all__ = [
     "HUB_CODES",
@@ -26,7 +34,9 @@ __all__ = [
     "add_shard_size_argument",
     "exit_codes_epilog",
     "main",
+    "options_from",
     "parse_size",
+    "progress_bars",
     "recorded_command",
 ]
 
@@ -66,6 +76,22 @@ def recorded_command(argv: Sequence[str]) -> tuple[str, ...]:
         if options_end or not unrecorded:
             out.append(arg)
     return tuple(out)
+
+
+def progress_bars() -> bool:
+    """Whether progress bars show (``-q`` and tqdm's own ``TQDM_DISABLE`` turn them off)."""
+    return os.environ.get("TQDM_DISABLE", "") in {"", "0"}
+
+
+def options_from(options: type[Options], args: argparse.Namespace, **given: Any) -> Options:
+    """A command's frozen ``options`` from its parsed ``args``: each field from the flag of the same name, ``command``
+    from the recorded command line (``recorded_command``), ``given`` the fields whose flags are named or typed
+    otherwise."""
+    fields = {f.name for f in dataclasses.fields(options)}
+    values = {name: getattr(args, name) for name in fields & vars(args).keys() if name != "command"}
+    if "command" in fields:
+        values["command"] = args.command_line
+    return options(**{**values, **given})
 
 
 def exit_codes_epilog(*codes: ExitCode) -> str:
@@ -202,8 +228,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the process exit code."""
-    import os
-
     # huggingface_hub's telemetry first asks the Hub for its list of agent harnesses (3 s timeout, again on every run
     # while the Hub cannot be reached): a second request before mtpquant's first, and a second wait when the Hub is
     # down. Off unless the user chose (huggingface_hub's own setting; read when huggingface_hub is first imported).

@@ -8,7 +8,15 @@ from pathlib import Path
 from typing import Any
 
 from mtpquant.checkpoint.writer import DEFAULT_MAX_SHARD_BYTES
-from mtpquant.cli import READ_CODES, WRITE_CODES, add_base_model_arguments, add_command, add_device_argument
+from mtpquant.cli import (
+    READ_CODES,
+    WRITE_CODES,
+    add_base_model_arguments,
+    add_command,
+    add_device_argument,
+    options_from,
+    progress_bars,
+)
 from mtpquant.cli.heal_cmd import SCHEDULE_FIELDS, add_schedule_arguments, schedule_options
 from mtpquant.cli.search_args import add_search_arguments, search_settings
 from mtpquant.convert.options import ConvertOptions  # torch-free: the defaults and choices at start-up
@@ -139,7 +147,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     """Convert and print the summary."""
     import logging
-    import os
 
     from mtpquant.api import convert
     from mtpquant.errors import RecipeError
@@ -156,30 +163,13 @@ def run(args: argparse.Namespace) -> int:
     heal_options = _heal_options(args) if args.heal else None
     if heal_options is not None:
         _check_heal_values(heal_options)  # now, before the imports; what needs SRC's headers in convert's plan
-    options = ConvertOptions(
-        src=args.src,
+    options = options_from(
+        ConvertOptions,
+        args,
         out=Path(args.out),
-        recipe=args.recipe,
         mtp="keep" if args.keep_mtp else args.mtp,
-        mtp_format=args.mtp_format,
-        mtp_out=args.mtp_out,
-        calib_data=args.calib_data,
-        calib_samples=args.calib_samples,
-        calib_seq_len=args.calib_seq_len,
-        device=args.device,
-        max_memory=args.max_memory,
-        layerwise=args.layerwise,
-        resume_every=args.resume_every,
-        max_shard_size=args.max_shard_size,
         overrides=tuple(args.overrides),
-        dry_run=args.dry_run,
-        overwrite=args.overwrite,
-        revision=args.revision,
-        progress=os.environ.get("TQDM_DISABLE", "") in {"", "0"},
-        command=args.command_line,
-        base_model=args.base_model,
-        base_model_revision=args.base_model_revision,
-        output_format=args.output_format,
+        progress=progress_bars(),
         search=search,
     )
     # The summary is printed below; keep the library's copy of it out of the log.
@@ -210,8 +200,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _heal_options(args: argparse.Namespace) -> Any:
     """``convert --heal``'s heal: OUT in place against SRC (convert's plan refuses what it would refuse)."""
-    import os
-
     from mtpquant.api import HealOptions
 
     return HealOptions(
@@ -222,7 +210,7 @@ def _heal_options(args: argparse.Namespace) -> Any:
         max_memory=args.max_memory,
         source_revision=args.revision,
         force=args.heal_force,
-        progress=os.environ.get("TQDM_DISABLE", "") in {"", "0"},
+        progress=progress_bars(),
         command=args.command_line,
         **schedule_options(args),
     )

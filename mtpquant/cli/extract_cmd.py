@@ -6,7 +6,15 @@ import argparse
 import json
 from typing import Any
 
-from mtpquant.cli import MTP_KIND_CODES, READ_CODES, WRITE_CODES, add_command, add_report_flags, add_shard_size_argument
+from mtpquant.cli import (
+    MTP_KIND_CODES,
+    READ_CODES,
+    WRITE_CODES,
+    add_command,
+    add_report_flags,
+    add_shard_size_argument,
+    options_from,
+)
 
 __all__ = ["register"]
 
@@ -47,16 +55,7 @@ def run(args: argparse.Namespace) -> int:
     """Build the options, call the API, print the summary."""
     from mtpquant.api import ExtractOptions, extract_mtp
 
-    result = extract_mtp(
-        ExtractOptions(
-            source=args.source,
-            out=args.out,
-            nextn=args.nextn,
-            revision=args.revision,
-            max_shard_bytes=args.max_shard_size,
-            dry_run=args.dry_run,
-        )
-    )
+    result = extract_mtp(options_from(ExtractOptions, args, max_shard_bytes=args.max_shard_size))
     if args.json:
         print(json.dumps(result.to_json(), indent=2))
         return 0

@@ -6,7 +6,15 @@ import argparse
 import json
 from typing import Any
 
-from mtpquant.cli import MTP_KIND_CODES, READ_CODES, WRITE_CODES, add_command, add_report_flags, add_shard_size_argument
+from mtpquant.cli import (
+    MTP_KIND_CODES,
+    READ_CODES,
+    WRITE_CODES,
+    add_command,
+    add_report_flags,
+    add_shard_size_argument,
+    options_from,
+)
 from mtpquant.errors import ExitCode
 
 __all__ = ["register"]
@@ -76,20 +84,7 @@ def run(args: argparse.Namespace) -> int:
     from mtpquant.api import GraftOptions, graft  # graft.options: torch-free
     from mtpquant.render import graft_text
 
-    options = GraftOptions(
-        quant=args.quant,
-        source=args.source,
-        out=args.out,
-        in_place=args.in_place,
-        replace=args.replace,
-        fix_metadata=args.fix_metadata,
-        revision=args.revision,
-        source_revision=args.source_revision,
-        max_shard_bytes=args.max_shard_size,
-        link=not args.copy,
-        dry_run=args.dry_run,
-        command=args.command_line,
-    )
+    options = options_from(GraftOptions, args, max_shard_bytes=args.max_shard_size, link=not args.copy)
     result = graft(options)
     if args.json:
         print(json.dumps(result.to_json(), indent=2))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from mtpquant.cli import HUB_CODES, add_base_model_arguments, add_command
+from mtpquant.cli import HUB_CODES, add_base_model_arguments, add_command, options_from
 from mtpquant.errors import ExitCode
 from mtpquant.render import publish_plan_text
 from mtpquant.units import format_bytes
@@ -60,20 +60,7 @@ def run(args: argparse.Namespace) -> int:
     """Publish and print the commit URL (or, with --dry-run, the plan and the card)."""
     from mtpquant.api import PublishOptions, publish
 
-    opts = PublishOptions(
-        out=args.out,
-        repo=args.repo,
-        private=args.private,
-        revision=args.revision,
-        create_pr=args.create_pr,
-        commit_message=args.commit_message,
-        dry_run=args.dry_run,
-        force=args.force,
-        overwrite_card=args.overwrite_card,
-        base_model=args.base_model,
-        base_model_revision=args.base_model_revision,
-        command=args.command_line,
-    )
+    opts = options_from(PublishOptions, args)
     result = publish(opts)
     if result.dry_run:
         print(publish_plan_text(result))

@@ -7,7 +7,14 @@ import json
 from functools import partial
 from pathlib import Path
 
-from mtpquant.cli import READ_CODES, add_command, add_device_argument, add_dtype_argument, add_sampling_arguments
+from mtpquant.cli import (
+    READ_CODES,
+    add_command,
+    add_device_argument,
+    add_dtype_argument,
+    add_sampling_arguments,
+    options_from,
+)
 from mtpquant.errors import ExitCode
 from mtpquant.records.record import field_choices, field_default
 from mtpquant.validate.options import ValidateOptions  # torch-free: the defaults and choices at start-up
@@ -187,43 +194,18 @@ def run(args: argparse.Namespace) -> int:
     from mtpquant.api import validate
     from mtpquant.render import validate_text
 
-    opts = ValidateOptions(
-        reference=args.reference,
-        candidate=args.candidate,
+    opts = options_from(
+        ValidateOptions,
+        args,
         prompts_file=args.prompts,
-        num_prompts=args.num_prompts,
-        max_len=args.max_len,
         k=args.k[0],
         ks=args.k[1],
-        batch_size=args.batch_size,
-        report_dir=args.report_dir,
-        device=args.device,
-        dtype=args.dtype,
-        activations=args.activations,
-        save_hidden=args.save_hidden,
-        hidden=args.hidden,
-        warn_al_drop=args.warn_al_drop,
-        min_main_agreement=args.min_main_agreement,
-        confidence=args.confidence,
         temperatures=tuple(args.temperature),
         top_p=tuple(args.top_p),
         top_k=tuple(args.top_k),
-        rule=args.rule,
-        seed=args.seed,
         context_buckets=tuple(args.context_buckets),
         progress=not args.quiet,
-        server=args.server,
-        candidate_server=args.candidate_server,
-        api_key_file=args.api_key_file,
-        served_model=args.served_model,
-        engine=args.engine,
-        vllm_python=args.vllm_python,
-        sglang_python=args.sglang_python,
-        tensor_parallel_size=args.tensor_parallel_size,
         engine_args=tuple(args.engine_arg),
-        compare_reference=args.compare_reference,
-        startup_timeout=args.startup_timeout,
-        concurrency=args.concurrency,
     )
     report = validate(opts)
     if args.json:
