@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "HUB_CODES",
+    "MTP_COPY_CODES",
     "MTP_KIND_CODES",
     "READ_CODES",
     "WRITE_CODES",
@@ -54,6 +55,8 @@ READ_CODES = (ExitCode.CHECKPOINT, ExitCode.ARCHITECTURE, *HUB_CODES)
 WRITE_CODES = (ExitCode.OUTPUT_EXISTS, ExitCode.MTP_MODE, ExitCode.VERIFICATION)
 # The family's MTP status refuses it (``families.schema.Family.status``): inspect reports it, every surgery refuses.
 MTP_KIND_CODES = (ExitCode.MTP_NEVER_SHIPPED, ExitCode.NOT_AN_MTP)
+# A command that copies a checkpoint's MTP into a checkpoint of its own writing (graft, extract).
+MTP_COPY_CODES = (*READ_CODES, *WRITE_CODES, *MTP_KIND_CODES)
 
 
 # Flags that change only what a command prints (--dry-run: that it writes nothing): left out of the command line an

@@ -6,15 +6,7 @@ import argparse
 import json
 from typing import Any
 
-from mtpquant.cli import (
-    MTP_KIND_CODES,
-    READ_CODES,
-    WRITE_CODES,
-    add_command,
-    add_report_flags,
-    add_shard_size_argument,
-    options_from,
-)
+from mtpquant.cli import MTP_COPY_CODES, add_command, add_report_flags, add_shard_size_argument, options_from
 
 __all__ = ["register"]
 
@@ -40,7 +32,7 @@ def register(subparsers: Any) -> None:
             "DeepSeek MTP (layer 0, num_hidden_layers 1, no head / embedding copies). Reads only the MTP bytes."
         ),
         examples=_EXAMPLES,
-        codes=(*READ_CODES, *WRITE_CODES, *MTP_KIND_CODES),
+        codes=MTP_COPY_CODES,
     )
     p.add_argument("source", metavar="SRC", help="the checkpoint with the MTP: a local directory or a Hub repo id")
     p.add_argument("--out", required=True, metavar="OUT", help="the sidecar directory to write (must not exist)")

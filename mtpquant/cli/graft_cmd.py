@@ -6,15 +6,7 @@ import argparse
 import json
 from typing import Any
 
-from mtpquant.cli import (
-    MTP_KIND_CODES,
-    READ_CODES,
-    WRITE_CODES,
-    add_command,
-    add_report_flags,
-    add_shard_size_argument,
-    options_from,
-)
+from mtpquant.cli import MTP_COPY_CODES, add_command, add_report_flags, add_shard_size_argument, options_from
 from mtpquant.errors import ExitCode
 
 __all__ = ["register"]
@@ -27,9 +19,7 @@ examples:
 
 """
 _EXIT_CODES = (
-    *READ_CODES,
-    *WRITE_CODES,
-    *MTP_KIND_CODES,
+    *MTP_COPY_CODES,
     ExitCode.LINEAGE,
     ExitCode.GRAFT_REFUSED,
     ExitCode.OUTPUT_BUSY,
