@@ -32,7 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mtpquant.diagnose.report import inspect_checkpoint
-from mtpquant.engine.launch import EngineProcess, free_port, vllm_args
+from mtpquant.engine.launch import EngineProcess, free_port, server_args
 from mtpquant.errors import EngineStartError
 from mtpquant.graft.run import fix_metadata
 from mtpquant.synth.tiny import make_tiny_checkpoint
@@ -45,9 +45,8 @@ def serve(python: str, ckpt: Path, log: Path, k: int) -> tuple[bool, str]:
     import requests
 
     port = free_port()
-    args = vllm_args(
-        str(ckpt), port, k=k, extra=["--max-model-len", "4096", "--enforce-eager", "--gpu-memory-utilization", "0.85"]
-    )
+    extra = ["--max-model-len", "4096", "--enforce-eager", "--gpu-memory-utilization", "0.85"]
+    args = server_args("vllm", str(ckpt), port, k=k, extra=extra)
     try:
         with EngineProcess("vllm", python, args, log, port=port, startup_timeout=900) as server:
             body = {"model": str(ckpt), "prompt": [1, 2, 3, 4], "max_tokens": 32, "temperature": 0, "ignore_eos": True}

@@ -3,25 +3,41 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import logging
+import os
 import re
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from mtpquant import __version__
 from mtpquant.errors import ExitCode, MtpquantError, exit_code_table
 from mtpquant.runtime.machine import tune_cpu_runtime
 
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+    Options = TypeVar("Options", bound=DataclassInstance)
+
 __all__ = [
     "HUB_CODES",
+    "MTP_COPY_CODES",
+    "MTP_KIND_CODES",
+    "READ_CODES",
+    "WRITE_CODES",
+    "add_command",
     "add_device_argument",
     "add_dtype_argument",
+    "add_report_flags",
     "add_sampling_arguments",
     "add_shard_size_argument",
     "exit_codes_epilog",
     "main",
+    "options_from",
     "parse_size",
+    "progress_bars",
     "recorded_command",
 ]
 
@@ -33,6 +49,14 @@ COMMANDS = ("demo", "convert", "graft", "extract", "heal", "tune-mtp", "inspect"
 _COMMON_CODES = (ExitCode.OK, ExitCode.INTERNAL, ExitCode.USAGE, ExitCode.IO, ExitCode.INTERRUPTED)
 # A command that takes a Hub repo id where it takes a checkpoint.
 HUB_CODES = (ExitCode.HUB_UNREACHABLE, ExitCode.HUB_ACCESS, ExitCode.HUB_REFUSED)
+# A command that reads a checkpoint (a local directory or a Hub repo id) and knows its family.
+READ_CODES = (ExitCode.CHECKPOINT, ExitCode.ARCHITECTURE, *HUB_CODES)
+# A command that writes a checkpoint of its MTP (convert, graft, extract): OUT, the MTP mode, the verified output.
+WRITE_CODES = (ExitCode.OUTPUT_EXISTS, ExitCode.MTP_MODE, ExitCode.VERIFICATION)
+# The family's MTP status refuses it (``families.schema.Family.status``): inspect reports it, every surgery refuses.
+MTP_KIND_CODES = (ExitCode.MTP_NEVER_SHIPPED, ExitCode.NOT_AN_MTP)
+# A command that copies a checkpoint's MTP into a checkpoint of its own writing (graft, extract).
+MTP_COPY_CODES = (*READ_CODES, *WRITE_CODES, *MTP_KIND_CODES)
 
 
 # Flags that change only what a command prints (--dry-run: that it writes nothing): left out of the command line an
@@ -57,9 +81,51 @@ def recorded_command(argv: Sequence[str]) -> tuple[str, ...]:
     return tuple(out)
 
 
+def progress_bars() -> bool:
+    """Whether progress bars show (``-q`` and tqdm's own ``TQDM_DISABLE`` turn them off)."""
+    return os.environ.get("TQDM_DISABLE", "") in {"", "0"}
+
+
+def options_from(options: type[Options], args: argparse.Namespace, **given: Any) -> Options:
+    """A command's frozen ``options`` from its parsed ``args``: each field from the flag of the same name, ``command``
+    from the recorded command line (``recorded_command``), ``given`` the fields whose flags are named or typed
+    otherwise."""
+    fields = {f.name for f in dataclasses.fields(options)}
+    values = {name: getattr(args, name) for name in fields & vars(args).keys() if name != "command"}
+    if "command" in fields:
+        values["command"] = args.command_line
+    return options(**{**values, **given})
+
+
 def exit_codes_epilog(*codes: ExitCode) -> str:
     """The exit codes a subcommand can end with, as its ``--help`` lists them: rows of the one table."""
     return "exit codes:\n" + exit_code_table({*_COMMON_CODES, *codes}) + "\nAll exit codes: `mtpquant --help`."
+
+
+def add_command(
+    sub: argparse._SubParsersAction,
+    name: str,
+    *,
+    summary: str,
+    description: str,
+    examples: str,
+    codes: Sequence[ExitCode],
+) -> argparse.ArgumentParser:
+    """A subcommand's parser (``summary``: its line in ``mtpquant --help``); its epilog: ``examples`` (raw text),
+    then the exit ``codes`` it can end with."""
+    return sub.add_parser(
+        name,
+        help=summary,
+        description=description,
+        epilog=examples + exit_codes_epilog(*codes),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+
+
+def add_report_flags(p: argparse.ArgumentParser, dry_run: str, json: str = "print the result as JSON") -> None:
+    """``--dry-run`` (``dry_run``: what it still does) and ``--json`` (``json``: what it prints)."""
+    p.add_argument("--dry-run", action="store_true", help=dry_run)
+    p.add_argument("--json", action="store_true", help=json)
 
 
 def _add_logging_flags(p: argparse.ArgumentParser, dest: str = "") -> None:
@@ -165,8 +231,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the process exit code."""
-    import os
-
     # huggingface_hub's telemetry first asks the Hub for its list of agent harnesses (3 s timeout, again on every run
     # while the Hub cannot be reached): a second request before mtpquant's first, and a second wait when the Hub is
     # down. Off unless the user chose (huggingface_hub's own setting; read when huggingface_hub is first imported).

@@ -8,7 +8,15 @@ from pathlib import Path
 from typing import Any
 
 from mtpquant.checkpoint.writer import DEFAULT_MAX_SHARD_BYTES
-from mtpquant.cli import HUB_CODES, add_base_model_arguments, add_device_argument, exit_codes_epilog
+from mtpquant.cli import (
+    READ_CODES,
+    WRITE_CODES,
+    add_base_model_arguments,
+    add_command,
+    add_device_argument,
+    options_from,
+    progress_bars,
+)
 from mtpquant.cli.heal_cmd import SCHEDULE_FIELDS, add_schedule_arguments, schedule_options
 from mtpquant.cli.search_args import add_search_arguments, search_settings
 from mtpquant.convert.options import ConvertOptions  # torch-free: the defaults and choices at start-up
@@ -16,7 +24,7 @@ from mtpquant.errors import ExitCode
 from mtpquant.records.record import field_choices, field_default
 from mtpquant.units import format_bytes
 
-EPILOG = """\
+EXAMPLES = """\
 examples:
   mtpquant convert Qwen/Qwen3.5-4B ./Qwen3.5-4B-NVFP4-MTP
   mtpquant convert Qwen/Qwen3.5-4B ./Qwen3.5-4B-NVFP4-MTP --dry-run
@@ -40,34 +48,32 @@ Calibration data (default: offline text shipped with CPython, tokenised with SRC
 template): --calib-data FILE (.txt paragraphs, or .jsonl with "text" or "messages"), or a `datasets`
 name (needs the datasets package).
 
-""" + exit_codes_epilog(
-    ExitCode.CHECKPOINT,
-    ExitCode.ARCHITECTURE,
-    ExitCode.OUTPUT_EXISTS,
-    ExitCode.MTP_MODE,
+"""
+EXIT_CODES = (
+    *READ_CODES,
+    *WRITE_CODES,
     ExitCode.INDIVISIBLE,
-    ExitCode.VERIFICATION,
     ExitCode.SOURCE_QUANTIZED,
     ExitCode.OUTPUT_BUSY,
     ExitCode.MEMORY,
     ExitCode.HEAL_NOT_BETTER,
     ExitCode.HEAL_REFUSED,
     ExitCode.GRAFT_REFUSED,
-    *HUB_CODES,
 )
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the ``convert`` subcommand."""
-    p = sub.add_parser(
+    p = add_command(
+        sub,
         "convert",
-        help="quantize a BF16 Qwen checkpoint to NVFP4 with modelopt, keeping its MTP layer",
+        summary="quantize a BF16 Qwen checkpoint to NVFP4 with modelopt, keeping its MTP layer",
         description=(
             "Quantize SRC (a local directory or a Hub repo id) to NVFP4 through nvidia-modelopt and write OUT. "
             "Nothing appears at OUT until the output is complete and verified (inspect verdict clean)."
         ),
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        examples=EXAMPLES,
+        codes=EXIT_CODES,
     )
     p.add_argument("src", metavar="SRC", help="source checkpoint: local directory or Hub repo id (org/name)")
     p.add_argument("out", metavar="OUT", help="output directory (must not exist unless --overwrite)")
@@ -141,7 +147,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     """Convert and print the summary."""
     import logging
-    import os
 
     from mtpquant.api import convert
     from mtpquant.errors import RecipeError
@@ -158,30 +163,13 @@ def run(args: argparse.Namespace) -> int:
     heal_options = _heal_options(args) if args.heal else None
     if heal_options is not None:
         _check_heal_values(heal_options)  # now, before the imports; what needs SRC's headers in convert's plan
-    options = ConvertOptions(
-        src=args.src,
+    options = options_from(
+        ConvertOptions,
+        args,
         out=Path(args.out),
-        recipe=args.recipe,
         mtp="keep" if args.keep_mtp else args.mtp,
-        mtp_format=args.mtp_format,
-        mtp_out=args.mtp_out,
-        calib_data=args.calib_data,
-        calib_samples=args.calib_samples,
-        calib_seq_len=args.calib_seq_len,
-        device=args.device,
-        max_memory=args.max_memory,
-        layerwise=args.layerwise,
-        resume_every=args.resume_every,
-        max_shard_size=args.max_shard_size,
         overrides=tuple(args.overrides),
-        dry_run=args.dry_run,
-        overwrite=args.overwrite,
-        revision=args.revision,
-        progress=os.environ.get("TQDM_DISABLE", "") in {"", "0"},
-        command=args.command_line,
-        base_model=args.base_model,
-        base_model_revision=args.base_model_revision,
-        output_format=args.output_format,
+        progress=progress_bars(),
         search=search,
     )
     # The summary is printed below; keep the library's copy of it out of the log.
@@ -212,8 +200,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _heal_options(args: argparse.Namespace) -> Any:
     """``convert --heal``'s heal: OUT in place against SRC (convert's plan refuses what it would refuse)."""
-    import os
-
     from mtpquant.api import HealOptions
 
     return HealOptions(
@@ -224,7 +210,7 @@ def _heal_options(args: argparse.Namespace) -> Any:
         max_memory=args.max_memory,
         source_revision=args.revision,
         force=args.heal_force,
-        progress=os.environ.get("TQDM_DISABLE", "") in {"", "0"},
+        progress=progress_bars(),
         command=args.command_line,
         **schedule_options(args),
     )

@@ -6,44 +6,39 @@ import argparse
 import json
 from typing import Any
 
-from mtpquant.cli import HUB_CODES, add_shard_size_argument, exit_codes_epilog
+from mtpquant.cli import MTP_COPY_CODES, add_command, add_report_flags, add_shard_size_argument, options_from
 from mtpquant.errors import ExitCode
 
 __all__ = ["register"]
 
-_EPILOG = """\
+_EXAMPLES = """\
 examples:
   mtpquant graft ./Qwen3.5-27B-NVFP4 --from Qwen/Qwen3.5-27B --out ./Qwen3.5-27B-NVFP4-MTP
   mtpquant graft ./Qwen3.5-27B-NVFP4 --from ./Qwen3.5-27B --in-place
   mtpquant graft ./Qwen3.5-397B-A17B-NVFP4 --fix-metadata --in-place
 
-""" + exit_codes_epilog(
-    ExitCode.CHECKPOINT,
-    ExitCode.ARCHITECTURE,
-    ExitCode.OUTPUT_EXISTS,
-    ExitCode.MTP_MODE,
-    ExitCode.VERIFICATION,
+"""
+_EXIT_CODES = (
+    *MTP_COPY_CODES,
     ExitCode.LINEAGE,
     ExitCode.GRAFT_REFUSED,
     ExitCode.OUTPUT_BUSY,
-    ExitCode.MTP_NEVER_SHIPPED,
-    ExitCode.NOT_AN_MTP,
-    *HUB_CODES,
 )
 
 
 def register(subparsers: Any) -> None:
     """Add the ``graft`` subcommand."""
-    p = subparsers.add_parser(
+    p = add_command(
+        subparsers,
         "graft",
-        help="add SRC's MTP to a quant that lost it, writing only the MTP bytes",
+        summary="add SRC's MTP to a quant that lost it, writing only the MTP bytes",
         description=(
             "Repair an existing quant whose MTP was dropped or mis-declared: copy SRC's mtp.* tensors "
             "byte for byte into new shard(s), hard-link every other file, rewrite the index and the MTP "
             "declaration and exclusions. --fix-metadata repairs declaration and exclusions only."
         ),
-        epilog=_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        examples=_EXAMPLES,
+        codes=_EXIT_CODES,
     )
     p.add_argument("quant", metavar="QUANT", help="the quant to repair: a local directory or a Hub repo id")
     p.add_argument(
@@ -70,8 +65,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--from-revision", dest="source_revision", metavar="REV", help="SRC's Hub revision")
     add_shard_size_argument(p)
     p.add_argument("--copy", action="store_true", help="copy untouched files instead of hard-linking them")
-    p.add_argument("--dry-run", action="store_true", help="check and plan, print the plan, write nothing")
-    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    add_report_flags(p, "check and plan, print the plan, write nothing")
     p.set_defaults(func=run)
 
 
@@ -80,20 +74,7 @@ def run(args: argparse.Namespace) -> int:
     from mtpquant.api import GraftOptions, graft  # graft.options: torch-free
     from mtpquant.render import graft_text
 
-    options = GraftOptions(
-        quant=args.quant,
-        source=args.source,
-        out=args.out,
-        in_place=args.in_place,
-        replace=args.replace,
-        fix_metadata=args.fix_metadata,
-        revision=args.revision,
-        source_revision=args.source_revision,
-        max_shard_bytes=args.max_shard_size,
-        link=not args.copy,
-        dry_run=args.dry_run,
-        command=args.command_line,
-    )
+    options = options_from(GraftOptions, args, max_shard_bytes=args.max_shard_size, link=not args.copy)
     result = graft(options)
     if args.json:
         print(json.dumps(result.to_json(), indent=2))

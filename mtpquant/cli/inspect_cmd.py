@@ -6,11 +6,11 @@ import argparse
 import json
 import os
 
-from mtpquant.cli import HUB_CODES, exit_codes_epilog
+from mtpquant.cli import MTP_KIND_CODES, READ_CODES, add_command
 from mtpquant.errors import ExitCode
 from mtpquant.render import inspect_text
 
-EPILOG = """\
+EXAMPLES = """\
 examples:
   mtpquant inspect nvidia/Qwen3.5-397B-A17B-NVFP4
   mtpquant inspect ./Qwen3.5-27B-NVFP4 --json
@@ -20,27 +20,26 @@ The most severe FAIL finding decides the exit code (index, then format, then MTP
 --strict also counts warnings that carry one of these causes (e.g. an MTP that loads only through vLLM's mtp.fc
 workaround). Errors reading the checkpoint (bad header, no config) are exit 3.
 
-""" + exit_codes_epilog(
-    ExitCode.CHECKPOINT,
-    ExitCode.ARCHITECTURE,
+"""
+EXIT_CODES = (
+    *READ_CODES,
+    *MTP_KIND_CODES,
     ExitCode.INSPECT_MTP,
     ExitCode.INSPECT_EXCLUSIONS,
     ExitCode.INSPECT_INDEX,
     ExitCode.INSPECT_FORMAT,
-    ExitCode.MTP_NEVER_SHIPPED,
-    ExitCode.NOT_AN_MTP,
-    *HUB_CODES,
 )
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the ``inspect`` subcommand."""
-    p = sub.add_parser(
+    p = add_command(
+        sub,
         "inspect",
-        help="is MTP in the checkpoint, in what precision, and will vLLM/SGLang load it?",
+        summary="is MTP in the checkpoint, in what precision, and will vLLM/SGLang load it?",
         description="Reads only config.json, hf_quant_config.json, the index and safetensors headers.",
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        examples=EXAMPLES,
+        codes=EXIT_CODES,
     )
     p.add_argument("checkpoint", help="local directory or Hub repo id (org/name)")
     p.add_argument("--revision", help="Hub revision (branch, tag or commit)")

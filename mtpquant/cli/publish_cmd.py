@@ -5,12 +5,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from mtpquant.cli import HUB_CODES, add_base_model_arguments, exit_codes_epilog
+from mtpquant.cli import HUB_CODES, add_base_model_arguments, add_command, options_from
 from mtpquant.errors import ExitCode
 from mtpquant.render import publish_plan_text
 from mtpquant.units import format_bytes
 
-EPILOG = """\
+EXAMPLES = """\
 examples:
   mtpquant publish ./Qwen3.5-4B-NVFP4-MTP --repo my-org/Qwen3.5-4B-NVFP4-MTP --dry-run
   mtpquant publish ./Qwen3.5-4B-NVFP4-MTP --repo my-org/Qwen3.5-4B-NVFP4-MTP --private
@@ -24,17 +24,18 @@ The card (README.md) is generated from OUT's facts; a README.md written or edite
 unless --overwrite-card. Remote *.safetensors and index files that OUT does not have are deleted in the
 same commit. The token comes from HF_TOKEN or `hf auth login`; HF_ENDPOINT selects another Hub server.
 
-""" + exit_codes_epilog(ExitCode.ARCHITECTURE, ExitCode.PUBLISH_REFUSED, ExitCode.UPLOAD, *HUB_CODES)
+"""
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the ``publish`` subcommand."""
-    p = sub.add_parser(
+    p = add_command(
+        sub,
         "publish",
-        help="check OUT, write its model card and upload it to the Hub",
+        summary="check OUT, write its model card and upload it to the Hub",
         description="Gate OUT through the inspect checks, generate its model card and upload it with huggingface_hub.",
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        examples=EXAMPLES,
+        codes=(ExitCode.ARCHITECTURE, ExitCode.PUBLISH_REFUSED, ExitCode.UPLOAD, *HUB_CODES),
     )
     p.add_argument("out", metavar="OUT", type=Path, help="checkpoint directory to publish (e.g. convert's OUT)")
     p.add_argument("--repo", required=True, metavar="ORG/NAME", help="Hub model repo to publish to")
@@ -59,20 +60,7 @@ def run(args: argparse.Namespace) -> int:
     """Publish and print the commit URL (or, with --dry-run, the plan and the card)."""
     from mtpquant.api import PublishOptions, publish
 
-    opts = PublishOptions(
-        out=args.out,
-        repo=args.repo,
-        private=args.private,
-        revision=args.revision,
-        create_pr=args.create_pr,
-        commit_message=args.commit_message,
-        dry_run=args.dry_run,
-        force=args.force,
-        overwrite_card=args.overwrite_card,
-        base_model=args.base_model,
-        base_model_revision=args.base_model_revision,
-        command=args.command_line,
-    )
+    opts = options_from(PublishOptions, args)
     result = publish(opts)
     if result.dry_run:
         print(publish_plan_text(result))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from mtpquant.cli import exit_codes_epilog
+from mtpquant.cli import add_command
 from mtpquant.errors import ExitCode
 from mtpquant.synth.tiny import TINY_VARIANTS  # torch-free: the choices at start-up
 
@@ -19,15 +19,16 @@ examples:
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the ``tiny`` subcommand."""
-    p = sub.add_parser(
+    p = add_command(
+        sub,
         "tiny",
-        help="write a tiny random-weight checkpoint in a real Qwen layout (for tests/demos)",
+        summary="write a tiny random-weight checkpoint in a real Qwen layout (for tests/demos)",
         description=(
             "Write a tiny checkpoint (a few MB, random weights) with the tensor names, shapes, shards, configs\n"
             "and tokenizer of a real Qwen layout: something to try every command on in seconds. Prints its path."
         ),
-        epilog=EXAMPLES + exit_codes_epilog(ExitCode.OUTPUT_EXISTS),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        examples=EXAMPLES,
+        codes=(ExitCode.OUTPUT_EXISTS,),
     )
     p.add_argument("out", type=Path, metavar="OUT", help="the directory to write (must not exist unless --overwrite)")
     p.add_argument(

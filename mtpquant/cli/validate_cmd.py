@@ -6,8 +6,16 @@ import argparse
 import json
 from functools import partial
 from pathlib import Path
+from typing import Any
 
-from mtpquant.cli import HUB_CODES, add_device_argument, add_dtype_argument, add_sampling_arguments, exit_codes_epilog
+from mtpquant.cli import (
+    READ_CODES,
+    add_command,
+    add_device_argument,
+    add_dtype_argument,
+    add_sampling_arguments,
+    options_from,
+)
 from mtpquant.errors import ExitCode
 from mtpquant.records.record import field_choices, field_default
 from mtpquant.validate.options import ValidateOptions  # torch-free: the defaults and choices at start-up
@@ -25,8 +33,7 @@ examples:
 """
 
 EXIT_CODES = (
-    ExitCode.CHECKPOINT,
-    ExitCode.ARCHITECTURE,
+    *READ_CODES,
     ExitCode.OUTPUT_EXISTS,
     ExitCode.LINEAGE,
     ExitCode.VALIDATE_WARN,
@@ -38,15 +45,15 @@ EXIT_CODES = (
     ExitCode.ENGINE_MODEL,
     ExitCode.ENGINE_SPEC_DECODE,
     ExitCode.ENGINE_START,
-    *HUB_CODES,
 )
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the ``validate`` subcommand."""
-    p = sub.add_parser(
+    p = add_command(
+        sub,
         "validate",
-        help="measure what speculative decoding with the MTP accepts (one checkpoint, or before vs after)",
+        summary="measure what speculative decoding with the MTP accepts (one checkpoint, or before vs after)",
         description=(
             "With one checkpoint: its MTP acceptance per draft position, acceptance rate and mean acceptance "
             "length for k = 1..K under greedy verification, or sampled (--temperature). With REFERENCE and "
@@ -56,18 +63,16 @@ def register(sub: argparse._SubParsersAction) -> None:
             f"or drafting for nothing), {int(ExitCode.VALIDATE_BROKEN)} fail (the candidate is broken), "
             f"{int(ExitCode.VALIDATE_INCONCLUSIVE)} inconclusive (too few prompts to decide)."
         ),
-        epilog=EXAMPLES + exit_codes_epilog(*EXIT_CODES),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        examples=EXAMPLES,
+        codes=EXIT_CODES,
     )
     p.add_argument(
         "reference", nargs="?", help="checkpoint directory or Hub repo id (alone: the checkpoint to evaluate)"
     )
     p.add_argument("candidate", nargs="?", help="the quantized checkpoint to compare against REFERENCE")
     p.add_argument("--prompts", type=Path, help="prompt file: .jsonl ({'text': ...}) or text blocks")
-    p.add_argument("--num-prompts", type=int, default=_D("num_prompts"),
-                   help=f"number of prompts (default {_D('num_prompts')})")
-    p.add_argument("--max-len", type=int, default=_D("max_len"),
-                   help=f"tokens per sequence: prompt (<= half) + greedy continuation (default {_D('max_len')})")
+    _defaulted(p, "--num-prompts", "number of prompts (default {})", type=int)
+    _defaulted(p, "--max-len", "tokens per sequence: prompt (<= half) + greedy continuation (default {})", type=int)
     p.add_argument(
         "--k",
         type=_ks,
@@ -75,13 +80,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="K|K1,K2,..",
         help=f"k = 1..K drafts per step (default {_D('k')}), or the listed k values (--engine: one server each)",
     )
-    p.add_argument(
+    _defaulted(
+        p,
         "--batch-size",
+        "prompts of one length generated together by the built-in path (default {}; lower it for memory)",
         type=int,
-        default=_D("batch_size"),
         metavar="N",
-        help=f"prompts of one length generated together by the built-in path (default {_D('batch_size')}; lower it "
-        "for memory)",
     )
     p.add_argument(
         "--report-dir",
@@ -91,37 +95,32 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     add_device_argument(p, _D("device"), indexed=True)
     add_dtype_argument(p)
-    p.add_argument("--activations", choices=field_choices(ValidateOptions, "activations"), default=_D("activations"),
-                   help=f"emulate: W4A4 activation fake-quant (default {_D('activations')})")
+    _defaulted(p, "--activations", "emulate: W4A4 activation fake-quant (default {})",
+               choices=field_choices(ValidateOptions, "activations"))
     p.add_argument(
         "--save-hidden", type=Path, metavar="FILE", help="save target hidden states and tokens (safetensors)"
     )
     p.add_argument("--hidden", type=Path, metavar="FILE", help="use saved target hidden states instead of the targets")
-    p.add_argument(
+    _defaulted(
+        p,
         "--warn-al-drop",
+        "the allowed AL drop per k: warn when the drop exceeds it beyond noise (default {})",
         type=float,
-        default=_D("warn_al_drop"),
-        help=f"the allowed AL drop per k: warn when the drop exceeds it beyond noise (default {_D('warn_al_drop')})",
     )
-    p.add_argument(
+    _defaulted(
+        p,
         "--min-main-agreement",
+        "pair: a candidate whose main model agrees with the reference's top-1 token less often is broken (default {})",
         type=float,
-        default=_D("min_main_agreement"),
         metavar="F",
-        help="pair: a candidate whose main model agrees with the reference's top-1 token less often is broken "
-        f"(default {_D('min_main_agreement')})",
     )
-    p.add_argument(
-        "--confidence", type=float, default=_D("confidence"),
-        help=f"level of the bootstrap intervals over prompts (default {_D('confidence')})"
-    )
+    _defaulted(p, "--confidence", "level of the bootstrap intervals over prompts (default {})", type=float)
     p.add_argument("--json", action="store_true", help="print report.json to stdout instead of the table")
     g = add_sampling_arguments(
         p, ValidateOptions, "the target samples at each T (0: greedy, the default); the first is the headline of the "
         "verdict"
     )
-    g.add_argument("--seed", type=int, default=_D("seed"),
-                   help=f"prompt i samples with seed + i (default {_D('seed')})")
+    _defaulted(g, "--seed", "prompt i samples with seed + i (default {})", type=int)
     p.add_argument(
         "--context-buckets",
         type=int,
@@ -148,8 +147,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="start the engine for CHECKPOINT [CANDIDATE] on 127.0.0.1")
     e.add_argument("--vllm-python", type=Path, metavar="PATH", help="the python of the vLLM environment")
     e.add_argument("--sglang-python", type=Path, metavar="PATH", help="the python of the SGLang environment")
-    e.add_argument("--tensor-parallel-size", type=int, default=_D("tensor_parallel_size"),
-                   help=f"--engine: tensor parallelism (default {_D('tensor_parallel_size')})")
+    _defaulted(e, "--tensor-parallel-size", "--engine: tensor parallelism (default {})", type=int)
     e.add_argument(
         "--engine-arg",
         action="append",
@@ -160,16 +158,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     e.add_argument(
         "--compare-reference", action="store_true", help="--engine: also the built-in prediction, side by side"
     )
-    e.add_argument(
-        "--concurrency",
-        type=int,
-        default=_D("concurrency"),
-        metavar="N",
-        help=f"requests in flight at once (default {_D('concurrency')}: per-prompt counters, the finest intervals)",
-    )
-    e.add_argument("--startup-timeout", type=float, default=_D("startup_timeout"),
-                   help=f"--engine: seconds to wait for the server (default {_D('startup_timeout'):g})")
+    _defaulted(e, "--concurrency", "requests in flight at once (default {}: per-prompt counters, the finest intervals)",
+               type=int, metavar="N")
+    _defaulted(e, "--startup-timeout", "--engine: seconds to wait for the server (default {:g})", type=float)
     p.set_defaults(func=run)
+
+
+def _defaulted(p: argparse._ActionsContainer, flag: str, help_text: str, **kw: Any) -> None:
+    """``flag`` defaulting to ValidateOptions' field of its name, the default stated where ``help_text`` has ``{}``."""
+    default = _D(flag.removeprefix("--").replace("-", "_"))
+    p.add_argument(flag, default=default, help=help_text.format(default), **kw)
 
 
 def _ks(text: str) -> tuple[int, tuple[int, ...] | None]:
@@ -188,43 +186,18 @@ def run(args: argparse.Namespace) -> int:
     from mtpquant.api import validate
     from mtpquant.render import validate_text
 
-    opts = ValidateOptions(
-        reference=args.reference,
-        candidate=args.candidate,
+    opts = options_from(
+        ValidateOptions,
+        args,
         prompts_file=args.prompts,
-        num_prompts=args.num_prompts,
-        max_len=args.max_len,
         k=args.k[0],
         ks=args.k[1],
-        batch_size=args.batch_size,
-        report_dir=args.report_dir,
-        device=args.device,
-        dtype=args.dtype,
-        activations=args.activations,
-        save_hidden=args.save_hidden,
-        hidden=args.hidden,
-        warn_al_drop=args.warn_al_drop,
-        min_main_agreement=args.min_main_agreement,
-        confidence=args.confidence,
         temperatures=tuple(args.temperature),
         top_p=tuple(args.top_p),
         top_k=tuple(args.top_k),
-        rule=args.rule,
-        seed=args.seed,
         context_buckets=tuple(args.context_buckets),
         progress=not args.quiet,
-        server=args.server,
-        candidate_server=args.candidate_server,
-        api_key_file=args.api_key_file,
-        served_model=args.served_model,
-        engine=args.engine,
-        vllm_python=args.vllm_python,
-        sglang_python=args.sglang_python,
-        tensor_parallel_size=args.tensor_parallel_size,
         engine_args=tuple(args.engine_arg),
-        compare_reference=args.compare_reference,
-        startup_timeout=args.startup_timeout,
-        concurrency=args.concurrency,
     )
     report = validate(opts)
     if args.json:

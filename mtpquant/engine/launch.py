@@ -23,12 +23,13 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
 from mtpquant.errors import EngineStartError
 
-__all__ = ["ENGINE_MODULES", "EngineProcess", "free_port", "sglang_args", "vllm_args"]
+__all__ = ["ENGINE_MODULES", "EngineProcess", "free_port", "server_args"]
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +49,37 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def vllm_args(
+@dataclass(frozen=True)
+class _Flags:
+    """How an engine's server is told the common things (model, seed, tensor parallelism, the CPU backend)."""
+
+    model: str
+    seed: str
+    tensor_parallel: str
+    cpu: tuple[str, ...]
+
+
+_FLAGS = {
+    # vLLM's CPU backend for these hybrid models: bf16, prefix caching off for MTP, eager.
+    "vllm": _Flags(
+        "--model",
+        "--seed",
+        "--tensor-parallel-size",
+        ("--dtype", "bfloat16", "--no-enable-prefix-caching", "--enforce-eager"),
+    ),
+    # The settings of the real SGLang 0.5.23 CPU server recorded in ``tests/fixtures/sglang-cpu`` (device cpu, bf16,
+    # radix cache off, no warm-up request).
+    "sglang": _Flags(
+        "--model-path",
+        "--random-seed",
+        "--tp-size",
+        ("--device", "cpu", "--dtype", "bfloat16", "--disable-radix-cache", "--skip-server-warmup"),
+    ),
+}
+
+
+def server_args(
+    engine: str,
     checkpoint: str,
     port: int,
     *,
@@ -60,54 +91,32 @@ def vllm_args(
     extra: Sequence[str] = (),
     speculative: Mapping[str, str] | None = None,
 ) -> list[str]:
-    """vLLM's api_server arguments: model, 127.0.0.1:port, MTP speculative decoding with ``k`` drafts (None: off).
+    """The ``engine``'s server arguments (vLLM's api_server, SGLang's launch_server): model, 127.0.0.1:port, the MTP
+    chain of ``k`` drafts (None: no speculative decoding; vLLM: method mtp, SGLang: NEXTN, topk 1, k + 1 draft
+    tokens).
 
-    ``speculative``: further ``--speculative-config`` keys (a verification rule's, ``engine.sampling.RULES``).
-    ``cpu``: what vLLM's CPU backend needs for these hybrid models (bf16, prefix caching off for MTP, eager).
-    ``text_only``: no image/video inputs (validation is text), which also saves the encoder cache.
-    ``memory``: the memory settings (``engine/sizing.py``); ``extra`` comes last, so it overrides any of these.
-    """
-    args = ["--model", checkpoint, "--host", "127.0.0.1", "--port", str(port), "--seed", "0"]
-    if tensor_parallel_size > 1:
-        args += ["--tensor-parallel-size", str(tensor_parallel_size)]
-    args += memory
-    if k is not None:
-        config = {"method": "mtp", "num_speculative_tokens": k, **(speculative or {})}
-        args += ["--speculative-config", json.dumps(config)]
-    if text_only:
-        args += ["--limit-mm-per-prompt", json.dumps({"image": 0, "video": 0})]
-    if cpu:
-        args += ["--dtype", "bfloat16", "--no-enable-prefix-caching", "--enforce-eager"]
-    return [*args, *extra]
-
-
-def sglang_args(
-    checkpoint: str,
-    port: int,
-    *,
-    k: int | None,
-    tensor_parallel_size: int = 1,
-    cpu: bool = False,
-    memory: Sequence[str] = (),
-    extra: Sequence[str] = (),
-) -> list[str]:
-    """SGLang's launch_server arguments: model, 127.0.0.1:port, the MTP chain of ``k`` drafts (NEXTN, topk 1,
-    k + 1 draft tokens; None: no speculative decoding).
-
-    ``cpu``: the settings of the real SGLang 0.5.23 CPU server recorded in ``tests/fixtures/sglang-cpu`` (device
-    cpu, bf16, radix cache off, no warm-up request). ``memory``: the memory settings (``engine/sizing.py``);
-    ``extra`` comes last, so it overrides any of these.
+    vLLM only: ``speculative``, further ``--speculative-config`` keys (a verification rule's,
+    ``engine.sampling.RULES``); ``text_only``, no image/video inputs (validation is text), which also saves the
+    encoder cache. ``cpu``: what the engine's CPU backend needs for these models. ``memory``: the memory settings
+    (``engine/sizing.py``); ``extra`` comes last, so it overrides any of these.
     """
     from mtpquant.engine.sglang import nextn_args
 
-    args = ["--model-path", checkpoint, "--host", "127.0.0.1", "--port", str(port), "--random-seed", "0"]
+    flags = _FLAGS[engine]
+    args = [flags.model, checkpoint, "--host", "127.0.0.1", "--port", str(port), flags.seed, "0"]
     if tensor_parallel_size > 1:
-        args += ["--tp-size", str(tensor_parallel_size)]
+        args += [flags.tensor_parallel, str(tensor_parallel_size)]
     args += memory
-    if k is not None:
+    vllm = engine == "vllm"
+    if k is not None and vllm:
+        config = {"method": "mtp", "num_speculative_tokens": k, **(speculative or {})}
+        args += ["--speculative-config", json.dumps(config)]
+    elif k is not None:
         args += nextn_args(k)
+    if vllm and text_only:
+        args += ["--limit-mm-per-prompt", json.dumps({"image": 0, "video": 0})]
     if cpu:
-        args += ["--device", "cpu", "--dtype", "bfloat16", "--disable-radix-cache", "--skip-server-warmup"]
+        args += flags.cpu
     return [*args, *extra]
 
 

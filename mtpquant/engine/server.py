@@ -5,6 +5,7 @@
 - ``Completion``: one request's prompt and generated token ids;
 - ``DraftCounts``: what the engine counted for a batch of requests (verify steps, drafted and accepted tokens,
   accepted per draft position);
+- ``RunRequest``: what one measurement sends (the prompts, their lengths and sampling, how they are grouped);
 - ``EngineRun``: the completions and the counts of one measurement, and how far other traffic is in them;
 - ``EngineServer``: the protocol the vLLM and SGLang clients implement (``engine/vllm.py``, ``engine/sglang.py``).
 """
@@ -24,6 +25,7 @@ __all__ = [
     "DraftCounts",
     "EngineRun",
     "EngineServer",
+    "RunRequest",
     "ServerInfo",
     "SpecConfig",
     "resolve_model",
@@ -101,6 +103,28 @@ class DraftCounts:
 
 
 @dataclass(frozen=True)
+class RunRequest:
+    """What one measurement sends: the token-id prompts to ``model`` (prompt i generates ``max_tokens[i]`` with
+    ``sampling.for_prompt(i)``); ``groups``: prompt indices sent together, one group after another
+    (``concurrency`` in flight at once within a group; default: all one group)."""
+
+    model: str
+    prompts: Sequence[Sequence[int]]
+    max_tokens: Sequence[int]
+    sampling: SamplingSettings
+    concurrency: int = 1
+    groups: Sequence[Sequence[int]] | None = None
+
+    def split(self) -> list[list[int]]:
+        """The groups, one after another (``split_groups``)."""
+        return split_groups(len(self.prompts), self.groups)
+
+    def ordered(self, completions: Mapping[int, Completion]) -> tuple[Completion, ...]:
+        """The completions by prompt index, in prompt order."""
+        return tuple(completions[i] for i in range(len(self.prompts)))
+
+
+@dataclass(frozen=True)
 class EngineRun:
     """One measurement on a server: the completions, the counts, and the other traffic meanwhile."""
 
@@ -129,21 +153,9 @@ class EngineServer(Protocol):
         """The launch arguments the server states (those that decide what is measured); () when it states none."""
         ...
 
-    def run(
-        self,
-        model: str,
-        prompts: Sequence[Sequence[int]],
-        max_tokens: Sequence[int],
-        sampling: SamplingSettings,
-        info: ServerInfo,
-        *,
-        concurrency: int = 1,
-        groups: Sequence[Sequence[int]] | None = None,
-    ) -> EngineRun:
-        """Send the token-id prompts (prompt i with ``sampling.for_prompt(i)``) and count what the engine drafted and
-        accepted for them (exit 43 when the server does not draft with an MTP chain). ``groups``: prompt indices
-        sent together, one group after another (``concurrency`` in flight at once within a group; default: all one
-        group), each group's counts kept apart (``EngineRun.group_counts``)."""
+    def run(self, request: RunRequest, info: ServerInfo) -> EngineRun:
+        """Send the request's prompts and count what the engine drafted and accepted for them (exit 43 when the
+        server does not draft with an MTP chain), each group's counts kept apart (``EngineRun.group_counts``)."""
         ...
 
 

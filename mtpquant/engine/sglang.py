@@ -31,10 +31,10 @@ from mtpquant.engine.server import (
     Completion,
     DraftCounts,
     EngineRun,
+    RunRequest,
     ServerInfo,
     SpecConfig,
     server_args_of,
-    split_groups,
     sum_counts,
 )
 from mtpquant.errors import EngineAnswerError, EngineSpecDecodeError
@@ -290,20 +290,11 @@ class SglangClient(EngineClientBase):
         except ValueError as exc:
             raise EngineAnswerError(f"{self.url}/metrics: not Prometheus text ({exc})") from None
 
-    def run(
-        self,
-        model: str,
-        prompts: Sequence[Sequence[int]],
-        max_tokens: Sequence[int],
-        sampling: SamplingSettings,
-        info: ServerInfo,
-        *,
-        concurrency: int = 1,
-        groups: Sequence[Sequence[int]] | None = None,
-    ) -> EngineRun:
+    def run(self, request: RunRequest, info: ServerInfo) -> EngineRun:
         """One request per prompt (prompt i with ``sampling.for_prompt(i)``; a group's requests ``concurrency`` in
         flight at once); the counts are the sum of the requests' own, per group too."""
         k = self.check_chain(info)
+        model, sampling = request.model, request.sampling
         before = self.finished_requests(model)
         completions: dict[int, Completion] = {}
         parts: list[DraftCounts] = []
@@ -312,8 +303,9 @@ class SglangClient(EngineClientBase):
             i, ids, n = item
             return self.generate(ids, n, sampling.for_prompt(i), k, http)
 
-        for group in split_groups(len(prompts), groups):
-            done = self.each([(i, prompts[i], max_tokens[i]) for i in group], one, concurrency)
+        for group in request.split():
+            items = [(i, request.prompts[i], request.max_tokens[i]) for i in group]
+            done = self.each(items, one, request.concurrency)
             completions.update((i, completion) for i, (completion, _) in zip(group, done))
             parts.append(sum_counts([counts for _, counts in done]))
         counts = sum_counts(parts)
@@ -323,5 +315,4 @@ class SglangClient(EngineClientBase):
             )
         after = self.finished_requests(model) if before is not None else None
         other = max(0, round(after - before) - len(completions)) if after is not None and before is not None else 0
-        ordered = tuple(completions[i] for i in range(len(prompts)))
-        return EngineRun(model, ordered, counts, other, False, tuple(parts))
+        return EngineRun(model, request.ordered(completions), counts, other, False, tuple(parts))

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from mtpquant.engine.counters import CounterSnapshot, parse_metrics
 from mtpquant.engine.http import METRICS_CAP, EngineClientBase, EngineHttp
-from mtpquant.engine.server import Completion, DraftCounts, EngineRun, ServerInfo, split_groups
+from mtpquant.engine.server import Completion, DraftCounts, EngineRun, RunRequest, ServerInfo
 from mtpquant.errors import EngineAnswerError, EngineSpecDecodeError
 from mtpquant.records.sampling import GREEDY, SamplingSettings
 
@@ -109,29 +109,20 @@ class VllmClient(EngineClientBase):
         items = [(i, ids, n) for i, ids, n in zip(numbers, prompts, max_tokens)]
         return self.each(items, one, concurrency)
 
-    def run(
-        self,
-        model: str,
-        prompts: Sequence[Sequence[int]],
-        max_tokens: Sequence[int],
-        sampling: SamplingSettings,
-        info: ServerInfo,
-        *,
-        concurrency: int = 1,
-        groups: Sequence[Sequence[int]] | None = None,
-    ) -> EngineRun:
+    def run(self, request: RunRequest, info: ServerInfo) -> EngineRun:
         """The completions, and the counter deltas around each group (server-wide: other traffic is counted in)."""
         del info  # vLLM states its speculative settings only through its counters
+        model = request.model
         start = before = self.counters(model)
         completions: dict[int, Completion] = {}
         deltas: list[CounterSnapshot] = []
-        for group in split_groups(len(prompts), groups):
+        for group in request.split():
             done = self.complete(
                 model,
-                [prompts[i] for i in group],
-                [max_tokens[i] for i in group],
-                sampling,
-                concurrency=concurrency,
+                [request.prompts[i] for i in group],
+                [request.max_tokens[i] for i in group],
+                request.sampling,
+                concurrency=request.concurrency,
                 indices=group,
             )
             completions.update(zip(group, done))
@@ -146,8 +137,8 @@ class VllmClient(EngineClientBase):
                 f"not configured ({SPEC_HINT})"
             )
         other = max(0, round(delta.requests) - len(completions))
-        ordered = tuple(completions[i] for i in range(len(prompts)))
-        return EngineRun(model, ordered, _counts(delta), other, True, tuple(_counts(d) for d in deltas))
+        parts = tuple(_counts(d) for d in deltas)
+        return EngineRun(model, request.ordered(completions), _counts(delta), other, True, parts)
 
 
 def _counts(delta: CounterSnapshot) -> DraftCounts:

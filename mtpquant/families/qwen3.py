@@ -179,52 +179,37 @@ _LINEAR_ATTN_KEYS = (
     "layer_types",
 )
 
+def _qwen3_5(key: str, display: str, stem: str, moe: bool) -> Family:
+    """A Qwen3.5 / Qwen3.6 entry (dense or MoE): the wrapper with vision and its text-only re-export."""
+    shapes, groups = (_moe_shapes, _MOE_GROUPS) if moe else (_dense_shapes, _DENSE_GROUPS)
+    mlp = (("shared_expert.gate_proj", "shared_expert.up_proj"), ("gate_proj", "up_proj")) if moe else ()
+    return Family(
+        key=key,
+        display=display,
+        model_types=frozenset({key, key + "_text"}),
+        architectures=frozenset({stem + "ForConditionalGeneration", stem + "ForCausalLM"}),
+        moe=moe,
+        wrapper_prefix="model.language_model.",
+        text_only_prefixes=("model.language_model.", "model."),
+        has_vision=True,
+        mtp=_layout(shapes, ("mtp_num_hidden_layers",), 0, groups),
+        engine=_ENGINE,
+        wrapper_class=stem + "ForConditionalGeneration",
+        text_class=stem + "ForCausalLM",
+        fused_groups=(
+            ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+            *(mlp or (("mlp.gate_proj", "mlp.up_proj"),)),
+            ("linear_attn.in_proj_qkv", "linear_attn.in_proj_z"),
+        ),
+        unquantized=(*_COMMON_UNQUANTIZED, "*linear_attn.in_proj_a", "*linear_attn.in_proj_b"),
+        fused_main_experts=moe,
+        lineage_keys=_LINEAR_ATTN_KEYS,
+    )
+
+
 QWEN3_FAMILIES: tuple[Family, ...] = (
-    Family(
-        key="qwen3_5",
-        display="Qwen3.5 / Qwen3.6 dense",
-        model_types=frozenset({"qwen3_5", "qwen3_5_text"}),
-        architectures=frozenset({"Qwen3_5ForConditionalGeneration", "Qwen3_5ForCausalLM"}),
-        moe=False,
-        wrapper_prefix="model.language_model.",
-        text_only_prefixes=("model.language_model.", "model."),
-        has_vision=True,
-        mtp=_layout(_dense_shapes, ("mtp_num_hidden_layers",), 0, _DENSE_GROUPS),
-        engine=_ENGINE,
-        wrapper_class="Qwen3_5ForConditionalGeneration",
-        text_class="Qwen3_5ForCausalLM",
-        fused_groups=(
-            ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-            ("mlp.gate_proj", "mlp.up_proj"),
-            ("linear_attn.in_proj_qkv", "linear_attn.in_proj_z"),
-        ),
-        unquantized=(*_COMMON_UNQUANTIZED, "*linear_attn.in_proj_a", "*linear_attn.in_proj_b"),
-        fused_main_experts=False,
-        lineage_keys=_LINEAR_ATTN_KEYS,
-    ),
-    Family(
-        key="qwen3_5_moe",
-        display="Qwen3.5 / Qwen3.6 MoE",
-        model_types=frozenset({"qwen3_5_moe", "qwen3_5_moe_text"}),
-        architectures=frozenset({"Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM"}),
-        moe=True,
-        wrapper_prefix="model.language_model.",
-        text_only_prefixes=("model.language_model.", "model."),
-        has_vision=True,
-        mtp=_layout(_moe_shapes, ("mtp_num_hidden_layers",), 0, _MOE_GROUPS),
-        engine=_ENGINE,
-        wrapper_class="Qwen3_5MoeForConditionalGeneration",
-        text_class="Qwen3_5MoeForCausalLM",
-        fused_groups=(
-            ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-            ("shared_expert.gate_proj", "shared_expert.up_proj"),
-            ("gate_proj", "up_proj"),
-            ("linear_attn.in_proj_qkv", "linear_attn.in_proj_z"),
-        ),
-        unquantized=(*_COMMON_UNQUANTIZED, "*linear_attn.in_proj_a", "*linear_attn.in_proj_b"),
-        fused_main_experts=True,
-        lineage_keys=_LINEAR_ATTN_KEYS,
-    ),
+    _qwen3_5("qwen3_5", "Qwen3.5 / Qwen3.6 dense", "Qwen3_5", moe=False),
+    _qwen3_5("qwen3_5_moe", "Qwen3.5 / Qwen3.6 MoE", "Qwen3_5Moe", moe=True),
     Family(
         key="qwen3_next",
         display="Qwen3-Next",

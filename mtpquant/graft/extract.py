@@ -119,8 +119,7 @@ def _nextn_config(src: Checkpoint) -> dict[str, Any]:
 
 
 def _readme(src: Checkpoint, count: int, nextn: bool, name: str) -> str:
-    from mtpquant import __version__
-    from mtpquant.card_marker import MARKER, ZERO_HASH, seal
+    from mtpquant.card_marker import seal, unsealed_marker
 
     source = public_name(src.label, src.source.ref())
     if nextn:
@@ -135,7 +134,7 @@ def _readme(src: Checkpoint, count: int, nextn: bool, name: str) -> str:
             f"{count} MTP tensors under their original names, exactly the bytes of the source, in `mtp-*.safetensors` "
             "shards with an index; `config.json` is the source's"
         )
-    return seal(f"""{MARKER.format(digest=ZERO_HASH, version=__version__)}
+    return seal(f"""{unsealed_marker()}
 
 # MTP layer extracted by mtpquant
 

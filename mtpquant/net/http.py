@@ -20,9 +20,9 @@ import contextvars
 import functools
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 __all__ = [
@@ -37,6 +37,9 @@ __all__ = [
     "start_budget",
     "transport_class",
 ]
+
+
+_T = TypeVar("_T")
 
 
 class BoundExceededError(Exception):
@@ -69,8 +72,24 @@ class Budget:
             raise expired(f"no complete answer within the request's deadline ({self.seconds:g} s)")
         return left if timeout is None else min(timeout, left)
 
+    def within(self, op: Callable[[float], _T], timeout: float | None, expired: type[Exception]) -> _T:
+        """``op(timeout)``, the timeout cut to what is left; when ``op`` times out with nothing left, the budget has
+        expired."""
+        try:
+            return op(self.clamp(timeout, expired))
+        except expired:
+            if self.remaining() <= 0.001:
+                self.expired = True
+            raise
+
 
 _current: contextvars.ContextVar[Budget | None] = contextvars.ContextVar("mtpquant_http_budget", default=None)
+
+
+def _connect_timeout(timeout: float | None, expired: type[Exception]) -> float | None:
+    """A connection's ``timeout`` cut to the current budget (none: as given)."""
+    b = _current.get()
+    return timeout if b is None else b.clamp(timeout, expired)
 
 
 def current_budget() -> Budget | None:
@@ -110,12 +129,7 @@ def _network_backend() -> Any:
             b = _current.get()
             if b is None:
                 return self._inner.read(max_bytes, timeout)
-            try:
-                data = self._inner.read(max_bytes, b.clamp(timeout, httpcore.ReadTimeout))
-            except httpcore.ReadTimeout:
-                if b.remaining() <= 0.001:
-                    b.expired = True
-                raise
+            data = b.within(functools.partial(self._inner.read, max_bytes), timeout, httpcore.ReadTimeout)
             b.received += len(data)
             if b.limit is not None and b.received > b.limit:
                 raise BoundExceededError(f"an answer larger than {b.limit} bytes")
@@ -126,21 +140,14 @@ def _network_backend() -> Any:
             if b is None:
                 self._inner.write(buffer, timeout)
                 return
-            try:
-                self._inner.write(buffer, b.clamp(timeout, httpcore.WriteTimeout))
-            except httpcore.WriteTimeout:
-                if b.remaining() <= 0.001:
-                    b.expired = True
-                raise
+            b.within(functools.partial(self._inner.write, buffer), timeout, httpcore.WriteTimeout)
             b.sent += len(buffer)
 
         def close(self) -> None:
             self._inner.close()
 
         def start_tls(self, ssl_context: Any, server_hostname: str | None = None, timeout: float | None = None) -> Any:
-            b = _current.get()
-            if b is not None:
-                timeout = b.clamp(timeout, httpcore.ConnectTimeout)
+            timeout = _connect_timeout(timeout, httpcore.ConnectTimeout)
             return Stream(self._inner.start_tls(ssl_context, server_hostname, timeout))
 
         def get_extra_info(self, info: str) -> Any:
@@ -158,17 +165,13 @@ def _network_backend() -> Any:
             local_address: str | None = None,
             socket_options: Any = None,
         ) -> httpcore.NetworkStream:
-            b = _current.get()
-            if b is not None:
-                timeout = b.clamp(timeout, httpcore.ConnectTimeout)
+            timeout = _connect_timeout(timeout, httpcore.ConnectTimeout)
             return Stream(self._inner.connect_tcp(host, port, timeout, local_address, socket_options))
 
         def connect_unix_socket(
             self, path: str, timeout: float | None = None, socket_options: Any = None
         ) -> httpcore.NetworkStream:
-            b = _current.get()
-            if b is not None:
-                timeout = b.clamp(timeout, httpcore.ConnectTimeout)
+            timeout = _connect_timeout(timeout, httpcore.ConnectTimeout)
             return Stream(self._inner.connect_unix_socket(path, timeout, socket_options))
 
         def sleep(self, seconds: float) -> None:

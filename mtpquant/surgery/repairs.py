@@ -15,6 +15,7 @@ Every repair edits both ``config.json`` and ``hf_quant_config.json`` where they 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from mtpquant.checkpoint.header import FLOAT_DTYPES
@@ -33,8 +34,18 @@ _LABEL_FOR_DISK: dict[str, dict[str, Any]] = {
 }
 
 
-def _relabel_aliases(spec: ModelSpec, config: dict[str, Any], changes: list[str]) -> None:
-    for where, alias, canonical in spec.aliases():
+@dataclass(frozen=True)
+class _Checkpoint:
+    """What the repairs read (the model, its tensors and their precision on disk) and where they say what they did."""
+
+    spec: ModelSpec
+    tensors: Mapping[str, Any]
+    precision: Mapping[str, str]
+    changes: list[str]
+
+
+def _relabel_aliases(ck: _Checkpoint, config: dict[str, Any]) -> None:
+    for where, alias, canonical in ck.spec.aliases():
         if where.startswith("architectures["):
             i = int(where[len("architectures[") : -1])
             config["architectures"][i] = canonical
@@ -42,7 +53,7 @@ def _relabel_aliases(spec: ModelSpec, config: dict[str, Any], changes: list[str]
             config["model_type"] = canonical
         else:
             config["text_config"]["model_type"] = canonical
-        changes.append(f"config.json: {where} {alias} -> {canonical} (the day-0 label engines do not know)")
+        ck.changes.append(f"config.json: {where} {alias} -> {canonical} (the day-0 label engines do not know)")
 
 
 def _layer_maps(config: dict[str, Any], hfq: dict[str, Any] | None) -> list[tuple[str, dict[str, Any]]]:
@@ -60,14 +71,19 @@ def _layer_maps(config: dict[str, Any], hfq: dict[str, Any] | None) -> list[tupl
     return out
 
 
-def _rename_engine_indices(
-    spec: ModelSpec, layer_maps: list[tuple[str, dict[str, Any]]], tensors: Mapping[str, Any], changes: list[str]
-) -> None:
-    if not spec.family.mtp.engine_layer_offset:
+def _sort_in_place(layers: dict[str, Any]) -> None:
+    """``quantized_layers`` back in name order, the dict itself (its config file holds it)."""
+    ordered = dict(sorted(layers.items()))
+    layers.clear()
+    layers.update(ordered)
+
+
+def _rename_engine_indices(ck: _Checkpoint, layer_maps: list[tuple[str, dict[str, Any]]]) -> None:
+    if not ck.spec.family.mtp.engine_layer_offset:
         return
-    n = spec.dim("num_hidden_layers")
-    names = spec.mtp_names
-    held = {d for t in tensors if (d := names.depth_of(t)) is not None}
+    n = ck.spec.dim("num_hidden_layers")
+    names = ck.spec.mtp_names
+    held = {d for t in ck.tensors if (d := names.depth_of(t)) is not None}
     root = names.roots[0]
     for f, layers in layer_maps:
         renamed = 0
@@ -79,28 +95,19 @@ def _rename_engine_indices(
                 layers[new] = layers.pop(key)
                 renamed += 1
         if renamed:
-            ordered = dict(sorted(layers.items()))
-            layers.clear()
-            layers.update(ordered)
-            changes.append(
+            _sort_in_place(layers)
+            ck.changes.append(
                 f"{f}: quantized_layers: {renamed} MTP entries renamed from the engine's layer index "
                 f"{root}{n}+i to the checkpoint's {root}i (vLLM adds num_hidden_layers itself)"
             )
 
 
-def _relabel_experts(
-    spec: ModelSpec,
-    config: dict[str, Any],
-    hfq: dict[str, Any] | None,
-    precision: Mapping[str, str],
-    meta: QuantMetadata,
-    changes: list[str],
-) -> None:
+def _relabel_experts(ck: _Checkpoint, config: dict[str, Any], hfq: dict[str, Any] | None, meta: QuantMetadata) -> None:
     layer_maps = _layer_maps(config, hfq)
     if not layer_maps:
         return
-    rules = spec.family.engine
-    names = [m for m in precision if spec.is_mtp(m)]
+    rules, precision = ck.spec.family.engine, ck.precision
+    names = [m for m in precision if ck.spec.is_mtp(m)]
     for mod in engine_modules(names, rules):
         if mod.kind != "experts":
             continue
@@ -119,34 +126,26 @@ def _relabel_experts(
         for f, layers in layer_maps:
             for m in mod.members:
                 layers[m] = dict(want)
-            ordered = dict(sorted(layers.items()))
-            layers.clear()
-            layers.update(ordered)
+            _sort_in_place(layers)
             note = " (weight_scale_inv on disk)" if disk == "FP8-block" else ""
-            changes.append(
+            ck.changes.append(
                 f"{f}: quantized_layers: {mod.prefix} ({len(mod.members)} entries) {algo or 'absent'} -> "
                 f"{want['quant_algo']}{note}"
             )
 
 
 def _exclude_tables(
-    spec: ModelSpec,
-    config: dict[str, Any],
-    hfq: dict[str, Any] | None,
-    tensors: Mapping[str, Any],
-    precision: Mapping[str, str],
-    meta: QuantMetadata,
-    changes: list[str],
+    ck: _Checkpoint, config: dict[str, Any], hfq: dict[str, Any] | None, meta: QuantMetadata
 ) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    rules = spec.family.engine
+    rules = ck.spec.family.engine
     if not rules.embedding_tables or meta.algo.upper() == "MIXED_PRECISION":
         return config, hfq
-    names = [m for m in precision if not spec.is_mtp(m)]
+    names = [m for m in ck.precision if not ck.spec.is_mtp(m)]
     refused = [
         mod.prefix
         for mod in engine_modules(names, rules)
         if mod.kind == "embedding"
-        and table_precision(tensors, mod.prefix, mod.members) in FLOAT_DTYPES
+        and table_precision(ck.tensors, mod.prefix, mod.members) in FLOAT_DTYPES
         and vllm_expectation(mod, meta, rules).refusal is not None
     ]
     if not refused:
@@ -154,7 +153,7 @@ def _exclude_tables(
     new_config, new_hfq = with_exclusions(config, hfq, refused, refused)
     for f in ([HF_QUANT_CONFIG] if new_hfq != hfq else []) + (["config.json"] if new_config != config else []):
         what = "ignore" if f == "config.json" else "exclude_modules"
-        changes.append(f"{f}: {what} += {', '.join(refused)} (vLLM raises on an n-gram table it would quantize)")
+        ck.changes.append(f"{f}: {what} += {', '.join(refused)} (vLLM raises on an n-gram table it would quantize)")
     return new_config, new_hfq
 
 
@@ -170,17 +169,18 @@ def repair_labels(
     (None: none); one line per repair in ``changes``. ``precision``: every Linear of ``tensors`` -> its precision on
     disk (``checkpoint.precision.linear_precisions``). The metadata is parsed once, and again only after a repair
     changed it."""
-    _relabel_aliases(spec, config, changes)
-    _rename_engine_indices(spec, _layer_maps(config, hfq), tensors, changes)
+    ck = _Checkpoint(spec, tensors, precision, changes)
+    _relabel_aliases(ck, config)
+    _rename_engine_indices(ck, _layer_maps(config, hfq))
     meta = read_quant_metadata(config, hfq)
     if meta is None:
         return config, hfq, None
     before = len(changes)
-    _relabel_experts(spec, config, hfq, precision, meta, changes)
+    _relabel_experts(ck, config, hfq, meta)
     if len(changes) != before:
         meta = read_quant_metadata(config, hfq)
         assert meta is not None
-    new_config, new_hfq = _exclude_tables(spec, config, hfq, tensors, precision, meta, changes)
+    new_config, new_hfq = _exclude_tables(ck, config, hfq, meta)
     if new_config is not config or new_hfq is not hfq:
         meta = read_quant_metadata(new_config, new_hfq)
     return new_config, new_hfq, meta

@@ -31,7 +31,7 @@ from pathlib import Path
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.engine.connect import client_for, connect
 from mtpquant.engine.http import engine_api_key
-from mtpquant.engine.launch import EngineProcess, free_port, sglang_args, vllm_args
+from mtpquant.engine.launch import EngineProcess, free_port, server_args
 from mtpquant.engine.server import ENGINE_NAMES, EngineServer, ServerInfo, SpecConfig, resolve_model
 from mtpquant.engine.sizing import Machine, plan_engine_memory, probe_machine
 from mtpquant.errors import EngineAnswerError, ValidateError
@@ -205,22 +205,18 @@ def _started(
         sequences=opts.concurrency,
     )
     port = free_port()
-    tp, extra = opts.tensor_parallel_size, opts.engine_args
-    if engine == "sglang":
-        args = sglang_args(checkpoint, port, k=k, tensor_parallel_size=tp, cpu=cpu, memory=memory.args(), extra=extra)
-    else:
-        text_only = ckpt.spec.family.has_vision
-        args = vllm_args(
-            checkpoint,
-            port,
-            k=k,
-            tensor_parallel_size=tp,
-            text_only=text_only,
-            cpu=cpu,
-            memory=memory.args(),
-            extra=extra,
-            speculative=rule(opts.rule).vllm_config,
-        )
+    args = server_args(
+        engine,
+        checkpoint,
+        port,
+        k=k,
+        tensor_parallel_size=opts.tensor_parallel_size,
+        text_only=ckpt.spec.family.has_vision,
+        cpu=cpu,
+        memory=memory.args(),
+        extra=opts.engine_args,
+        speculative=rule(opts.rule).vllm_config,
+    )
     log_path = logs / f"{engine}-{label}-k{k}.log"
     with EngineProcess(
         engine, python, args, log_path, port=port, startup_timeout=opts.startup_timeout, env=opts.env

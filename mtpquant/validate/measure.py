@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from mtpquant.engine.server import Completion, DraftCounts, EngineRun, EngineServer, ServerInfo
+from mtpquant.engine.server import Completion, DraftCounts, EngineRun, EngineServer, RunRequest, ServerInfo
 from mtpquant.records.acceptance import AcceptanceStats
 from mtpquant.records.evidence import UnitCounts
 from mtpquant.records.sampling import SamplingSettings
@@ -88,7 +88,7 @@ def measure(
     for count in runs or (len(prompts),):
         groups += _chunks(first, count, concurrency)
         first += count
-    run = server.run(model, prompts, max_tokens, sampling, info, concurrency=concurrency, groups=groups)
+    run = server.run(RunRequest(model, prompts, max_tokens, sampling, concurrency, groups), info)
     parts = run.group_counts or (run.counts,)
     k = run.counts.k
 

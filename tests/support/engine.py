@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mtpquant.checkpoint.table import Checkpoint
-from mtpquant.engine.launch import EngineProcess, free_port, vllm_args
+from mtpquant.engine.launch import EngineProcess, free_port, server_args
 from mtpquant.engine.server import ServerInfo
 from mtpquant.engine.sizing import plan_engine_memory, probe_machine
 from mtpquant.engine.vllm import VllmClient
@@ -60,7 +60,7 @@ class EnginePool:
             machine=probe_machine(cpu=True),
             sequences=CONCURRENCY,
         )
-        args = vllm_args(str(checkpoint), port, k=k, cpu=True, memory=memory.args())
+        args = server_args("vllm", str(checkpoint), port, k=k, cpu=True, memory=memory.args())
         return EngineProcess("vllm", self.python, args, self.logs / name, port=port, startup_timeout=300, env=CPU_ENV)
 
     def get(self, checkpoint: Path, k: int | None) -> RunningServer:

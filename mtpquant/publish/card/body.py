@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mtpquant import __version__
-from mtpquant.card_marker import MARKER, ZERO_HASH, seal
+from mtpquant.card_marker import card_head, seal
 from mtpquant.checkpoint.precision import is_quantized
 from mtpquant.engine.verdicts import serve_command
 from mtpquant.publish.card.facts import (
@@ -440,10 +440,7 @@ def build_card(facts: CardFacts) -> ModelCard:
     }.get(mtp_mode(facts), f"MTP: {r.mtp_precision}")
     of = base_model_link(base)
     lines = [
-        MARKER.format(digest=ZERO_HASH, version=__version__),
-        "",
-        f"# {name}",
-        "",
+        *card_head(name),
         f"{scheme} checkpoint of {of} ({r.family}, `{r.architecture}`) with {mtp_phrase}. "
         "Made with mtpquant and checked by `mtpquant inspect` before upload.",
         "",

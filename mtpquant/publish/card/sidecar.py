@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from mtpquant import __version__
-from mtpquant.card_marker import MARKER, ZERO_HASH
+from mtpquant.card_marker import card_head
 from mtpquant.publish.card.facts import (
     CardFacts,
     base_model,
@@ -50,10 +50,7 @@ def sidecar_body(facts: CardFacts) -> list[str]:
     shards = ", ".join(f"`{s}`" for s in r.mtp_shards)
     rev = f" --revision {facts.revision}" if facts.revision and facts.revision != "main" else ""
     lines = [
-        MARKER.format(digest=ZERO_HASH, version=__version__),
-        "",
-        f"# {repo.split('/')[-1]}",
-        "",
+        *card_head(repo.split("/")[-1]),
         f"The Multi-Token-Prediction (MTP) layer of {of} alone ({r.family}, `{r.architecture}`): an **MTP sidecar**. "
         "It holds no model to serve; it puts the MTP back into a quant of that base model that lost it (most "
         "load-quantize-save pipelines drop it), so speculative decoding works again.",
