@@ -22,6 +22,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +35,7 @@ from mtpquant.heal.plan import Schedule
 from mtpquant.heal.precision import MtpStorage
 from mtpquant.mtp.module import KVCache
 from mtpquant.mtp.schedule import warmup_cosine
+from mtpquant.mtp.step import MtpStep
 
 __all__ = ["TrainLog", "chain_mask", "distill", "distill_loss", "train"]
 
@@ -87,6 +89,16 @@ def distill_loss(outputs: Tensor, teacher_hidden: Tensor, head: Tensor, *, chunk
     return total
 
 
+def _run(layer: nn.Module, *args: object, **kwargs: object) -> tuple[Tensor, Tensor, KVCache]:
+    """One pass of ``layer``: the LM head's input, the stream the next chained step reads and the cache (the Qwen3
+    layer returns ``(out, cache)``, its output being both streams; the appended-layer one an ``MtpStep``)."""
+    result = layer(*args, **kwargs)
+    if isinstance(result, MtpStep):
+        return result.out, result.next_hidden, result.cache
+    out, cache = result
+    return out, out, cache
+
+
 def _chain_outputs(
     layer: nn.Module, tokens: Tensor, hidden: Tensor, embed: Callable[[Tensor], Tensor], chain: int
 ) -> tuple[Tensor, Tensor]:
@@ -94,24 +106,22 @@ def _chain_outputs(
     position after each (the teacher) ``[R, H]``."""
     B, T, H = hidden.shape
     L = T - 1  # rows 0..T-2 draft (row T-1 has no next token)
-    out, cache = layer(hidden[:, :-1], embed(tokens[:, 1:]))
+    out, prev, cache = _run(layer, hidden[:, :-1], embed(tokens[:, 1:]))
     outputs = [out.reshape(-1, H)]
     teachers = [hidden[:, 1:].reshape(-1, H)]
     keys, values = [cache.key], [cache.value]
     positions = torch.arange(L, device=hidden.device)
-    prev = out
     for j in range(2, chain + 1):
         valid = L - (j - 1)  # rows t <= T-1-j have a token x_{t+j} and a teacher h_{t+j}
         step_tokens = torch.zeros(B, L, dtype=tokens.dtype, device=tokens.device)
         step_tokens[:, :valid] = tokens[:, j : j + valid]
         past = KVCache(torch.cat(keys, dim=2), torch.cat(values, dim=2))
         mask = chain_mask(L, j, hidden.device).expand(B, 1, L, j * L)
-        out, cache = layer(prev, embed(step_tokens), positions + (j - 1), past, attn_mask=mask)
+        out, prev, cache = _run(layer, prev, embed(step_tokens), positions + (j - 1), past, attn_mask=mask)
         keys.append(cache.key[:, :, -L:])
         values.append(cache.value[:, :, -L:])
         outputs.append(out[:, :valid].reshape(-1, H))
         teachers.append(hidden[:, j : j + valid].reshape(-1, H))
-        prev = out
     return torch.cat(outputs), torch.cat(teachers)
 
 
@@ -198,6 +208,8 @@ def train(
 
     torch.manual_seed(schedule.seed)
     master, _ = master_weights(quant, src, storage)
+    if quant.spec.family.mtp.appended is not None:  # GLM / DeepSeek: the appended layer (BF16 only: support.py)
+        return _train_appended(quant, master, data, shared, schedule, device=device, progress=progress)
     layer = MtpLayer.from_state_dict(MtpConfig.from_text_config(quant.config), master, dtype=torch.float32,
                                      device=device)
     embed, head = shared
@@ -209,3 +221,27 @@ def train(
     quantize_for_training(layer, storage, calibrate)
     log_ = distill(layer, data, embed, head, schedule, device=device, progress=progress)
     return {MTP_PREFIX + n: p.detach().float().cpu() for n, p in layer.named_parameters()}, log_
+
+
+def _train_appended(
+    quant: Checkpoint,
+    master: dict[str, Tensor],
+    data: HealData,
+    shared: tuple[Tensor, Tensor],
+    schedule: Schedule,
+    *,
+    device: torch.device,
+    progress: bool,
+) -> tuple[dict[str, Tensor], TrainLog]:
+    """``train`` for an appended-layer MTP (``mtp.nextn.NextnMtp``, BF16 in QUANT): its weights under the checkpoint's
+    names, experts per expert; the head / embedding copies it does not read kept as they were."""
+    from mtpquant.mtp.build import reference_mtp
+    from mtpquant.mtp.names import checkpoint_name
+    from mtpquant.mtp.quantize import per_expert_weights
+
+    layer: Any = reference_mtp(quant.config, master, dtype=torch.float32, device=device)
+    embed, head = shared
+    log_ = distill(layer, data, embed, head, schedule, device=device, progress=progress)
+    state = {checkpoint_name(layer, n): t.detach().float().cpu() for n, t in layer.state_dict().items()}
+    trained = per_expert_weights(state)
+    return {**master, **{n: t.contiguous() for n, t in trained.items()}}, log_
