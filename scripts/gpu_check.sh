@@ -18,6 +18,8 @@
 #      kept and quantized, and validates the quantized MTP's drafts; with GPU_CHECK_VLLM_PYTHON, serves both with
 #      MTP (k = 1 and 3) and prints vLLM's acceptance (/metrics) beside validate's prediction, failing where they
 #      differ by more than the engine test's tolerance (AL within max(0.1, 0.05 k))
+#      The same for the trained tiny GLM-4.5-layout model (mtpquant/assets/tiny-glm4_moe-mtp): its NVFP4 routed
+#      experts (main model and quantized MTP) have no kernel in vLLM's CPU build, so its quantize output is served here
 #   5b. heals the tiny model's quant (its BF16 MTP) with --device cuda, the default schedule (--force: written even if
 #      the check finds no gain, so the step times the whole path) and prints the held-out AL before and after
 #   5c. heals the tiny Qwen3.8-Flash-Next's quantize convert (its NVFP4 MTP) the same way; with GPU_CHECK_VLLM_PYTHON,
@@ -141,11 +143,15 @@ step q4-validate 300 "$PY" -m mtpquant validate "$TINY4" "$WORK/q4-quantize" --d
 rm -rf "$WORK/q4-healed"
 step q4-heal 300 "$PY" -m mtpquant heal "$WORK/q4-quantize" --from "$TINY4" --out "$WORK/q4-healed" \
   --device "$DEVICE" --force --json
+TINYG=mtpquant/assets/tiny-glm4_moe-mtp
+step glm-keep 120 "${C[@]}" "$TINYG" "$WORK/glm-keep" "${CAL[@]}"
+step glm-quantize 120 "$PY" -m mtpquant convert --mtp quantize --device "$DEVICE" --overwrite --json "$TINYG" \
+  "$WORK/glm-quantize" "${CAL[@]}"
 "$PY" - "$WORK" <<'EOF'
 import json, sys
 from pathlib import Path
 work = Path(sys.argv[1])
-for name in ("q4-keep", "q4-quantize"):
+for name in ("q4-keep", "q4-quantize", "glm-keep", "glm-quantize"):
     r = json.loads((work / f"{name}.json").read_text())
     print(f"{name:<12} peak GPU {r['peak_gpu_bytes'] / 1e9:.2f} GB, verdict {r['verdicts']['vllm']}")
 v = json.loads((work / "q4-validate.json").read_text())
@@ -156,10 +162,12 @@ rows = ", ".join(f"k={r['k']} {r['before']:.3f} -> {r['after']:.3f} [{r['low']:+
 print(f"q4-heal      {h['action']}: {rows}")
 EOF
 if [[ -n "${GPU_CHECK_VLLM_PYTHON:-}" ]]; then
-  for q in q4-keep q4-quantize q4-healed; do
+  for q in q4-keep q4-quantize q4-healed glm-keep glm-quantize; do
+    REF=$TINY4
+    [[ $q == glm-* ]] && REF=$TINYG
     # a verdict (0 pass, 17 warn, 18 fail) is a measurement to read below; any other exit is a broken check
     set +e
-    timeout $(( 1200 * SCALE )) "$PY" -m mtpquant validate "$TINY4" "$WORK/$q" --engine vllm \
+    timeout $(( 1200 * SCALE )) "$PY" -m mtpquant validate "$REF" "$WORK/$q" --engine vllm \
       --vllm-python "$GPU_CHECK_VLLM_PYTHON" --compare-reference --k 1,3 --num-prompts 16 --report-dir "$WORK/$q-served" \
       --json >"$WORK/$q-served.json" 2>"$WORK/$q-served.log"
     echo $? >"$WORK/$q-served.exit"
@@ -170,8 +178,8 @@ import json, sys
 from pathlib import Path
 work = Path(sys.argv[1])
 bad = 0
-print(f"{'qwen4_exp on vLLM':<18} {'side':<10} {'k':>2} {'engine AL':>9} {'predicted':>9}  agrees")
-for name in ("q4-keep", "q4-quantize", "q4-healed"):
+print(f"{'tiny on vLLM':<18} {'side':<10} {'k':>2} {'engine AL':>9} {'predicted':>9}  agrees")
+for name in ("q4-keep", "q4-quantize", "q4-healed", "glm-keep", "glm-quantize"):
     code = int((work / f"{name}-served.exit").read_text())
     if code not in (0, 17, 18):
         print(f"{name:<18} validate --engine vllm exited {code} (see {work / (name + '-served.log')})")

@@ -26,6 +26,10 @@ CT = (
     "--format compressed-tensors --mtp quantize stores OUT's MTP as compressed-tensors NVFP4; heal writes back BF16, "
     "ModelOpt NVFP4 and ModelOpt FP8 per tensor (use --format modelopt, or --mtp keep)"
 )
+GLM_QUANTIZE = (
+    "--mtp quantize: heal trains the GLM-4.5 / 4.6 / 4.7 / 4.5-Air MTP in BF16 only yet (use --mtp keep); nothing was "
+    "converted"
+)
 MEMORY = (
     "--heal: --max-memory cpu=1MiB leaves the model's first weights (the embedding, 1.05 MB) on disk, where "
     "modelopt's export cannot run the model from: they and the room accelerate keeps for one layer need 2.69 MB "
@@ -34,6 +38,7 @@ MEMORY = (
 # (SRC, extra flags, exit code, the one line): each converted in full and then refused by heal before
 CASES = {
     "qwen4_exp-extract": (Q4, ["--mtp", "extract"], ExitCode.HEAL_REFUSED, NO_HEAL.format("extract")),
+    "glm-quantize": (TINY_MTP_ASSETS["glm4_moe"], ["--mtp", "quantize"], ExitCode.HEAL_REFUSED, GLM_QUANTIZE),
     "mtp-drop": (ASSET, ["--mtp", "drop"], ExitCode.HEAL_REFUSED, NO_HEAL.format("drop")),
     "mtp-extract": (ASSET, ["--mtp", "extract"], ExitCode.HEAL_REFUSED, NO_HEAL.format("extract")),
     "ct-quantize": (ASSET, ["--format", "compressed-tensors", "--mtp", "quantize"], ExitCode.HEAL_REFUSED, CT),

@@ -95,7 +95,8 @@ def test_qwen4_exp_asset_layout() -> None:
 @pytest.mark.slow
 def test_demo_glm4_moe(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The same job on the trained tiny GLM-4.5-layout model (the appended-layer MTP ``model.layers.2``): the kept
-    MTP drafts exactly as the source's; heal does not train this family's MTP yet and says so without writing."""
+    MTP drafts exactly as the source's; heal trains it through the family's MTP forward and writes it, better beyond
+    noise on its 64 held-out prompts; 4 prompts are too few for the last validation to decide."""
     argv = ["-q", "demo", "--family", "glm4_moe", "--workdir", str(tmp_path), "--num-prompts", "4", "--device", "cpu"]
     assert cli(argv) == 23  # the decision: inconclusive on 4 prompts
     out = capsys.readouterr().out
@@ -105,7 +106,8 @@ def test_demo_glm4_moe(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
     report = json.loads((tmp_path / "tiny-glm4_moe-nvfp4" / "validation" / "report.json").read_text())
     assert report["reference"]["family"] == "glm4_moe" and report["verdict"]["status"] == "inconclusive"
     assert report["reference"]["acceptance"]["by_k"][0]["acceptance_rate"] >= 0.4
-    assert "\nheal wrote nothing: " in out
+    assert "\nhealed the MTP into " in out and "heal wrote nothing" not in out
+    assert out.rstrip().splitlines()[-1].startswith("not ready: the last validation is INCONCLUSIVE: sample too small")
 
 
 def test_glm4_moe_asset_layout(tiny_factory: Callable[[str], Path]) -> None:

@@ -369,6 +369,7 @@ GLM4_MOE = _family(
     lineage_keys=("head_dim", "n_routed_experts", "n_shared_experts", "first_k_dense_replace", "use_qk_norm",
                   "attention_bias"),
     mtp_forward=True,
+    mtp_heal=True,  # a BF16 MTP (heal.support.check_storage): the appended-layer forward trains as Qwen3's does
     convert=True,
 )
 # GLM-5.3-Flash: the text tower under model.language_model.; vLLM's Glm5NextMTP strips that prefix (mtp.py 332-337)

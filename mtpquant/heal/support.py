@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from mtpquant.checkpoint.header import FLOAT_DTYPES
 from mtpquant.errors import GraftError, HealRefusedError, MemoryPlanError
 from mtpquant.families import Family, TensorClass
 from mtpquant.heal.options import HealOptions
@@ -28,6 +29,7 @@ __all__ = [
     "WRITES_BACK",
     "check_convert",
     "check_family",
+    "check_storage",
     "plan_target_memory",
     "target_blocks",
 ]
@@ -42,6 +44,18 @@ def check_family(family: Family, label: str, then: str = "the quant is left as i
     through its ``step``, ``mtp.step.MtpForward``); ``then``: what the user is told happens instead."""
     if not family.mtp_heal:
         raise HealRefusedError(f"{label}: heal does not train the {family.display} MTP yet; {then}")
+
+
+def check_storage(family: Family, dtypes: Iterable[str], label: str) -> None:
+    """Refuse a quantized appended-layer MTP (GLM, DeepSeek): heal trains it in BF16 only (``dtypes``: those of
+    QUANT's MTP tensors)."""
+    stored = sorted(set(dtypes) - FLOAT_DTYPES)
+    if family.mtp.appended is not None and stored:
+        raise HealRefusedError(
+            f"{label}: heal trains the {family.display} MTP in BF16 only yet, and this one is quantized "
+            f"({', '.join(stored)} tensors); heal the "
+            "--mtp keep output (or graft the source's MTP back with `mtpquant graft --replace`)"
+        )
 
 
 def target_blocks(
@@ -122,6 +136,11 @@ def check_convert(
         raise HealRefusedError(
             f"--mtp {mode} leaves OUT without its MTP, so --heal would have nothing to heal (use --mtp keep or "
             "--mtp quantize)"
+        )
+    if mode == "quantize" and src.spec.family.mtp.appended is not None:
+        raise HealRefusedError(
+            f"--mtp quantize: heal trains the {src.spec.family.display} MTP in BF16 only yet (use --mtp keep); "
+            "nothing was converted"
         )
     if output_format == "compressed-tensors" and mode == "quantize":
         raise HealRefusedError(

@@ -1,0 +1,197 @@
+"""Benchmark convert and validate on the GLM-4.5 layout (glm4_moe): the full-size plan, the tiny converts, validate.
+
+1. The full-size zai-org/GLM-4.5 release as a header-only skeleton (``tests/support/nextn_skeleton.py``: 92 layers
+   and the MTP at layer 92 with its head and embedding copies, 160 experts), ``convert --dry-run`` per MTP mode,
+   uncapped and with ``--max-memory``: wall and peak RSS of the whole command, in a fresh process.
+2. The trained tiny GLM-4.5-layout model (``mtpquant/assets/tiny-glm4_moe-mtp``) converted in every MTP mode, and
+   quantize again under a memory cap (disk offload, layer-wise calibration): wall, convert's own time split, peak RSS;
+   the trained tiny Qwen3.5 (the same hidden size) converted with the same flags as the peer.
+3. validate (built-in, 32 held-out prompts, k = 1..3) of the keep and quantize outputs against the source, and with
+   ``--engine`` the real vLLM CPU engine's AL beside validate's prediction (48 prompts, k = 2, T = 0 and 0.8) for the
+   source and a keep output whose routed experts stay BF16 (the CPU build has no NVFP4 MoE kernel).
+
+    .venv/bin/python scripts/bench_nextn.py --write-doc [--engine]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from _benchlib import BENCHMARKS as DOC
+from _benchlib import REPO, command_line, machine, machine_line, run_python, write_section
+
+HEADING = "## convert and validate on the GLM-4.5 layout (glm4_moe): the full-size plan, the tiny model, the engine"
+ASSET = REPO / "mtpquant" / "assets" / "tiny-glm4_moe-mtp"
+PEER = REPO / "mtpquant" / "assets" / "tiny-qwen3_5-mtp"
+CALIB = ["--calib-samples", "16", "--calib-seq-len", "128", "--device", "cpu"]
+CPU_MOE = 'quantization.exclude=["*mlp.experts*"]'  # vLLM's CPU build has no NVFP4 MoE kernel
+
+
+def dry_runs(root: Path, cap: str) -> tuple[list[dict[str, Any]], int]:
+    from tests.support.nextn_skeleton import make_nextn_skeleton
+
+    src = make_nextn_skeleton("glm-4.5", root / "src")
+    size = sum(p.stat().st_size for p in src.iterdir())
+    rows = []
+    for mode in ("keep", "quantize"):
+        for flags in ([], ["--max-memory", cap]):
+            out = root / f"out-{mode}"
+            run = run_python(["-m", "mtpquant", "convert", str(src), str(out), "--mtp", mode, "--dry-run", "--device",
+                              "cpu", *flags])  # fmt: skip
+            rows.append({"mode": mode, "flags": " ".join(flags) or "(none)", "wall": run.wall, "rss": run.max_rss,
+                         "rc": run.returncode})  # fmt: skip
+            print(f"dry-run {mode} {flags}: {run.wall:.2f}s {run.max_rss / 2**20:.0f} MiB exit {run.returncode}")
+    return rows, size
+
+
+def _tiny(src: Path, out: Path, mode: str, flags: list[str]) -> dict[str, Any]:
+    extra = ["--mtp-out", str(out) + "-mtp"] if mode == "extract" else []
+    run = run_python(["-m", "mtpquant", "convert", str(src), str(out), "--mtp", mode, "--json", *CALIB, *flags, *extra])
+    if run.returncode != 0:
+        sys.stderr.write(run.stderr[-3000:])
+        raise SystemExit(f"convert {src.name} {mode} {flags} failed")
+    t = run.output["timings"]
+    print(f"{src.name} {mode} {flags}: wall {run.wall:.1f}s convert {t['total']:.1f}s {run.max_rss / 2**20:.0f} MiB")
+    return {"mode": mode, "flags": " ".join(flags) or "(none)", "wall": run.wall, "rss": run.max_rss, "t": t,
+            "source": run.output["plan"]["source"]["bytes"], "output": run.output["output_bytes"]}  # fmt: skip
+
+
+def tiny_converts(root: Path, cap: str) -> list[dict[str, Any]]:
+    rows = []
+    cases: list[tuple[str, list[str]]] = [(m, []) for m in ("keep", "quantize", "extract", "drop")]
+    for mode, flags in [*cases, ("quantize", ["--max-memory", cap])]:
+        tag = f"{mode}{'-capped' if flags else ''}"
+        row = _tiny(ASSET, root / f"glm-{tag}", mode, flags)
+        row["peer"] = _tiny(PEER, root / f"peer-{tag}", mode, flags)
+        rows.append(row)
+    return rows
+
+
+def validations(root: Path, engine: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    from mtpquant.validate.run import ValidateOptions, validate
+
+    rows = []
+    for mode in ("keep", "quantize"):
+        t0 = time.perf_counter()
+        report = validate(ValidateOptions(reference=str(ASSET), candidate=str(root / f"glm-{mode}"), device="cpu",
+                                          progress=False)).report  # fmt: skip
+        assert report.candidate is not None and report.candidate.acceptance is not None
+        assert report.reference.acceptance is not None and report.comparison is not None
+        mtp = report.comparison.mtp
+        rows.append({"mode": mode, "seconds": time.perf_counter() - t0, "ref": report.reference.acceptance.al,
+                     "cand": report.candidate.acceptance.al, "agree": mtp.top1_agreement if mtp else None,
+                     "verdict": report.verdict.status})  # fmt: skip
+        print(rows[-1])
+    measured: list[dict[str, Any]] = []
+    if engine:
+        from mtpquant.convert.run import ConvertOptions, convert
+        from tests.support.engine import CONCURRENCY, CPU_ENV
+        from tests.support.vllm_env import vllm_python
+
+        # the CPU build has no NVFP4 MoE kernel: the keep output served here keeps its routed experts BF16
+        served = root / "glm-keep-cpu"
+        convert(ConvertOptions(src=str(ASSET), out=served, mtp="keep", calib_samples=8, calib_seq_len=128,
+                               device="cpu", progress=False, overrides=(CPU_MOE,)))  # fmt: skip
+        for which, path in (("source", ASSET), ("keep, experts BF16", served)):
+            opts = ValidateOptions(path, num_prompts=48, max_len=160, ks=(2,), device="cpu", engine="vllm",
+                                   activations="off" if which == "source" else "emulate", vllm_python=vllm_python(),
+                                   env=CPU_ENV, concurrency=CONCURRENCY, compare_reference=True,
+                                   temperatures=(0.0, 0.8), progress=False)  # fmt: skip
+            predicted = validate(opts).report.predicted
+            assert predicted is not None
+            for r in predicted.to_json()["reference"]:
+                measured.append({"which": which, **r})
+                print(which, r["label"], r["predicted_al"], r["engine_al"])
+    return rows, measured
+
+
+def markdown(dry: list[dict[str, Any]], size: int, tiny: list[dict[str, Any]], val: list[dict[str, Any]],
+             engine: list[dict[str, Any]], facts: dict[str, Any], cap: str, tiny_cap: str) -> str:  # fmt: skip
+    from mtpquant.runtime.memory import parse_max_memory
+
+    limit = sum(n for _, n in parse_max_memory(cap).caps)
+    lines = [HEADING, "", f"Command: `{command_line('bench_nextn.py')}`", "", machine_line(facts), ""]
+    lines += [
+        f"Full-size GLM-4.5 `--dry-run` (headers only; {size / 1e9:.0f} GB of sparse files). Each row is one fresh "
+        "`mtpquant convert` process. Uncapped, the plan refuses a machine that cannot hold the model's largest block "
+        "and the calibration buffers (exit 22); with the cap it plans layer-wise calibration with the rest on disk "
+        f"(peak RSS against the cap + 2 GB: {(limit + 2e9) / 2**30:.1f} GiB). A full calibration of the 355B model "
+        "on 2 CPU cores is out of reach; the capped path's output equals the in-memory one byte for byte on the "
+        "tiny models (tests/test_convert_nextn.py).",
+        "",
+        "| MTP mode | flags | wall s | peak RSS MiB | under cap + 2 GB | exit |",
+        "|---|---|---:|---:|---|---:|",
+    ]
+    lines += [f"| {r['mode']} | {r['flags']} | {r['wall']:.2f} | {r['rss'] / 2**20:.0f} | "
+              f"{'yes' if r['rss'] <= limit + 2e9 else 'no'} | {r['rc']} |" for r in dry]  # fmt: skip
+    lines += [
+        "",
+        f"Tiny converts of the trained tiny GLM-4.5-layout model ({tiny[0]['source'] / 2**20:.2f} MiB; "
+        f"`{' '.join(CALIB)}`); the capped row forces disk offload and layer-wise calibration "
+        f"(`--max-memory {tiny_cap}`). Peer: the trained tiny Qwen3.5 ({tiny[0]['peer']['source'] / 2**20:.2f} MiB), "
+        "the same flags right after each row; ratio = GLM convert s / Qwen3.5 convert s.",
+        "",
+        "| MTP mode | flags | process wall s | convert s | imports s | calibrate s | mtp s | peak RSS MiB | output MiB "
+        "| Qwen3.5 convert s | ratio |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in tiny:
+        t, p = r["t"], r["peer"]["t"]
+        lines.append(f"| {r['mode']} | {r['flags']} | {r['wall']:.1f} | {t['total']:.1f} | {t.get('imports', 0):.1f} | "
+                     f"{t.get('calibrate', 0):.1f} | {t.get('mtp', 0):.1f} | {r['rss'] / 2**20:.0f} | "
+                     f"{r['output'] / 2**20:.2f} | {p['total']:.1f} | {t['total'] / p['total']:.2f} |")  # fmt: skip
+    lines += [
+        "",
+        "validate (built-in, the defaults: 32 held-out prompts, 128 tokens, k = 1..3, CPU float32) of the outputs "
+        "against the source; MTP agreement is top-1 on identical inputs.",
+        "",
+        "| output | seconds | source AL k=1/2/3 | output AL k=1/2/3 | MTP agreement | verdict |",
+        "|---|---:|---|---|---:|---|",
+    ]
+    for r in val:
+        fmt = " / ".join(f"{a:.3f}" for a in r["ref"]), " / ".join(f"{a:.3f}" for a in r["cand"])
+        lines.append(f"| {r['mode']} | {r['seconds']:.0f} | {fmt[0]} | {fmt[1]} | {100 * r['agree']:.2f} % | "
+                     f"{r['verdict']} |")  # fmt: skip
+    if engine:
+        lines += [
+            "",
+            "The real vLLM 0.32 CPU engine (`Glm4MoeMTPModel`, 48 prompts, k = 2, its counters) beside validate's "
+            "prediction on the same prompts and seeds; k = 1 is position 1. The CPU build has no NVFP4 MoE kernel: "
+            "the keep output served is converted with the routed experts BF16 (attention, dense and shared MLPs "
+            "NVFP4 W4A4, `--activations emulate`); the quantize output is served by `scripts/gpu_check.sh`.",
+            "",
+            "| checkpoint | setting | predicted AL k=2 | engine AL k=2 | difference | predicted pos. 1 | engine pos. 1 "
+            "| engine steps |",
+            "|---|---|---:|---:|---:|---:|---:|---:|",
+        ]
+        lines += [f"| {r['which']} | {r['label']} | {r['predicted_al']:.3f} | {r['engine_al']:.3f} | "
+                  f"{r['difference']:+.3f} | {r['predicted_per_position'][0]:.3f} | {r['engine_per_position'][0]:.3f} "
+                  f"| {r['engine_steps']} |" for r in engine]  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cap", default="cpu=16GiB", help="--max-memory of the full-size plan (default cpu=16GiB)")
+    parser.add_argument("--tiny-cap", default="cpu=1.5MB", help="--max-memory of the capped tiny convert")
+    parser.add_argument("--engine", action="store_true", help="also measure with the vLLM CPU test engine")
+    parser.add_argument("--write-doc", action="store_true", help="replace this script's section of docs/BENCHMARKS.md")
+    args = parser.parse_args()
+    sys.path.insert(0, str(REPO))
+    with tempfile.TemporaryDirectory(prefix="bench-nextn-") as tmp:
+        dry, size = dry_runs(Path(tmp) / "full", args.cap)
+        tiny = tiny_converts(Path(tmp) / "tiny", args.tiny_cap)
+        val, engine = validations(Path(tmp) / "tiny", args.engine)
+        facts = machine(Path(tmp))
+    if args.write_doc:
+        write_section(HEADING, markdown(dry, size, tiny, val, engine, facts, args.cap, args.tiny_cap))
+        print(f"updated {DOC}")
+
+
+if __name__ == "__main__":
+    main()

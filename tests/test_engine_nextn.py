@@ -1,0 +1,103 @@
+"""The real vLLM 0.32 CPU engine drafts with the trained tiny GLM-4.5-layout model (``mtpquant/assets/
+tiny-glm4_moe-mtp``, head_dim 32) as ``Glm4MoeMTPModel``: its source and its ``convert --keep-mtp`` output, greedy and
+at T = 0.8, measured by the engine's own counters at k = 2 (its first position is what k = 1
+accepts, as tests/test_engine_validate.py explains) against validate's built-in prediction through the family's MTP
+forward (``mtp/nextn.py``) on the same prompts, lengths and seeds: AL within 0.1 at k = 1 and 2. And heal of the keep
+output raises the engine-measured AL on the held-out prompts.
+
+The CPU build has no NVFP4 MoE kernel ("No NvFp4 MoE backend supports the deployment configuration"): the keep
+output served here is converted with the routed experts left BF16 (``--set quantization.exclude=["*mlp.experts*"]``;
+attention, dense and shared-expert MLPs NVFP4 W4A4), and the ``--mtp quantize`` output (its MTP's routed experts
+NVFP4 too) is served by ``scripts/gpu_check.sh``'s GPU engine only.
+
+Sized as the Qwen engine tests: 48 prompts of at most 80 tokens continued to 160 give the engine >= 1,000 steps per
+setting, so its sampling noise in AL is a few hundredths. DeepSeek's MLA does not run on the CPU build: its serve
+check is ``scripts/nextn_serve_check.py`` in ``scripts/gpu_check.sh``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from mtpquant.api import ConvertOptions, HealOptions, ValidateOptions, convert, heal, validate
+from mtpquant.synth.train import TINY_MTP_ASSETS
+from tests.support.engine import CONCURRENCY, CPU_ENV, EnginePool
+
+pytestmark = pytest.mark.engine
+
+SOURCE = TINY_MTP_ASSETS["glm4_moe"]
+PROMPTS = 48
+MAX_LEN = 160
+AL_TOLERANCE = 0.1
+MIN_STEPS = 1000
+CPU_MOE = 'quantization.exclude=["*mlp.experts*"]'  # the routed experts BF16: the CPU build has no NVFP4 MoE kernel
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("engine-nextn")
+    out = {"source": SOURCE}
+    out["keep"] = root / "keep"
+    convert(ConvertOptions(src=str(SOURCE), out=out["keep"], mtp="keep", calib_samples=8, calib_seq_len=128,
+                           device="cpu", progress=False, overrides=(CPU_MOE,)))  # fmt: skip
+    return out
+
+
+@pytest.mark.parametrize("which", ["source", "keep"])
+def test_engine_measures_what_validate_predicts(
+    which: str, checkpoints: dict[str, Path], vllm: EnginePool, tmp_path: Path
+) -> None:
+    report_dir = tmp_path / "report"
+    report = validate(
+        ValidateOptions(
+            checkpoints[which],
+            num_prompts=PROMPTS,
+            max_len=MAX_LEN,
+            ks=(2,),
+            device="cpu",
+            activations="emulate" if which == "keep" else "off",  # the engine runs the main model's W4A4 too
+            engine="vllm",
+            vllm_python=vllm.python,
+            env=CPU_ENV,
+            concurrency=CONCURRENCY,
+            compare_reference=True,
+            temperatures=(0.0, 0.8),
+            report_dir=report_dir,
+            progress=False,
+        )
+    ).report
+    assert report.reference.family == "glm4_moe" and [e.k for e in report.engine] == [2]
+    assert "Glm4MoeMTPModel" in (report_dir / "logs" / "vllm-reference-k2.log").read_text()
+    assert report.predicted is not None
+    rows = report.predicted.to_json()["reference"]
+    assert [(r["label"], r["k"]) for r in rows] == [("T=0", 2), ("T=0.8", 2)]
+    for r in rows:
+        where = f"{which}: {r}"
+        assert r["engine_steps"] >= MIN_STEPS, where
+        assert abs(r["difference"]) <= AL_TOLERANCE, where  # k = 2
+        k1 = r["engine_per_position"][0] - r["predicted_per_position"][0]  # k = 1: AL is 1 + position 1's rate
+        assert abs(k1) <= AL_TOLERANCE, where
+    greedy, hot = (r["predicted_al"] for r in rows)
+    assert greedy > 1.5 and hot < greedy  # the trained MTP drafts; sampling costs acceptance
+
+
+def test_heal_raises_the_engine_measured_al(checkpoints: dict[str, Path], vllm: EnginePool, tmp_path: Path) -> None:
+    """The keep output healed (its BF16 MTP trained against its own NVFP4 target through mtp/nextn.py) drafts better
+    as the engine measures it on the held-out prompts (greedy, k = 2), by about what heal's own check said."""
+    healed = tmp_path / "healed"
+    result = heal(HealOptions(quant=str(checkpoints["keep"]), source=str(SOURCE), out=healed, samples=32,
+                              check_prompts=24, force=True, device="cpu", progress=False))  # fmt: skip
+    assert result.check is not None and result.check.by_k[0].change > 0
+    al = {}
+    for which, path in (("keep", checkpoints["keep"]), ("healed", healed)):
+        report = validate(ValidateOptions(path, num_prompts=PROMPTS, max_len=MAX_LEN, ks=(2,), device="cpu",
+                                          engine="vllm", vllm_python=vllm.python, env=CPU_ENV,
+                                          concurrency=CONCURRENCY, progress=False)).report  # fmt: skip
+        assert report.reference.acceptance is not None and report.engine
+        row = report.reference.acceptance.by_k[0]
+        assert row.k == 2 and row.num_steps >= MIN_STEPS
+        al[which] = (row.acceptance_per_position[0], row.mean_acceptance_length)
+    assert al["healed"][0] > al["keep"][0] + 0.02, al  # k = 1: position 1
+    assert al["healed"][1] > al["keep"][1] + 0.03, al  # k = 2
