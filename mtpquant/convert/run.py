@@ -424,7 +424,9 @@ def _run(
             from modelopt.torch.export.convert_hf_config import convert_hf_quant_config_format
 
             main_modules = quantized_modules_of(exported.tensors)
-            hfq = mixed_precision_config(hfq, main_modules, recipe.quantization.quant_algo, outcome.quantized_layers)
+            hfq = mixed_precision_config(
+                hfq, main_modules, recipe.quantization.quant_algo, outcome.quantized_layers, ckpt.is_mtp
+            )
             config["quantization_config"] = convert_hf_quant_config_format(hfq)
         od.write_json("config.json", config)
         ct_format = plan.output_format == "compressed-tensors"

@@ -10,7 +10,7 @@ at the top level, else in ``text_config`` (``quantization_config_of``); reading,
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -295,15 +295,19 @@ def without_exclusions(
 
 
 def mixed_precision_config(
-    hf_quant_config: Mapping[str, Any], main_modules: Iterable[str], main_algo: str, extra: Mapping[str, Any]
+    hf_quant_config: Mapping[str, Any],
+    main_modules: Iterable[str],
+    main_algo: str,
+    extra: Mapping[str, Any],
+    is_mtp: Callable[[str], bool],
 ) -> dict[str, Any]:
     """``hf_quant_config.json`` rewritten as MIXED_PRECISION: per-module ``quantized_layers`` (the main model's modules
-    in ``main_algo``, then ``extra``'s entries). A config that already is MIXED_PRECISION keeps its own entries (less
-    any MTP entry ``extra`` replaces)."""
+    in ``main_algo``, then ``extra``'s entries). A config that already is MIXED_PRECISION keeps its own entries less
+    its MTP's (``is_mtp``: the family's MTP name test), which ``extra`` replaces."""
     hfq = copy.deepcopy(dict(hf_quant_config))
     q = hfq.setdefault("quantization", {})
     if str(q.get("quant_algo", "")).upper() == "MIXED_PRECISION":
-        layers = {k: v for k, v in (q.get("quantized_layers") or {}).items() if not k.startswith("mtp.")}
+        layers = {k: v for k, v in (q.get("quantized_layers") or {}).items() if not is_mtp(k)}
     else:
         group = q.get("group_size", 16)
         layers = {m: {"quant_algo": main_algo, "group_size": group} for m in sorted(main_modules)}

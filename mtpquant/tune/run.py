@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Any
 from mtpquant.checkpoint.precision import is_quantized, linear_precisions
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.errors import OutputExistsError, OutputVerificationError, TuneRefusedError, UsageError
-from mtpquant.families import is_mtp_name, mtp_layer_count
 from mtpquant.formats.quant_config import (
     HF_QUANT_CONFIG,
     QuantMetadata,
@@ -116,7 +115,7 @@ def _main_algo(quant: Checkpoint, meta: QuantMetadata | None) -> str:
         algos = {
             str(v.get("quant_algo", "")).upper()
             for k, v in meta.quantized_layers.items()
-            if not is_mtp_name(k) and isinstance(v, dict)
+            if not quant.is_mtp(k) and isinstance(v, dict)
         }
         nvfp4 = sorted(a for a in algos if a in _NVFP4_ALGOS)
         if len(nvfp4) != 1:
@@ -285,8 +284,8 @@ def _metadata(quant: Checkpoint, plan: TunePlan, chosen: ChosenMtp, table: dict[
         from modelopt.torch.export.convert_hf_config import convert_hf_quant_config_format
 
         precision = linear_precisions(quant.tensors)
-        main = sorted(m for m, p in precision.items() if is_quantized(p) and not is_mtp_name(m))
-        hfq = mixed_precision_config(hfq, main, plan.main_algo, chosen.quantized_layers)
+        main = sorted(m for m, p in precision.items() if is_quantized(p) and not quant.is_mtp(m))
+        hfq = mixed_precision_config(hfq, main, plan.main_algo, chosen.quantized_layers, quant.is_mtp)
         config["quantization_config"] = convert_hf_quant_config_format(hfq)
     changes = []
     if hfq != quant.hf_quant_config or config != quant.config:
@@ -324,8 +323,8 @@ def _build(
     from mtpquant.surgery.write import NewMtp, build
 
     names = tuple(sorted(t.name for t in chosen.tensors))
-    layers = mtp_layer_count(names) or quant.spec.mtp.layers
-    table: dict[str, Any] = {n: e for n, e in quant.tensors.items() if not is_mtp_name(n)}
+    layers = quant.spec.mtp_depth(names) or quant.spec.mtp.layers
+    table: dict[str, Any] = {n: e for n, e in quant.tensors.items() if not quant.is_mtp(n)}
     table |= {t.name: TensorEntry(t.name, t.dtype, tuple(t.shape), "", 0, 0) for t in chosen.tensors}
     metadata = _metadata(quant, plan, chosen, table, layers)
     removed = [e.name for e in quant.mtp_tensors()]
@@ -364,8 +363,8 @@ def _verifier(
         odd = sorted(n for n, (d, s) in planned.items() if (out.tensors[n].dtype, out.tensors[n].shape) != (d, s))
         if odd:
             raise fail(f"{odd[0]} is not as planned")
-        others = sorted(n for n in quant.tensors if not is_mtp_name(n))
-        if sorted(n for n in out.tensors if not is_mtp_name(n)) != others:
+        others = sorted(n for n in quant.tensors if not quant.is_mtp(n))
+        if sorted(n for n in out.tensors if not quant.is_mtp(n)) != others:
             raise fail("the tensors outside the MTP are not QUANT's")
         for name in others:
             a, b = out.tensors[name], quant.tensors[name]
