@@ -50,6 +50,7 @@ from mtpquant.recipes.recipe import (
 from mtpquant.records.provenance import PROVENANCE_FILE, check_base_model
 from mtpquant.runtime.machine import resolve_device
 from mtpquant.runtime.memory import MemoryPlan, available_cpu_bytes, model_blocks, plan_memory
+from mtpquant.search.mode import SearchMode
 from mtpquant.search.settings import SearchSettings
 from mtpquant.surgery.modes import BLOCK, MtpMode, choose_mode
 from mtpquant.text.calibration import check_calibration_source
@@ -242,7 +243,7 @@ def plan_convert(options: ConvertOptions, ckpt: Checkpoint | None = None) -> tup
     mtp_format = recipe.mtp.format
     if mtp_format not in MTP_FORMATS:
         raise RecipeError(f"--mtp-format must be one of {', '.join(MTP_FORMATS)}")
-    mtp_mode, auto_notes = choose_mode(recipe.mtp.mode, ckpt)
+    mtp_mode, auto_notes = choose_mode(recipe.mtp.mode, ckpt, extra={SearchMode.name: SearchMode()})
     mode = mtp_mode.name
     if options.mtp_out is not None and not mtp_mode.writes_side_output:
         raise RecipeError(f"--mtp-out is only used with --mtp extract (mode is {mode})")

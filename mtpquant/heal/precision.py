@@ -10,7 +10,7 @@ heal writes the healed MTP in exactly the layout QUANT has, so every engine load
   and ``shared_expert_gate`` in their stored dtype.
 
 The routed experts go back in QUANT's form: a fused bank (``experts.gate_up_proj`` [E, 2I, H]) stays fused, a
-per-expert one per expert (the reference forward trains them fused: ``mtp.build.fuse_mtp_experts``; convert's
+per-expert one per expert (the reference forward trains them fused: ``mtp.quantize.fuse_mtp_experts``; convert's
 quantized experts are per expert, ``mtp.quantize.per_expert_weights``).
 
 Training starts from QUANT's own MTP when it is unquantized (a BF16 MTP healed twice keeps the first heal), and from

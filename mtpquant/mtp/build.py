@@ -13,36 +13,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mtpquant.families import FUSED_EXPERT_PIECES, ModelSpec, check_mtp_forward, mtp_config, resolve
-from mtpquant.mtp.module import MtpLayer, MtpLayoutError, check_mtp_tensors
+from mtpquant.families import ModelSpec, check_mtp_forward, mtp_config, resolve
+from mtpquant.mtp.module import MtpLayer, check_mtp_tensors
+from mtpquant.mtp.quantize import fuse_mtp_experts
 from mtpquant.mtp.step import MtpForward
 
-__all__ = ["fuse_mtp_experts", "reference_mtp"]
+__all__ = ["reference_mtp"]
 
 _Builder = Callable[[ModelSpec, Mapping[str, Any], Mapping[str, Tensor], Any, Any], MtpForward]
-
-
-def fuse_mtp_experts(tensors: Mapping[str, Tensor], experts: int) -> dict[str, Tensor]:
-    """A per-expert MTP expert bank (``...mlp.experts.{e}.{gate,up,down}_proj.weight``) as transformers' fused 3-D
-    ``experts.gate_up_proj`` / ``experts.down_proj`` (gate rows then up rows, experts stacked); other tensors as
-    they are. Both forms load in vLLM; the reference forward computes with the fused one."""
-    out: dict[str, Tensor] = {}
-    stems: set[str] = set()
-    for name, t in tensors.items():
-        stem, sep, rest = name.partition(".mlp.experts.")
-        if sep and rest.split(".", 1)[0].isdigit():
-            stems.add(stem + ".mlp.experts")
-        else:
-            out[name] = t
-    for stem in sorted(stems):
-        for fused, pieces in FUSED_EXPERT_PIECES.items():
-            try:
-                out[f"{stem}.{fused}"] = torch.stack(
-                    [torch.cat([tensors[f"{stem}.{e}.{p}.weight"] for p in pieces]) for e in range(experts)]
-                )
-            except KeyError as exc:
-                raise MtpLayoutError(f"MTP expert bank {stem} lacks {exc.args[0]}") from None
-    return out
 
 
 def _qwen3(spec: ModelSpec, config: Mapping[str, Any], tensors: Mapping[str, Tensor], dtype: Any, device: Any) -> Any:

@@ -158,7 +158,7 @@ class NextnMtp(nn.Module):
         """Build from the checkpoint's MTP tensors (names and shapes checked against ``expected``, the registry's
         inventory; per-expert banks fused as transformers keeps them; the head / embedding copies are not read: the
         drafter uses the target's). Every parameter must be present (``load_state_dict(strict=True)``)."""
-        from mtpquant.mtp.build import fuse_mtp_experts
+        from mtpquant.mtp.quantize import fuse_mtp_experts
 
         check_mtp_tensors(expected, tensors)
         with torch.device("meta"):

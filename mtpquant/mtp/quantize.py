@@ -37,6 +37,7 @@ from mtpquant.checkpoint.modules import linear_modules
 from mtpquant.families import FUSED_EXPERT_PIECES, MtpLayout, family, matches
 from mtpquant.formats.fp8 import fp8_scale_from_amax, quantize_fp8_per_tensor
 from mtpquant.formats.nvfp4 import input_scale_from_amax, quantize_nvfp4, shared_global_scale
+from mtpquant.mtp.module import MtpLayoutError
 from mtpquant.mtp.names import checkpoint_name
 
 __all__ = [
@@ -44,6 +45,7 @@ __all__ = [
     "MtpCalibrator",
     "MtpQuantResult",
     "expert_linear",
+    "fuse_mtp_experts",
     "is_fused_experts",
     "mtp_excluded_modules",
     "mtp_expert_input_groups",
@@ -94,6 +96,29 @@ def per_expert_shapes(shapes: Mapping[str, Sequence[int]]) -> dict[str, tuple[in
         for e in range(shape[0]):
             for p in pieces:
                 out[f"{m['stem']}.{e}.{p}.weight"] = (rows, shape[2])
+    return out
+
+
+def fuse_mtp_experts(tensors: Mapping[str, Tensor], experts: int) -> dict[str, Tensor]:
+    """A per-expert MTP expert bank (``...mlp.experts.{e}.{gate,up,down}_proj.weight``) as transformers' fused 3-D
+    ``experts.gate_up_proj`` / ``experts.down_proj`` (gate rows then up rows, experts stacked); other tensors as
+    they are. Both forms load in vLLM; the reference forward computes with the fused one."""
+    out: dict[str, Tensor] = {}
+    stems: set[str] = set()
+    for name, t in tensors.items():
+        stem, sep, rest = name.partition(".mlp.experts.")
+        if sep and rest.split(".", 1)[0].isdigit():
+            stems.add(stem + ".mlp.experts")
+        else:
+            out[name] = t
+    for stem in sorted(stems):
+        for fused, pieces in FUSED_EXPERT_PIECES.items():
+            try:
+                out[f"{stem}.{fused}"] = torch.stack(
+                    [torch.cat([tensors[f"{stem}.{e}.{p}.weight"] for p in pieces]) for e in range(experts)]
+                )
+            except KeyError as exc:
+                raise MtpLayoutError(f"MTP expert bank {stem} lacks {exc.args[0]}") from None
     return out
 
 

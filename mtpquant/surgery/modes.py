@@ -14,11 +14,8 @@ and graft dispatch through ``MODES``; graft puts an MTP back the way ``keep`` wr
 - extract: nothing MTP in the main output, the declaration set to 0; the MTP goes to its own directory
   (its own OutputDir): the same shards, an index, the source config, a README.
 - drop: nothing MTP, the declaration set to 0.
-- search (``convert --mtp auto``): the MTP's precision chosen per precision group by the search
-  (``mtpquant.search``: the smallest MTP whose predicted AL stays within the budget of the BF16 MTP's on the quantized
-  target OUT holds), measured after the main model is exported (``measure``) and written as it chose: the BF16 MTP as
-  keep writes it, else the quantized groups from the search's calibrated input scales with SRC's other bytes,
-  declared plain or MIXED_PRECISION as the chosen engines load it; its report goes into OUT's ``mtp_search/``.
+- search (``convert --mtp auto``): a mode of the search service, ``mtpquant.search.mode.SearchMode`` (it measures
+  with ``mtpquant.search``, which stands above this module); convert adds it to these (``choose_mode``'s ``extra``).
 """
 
 from __future__ import annotations
@@ -45,6 +42,7 @@ __all__ = [
     "MtpMode",
     "MtpOutcome",
     "WriteContext",
+    "check_quantizable",
     "choose_mode",
     "load_mtp_layer",
     "same_bytes",
@@ -251,7 +249,7 @@ class QuantizeMode(MtpMode):
     def check(self, ckpt: Checkpoint, fmt: str, targets: str = "all") -> ModeCheck:
         from mtpquant.mtp.quantize import mtp_quantized_modules, per_expert_shapes
 
-        _check_quantizable(ckpt, "--mtp quantize")
+        check_quantizable(ckpt, "--mtp quantize")
         shapes = per_expert_shapes({e.name: e.shape for e in ckpt.mtp_tensors()})
         quantized = tuple(mtp_quantized_modules(linear_modules(shapes), ckpt.spec.family.mtp, targets))
         if fmt == "nvfp4":
@@ -314,7 +312,7 @@ class QuantizeMode(MtpMode):
         return outcome
 
 
-def _check_quantizable(ckpt: Checkpoint, flag: str) -> set[str]:
+def check_quantizable(ckpt: Checkpoint, flag: str) -> set[str]:
     """The source's MTP tensor names, refusing an MTP the reference forward cannot calibrate (incomplete, beyond
     the exact layout, not in a float dtype, a config the forward cannot compute)."""
     label = ckpt.label
@@ -332,70 +330,6 @@ def _check_quantizable(ckpt: Checkpoint, flag: str) -> set[str]:
             f"{label}: MTP tensor {bad_dtype[0]} is {ckpt.tensors[bad_dtype[0]].dtype}; {flag} needs a BF16/F16/F32 MTP"
         )
     return names
-
-
-class SearchMode(MtpMode):
-    """The MTP's precision chosen per group by the precision search (``convert --mtp auto``)."""
-
-    name = "search"
-    declares = True
-    needs_target = True
-
-    def check(self, ckpt: Checkpoint, fmt: str, targets: str = "all") -> ModeCheck:
-        del fmt, targets
-        _check_quantizable(ckpt, "--mtp auto")
-        groups = ckpt.spec.family.mtp.groups
-        if not groups:
-            raise MtpModeError(
-                f"{ckpt.label}: {ckpt.spec.family.display} has no MTP precision groups in the registry; --mtp auto "
-                "cannot choose its precision (use --mtp keep or quantize)"
-            )
-        note = (
-            "--mtp auto: the main model is converted first; then its quantized target drafts with the BF16 MTP and "
-            f"with each of {', '.join(g.key for g in groups)} quantized (held-out prompts, once per group and "
-            "precision), and the smallest MTP within the AL budget is written (report in mtp_search/)"
-        )
-        return ModeCheck((note,))
-
-    def plan_line(self, plan: PlanView) -> str:
-        return (
-            f"auto: the precision of each MTP group chosen by measurement ({len(plan.mtp_tensors)} MTP tensors; BF16, "
-            "FP8 or NVFP4 per group, the smallest MTP whose predicted AL stays within the budget of the BF16 MTP's)"
-        )
-
-    def measure(self, ctx: MeasureContext) -> Any:
-        import torch
-
-        from mtpquant.measure.weights import CheckpointWeights
-        from mtpquant.public import public_checkpoint
-        from mtpquant.runtime.machine import compute_dtype, resolve_device
-        from mtpquant.search.measure import calibration_rows
-        from mtpquant.search.run import search_mtp
-
-        cal = ctx.calibration
-        rows = calibration_rows(ctx.tokenizer, cal.data, cal.samples, cal.seq_len, chat_template=cal.chat_template)
-        device = torch.device(resolve_device(ctx.device))
-        dtype = getattr(torch, compute_dtype(device.type, None))
-        return search_mtp(
-            CheckpointWeights(ctx.target), ctx.ckpt, ctx.ckpt.source, rows, ctx.settings,
-            main_algo=ctx.main_algo, activations=ctx.activations, target_name=public_checkpoint(ctx.ckpt.label),
-            device=device, dtype=dtype, progress=ctx.progress,
-        )  # fmt: skip
-
-    def write(self, ctx: WriteContext) -> MtpOutcome:
-        from mtpquant.search.write import chosen_mtp
-
-        found = ctx.measured
-        assert found is not None, "search mode writes what its measurement chose"
-        chosen = chosen_mtp(ctx.ckpt, found.space, found.result.choice.assignment, found.amax)
-        shards = write_planned_mtp(ctx.od, chosen.tensors, ctx.max_bytes)
-        return MtpOutcome(sorted(t.name for t in chosen.tensors), shards, chosen.quantized_layers, search=found)
-
-    def verify(self, out: Checkpoint, src: Checkpoint, outcome: MtpOutcome, where: str) -> None:
-        """The tensors SRC's bytes were kept for are SRC's bytes."""
-        kept = sorted(n for n in outcome.names if n in src.tensors and out.tensors[n].dtype == src.tensors[n].dtype
-                      and out.tensors[n].shape == src.tensors[n].shape)
-        same_bytes(out, src, kept, where)
 
 
 class ExtractMode(MtpMode):
@@ -458,16 +392,19 @@ class DropMode(MtpMode):
 
 
 MODES: Mapping[str, MtpMode] = {
-    m.name: m for m in (KeepMode(), QuantizeMode(), ExtractMode(), DropMode(), SearchMode())
+    m.name: m for m in (KeepMode(), QuantizeMode(), ExtractMode(), DropMode())
 }
 MODE_NAMES = tuple(MODES)
 
 
-def choose_mode(requested: str, ckpt: Checkpoint) -> tuple[MtpMode, tuple[str, ...]]:
-    """The mode for a recipe's ``mtp.mode`` (``auto``: keep when the source has an MTP, else drop), plus a
-    note when ``auto`` drops an MTP the source declares but lacks."""
+def choose_mode(
+    requested: str, ckpt: Checkpoint, extra: Mapping[str, MtpMode] | None = None
+) -> tuple[MtpMode, tuple[str, ...]]:
+    """The mode for a recipe's ``mtp.mode`` among ``MODES`` and ``extra`` (the modes of services above this module:
+    ``search``) (``auto``: keep when the source has an MTP, else drop), plus a note when ``auto`` drops an MTP the
+    source declares but lacks."""
     if requested != "auto":
-        return MODES[requested], ()
+        return {**MODES, **(extra or {})}[requested], ()
     if ckpt.mtp_tensors():
         return MODES["keep"], ()
     if ckpt.spec.mtp.declared:

@@ -153,8 +153,8 @@ def _calibration(quant: Checkpoint, options: TuneOptions) -> tuple[CalibrationSe
 
 def plan_tune(options: TuneOptions) -> tuple[TunePlan, Checkpoint, Checkpoint]:
     """Open QUANT and SRC header-first and refuse early; the plan, QUANT and SRC."""
+    from mtpquant.search.mode import SearchMode
     from mtpquant.surgery.lineage import check_lineage
-    from mtpquant.surgery.modes import MODES
 
     options.check_fields(UsageError)
     if (options.out is None) == (not options.in_place):
@@ -174,7 +174,7 @@ def plan_tune(options: TuneOptions) -> tuple[TunePlan, Checkpoint, Checkpoint]:
     main_algo = _main_algo(quant, meta)
     if meta is not None and meta.is_compressed_tensors:
         raise TuneRefusedError(f"{quant.label}: a compressed-tensors quant; tune-mtp writes the ModelOpt format")
-    checked = MODES["search"].check(src, "nvfp4")  # SRC's MTP complete, calibratable, of a family with groups
+    checked = SearchMode().check(src, "nvfp4")  # SRC's MTP complete, calibratable, of a family with groups
     activations = main_algo == "NVFP4"
     space = search_space(src, options.search, main_algo=main_algo, activations=activations)
     configurations = space.configurations()
