@@ -31,6 +31,7 @@ __all__ = [
     "declare_mtp",
     "mtp_modules",
     "plan_metadata",
+    "spec_with_mtp_layers",
     "uncovered_modules",
 ]
 
@@ -164,6 +165,13 @@ def declare_mtp(spec: ModelSpec, layers: int, reference: Mapping[str, Any] | Non
         config = _insert_after(config, key, layers, list(ref_text))
     assert resolve(config).mtp.layers == layers
     return config
+
+
+def spec_with_mtp_layers(spec: ModelSpec, layers: int) -> ModelSpec:
+    """``spec`` as if its config declared ``layers`` MTP layers (``declare_mtp``; families without a key: unchanged)."""
+    if spec.family.mtp_key is None or spec.mtp.layers == layers:
+        return spec
+    return resolve(declare_mtp(spec, layers))
 
 
 def plan_metadata(
