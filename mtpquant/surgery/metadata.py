@@ -209,6 +209,7 @@ def plan_metadata(
     hfq = copy.deepcopy(dict(hf_quant_config)) if hf_quant_config is not None else None
     precision = linear_precisions(tensors)
     config, hfq, meta = repair_labels(spec, config, hfq, tensors, precision, changes)
+    lists = exclusion_lists(config, hfq)  # the repaired files' lists, read with their metadata
     modules = mtp_modules(spec, precision)
     rename = spec.engine_mtp_name if spec.family.mtp.engine_rename is not None else None
     unquantized = [m for m, plain in modules.items() if plain]
@@ -216,7 +217,6 @@ def plan_metadata(
     if meta is not None and meta.is_modelopt and meta.algo.upper() == "MIXED_PRECISION":
         # MIXED_PRECISION builds a module unquantized unless quantized_layers lists it: only listed ones need more
         unquantized = [m for m in unquantized if _listed(m, meta, spec.family.engine.packed)]
-    lists = exclusion_lists(config, hfq)
     if meta is not None and unquantized:
         missing = {f: uncovered_modules(unquantized, pats, ct, rename) for f, ct, pats in lists}
         if any(missing.values()):
