@@ -22,9 +22,9 @@ from mtpquant.errors import (
     MtpModeError,
     UsageError,
 )
-from mtpquant.heal.options import SAMPLED, HealOptions, HealSizes
+from mtpquant.heal.options import SAMPLED, HealOptions
 from mtpquant.heal.precision import MtpStorage, mtp_storage
-from mtpquant.heal.support import check_family, check_storage, plan_target_memory
+from mtpquant.heal.support import check_family, check_storage, mtp_input_streams, plan_target_memory, training_bytes
 from mtpquant.runtime.machine import DTYPE_BYTES, compute_dtype, resolve_device
 from mtpquant.units import format_bytes
 
@@ -37,7 +37,6 @@ __all__ = ["HEAD_FULL_PRECISION_LIMIT", "HealPlan", "Schedule", "plan_heal"]
 # The shared LM head and embedding train in the compute dtype up to this size; above it (a 248k vocabulary) they
 # stay in their stored dtype (BF16), which halves their memory (the logits are still computed into float32).
 HEAD_FULL_PRECISION_LIMIT = 512 * 2**20
-_RUNTIME_BYTES = 1_000_000_000  # torch + transformers + modelopt imported and running (as convert's plan)
 
 
 @dataclass(frozen=True)
@@ -140,35 +139,6 @@ class HealPlan:
         }
 
 
-def _mtp_input_streams(quant: Checkpoint) -> int:
-    """How many hidden-size streams the MTP's own hidden input has where it is not the LM head's (Qwen4-Exp: the
-    multi-stream state, ``MtpLayout.hidden_source``, ``hc_count`` streams), stored beside it; 0 otherwise."""
-    if quant.spec.family.mtp.hidden_source is None:
-        return 0
-    return quant.spec.dim("hc_count")
-
-
-def _train_bytes(quant: Checkpoint, schedule: Schedule, sizes: HealSizes, head_bytes: int, tied: bool) -> int:
-    """MTP weights, gradients and AdamW state in float32 (16 bytes a parameter), the embedding and head, a batch of
-    hidden states, the layer's activations (~24 per row and hidden unit of every stream), one chunk of logits."""
-    params = 0
-    for e in quant.mtp_tensors():
-        n = 1
-        for d in e.shape:
-            n *= d
-        params += n * (2 if e.dtype == "U8" else 1)
-    spec = quant.spec
-    H, V = spec.hidden_size, spec.dim("vocab_size")
-    rows = schedule.batch_size * sizes.seq_len * schedule.chain
-    return (
-        _RUNTIME_BYTES
-        + 16 * params
-        + head_bytes * (1 if tied else 2)
-        + rows * H * 4 * 24 * max(1, _mtp_input_streams(quant))
-        + 4 * 256 * V * 4
-    )
-
-
 def _open_quant(options: HealOptions) -> Checkpoint:
     """QUANT, opened strictly; an index that names MTP shards that do not exist is heal's refusal (its MTP is
     incomplete), said with the checkpoint, the shard and graft's command that puts the MTP back."""
@@ -250,11 +220,14 @@ def plan_heal(options: HealOptions) -> tuple[HealPlan, Checkpoint, Checkpoint, C
     spec = quant.spec
     H, V = spec.hidden_size, spec.dim("vocab_size")
     head_dtype = dtype if V * H * DTYPE_BYTES[dtype] <= HEAD_FULL_PRECISION_LIMIT else "bfloat16"
-    memory = plan_target_memory(shapes, quant.classify, DTYPE_BYTES[dtype], device, max_memory=options.max_memory,
-                                shard_bytes=options.max_shard_bytes)
     seq_len = options.sizes.seq_len
     schedule = Schedule(options.steps, options.lr, options.sizes.batch_size, options.chain, options.seed)
-    data_bytes = options.samples * seq_len * (H * DTYPE_BYTES[dtype] * (1 + _mtp_input_streams(quant)) + 8)
+    streams = mtp_input_streams(quant)
+    train_bytes = training_bytes(quant, schedule.batch_size * seq_len * schedule.chain, V * H * DTYPE_BYTES[head_dtype],
+                                 tied, streams)
+    memory = plan_target_memory(shapes, quant.classify, DTYPE_BYTES[dtype], device, max_memory=options.max_memory,
+                                shard_bytes=options.max_shard_bytes)
+    data_bytes = options.samples * seq_len * (H * DTYPE_BYTES[dtype] * (1 + streams) + 8)
     notes: list[str] = list(lineage.warnings)
     if storage.fmt != "bf16" and "SGLang" not in " ".join(notes):
         notes.append("SGLang serves only a BF16 MTP; the healed quantized MTP is for vLLM, as before")
@@ -274,7 +247,7 @@ def plan_heal(options: HealOptions) -> tuple[HealPlan, Checkpoint, Checkpoint, C
         dtype=dtype,
         head_dtype=head_dtype,
         memory=memory,
-        train_bytes=_train_bytes(quant, schedule, options.sizes, V * H * DTYPE_BYTES[head_dtype], tied),
+        train_bytes=train_bytes,
         data_bytes=data_bytes,
         sequences=options.samples,
         seq_len=seq_len,

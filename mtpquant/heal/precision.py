@@ -80,10 +80,11 @@ def mtp_storage(quant: Checkpoint, formats: Mapping[str, object]) -> MtpStorage:
     pre = sorted(m for m, f in mtp_formats.items() if getattr(f, "has_pre_quant_scale", False))
     if pre:
         raise HealRefusedError(f"{label}: {pre[0]} has an AWQ pre_quant_scale; heal cannot write that layout back")
-    shapes = {e.name: e.shape for e in quant.mtp_tensors()}
+    # the Linears by their .weight names alone (a packed or fused-expert name is not one modelopt's layout writes)
+    weights = {e.name: e.shape for e in quant.mtp_tensors() if e.name.endswith(".weight")}
     from mtpquant.mtp.quantize import mtp_quantized_modules
 
-    expected = set(mtp_quantized_modules(linear_modules(_logical_shapes(shapes)), quant.spec.family.mtp))
+    expected = set(mtp_quantized_modules(linear_modules(weights), quant.spec.family.mtp))
     if set(mtp_formats) != expected:
         odd = sorted(set(mtp_formats) ^ expected)[0]
         raise HealRefusedError(
@@ -95,11 +96,6 @@ def mtp_storage(quant: Checkpoint, formats: Mapping[str, object]) -> MtpStorage:
     if have and have != set(scales):
         raise HealRefusedError(f"{label}: only some MTP Linears have an input_scale ({sorted(have)[0]})")
     return MtpStorage(fmt, tuple(sorted(mtp_formats)), bool(have), {m: float(s) for m, s in scales.items() if s})
-
-
-def _logical_shapes(stored: Mapping[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
-    """Weight shapes as 2-D ``[out, in]`` logical shapes (NVFP4 stores two values a byte: [out, in / 2])."""
-    return {n: s for n, s in stored.items() if n.endswith(".weight")}
 
 
 def master_weights(quant: Checkpoint, src: Checkpoint, storage: MtpStorage) -> tuple[dict[str, Tensor], str]:

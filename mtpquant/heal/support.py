@@ -1,5 +1,6 @@
 """What heal can heal, decided before anything loads (torch-free): the family, the layouts it writes an MTP back in,
-the data, the compute dtype, the memory the quantized target takes, and where an in-place heal can swap.
+the data, the compute dtype, the memory the quantized target and the training take, and where an in-place heal can
+swap.
 
 heal's plan refuses with these; ``convert --heal`` asks them of the output it is about to write (``check_convert``,
 from its own plan), so a conversion is never run for a heal that would then be refused.
@@ -30,13 +31,16 @@ __all__ = [
     "check_convert",
     "check_family",
     "check_storage",
+    "mtp_input_streams",
     "plan_target_memory",
     "target_blocks",
+    "training_bytes",
 ]
 
 WRITABLE = {"nvfp4": "nvfp4", "fp8": "fp8"}  # the quantized kinds heal writes back (LinearFormat.kind -> format)
 WRITES_BACK = "heal writes back BF16, ModelOpt NVFP4 and ModelOpt FP8 per tensor"
 _TARGET = (TensorClass.MAIN, TensorClass.EMBED, TensorClass.LM_HEAD)
+_RUNTIME_BYTES = 1_000_000_000  # torch + transformers + modelopt imported and running (as convert's plan)
 
 
 def check_family(family: Family, label: str, then: str = "the quant is left as it is") -> None:
@@ -89,10 +93,11 @@ def plan_target_memory(
     on disk); ``shapes``: its tensors' logical shapes (``target_blocks``)."""
     from mtpquant.runtime.memory import available_cpu_bytes, plan_memory
 
+    blocks = target_blocks(shapes, classify, dtype_bytes)
     available = {"cpu": a} if (a := available_cpu_bytes()) is not None else {}
     try:
         return plan_memory(
-            target_blocks(shapes, classify, dtype_bytes),
+            blocks,
             device="cpu" if device == "cpu" else "cuda",
             max_memory=max_memory,
             layerwise=False,
@@ -101,6 +106,35 @@ def plan_target_memory(
         )
     except MemoryPlanError as exc:
         raise MemoryPlanError(str(exc).replace("convert needs", "heal needs")) from None
+
+
+def mtp_input_streams(quant: Checkpoint) -> int:
+    """How many hidden-size streams the MTP's own hidden input has where it is not the LM head's (Qwen4-Exp: the
+    multi-stream state, ``MtpLayout.hidden_source``, ``hc_count`` streams), stored beside it; 0 otherwise."""
+    if quant.spec.family.mtp.hidden_source is None:
+        return 0
+    return quant.spec.dim("hc_count")
+
+
+def training_bytes(quant: Checkpoint, rows: int, head_bytes: int, tied: bool, streams: int) -> int:
+    """The training phase's peak: MTP weights, gradients and AdamW state in float32 (16 bytes a parameter), the
+    embedding and head (``head_bytes`` each), a batch of ``rows`` hidden states, the layer's activations (~24 per row
+    and hidden unit of every stream; ``streams``: ``mtp_input_streams``), one chunk of logits."""
+    params = 0
+    for e in quant.mtp_tensors():
+        n = 1
+        for d in e.shape:
+            n *= d
+        params += n * (2 if e.dtype == "U8" else 1)
+    spec = quant.spec
+    H, V = spec.hidden_size, spec.dim("vocab_size")
+    return (
+        _RUNTIME_BYTES
+        + 16 * params
+        + head_bytes * (1 if tied else 2)
+        + rows * H * 4 * 24 * max(1, streams)
+        + 4 * 256 * V * 4
+    )
 
 
 def _exchange_possible_beside(out: Path) -> bool:

@@ -214,43 +214,25 @@ def train(
     from mtpquant.heal.qat import quantize_for_training
     from mtpquant.mtp.build import reference_mtp
     from mtpquant.mtp.names import checkpoint_name
+    from mtpquant.mtp.quantize import per_expert_weights
 
     torch.manual_seed(schedule.seed)
     master, _ = master_weights(quant, src, storage)
-    if quant.spec.family.mtp.appended is not None:  # GLM / DeepSeek: the appended layer (BF16 only: support.py)
-        return _train_appended(quant, master, data, shared, schedule, device=device, progress=progress)
-    layer = reference_mtp(quant.config, master, dtype=torch.float32, device=device)
-    embed, head = shared
-
-    def calibrate(module: nn.Module) -> None:
-        rows = data.batch(range(min(schedule.batch_size, data.sequences)), device)
-        module(rows.mtp_hidden[:, :-1].float(), F.embedding(rows.tokens[:, 1:], embed).float())
-
-    quantize_for_training(cast(nn.Module, layer), storage, calibrate)
-    log_ = distill(layer, data, embed, head, schedule, device=device, progress=progress)
-    named = cast(nn.Module, layer).named_parameters()
-    return {checkpoint_name(layer, n): p.detach().float().cpu() for n, p in named}, log_
-
-
-def _train_appended(
-    quant: Checkpoint,
-    master: dict[str, Tensor],
-    data: HealData,
-    shared: tuple[Tensor, Tensor],
-    schedule: Schedule,
-    *,
-    device: torch.device,
-    progress: bool,
-) -> tuple[dict[str, Tensor], TrainLog]:
-    """``train`` for an appended-layer MTP (``mtp.nextn.NextnMtp``, BF16 in QUANT): its weights under the checkpoint's
-    names, experts per expert; the head / embedding copies it does not read kept as they were."""
-    from mtpquant.mtp.build import reference_mtp
-    from mtpquant.mtp.names import checkpoint_name
-    from mtpquant.mtp.quantize import per_expert_weights
-
     layer: Any = reference_mtp(quant.config, master, dtype=torch.float32, device=device)
     embed, head = shared
+    # GLM / DeepSeek: the appended layer (``mtp.nextn.NextnMtp``), BF16 in QUANT (support.py): no fake quantization
+    appended = quant.spec.family.mtp.appended is not None
+    if not appended:
+
+        def calibrate(module: nn.Module) -> None:
+            rows = data.batch(range(min(schedule.batch_size, data.sequences)), device)
+            module(rows.mtp_hidden[:, :-1].float(), F.embedding(rows.tokens[:, 1:], embed).float())
+
+        quantize_for_training(cast(nn.Module, layer), storage, calibrate)
     log_ = distill(layer, data, embed, head, schedule, device=device, progress=progress)
-    state = {checkpoint_name(layer, n): t.detach().float().cpu() for n, t in layer.state_dict().items()}
-    trained = per_expert_weights(state)
-    return {**master, **{n: t.contiguous() for n, t in trained.items()}}, log_
+    if appended:  # its weights under the checkpoint's names, experts per expert; the copies it does not read kept
+        state = {checkpoint_name(layer, n): t.detach().float().cpu() for n, t in layer.state_dict().items()}
+        trained = per_expert_weights(state)
+        return {**master, **{n: t.contiguous() for n, t in trained.items()}}, log_
+    named = cast(nn.Module, layer).named_parameters()
+    return {checkpoint_name(layer, n): p.detach().float().cpu() for n, p in named}, log_

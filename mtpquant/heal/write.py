@@ -101,13 +101,13 @@ def write_healed(
     temporary directory and verify it (``src``: the checkpoint QUANT was made from, whose dtypes a quantized MTP is
     quantized from). The provenance gains the heal step of ``command``, without its record yet (``record_step`` adds
     it once the check has run)."""
+    step = heal_step(command, src, None)
     tensors = export_mtp(quant, src, storage, healed)
     hashes = {t.name: checksum(t.produce()) for t in tensors}
     names = sorted(t.name for t in tensors)
     layers = quant.spec.mtp_depth(names) or quant.spec.mtp.layers
     plan = plan_change(quant, MetadataPlan(), add=names, removed=names, mtp_layers=layers)
     new_mtp = NewMtp(tuple(names), lambda od: write_planned_mtp(od, tensors, max_shard_bytes))
-    step = heal_step(command, src, None)
     return build(dest, plan, new_mtp, step, _verify(quant, hashes, layers), link=link)
 
 

@@ -15,7 +15,7 @@ from mtpquant.checkpoint.modules import QUANT_PARAMS
 from mtpquant.checkpoint.precision import is_quantized, module_precision
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.errors import GraftError, LineageError
-from mtpquant.families import ModelSpec, dimension_differences, resolve
+from mtpquant.families import dimension_differences
 
 __all__ = [
     "GraftError",
@@ -41,15 +41,6 @@ class LineageReport:
     # MTP copies SRC lacks and QUANT's own tensors give (the head / embedding copies a NextN export dropped):
     # name in the result -> QUANT's tensor
     from_quant: dict[str, str] = field(default_factory=dict, repr=False)
-
-
-def _spec_with_layers(spec: ModelSpec, layers: int) -> ModelSpec:
-    """``spec`` as if its config declared ``layers`` MTP layers (families without a key: unchanged)."""
-    if spec.family.mtp_key is None or spec.mtp.layers == layers:
-        return spec
-    from mtpquant.surgery.metadata import declare_mtp
-
-    return resolve(declare_mtp(spec, layers))
 
 
 def _final_norm_warning(quant: Checkpoint, src: Checkpoint) -> str | None:
@@ -106,7 +97,9 @@ def check_lineage(quant: Checkpoint, src: Checkpoint, *, weight_check: bool = Tr
     if diffs:
         raise LineageError("lineage mismatch between QUANT and SRC: " + "; ".join(diffs))
 
-    target = _spec_with_layers(qs, layers)
+    from mtpquant.surgery.metadata import spec_with_mtp_layers
+
+    target = spec_with_mtp_layers(qs, layers)
     expected = target.expected_mtp_shapes(src_mtp)
     from_quant = _copies_from_quant(quant, set(expected) - set(src_mtp)) if ss.nextn_standalone else {}
     missing = sorted(set(expected) - set(src_mtp) - set(from_quant))

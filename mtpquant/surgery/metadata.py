@@ -31,6 +31,7 @@ __all__ = [
     "declare_mtp",
     "mtp_modules",
     "plan_metadata",
+    "spec_with_mtp_layers",
     "uncovered_modules",
 ]
 
@@ -166,6 +167,13 @@ def declare_mtp(spec: ModelSpec, layers: int, reference: Mapping[str, Any] | Non
     return config
 
 
+def spec_with_mtp_layers(spec: ModelSpec, layers: int) -> ModelSpec:
+    """``spec`` as if its config declared ``layers`` MTP layers (``declare_mtp``; families without a key: unchanged)."""
+    if spec.family.mtp_key is None or spec.mtp.layers == layers:
+        return spec
+    return resolve(declare_mtp(spec, layers))
+
+
 def plan_metadata(
     spec: ModelSpec,
     hf_quant_config: Mapping[str, Any] | None,
@@ -201,6 +209,7 @@ def plan_metadata(
     hfq = copy.deepcopy(dict(hf_quant_config)) if hf_quant_config is not None else None
     precision = linear_precisions(tensors)
     config, hfq, meta = repair_labels(spec, config, hfq, tensors, precision, changes)
+    lists = exclusion_lists(config, hfq)  # the repaired files' lists, read with their metadata
     modules = mtp_modules(spec, precision)
     rename = spec.engine_mtp_name if spec.family.mtp.engine_rename is not None else None
     unquantized = [m for m, plain in modules.items() if plain]
@@ -208,7 +217,6 @@ def plan_metadata(
     if meta is not None and meta.is_modelopt and meta.algo.upper() == "MIXED_PRECISION":
         # MIXED_PRECISION builds a module unquantized unless quantized_layers lists it: only listed ones need more
         unquantized = [m for m in unquantized if _listed(m, meta, spec.family.engine.packed)]
-    lists = exclusion_lists(config, hfq)
     if meta is not None and unquantized:
         missing = {f: uncovered_modules(unquantized, pats, ct, rename) for f, ct, pats in lists}
         if any(missing.values()):
