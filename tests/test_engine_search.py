@@ -3,7 +3,8 @@ is within the budget + 0.1 of the AL it measures with the BF16 MTP, on the same 
 
 The trained tiny Qwen3.5 converted with ``--mtp auto`` (budget 0.05 AL, vLLM's loading rules, 64 prompts) and with
 ``--keep-mtp`` (``tests/support/heal.py``'s convert, the same calibration, so the same main-model bytes), each served
-by vLLM with MTP speculative decoding at k = 1 and 3 on 32 held-out prompts (``tests/support/engine.engine_acceptance``).
+by vLLM with MTP speculative decoding at k = 1 and 3 on 32 held-out
+prompts (``tests/support/engine.engine_acceptance``).
 The search is asked for BF16 and NVFP4 only (``--mtp-precisions nvfp4``): vLLM's CPU build has no FP8 kernel (its
 ``_C::static_scaled_fp8_quant`` takes no arguments there, so a checkpoint with an FP8 Linear fails to start; measured
 with the default search's choice, input FP8 / attention NVFP4 / MLP FP8), while its NVFP4 emulation kernel runs
