@@ -9,11 +9,11 @@ from typing import Any
 
 from mtpquant.cli import (
     HUB_CODES,
+    add_command,
     add_device_argument,
     add_dtype_argument,
     add_sampling_arguments,
     add_shard_size_argument,
-    exit_codes_epilog,
 )
 from mtpquant.errors import ExitCode
 from mtpquant.heal.options import DATA_TEMPERATURE, HealOptions  # torch-free: the defaults at start-up
@@ -21,7 +21,7 @@ from mtpquant.records.record import field_choices, field_default
 
 __all__ = ["SCHEDULE_FIELDS", "add_schedule_arguments", "register", "schedule_options"]
 
-_EPILOG = """\
+_EXAMPLES = """\
 examples:
   mtpquant heal ./Qwen3.6-27B-NVFP4 --from Qwen/Qwen3.6-27B --in-place
   mtpquant heal ./quant --from ./bf16-source --out ./quant-healed --steps 400 --lr 2e-4
@@ -38,7 +38,8 @@ given (greedy by default; --temperature 0 0.7: greedy and sampled at 0.7, as val
 unless the healed MTP is better beyond noise at every k = 1..K of the first setting, and worse beyond noise at no k
 of any (a heal that helps greedy acceptance and hurts sampled acceptance is refused).
 
-""" + exit_codes_epilog(
+"""
+_EXIT_CODES = (
     ExitCode.CHECKPOINT,
     ExitCode.ARCHITECTURE,
     ExitCode.OUTPUT_EXISTS,
@@ -87,16 +88,17 @@ def schedule_options(args: argparse.Namespace) -> dict[str, Any]:
 
 def register(subparsers: Any) -> None:
     """Add the ``heal`` subcommand."""
-    p = subparsers.add_parser(
+    p = add_command(
+        subparsers,
         "heal",
-        help="re-align a quant's MTP to its quantized model (self-distillation), written only if it is better",
+        summary="re-align a quant's MTP to its quantized model (self-distillation), written only if it is better",
         description=(
             "Fine-tune only QUANT's mtp.* weights against QUANT's own quantized target, check the MTP's acceptance "
             "before and after on held-out prompts, and write the healed MTP (only its bytes, atomically, in QUANT's "
             "precision) only when it is better beyond noise."
         ),
-        epilog=_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        examples=_EXAMPLES,
+        codes=_EXIT_CODES,
     )
     p.add_argument("quant", metavar="QUANT", help="the quant whose MTP to heal: a local directory or a Hub repo id")
     p.add_argument("--from", dest="source", metavar="SRC", required=True,

@@ -7,13 +7,13 @@ import json
 import os
 from typing import Any
 
-from mtpquant.cli import HUB_CODES, add_device_argument, add_shard_size_argument, exit_codes_epilog
+from mtpquant.cli import HUB_CODES, add_command, add_device_argument, add_shard_size_argument
 from mtpquant.cli.search_args import add_search_arguments, search_settings
 from mtpquant.errors import ExitCode
 
 __all__ = ["register"]
 
-_EPILOG = """\
+_EXAMPLES = """\
 examples:
   mtpquant tune-mtp ./Qwen3.5-27B-NVFP4 --from Qwen/Qwen3.5-27B --out ./Qwen3.5-27B-NVFP4-small-mtp
   mtpquant tune-mtp ./Qwen3.5-27B-NVFP4 --from ./Qwen3.5-27B --in-place --al-budget 0.03 --engine any
@@ -25,7 +25,8 @@ BF16 MTP's at k = 1..3 beyond noise, and that --engine loads, is written in plac
 bytes; the metadata's MTP entries replaced). The report goes to mtp_search/ in the result. The same source, budget
 and calibration choose what `convert --mtp auto` chooses.
 
-""" + exit_codes_epilog(
+"""
+_EXIT_CODES = (
     ExitCode.CHECKPOINT,
     ExitCode.ARCHITECTURE,
     ExitCode.OUTPUT_EXISTS,
@@ -41,16 +42,17 @@ and calibration choose what `convert --mtp auto` chooses.
 
 def register(subparsers: Any) -> None:
     """Add the ``tune-mtp`` subcommand."""
-    p = subparsers.add_parser(
+    p = add_command(
+        subparsers,
         "tune-mtp",
-        help="shrink a quant's MTP to the smallest precision per group that keeps its acceptance",
+        summary="shrink a quant's MTP to the smallest precision per group that keeps its acceptance",
         description=(
             "Choose the precision of each MTP group of QUANT (input projection, attention, MLP or shared expert, "
             "routed experts) by measurement on QUANT's own quantized target, re-quantize the MTP from SRC's BF16 one "
             "and write only the MTP bytes."
         ),
-        epilog=_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        examples=_EXAMPLES,
+        codes=_EXIT_CODES,
     )
     p.add_argument("quant", metavar="QUANT", help="the quant whose MTP to tune: a local directory (ModelOpt NVFP4)")
     p.add_argument("--from", dest="source", required=True, metavar="SRC",
