@@ -27,7 +27,7 @@ from mtpquant.errors import ExitCode, ValidateError
 from mtpquant.families import TensorClass
 from mtpquant.records.evidence import Bootstrap, UnitCounts
 from mtpquant.records.validation import ValidationReport
-from mtpquant.synth.train import TINY_MTP_ASSET
+from mtpquant.synth.train import TINY_MTP_ASSET, TINY_MTP_ASSETS
 from mtpquant.validate.run import ValidateOptions, validate
 
 pytestmark = pytest.mark.slow
@@ -93,6 +93,29 @@ def test_asset_layout() -> None:
     training = json.loads((ASSET / "training.json").read_text())
     # Measured by scripts/train_tiny_mtp.py with the default settings (32 held-out prompts).
     assert training["acceptance"]["by_k"][0]["acceptance_rate"] >= 0.40
+
+
+def test_qwen3_5_moe_asset_layout(tiny_factory: Callable[[str], Path]) -> None:
+    """The trained tiny Qwen3.5-MoE has the tiny qwen3_5_moe variant's tensor set and dtypes (the VL wrapper, fused
+    3-D main experts, the MTP's 4 routed experts per expert and its shared expert), in a few MB, with head dims vLLM's
+    CPU build serves; its MTP drafts as the dense asset's does."""
+    asset = TINY_MTP_ASSETS["qwen3_5_moe"]
+    ckpt = Checkpoint.open(asset, strict=True)
+    tiny = Checkpoint.open(tiny_factory("qwen3_5_moe"), strict=True)
+    assert sum(p.stat().st_size for p in asset.iterdir()) <= 8 * 1024 * 1024
+    assert ckpt.config["architectures"] == ["Qwen3_5MoeForConditionalGeneration"]
+    text = ckpt.config["text_config"]
+    assert (text["vocab_size"], text["num_experts"], text["num_experts_per_tok"]) == (2048, 4, 2)
+    assert text["head_dim"] == 256 and text["linear_key_head_dim"] == 128 and text["linear_value_head_dim"] == 128
+    assert sorted(ckpt.tensors) == sorted(tiny.tensors)
+    assert {n: e.dtype for n, e in ckpt.tensors.items()} == {n: e.dtype for n, e in tiny.tensors.items()}
+    mtp = ckpt.by_class()[TensorClass.MTP]
+    assert len(mtp) == 29 and {e.dtype for e in mtp} == {"BF16"} and len({e.shard for e in mtp}) == 2
+    assert ckpt.tensors["mtp.layers.0.mlp.experts.3.down_proj.weight"].shape == (128, 128)
+    training = json.loads((asset / "training.json").read_text())
+    assert training["spec"]["family"] == "qwen3_5_moe"
+    # measured by scripts/train_tiny_mtp.py (32 held-out prompts); the dense asset's bar
+    assert training["acceptance"]["by_k"][0]["acceptance_rate"] >= 0.6
 
 
 def test_trained_mtp_is_accepted(keep_pair: tuple[ValidationReport, Path, Path]) -> None:

@@ -1,13 +1,15 @@
 """Train a tiny model together with its MTP layer, on CPU, seeded and reproducible: Qwen3.5 dense (the shipped
-``tiny-qwen3_5-mtp``), Qwen3.8-Flash-Next (``tiny-qwen4_exp-mtp``, ``TrainSpec.family = "qwen4_exp"``) or the
-GLM-4.5 layout (``tiny-glm4_moe-mtp``: transformers' ``Glm4MoeForCausalLM`` in ``synth.nextn``'s tiny layout, the
-MTP ``mtp.nextn.NextnMtp``, written as ``model.layers.{N}`` in ``mtp.safetensors``, experts per expert).
+``tiny-qwen3_5-mtp``), Qwen3.5-MoE (``tiny-qwen3_5_moe-mtp``: 4 narrow routed experts and a shared expert in every
+layer and in the MTP, ``_MOE_SIZES``), Qwen3.8-Flash-Next (``tiny-qwen4_exp-mtp``, ``TrainSpec.family =
+"qwen4_exp"``) or the GLM-4.5 layout (``tiny-glm4_moe-mtp``: transformers' ``Glm4MoeForCausalLM`` in
+``synth.nextn``'s tiny layout, the MTP ``mtp.nextn.NextnMtp``, written as ``model.layers.{N}`` in ``mtp.safetensors``,
+experts per expert).
 
-The main model is transformers' ``Qwen3_5ForConditionalGeneration`` / ``Qwen4ExpForConditionalGeneration`` built
-from a tiny config in the real layout (``mtpquant.synth.tiny`` / ``synth.qwen4_exp``: wrapper config, tiny vision
-tower, the family's real head dims). The MTP is the family's reference forward itself (``mtp.module.MtpLayer``,
-``mtp.qwen4_exp.Qwen4ExpMtp``), so the trained weights are exactly what the engines (and ``mtpquant validate``)
-compute with. Objective, per window of T tokens:
+The main model is transformers' ``Qwen3_5ForConditionalGeneration`` / ``Qwen3_5MoeForConditionalGeneration`` /
+``Qwen4ExpForConditionalGeneration`` built from a tiny config in the real layout (``mtpquant.synth.tiny`` /
+``synth.qwen4_exp``: wrapper config, tiny vision tower, the family's real head dims). The MTP is the family's
+reference forward itself (``mtp.module.MtpLayer``, ``mtp.qwen4_exp.Qwen4ExpMtp``), so the trained weights are exactly
+what the engines (and ``mtpquant validate``) compute with. Objective, per window of T tokens:
 
 - main: cross-entropy of ``lm_head(h_t)`` against ``x_{t+1}``;
 - MTP (auxiliary, weight ``mtp_weight``): cross-entropy of ``lm_head(MTP(h_t, embed(x_{t+1})))``
@@ -71,7 +73,7 @@ log = logging.getLogger(__name__)
 
 # The trained checkpoints shipped with the package (scripts/train_tiny_mtp.py writes them), by family.
 _ASSETS = Path(__file__).resolve().parent.parent / "assets"
-TINY_MTP_ASSETS = {key: _ASSETS / f"tiny-{key}-mtp" for key in ("qwen3_5", "qwen4_exp", "glm4_moe")}
+TINY_MTP_ASSETS = {key: _ASSETS / f"tiny-{key}-mtp" for key in ("qwen3_5", "qwen3_5_moe", "qwen4_exp", "glm4_moe")}
 TINY_MTP_ASSET = TINY_MTP_ASSETS["qwen3_5"]  # the default (demo, skeleton tokenizer)
 
 # Real Qwen3.5 checkpoints keep the Gated DeltaNet A_log and gated norm in float32 (as synth.tiny).
@@ -82,7 +84,7 @@ _KEEP_F32 = (".linear_attn.A_log", ".linear_attn.norm.weight")
 class TrainSpec:
     """What to train and how; every field is recorded in the asset's ``training.json``."""
 
-    family: str = "qwen3_5"  # qwen3_5 | qwen4_exp | glm4_moe
+    family: str = "qwen3_5"  # qwen3_5 | qwen3_5_moe | qwen4_exp | glm4_moe
     hidden_size: int = 128
     intermediate_size: int = 384  # qwen3_5 (dense MLP); qwen4_exp keeps synth.qwen4_exp's tiny expert sizes
     vocab_size: int = 2048
@@ -104,6 +106,11 @@ class TrainSpec:
 FAMILIES = tuple(TINY_MTP_ASSETS)
 # The appended-layer families trained here, in synth.nextn's tiny layout (GLM-4.7-style: the MTP in its own file)
 _NEXTN = {"glm4_moe": TinySpec("glm4_moe", shards=2, copies=False, mtp_file="mtp.safetensors")}
+# Qwen3.5-MoE's experts: synth.tiny's 4 (top 2), twice its width, so a token's routed + shared MLP width (2 x 128 +
+# 128) is the dense model's intermediate_size (384)
+_MOE_SIZES = {"moe_intermediate_size": 128, "shared_expert_intermediate_size": 128}
+# The Qwen3.5 wrapper layout (VL wrapper, processor files): transformers' config and model class per family
+_QWEN3_5 = {"qwen3_5": "Qwen3_5", "qwen3_5_moe": "Qwen3_5Moe"}
 
 
 def _tiny_spec(spec: TrainSpec) -> TinySpec:
@@ -121,6 +128,8 @@ def trained_config(spec: TrainSpec) -> dict[str, Any]:
     cfg = tiny_config(tiny)
     if spec.family == "qwen3_5":
         cfg["text_config"]["intermediate_size"] = spec.intermediate_size
+    elif spec.family == "qwen3_5_moe":
+        cfg["text_config"] |= _MOE_SIZES
     else:  # narrower gated-DeltaNet heads than synth.qwen4_exp's tiny (128, for vLLM's CPU kernel): a quarter the work
         cfg["text_config"] |= {"linear_key_head_dim": 64, "linear_value_head_dim": 64}
     cfg["text_config"]["bos_token_id"] = 1
@@ -248,8 +257,9 @@ def _build(spec: TrainSpec, config: dict[str, Any]) -> tuple[Any, Any]:
         model = transformers.Qwen4ExpForConditionalGeneration(hf_config).float()
         mtp = Qwen4ExpMtp(config["text_config"], 1).float()
     else:
-        hf_config = transformers.Qwen3_5Config.from_dict(copy.deepcopy(config))
-        model = transformers.Qwen3_5ForConditionalGeneration(hf_config).float()
+        prefix = _QWEN3_5[spec.family]
+        hf_config = getattr(transformers, f"{prefix}Config").from_dict(copy.deepcopy(config))
+        model = getattr(transformers, f"{prefix}ForConditionalGeneration")(hf_config).float()
         mtp = MtpLayer(MtpConfig.from_text_config(config)).float()
     with torch.no_grad():
         std = float(getattr(getattr(hf_config, "text_config", hf_config), "initializer_range", 0.02))
@@ -382,7 +392,7 @@ def _save(
         od.write_json("generation_config.json", {"bos_token_id": 1, "eos_token_id": 2, "do_sample": False})
         od.write_text("tokenizer.json", tok.to_str())
         od.write_json("tokenizer_config.json", tok_config)
-        if spec.family == "qwen3_5":  # the Qwen3.5 layout's processor files (the engines build the VL processor)
+        if spec.family in _QWEN3_5:  # the Qwen3.5 layout's processor files (the engines build the VL processor)
             for name, processor in vision_processor_configs(config["vision_config"]).items():
                 od.write_json(name, processor)
         od.write_json(
