@@ -9,6 +9,7 @@ configuration (the search is deterministic); a budget of 0 keeps the BF16 MTP.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from collections.abc import Callable
@@ -228,8 +229,8 @@ def test_the_trained_tiny_moe_mtp(tmp_path: Path) -> None:
     projections) converted with --mtp auto for every engine: each group alone is measured (the ones no engine loads
     alone too: a quantized shared expert beside BF16 routed experts is read by vLLM's MIXED_PRECISION resolution as
     quantized experts), the choice is within the budget, loads in vLLM and SGLang as inspect reads them, and routed
-    experts it quantized are written per expert. (No trained Qwen3.5-MoE ships: the Qwen3.5-MoE space is checked from
-    headers in tests/test_search_space.py; vLLM's CPU backend runs no NVFP4 MoE, so no engine measures either.)"""
+    experts it quantized are written per expert. (The trained tiny Qwen3.5-MoE: below; vLLM's CPU backend runs no NVFP4
+    MoE, so no engine here measures either: scripts/gpu_check.sh step 5a serves the Qwen3.5-MoE's.)"""
     settings = SearchSettings(num_prompts=16, max_len=64, engine="any")
     result = convert(ConvertOptions(src=str(TINY_MTP_ASSETS["qwen4_exp"]), out=tmp_path / "q4", mtp="auto",
                                     search=settings, device="cpu", progress=False, calib_samples=8,
@@ -256,3 +257,65 @@ def test_the_trained_tiny_moe_mtp(tmp_path: Path) -> None:
         assert fused <= names
     else:
         assert not fused & names and "mtp.layers.0.mlp.experts.3.down_proj.weight_scale" in names
+
+
+MOE = TINY_MTP_ASSETS["qwen3_5_moe"]
+MOE_CALIB = {"calib_samples": 8, "calib_seq_len": 64}
+
+
+def _moe_auto(out: Path, settings: SearchSettings) -> ConvertResult:
+    return convert(ConvertOptions(src=str(MOE), out=out, mtp="auto", search=settings, device="cpu", progress=False,
+                                  **MOE_CALIB))  # fmt: skip
+
+
+def test_the_trained_tiny_qwen3_5_moe(tmp_path: Path) -> None:
+    """The trained tiny Qwen3.5-MoE (its MTP an MoE: 4 routed experts per expert, a shared expert) converted with
+    --mtp auto for vLLM: every group alone measured in FP8 and NVFP4 (the shared expert too, which vLLM does not load
+    quantized beside BF16 routed experts: measured, never chosen); the choice is within the budget at every k beyond
+    noise, smaller than the BF16 MTP and the smallest accepted (some group fits the budget on this model), written as
+    its plan says and loaded by vLLM as inspect reads it."""
+    settings = SearchSettings(num_prompts=16, max_len=64)
+    result = _moe_auto(tmp_path / "auto", settings)
+    search = result.search
+    assert search is not None and result.output is not None
+    assert [g.key for g in search.groups] == ["input", "attention", "shared_expert", "experts"]
+    alone = {(j.assignment.changed()[0], j.assignment[j.assignment.changed()[0]]): j
+             for j in search.evaluated if j.role == "sensitivity"}  # fmt: skip
+    assert set(alone) == {(g, p) for g in ("input", "attention", "shared_expert", "experts") for p in ("fp8", "nvfp4")}
+    assert not any(alone[("shared_expert", p)].accepted for p in ("fp8", "nvfp4"))
+    chosen = search.choice
+    assert chosen.accepted and chosen.verdict == "within"
+    changes = [c.change for s in chosen.by_sampling for c in s.by_k]
+    assert len(changes) == settings.k and all(c is not None and c.low > -settings.budget for c in changes)
+    assert any(j.accepted for j in alone.values())  # some group fits the budget: the MTP shrinks
+    assert chosen.nbytes < search.bf16_bytes
+    assert chosen.nbytes == min(j.nbytes for j in search.evaluated if j.accepted)
+    q = load_recipe("qwen3_5_moe-nvfp4").quantization
+    space = search_space(Checkpoint.open(MOE), settings, main_algo=q.quant_algo, activations=q.activations)
+    out = Checkpoint.open(result.output)
+    assert {e.name: (e.dtype, e.shape) for e in out.mtp_tensors()} == {
+        n: (t.dtype, t.shape) for n, t in space.planned_table(chosen.assignment).items()
+    }
+    assert inspect_checkpoint(result.output).verdicts["vllm"].startswith("vLLM: MTP loads")
+
+
+def test_the_qwen3_5_moe_search_is_deterministic_and_a_budget_of_zero_keeps_bf16(tmp_path: Path) -> None:
+    """On the trained tiny Qwen3.5-MoE (BF16 / NVFP4, greedy and T = 0.7, seed 7): two --mtp auto converts measure the
+    same numbers (report.json but its timings), choose the same and write the same MTP bytes; with a budget of 0 the
+    MTP is the source's BF16 bytes."""
+    small = SearchSettings(num_prompts=8, max_len=48, k=2, precisions=("nvfp4",), max_confirm=1, seed=7,
+                           temperatures=(0.7,))  # fmt: skip
+    reports = []
+    for name in ("one", "two"):
+        _moe_auto(tmp_path / name, small)
+        report = json.loads((tmp_path / name / "mtp_search/report.json").read_text())
+        assert report.pop("seconds").keys() == {"target", "sensitivity", "confirm", "total"}
+        reports.append(report)
+    assert reports[0] == reports[1] and reports[0]["settings"]["seed"] == 7
+    assert len(reports[0]["evaluated"]) >= 5  # the BF16 MTP and the 4 groups alone at least
+    assert digests(tmp_path / "one", mtp=True) == digests(tmp_path / "two", mtp=True)
+    zero = _moe_auto(tmp_path / "zero", dataclasses.replace(small, budget=0.0))
+    assert zero.search is not None
+    assert zero.search.choice.assignment.all_bf16 and zero.search.choice.role == "baseline"
+    assert "a budget of 0" in zero.search.reason
+    assert digests(tmp_path / "zero", mtp=True) == digests(MOE, mtp=True)
