@@ -6,11 +6,11 @@ bytes each configuration would save on full-size MTPs, from headers.
     python scripts/bench_search.py --work /tmp/bench-search --skip-tiny        # (b) only (seconds)
 
 (a) runs the ``mtpquant`` command as users run it, each step in a fresh process (the calling shell's OpenMP settings
-removed: the CLI chooses its own), on the trained tiny Qwen3.5 and Qwen3.8-Flash-Next (16 x 128 calibration tokens):
-``convert --keep-mtp``, ``convert --mtp auto`` (the default search: budget 0.05 AL, 64 held-out prompts, k = 1..3,
-greedy, vLLM), ``tune-mtp`` of the keep convert, and one ``validate SRC KEEP`` with the search's measurement settings
-(64 prompts, max_len 128, k = 3, activations emulated). The search's cost is the wall time ``--mtp auto`` adds to the
-keep convert, and tune-mtp's whole wall time, each divided by the validate's.
+removed: the CLI chooses its own), on the trained tiny Qwen3.5, Qwen3.5-MoE and Qwen3.8-Flash-Next (16 x 128 calibration
+tokens): ``convert --keep-mtp``, ``convert --mtp auto`` (the default search: budget 0.05 AL, 64 held-out prompts, k =
+1..3, greedy, vLLM), ``tune-mtp`` of the keep convert, and one ``validate SRC KEEP`` with the search's measurement
+settings (64 prompts, max_len 128, k = 3, activations emulated). The search's cost is the wall time ``--mtp auto`` adds
+to the keep convert, and tune-mtp's whole wall time, each divided by the validate's.
 
 (b) builds the sparse full-size skeletons of the BF16 sources (``tests/support/skeleton.py``: Qwen3-Next-80B-A3B and
 Qwen3.5-35B-A3B from their real layout tables; ``tests/support/qwen4_exp_skeleton.py``: Qwen3.8-Flash-Next) and reads
@@ -65,9 +65,11 @@ def tiny(work: Path) -> str:
     """(a): the search's cost on each trained tiny model, through the CLI."""
     from mtpquant.synth.train import TINY_MTP_ASSETS
 
-    names = {"qwen3_5": "Qwen3.5 (dense MTP)", "qwen4_exp": "Qwen3.8-Flash-Next (MoE MTP)"}
+    names = {"qwen3_5": "Qwen3.5 (dense MTP)", "qwen3_5_moe": "Qwen3.5-MoE (MoE MTP)",
+             "qwen4_exp": "Qwen3.8-Flash-Next (MoE MTP)"}  # fmt: skip
     rows = []
-    for key, src in TINY_MTP_ASSETS.items():
+    for key in names:
+        src = TINY_MTP_ASSETS[key]
         d = work / key
         shutil.rmtree(d, ignore_errors=True)
         d.mkdir(parents=True)

@@ -20,6 +20,12 @@
 #      differ by more than the engine test's tolerance (AL within max(0.1, 0.05 k))
 #      The same for the trained tiny GLM-4.5-layout model (mtpquant/assets/tiny-glm4_moe-mtp): its NVFP4 routed
 #      experts (main model and quantized MTP) have no kernel in vLLM's CPU build, so its quantize output is served here
+#   5a. the precision search on the trained tiny Qwen3.5-MoE (mtpquant/assets/tiny-qwen3_5_moe-mtp): convert --mtp auto
+#      (budget 0.05 AL, vLLM's rules) and --keep-mtp with --device cuda (the same calibration: the same target); with
+#      GPU_CHECK_VLLM_PYTHON, validate serves the keep output (the BF16 MTP) as reference and the auto output as
+#      candidate on the same 32 prompts (k = 1 and 3) and fails unless the auto MTP's engine AL is within the budget
+#      + 0.1 of the BF16 MTP's at each k (the MoE's NVFP4 routed experts have no kernel in vLLM's CPU build: #38's
+#      engine half for the MoE runs only here)
 #   5b. heals the tiny model's quant (its BF16 MTP) with --device cuda, the default schedule (--force: written even if
 #      the check finds no gain, so the step times the whole path) and prints the held-out AL before and after
 #   5c. heals the tiny Qwen3.8-Flash-Next's quantize convert (its NVFP4 MTP) the same way; with GPU_CHECK_VLLM_PYTHON,
@@ -147,11 +153,16 @@ TINYG=mtpquant/assets/tiny-glm4_moe-mtp
 step glm-keep 120 "${C[@]}" "$TINYG" "$WORK/glm-keep" "${CAL[@]}"
 step glm-quantize 120 "$PY" -m mtpquant convert --mtp quantize --device "$DEVICE" --overwrite --json "$TINYG" \
   "$WORK/glm-quantize" "${CAL[@]}"
+TINYM=mtpquant/assets/tiny-qwen3_5_moe-mtp
+BUDGET=0.05
+step moe-keep 120 "${C[@]}" "$TINYM" "$WORK/moe-keep" "${CAL[@]}"
+step moe-auto 600 "$PY" -m mtpquant convert --mtp auto --al-budget "$BUDGET" --device "$DEVICE" --overwrite --json \
+  "$TINYM" "$WORK/moe-auto" "${CAL[@]}"
 "$PY" - "$WORK" <<'EOF'
 import json, sys
 from pathlib import Path
 work = Path(sys.argv[1])
-for name in ("q4-keep", "q4-quantize", "glm-keep", "glm-quantize"):
+for name in ("q4-keep", "q4-quantize", "glm-keep", "glm-quantize", "moe-keep", "moe-auto"):
     r = json.loads((work / f"{name}.json").read_text())
     print(f"{name:<12} peak GPU {r['peak_gpu_bytes'] / 1e9:.2f} GB, verdict {r['verdicts']['vllm']}")
 v = json.loads((work / "q4-validate.json").read_text())
@@ -160,6 +171,9 @@ h = json.loads((work / "q4-heal.json").read_text())
 rows = ", ".join(f"k={r['k']} {r['before']:.3f} -> {r['after']:.3f} [{r['low']:+.3f}, {r['high']:+.3f}]"
                  for r in h["record"]["by_k"])
 print(f"q4-heal      {h['action']}: {rows}")
+s = json.loads((work / "moe-auto" / "mtp_search" / "report.json").read_text())
+chosen = s["evaluated"][s["chosen"]]
+print(f"moe-auto     chose {chosen['assignment']}: {chosen['nbytes']} of the BF16 MTP's {s['bf16_bytes']} bytes")
 EOF
 if [[ -n "${GPU_CHECK_VLLM_PYTHON:-}" ]]; then
   for q in q4-keep q4-quantize q4-healed glm-keep glm-quantize; do
@@ -208,6 +222,30 @@ if len(served) == 2:
               f"{after - before:+.3f}")
 sys.exit(1 if bad else 0)
 EOF3
+  # #38 on the MoE: the BF16 MTP (keep) and the chosen one (auto) served on the same prompts, the same target
+  set +e  # a verdict (0, 17, 18) is a measurement; any other exit is a broken check
+  timeout $(( 1200 * SCALE )) "$PY" -m mtpquant validate "$WORK/moe-keep" "$WORK/moe-auto" --engine vllm \
+    --vllm-python "$GPU_CHECK_VLLM_PYTHON" --k 1,3 --num-prompts 32 --report-dir "$WORK/moe-served" --json \
+    >"$WORK/moe-served.json" 2>"$WORK/moe-served.log"
+  rc=$?
+  set -e
+  [[ $rc -eq 0 || $rc -eq 17 || $rc -eq 18 ]] || { echo "FAILED: moe-served exited $rc (see $WORK/moe-served.log)"; exit 1; }
+  "$PY" - "$WORK" "$BUDGET" <<'EOF4'
+import json, sys
+from pathlib import Path
+report = json.loads((Path(sys.argv[1]) / "moe-served.json").read_text())
+budget = float(sys.argv[2])
+al = {side: {r["k"]: r["mean_acceptance_length"] for r in report[side]["acceptance"]["by_k"]}
+      for side in ("reference", "candidate")}
+bad = 0
+for k, bf16 in sorted(al["reference"].items()):
+    auto = al["candidate"][k]
+    ok = auto >= bf16 - (budget + 0.1)
+    bad += not ok
+    print(f"qwen3_5_moe --mtp auto on vLLM  k={k}: engine AL {bf16:.3f} (BF16 MTP) vs {auto:.3f} (chosen), "
+          f"{auto - bf16:+.3f} {'within' if ok else 'NOT within'} the budget + 0.1")
+sys.exit(1 if bad else 0)
+EOF4
   Q4=()
   [[ -n "${GPU_CHECK_QWEN4_EXP:-}" ]] && Q4=(--checkpoint "$GPU_CHECK_QWEN4_EXP")
   timeout $(( 1800 * SCALE )) "$PY" scripts/qwen4_exp_serve_check.py --vllm-python "$GPU_CHECK_VLLM_PYTHON" \
