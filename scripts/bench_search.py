@@ -61,14 +61,14 @@ def _cli(*args: str, ok: tuple[int, ...] = (0,)) -> tuple[float, dict[str, Any]]
     return run.wall, run.output
 
 
-def tiny(work: Path) -> str:
-    """(a): the search's cost on each trained tiny model, through the CLI."""
+def tiny(work: Path, only: list[str] | None = None) -> str:
+    """(a): the search's cost on each trained tiny model (``only``: those), through the CLI."""
     from mtpquant.synth.train import TINY_MTP_ASSETS
 
     names = {"qwen3_5": "Qwen3.5 (dense MTP)", "qwen3_5_moe": "Qwen3.5-MoE (MoE MTP)",
              "qwen4_exp": "Qwen3.8-Flash-Next (MoE MTP)"}  # fmt: skip
     rows = []
-    for key in names:
+    for key in only or names:
         src = TINY_MTP_ASSETS[key]
         d = work / key
         shutil.rmtree(d, ignore_errors=True)
@@ -209,6 +209,8 @@ def main() -> None:
     ap.add_argument("--skip-tiny", action="store_true", help="only (b)")
     ap.add_argument("--skip-full", action="store_true", help="only (a)")
     ap.add_argument("--write", action="store_true", help="rewrite the sections of docs/BENCHMARKS.md")
+    ap.add_argument("--family", action="append", choices=("qwen3_5", "qwen3_5_moe", "qwen4_exp"),
+                    help="(a) on this trained tiny model only (repeatable; printed, never written)")  # fmt: skip
     args = ap.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     if not args.skip_full:
@@ -218,8 +220,8 @@ def main() -> None:
         else:
             print(section)
     if not args.skip_tiny:
-        section = tiny(args.work)
-        if args.write:
+        section = tiny(args.work, args.family)
+        if args.write and not args.family:
             write_section(TINY_HEADING, section)
         else:
             print(section)
