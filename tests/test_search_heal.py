@@ -38,6 +38,8 @@ from mtpquant.checkpoint.dtypes import st_dtype
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.errors import ExitCode
 from mtpquant.families import is_mtp_name
+from mtpquant.heal.precision import export_mtp, master_weights, mtp_storage
+from mtpquant.measure.weights import CheckpointWeights
 from mtpquant.mtp.quantize import quantize_mtp
 from mtpquant.recipes.recipe import RECIPE_FILE
 from mtpquant.search.report import read_result
@@ -171,6 +173,22 @@ def mixed(made: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> Pat
                                       device="cpu", progress=False))  # fmt: skip
     assert result.search is not None and result.search.choice.assignment == MIXED
     return root / "quant"
+
+
+def test_mixed_mtp_written_back_as_the_search_wrote_it(mixed: Path) -> None:
+    """Unchanged weights come back as QUANT's exact bytes from heal's write-back of a mixed MTP: each Linear
+    re-quantized in its own format with the scales the search wrote (FP8 per tensor, NVFP4 with q/k/v's shared global
+    scale), QUANT's input scales, the BF16 group as stored."""
+    q, src = Checkpoint.open(mixed), Checkpoint.open(ASSET)
+    storage = mtp_storage(q, CheckpointWeights(q).formats)
+    assert storage.fmt == "mixed" and storage.activations
+    assert storage.precision == {"mtp.fc": "fp8", **{f"mtp.layers.0.self_attn.{p}_proj": "nvfp4" for p in "qkvo"}}
+    master, origin = master_weights(q, src, storage)
+    assert origin == src.label
+    written = export_mtp(q, src, storage, master)
+    assert sorted(t.name for t in written) == sorted(e.name for e in q.mtp_tensors())
+    for t in written:
+        assert t.produce() == q.read_raw(q.tensors[t.name]), t.name
 
 
 def test_heal_writes_each_group_in_its_format(mixed: Path, tmp_path: Path) -> None:
