@@ -24,6 +24,7 @@ from mtpquant.api import (
     ConvertResult,
     HealOptions,
     HealSizes,
+    PublishOptions,
     SearchSettings,
     TuneOptions,
     TuneResult,
@@ -31,6 +32,7 @@ from mtpquant.api import (
     convert_and_heal,
     heal,
     inspect_checkpoint,
+    publish,
     tune_and_heal,
     tune_mtp,
 )
@@ -142,6 +144,18 @@ def test_tune_mtp_heal_chooses_a_healed_finalist_within_the_budget(made: dict[st
         assert f"| {f.assignment.label} | " in table and f"{b.al.estimate:.3f} -> {a.al.estimate:.3f}" in table
     profile = json.loads((root / "tuned" / "mtp_search/speculation_profile.json").read_text())
     assert profile["target_model"]["precision"]["mtp_healed"] is True
+
+
+def test_the_card_says_the_mtp_was_healed(made: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """publish's card of a --heal search: the chosen MTP was healed, and each finalist's AL before and after."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    tuned: TuneResult = made["tuned"]
+    assert tuned.search is not None
+    card = publish(PublishOptions(out=made["root"] / "tuned", repo="me/tiny-healed", dry_run=True,
+                                  base_model="Qwen/Qwen3.5-0.8B")).card  # fmt: skip
+    assert "This MTP was healed" in card and "### Healed finalists" in card
+    for f in tuned.search.healed:
+        assert f"| {f.assignment.label} | " in card.split("### Healed finalists", 1)[1]
 
 
 def test_convert_auto_heal_is_tune_mtp_heal_and_deterministic(made: dict[str, Any]) -> None:
