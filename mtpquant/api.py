@@ -81,6 +81,7 @@ __all__ = [
     "make_tiny_checkpoint",
     "plan_convert",
     "publish",
+    "tune_and_heal",
     "tune_mtp",
     "validate",
 ]
@@ -132,24 +133,31 @@ def convert_and_heal(
 ) -> tuple[ConvertResult, HealResult | None]:
     """``convert --heal``: ``convert(options)``, then ``heal`` of OUT in place against SRC (``heal.quant`` is replaced
     by OUT); ``on_converted`` sees the conversion's result before the heal starts (the CLI prints it there). A dry run
-    plans the conversion (the heal's refusals included) and heals nothing (None)."""
+    plans the conversion (the heal's refusals included) and heals nothing (None). With ``--mtp auto`` the search
+    heals each finalist before its choice with ``heal``'s data and schedule (``search.finalists``) and writes the
+    chosen MTP healed: there is no heal afterwards (None; the search's report has each finalist before and after)."""
     import dataclasses
     from pathlib import Path
 
     from mtpquant.checkpoint.table import Checkpoint
     from mtpquant.convert.run import convert
-    from mtpquant.errors import MtpquantError, UsageError
+    from mtpquant.errors import MtpquantError
     from mtpquant.heal.support import check_convert  # torch-free: refusals come before the heavy imports
 
-    if options.mtp == "auto":
-        raise UsageError(
-            "--heal with --mtp auto is not supported yet (the search would have to heal each finalist before its "
-            "choice); convert with --mtp auto, then heal the chosen MTP: mtpquant heal OUT --from SRC --in-place"
-        )
+    search = options.mtp == "auto"
 
     def plan_check(src: Checkpoint, mode: str) -> None:
-        check_convert(heal, src, mode, options.output_format, Path(options.out), probe=not options.dry_run)
+        # --mtp auto: no in-place heal of OUT afterwards, so no directory exchange to probe
+        check_convert(heal, src, mode, options.output_format, Path(options.out), probe=not (options.dry_run or search))
 
+    if search:  # each finalist of the search healed before the choice; the chosen MTP is written healed
+        from mtpquant.heal.finalists import FinalistHealer
+
+        with FinalistHealer(heal, Path(options.out)) as healer:
+            converted = convert(dataclasses.replace(options, plan_check=plan_check, healer=healer))
+        if on_converted is not None:
+            on_converted(converted)
+        return converted, None
     converted = convert(dataclasses.replace(options, plan_check=plan_check))
     if on_converted is not None:
         on_converted(converted)
@@ -162,6 +170,24 @@ def convert_and_heal(
         return converted, run_heal(dataclasses.replace(heal, quant=converted.output))
     except MtpquantError as exc:
         raise type(exc)(f"{converted.output} was written as converted, not healed: {exc}") from None
+
+
+def tune_and_heal(options: TuneOptions, heal: HealOptions) -> TuneResult:
+    """``tune-mtp --heal``: ``tune_mtp(options)`` with each finalist of the search healed before the choice with
+    ``heal``'s data and schedule (``search.finalists``; ``heal``'s QUANT, SRC and destination are not used), the chosen
+    MTP written healed."""
+    import dataclasses
+    from pathlib import Path
+
+    from mtpquant.heal.finalists import FinalistHealer
+    from mtpquant.text.calibration import check_calibration_source
+    from mtpquant.tune.run import tune_mtp
+
+    heal.check()
+    check_calibration_source(heal.data)
+    beside = Path(options.out) if options.out is not None else Path(options.quant)
+    with FinalistHealer(heal, beside) as healer:
+        return tune_mtp(dataclasses.replace(options, healer=healer))
 
 
 def __getattr__(name: str) -> Any:

@@ -263,6 +263,11 @@ def search_lines(result: SearchResult) -> list[str]:
     ]
     if result.not_taken:
         lines.append(f"not taken  {result.not_taken}")
+    for f in result.healed:  # --heal: each finalist's predicted AL (greedy) before and after heal
+        before, after = result.evaluated[f.before], result.evaluated[f.after]
+        als = [" / ".join(f"{c.al.estimate:.3f}" for c in j.by_sampling[0].by_k) for j in (before, after)]
+        lines.append(f"healed     {f.assignment.label} ({format_bytes(after.nbytes)}): AL (greedy) {als[0]} -> "
+                     f"{als[1]}, {after.verdict}")
     lines.append("report     mtp_search/report.md (every configuration), mtp_search/pareto.png")
     return lines
 

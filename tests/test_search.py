@@ -200,8 +200,7 @@ def test_the_search_is_deterministic_with_its_seed(made: dict[str, Any], tmp_pat
 def test_tune_mtp_refusals(made: dict[str, Any], tiny_factory: Callable[[str], Path], tmp_path: Path,
                            capsys: pytest.CaptureFixture[str]) -> None:
     """One line and its exit code, nothing written: a BF16 checkpoint is no quant (28); an existing OUT (5); a
-    source of another family (9); --al-budget without --mtp auto (2); --mtp auto with --heal (2: finalists are not
-    healed yet)."""
+    source of another family (9); --al-budget without --mtp auto (2). (--mtp auto --heal: tests/test_search_heal.py.)"""
     root: Path = made["root"]
 
     def run(*argv: str) -> tuple[int, str]:
@@ -218,9 +217,6 @@ def test_tune_mtp_refusals(made: dict[str, Any], tiny_factory: Callable[[str], P
     assert code == ExitCode.LINEAGE and "lineage mismatch" in err
     code, err = run("convert", str(TINY_MTP_ASSET), str(tmp_path / "c"), "--al-budget", "0.1", "--dry-run")
     assert code == ExitCode.USAGE and err.endswith("--al-budget is only used with --mtp auto")
-    code, err = run("convert", str(TINY_MTP_ASSET), str(tmp_path / "d"), "--mtp", "auto", "--heal")
-    assert code == ExitCode.USAGE and "--heal with --mtp auto is not supported yet" in err
-    assert err.endswith("mtpquant heal OUT --from SRC --in-place")
     assert not any(tmp_path.iterdir())
 
 

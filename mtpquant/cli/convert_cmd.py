@@ -17,7 +17,7 @@ from mtpquant.cli import (
     options_from,
     progress_bars,
 )
-from mtpquant.cli.heal_cmd import SCHEDULE_FIELDS, add_schedule_arguments, schedule_options
+from mtpquant.cli.heal_cmd import add_schedule_arguments, check_schedule_values, schedule_options
 from mtpquant.cli.search_args import add_search_arguments, search_settings
 from mtpquant.convert.options import ConvertOptions  # torch-free: the defaults and choices at start-up
 from mtpquant.errors import ExitCode
@@ -133,7 +133,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--heal",
         action="store_true",
         help="then heal OUT's MTP against OUT's own quantized target (`mtpquant heal OUT --from SRC --in-place`); "
-        "exit 24 when the healed MTP is not better beyond noise (OUT stays as converted)",
+        "exit 24 when the healed MTP is not better beyond noise (OUT stays as converted). With --mtp auto: each "
+        "finalist of the search is healed before the choice, and the chosen MTP is written healed",
     )
     add_schedule_arguments(p, prefix="heal-")
     p.add_argument("--heal-force", action="store_true",
@@ -160,9 +161,13 @@ def run(args: argparse.Namespace) -> int:
     search, search_flags = search_settings(args)
     if search_flags and args.mtp != "auto":
         raise RecipeError(f"{search_flags[0]} is only used with --mtp auto")
+    if args.heal and args.mtp == "auto" and (args.heal_force or args.heal_check_prompts is not None):
+        flag = "--heal-force" if args.heal_force else "--heal-check-prompts"
+        raise RecipeError(f"{flag} is not used with --mtp auto: the search measures each healed finalist itself "
+                          "(--search-prompts) and writes the chosen one only within the budget")
     heal_options = _heal_options(args) if args.heal else None
     if heal_options is not None:
-        _check_heal_values(heal_options)  # now, before the imports; what needs SRC's headers in convert's plan
+        check_schedule_values(heal_options)  # now, before the imports; what needs SRC's headers in convert's plan
     options = options_from(
         ConvertOptions,
         args,
@@ -193,6 +198,9 @@ def run(args: argparse.Namespace) -> int:
         from mtpquant.render import heal_text
 
         print(heal_text(healed))
+    elif args.heal and args.mtp == "auto":
+        print("heal       each finalist of the search healed before the choice (mtp_search/report.md: its AL before "
+              "and after)" + ("" if result.dry_run else "; the chosen MTP is written healed"))
     elif args.heal:
         print("heal       after the conversion: mtpquant heal OUT --from SRC --in-place (planned once OUT exists)")
     return 0
@@ -214,20 +222,3 @@ def _heal_options(args: argparse.Namespace) -> Any:
         command=args.command_line,
         **schedule_options(args),
     )
-
-
-def _check_heal_values(options: Any) -> None:
-    """heal's values and data source, refused in the flag names convert takes them by (``--heal-steps``, ...)."""
-    import re
-
-    from mtpquant.errors import CalibrationDataError, MtpquantError
-    from mtpquant.text.calibration import check_calibration_source
-
-    try:
-        options.check()
-        check_calibration_source(options.data)
-    except CalibrationDataError as exc:
-        raise CalibrationDataError(f"--heal-data: {exc}") from None
-    except MtpquantError as exc:
-        flags = "|".join(key.replace("_", "-") for key in SCHEDULE_FIELDS)
-        raise type(exc)(re.sub(rf"--({flags})\b", r"--heal-\1", str(exc))) from None

@@ -19,7 +19,7 @@ from mtpquant.errors import ExitCode
 from mtpquant.heal.options import DATA_TEMPERATURE, HealOptions  # torch-free: the defaults at start-up
 from mtpquant.records.record import field_choices, field_default
 
-__all__ = ["SCHEDULE_FIELDS", "add_schedule_arguments", "register", "schedule_options"]
+__all__ = ["SCHEDULE_FIELDS", "add_schedule_arguments", "check_schedule_values", "register", "schedule_options"]
 
 _EXAMPLES = """\
 examples:
@@ -84,6 +84,24 @@ SCHEDULE_FIELDS = {"data": "heal_data", "steps": "heal_steps", "lr": "heal_lr", 
 def schedule_options(args: argparse.Namespace) -> dict[str, Any]:
     """The HealOptions fields the schedule flags set (only those given)."""
     return {k: getattr(args, v) for k, v in SCHEDULE_FIELDS.items() if getattr(args, v, None) is not None}
+
+
+def check_schedule_values(options: Any) -> None:
+    """heal's values and data source, refused in the flag names convert and tune-mtp take them by (``--heal-steps``,
+    ...)."""
+    import re
+
+    from mtpquant.errors import CalibrationDataError, MtpquantError
+    from mtpquant.text.calibration import check_calibration_source
+
+    try:
+        options.check()
+        check_calibration_source(options.data)
+    except CalibrationDataError as exc:
+        raise CalibrationDataError(f"--heal-data: {exc}") from None
+    except MtpquantError as exc:
+        flags = "|".join(key.replace("_", "-") for key in SCHEDULE_FIELDS)
+        raise type(exc)(re.sub(rf"--({flags})\b", r"--heal-\1", str(exc))) from None
 
 
 def register(subparsers: Any) -> None:

@@ -8,6 +8,7 @@ import os
 from typing import Any
 
 from mtpquant.cli import HUB_CODES, add_command, add_device_argument, add_shard_size_argument
+from mtpquant.cli.heal_cmd import add_schedule_arguments, check_schedule_values, schedule_options
 from mtpquant.cli.search_args import add_search_arguments, search_settings
 from mtpquant.errors import ExitCode
 
@@ -23,7 +24,8 @@ QUANT's main model is the quantized target: the BF16 MTP of SRC and each precisi
 NVFP4) draft on its hidden states over held-out prompts; the smallest MTP whose AL stays within --al-budget of the
 BF16 MTP's at k = 1..3 beyond noise, and that --engine loads, is written in place of QUANT's MTP (only the MTP
 bytes; the metadata's MTP entries replaced). The report goes to mtp_search/ in the result. The same source, budget
-and calibration choose what `convert --mtp auto` chooses.
+and calibration choose what `convert --mtp auto` chooses. With --heal, each finalist is healed (heal's
+quantization-aware training, --heal-steps etc.) before the choice, and the chosen MTP is written healed.
 
 """
 _EXIT_CODES = (
@@ -69,6 +71,10 @@ def register(subparsers: Any) -> None:
     add_device_argument(p, "auto", indexed=False, what="")
     p.add_argument("--from-revision", dest="source_revision", metavar="REV", help="SRC's Hub revision")
     add_shard_size_argument(p)
+    p.add_argument("--heal", action="store_true",
+                   help="heal each finalist of the search (heal's quantization-aware training against QUANT's "
+                   "target) before the choice, so the budget is met by the healed MTP, which is written")
+    add_schedule_arguments(p, prefix="heal-")
     p.add_argument("--copy", action="store_true", help="copy untouched files instead of hard-linking them")
     p.add_argument("--dry-run", action="store_true", help="check and plan from headers, print the plan, write nothing")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -77,10 +83,23 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Build the options, call the API, print the summary."""
-    from mtpquant.api import TuneOptions, tune_mtp
+    from mtpquant.api import HealOptions, TuneOptions, tune_and_heal, tune_mtp
+    from mtpquant.errors import UsageError
     from mtpquant.render import tune_text
 
     search, _ = search_settings(args)
+    schedule = schedule_options(args)
+    if schedule and not args.heal:
+        raise UsageError(f"--heal-{next(iter(schedule)).replace('_', '-')} is only used with --heal")
+    if "check_prompts" in schedule:
+        raise UsageError("--heal-check-prompts is not used by tune-mtp: the search measures each healed finalist "
+                         "itself (--search-prompts)")
+    progress = os.environ.get("TQDM_DISABLE", "") in {"", "0"}
+    heal = None
+    if args.heal:  # heal's data and schedule; QUANT and SRC stand in for its (unused) checkpoint fields
+        heal = HealOptions(quant=args.quant, source=args.source, in_place=True, device=args.device,
+                           progress=progress, command=args.command_line, **schedule)  # fmt: skip
+        check_schedule_values(heal)
     options = TuneOptions(
         quant=args.quant,
         source=args.source,
@@ -95,10 +114,10 @@ def run(args: argparse.Namespace) -> int:
         max_shard_bytes=args.max_shard_size,
         link=not args.copy,
         dry_run=args.dry_run,
-        progress=os.environ.get("TQDM_DISABLE", "") in {"", "0"},
+        progress=progress,
         command=args.command_line,
     )
-    result = tune_mtp(options)
+    result = tune_mtp(options) if heal is None else tune_and_heal(options, heal)
     if args.json:
         print(json.dumps(result.to_json(), indent=2, default=str))
         return 0

@@ -13,6 +13,7 @@ from annotated_types import Ge
 
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.records.record import FLAG, Options
+from mtpquant.search.finalists import Healer
 from mtpquant.search.settings import SearchSettings
 
 __all__ = ["ConvertOptions"]
@@ -54,3 +55,6 @@ class ConvertOptions(Options):
     # A check the caller adds to the plan, called with SRC (headers) and the MTP mode once both are known and before
     # transformers loads: ``convert --heal`` (``api.convert_and_heal``) refuses there what heal would refuse on OUT.
     plan_check: Callable[[Checkpoint, str], None] | None = field(default=None, metadata={FLAG: None})
+    # --mtp auto --heal (``api.convert_and_heal``): heal's training of the search's finalists, each healed before the
+    # choice (``search.finalists.Healer``; convert imports no other command, so the caller hands it in)
+    healer: Healer | None = field(default=None, metadata={FLAG: None})

@@ -180,7 +180,7 @@ def convert(options: ConvertOptions) -> ConvertResult:
             if plan.mtp_out
             else None
         )
-        run = _run(plan, ckpt, src_dir, od, mtp_od, timer, progress)
+        run = _run(plan, ckpt, src_dir, od, mtp_od, timer, progress, healer=options.healer)
         outcome, resume = run.outcome, run.resume
         result = dataclasses.replace(result, **run.facts())
         od.write_text(PROVENANCE_FILE, Provenance((step,)).to_bytes().decode("utf-8"))
@@ -285,8 +285,9 @@ def _run(
     mtp_od: OutputDir | None,
     timer: Timer,
     progress: bool,
+    healer: Any = None,
 ) -> _Run:
-    """Everything between planning and finalize."""
+    """Everything between planning and finalize (``healer``: ``--mtp auto --heal``'s, ``search.finalists``)."""
     import torch
 
     from mtpquant.convert.assemble import carry_files, place_main_shards, quantized_modules_of
@@ -395,7 +396,7 @@ def _run(
             od.doing = "measuring the MTP's precision configurations"
             q = recipe.quantization
             context = MeasureContext(ckpt, target, tokenizer, cal, plan.search, q.quant_algo, q.activations,
-                                     plan.device, progress)
+                                     plan.device, progress, healer=healer)
             measured = mode.measure(context)
             od.doing = ""
 
@@ -488,7 +489,8 @@ def _main_view(od: OutputDir, config: dict[str, Any]) -> Iterator[Checkpoint]:
 
 
 def _record_search(od: OutputDir, recipe: Any, found: Any, ckpt: Checkpoint) -> Any:
-    """The search's report into ``mtp_search/``, and the recipe with the precision it chose per group."""
+    """The search's report into ``mtp_search/``, and the recipe with the precision it chose per group (and whether
+    the chosen MTP was healed, ``--heal``)."""
     from mtpquant.public import public_checkpoint
     from mtpquant.search.report import search_documents
 
@@ -497,7 +499,8 @@ def _record_search(od: OutputDir, recipe: Any, found: Any, ckpt: Checkpoint) -> 
     for rel, data in search_documents(result, found.chosen.acceptance, checkpoint=name).items():
         od.write_bytes(rel, data)
     chosen = dict(zip(result.choice.assignment.groups, result.choice.assignment.precisions))
-    return dataclasses.replace(recipe, mtp=dataclasses.replace(recipe.mtp, precision=chosen))
+    healed = found.weights is not None
+    return dataclasses.replace(recipe, mtp=dataclasses.replace(recipe.mtp, precision=chosen, healed=healed))
 
 
 def _recipe_header(plan: ConvertPlan, ref: SourceRef) -> str:

@@ -7,7 +7,9 @@ heal writes the healed MTP in exactly the layout QUANT has, so every engine load
   ``mtp.quantize.quantize_mtp`` (modelopt's export math: weight, ``weight_scale``, ``weight_scale_2`` shared by fused
   groups), from the healed weights rounded to SRC's dtype first, as convert quantizes the source; each
   ``input_scale`` is QUANT's own, byte for byte (the fake quantization trained with it); ``mtp.fc``, norms, router
-  and ``shared_expert_gate`` in their stored dtype.
+  and ``shared_expert_gate`` in their stored dtype;
+- each precision group in its own format (``convert --mtp auto``, ``tune-mtp``: some groups NVFP4, some FP8, the rest
+  BF16): the same, each quantized Linear in its own format (``quantize_mtp``'s precision per module).
 
 The routed experts go back in QUANT's form: a fused bank (``experts.gate_up_proj`` [E, 2I, H]) stays fused, a
 per-expert one per expert (the reference forward trains them fused: ``mtp.quantize.fuse_mtp_experts``; convert's
@@ -20,8 +22,9 @@ pre-quant scales, compressed-tensors, a quantized set other than modelopt's) are
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from mtpquant.checkpoint.dtypes import planned, torch_dtype
@@ -35,6 +38,8 @@ from mtpquant.heal.support import WRITABLE, WRITES_BACK
 if TYPE_CHECKING:
     from torch import Tensor
 
+    from mtpquant.families import MtpLayout
+
 # torch and the torch-side MTP code (``mtp.quantize``) are imported where they are used: planning a heal
 # (``mtp_storage``) must not load them before QUANT and SRC are open (an unreachable Hub id is refused first).
 
@@ -44,18 +49,34 @@ __all__ = ["MtpStorage", "export_mtp", "master_weights", "mtp_storage"]
 @dataclass(frozen=True)
 class MtpStorage:
     """How QUANT stores its MTP: ``fmt`` ``"bf16"`` (unquantized, whatever the float dtype), ``"nvfp4"`` or ``"fp8"``
-    (ModelOpt layout); the quantized Linears; whether they carry input scales (W4A4 / W8A8)."""
+    (ModelOpt layout), or ``"mixed"`` (each precision group in its own: ``formats``, as ``convert --mtp auto`` and
+    ``tune-mtp`` write it); the quantized Linears; whether they carry input scales (W4A4 / W8A8)."""
 
     fmt: str
     quantized: tuple[str, ...]  # module names (``mtp.layers.0.self_attn.q_proj``)
     activations: bool
     input_scales: Mapping[str, float]  # module -> QUANT's input_scale (modelopt convention)
+    formats: Mapping[str, str] = field(default_factory=dict)  # module -> nvfp4 | fp8 (empty: ``fmt`` for every one)
+
+    def format_of(self, module: str) -> str:
+        """The format quantized Linear ``module`` is stored in."""
+        return self.formats.get(module, self.fmt)
+
+    @property
+    def precision(self) -> dict[str, str]:
+        """Every quantized Linear -> its format (``quantize_mtp``'s ``precision``)."""
+        return {m: self.format_of(m) for m in self.quantized}
 
     @property
     def label(self) -> str:
-        """``BF16`` / ``NVFP4 (W4A4)`` / ``FP8 (weights only)``, for the plan and the record."""
+        """``BF16`` / ``NVFP4 (W4A4)`` / ``FP8 (weights only)`` / ``mixed: 4 NVFP4, 3 FP8 (W4A4 / W8A8)``, for the
+        plan and the record."""
         if self.fmt == "bf16":
             return "BF16"
+        if self.fmt == "mixed":
+            counts = Counter(self.precision.values())
+            parts = ", ".join(f"{counts[f]} {f.upper()}" for f in ("nvfp4", "fp8") if counts[f])
+            return f"mixed: {parts} ({'W4A4 / W8A8' if self.activations else 'weights only'})"
         return f"{self.fmt.upper()} ({'W4A4' if self.fmt == 'nvfp4' else 'W8A8'})" if self.activations else (
             f"{self.fmt.upper()} (weights only)"
         )
@@ -73,29 +94,45 @@ def mtp_storage(quant: Checkpoint, formats: Mapping[str, object]) -> MtpStorage:
             raise HealRefusedError(f"{label}: MTP tensor {bad[0]} is {dtype}; heal cannot read that layout")
         return MtpStorage("bf16", (), False, {})
     kinds = {getattr(f, "kind", "") for f in mtp_formats.values()}
-    if len(kinds) != 1 or next(iter(kinds)) not in WRITABLE:
+    if not kinds <= set(WRITABLE):
         shown = ", ".join(sorted(kinds))
         raise HealRefusedError(f"{label}: its MTP is stored as {shown}; {WRITES_BACK}")
-    fmt = WRITABLE[next(iter(kinds))]
+    stored: dict[str, str] = {m: WRITABLE[str(getattr(f, "kind", ""))] for m, f in mtp_formats.items()}
+    fmt = next(iter(stored.values())) if len(set(stored.values())) == 1 else "mixed"
     pre = sorted(m for m, f in mtp_formats.items() if getattr(f, "has_pre_quant_scale", False))
     if pre:
         raise HealRefusedError(f"{label}: {pre[0]} has an AWQ pre_quant_scale; heal cannot write that layout back")
     # the Linears by their .weight names alone (a packed or fused-expert name is not one modelopt's layout writes)
     weights = {e.name: e.shape for e in quant.mtp_tensors() if e.name.endswith(".weight")}
-    from mtpquant.mtp.quantize import mtp_quantized_modules
-
-    expected = set(mtp_quantized_modules(linear_modules(weights), quant.spec.family.mtp))
-    if set(mtp_formats) != expected:
-        odd = sorted(set(mtp_formats) ^ expected)[0]
+    odd = _odd_module(linear_modules(weights), stored, quant.spec.family.mtp)
+    if odd is not None:
         raise HealRefusedError(
-            f"{label}: its MTP quantizes another set of Linears than modelopt's MTP layout ({odd}); heal cannot write "
-            "it back in the same layout"
+            f"{label}: its MTP quantizes another set of Linears than modelopt's MTP layout or whole precision groups "
+            f"({odd}); heal cannot write it back in the same layout"
         )
     scales = {m: getattr(f, "input_scale", None) for m, f in mtp_formats.items()}
     have = {m for m, s in scales.items() if s is not None}
     if have and have != set(scales):
         raise HealRefusedError(f"{label}: only some MTP Linears have an input_scale ({sorted(have)[0]})")
-    return MtpStorage(fmt, tuple(sorted(mtp_formats)), bool(have), {m: float(s) for m, s in scales.items() if s})
+    return MtpStorage(fmt, tuple(sorted(mtp_formats)), bool(have), {m: float(s) for m, s in scales.items() if s},
+                      stored if fmt == "mixed" else {})
+
+
+def _odd_module(modules: list[str], formats: Mapping[str, str], layout: MtpLayout) -> str | None:
+    """A quantized Linear heal could not write back as it is stored (None: all fine): QUANT quantizes exactly
+    modelopt's MTP set in one format (``convert --mtp quantize``), or whole precision groups of the family, each in
+    one format (``convert --mtp auto``, ``tune-mtp``: ``quantize_mtp``'s precision per group)."""
+    from mtpquant.mtp.quantize import mtp_quantized_modules
+
+    expected = set(mtp_quantized_modules(modules, layout))
+    if set(formats) == expected and len(set(formats.values())) == 1:
+        return None
+    for group in layout.groups:
+        members = [m for m in modules if layout.group_of(m) is group]
+        stored = {formats.get(m) for m in members}
+        if len(stored) > 1:  # part of a group quantized, or a group in two formats
+            return next(m for m in members if formats.get(m) != formats.get(members[0]))
+    return next((m for m in sorted(formats) if layout.group_of(m) is None), None)
 
 
 def master_weights(quant: Checkpoint, src: Checkpoint, storage: MtpStorage) -> tuple[dict[str, Tensor], str]:
@@ -137,7 +174,8 @@ def export_mtp(
         # quantize as convert does: from the source's dtype (the healed float32 rounded to it), modelopt's math
         src_dtype = {n: torch_dtype(src.tensors[n].dtype) for n in healed if n in src.tensors}
         weights = _as_stored({n: t.to(src_dtype.get(n, torch.bfloat16)) for n, t in healed.items()}, entries)
-        result = quantize_mtp(weights, None, storage.fmt, activations=False, layout=quant.spec.family.mtp)
+        result = quantize_mtp(weights, None, activations=False, layout=quant.spec.family.mtp,
+                              precision=storage.precision)
         quantized = {m + ".weight" for m in storage.quantized}
         for name, tensor in result.tensors.items():
             out[name] = tensor

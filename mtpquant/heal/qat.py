@@ -84,8 +84,8 @@ def _quantizers(module: str, fused: Collection[str]) -> dict[str, str]:
 
 def fake_quant_config(storage: MtpStorage, fused: Collection[str] = ()) -> dict[str, Any]:
     """``mtq.quantize``'s config: every quantizer off but the weight (and input) quantizers of QUANT's quantized MTP
-    Linears, in QUANT's format; module names as the reference layer has them (without ``mtp.``; ``fused``: its fused
-    expert banks)."""
+    Linears, each in the format QUANT stores it in; module names as the reference layer has them (without ``mtp.``;
+    ``fused``: its fused expert banks)."""
     entries: list[dict[str, Any]] = [{"quantizer_name": "*", "enable": False}]
     kinds = ("weight", "input") if storage.activations else ("weight",)
     seen: set[str] = set()
@@ -95,7 +95,7 @@ def fake_quant_config(storage: MtpStorage, fused: Collection[str] = ()) -> dict[
             if names[kind] in seen:  # a fused bank's shared input quantizer, or gate and up of one expert
                 continue
             seen.add(names[kind])
-            if storage.fmt == "nvfp4":
+            if storage.format_of(module) == "nvfp4":
                 cfg = {**_NVFP4_CFG, "backend": NVFP4_BACKEND, "backend_extra_args": {"role": kind}}
             else:
                 cfg = dict(_FP8_CFG)
@@ -129,15 +129,15 @@ def quantize_for_training(layer: nn.Module, storage: MtpStorage, calibrate: Call
     fused = {name for name, mod in layer.named_modules() if is_fused_experts(mod)}
     with modelopt_quiet(progress=False), torch.no_grad():
         mtq.quantize(layer, fake_quant_config(storage, fused), calibrate)
-    factor = E2M1_MAX * E4M3_MAX if storage.fmt == "nvfp4" else E4M3_MAX
     if storage.activations:
-        scales: dict[str, float] = {}  # input quantizer -> QUANT's input scale (a fused bank's: the largest)
+        scales: dict[str, float] = {}  # input quantizer -> its amax from QUANT's input scale (a fused bank's: largest)
         for module in storage.quantized:
             name = _quantizers(module, fused)["input"]
-            scales[name] = max(scales.get(name, 0.0), storage.input_scales[module])
-        for name, scale in scales.items():
+            factor = E2M1_MAX * E4M3_MAX if storage.format_of(module) == "nvfp4" else E4M3_MAX
+            scales[name] = max(scales.get(name, 0.0), storage.input_scales[module] * factor)
+        for name, amax in scales.items():
             quantizer: Any = layer.get_submodule(name)
-            quantizer.amax = torch.tensor(scale * factor, dtype=torch.float32)
+            quantizer.amax = torch.tensor(amax, dtype=torch.float32)
     count = len(storage.quantized)
     log.info("heal: modelopt fake quantization on %d MTP Linears (%s)", count, storage.label)
     return count

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -40,7 +40,7 @@ from mtpquant.heal.precision import MtpStorage
 from mtpquant.mtp.schedule import warmup_cosine
 from mtpquant.mtp.step import MtpForward
 
-__all__ = ["TrainLog", "chain_mask", "distill", "distill_loss", "train"]
+__all__ = ["TrainLog", "chain_mask", "distill", "distill_loss", "train", "train_layer"]
 
 log = logging.getLogger(__name__)
 
@@ -211,17 +211,37 @@ def train(
     Qwen4-Exp's experts fused), with modelopt's fake quantization where QUANT stores it quantized (``qat``),
     distilled on ``data`` against the frozen embedding and LM head (``shared``)."""
     from mtpquant.heal.precision import master_weights
+
+    master, _ = master_weights(quant, src, storage)
+    appended = quant.spec.family.mtp.appended is not None
+    return train_layer(quant.config, master, storage, data, shared, schedule, appended=appended, device=device,
+                       progress=progress)
+
+
+def train_layer(
+    config: Mapping[str, Any],
+    master: dict[str, Tensor],
+    storage: MtpStorage,
+    data: HealData,
+    shared: tuple[Tensor, Tensor],
+    schedule: Schedule,
+    *,
+    appended: bool = False,
+    device: torch.device,
+    progress: bool = True,
+) -> tuple[dict[str, Tensor], TrainLog]:
+    """``train``'s work on the MTP weights ``master`` (float32, checkpoint names) of a model with ``config``, stored
+    as ``storage`` says (each quantized Linear fake-quantized in its own format): also the precision search's heal of
+    each finalist (``heal.finalists``). ``appended``: GLM / DeepSeek's appended layer (BF16, no fake quantization)."""
     from mtpquant.heal.qat import quantize_for_training
     from mtpquant.mtp.build import reference_mtp
     from mtpquant.mtp.names import checkpoint_name
     from mtpquant.mtp.quantize import per_expert_weights
 
     torch.manual_seed(schedule.seed)
-    master, _ = master_weights(quant, src, storage)
-    layer: Any = reference_mtp(quant.config, master, dtype=torch.float32, device=device)
+    layer: Any = reference_mtp(config, master, dtype=torch.float32, device=device)
     embed, head = shared
     # GLM / DeepSeek: the appended layer (``mtp.nextn.NextnMtp``), BF16 in QUANT (support.py): no fake quantization
-    appended = quant.spec.family.mtp.appended is not None
     if not appended:
 
         def calibrate(module: nn.Module) -> None:

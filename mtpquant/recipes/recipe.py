@@ -25,6 +25,7 @@ from pydantic import (
     Field,
     PlainValidator,
     Strict,
+    StrictBool,
     StrictInt,
     StrictStr,
     ValidationError,
@@ -144,6 +145,9 @@ class MtpSection:
     format: _MtpFormat = "nvfp4"  # quantize mode: nvfp4 | fp8
     # search: the precision it chose per MTP group (recorded in OUT's recipe; written only when there is one)
     precision: Mapping[StrictStr, Literal["bf16", "fp8", "nvfp4"]] = Field(default_factory=dict)
+    # search with --heal: the chosen MTP was healed (heal's quantization-aware training) before the choice (written
+    # only when it was)
+    healed: StrictBool = False
 
 
 def byte_size(value: Any, where: str) -> ByteSize:
@@ -295,6 +299,8 @@ def _plain(obj: Any) -> Any:
         fields = {f.name: _plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
         if isinstance(obj, MtpSection) and not obj.precision:  # recorded by a search only: recipes stay as they were
             fields.pop("precision")
+        if isinstance(obj, MtpSection) and not obj.healed:
+            fields.pop("healed")
         return fields
     if isinstance(obj, Mapping):
         return {k: _plain(v) for k, v in obj.items()}
@@ -389,14 +395,15 @@ def _header_and_recipe(text: str, source: str) -> tuple[list[str], Recipe]:
     return header, recipe_from_mapping(_parse_yaml(text, source), source)
 
 
-def tuned_recipe(text: str, source: str, precision: Mapping[str, str], what: str) -> str:
+def tuned_recipe(text: str, source: str, precision: Mapping[str, str], what: str, *, healed: bool = False) -> str:
     """A resolved recipe file's text once ``tune-mtp`` has re-quantized its checkpoint's MTP: ``mtp.mode`` is
-    ``search`` with the ``precision`` it chose per group, and the comment header adds ``what`` was done and the mode
-    before it. ``RecipeError`` when ``text`` is not a recipe."""
+    ``search`` with the ``precision`` it chose per group (``healed``: and healed, ``--heal``), and the comment header
+    adds ``what`` was done and the mode before it. ``RecipeError`` when ``text`` is not a recipe."""
     header, recipe = _header_and_recipe(text, source)
     header.append(f"{what}: mtp.mode was {recipe.mtp.mode}, now search.")
     chosen: Any = dict(precision)  # checked against the section's choices when the recipe is made
-    tuned = dataclasses.replace(recipe, mtp=dataclasses.replace(recipe.mtp, mode="search", precision=chosen))
+    tuned = dataclasses.replace(recipe, mtp=dataclasses.replace(recipe.mtp, mode="search", precision=chosen,
+                                                                 healed=healed))
     return tuned.to_yaml("\n".join(header))
 
 

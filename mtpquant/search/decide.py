@@ -12,6 +12,10 @@ change as the sum of its groups' changes, and confirms the smallest combinations
 budget, built only from groups that were within it alone, one at a time, until one is within it measured (at most
 ``max_confirm``). The chosen configuration is the smallest measured one within the budget everywhere (the BF16 MTP
 when none is).
+
+With ``--heal`` (``search.finalists``) the ``finalists`` are healed before the choice: the configuration chosen so
+far and every smaller measured one the engines load that was not beyond the budget, smallest first; the smallest
+healed one within the budget is chosen (the BF16 MTP when none is).
 """
 
 from __future__ import annotations
@@ -27,9 +31,20 @@ from mtpquant.records.record import Record
 from mtpquant.records.sampling import SamplingSettings
 from mtpquant.search.space import Assignment, MtpSpace
 
-__all__ = ["Judged", "KChange", "SettingChange", "judge", "next_candidates", "pareto_front", "predicted_change"]
+__all__ = [
+    "Judged",
+    "KChange",
+    "SettingChange",
+    "finalists",
+    "judge",
+    "next_candidates",
+    "pareto_front",
+    "predicted_change",
+]
 
 Verdict = Literal["within", "beyond", "inconclusive", "baseline"]
+# why a configuration was measured: the BF16 MTP, a group alone, a combination confirmed, a finalist healed (--heal)
+Role = Literal["baseline", "sensitivity", "confirm", "healed"]
 
 
 @dataclass(frozen=True)
@@ -57,7 +72,7 @@ class Judged(Record):
     assignment: Assignment
     nbytes: int
     declaration: str  # plain | mixed | none (a group alone the engines do not load: measured, never chosen)
-    role: Literal["baseline", "sensitivity", "confirm"]
+    role: Role
     by_sampling: tuple[SettingChange, ...]
     units_to_settle: int | None = None  # inconclusive: about how many prompts would decide it
 
@@ -99,7 +114,7 @@ def judge(
     settings: Sequence[SamplingSettings],
     *,
     space: MtpSpace,
-    role: Literal["baseline", "sensitivity", "confirm"],
+    role: Role,
     budget: float,
     level: float,
     seed: int,
@@ -163,6 +178,24 @@ def next_candidates(
             out.append(a)
     out = space.loadable(out)
     return sorted(out, key=lambda a: (space.nbytes(a), -min(predicted_change(a, singles))))
+
+
+def finalists(judged: Sequence[Judged], best: Judged, limit: int) -> list[Assignment]:
+    """The configurations healed before the choice (``--heal``): ``best`` (the choice without heal) when quantized,
+    then the smaller measured configurations the engines load that were within the budget or inconclusive (heal may
+    bring them within), smallest first; at most ``limit``, ``best`` always among them."""
+    smaller = sorted(
+        (j for j in judged if j.loads and j.role != "baseline" and j.nbytes < best.nbytes
+         and j.verdict in ("within", "inconclusive")),
+        key=lambda j: (j.nbytes, j.worst),
+    )  # fmt: skip
+    chosen = [] if best.assignment.all_bf16 else [best.assignment]
+    for j in smaller:
+        if len(chosen) >= limit:
+            break
+        if j.assignment not in chosen:
+            chosen.append(j.assignment)
+    return sorted(chosen, key=lambda a: next(j.nbytes for j in judged if j.assignment == a))
 
 
 def pareto_front(judged: Sequence[Judged]) -> list[int]:

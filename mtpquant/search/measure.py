@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import gc
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -26,7 +26,7 @@ from mtpquant.measure.drafter import MtpBundle, mtp_bundle
 from mtpquant.measure.replay import TargetRun, evaluate_acceptance
 from mtpquant.measure.weights import LinearFormat
 from mtpquant.mtp.build import reference_mtp
-from mtpquant.mtp.quantize import MtpCalibrator, per_expert_weights, quantize_mtp
+from mtpquant.mtp.quantize import MtpCalibrator, fuse_mtp_experts, per_expert_weights, quantize_mtp
 from mtpquant.records.evidence import UnitCounts
 from mtpquant.records.sampling import SamplingSettings
 from mtpquant.search.space import Assignment, MtpSpace
@@ -36,7 +36,15 @@ if TYPE_CHECKING:
     from mtpquant.measure.weights import CheckpointWeights
     from mtpquant.records.acceptance import Acceptance
 
-__all__ = ["Candidates", "Evaluation", "SearchInputs", "calibration_rows", "prepare", "search_prompts"]
+__all__ = [
+    "Candidates",
+    "Evaluation",
+    "SearchInputs",
+    "calibration_rows",
+    "prepare",
+    "search_prompts",
+    "source_form",
+]
 
 log = logging.getLogger(__name__)
 
@@ -87,10 +95,12 @@ def prepare(
     dtype: torch.dtype,
     batch_size: int = 16,
     progress: bool = False,
+    on_target: Callable[[Any, CheckpointSource, int], None] | None = None,
 ) -> SearchInputs:
     """Run the quantized ``target`` once: the BF16 MTP (``source_mtp``, its family's ``mtp_config``) calibrated on
     its hidden states over the ``calibration`` rows ``[N, L]``, and its continuations of ``num_prompts`` held-out
-    prompts (``tokenizer``'s) to ``max_len`` tokens at every sampling setting."""
+    prompts (``tokenizer``'s) to ``max_len`` tokens at every sampling setting; ``on_target(model, tokenizer,
+    vocab)`` then uses the target too before it is released (``--heal``: the healer's training data)."""
     from mtpquant.errors import ConfigError
     from mtpquant.measure.target import capture, load_target
     from mtpquant.text.prompts import plan_sequences, tokenize_prompts
@@ -112,6 +122,8 @@ def prepare(
         s: capture(model, plan, label=f"search ({s.label})", progress=progress, batch_size=batch_size, sampling=s)
         for s in settings
     }
+    if on_target is not None:
+        on_target(model, tokenizer, vocab)
     model.release()
     del calibrator.layer
     gc.collect()
@@ -156,38 +168,54 @@ class Candidates:
     def group(self, key: str, precision: str) -> tuple[dict[str, Tensor], dict[str, LinearFormat]]:
         """Group ``key`` in ``precision``: its dequantized weights and (activations quantized) their formats."""
         if (key, precision) not in self._groups:
-            members = self.space.members[key]
-            result = quantize_mtp(
-                self.source,
-                self.inputs.amax,
-                activations=self.space.activations,
-                layout=self.space.family.mtp,
-                precision=dict.fromkeys(members, precision),
-            )
-            t = result.tensors
-            weights: dict[str, Tensor] = {}
-            formats: dict[str, LinearFormat] = {}
-            for m in members:
-                if precision == "nvfp4":
-                    w = dequantize_nvfp4(t[m + ".weight"], t[m + ".weight_scale"], t[m + ".weight_scale_2"])
-                else:
-                    w = dequantize_fp8_per_tensor(t[m + ".weight"], t[m + ".weight_scale"])
-                weights[m + ".weight"] = w.to(self.dtype)
-                scale = t.get(m + ".input_scale")
-                formats[m] = LinearFormat(m, precision, None if scale is None else float(scale.float().max()))
-            self._groups[(key, precision)] = (weights, formats)
+            self._groups[(key, precision)] = self._quantized(self.source, key, precision)
         return self._groups[(key, precision)]
 
-    def bundle(self, assignment: Assignment) -> MtpBundle:
-        """The MTP of ``assignment``: the source's weights, each quantized group's dequantized ones in their place,
-        those groups' activations fake-quantized when the search emulates them."""
-        tensors = {n: t.to(self.dtype) for n, t in self.source.items()}
+    def _quantized(
+        self, source: Mapping[str, Tensor], key: str, precision: str
+    ) -> tuple[dict[str, Tensor], dict[str, LinearFormat]]:
+        """Group ``key`` of the MTP weights ``source`` (per expert) quantized in ``precision`` and dequantized."""
+        members = self.space.members[key]
+        result = quantize_mtp(
+            source,
+            self.inputs.amax,
+            activations=self.space.activations,
+            layout=self.space.family.mtp,
+            precision=dict.fromkeys(members, precision),
+        )
+        t = result.tensors
+        weights: dict[str, Tensor] = {}
+        formats: dict[str, LinearFormat] = {}
+        for m in members:
+            if precision == "nvfp4":
+                w = dequantize_nvfp4(t[m + ".weight"], t[m + ".weight_scale"], t[m + ".weight_scale_2"])
+            else:
+                w = dequantize_fp8_per_tensor(t[m + ".weight"], t[m + ".weight_scale"])
+            weights[m + ".weight"] = w.to(self.dtype)
+            scale = t.get(m + ".input_scale")
+            formats[m] = LinearFormat(m, precision, None if scale is None else float(scale.float().max()))
+        return weights, formats
+
+    def formats(self, assignment: Assignment) -> dict[str, LinearFormat]:
+        """Every quantized Linear of ``assignment`` -> its format and input scale (what ``--heal`` trains with)."""
+        out: dict[str, LinearFormat] = {}
+        for key, precision in zip(assignment.groups, assignment.precisions):
+            if precision != "bf16":
+                out.update(self.group(key, precision)[1])
+        return out
+
+    def bundle(self, assignment: Assignment, weights: Mapping[str, Tensor] | None = None) -> MtpBundle:
+        """The MTP of ``assignment``: the source's weights (or ``weights``, a healed MTP in the source's form:
+        ``source_form``), each quantized group's dequantized ones in their place, those groups' activations
+        fake-quantized when the search emulates them."""
+        source = self.source if weights is None else per_expert_weights(weights)
+        tensors = {n: t.to(self.dtype) for n, t in source.items()}
         formats: dict[str, LinearFormat] = {}
         for key, precision in zip(assignment.groups, assignment.precisions):
             if precision == "bf16":
                 continue
-            weights, fmts = self.group(key, precision)
-            tensors.update(weights)
+            quantized, fmts = self.group(key, precision) if weights is None else self._quantized(source, key, precision)
+            tensors.update(quantized)
             formats.update(fmts)
         return mtp_bundle(
             self.config,
@@ -198,9 +226,10 @@ class Candidates:
             emulate=formats if self.emulate else None,
         )
 
-    def evaluate(self, assignment: Assignment, k: int) -> Evaluation:
-        """``assignment``'s MTP measured on every captured run for k = 1..``k``."""
-        bundle = self.bundle(assignment)
+    def evaluate(self, assignment: Assignment, k: int, weights: Mapping[str, Tensor] | None = None) -> Evaluation:
+        """``assignment``'s MTP (of the source's weights, or of ``weights``: ``bundle``) measured on every captured
+        run for k = 1..``k``."""
+        bundle = self.bundle(assignment, weights)
         units, acceptance = [], []
         for s, run in self.inputs.runs.items():
             result = evaluate_acceptance(bundle, run, k, progress=False, sampling=s, target_head=self.inputs.head)
@@ -208,6 +237,24 @@ class Candidates:
             acceptance.append(result.typed())
         del bundle
         return Evaluation(assignment, tuple(units), tuple(acceptance))
+
+
+def source_form(weights: Mapping[str, Tensor], source: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """Trained MTP ``weights`` (float32, per expert or fused) in the form of the ``source`` MTP: its names (fused
+    expert banks fused where it stores them so), its dtypes (the healed weights rounded as convert quantizes the
+    source) and shapes."""
+    per = per_expert_weights(weights)
+    fused = [t for n, t in source.items() if n not in per and t.dim() == 3]
+    if fused:
+        per = {**per, **fuse_mtp_experts(per, int(fused[0].shape[0]))}
+    missing = sorted(set(source) - set(per))
+    if missing:
+        raise ValueError(f"internal: the trained MTP has no {missing[0]}")
+    out = {n: per[n].to(t.dtype).contiguous() for n, t in source.items()}
+    odd = [n for n, t in out.items() if t.shape != source[n].shape]
+    if odd:
+        raise ValueError(f"internal: the trained {odd[0]} is {tuple(out[odd[0]].shape)}, not the source's shape")
+    return out
 
 
 def calibration_rows(tokenizer: Any, data: str, samples: int, seq_len: int, *, chat_template: bool) -> Tensor:

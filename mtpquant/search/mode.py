@@ -71,7 +71,7 @@ class SearchMode(MtpMode):
         return search_mtp(
             CheckpointWeights(ctx.target), ctx.ckpt, ctx.ckpt.source, rows, ctx.settings,
             main_algo=ctx.main_algo, activations=ctx.activations, target_name=public_checkpoint(ctx.ckpt.label),
-            device=device, dtype=dtype, progress=ctx.progress,
+            device=device, dtype=dtype, progress=ctx.progress, healer=ctx.healer,
         )  # fmt: skip
 
     def write(self, ctx: WriteContext) -> MtpOutcome:
@@ -79,12 +79,14 @@ class SearchMode(MtpMode):
 
         found = ctx.measured
         assert found is not None, "search mode writes what its measurement chose"
-        chosen = chosen_mtp(ctx.ckpt, found.space, found.result.choice.assignment, found.amax)
+        chosen = chosen_mtp(ctx.ckpt, found.space, found.result.choice.assignment, found.amax, found.weights)
         shards = write_planned_mtp(ctx.od, chosen.tensors, ctx.max_bytes)
         return MtpOutcome(sorted(t.name for t in chosen.tensors), shards, chosen.quantized_layers, search=found)
 
     def verify(self, out: Checkpoint, src: Checkpoint, outcome: MtpOutcome, where: str) -> None:
-        """The tensors SRC's bytes were kept for are SRC's bytes."""
+        """The tensors SRC's bytes were kept for are SRC's bytes (a healed MTP: none were)."""
+        if outcome.search is not None and outcome.search.weights is not None:
+            return
         kept = sorted(n for n in outcome.names if n in src.tensors and out.tensors[n].dtype == src.tensors[n].dtype
                       and out.tensors[n].shape == src.tensors[n].shape)
         same_bytes(out, src, kept, where)

@@ -1,8 +1,8 @@
 """The search's report, written into the output as ``mtp_search/``: ``report.json`` (``SearchResult``), ``report.md``
 (every measured configuration: bytes, AL per k with its interval and the change from the BF16 MTP, per sampling
-setting; the chosen one and why), ``pareto.png`` (bytes against the worst AL loss, the front joined, the budget and
-the choice marked) and ``speculation_profile.json`` (the chosen MTP's predicted acceptance, in the shape of
-validate's: ``records.profile``)."""
+setting; with ``--heal`` each finalist's AL before and after heal; the chosen one and why), ``pareto.png`` (bytes
+against the worst AL loss, the front joined, the budget and the choice marked) and ``speculation_profile.json`` (the
+chosen MTP's predicted acceptance, in the shape of validate's: ``records.profile``)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,15 @@ from mtpquant.records.profile import (
 from mtpquant.search.run import SearchResult
 from mtpquant.units import format_bytes
 
-__all__ = ["MARKDOWN_FILE", "PLOT_FILE", "REPORT_FILE", "SEARCH_DIR", "render_markdown", "search_documents"]
+__all__ = [
+    "MARKDOWN_FILE",
+    "PLOT_FILE",
+    "REPORT_FILE",
+    "SEARCH_DIR",
+    "healed_lines",
+    "render_markdown",
+    "search_documents",
+]
 
 SEARCH_DIR = "mtp_search"
 REPORT_FILE = "report.json"
@@ -75,6 +83,7 @@ def render_markdown(result: SearchResult) -> str:
                 f"| {j.role}{front} | " + " | ".join(cells) + f" | {j.verdict} |"
             )
         lines.append("")
+    lines += healed_lines(result)
     chosen = result.choice
     lines += [
         "## Chosen",
@@ -87,6 +96,41 @@ def render_markdown(result: SearchResult) -> str:
     secs = ", ".join(f"{k} {v:.1f} s" for k, v in result.seconds.items())
     lines += ["", f"Time: {secs}; mtpquant {__version__}, schema {REPORT_SCHEMA}.", ""]
     return "\n".join(lines)
+
+
+def healed_lines(result: SearchResult, head: str = "##") -> list[str]:
+    """``--heal``: how the finalists were healed and each one's predicted AL per k before and after heal (greedy, the
+    paired change from the BF16 MTP in brackets) and its verdict after; empty without heal."""
+    h = result.heal
+    if h is None:
+        return []
+    lines = [
+        f"{head} Healed finalists",
+        "",
+        f"Each finalist was healed before the choice (heal's quantization-aware training from the BF16 MTP, every "
+        f"quantized Linear fake-quantized in its own format: {h.samples} prompts of {h.prompt_len} tokens of "
+        f"{h.data} continued by the target for {h.new_tokens} tokens, {h.steps} steps x {h.batch_size} sequences, lr "
+        f"{h.lr:g}, chain {h.chain}, seed {h.seed}); the choice is made on the healed MTPs' predicted AL.",
+        "",
+    ]
+    if not result.healed:
+        return [*lines, "No configuration was a finalist: the MTP stays BF16.", ""]
+    k = result.settings.k
+    lines += [
+        "| finalist | bytes | " + " | ".join(f"AL k={i} before -> after heal" for i in range(1, k + 1))
+        + " | KL first -> last | verdict after |",
+        "|---|---:|" + "---|" * k + "---|---|",
+    ]
+    for f in result.healed:
+        before, after = result.evaluated[f.before], result.evaluated[f.after]
+        cells = []
+        for b, a in zip(before.by_sampling[0].by_k, after.by_sampling[0].by_k, strict=True):
+            change = f" ({a.change.text(signed=True)})" if a.change is not None else ""
+            cells.append(f"{b.al.estimate:.3f} -> {a.al.estimate:.3f}{change}")
+        t = f.training
+        lines.append(f"| {f.assignment.label} | {format_bytes(after.nbytes)} | " + " | ".join(cells)
+                     + f" | {t.first_loss:.4f} -> {t.last_loss:.4f} | {after.verdict} |")
+    return [*lines, ""]
 
 
 def _pareto_png(result: SearchResult) -> bytes:
@@ -146,7 +190,10 @@ def chosen_profile(result: SearchResult, acceptance: Sequence[Acceptance], *, ch
         num_speculative_tokens=top.k,
         headline=ProfileRow.of(top, counts),
         draft_checkpoint=DraftCheckpoint(checkpoint, None),
-        target_model=TargetModel(checkpoint, result.family, {"mtp_precision": result.choice.assignment.to_json()}),
+        target_model=TargetModel(checkpoint, result.family, {
+            "mtp_precision": result.choice.assignment.to_json(),
+            **({"mtp_healed": True} if result.choice.role == "healed" else {}),
+        }),
         measurement_conditions=conditions,
         by_k=rows(head),
         by_sampling=tuple(SamplingProfile(SamplingRule.of(a), rows(a)) for a in acceptance),

@@ -5,20 +5,23 @@ alone in every precision (the sensitivity; measured even where the engines load 
 the smallest combinations the sensitivity predicts within the budget confirmed (``decide.next_candidates``); the
 smallest measured configuration within the budget at every k and sampling setting is chosen (``decide``). convert
 ``--mtp auto`` runs it on the main model it just exported, ``tune-mtp`` on an existing quant: the same inputs (the
-main model's bytes, the source's MTP, the calibration rows, the prompts) give the same choice.
+main model's bytes, the source's MTP, the calibration rows, the prompts) give the same choice. With a healer
+(``--heal``, ``search.finalists``) the finalists are healed and measured before the choice, and the chosen one is
+written healed.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from mtpquant.records.record import Record
 from mtpquant.records.sampling import SamplingSettings
-from mtpquant.search.decide import Judged, judge, next_candidates, pareto_front
+from mtpquant.search.decide import Judged, finalists, judge, next_candidates, pareto_front
+from mtpquant.search.finalists import HealedFinalist, Healer, HealSettings
 from mtpquant.search.settings import SearchSettings
 from mtpquant.search.space import Assignment, MtpSpace
 from mtpquant.units import format_bytes
@@ -29,7 +32,7 @@ if TYPE_CHECKING:
     from mtpquant.checkpoint.source import CheckpointSource
     from mtpquant.checkpoint.table import Checkpoint
     from mtpquant.measure.weights import CheckpointWeights
-    from mtpquant.search.measure import Evaluation
+    from mtpquant.search.measure import Candidates, Evaluation
 
 __all__ = ["GroupInfo", "SearchOutcome", "SearchResult", "search_mtp", "search_space"]
 
@@ -65,6 +68,8 @@ class SearchResult(Record):
     not_taken: str | None = None  # the smallest configuration left out for want of evidence, and what would settle it
     configurations: int = 0  # how many configurations the engines load
     seconds: Mapping[str, float] = field(default_factory=dict)
+    heal: HealSettings | None = None  # --heal: how each finalist was healed before the choice
+    healed: tuple[HealedFinalist, ...] = ()  # --heal: the finalists, their rows before and after heal
 
     @property
     def choice(self) -> Judged:
@@ -74,12 +79,14 @@ class SearchResult(Record):
 
 @dataclass(frozen=True)
 class SearchOutcome:
-    """The result, and what writing the chosen MTP needs: the calibrated input amax, its measurement."""
+    """The result, and what writing the chosen MTP needs: the calibrated input amax, its measurement, its weights
+    (``--heal``: the healed MTP in the source's form; None: the source's)."""
 
     result: SearchResult
     amax: dict[str, Tensor]
     chosen: Evaluation
     space: MtpSpace
+    weights: dict[str, Tensor] | None = None
 
 
 def search_space(ckpt: Checkpoint, settings: SearchSettings, *, main_algo: str, activations: bool) -> MtpSpace:
@@ -107,8 +114,10 @@ def search_mtp(
     device: Any,
     dtype: Any,
     progress: bool = False,
+    healer: Healer | None = None,
 ) -> SearchOutcome:
-    """Choose the MTP's precision per group for ``target`` (the quantized main model) from ``source``'s BF16 MTP."""
+    """Choose the MTP's precision per group for ``target`` (the quantized main model) from ``source``'s BF16 MTP;
+    with a ``healer`` (``--heal``), among the finalists healed (``search.finalists``)."""
     from mtpquant.search.measure import Candidates, prepare
 
     seconds: dict[str, float] = {}
@@ -120,6 +129,7 @@ def search_mtp(
         target, source_mtp, source.config, tokenizer, calibration, settings=sampling,
         num_prompts=settings.num_prompts, max_len=settings.max_len, activations=settings.activations,
         device=device, dtype=dtype, batch_size=settings.batch_size, progress=progress,
+        on_target=None if healer is None else healer.collect,
     )  # fmt: skip
     seconds["target"] = time.perf_counter() - t0
     candidates = Candidates(space, source_mtp, source.config, inputs, dtype=dtype, device=device,
@@ -127,17 +137,22 @@ def search_mtp(
     judged: list[Judged] = []
     evaluations: dict[Assignment, Evaluation] = {}
     base_units: tuple[Any, ...] = ()
+    healed_evaluations: dict[Assignment, Evaluation] = {}
 
-    def measure(a: Assignment, role: Any) -> Judged:
+    def measure(a: Assignment, role: Any, weights: dict[str, Tensor] | None = None) -> Judged:
         nonlocal base_units
-        ev = candidates.evaluate(a, settings.k)
-        evaluations[a] = ev
+        ev = candidates.evaluate(a, settings.k, weights)
+        if weights is None:
+            evaluations[a] = ev
         if role == "baseline":
             base_units = ev.units
         j = judge(a, base_units, ev.units, sampling, space=space, role=role, budget=settings.budget,
                   level=settings.confidence, seed=settings.seed)
         judged.append(j)
-        log.info("search: %s: %s, %s", a.label, format_bytes(j.nbytes), j.verdict)
+        log.info("search: %s%s: %s, %s", a.label, " (healed)" if weights is not None else "", format_bytes(j.nbytes),
+                 j.verdict)
+        if weights is not None:
+            healed_evaluations[a] = ev
         return j
 
     t1 = time.perf_counter()
@@ -159,8 +174,17 @@ def search_mtp(
             best = j
             break
     seconds["confirm"] = time.perf_counter() - t2
+    healed: list[HealedFinalist] = []
+    healed_weights: dict[Assignment, dict[str, Tensor]] = {}
+    if healer is not None:
+        t3 = time.perf_counter()
+        best, healed, healed_weights = _heal_finalists(
+            healer, finalists(judged, best, settings.max_confirm + 1), judged, measure, candidates, source_mtp,
+            source.config, device=device,
+        )  # fmt: skip
+        seconds["heal"] = time.perf_counter() - t3
     chosen = judged.index(best)
-    reason, not_taken = _why(judged, best, settings, space)
+    reason, not_taken = _why(judged, best, settings, space, healed=healer is not None)
     result = SearchResult(
         family=space.family.key,
         target=target_name,
@@ -181,13 +205,55 @@ def search_mtp(
         not_taken=not_taken,
         configurations=len(space.configurations()),
         seconds={**seconds, "total": time.perf_counter() - t0},
+        heal=None if healer is None else healer.settings,
+        healed=tuple(healed),
     )
+    if best.role == "healed":
+        weights = healed_weights[best.assignment]
+        return SearchOutcome(result, inputs.amax, healed_evaluations[best.assignment], space, weights)
     return SearchOutcome(result, inputs.amax, evaluations[best.assignment], space)
 
 
-def _why(judged: list[Judged], best: Judged, settings: SearchSettings, space: MtpSpace) -> tuple[str, str | None]:
+def _heal_finalists(
+    healer: Healer,
+    chosen: list[Assignment],
+    judged: list[Judged],
+    measure: Callable[..., Judged],
+    candidates: Candidates,
+    source_mtp: Mapping[str, Tensor],
+    config: Mapping[str, object],
+    *,
+    device: Any,
+) -> tuple[Judged, list[HealedFinalist], dict[Assignment, dict[str, Tensor]]]:
+    """Heal each finalist from the BF16 MTP (its quantized Linears fake-quantized in their formats, with the input
+    scales the output will carry) and measure it; the choice: the smallest healed finalist within the budget, else
+    the BF16 MTP (judged[0]). Returns it, the finalists, their healed weights in the source's form."""
+    import torch
+
+    from mtpquant.search.measure import source_form
+
+    shared = (candidates.inputs.embed, candidates.inputs.head)
+    out: list[HealedFinalist] = []
+    weights: dict[Assignment, dict[str, Tensor]] = {}
+    for a in chosen:
+        formats = candidates.formats(a)
+        precision = {m: f.kind for m, f in formats.items()}
+        scales = {m: f.input_scale for m, f in formats.items() if f.input_scale is not None}
+        master = {n: t.to(torch.float32, copy=True) for n, t in source_mtp.items()}  # the layer adopts (trains) them
+        trained, training = healer.heal(config, master, precision, scales, shared=shared, device=device)
+        weights[a] = source_form(trained, source_mtp)
+        before = next(i for i, j in enumerate(judged) if j.assignment == a and j.role != "healed")
+        measure(a, "healed", weights[a])
+        out.append(HealedFinalist(a, before, len(judged) - 1, training))
+    best = min((j for j in judged if j.role in ("baseline", "healed") and j.accepted), key=lambda j: j.nbytes)
+    return best, out, {a: w for a, w in weights.items() if a == best.assignment}
+
+
+def _why(
+    judged: list[Judged], best: Judged, settings: SearchSettings, space: MtpSpace, *, healed: bool = False
+) -> tuple[str, str | None]:
     """Why ``best`` was chosen, and the smallest configuration left out for want of evidence (with the prompts that
-    would settle it)."""
+    would settle it); ``healed``: among the healed finalists (``--heal``)."""
     budget = f"{settings.budget:g} AL"
     where = f"k = 1..{settings.k}" + ("" if len(settings.sampling) == 1 else ", every sampling setting")
     bf16 = space.nbytes(space.bf16)
@@ -203,8 +269,11 @@ def _why(judged: list[Judged], best: Judged, settings: SearchSettings, space: Mt
             f"the smallest measured configuration whose AL stays within {budget} of the BF16 MTP's at {where} beyond "
             f"noise: {format_bytes(best.nbytes)}, {best.nbytes / bf16:.2f}x the BF16 MTP's {format_bytes(bf16)}"
         )
-    smaller = sorted((j for j in judged if j.nbytes < best.nbytes and j.loads and j.verdict == "inconclusive"),
-                     key=lambda j: j.nbytes)
+    if healed:
+        why = why.replace("no quantized configuration", "no healed finalist").replace(
+            "the smallest measured configuration", "the smallest healed finalist")
+    smaller = sorted((j for j in judged if j.nbytes < best.nbytes and j.loads and j.verdict == "inconclusive"
+                      and (j.role == "healed" or not healed)), key=lambda j: j.nbytes)  # fmt: skip
     not_taken = None
     if smaller:
         j = smaller[0]

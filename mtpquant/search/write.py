@@ -3,8 +3,9 @@
 
 Quantized groups come from ``mtp.quantize.quantize_mtp`` with the search's calibrated input amax; every other
 ``mtp.*`` tensor is SRC's own bytes (norms, router, gates, the groups left in BF16; fused 3-D experts stay fused
-when they are). The BF16 configuration is SRC's MTP byte for byte, as ``--mtp keep`` writes it. The tensor set
-is checked against the space's header plan before anything is written.
+when they are). The BF16 configuration is SRC's MTP byte for byte, as ``--mtp keep`` writes it. With ``--heal`` the
+chosen finalist's healed weights take the place of SRC's (rounded to SRC's dtypes, then quantized the same way). The
+tensor set is checked against the space's header plan before anything is written.
 """
 
 from __future__ import annotations
@@ -34,15 +35,24 @@ class ChosenMtp:
     declaration: str  # plain | mixed
 
 
-def chosen_mtp(src: Checkpoint, space: MtpSpace, assignment: Assignment, amax: Mapping[str, Tensor]) -> ChosenMtp:
-    """``assignment``'s MTP from ``src``'s ``mtp.*`` tensors and the calibrated ``amax``."""
+def chosen_mtp(
+    src: Checkpoint,
+    space: MtpSpace,
+    assignment: Assignment,
+    amax: Mapping[str, Tensor],
+    weights: Mapping[str, Tensor] | None = None,
+) -> ChosenMtp:
+    """``assignment``'s MTP from ``src``'s ``mtp.*`` tensors (or ``weights``: ``--heal``'s healed MTP in their
+    form, ``search.measure.source_form``) and the calibrated ``amax``."""
     declaration = space.declaration(assignment)
     if declaration.kind is None:
         raise ValueError(f"{assignment.label}: the chosen engines do not load it ({declaration.refusal})")
-    if assignment.all_bf16:
+    if assignment.all_bf16 and weights is None:
         return ChosenMtp(mtp_planned_tensors(src), {}, declaration.kind)
     names = sorted(e.name for e in src.mtp_tensors())
-    weights = {n: src.read_tensor(n) for n in names}
+    healed = weights is not None
+    if weights is None:
+        weights = {n: src.read_tensor(n) for n in names}
     result = quantize_mtp(
         weights, amax, activations=space.activations, layout=space.family.mtp,
         precision=space.module_precision(assignment),
@@ -56,7 +66,8 @@ def chosen_mtp(src: Checkpoint, space: MtpSpace, assignment: Assignment, amax: M
                 kept.append(name)
         elif name.removesuffix(".weight") not in quantized:
             kept.append(name)
-    tensors = [planned(n, t) for n, t in result.tensors.items()] + mtp_planned_tensors(src, kept)
+    rest = [planned(n, weights[n]) for n in kept] if healed else mtp_planned_tensors(src, kept)
+    tensors = [planned(n, t) for n, t in result.tensors.items()] + rest
     plan = space.planned_table(assignment)
     got = {t.name: (t.dtype, tuple(t.shape)) for t in tensors}
     if got != {n: (p.dtype, p.shape) for n, p in plan.items()}:

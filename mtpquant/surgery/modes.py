@@ -104,6 +104,7 @@ class MeasureContext:
     activations: bool  # W4A4: quantized Linears carry input scales
     device: str
     progress: bool = False
+    healer: Any = None  # --mtp auto --heal: the search's finalists healed before the choice (search.finalists.Healer)
 
 
 @dataclass

@@ -11,6 +11,7 @@ from annotated_types import Ge
 
 from mtpquant.checkpoint.writer import DEFAULT_MAX_SHARD_BYTES
 from mtpquant.records.record import FLAG, Options
+from mtpquant.search.finalists import Healer
 from mtpquant.search.settings import SearchSettings
 
 __all__ = ["TuneOptions"]
@@ -37,6 +38,9 @@ class TuneOptions(Options):
     dry_run: bool = False
     progress: bool = field(default=True, metadata={FLAG: None})
     command: tuple[str, ...] = field(default=(), metadata={FLAG: None})  # the command line (the CLI sets it)
+    # --heal (``api.tune_and_heal``): heal's training of the search's finalists, each healed before the choice
+    # (``search.finalists.Healer``; tune-mtp imports no other command, so the caller hands it in)
+    healer: Healer | None = field(default=None, metadata={FLAG: None})
 
     @property
     def out_path(self) -> Path | None:

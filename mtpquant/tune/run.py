@@ -9,6 +9,8 @@ inputs as ``convert --mtp auto`` of the same source, so the same choice) -> the 
 the graft way (``surgery.write``: new ``mtp-*`` shards, every other file linked, the metadata's MTP entries replaced
 and MIXED_PRECISION where the choice needs it, the recipe and the report ``mtp_search/``), verified (headers, index,
 exclusions, the MTP as planned, every other tensor QUANT's bytes, the chosen engines load the MTP) -> put in place.
+With a healer (``--heal``: ``api.tune_and_heal``), the search's finalists are healed before the choice and the chosen
+one is written healed (``search.finalists``).
 """
 
 from __future__ import annotations
@@ -234,11 +236,11 @@ def tune_mtp(options: TuneOptions) -> TuneResult:
         found = search_mtp(
             CheckpointWeights(quant), src, quant.source, rows, options.search, main_algo=plan.main_algo,
             activations=plan.activations, target_name=public_checkpoint(quant.label), device=device, dtype=dtype,
-            progress=options.progress,
+            progress=options.progress, healer=options.healer,
         )  # fmt: skip
         timings["search"] = time.perf_counter() - t1
         t2 = time.perf_counter()
-        chosen = chosen_mtp(src, found.space, found.result.choice.assignment, found.amax)
+        chosen = chosen_mtp(src, found.space, found.result.choice.assignment, found.amax, found.weights)
         dest = open_destination(quant, options.out_path, replaces=True)
         with dest.od:
             built, metadata = _build(options, plan, quant, src, found, chosen, dest)
@@ -336,9 +338,12 @@ def _build(
     assignment = result.choice.assignment
     texts = {}
     if RECIPE_FILE in quant.source.list_files():
-        what = f"MTP re-quantized from {public_name(src.label, ref)} by tune-mtp ({assignment.label})"
+        healed = found.weights is not None
+        what = (f"MTP re-quantized from {public_name(src.label, ref)} by tune-mtp ({assignment.label}"
+                f"{', healed' if healed else ''})")
         texts[RECIPE_FILE] = tuned_recipe(read_text(quant.source, RECIPE_FILE, what="recipe"), RECIPE_FILE,
-                                          dict(zip(assignment.groups, assignment.precisions)), what)  # fmt: skip
+                                          dict(zip(assignment.groups, assignment.precisions)), what,
+                                          healed=healed)  # fmt: skip
     blobs = search_documents(result, found.chosen.acceptance, checkpoint=public_checkpoint(quant.label))
     planned = {t.name: (t.dtype, tuple(t.shape)) for t in chosen.tensors}
     verify = _verifier(quant, planned, layers, options.search.engines)

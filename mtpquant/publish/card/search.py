@@ -1,6 +1,7 @@
 """The card's section on the MTP precision search (``convert --mtp auto``, ``tune-mtp``): the chosen precision per
 group, its bytes against the BF16 MTP's, the predicted acceptance against the BF16 MTP's with the paired intervals,
-why it was chosen, and where the full report is (``mtp_search/``). Only while the MTP in OUT is the searched one (the
+why it was chosen, with ``--heal`` each finalist's AL before and after heal, and where the full report is
+(``mtp_search/``). Only while the MTP in OUT is the searched one (the
 provenance's last MTP mode is ``search``)."""
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def search_lines(result: SearchResult | None) -> list[str]:
     """The section (empty without a search)."""
     if result is None:
         return []
-    from mtpquant.search.report import MARKDOWN_FILE, PLOT_FILE, SEARCH_DIR
+    from mtpquant.search.report import MARKDOWN_FILE, PLOT_FILE, SEARCH_DIR, healed_lines
     from mtpquant.units import format_bytes
 
     s = result.settings
@@ -79,6 +80,10 @@ def search_lines(result: SearchResult | None) -> list[str]:
         lines.append("")
     if result.not_taken:
         lines += [f"Not taken for want of evidence: {result.not_taken}.", ""]
+    if result.choice.role == "healed":
+        lines += ["This MTP was healed (quantization-aware training against this checkpoint's quantized model) before "
+                  "the choice; the AL above is the healed MTP's.", ""]
+    lines += healed_lines(result, head="###")
     lines += [
         f"Every measured configuration: [`{SEARCH_DIR}/{MARKDOWN_FILE}`]({SEARCH_DIR}/{MARKDOWN_FILE}); bytes against "
         f"AL loss: [`{SEARCH_DIR}/{PLOT_FILE}`]({SEARCH_DIR}/{PLOT_FILE}).",
