@@ -323,6 +323,8 @@ DEEPSEEK_V3 = _family(
     lineage_keys=_DEEPSEEK_LINEAGE,
     nextn_architecture=NEXTN_STANDALONE,
     mtp_forward=True,
+    # a BF16 MTP (heal.support.check_storage): the MLA block trains on the CPU through transformers' decoder layer
+    mtp_heal=True,
     convert=True,
 )
 # V3.2 and GLM-5.x: the MLA with its sparse-attention indexer; vLLM's DeepseekV32MTPModel (speculative.py 663-694)
