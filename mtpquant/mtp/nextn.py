@@ -96,8 +96,12 @@ class IndexedKVCache(KVCache):
 
     def cat(self, parts: Sequence[KVCache]) -> IndexedKVCache:
         """This cache followed by the positions of ``parts`` (same batch)."""
+        keys = [self.index_key]
+        for part in parts:
+            if not isinstance(part, IndexedKVCache):
+                raise TypeError(f"an indexed cache extends by indexed caches only, got {type(part).__name__}")
+            keys.append(part.index_key)
         base = super().cat(parts)
-        keys = [self.index_key, *(p.index_key for p in parts if isinstance(p, IndexedKVCache))]
         return IndexedKVCache(base.key, base.value, torch.cat(keys, dim=1))
 
 
