@@ -1,13 +1,17 @@
-"""convert on the appended-layer families (GLM-4.5 ``glm4_moe``, DeepSeek-V3 ``deepseek_v3``): every MTP mode on
-their tiny checkpoints, bytes carried exactly, and exclusions checked with vLLM 0.32's own loader code.
+"""convert on the appended-layer families (GLM-4.5 ``glm4_moe``, DeepSeek-V3 ``deepseek_v3``, DeepSeek-V3.2
+``deepseek_v32``, GLM-5 ``glm_moe_dsa``): every MTP mode on their tiny checkpoints, bytes carried exactly, and
+exclusions checked with vLLM 0.32's own loader code.
 
 vLLM's decisions are taken from its source (the test engine's installed vLLM, ``tests/support/vllm_source.py``):
 the target's ``packed_modules_mapping`` (``Glm4MoeForCausalLM``; ``DeepseekV2ForCausalLM`` with the
 ``fused_qkv_a_proj`` its ``__init__`` adds when ``q_lora_rank`` is set), which the draft shares (``Glm4MoeMTP`` and
 ``DeepSeekMTP`` define none, so ``configure_quant_config`` leaves the target's on the one quant config), and
 ``ModelOptQuantConfigBase.is_layer_excluded`` / ``is_layer_skipped`` run unchanged on every module vLLM builds with
-the quant config: the attention (packed), the dense and shared MLPs (packed gate/up), the routed experts' FusedMoE.
-The routers (``GateLinear``), ``eh_proj`` (``nn.Linear``) and the heads are built unquantized whatever the list says.
+the quant config: the attention (packed), the dense and shared MLPs (packed gate/up), the routed experts' FusedMoE,
+and (V3.2, GLM-5) the indexer's ``wq_b`` (a ``ReplicatedLinear`` given the quant config). The routers
+(``GateLinear``), ``eh_proj`` (``nn.Linear``), the indexer's fused ``wk_weights_proj`` (``quant_config=None``) and the
+heads are built unquantized whatever the list says. vLLM's CPU build serves V3.2 and GLM-5 with the DeepSeek classes
+(``models/deepseek_v32/__init__.py``: ``DeepseekV3ForCausalLM``, ``GlmMoeDsaForCausalLM``, ``DeepSeekMTP``).
 """
 
 from __future__ import annotations
@@ -33,7 +37,8 @@ from tests.support.vllm_source import vllm_source
 pytestmark = pytest.mark.slow
 
 CALIB = {"calib_samples": 4, "calib_seq_len": 32, "device": "cpu", "progress": False}
-FAMILIES = ("glm4_moe", "deepseek_v3")
+FAMILIES = ("glm4_moe", "deepseek_v3", "deepseek_v32", "glm_moe_dsa")
+INDEXED = ("deepseek_v32", "glm_moe_dsa")  # the MLA with the sparse-attention indexer (5 more MTP tensors)
 MTP = "model.layers.2."
 EXPERTS = {f"{MTP}mlp.experts.{e}.{x}_proj" for e in range(4) for x in ("gate", "up", "down")}
 SHARED = {f"{MTP}mlp.shared_experts.{x}_proj" for x in ("gate", "up", "down")}
@@ -42,6 +47,8 @@ SHARED = {f"{MTP}mlp.shared_experts.{x}_proj" for x in ("gate", "up", "down")}
 MTP_QUANTIZED = {
     "glm4_moe": EXPERTS | SHARED | {f"{MTP}self_attn.{x}_proj" for x in ("q", "k", "v", "o")},
     "deepseek_v3": EXPERTS | SHARED,
+    "deepseek_v32": EXPERTS | SHARED,
+    "glm_moe_dsa": EXPERTS | SHARED,
 }
 
 
@@ -90,7 +97,7 @@ def test_every_mtp_mode(
     mtp_src = sorted(n for n in source.tensors if is_mtp(n))
     mtp_out = sorted(n for n in ckpt.tensors if is_mtp(n))
     config = json.loads((out / "config.json").read_text())
-    assert len(mtp_src) == 32 and result.plan.recipe.name == f"{variant}-nvfp4"
+    assert len(mtp_src) == 32 + 5 * (variant in INDEXED) and result.plan.recipe.name == f"{variant}-nvfp4"
     assert inspect_checkpoint(out).healthy, mode
     if mode == "keep":
         assert mtp_out == mtp_src and all(raw(ckpt, n) == raw(source, n) for n in mtp_src)
@@ -214,10 +221,29 @@ def vllm() -> SimpleNamespace:
     # its __init__ adds the fused q_a / kv_a pair where q_lora_rank is set (V3, the tiny)
     assert "fused_qkv_a_proj" in ast.unparse(_class(ds, "DeepseekV2ForCausalLM"))
     deepseek["fused_qkv_a_proj"] = ["q_a_proj", "kv_a_proj_with_mqa"]
+    # V3.2 and GLM-5 on the CPU build: the DeepSeek classes (models/deepseek_v32/__init__.py, its last branch)
+    v32 = vllm_source("models/deepseek_v32/__init__.py")
+    cpu = next(n for n in ast.walk(v32) if isinstance(n, ast.If) and "is_rocm" in ast.unparse(n.test)).orelse
+    imported = {(n.module, a.name, a.asname) for n in cpu if isinstance(n, ast.ImportFrom) for a in n.names}
+    assert ("vllm.model_executor.models.deepseek_v2", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM") in imported
+    assert ("vllm.model_executor.models.deepseek_v2", "GlmMoeDsaForCausalLM", None) in imported
+    assert ("vllm.model_executor.models.deepseek_mtp", "DeepSeekMTP", "DeepseekV32MTP") in imported
+    for name in ("DeepseekV3ForCausalLM", "GlmMoeDsaForCausalLM"):
+        assert [ast.unparse(b) for b in _class(ds, name).bases] == ["DeepseekV2ForCausalLM"]
+    # the indexer: wq_b built with the quant config, wk + weights_proj fused and built without one
+    indexer = {
+        node.targets[0].attr: ast.unparse(next(k.value for k in node.value.keywords if k.arg == "quant_config"))
+        for node in ast.walk(_class(ds, "Indexer"))
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)
+        and isinstance(node.targets[0], ast.Attribute) and any(k.arg == "quant_config" for k in node.value.keywords)
+    }  # fmt: skip
+    assert indexer == {"wq_b": "quant_config", "wk_weights_proj": "None"}
     return SimpleNamespace(
         packed={
             "glm4_moe": _assigned(_class(glm, "Glm4MoeForCausalLM"), "packed_modules_mapping"),
             "deepseek_v3": deepseek,
+            "deepseek_v32": deepseek,
+            "glm_moe_dsa": deepseek,
         },
         is_layer_excluded=ns["is_layer_excluded"],
     )
@@ -225,12 +251,15 @@ def vllm() -> SimpleNamespace:
 
 def _built_with_quant_config(ckpt: Checkpoint, packed: Mapping[str, list[str]]) -> dict[str, list[str]]:
     """vLLM module prefix -> the checkpoint Linears it holds: packed attention and MLPs, one FusedMoE per MoE layer,
-    the other attention Linears; not the routers, eh_proj or heads (built without the quant config)."""
+    the other attention Linears, the indexer's wq_b; not the routers, eh_proj, the indexer's wk_weights_proj or heads
+    (built without the quant config)."""
     modules = {n[: -len(".weight")] for n, e in ckpt.tensors.items() if n.endswith(".weight") and len(e.shape) == 2}
     modules = {
         m
         for m in modules
-        if re.search(r"\.(self_attn\.\w+_proj(_with_mqa)?|mlp\.(shared_experts\.|experts\.\d+\.)?\w+_proj)$", m)
+        if re.search(
+            r"\.(self_attn\.(\w+_proj(_with_mqa)?|indexer\.wq_b)|mlp\.(shared_experts\.|experts\.\d+\.)?\w+_proj)$", m
+        )
     }
     experts: dict[str, list[str]] = {}
     for m in sorted(m for m in modules if ".mlp.experts." in m):
@@ -269,8 +298,9 @@ def test_exclusions_as_vllm_loads_them(
         assert all(member_q) or not any(member_q), prefix
         assert excluded == (not member_q[0]), f"{prefix}: vLLM says excluded={excluded}"
         checked += 1
-    assert checked == {"glm4_moe": 9, "deepseek_v3": 13}[variant] + (
-        0 if mode == "drop" else 5 + 2 * (variant == "deepseek_v3")
+    indexed = variant in INDEXED  # one wq_b more per layer
+    assert checked == {"glm4_moe": 9}.get(variant, 13 + 2 * indexed) + (
+        0 if mode == "drop" else 5 + (variant != "glm4_moe") * (2 + indexed)
     )
     if mode == "keep":  # vLLM builds the kept MTP unquantized: every module it would build with the config
         assert all(vllm.is_layer_excluded(state, p) for p in built if is_mtp(p + "."))
@@ -332,7 +362,7 @@ def test_validate_runs_to_a_report_greedy_and_sampled(
     assert mtp.positions > 0 and mtp.kl is not None
     if mode == "keep":
         assert mtp.top1_agreement == 1.0 and mtp.kl.max == 0.0
-        assert report.candidate.mtp.precision == {"bf16": {"glm4_moe": 21, "deepseek_v3": 24}[variant]}
+        assert report.candidate.mtp.precision == {"bf16": {"glm4_moe": 21}.get(variant, 24 + 3 * (variant in INDEXED))}
     else:
         assert 0.9 <= mtp.top1_agreement < 1.0 or mtp.kl.max > 0.0
         assert report.candidate.mtp.precision is not None

@@ -204,10 +204,10 @@ def test_refusals_are_one_line_and_write_nothing(healed_tiny: HealedTiny, tiny_f
 
 
 def test_every_family_heals_and_a_family_flagged_off_is_refused_in_one_line() -> None:
-    """Every Qwen family's MTP trains (Qwen4-Exp's two-stream one too) and GLM-4.5's appended layer; a family whose
-    MTP heal does not train (``Family.mtp_heal`` off) is refused by name before any work."""
+    """Every Qwen family's MTP trains (Qwen4-Exp's two-stream one too) and GLM-4.5's and DeepSeek-V3's appended
+    layers; a family whose MTP heal does not train (``Family.mtp_heal`` off) is refused by name before any work."""
     assert sorted(f.key for f in FAMILIES if f.mtp_heal) == [
-        "glm4_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next", "qwen4_exp"
+        "deepseek_v3", "glm4_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next", "qwen4_exp"
     ]
     off = dataclasses.replace(family("qwen4_exp"), mtp_heal=False)
     with pytest.raises(HealRefusedError) as refused:

@@ -2,10 +2,14 @@
 ``model.layers.2``) trained through the family's MTP forward (``mtp/nextn.py``: transformers' ``MtpLayer`` with
 GLM's decoder block, the chain reading the pre-norm stream as vLLM's ``Glm4MoeMTP`` does), written back under the
 checkpoint's names (routed experts per expert, the router's ``e_score_correction_bias`` F32), and measured better on
-held-out prompts; a quantized appended-layer MTP is refused before anything loads."""
+held-out prompts; the same for the tiny DeepSeek-V3-layout model (its MLA block on the CPU through transformers'
+``DeepseekV3DecoderLayer``, the chain reading ``shared_head.norm``'s output as vLLM's ``DeepSeekMTP`` does; no
+trained asset: its random MTP accepts nothing before the heal); a quantized appended-layer MTP is refused before
+anything loads."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -68,3 +72,36 @@ def test_a_quantized_appended_layer_mtp_is_refused(quants: dict[str, Path], tmp_
         heal(opts)
     assert not (tmp_path / "healed").exists()
 
+
+
+def test_heal_trains_the_deepseek_mtp_and_writes_back_only_its_trained_tensors(
+    tiny_factory: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """DeepSeek-V3's appended layer heals as GLM's does: its whole block (MLA included) and glue train, ``eh_proj``
+    and every other MTP tensor go back in their stored dtype (BF16, the router's correction bias F32, unchanged),
+    the head and embedding copies (the drafter reads the target's) and every trunk tensor byte for byte."""
+    source = tiny_factory("deepseek_v3")
+    keep = tmp_path / "keep"
+    convert(ConvertOptions(src=str(source), out=keep, mtp="keep", **CALIB))  # type: ignore[arg-type]
+    out = tmp_path / "healed"
+    opts = HealOptions(quant=str(keep), source=str(source), out=out, samples=32, check_prompts=24, force=True,
+                       device="cpu", progress=False)  # fmt: skip
+    result = heal(opts)
+    assert result.check is not None and result.training is not None
+    assert result.training.last_loss < 0.6 * result.training.first_loss
+    k1 = result.check.by_k[0]
+    # a random MTP drafts next to nothing; the healed one is better beyond noise at k = 1
+    assert k1.k == 1 and k1.before < 1.01 and k1.change > 0.02 and k1.low > 0, result.check
+    before, after = Checkpoint.open(keep, strict=True), Checkpoint.open(out, strict=True)
+    assert {n: (e.dtype, e.shape) for n, e in before.tensors.items()} == {
+        n: (e.dtype, e.shape) for n, e in after.tensors.items()
+    }
+    changed = {n for n in before.tensors if before.read_raw(before.tensors[n]) != after.read_raw(after.tensors[n])}
+    mtp = {e.name for e in before.mtp_tensors()}
+    untrained = {"model.layers.2.shared_head.head.weight", "model.layers.2.embed_tokens.weight",
+                 "model.layers.2.mlp.gate.e_score_correction_bias"}  # fmt: skip
+    assert len(mtp) == 32 and untrained <= mtp
+    assert changed == mtp - untrained  # every trained tensor (eh_proj, MLA, experts, norms) and nothing else
+    assert after.tensors["model.layers.2.eh_proj.weight"].dtype == "BF16"
+    assert after.tensors["model.layers.2.mlp.gate.e_score_correction_bias"].dtype == "F32"
+    assert inspect_checkpoint(out).healthy

@@ -162,3 +162,95 @@ def test_bf16_matches_float32(tiny: Tiny) -> None:
         b = tiny.mtp.step(hidden, tiny.embed(tokens))
     assert a.out.dtype == torch.bfloat16
     torch.testing.assert_close(a.out.float(), b.out, rtol=0.05, atol=0.05)
+
+
+# ---- the sparse-attention indexer (DeepSeek-V3.2, GLM-5) --------------------------------------------------------
+# transformers 5.19's MtpModel does not build these (their configs have no num_mtp_layers); the block is their own
+# DecoderLayer with its indexer, checked here by what the drafting loop relies on, over more rows than the tiny
+# index_topk (16) so that the indexer does leave keys out.
+INDEXED = ("deepseek_v32", "glm_moe_dsa")
+
+
+class Indexed:
+    """A tiny indexer-family checkpoint's reference MTP (float32) with its target."""
+
+    def __init__(self, path: Path) -> None:
+        import transformers
+
+        self.ckpt = Checkpoint.open(path)
+        self.tensors = {e.name: self.ckpt.read_tensor(e.name) for e in self.ckpt.mtp_tensors()}
+        self.mtp: Any = reference_mtp(self.ckpt.config, self.tensors, dtype=torch.float32)
+        cls = getattr(transformers, self.ckpt.spec.family.text_class)
+        self.main: Any = cls.from_pretrained(str(path), dtype=torch.float32).eval()
+        self.head = self.main.lm_head.weight
+
+    def embed(self, ids: Tensor) -> Tensor:
+        return self.main.get_input_embeddings()(ids)
+
+    def inputs(self, rows: int, seed: int = 0) -> tuple[Tensor, Tensor]:
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.randint(3, 500, (1, rows + 1), generator=g)
+        with torch.no_grad():
+            hidden = self.main.model(input_ids=ids).last_hidden_state
+        return hidden[:, :-1], ids[:, 1:]
+
+
+@pytest.fixture(scope="module", params=INDEXED)
+def indexed(request: pytest.FixtureRequest, tiny_factory: Callable[[str], Path]) -> Indexed:
+    return Indexed(tiny_factory(request.param))
+
+
+def test_the_indexer_selects_its_top_k_and_caches_its_keys(indexed: Indexed) -> None:
+    """Row t sees min(t + 1, index_topk) keys; a step over the cache equals the same rows in one causal pass, the
+    indexer's keys read from the cache (``IndexedKVCache``), its choice the same; the next step reads the normed
+    stream (vLLM's DeepSeekMTP and DeepseekV32MultiTokenPredictorLayer)."""
+    from mtpquant.mtp.nextn import IndexedKVCache
+
+    hidden, tokens = indexed.inputs(25, seed=1)
+    T, topk = 24, indexed.ckpt.config["index_topk"]
+    with torch.no_grad():
+        whole = indexed.mtp.step(hidden[:, : T + 1], indexed.embed(tokens[:, : T + 1]))
+        first = indexed.mtp.step(hidden[:, :T], indexed.embed(tokens[:, :T]))
+        last = indexed.mtp.step(hidden[:, T:], indexed.embed(tokens[:, T:]), past=first.cache)
+    assert whole.selection is not None and last.selection is not None
+    assert whole.selection.sum(-1)[0, 0].tolist() == [min(t + 1, topk) for t in range(T + 1)]
+    assert torch.equal(last.selection, whole.selection[:, :, -1:])
+    torch.testing.assert_close(last.out, whole.out[:, -1:], rtol=1e-5, atol=1e-6)
+    assert isinstance(last.cache, IndexedKVCache) and last.cache.length == T + 1
+    assert last.cache.index_key.shape == (1, T + 1, indexed.ckpt.config["index_head_dim"])
+    torch.testing.assert_close(last.cache.index_key, whole.cache.index_key, rtol=1e-5, atol=1e-6)
+    assert torch.equal(whole.next_hidden, whole.out)
+
+
+def test_a_shared_selection_replaces_the_indexers(indexed: Indexed) -> None:
+    """GLM-5 declares index_share_for_mtp_iteration (steps after the first reuse step 0's choice); a given selection
+    is what the attention sees: the step attends to exactly those keys."""
+    share = indexed.ckpt.config.get("index_share_for_mtp_iteration", False)
+    assert indexed.mtp.index_share is share is (indexed.ckpt.spec.family.key == "glm_moe_dsa")
+    hidden, tokens = indexed.inputs(24, seed=2)
+    with torch.no_grad():
+        own = indexed.mtp.step(hidden, indexed.embed(tokens))
+        other = torch.zeros_like(own.selection)
+        other[..., :3] = True
+        other &= torch.ones_like(other).tril()  # causal: a key no later than the row
+        given = indexed.mtp.step(hidden, indexed.embed(tokens), selection=other)
+    assert torch.equal(given.selection, other & torch.ones_like(other).tril())
+    assert torch.equal(given.out[:, :1], own.out[:, :1])  # row 0 sees key 0 either way
+    assert not torch.allclose(given.out[:, 20:], own.out[:, 20:])
+
+
+def test_indexed_draft_rows_are_draft_chains(indexed: Indexed) -> None:
+    from mtpquant.mtp.drafting import draft_chain, draft_rows
+    from mtpquant.mtp.nextn import IndexedKVCache
+
+    hidden, tokens = indexed.inputs(24, seed=3)
+    with torch.no_grad():
+        teacher = indexed.mtp.step(hidden, indexed.embed(tokens))
+    rows = range(18, 22)
+    got = draft_rows(indexed.mtp, teacher, rows, indexed.embed, indexed.head, 3, chunk=3)
+    for i, t in enumerate(rows):
+        c = teacher.cache
+        past = IndexedKVCache(c.key[:, :, :t], c.value[:, :, :t], c.index_key[:, :t])
+        want = draft_chain(indexed.mtp, hidden[:, t : t + 1], tokens[:, t : t + 1], indexed.embed, indexed.head, 3,
+                           past_kv=past)  # fmt: skip
+        assert got[i].tolist() == want.tokens[0].tolist(), f"row {t}"

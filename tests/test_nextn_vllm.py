@@ -62,7 +62,7 @@ def quants(tmp_path_factory: pytest.TempPathFactory, tiny_factory: Factory) -> I
 
 
 def _checkpoints(tiny_factory: Factory, quants: Factory) -> list[Path]:
-    tinies = [tiny_factory(v) for v in ("deepseek_v3", "deepseek_v32", "glm4_moe", "glm4_moe-copies")]
+    tinies = [tiny_factory(v) for v in ("deepseek_v3", "deepseek_v32", "glm_moe_dsa", "glm4_moe", "glm4_moe-copies")]
     return [*tinies, quants("step-bf16"), quants("glm5-next-one-prefix")]
 
 
@@ -88,6 +88,9 @@ def test_vllm_takes_exactly_the_registrys_mtp_layers(
     ("variant", "module", "cls"),
     [
         ("deepseek_v3", "model_executor/models/deepseek_mtp.py", "DeepSeekMTP"),
+        # V3.2 and GLM-5: the CPU build's DeepseekV32MTP is DeepSeekMTP (models/deepseek_v32/__init__.py)
+        ("deepseek_v32", "model_executor/models/deepseek_mtp.py", "DeepSeekMTP"),
+        ("glm_moe_dsa", "model_executor/models/deepseek_mtp.py", "DeepSeekMTP"),
         ("glm4_moe-copies", "model_executor/models/glm4_moe_mtp.py", "Glm4MoeMTP"),
         ("step-bf16", "model_executor/models/step3p5_mtp.py", "Step3p5MTP"),
     ],

@@ -30,7 +30,9 @@ def test_builtin_recipes_load_and_cover_the_issue() -> None:
     names = builtin_recipe_names()
     assert names == [
         "deepseek_v3-nvfp4",
+        "deepseek_v32-nvfp4",
         "glm4_moe-nvfp4",
+        "glm_moe_dsa-nvfp4",
         "nvfp4-w4a16",
         "qwen3_5-nvfp4",
         "qwen3_5_moe-experts-nvfp4",
@@ -58,6 +60,8 @@ def test_default_recipe_per_family() -> None:
     assert default_recipe_name(FAMILY["qwen4_exp"]) == "qwen4_exp-nvfp4"
     assert default_recipe_name(FAMILY["glm4_moe"]) == "glm4_moe-nvfp4"
     assert default_recipe_name(FAMILY["deepseek_v3"]) == "deepseek_v3-nvfp4"
+    assert default_recipe_name(FAMILY["deepseek_v32"]) == "deepseek_v32-nvfp4"
+    assert default_recipe_name(FAMILY["glm_moe_dsa"]) == "glm_moe_dsa-nvfp4"
     for family in FAMILIES:
         load_recipe(default_recipe_name(family)).check_family(family)
         load_recipe("nvfp4-w4a16").check_family(family)

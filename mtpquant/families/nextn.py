@@ -323,6 +323,8 @@ DEEPSEEK_V3 = _family(
     lineage_keys=_DEEPSEEK_LINEAGE,
     nextn_architecture=NEXTN_STANDALONE,
     mtp_forward=True,
+    # a BF16 MTP (heal.support.check_storage): the MLA block trains on the CPU through transformers' decoder layer
+    mtp_heal=True,
     convert=True,
 )
 # V3.2 and GLM-5.x: the MLA with its sparse-attention indexer; vLLM's DeepseekV32MTPModel (speculative.py 663-694)
@@ -337,25 +339,31 @@ DEEPSEEK_V32 = _family(
     "DeepSeek-V3.2",
     {"deepseek_v32"},
     {"DeepseekV32ForCausalLM"},
-    _mtp(_deepseek_shapes(indexer=True), copies=COPIES, copies_required=True,
-         setting_keys=("index_share_for_mtp_iteration",), engine_rename=_layer_rename(_MODEL_LAYER)),
+    _mtp(_deepseek_shapes(indexer=True), copies=COPIES, copies_required=True, unquantized=("*.self_attn.*",),
+         setting_keys=("index_share_for_mtp_iteration",), engine_rename=_layer_rename(_MODEL_LAYER),
+         appended=AppendedForward("deepseek_v32", "DeepseekV32", recycle_normed=True)),
     _engine(_DEEPSEEK_PACKED, "DeepseekV32MTPModel", "DeepseekV3ForCausalLMNextN", **_V32_ENGINE),
     "DeepseekV32ForCausalLM",
     unquantized=_MLA_UNQUANTIZED,
     lineage_keys=(*_DEEPSEEK_LINEAGE, "index_n_heads", "index_head_dim"),
     nextn_architecture=NEXTN_STANDALONE,
+    mtp_forward=True,
+    convert=True,
 )
 GLM_MOE_DSA = _family(
     "glm_moe_dsa",
     "GLM-5 / 5.1 / 5.2",
     {"glm_moe_dsa"},
     {"GlmMoeDsaForCausalLM"},
-    _mtp(_deepseek_shapes(indexer=True), copies=COPIES, setting_keys=("index_share_for_mtp_iteration",),
-         engine_rename=_layer_rename(_MODEL_LAYER)),
+    _mtp(_deepseek_shapes(indexer=True), copies=COPIES, unquantized=("*.self_attn.*",),
+         setting_keys=("index_share_for_mtp_iteration",), engine_rename=_layer_rename(_MODEL_LAYER),
+         appended=AppendedForward("glm_moe_dsa", "GlmMoeDsa", recycle_normed=True)),
     _engine(_DEEPSEEK_PACKED, "DeepseekV32MTPModel", "GlmMoeDsaForCausalLMNextN", **_V32_ENGINE),
     "GlmMoeDsaForCausalLM",
     unquantized=_MLA_UNQUANTIZED,
     lineage_keys=(*_DEEPSEEK_LINEAGE, "index_n_heads", "index_head_dim"),
+    mtp_forward=True,
+    convert=True,
 )
 GLM4_MOE = _family(
     "glm4_moe",

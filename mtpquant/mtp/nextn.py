@@ -23,6 +23,12 @@ post-norm (the pre-norm stream is needed too), the norm added as the layer's ``p
 cache is explicit and never modified: what the attention hands ``past_key_values.update`` (GLM: keys and values after
 norm and RoPE; DeepSeek's MLA: the compressed latent and the rotated key part), a ``module.KVCache``.
 
+DeepSeek-V3.2 and GLM-5 (``glm_moe_dsa``) add the sparse-attention indexer to the MLA (transformers'
+``DeepseekV32Indexer`` / ``GlmMoeDsaIndexer``: the top ``index_topk`` visible keys per row, folded into the attention
+mask): its keys are cached beside the MLA's (``IndexedKVCache``), its choice is the step's ``selection``, and with
+``index_share_for_mtp_iteration`` (GLM-5) draft steps after the first attend to the first step's choice, as vLLM's
+``DeepseekV32MultiTokenPredictor`` shares it (``models/deepseek_v32/nvidia/mtp.py``).
+
 ``tests/test_mtp_nextn.py`` checks the logits against transformers' own ``MtpModel`` loaded from the checkpoint
 (``MtpModel.from_pretrained``, the target's head) and a hand-written composition of vLLM's step.
 """
@@ -30,7 +36,8 @@ norm and RoPE; DeepSeek's MLA: the compressed latent and the rotated key part), 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,7 +47,7 @@ from mtpquant.families.nextn import AppendedForward
 from mtpquant.mtp.module import KVCache, check_mtp_tensors
 from mtpquant.mtp.step import MtpStep
 
-__all__ = ["NextnMtp", "nextn_mtp_config"]
+__all__ = ["IndexedKVCache", "NextnMtp", "nextn_mtp_config"]
 
 # The layer's own leaves (not its decoder block) and their names in transformers' MtpLayer
 _GLUE = {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj", "shared_head.norm": "post_norm"}
@@ -57,7 +64,9 @@ def nextn_mtp_config(text: Mapping[str, Any], forward: AppendedForward, depth: i
     eager loop."""
     from mtpquant.hfconfig import transformers_config
 
-    skip = {"architectures", "transformers_version", "quantization_config"}
+    # per-layer lists of the trunk (GLM-5's indexer_types, mlp_layer_types) are made again for the MTP's layers
+    skip = {"architectures", "transformers_version", "quantization_config", "indexer_types", "mlp_layer_types",
+            "layer_types"}
     values = {k: v for k, v in text.items() if k not in skip}
     values |= {"num_hidden_layers": depth, "first_k_dense_replace": 0, "num_nextn_predict_layers": depth}
     cls = getattr(importlib.import_module("transformers"), f"{forward.prefix}Config")
@@ -68,14 +77,43 @@ def nextn_mtp_config(text: Mapping[str, Any], forward: AppendedForward, depth: i
     return cfg
 
 
+@dataclass(frozen=True)
+class IndexedKVCache(KVCache):
+    """The cache of a layer with the sparse-attention indexer: the MLA's ``key`` / ``value`` and the indexer's keys
+    ``index_key`` ``[B, L, index_head_dim]`` (after its norm and RoPE, as transformers' ``update_indexer`` gets
+    them)."""
+
+    index_key: Tensor
+
+    def expand(self, batch: int) -> IndexedKVCache:
+        """The batch-1 cache repeated ``batch`` times (views, no copy)."""
+        base = super().expand(batch)
+        return IndexedKVCache(base.key, base.value, self.index_key.expand(batch, -1, -1))
+
+    def last(self, rows: int) -> IndexedKVCache:
+        """The last ``rows`` cached positions."""
+        return IndexedKVCache(self.key[:, :, -rows:], self.value[:, :, -rows:], self.index_key[:, -rows:])
+
+    def cat(self, parts: Sequence[KVCache]) -> IndexedKVCache:
+        """This cache followed by the positions of ``parts`` (same batch)."""
+        keys = [self.index_key]
+        for part in parts:
+            if not isinstance(part, IndexedKVCache):
+                raise TypeError(f"an indexed cache extends by indexed caches only, got {type(part).__name__}")
+            keys.append(part.index_key)
+        base = super().cat(parts)
+        return IndexedKVCache(base.key, base.value, torch.cat(keys, dim=1))
+
+
 class _CacheAdapter:
-    """What transformers' attention asks of ``past_key_values`` (``update``) over an immutable ``KVCache``;
-    records the extended tensors."""
+    """What transformers' attention asks of ``past_key_values`` (``update``; the indexer's ``update_indexer``) over
+    an immutable cache; records the extended tensors."""
 
     def __init__(self, past: KVCache | None) -> None:
         self.past = past
         self.key: Tensor | None = None
         self.value: Tensor | None = None
+        self.index_key: Tensor | None = None
 
     def update(self, key: Tensor, value: Tensor, layer_idx: int) -> tuple[Tensor, Tensor]:
         del layer_idx
@@ -84,6 +122,29 @@ class _CacheAdapter:
             value = torch.cat((self.past.value.to(value.dtype), value), dim=2)
         self.key, self.value = key, value
         return key, value
+
+    def update_indexer(self, index_key: Tensor, layer_idx: int) -> Tensor:
+        del layer_idx
+        if isinstance(self.past, IndexedKVCache):
+            index_key = torch.cat((self.past.index_key.to(index_key.dtype), index_key), dim=1)
+        self.index_key = index_key
+        return index_key
+
+    def cache(self) -> KVCache:
+        """The extended cache."""
+        assert self.key is not None and self.value is not None
+        if self.index_key is None:
+            return KVCache(self.key, self.value)
+        return IndexedKVCache(self.key, self.value, self.index_key)
+
+
+def _as_indices(selection: Tensor) -> Tensor:
+    """A bool selection ``[B, T, L]`` as the top-k indices transformers' attention scatters into its mask
+    (``[B, T, M]``, M the most keys a row selects; a row with fewer repeats its first, which selects nothing more)."""
+    count = selection.sum(-1, keepdim=True)
+    order = torch.argsort((~selection).to(torch.int8), dim=-1, stable=True)[..., : max(int(count.max()), 1)]
+    slot = torch.arange(order.shape[-1], device=order.device)
+    return torch.where(slot < count.clamp_min(1), order, order[..., :1]).to(torch.int32)
 
 
 class NextnMtp(nn.Module):
@@ -103,7 +164,9 @@ class NextnMtp(nn.Module):
         self.config = cfg
         self.forward_data = forward
         self.root, self.first = root, first
-        self.index_share = False  # no token selection to share (DeepSeek-V3.2's indexer is not modelled here)
+        # DeepSeek-V3.2 / GLM-5: steps after the first reuse the first step's token selection (vLLM's
+        # DeepseekV32MultiTokenPredictor, models/deepseek_v32/nvidia/mtp.py)
+        self.index_share = "index_n_heads" in text and bool(text.get("index_share_for_mtp_iteration", False))
         layers = []
         for i in range(depth):
             layer = HfMtpLayer(cfg, decoder, norm, i, use_post_norm=False)
@@ -195,9 +258,9 @@ class NextnMtp(nn.Module):
             past: the layer's cache of earlier rows (never modified).
             attn_mask: bool ``[B, 1, T, L + T]`` of the keys each row may see (None: causal).
             step: the draft step: the layer is ``layers[step % depth]``.
-            selection: unused (no indexer).
+            selection: bool ``[B, 1, T, L + T]`` replacing the indexer's choice (index sharing: step 0's); the
+                indexer still caches its keys. Ignored by a layer without an indexer.
         """
-        del selection
         if hidden.dim() != 3 or hidden.shape != next_tokens_embeds.shape:
             raise ValueError(
                 f"hidden {tuple(hidden.shape)} and next_tokens_embeds {tuple(next_tokens_embeds.shape)} must both be "
@@ -221,17 +284,37 @@ class NextnMtp(nn.Module):
         layer: Any = self.layers[step % len(self.layers)]
         position_embeddings = self.rotary_emb(embeds, positions)
         cache = _CacheAdapter(past)
-        x = layer(
-            embeds,
-            hidden.to(dtype),
-            position_embeddings=position_embeddings,
-            attention_mask=attn_mask,
-            position_ids=positions,
-            past_key_values=cache,
-        )
-        assert cache.key is not None and cache.value is not None
+        indexer = getattr(layer.mtp_block.self_attn, "indexer", None)
+        chosen: list[Tensor] = []
+        if indexer is not None:
+            visible = attn_mask[:, 0]
+
+            def select(*args: Any, **kwargs: Any) -> Tensor:
+                indices: Tensor = type(indexer).forward(indexer, *args, **kwargs)  # caches the rows' indexer keys
+                if selection is not None:
+                    indices = _as_indices(selection[:, 0].to(visible.device) & visible)
+                mask = torch.zeros_like(visible).scatter(-1, indices.long(), True) & visible
+                chosen.append(mask[:, None])
+                return indices
+
+            indexer.forward = select
+        try:
+            x = layer(
+                embeds,
+                hidden.to(dtype),
+                position_embeddings=position_embeddings,
+                attention_mask=attn_mask,
+                position_ids=positions,
+                past_key_values=cache,
+            )
+        finally:
+            if indexer is not None:
+                del indexer.forward  # the class's forward again
+        if isinstance(x, tuple):  # GLM-5's decoder layer also returns its top-k, for the next layer to share
+            x = x[0]
         out = layer.post_norm(x)
-        return MtpStep(out, out if self.forward_data.recycle_normed else x, KVCache(cache.key, cache.value))
+        nxt = out if self.forward_data.recycle_normed else x
+        return MtpStep(out, nxt, cache.cache(), chosen[0] if chosen else None)
 
     def step(self, *args: Any, **kwargs: Any) -> MtpStep:
         """The drafting loop's interface (``mtp.step.MtpForward``): ``forward``, through ``__call__``."""

@@ -86,6 +86,8 @@ DEFAULT_RECIPES = {
     "qwen4_exp": "qwen4_exp-nvfp4",
     "glm4_moe": "glm4_moe-nvfp4",
     "deepseek_v3": "deepseek_v3-nvfp4",
+    "deepseek_v32": "deepseek_v32-nvfp4",
+    "glm_moe_dsa": "glm_moe_dsa-nvfp4",
 }
 
 # Routed-expert Linears as modelopt names their quantizers (fused 3-D and per-expert experts);

@@ -68,6 +68,18 @@ NEXTN_CONFIGS: dict[str, dict[str, Any]] = {
         "index_head_dim": 32,
         "index_topk": 16,
     },
+    # GLM-5-like: DeepSeek-V3.2's MLA and indexer (the indexer's RoPE interleaved), the MTP sharing its first
+    # step's token selection with the later ones (index_share_for_mtp_iteration, as GLM-5 ships it)
+    "glm_moe_dsa": {
+        "architectures": ["GlmMoeDsaForCausalLM"],
+        "model_type": "glm_moe_dsa",
+        **_DEEPSEEK,
+        "rms_norm_eps": 1e-5,
+        "index_n_heads": 2,
+        "index_head_dim": 32,
+        "index_topk": 16,
+        "index_share_for_mtp_iteration": True,
+    },
     # GLM-4.5-like: head_dim 32 (vLLM's CPU attention refuses 16), partial rotary, QK norm, QKV bias
     "glm4_moe": {
         "architectures": ["Glm4MoeForCausalLM"],
@@ -150,6 +162,7 @@ NEXTN_CONFIGS: dict[str, dict[str, Any]] = {
 _TRUNK = {
     "deepseek_v3": ("DeepseekV3ForCausalLM", "deepseek_v3"),
     "deepseek_v32": ("DeepseekV32ForCausalLM", "deepseek_v32"),
+    "glm_moe_dsa": ("GlmMoeDsaForCausalLM", "glm_moe_dsa"),
     "glm4_moe": ("Glm4MoeForCausalLM", "glm4_moe"),
     "nemotron_h": ("NemotronHForCausalLM", "nemotron_h"),
     "mimo_v2_flash": ("MiMoV2FlashForCausalLM", "mimo_v2_flash"),

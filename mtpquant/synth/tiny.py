@@ -112,6 +112,7 @@ TINY_VARIANTS: dict[str, TinySpec] = {
     # mtp.safetensors (GLM-4.6 / 4.7, without head / embedding copies)
     "deepseek_v3": TinySpec("deepseek_v3", shards=3),
     "deepseek_v32": TinySpec("deepseek_v32", shards=3),
+    "glm_moe_dsa": TinySpec("glm_moe_dsa", shards=3),
     # DeepSeek's own MLA dimensions (kv_lora_rank 512 + qk_rope_head_dim 64 = 576: what vLLM's GPU MLA backends take;
     # its CPU build refuses MLA), 16 heads: the GPU serve check's (scripts/nextn_serve_check.py)
     "deepseek_v3-mla": TinySpec(
