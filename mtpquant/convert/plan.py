@@ -90,6 +90,7 @@ class ConvertPlan:
     mtp_bytes: int
     mtp_declaration: str
     mtp_quantized: tuple[str, ...]  # quantize mode: MTP Linears to quantize
+    mtp_unquantized: tuple[str, ...]  # the family's MTP Linears a quantized MTP keeps BF16 (fnmatch patterns)
     vision_tensors: int
     vision_bytes: int
     quantized_modules: tuple[str, ...]  # main-model Linears (checkpoint names) the recipe quantizes
@@ -319,6 +320,7 @@ def plan_convert(options: ConvertOptions, ckpt: Checkpoint | None = None) -> tup
         mtp_bytes=sum(e.nbytes for e in mtp),
         mtp_declaration=spec.mtp.describe(),
         mtp_quantized=checked.quantized,
+        mtp_unquantized=family.mtp.unquantized,
         vision_tensors=len(vision),
         vision_bytes=sum(e.nbytes for e in vision),
         quantized_modules=tuple(quantized),

@@ -21,6 +21,7 @@ and graft dispatch through ``MODES``; graft puts an MTP back the way ``keep`` wr
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +54,12 @@ log = logging.getLogger(__name__)
 BLOCK = 16  # NVFP4 block size: a quantized Linear's input dimension must be a multiple of it
 
 
+def _leaf_names(patterns: tuple[str, ...]) -> list[str]:
+    """The registry's exclusion patterns as a reader names the modules (``mtp.layers.*.mlp.gate`` -> ``mlp.gate``)."""
+    names = (re.sub(r"^(\*\.?|mtp\.layers\.\*\.)", "", p).replace("*", "") for p in patterns)
+    return list(dict.fromkeys(n.strip(".") or p for n, p in zip(names, patterns, strict=True)))
+
+
 class PlanView(Protocol):
     """What a mode's plan line reads of the convert plan."""
 
@@ -60,6 +67,8 @@ class PlanView(Protocol):
     def mtp_tensors(self) -> tuple[str, ...]: ...
     @property
     def mtp_quantized(self) -> tuple[str, ...]: ...
+    @property
+    def mtp_unquantized(self) -> tuple[str, ...]: ...
     @property
     def mtp_format(self) -> str: ...
     @property
@@ -281,9 +290,8 @@ class QuantizeMode(MtpMode):
     def plan_line(self, plan: PlanView) -> str:
         return (
             f"quantize: {len(plan.mtp_quantized)} MTP Linears -> {plan.mtp_format.upper()} with calibrated input "
-            "scales; mtp.fc, norms, "
-            "router, shared_expert_gate stay BF16 (excluded by name). SGLang loads an NVFP4 MTP only in the "
-            "compressed-tensors format"
+            f"scales; {', '.join(_leaf_names(plan.mtp_unquantized))} stay BF16 (excluded by name). SGLang loads an "
+            "NVFP4 MTP only in the compressed-tensors format"
         )
 
     def write(self, ctx: WriteContext) -> MtpOutcome:
