@@ -224,3 +224,21 @@ def test_recipe_file_with_unknown_key(
         "quantization.algorithm, quantization.group_size, quantization.exclude)"
     )
     _nothing_written(work)
+
+
+@pytest.mark.parametrize(
+    ("family", "kept"),
+    [
+        ("qwen3_5", "mtp.fc, mlp.gate, mlp.shared_expert_gate stay BF16"),
+        ("glm4_moe", "eh_proj, mlp.gate, norm, shared_head.head stay BF16"),
+    ],
+)
+def test_the_quantize_plan_line_names_the_familys_bf16_modules(
+    family: str, kept: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The dry run's mode line reads the registry's list of MTP modules kept BF16 (it named Qwen's for every family)."""
+    src = make_tiny_checkpoint(tmp_path / "src", TinySpec(family))
+    assert main(["convert", str(src), str(tmp_path / "out"), "--mtp", "quantize", "--dry-run"]) == 0
+    (line,) = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("mode ")]
+    assert f"with calibrated input scales; {kept} (excluded by name)." in line
+    assert not (tmp_path / "out").exists()
