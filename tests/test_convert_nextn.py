@@ -43,6 +43,9 @@ MTP_QUANTIZED = {
     "glm4_moe": EXPERTS | SHARED | {f"{MTP}self_attn.{x}_proj" for x in ("q", "k", "v", "o")},
     "deepseek_v3": EXPERTS | SHARED,
 }
+# mode "quantize-cpu": --mtp quantize with the routed experts left BF16, as vLLM's CPU build serves it (it has no NVFP4
+# MoE kernel; tests/test_engine_nextn.py): the recipe's exclusion holds in the MTP too
+CPU_MOE = 'quantization.exclude=["*mlp.experts*"]'
 
 
 @pytest.fixture(scope="module")
@@ -56,8 +59,11 @@ def outputs(
     def get(variant: str, mode: str) -> tuple[Path, ConvertResult]:
         if (variant, mode) not in done:
             out = root / variant / mode
-            extra = {"mtp_out": root / variant / "extract-mtp"} if mode == "extract" else {}
-            opts = ConvertOptions(src=str(tiny_factory(variant)), out=out, mtp=mode, **extra, **CALIB)
+            extra: dict[str, Any] = {"mtp_out": root / variant / "extract-mtp"} if mode == "extract" else {}
+            if mode == "quantize-cpu":
+                extra["overrides"] = (CPU_MOE,)
+            opts = ConvertOptions(src=str(tiny_factory(variant)), out=out, mtp=mode.removesuffix("-cpu"), **extra,
+                                  **CALIB)  # fmt: skip
             done[variant, mode] = (out, convert(opts))
         return done[variant, mode]
 
@@ -112,6 +118,26 @@ def test_every_mtp_mode(
         assert ckpt.tensors[f"{MTP}mlp.gate.e_score_correction_bias"].dtype == "F32"
         assert config["num_nextn_predict_layers"] == 1
         assert result.verdicts["vllm"] == "vLLM: MTP loads (mixed: BF16, NVFP4)"
+
+
+@pytest.mark.parametrize("variant", FAMILIES)
+def test_quantize_keeps_the_recipes_exclusions_in_the_mtp(
+    variant: str, tiny_factory: Callable[[str], Path], outputs: Callable[..., tuple[Path, ConvertResult]]
+) -> None:
+    """``--set quantization.exclude=["*mlp.experts*"]``: the MTP's routed experts stay BF16 byte for byte like the
+    main model's, its attention and shared expert NVFP4 W4A4 with scales from the MTP forward, and the expert bank is
+    excluded by the name vLLM's FusedMoE is built with (``model.layers.2.mlp.experts``)."""
+    out, result = outputs(variant, "quantize-cpu")
+    source, ckpt = Checkpoint.open(tiny_factory(variant), strict=True), Checkpoint.open(out, strict=True)
+    q = quantized(ckpt)
+    assert {m for m in q if is_mtp(m)} == MTP_QUANTIZED[variant] - EXPERTS
+    assert not any(".mlp.experts." in m for m in q)
+    assert all(f"{m}.input_scale" in ckpt.tensors for m in q)
+    experts = sorted(n for n in source.tensors if ".mlp.experts." in n)
+    assert len(experts) == 24 and all(raw(ckpt, n) == raw(source, n) for n in experts)
+    exclusions = json.loads((out / "hf_quant_config.json").read_text())["quantization"]["exclude_modules"]
+    assert {f"model.layers.{i}.mlp.experts" for i in (1, 2)} <= set(exclusions)
+    assert inspect_checkpoint(out).healthy and result.verdicts["vllm"] == "vLLM: MTP loads (mixed: BF16, NVFP4)"
 
 
 @pytest.mark.parametrize("variant", FAMILIES)
@@ -251,7 +277,7 @@ def _built_with_quant_config(ckpt: Checkpoint, packed: Mapping[str, list[str]]) 
 
 
 @pytest.mark.parametrize("variant", FAMILIES)
-@pytest.mark.parametrize("mode", ["keep", "quantize", "drop"])
+@pytest.mark.parametrize("mode", ["keep", "quantize", "quantize-cpu", "drop"])
 def test_exclusions_as_vllm_loads_them(
     mode: str, variant: str, vllm: SimpleNamespace, outputs: Callable[..., tuple[Path, ConvertResult]]
 ) -> None:

@@ -39,6 +39,7 @@ from mtpquant.formats.fp8 import fp8_scale_from_amax, quantize_fp8_per_tensor
 from mtpquant.formats.nvfp4 import input_scale_from_amax, quantize_nvfp4, shared_global_scale
 from mtpquant.mtp.module import MtpLayoutError
 from mtpquant.mtp.names import checkpoint_name
+from mtpquant.recipes.recipe import recipe_excludes
 
 __all__ = [
     "MTP_FORMATS",
@@ -137,24 +138,31 @@ def per_expert_weights(weights: Mapping[str, Tensor]) -> dict[str, Tensor]:
     return out
 
 
-def mtp_excluded_modules(modules: Sequence[str], layout: MtpLayout = _QWEN3_MTP, targets: str = "all") -> list[str]:
+def mtp_excluded_modules(
+    modules: Sequence[str], layout: MtpLayout = _QWEN3_MTP, targets: str = "all", exclude: Sequence[str] = ()
+) -> list[str]:
     """The MTP Linears kept in BF16, as exact names to exclude: the family's (Qwen3.5: ``mtp.fc``, router,
-    shared_expert_gate), and with ``targets="experts"`` every Linear the engine builds that is not a routed expert."""
-    quantized = set(mtp_quantized_modules(modules, layout, targets))
+    shared_expert_gate), the recipe's ``exclude`` matches, and with ``targets="experts"`` every Linear the engine
+    builds that is not a routed expert."""
+    quantized = set(mtp_quantized_modules(modules, layout, targets, exclude))
     built = {m for m in modules if _engine_linear(m, layout)}
     return sorted(m for m in modules if layout.is_unquantized(m) or (m in built and m not in quantized))
 
 
-def mtp_quantized_modules(modules: Sequence[str], layout: MtpLayout = _QWEN3_MTP, targets: str = "all") -> list[str]:
+def mtp_quantized_modules(
+    modules: Sequence[str], layout: MtpLayout = _QWEN3_MTP, targets: str = "all", exclude: Sequence[str] = ()
+) -> list[str]:
     """The MTP Linears quantize mode quantizes: those the engine builds as quantizable Linears
-    (``MtpLayout.engine_linears``; Qwen3.5: attention, MLP, shared and routed experts) less the ones kept BF16;
-    with ``targets="experts"`` (a recipe that quantizes the main model's routed experts only) the routed experts."""
+    (``MtpLayout.engine_linears``; Qwen3.5: attention, MLP, shared and routed experts) less the ones kept BF16 (the
+    family's, and those the recipe's ``quantization.exclude`` patterns match, as they do in the main model); with
+    ``targets="experts"`` (a recipe that quantizes the main model's routed experts only) the routed experts."""
     return sorted(
         m
         for m in modules
         if _engine_linear(m, layout)
         and not layout.is_unquantized(m)
         and (targets == "all" or _EXPERT.match(m) is not None)
+        and not recipe_excludes(exclude, m)
     )
 
 
@@ -325,25 +333,27 @@ def quantize_mtp(
     activations: bool = True,
     layout: MtpLayout = _QWEN3_MTP,
     targets: str = "all",
+    exclude: Sequence[str] = (),
     precision: Mapping[str, str] | None = None,
 ) -> MtpQuantResult:
     """Quantize the MTP Linears of ``weights`` (the source ``mtp.*`` tensors, BF16).
 
     ``input_amax`` maps module names (``mtp.layers.0.self_attn.q_proj``) to the calibrated input
     amax; required when ``activations`` (W4A4 / FP8 W8A8), ignored otherwise. ``targets``: the recipe's
-    (``experts``: the routed experts only, as in the main model). ``precision``: a precision per MTP Linear
-    (``nvfp4`` | ``fp8`` | ``bf16``; a module absent keeps the source's) instead of ``fmt`` for the modules quantize
-    mode quantizes (``convert --mtp auto``: one per precision group); every module's scales are those the uniform
-    format gives it (scales are shared only within one precision group), so one precision for every group quantize
-    mode quantizes writes the same bytes as ``fmt``.
+    (``experts``: the routed experts only, as in the main model); ``exclude``: the recipe's ``quantization.exclude``
+    patterns (the Linears they match stay BF16, excluded by name, as in the main model). ``precision``: a precision
+    per MTP Linear (``nvfp4`` | ``fp8`` | ``bf16``; a module absent keeps the source's) instead of ``fmt`` for the
+    modules quantize mode quantizes (``convert --mtp auto``: one per precision group); every module's scales are
+    those the uniform format gives it (scales are shared only within one precision group), so one precision for every
+    group quantize mode quantizes writes the same bytes as ``fmt``.
     """
     weights = per_expert_weights(weights)
     modules = linear_modules(weights)
     if precision is None:
         if fmt not in MTP_FORMATS:
             raise ValueError(f"MTP format {fmt!r} is not one of {', '.join(MTP_FORMATS)}")
-        chosen = dict.fromkeys(mtp_quantized_modules(modules, layout, targets), fmt)
-        excluded = mtp_excluded_modules(modules, layout, targets)
+        chosen = dict.fromkeys(mtp_quantized_modules(modules, layout, targets, exclude), fmt)
+        excluded = mtp_excluded_modules(modules, layout, targets, exclude)
     else:
         unknown = sorted(set(precision) - set(modules))
         if unknown:

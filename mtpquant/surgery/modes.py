@@ -87,6 +87,7 @@ class WriteContext:
     fmt: str = "nvfp4"  # quantize: nvfp4 | fp8
     activations: bool = True  # quantize: W4A4 (input scales) or weights only
     targets: str = "all"  # quantize: the recipe's targets (experts: the MTP's routed experts only)
+    exclude: tuple[str, ...] = ()  # quantize: the recipe's quantization.exclude (the MTP Linears it matches stay BF16)
     main_algo: str = "NVFP4"  # the main model's quant_algo (an FP8 MTP beside it makes MIXED_PRECISION)
     measured: Any = None  # what the mode's ``measure`` returned (search: the SearchOutcome)
 
@@ -145,10 +146,10 @@ class MtpMode:
     needs_target: ClassVar[bool] = False  # measures on the exported main model before writing (search)
 
     # ---- plan time ---------------------------------------------------------------------------------
-    def check(self, ckpt: Checkpoint, fmt: str, targets: str = "all") -> ModeCheck:
-        """Refuse (one line) a source this mode cannot work on; notes for the plan (``fmt``, ``targets``: the MTP
-        format and the recipe's targets, quantize's)."""
-        del fmt, targets
+    def check(self, ckpt: Checkpoint, fmt: str, targets: str = "all", exclude: tuple[str, ...] = ()) -> ModeCheck:
+        """Refuse (one line) a source this mode cannot work on; notes for the plan (``fmt``, ``targets``,
+        ``exclude``: the MTP format, the recipe's targets and exclusions, quantize's)."""
+        del fmt, targets, exclude
         if not self.needs_mtp:
             return ModeCheck(self._family_notes(ckpt))
         names = _check_mtp_complete(ckpt, f"--mtp {self.name}")
@@ -246,12 +247,12 @@ class QuantizeMode(MtpMode):
     needs_calibration = True
     takes_format = True
 
-    def check(self, ckpt: Checkpoint, fmt: str, targets: str = "all") -> ModeCheck:
+    def check(self, ckpt: Checkpoint, fmt: str, targets: str = "all", exclude: tuple[str, ...] = ()) -> ModeCheck:
         from mtpquant.mtp.quantize import mtp_quantized_modules, per_expert_shapes
 
         check_quantizable(ckpt, "--mtp quantize")
         shapes = per_expert_shapes({e.name: e.shape for e in ckpt.mtp_tensors()})
-        quantized = tuple(mtp_quantized_modules(linear_modules(shapes), ckpt.spec.family.mtp, targets))
+        quantized = tuple(mtp_quantized_modules(linear_modules(shapes), ckpt.spec.family.mtp, targets, exclude))
         if fmt == "nvfp4":
             for m in quantized:
                 in_dim = shapes[m + ".weight"][-1]
@@ -295,7 +296,8 @@ class QuantizeMode(MtpMode):
         weights = {checkpoint_name(layer, n): p.detach().cpu() for n, p in layer.named_parameters()}
         layout = ctx.ckpt.spec.family.mtp
         result = quantize_mtp(
-            weights, ctx.calibrator.amax, ctx.fmt, activations=ctx.activations, layout=layout, targets=ctx.targets
+            weights, ctx.calibrator.amax, ctx.fmt, activations=ctx.activations, layout=layout, targets=ctx.targets,
+            exclude=ctx.exclude,
         )
         planned: list[PlannedTensor] = [in_memory(n, t) for n, t in result.tensors.items()]
         kept = [n for n in result.kept_tensors if n in ctx.ckpt.tensors]
@@ -374,8 +376,8 @@ class DropMode(MtpMode):
     declares = False
     needs_mtp = False
 
-    def check(self, ckpt: Checkpoint, fmt: str, targets: str = "all") -> ModeCheck:
-        base = super().check(ckpt, fmt, targets)
+    def check(self, ckpt: Checkpoint, fmt: str, targets: str = "all", exclude: tuple[str, ...] = ()) -> ModeCheck:
+        base = super().check(ckpt, fmt, targets, exclude)
         if ckpt.mtp_tensors():
             note = "--mtp drop: the output has no MTP; speculative decoding with MTP will not be available"
             return ModeCheck((note, *base.notes))
