@@ -19,7 +19,8 @@
 #      MTP (k = 1 and 3) and prints vLLM's acceptance (/metrics) beside validate's prediction, failing where they
 #      differ by more than the engine test's tolerance (AL within max(0.1, 0.05 k))
 #      The same for the trained tiny GLM-4.5-layout model (mtpquant/assets/tiny-glm4_moe-mtp): its NVFP4 routed
-#      experts (main model and quantized MTP) have no kernel in vLLM's CPU build, so its quantize output is served here
+#      experts (main model and quantized MTP) have no kernel in vLLM's CPU build, so its all-NVFP4 keep and quantize
+#      outputs are served here (tests/test_engine_nextn.py serves both on the CPU with the routed experts BF16)
 #   5b. heals the tiny model's quant (its BF16 MTP) with --device cuda, the default schedule (--force: written even if
 #      the check finds no gain, so the step times the whole path) and prints the held-out AL before and after
 #   5c. heals the tiny Qwen3.8-Flash-Next's quantize convert (its NVFP4 MTP) the same way; with GPU_CHECK_VLLM_PYTHON,

@@ -6,8 +6,10 @@ the target's ``packed_modules_mapping`` (``Glm4MoeForCausalLM``; ``DeepseekV2For
 ``fused_qkv_a_proj`` its ``__init__`` adds when ``q_lora_rank`` is set), which the draft shares (``Glm4MoeMTP`` and
 ``DeepSeekMTP`` define none, so ``configure_quant_config`` leaves the target's on the one quant config), and
 ``ModelOptQuantConfigBase.is_layer_excluded`` / ``is_layer_skipped`` run unchanged on every module vLLM builds with
-the quant config: the attention (packed), the dense and shared MLPs (packed gate/up), the routed experts' FusedMoE.
-The routers (``GateLinear``), ``eh_proj`` (``nn.Linear``) and the heads are built unquantized whatever the list says.
+the quant config: the attention (packed), the dense and shared MLPs (packed gate/up), the routed experts' FusedMoE,
+and GLM's draft head (``SharedHead``'s ``ParallelLMHead``, filled with the target's ``lm_head`` when the layer has no
+head copy; the target's ``lm_head`` is one too, excluded by every output as ``lm_head``). The routers
+(``GateLinear``) and ``eh_proj`` (``nn.Linear``) are built unquantized whatever the list says.
 """
 
 from __future__ import annotations
@@ -288,6 +290,11 @@ def test_exclusions_as_vllm_loads_them(
     state = SimpleNamespace(exclude_modules=list(exclusions), packed_modules_mapping=vllm.packed[variant])
     q = quantized(ckpt)
     built = _built_with_quant_config(ckpt, vllm.packed[variant])
+    if variant == "glm4_moe" and mode != "drop":
+        # Glm4MoeMTP.load_weights loads the target's lm_head.weight into its SharedHead's ParallelLMHead, built with
+        # the quant config as "model.layers.2.head" (the tiny layer has no head copy): excluded, or it is NVFP4
+        assert f"{MTP}shared_head.head.weight" not in ckpt.tensors
+        built[f"{MTP}head"] = ["lm_head"]
     checked = 0
     for prefix, members in built.items():
         excluded = vllm.is_layer_excluded(state, prefix)  # raises for a packed group only partly excluded
@@ -296,7 +303,7 @@ def test_exclusions_as_vllm_loads_them(
         assert excluded == (not member_q[0]), f"{prefix}: vLLM says excluded={excluded}"
         checked += 1
     assert checked == {"glm4_moe": 9, "deepseek_v3": 13}[variant] + (
-        0 if mode == "drop" else 5 + 2 * (variant == "deepseek_v3")
+        0 if mode == "drop" else 5 + 2 * (variant == "deepseek_v3") + (variant == "glm4_moe")
     )
     if mode == "keep":  # vLLM builds the kept MTP unquantized: every module it would build with the config
         assert all(vllm.is_layer_excluded(state, p) for p in built if is_mtp(p + "."))

@@ -219,6 +219,9 @@ def plan_metadata(
     precision = linear_precisions(tensors)
     config, hfq, meta = repair_labels(spec, config, hfq, tensors, precision, changes)
     lists = exclusion_lists(config, hfq)  # the repaired files' lists, read with their metadata
+    borrowed = spec.mtp_borrowed_head(tensors)
+    if borrowed is not None and any(map(spec.mtp_names.matcher, tensors)):  # the draft's head holds the lm_head
+        precision = {**precision, borrowed[0]: precision.get(borrowed[1], "missing")}
     modules = mtp_modules(spec, precision)
     rename = spec.engine_mtp_name if spec.family.mtp.engine_rename is not None else None
     unquantized = [m for m, plain in modules.items() if plain]
