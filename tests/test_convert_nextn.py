@@ -142,6 +142,31 @@ def test_quantize_keeps_the_recipes_exclusions_in_the_mtp(
     assert inspect_checkpoint(out).healthy and result.verdicts["vllm"] == "vLLM: MTP loads (mixed: BF16, NVFP4)"
 
 
+def test_inspect_sees_the_glm_draft_head_vllm_builds(
+    outputs: Callable[..., tuple[Path, ConvertResult]], tmp_path: Path
+) -> None:
+    """GLM's draft fills its head (``model.layers.2.head``, built with the quant config) with the target's BF16
+    ``lm_head`` when the layer has no head copy: a quantize output whose lists forget that head fails to load in
+    vLLM (the weight does not fit the packed NVFP4 head), and inspect says so."""
+    import shutil
+
+    out, _ = outputs("glm4_moe", "quantize")
+    broken = tmp_path / "broken"
+    shutil.copytree(out, broken)
+    heads = {f"{MTP}head", f"{MTP}shared_head.head"}
+    hfq = json.loads((broken / "hf_quant_config.json").read_text())
+    assert heads <= set(hfq["quantization"]["exclude_modules"])
+    hfq["quantization"]["exclude_modules"] = [m for m in hfq["quantization"]["exclude_modules"] if m not in heads]
+    (broken / "hf_quant_config.json").write_text(json.dumps(hfq))
+    config = json.loads((broken / "config.json").read_text())
+    config["quantization_config"]["ignore"] = hfq["quantization"]["exclude_modules"]
+    (broken / "config.json").write_text(json.dumps(config))
+    report = inspect_checkpoint(broken)
+    assert not report.healthy
+    assert report.verdicts["vllm"].startswith("vLLM will fail to load"), report.verdicts["vllm"]
+    assert f"{MTP}shared_head.head" in report.verdicts["vllm"]
+
+
 @pytest.mark.parametrize("variant", FAMILIES)
 def test_quantize_scales_are_shared_as_vllm_reads_them(
     variant: str, outputs: Callable[..., tuple[Path, ConvertResult]]
