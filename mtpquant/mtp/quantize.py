@@ -100,26 +100,37 @@ def per_expert_shapes(shapes: Mapping[str, Sequence[int]]) -> dict[str, tuple[in
     return out
 
 
-def fuse_mtp_experts(tensors: Mapping[str, Tensor], experts: int) -> dict[str, Tensor]:
+def fuse_mtp_experts(tensors: Mapping[str, Tensor], experts: int, skip: tuple[str, ...] = ()) -> dict[str, Tensor]:
     """A per-expert MTP expert bank (``...mlp.experts.{e}.{gate,up,down}_proj.weight``) as transformers' fused 3-D
     ``experts.gate_up_proj`` / ``experts.down_proj`` (gate rows then up rows, experts stacked); other tensors as
-    they are. Both forms load in vLLM; the reference forward computes with the fused one."""
+    they are, less the names ending in ``skip``. Both forms load in vLLM; the reference forward computes with the
+    fused one. Each expert tensor is looked up once and copied into its place in the fused tensor, so a mapping that
+    reads on lookup (``surgery.modes.load_mtp_layer``) holds the bank once, fused, not twice."""
     out: dict[str, Tensor] = {}
     stems: set[str] = set()
-    for name, t in tensors.items():
+    for name in tensors:
         stem, sep, rest = name.partition(".mlp.experts.")
         if sep and rest.split(".", 1)[0].isdigit():
             stems.add(stem + ".mlp.experts")
-        else:
-            out[name] = t
+        elif not name.endswith(skip):
+            out[name] = tensors[name]
     for stem in sorted(stems):
         for fused, pieces in FUSED_EXPERT_PIECES.items():
+            bank: Tensor | None = None
             try:
-                out[f"{stem}.{fused}"] = torch.stack(
-                    [torch.cat([tensors[f"{stem}.{e}.{p}.weight"] for p in pieces]) for e in range(experts)]
-                )
+                for e in range(experts):
+                    row = 0
+                    for p in pieces:
+                        t = tensors[f"{stem}.{e}.{p}.weight"]
+                        if bank is None:  # torch.stack(torch.cat(...)) without the copies in between
+                            shape = (experts, len(pieces) * t.shape[0], *t.shape[1:])
+                            bank = torch.empty(shape, dtype=t.dtype, device=t.device)
+                        bank[e, row : row + t.shape[0]].copy_(t)
+                        row += t.shape[0]
             except KeyError as exc:
                 raise MtpLayoutError(f"MTP expert bank {stem} lacks {exc.args[0]}") from None
+            assert bank is not None
+            out[f"{stem}.{fused}"] = bank
     return out
 
 

@@ -21,12 +21,12 @@ and graft dispatch through ``MODES``; graft puts an MTP back the way ``keep`` wr
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
-from mtpquant.checkpoint.header import FLOAT_DTYPES
+from mtpquant.checkpoint.header import FLOAT_DTYPES, TensorEntry
 from mtpquant.checkpoint.modules import linear_modules
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.checkpoint.writer import OutputDir, PlannedTensor
@@ -127,11 +127,45 @@ def same_bytes(out: Checkpoint, src: Checkpoint, names: list[str], where: str) -
 
 
 def load_mtp_layer(ckpt: Checkpoint, device: Any = None) -> Any:
-    """The family's reference MTP with the source's ``mtp.*`` weights (for calibration)."""
+    """The family's reference MTP with the source's ``mtp.*`` weights (for calibration).
+
+    An appended layer's weights are read as the forward takes them (``_MtpTensors``): its head and embedding copies,
+    which the forward never reads (the drafter uses the target's), not at all, and its per-expert bank straight into
+    the fused tensors, so the layer costs its own size once (GLM-4.5-Air's: 4.7 GB, not 7.2 GB of copies and bank
+    plus 4.4 GB fused), which the memory plan's two largest decoder layers cover under ``--max-memory``."""
     from mtpquant.mtp.build import reference_mtp
 
-    tensors = {e.name: ckpt.read_tensor(e.name) for e in ckpt.mtp_tensors()}
+    entries = ckpt.mtp_tensors()
+    if ckpt.spec.family.mtp.appended is not None:
+        return reference_mtp(ckpt.config, _MtpTensors(ckpt, entries), device=device)
+    tensors = {e.name: ckpt.read_tensor(e.name) for e in entries}
     return reference_mtp(ckpt.config, tensors, device=device)
+
+
+class _MtpTensors(Mapping[str, Any]):
+    """An appended MTP layer's tensors read from the checkpoint when looked up, not kept; its head and embedding
+    copies as meta tensors (shape and dtype only: the forward never reads them)."""
+
+    def __init__(self, ckpt: Checkpoint, entries: Sequence[TensorEntry]) -> None:
+        self.ckpt = ckpt
+        self.entries = {e.name: e for e in entries}
+        self.copies = tuple("." + c for c in ckpt.spec.family.mtp.copies)
+
+    def __getitem__(self, name: str) -> Any:
+        import torch
+
+        from mtpquant.checkpoint.dtypes import torch_dtype
+
+        entry = self.entries[name]
+        if self.copies and name.endswith(self.copies):
+            return torch.empty(tuple(entry.shape), dtype=torch_dtype(entry.dtype), device="meta")
+        return self.ckpt.read_tensor(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.entries)
+
+    def __len__(self) -> int:
+        return len(self.entries)
 
 
 class MtpMode:
