@@ -232,7 +232,9 @@ def full_markdown(row: dict[str, Any], facts: dict[str, Any]) -> str:
     limit = cap + 2e9
     r, t = row["result"], row["result"]["timings"]
     phases = ", ".join(f"{k} {v:.0f}" for k, v in t.items() if k != "total" and v >= 0.5)
-    placement = ", ".join(f"{d} {n / 1e9:.2f} GB" for d, n in r["placement"].items())
+    memory = r["plan"]["memory"]
+    placement = ", ".join([*(f"{d} {n / 1e9:.2f} GB" for d, n in memory["resident"].items()),
+                           f"disk {memory['disk_bytes'] / 1e9:.2f} GB"])  # fmt: skip
     built = f", built in {row['build_s']:.0f} s" if row["build_s"] else ""
     gb = lambda n: f"{n / 1e9:.2f} GB"  # noqa: E731
     return "\n".join([
@@ -258,7 +260,12 @@ def full_markdown(row: dict[str, Any], facts: dict[str, Any]) -> str:
         f"| output | {gb(row['output_bytes'])}; written {row['bytes_written'] / row['output_bytes']:.2f}x; peak extra "
         f"disk {gb(row['peak_extra_disk'])} | | |",
         f"| inspect | {'healthy' if row['healthy'] else 'NOT healthy'}: {row['vllm']} | | |",
-        "", f"convert's own phases (s): {phases}; total {t['total']:.0f}.",
+        "", f"convert's own phases (s): {phases}; total {t['total']:.0f}.", "",
+        "What bounds it (the child's RSS timeline, in the script's WORK/convert.log): the plan itself estimates "
+        f"~{gb(memory['peak']['cpu'])} for this cap (resident {gb(sum(memory['resident'].values()))} + twice the "
+        f"largest decoder layer, {gb(memory['largest_block'])}: one MoE layer of 128 experts, + runtime + one output "
+        "shard), so the cap + 2 GB cannot hold for a cap under about twice one MoE layer; on top of it the MTP "
+        "layer (a whole MoE layer) is held from its calibration until its own quantization, after the export.",
     ]) + "\n"
 
 
