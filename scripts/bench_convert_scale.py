@@ -64,11 +64,13 @@ def _disk_used(path: Path) -> int:
     return (st.f_blocks - st.f_bfree) * st.f_frsize
 
 
-def run_convert(src: Path, out: Path, args: list[str], log: Path) -> dict[str, Any]:
-    """One convert as a child process, sampled from outside."""
+def run_convert(
+    src: Path, out: Path, args: list[str], log: Path, mtp: tuple[str, ...] = ("--keep-mtp",)
+) -> dict[str, Any]:
+    """One convert as a child process (``mtp``: its MTP flags), sampled from outside."""
     if out.exists():
         shutil.rmtree(out)
-    cmd = [sys.executable, "-c", _CHILD, "convert", str(src), str(out), "--keep-mtp", "--device", "cpu", *args]
+    cmd = [sys.executable, "-c", _CHILD, "convert", str(src), str(out), *mtp, "--device", "cpu", *args]
     env = {**os.environ, "TQDM_DISABLE": "1", "PYTHONPATH": str(REPO)}
     disk0 = _disk_used(out.parent)
     samples: list[tuple[float, dict[str, int], int]] = []
@@ -106,6 +108,10 @@ def run_convert(src: Path, out: Path, args: list[str], log: Path) -> dict[str, A
         "output_bytes": output_bytes,
         "largest_shard": shard,
         "peak_extra_disk": max((d for _, _, d in samples), default=0),
+        # resident memory split as the kernel counts it: anonymous (what the process allocated) and file-backed
+        # (pages of mapped files, e.g. the source shards read in place; the kernel can drop them under pressure)
+        "peak_anon": max((s.get("RssAnon", 0) for _, s, _ in samples), default=0),
+        "peak_file": max((s.get("RssFile", 0) for _, s, _ in samples), default=0),
     }
 
 

@@ -8,14 +8,24 @@
    the trained tiny Qwen3.5 (the same hidden size) converted with the same flags as the peer.
 3. validate (built-in, 32 held-out prompts, k = 1..3) of the keep and quantize outputs against the source, and with
    ``--engine`` the real vLLM CPU engine's AL beside validate's prediction (48 prompts, k = 2, T = 0 and 0.8) for the
-   source and a keep output whose routed experts stay BF16 (the CPU build has no NVFP4 MoE kernel).
+   source and the keep and quantize outputs with their routed experts BF16 (the CPU build has no NVFP4 MoE kernel).
 
     .venv/bin/python scripts/bench_nextn.py --write-doc [--engine]
+
+``--full-convert WORK`` measures instead the bounded-memory convert with real bytes: a GLM-4.5-Air-dimension
+checkpoint cut to its first dense and first MoE layer plus the MTP layer (with its head and embedding copies), every
+tensor random-normal (``tests/support/nextn_skeleton.py`` ``make_nextn_normal``, ~15 GB, built in WORK and deleted
+after unless ``--keep-source``), converted by the CLI as users run it (``mtpquant convert SRC OUT --mtp quantize
+--max-memory CAP``) in a fresh process: wall, peak RSS (VmHWM) against the cap + 2 GB, the output inspected; its own
+section of docs/BENCHMARKS.md with ``--write-doc``.
+
+    .venv/bin/python scripts/bench_nextn.py --full-convert /tmp/bench-glm --full-cap cpu=8GiB --write-doc
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import tempfile
 import time
@@ -93,11 +103,14 @@ def validations(root: Path, engine: bool) -> tuple[list[dict[str, Any]], list[di
         from tests.support.engine import CONCURRENCY, CPU_ENV
         from tests.support.vllm_env import vllm_python
 
-        # the CPU build has no NVFP4 MoE kernel: the keep output served here keeps its routed experts BF16
-        served = root / "glm-keep-cpu"
-        convert(ConvertOptions(src=str(ASSET), out=served, mtp="keep", calib_samples=8, calib_seq_len=128,
-                               device="cpu", progress=False, overrides=(CPU_MOE,)))  # fmt: skip
-        for which, path in (("source", ASSET), ("keep, experts BF16", served)):
+        # the CPU build has no NVFP4 MoE kernel: the keep and quantize outputs served here keep their routed experts
+        # BF16 (the quantize output's MTP too: attention and shared expert NVFP4 W4A4)
+        served = {"source": ASSET}
+        for mode in ("keep", "quantize"):
+            served[f"{mode}, experts BF16"] = root / f"glm-{mode}-cpu"
+            convert(ConvertOptions(src=str(ASSET), out=root / f"glm-{mode}-cpu", mtp=mode, calib_samples=8,
+                                   calib_seq_len=128, device="cpu", progress=False, overrides=(CPU_MOE,)))  # fmt: skip
+        for which, path in served.items():
             opts = ValidateOptions(path, num_prompts=48, max_len=160, ks=(2,), device="cpu", engine="vllm",
                                    activations="off" if which == "source" else "emulate", vllm_python=vllm_python(),
                                    env=CPU_ENV, concurrency=CONCURRENCY, compare_reference=True,
@@ -162,8 +175,9 @@ def markdown(dry: list[dict[str, Any]], size: int, tiny: list[dict[str, Any]], v
             "",
             "The real vLLM 0.32 CPU engine (`Glm4MoeMTPModel`, 48 prompts, k = 2, its counters) beside validate's "
             "prediction on the same prompts and seeds; k = 1 is position 1. The CPU build has no NVFP4 MoE kernel: "
-            "the keep output served is converted with the routed experts BF16 (attention, dense and shared MLPs "
-            "NVFP4 W4A4, `--activations emulate`); the quantize output is served by `scripts/gpu_check.sh`.",
+            "the keep and quantize outputs served are converted with the routed experts BF16 (attention, dense and "
+            "shared MLPs NVFP4 W4A4, the quantize output's MTP too, `--activations emulate`); the all-NVFP4 quantize "
+            "output is served by `scripts/gpu_check.sh`.",
             "",
             "| checkpoint | setting | predicted AL k=2 | engine AL k=2 | difference | predicted pos. 1 | engine pos. 1 "
             "| engine steps |",
@@ -175,14 +189,105 @@ def markdown(dry: list[dict[str, Any]], size: int, tiny: list[dict[str, Any]], v
     return "\n".join(lines) + "\n"
 
 
+FULL_HEADING = "## bounded-memory convert of a GLM-4.5-Air-dimension checkpoint (glm4_moe, real bytes, --max-memory)"
+FULL_CALIB = ["--calib-samples", "4", "--calib-seq-len", "64", "--device", "cpu"]
+
+
+def full_convert(work: Path, cap: str, keep_source: bool) -> dict[str, Any]:
+    """The capped ``--mtp quantize`` convert of the GLM-4.5-Air-dimension checkpoint (real bytes), through the CLI, in
+    a child sampled from outside as the Qwen3.5-4B one (``bench_convert_scale.run_convert``)."""
+    import shutil
+
+    from bench_convert_scale import run_convert
+
+    from tests.support.nextn_skeleton import make_nextn_normal
+
+    src, out = work / "glm-4.5-air-2-layers", work / "glm-4.5-air-2-layers-nvfp4"
+    row: dict[str, Any] = {"cap": cap, "build_s": None}
+    if not (src / "config.json").exists():
+        t0 = time.perf_counter()
+        make_nextn_normal("GLM-4.5-Air", src, layers=2, overwrite=True)
+        row["build_s"] = time.perf_counter() - t0
+    log = work / "convert.log"
+    row |= run_convert(src, out, ["--max-memory", cap, *FULL_CALIB[:-2], "--json"], log, ("--mtp", "quantize"))
+    lines = log.read_text().splitlines()  # the child's timestamped log, its --json object, the RSS timeline
+    first = lines.index("{")
+    result = json.loads("\n".join(lines[first : lines.index("}", first) + 1]))
+    inspected = run_python(["-m", "mtpquant", "inspect", str(out), "--json"])
+    row |= {"result": result, "inspect_rc": inspected.returncode, "healthy": inspected.output.get("healthy"),
+            "vllm": inspected.output.get("verdicts", {}).get("vllm"),
+            "source_bytes": sum(p.stat().st_size for p in src.glob("*.safetensors"))}  # fmt: skip
+    print(f"wall {row['wall_s']:.0f}s peak RSS {row['peak_rss'] / 1e9:.2f} GB (anon {row['peak_anon'] / 1e9:.2f}, file "
+          f"{row['peak_file'] / 1e9:.2f}) healthy {row['healthy']}", flush=True)  # fmt: skip
+    shutil.rmtree(out, ignore_errors=True)
+    if not keep_source:
+        shutil.rmtree(src, ignore_errors=True)
+    return row
+
+
+def full_markdown(row: dict[str, Any], facts: dict[str, Any]) -> str:
+    from mtpquant.runtime.memory import parse_max_memory
+
+    cap = sum(n for _, n in parse_max_memory(row["cap"]).caps)
+    limit = cap + 2e9
+    r, t = row["result"], row["result"]["timings"]
+    phases = ", ".join(f"{k} {v:.0f}" for k, v in t.items() if k != "total" and v >= 0.5)
+    memory = r["plan"]["memory"]
+    placement = ", ".join([*(f"{d} {n / 1e9:.2f} GB" for d, n in memory["resident"].items()),
+                           f"disk {memory['disk_bytes'] / 1e9:.2f} GB"])  # fmt: skip
+    built = f", built in {row['build_s']:.0f} s" if row["build_s"] else ""
+    gb = lambda n: f"{n / 1e9:.2f} GB"  # noqa: E731
+    return "\n".join([
+        FULL_HEADING, "",
+        f"Command: `{command_line('bench_nextn.py')}`", "", machine_line(facts), "",
+        "The source has GLM-4.5-Air's dimensions (hidden 4096, 96 heads, 128 routed experts of 1408, vocabulary "
+        "151,552) with only its first dense and first MoE layer, then the MTP layer (a full MoE layer with `eh_proj` "
+        "and its head and embedding copies), every tensor random-normal in its dtype "
+        f"(`tests/support/nextn_skeleton.py` `make_nextn_normal`): {gb(row['source_bytes'])} of real bytes{built}. "
+        "The convert is one child process running the CLI, sampled every 0.2 s from outside as the Qwen3.5-4B one "
+        "(`scripts/bench_convert_scale.py` `run_convert`): peak RSS is the kernel's `ru_maxrss` (anonymous and "
+        "file-backed pages together), peak anonymous and peak file-backed the largest sampled `RssAnon` / "
+        "`RssFile` (file-backed: the source shards' pages read in place, which the kernel drops under pressure).",
+        "", f"`{row['command']}`", "",
+        "| | measured | against the cap + 2 GB (" + gb(limit) + ") | against the cap (" + gb(cap) + ") |",
+        "|---|---:|---:|---:|",
+        f"| peak RSS | {gb(row['peak_rss'])} | {row['peak_rss'] / limit:.2f}x | {row['peak_rss'] / cap:.2f}x |",
+        f"| peak anonymous | {gb(row['peak_anon'])} | {row['peak_anon'] / limit:.2f}x | "
+        f"{row['peak_anon'] / cap:.2f}x |",
+        f"| peak file-backed | {gb(row['peak_file'])} | | |",
+        f"| wall | {row['wall_s']:.0f} s | | |",
+        f"| placement (plan) | {placement}; {'layer-wise' if r['layerwise'] else 'one pass'} | | |",
+        f"| output | {gb(row['output_bytes'])}; written {row['bytes_written'] / row['output_bytes']:.2f}x; peak extra "
+        f"disk {gb(row['peak_extra_disk'])} | | |",
+        f"| inspect | {'healthy' if row['healthy'] else 'NOT healthy'}: {row['vllm']} | | |",
+        "", f"convert's own phases (s): {phases}; total {t['total']:.0f}.", "",
+        "What bounds it (the child's RSS timeline, in the script's WORK/convert.log): the plan itself estimates "
+        f"~{gb(memory['peak']['cpu'])} for this cap (resident {gb(sum(memory['resident'].values()))} + twice the "
+        f"largest decoder layer, {gb(memory['largest_block'])}: one MoE layer of 128 experts, + runtime + one output "
+        "shard), so the cap + 2 GB cannot hold for a cap under about twice one MoE layer; on top of it the MTP "
+        "layer (a whole MoE layer) is held from its calibration until its own quantization, after the export.",
+    ]) + "\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cap", default="cpu=16GiB", help="--max-memory of the full-size plan (default cpu=16GiB)")
     parser.add_argument("--tiny-cap", default="cpu=1.5MB", help="--max-memory of the capped tiny convert")
     parser.add_argument("--engine", action="store_true", help="also measure with the vLLM CPU test engine")
     parser.add_argument("--write-doc", action="store_true", help="replace this script's section of docs/BENCHMARKS.md")
+    parser.add_argument("--full-convert", type=Path, metavar="WORK",
+                        help="instead: the capped convert of a GLM-4.5-Air-size checkpoint with real bytes in WORK")
+    parser.add_argument("--full-cap", default="cpu=8GiB", help="--max-memory of --full-convert (default cpu=8GiB)")
+    parser.add_argument("--keep-source", action="store_true", help="--full-convert: keep the ~15 GB source in WORK")
     args = parser.parse_args()
     sys.path.insert(0, str(REPO))
+    if args.full_convert is not None:
+        args.full_convert.mkdir(parents=True, exist_ok=True)
+        row = full_convert(args.full_convert, args.full_cap, args.keep_source)
+        if args.write_doc:
+            write_section(FULL_HEADING, full_markdown(row, machine(args.full_convert)))
+            print(f"updated {DOC}")
+        return
     with tempfile.TemporaryDirectory(prefix="bench-nextn-") as tmp:
         dry, size = dry_runs(Path(tmp) / "full", args.cap)
         tiny = tiny_converts(Path(tmp) / "tiny", args.tiny_cap)

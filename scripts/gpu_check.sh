@@ -19,7 +19,8 @@
 #      MTP (k = 1 and 3) and prints vLLM's acceptance (/metrics) beside validate's prediction, failing where they
 #      differ by more than the engine test's tolerance (AL within max(0.1, 0.05 k))
 #      The same for the trained tiny GLM-4.5-layout model (mtpquant/assets/tiny-glm4_moe-mtp): its NVFP4 routed
-#      experts (main model and quantized MTP) have no kernel in vLLM's CPU build, so its quantize output is served here
+#      experts (main model and quantized MTP) have no kernel in vLLM's CPU build, so its all-NVFP4 keep and quantize
+#      outputs are served here (tests/test_engine_nextn.py serves both on the CPU with the routed experts BF16)
 #   5a. the precision search on the trained tiny Qwen3.5-MoE (mtpquant/assets/tiny-qwen3_5_moe-mtp): convert --mtp auto
 #      (budget 0.05 AL, vLLM's rules) and --keep-mtp with --device cuda (the same calibration: the same target); with
 #      GPU_CHECK_VLLM_PYTHON, validate serves the keep output (the BF16 MTP) as reference and the auto output as

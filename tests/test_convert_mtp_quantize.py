@@ -29,6 +29,7 @@ from mtpquant.mtp.quantize import (
     mtp_excluded_modules,
     mtp_expert_input_groups,
     mtp_fused_groups,
+    mtp_quantized_modules,
     quantize_mtp,
 )
 
@@ -160,6 +161,19 @@ def test_groups_and_exclusions(mtp_weights: Callable[[str], tuple[dict[str, Any]
     experts = mtp_expert_input_groups(modules)
     assert [f"mtp.layers.0.mlp.experts.{e}.down_proj" for e in range(4)] in experts
     assert len(experts) == 3
+    # the recipe's quantization.exclude holds in the MTP too, matched as modelopt matches it in the main model (a
+    # module's pattern covers its sub-Linears): the experts BF16, excluded by name
+    bank = [m for m in modules if ".mlp.experts." in m]
+    for exclude in (("*mlp.experts*",), ("mtp.layers.0.mlp.experts",)):
+        assert mtp_quantized_modules(modules, exclude=exclude) == sorted(set(mtp_quantized_modules(modules)) - {*bank})
+        assert mtp_excluded_modules(modules, exclude=exclude) == sorted(
+            {*bank, "mtp.fc", "mtp.layers.0.mlp.gate", "mtp.layers.0.mlp.shared_expert_gate"}
+        )
+    assert mtp_quantized_modules(modules, exclude=("*experts.0*", "mtp.layers.0.self_attn.q_proj")) == sorted(
+        set(mtp_quantized_modules(modules))
+        - {f"mtp.layers.0.mlp.experts.0.{x}_proj" for x in ("gate", "up", "down")}
+        - {"mtp.layers.0.self_attn.q_proj"}
+    )
 
 
 def test_weight_only_has_no_input_scale(

@@ -8,9 +8,11 @@ the target's ``packed_modules_mapping`` (``Glm4MoeForCausalLM``; ``DeepseekV2For
 ``DeepSeekMTP`` define none, so ``configure_quant_config`` leaves the target's on the one quant config), and
 ``ModelOptQuantConfigBase.is_layer_excluded`` / ``is_layer_skipped`` run unchanged on every module vLLM builds with
 the quant config: the attention (packed), the dense and shared MLPs (packed gate/up), the routed experts' FusedMoE,
-and (V3.2, GLM-5) the indexer's ``wq_b`` (a ``ReplicatedLinear`` given the quant config). The routers
-(``GateLinear``), ``eh_proj`` (``nn.Linear``), the indexer's fused ``wk_weights_proj`` (``quant_config=None``) and the
-heads are built unquantized whatever the list says. vLLM's CPU build serves V3.2 and GLM-5 with the DeepSeek classes
+and (V3.2, GLM-5) the indexer's ``wq_b`` (a ``ReplicatedLinear`` given the quant config), and GLM's draft head
+(``SharedHead``'s ``ParallelLMHead``, filled with the target's ``lm_head`` when the layer has no head copy; the target's
+``lm_head`` is one too, excluded by every output as ``lm_head``). The routers (``GateLinear``), ``eh_proj``
+(``nn.Linear``), the indexer's fused ``wk_weights_proj`` (``quant_config=None``) and the other heads are built
+unquantized whatever the list says. vLLM's CPU build serves V3.2 and GLM-5 with the DeepSeek classes
 (``models/deepseek_v32/__init__.py``: ``DeepseekV3ForCausalLM``, ``GlmMoeDsaForCausalLM``, ``DeepSeekMTP``).
 """
 
@@ -50,6 +52,9 @@ MTP_QUANTIZED = {
     "deepseek_v32": EXPERTS | SHARED,
     "glm_moe_dsa": EXPERTS | SHARED,
 }
+# mode "quantize-cpu": --mtp quantize with the routed experts left BF16, as vLLM's CPU build serves it (it has no NVFP4
+# MoE kernel; tests/test_engine_nextn.py): the recipe's exclusion holds in the MTP too
+CPU_MOE = 'quantization.exclude=["*mlp.experts*"]'
 
 
 @pytest.fixture(scope="module")
@@ -63,8 +68,11 @@ def outputs(
     def get(variant: str, mode: str) -> tuple[Path, ConvertResult]:
         if (variant, mode) not in done:
             out = root / variant / mode
-            extra = {"mtp_out": root / variant / "extract-mtp"} if mode == "extract" else {}
-            opts = ConvertOptions(src=str(tiny_factory(variant)), out=out, mtp=mode, **extra, **CALIB)
+            extra: dict[str, Any] = {"mtp_out": root / variant / "extract-mtp"} if mode == "extract" else {}
+            if mode == "quantize-cpu":
+                extra["overrides"] = (CPU_MOE,)
+            opts = ConvertOptions(src=str(tiny_factory(variant)), out=out, mtp=mode.removesuffix("-cpu"), **extra,
+                                  **CALIB)  # fmt: skip
             done[variant, mode] = (out, convert(opts))
         return done[variant, mode]
 
@@ -119,6 +127,51 @@ def test_every_mtp_mode(
         assert ckpt.tensors[f"{MTP}mlp.gate.e_score_correction_bias"].dtype == "F32"
         assert config["num_nextn_predict_layers"] == 1
         assert result.verdicts["vllm"] == "vLLM: MTP loads (mixed: BF16, NVFP4)"
+
+
+@pytest.mark.parametrize("variant", FAMILIES)
+def test_quantize_keeps_the_recipes_exclusions_in_the_mtp(
+    variant: str, tiny_factory: Callable[[str], Path], outputs: Callable[..., tuple[Path, ConvertResult]]
+) -> None:
+    """``--set quantization.exclude=["*mlp.experts*"]``: the MTP's routed experts stay BF16 byte for byte like the
+    main model's, its attention and shared expert NVFP4 W4A4 with scales from the MTP forward, and the expert bank is
+    excluded by the name vLLM's FusedMoE is built with (``model.layers.2.mlp.experts``)."""
+    out, result = outputs(variant, "quantize-cpu")
+    source, ckpt = Checkpoint.open(tiny_factory(variant), strict=True), Checkpoint.open(out, strict=True)
+    q = quantized(ckpt)
+    assert {m for m in q if is_mtp(m)} == MTP_QUANTIZED[variant] - EXPERTS
+    assert not any(".mlp.experts." in m for m in q)
+    assert all(f"{m}.input_scale" in ckpt.tensors for m in q)
+    experts = sorted(n for n in source.tensors if ".mlp.experts." in n)
+    assert len(experts) == 24 and all(raw(ckpt, n) == raw(source, n) for n in experts)
+    exclusions = json.loads((out / "hf_quant_config.json").read_text())["quantization"]["exclude_modules"]
+    assert {f"model.layers.{i}.mlp.experts" for i in (1, 2)} <= set(exclusions)
+    assert inspect_checkpoint(out).healthy and result.verdicts["vllm"] == "vLLM: MTP loads (mixed: BF16, NVFP4)"
+
+
+def test_inspect_sees_the_glm_draft_head_vllm_builds(
+    outputs: Callable[..., tuple[Path, ConvertResult]], tmp_path: Path
+) -> None:
+    """GLM's draft fills its head (``model.layers.2.head``, built with the quant config) with the target's BF16
+    ``lm_head`` when the layer has no head copy: a quantize output whose lists forget that head fails to load in
+    vLLM (the weight does not fit the packed NVFP4 head), and inspect says so."""
+    import shutil
+
+    out, _ = outputs("glm4_moe", "quantize")
+    broken = tmp_path / "broken"
+    shutil.copytree(out, broken)
+    heads = {f"{MTP}head", f"{MTP}shared_head.head"}
+    hfq = json.loads((broken / "hf_quant_config.json").read_text())
+    assert heads <= set(hfq["quantization"]["exclude_modules"])
+    hfq["quantization"]["exclude_modules"] = [m for m in hfq["quantization"]["exclude_modules"] if m not in heads]
+    (broken / "hf_quant_config.json").write_text(json.dumps(hfq))
+    config = json.loads((broken / "config.json").read_text())
+    config["quantization_config"]["ignore"] = hfq["quantization"]["exclude_modules"]
+    (broken / "config.json").write_text(json.dumps(config))
+    report = inspect_checkpoint(broken)
+    assert not report.healthy
+    assert report.verdicts["vllm"].startswith("vLLM will fail to load"), report.verdicts["vllm"]
+    assert f"{MTP}shared_head.head" in report.verdicts["vllm"]
 
 
 @pytest.mark.parametrize("variant", FAMILIES)
@@ -280,7 +333,7 @@ def _built_with_quant_config(ckpt: Checkpoint, packed: Mapping[str, list[str]]) 
 
 
 @pytest.mark.parametrize("variant", FAMILIES)
-@pytest.mark.parametrize("mode", ["keep", "quantize", "drop"])
+@pytest.mark.parametrize("mode", ["keep", "quantize", "quantize-cpu", "drop"])
 def test_exclusions_as_vllm_loads_them(
     mode: str, variant: str, vllm: SimpleNamespace, outputs: Callable[..., tuple[Path, ConvertResult]]
 ) -> None:
@@ -291,6 +344,11 @@ def test_exclusions_as_vllm_loads_them(
     state = SimpleNamespace(exclude_modules=list(exclusions), packed_modules_mapping=vllm.packed[variant])
     q = quantized(ckpt)
     built = _built_with_quant_config(ckpt, vllm.packed[variant])
+    if variant == "glm4_moe" and mode != "drop":
+        # Glm4MoeMTP.load_weights loads the target's lm_head.weight into its SharedHead's ParallelLMHead, built with
+        # the quant config as "model.layers.2.head" (the tiny layer has no head copy): excluded, or it is NVFP4
+        assert f"{MTP}shared_head.head.weight" not in ckpt.tensors
+        built[f"{MTP}head"] = ["lm_head"]
     checked = 0
     for prefix, members in built.items():
         excluded = vllm.is_layer_excluded(state, prefix)  # raises for a packed group only partly excluded
@@ -300,7 +358,7 @@ def test_exclusions_as_vllm_loads_them(
         checked += 1
     indexed = variant in INDEXED  # one wq_b more per layer
     assert checked == {"glm4_moe": 9}.get(variant, 13 + 2 * indexed) + (
-        0 if mode == "drop" else 5 + (variant != "glm4_moe") * (2 + indexed)
+        0 if mode == "drop" else 5 + (variant != "glm4_moe") * (2 + indexed) + (variant == "glm4_moe")
     )
     if mode == "keep":  # vLLM builds the kept MTP unquantized: every module it would build with the config
         assert all(vllm.is_layer_excluded(state, p) for p in built if is_mtp(p + "."))

@@ -1,14 +1,16 @@
 """The real vLLM 0.32 CPU engine drafts with the trained tiny GLM-4.5-layout model (``mtpquant/assets/
-tiny-glm4_moe-mtp``, head_dim 32) as ``Glm4MoeMTPModel``: its source and its ``convert --keep-mtp`` output, greedy and
-at T = 0.8, measured by the engine's own counters at k = 2 (its first position is what k = 1
-accepts, as tests/test_engine_validate.py explains) against validate's built-in prediction through the family's MTP
-forward (``mtp/nextn.py``) on the same prompts, lengths and seeds: AL within 0.1 at k = 1 and 2. And heal of the keep
-output raises the engine-measured AL on the held-out prompts.
+tiny-glm4_moe-mtp``, head_dim 32) as ``Glm4MoeMTPModel``: its source and its ``convert --keep-mtp`` and ``--mtp
+quantize`` outputs, greedy and at T = 0.8, measured by the engine's own counters at k = 2 (its first position is what
+k = 1 accepts, as tests/test_engine_validate.py explains) against validate's built-in prediction through the family's
+MTP forward (``mtp/nextn.py``) on the same prompts, lengths and seeds: AL within 0.1 at k = 1 and 2. And heal of the
+keep output raises the engine-measured AL on the held-out prompts.
 
-The CPU build has no NVFP4 MoE kernel ("No NvFp4 MoE backend supports the deployment configuration"): the keep
-output served here is converted with the routed experts left BF16 (``--set quantization.exclude=["*mlp.experts*"]``;
-attention, dense and shared-expert MLPs NVFP4 W4A4), and the ``--mtp quantize`` output (its MTP's routed experts
-NVFP4 too) is served by ``scripts/gpu_check.sh``'s GPU engine only.
+The CPU build has no NVFP4 MoE kernel ("No NvFp4 MoE backend supports the deployment configuration"): both outputs
+served here are converted with the routed experts left BF16 (``--set quantization.exclude=["*mlp.experts*"]``;
+attention, dense and shared-expert MLPs NVFP4 W4A4), the quantize output's MTP too (its attention and shared expert
+NVFP4 W4A4 with activation scales calibrated through the MTP forward, its expert bank BF16 and excluded as
+``model.layers.2.mlp.experts``, the name vLLM's FusedMoE matches: tests/test_convert_nextn.py). The all-NVFP4
+``--mtp quantize`` output (its MTP's routed experts NVFP4 too) is served by ``scripts/gpu_check.sh``'s GPU engine.
 
 Sized as the Qwen engine tests: 48 prompts of at most 80 tokens continued to 160 give the engine >= 1,000 steps per
 setting, so its sampling noise in AL is a few hundredths. DeepSeek's MLA does not run on the CPU build: its serve
@@ -22,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from mtpquant.api import ConvertOptions, HealOptions, ValidateOptions, convert, heal, validate
+from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.synth.train import TINY_MTP_ASSETS
 from tests.support.engine import CONCURRENCY, CPU_ENV, EnginePool
 
@@ -40,15 +43,22 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("engine-nextn")
     out = {"source": SOURCE}
     out["keep"] = root / "keep"
-    convert(ConvertOptions(src=str(SOURCE), out=out["keep"], mtp="keep", calib_samples=8, calib_seq_len=128,
-                           device="cpu", progress=False, overrides=(CPU_MOE,)))  # fmt: skip
+    for mode in ("keep", "quantize"):
+        out[mode] = root / mode
+        convert(ConvertOptions(src=str(SOURCE), out=out[mode], mtp=mode, calib_samples=8, calib_seq_len=128,
+                               device="cpu", progress=False, overrides=(CPU_MOE,)))  # fmt: skip
     return out
 
 
-@pytest.mark.parametrize("which", ["source", "keep"])
+@pytest.mark.parametrize("which", ["source", "keep", "quantize"])
 def test_engine_measures_what_validate_predicts(
     which: str, checkpoints: dict[str, Path], vllm: EnginePool, tmp_path: Path
 ) -> None:
+    if which == "quantize":  # the MTP's attention W4A4 with its calibrated input scale, its expert bank BF16
+        mtp = Checkpoint.open(checkpoints[which]).tensors
+        assert mtp["model.layers.2.self_attn.q_proj.weight"].dtype == "U8"
+        assert "model.layers.2.self_attn.q_proj.input_scale" in mtp
+        assert mtp["model.layers.2.mlp.experts.0.gate_proj.weight"].dtype == "BF16"
     report_dir = tmp_path / "report"
     report = validate(
         ValidateOptions(
@@ -57,7 +67,7 @@ def test_engine_measures_what_validate_predicts(
             max_len=MAX_LEN,
             ks=(2,),
             device="cpu",
-            activations="emulate" if which == "keep" else "off",  # the engine runs the main model's W4A4 too
+            activations="off" if which == "source" else "emulate",  # the engine quantizes W4A4 inputs too
             engine="vllm",
             vllm_python=vllm.python,
             env=CPU_ENV,

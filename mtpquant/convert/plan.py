@@ -261,7 +261,8 @@ def plan_convert(options: ConvertOptions, ckpt: Checkpoint | None = None) -> tup
         )
     if searching and options.output_format != "modelopt":
         raise RecipeError("--mtp auto writes the ModelOpt format only (--format modelopt)")
-    checked = mtp_mode.check(ckpt, mtp_format, recipe.quantization.targets)
+    q = recipe.quantization
+    checked = mtp_mode.check(ckpt, mtp_format, q.targets, tuple(q.exclude))
     search_space = _search_space(ckpt, options.search, recipe) if searching else None
     if options.plan_check is not None:  # before transformers loads: refused in a second, not after the conversion
         options.plan_check(ckpt, mode)

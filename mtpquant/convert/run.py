@@ -411,6 +411,7 @@ def _run(
             fmt=plan.mtp_format,
             activations=recipe.quantization.activations,
             targets=recipe.quantization.targets,
+            exclude=tuple(recipe.quantization.exclude),
             main_algo=recipe.quantization.quant_algo,
             measured=measured,
         )

@@ -366,7 +366,12 @@ def _mtp_section(ckpt: Checkpoint, meta: QuantMetadata | None, report: dict[str,
         mtp_unexpected=unexpected,
     )
     mods = linear_modules({e.name: e for e in present})
-    reports, mod_findings = _module_reports(ckpt, mods, meta) if present else ([], [])
+    precision = {m: module_precision(ckpt.tensors, m) for m in mods}
+    borrowed = spec.mtp_borrowed_head(ckpt.tensors)
+    if borrowed is not None:  # the draft's head, built with the quant config, holds the target's lm_head
+        mods.append(borrowed[0])
+        precision[borrowed[0]] = module_precision(ckpt.tensors, borrowed[1])
+    reports, mod_findings = _module_reports(ckpt, mods, meta, precision) if present else ([], [])
     report["mtp_modules"] = reports
     precs = sorted({r.disk for r in reports})
     report["mtp_precision"] = (

@@ -372,7 +372,7 @@ GLM4_MOE = _family(
     {"Glm4MoeForCausalLM"},
     _mtp(glm4_moe_shapes, copies=COPIES, engine_rename=_layer_rename(_MODEL_LAYER),
          appended=AppendedForward("glm4_moe", "Glm4Moe", recycle_normed=False)),
-    _engine(_GLM_PACKED, "Glm4MoeMTPModel", "Glm4MoeForCausalLMNextN"),
+    _engine(_GLM_PACKED, "Glm4MoeMTPModel", "Glm4MoeForCausalLMNextN", head_from_target="shared_head.head"),
     "Glm4MoeForCausalLM",
     lineage_keys=("head_dim", "n_routed_experts", "n_shared_experts", "first_k_dense_replace", "use_qk_norm",
                   "attention_bias"),

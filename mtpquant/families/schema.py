@@ -205,6 +205,11 @@ class EngineRules:
     # the loader's own check (DeepSeek's and GLM-5's is_mtp_completeness_check_enabled, Step's parameter check);
     # "": none (its model loader's weight tracking catches it only for an unquantized checkpoint)
     missing_mtp_error: str = ""
+    # The MTP head vLLM's drafter builds with the quantization config and loads the target's ``lm_head.weight`` into
+    # when the layer carries no head of its own (GLM: glm4_moe_mtp.py load_weights maps it to
+    # ``model.layers.{n}.shared_head.head``, ``ParallelLMHead(prefix="{layer}.head")``): its leaf under the first MTP
+    # layer, ``""`` where the drafter does not. That head must be excluded as the BF16 ``lm_head`` is.
+    head_from_target: str = ""
 
 
 @dataclass(frozen=True)

@@ -256,6 +256,17 @@ class ModelSpec:
         """The MTP depth a set of MTP tensor names holds (Nemotron-H: sub-layers per depth counted as one)."""
         return self.mtp_names.depth(names)
 
+    def mtp_borrowed_head(self, names: Iterable[str]) -> tuple[str, str] | None:
+        """``(head, "lm_head")``: the MTP head module vLLM's drafter builds and fills with the target's ``lm_head``
+        where the family's drafter does (``EngineRules.head_from_target``) and ``names`` (a table's tensor names) hold
+        ``lm_head.weight`` but no head of the MTP layer's own; None otherwise."""
+        leaf, first = self.family.engine.head_from_target, self.mtp_names.first
+        if not leaf or not self.mtp.declared or not first:
+            return None
+        names = set(names)
+        head = f"{self.appended_prefix(n for n in names if self.is_mtp(n))}layers.{first}.{leaf}"
+        return (head, "lm_head") if "lm_head.weight" in names and head + ".weight" not in names else None
+
     def engine_mtp_name(self, name: str) -> str:
         """An MTP module name as the engine's draft builds it (for its quantization rules)."""
         return self.family.mtp.engine_name(name, self.mtp_names.first or self._layers_or_zero())

@@ -227,8 +227,7 @@ class NextnMtp(nn.Module):
         with torch.device("meta"):
             mtp = cls(text, forward, depth, root, first)
         experts = int(text.get("n_routed_experts") or 0)
-        own = {n: t for n, t in tensors.items() if not n.endswith((".shared_head.head.weight", ".embed_tokens.weight"))}
-        fused = fuse_mtp_experts(own, experts)
+        fused = fuse_mtp_experts(tensors, experts, skip=(".shared_head.head.weight", ".embed_tokens.weight"))
         state = {mtp.parameter_name(n): t.to(device=device, dtype=dtype) for n, t in fused.items()}
         mtp.load_state_dict(state, strict=True, assign=True)
         # the rotary embedding holds buffers only, built on meta above: build it again where the weights are

@@ -39,6 +39,7 @@ from mtpquant.formats.fp8 import fp8_scale_from_amax, quantize_fp8_per_tensor
 from mtpquant.formats.nvfp4 import input_scale_from_amax, quantize_nvfp4, shared_global_scale
 from mtpquant.mtp.module import MtpLayoutError
 from mtpquant.mtp.names import checkpoint_name
+from mtpquant.recipes.recipe import recipe_excludes
 
 __all__ = [
     "MTP_FORMATS",
@@ -99,26 +100,37 @@ def per_expert_shapes(shapes: Mapping[str, Sequence[int]]) -> dict[str, tuple[in
     return out
 
 
-def fuse_mtp_experts(tensors: Mapping[str, Tensor], experts: int) -> dict[str, Tensor]:
+def fuse_mtp_experts(tensors: Mapping[str, Tensor], experts: int, skip: tuple[str, ...] = ()) -> dict[str, Tensor]:
     """A per-expert MTP expert bank (``...mlp.experts.{e}.{gate,up,down}_proj.weight``) as transformers' fused 3-D
     ``experts.gate_up_proj`` / ``experts.down_proj`` (gate rows then up rows, experts stacked); other tensors as
-    they are. Both forms load in vLLM; the reference forward computes with the fused one."""
+    they are, less the names ending in ``skip``. Both forms load in vLLM; the reference forward computes with the
+    fused one. Each expert tensor is looked up once and copied into its place in the fused tensor, so a mapping that
+    reads on lookup (``surgery.modes.load_mtp_layer``) holds the bank once, fused, not twice."""
     out: dict[str, Tensor] = {}
     stems: set[str] = set()
-    for name, t in tensors.items():
+    for name in tensors:
         stem, sep, rest = name.partition(".mlp.experts.")
         if sep and rest.split(".", 1)[0].isdigit():
             stems.add(stem + ".mlp.experts")
-        else:
-            out[name] = t
+        elif not name.endswith(skip):
+            out[name] = tensors[name]
     for stem in sorted(stems):
         for fused, pieces in FUSED_EXPERT_PIECES.items():
+            bank: Tensor | None = None
             try:
-                out[f"{stem}.{fused}"] = torch.stack(
-                    [torch.cat([tensors[f"{stem}.{e}.{p}.weight"] for p in pieces]) for e in range(experts)]
-                )
+                for e in range(experts):
+                    row = 0
+                    for p in pieces:
+                        t = tensors[f"{stem}.{e}.{p}.weight"]
+                        if bank is None:  # torch.stack(torch.cat(...)) without the copies in between
+                            shape = (experts, len(pieces) * t.shape[0], *t.shape[1:])
+                            bank = torch.empty(shape, dtype=t.dtype, device=t.device)
+                        bank[e, row : row + t.shape[0]].copy_(t)
+                        row += t.shape[0]
             except KeyError as exc:
                 raise MtpLayoutError(f"MTP expert bank {stem} lacks {exc.args[0]}") from None
+            assert bank is not None
+            out[f"{stem}.{fused}"] = bank
     return out
 
 
@@ -137,24 +149,31 @@ def per_expert_weights(weights: Mapping[str, Tensor]) -> dict[str, Tensor]:
     return out
 
 
-def mtp_excluded_modules(modules: Sequence[str], layout: MtpLayout = _QWEN3_MTP, targets: str = "all") -> list[str]:
+def mtp_excluded_modules(
+    modules: Sequence[str], layout: MtpLayout = _QWEN3_MTP, targets: str = "all", exclude: Sequence[str] = ()
+) -> list[str]:
     """The MTP Linears kept in BF16, as exact names to exclude: the family's (Qwen3.5: ``mtp.fc``, router,
-    shared_expert_gate), and with ``targets="experts"`` every Linear the engine builds that is not a routed expert."""
-    quantized = set(mtp_quantized_modules(modules, layout, targets))
+    shared_expert_gate), the recipe's ``exclude`` matches, and with ``targets="experts"`` every Linear the engine
+    builds that is not a routed expert."""
+    quantized = set(mtp_quantized_modules(modules, layout, targets, exclude))
     built = {m for m in modules if _engine_linear(m, layout)}
     return sorted(m for m in modules if layout.is_unquantized(m) or (m in built and m not in quantized))
 
 
-def mtp_quantized_modules(modules: Sequence[str], layout: MtpLayout = _QWEN3_MTP, targets: str = "all") -> list[str]:
+def mtp_quantized_modules(
+    modules: Sequence[str], layout: MtpLayout = _QWEN3_MTP, targets: str = "all", exclude: Sequence[str] = ()
+) -> list[str]:
     """The MTP Linears quantize mode quantizes: those the engine builds as quantizable Linears
-    (``MtpLayout.engine_linears``; Qwen3.5: attention, MLP, shared and routed experts) less the ones kept BF16;
-    with ``targets="experts"`` (a recipe that quantizes the main model's routed experts only) the routed experts."""
+    (``MtpLayout.engine_linears``; Qwen3.5: attention, MLP, shared and routed experts) less the ones kept BF16 (the
+    family's, and those the recipe's ``quantization.exclude`` patterns match, as they do in the main model); with
+    ``targets="experts"`` (a recipe that quantizes the main model's routed experts only) the routed experts."""
     return sorted(
         m
         for m in modules
         if _engine_linear(m, layout)
         and not layout.is_unquantized(m)
         and (targets == "all" or _EXPERT.match(m) is not None)
+        and not recipe_excludes(exclude, m)
     )
 
 
@@ -325,25 +344,27 @@ def quantize_mtp(
     activations: bool = True,
     layout: MtpLayout = _QWEN3_MTP,
     targets: str = "all",
+    exclude: Sequence[str] = (),
     precision: Mapping[str, str] | None = None,
 ) -> MtpQuantResult:
     """Quantize the MTP Linears of ``weights`` (the source ``mtp.*`` tensors, BF16).
 
     ``input_amax`` maps module names (``mtp.layers.0.self_attn.q_proj``) to the calibrated input
     amax; required when ``activations`` (W4A4 / FP8 W8A8), ignored otherwise. ``targets``: the recipe's
-    (``experts``: the routed experts only, as in the main model). ``precision``: a precision per MTP Linear
-    (``nvfp4`` | ``fp8`` | ``bf16``; a module absent keeps the source's) instead of ``fmt`` for the modules quantize
-    mode quantizes (``convert --mtp auto``: one per precision group); every module's scales are those the uniform
-    format gives it (scales are shared only within one precision group), so one precision for every group quantize
-    mode quantizes writes the same bytes as ``fmt``.
+    (``experts``: the routed experts only, as in the main model); ``exclude``: the recipe's ``quantization.exclude``
+    patterns (the Linears they match stay BF16, excluded by name, as in the main model). ``precision``: a precision
+    per MTP Linear (``nvfp4`` | ``fp8`` | ``bf16``; a module absent keeps the source's) instead of ``fmt`` for the
+    modules quantize mode quantizes (``convert --mtp auto``: one per precision group); every module's scales are
+    those the uniform format gives it (scales are shared only within one precision group), so one precision for every
+    group quantize mode quantizes writes the same bytes as ``fmt``.
     """
     weights = per_expert_weights(weights)
     modules = linear_modules(weights)
     if precision is None:
         if fmt not in MTP_FORMATS:
             raise ValueError(f"MTP format {fmt!r} is not one of {', '.join(MTP_FORMATS)}")
-        chosen = dict.fromkeys(mtp_quantized_modules(modules, layout, targets), fmt)
-        excluded = mtp_excluded_modules(modules, layout, targets)
+        chosen = dict.fromkeys(mtp_quantized_modules(modules, layout, targets, exclude), fmt)
+        excluded = mtp_excluded_modules(modules, layout, targets, exclude)
     else:
         unknown = sorted(set(precision) - set(modules))
         if unknown:

@@ -59,6 +59,7 @@ __all__ = [
     "load_recipe",
     "nvfp4_quantizer_cfg",
     "quantizer_enabled",
+    "recipe_excludes",
     "recipe_from_mapping",
     "tuned_recipe",
     "with_values",
@@ -271,6 +272,14 @@ MODELOPT_NVFP4_DISABLED: list[dict[str, Any]] = [
 def _module_to_quantizer_pattern(pattern: str) -> str:
     """Module-name pattern -> quantizer-name pattern (``*.mlp.gate`` -> ``*.mlp.gate.*``)."""
     return pattern if pattern.endswith(".*") else pattern + ".*"
+
+
+def recipe_excludes(patterns: Sequence[str], module: str) -> bool:
+    """Whether ``quantization.exclude`` ``patterns`` keep the Linear ``module`` unquantized, matched as modelopt matches
+    the entries ``to_modelopt_config`` writes for them (``<module>.weight_quantizer``): the one rule for the MTP's
+    Linears too, which ``--mtp quantize`` quantizes itself (``mtp.quantize``)."""
+    name = f"{module}.weight_quantizer"
+    return any(fnmatch.fnmatchcase(name, _module_to_quantizer_pattern(p)) for p in patterns)
 
 
 def quantizer_enabled(quantizer_name: str, quant_cfg: Sequence[Mapping[str, Any]]) -> bool:

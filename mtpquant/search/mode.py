@@ -33,8 +33,8 @@ class SearchMode(MtpMode):
     declares = True
     needs_target = True
 
-    def check(self, ckpt: Checkpoint, fmt: str, targets: str = "all") -> ModeCheck:
-        del fmt, targets
+    def check(self, ckpt: Checkpoint, fmt: str, targets: str = "all", exclude: tuple[str, ...] = ()) -> ModeCheck:
+        del fmt, targets, exclude
         check_quantizable(ckpt, "--mtp auto")
         groups = ckpt.spec.family.mtp.groups
         if not groups:

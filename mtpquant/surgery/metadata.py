@@ -35,6 +35,9 @@ __all__ = [
     "uncovered_modules",
 ]
 
+# A layer's routed experts: one engine module (vLLM's FusedMoE ``{layer}.mlp.experts``), matched as a whole.
+_EXPERT_BANKS = ("mlp.experts", "mixer.experts")
+
 def mtp_modules(spec: ModelSpec, precision: Mapping[str, str]) -> dict[str, bool]:
     """Every MTP Linear module of ``spec``'s family (and the engine's packed names for them) -> whether it is stored
     unquantized.
@@ -53,9 +56,9 @@ def mtp_modules(spec: ModelSpec, precision: Mapping[str, str]) -> dict[str, bool
         layer = names.layer_prefix(stem)
         if layer is None:
             continue
-        block = next((b for b in ("mlp.experts.", "mixer.experts.") if stem.startswith(layer + b)), None)
+        block = next((b for b in _EXPERT_BANKS if stem.startswith(f"{layer}{b}.")), None)
         if block is not None:  # routed experts: one engine module, whatever their leaves
-            fused.setdefault(layer + block[:-1], []).append(stem)
+            fused.setdefault(layer + block, []).append(stem)
             continue
         for fused_name, shards in groups.items():
             for shard in shards:
@@ -64,6 +67,12 @@ def mtp_modules(spec: ModelSpec, precision: Mapping[str, str]) -> dict[str, bool
     for fused_name, group in fused.items():
         modules[fused_name] = all(modules[m] for m in group)
     return dict(sorted(modules.items()))
+
+
+def _expert_bank(module: str, spec: ModelSpec) -> bool:
+    """Whether ``module`` is an MTP layer's routed-expert bank (``model.layers.92.mlp.experts``)."""
+    layer = spec.mtp_names.layer_prefix(module)
+    return layer is not None and module in {layer + b for b in _EXPERT_BANKS}
 
 
 def uncovered_modules(
@@ -210,6 +219,9 @@ def plan_metadata(
     precision = linear_precisions(tensors)
     config, hfq, meta = repair_labels(spec, config, hfq, tensors, precision, changes)
     lists = exclusion_lists(config, hfq)  # the repaired files' lists, read with their metadata
+    borrowed = spec.mtp_borrowed_head(tensors)
+    if borrowed is not None and any(map(spec.mtp_names.matcher, tensors)):  # the draft's head holds the lm_head
+        precision = {**precision, borrowed[0]: precision.get(borrowed[1], "missing")}
     modules = mtp_modules(spec, precision)
     rename = spec.engine_mtp_name if spec.family.mtp.engine_rename is not None else None
     unquantized = [m for m, plain in modules.items() if plain]
@@ -223,8 +235,10 @@ def plan_metadata(
             if all_plain:
                 modelopt, ct = (list(p) for p in resolve(config).mtp_exclusion_patterns(mtp_layers or None))
             else:
-                # exact names of real modules; vLLM treats a fused group as excluded when all members are
-                names = sorted({m for ms in missing.values() for m in ms if m in precision})
+                # exact names of real modules (vLLM treats a fused group as excluded when all members are) and of
+                # routed-expert banks, which vLLM builds as one FusedMoE matched by its own name
+                # (ModelOptQuantConfigBase.is_layer_excluded): an MTP whose experts alone stay BF16
+                names = sorted({m for ms in missing.values() for m in ms if m in precision or _expert_bank(m, spec)})
                 if rename is not None:
                     names = sorted({*names, *(rename(m) for m in names)})
                 modelopt, ct = names, names

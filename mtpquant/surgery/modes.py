@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
-from mtpquant.checkpoint.header import FLOAT_DTYPES
+from mtpquant.checkpoint.header import FLOAT_DTYPES, TensorEntry
 from mtpquant.checkpoint.modules import linear_modules
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.checkpoint.writer import OutputDir, PlannedTensor
@@ -96,6 +96,7 @@ class WriteContext:
     fmt: str = "nvfp4"  # quantize: nvfp4 | fp8
     activations: bool = True  # quantize: W4A4 (input scales) or weights only
     targets: str = "all"  # quantize: the recipe's targets (experts: the MTP's routed experts only)
+    exclude: tuple[str, ...] = ()  # quantize: the recipe's quantization.exclude (the MTP Linears it matches stay BF16)
     main_algo: str = "NVFP4"  # the main model's quant_algo (an FP8 MTP beside it makes MIXED_PRECISION)
     measured: Any = None  # what the mode's ``measure`` returned (search: the SearchOutcome)
 
@@ -136,11 +137,45 @@ def same_bytes(out: Checkpoint, src: Checkpoint, names: list[str], where: str) -
 
 
 def load_mtp_layer(ckpt: Checkpoint, device: Any = None) -> Any:
-    """The family's reference MTP with the source's ``mtp.*`` weights (for calibration)."""
+    """The family's reference MTP with the source's ``mtp.*`` weights (for calibration).
+
+    An appended layer's weights are read as the forward takes them (``_MtpTensors``): its head and embedding copies,
+    which the forward never reads (the drafter uses the target's), not at all, and its per-expert bank straight into
+    the fused tensors, so the layer costs its own size once (GLM-4.5-Air's: 4.7 GB, not 7.2 GB of copies and bank
+    plus 4.4 GB fused), which the memory plan's two largest decoder layers cover under ``--max-memory``."""
     from mtpquant.mtp.build import reference_mtp
 
-    tensors = {e.name: ckpt.read_tensor(e.name) for e in ckpt.mtp_tensors()}
+    entries = ckpt.mtp_tensors()
+    if ckpt.spec.family.mtp.appended is not None:
+        return reference_mtp(ckpt.config, _MtpTensors(ckpt, entries), device=device)
+    tensors = {e.name: ckpt.read_tensor(e.name) for e in entries}
     return reference_mtp(ckpt.config, tensors, device=device)
+
+
+class _MtpTensors(Mapping[str, Any]):
+    """An appended MTP layer's tensors read from the checkpoint when looked up, not kept; its head and embedding
+    copies as meta tensors (shape and dtype only: the forward never reads them)."""
+
+    def __init__(self, ckpt: Checkpoint, entries: Sequence[TensorEntry]) -> None:
+        self.ckpt = ckpt
+        self.entries = {e.name: e for e in entries}
+        self.copies = tuple("." + c for c in ckpt.spec.family.mtp.copies)
+
+    def __getitem__(self, name: str) -> Any:
+        import torch
+
+        from mtpquant.checkpoint.dtypes import torch_dtype
+
+        entry = self.entries[name]
+        if self.copies and name.endswith(self.copies):
+            return torch.empty(tuple(entry.shape), dtype=torch_dtype(entry.dtype), device="meta")
+        return self.ckpt.read_tensor(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.entries)
+
+    def __len__(self) -> int:
+        return len(self.entries)
 
 
 class MtpMode:
@@ -155,10 +190,10 @@ class MtpMode:
     needs_target: ClassVar[bool] = False  # measures on the exported main model before writing (search)
 
     # ---- plan time ---------------------------------------------------------------------------------
-    def check(self, ckpt: Checkpoint, fmt: str, targets: str = "all") -> ModeCheck:
-        """Refuse (one line) a source this mode cannot work on; notes for the plan (``fmt``, ``targets``: the MTP
-        format and the recipe's targets, quantize's)."""
-        del fmt, targets
+    def check(self, ckpt: Checkpoint, fmt: str, targets: str = "all", exclude: tuple[str, ...] = ()) -> ModeCheck:
+        """Refuse (one line) a source this mode cannot work on; notes for the plan (``fmt``, ``targets``,
+        ``exclude``: the MTP format, the recipe's targets and exclusions, quantize's)."""
+        del fmt, targets, exclude
         if not self.needs_mtp:
             return ModeCheck(self._family_notes(ckpt))
         names = _check_mtp_complete(ckpt, f"--mtp {self.name}")
@@ -256,12 +291,12 @@ class QuantizeMode(MtpMode):
     needs_calibration = True
     takes_format = True
 
-    def check(self, ckpt: Checkpoint, fmt: str, targets: str = "all") -> ModeCheck:
+    def check(self, ckpt: Checkpoint, fmt: str, targets: str = "all", exclude: tuple[str, ...] = ()) -> ModeCheck:
         from mtpquant.mtp.quantize import mtp_quantized_modules, per_expert_shapes
 
         check_quantizable(ckpt, "--mtp quantize")
         shapes = per_expert_shapes({e.name: e.shape for e in ckpt.mtp_tensors()})
-        quantized = tuple(mtp_quantized_modules(linear_modules(shapes), ckpt.spec.family.mtp, targets))
+        quantized = tuple(mtp_quantized_modules(linear_modules(shapes), ckpt.spec.family.mtp, targets, exclude))
         if fmt == "nvfp4":
             for m in quantized:
                 in_dim = shapes[m + ".weight"][-1]
@@ -304,7 +339,8 @@ class QuantizeMode(MtpMode):
         weights = {checkpoint_name(layer, n): p.detach().cpu() for n, p in layer.named_parameters()}
         layout = ctx.ckpt.spec.family.mtp
         result = quantize_mtp(
-            weights, ctx.calibrator.amax, ctx.fmt, activations=ctx.activations, layout=layout, targets=ctx.targets
+            weights, ctx.calibrator.amax, ctx.fmt, activations=ctx.activations, layout=layout, targets=ctx.targets,
+            exclude=ctx.exclude,
         )
         planned: list[PlannedTensor] = [in_memory(n, t) for n, t in result.tensors.items()]
         kept = [n for n in result.kept_tensors if n in ctx.ckpt.tensors]
@@ -383,8 +419,8 @@ class DropMode(MtpMode):
     declares = False
     needs_mtp = False
 
-    def check(self, ckpt: Checkpoint, fmt: str, targets: str = "all") -> ModeCheck:
-        base = super().check(ckpt, fmt, targets)
+    def check(self, ckpt: Checkpoint, fmt: str, targets: str = "all", exclude: tuple[str, ...] = ()) -> ModeCheck:
+        base = super().check(ckpt, fmt, targets, exclude)
         if ckpt.mtp_tensors():
             note = "--mtp drop: the output has no MTP; speculative decoding with MTP will not be available"
             return ModeCheck((note, *base.notes))

@@ -116,6 +116,18 @@ FULL_CONFIGS: dict[str, dict[str, Any]] = {
         "index_topk": 2048,
     },
     "GLM-4.5": _GLM45,
+    # zai-org/GLM-4.5-Air: 46 layers (the first dense), 128 routed experts, no QK norm
+    "GLM-4.5-Air": {
+        **_GLM45,
+        "hidden_size": 4096,
+        "intermediate_size": 10944,
+        "moe_intermediate_size": 1408,
+        "num_hidden_layers": 46,
+        "n_routed_experts": 128,
+        "first_k_dense_replace": 1,
+        "routed_scaling_factor": 1.0,
+        "use_qk_norm": False,
+    },
     "GLM-5": _GLM5,
 }
 

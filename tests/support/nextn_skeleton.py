@@ -12,6 +12,11 @@ family's MoE / dense layer), then the release's precision is applied:
   (NVIDIA/Model-Optimizer examples/deepseek/ptq.py);
 - ``glm-4.5``: zai-org/GLM-4.5 as released (BF16, the MTP at layer 92 with its head and embedding copies).
 
+``make_nextn_normal`` writes a model that converts and runs instead: a full-size config's dimensions with only its
+first layers (GLM-4.5-Air's dense layer and first MoE layer, then the MTP with its copies), every tensor random-normal
+in its dtype (``tests/support/skeleton.py``'s ``mtp_data="normal"``), and the trained tiny model's tokenizer: real bytes
+for the bounded-memory convert benchmark (``scripts/bench_nextn.py --full-convert``).
+
 The same layouts on the tiny configs (``synth.nextn.NEXTN_CONFIGS``) make the small published-quant fixtures
 (``tests/support/nextn_quants.py``).
 """
@@ -32,9 +37,18 @@ from mtpquant.families.nextn import mla_shapes, moe_shapes
 from mtpquant.formats.quant_config import HF_QUANT_CONFIG
 from mtpquant.synth.tiny import check_synthetic_replaceable
 from tests.support.nextn_layouts import full_config
-from tests.support.skeleton import SkeletonTensor, modelopt_exclusions, write_sparse_safetensors
+from tests.support.skeleton import SkeletonTensor, modelopt_exclusions, normal_fill, write_sparse_safetensors
 
-__all__ = ["FULL_LAYOUTS", "Planned", "fp8_block", "make_nextn_skeleton", "nvfp4", "trunk_and_mtp", "write_layout"]
+__all__ = [
+    "FULL_LAYOUTS",
+    "Planned",
+    "fp8_block",
+    "make_nextn_normal",
+    "make_nextn_skeleton",
+    "nvfp4",
+    "trunk_and_mtp",
+    "write_layout",
+]
 
 Planned = list[tuple[str, str, tuple[int, ...]]]  # (name, dtype, shape)
 
@@ -169,15 +183,18 @@ def spread(planned: Planned, shards: list[str]) -> list[SkeletonTensor]:
 def write_layout(
     out: Path, config: Mapping[str, Any], tensors: list[SkeletonTensor], hfq: Mapping[str, Any] | None = None,
     *, index: bool = True, unindexed: frozenset[str] = frozenset(), overwrite: bool = False,
+    fill: Callable[[SkeletonTensor], bytes | None] | None = None, tokenizer: Path | None = None,
 ) -> Path:
     """Write a header-only checkpoint: one sparse file per shard, the index (leaving out ``unindexed`` shards), the
-    configs."""
+    configs; with ``fill``, the bytes it gives each tensor, and with ``tokenizer``, that directory's tokenizer."""
     by_shard: dict[str, list[SkeletonTensor]] = defaultdict(list)
     for t in tensors:
         by_shard[t.shard].append(t)
     with OutputDir(Path(out), overwrite=overwrite, replace_check=check_synthetic_replaceable) as od:
         for shard, group in sorted(by_shard.items()):
-            write_sparse_safetensors(od.path / shard, group, {"format": "pt"})
+            write_sparse_safetensors(od.path / shard, group, {"format": "pt"}, fill)
+        for name in ("tokenizer.json", "tokenizer_config.json") if tokenizer is not None else ():
+            od.link_file(tokenizer / name, name, link=False)
         if index:
             weight_map = {t.name: t.shard for t in sorted(tensors, key=lambda t: t.name) if t.shard not in unindexed}
             total = sum(t.nbytes for t in tensors if t.shard not in unindexed)
@@ -219,6 +236,23 @@ def make_nextn_skeleton(kind: str, out: Path, *, overwrite: bool = False) -> Pat
         SkeletonTensor(n, d, s, shard_names(163, width=6)[-1]) for n, d, s in mtp
     ]
     return write_layout(out, cfg, tensors, hfq, overwrite=overwrite)
+
+
+def make_nextn_normal(name: str, out: Path, *, layers: int, shard_bytes: int = 5 * 10**9, seed: int = 0,
+                      overwrite: bool = False) -> Path:  # fmt: skip
+    """The full-size config ``name`` (``nextn_layouts.FULL_CONFIGS``) cut to its first ``layers`` layers, the MTP
+    appended after them, with random-normal weights and the trained tiny GLM model's tokenizer (ids below every
+    vocabulary): the trunk in shards of about ``shard_bytes``, the MTP alone in the last (as the release has it)."""
+    from mtpquant.checkpoint.header import tensor_nbytes
+    from mtpquant.synth.train import TINY_MTP_ASSETS
+
+    config = full_config(name) | {"num_hidden_layers": layers}
+    trunk, mtp = trunk_and_mtp(config)
+    count = max(1, math.ceil(sum(tensor_nbytes(d, s) for _, d, s in trunk) / shard_bytes))
+    shards = shard_names(count + 1)
+    tensors = spread(trunk, shards[:-1]) + [SkeletonTensor(n, d, s, shards[-1]) for n, d, s in mtp]
+    return write_layout(out, config, tensors, overwrite=overwrite, fill=normal_fill(seed),
+                        tokenizer=TINY_MTP_ASSETS["glm4_moe"])  # fmt: skip
 
 
 def main() -> None:  # pragma: no cover - a helper for benchmarks: python -m tests.support.nextn_skeleton KIND OUT

@@ -56,6 +56,7 @@ __all__ = [
     "list_layouts",
     "make_skeleton",
     "modelopt_exclusions",
+    "normal_fill",
     "plan_quant",
     "plan_source",
     "write_sparse_safetensors",
@@ -452,7 +453,7 @@ def _random_fill(seed: int, head: int | None = None) -> Callable[[SkeletonTensor
     return fill
 
 
-def _normal_fill(seed: int) -> Callable[[SkeletonTensor], bytes | None]:
+def normal_fill(seed: int) -> Callable[[SkeletonTensor], bytes | None]:
     """Every tensor random-normal (std 0.02) in its own dtype: a model that runs, for measuring real bytes."""
     import torch
 
@@ -497,7 +498,7 @@ def make_skeleton(
     else:
         config, tensors = plan_source(layout)
     fill = (
-        _normal_fill(seed)
+        normal_fill(seed)
         if mtp_data == "normal"
         else _random_fill(seed)
         if mtp_data == "random" and not quant
