@@ -204,6 +204,26 @@ def test_a_quantized_shared_expert_needs_its_routed_experts_quantized(tiny_facto
     assert alone not in space.configurations()
 
 
+def test_a_group_the_recipe_excludes_stays_bf16(tiny_factory: Factory) -> None:
+    """A recipe's ``quantization.exclude`` holds in the search as in ``--mtp quantize``: with the routed experts
+    excluded (``*mlp.experts*``, how vLLM's CPU build, without an NVFP4 MoE kernel, is served) every configuration
+    keeps the experts group BF16, the refusal names the excluded Linear, and the other groups are still searched."""
+    ckpt = Checkpoint.open(tiny_factory("qwen3_5_moe"))
+    mtp = {e.name: e for e in ckpt.mtp_tensors()}
+    space = MtpSpace(ckpt.spec.family, mtp, engines=("vllm",), precisions=("nvfp4",), exclude=("*mlp.experts*",))
+    found = space.configurations()
+    assert {a["experts"] for a in found} == {"bf16"}
+    assert sorted(a.label for a in found) == sorted(
+        a.label for a in MtpSpace(ckpt.spec.family, mtp, engines=("vllm",), precisions=("nvfp4",)).configurations()
+        if a["experts"] == "bf16"
+    )
+    assert len(found) == 4  # input and attention each BF16 / NVFP4; a quantized shared expert needs quantized experts
+    assert space.refusal("experts", "nvfp4") == (
+        f"{space.members['experts'][0]}: the recipe's quantization.exclude keeps it BF16"
+    )
+    assert space.refusal("experts", "bf16") is None and space.refusal("attention", "nvfp4") is None
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_group_bytes_add_up_to_the_mtp(tiny_factory: Factory, variant: str) -> None:
     """Every group's bytes in each precision (the report's and the card's group table) plus the tensors outside any

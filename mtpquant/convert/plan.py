@@ -348,7 +348,7 @@ def _search_space(ckpt: Checkpoint, settings: SearchSettings, recipe: Recipe) ->
     from mtpquant.search.run import search_space
 
     q = recipe.quantization
-    space = search_space(ckpt, settings, main_algo=q.quant_algo, activations=q.activations)
+    space = search_space(ckpt, settings, main_algo=q.quant_algo, activations=q.activations, exclude=q.exclude)
     configurations = space.configurations()
     if len(configurations) < 2:
         raise RecipeError(

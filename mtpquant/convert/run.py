@@ -396,7 +396,7 @@ def _run(
             od.doing = "measuring the MTP's precision configurations"
             q = recipe.quantization
             context = MeasureContext(ckpt, target, tokenizer, cal, plan.search, q.quant_algo, q.activations,
-                                     plan.device, progress, healer=healer)
+                                     plan.device, progress, healer=healer, exclude=tuple(q.exclude))
             measured = mode.measure(context)
             od.doing = ""
 

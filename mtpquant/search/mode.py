@@ -71,7 +71,7 @@ class SearchMode(MtpMode):
         return search_mtp(
             CheckpointWeights(ctx.target), ctx.ckpt, ctx.ckpt.source, rows, ctx.settings,
             main_algo=ctx.main_algo, activations=ctx.activations, target_name=public_checkpoint(ctx.ckpt.label),
-            device=device, dtype=dtype, progress=ctx.progress, healer=ctx.healer,
+            device=device, dtype=dtype, progress=ctx.progress, healer=ctx.healer, exclude=ctx.exclude,
         )  # fmt: skip
 
     def write(self, ctx: WriteContext) -> MtpOutcome:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -89,8 +89,11 @@ class SearchOutcome:
     weights: dict[str, Tensor] | None = None
 
 
-def search_space(ckpt: Checkpoint, settings: SearchSettings, *, main_algo: str, activations: bool) -> MtpSpace:
-    """The configurations of ``ckpt``'s MTP (SRC's, headers only) the chosen engines load."""
+def search_space(
+    ckpt: Checkpoint, settings: SearchSettings, *, main_algo: str, activations: bool, exclude: Sequence[str] = ()
+) -> MtpSpace:
+    """The configurations of ``ckpt``'s MTP (SRC's, headers only) the chosen engines load; a group holding a Linear
+    the recipe's ``quantization.exclude`` matches stays BF16 (as ``--mtp quantize`` keeps it)."""
     return MtpSpace(
         ckpt.spec.family,
         {e.name: e for e in ckpt.mtp_tensors()},
@@ -98,6 +101,7 @@ def search_space(ckpt: Checkpoint, settings: SearchSettings, *, main_algo: str, 
         activations=activations,
         engines=settings.engines,
         precisions=settings.precisions,
+        exclude=exclude,
     )
 
 
@@ -115,6 +119,7 @@ def search_mtp(
     dtype: Any,
     progress: bool = False,
     healer: Healer | None = None,
+    exclude: Sequence[str] = (),
 ) -> SearchOutcome:
     """Choose the MTP's precision per group for ``target`` (the quantized main model) from ``source``'s BF16 MTP;
     with a ``healer`` (``--heal``), among the finalists healed (``search.finalists``)."""
@@ -122,7 +127,7 @@ def search_mtp(
 
     seconds: dict[str, float] = {}
     t0 = time.perf_counter()
-    space = search_space(source, settings, main_algo=main_algo, activations=activations)
+    space = search_space(source, settings, main_algo=main_algo, activations=activations, exclude=exclude)
     source_mtp = {e.name: source.read_tensor(e.name) for e in source.mtp_tensors()}
     sampling = settings.sampling
     inputs = prepare(

@@ -31,6 +31,7 @@ from mtpquant.checkpoint.precision import is_quantized, linear_precisions
 from mtpquant.engine.loading import mtp_load_refusal
 from mtpquant.families import FUSED_EXPERT_PIECES, Family, MtpGroup
 from mtpquant.formats.quant_config import QuantMetadata
+from mtpquant.recipes.recipe import recipe_excludes
 from mtpquant.records.record import Record
 
 __all__ = [
@@ -168,6 +169,7 @@ class MtpSpace:
         activations: bool = True,
         engines: Sequence[str] = ("vllm",),
         precisions: Sequence[str] = PRECISIONS,
+        exclude: Sequence[str] = (),
     ) -> None:
         unknown = [e for e in engines if e not in MTP_ENGINES]
         if unknown:
@@ -177,6 +179,7 @@ class MtpSpace:
         self.activations = activations
         self.engines = tuple(engines)
         self.precisions = tuple(p for p in PRECISIONS if p in precisions or p == "bf16")
+        self.exclude = tuple(exclude)  # the recipe's quantization.exclude: the MTP Linears it matches stay BF16
         self.source: dict[str, Planned] = {}
         self.split: dict[str, list[str]] = {}  # a fused 3-D source tensor -> the per-expert weights it holds
         for name, entry in sorted(source.items()):
@@ -270,6 +273,9 @@ class MtpSpace:
         NVFP4 block that does not divide a Linear's input, FP8 beside a weight-only recipe (no input scales)."""
         if precision not in self.precisions:
             return f"{precision} is not searched"
+        kept = next((m for m in self.members[key] if precision != "bf16" and recipe_excludes(self.exclude, m)), None)
+        if kept is not None:
+            return f"{kept}: the recipe's quantization.exclude keeps it BF16"
         if precision == "fp8" and not self.activations:
             return "FP8 needs input scales, and the recipe quantizes weights only"
         if precision == "nvfp4":

@@ -115,6 +115,7 @@ class MeasureContext:
     device: str
     progress: bool = False
     healer: Any = None  # --mtp auto --heal: the search's finalists healed before the choice (search.finalists.Healer)
+    exclude: tuple[str, ...] = ()  # the recipe's quantization.exclude (the MTP Linears it matches stay BF16)
 
 
 @dataclass
