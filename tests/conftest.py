@@ -38,6 +38,39 @@ def pytest_report_header(config: pytest.Config) -> str:
     return f"free disk under {tempfile.gettempdir()}: {free / 2**30:.1f} GiB (the suite needs about 6 GiB)"
 
 
+# The modules that take longest (seconds of one worker, beside the other, from a full run's --durations), heaviest
+# first. pytest-xdist hands whole modules to the two workers in collection order (``--no-loadscope-reorder`` in
+# pyproject.toml; its default order, by number of tests, left the few-test engine modules to the end: one worker ran
+# the last 9 minutes alone), so these are collected first and the many small modules fill in around them.
+HEAVY_MODULES = {
+    "test_engine_validate.py": 800,
+    "test_demo.py": 300,
+    "test_engine_nextn.py": 260,
+    "test_engine_search.py": 200,
+    "test_engine_peers.py": 190,
+    "test_nextn_vllm.py": 150,
+    "test_graft_hub.py": 90,
+    "test_search.py": 90,
+    "test_heal_sampling.py": 60,
+    "test_heal_nextn.py": 50,
+    "test_inspect_fixes.py": 50,
+    "test_heal.py": 50,
+    "test_convert_qwen4_exp.py": 40,
+    "test_skeleton.py": 30,
+}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The heavy modules first (``HEAVY_MODULES``), then the rest by number of tests (xdist's own order); a module's
+    tests stay together and in their order."""
+    first: dict[str, int] = {}
+    count: dict[str, int] = {}
+    for i, item in enumerate(items):
+        first.setdefault(item.path.name, i)
+        count[item.path.name] = count.get(item.path.name, 0) + 1
+    items.sort(key=lambda it: (-HEAVY_MODULES.get(it.path.name, 0), -count[it.path.name], first[it.path.name]))
+
+
 def _fingerprint(root: Path) -> str:
     h = hashlib.sha256()
     for p in sorted(root.rglob("*")):

@@ -3,7 +3,8 @@ tiny-glm4_moe-mtp``, head_dim 32) as ``Glm4MoeMTPModel``: its source and its ``c
 quantize`` outputs, greedy and at T = 0.8, measured by the engine's own counters at k = 2 (its first position is what
 k = 1 accepts, as tests/test_engine_validate.py explains) against validate's built-in prediction through the family's
 MTP forward (``mtp/nextn.py``) on the same prompts, lengths and seeds: AL within 0.1 at k = 1 and 2. And heal of the
-keep output raises the engine-measured AL on the held-out prompts.
+keep output raises the engine-measured AL on the held-out prompts (the keep output's greedy measurement is the one its
+comparison made: one server per checkpoint).
 
 The CPU build has no NVFP4 MoE kernel ("No NvFp4 MoE backend supports the deployment configuration"): both outputs
 served here are converted with the routed experts left BF16 (``--set quantization.exclude=["*mlp.experts*"]``;
@@ -19,12 +20,14 @@ check is ``scripts/nextn_serve_check.py`` in ``scripts/gpu_check.sh``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from mtpquant.api import ConvertOptions, HealOptions, ValidateOptions, convert, heal, validate
 from mtpquant.checkpoint.table import Checkpoint
+from mtpquant.records.validation import Report
 from mtpquant.synth.train import TINY_MTP_ASSETS
 from tests.support.engine import CONCURRENCY, CPU_ENV, EnginePool
 
@@ -50,34 +53,50 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return out
 
 
+@pytest.fixture(scope="module")
+def compared(
+    checkpoints: dict[str, Path], vllm: EnginePool, tmp_path_factory: pytest.TempPathFactory
+) -> Callable[[str], tuple[Report, Path]]:
+    """``validate --engine vllm --compare-reference`` of a checkpoint at k = 2, greedy and at T = 0.8 (its report and
+    report directory), run once per module: the heal test below takes the keep output's greedy measurement."""
+    done: dict[str, tuple[Report, Path]] = {}
+
+    def get(which: str) -> tuple[Report, Path]:
+        if which not in done:
+            report_dir = tmp_path_factory.mktemp(f"compare-{which}") / "report"
+            report = validate(
+                ValidateOptions(
+                    checkpoints[which],
+                    num_prompts=PROMPTS,
+                    max_len=MAX_LEN,
+                    ks=(2,),
+                    device="cpu",
+                    activations="off" if which == "source" else "emulate",  # the engine quantizes W4A4 inputs too
+                    engine="vllm",
+                    vllm_python=vllm.python,
+                    env=CPU_ENV,
+                    concurrency=CONCURRENCY,
+                    compare_reference=True,
+                    temperatures=(0.0, 0.8),
+                    report_dir=report_dir,
+                    progress=False,
+                )
+            ).report
+            done[which] = (report, report_dir)
+        return done[which]
+
+    return get
+
+
 @pytest.mark.parametrize("which", ["source", "keep", "quantize"])
-def test_engine_measures_what_validate_predicts(
-    which: str, checkpoints: dict[str, Path], vllm: EnginePool, tmp_path: Path
-) -> None:
+def test_engine_measures_what_validate_predicts(which: str, checkpoints: dict[str, Path],
+                                                compared: Callable[[str], tuple[Report, Path]]) -> None:  # fmt: skip
     if which == "quantize":  # the MTP's attention W4A4 with its calibrated input scale, its expert bank BF16
         mtp = Checkpoint.open(checkpoints[which]).tensors
         assert mtp["model.layers.2.self_attn.q_proj.weight"].dtype == "U8"
         assert "model.layers.2.self_attn.q_proj.input_scale" in mtp
         assert mtp["model.layers.2.mlp.experts.0.gate_proj.weight"].dtype == "BF16"
-    report_dir = tmp_path / "report"
-    report = validate(
-        ValidateOptions(
-            checkpoints[which],
-            num_prompts=PROMPTS,
-            max_len=MAX_LEN,
-            ks=(2,),
-            device="cpu",
-            activations="off" if which == "source" else "emulate",  # the engine quantizes W4A4 inputs too
-            engine="vllm",
-            vllm_python=vllm.python,
-            env=CPU_ENV,
-            concurrency=CONCURRENCY,
-            compare_reference=True,
-            temperatures=(0.0, 0.8),
-            report_dir=report_dir,
-            progress=False,
-        )
-    ).report
+    report, report_dir = compared(which)
     assert report.reference.family == "glm4_moe" and [e.k for e in report.engine] == [2]
     assert "Glm4MoeMTPModel" in (report_dir / "logs" / "vllm-reference-k2.log").read_text()
     assert report.predicted is not None
@@ -93,20 +112,27 @@ def test_engine_measures_what_validate_predicts(
     assert greedy > 1.5 and hot < greedy  # the trained MTP drafts; sampling costs acceptance
 
 
-def test_heal_raises_the_engine_measured_al(checkpoints: dict[str, Path], vllm: EnginePool, tmp_path: Path) -> None:
+def test_heal_raises_the_engine_measured_al(
+    checkpoints: dict[str, Path],
+    compared: Callable[[str], tuple[Report, Path]],
+    vllm: EnginePool,
+    tmp_path: Path,
+) -> None:
     """The keep output healed (its BF16 MTP trained against its own NVFP4 target through mtp/nextn.py) drafts better
     as the engine measures it on the held-out prompts (greedy, k = 2), by about what heal's own check said."""
     healed = tmp_path / "healed"
     result = heal(HealOptions(quant=str(checkpoints["keep"]), source=str(SOURCE), out=healed, samples=32,
                               check_prompts=24, force=True, device="cpu", progress=False))  # fmt: skip
     assert result.check is not None and result.check.by_k[0].change > 0
+    keep, _ = compared("keep")  # greedy first: the same prompts, lengths and server settings as the healed run's
+    healed_report = validate(ValidateOptions(healed, num_prompts=PROMPTS, max_len=MAX_LEN, ks=(2,), device="cpu",
+                                             engine="vllm", vllm_python=vllm.python, env=CPU_ENV,
+                                             concurrency=CONCURRENCY, progress=False)).report  # fmt: skip
     al = {}
-    for which, path in (("keep", checkpoints["keep"]), ("healed", healed)):
-        report = validate(ValidateOptions(path, num_prompts=PROMPTS, max_len=MAX_LEN, ks=(2,), device="cpu",
-                                          engine="vllm", vllm_python=vllm.python, env=CPU_ENV,
-                                          concurrency=CONCURRENCY, progress=False)).report  # fmt: skip
-        assert report.reference.acceptance is not None and report.engine
-        row = report.reference.acceptance.by_k[0]
+    for which, report in (("keep", keep), ("healed", healed_report)):
+        acceptance = report.reference.acceptance
+        assert acceptance is not None and report.engine and acceptance.sampling.label == "T=0"
+        row = acceptance.by_k[0]
         assert row.k == 2 and row.num_steps >= MIN_STEPS
         al[which] = (row.acceptance_per_position[0], row.mean_acceptance_length)
     assert al["healed"][0] > al["keep"][0] + 0.02, al  # k = 1: position 1

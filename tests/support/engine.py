@@ -11,6 +11,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.engine.launch import EngineProcess, free_port, server_args
@@ -112,10 +113,12 @@ def prompt_ids(checkpoint: Path, n: int, max_len: int = 96) -> tuple[list[list[i
 
 def engine_acceptance(
     path: Path, vllm: EnginePool, report_dir: Path, *, ks: tuple[int, ...], prompts: int = 32, max_len: int = 128
-) -> dict[int, dict[str, float]]:
+) -> dict[int, dict[str, Any]]:
     """``validate --engine vllm --compare-reference`` of ``path``: per k, the AL vLLM's own counters give
     (``engine``) and validate's built-in replay predicts on the same prompts (``predicted``), activations emulated on
-    the built-in side (the engine runs the W4A4 activations too); no other request reached the server."""
+    the built-in side (the engine runs the W4A4 activations too), each side's per-position acceptance
+    (``engine_per_position``, ``predicted_per_position``) and the engine's verification steps (``engine_steps``); no
+    other request reached the server."""
     from mtpquant.api import ValidateOptions, validate
 
     report = validate(
@@ -137,4 +140,13 @@ def engine_acceptance(
     rows = report.predicted.reference or () if report.predicted else ()
     assert [r.k for r in rows] == list(ks)
     assert all(e.other_requests == 0 for e in report.engine)
-    return {r.k: {"engine": r.engine_al, "predicted": r.predicted_al} for r in rows}
+    return {
+        r.k: {
+            "engine": r.engine_al,
+            "predicted": r.predicted_al,
+            "engine_per_position": list(r.engine_per_position),
+            "predicted_per_position": list(r.predicted_per_position),
+            "engine_steps": r.engine_steps,
+        }
+        for r in rows
+    }
