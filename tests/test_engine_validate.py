@@ -539,18 +539,27 @@ def test_ctrl_c_leaves_no_server_behind(
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     deadline = time.monotonic() + 300
+
+    def waiting(what: str) -> None:  # the command still runs and time is left; else why not (its error, its log)
+        if proc.poll() is None and time.monotonic() < deadline:
+            return
+        found = [*logs_in.glob("mtpquant-*/*"), *report_dir.rglob("*.log")]
+        logs = "".join(f"\n--- {p}:\n" + p.read_text(errors="replace")[-3000:] for p in found)
+        err = proc.stderr.read() if proc.poll() is not None and proc.stderr else ""
+        raise AssertionError(f"{what} (exit {proc.returncode}): {err.strip()}{logs}")
+
     while not list(logs_in.glob("mtpquant-vllm-logs-*/vllm-reference-k1.log")):
-        assert proc.poll() is None and time.monotonic() < deadline, "the server was never started"
+        waiting("the server was never started")
         time.sleep(0.05)
     (log,) = logs_in.glob("mtpquant-vllm-logs-*/vllm-reference-k1.log")
     # The server's own log is buffered, so it cannot say when the measurement runs; the server's gauge of running
     # requests does (the log opens with the server's command line, written by mtpquant: its port).
     while not (log.exists() and "--port " in log.read_text(errors="replace")):
-        assert proc.poll() is None and time.monotonic() < deadline, "the server was never started"
+        waiting("the server was never started")
         time.sleep(0.05)
     port = log.read_text().split("--port ", 1)[1].split()[0]
     while not _requests_running(int(port)):
-        assert proc.poll() is None and time.monotonic() < deadline, "no request ever ran on the server"
+        waiting("no request ever ran on the server")
         time.sleep(0.05)
     proc.send_signal(signal.SIGINT)  # Ctrl-C while the measurement runs
     _, err = proc.communicate(timeout=120)
