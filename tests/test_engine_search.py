@@ -12,8 +12,10 @@ fewer per generated token than a k = 1 server's: 44 prompts give it at least as 
 The search is asked for BF16 and NVFP4 only (``--mtp-precisions nvfp4``): vLLM's CPU build has no FP8 kernel (its
 ``_C::static_scaled_fp8_quant`` takes no arguments there, so a checkpoint with an FP8 Linear fails to start; measured
 with the default search's choice, input FP8 / attention NVFP4 / MLP FP8), while its NVFP4 emulation kernel runs
-(``tests/support/vllm_env.py``). (The trained tiny Qwen3.8-Flash-Next is not served: the CPU backend runs no NVFP4
-MoE.)
+(``tests/support/vllm_env.py``). The trained tiny Qwen3.5-MoE is served the same way with its routed experts BF16 in
+the main model and the MTP (``--set quantization.exclude=["*mlp.experts*"]``, which the search honours: the CPU backend
+runs no NVFP4 MoE); its all-NVFP4 choice is served by ``scripts/gpu_check.sh`` step 5a. (The trained tiny
+Qwen3.8-Flash-Next is not served: its MTP's experts are fused with the trunk's recipe.)
 """
 
 from __future__ import annotations
@@ -21,13 +23,14 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from mtpquant.api import ConvertOptions, SearchSettings, convert
+from mtpquant.api import ConvertOptions, ConvertResult, SearchSettings, convert
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.families import is_mtp_name
-from mtpquant.synth.train import TINY_MTP_ASSET
+from mtpquant.synth.train import TINY_MTP_ASSET, TINY_MTP_ASSETS
 from tests.support.engine import EnginePool, engine_acceptance
 from tests.support.heal import CALIB, HealedTiny
 
@@ -35,7 +38,9 @@ pytestmark = pytest.mark.engine
 
 K = 3  # one server per checkpoint (each is a server start, ~1 min on CPU); k = 1 and 2 from its first positions
 PROMPTS = 44
+MOE_PROMPTS = 50  # the MoE's MTP accepts more (AL 2.5 at k = 3): 44 prompts gave it 1,161 steps
 MIN_STEPS = 1290  # what 32 prompts gave a k = 1 server (see above)
+CPU_MOE = 'quantization.exclude=["*mlp.experts*"]'  # the routed experts BF16: the CPU build has no NVFP4 MoE kernel
 TOLERANCE = 0.1  # the engine against the prediction: the prompts' sampling noise, the engine's own numerics
 
 
@@ -51,14 +56,35 @@ def test_vllm_loads_the_chosen_mtp_and_measures_its_al_within_the_budget(
     settings = SearchSettings(precisions=("nvfp4",))  # what vLLM's CPU build runs (see above)
     auto = convert(ConvertOptions(src=str(TINY_MTP_ASSET), out=tmp_path / "auto", mtp="auto", search=settings,
                                   device="cpu", progress=False, **CALIB))  # fmt: skip
+    _engine_within_the_budget(auto, healed_tiny.quant("keep"), settings, vllm, tmp_path)
+
+
+def test_the_moe_search_with_its_experts_bf16_measures_within_the_budget(vllm: EnginePool, tmp_path: Path) -> None:
+    """The trained tiny Qwen3.5-MoE, its routed experts excluded by the recipe: the search quantizes only what the
+    recipe lets it (the experts stay BF16 in every configuration) and vLLM's CPU build serves its choice."""
+    settings = SearchSettings(precisions=("nvfp4",))
+    common: dict[str, Any] = {"src": str(TINY_MTP_ASSETS["qwen3_5_moe"]), "device": "cpu", "progress": False,
+                              "overrides": (CPU_MOE,), **CALIB}  # fmt: skip
+    auto = convert(ConvertOptions(out=tmp_path / "auto", mtp="auto", search=settings, **common))
+    keep = tmp_path / "keep"
+    convert(ConvertOptions(out=keep, mtp="keep", **common))
+    assert auto.search is not None
+    assert {row.assignment["experts"] for row in auto.search.evaluated} == {"bf16"}
+    _engine_within_the_budget(auto, keep, settings, vllm, tmp_path, prompts=MOE_PROMPTS)
+
+
+def _engine_within_the_budget(
+    auto: ConvertResult, keep: Path, settings: SearchSettings, vllm: EnginePool, tmp_path: Path, prompts: int = PROMPTS
+) -> None:
+    """The chosen MTP is smaller than the BF16 one, over the same quantized target, and vLLM measures its AL at
+    k = 1..3 within the budget + the tolerance of the BF16 MTP's."""
     search = auto.search
     assert search is not None and auto.output is not None
     chosen = search.choice
     assert chosen.verdict == "within" and chosen.nbytes < search.bf16_bytes  # some group fits: smaller than BF16
-    keep = healed_tiny.quant("keep")
     assert _main_digests(auto.output) == _main_digests(keep)  # the same quantized target
-    bf16 = engine_acceptance(keep, vllm, tmp_path / "bf16", ks=(K,), prompts=PROMPTS)[K]
-    measured = engine_acceptance(auto.output, vllm, tmp_path / "auto-validate", ks=(K,), prompts=PROMPTS)[K]
+    bf16 = engine_acceptance(keep, vllm, tmp_path / "bf16", ks=(K,), prompts=prompts)[K]
+    measured = engine_acceptance(auto.output, vllm, tmp_path / "auto-validate", ks=(K,), prompts=prompts)[K]
     numbers = {"chosen": chosen.assignment.label, "bytes": [chosen.nbytes, search.bf16_bytes], "bf16": bf16,
                "auto": measured}  # fmt: skip
     (tmp_path / "search-engine.json").write_text(json.dumps(numbers))
