@@ -46,9 +46,12 @@ HEAVY_MODULES = {
     "test_engine_validate.py": 800,
     "test_demo.py": 300,
     "test_engine_nextn.py": 260,
-    "test_engine_search.py": 200,
+    "test_engine_search.py": 460,
     "test_engine_peers.py": 190,
     "test_nextn_vllm.py": 150,
+    "test_convert_scale.py": 160,
+    "test_search_heal.py": 150,
+    "test_convert_nextn.py": 150,
     "test_graft_hub.py": 90,
     "test_search.py": 90,
     "test_heal_sampling.py": 60,
@@ -56,6 +59,7 @@ HEAVY_MODULES = {
     "test_inspect_fixes.py": 50,
     "test_heal.py": 50,
     "test_convert_qwen4_exp.py": 40,
+    "test_validate_tiny.py": 60,
     "test_skeleton.py": 30,
 }
 
