@@ -389,6 +389,43 @@ def test_capped_is_the_in_memory_output(
         assert json.loads((reference / name).read_text()) == json.loads((out / name).read_text())
 
 
+def test_quantize_releases_the_calibrated_mtp_layer_before_the_export(
+    outputs: Callable[..., tuple[Path, ConvertResult]],
+    tiny_factory: Callable[[str], Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The appended MTP layer (a whole MoE layer: 4.7 GB at GLM-4.5-Air's size) is not held through the export: the
+    layer calibration ran is freed before it, only its amax kept, and the write reads it again: the same bytes."""
+    import weakref
+
+    import mtpquant.convert.model as model_mod
+    import mtpquant.convert.run as run_mod
+
+    reference, _ = outputs("glm4_moe", "quantize")
+    built: list[weakref.ref[Any]] = []
+    alive_at_export: list[bool] = []
+    load, export = run_mod.load_mtp_layer, model_mod.export_quantized
+
+    def load_mtp_layer(*args: Any, **kwargs: Any) -> Any:
+        layer = load(*args, **kwargs)
+        built.append(weakref.ref(layer))
+        return layer
+
+    def export_quantized(*args: Any, **kwargs: Any) -> Any:
+        alive_at_export.extend(ref() is not None for ref in built)
+        return export(*args, **kwargs)
+
+    monkeypatch.setattr(run_mod, "load_mtp_layer", load_mtp_layer)
+    monkeypatch.setattr(model_mod, "export_quantized", export_quantized)
+    out = tmp_path / "out"
+    convert(ConvertOptions(src=str(tiny_factory("glm4_moe")), out=out, mtp="quantize", **CALIB))
+    assert alive_at_export == [False]  # the one layer calibration ran, already freed when the export starts
+    a, b = Checkpoint.open(reference, strict=True), Checkpoint.open(out, strict=True)
+    assert sorted(a.tensors) == sorted(b.tensors)
+    assert [n for n in a.tensors if raw(a, n) != raw(b, n)] == []
+
+
 # ---- validate's built-in path ----------------------------------------------------------------------------------
 
 
