@@ -133,7 +133,10 @@ def fused_offload(ckpt: Checkpoint, src_dir: Path) -> Iterator[list[str]]:
     names recorded (``install_fused_loader`` must then run on the loaded model)."""
     import transformers.core_model_loading
 
+    from mtpquant.runtime.memory import release_file_pages
+
     loading: Any = transformers.core_model_loading
+    shards = [str(src_dir / shard) for shard in ckpt.shards]
     recorded: list[str] = []
     original = getattr(loading, "offload_and_maybe_resave_param", None)
     converter = getattr(loading, "WeightConverter", None)
@@ -151,6 +154,9 @@ def fused_offload(ckpt: Checkpoint, src_dir: Path) -> Iterator[list[str]]:
         info.missing_keys.discard(target)
         index[target] = entry
         recorded.append(target)
+        # the pieces just fused were read through transformers' mappings of SRC, which live as long as the model:
+        # give their pages back now, or each offloaded MoE layer's experts stay in RSS through the whole load
+        release_file_pages(shards)
         return index
 
     loading.offload_and_maybe_resave_param = offload
