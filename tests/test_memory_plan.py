@@ -197,7 +197,7 @@ def test_a_cap_the_estimate_passes_by_more_than_2_gb_is_refused_naming_the_small
     err = capsys.readouterr().err.strip().splitlines()
     assert code == ExitCode.MEMORY and not out.exists() and list(tmp_path.iterdir()) == []
     assert err == [
-        "mtpquant: error: --max-memory cpu=8GiB: convert would peak at ~11.61 GB, over the cap + 2.00 GB, even with "
+        "mtpquant: error: --max-memory cpu=8GiB: the estimated peak, ~11.61 GB, is over the cap + 2.00 GB even with "
         "only the first weights resident (the runtime, two decoder layers of 4.68 GB or one, its packed copy and an "
         "output shard come on top); the smallest cap that keeps it within is cpu=9.1GiB"
     ]

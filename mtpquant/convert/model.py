@@ -75,8 +75,8 @@ def load_main_model(src: Path, ckpt: Checkpoint, memory: MemoryPlan, device: str
         model = cls.from_pretrained(str(src), trust_remote_code=False, **kwargs)
     install_fused_loader(model, fused)
     if memory.offloaded:  # the pages transformers read through its mappings of SRC, the offloaded layers' included
-        released = release_file_pages(str(src / shard) for shard in ckpt.shards)
-        log.info("paged out %s of SRC's mapped files after loading", format_bytes(released))
+        mapped = release_file_pages(str(src / shard) for shard in ckpt.shards)
+        log.info("gave back the pages read from SRC's mapped files after loading (%s mapped)", format_bytes(mapped))
     model.eval()
     model.requires_grad_(False)
     placed = placement(model)

@@ -8,6 +8,11 @@ tensors, which transformers fuses while loading, are fused from SRC's files when
 (modelopt's ``layerwise`` mode) and exported by modelopt's streaming writer, so memory holds the
 resident part plus about one layer and one shard.
 
+On the CPU the estimated peak stays within the cap + 2 GB (``CAP_HEADROOM``): where the whole cap placed would pass
+it (an MoE layer of 4.7 GB loaded from disk beside an appended MTP layer as large), accelerate is given less to place
+and more stays on disk; a cap under which even the first weights alone would pass it is refused before anything runs
+(exit ``MEMORY``), naming the smallest cap that does not.
+
 Without ``--max-memory``, a CPU plan whose in-memory peak would not fit in the memory this process
 can use (``MemAvailable``, and the cgroup limit in a container) caps itself at 80 % of it and
 offloads the rest; a machine that cannot hold even one layer and the buffers is refused with the
@@ -505,8 +510,8 @@ def _over_cap(blocks: list[Block], caps: MemoryCaps, largest: int, shard_bytes: 
     smallest = smallest_cpu_cap(blocks, shard_bytes)
     gib = -(-smallest * 10 // GIB) / 10  # rounded up to 0.1 GiB
     return (
-        f"--max-memory {caps.text()}: convert would peak at ~{format_bytes(peak)}, over the cap + "
-        f"{format_bytes(CAP_HEADROOM)}, even with only the first weights resident (the runtime, two decoder layers "
+        f"--max-memory {caps.text()}: the estimated peak, ~{format_bytes(peak)}, is over the cap + "
+        f"{format_bytes(CAP_HEADROOM)} even with only the first weights resident (the runtime, two decoder layers "
         f"of {format_bytes(largest)} or one, its packed copy and an output shard come on top); the smallest cap that "
         f"keeps it within is cpu={gib:g}GiB"
     )
