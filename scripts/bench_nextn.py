@@ -19,7 +19,7 @@ after unless ``--keep-source``), converted by the CLI as users run it (``mtpquan
 --max-memory CAP``) in a fresh process: wall, peak RSS (VmHWM) against the cap + 2 GB, the output inspected; its own
 section of docs/BENCHMARKS.md with ``--write-doc``.
 
-    .venv/bin/python scripts/bench_nextn.py --full-convert /tmp/bench-glm --full-cap cpu=8GiB --write-doc
+    .venv/bin/python scripts/bench_nextn.py --full-convert /tmp/bench-glm --full-cap cpu=9.1GiB --write-doc
 """
 
 from __future__ import annotations
@@ -261,11 +261,15 @@ def full_markdown(row: dict[str, Any], facts: dict[str, Any]) -> str:
         f"disk {gb(row['peak_extra_disk'])} | | |",
         f"| inspect | {'healthy' if row['healthy'] else 'NOT healthy'}: {row['vllm']} | | |",
         "", f"convert's own phases (s): {phases}; total {t['total']:.0f}.", "",
-        "What bounds it (the child's RSS timeline, in the script's WORK/convert.log): the plan itself estimates "
-        f"~{gb(memory['peak']['cpu'])} for this cap (resident {gb(sum(memory['resident'].values()))} + twice the "
-        f"largest decoder layer, {gb(memory['largest_block'])}: one MoE layer of 128 experts, + runtime + one output "
-        "shard), so the cap + 2 GB cannot hold for a cap under about twice one MoE layer; on top of it the MTP "
-        "layer (a whole MoE layer) is held from its calibration until its own quantization, after the export.",
+        "What bounds it (the child's RSS timeline, in the script's WORK/convert.log): the plan estimates "
+        f"~{gb(memory['peak']['cpu'])} for this cap (resident {gb(sum(memory['resident'].values()))} + the runtime + "
+        f"the calibration's MoE layer read from disk beside the MTP layer as large, twice {gb(memory['largest_block'])}"
+        "; the export's layer, its packed copy and one output shard hold less), within the cap + 2 GB, and gives "
+        f"accelerate cpu={gb((memory['caps'] or {}).get('cpu', 0))} to place weights in; a cap under which even the "
+        "first weights alone would pass the cap + 2 GB is refused before anything runs, naming the smallest that does "
+        "not. The MTP layer is freed after its calibration and read again to be "
+        "quantized; the source pages transformers read through its mappings are paged out after each fused offload "
+        "and after loading.",
     ]) + "\n"
 
 
@@ -277,7 +281,8 @@ def main() -> None:
     parser.add_argument("--write-doc", action="store_true", help="replace this script's section of docs/BENCHMARKS.md")
     parser.add_argument("--full-convert", type=Path, metavar="WORK",
                         help="instead: the capped convert of a GLM-4.5-Air-size checkpoint with real bytes in WORK")
-    parser.add_argument("--full-cap", default="cpu=8GiB", help="--max-memory of --full-convert (default cpu=8GiB)")
+    parser.add_argument("--full-cap", default="cpu=9.1GiB",
+                        help="--max-memory of --full-convert (default cpu=9.1GiB: the smallest convert accepts)")
     parser.add_argument("--keep-source", action="store_true", help="--full-convert: keep the ~15 GB source in WORK")
     args = parser.parse_args()
     sys.path.insert(0, str(REPO))

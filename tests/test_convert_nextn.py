@@ -389,6 +389,77 @@ def test_capped_is_the_in_memory_output(
         assert json.loads((reference / name).read_text()) == json.loads((out / name).read_text())
 
 
+def test_quantize_releases_the_calibrated_mtp_layer_before_the_export(
+    outputs: Callable[..., tuple[Path, ConvertResult]],
+    tiny_factory: Callable[[str], Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The appended MTP layer (a whole MoE layer: 4.7 GB at GLM-4.5-Air's size) is not held through the export: the
+    layer calibration ran is freed before it, only its amax kept, and the write reads it again: the same bytes."""
+    import weakref
+
+    import mtpquant.convert.model as model_mod
+    import mtpquant.convert.run as run_mod
+
+    reference, _ = outputs("glm4_moe", "quantize")
+    built: list[weakref.ref[Any]] = []
+    alive_at_export: list[bool] = []
+    load, export = run_mod.load_mtp_layer, model_mod.export_quantized
+
+    def load_mtp_layer(*args: Any, **kwargs: Any) -> Any:
+        layer = load(*args, **kwargs)
+        built.append(weakref.ref(layer))
+        return layer
+
+    def export_quantized(*args: Any, **kwargs: Any) -> Any:
+        alive_at_export.extend(ref() is not None for ref in built)
+        return export(*args, **kwargs)
+
+    monkeypatch.setattr(run_mod, "load_mtp_layer", load_mtp_layer)
+    monkeypatch.setattr(model_mod, "export_quantized", export_quantized)
+    out = tmp_path / "out"
+    convert(ConvertOptions(src=str(tiny_factory("glm4_moe")), out=out, mtp="quantize", **CALIB))
+    assert alive_at_export == [False]  # the one layer calibration ran, already freed when the export starts
+    a, b = Checkpoint.open(reference, strict=True), Checkpoint.open(out, strict=True)
+    assert sorted(a.tensors) == sorted(b.tensors)
+    assert [n for n in a.tensors if raw(a, n) != raw(b, n)] == []
+
+
+def _mapped_rss(files: set[str]) -> int:
+    """kB of this process's RSS in its mappings of ``files`` (``/proc/self/smaps``)."""
+    rss, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if re.fullmatch(r"[0-9a-f]+-[0-9a-f]+", fields[0]):
+            inside = len(fields) >= 6 and fields[5] in files
+        elif inside and fields[0] == "Rss:":
+            rss += int(fields[1])
+    return rss
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="Linux: reads /proc/self/smaps")
+def test_capped_load_gives_back_the_source_pages_it_read(tiny_factory: Callable[[str], Path], tmp_path: Path) -> None:
+    """transformers keeps its mappings of SRC's shards while the model lives (the resident weights are views into
+    them): every page it read while loading, the offloaded MoE layer's per-expert tensors it fused too, stayed in RSS
+    (6.5 GB file-backed at GLM-4.5-Air's size under cpu=8GiB). Under a cap convert pages them out once loaded."""
+    from mtpquant.convert.model import load_main_model
+
+    src = tiny_factory("glm4_moe")
+    plan, _ = plan_convert(ConvertOptions(src=str(src), out=tmp_path / "unused", dry_run=True, device="cpu"))
+    cap = f"cpu={int(plan.memory.model_bytes * 0.8)}"
+    plan, ckpt = plan_convert(
+        ConvertOptions(src=str(src), out=tmp_path / "unused", dry_run=True, device="cpu", max_memory=cap)
+    )
+    assert plan.memory.offloaded
+    model = load_main_model(src, ckpt, plan.memory, "cpu", tmp_path / "offload")
+    shards = {str((src / s).resolve()) for s in ckpt.shards}
+    maps = [line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines()]
+    assert shards & set(maps)  # still mapped (the main model's shards): the resident weights live in them
+    assert _mapped_rss(shards) == 0  # but none of their pages resident
+    next(model.parameters())  # (the model is alive while RSS is read)
+
+
 # ---- validate's built-in path ----------------------------------------------------------------------------------
 
 

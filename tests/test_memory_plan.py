@@ -92,8 +92,10 @@ def test_dry_run_shows_placement_and_peak_of_the_full_size_4b(qwen35_4b: Path, t
     # accelerate keeps room for one layer free on the CPU: the vision tower, the embedding and 4 layers fit in the rest
     assert "placement  cpu 2.83 GB, disk 6.25 GB (read from SRC's files as each layer runs)" in lines
     peak = next(line for line in lines if line.startswith("peak "))
-    # resident + the working layer and its packed copy + the runtime (1 GB) + one shard buffer
-    assert peak.startswith("peak       cpu ~5.09 GB") and peak.endswith("; layer-wise calibration (resumable)")
+    # resident + the runtime (1 GB) + the export's layer read from disk, its packed copy (half a layer) and one shard
+    # buffer (more than the calibration's two layers): within the cap + 2 GB (5.22 GB), so the whole cap is placed into
+    assert peak.startswith("peak       cpu ~4.98 GB") and peak.endswith("; layer-wise calibration (resumable)")
+    assert mem.caps == parse_max_memory("cpu=3GiB")
 
 
 def test_in_memory_plan_of_the_4b(qwen35_4b: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -136,7 +138,9 @@ def test_per_expert_layouts_say_that_offloaded_experts_are_fused_from_src(qwen_n
     assert [b.name for b in blocks] == ["embed", *(f"layer {i}" for i in range(48)), "norm/lm_head"]
     assert all(0 < b.converted < b.nbytes for b in blocks[1:-1])  # the routed experts, not attention or norms
     fused = 0
-    room = 40 * 10**9 - max(b.nbytes for b in blocks if b.name.startswith("layer "))  # accelerate keeps one layer free
+    budget = plan.memory.caps.get("cpu") if plan.memory.caps else None  # under the cap: the peak within cap + 2 GB
+    assert budget is not None and budget < 40 * 10**9
+    room = budget - max(b.nbytes for b in blocks if b.name.startswith("layer "))  # accelerate keeps one layer free
     for b in blocks:  # what the greedy placement leaves on disk
         if b.nbytes <= room:
             room -= b.nbytes
@@ -170,3 +174,57 @@ def test_a_cap_that_leaves_the_first_weights_on_disk_is_refused_at_plan_time(
     )
     code = main(["convert", str(src), str(tmp_path / "out"), "--max-memory", cap, "--device", "cpu"])
     assert code == ExitCode.MEMORY and list(tmp_path.iterdir()) == []  # refused before any work, nothing written
+
+
+@pytest.fixture(scope="module")
+def glm_air_two_layers(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The GLM-4.5-Air-dimension source of docs/BENCHMARKS.md's bounded-memory convert, headers only: an embedding
+    and a head of 1.24 GB, a dense layer, a MoE layer of 4.68 GB (128 experts), the appended MTP layer."""
+    from tests.support.nextn_skeleton import make_nextn_normal
+
+    return make_nextn_normal("GLM-4.5-Air", tmp_path_factory.mktemp("air") / "src", layers=2, sparse=True)
+
+
+def test_a_cap_the_estimate_passes_by_more_than_2_gb_is_refused_naming_the_smallest(
+    glm_air_two_layers: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Under cpu=8GiB (8.59 GB) even the embedding alone resident peaks at ~11.61 GB: the runtime (1 GB) and the
+    calibration's MoE layer read from disk beside the MTP layer as large (2 x 4.68 GB) come on top. Refused before
+    anything runs, naming the smallest cap whose estimate is within the cap + 2 GB; that cap plans."""
+    out = tmp_path / "out"
+    code = main(["convert", str(glm_air_two_layers), str(out), "--mtp", "quantize", "--device", "cpu",
+                 "--max-memory", "cpu=8GiB", "--dry-run"])  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == ExitCode.MEMORY and not out.exists() and list(tmp_path.iterdir()) == []
+    assert err == [
+        "mtpquant: error: --max-memory cpu=8GiB: the estimated peak, ~11.61 GB, is over the cap + 2.00 GB even with "
+        "only the first weights resident (the runtime, two decoder layers of 4.68 GB or one, its packed copy and an "
+        "output shard come on top); the smallest cap that keeps it within is cpu=9.1GiB"
+    ]
+    with pytest.raises(MemoryPlanError, match=r"smallest cap that keeps it within is cpu=9\.1GiB$"):
+        plan_convert(ConvertOptions(src=str(glm_air_two_layers), out=out, dry_run=True, device="cpu",
+                                    max_memory="cpu=9GiB"))  # fmt: skip
+    plan, _ = plan_convert(
+        ConvertOptions(src=str(glm_air_two_layers), out=out, dry_run=True, device="cpu", max_memory="cpu=9.1GiB")
+    )
+    peak = dict(plan.memory.peak)["cpu"]
+    assert peak == 11_708_755_225 <= int(9.1 * GiB) + 2 * 10**9
+
+
+@pytest.mark.parametrize(("cap", "budget", "resident"), [
+    ("cpu=9.1GiB", 6_411_608_319, 1_241_513_984),  # the embedding alone: the dense layer would pass cap + 2 GB
+    ("cpu=10GiB", 10 * GiB, 1_728_622_592),  # the embedding and the dense layer: the whole cap
+    ("cpu=11GiB", 11_094_594_047, 1_728_622_592),  # not the MoE layer: resident, the peak would be 14.21 GB
+])  # fmt: skip
+def test_a_larger_cap_places_less_when_more_resident_would_pass_the_cap_plus_2_gb(
+    glm_air_two_layers: Path, tmp_path: Path, cap: str, budget: int, resident: int
+) -> None:
+    plan, _ = plan_convert(
+        ConvertOptions(src=str(glm_air_two_layers), out=tmp_path / "o", dry_run=True, device="cpu", max_memory=cap)
+    )
+    mem = plan.memory
+    assert mem.caps is not None and mem.caps.get("cpu") == budget and mem.caps.text() == cap  # shown as given
+    assert dict(mem.resident)["cpu"] == resident
+    assert dict(mem.peak)["cpu"] <= parse_max_memory(cap).caps[0][1] + 2 * 10**9
+    lowered = [n for n in mem.notes if n.startswith("accelerate is given")]
+    assert len(lowered) == (budget < parse_max_memory(cap).caps[0][1])

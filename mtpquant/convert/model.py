@@ -58,6 +58,8 @@ def load_main_model(src: Path, ckpt: Checkpoint, memory: MemoryPlan, device: str
     import transformers
 
     from mtpquant.convert.offload import fused_offload, install_fused_loader
+    from mtpquant.runtime.memory import release_file_pages
+    from mtpquant.units import format_bytes
 
     spec = ckpt.spec
     cls = getattr(transformers, spec.architecture)
@@ -72,6 +74,9 @@ def load_main_model(src: Path, ckpt: Checkpoint, memory: MemoryPlan, device: str
         # the supported families never need remote code: never run code shipped with a checkpoint
         model = cls.from_pretrained(str(src), trust_remote_code=False, **kwargs)
     install_fused_loader(model, fused)
+    if memory.offloaded:  # the pages transformers read through its mappings of SRC, the offloaded layers' included
+        mapped = release_file_pages(str(src / shard) for shard in ckpt.shards)
+        log.info("gave back the pages read from SRC's mapped files after loading (%s mapped)", format_bytes(mapped))
     model.eval()
     model.requires_grad_(False)
     placed = placement(model)

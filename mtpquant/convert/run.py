@@ -371,6 +371,8 @@ def _run(
             for hidden, embeds in final_hidden_states(model, batches, device, family.mtp.hidden_source):
                 calibrator.observe(hidden, embeds)
                 bar.update(int(hidden.shape[0]))
+            calibrator.release()  # the amax is kept; the layer (a whole MoE layer for GLM) is read again to write it
+            gc.collect()
 
     scratch = od.path / SCRATCH
     od.doing = "exporting the quantized model"

@@ -238,7 +238,7 @@ class MtpCalibrator:
     """
 
     def __init__(self, layer: nn.Module) -> None:
-        self.layer = layer
+        self.layer: nn.Module | None = layer
         self.linears: dict[str, nn.Linear] = {
             checkpoint_name(layer, name): mod for name, mod in layer.named_modules() if isinstance(mod, nn.Linear)
         }
@@ -247,6 +247,14 @@ class MtpCalibrator:
         }
         self.amax: dict[str, Tensor] = {}
         self.rows = 0
+
+    def release(self) -> None:
+        """Drop the layer and its modules once calibration is done, keeping the recorded amax: an appended MTP is a
+        whole decoder layer (GLM-4.5-Air's: 4.7 GB), which would otherwise stay in memory through the export;
+        quantize mode reads its weights again from the source when it writes them (``QuantizeMode.write``)."""
+        self.layer = None
+        self.linears.clear()
+        self.experts.clear()
 
     def _record(self, name: str, x: Tensor) -> None:
         if x.numel() == 0:
@@ -294,6 +302,8 @@ class MtpCalibrator:
     def observe(self, hidden: Tensor, next_token_embeds: Tensor, positions: Tensor | None = None) -> None:
         """Run the MTP on the target's hidden input (Qwen3.5: post-final-norm ``h_t``; Qwen4-Exp: the multi-stream
         state) and ``embed(x_{t+1})``, ``[B, T, *]`` each."""
+        if self.layer is None:
+            raise RuntimeError("the MTP calibrator was released: it observes no more activations")
         device = next(self.layer.parameters()).device
         with self.recording():
             self.layer(hidden.to(device), next_token_embeds.to(device), positions)

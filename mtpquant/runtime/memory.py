@@ -8,6 +8,11 @@ tensors, which transformers fuses while loading, are fused from SRC's files when
 (modelopt's ``layerwise`` mode) and exported by modelopt's streaming writer, so memory holds the
 resident part plus about one layer and one shard.
 
+On the CPU the estimated peak stays within the cap + 2 GB (``CAP_HEADROOM``): where the whole cap placed would pass
+it (an MoE layer of 4.7 GB loaded from disk beside an appended MTP layer as large), accelerate is given less to place
+and more stays on disk; a cap under which even the first weights alone would pass it is refused before anything runs
+(exit ``MEMORY``), naming the smallest cap that does not.
+
 Without ``--max-memory``, a CPU plan whose in-memory peak would not fit in the memory this process
 can use (``MemAvailable``, and the cgroup limit in a container) caps itself at 80 % of it and
 offloads the rest; a machine that cannot hold even one layer and the buffers is refused with the
@@ -18,6 +23,7 @@ map accelerate actually chose.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -28,6 +34,7 @@ from mtpquant.runtime.machine import available_cpu_bytes
 from mtpquant.units import ByteSize, format_bytes
 
 __all__ = [
+    "CAP_HEADROOM",
     "IN_MEMORY_PEAK_FACTOR",
     "RUNTIME_BYTES",
     "MemoryCaps",
@@ -36,7 +43,9 @@ __all__ = [
     "keep_freed_memory",
     "parse_max_memory",
     "plan_memory",
+    "release_file_pages",
     "return_freed_memory",
+    "smallest_cpu_cap",
 ]
 
 # Peak resident memory of an in-memory convert, as a multiple of the main model's loaded bytes
@@ -47,6 +56,11 @@ RUNTIME_BYTES = 1_000_000_000
 # Under a CPU cap the streaming export buffers one shard: shards are capped at this share of it.
 SHARD_SHARE_OF_CAP = 4
 _AUTO_SHARE = 0.8  # of the available memory, when convert caps itself
+# A --max-memory CPU cap bounds accelerate's placement; convert's estimated peak may pass it by this much, no more
+# (the runtime and the working set come on top of the resident weights): a cap the plan's own estimate exceeds by
+# more is refused before anything runs.
+CAP_HEADROOM = 2_000_000_000
+GIB = 1 << 30
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _DEVICE = re.compile(r"^(cpu|cuda(?::\d+)?|\d+)$")
@@ -121,6 +135,43 @@ def keep_freed_memory() -> bool:
     Returns whether the settings were applied.
     """
     return _mallopt({_M_MMAP_THRESHOLD: 64 << 20, _M_TRIM_THRESHOLD: 256 << 20, _M_TOP_PAD: 64 << 20})
+
+
+_MADV_PAGEOUT = 21  # Linux 5.4+
+
+
+def release_file_pages(files: Iterable[str | os.PathLike[str]]) -> int:
+    """Give back the pages of ``files`` this process has mapped (``madvise(MADV_PAGEOUT)``; Linux only); returns
+    the bytes of the mappings advised.
+
+    transformers maps each SRC shard whole while loading and its resident weights stay views into those mappings, so
+    every page it read (the per-expert tensors of an offloaded MoE layer it fused, then handed to disk offload,
+    included) stays in the process's RSS as long as the model lives: 6.5 GB measured on the GLM-4.5-Air-dimension
+    checkpoint under ``--max-memory cpu=8GiB``. Paged out, the resident weights are read back from the files when
+    they are next used, the rest never; the pages a write made private (none: convert only reads its weights) stay.
+    """
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return 0
+    wanted = {os.path.realpath(f) for f in files}
+    try:
+        with open("/proc/self/maps") as fh:
+            maps = fh.read().splitlines()
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return 0
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    advised = 0
+    for line in maps:
+        fields = line.split(maxsplit=5)
+        if len(fields) < 6 or fields[5] not in wanted:
+            continue
+        start, end = (int(x, 16) for x in fields[0].split("-"))
+        if libc.madvise(start, end - start, _MADV_PAGEOUT) == 0:
+            advised += end - start
+    return advised
 
 
 def parse_max_memory(spec: str, where: str = "--max-memory") -> MemoryCaps:
@@ -262,16 +313,17 @@ class MemoryPlan:
         }
 
 
-def _place(blocks: list[Block], caps: MemoryCaps, reserve: int) -> tuple[dict[str, int], int, int]:
+def _place(blocks: list[Block], caps: MemoryCaps, reserve: int) -> tuple[dict[str, int], int, int, int]:
     """Greedy, in order, as accelerate's ``infer_auto_device_map`` does (an estimate of it): on its main devices
     (the first GPU and the CPU) it keeps room for the largest layer (``reserve``) free. Returns the bytes per device,
-    on disk, and of those on disk the ones transformers converts (fuses) while loading."""
+    on disk, of those on disk the ones transformers converts (fuses) while loading, and the largest block on disk
+    that runs (read whole when it does; the n-gram tables are looked up row by row)."""
     room = dict(caps.caps)
     order = [d for d, _ in caps.caps if d.startswith("cuda")] + (["cpu"] if "cpu" in room else [])
     for main in {*order[:1], "cpu"} & set(room):
         room[main] -= reserve
     placed = dict.fromkeys(order, 0)
-    disk = fused = 0
+    disk = fused = loaded = 0
     at = 0
     for block in blocks:
         while at < len(order) and placed[order[at]] + block.nbytes > room[order[at]]:
@@ -279,9 +331,10 @@ def _place(blocks: list[Block], caps: MemoryCaps, reserve: int) -> tuple[dict[st
         if at == len(order):
             disk += block.nbytes
             fused += block.converted
+            loaded = max(loaded, 0 if block.name == TABLES else min(block.nbytes, reserve))
         else:
             placed[order[at]] += block.nbytes
-    return placed, disk, fused
+    return placed, disk, fused, loaded
 
 
 def _first_weight_resident(blocks: list[Block], caps: MemoryCaps, capped_by: str, reserve: int) -> None:
@@ -354,10 +407,22 @@ def plan_memory(
     elif device == "cuda" and estimate.get("cpu") is None and "cpu" in avail:
         estimate = MemoryCaps((*estimate.caps, ("cpu", int(avail["cpu"] * _AUTO_SHARE))))
     cpu_cap = caps.get("cpu") if caps is not None else None
+    shard_budget = shard_bytes
     if cpu_cap is not None:
         shard_bytes = max(1, min(shard_bytes, cpu_cap // SHARD_SHARE_OF_CAP))
     _first_weight_resident(blocks, estimate, capped_by if caps is not None else "auto", largest)
-    placed, disk, fused = _place(blocks, estimate, largest)
+    if caps is not None and cpu_cap is not None and capped_by == "flag" and device == "cpu":
+        budget = _cpu_budget(blocks, cpu_cap, largest, shard_budget)
+        if budget is None:
+            least = _cpu_peak(blocks, _first_only(blocks, largest), cpu_cap, largest, shard_budget) or 0
+            raise MemoryPlanError(_over_cap(blocks, caps, largest, shard_budget, least))
+        if budget < cpu_cap:
+            caps = estimate = MemoryCaps((("cpu", budget),), caps.given)
+            notes.append(
+                f"accelerate is given cpu={format_bytes(budget)} to place weights in, not the whole cap: with more "
+                f"resident the estimated peak would pass the cap + {format_bytes(CAP_HEADROOM)}"
+            )
+    placed, disk, fused, loaded = _place(blocks, estimate, largest)
     if fused:
         notes.append(
             f"transformers fuses this checkpoint's per-expert tensors while loading: the ~{format_bytes(fused)} of "
@@ -370,13 +435,86 @@ def plan_memory(
             f"the PLE n-gram tables (~{format_bytes(tables)}) stay on disk: read from SRC's row shards when their "
             "layer runs (nothing re-saved), as transformers keeps them off the device"
         )
-    peak = {d: n + 2 * largest + (RUNTIME_BYTES + shard_bytes if d == "cpu" else 0) for d, n in placed.items()}
-    peak.setdefault("cpu", RUNTIME_BYTES + shard_bytes + 2 * largest)
+    peak = {d: n + _working_set(largest, shard_bytes if d == "cpu" else 0, loaded) for d, n in placed.items()}
+    peak.setdefault("cpu", _working_set(largest, shard_bytes, loaded))
     plan = MemoryPlan(
         model, largest, caps, capped_by, tuple(placed.items()), disk, tuple(peak.items()),
         tuple(avail.items()), layerwise, shard_bytes, tuple(notes),
     )
     return dataclasses.replace(plan, layerwise=layerwise or plan.offloaded)
+
+
+def _working_set(largest: int, shard: int, loaded: int) -> int:
+    """What a device holds beyond its resident weights (``shard``: the export's buffer, on the CPU only; with it the
+    runtime), whichever phase holds more: the calibration's block read from disk (``loaded``: the largest on disk) and
+    a layer as large as the largest (quantize mode's MTP layer, an appended one as large as a decoder layer, runs beside
+    it), or the export's block read from disk, a packed copy (at most half a layer: FP8; NVFP4 packs to ~0.28) and one
+    output shard."""
+    calibration = loaded + largest
+    export = loaded + largest // 2 + shard
+    return max(calibration, export) + (RUNTIME_BYTES if shard else 0)
+
+
+def _cpu_peak(blocks: list[Block], budget: int, cap: int, largest: int, shard_bytes: int) -> int | None:
+    """The estimated CPU peak when accelerate places into ``budget`` under ``--max-memory cpu=cap`` (the output shard
+    is a share of the cap); None: a budget that leaves the first weights on disk."""
+    caps = MemoryCaps((("cpu", budget),))
+    try:
+        _first_weight_resident(blocks, caps, "flag", largest)
+    except MemoryPlanError:
+        return None
+    placed, _, _, loaded = _place(blocks, caps, largest)
+    return placed["cpu"] + _working_set(largest, max(1, min(shard_bytes, cap // SHARD_SHARE_OF_CAP)), loaded)
+
+
+def _cpu_budget(blocks: list[Block], cap: int, largest: int, shard_bytes: int) -> int | None:
+    """What accelerate may place on the CPU under ``--max-memory cpu=cap``: the cap itself when the estimated peak
+    stays within the cap + ``CAP_HEADROOM``, else the largest budget under it that keeps the peak there (fewer weights
+    resident); None when even the first weights alone do not (the cap is refused). The peak grows with the budget."""
+
+    def fits(budget: int) -> bool:
+        peak = _cpu_peak(blocks, budget, cap, largest, shard_bytes)
+        return peak is not None and peak <= cap + CAP_HEADROOM
+
+    if fits(cap):
+        return cap
+    lo, hi = _first_only(blocks, largest), cap  # the largest fitting budget in [lo, hi)
+    if not fits(lo):
+        return None
+    while lo + 1 < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def _first_only(blocks: list[Block], largest: int) -> int:
+    """The budget that keeps only the first weights resident (beside the room accelerate keeps for one layer)."""
+    return largest + (min(blocks[0].head or blocks[0].nbytes, blocks[0].nbytes) if blocks else 0)
+
+
+def smallest_cpu_cap(blocks: list[Block], shard_bytes: int) -> int:
+    """The smallest ``--max-memory cpu=`` cap convert accepts (``_cpu_budget``; larger caps are all accepted)."""
+    largest = max((b.nbytes for b in blocks if b.name.startswith("layer ")), default=0) or max(
+        (b.nbytes for b in blocks), default=0
+    )
+    lo, hi = 1, sum(b.nbytes for b in blocks) + 4 * largest + 4 * shard_bytes + CAP_HEADROOM
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if _cpu_budget(blocks, mid, largest, shard_bytes) is not None else (mid + 1, hi)
+    return lo
+
+
+def _over_cap(blocks: list[Block], caps: MemoryCaps, largest: int, shard_bytes: int, peak: int) -> str:
+    """The one line refusing a CPU cap under which even the first weights alone, with the runtime and the working
+    set, would pass the cap + ``CAP_HEADROOM``."""
+    smallest = smallest_cpu_cap(blocks, shard_bytes)
+    gib = -(-smallest * 10 // GIB) / 10  # rounded up to 0.1 GiB
+    return (
+        f"--max-memory {caps.text()}: the estimated peak, ~{format_bytes(peak)}, is over the cap + "
+        f"{format_bytes(CAP_HEADROOM)} even with only the first weights resident (the runtime, two decoder layers "
+        f"of {format_bytes(largest)} or one, its packed copy and an output shard come on top); the smallest cap that "
+        f"keeps it within is cpu={gib:g}GiB"
+    )
 
 
 def _auto_cpu_cap(available: int, largest: int, shard_bytes: int) -> MemoryCaps:

@@ -125,7 +125,7 @@ def prepare(
     if on_target is not None:
         on_target(model, tokenizer, vocab)
     model.release()
-    del calibrator.layer
+    calibrator.release()
     gc.collect()
     rows = int(calibration.shape[0])
     return SearchInputs(runs, embed, head, dict(calibrator.amax), rows, rows * int(calibration.shape[1]))

@@ -336,8 +336,11 @@ class QuantizeMode(MtpMode):
         from mtpquant.mtp.quantize import quantize_mtp
 
         assert ctx.calibrator is not None, "quantize mode needs the calibrator that ran during calibration"
-        layer = ctx.calibrator.layer
+        # convert releases the calibrated layer before the export (its amax is all it keeps): read it again, the
+        # same weights as calibrated (the forward never changes them)
+        layer = ctx.calibrator.layer if ctx.calibrator.layer is not None else load_mtp_layer(ctx.ckpt)
         weights = {checkpoint_name(layer, n): p.detach().cpu() for n, p in layer.named_parameters()}
+        del layer
         layout = ctx.ckpt.spec.family.mtp
         result = quantize_mtp(
             weights, ctx.calibrator.amax, ctx.fmt, activations=ctx.activations, layout=layout, targets=ctx.targets,

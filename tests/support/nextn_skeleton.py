@@ -239,10 +239,11 @@ def make_nextn_skeleton(kind: str, out: Path, *, overwrite: bool = False) -> Pat
 
 
 def make_nextn_normal(name: str, out: Path, *, layers: int, shard_bytes: int = 5 * 10**9, seed: int = 0,
-                      overwrite: bool = False) -> Path:  # fmt: skip
+                      overwrite: bool = False, sparse: bool = False) -> Path:  # fmt: skip
     """The full-size config ``name`` (``nextn_layouts.FULL_CONFIGS``) cut to its first ``layers`` layers, the MTP
     appended after them, with random-normal weights and the trained tiny GLM model's tokenizer (ids below every
-    vocabulary): the trunk in shards of about ``shard_bytes``, the MTP alone in the last (as the release has it)."""
+    vocabulary): the trunk in shards of about ``shard_bytes``, the MTP alone in the last (as the release has it).
+    ``sparse``: headers only (sparse files; for plans and dry runs)."""
     from mtpquant.checkpoint.header import tensor_nbytes
     from mtpquant.synth.train import TINY_MTP_ASSETS
 
@@ -251,7 +252,7 @@ def make_nextn_normal(name: str, out: Path, *, layers: int, shard_bytes: int = 5
     count = max(1, math.ceil(sum(tensor_nbytes(d, s) for _, d, s in trunk) / shard_bytes))
     shards = shard_names(count + 1)
     tensors = spread(trunk, shards[:-1]) + [SkeletonTensor(n, d, s, shards[-1]) for n, d, s in mtp]
-    return write_layout(out, config, tensors, overwrite=overwrite, fill=normal_fill(seed),
+    return write_layout(out, config, tensors, overwrite=overwrite, fill=None if sparse else normal_fill(seed),
                         tokenizer=TINY_MTP_ASSETS["glm4_moe"])  # fmt: skip
 
 
