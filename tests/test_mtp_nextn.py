@@ -28,25 +28,18 @@ from mtpquant.mtp.names import checkpoint_name, module_name
 VARIANTS = ("glm4_moe-copies", "deepseek_v3")
 
 
-class Tiny:
-    """A tiny checkpoint's reference MTP with its target (float32), and transformers' MtpModel of it."""
+class Reference:
+    """A tiny checkpoint's reference MTP with its target (float32)."""
 
     def __init__(self, path: Path) -> None:
         import transformers
-        from transformers.modeling_layers import MtpModel
 
         self.ckpt = Checkpoint.open(path)
         self.tensors = {e.name: self.ckpt.read_tensor(e.name) for e in self.ckpt.mtp_tensors()}
         self.mtp: Any = reference_mtp(self.ckpt.config, self.tensors, dtype=torch.float32)
         cls = getattr(transformers, self.ckpt.spec.family.text_class)
         self.main: Any = cls.from_pretrained(str(path), dtype=torch.float32).eval()
-        n = self.main.config.num_hidden_layers
-        # transformers finds the MTP by the release's layer number (61, 92); the tiny trunk has n layers
-        self.main._keys_to_ignore_on_load_unexpected = [rf"model\.layers\.{n}\..*"]
-        self.hf: Any = MtpModel.from_pretrained(self.main).eval()
-        for module in self.hf.modules():  # the experts' eager loop, as the reference runs them (same sums)
-            if hasattr(module, "config"):
-                module.config._experts_implementation = "eager"
+        self.head = self.main.lm_head.weight
 
     def embed(self, ids: Tensor) -> Tensor:
         return self.main.get_input_embeddings()(ids)
@@ -58,6 +51,22 @@ class Tiny:
         with torch.no_grad():
             hidden = self.main.model(input_ids=ids).last_hidden_state
         return hidden[:, :-1], ids[:, 1:]
+
+
+class Tiny(Reference):
+    """A tiny checkpoint's reference MTP with its target (float32), and transformers' MtpModel of it."""
+
+    def __init__(self, path: Path) -> None:
+        from transformers.modeling_layers import MtpModel
+
+        super().__init__(path)
+        n = self.main.config.num_hidden_layers
+        # transformers finds the MTP by the release's layer number (61, 92); the tiny trunk has n layers
+        self.main._keys_to_ignore_on_load_unexpected = [rf"model\.layers\.{n}\..*"]
+        self.hf: Any = MtpModel.from_pretrained(self.main).eval()
+        for module in self.hf.modules():  # the experts' eager loop, as the reference runs them (same sums)
+            if hasattr(module, "config"):
+                module.config._experts_implementation = "eager"
 
     def hf_pass(self, hidden: Tensor, embeds: Tensor) -> Tensor:
         """transformers' MtpLayer over the rows (causal), its post-norm output, the embedding zeroed at position 0."""
@@ -171,36 +180,13 @@ def test_bf16_matches_float32(tiny: Tiny) -> None:
 INDEXED = ("deepseek_v32", "glm_moe_dsa")
 
 
-class Indexed:
-    """A tiny indexer-family checkpoint's reference MTP (float32) with its target."""
-
-    def __init__(self, path: Path) -> None:
-        import transformers
-
-        self.ckpt = Checkpoint.open(path)
-        self.tensors = {e.name: self.ckpt.read_tensor(e.name) for e in self.ckpt.mtp_tensors()}
-        self.mtp: Any = reference_mtp(self.ckpt.config, self.tensors, dtype=torch.float32)
-        cls = getattr(transformers, self.ckpt.spec.family.text_class)
-        self.main: Any = cls.from_pretrained(str(path), dtype=torch.float32).eval()
-        self.head = self.main.lm_head.weight
-
-    def embed(self, ids: Tensor) -> Tensor:
-        return self.main.get_input_embeddings()(ids)
-
-    def inputs(self, rows: int, seed: int = 0) -> tuple[Tensor, Tensor]:
-        g = torch.Generator().manual_seed(seed)
-        ids = torch.randint(3, 500, (1, rows + 1), generator=g)
-        with torch.no_grad():
-            hidden = self.main.model(input_ids=ids).last_hidden_state
-        return hidden[:, :-1], ids[:, 1:]
-
-
 @pytest.fixture(scope="module", params=INDEXED)
-def indexed(request: pytest.FixtureRequest, tiny_factory: Callable[[str], Path]) -> Indexed:
-    return Indexed(tiny_factory(request.param))
+def indexed(request: pytest.FixtureRequest, tiny_factory: Callable[[str], Path]) -> Reference:
+    """A tiny indexer-family checkpoint's reference MTP (float32) with its target."""
+    return Reference(tiny_factory(request.param))
 
 
-def test_the_indexer_selects_its_top_k_and_caches_its_keys(indexed: Indexed) -> None:
+def test_the_indexer_selects_its_top_k_and_caches_its_keys(indexed: Reference) -> None:
     """Row t sees min(t + 1, index_topk) keys; a step over the cache equals the same rows in one causal pass, the
     indexer's keys read from the cache (``IndexedKVCache``), its choice the same; the next step reads the normed
     stream (vLLM's DeepSeekMTP and DeepseekV32MultiTokenPredictorLayer)."""
@@ -222,7 +208,7 @@ def test_the_indexer_selects_its_top_k_and_caches_its_keys(indexed: Indexed) -> 
     assert torch.equal(whole.next_hidden, whole.out)
 
 
-def test_a_shared_selection_replaces_the_indexers(indexed: Indexed) -> None:
+def test_a_shared_selection_replaces_the_indexers(indexed: Reference) -> None:
     """GLM-5 declares index_share_for_mtp_iteration (steps after the first reuse step 0's choice); a given selection
     is what the attention sees: the step attends to exactly those keys."""
     share = indexed.ckpt.config.get("index_share_for_mtp_iteration", False)
@@ -239,7 +225,7 @@ def test_a_shared_selection_replaces_the_indexers(indexed: Indexed) -> None:
     assert not torch.allclose(given.out[:, 20:], own.out[:, 20:])
 
 
-def test_indexed_draft_rows_are_draft_chains(indexed: Indexed) -> None:
+def test_indexed_draft_rows_are_draft_chains(indexed: Reference) -> None:
     from mtpquant.mtp.drafting import draft_chain, draft_rows
     from mtpquant.mtp.nextn import IndexedKVCache
 
