@@ -66,6 +66,16 @@ def made(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return out
 
 
+def _reports_without_timings(root: Path, names: tuple[str, ...]) -> list[dict[str, Any]]:
+    """Each output's mtp_search/report.json less its timings (the one field two seeded runs may differ in)."""
+    reports = []
+    for name in names:
+        report = json.loads((root / name / "mtp_search/report.json").read_text())
+        assert report.pop("seconds").keys() == {"target", "sensitivity", "confirm", "total"}
+        reports.append(report)
+    return reports
+
+
 def test_convert_auto_chooses_the_smallest_mtp_within_the_budget(made: dict[str, Any]) -> None:
     result: ConvertResult = made["auto"]
     search = result.search
@@ -182,11 +192,7 @@ def test_the_search_is_deterministic_with_its_seed(made: dict[str, Any], tmp_pat
     for name in ("one", "two"):
         tune_mtp(TuneOptions(quant=root / "keep", source=TINY_MTP_ASSET, out=tmp_path / name, search=small,
                              device="cpu", progress=False))  # fmt: skip
-    reports = []
-    for name in ("one", "two"):
-        report = json.loads((tmp_path / name / "mtp_search/report.json").read_text())
-        assert report.pop("seconds").keys() == {"target", "sensitivity", "confirm", "total"}
-        reports.append(report)
+    reports = _reports_without_timings(tmp_path, ("one", "two"))
     assert reports[0] == reports[1] and reports[0]["settings"]["seed"] == 7
     assert len(reports[0]["evaluated"]) >= 7  # the BF16 MTP and the 6 groups alone at least
     assert digests(tmp_path / "one", mtp=True) == digests(tmp_path / "two", mtp=True)
@@ -301,12 +307,9 @@ def test_the_qwen3_5_moe_search_is_deterministic_and_a_budget_of_zero_keeps_bf16
     MTP is the source's BF16 bytes."""
     small = SearchSettings(num_prompts=8, max_len=48, k=2, precisions=("nvfp4",), max_confirm=1, seed=7,
                            temperatures=(0.7,))  # fmt: skip
-    reports = []
     for name in ("one", "two"):
         _moe_auto(tmp_path / name, small)
-        report = json.loads((tmp_path / name / "mtp_search/report.json").read_text())
-        assert report.pop("seconds").keys() == {"target", "sensitivity", "confirm", "total"}
-        reports.append(report)
+    reports = _reports_without_timings(tmp_path, ("one", "two"))
     assert reports[0] == reports[1] and reports[0]["settings"]["seed"] == 7
     assert len(reports[0]["evaluated"]) >= 5  # the BF16 MTP and the 4 groups alone at least
     assert digests(tmp_path / "one", mtp=True) == digests(tmp_path / "two", mtp=True)
