@@ -2,9 +2,9 @@
 
 Each user-facing failure is an ``MtpquantError``, defined here: one line naming the file, tensor, repo or server
 and what is wrong. The CLI prints ``str(error)`` and exits with ``error.exit_code``; each cause has its own code
-(``ExitCode``), documented in the README and ``mtpquant --help``. (Internal exceptions that never leave mtpquant,
-such as ``safejson.JsonLimitError`` or ``nethttp.BoundExceededError``, are caught where they are raised and become
-one of these.)
+(``ExitCode``), documented in docs/architecture.md and ``mtpquant --help``. (Internal exceptions that never leave
+mtpquant, such as ``safejson.JsonLimitError`` or ``nethttp.BoundExceededError``, are caught where they are raised and
+become one of these.)
 """
 from __future__ import annotations
 
