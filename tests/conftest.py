@@ -20,6 +20,9 @@ from mtpquant.synth.tiny import make_tiny_checkpoint  # noqa: E402
 from tests.support.engine import EnginePool  # noqa: E402
 from tests.support.heal import HealedTiny  # noqa: E402
 from tests.support.hubserver import LocalHub  # noqa: E402
+from tests.support.lanes import LanesPlugin  # noqa: E402
+
+pytest_plugins = ["pytester"]  # tests/test_lanes.py runs throwaway test projects
 
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -28,6 +31,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 REAL_LAYOUTS = Path(__file__).resolve().parent / "fixtures" / "real-layouts"
 # Quants made by the peers' own tools (scripts/make_peer_fixtures.py), committed.
 PEER_FIXTURES = Path(__file__).resolve().parent / "fixtures" / "peers"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The lanes (tests/support/lanes.py): every module declares exactly one; the full lane allows only the
+    documented skips."""
+    config.pluginmanager.register(LanesPlugin.from_env(), "mtpquant-lanes")
 
 
 def pytest_report_header(config: pytest.Config) -> str:

@@ -20,6 +20,8 @@ from mtpquant.mtp import (
 )
 from mtpquant.mtp.step import MtpStep
 
+pytestmark = pytest.mark.dev
+
 # --------------------------------------------------------------------------------------------
 # Independent reference: plain float32, per token / per head loops, checkpoint names, no shared code.
 # --------------------------------------------------------------------------------------------

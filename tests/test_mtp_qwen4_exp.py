@@ -22,6 +22,8 @@ from torch import Tensor
 
 from mtpquant.mtp.qwen4_exp import Qwen4ExpMtp, Qwen4ExpMtpCache
 
+pytestmark = pytest.mark.dev
+
 H, HC, RANK = 128, 4, 32
 HEADS, KV, HD = 2, 1, 64
 E, TOPK, INTER, SHARED = 4, 2, 64, 64

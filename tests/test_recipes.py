@@ -23,6 +23,8 @@ from mtpquant.recipes.recipe import (
 )
 from mtpquant.units import ByteSize
 
+pytestmark = pytest.mark.dev
+
 FAMILY = {f.key: f for f in FAMILIES}
 
 

@@ -62,6 +62,8 @@ from mtpquant.text.prompts import (
 from mtpquant.validate.report import _acceptance_plot, render_markdown, write_report
 from mtpquant.validate.run import ValidateOptions, validate
 
+pytestmark = pytest.mark.dev
+
 CPU = torch.device("cpu")
 
 
