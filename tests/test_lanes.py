@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.lanes import ALLOWED_SKIPS, DEV_LANE, FULL_LANE_ENV, LANES, skip_allowed
+from tests.support.lanes import ALLOWED_SKIPS, DEV_LANE, FULL_LANE_ENV, LANES, skip_allowed, work_unit
 
 pytestmark = pytest.mark.dev
 
@@ -147,3 +147,11 @@ def test_every_module_of_this_suite_declares_one_lane() -> None:
     declared = {path.name: lanes(path) for path in sorted(TESTS.glob("test_*.py"))}
     assert len(declared) >= 79
     assert {name: found for name, found in declared.items() if len(found) != 1} == {}
+
+
+def test_modules_sharing_engine_servers_are_one_xdist_unit() -> None:
+    heal, search = "tests/test_engine_heal.py::test_x", "tests/test_engine_search.py::test_y[a::b]"
+    assert work_unit(heal) == work_unit(search) != work_unit("tests/test_engine_validate.py::test_z")
+    assert work_unit("tests/test_writer.py::test_a[x]") == work_unit("tests/test_writer.py::test_b") == (
+        "tests/test_writer.py"
+    )

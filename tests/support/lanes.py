@@ -22,7 +22,17 @@ from typing import Any
 
 import pytest
 
-__all__ = ["ALLOWED_SKIPS", "DEV_LANE", "FULL_LANE_ENV", "LANES", "LanesPlugin", "lane_problem", "skip_allowed"]
+__all__ = [
+    "ALLOWED_SKIPS",
+    "DEV_LANE",
+    "FULL_LANE_ENV",
+    "LANES",
+    "SHARED_UNITS",
+    "LanesPlugin",
+    "lane_problem",
+    "skip_allowed",
+    "work_unit",
+]
 
 LANES = ("dev", "slow", "engine")
 DEV_LANE = "not slow and not engine"
@@ -47,6 +57,21 @@ ALLOWED_SKIPS: tuple[tuple[str, str], ...] = (
         "kill inside the work to check; the other seeded points still kill inside it",
     ),
 )
+
+
+# Modules that need the same engine servers (the same checkpoint at the same k) are one xdist work unit, so they run
+# in one worker process with one session pool (tests/support/engine.py): test_engine_heal's unhealed keep quant at
+# k = 3 is test_engine_search's BF16-MTP baseline (both convert it through the one ``healed_tiny``). Every other
+# module is its own unit, as ``--dist loadscope`` makes them (tests/conftest.py ``pytest_xdist_make_scheduler``).
+# xdist's own ``--dist loadgroup`` with ``xdist_group`` marks does not group on pytest 9.2
+# (pytest-dev/pytest-xdist#1386). All engine modules in one unit would put ~60 % of the suite's time on one worker.
+SHARED_UNITS = {"test_engine_heal.py": "engine-tiny-keep", "test_engine_search.py": "engine-tiny-keep"}
+
+
+def work_unit(nodeid: str) -> str:
+    """The xdist work unit of a test: its module, or the shared unit of ``SHARED_UNITS``."""
+    module = nodeid.split("::", 1)[0]
+    return SHARED_UNITS.get(module.rsplit("/", 1)[-1], module)
 
 
 def skip_allowed(reason: str) -> bool:
