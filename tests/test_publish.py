@@ -612,6 +612,7 @@ def test_validation_report_single_mode_and_unreadable(made: Path) -> None:
     assert "format this card does not read" in publish(PublishOptions(out=made, repo=REPO, dry_run=True)).card
 
 
+@pytest.mark.slow
 def test_card_serves_the_k_validation_measured(made: Path) -> None:
     """What a user saw: validation measured k <= 2 and the card's serve commands drafted k = 3. They now draft the
     largest k the report measured, and say so (an earlier report there is replaced whole by the new one)."""
