@@ -7,6 +7,7 @@ import os
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -17,9 +18,12 @@ from mtpquant.runtime.machine import tune_cpu_runtime
 tune_cpu_runtime()
 
 from mtpquant.synth.tiny import make_tiny_checkpoint  # noqa: E402
-from tests.support.engine import EnginePool  # noqa: E402
+from tests.support.engine import EnginePool, record_engine_starts  # noqa: E402
 from tests.support.heal import HealedTiny  # noqa: E402
 from tests.support.hubserver import LocalHub  # noqa: E402
+from tests.support.lanes import LanesPlugin, work_unit  # noqa: E402
+
+pytest_plugins = ["pytester"]  # tests/test_lanes.py runs throwaway test projects
 
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -28,6 +32,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 REAL_LAYOUTS = Path(__file__).resolve().parent / "fixtures" / "real-layouts"
 # Quants made by the peers' own tools (scripts/make_peer_fixtures.py), committed.
 PEER_FIXTURES = Path(__file__).resolve().parent / "fixtures" / "peers"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The lanes (tests/support/lanes.py): every module declares exactly one; the full lane allows only the
+    documented skips."""
+    config.pluginmanager.register(LanesPlugin.from_env(), "mtpquant-lanes")
 
 
 def pytest_report_header(config: pytest.Config) -> str:
@@ -42,10 +52,15 @@ def pytest_report_header(config: pytest.Config) -> str:
 # first. pytest-xdist hands whole modules to the two workers in collection order (``--no-loadscope-reorder`` in
 # pyproject.toml; its default order, by number of tests, left the few-test engine modules to the end: one worker ran
 # the last 9 minutes alone), so these are collected first and the many small modules fill in around them.
+# (test_engine_heal's weight also puts it before test_engine_search, the module it shares a worker and servers with
+# (tests/support/lanes.py SHARED_UNITS): their shared server is started first and still alive when search needs it.)
+# test_inspect_fixes, test_validate_sglang, test_nextn_inspect, test_publish: from the development lane's
+# --durations on 2026-12-07 (load ~7, halved).
 HEAVY_MODULES = {
     "test_engine_validate.py": 800,
     "test_demo.py": 300,
     "test_engine_nextn.py": 260,
+    "test_engine_heal.py": 470,
     "test_engine_search.py": 460,
     "test_engine_peers.py": 190,
     "test_nextn_vllm.py": 150,
@@ -56,7 +71,10 @@ HEAVY_MODULES = {
     "test_search.py": 90,
     "test_heal_sampling.py": 60,
     "test_heal_nextn.py": 50,
-    "test_inspect_fixes.py": 50,
+    "test_inspect_fixes.py": 220,
+    "test_validate_sglang.py": 45,
+    "test_nextn_inspect.py": 35,
+    "test_publish.py": 30,
     "test_heal.py": 50,
     "test_convert_qwen4_exp.py": 40,
     "test_validate_tiny.py": 60,
@@ -73,6 +91,20 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         first.setdefault(item.path.name, i)
         count[item.path.name] = count.get(item.path.name, 0) + 1
     items.sort(key=lambda it: (-HEAVY_MODULES.get(it.path.name, 0), -count[it.path.name], first[it.path.name]))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadscope``, the modules that share engine servers one unit (tests/support/lanes.py ``work_unit``)."""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleUnits(LoadScopeScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    return ModuleUnits(config, log)
 
 
 def _fingerprint(root: Path) -> str:
@@ -167,6 +199,13 @@ def healed_tiny_qwen4(tmp_path_factory: pytest.TempPathFactory) -> HealedTiny:
     from mtpquant.synth.train import TINY_MTP_ASSETS
 
     return HealedTiny(tmp_path_factory.mktemp("healed-tiny-qwen4"), TINY_MTP_ASSETS["qwen4_exp"])
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _engine_starts() -> Iterator[None]:
+    """With MTPQUANT_ENGINE_STARTS=FILE, every engine server this session starts is a line of FILE (.ci/run counts)."""
+    with record_engine_starts():
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -17,6 +17,8 @@ from mtpquant.errors import ExitCode
 from tests.support.cli import one_error
 from tests.support.hubserver import LocalHub
 
+pytestmark = pytest.mark.dev
+
 Factory = Callable[[str], Path]
 
 

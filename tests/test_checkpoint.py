@@ -17,6 +17,8 @@ from mtpquant.checkpoint.source import LocalSource
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.errors import CheckpointError, ConfigError
 
+pytestmark = pytest.mark.dev
+
 MOE_SHARDS = [f"model.safetensors-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
 
 

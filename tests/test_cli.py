@@ -14,6 +14,8 @@ import pytest
 from mtpquant.cli import COMMANDS, build_parser
 from mtpquant.errors import ExitCode, exit_code_table
 
+pytestmark = pytest.mark.dev
+
 _ROW = re.compile(r"^\s+(\d+)  (.+)$")
 
 

@@ -14,6 +14,8 @@ import pytest
 from mtpquant.errors import ConfigError, ExitCode
 from tests.support.cli import one_error
 
+pytestmark = pytest.mark.dev
+
 Factory = Callable[[str], Path]
 
 

@@ -371,7 +371,8 @@ def test_extract_directory(converted: Callable[[str, str], Run], family: str) ->
 
 
 def test_extract_then_graft_equals_keep(converted: Callable[[str, str], Run], tmp_path: Path) -> None:
-    graft_mod = pytest.importorskip("mtpquant.graft.run")
+    from mtpquant.graft import run as graft_mod
+
     run, keep = converted("qwen3_5", "extract"), converted("qwen3_5", "keep")
     out = tmp_path / "grafted"
     graft_mod.graft(

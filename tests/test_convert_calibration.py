@@ -12,6 +12,8 @@ import pytest
 from mtpquant.errors import CalibrationDataError
 from mtpquant.text.calibration import build_calibration_data, check_calibration_source, load_tokenizer
 
+pytestmark = pytest.mark.dev
+
 TEMPLATE = "{% for m in messages %}<|bos|>{{ m['role'] }}\n{{ m['content'] }}<|endoftext|>{% endfor %}"
 
 

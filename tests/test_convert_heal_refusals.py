@@ -19,6 +19,8 @@ from mtpquant.synth.tiny import TinySpec, make_tiny_checkpoint
 from mtpquant.synth.train import TINY_MTP_ASSETS
 from tests.test_graft import strip_mtp
 
+pytestmark = pytest.mark.dev
+
 ASSET = TINY_MTP_ASSETS["qwen3_5"]
 Q4 = TINY_MTP_ASSETS["qwen4_exp"]
 NO_HEAL = "--mtp {} leaves OUT without its MTP, so --heal would have nothing to heal (use --mtp keep or --mtp quantize)"

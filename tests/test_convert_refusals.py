@@ -13,6 +13,8 @@ from mtpquant.cli import main
 from mtpquant.errors import ExitCode
 from mtpquant.synth.tiny import TinySpec, make_tiny_checkpoint
 
+pytestmark = pytest.mark.dev
+
 Factory = Callable[[str], Path]
 
 

@@ -10,8 +10,9 @@ import pytest
 
 from mtpquant.cli import main as cli
 
+pytestmark = pytest.mark.slow
 
-@pytest.mark.slow
+
 def test_demo_tells_the_whole_story_and_decides(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The README's main job as a user runs it: convert, validate, heal, validate again, inspect, and a decision at
     the end (the demo used to stop at "INCONCLUSIVE ... no practical number of prompts settles it")."""
@@ -51,7 +52,6 @@ def test_demo_tells_the_whole_story_and_decides(tmp_path: Path, capsys: pytest.C
     assert notes[len(notes) // 2 :] == [f"note: {n}" for n in report["notes"]]
 
 
-@pytest.mark.slow
 def test_demo_qwen4_exp(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The same job on the trained tiny Qwen3.8-Flash-Next: the kept MTP drafts exactly as the source's; heal trains
     this family's two-stream MTP and writes it (better beyond noise at k = 1..3 on its held-out check); 4 prompts
@@ -92,7 +92,6 @@ def test_qwen4_exp_asset_layout() -> None:
     assert training["acceptance"]["by_k"][0]["acceptance_rate"] >= 0.4
 
 
-@pytest.mark.slow
 def test_demo_glm4_moe(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The same job on the trained tiny GLM-4.5-layout model (the appended-layer MTP ``model.layers.2``): the kept
     MTP drafts exactly as the source's; heal trains it through the family's MTP forward and writes it, better beyond

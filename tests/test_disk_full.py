@@ -24,6 +24,8 @@ from mtpquant.checkpoint import writer
 from mtpquant.checkpoint.writer import OutputDir
 from mtpquant.errors import FilesystemError
 
+pytestmark = pytest.mark.dev
+
 Factory = Callable[[str], Path]
 REPO = Path(__file__).resolve().parents[1]
 

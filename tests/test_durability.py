@@ -17,6 +17,8 @@ from mtpquant.errors import ExitCode
 from tests.support.hubserver import LocalHub
 from tests.test_convert_scale import _holder
 
+pytestmark = pytest.mark.dev
+
 Factory = Callable[[str], Path]
 
 

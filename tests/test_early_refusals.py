@@ -21,6 +21,8 @@ from mtpquant.errors import ExitCode
 from mtpquant.records.provenance import PROVENANCE_FILE, Provenance, Step
 from mtpquant.synth.train import TINY_MTP_ASSET
 
+pytestmark = pytest.mark.dev
+
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(TINY_MTP_ASSET)
 HEAVY = ("torch", "transformers", "modelopt")

@@ -1,11 +1,16 @@
 """heal measured by the real vLLM CPU engine: the healed quant accepts more drafts than the unhealed one.
 
 The trained tiny model's ``--keep-mtp`` (BF16 MTP) and ``--mtp quantize`` (NVFP4 MTP) converts and their default
-heals (``tests/support/heal.py``, shared with tests/test_heal.py) are served by vLLM with MTP speculative decoding
-at k = 1 and 2; the engine's own counters give the AL of each on the same prompts, and validate's built-in replay
-predicts it. The improvement the engine measures (healed minus unhealed) is positive and agrees with the predicted
-improvement within 0.1 at each k. The default heals take CPU-minutes: the test runs with ``MTPQUANT_HEAL_PROOF=1``
-(under the engine lock, like every engine test).
+heals (``tests/support/heal.py``, shared with tests/test_heal.py) are served by vLLM with MTP speculative decoding;
+the engine's own counters give the AL of each on the same prompts, and validate's built-in replay predicts it
+(``tests/support/engine.engine_acceptance``). The improvement the engine measures (healed minus unhealed) is
+positive and agrees with the predicted improvement within 0.1 at each k.
+
+The keep heal runs in the full lane (CI): one server per checkpoint at k = 3 (k = 1 and 2 from its first
+positions), the unhealed one shared with tests/test_engine_search.py (the same checkpoint at the same k), on 44
+held-out prompts. heal writes only a heal that its own held-out check finds better beyond noise, so the engine
+measures a real gain, not a forced one. The quantize heal, the same proof on the NVFP4 MTP, takes another default
+heal and two more servers: it runs with ``MTPQUANT_HEAL_PROOF=1``.
 """
 
 from __future__ import annotations
@@ -20,19 +25,18 @@ from tests.support.heal import HealedTiny, proof
 
 pytestmark = pytest.mark.engine
 
-PROMPTS = 32
+PROMPTS = 44  # as tests/test_engine_search.py: >= 1,290 verification steps per server there
 MAX_LEN = 128
-KS = (1, 2)
+K = 3
+KS = (1, 2, 3)
+TOLERANCE = 0.1  # engine gain against predicted gain (measured at k = 1, 2: differences up to 0.052)
 
 
-@proof
-@pytest.mark.parametrize("mode", ["keep", "quantize"])
-def test_engine_measures_the_heals_improvement(
-    healed_tiny: HealedTiny, vllm: EnginePool, tmp_path: Path, mode: str
-) -> None:
+def _gains(healed_tiny: HealedTiny, vllm: EnginePool, tmp_path: Path, mode: str) -> dict[int, dict[str, float]]:
     unhealed = engine_acceptance(healed_tiny.quant(mode), vllm, tmp_path / "unhealed", ks=KS, prompts=PROMPTS,
                                  max_len=MAX_LEN)
-    healed_path, _ = healed_tiny.healed(mode)
+    healed_path, result = healed_tiny.healed(mode)
+    assert result.action == "healed" and result.check is not None and result.check.by_k[0].better, result
     healed = engine_acceptance(healed_path, vllm, tmp_path / "healed", ks=KS, prompts=PROMPTS, max_len=MAX_LEN)
     gains = {
         k: {
@@ -41,8 +45,24 @@ def test_engine_measures_the_heals_improvement(
         }
         for k in KS
     }
-    (tmp_path / "gains.json").write_text(json.dumps({"unhealed": unhealed, "healed": healed, "gains": gains}))
-    print(f"\n{mode}: " + json.dumps({"unhealed": unhealed, "healed": healed, "gains": gains}))  # for BENCHMARKS.md
+    record = {"unhealed": unhealed, "healed": healed, "gains": gains}
+    (tmp_path / "gains.json").write_text(json.dumps(record))
+    print(f"\n{mode}: " + json.dumps(record))  # for BENCHMARKS.md
+    return gains
+
+
+def _assert_gains(gains: dict[int, dict[str, float]]) -> None:
     for k, g in gains.items():
         assert g["engine"] > 0, (k, gains)
-        assert abs(g["engine"] - g["predicted"]) <= 0.1, (k, gains)
+        assert abs(g["engine"] - g["predicted"]) <= TOLERANCE, (k, gains)
+
+
+def test_engine_measures_the_keep_heals_improvement(healed_tiny: HealedTiny, vllm: EnginePool, tmp_path: Path) -> None:
+    _assert_gains(_gains(healed_tiny, vllm, tmp_path, "keep"))
+
+
+@proof
+def test_engine_measures_the_quantize_heals_improvement(
+    healed_tiny: HealedTiny, vllm: EnginePool, tmp_path: Path
+) -> None:
+    _assert_gains(_gains(healed_tiny, vllm, tmp_path, "quantize"))

@@ -12,10 +12,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.engine.sizing import KV_FLOOR, Machine, kv_bytes, plan_engine_memory
 from mtpquant.families import resolve
 from mtpquant.synth.train import TINY_MTP_ASSET
+
+pytestmark = pytest.mark.dev
 
 GiB = 2**30
 CPU = Machine("cpu", 24 * GiB, 20 * GiB)

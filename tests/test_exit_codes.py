@@ -15,6 +15,8 @@ from mtpquant.checkpoint.index import INDEX_NAME
 from mtpquant.cli import main as cli
 from mtpquant.errors import ExitCode, MtpquantError, exit_code_table
 
+pytestmark = pytest.mark.dev
+
 Factory = Callable[[str], Path]
 EXIT_CODES_DOC = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"  # the README links to it
 

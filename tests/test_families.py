@@ -11,6 +11,8 @@ from mtpquant.errors import ConfigError, UnsupportedArchitectureError
 from mtpquant.families import TensorClass, classify_tensor, is_mtp_name, resolve
 from tests.support.layouts import expand_layout
 
+pytestmark = pytest.mark.dev
+
 LAYOUTS = [
     ("Qwen3.5-0.8B-Base", "Qwen3.5-0.8B-Base_config_as_loaded_by_transformers-5.7.0.json", "qwen3_5", 15),
     ("Qwen3.5-4B", "Qwen3.5-4B_config.json", "qwen3_5", 15),

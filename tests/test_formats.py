@@ -32,6 +32,8 @@ from mtpquant.formats.nvfp4 import (
     weight_amax,
 )
 
+pytestmark = pytest.mark.dev
+
 BF16 = torch.bfloat16
 
 

@@ -37,6 +37,8 @@ from mtpquant.recipes.recipe import RECIPE_FILE, MtpSection, Recipe
 from mtpquant.records.provenance import PROVENANCE_FILE, read_provenance
 from tests.support.kills import KILL_PRELUDE
 
+pytestmark = pytest.mark.dev
+
 FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 Factory = Callable[[str], Path]
 

@@ -46,6 +46,8 @@ from tests.support.cli import one_error
 from tests.support.heal import CALIB, SMALL, HealedTiny, proof
 from tests.test_graft import leftovers, private_copy, tree_state
 
+pytestmark = pytest.mark.slow
+
 Factory = Callable[[str], Path]
 
 # Smaller still: the kill test runs heal three times in fresh processes.
@@ -236,7 +238,6 @@ def test_written_back_in_the_quants_own_layout(healed_tiny: HealedTiny, mode: st
 # ---------------------------------------------------------------------------------------------- the write
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["keep", "quantize"])
 def test_heal_changes_only_the_mtp_and_records_the_heal(healed_tiny: HealedTiny, mode: str) -> None:
     quant = healed_tiny.quant(mode)
@@ -270,7 +271,6 @@ def test_heal_changes_only_the_mtp_and_records_the_heal(healed_tiny: HealedTiny,
 
 
 @proof
-@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["keep", "quantize"])
 def test_default_heal_improves_held_out_acceptance(healed_tiny: HealedTiny, mode: str) -> None:
     quant = healed_tiny.quant(mode)
@@ -289,7 +289,6 @@ def test_default_heal_improves_held_out_acceptance(healed_tiny: HealedTiny, mode
 # ---------------------------------------------------------------------------------------------- no gain: nothing
 
 
-@pytest.mark.slow
 def test_a_heal_that_does_not_help_writes_nothing(healed_tiny: HealedTiny, tmp_path: Path,
                                                   capsys: pytest.CaptureFixture[str]) -> None:
     quant = private_copy(healed_tiny.quant("keep"), tmp_path / "q")
@@ -304,7 +303,6 @@ def test_a_heal_that_does_not_help_writes_nothing(healed_tiny: HealedTiny, tmp_p
     assert not (tmp_path / "o").exists() and leftovers(tmp_path) == []
 
 
-@pytest.mark.slow
 def test_heal_is_deterministic_and_force_writes_with_the_record(healed_tiny: HealedTiny, tmp_path: Path) -> None:
     quant = healed_tiny.quant("keep")
     first, a = healed_tiny.small("keep")
@@ -332,7 +330,6 @@ def _record_allocator_settings(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return chosen
 
 
-@pytest.mark.slow
 def test_heal_under_a_memory_cap_reads_the_rest_of_the_target_from_disk(
     healed_tiny: HealedTiny, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -372,7 +369,6 @@ def test_a_head_trained_in_bfloat16_is_checked_in_the_compute_dtype(
 # ---------------------------------------------------------------------------------------------- other families
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(("variant", "mode"), [("qwen3_5_moe", "quantize"), ("qwen3_next", "keep")])
 def test_moe_and_qwen3_next_heal_without_error(tiny_factory: Factory, tmp_path: Path, variant: str,
                                                mode: str) -> None:
@@ -417,7 +413,6 @@ _DRIVER = textwrap.dedent(
 )
 
 
-@pytest.mark.slow
 def test_kill_during_an_in_place_heal_leaves_the_old_or_the_new_quant(healed_tiny: HealedTiny,
                                                                       tmp_path: Path) -> None:
     """kill -9 at the two moments that matter (graft's kill tests cover the shared write steps, graft/write.py, at
@@ -454,7 +449,6 @@ def test_kill_during_an_in_place_heal_leaves_the_old_or_the_new_quant(healed_tin
 # ---------------------------------------------------------------------------------------------- convert --heal, publish
 
 
-@pytest.mark.slow
 def test_convert_heal_runs_heal_after_the_conversion(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A heal that cannot help (one step at a tiny learning rate): OUT stays as converted and the exit says why.
     With --heal-force the same convert writes the healed MTP: only mtp.* bytes differ from the converted OUT."""
@@ -484,7 +478,6 @@ def test_convert_heal_runs_heal_after_the_conversion(tmp_path: Path, capsys: pyt
     assert changed.keys() == digests(out, mtp=True).keys() and changed != digests(out, mtp=True)
 
 
-@pytest.mark.slow
 def test_the_healed_checkpoint_does_not_show_the_unhealed_quants_report(
     healed_tiny: HealedTiny, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -521,7 +514,6 @@ def test_the_healed_checkpoint_does_not_show_the_unhealed_quants_report(
     assert "Drafting k = " not in text  # the serve command's k is not taken from it either
 
 
-@pytest.mark.slow
 def test_publish_card_shows_the_heal(healed_tiny: HealedTiny, capsys: pytest.CaptureFixture[str]) -> None:
     out, result = healed_tiny.small("keep")
     capsys.readouterr()

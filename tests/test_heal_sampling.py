@@ -26,6 +26,8 @@ from tests.support.cli import one_error
 from tests.support.heal import HealedTiny
 from tests.test_graft import leftovers, private_copy, tree_state
 
+pytestmark = pytest.mark.dev
+
 SAMPLED = SamplingSettings(0.8)
 # a schedule of seconds; --lr 0.1 wrecks the MTP (its acceptance falls at every setting)
 FAST = ["--device", "cpu", "--steps", "3", "--samples", "8", "--check-prompts", "16"]

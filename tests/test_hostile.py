@@ -18,6 +18,8 @@ from mtpquant.cli import main as cli
 from mtpquant.errors import ExitCode, MtpquantError
 from tests.support.bad import BAD_CASES, SHARD_A, make_bad_corpus, make_minimal_checkpoint
 
+pytestmark = pytest.mark.dev
+
 CORPUS = Path(__file__).resolve().parent / "fixtures" / "bad"
 EXPECTED: dict[str, str] = json.loads((CORPUS / "expected.json").read_text())
 
@@ -97,6 +99,7 @@ _JSON = st.recursive(
 )
 
 
+@pytest.mark.slow
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(key=st.sampled_from(["weight_map", "metadata", "extra"]), value=_JSON, tensor=st.text(max_size=30))
 def test_mutated_index_never_crashes(

@@ -19,6 +19,8 @@ from mtpquant.cli import main
 from mtpquant.errors import ExitCode
 from tests.support.hubserver import LocalHub
 
+pytestmark = pytest.mark.dev
+
 Factory = Callable[[str], Path]
 REPO = "org/tiny"
 

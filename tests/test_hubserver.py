@@ -34,6 +34,8 @@ from safetensors.torch import save_file
 
 from tests.support.hubserver import LocalHub
 
+pytestmark = pytest.mark.dev
+
 REPO = "org/tiny"
 
 

@@ -17,6 +17,8 @@ from mtpquant.engine.loading import FusedShardsError, ct_ignored, expand_modelop
 from mtpquant.render import inspect_text
 from tests.support.quants import with_mtp
 
+pytestmark = pytest.mark.dev
+
 Factory = Callable[[str], Path]
 
 

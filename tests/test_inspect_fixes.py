@@ -25,6 +25,8 @@ from tests.support.heal import HealedTiny
 from tests.support.quants import with_mtp
 from tests.support.qwen4_exp_quants import QUANT_KINDS, make_qwen4_exp_quant
 
+pytestmark = pytest.mark.dev
+
 Factory = Callable[[str], Path]
 BAD = Path(__file__).resolve().parent / "fixtures" / "bad"
 PEERS = Path(__file__).resolve().parent / "fixtures" / "peers"
@@ -211,7 +213,20 @@ def _argv(fix: str, src: Path | None, out: Path) -> list[str]:
     return words
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+# The cases that convert, export through modelopt, or build the full-size skeletons of large releases: seconds to
+# minutes each, in the full lane only (every other case runs in the development lane).
+SLOW_CASES = {c for c in CASES if c.startswith(("convert-", "naive-"))} | {
+    "skeleton-Qwen3-Next-80B-A3B-Instruct",
+    "skeleton-Qwen3.5-35B-A3B",
+    "skeleton-Qwen3.5-4B",
+    "skeleton-qwen4_exp-nvidia-mixed",
+}
+assert not SLOW_CASES - set(CASES), SLOW_CASES - set(CASES)
+
+
+@pytest.mark.parametrize(
+    "case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_CASES else c for c in sorted(CASES)]
+)
 def test_every_fix_line_leaves_a_clean_checkpoint(
     case: str,
     tiny_factory: Factory,

@@ -13,6 +13,8 @@ from mtpquant.errors import ExitCode
 from tests.support.cli import one_error
 from tests.support.hubserver import LocalHub
 
+pytestmark = pytest.mark.dev
+
 Factory = Callable[[str], Path]
 _VOLATILE = {"checkpoint", "bytes_fetched", "requests", "seconds", "serve_commands"}
 

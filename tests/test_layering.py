@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.dev
+
 PACKAGE = Path(__file__).resolve().parents[1] / "mtpquant"
 # One package per command (inspect's work is the shared ``diagnose`` service, called directly by the API).
 COMMANDS = ("convert", "graft", "heal", "tune", "validate", "publish")

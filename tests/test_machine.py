@@ -11,6 +11,8 @@ import pytest
 
 from mtpquant.runtime.machine import compute_cores, tune_cpu_runtime
 
+pytestmark = pytest.mark.dev
+
 REPO = Path(__file__).resolve().parents[1]
 
 

@@ -19,6 +19,8 @@ from mtpquant.runtime.memory import MemoryCaps, parse_max_memory, plan_memory
 from mtpquant.units import format_bytes
 from tests.support.skeleton import find_layout, make_skeleton
 
+pytestmark = pytest.mark.dev
+
 GiB = 2**30
 
 
@@ -130,6 +132,7 @@ def test_a_machine_that_cannot_hold_one_layer_is_refused_before_loading(
     assert not (tmp_path / "out").exists() and list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_per_expert_layouts_say_that_offloaded_experts_are_fused_from_src(qwen_next: Path, tmp_path: Path) -> None:
     plan, ckpt = plan_convert(
         ConvertOptions(src=str(qwen_next), out=tmp_path / "out", dry_run=True, device="cpu", max_memory="cpu=40GB")

@@ -14,6 +14,8 @@ from mtpquant.measure.metrics import (
     token_agreement,
 )
 
+pytestmark = pytest.mark.dev
+
 
 def test_acceptance_stats_k3():
     # 4 steps of 3 drafts, accepting 3, 1, 0, 2.

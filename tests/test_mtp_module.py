@@ -20,6 +20,8 @@ from mtpquant.mtp import (
 )
 from mtpquant.mtp.step import MtpStep
 
+pytestmark = pytest.mark.dev
+
 # --------------------------------------------------------------------------------------------
 # Independent reference: plain float32, per token / per head loops, checkpoint names, no shared code.
 # --------------------------------------------------------------------------------------------
@@ -544,9 +546,9 @@ def test_from_state_dict_adopts_tensors():
 
 
 def test_blocks_match_transformers():
-    q35 = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
-    q35moe = pytest.importorskip("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe")
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as q35
     from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
+    from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as q35moe
     from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
 
     cfg = MtpConfig.from_text_config(DENSE)

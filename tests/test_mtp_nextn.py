@@ -25,6 +25,8 @@ from mtpquant.mtp.build import reference_mtp
 from mtpquant.mtp.module import KVCache, MtpLayoutError
 from mtpquant.mtp.names import checkpoint_name, module_name
 
+pytestmark = pytest.mark.dev
+
 VARIANTS = ("glm4_moe-copies", "deepseek_v3")
 
 

@@ -10,6 +10,8 @@ import pytest
 
 from mtpquant.families import APPENDED, NAMESPACE, SUBSPACE, MtpStorage, TensorClass, tensor_classifier
 
+pytestmark = pytest.mark.dev
+
 PACKAGE = Path(__file__).resolve().parents[1] / "mtpquant"
 
 

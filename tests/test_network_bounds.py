@@ -24,6 +24,8 @@ from mtpquant.net.http import transport_class
 from mtpquant.net.hub import API_CAP
 from tests.support.rawhttp import RawRequest, RawServer, answer, drip
 
+pytestmark = pytest.mark.dev
+
 REPO = "org/tiny"
 
 

@@ -22,6 +22,8 @@ from mtpquant.graft.extract import NEXTN_FILE, ExtractOptions, extract_mtp
 from mtpquant.graft.run import GraftOptions, graft
 from tests.support.nextn_quants import make_nextn_quant
 
+pytestmark = pytest.mark.dev
+
 Factory = Callable[[str], Path]
 
 

@@ -15,6 +15,8 @@ from tests.support.hubserver import LocalHub
 from tests.support.nextn_quants import make_nextn_quant
 from tests.support.nextn_skeleton import make_nextn_skeleton
 
+pytestmark = pytest.mark.dev
+
 Factory = Callable[[str], Path]
 
 
@@ -44,6 +46,7 @@ def quants(tmp_path_factory: pytest.TempPathFactory, tiny_factory: Factory) -> I
     yield get
 
 
+@pytest.mark.slow
 def test_deepseek_v3_release_skeleton(skeletons: Factory) -> None:
     """The FP8 release: 163 shards, the MTP alone in the last. vLLM's Fp8Config quantizes Linear layers and routed
     experts (quantization/fp8.py get_quant_method): the MTP's block is FP8, eh_proj a plain nn.Linear
@@ -59,6 +62,7 @@ def test_deepseek_v3_release_skeleton(skeletons: Factory) -> None:
     assert r.healthy and r.exit_code(strict=True) == 0
 
 
+@pytest.mark.slow
 def test_nvidia_deepseek_fp4_keeps_the_mtp_bf16_and_excluded(skeletons: Factory) -> None:
     """nvidia/DeepSeek-R1-FP4: model.layers.61* excluded (ModelOpt examples/deepseek/ptq.py); vLLM matches it by
     substring against every MTP module, the head's model.layers.61.head included; SGLang's DeepseekV3ForCausalLMNextN
@@ -69,6 +73,7 @@ def test_nvidia_deepseek_fp4_keeps_the_mtp_bf16_and_excluded(skeletons: Factory)
     assert r.healthy and r.exit_code(strict=True) == 0 and r.fixes == []
 
 
+@pytest.mark.slow
 def test_glm45_release_skeleton(skeletons: Factory) -> None:
     r = inspect_checkpoint(skeletons("glm-4.5"))
     assert (r.index.tensors, r.mtp_present_tensors, r.mtp_expected_tensors) == (44_691, 502, 502)

@@ -18,6 +18,8 @@ from mtpquant.errors import ExitCode, UnsupportedArchitectureError
 from mtpquant.families import family, resolve
 from tests.support.nextn_layouts import full_config
 
+pytestmark = pytest.mark.dev
+
 Factory = Callable[[str], Path]
 
 

@@ -39,6 +39,8 @@ from tests.support.engine import EnginePool, prompt_ids
 from tests.support.nextn_quants import make_nextn_quant
 from tests.support.vllm_source import vllm_functions, vllm_method, vllm_source
 
+pytestmark = pytest.mark.dev
+
 Factory = Callable[[str], Path]
 
 
@@ -66,6 +68,7 @@ def _checkpoints(tiny_factory: Factory, quants: Factory) -> list[Path]:
     return [*tinies, quants("step-bf16"), quants("glm5-next-one-prefix")]
 
 
+@pytest.mark.slow
 def test_vllm_takes_exactly_the_registrys_mtp_layers(
     spec_layer: Callable[[Any, str], int | None], tiny_factory: Factory, quants: Factory
 ) -> None:
@@ -200,6 +203,7 @@ def test_vllm_drafts_with_the_repaired_glm_and_refuses_the_unrepaired_as_inspect
     assert family("glm4_moe").engine.drafters["vllm"] == "Glm4MoeMTPModel"
 
 
+@pytest.mark.slow
 def test_gpu_serve_check_builds_its_cases_and_agrees_with_inspect(tmp_path: Path) -> None:
     """scripts/nextn_serve_check.py (the DeepSeek MTP serve check of scripts/gpu_check.sh) builds its cases on any
     machine; inspect's verdicts on them are the ones the GPU run compares vLLM with."""

@@ -11,6 +11,8 @@ import torch
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.convert.offload import FUSED_ENTRY, FusedWeightsLoader, fused_entry, fused_offload
 
+pytestmark = pytest.mark.dev
+
 
 @pytest.fixture(scope="module")
 def next_model(tiny_factory: Callable[[str], Path]) -> tuple[Path, Checkpoint, dict[str, torch.Tensor]]:

@@ -25,6 +25,8 @@ from tests.support.cli import one_error
 from tests.support.kills import KILL_PRELUDE
 from tests.test_graft import leftovers, tree_state
 
+pytestmark = pytest.mark.dev
+
 Factory = Callable[[str], Path]
 
 
@@ -119,6 +121,7 @@ _DRIVER = KILL_PRELUDE + textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("no_exchange", [False, True], ids=["exchange", "aside"])
 def test_a_kill_during_the_replacement_leaves_old_or_new(no_exchange: bool, tmp_path: Path) -> None:
     script = tmp_path / "driver.py"

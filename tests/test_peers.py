@@ -21,6 +21,8 @@ from mtpquant.diagnose.report import EXIT_EXCLUSIONS, EXIT_FORMAT
 from mtpquant.synth.train import TINY_MTP_ASSET
 from tests.conftest import PEER_FIXTURES
 
+pytestmark = pytest.mark.dev
+
 Factory = Callable[[str], Path]
 
 LOADS = "vLLM: MTP loads (BF16)"

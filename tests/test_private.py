@@ -17,6 +17,8 @@ from mtpquant.errors import ExitCode
 from mtpquant.publish.files import SCAN_CHUNK
 from tests.support.quants import with_mtp
 
+pytestmark = pytest.mark.dev
+
 Factory = Callable[[str], Path]
 FOREIGN = "hf_" + "SomeoneElsesToken" + "x" * 17  # shaped like a Hub user token (hf_ + 34 letters and digits)
 

@@ -29,6 +29,8 @@ from mtpquant.units import format_bytes
 from tests.support.hubserver import LocalHub
 from tests.support.quants import with_mtp
 
+pytestmark = pytest.mark.dev
+
 Factory = Callable[[str], Path]
 REPO = "org/tiny-qwen3_5-NVFP4"
 VARIANT = "qwen3_5"
@@ -110,6 +112,7 @@ def _writes(hub: LocalHub) -> list[str]:
 
 
 # ---- the upload -------------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_publish_uploads_exact_files_and_a_truthful_card(
     local_hub: LocalHub, made: Path, converted_template: tuple[Path, Path]
 ) -> None:
@@ -482,6 +485,7 @@ def test_a_file_holding_the_token_is_never_uploaded(tmp_path: Path, out: Path) -
         assert hub.requests == []
 
 
+@pytest.mark.slow
 def test_provenance_from_a_hub_source_and_an_unknown_licence(made: Path) -> None:
     from mtpquant.checkpoint.source import SourceRef
     from mtpquant.records.provenance import PROVENANCE_FILE, Provenance, Step
@@ -573,6 +577,7 @@ def test_quantized_mtp_card_carries_the_sglang_caveat(out: Path) -> None:
     assert "license" not in metadata_load_text(text) and "base_model" not in metadata_load_text(text)
 
 
+@pytest.mark.slow
 def test_validation_report_single_mode_and_unreadable(made: Path) -> None:
     from mtpquant.api import ValidateOptions, validate
 
@@ -607,6 +612,7 @@ def test_validation_report_single_mode_and_unreadable(made: Path) -> None:
     assert "format this card does not read" in publish(PublishOptions(out=made, repo=REPO, dry_run=True)).card
 
 
+@pytest.mark.slow
 def test_card_serves_the_k_validation_measured(made: Path) -> None:
     """What a user saw: validation measured k <= 2 and the card's serve commands drafted k = 3. They now draft the
     largest k the report measured, and say so (an earlier report there is replaced whole by the new one)."""

@@ -22,6 +22,8 @@ from mtpquant.graft.run import GraftOptions, fix_metadata, graft
 from tests.support.hubserver import LocalHub
 from tests.support.qwen4_exp_quants import make_qwen4_exp_quant
 
+pytestmark = pytest.mark.dev
+
 ALIAS = (
     "the day-0 label Qwen3_8FlashNextForConditionalGeneration (architectures[0]) is unknown to vLLM 0.32 and "
     "SGLang 0.5.23 (the weights are Qwen4ExpForConditionalGeneration's): relabel with `mtpquant graft QUANT "

@@ -16,6 +16,8 @@ from mtpquant.families import FAMILIES, family, mtp_config, resolve
 from mtpquant.synth.qwen4_exp import FULL_TEXT_CONFIG, TINY_TEXT_CONFIG, ngram_buffers, qwen4_exp_config
 from mtpquant.synth.tiny import TINY_VISION
 
+pytestmark = pytest.mark.dev
+
 
 def _full() -> dict:
     return qwen4_exp_config(FULL_TEXT_CONFIG, TINY_VISION)

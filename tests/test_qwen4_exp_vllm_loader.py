@@ -35,6 +35,8 @@ from tests.support.qwen4_exp_quants import QUANT_KINDS, make_qwen4_exp_quant
 from tests.support.vllm_source import vllm_functions as _functions
 from tests.support.vllm_source import vllm_source as _vllm_source
 
+pytestmark = pytest.mark.dev
+
 
 @pytest.fixture(scope="module")
 def vllm_mtp() -> dict[str, Any]:

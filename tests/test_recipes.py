@@ -23,6 +23,8 @@ from mtpquant.recipes.recipe import (
 )
 from mtpquant.units import ByteSize
 
+pytestmark = pytest.mark.dev
+
 FAMILY = {f.key: f for f in FAMILIES}
 
 
@@ -174,7 +176,8 @@ def test_a_size_is_parsed_once_and_written_as_given() -> None:
 
 def test_disabled_list_matches_installed_modelopt() -> None:
     """Planning uses a copy of modelopt's never-quantize entries; it must equal the installed one."""
-    mtq = pytest.importorskip("modelopt.torch.quantization")
+    import modelopt.torch.quantization as mtq
+
     base = mtq.NVFP4_DEFAULT_CFG["quant_cfg"]
     disabled = [e for e in base if e.get("enable") is False and (e["quantizer_name"] != "*" or "parent_class" in e)]
     assert disabled == MODELOPT_NVFP4_DISABLED

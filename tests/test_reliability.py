@@ -16,6 +16,8 @@ from mtpquant.checkpoint.writer import PARTIAL_MARK
 from mtpquant.cli import main as cli
 from mtpquant.errors import ExitCode
 
+pytestmark = pytest.mark.dev
+
 Factory = Callable[[str], Path]
 
 
@@ -94,6 +96,7 @@ def test_convert_disk_full_at_random_write(
     assert not out.exists() and not list(tmp_path.glob(f".*{PARTIAL_MARK}*"))
 
 
+@pytest.mark.slow
 def test_commands_write_nowhere_but_out_cache_and_temp(
     naive_export_factory: Factory, tiny_factory: Factory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

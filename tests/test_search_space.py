@@ -27,6 +27,8 @@ from mtpquant.mtp.quantize import per_expert_shapes, quantize_mtp
 from mtpquant.search.space import Assignment, MtpSpace, engines_of
 from mtpquant.synth.train import TINY_MTP_ASSETS
 
+pytestmark = pytest.mark.dev
+
 Factory = Callable[[str], Path]
 VARIANTS = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "qwen4_exp")
 

@@ -26,6 +26,8 @@ from tests.support.skeleton import (
     plan_quant,
 )
 
+pytestmark = pytest.mark.dev
+
 MISSING = "MTP declared but missing: speculative decoding will accept nothing"
 
 
@@ -60,6 +62,7 @@ def test_source_skeleton_has_real_layout_sparse_data_and_opens_clean(real_layout
     assert report.healthy and report.verdicts["vllm"] == "vLLM: MTP loads (BF16)"
 
 
+@pytest.mark.slow
 def test_multi_file_rows_are_balanced_and_mtp_shard_stays_mtp_only(real_layouts: Path) -> None:
     rows = _rows(find_layout("Qwen3-Next-80B-A3B-Instruct", real_layouts))
     tensors = assign_shards(rows)
@@ -86,6 +89,7 @@ def test_multi_file_rows_are_balanced_and_mtp_shard_stays_mtp_only(real_layouts:
     assert all(max(s) - min(s) <= 1 for s in layer_shards.values())
 
 
+@pytest.mark.slow
 def test_quant_plan_exports_fused_experts_per_expert_in_nvfp4(real_layouts: Path) -> None:
     config, hfq, tensors = plan_quant(find_layout("Qwen3.5-35B-A3B", real_layouts))
     t = {x.name: (x.dtype, x.shape) for x in tensors}
@@ -177,7 +181,8 @@ def _io() -> dict[str, int]:
 @pytest.mark.parametrize("mode", ["out", "in-place"])
 def test_graft_into_skeleton_quant_writes_only_the_mtp(real_layouts: Path, tmp_path: Path, mode: str) -> None:
     """O(MTP): grafting 41 MB of MTP into a 1 GB quant writes the MTP plus metadata, never the rest."""
-    graft_mod = pytest.importorskip("mtpquant.graft.run")
+    from mtpquant.graft import run as graft_mod
+
     layout = find_layout("Qwen3.5-0.8B-Base", real_layouts)
     src = make_skeleton(layout, tmp_path / "src", mtp_data="random")
     quant = make_skeleton(layout, tmp_path / "quant", quant=True)

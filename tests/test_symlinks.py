@@ -18,6 +18,8 @@ from mtpquant.publish.files import plan_files
 from mtpquant.publish.run import PublishRefusedError
 from tests.support.cli import one_error
 
+pytestmark = pytest.mark.dev
+
 Factory = Callable[[str], Path]
 
 

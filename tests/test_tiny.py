@@ -13,6 +13,8 @@ import torch
 from mtpquant.checkpoint.table import Checkpoint
 from tests.support.layouts import expand_layout
 
+pytestmark = pytest.mark.dev
+
 CASES = [
     ("qwen3_5", "Qwen3.5-4B", "Qwen3.5-4B_config.json"),
     ("qwen3_5-tied", "Qwen3.5-4B", "Qwen3.5-4B_config.json"),

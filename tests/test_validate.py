@@ -62,6 +62,8 @@ from mtpquant.text.prompts import (
 from mtpquant.validate.report import _acceptance_plot, render_markdown, write_report
 from mtpquant.validate.run import ValidateOptions, validate
 
+pytestmark = pytest.mark.dev
+
 CPU = torch.device("cpu")
 
 
@@ -349,8 +351,9 @@ def test_target_matches_transformers_from_pretrained(variant: str, tiny_factory:
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
 def test_batched_generation_equals_one_prompt_at_a_time(variant: str, tiny_factory: Callable[[str], Path]) -> None:
-    """Prompts of one length generated together: the same tokens and acceptance; the same hidden states, bit for
-    bit on the dense family (the MoE experts see more rows per GEMM when batched, which rounds differently)."""
+    """Prompts of one length generated together: the same tokens and acceptance; the same hidden states within
+    float32 rounding (batched, every GEMM sees more rows and the CPU's kernels may block it differently: bit-equal on
+    some CPUs, not on all; the MoE experts also group rows differently)."""
     path = tiny_factory(variant)
     weights = CheckpointWeights.open(path)
     target = load_target(weights, device=CPU, dtype=torch.float32)
@@ -361,7 +364,9 @@ def test_batched_generation_equals_one_prompt_at_a_time(variant: str, tiny_facto
     one = capture(target, plan, label="one", progress=False, batch_size=1)
     batched = capture(target, plan, label="batched", progress=False, batch_size=2)
     assert [s.prompt_len for s in batched.sequences] == [5, 8, 5, 8, 5, 3]
-    atol = 0.0 if variant == "qwen3_5" else 1e-5
+    # hidden states are O(1) (post-norm) and each is a float32 sum over 128-wide rows: rounding, however the rows
+    # are blocked, stays far below 1e-5, while a wrong row or position (padding, cache) moves them by O(0.1)
+    atol = 1e-5
     for a, b in zip(one.sequences, batched.sequences, strict=True):
         assert torch.equal(a.tokens, b.tokens) and a.prompt_len == b.prompt_len
         torch.testing.assert_close(a.hidden, b.hidden, rtol=0, atol=atol)

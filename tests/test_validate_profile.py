@@ -20,6 +20,8 @@ from mtpquant.text.prompts import context_edges, plan_sequences
 from mtpquant.validate.options import ValidateOptions
 from mtpquant.validate.report import _acceptance_plot, write_report
 
+pytestmark = pytest.mark.dev
+
 
 def test_plan_without_buckets_is_the_usual_cut() -> None:
     ids = [list(range(100)), list(range(10))]

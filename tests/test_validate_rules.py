@@ -12,6 +12,8 @@ from mtpquant.measure.replay import walk
 from mtpquant.measure.rules import draft_probs, target_probs, terms
 from mtpquant.records.sampling import RULES, SamplingSettings
 
+pytestmark = pytest.mark.dev
+
 T08 = SamplingSettings(temperature=0.8)
 
 

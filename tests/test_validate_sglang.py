@@ -28,6 +28,8 @@ from mtpquant.validate.measure import engine_stats
 from tests.support.sglang_replay import RECORDED, SglangReplay
 from tests.support.sglang_start import fake_sglang, scheduler_refusal
 
+pytestmark = pytest.mark.dev
+
 TINY = str(TINY_MTP_ASSET)
 MODEL = "tiny-qwen3_5-mtp"  # the recorded server's model (its path, as recorded)
 # what validate asks for: prompts of 32 tokens (at most half of --max-len) and 32 new ones, as the recorded request
@@ -299,6 +301,7 @@ def test_engine_sglang_start_failure_names_the_cause_and_the_log(
     ]  # fmt: skip
 
 
+@pytest.mark.slow
 def test_engine_sglang_start_refusals_say_what_the_server_needs(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -367,6 +370,7 @@ def test_the_asset_processor_loads_in_transformers() -> None:
     assert (processor.size.shortest_edge, processor.size.longest_edge) == (65536, 16777216)
 
 
+@pytest.mark.slow
 def test_the_asset_processor_loads_as_autoprocessor() -> None:
     """The whole processor an engine builds (transformers' AutoProcessor: image, video and tokenizer), in the vLLM
     environment's transformers (5.19, with torchvision)."""

@@ -30,6 +30,8 @@ from mtpquant.records.validation import Agreement, Comparison, KlSummary, MtpInf
 from mtpquant.validate.run import ValidateOptions
 from mtpquant.validate.verdict import verdict
 
+pytestmark = pytest.mark.dev
+
 STEPS = 40  # verification steps per prompt in the hand-made counts
 
 

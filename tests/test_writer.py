@@ -16,6 +16,8 @@ from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.checkpoint.writer import PARTIAL_MARK, OutputDir, find_stale_partials, plan_shards
 from mtpquant.errors import CheckpointError, FilesystemError, OutputExistsError
 
+pytestmark = pytest.mark.dev
+
 
 def _config(tiny_factory: Callable[[str], Path]) -> dict:
     return json.loads((tiny_factory("qwen3_5-tied") / "config.json").read_text())

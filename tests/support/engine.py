@@ -1,14 +1,22 @@
-"""Real vLLM servers for the engine tests, shared across tests: one per (checkpoint, K), a few alive at once.
+"""Real vLLM servers for the engine tests, one pool for the whole session: a server starts once per (checkpoint,
+K, engine settings) and every test that needs the same one shares it, across modules (the engine modules run in
+one xdist group, ``tests/conftest.py``, so in one process and one pool).
 
 Servers start lazily through mtpquant's own launcher (``mtpquant.engine.launch``) from the engine
 environment ``tests/support/vllm_env.py`` builds; the least recently used one is stopped when a new one
 would exceed ``max_alive`` (each CPU server holds a couple of GB). Logs land in the session's temp dir.
+With ``MTPQUANT_ENGINE_STARTS=FILE`` every engine start in the session (the pool's and those validate makes itself)
+appends a line to FILE (``record_engine_starts``): ``.ci/run`` prints how many started and how many were distinct.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import time
 from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,12 +28,54 @@ from mtpquant.engine.sizing import plan_engine_memory, probe_machine
 from mtpquant.engine.vllm import VllmClient
 from mtpquant.errors import EngineStartError
 
-__all__ = ["CONCURRENCY", "CPU_ENV", "EnginePool", "RunningServer", "engine_acceptance", "prompt_ids"]
+__all__ = [
+    "CONCURRENCY",
+    "CPU_ENV",
+    "STARTS_ENV",
+    "EnginePool",
+    "RunningServer",
+    "engine_acceptance",
+    "prompt_ids",
+    "record_engine_starts",
+]
 
 # The servers' environment: nothing about memory (mtpquant sizes it, engine/sizing.py), no tokenizer threads.
 CPU_ENV = {"TOKENIZERS_PARALLELISM": "false"}
 MAX_LEN = 256  # the longest sequences the tests send
 CONCURRENCY = 8  # the most requests a test keeps in flight at once (validate --concurrency)
+STARTS_ENV = "MTPQUANT_ENGINE_STARTS"
+# What the pool's servers are started with besides the checkpoint and K: part of the key, so a pool that ever
+# starts servers with other settings does not hand one out for another.
+SETTINGS = (("max_len", MAX_LEN), ("sequences", CONCURRENCY), *sorted(CPU_ENV.items()))
+
+
+@contextmanager
+def record_engine_starts() -> Iterator[None]:
+    """With ``MTPQUANT_ENGINE_STARTS=FILE``: every ``EngineProcess.start`` in this process appends one JSON line to
+    FILE (engine, its arguments less the port, seconds to ready); otherwise nothing."""
+    target = os.environ.get(STARTS_ENV)
+    if not target:
+        yield
+        return
+    original = EngineProcess.start
+
+    def start(self: EngineProcess) -> None:
+        t0 = time.monotonic()
+        try:
+            original(self)
+        finally:
+            args = list(self.args)
+            if "--port" in args:
+                del args[args.index("--port") : args.index("--port") + 2]
+            line = {"engine": self.engine, "args": args, "seconds": round(time.monotonic() - t0, 1)}
+            with open(target, "a") as f:
+                f.write(json.dumps(line) + "\n")
+
+    EngineProcess.start = start  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        EngineProcess.start = original  # type: ignore[method-assign]
 
 
 @dataclass
@@ -39,15 +89,20 @@ class RunningServer:
     started_s: float
 
 
+Key = tuple[str, "int | None", tuple[tuple[str, object], ...]]
+
+
 @dataclass
 class EnginePool:
-    """Lazily started vLLM servers keyed by (checkpoint, K); K None means no speculative decoding."""
+    """Lazily started vLLM servers keyed by (checkpoint, K, engine settings); K None means no speculative decoding.
+    The checkpoint is its resolved path (the tests never change a checkpoint a server serves)."""
 
     python: Path
     logs: Path
     max_alive: int = 2
-    alive: OrderedDict[tuple[str, int | None], RunningServer] = field(default_factory=OrderedDict)
+    alive: OrderedDict[Key, RunningServer] = field(default_factory=OrderedDict)
     startup_seconds: list[float] = field(default_factory=list)
+    started: list[Key] = field(default_factory=list)  # every start, in order (a key twice: restarted after eviction)
 
     def _server(self, checkpoint: Path, k: int | None) -> EngineProcess:
         port = free_port()
@@ -66,7 +121,7 @@ class EnginePool:
 
     def get(self, checkpoint: Path, k: int | None) -> RunningServer:
         """A running server for ``checkpoint`` with ``k`` MTP drafts (started if needed)."""
-        key = (str(checkpoint), k)
+        key: Key = (str(Path(checkpoint).resolve()), k, SETTINGS)
         if key in self.alive:
             self.alive.move_to_end(key)
             return self.alive[key]
@@ -77,6 +132,7 @@ class EnginePool:
         t0 = time.monotonic()
         server.start()
         self.startup_seconds.append(time.monotonic() - t0)
+        self.started.append(key)
         client = VllmClient(server.url)
         running = RunningServer(server, client, client.info(), str(checkpoint), self.startup_seconds[-1])
         self.alive[key] = running
@@ -114,39 +170,38 @@ def prompt_ids(checkpoint: Path, n: int, max_len: int = 96) -> tuple[list[list[i
 def engine_acceptance(
     path: Path, vllm: EnginePool, report_dir: Path, *, ks: tuple[int, ...], prompts: int = 32, max_len: int = 128
 ) -> dict[int, dict[str, Any]]:
-    """``validate --engine vllm --compare-reference`` of ``path``: per k, the AL vLLM's own counters give
-    (``engine``) and validate's built-in replay predicts on the same prompts (``predicted``), activations emulated on
-    the built-in side (the engine runs the W4A4 activations too), each side's per-position acceptance
-    (``engine_per_position``, ``predicted_per_position``) and the engine's verification steps (``engine_steps``); no
-    other request reached the server."""
+    """What vLLM measures on ``path`` against what validate's built-in replay predicts on the same prompts, per k in
+    ``ks``: the AL vLLM's own counters give (``engine``) and the prediction (``predicted``, activations emulated: the
+    engine runs the W4A4 activations too), each side's per-position acceptance (``engine_per_position``,
+    ``predicted_per_position``) and the engine's verification steps (``engine_steps``); no other request reached the
+    server while it measured.
+
+    One server per checkpoint, at the largest k, from the session's pool (``validate --server``; a test elsewhere that
+    measures the same checkpoint at the same k gets the same server): vLLM accepts draft i with the same probability,
+    given the context, whatever k >= i, so a k-server's first j positions measure what a j-server accepts (AL at j:
+    1 + their sum; checked in tests/test_engine_validate.py). The prediction is ``validate`` of the same prompts and
+    lengths at the same k, without an engine."""
     from mtpquant.api import ValidateOptions, validate
 
-    report = validate(
-        ValidateOptions(
-            path,
-            num_prompts=prompts,
-            max_len=max_len,
-            ks=ks,
-            device="cpu",
-            activations="emulate",
-            engine="vllm",
-            vllm_python=vllm.python,
-            env=CPU_ENV,
-            compare_reference=True,
-            report_dir=report_dir,
-            progress=False,
-        )
+    k = max(ks)
+    common: dict[str, Any] = {"num_prompts": prompts, "max_len": max_len, "progress": False}
+    server = vllm.get(path, k)
+    measured = validate(
+        ValidateOptions(path, server=server.server.url, concurrency=CONCURRENCY, report_dir=report_dir, **common)
     ).report
-    rows = report.predicted.reference or () if report.predicted else ()
-    assert [r.k for r in rows] == list(ks)
-    assert all(e.other_requests == 0 for e in report.engine)
-    return {
-        r.k: {
-            "engine": r.engine_al,
-            "predicted": r.predicted_al,
-            "engine_per_position": list(r.engine_per_position),
-            "predicted_per_position": list(r.predicted_per_position),
-            "engine_steps": r.engine_steps,
+    assert [e.k for e in measured.engine] == [k] and all(e.other_requests == 0 for e in measured.engine)
+    (engine,) = measured.reference.acceptance_by_sampling[0].by_k
+    predicted = validate(ValidateOptions(path, ks=(k,), device="cpu", activations="emulate", **common)).report
+    built_in = predicted.reference.acceptance_by_sampling[0].by_k[-1]
+    assert engine.k == built_in.k == k
+    out = {}
+    for j in ks:
+        e, p = list(engine.acceptance_per_position[:j]), list(built_in.acceptance_per_position[:j])
+        out[j] = {
+            "engine": engine.mean_acceptance_length if j == k else 1 + sum(e),
+            "predicted": built_in.mean_acceptance_length if j == k else 1 + sum(p),
+            "engine_per_position": e,
+            "predicted_per_position": p,
+            "engine_steps": engine.num_steps,
         }
-        for r in rows
-    }
+    return out

@@ -3,8 +3,9 @@ tests, the publish test and the engine test share them.
 
 ``small(mode)`` is a heal with a schedule that runs in seconds, written with ``force`` (the mechanics: what is
 written, how, and the record); ``healed(mode)`` is the default heal (the proof that heal improves acceptance: a
-couple of CPU-minutes each, so its tests run only with ``MTPQUANT_HEAL_PROOF=1``; ``scripts/bench_heal.py`` runs
-the same heal and records its numbers in docs/BENCHMARKS.md).
+couple of CPU-minutes each; the full lane runs one, the keep heal measured by vLLM in tests/test_engine_heal.py, and
+the other proofs run only with ``MTPQUANT_HEAL_PROOF=1``; ``scripts/bench_heal.py`` runs the same heal and records its
+numbers in docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ SMALL: dict[str, Any] = {
 }
 
 PROOF = os.environ.get("MTPQUANT_HEAL_PROOF", "") not in ("", "0")
-# The default heal's tests: minutes of CPU per mode, beyond the CI suite's budget; run them with MTPQUANT_HEAL_PROOF=1.
+# The default heal's other proofs: minutes of CPU per mode, beyond the full lane's budget; run them with
+# MTPQUANT_HEAL_PROOF=1 (an allowed skip: tests/support/lanes.py ALLOWED_SKIPS).
 proof = pytest.mark.skipif(not PROOF, reason="the default heal takes CPU-minutes: set MTPQUANT_HEAL_PROOF=1")
 
 
