@@ -314,7 +314,9 @@ def _heal_lines(facts: CardFacts) -> list[str]:
     if record.forced:
         lines += [
             "> [!WARNING]",
-            "> Written with `--force`: the held-out check did not show the healed MTP better beyond noise at every k.",
+            "> Written with `--force`: the held-out check did not show the healed MTP better beyond noise "
+            + ("at every k." if record.served_k is None or record.strict else f"at the served k = {record.served_k} "
+               "(or showed it worse at some k)."),
             "",
         ]
     return lines
