@@ -497,7 +497,8 @@ def test_report_files(tmp_path: Path) -> None:
     assert lines[lines.index("## Candidate: `x`") + 2] == (
         "Family qwen3_5; target from model; MTP precision: 8 Linears, all unquantized (BF16 8)."
     )
-    assert "Mode: pair; k = 1..3; 1 sequence of 8 tokens; prompts: p; device cpu (float32); activations off." in lines
+    assert ("Mode: pair; k = 1..3; 1 sequence of 8 tokens; prompts: p; device cpu (float32); activations NOT quantized "
+            "(--activations off)." in lines)
     assert lines[-1] == "Time 1.0 s; mtpquant 0, schema mtpquant.validate/2."  # no import time measured: none named
     assert _acceptance_plot(data, sides(data)).axes[1].get_ylim() == (1.0, 2.625)
     engine = EngineInfo(
