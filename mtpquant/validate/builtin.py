@@ -171,11 +171,15 @@ def _targets(
             + (f" for the context buckets {', '.join(map(str, opts.context_buckets))}" if opts.context_buckets else "")
         )
     runs = {s: {} for s in settings}
+    # the engine drafts k at its last steps as at every other and counts what its verification accepts past
+    # max_tokens: the target continues k - 1 tokens past each request's end to verify them (``replay.replay_greedy``)
+    lookahead = max(opts.k_values) - 1
     target = load_target(ref_w, device=device, dtype=dtype, activations=opts.activations)
     for s in settings:
         label = "reference" + (f" ({s.label})" if len(settings) > 1 else "")
         runs[s]["ref"] = capture(
-            target, plan, label=label, progress=opts.progress, batch_size=opts.batch_size, sampling=s
+            target, plan, label=label, progress=opts.progress, batch_size=opts.batch_size, sampling=s,
+            lookahead=lookahead,
         )
     target.release()
     if cand_w is not None:
@@ -190,6 +194,7 @@ def _targets(
                 progress=opts.progress,
                 batch_size=opts.batch_size,
                 sampling=s,
+                lookahead=lookahead,
             )
         target.release()
     if opts.save_hidden is not None:
