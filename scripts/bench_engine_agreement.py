@@ -51,7 +51,7 @@ def old_accounting() -> Iterator[None]:
         kwargs["lookahead"] = 0
         return original(*args, **kwargs)
 
-    builtin.capture = capture  # type: ignore[assignment]
+    builtin.capture = capture
     try:
         yield
     finally:
