@@ -161,7 +161,15 @@ def main() -> int:
     p.add_argument("--no-old", action="store_true", help="skip the old-default built-in runs")
     p.add_argument("--write", action="store_true", help="replace this section of docs/BENCHMARKS.md")
     p.add_argument("--json", type=Path, help="also write the rows here")
+    p.add_argument("--from-json", type=Path, help="render (and --write) the rows a run wrote with --json; run nothing")
+    p.add_argument("--seconds", type=float, default=0.0, help="with --from-json: that run's wall time")
     args = p.parse_args()
+    if args.from_json:
+        text = markdown(json.loads(args.from_json.read_text()), args.prompts, machine(args.work), args.seconds)
+        print(text)
+        if args.write:
+            write_section(HEADING, text)
+        return 0
     t0 = time.perf_counter()
     args.work.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
