@@ -105,6 +105,61 @@ def old_prediction(path: Path, prompts: int, ks: tuple[int, ...]) -> dict[int, d
             for r in acc.by_k}  # fmt: skip
 
 
+CAUSE = [
+    "**The cause of the old bias.** Two things, one per sign. (1) The old default left the W4A4 activations in full "
+    "precision (`--activations off`) where vLLM quantizes them: the prediction read *above* vLLM on the keep and "
+    "quantize outputs (issue 43: up to +0.105 at k = 3). (2) With activations emulated the prediction read *below* "
+    "vLLM in every cell, most at k = 3 and on short sequences, on the BF16 source too: validate's replay let a "
+    "request's last steps draft only the tokens left before `max_tokens`, while vLLM 0.32 schedules the full k "
+    "drafts at every step (`v1/core/sched/scheduler.py`: it does not schedule partial drafts) and counts what "
+    "verification accepts before the output is cut at `max_tokens` (`num_accepted = len(generated_token_ids) - 1`, "
+    "counted before `_update_request_with_output` truncates). That is about one step's extra acceptances per "
+    "request, so it shrinks with the sequence's length and vanishes at k = 1. The replay now drafts k at every step, "
+    "verified by the target's own tokens past the request's end (a k - 1 token lookahead, "
+    "`measure.replay.replay_greedy`). Ruled out on the same inputs: vLLM's NVFP4 activation quantize-dequantize "
+    "(`ref_nvfp4_quant_dequant`, the CPU path of `EmulationNvFp4LinearKernel`) equals mtpquant's "
+    "`quantize_activation_nvfp4` bit for bit on bf16 inputs (20 random 64 x 512 blocks with outliers; in float32 "
+    "they differ by at most 6e-5, the order in which the two scales multiply), and convert's fused groups (q/k/v, "
+    "gate/up, in_proj_qkv/z) carry one input scale, so vLLM's max over a fused group changes nothing; the compute "
+    "dtype (the prediction in float32, vLLM in bf16) leaves the BF16 source's cells within noise (the table). "
+    "`--check-emulation` reruns the emulation comparison.",
+]
+
+
+EMULATION_CHECK = """
+import torch
+from vllm.model_executor.layers.quantization.utils.nvfp4_emulation_utils import ref_nvfp4_quant_dequant
+from mtpquant.formats.nvfp4 import quantize_activation_nvfp4
+
+torch.manual_seed(0)
+for dtype in (torch.bfloat16, torch.float32):
+    worst, differing, total = 0.0, 0, 0
+    for _ in range(20):
+        x = (torch.randn(64, 512) * torch.exp(torch.randn(64, 1))).to(dtype)
+        x[:, ::37] *= 20  # outliers
+        input_scale = torch.tensor(float(x.float().abs().max()) / (6 * 448), dtype=torch.float32)
+        ours = quantize_activation_nvfp4(x, input_scale)
+        theirs = ref_nvfp4_quant_dequant(x, (1.0 / input_scale).to(torch.float32), 16)
+        d = (ours.float() - theirs.float()).abs()
+        worst, differing, total = max(worst, float(d.max())), differing + int((d > 0).sum()), total + d.numel()
+    print(f"{dtype}: max |mtpquant - vLLM| {worst:.3g}, {differing} of {total} elements differ")
+"""
+
+
+def check_emulation() -> str:
+    """mtpquant's NVFP4 activation quantize-dequantize against vLLM's own (``ref_nvfp4_quant_dequant``, the CPU path
+    of ``EmulationNvFp4LinearKernel``) on the same inputs, in the vLLM environment's python."""
+    import os
+    import subprocess
+
+    from tests.support.vllm_env import vllm_python
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    out = subprocess.run([str(vllm_python()), "-c", EMULATION_CHECK], env=env, capture_output=True, text=True,
+                         check=True).stdout  # fmt: skip
+    return out.strip()
+
+
 def _pct(values: list[float]) -> str:
     return " / ".join(f"{100 * v:.1f}" for v in values)
 
@@ -148,7 +203,16 @@ def markdown(rows: list[dict[str, Any]], prompts: int, facts: dict[str, Any], se
         f"{max(abs(d) for d in diffs):.3f}, mean signed difference {sum(diffs) / len(diffs):+.3f}"
         + (f" (old default: largest {max(abs(d) for d in old):.3f}, mean {sum(old) / len(old):+.3f})" if old else "")
         + ".",
+        "",
+        *CAUSE,
     ]
+    src = {r["k"]: r for r in qwen if "source" in r["which"] and r.get("old_al") is not None}
+    if 3 in src:
+        s3 = src[3]
+        lines += ["", f"On the BF16 source (nothing to quantize, so the old and new defaults differ only in the last "
+                  f"steps' accounting) vLLM's AL at k = 3 is {s3['engine_al']:.3f}: the old replay predicted "
+                  f"{s3['old_al']:.3f} ({s3['engine_al'] - s3['old_al']:+.3f}), the new one {s3['predicted_al']:.3f} "
+                  f"({s3['difference']:+.3f})."]
     return "\n".join(lines)
 
 
@@ -163,7 +227,12 @@ def main() -> int:
     p.add_argument("--json", type=Path, help="also write the rows here")
     p.add_argument("--from-json", type=Path, help="render (and --write) the rows a run wrote with --json; run nothing")
     p.add_argument("--seconds", type=float, default=0.0, help="with --from-json: that run's wall time")
+    p.add_argument("--check-emulation", action="store_true",
+                   help="only compare mtpquant's NVFP4 activation emulation with vLLM's on the same inputs")
     args = p.parse_args()
+    if args.check_emulation:
+        print(check_emulation())
+        return 0
     if args.from_json:
         text = markdown(json.loads(args.from_json.read_text()), args.prompts, machine(args.work), args.seconds)
         print(text)
