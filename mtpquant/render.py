@@ -352,11 +352,13 @@ def graft_text(result: GraftResult) -> str:
     return "\n".join(lines)
 
 
-def heal_table(rows: Sequence[tuple[int, float, float, float, float]]) -> list[str]:
-    """The held-out AL per k before and after heal: ``(k, before, after, low, high)`` rows."""
-    lines = ["  k  before   after  change  95% interval"]
-    for k, before, after, low, high in rows:
-        lines.append(f"{k:>3}  {before:6.3f}  {after:6.3f}  {after - before:+.3f}  [{low:+.3f}, {high:+.3f}]")
+def heal_table(rows: Sequence[tuple[int, float, float, float, float]], verdicts: Sequence[str] = ()) -> list[str]:
+    """The held-out AL per k before and after heal: ``(k, before, after, low, high)`` rows, with each k's verdict
+    (better / no change / worse beyond noise) when given."""
+    lines = ["  k  before   after  change  95% interval" + ("      verdict" if verdicts else "")]
+    for i, (k, before, after, low, high) in enumerate(rows):
+        verdict = f"  {verdicts[i]:>11}" if i < len(verdicts) else ""
+        lines.append(f"{k:>3}  {before:6.3f}  {after:6.3f}  {after - before:+.3f}  [{low:+.3f}, {high:+.3f}]{verdict}")
     return lines
 
 
@@ -370,7 +372,7 @@ def heal_text(result: HealResult) -> str:
         lines.append(f"check      {check.sequences} held-out prompts, {check.tokens} tokens (greedy, the quantized "
                      "target's own continuations)")
         lines += ["           " + line for line in heal_table([(c.k, c.before, c.after, c.low, c.high)
-                                                               for c in check.by_k])]
+                                                               for c in check.by_k], [c.verdict for c in check.by_k])]
     elif check is not None:
         lines.append(f"check      {check.sequences} held-out prompts (the quantized target's own continuations) at "
                      f"{len(check.settings)} settings, sampled ones verified by --rule {check.rule}")
@@ -379,7 +381,7 @@ def heal_text(result: HealResult) -> str:
                                                                                      "no change beyond noise")
             lines.append(f"           {s.sampling.label}: {verdict}")
             lines += ["             " + line for line in heal_table([(c.k, c.before, c.after, c.low, c.high)
-                                                                     for c in s.by_k])]
+                                                                     for c in s.by_k], [c.verdict for c in s.by_k])]
     record = result.record
     if record is not None:
         greedy = record.sequences - record.sampled

@@ -221,6 +221,45 @@ def test_running_server_measures_what_the_builtin_path_predicts(
     _agree("keep", 2, rows)
 
 
+# issue 43: validate's default prediction against vLLM, greedy, k = 1 and 3, on DEFAULT_PROMPTS of validate's default
+# length (scripts/bench_engine_agreement.py measures the same cells and the source's; docs/BENCHMARKS.md has them).
+DEFAULT_PROMPTS = 96
+CELL_TOLERANCE = 0.05  # every (output, k): |engine AL - predicted AL|
+MEAN_TOLERANCE = 0.02  # the mean signed difference over the cells: no bias
+
+
+def test_default_prediction_agrees_with_vllm_without_bias(outputs: dict[str, Path], vllm: EnginePool) -> None:
+    """The keep and quantize outputs through running vLLM servers (k = 1 and 3, greedy, ``--concurrency 8``) beside
+    validate's built-in prediction with its DEFAULT settings (activations emulated as served, the last steps counted
+    as vLLM counts them): every cell within 0.05 AL, and the mean signed difference within +-0.02. Before issue 43
+    the default prediction read above vLLM by up to +0.105 (activations off), and the emulated one below it in every
+    cell (its last steps drafted only the tokens left, where vLLM drafts k and counts acceptances past max_tokens)."""
+    diffs = []
+    for mode in ("keep", "quantize"):
+        predicted = validate(
+            ValidateOptions(outputs[mode], num_prompts=DEFAULT_PROMPTS, ks=(1, 3), device="cpu", progress=False)
+        ).report
+        assert predicted.settings.activations == "emulate"
+        assert predicted.reference.acceptance is not None
+        by_k = {r.k: r for r in predicted.reference.acceptance.by_k}
+        for k in (1, 3):
+            server = vllm.get(outputs[mode], k)
+            served = ValidateOptions(outputs[mode], server=server.server.url, num_prompts=DEFAULT_PROMPTS,
+                                     concurrency=CONCURRENCY, progress=False)  # fmt: skip
+            engine = validate(served).report
+            assert engine.reference.acceptance is not None and engine.engine[0].k == k
+            (e,) = engine.reference.acceptance.by_k
+            assert e.num_steps >= 1000  # a per-position rate's standard error <= 0.016
+            diff = e.mean_acceptance_length - by_k[k].mean_acceptance_length
+            where = f"{mode} k={k}: engine {e.mean_acceptance_length:.3f}, "
+            where += f"predicted {by_k[k].mean_acceptance_length:.3f}"
+            assert abs(diff) <= CELL_TOLERANCE, where
+            for ep, pp in zip(e.acceptance_per_position, by_k[k].acceptance_per_position, strict=True):
+                assert abs(ep - pp) <= POSITION_TOLERANCE, where
+            diffs.append(diff)
+    assert abs(sum(diffs) / len(diffs)) <= MEAN_TOLERANCE, diffs
+
+
 @pytest.mark.parametrize("mode", ["keep", "quantize"])
 def test_compressed_tensors_outputs_load_and_draft(
     outputs: dict[str, Path], vllm: EnginePool, tmp_path: Path, mode: str

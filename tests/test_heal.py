@@ -295,7 +295,8 @@ def test_a_heal_that_does_not_help_writes_nothing(healed_tiny: HealedTiny, tmp_p
     before = tree_state(quant)
     code, err = one_error(capsys, "-q", "heal", str(quant), "--from", str(TINY_MTP_ASSET), "--in-place", "--device",
                           "cpu", "--steps", "1", "--lr", "1e-9", "--samples", "4", "--check-prompts", "8")
-    assert code == ExitCode.HEAL_NOT_BETTER and "not better beyond noise on 8 held-out prompts" in err
+    assert code == ExitCode.HEAL_NOT_BETTER
+    assert "not better beyond noise at the served k = 3 on 8 held-out prompts" in err
     assert "nothing written" in err
     assert tree_state(quant) == before and leftovers(tmp_path) == []
     with pytest.raises(HealNotBetterError):
@@ -462,7 +463,7 @@ def test_convert_heal_runs_heal_after_the_conversion(tmp_path: Path, capsys: pyt
     assert captured.out.startswith(f"wrote {out}")  # convert's summary first
     err = captured.err.strip()
     assert len(err.splitlines()) == 1 and f"{out} was written as converted, not healed: " in err
-    assert "not better beyond noise on 8 held-out prompts" in err
+    assert "not better beyond noise at the served k = 3 on 8 held-out prompts" in err
     assert [s.tool for s in read_provenance(out).steps] == ["convert"] and leftovers(tmp_path) == []
 
     assert cli(["-q", "convert", str(TINY_MTP_ASSET), str(forced), *common, "--heal-force"]) == 0

@@ -3,8 +3,9 @@
 The trained tiny Qwen4-Exp (``mtpquant/assets/tiny-qwen4_exp-mtp``) converted with ``--keep-mtp`` (BF16 MTP) and
 ``--mtp quantize`` (NVFP4 MTP, its experts per expert): a seconds-long forced heal of each shows what is written
 (only ``mtp.*`` bytes, in QUANT's names, dtypes, shapes and scales); the default heal's gain (held-out AL at
-k = 1..3 beyond noise, and validate's AL of the healed quant above the unhealed one's) takes CPU-minutes per mode and
-runs with ``MTPQUANT_HEAL_PROOF=1`` (``scripts/bench_heal.py`` records the same numbers in docs/BENCHMARKS.md).
+k = 3 beyond noise, none worse, and validate's AL of the healed quant above the unhealed one's) takes CPU-minutes per
+mode and runs with ``MTPQUANT_HEAL_PROOF=1``; the keep quant's default heal through the CLI (issue 43: written under
+the served-k rule) runs always (``scripts/bench_heal.py`` records the same numbers in docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -71,18 +72,46 @@ def test_heal_changes_only_the_mtp_and_inspects_healthy(healed_tiny_qwen4: Heale
     assert [s.tool for s in read_provenance(out).steps] == ["convert", "heal"]
 
 
+def test_default_heal_of_the_keep_quant_is_written(healed_tiny_qwen4: HealedTiny, tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """issue 43: ``mtpquant heal`` with default flags on the keep quant exits 0 and writes only ``mtp.*`` bytes. Its
+    held-out check moves k = 1 within noise and k = 2, 3 well beyond it (+0.27 at k = 3 measured): the served k = 3 is
+    better and no k worse, so it is written (the rule before it wanted every k better and threw the gain away)."""
+    quant = healed_tiny_qwen4.quant("keep")
+    out = tmp_path / "healed"
+    assert cli(["heal", str(quant), "--from", str(ASSET), "--out", str(out), "--device", "cpu"]) == 0
+    printed = capsys.readouterr().out
+    record = read_provenance(out).heal
+    assert record is not None and record.better and not record.forced
+    assert (record.served_k, record.strict) == (3, False)
+    assert [r.k for r in record.by_k] == [1, 2, 3]
+    assert record.by_k[-1].low > 0 and all(r.high >= 0 for r in record.by_k), record.by_k
+    # the decision line names each k's verdict
+    line = next(x for x in printed.splitlines() if x.startswith("healed the MTP into "))
+    assert "better beyond noise at the served k = 3 and worse beyond noise at no k: k=1 " in line
+    assert "k=3 better: " in line and "; k=2 " in line
+    assert digests(out, mtp=False) == digests(quant, mtp=False) and layout(out) == layout(quant)
+    changed = {k for k, v in tree_state(out).items() if tree_state(quant).get(k) != v}
+    new_shards = {n for n in changed if n.endswith(".safetensors")}
+    assert new_shards and changed - new_shards <= {"model.safetensors.index.json", PROVENANCE_FILE}
+    written = Checkpoint.open(out)
+    assert {n for n, t in written.tensors.items() if t.shard in new_shards} == {
+        n for n in written.tensors if is_mtp_name(n)}  # the new shards hold the MTP and nothing else
+
+
 @proof
 @pytest.mark.parametrize("mode", ["keep", "quantize"])
 def test_default_heal_improves_acceptance(healed_tiny_qwen4: HealedTiny, tmp_path: Path, mode: str) -> None:
-    """The default heal (the CLI, exit 0): better beyond noise at k = 1..3 on heal's held-out check, and validate
-    (the built-in replay, unhealed quant vs healed quant on validate's own prompts) measures a higher AL at each k."""
+    """The default heal (the CLI, exit 0): better beyond noise at the served k = 3 and worse at no k on heal's
+    held-out check, and validate (the built-in replay, unhealed quant vs healed quant on validate's own prompts)
+    measures a higher AL at each k."""
     quant = healed_tiny_qwen4.quant(mode)
     out = tmp_path / "healed"
     assert cli(["-q", "heal", str(quant), "--from", str(ASSET), "--out", str(out), "--device", "cpu"]) == 0
     record = read_provenance(out).heal
     assert record is not None and record.better and not record.forced
     assert [r.k for r in record.by_k] == [1, 2, 3]
-    assert all(r.low > 0 and r.after > r.before for r in record.by_k), record.by_k
+    assert record.by_k[-1].low > 0 and all(r.high >= 0 and r.after > r.before for r in record.by_k), record.by_k
     assert digests(out, mtp=False) == digests(quant, mtp=False) and layout(out) == layout(quant)
     report = validate(ValidateOptions(quant, out, num_prompts=32, k=3, device="cpu", progress=False)).to_json()
     before = [r["mean_acceptance_length"] for r in report["reference"]["acceptance"]["by_k"]]

@@ -182,12 +182,11 @@ def test_publish_uploads_exact_files_and_a_truthful_card(
         "- Vision tower (`model.visual.*`): 21 tensors, kept as is (6 BF16).",
         "`mtp*`",
         f"Verdict: **{vr['verdict']['status']}**: {vr['verdict']['reasons'][0]}.",
-        "(4 prompts, k = 1..3, activations off)",
+        "(4 prompts, k = 1..3, activations emulated as the engines run them)",  # validate's default: W4A4 as served
         "| | k | AL | 95 % CI | acceptance rate | per-position acceptance |",  # validate.table: as in report.md
         *k1,
         *pos3,
         "MTP's top-1 agrees with the reference MTP's 100.0 % of the time; mean KL(reference || this) 0",
-        "- Note: Activations were not quantized (--activations off)",
         "Full report: [`validation/report.md`](validation/report.md).",
         f'vllm serve {REPO} --speculative-config \'{{"method":"mtp","num_speculative_tokens":3}}\'',
         f"python -m sglang.launch_server --model-path {REPO} --speculative-algorithm NEXTN",
@@ -201,6 +200,8 @@ def test_publish_uploads_exact_files_and_a_truthful_card(
     ):
         assert needle in body, needle
     assert str(out) not in text and str(src) not in text and str(src.parents[4]) not in text  # nothing local
+    assert vr["settings"]["activations"] == "emulate"  # validate's default: the card's numbers are the emulated ones
+    assert "NOT quantized" not in body and "were not quantized" not in body
     # ... and no uploaded file names a local directory: provenance, recipe and validation report included
     root = str(src.parents[4])
     leaks = [k for k, v in served.items() if not k.endswith(".safetensors") and root.encode() in v]

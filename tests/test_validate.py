@@ -105,6 +105,17 @@ def test_replay_greedy_k3_truncates_at_the_end() -> None:
     assert [(r.drafted, r.accepted) for r in replay_greedy(TOKENS[:7], 2, 3, _drafts)] == [(3, 1), (2, 2)]
 
 
+def test_replay_greedy_drafts_k_at_the_last_steps_as_vllm_does() -> None:
+    # vLLM (0.32, v1/core/sched/scheduler.py) schedules the full k drafts at a request's last steps and counts what
+    # verification accepts before the output is cut at max_tokens. The request ends at 7 tokens (max_tokens 5); the
+    # target's lookahead (token 17) verifies the third draft of the step from t=3: [15, 16, 17] all accepted.
+    assert [(r.drafted, r.accepted) for r in replay_greedy(TOKENS, 2, 3, _drafts, end=7)] == [(3, 1), (3, 3)]
+    # without the lookahead the same request drafted 2 at its last step and the engine's third acceptance was lost
+    assert [(r.drafted, r.accepted) for r in replay_greedy(TOKENS[:7], 2, 3, _drafts)] == [(3, 1), (2, 2)]
+    # steps stop where the request has max_tokens, not where the lookahead ends: end=6 stops after t=3's step
+    assert [(r.drafted, r.accepted) for r in replay_greedy(TOKENS, 2, 1, _drafts, end=6)] == [(1, 1), (1, 1)]
+
+
 def test_replay_greedy_too_short() -> None:
     assert replay_greedy([1, 2, 3], 2, 1, _drafts) == []
     with pytest.raises(ValueError):
@@ -135,11 +146,13 @@ def _small_bundle(seed: int) -> MtpBundle:
 
 
 def _naive_acceptance(bundle: MtpBundle, seq: SequenceRecord, k: int) -> list[StepRecord]:
-    """The engine loop written out: each step re-runs the MTP over the accepted rows, then chains."""
+    """The engine loop written out: each step re-runs the MTP over the accepted rows, then chains; steps until the
+    request has its max_tokens (``seq.end``), drafting k while the tokens (lookahead included) can verify them."""
     tokens, P = seq.tokens.tolist(), seq.prompt_len
     T, t = len(tokens), P - 1
+    end = T if seq.end is None else seq.end
     records = []
-    while T - t - 2 >= 1:
+    while end - t - 2 >= 1:
         n = min(k, T - t - 2)
         _, cache = bundle.layer(seq.hidden[None, :t], bundle.embed(seq.tokens[None, 1 : t + 1])) if t else (None, None)
         h, x, pos, d = seq.hidden[None, t : t + 1], seq.tokens[None, t + 1 : t + 2], t, []
@@ -178,6 +191,26 @@ def test_acceptance_equals_naive_engine_loop() -> None:
             total += len(s.tokens) - s.prompt_len - 1
     assert result.teacher_forced_agreement == hits / total
     assert result.by_k[0].num_accepted > 0  # a 6-token vocabulary accepts some drafts
+
+
+def test_acceptance_with_lookahead_equals_naive_engine_loop() -> None:
+    """Sequences captured with a lookahead (``capture(lookahead=k - 1)``, validate's built-in path): the steps end
+    at each request's ``end`` and draft k up to it, verified against the tokens after it; counts and tokens are the
+    requests'."""
+    bundle = _small_bundle(2)
+    gen = torch.Generator().manual_seed(3)
+    seqs = []
+    for T, P in ((14, 3), (11, 1), (17, 6)):
+        tokens = torch.randint(0, 6, (T,), generator=gen)
+        seqs.append(SequenceRecord(tokens, P, torch.randn(T, 32, generator=gen), end=T - 2))
+    run = TargetRun("synthetic", seqs)
+    assert run.num_tokens == sum(len(s.tokens) - 2 for s in seqs)
+    with torch.no_grad():
+        result = evaluate_acceptance(bundle, run, 3, progress=False)
+    for k in (1, 2, 3):
+        naive = [r for s in seqs for r in _naive_acceptance(bundle, s, k)]
+        assert all(r.drafted == k for r in naive)  # the lookahead covers every last step
+        assert result.by_k[k - 1] == acceptance_stats(naive)
 
 
 def test_truncated_teacher_forced_cache_equals_prefix_pass() -> None:
@@ -502,7 +535,8 @@ def test_report_files(tmp_path: Path) -> None:
     assert lines[lines.index("## Candidate: `x`") + 2] == (
         "Family qwen3_5; target from model; MTP precision: 8 Linears, all unquantized (BF16 8)."
     )
-    assert "Mode: pair; k = 1..3; 1 sequence of 8 tokens; prompts: p; device cpu (float32); activations off." in lines
+    assert ("Mode: pair; k = 1..3; 1 sequence of 8 tokens; prompts: p; device cpu (float32); activations NOT quantized "
+            "(--activations off)." in lines)
     assert lines[-1] == "Time 1.0 s; mtpquant 0, schema mtpquant.validate/2."  # no import time measured: none named
     assert _acceptance_plot(data, sides(data)).axes[1].get_ylim() == (1.0, 2.625)
     engine = EngineInfo(

@@ -184,13 +184,49 @@ def _main_bytes(path: Path) -> str:
     return h.hexdigest()
 
 
+def test_the_default_quantizes_w4a4_activations_as_the_engines_do(
+    converted: Callable[[str], Path], keep_pair: tuple[ValidationReport, Path, Path], tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """issue 43: ``validate SRC QUANT`` with no flags on a W4A4 NVFP4 quant runs its activations quantized (as vLLM,
+    SGLang and TensorRT-LLM run them): the numbers equal an explicit ``--activations emulate`` run's, not ``off``'s,
+    and the report, the verdict line and the speculation profile say so; ``--activations off`` stays, labelled in
+    the verdict line itself."""
+    quant = converted("keep")
+    assert Checkpoint.open(quant).tensors["model.language_model.layers.0.mlp.down_proj.input_scale"]  # W4A4
+    out = tmp_path / "default"
+    code = main(["-q", "validate", str(ASSET), str(quant), "--num-prompts", "8", "--device", "cpu",
+                 "--report-dir", str(out)])
+    printed = capsys.readouterr().out
+    data = json.loads((out / "report.json").read_text())
+    assert code in (0, 17, 23)
+    assert data["settings"]["activations"] == "emulate"
+    assert "activations emulated as the engines run them." in (out / "report.md").read_text()
+    verdict = next(line for line in printed.splitlines() if line.startswith("verdict: "))
+    assert "NOT quantized" not in verdict and "not emulated" not in verdict
+    profile = json.loads((out / "speculation_profile.json").read_text())
+    assert profile["measurement_conditions"]["activations"] == "emulate"
+
+    def al(report: dict[str, Any]) -> list[float]:
+        return [r["mean_acceptance_length"] for r in report["candidate"]["acceptance"]["by_k"]]
+
+    emulated = validate(ValidateOptions(ASSET, quant, activations="emulate", **COMMON)).to_json()
+    off = validate(ValidateOptions(ASSET, quant, activations="off", **COMMON)).to_json()
+    assert al(data) == al(emulated) != al(off)  # the default's numbers are the emulated ones
+    assert profile["mean_accept_length"] == pytest.approx(al(emulated)[-1], abs=1e-9)
+    assert off["settings"]["activations"] == "off"
+    assert off["verdict"]["reasons"][-1].startswith("activations NOT quantized (--activations off): the engines "
+                                                    "quantize the inputs of the ")
+    assert not any("NOT quantized" in r for r in emulated["verdict"]["reasons"])
+
+
 def test_quantize_mode_reports_a_measured_difference(
     converted: Callable[[str], Path], keep_pair: tuple[ValidationReport, Path, Path]
 ) -> None:
     _, hidden, _ = keep_pair
     quant = converted("quantize")
     assert _main_bytes(quant) == _main_bytes(converted("keep"))  # so the saved targets are this quant's
-    data = validate(ValidateOptions(ASSET, quant, hidden=hidden, **COMMON)).to_json()
+    data = validate(ValidateOptions(ASSET, quant, hidden=hidden, activations="off", **COMMON)).to_json()
     cmp = data["comparison"]
     assert data["candidate"]["mtp"]["precision"] == {"nvfp4": 7, "bf16": 1}  # fc stays BF16
     assert cmp["mtp"]["kl"]["mean"] > 0 and cmp["mtp"]["kl"]["max"] > 0

@@ -133,12 +133,18 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--heal",
         action="store_true",
         help="then heal OUT's MTP against OUT's own quantized target (`mtpquant heal OUT --from SRC --in-place`); "
-        "exit 24 when the healed MTP is not better beyond noise (OUT stays as converted). With --mtp auto: each "
+        "exit 24 when the healed MTP is not better beyond noise at the served k (--heal-k) or worse at some k (OUT "
+        "stays as converted). With --mtp auto: each "
         "finalist of the search is healed before the choice, and the chosen MTP is written healed",
     )
     add_schedule_arguments(p, prefix="heal-")
     p.add_argument("--heal-force", action="store_true",
                    help="with --heal: write the healed MTP even if the check does not show it better (`heal --force`)")
+    p.add_argument("--heal-k", type=int, metavar="K",
+                   help="with --heal: the k you serve; the check measures k = 1..K and decides at K (`heal --k`, "
+                   "default 3)")
+    p.add_argument("--heal-strict", action="store_true",
+                   help="with --heal: write only when better beyond noise at every k = 1..K (`heal --strict`)")
     p.add_argument("--dry-run", action="store_true", help="print the plan (from headers only) and write nothing")
     p.add_argument("--overwrite", action="store_true", help="replace OUT (and --mtp-out) if they exist")
     p.add_argument("--json", action="store_true", help="print the result (or plan) as JSON")
@@ -156,13 +162,15 @@ def run(args: argparse.Namespace) -> int:
     if args.keep_mtp and args.mtp not in (None, "keep"):
         raise RecipeError(f"--keep-mtp contradicts --mtp {args.mtp}")
     heal_flags = [f"--heal-{key.replace('_', '-')}" for key in schedule_options(args)]
-    if not args.heal and (heal_flags or args.heal_force):  # would be ignored: refused
-        raise RecipeError(f"{(heal_flags or ['--heal-force'])[0]} is only used with --heal")
+    check_flags = [flag for flag, given in (("--heal-force", args.heal_force), ("--heal-k", args.heal_k is not None),
+                                            ("--heal-strict", args.heal_strict)) if given]
+    if not args.heal and (heal_flags or check_flags):  # would be ignored: refused
+        raise RecipeError(f"{(heal_flags or check_flags)[0]} is only used with --heal")
     search, search_flags = search_settings(args)
     if search_flags and args.mtp != "auto":
         raise RecipeError(f"{search_flags[0]} is only used with --mtp auto")
-    if args.heal and args.mtp == "auto" and (args.heal_force or args.heal_check_prompts is not None):
-        flag = "--heal-force" if args.heal_force else "--heal-check-prompts"
+    if args.heal and args.mtp == "auto" and (check_flags or args.heal_check_prompts is not None):
+        flag = check_flags[0] if check_flags else "--heal-check-prompts"
         raise RecipeError(f"{flag} is not used with --mtp auto: the search measures each healed finalist itself "
                           "(--search-prompts) and writes the chosen one only within the budget")
     heal_options = _heal_options(args) if args.heal else None
@@ -218,7 +226,9 @@ def _heal_options(args: argparse.Namespace) -> Any:
         max_memory=args.max_memory,
         source_revision=args.revision,
         force=args.heal_force,
+        strict=args.heal_strict,
         progress=progress_bars(),
+        **({} if args.heal_k is None else {"k": args.heal_k}),
         command=args.command_line,
         **schedule_options(args),
     )

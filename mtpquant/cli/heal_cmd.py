@@ -34,9 +34,11 @@ distribution at t+1, on text the quantized target produces from the calibration 
 the first sampled --temperature, else 0.7). A BF16 MTP stays BF16; an NVFP4/FP8 MTP trains with modelopt's fake
 quantization in the loop and is written back in the same format and scales layout. Before anything is written, the
 MTP's AL is measured before and after on held-out prompts (validate's built-in replay) at each sampling setting
-given (greedy by default; --temperature 0 0.7: greedy and sampled at 0.7, as validate measures); nothing is written
-unless the healed MTP is better beyond noise at every k = 1..K of the first setting, and worse beyond noise at no k
-of any (a heal that helps greedy acceptance and hurts sampled acceptance is refused).
+given (greedy by default; --temperature 0 0.7: greedy and sampled at 0.7, as validate measures), for k = 1..K
+(--k, default 3: the k you serve, e.g. --speculative-num-steps 3). The decision line names each k's verdict (better,
+no change, worse: the change and its 95 % interval). Nothing is written unless the healed MTP is better beyond noise
+at the served k = K of the first setting and worse beyond noise at no k of any (a heal that helps greedy acceptance
+and hurts sampled acceptance is refused); --strict: better beyond noise at every k = 1..K.
 
 """
 _EXIT_CODES = (
@@ -127,7 +129,10 @@ def register(subparsers: Any) -> None:
                        help="heal QUANT itself: built beside it, verified, then swapped in atomically")
     add_schedule_arguments(p)
     p.add_argument("--k", type=int, metavar="K",
-                   help=f"the check measures AL for k = 1..K (default {field_default(HealOptions, 'k')})")
+                   help="the k you serve: the check measures AL for k = 1..K and decides at K "
+                   f"(default {field_default(HealOptions, 'k')})")
+    p.add_argument("--strict", action="store_true",
+                   help="write only when the healed MTP is better beyond noise at every k = 1..K, not only at K")
     add_sampling_arguments(
         p, HealOptions, "the check measures at each T, the target sampling the held-out continuations with seed "
         "--seed + prompt index (0: greedy, the default); the healed MTP must be better at the first and worse at "
@@ -163,6 +168,7 @@ def run(args: argparse.Namespace) -> int:
         out=args.out,
         in_place=args.in_place,
         force=args.force,
+        strict=args.strict,
         device=args.device,
         dtype=args.dtype,
         max_memory=args.max_memory,

@@ -95,7 +95,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     add_device_argument(p, _D("device"), indexed=True)
     add_dtype_argument(p)
-    _defaulted(p, "--activations", "emulate: W4A4 activation fake-quant (default {})",
+    _defaulted(p, "--activations", "emulate: quantize the inputs of Linears with input scales (W4A4) as the engines "
+               "do; off: full precision, optimistic, labelled in every output (default {})",
                choices=field_choices(ValidateOptions, "activations"))
     p.add_argument(
         "--save-hidden", type=Path, metavar="FILE", help="save target hidden states and tokens (safetensors)"

@@ -7,10 +7,11 @@ setting checked (greedily by default; ``heal --temperature 0 0.7``: also sampled
 validate samples); on those sequences the built-in replay (``measure.replay.evaluate_acceptance``: the engines'
 drafting, greedy verification or the sampled walk under the verification rule) measures the AL of QUANT's MTP and
 of the healed one, for k = 1..K, each sequence counted on its own. The change is decided with the paired bootstrap
-over the sequences (``records.evidence.better_beyond_noise``), at each setting: better when, at every k, the lower
-end of the 95 % interval of AL(after) - AL(before) is above 0; worse when, at some k, its upper end is below 0. The
-healed MTP is better when it is better at the first setting checked (the headline: greedy by default) and worse at
-none (a heal that helps greedy acceptance and hurts sampled acceptance is not better).
+over the sequences (``records.evidence.better_beyond_noise``), at each k of each setting: better when the lower end of
+the 95 % interval of AL(after) - AL(before) is above 0, worse when its upper end is below 0. Whether the healed MTP
+is written is ``decision.decide``'s rule: better at the served k (``--k``; every k with ``--strict``) of the first
+setting checked (the headline: greedy by default) and worse at no k of any (a heal that helps greedy acceptance and
+hurts sampled acceptance is not written).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from mtpquant.errors import OutputVerificationError
+from mtpquant.heal.decision import SERVED, AlChange, HealRule, KVerdict, decide, setting_verdict
 from mtpquant.measure.drafter import load_mtp
 from mtpquant.measure.replay import TargetRun, evaluate_acceptance
 from mtpquant.records.evidence import CONFIDENCE, UnitCounts, better_beyond_noise
@@ -47,38 +49,18 @@ def check_prompts(n: int) -> list[str]:
 
 
 @dataclass(frozen=True)
-class AlChange:
-    """AL at one k before and after healing, the change and its paired 95 % interval, and the decision."""
-
-    k: int
-    before: float
-    after: float
-    low: float
-    high: float
-    better: bool
-
-    @property
-    def change(self) -> float:
-        """AL(after) - AL(before)."""
-        return self.after - self.before
-
-    @property
-    def worse(self) -> bool:
-        """Whether the healed MTP is worse beyond noise (the interval's upper end below 0)."""
-        return self.high < 0
-
-
-@dataclass(frozen=True)
 class SettingCheck:
     """The check at one sampling setting: the change per k."""
 
     sampling: SamplingSettings
     by_k: tuple[AlChange, ...]
+    rule: HealRule = SERVED
 
     @property
     def better(self) -> bool:
-        """Whether the healed MTP is better beyond noise at every k."""
-        return bool(self.by_k) and all(c.better for c in self.by_k)
+        """Whether the healed MTP is better beyond noise under the rule (at the served k; every k when strict) and
+        worse beyond noise at no k."""
+        return self.verdict == "better"
 
     @property
     def worse(self) -> bool:
@@ -86,9 +68,9 @@ class SettingCheck:
         return any(c.worse for c in self.by_k)
 
     @property
-    def verdict(self) -> str:
-        """``better``, ``worse`` or ``no change`` (beyond noise)."""
-        return "better" if self.better else "worse" if self.worse else "no change"
+    def verdict(self) -> KVerdict:
+        """``better``, ``worse`` or ``no change`` (beyond noise), under the rule (``decision.setting_verdict``)."""
+        return setting_verdict(self.by_k, self.rule)
 
 
 @dataclass(frozen=True)
@@ -100,6 +82,7 @@ class CheckResult:
     tokens: int
     settings: tuple[SettingCheck, ...]
     rule: str = "vllm"
+    decision: HealRule = SERVED
 
     @property
     def by_k(self) -> tuple[AlChange, ...]:
@@ -108,8 +91,9 @@ class CheckResult:
 
     @property
     def better(self) -> bool:
-        """Whether the healed MTP is better beyond noise at every k of the first setting and worse at no k of any."""
-        return bool(self.settings) and self.settings[0].better and not any(s.worse for s in self.settings)
+        """Whether the healed MTP is written: better beyond noise under the decision rule at the first setting and
+        worse beyond noise at no k of any (``decision.decide``)."""
+        return decide([s.by_k for s in self.settings], self.decision)
 
     @property
     def greedy_only(self) -> bool:
@@ -162,6 +146,7 @@ def check(
     activations: str,
     k: int,
     rule: str = "vllm",
+    decision: HealRule = SERVED,
 ) -> CheckResult:
     """QUANT's MTP (``before``) and the healed one as written (``after``) measured on each held-out run (one per
     sampling setting, ``held_out_runs``; a sampled run verified by ``rule`` with the target's head, ``shared``'s),
@@ -185,12 +170,13 @@ def check(
         ])
         del bundle
         gc.collect()
-    return compare(counts[0], counts[1], held_out, rule)
+    return compare(counts[0], counts[1], held_out, rule, decision)
 
 
 def compare(
     before: Sequence[Sequence[UnitCounts]], after: Sequence[Sequence[UnitCounts]], held_out: Sequence[HeldOut],
     rule: str = "vllm",
+    decision: HealRule = SERVED,
 ) -> CheckResult:
     """The check's result from the per-k counts of QUANT's MTP and the healed one at each setting of ``held_out``."""
     settings = []
@@ -201,6 +187,6 @@ def compare(
             changes.append(
                 AlChange(k, b.mean_acceptance_length, a.mean_acceptance_length, change.low, change.high, better)
             )
-        settings.append(SettingCheck(h.sampling, tuple(changes)))
+        settings.append(SettingCheck(h.sampling, tuple(changes), decision))
     first = held_out[0].run
-    return CheckResult(len(first.sequences), first.num_tokens, tuple(settings), rule)
+    return CheckResult(len(first.sequences), first.num_tokens, tuple(settings), rule, decision)

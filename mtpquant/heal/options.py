@@ -58,7 +58,8 @@ class HealOptions(Options):
     chained drafts, then the held-out check on 64 prompts of validate's held-out text, greedy. ``temperatures``,
     ``top_p``, ``top_k`` and ``rule`` are validate's sampling flags (``records.sampling.check_sampling``): the check
     runs at each setting (the target samples the held-out continuations with seed ``seed`` + prompt index) and the
-    healed MTP is written only when it is better beyond noise at the first and worse beyond noise at none.
+    healed MTP is written only when it is better beyond noise at the served ``k`` (every k with ``strict``) of the
+    first and worse beyond noise at no k of any (``heal.decision``).
     """
 
     quant: str | os.PathLike[str]
@@ -75,7 +76,8 @@ class HealOptions(Options):
     seed: int = 0
     # ---- the held-out check -------------------------------------------------------------------------------
     check_prompts: Positive = 64
-    k: Positive = 3  # the check measures AL for k = 1..k
+    k: Positive = 3  # the served k: the check measures AL for k = 1..k and decides at k (heal.decision)
+    strict: bool = False  # decide at every k instead: write only when better beyond noise at each of 1..k
     # the sampling settings the check measures at (validate's --temperature, --top-p, --top-k, --rule)
     temperatures: tuple[float, ...] = field(default=(0.0,), metadata={FLAG: "--temperature"})
     top_p: tuple[float, ...] = (1.0,)  # one value for every temperature, or one per temperature

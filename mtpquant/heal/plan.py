@@ -103,8 +103,10 @@ class HealPlan:
             f"check      held-out AL at k = 1..{o.k} on {o.check_prompts} prompts of validate's held-out text, before "
             + ("and after" if greedy_only else f"and after, at {' and '.join(s.label for s in settings)} "
                f"(--rule {o.rule})")
-            + "; nothing is written unless better beyond noise at every k"
-            + ("" if greedy_only else f" at {settings[0].label} and worse at no k of any setting")
+            + "; nothing is written unless "
+            + ("better beyond noise at every k" if o.strict else f"better beyond noise at the served k = {o.k}")
+            + (" and worse beyond noise at no k" if greedy_only
+               else f" at {settings[0].label} and worse at no k of any setting")
             + (" (--force: written anyway)" if o.force else ""),
             *self.memory.lines(
                 "the quantized target, dequantized" + (": the layers on disk read from QUANT's files and "

@@ -8,9 +8,9 @@ in shards on disk (``data.py``) -> the target released -> the MTP's training wei
 fake quantization on the Linears QUANT stores quantized (``qat.py``), self-distillation (``train.py``) -> the
 healed MTP in QUANT's format, written as new MTP shards with every other file linked, verified (``surgery.write``)
 -> the check: QUANT's MTP and the written one measured on the held-out sequences at each sampling setting
-(``check.py``) -> nothing written unless better beyond noise at every k of the first setting and worse beyond noise
-at no k of any (exit 24), else the
-provenance records the heal and the result is put in place (rename, or atomic directory exchange).
+(``check.py``) -> nothing written unless better beyond noise at the served k (``--k``; every k with ``--strict``) of
+the first setting and worse beyond noise at no k of any (``decision.py``; exit 24), else the provenance records the
+heal and the result is put in place (rename, or atomic directory exchange).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from mtpquant.runtime.meter import Timer, peak_rss_bytes
 from mtpquant.surgery.write import Destination, WriteLog
 
 if TYPE_CHECKING:  # torch-side: imported where the work starts, after QUANT and SRC are open and planned
-    from mtpquant.heal.check import AlChange, CheckResult
+    from mtpquant.heal.check import CheckResult
     from mtpquant.heal.train import TrainLog
     from mtpquant.measure.weights import CheckpointWeights
 
@@ -81,13 +81,16 @@ class _Healed:
 
 
 def _changes(check: CheckResult) -> str:
-    def one(changes: tuple[AlChange, ...]) -> str:
-        return ", ".join(f"k={c.k}: {c.before:.3f} -> {c.after:.3f} ({c.change:+.3f} [{c.low:+.3f}, {c.high:+.3f}])"
-                         for c in changes)
+    """Every k's verdict, change and interval (per setting when the check ran at several)."""
+    from mtpquant.heal.decision import changes_text
 
     if check.greedy_only:
-        return one(check.by_k)
-    return "; ".join(f"{s.sampling.label} ({s.verdict}): {one(s.by_k)}" for s in check.settings)
+        return changes_text(check.by_k)
+    return " | ".join(f"{s.sampling.label} ({s.verdict}): {changes_text(s.by_k)}" for s in check.settings)
+
+
+def _rule_text(check: CheckResult) -> str:
+    return check.decision.text(max((c.k for c in check.by_k), default=0))
 
 
 def heal(options: HealOptions) -> HealResult:
@@ -117,7 +120,8 @@ def heal(options: HealOptions) -> HealResult:
         healed = _heal(plan, quant, src, weights, dest, timer)
     action = "healed" if healed.check.better else "forced"
     verb = "wrote the healed MTP (--force: not better beyond noise)" if action == "forced" else "healed the MTP"
-    message = f"{verb} into {dest.path}: held-out AL {_changes(healed.check)}"
+    message = (f"{verb} into {dest.path}: {_rule_text(healed.check) if action == 'healed' else 'held-out AL'}: "
+               f"{_changes(healed.check)}")
     log.info("%s", message)
     written = {f.name: getattr(healed.written, f.name) for f in dataclasses.fields(WriteLog)}
     return HealResult(
@@ -145,6 +149,7 @@ def _heal(
 
     from mtpquant.heal.check import check, held_out_runs
     from mtpquant.heal.data import training_data
+    from mtpquant.heal.decision import HealRule
     from mtpquant.heal.train import train
     from mtpquant.heal.write import record_step, write_healed
     from mtpquant.measure.target import load_target
@@ -194,15 +199,16 @@ def _heal(
     with timer("check"):
         after = CheckpointWeights(Checkpoint.open(dest.od.path, strict=True))
         result = check(weights, after, held_out, shared, activations=options.activations, k=options.k,
-                       rule=options.rule)
+                       rule=options.rule, decision=HealRule(options.k, options.strict))
     if not result.better and not options.force:
         worse = [s.sampling.label for s in result.settings if s.worse]
-        if result.greedy_only:
-            what = "not better beyond noise"
-        elif worse:
-            what = f"worse beyond noise at {' and '.join(worse)}"
+        served = "at every k (--strict)" if result.decision.strict else (
+            f"at the served k = {result.decision.served(result.by_k)}")
+        if worse:
+            what = "worse beyond noise" + ("" if result.greedy_only else f" at {' and '.join(worse)}")
         else:
-            what = f"not better beyond noise at {result.settings[0].sampling.label}"
+            what = f"not better beyond noise {served}" + (
+                "" if result.greedy_only else f" at {result.settings[0].sampling.label}")
         raise HealNotBetterError(
             f"{plan.quant}: the healed MTP is {what} on {result.sequences} held-out prompts (AL {_changes(result)}); "
             "nothing written"

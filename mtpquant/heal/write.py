@@ -143,6 +143,8 @@ def record_step(
         by_k=_al(check.by_k),
         better=check.better,
         forced=not check.better,
+        served_k=check.decision.served(check.by_k),
+        strict=check.decision.strict,
         checks=() if check.greedy_only else tuple(
             HealCheck(s.sampling, check.rule, _al(s.by_k), s.better, s.worse) for s in check.settings
         ),

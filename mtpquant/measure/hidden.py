@@ -45,6 +45,7 @@ def save_hidden(path: Path, runs: Sequence[tuple[str, TargetRun]], meta: dict[st
             "side": side,
             "source": run.source,
             "prompt_lens": [s.prompt_len for s in run.sequences],
+            "ends": [s.end for s in run.sequences],  # where each request ends (None: no lookahead after it)
             "sampling": run.sampling.to_json(),
         }
         for i, s in enumerate(run.sequences):
@@ -93,8 +94,9 @@ def _load_hidden(path: Path) -> tuple[dict[str, TargetRun], dict[str, Any]]:
                     int(p),
                     fh.get_tensor(f"{group}.hidden.{i:05d}"),
                     fh.get_tensor(f"{group}.mtp_input.{i:05d}") if f"{group}.mtp_input.{i:05d}" in keys else None,
+                    None if e is None else int(e),
                 )
-                for i, p in enumerate(g["prompt_lens"])
+                for i, (p, e) in enumerate(zip(g["prompt_lens"], g.get("ends") or [None] * len(g["prompt_lens"])))
             ]
             on_ref = None
             if f"{group}.hidden_on_ref.00000" in keys:

@@ -63,6 +63,14 @@ class SequenceRecord:
     # [T, *] what the MTP reads where that is another tensor (Qwen4-Exp: the multi-stream state before the final
     # hyper-connection mixer, [T, hc_count * H]); None: ``hidden``
     mtp_input: Tensor | None = None
+    # where the engine's request ends (prompt + max_tokens); the tokens after it are the target's lookahead, which
+    # verifies the full k drafts the engine still makes at its last steps. None: the sequence's length (no lookahead)
+    end: int | None = None
+
+    @property
+    def length(self) -> int:
+        """The sequence as the engine's request produces it (prompt + max_tokens), lookahead excluded."""
+        return int(self.tokens.numel()) if self.end is None else self.end
 
     @property
     def mtp_hidden(self) -> Tensor:
@@ -87,12 +95,12 @@ class TargetRun:
     @property
     def num_tokens(self) -> int:
         """Total tokens over all sequences."""
-        return sum(int(s.tokens.numel()) for s in self.sequences)
+        return sum(s.length for s in self.sequences)
 
     @property
     def generated_tokens(self) -> int:
         """Tokens the target generated (continuations)."""
-        return sum(int(s.tokens.numel()) - s.prompt_len for s in self.sequences)
+        return sum(s.length - s.prompt_len for s in self.sequences)
 
 
 # ---- MTP evaluation -----------------------------------------------------------------------------
@@ -135,7 +143,7 @@ def _chunked_logits(out: Tensor, head: Tensor) -> list[Tensor]:
 
 
 def replay_greedy(
-    tokens: Sequence[int], prompt_len: int, k: int, drafts: Callable[[int, int], Sequence[int]]
+    tokens: Sequence[int], prompt_len: int, k: int, drafts: Callable[[int, int], Sequence[int]], end: int | None = None
 ) -> list[StepRecord]:
     """Speculative decoding with greedy verification over a target's greedy sequence ``tokens``.
 
@@ -144,18 +152,21 @@ def replay_greedy(
     made from row t, i.e. from ``(h_t, tokens[t+1])``; draft i (1-based) proposes ``tokens[t+1+i]``.
     The first step drafts from the last prompt row (the target has just produced
     ``tokens[prompt_len]``); after accepting a drafts the target adds one token, so the next step
-    drafts from row ``t + a + 1``. The last steps draft fewer tokens when fewer remain to verify.
+    drafts from row ``t + a + 1``. Steps run while the request has produced fewer than ``end`` tokens (default: all of
+    ``tokens``), as the engine stops at ``max_tokens``; each drafts k, as vLLM drafts at its last steps too (it does
+    not shorten the draft to the tokens left, and counts what its verification accepts before the output is cut),
+    verified by the tokens after ``end`` (the target's lookahead); with fewer than k left to verify, it drafts fewer.
     """
     if k < 1 or prompt_len < 1:
         raise ValueError(f"k and prompt_len must be >= 1, got {k} and {prompt_len}")
     records: list[StepRecord] = []
     T = len(tokens)
+    stop = T if end is None else end
     t = prompt_len - 1
     while True:
-        remaining = T - t - 2  # tokens after tokens[t+1] that the target can verify
-        if remaining < 1:
+        if stop - t - 2 < 1:  # the request has its max_tokens
             break
-        n = min(k, remaining)
+        n = min(k, T - t - 2)  # tokens after tokens[t+1] that the target can verify
         d = drafts(t, n)
         accepted = 0
         while accepted < n and d[accepted] == tokens[t + 2 + accepted]:
@@ -166,7 +177,8 @@ def replay_greedy(
 
 
 def walk(
-    length: int, prompt_len: int, k: int, expected: Tensor, posterior: Tensor, generator: torch.Generator
+    length: int, prompt_len: int, k: int, expected: Tensor, posterior: Tensor, generator: torch.Generator,
+    verifiable: int | None = None,
 ) -> list[StepRecord]:
     """Speculative decoding along a sequence sampled from the target, under a sampling rule (``rules.terms``).
 
@@ -175,7 +187,8 @@ def walk(
     sequence has there. Each step records, per drafted position i, the expected all-accepted-through-i
     (prod_{j<i} posterior_j * expected_i); where the next step starts follows acceptances drawn with the posterior
     probabilities (coins of probability 0 or 1 for the ``vllm`` rule, so no draw is random there), the walk the
-    engine takes on this sequence. Steps as in ``replay_greedy``.
+    engine takes on this sequence. Steps as in ``replay_greedy`` (``length`` its ``end``; ``verifiable``: the tokens
+    the terms cover, lookahead included, default ``length``).
     """
     if k < 1 or prompt_len < 1:
         raise ValueError(f"k and prompt_len must be >= 1, got {k} and {prompt_len}")
@@ -183,8 +196,9 @@ def walk(
     first = prompt_len - 1
     exp, post = expected.tolist(), posterior.tolist()
     t = first
-    while (remaining := length - t - 2) >= 1:
-        n = min(k, remaining)
+    available = length if verifiable is None else verifiable
+    while length - t - 2 >= 1:
+        n = min(k, available - t - 2)
         e, w = exp[t - first], post[t - first]
         through, carried = [], 1.0
         for j in range(n):
@@ -264,7 +278,7 @@ def evaluate_acceptance(
     tf_hits = tf_total = non_finite = 0
     for index, seq in enumerate(tqdm(run.sequences, desc=f"MTP {label}".rstrip(), unit="seq", disable=not progress)):
         tokens = seq.tokens.tolist()
-        T, P = len(tokens), seq.prompt_len
+        T, P = seq.length, seq.prompt_len  # the engine's request: prompt + max_tokens (lookahead after it)
         if T - P < 2:  # nothing to draft on: an empty unit keeps the prompts of both sides aligned
             for by_seq in per_seq:
                 by_seq.append([])
@@ -280,7 +294,7 @@ def evaluate_acceptance(
             first_drafts = firsts[:, 0].tolist()
             generator = torch.Generator().manual_seed(sampling.for_prompt(index).seed)
             for k in range(1, k_max + 1):
-                per_seq[k - 1].append(walk(T, P, k, expected[:, :k], posterior[:, :k], generator))
+                per_seq[k - 1].append(walk(T, P, k, expected[:, :k], posterior[:, :k], generator, len(tokens)))
         else:
             chains = draft_rows(bundle.layer, teacher, rows, bundle.embed, bundle.lm_head_weight, k_max).tolist()
             first_drafts = [chain[0] for chain in chains]
@@ -289,7 +303,7 @@ def evaluate_acceptance(
                 return chains[t - first][:n]
 
             for k in range(1, k_max + 1):
-                per_seq[k - 1].append(replay_greedy(tokens, P, k, drafts))
+                per_seq[k - 1].append(replay_greedy(tokens, P, k, drafts, end=T))
         # Teacher-forced agreement over the continuation: row t's first draft (its argmax) predicts token t+2.
         tf_hits += sum(d == tokens[t + 2] for t, d in zip(rows, first_drafts))
         tf_total += len(rows)
@@ -346,7 +360,8 @@ def compare_mtp(ref: MtpBundle, cand: MtpBundle, run: TargetRun) -> LogitAgreeme
     """Both MTP layers, teacher-forced on the same (reference) hidden states and tokens."""
     pairs = []
     for seq in run.sequences:
-        out_r, out_c = _tf_pass(ref, seq).out, _tf_pass(cand, seq).out
+        n = seq.length - 1  # rows of the engine's sequence (the lookahead left out)
+        out_r, out_c = _tf_pass(ref, seq).out[:, :n], _tf_pass(cand, seq).out[:, :n]
         pairs.append((_chunked_logits(out_r, ref.lm_head_weight), _chunked_logits(out_c, cand.lm_head_weight)))
     return _compare(pairs)
 
@@ -357,7 +372,7 @@ def compare_main(
     """Both targets' next-token logits over the reference sequences."""
     return _compare(
         [
-            (_chunked_logits(seq.hidden, ref_head), _chunked_logits(hc, cand_head))
+            (_chunked_logits(seq.hidden[: seq.length], ref_head), _chunked_logits(hc[: seq.length], cand_head))
             for seq, hc in zip(ref_run.sequences, cand_hidden)
         ]
     )

@@ -400,6 +400,7 @@ def capture(
     progress: bool = True,
     batch_size: int = 16,
     sampling: SamplingSettings | None = None,
+    lookahead: int = 0,
 ) -> TargetRun:
     """Continuations (greedy, or sampled with ``sampling``) and hidden states for each planned sequence (and over
     ``reference``'s sequences).
@@ -409,6 +410,9 @@ def capture(
     generator, seeded by ``sampling.for_prompt(i)``); the hidden states are bit-identical on CPU for the dense
     family and within float rounding for MoE experts, whose GEMMs see more rows when batched
     (tests/test_validate.py); on GPU batched GEMMs may round differently too.
+
+    ``lookahead``: the target continues each sequence that many tokens past its plan, recorded as after its ``end``
+    (the engine drafts k at its last steps and verifies them against the target's tokens past ``max_tokens``).
     """
     shapes = [(len(s.prompt), s.new_tokens) for s in plan]
     records: list[SequenceRecord | None] = [None] * len(plan)
@@ -421,11 +425,13 @@ def capture(
                 if sampling is not None and not sampling.greedy
                 else []
             )
-            tokens = target.generate(prompt, new, sampling, generators).cpu()
+            tokens = target.generate(prompt, new + lookahead, sampling, generators).cpu()
             head, mtp_input = target.hidden_states(tokens)
             for row, i in enumerate(batch):
                 extra = None if mtp_input is None else mtp_input[row].cpu().clone()
-                records[i] = SequenceRecord(tokens[row].clone(), len(plan[i].prompt), head[row].cpu().clone(), extra)
+                end = len(plan[i].prompt) + new if lookahead else None
+                records[i] = SequenceRecord(tokens[row].clone(), len(plan[i].prompt), head[row].cpu().clone(), extra,
+                                            end)
             bar.update(len(batch))
     seqs = [r for r in records if r is not None]
     on_ref = None

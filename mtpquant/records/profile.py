@@ -286,7 +286,7 @@ def profile_of(report: Report) -> SpeculationProfile | None:
             if engine is not None
             else "built-in prediction (mtpquant: target sequences sampled with transformers, drafts by the MTP "
             "chain, the rule's acceptance probabilities)"
-        ),
+        ) + ("; activations NOT quantized (--activations off): optimistic for W4A4" if s.activations == "off" else ""),
         engine=f"{engine.name} {engine.version}" if engine is not None else "built-in",
         context_buckets=tuple((b.low, b.high) for b in top.by_context),
         device=s.device,

@@ -105,8 +105,8 @@ class HealAl(Record):
 @dataclass(frozen=True)
 class HealCheck(Record):
     """heal's held-out check at one sampling setting: the settings (``{"temperature", "top_p", "top_k", "seed"}``),
-    the rule that verified the drafts, the AL per k before and after, and whether it was better beyond noise (at
-    every k) or worse (at some k)."""
+    the rule that verified the drafts, the AL per k before and after, and whether it was better beyond noise (under
+    heal's decision rule: at the served k, or every k with --strict) or worse (at some k)."""
 
     sampling: SamplingSettings
     rule: str
@@ -132,9 +132,11 @@ class HealRecord(Record):
     seed: int
     check_sequences: int  # held-out sequences of the check
     by_k: tuple[HealAl, ...]  # at the first setting checked (greedy by default)
-    better: bool  # better beyond noise at every k (of the first setting checked, and worse at no k of any)
+    better: bool  # better beyond noise under the rule (at served_k, or every k: strict) and worse at no k
     forced: bool = False  # written with --force although the check did not show it better
     checks: tuple[HealCheck, ...] = ()  # the check at each setting, when not the default alone (greedy)
+    served_k: int | None = None  # the k the decision was made at (None: a record from before it; every k)
+    strict: bool = False  # --strict: better beyond noise at every k was required
 
     def json_out(self, data: dict[str, Any]) -> dict[str, Any]:
         """``checks`` only when the check ran at other settings than the default one (greedy)."""

@@ -38,6 +38,7 @@ __all__ = [
     "Side",
     "ValidationReport",
     "Verdict",
+    "activations_label",
     "sides",
 ]
 
@@ -48,6 +49,14 @@ REPORT_DIR = "validation"
 LOGS_DIR = "logs"
 REPORT_FILE = "report.json"
 MARKDOWN_FILE = "report.md"
+
+_ACTIVATIONS = {"emulate": "emulated as the engines run them", "off": "NOT quantized (--activations off)"}
+
+
+def activations_label(mode: str) -> str:
+    """How a report's ``settings.activations`` reads in prose (the report, the card): an opt-out stands out."""
+    return _ACTIVATIONS.get(mode, mode)
+
 
 REPORT_SCHEMA: Literal["mtpquant.validate/2"] = "mtpquant.validate/2"
 # Earlier schemas this module still reads (their missing keys take their defaults): a report written by an older

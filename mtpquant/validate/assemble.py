@@ -6,6 +6,7 @@ directory (``report.py``).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -13,7 +14,16 @@ from typing import TYPE_CHECKING
 
 from mtpquant import __version__
 from mtpquant.records.acceptance import Acceptance
-from mtpquant.records.validation import Comparison, EngineInfo, Predicted, Report, Settings, Side, ValidationReport
+from mtpquant.records.validation import (
+    Comparison,
+    EngineInfo,
+    Predicted,
+    Report,
+    Settings,
+    Side,
+    ValidationReport,
+    Verdict,
+)
 from mtpquant.validate.options import ValidateOptions
 from mtpquant.validate.verdict import verdict
 
@@ -40,6 +50,7 @@ class Measured:
     extra: Sequence[tuple[str, Acceptance, Acceptance, Acceptance | None]] = ()
     mtp_kl: Tensor | None = None
     main_kl: Tensor | None = None
+    caveats: tuple[str, ...] = ()  # what the numbers do not model (activations not quantized): ends the verdict line
 
 
 def report_settings(
@@ -62,6 +73,11 @@ def report_settings(
     )
 
 
+def _with_caveats(v: Verdict, caveats: Sequence[str]) -> Verdict:
+    """The verdict with ``caveats`` after its reasons: the verdict line itself says what the numbers do not model."""
+    return dataclasses.replace(v, reasons=(*v.reasons, *caveats)) if caveats else v
+
+
 def assemble(opts: ValidateOptions, m: Measured) -> ValidationReport:
     """The report of ``m``: the verdict (on ``opts``' thresholds), version and time."""
     report = Report(
@@ -70,7 +86,7 @@ def assemble(opts: ValidateOptions, m: Measured) -> ValidationReport:
         mode="pair" if m.candidate is not None else "single",
         settings=m.settings,
         reference=m.reference,
-        verdict=verdict(opts, m.reference, m.candidate, m.comparison, extra=m.extra),
+        verdict=_with_caveats(verdict(opts, m.reference, m.candidate, m.comparison, extra=m.extra), m.caveats),
         candidate=m.candidate,
         comparison=m.comparison,
         timing={k: round(v, 3) for k, v in m.timing.items()},

@@ -55,7 +55,32 @@ from mtpquant.validate.assemble import Measured, report_settings
 from mtpquant.validate.options import ValidateOptions
 from mtpquant.validate.preflight import Opened
 
-__all__ = ["validate_builtin"]
+__all__ = ["activation_caveats", "validate_builtin"]
+
+# Formats whose activations the engines quantize dynamically (no input scale): not emulated here yet.
+_DYNAMIC = {"fp8": "dynamic FP8", "fp8-block": "block FP8"}
+
+
+def activation_caveats(activations: str, weights: Sequence[CheckpointWeights]) -> list[str]:
+    """What the measurement does not model about the checkpoints' activations, for the verdict line: their inputs
+    left full precision (``--activations off``) where the engines quantize them, or a format with no emulation
+    (dynamic FP8 activations). Empty when the numbers are what the engines run."""
+    static = sum(1 for w in weights for f in w.formats.values() if f.input_scale is not None)
+    dynamic: dict[str, int] = {}
+    for w in weights:
+        for f in w.formats.values():
+            if f.input_scale is None and f.kind in _DYNAMIC:
+                dynamic[_DYNAMIC[f.kind]] = dynamic.get(_DYNAMIC[f.kind], 0) + 1
+    out = []
+    if activations == "off" and static:
+        out.append(f"activations NOT quantized (--activations off): the engines quantize the inputs of the {static} "
+                   "Linears with input scales, so these ALs are optimistic")
+    if dynamic:
+        kinds = ", ".join(f"{n} {kind}" for kind, n in sorted(dynamic.items()))
+        out.append(f"activations of {sum(dynamic.values())} Linears ({kinds}) not emulated: no emulation of this "
+                   "format's dynamic activation quantization yet (the engines quantize them), so these ALs may be "
+                   "optimistic")
+    return out
 
 log = logging.getLogger(__name__)
 
@@ -146,11 +171,15 @@ def _targets(
             + (f" for the context buckets {', '.join(map(str, opts.context_buckets))}" if opts.context_buckets else "")
         )
     runs = {s: {} for s in settings}
+    # the engine drafts k at its last steps as at every other and counts what its verification accepts past
+    # max_tokens: the target continues k - 1 tokens past each request's end to verify them (``replay.replay_greedy``)
+    lookahead = max(opts.k_values) - 1
     target = load_target(ref_w, device=device, dtype=dtype, activations=opts.activations)
     for s in settings:
         label = "reference" + (f" ({s.label})" if len(settings) > 1 else "")
         runs[s]["ref"] = capture(
-            target, plan, label=label, progress=opts.progress, batch_size=opts.batch_size, sampling=s
+            target, plan, label=label, progress=opts.progress, batch_size=opts.batch_size, sampling=s,
+            lookahead=lookahead,
         )
     target.release()
     if cand_w is not None:
@@ -165,6 +194,7 @@ def _targets(
                 progress=opts.progress,
                 batch_size=opts.batch_size,
                 sampling=s,
+                lookahead=lookahead,
             )
         target.release()
     if opts.save_hidden is not None:
@@ -187,10 +217,12 @@ def validate_builtin(opts: ValidateOptions, opened: Opened) -> Measured:
     ref_w = CheckpointWeights(opened.reference)
     cand_w = CheckpointWeights(opened.candidate) if opened.candidate is not None else None
     notes: list[str] = []
+    caveats = activation_caveats(opts.activations, [w for w in (ref_w, cand_w) if w is not None])
     if opts.activations == "off":
         notes.append(
             "Activations were not quantized (--activations off): W4A4 checkpoints are evaluated with "
-            "dequantized weights and full-precision activations; use --activations emulate for W4A4."
+            "dequantized weights and full-precision activations, not as the engines run them (the default, "
+            "--activations emulate, quantizes them)."
         )
     timing: dict[str, float] = {}
 
@@ -312,4 +344,5 @@ def validate_builtin(opts: ValidateOptions, opened: Opened) -> Measured:
         extra=extra,
         mtp_kl=mtp_kl,
         main_kl=main_kl,
+        caveats=tuple(caveats),
     )

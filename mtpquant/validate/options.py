@@ -63,7 +63,9 @@ class ValidateOptions(Options):
     report_dir: Path | None = None
     device: str = "auto"  # cpu | cuda | cuda:N | auto (runtime.machine.resolve_device)
     dtype: ComputeDtype | None = None  # float32 on CPU, bfloat16 on CUDA unless given
-    activations: Activations = "off"  # emulate: W4A4, Linear inputs quantized with input_scale
+    # emulate (the default): the inputs of every quantized Linear with an input scale quantized as the engines quantize
+    # them (W4A4 NVFP4, static FP8); off: full-precision activations, an explicit opt-out every output labels
+    activations: Activations = "emulate"
     save_hidden: Path | None = None
     hidden: Path | None = None
     warn_al_drop: Annotated[float, Ge(0)] = 0.1

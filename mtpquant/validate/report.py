@@ -41,6 +41,7 @@ from mtpquant.records.validation import (
     Report,
     Side,
     ValidationReport,
+    activations_label,
     sides,
 )
 
@@ -128,7 +129,7 @@ def render_markdown(report: Report, plots: dict[str, str], shown: Sequence[tuple
     out += [
         "",
         f"Mode: {report.mode}; k = {_ks(report, shown)}; {_count(s.num_prompts, 'sequence')} of {s.max_len} tokens; "
-        f"prompts: {s.prompts}; device {s.device} ({s.dtype}); activations {s.activations}.",
+        f"prompts: {s.prompts}; device {s.device} ({s.dtype}); activations {activations_label(s.activations)}.",
         "",
     ]
     for label, side in shown:

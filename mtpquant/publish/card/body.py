@@ -30,7 +30,7 @@ from mtpquant.publish.card.metadata import redact
 from mtpquant.publish.card.search import search_lines
 from mtpquant.publish.card.sidecar import sidecar_body, sidecar_data
 from mtpquant.records.table import acceptance_table
-from mtpquant.records.validation import sides
+from mtpquant.records.validation import activations_label, sides
 from mtpquant.units import format_bytes
 
 if TYPE_CHECKING:
@@ -219,7 +219,7 @@ def _validation_lines(facts: CardFacts) -> list[str]:
     s = rep.settings
     head = [f"{s.num_prompts} prompts" if s.num_prompts else None, f"k = 1..{s.k}" if s.k else None]
     if s.activations:
-        head.append(f"activations {s.activations}")
+        head.append(f"activations {activations_label(s.activations)}")
     made = (
         f" (mtpquant {rep.mtpquant_version}" + (f", {rep.created}" if rep.created else "") + ")"
         if rep.mtpquant_version
@@ -314,7 +314,9 @@ def _heal_lines(facts: CardFacts) -> list[str]:
     if record.forced:
         lines += [
             "> [!WARNING]",
-            "> Written with `--force`: the held-out check did not show the healed MTP better beyond noise at every k.",
+            "> Written with `--force`: the held-out check did not show the healed MTP better beyond noise "
+            + ("at every k." if record.served_k is None or record.strict else f"at the served k = {record.served_k} "
+               "(or showed it worse at some k)."),
             "",
         ]
     return lines
