@@ -261,6 +261,8 @@ def search_lines(result: SearchResult) -> list[str]:
         f"prompts, k = 1..{s.k}, {', '.join(x.label for x in result.sampling)}; AL change (greedy): {changes}",
         f"why        {result.reason}",
     ]
+    if result.fixed:
+        lines.append(f"recipe     keeps {', '.join(result.fixed)} BF16 (quantization.exclude)")
     if result.not_taken:
         lines.append(f"not taken  {result.not_taken}")
     for f in result.healed:  # --heal: each finalist's predicted AL (greedy) before and after heal
@@ -296,6 +298,8 @@ def tune_text(result: TuneResult) -> str:
             "held-out prompts",
             f"calib      {p.calibration.samples} x {p.calibration.seq_len} tokens from {p.calibration.data} "
             f"({p.calibration_from})",
+            f"recipe     {p.calibration_from}: " + (f"keeps {', '.join(p.fixed)} BF16 (quantization.exclude)"
+                                                     if p.fixed else "excludes no MTP group"),
             f"output     {p.destination}",
         ]
         lines += [f"note       {n}" for n in p.notes]

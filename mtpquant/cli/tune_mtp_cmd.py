@@ -23,7 +23,8 @@ examples:
 QUANT's main model is the quantized target: the BF16 MTP of SRC and each precision group quantized (BF16, FP8,
 NVFP4) draft on its hidden states over held-out prompts; the smallest MTP whose AL stays within --al-budget of the
 BF16 MTP's at k = 1..3 beyond noise, and that --engine loads, is written in place of QUANT's MTP (only the MTP
-bytes; the metadata's MTP entries replaced). The report goes to mtp_search/ in the result. The same source, budget
+bytes; the metadata's MTP entries replaced). What QUANT's recipe (or --recipe) leaves unquantized stays BF16 in the
+MTP too, as convert keeps it. The report goes to mtp_search/ in the result. The same source, budget
 and calibration choose what `convert --mtp auto` chooses. With --heal, each finalist is healed (heal's
 quantization-aware training, --heal-steps etc.) before the choice, and the chosen MTP is written healed.
 
@@ -64,6 +65,10 @@ def register(subparsers: Any) -> None:
     where.add_argument("--in-place", action="store_true",
                        help="tune QUANT itself: built beside it, verified, then swapped in atomically")
     add_search_arguments(p)
+    p.add_argument("--recipe", metavar="NAME|PATH",
+                   help="the recipe QUANT is held to: what its quantization.exclude matches stays BF16 in the MTP, "
+                   "and its calibration sets the MTP's input scales (default: QUANT's recipe.yaml, else the "
+                   "family's default recipe)")
     p.add_argument("--calib-data", metavar="PATH|DATASET",
                    help="calibration text of the MTP's input scales (default: QUANT's recipe's)")
     p.add_argument("--calib-samples", metavar="N", type=int, help="calibration rows (default: QUANT's recipe's)")
@@ -106,6 +111,7 @@ def run(args: argparse.Namespace) -> int:
         out=args.out,
         in_place=args.in_place,
         search=search,
+        recipe=args.recipe,
         calib_data=args.calib_data,
         calib_samples=args.calib_samples,
         calib_seq_len=args.calib_seq_len,

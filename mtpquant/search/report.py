@@ -63,6 +63,9 @@ def render_markdown(result: SearchResult) -> str:
     for g in result.groups:
         lines.append(f"| {g.label} | {g.linears} | " + " | ".join(format_bytes(g.bytes[p]) for p in s.precisions)
                      + " |")
+    if result.fixed:
+        lines += ["", f"The recipe's quantization.exclude keeps {', '.join(result.fixed)} BF16: "
+                  f"{'that group is' if len(result.fixed) == 1 else 'those groups are'} BF16 in every configuration."]
     lines += ["", "## Measured configurations", ""]
     for setting in result.sampling:
         head = "| configuration | bytes | x BF16 | declared | role | " + " | ".join(

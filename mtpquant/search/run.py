@@ -70,6 +70,7 @@ class SearchResult(Record):
     seconds: Mapping[str, float] = field(default_factory=dict)
     heal: HealSettings | None = None  # --heal: how each finalist was healed before the choice
     healed: tuple[HealedFinalist, ...] = ()  # --heal: the finalists, their rows before and after heal
+    fixed: tuple[str, ...] = ()  # the groups the recipe's quantization.exclude keeps BF16 (never searched)
 
     @property
     def choice(self) -> Judged:
@@ -212,6 +213,7 @@ def search_mtp(
         seconds={**seconds, "total": time.perf_counter() - t0},
         heal=None if healer is None else healer.settings,
         healed=tuple(healed),
+        fixed=space.fixed_groups(),
     )
     if best.role == "healed":
         weights = healed_weights[best.assignment]

@@ -210,6 +210,10 @@ class MtpSpace:
         """The source MTP: every group BF16."""
         return Assignment.uniform(self.group_keys, "bf16")
 
+    def fixed_groups(self) -> tuple[str, ...]:
+        """The groups the recipe's ``quantization.exclude`` keeps BF16 (one of their Linears matched), in order."""
+        return tuple(k for k in self.group_keys if any(recipe_excludes(self.exclude, m) for m in self.members[k]))
+
     def group(self, key: str) -> MtpGroup:
         """The registry's group ``key``."""
         return next(g for g in self.groups if g.key == key)

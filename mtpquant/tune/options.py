@@ -20,14 +20,15 @@ __all__ = ["TuneOptions"]
 @dataclass(frozen=True)
 class TuneOptions(Options):
     """Everything ``tune-mtp`` takes: QUANT (local), SRC (its BF16 source, local or a Hub repo), where the result goes,
-    what the search is asked, the calibration of the MTP's input scales (None: QUANT's recipe's, else the family's
-    default recipe's)."""
+    what the search is asked, the recipe whose exclusions the MTP keeps and whose calibration sets its input scales
+    (``recipe``; None: QUANT's recipe, else the family's default recipe), that calibration's overrides."""
 
     quant: str | os.PathLike[str]
     source: str | os.PathLike[str] = field(metadata={FLAG: "--from"})
     out: str | os.PathLike[str] | None = None
     in_place: bool = False
     search: SearchSettings = field(default_factory=SearchSettings, metadata={FLAG: None})
+    recipe: str | None = None  # the recipe QUANT is held to (None: QUANT's recipe.yaml, else the family's default)
     calib_data: str | None = None
     calib_samples: Annotated[int, Ge(1)] | None = None
     calib_seq_len: Annotated[int, Ge(2)] | None = None

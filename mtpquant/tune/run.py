@@ -33,7 +33,7 @@ from mtpquant.formats.quant_config import (
     without_exclusions,
 )
 from mtpquant.public import public_args, public_checkpoint, public_name, public_ref
-from mtpquant.recipes.recipe import RECIPE_FILE, CalibrationSection, default_recipe_name, load_recipe
+from mtpquant.recipes.recipe import RECIPE_FILE, CalibrationSection, Recipe, default_recipe_name, load_recipe
 from mtpquant.records.provenance import Step
 from mtpquant.search.run import SearchResult, search_space
 from mtpquant.search.settings import SearchSettings
@@ -64,7 +64,9 @@ class TunePlan:
     main_algo: str
     activations: bool
     calibration: CalibrationSection
-    calibration_from: str  # QUANT's recipe, or the family's default recipe
+    calibration_from: str  # --recipe, QUANT's recipe, or the family's default recipe
+    exclude: tuple[str, ...]  # that recipe's quantization.exclude: the MTP Linears it matches stay BF16
+    fixed: tuple[str, ...]  # the groups the recipe keeps BF16 (a Linear of theirs excluded)
     settings: SearchSettings
     groups: tuple[str, ...]
     configurations: int
@@ -128,29 +130,31 @@ def _main_algo(quant: Checkpoint, meta: QuantMetadata | None) -> str:
     return algo
 
 
-def _calibration(quant: Checkpoint, options: TuneOptions) -> tuple[CalibrationSection, str]:
-    """The MTP's calibration: QUANT's resolved recipe's (what it was converted with), else the family's default
-    recipe's; the flags override it."""
+def _recipe(quant: Checkpoint, options: TuneOptions) -> tuple[Recipe, str]:
+    """The recipe QUANT is held to: ``--recipe``, else QUANT's resolved recipe (what it was converted with), else the
+    family's default recipe; its exclusions are law for the MTP as convert's are (``convert.plan``)."""
     from mtpquant.checkpoint.source import read_text
     from mtpquant.recipes.recipe import recipe_from_mapping
 
+    if options.recipe is not None:
+        return load_recipe(options.recipe), f"recipe {options.recipe}"
     if RECIPE_FILE in quant.source.list_files():
         import yaml
 
         text = read_text(quant.source, RECIPE_FILE, what="recipe")
-        recipe = recipe_from_mapping(yaml.safe_load(text), f"{quant.label}/{RECIPE_FILE}")
-        where = f"QUANT's {RECIPE_FILE}"
-    else:
-        recipe = load_recipe(default_recipe_name(quant.spec.family))
-        where = f"recipe {recipe.name}"
-    cal = recipe.calibration
+        return recipe_from_mapping(yaml.safe_load(text), f"{quant.label}/{RECIPE_FILE}"), f"QUANT's {RECIPE_FILE}"
+    recipe = load_recipe(default_recipe_name(quant.spec.family))
+    return recipe, f"recipe {recipe.name}"
+
+
+def _calibration(recipe: Recipe, options: TuneOptions) -> CalibrationSection:
+    """The MTP's calibration: the recipe's; the flags override it."""
     changes: dict[str, Any] = {
         "data": options.calib_data,
         "samples": options.calib_samples,
         "seq_len": options.calib_seq_len,
     }
-    cal = dataclasses.replace(cal, **{k: v for k, v in changes.items() if v is not None})
-    return cal, where
+    return dataclasses.replace(recipe.calibration, **{k: v for k, v in changes.items() if v is not None})
 
 
 def plan_tune(options: TuneOptions) -> tuple[TunePlan, Checkpoint, Checkpoint]:
@@ -178,14 +182,16 @@ def plan_tune(options: TuneOptions) -> tuple[TunePlan, Checkpoint, Checkpoint]:
         raise TuneRefusedError(f"{quant.label}: a compressed-tensors quant; tune-mtp writes the ModelOpt format")
     checked = SearchMode().check(src, "nvfp4")  # SRC's MTP complete, calibratable, of a family with groups
     activations = main_algo == "NVFP4"
-    space = search_space(src, options.search, main_algo=main_algo, activations=activations)
+    recipe, where = _recipe(quant, options)
+    exclude = tuple(recipe.quantization.exclude)
+    space = search_space(src, options.search, main_algo=main_algo, activations=activations, exclude=exclude)
     configurations = space.configurations()
     if len(configurations) < 2:
         raise TuneRefusedError(
             f"{src.label}: {options.search.engine} loads no quantized configuration of this MTP with the precisions "
             f"{', '.join(options.search.precisions)}; nothing to choose from"
         )
-    cal, where = _calibration(quant, options)
+    cal = _calibration(recipe, options)
     plan = TunePlan(
         quant=quant.label,
         source=src.label,
@@ -195,6 +201,8 @@ def plan_tune(options: TuneOptions) -> tuple[TunePlan, Checkpoint, Checkpoint]:
         activations=activations,
         calibration=cal,
         calibration_from=where,
+        exclude=exclude,
+        fixed=space.fixed_groups(),
         settings=options.search,
         groups=space.group_keys,
         configurations=len(configurations),
@@ -236,7 +244,7 @@ def tune_mtp(options: TuneOptions) -> TuneResult:
         found = search_mtp(
             CheckpointWeights(quant), src, quant.source, rows, options.search, main_algo=plan.main_algo,
             activations=plan.activations, target_name=public_checkpoint(quant.label), device=device, dtype=dtype,
-            progress=options.progress, healer=options.healer,
+            progress=options.progress, healer=options.healer, exclude=plan.exclude,
         )  # fmt: skip
         timings["search"] = time.perf_counter() - t1
         t2 = time.perf_counter()
