@@ -257,8 +257,9 @@ def search_lines(result: SearchResult) -> list[str]:
         f"search     chose {chosen.assignment.label}: {format_bytes(chosen.nbytes)}, "
         f"{chosen.nbytes / result.bf16_bytes:.2f}x the BF16 MTP's {format_bytes(result.bf16_bytes)} "
         f"(declared {chosen.declaration}; budget {s.budget:g} AL, engines {s.engine})",
-        f"measured   {len(result.evaluated)} of {result.configurations} configurations on {result.prompts} held-out "
-        f"prompts, k = 1..{s.k}, {', '.join(x.label for x in result.sampling)}; AL change (greedy): {changes}",
+        f"measured   {len(result.evaluated)} measurements of {result.configurations} configurations: selected on "
+        f"{len(result.selection_prompts)} held-out prompts, confirmed on {result.prompts} others, k = 1..{s.k}, "
+        f"{', '.join(x.label for x in result.sampling)}; AL change (greedy, confirmation): {changes}",
         f"why        {result.reason}",
     ]
     if result.fixed:
@@ -294,8 +295,8 @@ def tune_text(result: TuneResult) -> str:
             f"target     {p.quant}'s main model ({p.main_algo}); SRC {p.source}",
             f"search     groups {', '.join(p.groups)}; {p.configurations} configurations load in {s.engine} "
             f"({', '.join(s.precisions)}), {format_bytes(p.smallest_bytes)} to {format_bytes(p.bf16_bytes)} (QUANT's "
-            f"MTP now {format_bytes(p.mtp_bytes)}); budget {s.budget:g} AL at k = 1..{s.k} on {s.num_prompts} "
-            "held-out prompts",
+            f"MTP now {format_bytes(p.mtp_bytes)}); budget {s.budget:g} AL at k = 1..{s.k}, selected on "
+            f"{s.num_prompts} held-out prompts, confirmed on {s.confirm_prompts} others",
             f"calib      {p.calibration.samples} x {p.calibration.seq_len} tokens from {p.calibration.data} "
             f"({p.calibration_from})",
             f"recipe     {p.calibration_from}: " + (f"keeps {', '.join(p.fixed)} BF16 (quantization.exclude)"

@@ -42,7 +42,7 @@ def _experts(ckpt: Checkpoint) -> dict[str, str]:
 
 
 def test_tune_mtp_keeps_what_quants_recipe_excludes(keep: Path, tmp_path: Path) -> None:
-    settings = SearchSettings(budget=1.0, num_prompts=8, max_len=48, k=2, precisions=("nvfp4",),
+    settings = SearchSettings(budget=1.0, num_prompts=8, confirm_prompts=8, max_len=48, k=2, precisions=("nvfp4",),
                               max_confirm=1)  # fmt: skip
     result = tune_mtp(TuneOptions(quant=keep, source=MOE, out=tmp_path / "tuned", search=settings, device="cpu",
                                   progress=False))  # fmt: skip
@@ -57,6 +57,8 @@ def test_tune_mtp_keeps_what_quants_recipe_excludes(keep: Path, tmp_path: Path) 
     assert len(src) == 12 and _experts(out) == src  # SRC's BF16 bytes, and no scale beside them
     report = json.loads((tmp_path / "tuned" / "mtp_search/report.json").read_text())
     assert report["fixed"] == ["experts"]
+    assert len(report["selection_prompts"]) == len(report["confirmation_prompts"]) == 8
+    assert not set(report["selection_prompts"]) & set(report["confirmation_prompts"])
     assert "keeps experts BF16" in (tmp_path / "tuned" / "mtp_search/report.md").read_text()
 
 
