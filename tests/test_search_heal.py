@@ -3,9 +3,9 @@
 One keep convert is made for the module; ``tune-mtp --heal`` of it and ``convert --mtp auto --heal`` of the source
 (the same calibration, search and heal settings) heal each finalist before it is confirmed on the held-out prompts:
 the chosen MTP is a healed finalist, written healed (only MTP bytes differ from QUANT's; its quantized weights are not
-SRC's quantized), and both runs measure, train and write exactly the same (deterministic with the seed). ``heal`` of an MTP whose groups are in
-different precisions (input FP8, attention NVFP4, MLP BF16: what the search writes) trains each Linear in its own
-format and writes each one back in it.
+SRC's quantized), and both runs measure, train and write exactly the same (deterministic with the seed). ``heal`` of
+an MTP whose groups are in different precisions (input FP8, attention NVFP4, MLP BF16: what the search writes)
+trains each Linear in its own format and writes each one back in it.
 """
 
 from __future__ import annotations
