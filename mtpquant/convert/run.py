@@ -398,7 +398,8 @@ def _run(
             od.doing = "measuring the MTP's precision configurations"
             q = recipe.quantization
             context = MeasureContext(ckpt, target, tokenizer, cal, plan.search, q.quant_algo, q.activations,
-                                     plan.device, progress, healer=healer, exclude=tuple(q.exclude))
+                                     plan.device, progress, healer=healer, exclude=tuple(q.exclude),
+                                     scratch=od.path / ".search-scratch")  # fmt: skip
             measured = mode.measure(context)
             od.doing = ""
 

@@ -15,6 +15,7 @@ healed.
 from __future__ import annotations
 
 import logging
+import shutil
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -29,6 +30,8 @@ from mtpquant.search.space import Assignment, MtpSpace
 from mtpquant.units import format_bytes
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from torch import Tensor
 
     from mtpquant.checkpoint.source import CheckpointSource
@@ -131,10 +134,40 @@ def search_mtp(
     progress: bool = False,
     healer: Healer | None = None,
     exclude: Sequence[str] = (),
+    scratch: Path | None = None,
 ) -> SearchOutcome:
     """Choose the MTP's precision per group for ``target`` (the quantized main model) from ``source``'s BF16 MTP
     (``decide.search``: selected on one set of held-out prompts, confirmed on another); with a ``healer``
-    (``--heal``), the finalists healed before they are confirmed (``search.finalists``)."""
+    (``--heal``), the finalists healed before they are confirmed (``search.finalists``), its training data under
+    ``scratch`` (a directory inside OUT's partial directory, removed when the search ends)."""
+    if healer is not None and scratch is None:
+        raise ValueError("internal: a search that heals needs a scratch directory inside OUT's partial directory")
+    try:
+        return _search_mtp(target, source, tokenizer, calibration, settings, main_algo=main_algo,
+                           activations=activations, target_name=target_name, device=device, dtype=dtype,
+                           progress=progress, healer=healer, exclude=exclude, scratch=scratch)  # fmt: skip
+    finally:
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _search_mtp(
+    target: CheckpointWeights,
+    source: Checkpoint,
+    tokenizer: CheckpointSource,
+    calibration: Tensor,
+    settings: SearchSettings,
+    *,
+    main_algo: str,
+    activations: bool,
+    target_name: str,
+    device: Any,
+    dtype: Any,
+    progress: bool,
+    healer: Healer | None,
+    exclude: Sequence[str],
+    scratch: Path | None,
+) -> SearchOutcome:
     from mtpquant.search.measure import Candidates, prepare
 
     seconds: dict[str, float] = {}
@@ -143,11 +176,15 @@ def search_mtp(
     source_mtp = {e.name: source.read_tensor(e.name) for e in source.mtp_tensors()}
     sampling = settings.sampling
     zero = settings.budget == 0  # the BF16 MTP: nothing selected, nothing healed
+
+    def collect(model: Any, tok: CheckpointSource, vocab: int) -> None:
+        assert healer is not None and scratch is not None
+        healer.collect(model, tok, vocab, scratch / "heal-data")
     inputs = prepare(
         target, source_mtp, source.config, tokenizer, calibration, settings=sampling,
         num_prompts=0 if zero else settings.num_prompts, confirm_prompts=settings.confirm_prompts,
         max_len=settings.max_len, activations=settings.activations, device=device, dtype=dtype,
-        batch_size=settings.batch_size, progress=progress, on_target=None if healer is None or zero else healer.collect,
+        batch_size=settings.batch_size, progress=progress, on_target=None if healer is None or zero else collect,
     )  # fmt: skip
     seconds["target"] = time.perf_counter() - t0
     candidates = Candidates(space, source_mtp, source.config, inputs, dtype=dtype, device=device,

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from mtpquant.checkpoint.precision import is_quantized, linear_precisions
 from mtpquant.checkpoint.table import Checkpoint
-from mtpquant.errors import OutputExistsError, OutputVerificationError, TuneRefusedError, UsageError
+from mtpquant.errors import GraftError, OutputExistsError, OutputVerificationError, TuneRefusedError, UsageError
 from mtpquant.formats.quant_config import (
     HF_QUANT_CONFIG,
     QuantMetadata,
@@ -230,28 +230,36 @@ def tune_mtp(options: TuneOptions) -> TuneResult:
     from mtpquant.search.measure import calibration_rows
     from mtpquant.search.run import search_mtp
     from mtpquant.search.write import chosen_mtp
+    from mtpquant.surgery import inplace
     from mtpquant.surgery.write import open_destination
     from mtpquant.text.calibration import load_tokenizer
 
     cal = plan.calibration
+    root = quant.source.local_root
+    assert root is not None
     with library_output(options.progress):
-        t1 = time.perf_counter()
-        assert quant.source.local_root is not None
-        tokenizer = load_tokenizer(quant.source.local_root)
-        rows = calibration_rows(tokenizer, cal.data, cal.samples, cal.seq_len, chat_template=cal.chat_template)
-        device = torch.device(resolve_device(options.device))
-        dtype = getattr(torch, compute_dtype(device.type, None))
-        found = search_mtp(
-            CheckpointWeights(quant), src, quant.source, rows, options.search, main_algo=plan.main_algo,
-            activations=plan.activations, target_name=public_checkpoint(quant.label), device=device, dtype=dtype,
-            progress=options.progress, healer=options.healer, exclude=plan.exclude,
-        )  # fmt: skip
-        timings["search"] = time.perf_counter() - t1
-        t2 = time.perf_counter()
-        chosen = chosen_mtp(src, found.space, found.result.choice.assignment, found.amax, found.weights)
+        # QUANT locked (in place) and snapshotted before anything is measured: a change to it during the search is
+        # refused before the result is put in place; every scratch byte lives in the destination's partial directory
         dest = open_destination(quant, options.out_path, replaces=True)
+        before = dest.before if dest.mode == "in-place" else inplace.snapshot(root.resolve())
         with dest.od:
+            t1 = time.perf_counter()
+            tokenizer = load_tokenizer(root)
+            rows = calibration_rows(tokenizer, cal.data, cal.samples, cal.seq_len, chat_template=cal.chat_template)
+            device = torch.device(resolve_device(options.device))
+            dtype = getattr(torch, compute_dtype(device.type, None))
+            found = search_mtp(
+                CheckpointWeights(quant), src, quant.source, rows, options.search, main_algo=plan.main_algo,
+                activations=plan.activations, target_name=public_checkpoint(quant.label), device=device, dtype=dtype,
+                progress=options.progress, healer=options.healer, exclude=plan.exclude,
+                scratch=dest.od.path / ".search-scratch",
+            )  # fmt: skip
+            timings["search"] = time.perf_counter() - t1
+            t2 = time.perf_counter()
+            chosen = chosen_mtp(src, found.space, found.result.choice.assignment, found.amax, found.weights)
             built, metadata = _build(options, plan, quant, src, found, chosen, dest)
+            if dest.mode == "out" and inplace.snapshot(root.resolve()) != before:
+                raise GraftError(f"{root}: QUANT changed while tuning the MTP; nothing was written, rerun it")
             from mtpquant.surgery.write import commit
 
             written = commit(dest, built, what="tuning the MTP")
