@@ -174,8 +174,8 @@ def plan_lines(plan: ConvertPlan) -> list[str]:
         out.append(
             f"search     groups {', '.join(space['groups'])}; {space['configurations']} configurations load in "
             f"{s.engine} ({', '.join(s.precisions)}), {format_bytes(space['smallest_bytes'])} to "
-            f"{format_bytes(space['bf16_bytes'])}; budget {s.budget:g} AL at k = 1..{s.k} on {s.num_prompts} "
-            f"held-out prompts"
+            f"{format_bytes(space['bf16_bytes'])}; budget {s.budget:g} AL at k = 1..{s.k}, selected on "
+            f"{s.num_prompts} held-out prompts, confirmed on {s.confirm_prompts} others"
         )
     c = r.calibration
     out.append(
@@ -187,6 +187,9 @@ def plan_lines(plan: ConvertPlan) -> list[str]:
         out.append(f"MTP output {plan.mtp_out}")
     out.append(f"carry      {', '.join(plan.carried_files) or '(no other files)'}")
     out += plan.memory.lines()
+    if plan.search_memory is not None:  # --mtp auto: the quantized target the search measures on, under the same caps
+        out += [line.replace("main model", "search target (quantized, dequantized)", 1)
+                for line in plan.search_memory.lines("the search measures on it in one pass")[:2]]
     if plan.memory.layerwise:
         out.append(
             f"resume     state committed every {plan.resume_every} layer(s), "
@@ -303,6 +306,8 @@ def tune_text(result: TuneResult) -> str:
                                                      if p.fixed else "excludes no MTP group"),
             f"output     {p.destination}",
         ]
+        lines += [line.replace("main model", "QUANT's main model (the search's target)", 1)
+                  for line in p.memory.lines("the search measures on it in one pass")]
         lines += [f"note       {n}" for n in p.notes]
         return "\n".join(lines)
     if result.search is not None:

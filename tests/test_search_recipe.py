@@ -1,10 +1,12 @@
-"""The recipe is law for ``tune-mtp`` as for ``convert --mtp auto``: what QUANT's recipe (or ``--recipe``) leaves
-unquantized stays BF16 in the MTP.
+"""The recipe and the memory plan are law for ``tune-mtp`` as for ``convert --mtp auto``: what QUANT's recipe (or
+``--recipe``) leaves unquantized stays BF16 in the MTP; ``--max-memory`` caps the target the search measures on.
 
 A ``--keep-mtp`` quant of the trained tiny Qwen3.5-MoE made with ``--set 'quantization.exclude=["*mlp.experts*"]'``
 (its routed experts BF16, as the engine tests serve it on CPU), then ``tune-mtp --al-budget 1.0`` (a budget every
 configuration meets): the MTP's routed experts are SRC's BF16 bytes, no configuration measured quantizes them, and
 the report names the group the recipe fixed. ``--recipe`` replaces QUANT's recipe (the plan says what it fixes).
+``--max-memory`` is planned as convert plans it (the dry run prints the plan) and its caps reach the target's loader
+(accelerate's device map: what does not fit is read from the files).
 """
 
 from __future__ import annotations
@@ -76,4 +78,28 @@ def test_recipe_flag_replaces_quants_recipe(keep: Path, tmp_path: Path, capsys: 
     assert plan()["fixed"] == ["experts"]
     other = plan("--recipe", "qwen3_5_moe-nvfp4")
     assert other["fixed"] == [] and other["calibration_from"] == "recipe qwen3_5_moe-nvfp4"
+    assert not (tmp_path / "o").exists()
+
+
+def test_max_memory_caps_the_search_target(keep: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    import mtpquant.measure.target as target
+
+    seen: list[Any] = []
+    real = target.load_target
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        seen.append(kwargs.get("max_memory"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(target, "load_target", recording)
+    settings = SearchSettings(budget=0.0, confirm_prompts=5, max_len=32, k=1)
+    result = tune_mtp(TuneOptions(quant=keep, source=MOE, out=tmp_path / "capped", search=settings, device="cpu",
+                                  progress=False, max_memory="cpu=3GiB"))  # fmt: skip
+    assert seen == [{"cpu": 3 * 2**30}] and result.plan.memory.caps is not None
+    capsys.readouterr()
+    code = cli(["-q", "tune-mtp", str(keep), "--from", str(MOE), "--out", str(tmp_path / "o"), "--max-memory",
+                "cpu=3GiB", "--dry-run"])  # fmt: skip
+    assert code == 0
+    assert "memory     QUANT's main model (the search's target)" in capsys.readouterr().out
     assert not (tmp_path / "o").exists()

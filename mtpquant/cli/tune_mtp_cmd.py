@@ -31,6 +31,7 @@ quantization-aware training, --heal-steps etc.) before the choice, and the chose
 """
 _EXIT_CODES = (
     ExitCode.CHECKPOINT,
+    ExitCode.MEMORY,
     ExitCode.ARCHITECTURE,
     ExitCode.OUTPUT_EXISTS,
     ExitCode.MTP_MODE,
@@ -74,6 +75,10 @@ def register(subparsers: Any) -> None:
     p.add_argument("--calib-samples", metavar="N", type=int, help="calibration rows (default: QUANT's recipe's)")
     p.add_argument("--calib-seq-len", metavar="L", type=int, help="tokens per row (default: QUANT's recipe's)")
     add_device_argument(p, "auto", indexed=False, what="")
+    p.add_argument("--max-memory", metavar="CAPS",
+                   help="caps of QUANT's main model while the search measures on it, e.g. cpu=8GiB (convert's memory "
+                   "plan: what does not fit is read from QUANT's files as it runs; default: all in memory when it "
+                   "fits)")
     p.add_argument("--from-revision", dest="source_revision", metavar="REV", help="SRC's Hub revision")
     add_shard_size_argument(p)
     p.add_argument("--heal", action="store_true",
@@ -116,6 +121,7 @@ def run(args: argparse.Namespace) -> int:
         calib_samples=args.calib_samples,
         calib_seq_len=args.calib_seq_len,
         device=args.device,
+        max_memory=args.max_memory,
         source_revision=args.source_revision,
         max_shard_bytes=args.max_shard_size,
         link=not args.copy,

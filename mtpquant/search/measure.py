@@ -94,17 +94,20 @@ def prepare(
     batch_size: int = 16,
     progress: bool = False,
     on_target: Callable[[Any, CheckpointSource, int], None] | None = None,
+    max_memory: Mapping[int | str, int] | None = None,
 ) -> SearchInputs:
     """Run the quantized ``target`` once: the BF16 MTP (``source_mtp``, its family's ``mtp_config``) calibrated on
     its hidden states over the ``calibration`` rows ``[N, L]``, and its continuations of ``num_prompts`` held-out
     prompts (the selection's; 0: none) and of ``confirm_prompts`` others (the confirmation's) (``tokenizer``'s) to
     ``max_len`` tokens at every sampling setting; ``on_target(model, tokenizer, vocab)`` then uses the target too
-    before it is released (``--heal``: the healer's training data)."""
+    before it is released (``--heal``: the healer's training data). ``max_memory`` (accelerate's caps, from the
+    memory plan: ``measure.memory.plan_target_memory``) caps where the target is placed; the rest is read from its
+    files as it runs."""
     from mtpquant.errors import ConfigError
     from mtpquant.measure.target import capture, load_target
     from mtpquant.text.prompts import plan_sequences, tokenize_prompts
 
-    model = load_target(target, device=device, dtype=dtype, activations=activations)
+    model = load_target(target, device=device, dtype=dtype, activations=activations, max_memory=max_memory)
     embed, head = model.embed_weight.detach(), model.lm_head_weight.detach()
     calibrator = MtpCalibrator(cast(nn.Module, reference_mtp(mtp_config, dict(source_mtp), dtype=dtype, device=device)))
     with torch.no_grad():

@@ -74,7 +74,7 @@ class SearchMode(MtpMode):
             CheckpointWeights(ctx.target), ctx.ckpt, ctx.ckpt.source, rows, ctx.settings,
             main_algo=ctx.main_algo, activations=ctx.activations, target_name=public_checkpoint(ctx.ckpt.label),
             device=device, dtype=dtype, progress=ctx.progress, healer=ctx.healer, exclude=ctx.exclude,
-            scratch=ctx.scratch,
+            scratch=ctx.scratch, max_memory=ctx.max_memory,
         )  # fmt: skip
 
     def write(self, ctx: WriteContext) -> MtpOutcome:

@@ -135,17 +135,20 @@ def search_mtp(
     healer: Healer | None = None,
     exclude: Sequence[str] = (),
     scratch: Path | None = None,
+    max_memory: Mapping[int | str, int] | None = None,
 ) -> SearchOutcome:
     """Choose the MTP's precision per group for ``target`` (the quantized main model) from ``source``'s BF16 MTP
     (``decide.search``: selected on one set of held-out prompts, confirmed on another); with a ``healer``
     (``--heal``), the finalists healed before they are confirmed (``search.finalists``), its training data under
-    ``scratch`` (a directory inside OUT's partial directory, removed when the search ends)."""
+    ``scratch`` (a directory inside OUT's partial directory, removed when the search ends); ``max_memory``: the
+    target's placement caps from the memory plan (accelerate's; None: all on ``device``)."""
     if healer is not None and scratch is None:
         raise ValueError("internal: a search that heals needs a scratch directory inside OUT's partial directory")
     try:
         return _search_mtp(target, source, tokenizer, calibration, settings, main_algo=main_algo,
                            activations=activations, target_name=target_name, device=device, dtype=dtype,
-                           progress=progress, healer=healer, exclude=exclude, scratch=scratch)  # fmt: skip
+                           progress=progress, healer=healer, exclude=exclude, scratch=scratch,
+                           max_memory=max_memory)  # fmt: skip
     finally:
         if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)
@@ -167,6 +170,7 @@ def _search_mtp(
     healer: Healer | None,
     exclude: Sequence[str],
     scratch: Path | None,
+    max_memory: Mapping[int | str, int] | None,
 ) -> SearchOutcome:
     from mtpquant.search.measure import Candidates, prepare
 
@@ -185,6 +189,7 @@ def _search_mtp(
         num_prompts=0 if zero else settings.num_prompts, confirm_prompts=settings.confirm_prompts,
         max_len=settings.max_len, activations=settings.activations, device=device, dtype=dtype,
         batch_size=settings.batch_size, progress=progress, on_target=None if healer is None or zero else collect,
+        max_memory=max_memory,
     )  # fmt: skip
     seconds["target"] = time.perf_counter() - t0
     candidates = Candidates(space, source_mtp, source.config, inputs, dtype=dtype, device=device,

@@ -33,6 +33,7 @@ class TuneOptions(Options):
     calib_samples: Annotated[int, Ge(1)] | None = None
     calib_seq_len: Annotated[int, Ge(2)] | None = None
     device: Literal["cpu", "cuda", "auto"] | str = "auto"
+    max_memory: str | None = None  # caps of the quantized target the search measures on, e.g. "cpu=8GiB"
     source_revision: str | None = field(default=None, metadata={FLAG: "--from-revision"})
     max_shard_bytes: Annotated[int, Ge(1)] = field(default=DEFAULT_MAX_SHARD_BYTES, metadata={FLAG: "--max-shard-size"})
     link: bool = field(default=True, metadata={FLAG: "--copy"})  # hard-link untouched files (False: copy them)

@@ -43,6 +43,7 @@ from mtpquant.tune.options import TuneOptions
 from mtpquant.units import format_bytes
 
 if TYPE_CHECKING:
+    from mtpquant.runtime.memory import MemoryPlan
     from mtpquant.search.run import SearchOutcome
     from mtpquant.search.write import ChosenMtp
 
@@ -73,6 +74,7 @@ class TunePlan:
     bf16_bytes: int
     smallest_bytes: int
     mtp_bytes: int  # QUANT's MTP now
+    memory: MemoryPlan  # where the quantized target the search measures on goes (convert's memory plan)
     notes: tuple[str, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
@@ -80,6 +82,7 @@ class TunePlan:
         data = dataclasses.asdict(self)
         data["calibration"] = dataclasses.asdict(self.calibration)
         data["settings"] = self.settings.to_json()
+        data["memory"] = self.memory.to_json()
         return data
 
 
@@ -157,6 +160,24 @@ def _calibration(recipe: Recipe, options: TuneOptions) -> CalibrationSection:
     return dataclasses.replace(recipe.calibration, **{k: v for k, v in changes.items() if v is not None})
 
 
+def _memory(quant: Checkpoint, options: TuneOptions) -> MemoryPlan:
+    """Where QUANT's main model goes while the search measures on it (dequantized in the compute dtype): in memory
+    when it fits, else under ``--max-memory`` with the rest read from QUANT's files (convert's memory plan)."""
+    from mtpquant.errors import ValidateLoadError
+    from mtpquant.measure.memory import plan_target_memory
+    from mtpquant.measure.weights import CheckpointWeights  # torch: once QUANT and SRC are open and checked
+    from mtpquant.runtime.machine import DTYPE_BYTES, compute_dtype, resolve_device
+
+    device = resolve_device(options.device, probe=False)
+    try:
+        weights = CheckpointWeights(quant)
+    except ValidateLoadError as exc:
+        raise TuneRefusedError(str(exc)) from None
+    shapes = [(name, weights.shape(name)) for name in weights.names()]
+    return plan_target_memory(shapes, quant.classify, DTYPE_BYTES[compute_dtype(device, None)], device,
+                              max_memory=options.max_memory, shard_bytes=options.max_shard_bytes, who="tune-mtp")
+
+
 def plan_tune(options: TuneOptions) -> tuple[TunePlan, Checkpoint, Checkpoint]:
     """Open QUANT and SRC header-first and refuse early; the plan, QUANT and SRC."""
     from mtpquant.search.mode import SearchMode
@@ -192,6 +213,7 @@ def plan_tune(options: TuneOptions) -> tuple[TunePlan, Checkpoint, Checkpoint]:
             f"{', '.join(options.search.precisions)}; nothing to choose from"
         )
     cal = _calibration(recipe, options)
+    memory = _memory(quant, options)
     plan = TunePlan(
         quant=quant.label,
         source=src.label,
@@ -209,6 +231,7 @@ def plan_tune(options: TuneOptions) -> tuple[TunePlan, Checkpoint, Checkpoint]:
         bf16_bytes=space.nbytes(space.bf16),
         smallest_bytes=space.nbytes(configurations[0]),
         mtp_bytes=sum(e.nbytes for e in quant.mtp_tensors()),
+        memory=memory,
         notes=checked.notes[1:],
     )
     return plan, quant, src
@@ -253,6 +276,7 @@ def tune_mtp(options: TuneOptions) -> TuneResult:
                 activations=plan.activations, target_name=public_checkpoint(quant.label), device=device, dtype=dtype,
                 progress=options.progress, healer=options.healer, exclude=plan.exclude,
                 scratch=dest.od.path / ".search-scratch",
+                max_memory=plan.memory.caps.for_accelerate() if plan.memory.caps else None,
             )  # fmt: skip
             timings["search"] = time.perf_counter() - t1
             t2 = time.perf_counter()
