@@ -357,3 +357,32 @@ def test_the_qwen3_5_moe_search_is_deterministic_and_a_budget_of_zero_keeps_bf16
     assert zero.search.choice.assignment.all_bf16 and zero.search.choice.role == "baseline"
     assert len(zero.search.evaluated) == 1 and zero.search.reason.startswith("a budget of 0")
     assert digests(tmp_path / "zero", mtp=True) == digests(MOE, mtp=True)
+
+
+def test_the_trained_tiny_glm4_moe(tmp_path: Path) -> None:
+    """The trained tiny GLM-4.5 (an appended-layer MTP: model.layers.2) converted with --mtp auto at a budget every
+    configuration meets (1 AL): its groups are the attention, the shared expert and the routed experts; the choice is
+    quantized, written as its plan says, and vLLM loads it as inspect reads its loader rules; eh_proj, the router and
+    the norms are SRC's BF16 bytes."""
+    glm = TINY_MTP_ASSETS["glm4_moe"]
+    settings = SearchSettings(budget=1.0, num_prompts=12, confirm_prompts=12, max_len=64, precisions=("nvfp4",))
+    result = convert(ConvertOptions(src=str(glm), out=tmp_path / "glm", mtp="auto", search=settings, device="cpu",
+                                    progress=False, calib_samples=8, calib_seq_len=64))  # fmt: skip
+    search = result.search
+    assert search is not None and result.output is not None
+    assert [g.key for g in search.groups] == ["attention", "shared_expert", "experts"]
+    chosen = search.choice
+    assert not chosen.assignment.all_bf16 and chosen.confirmed
+    src = Checkpoint.open(glm)
+    q = load_recipe("glm4_moe-nvfp4").quantization
+    space = search_space(src, settings, main_algo=q.quant_algo, activations=q.activations)
+    out = Checkpoint.open(result.output)
+    assert {e.name: (e.dtype, e.shape) for e in out.mtp_tensors()} == {
+        n: (t.dtype, t.shape) for n, t in space.planned_table(chosen.assignment).items()
+    }
+    kept = [e.name for e in src.mtp_tensors() if e.name.endswith(("eh_proj.weight", "norm.weight", "mlp.gate.weight",
+                                                                  "e_score_correction_bias"))]  # fmt: skip
+    assert len(kept) >= 8
+    assert {n: hashlib.sha256(d).hexdigest() for n, d in ((e.name, d) for e, d in out.iter_raw(kept))} == {
+        n: hashlib.sha256(d).hexdigest() for n, d in ((e.name, d) for e, d in src.iter_raw(kept))}
+    assert inspect_checkpoint(result.output).verdicts["vllm"].startswith("vLLM: MTP loads")
