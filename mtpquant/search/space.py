@@ -143,6 +143,12 @@ class Declaration:
     refusal: str | None = None
 
 
+def _namespace(module: str) -> str:
+    """The MTP namespace a module lies in: ``mtp`` (the Qwen families), or its appended layer ``model.layers.N`` (the
+    planner excludes a whole BF16 MTP as ``mtp*`` / ``model.layers.N*``)."""
+    return "mtp" if module.startswith("mtp.") else ".".join(module.split(".")[:3])
+
+
 def _split_experts(name: str, dtype: str, shape: tuple[int, ...]) -> list[tuple[str, Planned]] | None:
     """A fused 3-D expert tensor as its per-expert Linear weights (None: not one)."""
     stem, _, leaf = name.rpartition(".")
@@ -293,8 +299,8 @@ class MtpSpace:
         precision = self.module_precision(assignment)
         disk = self.disk_precision(assignment)
         plain = tuple(sorted(m for m, p in disk.items() if not is_quantized(p)))
-        if len(plain) == len(disk):  # the planner's rule: a whole-BF16 MTP is excluded as the family's pattern
-            plain = (self.family.mtp.storage.root.rstrip(".") + "*",)  # the searched families' mtp. namespace
+        if len(plain) == len(disk):  # the planner's rule: a whole-BF16 MTP is excluded as its namespace's pattern
+            plain = tuple(sorted({_namespace(m) + "*" for m in disk}))
         if kind == "plain":
             return QuantMetadata("modelopt", self.main_algo, BLOCK, None, plain)
         layers = {m: layer_entry(p, self.main_algo) for m, p in sorted(precision.items()) if p != "bf16"}
