@@ -87,8 +87,10 @@ class SearchResult(Record):
 
     @property
     def baseline(self) -> Judged:
-        """The BF16 MTP on the confirmation prompts (what the chosen one is compared with)."""
-        return next(j for j in self.evaluated if j.role == "baseline" and j.phase == "confirmation")
+        """The BF16 MTP on the confirmation prompts (what the chosen one is compared with; a report written before
+        #44 has one set of prompts: its first row)."""
+        return next((j for j in self.evaluated if j.role == "baseline" and j.phase == "confirmation"),
+                    self.evaluated[0])  # fmt: skip
 
 
 @dataclass(frozen=True)
