@@ -36,7 +36,6 @@ from mtpquant.api import (
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.cli import main as cli
 from mtpquant.errors import ExitCode
-from mtpquant.families import is_mtp_name
 from mtpquant.recipes.recipe import RECIPE_FILE, load_recipe
 from mtpquant.search.measure import Candidates
 from mtpquant.search.report import read_result
@@ -52,7 +51,7 @@ SMALL = SearchSettings(num_prompts=12, confirm_prompts=12, max_len=64, max_confi
 
 def digests(path: Path, *, mtp: bool) -> dict[str, str]:
     ckpt = Checkpoint.open(path)
-    names = [n for n in ckpt.tensors if is_mtp_name(n) == mtp]
+    names = [n for n in ckpt.tensors if ckpt.is_mtp(n) == mtp]  # the family's MTP test (an appended layer too)
     return {e.name: hashlib.sha256(data).hexdigest() for e, data in ckpt.iter_raw(names)}
 
 
@@ -363,11 +362,20 @@ def test_the_trained_tiny_glm4_moe(tmp_path: Path) -> None:
     """The trained tiny GLM-4.5 (an appended-layer MTP: model.layers.2) converted with --mtp auto at a budget every
     configuration meets (1 AL): its groups are the attention, the shared expert and the routed experts; the choice is
     quantized, written as its plan says, and vLLM loads it as inspect reads its loader rules; eh_proj, the router and
-    the norms are SRC's BF16 bytes."""
+    the norms are SRC's BF16 bytes. tune-mtp of its keep convert (QUANT's model.layers.2* exclusion replaced) chooses
+    the same and writes the same MTP bytes, every other tensor QUANT's."""
     glm = TINY_MTP_ASSETS["glm4_moe"]
     settings = SearchSettings(budget=1.0, num_prompts=12, confirm_prompts=12, max_len=64, precisions=("nvfp4",))
-    result = convert(ConvertOptions(src=str(glm), out=tmp_path / "glm", mtp="auto", search=settings, device="cpu",
-                                    progress=False, calib_samples=8, calib_seq_len=64))  # fmt: skip
+    common: dict[str, Any] = {"src": str(glm), "device": "cpu", "progress": False, "calib_samples": 8,
+                              "calib_seq_len": 64}  # fmt: skip
+    result = convert(ConvertOptions(out=tmp_path / "glm", mtp="auto", search=settings, **common))
+    convert(ConvertOptions(out=tmp_path / "keep", mtp="keep", **common))
+    tuned = tune_mtp(TuneOptions(quant=tmp_path / "keep", source=glm, out=tmp_path / "tuned", search=settings,
+                                 device="cpu", progress=False))  # fmt: skip
+    assert tuned.search is not None and result.search is not None
+    assert tuned.search.choice.assignment == result.search.choice.assignment
+    assert digests(tmp_path / "tuned", mtp=True) == digests(tmp_path / "glm", mtp=True)
+    assert digests(tmp_path / "tuned", mtp=False) == digests(tmp_path / "keep", mtp=False)
     search = result.search
     assert search is not None and result.output is not None
     assert [g.key for g in search.groups] == ["attention", "shared_expert", "experts"]

@@ -316,9 +316,9 @@ def _metadata(quant: Checkpoint, plan: TunePlan, chosen: ChosenMtp, table: dict[
     its algo, as convert writes it), then the exclusions the new MTP needs (the one planner, ``plan_metadata``)."""
     config = dict(quant.config)
     hfq = dict(quant.hf_quant_config) if quant.hf_quant_config is not None else None
-    ct_patterns = quant.spec.mtp_exclusion_patterns()[1]
+    ours = set(sum(quant.spec.mtp_exclusion_patterns(), ()))  # mtp* / an appended layer's model.layers.N*, and CT's
     mtp_patterns = sorted({p for _, _, pats in exclusion_lists(config, hfq) for p in pats
-                           if p.startswith("mtp") or p in ct_patterns})  # fmt: skip
+                           if p.startswith("mtp") or p in ours})  # fmt: skip
     config, hfq = without_exclusions(config, hfq, mtp_patterns, mtp_patterns)
     meta = quant.quant_metadata
     mixed = meta is not None and meta.algo.upper() == "MIXED_PRECISION"
