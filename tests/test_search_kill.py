@@ -73,6 +73,14 @@ _DRIVER = KILL_PRELUDE + textwrap.dedent(
     import importlib
     from mtpquant.cli import main
 
+    if args["untrained"]:  # heal's data collected as usual, each finalist "healed" as it is (no training step)
+        import mtpquant.heal.finalists as finalists
+        from mtpquant.search.finalists import Training
+
+        def untrained(self, config, master, precision, scales, *, shared, device):
+            return master, Training(0.0, 0.0, 0.0)
+
+        finalists.FinalistHealer.heal = untrained
     if args["hook"]:
         module, owner, name = args["hook"]
         target = importlib.import_module(module)
@@ -84,34 +92,35 @@ _DRIVER = KILL_PRELUDE + textwrap.dedent(
 
 
 def _child(
-    tmp: Path, argv: list[str], hook: tuple[str, str, str] | None, tmpdir: Path
+    tmp: Path, argv: list[str], hook: tuple[str, str, str] | None, tmpdir: Path, *, untrained: bool = False
 ) -> subprocess.CompletedProcess[str]:
     script = tmp / "driver.py"
     script.write_text(_DRIVER)
     env = {**os.environ, "TMPDIR": str(tmpdir), "TQDM_DISABLE": "1"}
-    arg = json.dumps({"argv": argv, "hook": hook, "kill_at": 1 if hook else 0})
+    arg = json.dumps({"argv": argv, "hook": hook, "kill_at": 1 if hook else 0, "untrained": untrained})
     return subprocess.run([sys.executable, str(script), arg], capture_output=True, text=True, timeout=600, env=env,
                           cwd=Path(__file__).resolve().parents[1])  # fmt: skip
 
 
 def test_tune_mtp_heal_scratch_lives_in_outs_partial_directory(keep: Path, tmp_path: Path) -> None:
-    """Killed while it heals its first finalist (the heal data collected): beside OUT only OUT's partial directory,
+    """Killed as it heals its first finalist (the heal data collected): beside OUT only OUT's partial directory,
     which holds the search's scratch (the heal data); TMPDIR under 1 MB. The next run removes it, succeeds, and
-    leaves nothing beside OUT; TMPDIR still under 1 MB."""
+    leaves nothing beside OUT; TMPDIR still under 1 MB. (Each finalist is "healed" without a training step here:
+    what is measured is where the files go, and heal's training writes none; tests/test_search_heal.py trains.)"""
     out = tmp_path / "work" / "tuned"
     out.parent.mkdir()
     tmpdir = tmp_path / "tmpdir"
     tmpdir.mkdir()
     argv = ["tune-mtp", str(keep), "--from", str(TINY_MTP_ASSET), "--out", str(out), "--device", "cpu", *SEARCH,
             *HEAL]  # fmt: skip
-    killed = _child(tmp_path, argv, ("mtpquant.heal.finalists", "FinalistHealer", "heal"), tmpdir)
+    killed = _child(tmp_path, argv, ("mtpquant.heal.finalists", "FinalistHealer", "heal"), tmpdir, untrained=True)
     assert killed.returncode == -9, killed.stderr[-3000:]
     left = beside(out)
     assert len(left) == 1 and left[0].startswith(f".{out.name}{PARTIAL_MARK}"), left
     scratch = out.parent / left[0] / ".search-scratch" / "heal-data"
     assert scratch.is_dir() and du(scratch) > 0  # the heal data, where the clean-up finds it
     assert du(tmpdir) <= MB, sorted(p.name for p in tmpdir.rglob("*"))
-    done = _child(tmp_path, argv, None, tmpdir)
+    done = _child(tmp_path, argv, None, tmpdir, untrained=True)
     assert done.returncode == 0 and json.loads(done.stdout.strip().splitlines()[-1])["code"] == 0, done.stderr[-3000:]
     assert beside(out) == [] and not (out / ".search-scratch").exists()
     assert du(tmpdir) <= MB, sorted(p.name for p in tmpdir.rglob("*"))
