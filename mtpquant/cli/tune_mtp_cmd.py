@@ -21,12 +21,14 @@ examples:
   mtpquant tune-mtp ./Qwen3.5-27B-NVFP4 --from ./Qwen3.5-27B --out OUT --dry-run
 
 QUANT's main model is the quantized target: the BF16 MTP of SRC and each precision group quantized (BF16, FP8,
-NVFP4) draft on its hidden states over held-out prompts; the smallest MTP whose AL stays within --al-budget of the
-BF16 MTP's at k = 1..3 beyond noise, and that --engine loads, is written in place of QUANT's MTP (only the MTP
-bytes; the metadata's MTP entries replaced). What QUANT's recipe (or --recipe) leaves unquantized stays BF16 in the
-MTP too, as convert keeps it. The report goes to mtp_search/ in the result. The same source, budget
-and calibration choose what `convert --mtp auto` chooses. With --heal, each finalist is healed (heal's
-quantization-aware training, --heal-steps etc.) before the choice, and the chosen MTP is written healed.
+NVFP4) draft on its hidden states over held-out prompts (the selection); the smallest candidates are confirmed on
+other held-out prompts (Holm's procedure over them, family-wise error 5 %), and the smallest confirmed within
+--al-budget of the BF16 MTP's AL at k = 1..3 that --engine loads is written in place of QUANT's MTP (only the MTP
+bytes; the metadata's MTP entries replaced); --al-budget 0 writes SRC's BF16 MTP byte for byte. What QUANT's
+recipe (or --recipe) leaves unquantized stays BF16 in the MTP too, as convert keeps it. The report goes to
+mtp_search/ in the result. The same source, budget and calibration choose what `convert --mtp auto` chooses. With
+--heal, each finalist is healed (heal's quantization-aware training, --heal-steps etc.) before it is confirmed, and
+the chosen MTP is written healed.
 
 """
 _EXIT_CODES = (
