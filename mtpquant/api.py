@@ -153,7 +153,7 @@ def convert_and_heal(
     if search:  # each finalist of the search healed before the choice; the chosen MTP is written healed
         from mtpquant.heal.finalists import FinalistHealer
 
-        with FinalistHealer(heal, Path(options.out)) as healer:
+        with FinalistHealer(heal) as healer:
             converted = convert(dataclasses.replace(options, plan_check=plan_check, healer=healer))
         if on_converted is not None:
             on_converted(converted)
@@ -177,7 +177,6 @@ def tune_and_heal(options: TuneOptions, heal: HealOptions) -> TuneResult:
     ``heal``'s data and schedule (``search.finalists``; ``heal``'s QUANT, SRC and destination are not used), the chosen
     MTP written healed."""
     import dataclasses
-    from pathlib import Path
 
     from mtpquant.heal.finalists import FinalistHealer
     from mtpquant.text.calibration import check_calibration_source
@@ -185,8 +184,7 @@ def tune_and_heal(options: TuneOptions, heal: HealOptions) -> TuneResult:
 
     heal.check()
     check_calibration_source(heal.data)
-    beside = Path(options.out) if options.out is not None else Path(options.quant)
-    with FinalistHealer(heal, beside) as healer:
+    with FinalistHealer(heal) as healer:
         return tune_mtp(dataclasses.replace(options, healer=healer))
 
 

@@ -174,8 +174,8 @@ def plan_lines(plan: ConvertPlan) -> list[str]:
         out.append(
             f"search     groups {', '.join(space['groups'])}; {space['configurations']} configurations load in "
             f"{s.engine} ({', '.join(s.precisions)}), {format_bytes(space['smallest_bytes'])} to "
-            f"{format_bytes(space['bf16_bytes'])}; budget {s.budget:g} AL at k = 1..{s.k} on {s.num_prompts} "
-            f"held-out prompts"
+            f"{format_bytes(space['bf16_bytes'])}; budget {s.budget:g} AL at k = 1..{s.k}, selected on "
+            f"{s.num_prompts} held-out prompts, confirmed on {s.confirm_prompts} others"
         )
     c = r.calibration
     out.append(
@@ -187,6 +187,9 @@ def plan_lines(plan: ConvertPlan) -> list[str]:
         out.append(f"MTP output {plan.mtp_out}")
     out.append(f"carry      {', '.join(plan.carried_files) or '(no other files)'}")
     out += plan.memory.lines()
+    if plan.search_memory is not None:  # --mtp auto: the quantized target the search measures on, under the same caps
+        out += [line.replace("main model", "search target (quantized, dequantized)", 1)
+                for line in plan.search_memory.lines("the search measures on it in one pass")[:2]]
     if plan.memory.layerwise:
         out.append(
             f"resume     state committed every {plan.resume_every} layer(s), "
@@ -257,10 +260,13 @@ def search_lines(result: SearchResult) -> list[str]:
         f"search     chose {chosen.assignment.label}: {format_bytes(chosen.nbytes)}, "
         f"{chosen.nbytes / result.bf16_bytes:.2f}x the BF16 MTP's {format_bytes(result.bf16_bytes)} "
         f"(declared {chosen.declaration}; budget {s.budget:g} AL, engines {s.engine})",
-        f"measured   {len(result.evaluated)} of {result.configurations} configurations on {result.prompts} held-out "
-        f"prompts, k = 1..{s.k}, {', '.join(x.label for x in result.sampling)}; AL change (greedy): {changes}",
+        f"measured   {len(result.evaluated)} measurements of {result.configurations} configurations: selected on "
+        f"{len(result.selection_prompts)} held-out prompts, confirmed on {result.prompts} others, k = 1..{s.k}, "
+        f"{', '.join(x.label for x in result.sampling)}; AL change (greedy, confirmation): {changes}",
         f"why        {result.reason}",
     ]
+    if result.fixed:
+        lines.append(f"recipe     keeps {', '.join(result.fixed)} BF16 (quantization.exclude)")
     if result.not_taken:
         lines.append(f"not taken  {result.not_taken}")
     for f in result.healed:  # --heal: each finalist's predicted AL (greedy) before and after heal
@@ -292,12 +298,16 @@ def tune_text(result: TuneResult) -> str:
             f"target     {p.quant}'s main model ({p.main_algo}); SRC {p.source}",
             f"search     groups {', '.join(p.groups)}; {p.configurations} configurations load in {s.engine} "
             f"({', '.join(s.precisions)}), {format_bytes(p.smallest_bytes)} to {format_bytes(p.bf16_bytes)} (QUANT's "
-            f"MTP now {format_bytes(p.mtp_bytes)}); budget {s.budget:g} AL at k = 1..{s.k} on {s.num_prompts} "
-            "held-out prompts",
+            f"MTP now {format_bytes(p.mtp_bytes)}); budget {s.budget:g} AL at k = 1..{s.k}, selected on "
+            f"{s.num_prompts} held-out prompts, confirmed on {s.confirm_prompts} others",
             f"calib      {p.calibration.samples} x {p.calibration.seq_len} tokens from {p.calibration.data} "
             f"({p.calibration_from})",
+            f"recipe     {p.calibration_from}: " + (f"keeps {', '.join(p.fixed)} BF16 (quantization.exclude)"
+                                                     if p.fixed else "excludes no MTP group"),
             f"output     {p.destination}",
         ]
+        lines += [line.replace("main model", "QUANT's main model (the search's target)", 1)
+                  for line in p.memory.lines("the search measures on it in one pass")]
         lines += [f"note       {n}" for n in p.notes]
         return "\n".join(lines)
     if result.search is not None:

@@ -1,5 +1,5 @@
 """``convert --mtp auto`` measured by the real vLLM CPU engine: the chosen MTP loads, and the AL vLLM measures with it
-is within the budget + 0.1 of the AL it measures with the BF16 MTP, on the same prompts and the same quantized target.
+is within the budget + 0.05 of the AL it measures with the BF16 MTP, on the same prompts and the same quantized target.
 
 The trained tiny Qwen3.5 converted with ``--mtp auto`` (budget 0.05 AL, vLLM's loading rules, 64 prompts) and with
 ``--keep-mtp`` (``tests/support/heal.py``'s convert, the same calibration, so the same main-model bytes), each served
@@ -41,7 +41,7 @@ PROMPTS = 44
 MOE_PROMPTS = 50  # the MoE's MTP accepts more (AL 2.5 at k = 3): 44 prompts gave it 1,161 steps
 MIN_STEPS = 1290  # what 32 prompts gave a k = 1 server (see above)
 CPU_MOE = 'quantization.exclude=["*mlp.experts*"]'  # the routed experts BF16: the CPU build has no NVFP4 MoE kernel
-TOLERANCE = 0.1  # the engine against the prediction: the prompts' sampling noise, the engine's own numerics
+TOLERANCE = 0.05  # the engine against the prediction: the prompts' sampling noise, the engine's own numerics
 
 
 def _main_digests(path: Path) -> dict[str, str]:

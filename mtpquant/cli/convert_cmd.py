@@ -40,9 +40,11 @@ MTP modes (default: keep when SRC has an MTP, else drop):
   extract   OUT without MTP (declaration set to 0); the MTP goes to --mtp-out (default OUT-mtp)
   drop      no MTP in OUT, declaration set to 0
   auto      the precision of each MTP group (input projection, attention, MLP or shared expert, routed
-            experts) chosen among BF16, FP8 and NVFP4: the smallest MTP whose AL, predicted on the quantized
-            main model, stays within --al-budget of the BF16 MTP's at k = 1..3 beyond noise, loadable by
-            --engine; the report goes to OUT/mtp_search/ (in a recipe: mtp.mode: search)
+            experts) chosen among BF16, FP8 and NVFP4: candidates selected on held-out prompts, the
+            smallest confirmed on other held-out prompts (Holm over the finalists) within --al-budget of
+            the BF16 MTP's AL at k = 1..3, predicted on the quantized main model, loadable by --engine;
+            --al-budget 0 writes the BF16 MTP byte for byte; the report goes to OUT/mtp_search/ (in a
+            recipe: mtp.mode: search)
 
 Calibration data (default: offline text shipped with CPython, tokenised with SRC's tokenizer and chat
 template): --calib-data FILE (.txt paragraphs, or .jsonl with "text" or "messages"), or a `datasets`

@@ -20,18 +20,20 @@ SEARCH_FLAGS = {
     "engine": "engine",
     "mtp_precisions": "precisions",
     "search_prompts": "num_prompts",
+    "confirm_prompts": "confirm_prompts",
     "search_temperature": "temperatures",
     "search_seed": "seed",
 }
 
 
 def add_search_arguments(p: argparse.ArgumentParser, when: str = "") -> None:
-    """``--al-budget``, ``--engine``, ``--mtp-precisions``, ``--search-prompts``, ``--search-temperature``,
-    ``--search-seed`` (``when``: the help's condition, e.g. ``with --mtp auto: ``)."""
+    """``--al-budget``, ``--engine``, ``--mtp-precisions``, ``--search-prompts``, ``--confirm-prompts``,
+    ``--search-temperature``, ``--search-seed`` (``when``: the help's condition, e.g. ``with --mtp auto: ``)."""
     p.add_argument(
         "--al-budget", type=float, metavar="AL",
-        help=f"{when}the AL the MTP may lose against the BF16 MTP's, at every k = 1..3 and sampling setting, beyond "
-        f"noise (default {field_default(SearchSettings, 'budget')}; 0 keeps the BF16 MTP)",
+        help=f"{when}the AL the MTP may lose against the BF16 MTP's, at every k = 1..3 and sampling setting: a bound "
+        "the held-out confirmation tests (family-wise error 5 %% over the finalists, Holm) (default "
+        f"{field_default(SearchSettings, 'budget')}; 0 writes the BF16 MTP byte for byte, measuring no quantized one)",
     )  # fmt: skip
     p.add_argument(
         "--engine", choices=field_choices(SearchSettings, "engine"),
@@ -44,8 +46,13 @@ def add_search_arguments(p: argparse.ArgumentParser, when: str = "") -> None:
     )  # fmt: skip
     p.add_argument(
         "--search-prompts", type=int, metavar="N",
-        help=f"{when}held-out prompts measured (default {field_default(SearchSettings, 'num_prompts')}; more "
-        "decides smaller differences)",
+        help=f"{when}held-out prompts the selection measures on (default "
+        f"{field_default(SearchSettings, 'num_prompts')}; more decides smaller differences)",
+    )  # fmt: skip
+    p.add_argument(
+        "--confirm-prompts", type=int, metavar="N",
+        help=f"{when}other held-out prompts, never selected on, that confirm the finalists (default "
+        f"{field_default(SearchSettings, 'confirm_prompts')})",
     )  # fmt: skip
     p.add_argument(
         "--search-temperature", type=float, action="append", metavar="T",

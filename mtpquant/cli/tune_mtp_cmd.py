@@ -21,15 +21,19 @@ examples:
   mtpquant tune-mtp ./Qwen3.5-27B-NVFP4 --from ./Qwen3.5-27B --out OUT --dry-run
 
 QUANT's main model is the quantized target: the BF16 MTP of SRC and each precision group quantized (BF16, FP8,
-NVFP4) draft on its hidden states over held-out prompts; the smallest MTP whose AL stays within --al-budget of the
-BF16 MTP's at k = 1..3 beyond noise, and that --engine loads, is written in place of QUANT's MTP (only the MTP
-bytes; the metadata's MTP entries replaced). The report goes to mtp_search/ in the result. The same source, budget
-and calibration choose what `convert --mtp auto` chooses. With --heal, each finalist is healed (heal's
-quantization-aware training, --heal-steps etc.) before the choice, and the chosen MTP is written healed.
+NVFP4) draft on its hidden states over held-out prompts (the selection); the smallest candidates are confirmed on
+other held-out prompts (Holm's procedure over them, family-wise error 5 %), and the smallest confirmed within
+--al-budget of the BF16 MTP's AL at k = 1..3 that --engine loads is written in place of QUANT's MTP (only the MTP
+bytes; the metadata's MTP entries replaced); --al-budget 0 writes SRC's BF16 MTP byte for byte. What QUANT's
+recipe (or --recipe) leaves unquantized stays BF16 in the MTP too, as convert keeps it. The report goes to
+mtp_search/ in the result. The same source, budget and calibration choose what `convert --mtp auto` chooses. With
+--heal, each finalist is healed (heal's quantization-aware training, --heal-steps etc.) before it is confirmed, and
+the chosen MTP is written healed.
 
 """
 _EXIT_CODES = (
     ExitCode.CHECKPOINT,
+    ExitCode.MEMORY,
     ExitCode.ARCHITECTURE,
     ExitCode.OUTPUT_EXISTS,
     ExitCode.MTP_MODE,
@@ -64,11 +68,19 @@ def register(subparsers: Any) -> None:
     where.add_argument("--in-place", action="store_true",
                        help="tune QUANT itself: built beside it, verified, then swapped in atomically")
     add_search_arguments(p)
+    p.add_argument("--recipe", metavar="NAME|PATH",
+                   help="the recipe QUANT is held to: what its quantization.exclude matches stays BF16 in the MTP, "
+                   "and its calibration sets the MTP's input scales (default: QUANT's recipe.yaml, else the "
+                   "family's default recipe)")
     p.add_argument("--calib-data", metavar="PATH|DATASET",
                    help="calibration text of the MTP's input scales (default: QUANT's recipe's)")
     p.add_argument("--calib-samples", metavar="N", type=int, help="calibration rows (default: QUANT's recipe's)")
     p.add_argument("--calib-seq-len", metavar="L", type=int, help="tokens per row (default: QUANT's recipe's)")
     add_device_argument(p, "auto", indexed=False, what="")
+    p.add_argument("--max-memory", metavar="CAPS",
+                   help="caps of QUANT's main model while the search measures on it, e.g. cpu=8GiB (convert's memory "
+                   "plan: what does not fit is read from QUANT's files as it runs; default: all in memory when it "
+                   "fits)")
     p.add_argument("--from-revision", dest="source_revision", metavar="REV", help="SRC's Hub revision")
     add_shard_size_argument(p)
     p.add_argument("--heal", action="store_true",
@@ -106,10 +118,12 @@ def run(args: argparse.Namespace) -> int:
         out=args.out,
         in_place=args.in_place,
         search=search,
+        recipe=args.recipe,
         calib_data=args.calib_data,
         calib_samples=args.calib_samples,
         calib_seq_len=args.calib_seq_len,
         device=args.device,
+        max_memory=args.max_memory,
         source_revision=args.source_revision,
         max_shard_bytes=args.max_shard_size,
         link=not args.copy,

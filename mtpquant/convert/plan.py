@@ -107,6 +107,7 @@ class ConvertPlan:
     output_format: str = "modelopt"  # modelopt | compressed-tensors
     search: SearchSettings | None = None  # --mtp auto: what the search is asked
     search_space: dict[str, Any] | None = None  # --mtp auto: the configurations the engines load, from headers
+    search_memory: MemoryPlan | None = None  # --mtp auto: where the quantized target the search measures on goes
 
     @property
     def mode(self) -> str:
@@ -142,7 +143,9 @@ class ConvertPlan:
             "notes": list(self.notes),
             "base_model": self.base_model,
             "base_model_revision": self.base_model_revision,
-            **({"search": {**self.search.to_json(), **(self.search_space or {})}} if self.search else {}),
+            **({"search": {**self.search.to_json(), **(self.search_space or {}),
+                           "memory": self.search_memory.to_json() if self.search_memory else None}}
+               if self.search else {}),
         }
 
 
@@ -338,8 +341,21 @@ def plan_convert(options: ConvertOptions, ckpt: Checkpoint | None = None) -> tup
         output_format=options.output_format,
         search=options.search if searching else None,
         search_space=search_space,
+        search_memory=_search_memory(ckpt, device, options.max_memory, recipe) if searching else None,
     )
     return plan, ckpt
+
+
+def _search_memory(ckpt: Checkpoint, device: str, max_memory: str | None, recipe: Recipe) -> MemoryPlan:
+    """Where the quantized main model goes while the search measures on it (dequantized in the compute dtype, the
+    logical shapes SRC's): convert's memory plan under the same ``--max-memory``, the rest read from OUT's files."""
+    from mtpquant.measure.memory import plan_target_memory
+    from mtpquant.runtime.machine import DTYPE_BYTES, compute_dtype
+
+    shapes = ((e.name, tuple(e.shape)) for e in ckpt.tensors.values())
+    return plan_target_memory(shapes, ckpt.classify, DTYPE_BYTES[compute_dtype(device, None)], device,
+                              max_memory=max_memory, shard_bytes=recipe.output.max_shard_size.bytes,
+                              who="convert --mtp auto")  # fmt: skip
 
 
 def _search_space(ckpt: Checkpoint, settings: SearchSettings, recipe: Recipe) -> dict[str, Any]:

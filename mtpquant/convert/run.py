@@ -398,7 +398,9 @@ def _run(
             od.doing = "measuring the MTP's precision configurations"
             q = recipe.quantization
             context = MeasureContext(ckpt, target, tokenizer, cal, plan.search, q.quant_algo, q.activations,
-                                     plan.device, progress, healer=healer, exclude=tuple(q.exclude))
+                                     plan.device, progress, healer=healer, exclude=tuple(q.exclude),
+                                     scratch=od.path / ".search-scratch",
+                                     max_memory=_caps(plan.search_memory))  # fmt: skip
             measured = mode.measure(context)
             od.doing = ""
 
@@ -468,6 +470,11 @@ def _run(
         shards_rewritten=len(main.rewritten),
         offload_bytes=offload_bytes,
     )
+
+
+def _caps(memory: Any) -> Any:
+    """accelerate's caps of a memory plan (None: no plan, or everything on the one device)."""
+    return memory.caps.for_accelerate() if memory is not None and memory.caps is not None else None
 
 
 @contextlib.contextmanager

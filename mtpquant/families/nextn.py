@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mtpquant.families.mtp_config import config_int
-from mtpquant.families.schema import EngineRules, Family, MtpLayout
+from mtpquant.families.schema import EngineRules, Family, MtpGroup, MtpLayout
 from mtpquant.families.storage import APPENDED, MtpStorage
 
 __all__ = [
@@ -244,6 +244,17 @@ _NEXTN_SGLANG = ("*.eh_proj",)
 _COMPLETENESS = "ValueError: MTP speculative decoding layer {layer} weights missing from checkpoint"
 
 
+# The precision groups of an appended-layer MTP (``convert --mtp auto``, ``tune-mtp``): its attention (q/k/v packed by
+# vLLM into qkv_proj, GLM-4.5), the shared expert (gate/up packed), the routed experts (FusedMoE: one precision for
+# all); eh_proj, the router and the norms stay BF16 (``unquantized``, what vLLM builds without a quantization config)
+_ATTENTION_GROUP = MtpGroup("attention", "attention projections", ("*.self_attn.*_proj",))
+_SHARED_EXPERT_GROUP = MtpGroup("shared_expert", "shared expert", ("*.mlp.shared_experts.*_proj",))
+_EXPERTS_GROUP = MtpGroup("experts", "routed experts", ("*.mlp.experts.*_proj",))
+# DeepSeek's and GLM-5's MLA stays BF16 as in their main model (``_MLA_UNQUANTIZED``): no attention group
+_GQA_GROUPS = (_ATTENTION_GROUP, _SHARED_EXPERT_GROUP, _EXPERTS_GROUP)
+_MLA_GROUPS = (_SHARED_EXPERT_GROUP, _EXPERTS_GROUP)
+
+
 def _mtp(shapes: Any, **kw: Any) -> MtpLayout:
     return MtpLayout(
         depth_keys=("num_nextn_predict_layers",),
@@ -315,7 +326,7 @@ DEEPSEEK_V3 = _family(
     {"deepseek_v3"},
     {"DeepseekV3ForCausalLM"},
     _mtp(_deepseek_shapes(indexer=False), copies=COPIES, copies_required=True, unquantized=("*.self_attn.*",),
-         engine_rename=_layer_rename(_MODEL_LAYER),
+         engine_rename=_layer_rename(_MODEL_LAYER), groups=_MLA_GROUPS,
          appended=AppendedForward("deepseek_v3", "DeepseekV3", recycle_normed=True)),
     _engine(_DEEPSEEK_PACKED, "DeepSeekMTPModel", "DeepseekV3ForCausalLMNextN", missing_mtp_error=_COMPLETENESS),
     "DeepseekV3ForCausalLM",
@@ -340,7 +351,7 @@ DEEPSEEK_V32 = _family(
     {"deepseek_v32"},
     {"DeepseekV32ForCausalLM"},
     _mtp(_deepseek_shapes(indexer=True), copies=COPIES, copies_required=True, unquantized=("*.self_attn.*",),
-         setting_keys=("index_share_for_mtp_iteration",), engine_rename=_layer_rename(_MODEL_LAYER),
+         setting_keys=("index_share_for_mtp_iteration",), engine_rename=_layer_rename(_MODEL_LAYER), groups=_MLA_GROUPS,
          appended=AppendedForward("deepseek_v32", "DeepseekV32", recycle_normed=True)),
     _engine(_DEEPSEEK_PACKED, "DeepseekV32MTPModel", "DeepseekV3ForCausalLMNextN", **_V32_ENGINE),
     "DeepseekV32ForCausalLM",
@@ -356,7 +367,7 @@ GLM_MOE_DSA = _family(
     {"glm_moe_dsa"},
     {"GlmMoeDsaForCausalLM"},
     _mtp(_deepseek_shapes(indexer=True), copies=COPIES, unquantized=("*.self_attn.*",),
-         setting_keys=("index_share_for_mtp_iteration",), engine_rename=_layer_rename(_MODEL_LAYER),
+         setting_keys=("index_share_for_mtp_iteration",), engine_rename=_layer_rename(_MODEL_LAYER), groups=_MLA_GROUPS,
          appended=AppendedForward("glm_moe_dsa", "GlmMoeDsa", recycle_normed=True)),
     _engine(_DEEPSEEK_PACKED, "DeepseekV32MTPModel", "GlmMoeDsaForCausalLMNextN", **_V32_ENGINE),
     "GlmMoeDsaForCausalLM",
@@ -370,7 +381,7 @@ GLM4_MOE = _family(
     "GLM-4.5 / 4.6 / 4.7 / 4.5-Air",
     {"glm4_moe"},
     {"Glm4MoeForCausalLM"},
-    _mtp(glm4_moe_shapes, copies=COPIES, engine_rename=_layer_rename(_MODEL_LAYER),
+    _mtp(glm4_moe_shapes, copies=COPIES, engine_rename=_layer_rename(_MODEL_LAYER), groups=_GQA_GROUPS,
          appended=AppendedForward("glm4_moe", "Glm4Moe", recycle_normed=False)),
     _engine(_GLM_PACKED, "Glm4MoeMTPModel", "Glm4MoeForCausalLMNextN", head_from_target="shared_head.head"),
     "Glm4MoeForCausalLM",

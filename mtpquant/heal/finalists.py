@@ -1,8 +1,9 @@
 """heal's training for the precision search's finalists (``convert --mtp auto --heal``, ``tune-mtp --heal``).
 
 ``FinalistHealer`` is the search's ``Healer`` (``search.finalists``): the quantized target continues heal's training
-prompts once, while the search holds it (``data.training_data``, in shards in a scratch directory beside OUT, removed
-when the healer closes); each finalist then trains from the BF16 MTP as heal trains a quantized MTP
+prompts once, while the search holds it (``data.training_data``, in shards in the scratch directory the search gives
+it, inside OUT's partial directory, so a kill leaves nothing the next run's clean-up does not find; removed when the
+healer closes); each finalist then trains from the BF16 MTP as heal trains a quantized MTP
 (``train.train_layer``: modelopt's fake quantization on each quantized Linear in its own format, NVFP4 or FP8, with
 the input scale the output will carry; self-distillation on the target's distributions), with the same schedule and
 seed, so a run is deterministic with its seed. The held-out before/after check is the search's own measurement.
@@ -12,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import shutil
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from types import TracebackType
@@ -37,11 +37,10 @@ log = logging.getLogger(__name__)
 
 class FinalistHealer:
     """Heals the search's finalists with ``options``' data and schedule (the fields ``convert --heal-*`` set);
-    its scratch data lives beside ``beside`` (OUT) while it is open."""
+    its scratch data lives where ``collect`` is told (inside OUT's partial directory) while it is open."""
 
-    def __init__(self, options: HealOptions, beside: Path) -> None:
+    def __init__(self, options: HealOptions) -> None:
         self.options = options
-        self.beside = Path(beside).absolute()
         sizes = options.sizes
         self.schedule = Schedule(options.steps, options.lr, sizes.batch_size, options.chain, options.seed)
         self.scratch: Path | None = None
@@ -66,13 +65,14 @@ class FinalistHealer:
         return HealSettings(public_text(o.data), o.samples, o.sizes.prompt_len, o.sizes.new_tokens, t.steps, t.lr,
                             t.batch_size, t.chain, t.seed)  # fmt: skip
 
-    def collect(self, target: Any, source: CheckpointSource, vocab: int) -> None:
-        """The training data: heal's prompts continued by the quantized ``target``, with its hidden states."""
+    def collect(self, target: Any, source: CheckpointSource, vocab: int, scratch: Path) -> None:
+        """The training data: heal's prompts continued by the quantized ``target``, with its hidden states, in shards
+        under ``scratch`` (a new directory)."""
         from mtpquant.heal.data import training_data
 
         o = self.options
-        self.beside.parent.mkdir(parents=True, exist_ok=True)
-        self.scratch = Path(tempfile.mkdtemp(prefix=f".{self.beside.name}.heal-data-", dir=self.beside.parent))
+        scratch.mkdir(parents=True)
+        self.scratch = scratch
         self.data = training_data(target, source, vocab, o.data, o.samples, o.sizes, temperature=o.data_temperature,
                                   seed=o.seed, directory=self.scratch, progress=o.progress)  # fmt: skip
 

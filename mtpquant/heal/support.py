@@ -10,19 +10,19 @@ from __future__ import annotations
 
 import contextlib
 import tempfile
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mtpquant.checkpoint.header import FLOAT_DTYPES
 from mtpquant.errors import GraftError, HealRefusedError, MemoryPlanError
-from mtpquant.families import Family, TensorClass
+from mtpquant.families import Family
 from mtpquant.heal.options import HealOptions
+from mtpquant.measure.memory import plan_target_memory, target_blocks
 from mtpquant.runtime.machine import DTYPE_BYTES, compute_dtype, resolve_device
 
 if TYPE_CHECKING:
     from mtpquant.checkpoint.table import Checkpoint
-    from mtpquant.runtime.memory import Block, MemoryPlan
 
 __all__ = [
     "DTYPE_BYTES",
@@ -39,7 +39,6 @@ __all__ = [
 
 WRITABLE = {"nvfp4": "nvfp4", "fp8": "fp8"}  # the quantized kinds heal writes back (LinearFormat.kind -> format)
 WRITES_BACK = "heal writes back BF16, ModelOpt NVFP4 and ModelOpt FP8 per tensor"
-_TARGET = (TensorClass.MAIN, TensorClass.EMBED, TensorClass.LM_HEAD)
 _RUNTIME_BYTES = 1_000_000_000  # torch + transformers + modelopt imported and running (as convert's plan)
 
 
@@ -60,52 +59,6 @@ def check_storage(family: Family, dtypes: Iterable[str], label: str) -> None:
             f"({', '.join(stored)} tensors); heal the "
             "--mtp keep output (or graft the source's MTP back with `mtpquant graft --replace`)"
         )
-
-
-def target_blocks(
-    shapes: Iterable[tuple[str, tuple[int, ...]]], classify: Callable[[str], str], dtype_bytes: int
-) -> list[Block]:
-    """The quantized target as heal loads it (dequantized, in the compute dtype), in convert's blocks: ``shapes``
-    gives each tensor's logical (dequantized) shape."""
-    from mtpquant.runtime.memory import model_blocks
-
-    entries = []
-    for name, shape in shapes:
-        if classify(name) not in _TARGET:
-            continue
-        n = 1
-        for d in shape:
-            n *= d
-        entries.append((name, n * dtype_bytes))
-    return model_blocks(entries, is_vision={})
-
-
-def plan_target_memory(
-    shapes: Iterable[tuple[str, tuple[int, ...]]],
-    classify: Callable[[str], str],
-    dtype_bytes: int,
-    device: str,
-    *,
-    max_memory: str | None,
-    shard_bytes: int,
-) -> MemoryPlan:
-    """Where the target goes (convert's memory plan: in memory when it fits, else capped by ``max_memory``, the rest
-    on disk); ``shapes``: its tensors' logical shapes (``target_blocks``)."""
-    from mtpquant.runtime.memory import available_cpu_bytes, plan_memory
-
-    blocks = target_blocks(shapes, classify, dtype_bytes)
-    available = {"cpu": a} if (a := available_cpu_bytes()) is not None else {}
-    try:
-        return plan_memory(
-            blocks,
-            device="cpu" if device == "cpu" else "cuda",
-            max_memory=max_memory,
-            layerwise=False,
-            shard_bytes=shard_bytes,
-            available=available,
-        )
-    except MemoryPlanError as exc:
-        raise MemoryPlanError(str(exc).replace("convert needs", "heal needs")) from None
 
 
 def mtp_input_streams(quant: Checkpoint) -> int:

@@ -1,50 +1,71 @@
 """The search's decisions, on the counts alone (torch-free): is a configuration's AL within the budget of the BF16
-MTP's, which configurations to confirm, which one to take.
+MTP's, which configurations to confirm, which one to take (``search``: the whole procedure, given a way to count).
 
 Every measured configuration is compared with the BF16 MTP on the same sequences, paired (``records.evidence``:
 ``Bootstrap.al_change`` over the prompts, one seeded resampling plan), at every k and sampling setting. It is
-**within** the budget where the whole interval of AL(config) - AL(BF16) lies above ``-budget`` (strictly: a
-configuration indistinguishable from BF16 does not meet a budget of 0), **beyond** it where the whole interval lies
-below, and **inconclusive** otherwise: not taken, with the prompts that would settle it (``units_to_decide``).
+**within** the budget where the whole interval of AL(config) - AL(BF16) lies above ``-budget``, **beyond** it where
+the whole interval lies below, and **inconclusive** otherwise.
 
-The search (``plan``) measures every group alone in every precision once (the sensitivity), predicts a combination's
-change as the sum of its groups' changes, and confirms the smallest combinations the prediction keeps within the
-budget, built only from groups that were within it alone, one at a time, until one is within it measured (at most
-``max_confirm``). The chosen configuration is the smallest measured one within the budget everywhere (the BF16 MTP
-when none is).
+Selection and confirmation use disjoint prompts. **Selection** (its own prompts) measures every group alone in every
+precision once (the sensitivity), predicts a combination's change as the sum of its groups' changes, and measures the
+smallest combinations the prediction keeps within the budget (at most ``max_confirm``). Its verdicts only screen: the
+**finalists** are the smallest loadable configurations within the budget on the selection prompts (with ``--heal``
+also the inconclusive ones, healed before they are confirmed), at most ``finalists``. **Confirmation** measures the
+BF16 MTP and every finalist again on held-out prompts selection never saw, and tests each finalist's null hypothesis
+"it loses ``budget`` AL or more at some k and setting" with Holm's step-down procedure at ``alpha = 1 - confidence``
+over the finalists (the family-wise error: the chance that any finalist which truly loses the budget is accepted is
+at most ``alpha``). A finalist's p-value is the largest over k and settings of twice the share of bootstrap resamples
+of its change at or below ``-budget`` (an intersection-union test: every k must pass); it is accepted where Holm
+rejects its null hypothesis and its interval at Holm's adjusted level lies above ``-budget``. The chosen
+configuration is the smallest accepted finalist (the BF16 MTP when none is), and every number the report and card
+publish for it is the confirmation's.
 
-With ``--heal`` (``search.finalists``) the ``finalists`` are healed before the choice: the configuration chosen so
-far and every smaller measured one the engines load that was not beyond the budget, smallest first; the smallest
-healed one within the budget is chosen (the BF16 MTP when none is).
+A budget of 0 is the BF16 MTP, byte for byte: no quantized configuration is measured.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import itertools
+import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
-from mtpquant.records.evidence import Bootstrap, Interval, UnitCounts, units_to_decide
+from mtpquant.records.evidence import CONFIDENCE, MIN_UNITS, Bootstrap, Interval, UnitCounts, units_to_decide
 from mtpquant.records.record import Record
 from mtpquant.records.sampling import SamplingSettings
+from mtpquant.search.settings import SearchSettings
 from mtpquant.search.space import Assignment, MtpSpace
 
 __all__ = [
+    "Confirmation",
+    "Confirmed",
+    "Counter",
     "Judged",
     "KChange",
+    "Searched",
     "SettingChange",
     "finalists",
+    "holm",
     "judge",
     "next_candidates",
+    "p_value",
     "pareto_front",
     "predicted_change",
+    "search",
 ]
 
 Verdict = Literal["within", "beyond", "inconclusive", "baseline"]
-# why a configuration was measured: the BF16 MTP, a group alone, a combination confirmed, a finalist healed (--heal)
-Role = Literal["baseline", "sensitivity", "confirm", "healed"]
+# why a configuration was measured: the BF16 MTP, a group alone, a combination (selection), a finalist confirmed on the
+# held-out prompts, a finalist healed and confirmed (--heal)
+Role = Literal["baseline", "sensitivity", "confirm", "finalist", "healed"]
+Phase = Literal["selection", "confirmation"]
+HOLM = "Holm"
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -75,6 +96,8 @@ class Judged(Record):
     role: Role
     by_sampling: tuple[SettingChange, ...]
     units_to_settle: int | None = None  # inconclusive: about how many prompts would decide it
+    phase: Phase = "selection"  # which prompts measured it
+    confirmed: bool | None = None  # a finalist on the held-out prompts: whether Holm's procedure accepted it
 
     @property
     def verdict(self) -> Verdict:
@@ -94,8 +117,9 @@ class Judged(Record):
 
     @property
     def accepted(self) -> bool:
-        """Whether it may be taken: the BF16 MTP, or within the budget everywhere, and loadable."""
-        return self.loads and self.verdict in ("baseline", "within")
+        """Whether it may be taken: the BF16 MTP, or within the budget everywhere and loadable (a finalist on the
+        held-out prompts: and accepted by Holm's procedure)."""
+        return self.loads and (self.verdict == "baseline" or (self.verdict == "within" and self.confirmed is not False))
 
     def changes(self) -> list[Interval]:
         """Every (setting, k) change interval."""
@@ -105,6 +129,13 @@ class Judged(Record):
     def worst(self) -> float:
         """The largest AL loss estimated over every k and setting (0 for the BF16 MTP; negative: a gain)."""
         return max((-c.estimate for c in self.changes()), default=0.0)
+
+
+@functools.lru_cache(maxsize=64)
+def _plan(units: int, level: float, seed: int) -> Bootstrap:
+    """One seeded resampling plan per (units, level, seed), drawn once (every comparison on the same prompts shares
+    it: the pairing)."""
+    return Bootstrap(units, level=level, seed=seed)
 
 
 def judge(
@@ -118,14 +149,16 @@ def judge(
     budget: float,
     level: float,
     seed: int,
+    phase: Phase = "selection",
 ) -> Judged:
-    """``counts`` (per setting, per k) of ``assignment`` against the BF16 MTP's ``base`` on the same prompts."""
+    """``counts`` (per setting, per k) of ``assignment`` against the BF16 MTP's ``base`` on the same prompts, with
+    intervals at ``level``."""
     boundary = -budget
     out = []
     for s, b_by_k, c_by_k in zip(settings, base, counts, strict=True):
         rows = []
         for k, (b, c) in enumerate(zip(b_by_k, c_by_k, strict=True), 1):
-            plan = Bootstrap(b.units, level=level, seed=seed)
+            plan = _plan(b.units, level, seed)
             if role == "baseline":
                 rows.append(KChange(k, plan.al(c), None, "baseline"))
                 continue
@@ -138,11 +171,45 @@ def judge(
             rows.append(KChange(k, plan.al(c), change, verdict))
         out.append(SettingChange(s, tuple(rows)))
     declaration = space.declaration(assignment).kind or "none"
-    judged = Judged(assignment, space.nbytes(assignment), declaration, role, tuple(out))
+    judged = Judged(assignment, space.nbytes(assignment), declaration, role, tuple(out), phase=phase)
     if judged.verdict == "inconclusive":
-        settle = units_to_decide(judged.changes(), boundary)
-        judged = Judged(judged.assignment, judged.nbytes, judged.declaration, role, judged.by_sampling, settle)
+        judged = dataclasses.replace(judged, units_to_settle=units_to_decide(judged.changes(), boundary))
     return judged
+
+
+def p_value(
+    base: Sequence[Sequence[UnitCounts]], counts: Sequence[Sequence[UnitCounts]], *, budget: float, seed: int
+) -> float:
+    """The bootstrap p-value of "``counts`` lose ``budget`` AL or more against ``base`` at some k and setting": the
+    largest over (setting, k) of twice the share of paired resamples whose change lies at or below ``-budget`` (the
+    smallest level whose two-sided percentile interval lies above ``-budget``); 1 where a change is undefined."""
+    import numpy as np
+
+    worst = 0.0
+    for b_by_k, c_by_k in zip(base, counts, strict=True):
+        for b, c in zip(b_by_k, c_by_k, strict=True):
+            if b.units < MIN_UNITS:
+                return 1.0
+            plan = _plan(b.units, CONFIDENCE, seed)
+            samples = plan.al_samples(c) - plan.al_samples(b)
+            if not np.isfinite(samples).all():
+                return 1.0
+            worst = max(worst, min(1.0, 2.0 * float(np.mean(samples <= -budget))))
+    return worst
+
+
+def holm(p_values: Sequence[float], alpha: float) -> list[tuple[float, bool]]:
+    """Holm's step-down procedure: for each hypothesis (in the given order) the level it is tested at (``alpha /
+    (m - rank)``, rank by ascending p-value) and whether it is rejected (every one of smaller p-value rejected too)."""
+    m = len(p_values)
+    order = sorted(range(m), key=lambda i: (p_values[i], i))
+    out = [(alpha, False)] * m
+    going = True
+    for rank, i in enumerate(order):
+        level = alpha / (m - rank)
+        going = going and p_values[i] <= level
+        out[i] = (level, going)
+    return out
 
 
 def predicted_change(assignment: Assignment, singles: dict[tuple[str, str], Judged]) -> list[float]:
@@ -180,22 +247,20 @@ def next_candidates(
     return sorted(out, key=lambda a: (space.nbytes(a), -min(predicted_change(a, singles))))
 
 
-def finalists(judged: Sequence[Judged], best: Judged, limit: int) -> list[Assignment]:
-    """The configurations healed before the choice (``--heal``): ``best`` (the choice without heal) when quantized,
-    then the smaller measured configurations the engines load that were within the budget or inconclusive (heal may
-    bring them within), smallest first; at most ``limit``, ``best`` always among them."""
-    smaller = sorted(
-        (j for j in judged if j.loads and j.role != "baseline" and j.nbytes < best.nbytes
-         and j.verdict in ("within", "inconclusive")),
+def finalists(judged: Sequence[Judged], limit: int, *, heal: bool = False) -> list[Assignment]:
+    """The configurations confirmed on the held-out prompts: the smallest quantized ones the engines load that were
+    within the budget on the selection prompts (``heal``: or inconclusive, which heal may bring within), smallest
+    first (then by the smaller loss), at most ``limit``."""
+    verdicts = ("within", "inconclusive") if heal else ("within",)
+    pool = sorted(
+        (j for j in judged if j.loads and j.role != "baseline" and j.phase == "selection" and j.verdict in verdicts),
         key=lambda j: (j.nbytes, j.worst),
-    )  # fmt: skip
-    chosen = [] if best.assignment.all_bf16 else [best.assignment]
-    for j in smaller:
-        if len(chosen) >= limit:
-            break
-        if j.assignment not in chosen:
-            chosen.append(j.assignment)
-    return sorted(chosen, key=lambda a: next(j.nbytes for j in judged if j.assignment == a))
+    )
+    out: list[Assignment] = []
+    for j in pool:
+        if len(out) < limit and j.assignment not in out:
+            out.append(j.assignment)
+    return out
 
 
 def pareto_front(judged: Sequence[Judged]) -> list[int]:
@@ -211,3 +276,103 @@ def pareto_front(judged: Sequence[Judged]) -> list[int]:
         if a.loads and not dominated:
             front.append(i)
     return front
+
+
+@dataclass(frozen=True)
+class Confirmed(Record):
+    """One finalist confirmed on the held-out prompts: its row in ``evaluated``, its p-value, the level Holm tested it
+    at (its interval's level is ``1 - level``) and whether it was accepted."""
+
+    assignment: Assignment
+    row: int
+    p_value: float
+    level: float
+    accepted: bool
+
+
+@dataclass(frozen=True)
+class Confirmation(Record):
+    """How the finalists were confirmed: the family-wise method, its error rate ``alpha``, each finalist."""
+
+    method: str
+    alpha: float
+    finalists: tuple[Confirmed, ...] = ()
+
+
+@dataclass(frozen=True)
+class Searched:
+    """What ``search`` measured (selection rows, then confirmation rows) and chose (an index into ``judged``)."""
+
+    judged: tuple[Judged, ...]
+    chosen: int
+    confirmation: Confirmation
+
+
+class Counter(Protocol):
+    """Counts of a configuration's MTP on one set of prompts: per sampling setting, per k (``role`` ``healed``: the
+    finalist healed)."""
+
+    def __call__(self, assignment: Assignment, phase: Phase, role: Role, /) -> Sequence[Sequence[UnitCounts]]: ...
+
+
+def search(
+    space: MtpSpace,
+    settings: SearchSettings,
+    count: Counter,
+    *,
+    heal: Callable[[list[Assignment]], None] | None = None,
+) -> Searched:
+    """The whole search (see the module docstring) over ``space``, measuring with ``count``; ``heal`` (``--heal``)
+    is handed the finalists before they are confirmed, and ``count`` then measures them healed."""
+    sampling = settings.sampling
+    judged: list[Judged] = []
+    bases: dict[Phase, Sequence[Sequence[UnitCounts]]] = {}
+    alpha = 1.0 - settings.confidence
+
+    def add(a: Assignment, role: Role, phase: Phase, units: Sequence[Sequence[UnitCounts]], level: float) -> Judged:
+        if role == "baseline":
+            bases[phase] = units
+        j = judge(a, bases[phase], units, sampling, space=space, role=role, budget=settings.budget, level=level,
+                  seed=settings.seed, phase=phase)  # fmt: skip
+        judged.append(j)
+        log.info("search (%s): %s%s: %s, %s", phase, a.label, " (healed)" if role == "healed" else "", j.nbytes,
+                 j.verdict)  # fmt: skip
+        return j
+
+    def measure(a: Assignment, role: Role, phase: Phase = "selection") -> Judged:
+        return add(a, role, phase, count(a, phase, role), settings.confidence)
+
+    if settings.budget == 0:  # the BF16 MTP, byte for byte; measured on the held-out prompts for the report
+        measure(space.bf16, "baseline", "confirmation")
+        return Searched(tuple(judged), 0, Confirmation(HOLM, alpha))
+    measure(space.bf16, "baseline")
+    singles: dict[tuple[str, str], Judged] = {}
+    for key in space.group_keys:  # every group alone, loadable or not: what quantizing it costs
+        for p in space.precisions:
+            if p != "bf16" and space.refusal(key, p) is None:
+                singles[(key, p)] = measure(space.bf16.with_group(key, p), "sensitivity")
+    best = min(j.nbytes for j in judged if j.accepted)
+    for _ in range(settings.max_confirm):
+        seen = {j.assignment for j in judged}
+        todo = [a for a in next_candidates(space, singles, settings.budget, best) if a not in seen]
+        if not todo:
+            break
+        j = measure(todo[0], "confirm")
+        if j.accepted and j.nbytes < best:
+            break
+    finals = finalists(judged, settings.finalists, heal=heal is not None)
+    if heal is not None and finals:
+        heal(finals)
+    base = measure(space.bf16, "baseline", "confirmation")
+    role: Role = "healed" if heal is not None else "finalist"
+    units = [count(a, "confirmation", role) for a in finals]
+    ps = [p_value(bases["confirmation"], u, budget=settings.budget, seed=settings.seed) for u in units]
+    confirmed = []
+    for a, u, pv, (level, rejected) in zip(finals, units, ps, holm(ps, alpha), strict=True):
+        j = add(a, role, "confirmation", u, 1.0 - level)
+        ok = rejected and j.verdict == "within" and j.loads
+        judged[-1] = dataclasses.replace(j, confirmed=ok)
+        confirmed.append(Confirmed(a, len(judged) - 1, pv, level, ok))
+    accepted = [c.row for c in confirmed if c.accepted]
+    chosen = min(accepted, key=lambda i: (judged[i].nbytes, judged[i].worst)) if accepted else judged.index(base)
+    return Searched(tuple(judged), chosen, Confirmation(HOLM, alpha, tuple(confirmed)))

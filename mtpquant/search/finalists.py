@@ -1,14 +1,15 @@
-"""The search with ``--heal`` (``convert --mtp auto --heal``, ``tune-mtp --heal``): each finalist healed before the
-choice, so the budget is met by the healed MTP that is written (torch-free: the records, the healer's interface).
+"""The search with ``--heal`` (``convert --mtp auto --heal``, ``tune-mtp --heal``): each finalist healed before it
+is confirmed, so the budget is met by the healed MTP that is written (torch-free: the records, the healer's
+interface).
 
-The finalists (``decide.finalists``) are few: the configuration the search would choose without heal and every
-smaller measured one the engines load that was not beyond the budget (heal may bring an inconclusive one within),
-smallest first, at most ``max_confirm + 1``. The healer is heal's (``heal.finalists.FinalistHealer``; the API hands it
-to convert and tune-mtp, which import no other command): it collects its training data from the quantized target
-while the search holds it (the target runs once), then trains each finalist from the BF16 MTP with every quantized
-Linear fake-quantized in its own format and input scale (``heal.train.train_layer``). Each healed MTP is measured
-on the same held-out runs as every other configuration; the smallest one within the budget is chosen (the BF16 MTP
-when none is) and written healed.
+The finalists (``decide.finalists``) are few: the smallest configurations the engines load that were not beyond the
+budget on the selection prompts (heal may bring an inconclusive one within), smallest first, at most ``finalists``.
+The healer is heal's (``heal.finalists.FinalistHealer``; the API hands it to convert and tune-mtp, which import no
+other command): it collects its training data from the quantized target while the search holds it (the target runs
+once; its files inside OUT's partial directory), then trains each finalist from the BF16 MTP with every quantized
+Linear fake-quantized in its own format and input scale (``heal.train.train_layer``). Each healed MTP is confirmed on
+the held-out confirmation prompts like any finalist (Holm's procedure); the smallest confirmed one is chosen (the BF16
+MTP when none is) and written healed.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from mtpquant.records.record import Record
 from mtpquant.search.space import Assignment
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from torch import Tensor
 
     from mtpquant.checkpoint.source import CheckpointSource
@@ -72,9 +75,10 @@ class Healer(Protocol):
         """How it heals (for the report)."""
         ...
 
-    def collect(self, target: Any, source: CheckpointSource, vocab: int) -> None:
+    def collect(self, target: Any, source: CheckpointSource, vocab: int, scratch: Path) -> None:
         """Its training data from the quantized ``target`` (``measure.target.TargetModel``), prompts tokenized with
-        ``source``'s tokenizer of ``vocab`` entries; called once, while the search holds the target."""
+        ``source``'s tokenizer of ``vocab`` entries, any file of it under ``scratch`` (a directory to create, inside
+        OUT's partial directory; the search removes it when done); called once, while the search holds the target."""
         ...
 
     def heal(

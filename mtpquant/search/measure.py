@@ -2,11 +2,11 @@
 
 ``prepare``: the quantized target (dequantized as validate loads it, its activations emulated as the engines run
 them) calibrates the BF16 MTP's input scales on its own hidden states over the calibration rows (the inputs the MTP
-sees when it drafts for this target), continues the held-out prompts at every sampling setting once and keeps its
-hidden states, embedding and head; then it is released. ``Candidates``: each precision group quantized once per
-precision (``mtp.quantize.quantize_mtp``: the bytes the output would hold) and dequantized, so a configuration's MTP
-is the source's weights with its groups replaced, built and measured by ``measure.replay.evaluate_acceptance`` on
-the captured runs.
+sees when it drafts for this target), continues two disjoint sets of held-out prompts (the selection's and the
+confirmation's) at every sampling setting once and keeps its hidden states, embedding and head; then it is released.
+``Candidates``: each precision group quantized once per precision (``mtp.quantize.quantize_mtp``: the bytes the
+output would hold) and dequantized, so a configuration's MTP is the source's weights with its groups replaced, built
+and measured by ``measure.replay.evaluate_acceptance`` on the captured runs of either set.
 """
 
 from __future__ import annotations
@@ -60,9 +60,11 @@ def search_prompts(n: int) -> list[str]:
 
 @dataclass
 class SearchInputs:
-    """What the target gave, once: its runs per sampling setting, its embedding and head, the MTP's input amax."""
+    """What the target gave, once: its runs per set of prompts (``selection``, ``confirmation``) and sampling setting,
+    the prompt ids of each set (indices into ``search_prompts``), its embedding and head, the MTP's input amax."""
 
-    runs: dict[SamplingSettings, TargetRun]
+    runs: dict[str, dict[SamplingSettings, TargetRun]]
+    prompt_ids: dict[str, tuple[int, ...]]
     embed: Tensor
     head: Tensor
     amax: dict[str, Tensor]
@@ -70,14 +72,9 @@ class SearchInputs:
     calibration_tokens: int
 
     @property
-    def sequences(self) -> int:
-        """Sequences per sampling setting."""
-        return len(next(iter(self.runs.values())).sequences)
-
-    @property
     def tokens(self) -> int:
         """Tokens over every run."""
-        return sum(r.num_tokens for r in self.runs.values())
+        return sum(r.num_tokens for runs in self.runs.values() for r in runs.values())
 
 
 def prepare(
@@ -89,6 +86,7 @@ def prepare(
     *,
     settings: Sequence[SamplingSettings],
     num_prompts: int,
+    confirm_prompts: int,
     max_len: int,
     activations: str,
     device: torch.device,
@@ -96,16 +94,20 @@ def prepare(
     batch_size: int = 16,
     progress: bool = False,
     on_target: Callable[[Any, CheckpointSource, int], None] | None = None,
+    max_memory: Mapping[int | str, int] | None = None,
 ) -> SearchInputs:
     """Run the quantized ``target`` once: the BF16 MTP (``source_mtp``, its family's ``mtp_config``) calibrated on
     its hidden states over the ``calibration`` rows ``[N, L]``, and its continuations of ``num_prompts`` held-out
-    prompts (``tokenizer``'s) to ``max_len`` tokens at every sampling setting; ``on_target(model, tokenizer,
-    vocab)`` then uses the target too before it is released (``--heal``: the healer's training data)."""
+    prompts (the selection's; 0: none) and of ``confirm_prompts`` others (the confirmation's) (``tokenizer``'s) to
+    ``max_len`` tokens at every sampling setting; ``on_target(model, tokenizer, vocab)`` then uses the target too
+    before it is released (``--heal``: the healer's training data). ``max_memory`` (accelerate's caps, from the
+    memory plan: ``measure.memory.plan_target_memory``) caps where the target is placed; the rest is read from its
+    files as it runs."""
     from mtpquant.errors import ConfigError
     from mtpquant.measure.target import capture, load_target
     from mtpquant.text.prompts import plan_sequences, tokenize_prompts
 
-    model = load_target(target, device=device, dtype=dtype, activations=activations)
+    model = load_target(target, device=device, dtype=dtype, activations=activations, max_memory=max_memory)
     embed, head = model.embed_weight.detach(), model.lm_head_weight.detach()
     calibrator = MtpCalibrator(cast(nn.Module, reference_mtp(mtp_config, dict(source_mtp), dtype=dtype, device=device)))
     with torch.no_grad():
@@ -114,21 +116,28 @@ def prepare(
             hidden = (mtp_input if mtp_input is not None else last)[:, :-1]
             calibrator.observe(hidden, torch.nn.functional.embedding(batch[:, 1:].to(embed.device), embed))
     vocab = int(embed.shape[0])
-    ids = tokenize_prompts(tokenizer, search_prompts(num_prompts), vocab)
-    plan = plan_sequences(ids, max_len)
-    if not plan:
-        raise ConfigError(f"{tokenizer.label}: no held-out prompt tokenizes to two tokens or more")
-    runs = {
-        s: capture(model, plan, label=f"search ({s.label})", progress=progress, batch_size=batch_size, sampling=s)
-        for s in settings
-    }
+    prompts = search_prompts(num_prompts + confirm_prompts)
+    ids = tokenize_prompts(tokenizer, prompts, vocab)
+    if len(ids) != num_prompts + confirm_prompts:  # ids are positions in the list: none may drop out
+        raise ConfigError(f"{tokenizer.label}: the held-out text gives {len(ids)} prompts of two tokens or more, not "
+                          f"the {num_prompts + confirm_prompts} the search asks (--search-prompts, --confirm-prompts)")
+    sets = {"selection": tuple(range(num_prompts)),
+            "confirmation": tuple(range(num_prompts, num_prompts + confirm_prompts))}  # fmt: skip
+    runs: dict[str, dict[SamplingSettings, TargetRun]] = {}
+    for name, which in sets.items():
+        plan = plan_sequences([ids[i] for i in which], max_len)
+        runs[name] = {
+            s: capture(model, plan, label=f"search {name} ({s.label})", progress=progress, batch_size=batch_size,
+                       sampling=s)
+            for s in settings
+        } if plan else {}  # fmt: skip
     if on_target is not None:
         on_target(model, tokenizer, vocab)
     model.release()
     calibrator.release()
     gc.collect()
     rows = int(calibration.shape[0])
-    return SearchInputs(runs, embed, head, dict(calibrator.amax), rows, rows * int(calibration.shape[1]))
+    return SearchInputs(runs, sets, embed, head, dict(calibrator.amax), rows, rows * int(calibration.shape[1]))
 
 
 @dataclass(frozen=True)
@@ -226,12 +235,14 @@ class Candidates:
             emulate=formats if self.emulate else None,
         )
 
-    def evaluate(self, assignment: Assignment, k: int, weights: Mapping[str, Tensor] | None = None) -> Evaluation:
-        """``assignment``'s MTP (of the source's weights, or of ``weights``: ``bundle``) measured on every captured
-        run for k = 1..``k``."""
+    def evaluate(
+        self, assignment: Assignment, k: int, phase: str, weights: Mapping[str, Tensor] | None = None
+    ) -> Evaluation:
+        """``assignment``'s MTP (of the source's weights, or of ``weights``: ``bundle``) measured on every run of the
+        ``phase``'s prompts (``selection`` or ``confirmation``) for k = 1..``k``."""
         bundle = self.bundle(assignment, weights)
         units, acceptance = [], []
-        for s, run in self.inputs.runs.items():
+        for s, run in self.inputs.runs[phase].items():
             result = evaluate_acceptance(bundle, run, k, progress=False, sampling=s, target_head=self.inputs.head)
             units.append(tuple(result.units))
             acceptance.append(result.typed())

@@ -45,14 +45,16 @@ class SearchMode(MtpMode):
         note = (
             "--mtp auto: the main model is converted first; then its quantized target drafts with the BF16 MTP and "
             f"with each of {', '.join(g.key for g in groups)} quantized (held-out prompts, once per group and "
-            "precision), and the smallest MTP within the AL budget is written (report in mtp_search/)"
+            "precision), the smallest candidates are confirmed on other held-out prompts, and the smallest MTP "
+            "confirmed within the AL budget is written (budget 0: the BF16 MTP; report in mtp_search/)"
         )
         return ModeCheck((note,))
 
     def plan_line(self, plan: PlanView) -> str:
         return (
             f"auto: the precision of each MTP group chosen by measurement ({len(plan.mtp_tensors)} MTP tensors; BF16, "
-            "FP8 or NVFP4 per group, the smallest MTP whose predicted AL stays within the budget of the BF16 MTP's)"
+            "FP8 or NVFP4 per group, the smallest MTP whose predicted AL is confirmed within the budget of the BF16 "
+            "MTP's)"
         )
 
     def measure(self, ctx: MeasureContext) -> Any:
@@ -72,6 +74,7 @@ class SearchMode(MtpMode):
             CheckpointWeights(ctx.target), ctx.ckpt, ctx.ckpt.source, rows, ctx.settings,
             main_algo=ctx.main_algo, activations=ctx.activations, target_name=public_checkpoint(ctx.ckpt.label),
             device=device, dtype=dtype, progress=ctx.progress, healer=ctx.healer, exclude=ctx.exclude,
+            scratch=ctx.scratch, max_memory=ctx.max_memory,
         )  # fmt: skip
 
     def write(self, ctx: WriteContext) -> MtpOutcome:

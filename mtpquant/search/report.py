@@ -41,7 +41,7 @@ SEARCH_DIR = "mtp_search"
 REPORT_FILE = "report.json"
 MARKDOWN_FILE = "report.md"
 PLOT_FILE = "pareto.png"
-REPORT_SCHEMA = "mtpquant.mtp-search/1"
+REPORT_SCHEMA = "mtpquant.mtp-search/2"  # 2: selection and confirmation on disjoint prompts
 
 
 def render_markdown(result: SearchResult) -> str:
@@ -52,10 +52,11 @@ def render_markdown(result: SearchResult) -> str:
         f"# MTP precision search ({result.family})",
         "",
         f"Target: `{result.target}` (the quantized main model; its hidden states computed once). Budget: the AL may "
-        f"drop at most {s.budget:g} below the BF16 MTP's at every k = 1..{s.k} and sampling setting, decided with "
-        f"{100 * s.confidence:.0f} % paired bootstrap intervals over {result.prompts} held-out prompts (max_len "
+        f"drop at most {s.budget:g} below the BF16 MTP's at every k = 1..{s.k} and sampling setting (max_len "
         f"{s.max_len}, activations {s.activations}, seed {s.seed}). Engines: {s.engine}. "
-        f"{result.configurations} configurations load there; {len(result.evaluated)} were measured.",
+        f"{result.configurations} configurations load there; {len(result.evaluated)} measurements were made.",
+        "",
+        *_procedure(result),
         "",
         "| group | Linears | " + " | ".join(p for p in s.precisions) + " |",
         "|---|---:|" + "---:|" * len(s.precisions),
@@ -63,11 +64,14 @@ def render_markdown(result: SearchResult) -> str:
     for g in result.groups:
         lines.append(f"| {g.label} | {g.linears} | " + " | ".join(format_bytes(g.bytes[p]) for p in s.precisions)
                      + " |")
+    if result.fixed:
+        lines += ["", f"The recipe's quantization.exclude keeps {', '.join(result.fixed)} BF16: "
+                  f"{'that group is' if len(result.fixed) == 1 else 'those groups are'} BF16 in every configuration."]
     lines += ["", "## Measured configurations", ""]
     for setting in result.sampling:
-        head = "| configuration | bytes | x BF16 | declared | role | " + " | ".join(
+        head = "| configuration | bytes | x BF16 | declared | prompts | role | " + " | ".join(
             f"AL k={k} (change)" for k in range(1, s.k + 1)) + " | verdict |"
-        lines += [f"### {setting.label}", "", head, "|---|---:|---:|---|---|" + "---|" * s.k + "---|"]
+        lines += [f"### {setting.label}", "", head, "|---|---:|---:|---|---|---|" + "---|" * s.k + "---|"]
         for i, j in enumerate(result.evaluated):
             row = next(x for x in j.by_sampling if x.sampling == setting)
             cells = []
@@ -78,9 +82,10 @@ def render_markdown(result: SearchResult) -> str:
                 cells.append(cell)
             mark = " **chosen**" if i == result.chosen else "" if j.loads else " (does not load alone)"
             front = " (front)" if i in result.front else ""
+            verdict = j.verdict + {True: ", confirmed", False: ", not confirmed", None: ""}[j.confirmed]
             lines.append(
                 f"| {j.assignment.label}{mark} | {format_bytes(j.nbytes)} | {j.nbytes / bf16:.2f} | {j.declaration} "
-                f"| {j.role}{front} | " + " | ".join(cells) + f" | {j.verdict} |"
+                f"| {j.phase} | {j.role}{front} | " + " | ".join(cells) + f" | {verdict} |"
             )
         lines.append("")
     lines += healed_lines(result)
@@ -98,6 +103,35 @@ def render_markdown(result: SearchResult) -> str:
     return "\n".join(lines)
 
 
+def _procedure(result: SearchResult) -> list[str]:
+    """How the choice was made: the two sets of prompts, the finalists, Holm's procedure and its levels."""
+    s = result.settings
+    c = result.confirmation
+    if s.budget == 0:
+        return [f"A budget of 0 is the BF16 MTP, byte for byte: no quantized configuration was measured (the BF16 "
+                f"MTP's AL: {len(result.confirmation_prompts)} held-out prompts)."]  # fmt: skip
+    lines = [
+        f"Selection: {len(result.selection_prompts)} held-out prompts ({100 * s.confidence:.0f} % paired bootstrap "
+        f"intervals, a screen only). Confirmation: {len(result.confirmation_prompts)} other held-out prompts "
+        "selection never saw (`selection_prompts` and `confirmation_prompts` in report.json), on which the BF16 MTP "
+        "and each finalist are measured again; every number published for the chosen MTP is the confirmation's.",
+    ]
+    if c is None or not c.finalists:
+        return [*lines, "", "No configuration was within the budget on the selection prompts: no finalist."]
+    lines += [
+        "",
+        f"The finalists' null hypotheses (\"loses {s.budget:g} AL or more at some k\") tested with {c.method}'s "
+        f"step-down procedure, family-wise error {c.alpha:g} over {len(c.finalists)} finalists:",
+        "",
+        "| finalist | p-value | Holm level | interval level | accepted |",
+        "|---|---:|---:|---:|---|",
+    ]
+    for f in c.finalists:
+        lines.append(f"| {f.assignment.label} | {f.p_value:.4f} | {f.level:.4f} | {100 * (1 - f.level):.2f} % | "
+                     f"{'yes' if f.accepted else 'no'} |")  # fmt: skip
+    return lines
+
+
 def healed_lines(result: SearchResult, head: str = "##") -> list[str]:
     """``--heal``: how the finalists were healed and each one's predicted AL per k before and after heal (greedy, the
     paired change from the BF16 MTP in brackets) and its verdict after; empty without heal."""
@@ -110,7 +144,8 @@ def healed_lines(result: SearchResult, head: str = "##") -> list[str]:
         f"Each finalist was healed before the choice (heal's quantization-aware training from the BF16 MTP, every "
         f"quantized Linear fake-quantized in its own format: {h.samples} prompts of {h.prompt_len} tokens of "
         f"{h.data} continued by the target for {h.new_tokens} tokens, {h.steps} steps x {h.batch_size} sequences, lr "
-        f"{h.lr:g}, chain {h.chain}, seed {h.seed}); the choice is made on the healed MTPs' predicted AL.",
+        f"{h.lr:g}, chain {h.chain}, seed {h.seed}); the choice is made on the healed MTPs' predicted AL on the "
+        "confirmation prompts (before heal: the selection prompts').",
         "",
     ]
     if not result.healed:

@@ -1,32 +1,37 @@
-"""The precision search: the smallest MTP whose predicted AL stays within the budget of the BF16 MTP's.
+"""The precision search: the smallest MTP whose AL is confirmed within the budget of the BF16 MTP's.
 
-``search_mtp``: the quantized target run once (``measure.prepare``), the BF16 MTP measured, every precision group
-alone in every precision (the sensitivity; measured even where the engines load the group only beside others), then
-the smallest combinations the sensitivity predicts within the budget confirmed (``decide.next_candidates``); the
-smallest measured configuration within the budget at every k and sampling setting is chosen (``decide``). convert
+``search_mtp``: the quantized target run once (``measure.prepare``: the calibration, and its continuations of two
+disjoint sets of held-out prompts), then ``decide.search`` measures on them: on the selection prompts the BF16 MTP,
+every precision group alone in every precision (the sensitivity; measured even where the engines load the group only
+beside others) and the smallest combinations the sensitivity predicts within the budget; the smallest configurations
+within the budget there are the finalists, confirmed with the BF16 MTP on the other prompts (Holm's procedure over
+the finalists); the smallest confirmed one is chosen, the BF16 MTP when none is (and always at a budget of 0). convert
 ``--mtp auto`` runs it on the main model it just exported, ``tune-mtp`` on an existing quant: the same inputs (the
 main model's bytes, the source's MTP, the calibration rows, the prompts) give the same choice. With a healer
-(``--heal``, ``search.finalists``) the finalists are healed and measured before the choice, and the chosen one is
-written healed.
+(``--heal``, ``search.finalists``) the finalists are healed before they are confirmed, and the chosen one is written
+healed.
 """
 
 from __future__ import annotations
 
 import logging
+import shutil
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from mtpquant.records.record import Record
 from mtpquant.records.sampling import SamplingSettings
-from mtpquant.search.decide import Judged, finalists, judge, next_candidates, pareto_front
-from mtpquant.search.finalists import HealedFinalist, Healer, HealSettings
+from mtpquant.search.decide import Confirmation, Judged, Phase, Role, Searched, pareto_front, search
+from mtpquant.search.finalists import HealedFinalist, Healer, HealSettings, Training
 from mtpquant.search.settings import SearchSettings
 from mtpquant.search.space import Assignment, MtpSpace
 from mtpquant.units import format_bytes
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from torch import Tensor
 
     from mtpquant.checkpoint.source import CheckpointSource
@@ -58,7 +63,7 @@ class SearchResult(Record):
     groups: tuple[GroupInfo, ...]
     settings: SearchSettings
     sampling: tuple[SamplingSettings, ...]
-    prompts: int
+    prompts: int  # held-out prompts of the confirmation (the chosen MTP's published numbers)
     calibration_rows: int
     bf16_bytes: int
     evaluated: tuple[Judged, ...]
@@ -70,11 +75,22 @@ class SearchResult(Record):
     seconds: Mapping[str, float] = field(default_factory=dict)
     heal: HealSettings | None = None  # --heal: how each finalist was healed before the choice
     healed: tuple[HealedFinalist, ...] = ()  # --heal: the finalists, their rows before and after heal
+    fixed: tuple[str, ...] = ()  # the groups the recipe's quantization.exclude keeps BF16 (never searched)
+    selection_prompts: tuple[int, ...] = ()  # ids (search_prompts positions) of the prompts the selection measured
+    confirmation_prompts: tuple[int, ...] = ()  # the disjoint held-out ids the finalists were confirmed on
+    confirmation: Confirmation | None = None  # the family-wise method, its level, each finalist's p-value and verdict
 
     @property
     def choice(self) -> Judged:
-        """The chosen configuration."""
+        """The chosen configuration (its confirmation row: the numbers published)."""
         return self.evaluated[self.chosen]
+
+    @property
+    def baseline(self) -> Judged:
+        """The BF16 MTP on the confirmation prompts (what the chosen one is compared with; a report written before
+        #44 has one set of prompts: its first row)."""
+        return next((j for j in self.evaluated if j.role == "baseline" and j.phase == "confirmation"),
+                    self.evaluated[0])  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -120,9 +136,44 @@ def search_mtp(
     progress: bool = False,
     healer: Healer | None = None,
     exclude: Sequence[str] = (),
+    scratch: Path | None = None,
+    max_memory: Mapping[int | str, int] | None = None,
 ) -> SearchOutcome:
-    """Choose the MTP's precision per group for ``target`` (the quantized main model) from ``source``'s BF16 MTP;
-    with a ``healer`` (``--heal``), among the finalists healed (``search.finalists``)."""
+    """Choose the MTP's precision per group for ``target`` (the quantized main model) from ``source``'s BF16 MTP
+    (``decide.search``: selected on one set of held-out prompts, confirmed on another); with a ``healer``
+    (``--heal``), the finalists healed before they are confirmed (``search.finalists``), its training data under
+    ``scratch`` (a directory inside OUT's partial directory, removed when the search ends); ``max_memory``: the
+    target's placement caps from the memory plan (accelerate's; None: all on ``device``)."""
+    if healer is not None and scratch is None:
+        raise ValueError("internal: a search that heals needs a scratch directory inside OUT's partial directory")
+    try:
+        return _search_mtp(target, source, tokenizer, calibration, settings, main_algo=main_algo,
+                           activations=activations, target_name=target_name, device=device, dtype=dtype,
+                           progress=progress, healer=healer, exclude=exclude, scratch=scratch,
+                           max_memory=max_memory)  # fmt: skip
+    finally:
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _search_mtp(
+    target: CheckpointWeights,
+    source: Checkpoint,
+    tokenizer: CheckpointSource,
+    calibration: Tensor,
+    settings: SearchSettings,
+    *,
+    main_algo: str,
+    activations: bool,
+    target_name: str,
+    device: Any,
+    dtype: Any,
+    progress: bool,
+    healer: Healer | None,
+    exclude: Sequence[str],
+    scratch: Path | None,
+    max_memory: Mapping[int | str, int] | None,
+) -> SearchOutcome:
     from mtpquant.search.measure import Candidates, prepare
 
     seconds: dict[str, float] = {}
@@ -130,66 +181,52 @@ def search_mtp(
     space = search_space(source, settings, main_algo=main_algo, activations=activations, exclude=exclude)
     source_mtp = {e.name: source.read_tensor(e.name) for e in source.mtp_tensors()}
     sampling = settings.sampling
+    zero = settings.budget == 0  # the BF16 MTP: nothing selected, nothing healed
+
+    def collect(model: Any, tok: CheckpointSource, vocab: int) -> None:
+        assert healer is not None and scratch is not None
+        healer.collect(model, tok, vocab, scratch / "heal-data")
     inputs = prepare(
         target, source_mtp, source.config, tokenizer, calibration, settings=sampling,
-        num_prompts=settings.num_prompts, max_len=settings.max_len, activations=settings.activations,
-        device=device, dtype=dtype, batch_size=settings.batch_size, progress=progress,
-        on_target=None if healer is None else healer.collect,
+        num_prompts=0 if zero else settings.num_prompts, confirm_prompts=settings.confirm_prompts,
+        max_len=settings.max_len, activations=settings.activations, device=device, dtype=dtype,
+        batch_size=settings.batch_size, progress=progress, on_target=None if healer is None or zero else collect,
+        max_memory=max_memory,
     )  # fmt: skip
     seconds["target"] = time.perf_counter() - t0
     candidates = Candidates(space, source_mtp, source.config, inputs, dtype=dtype, device=device,
                             emulate=settings.activations == "emulate")
-    judged: list[Judged] = []
-    evaluations: dict[Assignment, Evaluation] = {}
-    base_units: tuple[Any, ...] = ()
-    healed_evaluations: dict[Assignment, Evaluation] = {}
-
-    def measure(a: Assignment, role: Any, weights: dict[str, Tensor] | None = None) -> Judged:
-        nonlocal base_units
-        ev = candidates.evaluate(a, settings.k, weights)
-        if weights is None:
-            evaluations[a] = ev
-        if role == "baseline":
-            base_units = ev.units
-        j = judge(a, base_units, ev.units, sampling, space=space, role=role, budget=settings.budget,
-                  level=settings.confidence, seed=settings.seed)
-        judged.append(j)
-        log.info("search: %s%s: %s, %s", a.label, " (healed)" if weights is not None else "", format_bytes(j.nbytes),
-                 j.verdict)
-        if weights is not None:
-            healed_evaluations[a] = ev
-        return j
-
-    t1 = time.perf_counter()
-    measure(space.bf16, "baseline")
-    singles: dict[tuple[str, str], Judged] = {}
-    for key in space.group_keys:  # every group alone, loadable or not: what quantizing it costs
-        for p in space.precisions:
-            if p != "bf16" and space.refusal(key, p) is None:
-                singles[(key, p)] = measure(space.bf16.with_group(key, p), "sensitivity")
-    seconds["sensitivity"] = time.perf_counter() - t1
-    t2 = time.perf_counter()
-    best = min((j for j in judged if j.accepted), key=lambda j: j.nbytes)
-    for _ in range(settings.max_confirm):
-        todo = [a for a in next_candidates(space, singles, settings.budget, best.nbytes) if a not in evaluations]
-        if not todo:
-            break
-        j = measure(todo[0], "confirm")
-        if j.accepted and j.nbytes < best.nbytes:
-            best = j
-            break
-    seconds["confirm"] = time.perf_counter() - t2
-    healed: list[HealedFinalist] = []
+    evaluations: dict[tuple[Assignment, str, bool], Evaluation] = {}
     healed_weights: dict[Assignment, dict[str, Tensor]] = {}
-    if healer is not None:
-        t3 = time.perf_counter()
-        best, healed, healed_weights = _heal_finalists(
-            healer, finalists(judged, best, settings.max_confirm + 1), judged, measure, candidates, source_mtp,
-            source.config, device=device,
-        )  # fmt: skip
-        seconds["heal"] = time.perf_counter() - t3
-    chosen = judged.index(best)
-    reason, not_taken = _why(judged, best, settings, space, healed=healer is not None)
+    trainings: dict[Assignment, Training] = {}
+    marks = {"start": time.perf_counter()}
+
+    def count(a: Assignment, phase: Phase, role: Role) -> Any:
+        if phase == "confirmation" and "selection" not in marks:
+            marks["selection"] = time.perf_counter()
+        healed = role == "healed"
+        ev = candidates.evaluate(a, settings.k, phase, healed_weights[a] if healed else None)
+        evaluations[(a, phase, healed)] = ev
+        return ev.units
+
+    def heal(finals: list[Assignment]) -> None:
+        assert healer is not None
+        t = time.perf_counter()
+        for a in finals:
+            healed_weights[a], trainings[a] = _heal(healer, a, candidates, source_mtp, source.config, device=device)
+        seconds["heal"] = time.perf_counter() - t
+
+    found = search(space, settings, count, heal=None if healer is None else heal)
+    end = time.perf_counter()
+    seconds["selection"] = marks.get("selection", end) - marks["start"]
+    seconds["confirmation"] = end - marks.get("selection", end) - seconds.get("heal", 0.0)
+    judged = list(found.judged)
+    best = judged[found.chosen]
+    healed = [
+        HealedFinalist(c.assignment, _selection_row(judged, c.assignment), c.row, trainings[c.assignment])
+        for c in found.confirmation.finalists if c.assignment in trainings
+    ]  # fmt: skip
+    reason, not_taken = _why(judged, found, settings, space, healed=healer is not None)
     result = SearchResult(
         family=space.family.key,
         target=target_name,
@@ -200,11 +237,11 @@ def search_mtp(
         ),
         settings=settings,
         sampling=sampling,
-        prompts=inputs.sequences,
+        prompts=len(inputs.prompt_ids["confirmation"]),
         calibration_rows=inputs.calibration_rows,
         bf16_bytes=space.nbytes(space.bf16),
         evaluated=tuple(judged),
-        chosen=chosen,
+        chosen=found.chosen,
         front=tuple(pareto_front(judged)),
         reason=reason,
         not_taken=not_taken,
@@ -212,83 +249,78 @@ def search_mtp(
         seconds={**seconds, "total": time.perf_counter() - t0},
         heal=None if healer is None else healer.settings,
         healed=tuple(healed),
+        fixed=space.fixed_groups(),
+        selection_prompts=() if zero else inputs.prompt_ids["selection"],
+        confirmation_prompts=inputs.prompt_ids["confirmation"],
+        confirmation=found.confirmation,
     )
-    if best.role == "healed":
-        weights = healed_weights[best.assignment]
-        return SearchOutcome(result, inputs.amax, healed_evaluations[best.assignment], space, weights)
-    return SearchOutcome(result, inputs.amax, evaluations[best.assignment], space)
+    chosen = evaluations[(best.assignment, "confirmation", best.role == "healed")]
+    weights = healed_weights[best.assignment] if best.role == "healed" else None
+    return SearchOutcome(result, inputs.amax, chosen, space, weights)
 
 
-def _heal_finalists(
+def _selection_row(judged: list[Judged], a: Assignment) -> int:
+    return next(i for i, j in enumerate(judged) if j.assignment == a and j.phase == "selection")
+
+
+def _heal(
     healer: Healer,
-    chosen: list[Assignment],
-    judged: list[Judged],
-    measure: Callable[..., Judged],
+    a: Assignment,
     candidates: Candidates,
     source_mtp: Mapping[str, Tensor],
     config: Mapping[str, object],
     *,
     device: Any,
-) -> tuple[Judged, list[HealedFinalist], dict[Assignment, dict[str, Tensor]]]:
-    """Heal each finalist from the BF16 MTP (its quantized Linears fake-quantized in their formats, with the input
-    scales the output will carry) and measure it; the choice: the smallest healed finalist within the budget, else
-    the BF16 MTP (judged[0]). Returns it, the finalists, their healed weights in the source's form."""
+) -> tuple[dict[str, Tensor], Training]:
+    """One finalist healed from the BF16 MTP (its quantized Linears fake-quantized in their formats, with the input
+    scales the output will carry): its weights in the source's form and how its training went."""
     import torch
 
     from mtpquant.search.measure import source_form
 
     shared = (candidates.inputs.embed, candidates.inputs.head)
-    out: list[HealedFinalist] = []
-    weights: dict[Assignment, dict[str, Tensor]] = {}
-    for a in chosen:
-        formats = candidates.formats(a)
-        precision = {m: f.kind for m, f in formats.items()}
-        scales = {m: f.input_scale for m, f in formats.items() if f.input_scale is not None}
-        master = {n: t.to(torch.float32, copy=True) for n, t in source_mtp.items()}  # the layer adopts (trains) them
-        trained, training = healer.heal(config, master, precision, scales, shared=shared, device=device)
-        weights[a] = source_form(trained, source_mtp)
-        before = next(i for i, j in enumerate(judged) if j.assignment == a and j.role != "healed")
-        measure(a, "healed", weights[a])
-        out.append(HealedFinalist(a, before, len(judged) - 1, training))
-    best = min((j for j in judged if j.role in ("baseline", "healed") and j.accepted), key=lambda j: j.nbytes)
-    return best, out, {a: w for a, w in weights.items() if a == best.assignment}
+    formats = candidates.formats(a)
+    precision = {m: f.kind for m, f in formats.items()}
+    scales = {m: f.input_scale for m, f in formats.items() if f.input_scale is not None}
+    master = {n: t.to(torch.float32, copy=True) for n, t in source_mtp.items()}  # the layer adopts (trains) them
+    trained, training = healer.heal(config, master, precision, scales, shared=shared, device=device)
+    return source_form(trained, source_mtp), training
 
 
 def _why(
-    judged: list[Judged], best: Judged, settings: SearchSettings, space: MtpSpace, *, healed: bool = False
+    judged: list[Judged], found: Searched, settings: SearchSettings, space: MtpSpace, *, healed: bool = False
 ) -> tuple[str, str | None]:
-    """Why ``best`` was chosen, and the smallest configuration left out for want of evidence (with the prompts that
-    would settle it); ``healed``: among the healed finalists (``--heal``)."""
+    """Why the choice was made, and the smallest finalist left out for want of evidence (with the prompts that would
+    settle it); ``healed``: the finalists were healed (``--heal``)."""
+    best = judged[found.chosen]
+    c = found.confirmation
     budget = f"{settings.budget:g} AL"
     where = f"k = 1..{settings.k}" + ("" if len(settings.sampling) == 1 else ", every sampling setting")
     bf16 = space.nbytes(space.bf16)
-    if best.role == "baseline":
-        why = (
-            f"no quantized configuration kept its AL within {budget} of the BF16 MTP's at {where} beyond noise "
-            "(the whole 95 % interval of the change above -budget): the MTP stays BF16"
-        )
-        if settings.budget == 0:
-            why = "a budget of 0 lets the MTP lose nothing, which no sample proves of a quantized MTP: it stays BF16"
+    held_out = f"{settings.confirm_prompts} held-out prompts the selection never saw"
+    holm = (f"{c.method}'s procedure over {len(c.finalists)} finalist{'s' if len(c.finalists) != 1 else ''}, "
+            f"family-wise error {c.alpha:g}")  # fmt: skip
+    what = "healed finalist" if healed else "finalist"
+    if settings.budget == 0:
+        return "a budget of 0 is the BF16 MTP, byte for byte: no quantized configuration was measured", None
+    if best.role == "baseline" and not c.finalists:
+        why = (f"no quantized configuration kept its AL within {budget} of the BF16 MTP's at {where} beyond noise on "
+               "the selection prompts: no finalist, the MTP stays BF16")  # fmt: skip
+    elif best.role == "baseline":
+        why = (f"no {what} was confirmed within {budget} of the BF16 MTP's AL at {where} on {held_out} ({holm}): "
+               "the MTP stays BF16")  # fmt: skip
     else:
-        why = (
-            f"the smallest measured configuration whose AL stays within {budget} of the BF16 MTP's at {where} beyond "
-            f"noise: {format_bytes(best.nbytes)}, {best.nbytes / bf16:.2f}x the BF16 MTP's {format_bytes(bf16)}"
-        )
-    if healed:
-        why = why.replace("no quantized configuration", "no healed finalist").replace(
-            "the smallest measured configuration", "the smallest healed finalist")
-    smaller = sorted((j for j in judged if j.nbytes < best.nbytes and j.loads and j.verdict == "inconclusive"
-                      and (j.role == "healed" or not healed)), key=lambda j: j.nbytes)  # fmt: skip
+        level = next(x.level for x in c.finalists if x.row == found.chosen)
+        why = (f"the smallest {what} confirmed within {budget} of the BF16 MTP's AL at {where} on {held_out} ({holm}; "
+               f"its interval at the adjusted level {100 * (1 - level):.2f} %): {format_bytes(best.nbytes)}, "
+               f"{best.nbytes / bf16:.2f}x the BF16 MTP's {format_bytes(bf16)}")  # fmt: skip
+    left = sorted((judged[x.row] for x in c.finalists if not x.accepted and judged[x.row].nbytes < best.nbytes
+                   and judged[x.row].verdict != "beyond"), key=lambda j: j.nbytes)  # fmt: skip
     not_taken = None
-    if smaller:
-        j = smaller[0]
+    if left:
+        j = left[0]
         settle = (f"about {j.units_to_settle} prompts would settle it" if j.units_to_settle is not None
-                  else "no practical number of prompts would settle it")
-        not_taken = f"{j.assignment.label} ({format_bytes(j.nbytes)}): inconclusive on {_prompts(judged)} prompts; "
-        not_taken += settle
+                  else "more confirmation prompts may settle it")  # fmt: skip
+        not_taken = f"{j.assignment.label} ({format_bytes(j.nbytes)}): not confirmed on {settings.confirm_prompts} "
+        not_taken += f"held-out prompts; {settle}"
     return why, not_taken
-
-
-def _prompts(judged: list[Judged]) -> int:
-    first = judged[0].by_sampling[0].by_k[0].al
-    return first.units

@@ -25,12 +25,14 @@ class SearchSettings(Record):
     precisions: tuple[Precision, ...] = PRECISIONS  # type: ignore[assignment]  # what a group may take (bf16 always)
     k: Annotated[int, Ge(1), Le(8)] = 3  # AL at k = 1..k
     temperatures: tuple[Annotated[float, Ge(0)], ...] = (0.0,)  # sampling settings measured (0: greedy)
-    num_prompts: Annotated[int, Ge(5)] = 64  # held-out prompts (each a bootstrap unit)
+    num_prompts: Annotated[int, Ge(5)] = 64  # held-out prompts the selection measures on (each a bootstrap unit)
+    confirm_prompts: Annotated[int, Ge(5)] = 64  # other held-out prompts, never selected on, that confirm finalists
     max_len: Annotated[int, Ge(8)] = 128  # tokens per sequence: the prompt (at most half) and the continuation
     activations: Activations = "emulate"  # the target's and the MTP's activations quantized as the engines do
     seed: int = 0  # sampled continuations and the bootstrap's resampling plan
-    confidence: Annotated[float, Interval(ge=0.5, lt=1)] = 0.95
-    max_confirm: Annotated[int, Ge(0)] = 3  # combinations measured after the groups alone
+    confidence: Annotated[float, Interval(ge=0.5, lt=1)] = 0.95  # 1 - the family-wise error over the finalists
+    max_confirm: Annotated[int, Ge(0)] = 3  # combinations measured after the groups alone (selection)
+    finalists: Annotated[int, Ge(1)] = 3  # configurations confirmed on the held-out prompts (Holm over them)
     batch_size: Annotated[int, Ge(1)] = 16
 
     @property

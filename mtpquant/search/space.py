@@ -143,6 +143,12 @@ class Declaration:
     refusal: str | None = None
 
 
+def _namespace(module: str) -> str:
+    """The MTP namespace a module lies in: ``mtp`` (the Qwen families), or its appended layer ``model.layers.N`` (the
+    planner excludes a whole BF16 MTP as ``mtp*`` / ``model.layers.N*``)."""
+    return "mtp" if module.startswith("mtp.") else ".".join(module.split(".")[:3])
+
+
 def _split_experts(name: str, dtype: str, shape: tuple[int, ...]) -> list[tuple[str, Planned]] | None:
     """A fused 3-D expert tensor as its per-expert Linear weights (None: not one)."""
     stem, _, leaf = name.rpartition(".")
@@ -209,6 +215,10 @@ class MtpSpace:
     def bf16(self) -> Assignment:
         """The source MTP: every group BF16."""
         return Assignment.uniform(self.group_keys, "bf16")
+
+    def fixed_groups(self) -> tuple[str, ...]:
+        """The groups the recipe's ``quantization.exclude`` keeps BF16 (one of their Linears matched), in order."""
+        return tuple(k for k in self.group_keys if any(recipe_excludes(self.exclude, m) for m in self.members[k]))
 
     def group(self, key: str) -> MtpGroup:
         """The registry's group ``key``."""
@@ -289,8 +299,8 @@ class MtpSpace:
         precision = self.module_precision(assignment)
         disk = self.disk_precision(assignment)
         plain = tuple(sorted(m for m, p in disk.items() if not is_quantized(p)))
-        if len(plain) == len(disk):  # the planner's rule: a whole-BF16 MTP is excluded as the family's pattern
-            plain = (self.family.mtp.storage.root.rstrip(".") + "*",)  # the searched families' mtp. namespace
+        if len(plain) == len(disk):  # the planner's rule: a whole-BF16 MTP is excluded as its namespace's pattern
+            plain = tuple(sorted({_namespace(m) + "*" for m in disk}))
         if kind == "plain":
             return QuantMetadata("modelopt", self.main_algo, BLOCK, None, plain)
         layers = {m: layer_entry(p, self.main_algo) for m, p in sorted(precision.items()) if p != "bf16"}

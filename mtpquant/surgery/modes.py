@@ -116,6 +116,8 @@ class MeasureContext:
     progress: bool = False
     healer: Any = None  # --mtp auto --heal: the search's finalists healed before the choice (search.finalists.Healer)
     exclude: tuple[str, ...] = ()  # the recipe's quantization.exclude (the MTP Linears it matches stay BF16)
+    scratch: Path | None = None  # a directory to create inside OUT's partial directory for the search's scratch files
+    max_memory: Mapping[int | str, int] | None = None  # the target's placement caps (accelerate's; None: all on device)
 
 
 @dataclass

@@ -20,18 +20,20 @@ __all__ = ["TuneOptions"]
 @dataclass(frozen=True)
 class TuneOptions(Options):
     """Everything ``tune-mtp`` takes: QUANT (local), SRC (its BF16 source, local or a Hub repo), where the result goes,
-    what the search is asked, the calibration of the MTP's input scales (None: QUANT's recipe's, else the family's
-    default recipe's)."""
+    what the search is asked, the recipe whose exclusions the MTP keeps and whose calibration sets its input scales
+    (``recipe``; None: QUANT's recipe, else the family's default recipe), that calibration's overrides."""
 
     quant: str | os.PathLike[str]
     source: str | os.PathLike[str] = field(metadata={FLAG: "--from"})
     out: str | os.PathLike[str] | None = None
     in_place: bool = False
     search: SearchSettings = field(default_factory=SearchSettings, metadata={FLAG: None})
+    recipe: str | None = None  # the recipe QUANT is held to (None: QUANT's recipe.yaml, else the family's default)
     calib_data: str | None = None
     calib_samples: Annotated[int, Ge(1)] | None = None
     calib_seq_len: Annotated[int, Ge(2)] | None = None
     device: Literal["cpu", "cuda", "auto"] | str = "auto"
+    max_memory: str | None = None  # caps of the quantized target the search measures on, e.g. "cpu=8GiB"
     source_revision: str | None = field(default=None, metadata={FLAG: "--from-revision"})
     max_shard_bytes: Annotated[int, Ge(1)] = field(default=DEFAULT_MAX_SHARD_BYTES, metadata={FLAG: "--max-shard-size"})
     link: bool = field(default=True, metadata={FLAG: "--copy"})  # hard-link untouched files (False: copy them)

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from mtpquant.checkpoint.precision import is_quantized, linear_precisions
 from mtpquant.checkpoint.table import Checkpoint
-from mtpquant.errors import OutputExistsError, OutputVerificationError, TuneRefusedError, UsageError
+from mtpquant.errors import GraftError, OutputExistsError, OutputVerificationError, TuneRefusedError, UsageError
 from mtpquant.formats.quant_config import (
     HF_QUANT_CONFIG,
     QuantMetadata,
@@ -33,7 +33,7 @@ from mtpquant.formats.quant_config import (
     without_exclusions,
 )
 from mtpquant.public import public_args, public_checkpoint, public_name, public_ref
-from mtpquant.recipes.recipe import RECIPE_FILE, CalibrationSection, default_recipe_name, load_recipe
+from mtpquant.recipes.recipe import RECIPE_FILE, CalibrationSection, Recipe, default_recipe_name, load_recipe
 from mtpquant.records.provenance import Step
 from mtpquant.search.run import SearchResult, search_space
 from mtpquant.search.settings import SearchSettings
@@ -43,6 +43,7 @@ from mtpquant.tune.options import TuneOptions
 from mtpquant.units import format_bytes
 
 if TYPE_CHECKING:
+    from mtpquant.runtime.memory import MemoryPlan
     from mtpquant.search.run import SearchOutcome
     from mtpquant.search.write import ChosenMtp
 
@@ -64,13 +65,16 @@ class TunePlan:
     main_algo: str
     activations: bool
     calibration: CalibrationSection
-    calibration_from: str  # QUANT's recipe, or the family's default recipe
+    calibration_from: str  # --recipe, QUANT's recipe, or the family's default recipe
+    exclude: tuple[str, ...]  # that recipe's quantization.exclude: the MTP Linears it matches stay BF16
+    fixed: tuple[str, ...]  # the groups the recipe keeps BF16 (a Linear of theirs excluded)
     settings: SearchSettings
     groups: tuple[str, ...]
     configurations: int
     bf16_bytes: int
     smallest_bytes: int
     mtp_bytes: int  # QUANT's MTP now
+    memory: MemoryPlan  # where the quantized target the search measures on goes (convert's memory plan)
     notes: tuple[str, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
@@ -78,6 +82,7 @@ class TunePlan:
         data = dataclasses.asdict(self)
         data["calibration"] = dataclasses.asdict(self.calibration)
         data["settings"] = self.settings.to_json()
+        data["memory"] = self.memory.to_json()
         return data
 
 
@@ -128,29 +133,49 @@ def _main_algo(quant: Checkpoint, meta: QuantMetadata | None) -> str:
     return algo
 
 
-def _calibration(quant: Checkpoint, options: TuneOptions) -> tuple[CalibrationSection, str]:
-    """The MTP's calibration: QUANT's resolved recipe's (what it was converted with), else the family's default
-    recipe's; the flags override it."""
+def _recipe(quant: Checkpoint, options: TuneOptions) -> tuple[Recipe, str]:
+    """The recipe QUANT is held to: ``--recipe``, else QUANT's resolved recipe (what it was converted with), else the
+    family's default recipe; its exclusions are law for the MTP as convert's are (``convert.plan``)."""
     from mtpquant.checkpoint.source import read_text
     from mtpquant.recipes.recipe import recipe_from_mapping
 
+    if options.recipe is not None:
+        return load_recipe(options.recipe), f"recipe {options.recipe}"
     if RECIPE_FILE in quant.source.list_files():
         import yaml
 
         text = read_text(quant.source, RECIPE_FILE, what="recipe")
-        recipe = recipe_from_mapping(yaml.safe_load(text), f"{quant.label}/{RECIPE_FILE}")
-        where = f"QUANT's {RECIPE_FILE}"
-    else:
-        recipe = load_recipe(default_recipe_name(quant.spec.family))
-        where = f"recipe {recipe.name}"
-    cal = recipe.calibration
+        return recipe_from_mapping(yaml.safe_load(text), f"{quant.label}/{RECIPE_FILE}"), f"QUANT's {RECIPE_FILE}"
+    recipe = load_recipe(default_recipe_name(quant.spec.family))
+    return recipe, f"recipe {recipe.name}"
+
+
+def _calibration(recipe: Recipe, options: TuneOptions) -> CalibrationSection:
+    """The MTP's calibration: the recipe's; the flags override it."""
     changes: dict[str, Any] = {
         "data": options.calib_data,
         "samples": options.calib_samples,
         "seq_len": options.calib_seq_len,
     }
-    cal = dataclasses.replace(cal, **{k: v for k, v in changes.items() if v is not None})
-    return cal, where
+    return dataclasses.replace(recipe.calibration, **{k: v for k, v in changes.items() if v is not None})
+
+
+def _memory(quant: Checkpoint, options: TuneOptions) -> MemoryPlan:
+    """Where QUANT's main model goes while the search measures on it (dequantized in the compute dtype): in memory
+    when it fits, else under ``--max-memory`` with the rest read from QUANT's files (convert's memory plan)."""
+    from mtpquant.errors import ValidateLoadError
+    from mtpquant.measure.memory import plan_target_memory
+    from mtpquant.measure.weights import CheckpointWeights  # torch: once QUANT and SRC are open and checked
+    from mtpquant.runtime.machine import DTYPE_BYTES, compute_dtype, resolve_device
+
+    device = resolve_device(options.device, probe=False)
+    try:
+        weights = CheckpointWeights(quant)
+    except ValidateLoadError as exc:
+        raise TuneRefusedError(str(exc)) from None
+    shapes = [(name, weights.shape(name)) for name in weights.names()]
+    return plan_target_memory(shapes, quant.classify, DTYPE_BYTES[compute_dtype(device, None)], device,
+                              max_memory=options.max_memory, shard_bytes=options.max_shard_bytes, who="tune-mtp")
 
 
 def plan_tune(options: TuneOptions) -> tuple[TunePlan, Checkpoint, Checkpoint]:
@@ -178,14 +203,17 @@ def plan_tune(options: TuneOptions) -> tuple[TunePlan, Checkpoint, Checkpoint]:
         raise TuneRefusedError(f"{quant.label}: a compressed-tensors quant; tune-mtp writes the ModelOpt format")
     checked = SearchMode().check(src, "nvfp4")  # SRC's MTP complete, calibratable, of a family with groups
     activations = main_algo == "NVFP4"
-    space = search_space(src, options.search, main_algo=main_algo, activations=activations)
+    recipe, where = _recipe(quant, options)
+    exclude = tuple(recipe.quantization.exclude)
+    space = search_space(src, options.search, main_algo=main_algo, activations=activations, exclude=exclude)
     configurations = space.configurations()
     if len(configurations) < 2:
         raise TuneRefusedError(
             f"{src.label}: {options.search.engine} loads no quantized configuration of this MTP with the precisions "
             f"{', '.join(options.search.precisions)}; nothing to choose from"
         )
-    cal, where = _calibration(quant, options)
+    cal = _calibration(recipe, options)
+    memory = _memory(quant, options)
     plan = TunePlan(
         quant=quant.label,
         source=src.label,
@@ -195,12 +223,15 @@ def plan_tune(options: TuneOptions) -> tuple[TunePlan, Checkpoint, Checkpoint]:
         activations=activations,
         calibration=cal,
         calibration_from=where,
+        exclude=exclude,
+        fixed=space.fixed_groups(),
         settings=options.search,
         groups=space.group_keys,
         configurations=len(configurations),
         bf16_bytes=space.nbytes(space.bf16),
         smallest_bytes=space.nbytes(configurations[0]),
         mtp_bytes=sum(e.nbytes for e in quant.mtp_tensors()),
+        memory=memory,
         notes=checked.notes[1:],
     )
     return plan, quant, src
@@ -222,28 +253,37 @@ def tune_mtp(options: TuneOptions) -> TuneResult:
     from mtpquant.search.measure import calibration_rows
     from mtpquant.search.run import search_mtp
     from mtpquant.search.write import chosen_mtp
+    from mtpquant.surgery import inplace
     from mtpquant.surgery.write import open_destination
     from mtpquant.text.calibration import load_tokenizer
 
     cal = plan.calibration
+    root = quant.source.local_root
+    assert root is not None
     with library_output(options.progress):
-        t1 = time.perf_counter()
-        assert quant.source.local_root is not None
-        tokenizer = load_tokenizer(quant.source.local_root)
-        rows = calibration_rows(tokenizer, cal.data, cal.samples, cal.seq_len, chat_template=cal.chat_template)
-        device = torch.device(resolve_device(options.device))
-        dtype = getattr(torch, compute_dtype(device.type, None))
-        found = search_mtp(
-            CheckpointWeights(quant), src, quant.source, rows, options.search, main_algo=plan.main_algo,
-            activations=plan.activations, target_name=public_checkpoint(quant.label), device=device, dtype=dtype,
-            progress=options.progress, healer=options.healer,
-        )  # fmt: skip
-        timings["search"] = time.perf_counter() - t1
-        t2 = time.perf_counter()
-        chosen = chosen_mtp(src, found.space, found.result.choice.assignment, found.amax, found.weights)
+        # QUANT locked (in place) and snapshotted before anything is measured: a change to it during the search is
+        # refused before the result is put in place; every scratch byte lives in the destination's partial directory
         dest = open_destination(quant, options.out_path, replaces=True)
+        before = dest.before if dest.mode == "in-place" else inplace.snapshot(root.resolve())
         with dest.od:
+            t1 = time.perf_counter()
+            tokenizer = load_tokenizer(root)
+            rows = calibration_rows(tokenizer, cal.data, cal.samples, cal.seq_len, chat_template=cal.chat_template)
+            device = torch.device(resolve_device(options.device))
+            dtype = getattr(torch, compute_dtype(device.type, None))
+            found = search_mtp(
+                CheckpointWeights(quant), src, quant.source, rows, options.search, main_algo=plan.main_algo,
+                activations=plan.activations, target_name=public_checkpoint(quant.label), device=device, dtype=dtype,
+                progress=options.progress, healer=options.healer, exclude=plan.exclude,
+                scratch=dest.od.path / ".search-scratch",
+                max_memory=plan.memory.caps.for_accelerate() if plan.memory.caps else None,
+            )  # fmt: skip
+            timings["search"] = time.perf_counter() - t1
+            t2 = time.perf_counter()
+            chosen = chosen_mtp(src, found.space, found.result.choice.assignment, found.amax, found.weights)
             built, metadata = _build(options, plan, quant, src, found, chosen, dest)
+            if dest.mode == "out" and inplace.snapshot(root.resolve()) != before:
+                raise GraftError(f"{root}: QUANT changed while tuning the MTP; nothing was written, rerun it")
             from mtpquant.surgery.write import commit
 
             written = commit(dest, built, what="tuning the MTP")
@@ -276,9 +316,9 @@ def _metadata(quant: Checkpoint, plan: TunePlan, chosen: ChosenMtp, table: dict[
     its algo, as convert writes it), then the exclusions the new MTP needs (the one planner, ``plan_metadata``)."""
     config = dict(quant.config)
     hfq = dict(quant.hf_quant_config) if quant.hf_quant_config is not None else None
-    ct_patterns = quant.spec.mtp_exclusion_patterns()[1]
+    ours = set(sum(quant.spec.mtp_exclusion_patterns(), ()))  # mtp* / an appended layer's model.layers.N*, and CT's
     mtp_patterns = sorted({p for _, _, pats in exclusion_lists(config, hfq) for p in pats
-                           if p.startswith("mtp") or p in ct_patterns})  # fmt: skip
+                           if p.startswith("mtp") or p in ours})  # fmt: skip
     config, hfq = without_exclusions(config, hfq, mtp_patterns, mtp_patterns)
     meta = quant.quant_metadata
     mixed = meta is not None and meta.algo.upper() == "MIXED_PRECISION"

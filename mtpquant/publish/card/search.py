@@ -51,10 +51,12 @@ def search_lines(result: SearchResult | None) -> list[str]:
         "",
         "The MTP's precision was chosen per module group by mtpquant's precision search: the smallest MTP whose "
         f"predicted acceptance length (AL) stays within {s.budget:g} of the BF16 MTP's at every k = 1..{s.k}"
-        f"{'' if len(result.sampling) == 1 else ' and sampling setting'}, beyond noise ({100 * s.confidence:.0f} % "
-        f"paired bootstrap intervals over {result.prompts} held-out prompts, drafted on this checkpoint's own "
-        f"quantized model; engines: {s.engine}). {len(result.evaluated)} of {result.configurations} loadable "
-        "configurations were measured.",
+        f"{'' if len(result.sampling) == 1 else ' and sampling setting'}, drafted on this checkpoint's own quantized "
+        f"model (engines: {s.engine}): configurations selected on {len(result.selection_prompts)} held-out prompts, "
+        f"the finalists confirmed on {result.prompts} other held-out prompts with paired bootstrap intervals and "
+        f"{'Holm' if result.confirmation is None else result.confirmation.method}'s procedure (family-wise error "
+        f"{1 - s.confidence:g}); the numbers below are the confirmation's. {result.configurations} configurations "
+        "load there.",
         "",
         "| group | Linears | precision | bytes | BF16 bytes |",
         "|---|---:|---|---:|---:|",
@@ -69,10 +71,10 @@ def search_lines(result: SearchResult | None) -> list[str]:
         f"(declared {chosen.declaration}). {result.reason[0].upper()}{result.reason[1:]}.",
         "",
     ]
-    base = result.evaluated[0]
+    base = result.baseline
     for setting, row in zip(result.sampling, chosen.by_sampling, strict=True):
         ref = next(x for x in base.by_sampling if x.sampling == setting)
-        head = f"| k | AL, BF16 MTP ({setting.label}) | AL, this MTP | change (95 % interval) |"
+        head = f"| k | AL, BF16 MTP ({setting.label}) | AL, this MTP | change (its confirmation interval) |"
         lines += [head, "|---|---|---|---|"]
         for c, b in zip(row.by_k, ref.by_k, strict=True):
             change = c.change.text(signed=True) if c.change is not None else "0 (the BF16 MTP)"

@@ -1,0 +1,187 @@
+"""Kill safety of ``tune-mtp`` (and so of the search and its heals): every scratch byte inside OUT's partial
+directory, QUANT locked and snapshotted before anything is measured, ``--in-place`` (success, refusal, kill).
+
+The quant is a keep convert of the trained tiny Qwen3.5; the search is small and its budget (10 AL) one every
+configuration meets, so finalists exist and ``--heal`` trains them. A child process (``tests/support/kills.py``) with
+TMPDIR pointed at an empty folder is killed at a named step; what it leaves is read from the file system: nothing
+beside OUT but its partial directory (the one the next run's clean-up finds) and its lock file, nothing in TMPDIR over
+1 MB; the next run cleans it and succeeds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mtpquant.api import ConvertOptions, SearchSettings, TuneOptions, convert, tune_mtp
+from mtpquant.checkpoint.lock import lock_path
+from mtpquant.checkpoint.table import Checkpoint
+from mtpquant.checkpoint.writer import PARTIAL_MARK
+from mtpquant.errors import GraftError
+from mtpquant.families import is_mtp_name
+from mtpquant.synth.train import TINY_MTP_ASSET
+from tests.support.kills import KILL_PRELUDE
+
+pytestmark = pytest.mark.slow
+
+SEARCH = ["--al-budget", "10", "--search-prompts", "6", "--confirm-prompts", "6", "--mtp-precisions", "nvfp4"]
+HEAL = ["--heal", "--heal-samples", "8", "--heal-steps", "2"]
+SETTINGS = SearchSettings(budget=10.0, num_prompts=6, confirm_prompts=6, max_len=32, precisions=("nvfp4",))
+MB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def keep(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("kill") / "keep"
+    convert(ConvertOptions(src=str(TINY_MTP_ASSET), out=out, mtp="keep", device="cpu", progress=False,
+                           calib_samples=8, calib_seq_len=64))  # fmt: skip
+    return out
+
+
+def tree(root: Path) -> dict[str, str]:
+    """Every file under ``root`` -> the sha256 of its bytes."""
+    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}  # fmt: skip
+
+
+def digests(path: Path, *, mtp: bool) -> dict[str, str]:
+    ckpt = Checkpoint.open(path)
+    names = [n for n in ckpt.tensors if is_mtp_name(n) == mtp]
+    return {e.name: hashlib.sha256(data).hexdigest() for e, data in ckpt.iter_raw(names)}
+
+
+def du(root: Path) -> int:
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file() and not p.is_symlink())
+
+
+def beside(final: Path) -> list[str]:
+    """What sits in ``final``'s parent other than ``final`` and its lock file."""
+    return sorted(p.name for p in final.parent.iterdir() if p != final and p != lock_path(final))
+
+
+_DRIVER = KILL_PRELUDE + textwrap.dedent(
+    """
+    import importlib
+    from mtpquant.cli import main
+
+    if args["untrained"]:  # heal's data collected as usual, each finalist "healed" as it is (no training step)
+        import mtpquant.heal.finalists as finalists
+        from mtpquant.search.finalists import Training
+
+        def untrained(self, config, master, precision, scales, *, shared, device):
+            return master, Training(0.0, 0.0, 0.0)
+
+        finalists.FinalistHealer.heal = untrained
+    if args["hook"]:
+        module, owner, name = args["hook"]
+        target = importlib.import_module(module)
+        wrap(getattr(target, owner) if owner else target, name)
+    code = main(["-q", *args["argv"]])
+    print(json.dumps({"tags": tags, "code": code}))
+    """
+)
+
+
+def _child(
+    tmp: Path, argv: list[str], hook: tuple[str, str, str] | None, tmpdir: Path, *, untrained: bool = False
+) -> subprocess.CompletedProcess[str]:
+    script = tmp / "driver.py"
+    script.write_text(_DRIVER)
+    env = {**os.environ, "TMPDIR": str(tmpdir), "TQDM_DISABLE": "1"}
+    arg = json.dumps({"argv": argv, "hook": hook, "kill_at": 1 if hook else 0, "untrained": untrained})
+    return subprocess.run([sys.executable, str(script), arg], capture_output=True, text=True, timeout=600, env=env,
+                          cwd=Path(__file__).resolve().parents[1])  # fmt: skip
+
+
+def test_tune_mtp_heal_scratch_lives_in_outs_partial_directory(keep: Path, tmp_path: Path) -> None:
+    """Killed as it heals its first finalist (the heal data collected): beside OUT only OUT's partial directory,
+    which holds the search's scratch (the heal data); TMPDIR under 1 MB. The next run removes it, succeeds, and
+    leaves nothing beside OUT; TMPDIR still under 1 MB. (Each finalist is "healed" without a training step here:
+    what is measured is where the files go, and heal's training writes none; tests/test_search_heal.py trains.)"""
+    out = tmp_path / "work" / "tuned"
+    out.parent.mkdir()
+    tmpdir = tmp_path / "tmpdir"
+    tmpdir.mkdir()
+    argv = ["tune-mtp", str(keep), "--from", str(TINY_MTP_ASSET), "--out", str(out), "--device", "cpu", *SEARCH,
+            *HEAL]  # fmt: skip
+    killed = _child(tmp_path, argv, ("mtpquant.heal.finalists", "FinalistHealer", "heal"), tmpdir, untrained=True)
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    left = beside(out)
+    assert len(left) == 1 and left[0].startswith(f".{out.name}{PARTIAL_MARK}"), left
+    scratch = out.parent / left[0] / ".search-scratch" / "heal-data"
+    assert scratch.is_dir() and du(scratch) > 0  # the heal data, where the clean-up finds it
+    assert du(tmpdir) <= MB, sorted(p.name for p in tmpdir.rglob("*"))
+    done = _child(tmp_path, argv, None, tmpdir, untrained=True)
+    assert done.returncode == 0 and json.loads(done.stdout.strip().splitlines()[-1])["code"] == 0, done.stderr[-3000:]
+    assert beside(out) == [] and not (out / ".search-scratch").exists()
+    assert du(tmpdir) <= MB, sorted(p.name for p in tmpdir.rglob("*"))
+    report = json.loads((out / "mtp_search/report.json").read_text())
+    assert report["healed"]  # the finalists were healed
+
+
+def test_tune_mtp_in_place(keep: Path, tmp_path: Path) -> None:
+    """--in-place: QUANT's MTP replaced (every other tensor QUANT's bytes), nothing left beside it."""
+    quant = tmp_path / "quant"
+    shutil.copytree(keep, quant)
+    result = tune_mtp(TuneOptions(quant=quant, source=TINY_MTP_ASSET, in_place=True, search=SETTINGS, device="cpu",
+                                  progress=False))  # fmt: skip
+    assert result.search is not None and not result.search.choice.assignment.all_bf16
+    assert digests(quant, mtp=False) == digests(keep, mtp=False)
+    assert digests(quant, mtp=True) != digests(keep, mtp=True)
+    assert (quant / "mtp_search/report.json").is_file() and beside(quant) == []
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+def test_tune_mtp_refuses_a_quant_changed_during_the_search(keep: Path, tmp_path: Path, in_place: bool) -> None:
+    """QUANT snapshotted before the search: a file of QUANT changed while the search measures is refused before
+    anything is put in place (GRAFT_REFUSED); QUANT is as it was (but the change), nothing left beside it or OUT."""
+    import mtpquant.search.run as search_run
+
+    quant = tmp_path / "quant"
+    shutil.copytree(keep, quant)
+    real = search_run.search_mtp
+
+    def changing(*args: Any, **kwargs: Any) -> Any:
+        (quant / "README.md").write_text("changed behind tune-mtp's back\n")
+        return real(*args, **kwargs)
+
+    before = tree(quant)
+    out = None if in_place else tmp_path / "out"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(search_run, "search_mtp", changing)
+        with pytest.raises(GraftError, match="changed while tuning the MTP"):
+            tune_mtp(TuneOptions(quant=quant, source=TINY_MTP_ASSET, in_place=in_place, out=out, search=SETTINGS,
+                                 device="cpu", progress=False))  # fmt: skip
+    after = tree(quant)
+    assert after.pop("README.md") == hashlib.sha256(b"changed behind tune-mtp's back\n").hexdigest()
+    assert after == {k: v for k, v in before.items() if k != "README.md"}
+    assert beside(quant) == [] and (out is None or not out.exists())
+
+
+def test_tune_mtp_in_place_killed_during_the_search(keep: Path, tmp_path: Path) -> None:
+    """--in-place killed while the search measures: QUANT byte for byte as it was, beside it only its partial
+    directory; the next run cleans it up and tunes QUANT."""
+    quant = tmp_path / "work" / "quant"
+    shutil.copytree(keep, quant)
+    tmpdir = tmp_path / "tmpdir"
+    tmpdir.mkdir()
+    before = tree(quant)
+    argv = ["tune-mtp", str(quant), "--from", str(TINY_MTP_ASSET), "--in-place", "--device", "cpu", *SEARCH]
+    killed = _child(tmp_path, argv, ("mtpquant.search.run", "", "search"), tmpdir)
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    assert tree(quant) == before
+    left = beside(quant)
+    assert len(left) == 1 and left[0].startswith(f".{quant.name}{PARTIAL_MARK}"), left
+    done = _child(tmp_path, argv, None, tmpdir)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert beside(quant) == [] and digests(quant, mtp=False) == digests(keep, mtp=False)
+    assert digests(quant, mtp=True) != digests(keep, mtp=True)
