@@ -103,7 +103,11 @@ def test_compressed_tensors_matching() -> None:
 def test_bf16_source_is_healthy(tiny_factory: Factory) -> None:
     r = inspect_checkpoint(tiny_factory("qwen3_5_moe"))
     assert r.healthy and r.exit_code(strict=True) == 0
-    assert r.verdicts == {"vllm": "vLLM: MTP loads (BF16)", "sglang": "SGLang: MTP loads (BF16)"}
+    assert r.verdicts == {
+        "vllm": "vLLM: MTP loads (BF16)",
+        "sglang": "SGLang: MTP loads (BF16)",
+        "trtllm": "TensorRT-LLM: MTP loads (BF16)",
+    }
     assert r.mtp_present_tensors == r.mtp_expected_tensors == 29
     assert '"num_speculative_tokens":3' in r.serve_commands["vllm"]
     assert "--speculative-algorithm NEXTN" in r.serve_commands["sglang"]

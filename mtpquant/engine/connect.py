@@ -1,14 +1,15 @@
-"""Which engine serves at a URL, and its client: each engine of the table (``engine/table.py``) probes in turn,
-through its module's ``probe`` (vLLM: ``GET /version`` answering ``{"version": ...}``; SGLang: ``GET
-/get_server_info`` with its arguments and ``version``). Anything else is one line, exit 41; a server that cannot be
-reached, exit 40.
+"""Which engine serves at a URL, and its client: the engines of the table (``engine/table.py``) probe in turn
+(``PROBE_ORDER``), each through its module's ``probe``: TensorRT-LLM ``GET /prometheus/metrics`` with ``trtllm_``
+metrics (asked first: its ``/version`` answers as vLLM's does), vLLM ``GET /version`` answering ``{"version": ...}``,
+SGLang ``GET /get_server_info`` with its arguments and ``version``. Anything else is one line, exit 41; a server
+that cannot be reached, exit 40.
 """
 
 from __future__ import annotations
 
 from mtpquant.engine.http import EngineHttp
 from mtpquant.engine.server import EngineServer, ServerInfo
-from mtpquant.engine.table import ENGINES
+from mtpquant.engine.table import ENGINES, PROBE_ORDER
 from mtpquant.engine.table import engine as engine_row
 from mtpquant.errors import EngineAnswerError
 
@@ -27,7 +28,7 @@ def connect(
     """The client of the server at ``url`` and what it says about itself (engine, version, models, settings); the URL
     each keeps has no credentials (``engine.http``), ``api_key`` goes with every request."""
     http = EngineHttp(url, timeout=timeout, api_key=api_key)
-    for row in ENGINES:
+    for row in PROBE_ORDER:
         found: tuple[EngineServer, ServerInfo] | None = row.adapter.probe(http, generate_timeout)
         if found is not None:
             return found

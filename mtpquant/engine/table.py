@@ -16,11 +16,22 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Literal, get_args
 
-__all__ = ["ENGINES", "NAMES", "Engine", "EngineName", "LaunchFlags", "display", "engine", "launchable", "searched"]
+__all__ = [
+    "ENGINES",
+    "NAMES",
+    "PROBE_ORDER",
+    "Engine",
+    "EngineName",
+    "LaunchFlags",
+    "display",
+    "engine",
+    "launchable",
+    "searched",
+]
 
 # The table's keys as a type (options and settings records validate against it; ``tests/test_engine_table.py``
 # checks it lists exactly the rows below, in their order).
-EngineName = Literal["vllm", "sglang"]
+EngineName = Literal["vllm", "sglang", "trtllm"]
 
 
 @dataclass(frozen=True)
@@ -48,6 +59,7 @@ class Engine:
     counter_note: str  # what its speculative counters cover, for validate's report
     search: bool  # the precision search checks configurations against its loader rules (``--engine any``)
     card_heading: str  # the card's line above its serve command
+    probe_rank: int = 1  # ``engine.connect`` asks the engines in this order (then the table's) which one serves a URL
 
     @property
     def adapter(self) -> ModuleType:
@@ -98,10 +110,27 @@ ENGINES: tuple[Engine, ...] = (
         search=True,
         card_heading="SGLang (NEXTN speculative decoding):",
     ),
+    Engine(
+        key="trtllm",
+        display="TensorRT-LLM",
+        version="main (after PR #17051)",
+        module="mtpquant.engine.trtllm",
+        launch_module=None,  # trtllm-serve needs a GPU: validate measures a running one (--server)
+        flags=None,
+        memory_flags=("--kv_cache_free_gpu_memory_fraction", "--max_batch_size", "--max_num_tokens"),
+        memory_env=(),
+        counter_note="TensorRT-LLM's speculative-decoding counters (/prometheus/metrics) are server-wide and "
+        "cumulative: its numbers are the difference of two snapshots around a dedicated run, and it counts no "
+        "acceptance per draft position, so only AL is reported.",
+        search=False,
+        card_heading="TensorRT-LLM (MTP speculative decoding, its options written to mtp.yaml first):",
+        probe_rank=0,  # its /version answers as vLLM's does: its own route (/prometheus/metrics) is asked first
+    ),
 )
 
 NAMES: tuple[str, ...] = tuple(e.key for e in ENGINES)
 _BY_KEY = {e.key: e for e in ENGINES}
+PROBE_ORDER: tuple[Engine, ...] = tuple(sorted(ENGINES, key=lambda e: e.probe_rank))
 
 
 def engine(key: str) -> Engine:

@@ -1,0 +1,320 @@
+"""TensorRT-LLM: how its PyTorch backend builds a ModelOpt checkpoint's MTP (its loader's rules), what inspect says of
+it, and a running ``trtllm-serve`` (its OpenAI-compatible API, measured by its cumulative Prometheus counters).
+
+The rules, from NVIDIA/TensorRT-LLM's source (never imported):
+
+- **Exclusions match TensorRT-LLM's own module names, by ancestor.**
+  ``QuantConfig.is_module_excluded_from_quantization`` (``tensorrt_llm/models/modeling_utils.py``) walks the
+  module's name and every ancestor (split on ``.``) and tests each against every ``exclude_modules`` entry: ``fnmatch.fnmatchcase``, a ``re:`` entry by ``re.fullmatch``, and a
+  trailing ``.*`` also matching the parent itself (so ``model.layers.61``, ``model.layers.61*`` and
+  ``model.layers.61.*`` all exclude the whole layer). Before PR #13844 the name alone was tested with
+  ``fnmatchcase`` (``ancestors=False`` below).
+- **The MTP's modules are named as TensorRT-LLM builds them.** Qwen3.5 / Qwen3-Next (``Qwen3NextMTP``,
+  ``_torch/models/modeling_qwen3_next.py``): ``Qwen3NextHfWeightMapper.preprocess_weights``
+  (``_torch/models/checkpoints/hf/qwen3_next_weight_mapper.py``) renames ``mtp.layers.<i>.X`` to
+  ``model.layers.<num_hidden_layers + i>.X`` and ``mtp.fc`` to ``model.layers.<num_hidden_layers>.fc``, so an
+  exclusion written only as ``mtp.*`` covers nothing there. DeepSeek-V3/R1 (``DeepseekV3MTP``,
+  ``modeling_deepseekv3.py``) and GLM-4.5 (``Glm4MTP``, ``modeling_glm.py``) keep the checkpoint's
+  ``model.layers.<n>`` names.
+- **DeepSeek-V3 and GLM decide the MTP layer as a whole first.** ``_get_decoder_layer_quant_config(layer_idx)``
+  (``DeepseekV3DecoderLayer``, ``Glm4DecoderLayer``): when ``model.layers.<n>`` is excluded the whole layer, its
+  routed experts included, is built without quantization ("The MTP layer in the nvfp4 checkpoint is unquantized");
+  otherwise each module by its own exclusion.
+- **Qwen3.5's MTP experts.** PR #16936 (``modeling_qwen3_next.py``, ``_mtp_pattern_covers_experts``) built the MTP's
+  routed experts unquantized (the CUTLASS MoE fallback: TensorRT-LLM's own MoE backend has no BF16 path) only for
+  an exclusion written ``model.layers.<mtp>*`` or ``model.layers.<mtp>.mlp.experts*``; PR #17051 decides it with the
+  ancestor matcher above, so a parent such as ``model.layers.<mtp>.mlp*`` counts too. The verdict follows the fixed
+  rule and says when only it keeps the experts loading.
+- A Linear TensorRT-LLM builds quantized expects the checkpoint's one ``quant_algo`` on disk (NVFP4's packed
+  ``weight`` and scales, or FP8's); one built unquantized expects BF16. MIXED_PRECISION, compressed-tensors and the
+  other formats are not reproduced here: the verdict says so rather than guess.
+
+A family TensorRT-LLM drafts is one whose ``EngineRules.drafters`` names its class under ``trtllm``.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+import re
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from mtpquant.checkpoint.precision import is_quantized
+from mtpquant.engine.loading import LM_HEADS, EngineModule, Expectation
+from mtpquant.families import EngineRules, matches
+from mtpquant.formats.quant_config import QuantMetadata
+
+if TYPE_CHECKING:
+    from mtpquant.engine.http import EngineHttp
+    from mtpquant.engine.server import ServerInfo
+    from mtpquant.engine.sizing import EngineMemory, Machine
+    from mtpquant.engine.verdicts import EngineVerdict, ModuleReport, VerdictFacts
+    from mtpquant.records.sampling import SpecRule
+
+__all__ = [
+    "MTP_GLUE",
+    "excluded",
+    "experts_excluded",
+    "module_name",
+    "unmatched_exclusions",
+]
+
+log = logging.getLogger(__name__)
+
+NAME = "TensorRT-LLM"
+# The quant_algo values of a ModelOpt checkpoint whose MTP rules are reproduced here, and the on-disk precision each
+# Linear TensorRT-LLM builds quantized expects (checkpoint.precision's names).
+_ALGO_DISK = {"NVFP4": "NVFP4", "FP8": "FP8"}
+# Qwen3NextHfWeightMapper.preprocess_weights: the MTP's own glue, renamed into the MTP decoder layer.
+MTP_GLUE = {"fc": "fc", "norm": "shared_head.norm", "pre_fc_norm_embedding": "pre_fc_norm_embedding",
+            "pre_fc_norm_hidden": "pre_fc_norm_hidden"}
+_MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")
+_LAYER = re.compile(r"^(model\.layers\.\d+)(?:\.|$)")
+
+
+# ---- loading rules ---------------------------------------------------------------------------------------------
+def excluded(name: str, patterns: Sequence[str], *, ancestors: bool = True) -> bool:
+    """Whether TensorRT-LLM builds ``name`` (its own module name) without quantization: ``QuantConfig.
+    is_module_excluded_from_quantization`` (``ancestors=False``: the matcher before PR #13844, the name alone)."""
+    candidate = name
+    while True:
+        for p in patterns:
+            if p.startswith("re:"):
+                hit = re.fullmatch(p[3:], candidate) is not None
+            else:  # fnmatchcase, and a trailing ".*" matching the parent itself too
+                hit = fnmatch.fnmatchcase(candidate, p) or (
+                    ancestors and p.endswith(".*") and fnmatch.fnmatchcase(candidate, p[:-2])
+                )
+            if hit:
+                return True
+        if not ancestors or "." not in candidate:
+            return False
+        candidate = candidate.rsplit(".", 1)[0]
+
+
+def experts_excluded(layer: str, patterns: Sequence[str], *, fixed: bool = True) -> bool:
+    """Whether a Qwen3.5 MTP layer's routed experts (``<layer>.mlp.experts``, ``layer``: ``model.layers.<mtp>``) are
+    built unquantized: by the ancestor matcher (PR #17051), or (``fixed=False``) only for the two forms PR #16936's
+    ``_mtp_pattern_covers_experts`` accepted."""
+    if fixed:
+        return excluded(f"{layer}.mlp.experts", patterns)
+    return any(p in (f"{layer}*", f"{layer}.mlp.experts*") for p in patterns)
+
+
+def module_name(name: str, num_hidden_layers: int) -> str:
+    """A checkpoint module as TensorRT-LLM names it (``Qwen3NextHfWeightMapper.preprocess_weights``: ``mtp.layers.<i>``
+    becomes ``model.layers.<num_hidden_layers + i>``, the MTP's glue that layer's; other names unchanged)."""
+    found = _MTP_LAYER.match(name)
+    if found is not None:
+        return f"model.layers.{num_hidden_layers + int(found.group(1))}.{found.group(2)}"
+    if name.startswith("mtp."):
+        leaf = name[len("mtp.") :]
+        head, dot, rest = leaf.partition(".")
+        return f"model.layers.{num_hidden_layers}.{MTP_GLUE.get(head, head)}{dot}{rest}"
+    return name
+
+
+def _exclusions(meta: QuantMetadata) -> tuple[str, ...]:
+    """The list TensorRT-LLM reads: ``hf_quant_config.json``'s ``exclude_modules`` where the checkpoint has one (its
+    ModelOpt loader reads that file first), else the config's."""
+    return tuple(meta.exclude_by_file.get("hf_quant_config.json", meta.exclude))
+
+
+def _layer_of(name: str) -> str | None:
+    found = _LAYER.match(name)
+    return found.group(1) if found else None
+
+
+def _whole_layer(rules: EngineRules) -> bool:
+    """DeepSeek-V3 / GLM: the MTP decoder layer's exclusion decides it whole (``_get_decoder_layer_quant_config``)."""
+    return rules.drafters.get("trtllm") in _WHOLE_LAYER_DRAFTERS
+
+
+_WHOLE_LAYER_DRAFTERS = ("DeepseekV3MTP", "Glm4MTP")
+
+
+def build(
+    module: EngineModule, engine_name: str, meta: QuantMetadata | None, rules: EngineRules, *, fixed: bool = True
+) -> tuple[bool, str, bool]:
+    """How TensorRT-LLM builds one MTP module named ``engine_name``: (quantized, why, only since PR #17051)."""
+    if meta is None:
+        return False, "the checkpoint declares no quantization", False
+    patterns = _exclusions(meta)
+    layer = _layer_of(engine_name)
+    if module.kind == "unquantized" or matches(engine_name, LM_HEADS):
+        return False, "built without a quantization config", False
+    if layer is not None and _whole_layer(rules) and excluded(layer, patterns):
+        return False, f"{layer} is excluded: the whole MTP layer is built unquantized", False
+    if module.kind == "experts" and layer is not None and not _whole_layer(rules):
+        now = experts_excluded(layer, patterns, fixed=fixed)
+        before = experts_excluded(layer, patterns, fixed=False)
+        why = f"{engine_name} is excluded" if now else f"no exclusion matches {engine_name}"
+        return not now, why, now and not before
+    if excluded(engine_name, patterns):
+        return False, f"{engine_name} is excluded", False
+    return True, f"no exclusion matches {engine_name}", False
+
+
+def build_expectation(module: EngineModule, meta: QuantMetadata | None, rules: EngineRules) -> Expectation:
+    """The engine table's hook: TensorRT-LLM's build of ``module`` under its checkpoint name (the precision search
+    does not apply TensorRT-LLM's rules: its row says ``search=False``)."""
+    q, reason, _ = build(module, module.prefix, meta, rules)
+    return Expectation(q, reason)
+
+
+def unmatched_exclusions(patterns: Sequence[str], modules: Sequence[str]) -> list[str]:
+    """The exclusion entries that match none of ``modules`` (module names, by TensorRT-LLM's matcher): what a ModelOpt
+    export wrote with a corrupt suffix once (TensorRT-LLM PR #18607), and what an engine then quantizes anyway."""
+    return [p for p in patterns if not any(excluded(m, (p,)) for m in modules)]
+
+
+# ---- what inspect says ------------------------------------------------------------------------------------------
+def _module_kind(m: ModuleReport, rules: EngineRules) -> str:
+    from mtpquant.engine.loading import engine_modules
+
+    return next((e.kind for e in engine_modules(m.members, rules) if e.prefix == m.module), "linear")
+
+
+def _not_checked(why: str) -> EngineVerdict:
+    from mtpquant.engine.verdicts import EngineVerdict
+
+    return EngineVerdict(f"{NAME}: not checked: {why}", False)
+
+
+def mtp_verdict(facts: VerdictFacts) -> EngineVerdict:
+    """TensorRT-LLM's verdict: each MTP module as it builds it (above), against what is on disk."""
+    from mtpquant.engine.verdicts import EngineVerdict
+
+    ckpt, meta = facts.ckpt, facts.meta
+    if ckpt is None:
+        return _not_checked("no checkpoint")
+    family = ckpt.spec.family
+    drafter = family.engine.drafters.get("trtllm")
+    if drafter is None:
+        return _not_checked(f"mtpquant does not reproduce {NAME}'s rules for {family.display}'s MTP")
+    if not drafter:
+        return EngineVerdict(f"{NAME}: has no MTP drafter for {family.display}", False)
+    if meta is not None and not (meta.is_modelopt and meta.algo.upper() in _ALGO_DISK):
+        return _not_checked(
+            f"mtpquant reproduces {NAME}'s MTP rules for ModelOpt {' and '.join(_ALGO_DISK)} checkpoints, not "
+            f"{meta.method} {meta.algo}"
+        )
+    n = ckpt.spec.dim("num_hidden_layers")
+    rules = family.engine
+    expects = _ALGO_DISK[meta.algo.upper()] if meta is not None else None
+    precision = facts.report["mtp_precision"]
+    older: list[str] = []
+    for m in facts.report["mtp_modules"]:
+        name = module_name(m.module, n)
+        q, why, since_fix = build(EngineModule(m.module, tuple(m.members), _module_kind(m, rules)), name, meta, rules)
+        disk = m.disk
+        if disk == "missing":
+            continue
+        if disk == "mixed":
+            return EngineVerdict(f"{NAME} will fail to load: {m.module} mixes precisions across its tensors", False)
+        if q and not is_quantized(disk):
+            layer = _layer_of(name) or name
+            return EngineVerdict(
+                f"{NAME} will fail to load: {m.module} is {disk} on disk but {NAME} builds it quantized as {name} "
+                f"({why}; its exclusions match its own names, {layer}.*): add {layer}* to the exclusions "
+                f"(mtpquant graft CHECKPOINT --fix-metadata)",
+                False,
+            )
+        if not q and is_quantized(disk):
+            return EngineVerdict(f"{NAME} will fail to load: {m.module} is {disk} on disk but {why}", False)
+        if q and expects is not None and disk != expects:
+            return EngineVerdict(
+                f"{NAME} will fail to load: {m.module} is {disk} on disk but {NAME} loads it as {expects} "
+                f"(quant_algo {meta.algo if meta else ''})",
+                False,
+            )
+        if since_fix:
+            older.append(name)
+    line = f"{NAME}: MTP loads ({precision})"
+    if older:
+        line += (
+            f"; {older[0]} stays unquantized only by the ancestor matcher of {NAME} PR #17051 (earlier releases "
+            f"take only {_layer_of(older[0])}* or {_layer_of(older[0])}.mlp.experts* and build it quantized)"
+        )
+    return EngineVerdict(line, True)
+
+
+def late_verdict(facts: VerdictFacts, verdict: str) -> str | None:
+    """Nothing replaces TensorRT-LLM's MTP verdict once the family's status is known."""
+    del facts, verdict
+    return None
+
+
+def format_refusal(meta: QuantMetadata | None) -> str | None:
+    """Formats TensorRT-LLM refuses outright are not reproduced (its MTP verdict says what is not checked)."""
+    del meta
+    return None
+
+
+def mtp_options_yaml(k: int) -> str:
+    """The ``--extra_llm_api_options`` YAML of an MTP drafting ``k`` tokens per step (``MTPDecodingConfig``:
+    ``decoding_type: MTP``, ``num_nextn_predict_layers``), in flow style so that it fits one shell line."""
+    return f"speculative_config: {{decoding_type: MTP, num_nextn_predict_layers: {k}}}"
+
+
+def serve_command(ref: str, k: int) -> str:
+    """``trtllm-serve`` with the MTP drafting ``k`` tokens per step (the options YAML written first)."""
+    return f"echo '{mtp_options_yaml(k)}' > mtp.yaml && trtllm-serve {ref} --extra_llm_api_options mtp.yaml"
+
+
+# ---- validate ---------------------------------------------------------------------------------------------------
+def cpu_sampling_note() -> str | None:
+    """TensorRT-LLM runs on GPUs only."""
+    return None
+
+
+def rule_refusal(rule: str, spec: SpecRule) -> str | None:
+    """TensorRT-LLM's MTP verifies greedily against the target (its ``MTPSampler``): ``--rule vllm`` only."""
+    del spec
+    if rule != "vllm":  # the verification rule's name (records.sampling.RULES), not an engine's
+        return f"--rule {rule}: {NAME}'s MTP verification is not reproduced by the built-in rules other than vllm"
+    return None
+
+
+def speculative_args(k: int, speculative: Mapping[str, str] | None) -> list[str]:
+    """mtpquant does not start trtllm-serve (``launch_module`` None); a caller that asks gets the options file."""
+    del speculative
+    return ["--extra_llm_api_options", mtp_options_yaml(k)]
+
+
+def text_only_args(text_only: bool) -> list[str]:
+    """Nothing to switch off."""
+    del text_only
+    return []
+
+
+def start_refusal(log_text: str) -> str | None:
+    """mtpquant does not start trtllm-serve."""
+    del log_text
+    return None
+
+
+def memory_args(mem: EngineMemory) -> list[str]:
+    """mtpquant does not start trtllm-serve: no memory arguments."""
+    del mem
+    return []
+
+
+def memory_fraction(machine: Machine, per_device: int, kv: int) -> float | None:
+    """mtpquant does not start trtllm-serve."""
+    del machine, per_device, kv
+    return None
+
+
+# ---- the server -------------------------------------------------------------------------------------------------
+PROBE_MISS = "not a TensorRT-LLM server (no /prometheus/metrics with trtllm_ metrics)"
+
+
+def probe(http: EngineHttp, generate_timeout: float) -> tuple[Any, ServerInfo] | None:
+    """Not yet a client: mtpquant does not measure through trtllm-serve in this tree."""
+    del http, generate_timeout
+    return None
+
+
+Client = None
