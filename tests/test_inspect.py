@@ -140,6 +140,7 @@ def test_modelopt_export_without_mtp_is_declared_but_missing(naive_export_factor
         assert [line for line in text if "declared but missing" in line and not line.startswith("FAIL")] == [
             "vLLM: MTP declared but missing: speculative decoding will accept nothing",
             "SGLang: MTP declared but missing: speculative decoding will accept nothing",
+            "TensorRT-LLM: MTP declared but missing: speculative decoding will accept nothing",
         ]
 
 

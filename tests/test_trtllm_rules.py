@@ -154,3 +154,30 @@ def test_the_serve_line_carries_the_mtp_options() -> None:
         "echo 'speculative_config: {decoding_type: MTP, num_nextn_predict_layers: 2}' > mtp.yaml && "
         "trtllm-serve org/quant --extra_llm_api_options mtp.yaml"
     )
+
+
+# ---- an exclusion that matches nothing (TensorRT-LLM PR #18607: a ModelOpt export's corrupt suffix) ---------------
+def test_unmatched_exclusions_by_any_engine() -> None:
+    from mtpquant.engine.loading import unmatched_exclusions
+
+    names = ["lm_head", "model.layers.0.mixer.conv1d", "mtp.layers.0.mlp.experts.0.down_proj", "model.layers.4.fc"]
+    patterns = [
+        "*.mixer.conv1d",  # matches
+        "*.mixer.conv1d_",  # the corrupt suffix: matches nothing
+        "model.layers.4*",  # TensorRT-LLM's name of the MTP layer
+        "re:.*experts\\.0\\..*",  # a regex entry that matches
+        "re:.*experts\\.9\\..*",  # and one that does not
+        "lm_head",
+    ]
+    assert unmatched_exclusions(patterns, names) == ["*.mixer.conv1d_", "re:.*experts\\.9\\..*"]
+
+
+def test_inspect_names_an_exclusion_that_matches_nothing(tiny_copy: Factory) -> None:
+    r = inspect_checkpoint(_declare(tiny_copy("qwen3_5_moe"), [*_WHOLE, "*.linear_attn.conv1d_"]))
+    notes = [f.message for f in r.warnings if "match no module" in f.message or "matches no module" in f.message]
+    assert notes == [
+        "1 exclusion matches no module of this checkpoint by any engine's rule (*.linear_attn.conv1d_): whatever "
+        "they were written for is quantized (a ModelOpt export's corrupt exclude_modules, TensorRT-LLM PR #18607)"
+    ]
+    clean = inspect_checkpoint(_declare(tiny_copy("qwen3_5"), _WHOLE))
+    assert not [f for f in clean.warnings if "no module" in f.message]

@@ -22,7 +22,13 @@ from mtpquant.checkpoint.precision import is_quantized, module_precision, table_
 from mtpquant.checkpoint.source import CheckpointSource
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.diagnose.fixes import fix_commands
-from mtpquant.engine.loading import EngineModule, Expectation, FusedShardsError, engine_modules
+from mtpquant.engine.loading import (
+    EngineModule,
+    Expectation,
+    FusedShardsError,
+    engine_modules,
+    unmatched_exclusions,
+)
 from mtpquant.engine.table import ENGINES, display
 from mtpquant.engine.verdicts import MISSING, ModuleReport, VerdictFacts, engine_verdicts, label_refusal
 from mtpquant.engine.vllm import unquantized_why, vllm_expectation
@@ -299,6 +305,20 @@ def _excluded_as(mod: EngineModule, meta: QuantMetadata | None, rules: EngineRul
         return False
 
 
+def _unmatched_exclusions(ckpt: Checkpoint, meta: QuantMetadata | None) -> list[str]:
+    """The exclusion entries (every file's) that match no module of the checkpoint, under its own names or any
+    engine's (``engine.loading.unmatched_exclusions``); the LM head counts as a module even when tied."""
+    if meta is None or not (meta.is_modelopt or meta.is_compressed_tensors):
+        return []
+    patterns = list(dict.fromkeys(p for ps in (meta.exclude, *meta.exclude_by_file.values()) for p in ps))
+    if not patterns:
+        return []
+    modules = list(dict.fromkeys(name.rpartition(".")[0] for name in ckpt.tensors))
+    mtp = [m for m in modules if ckpt.is_mtp(m)]
+    engines = [n for row in ENGINES for n in row.adapter.module_names(mtp, ckpt)]
+    return unmatched_exclusions(patterns, ["lm_head", *modules, *engines])
+
+
 def _removed_on_purpose(ckpt: Checkpoint) -> str | None:
     """``drop`` / ``extract`` when an mtpquant run removed the MTP of a checkpoint whose family has no config key to
     un-declare it (Qwen3-Next: engines assume one layer), as its provenance file records; else None."""
@@ -474,6 +494,18 @@ def _inspect(ckpt: Checkpoint, t0: float) -> InspectReport:
         use = f"graft it into a quant of its base model: mtpquant graft QUANT --from {label}"
         verdicts = {e.key: f"{e.display}: {what}; {use}" for e in ENGINES}
         serve = {}
+    dead = _unmatched_exclusions(ckpt, meta)
+    if dead:
+        shown = ", ".join(dead[:3]) + (", ..." if len(dead) > 3 else "")
+        warnings.append(
+            Finding(
+                "note",
+                f"{len(dead)} exclusion{'s' if len(dead) > 1 else ''} match{'' if len(dead) > 1 else 'es'} no "
+                f"module of this checkpoint by any engine's rule ({shown}): "
+                "whatever they were written for is quantized (a ModelOpt export's corrupt exclude_modules, "
+                "TensorRT-LLM PR #18607)",
+            )
+        )
     if meta is not None and len(set(meta.exclude_by_file.values())) > 1:
         warnings.append(
             Finding("note", "config.json and hf_quant_config.json list different exclusions; vLLM reads config.json")

@@ -42,6 +42,7 @@ __all__ = [
     "modelopt_excluded",
     "mtp_load_refusal",
     "packed_base",
+    "unmatched_exclusions",
 ]
 
 # vLLM packs checkpoint Linears into one module (the family's EngineRules.packed); the shards must agree on
@@ -356,3 +357,30 @@ def mtp_load_refusal(
         if e.quantized and expects is not None and expects != disk:
             return f"{engine} loads {module.prefix} as {expects} ({e.reason}), but it is {disk} on disk"
     return None
+
+
+_WILDCARDS = re.compile(r"[*?\[\]]+")
+
+
+def unmatched_exclusions(patterns: Sequence[str], names: Sequence[str]) -> list[str]:
+    """The exclusion entries that can match no module of ``names`` (checkpoint module names, and the engines' own
+    names of them) by any engine's rule: what a ModelOpt export once wrote with a corrupt suffix (TensorRT-LLM PR
+    #18607: the Nemotron-3-Ultra export's ``exclude_modules`` matched nothing, so the modules were quantized anyway).
+
+    Every engine's match (vLLM's and SGLang's substring or ``fnmatch``, TensorRT-LLM's ``fnmatchcase`` on a name or an
+    ancestor, a ``re:`` entry) needs each literal run of the pattern inside some name, so an entry whose longest
+    literal run is in none matches nothing anywhere; one search of the joined names per entry."""
+    blob = "\n".join(names)
+    out: list[str] = []
+    for p in patterns:
+        if p.startswith("re:"):
+            try:
+                hit = re.search(f"(?m)^(?:{p[3:]})", blob) is not None
+            except re.error:
+                hit = False
+        else:
+            literal = max(_WILDCARDS.split(p), key=len)
+            hit = literal in blob
+        if not hit:
+            out.append(p)
+    return out

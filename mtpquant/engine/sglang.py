@@ -300,6 +300,12 @@ def mtp_verdict(facts: VerdictFacts) -> EngineVerdict:
     return EngineVerdict(line, serves)
 
 
+def module_names(modules: Sequence[str], ckpt: Checkpoint) -> list[str]:
+    """SGLang's MTP keeps the checkpoint's names (one decoder layer under its own index)."""
+    del modules, ckpt
+    return []
+
+
 def late_verdict(facts: VerdictFacts, verdict: str) -> str | None:
     """A family SGLang has no MTP drafter for (``drafters["sglang"] == ""``) says so, whatever its MTP holds."""
     del verdict

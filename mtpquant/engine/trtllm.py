@@ -5,10 +5,10 @@ The rules, from NVIDIA/TensorRT-LLM's source (never imported):
 
 - **Exclusions match TensorRT-LLM's own module names, by ancestor.**
   ``QuantConfig.is_module_excluded_from_quantization`` (``tensorrt_llm/models/modeling_utils.py``) walks the
-  module's name and every ancestor (split on ``.``) and tests each against every ``exclude_modules`` entry: ``fnmatch.fnmatchcase``, a ``re:`` entry by ``re.fullmatch``, and a
-  trailing ``.*`` also matching the parent itself (so ``model.layers.61``, ``model.layers.61*`` and
-  ``model.layers.61.*`` all exclude the whole layer). Before PR #13844 the name alone was tested with
-  ``fnmatchcase`` (``ancestors=False`` below).
+  module's name and every ancestor (split on ``.``) and tests each against every ``exclude_modules`` entry:
+  ``fnmatch.fnmatchcase``, a ``re:`` entry by ``re.fullmatch``, and a trailing ``.*`` also matching the parent
+  itself (so ``model.layers.61``, ``model.layers.61*`` and ``model.layers.61.*`` all exclude the whole layer).
+  Before PR #13844 the name alone was tested with ``fnmatchcase`` (``ancestors=False`` below).
 - **The MTP's modules are named as TensorRT-LLM builds them.** Qwen3.5 / Qwen3-Next (``Qwen3NextMTP``,
   ``_torch/models/modeling_qwen3_next.py``): ``Qwen3NextHfWeightMapper.preprocess_weights``
   (``_torch/models/checkpoints/hf/qwen3_next_weight_mapper.py``) renames ``mtp.layers.<i>.X`` to
@@ -46,6 +46,7 @@ from mtpquant.families import EngineRules, matches
 from mtpquant.formats.quant_config import QuantMetadata
 
 if TYPE_CHECKING:
+    from mtpquant.checkpoint.table import Checkpoint
     from mtpquant.engine.http import EngineHttp
     from mtpquant.engine.server import ServerInfo
     from mtpquant.engine.sizing import EngineMemory, Machine
@@ -57,7 +58,6 @@ __all__ = [
     "excluded",
     "experts_excluded",
     "module_name",
-    "unmatched_exclusions",
 ]
 
 log = logging.getLogger(__name__)
@@ -100,6 +100,12 @@ def experts_excluded(layer: str, patterns: Sequence[str], *, fixed: bool = True)
     if fixed:
         return excluded(f"{layer}.mlp.experts", patterns)
     return any(p in (f"{layer}*", f"{layer}.mlp.experts*") for p in patterns)
+
+
+def module_names(modules: Sequence[str], ckpt: Checkpoint) -> list[str]:
+    """The MTP ``modules`` as TensorRT-LLM names them, where that differs (``module_name``)."""
+    n = ckpt.spec.dim("num_hidden_layers") if any(m.startswith("mtp.") for m in modules) else 0
+    return [module_name(m, n) for m in modules if m.startswith("mtp.")]
 
 
 def module_name(name: str, num_hidden_layers: int) -> str:
@@ -161,12 +167,6 @@ def build_expectation(module: EngineModule, meta: QuantMetadata | None, rules: E
     does not apply TensorRT-LLM's rules: its row says ``search=False``)."""
     q, reason, _ = build(module, module.prefix, meta, rules)
     return Expectation(q, reason)
-
-
-def unmatched_exclusions(patterns: Sequence[str], modules: Sequence[str]) -> list[str]:
-    """The exclusion entries that match none of ``modules`` (module names, by TensorRT-LLM's matcher): what a ModelOpt
-    export wrote with a corrupt suffix once (TensorRT-LLM PR #18607), and what an engine then quantizes anyway."""
-    return [p for p in patterns if not any(excluded(m, (p,)) for m in modules)]
 
 
 # ---- what inspect says ------------------------------------------------------------------------------------------

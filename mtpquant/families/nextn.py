@@ -296,10 +296,9 @@ def _family(key: str, display: str, model_types: set[str], archs: set[str], mtp:
     )
 
 
-def _engine(
-    packed: Mapping[str, tuple[str, ...]], vllm: str, sglang: str, trtllm: str | None = None, **kw: Any
-) -> EngineRules:
-    """The family's engine rules; ``trtllm``: TensorRT-LLM's MTP class where mtpquant reproduces its rules."""
+def _engine(packed: Mapping[str, tuple[str, ...]], vllm: str, sglang: str, **kw: Any) -> EngineRules:
+    """The family's engine rules; ``trtllm=``: TensorRT-LLM's MTP class where mtpquant reproduces its rules."""
+    trtllm = kw.pop("trtllm", None)
     return EngineRules(
         packed=packed,
         built_unquantized=kw.pop("built_unquantized", _NEXTN_UNQUANTIZED),
@@ -321,7 +320,7 @@ DEEPSEEK_V3 = _family(
          engine_rename=_layer_rename(_MODEL_LAYER),
          appended=AppendedForward("deepseek_v3", "DeepseekV3", recycle_normed=True)),
     # TensorRT-LLM: DeepseekV3MTP (_torch/models/modeling_deepseekv3.py)
-    _engine(_DEEPSEEK_PACKED, "DeepSeekMTPModel", "DeepseekV3ForCausalLMNextN", "DeepseekV3MTP",
+    _engine(_DEEPSEEK_PACKED, "DeepSeekMTPModel", "DeepseekV3ForCausalLMNextN", trtllm="DeepseekV3MTP",
             missing_mtp_error=_COMPLETENESS),
     "DeepseekV3ForCausalLM",
     unquantized=_MLA_UNQUANTIZED,
@@ -378,7 +377,8 @@ GLM4_MOE = _family(
     _mtp(glm4_moe_shapes, copies=COPIES, engine_rename=_layer_rename(_MODEL_LAYER),
          appended=AppendedForward("glm4_moe", "Glm4Moe", recycle_normed=False)),
     # TensorRT-LLM: Glm4MTP (_torch/models/modeling_glm.py)
-    _engine(_GLM_PACKED, "Glm4MoeMTPModel", "Glm4MoeForCausalLMNextN", "Glm4MTP", head_from_target="shared_head.head"),
+    _engine(_GLM_PACKED, "Glm4MoeMTPModel", "Glm4MoeForCausalLMNextN", trtllm="Glm4MTP",
+            head_from_target="shared_head.head"),
     "Glm4MoeForCausalLM",
     lineage_keys=("head_dim", "n_routed_experts", "n_shared_experts", "first_k_dense_replace", "use_qk_norm",
                   "attention_bias"),
