@@ -83,6 +83,12 @@ class Completion:
     prompt: tuple[int, ...]
     tokens: tuple[int, ...]
     finish_reason: str | None
+    count: int | None = None  # tokens generated, where the server counts them without returning their ids
+
+    @property
+    def generated(self) -> int:
+        """Tokens generated."""
+        return self.count if self.count is not None else len(self.tokens)
 
 
 @dataclass(frozen=True)
@@ -93,11 +99,12 @@ class DraftCounts:
     drafted: int
     accepted: int
     accepted_per_position: tuple[int, ...]  # position i: steps whose first i+1 drafts were all accepted
+    positions: int | None = None  # k, where the engine counts no acceptance per position (TensorRT-LLM)
 
     @property
     def k(self) -> int:
-        """Draft positions counted."""
-        return len(self.accepted_per_position)
+        """Draft positions per step (those counted, or the k the engine states)."""
+        return self.positions if self.positions is not None else len(self.accepted_per_position)
 
 
 @dataclass(frozen=True)

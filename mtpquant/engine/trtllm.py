@@ -38,26 +38,31 @@ import fnmatch
 import logging
 import re
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, NamedTuple
 
 from mtpquant.checkpoint.precision import is_quantized
+from mtpquant.engine.http import EngineClientBase as _ClientBase
 from mtpquant.engine.loading import LM_HEADS, EngineModule, Expectation
+from mtpquant.errors import EngineAnswerError, EngineSpecDecodeError
 from mtpquant.families import EngineRules, matches
 from mtpquant.formats.quant_config import QuantMetadata
 
 if TYPE_CHECKING:
     from mtpquant.checkpoint.table import Checkpoint
     from mtpquant.engine.http import EngineHttp
-    from mtpquant.engine.server import ServerInfo
+    from mtpquant.engine.server import Completion, DraftCounts, EngineRun, RunRequest, ServerInfo
     from mtpquant.engine.sizing import EngineMemory, Machine
     from mtpquant.engine.verdicts import EngineVerdict, ModuleReport, VerdictFacts
-    from mtpquant.records.sampling import SpecRule
+    from mtpquant.records.sampling import SamplingSettings, SpecRule
 
 __all__ = [
     "MTP_GLUE",
+    "TrtllmClient",
+    "TrtllmCounters",
     "excluded",
     "experts_excluded",
     "module_name",
+    "parse_metrics",
 ]
 
 log = logging.getLogger(__name__)
@@ -308,13 +313,197 @@ def memory_fraction(machine: Machine, per_device: int, kv: int) -> float | None:
 
 
 # ---- the server -------------------------------------------------------------------------------------------------
+# trtllm-serve (tensorrt_llm/serve/openai_server.py, its metrics from tensorrt_llm/metrics/collector.py
+# MetricsCollector, every name prefixed trtllm_ and labelled with the server's labels, model_name among them):
+# /prometheus/metrics carries iteration-level cumulative counters of drafted and accepted tokens and the finished
+# requests; nothing per request and nothing per draft position (#19311 asks for more). So a measurement reads them
+# before and after its requests (a dedicated run: other traffic meanwhile is counted in, and reported), and reports
+# AL = 1 + accepted / steps with steps = drafted / k (an MTP step drafts its k tokens), acceptance = accepted /
+# drafted; no acceptance per position.
+METRICS = "/prometheus/metrics"
+_DRAFTED = "trtllm_spec_decode_num_draft_tokens_total"
+_ACCEPTED = "trtllm_spec_decode_num_accepted_tokens_total"
+_FINISHED = "trtllm_request_success_total"
+_SPEC_INFO = "trtllm_speculative_config_info"
+# labels of the speculative info metric that state the draft length (MTPDecodingConfig / DecodingBaseConfig names)
+_K_LABELS = ("num_nextn_predict_layers", "max_draft_len")
+_SETTLE_S = 10.0  # how long the iteration-level counters may lag the last answer (they are logged per iteration)
 PROBE_MISS = "not a TensorRT-LLM server (no /prometheus/metrics with trtllm_ metrics)"
+SPEC_HINT = "start it with --extra_llm_api_options holding " + mtp_options_yaml(3).replace("3}", "K}")
 
 
-def probe(http: EngineHttp, generate_timeout: float) -> tuple[Any, ServerInfo] | None:
-    """Not yet a client: mtpquant does not measure through trtllm-serve in this tree."""
-    del http, generate_timeout
-    return None
+def _samples(text: str) -> list[tuple[str, dict[str, str], float]]:
+    from mtpquant.engine.counters import samples
+
+    return samples(text)
 
 
-Client = None
+class TrtllmCounters(NamedTuple):
+    """The cumulative counters of one model at one moment."""
+
+    drafted: float
+    accepted: float
+    finished: float
+    k: int | None  # the draft length the speculative info metric states (None: not stated)
+    spec: bool  # the server exports speculative-decoding counters at all
+
+
+def parse_metrics(text: str, model: str | None) -> TrtllmCounters:
+    """The counters in a ``/prometheus/metrics`` body, for ``model`` (samples without a model label count too: a
+    server started without one). ValueError when it is not Prometheus text."""
+    every = _samples(text)
+    mine = [(n, labels, v) for n, labels, v in every if model is None or labels.get("model_name", model) == model]
+
+    def total(name: str) -> float:
+        return sum(v for n, _, v in mine if n == name)
+
+    k = None
+    for n, labels, _ in mine:
+        if n == _SPEC_INFO:
+            k = next((int(labels[x]) for x in _K_LABELS if labels.get(x, "").isdigit()), None)
+    spec = any(n in (_DRAFTED, _ACCEPTED, _SPEC_INFO) for n, _, _ in mine)
+    return TrtllmCounters(total(_DRAFTED), total(_ACCEPTED), total(_FINISHED), k, spec)
+
+
+def is_trtllm(http: EngineHttp) -> str | None:
+    """The metrics text of a TensorRT-LLM server (its ``/prometheus/metrics`` has ``trtllm_`` metrics), or None."""
+    from mtpquant.engine.http import METRICS_CAP
+
+    resp = http.request("GET", METRICS, limit=METRICS_CAP)
+    if resp.status_code != 200 or "trtllm_" not in resp.text:
+        return None
+    return resp.text
+
+
+class TrtllmClient(_ClientBase):
+    """Talks to one ``trtllm-serve`` at ``url``: its OpenAI routes for the requests, its Prometheus counters for AL."""
+
+    engine = "trtllm"
+
+    def info(self) -> ServerInfo:
+        """``/version``, ``/v1/models`` and the draft length its speculative info metric states."""
+        from mtpquant.engine.server import ServerInfo, SpecConfig
+
+        text = is_trtllm(self.http)
+        if text is None:
+            raise EngineAnswerError(f"{self.url}: {PROBE_MISS}")
+        version = self.http.json("/version", what="a TensorRT-LLM")
+        models = self.http.json("/v1/models", what="a TensorRT-LLM OpenAI")
+        data = models.get("data") if isinstance(models, dict) else None
+        if not isinstance(data, list) or not data:
+            raise EngineAnswerError(f"{self.url}/v1/models: no model listed")
+        ids = tuple(str(m.get("id")) for m in data if isinstance(m, dict))
+        k = parse_metrics(text, ids[0]).k
+        spec = SpecConfig("MTP", k) if k is not None else None
+        stated = version.get("version") if isinstance(version, dict) else None
+        return ServerInfo(self.url, "trtllm", str(stated or "unknown"), ids, None, spec)
+
+    def server_args(self) -> tuple[str, ...]:
+        """trtllm-serve does not state its launch arguments over HTTP."""
+        return ()
+
+    def counters(self, model: str) -> TrtllmCounters:
+        """The cumulative counters now."""
+        from mtpquant.engine.http import METRICS_CAP
+
+        resp = self.http.request("GET", METRICS, limit=METRICS_CAP)
+        if resp.status_code != 200:
+            raise EngineAnswerError(f"{self.url}{METRICS}: HTTP {resp.status_code}")
+        try:
+            return parse_metrics(resp.text, model)
+        except ValueError as exc:
+            raise EngineAnswerError(f"{self.url}{METRICS}: not Prometheus text ({exc})") from None
+
+    def _settled(self, model: str, before: TrtllmCounters, finished: int) -> TrtllmCounters:
+        """The counters once they count ``finished`` more finished requests than ``before`` (they are logged per
+        iteration, after the answers), or as they are after ``_SETTLE_S`` seconds."""
+        import time
+
+        deadline = time.monotonic() + _SETTLE_S
+        while True:
+            now = self.counters(model)
+            if now.finished - before.finished >= finished or time.monotonic() > deadline:
+                return now
+            time.sleep(0.05)
+
+    def complete(
+        self, model: str, prompts: Sequence[Sequence[int]], max_tokens: Sequence[int], sampling: SamplingSettings,
+        *, concurrency: int = 1, indices: Sequence[int] | None = None,
+    ) -> list[Completion]:
+        """``/v1/completions`` of token-id prompts (``ignore_eos``), one request each, ``concurrency`` in flight."""
+        from mtpquant.engine.server import Completion
+
+        def one(http: EngineHttp, item: tuple[int, Sequence[int], int]) -> Completion:
+            i, ids, n = item
+            payload = {
+                "model": model,
+                "prompt": [int(t) for t in ids],
+                "max_tokens": int(n),
+                "ignore_eos": True,
+                **sampling.for_prompt(i).vllm_fields(),  # temperature, top_p, top_k, seed: the OpenAI fields
+            }
+            body = http.json("/v1/completions", payload=payload, timeout=self.generate_timeout, what="a TensorRT-LLM")
+            try:
+                choice = body["choices"][0]
+                usage = int(body["usage"]["completion_tokens"])
+            except (KeyError, IndexError, TypeError, ValueError):
+                raise EngineAnswerError(f"{self.url}/v1/completions: no choice and usage in the answer") from None
+            ids_out = choice.get("token_ids") if isinstance(choice, dict) else None
+            tokens = tuple(int(t) for t in ids_out) if isinstance(ids_out, list) else ()
+            return Completion(tuple(int(t) for t in ids), tokens, choice.get("finish_reason"), usage)
+
+        numbers = indices if indices is not None else range(len(prompts))
+        return self.each([(i, ids, n) for i, ids, n in zip(numbers, prompts, max_tokens)], one, concurrency)
+
+    def run(self, request: RunRequest, info: ServerInfo) -> EngineRun:
+        """The completions, and the counter deltas around each group: AL only (no acceptance per position)."""
+        from mtpquant.engine.server import DraftCounts, EngineRun
+
+        k = info.speculative.k if info.speculative is not None else None
+        if k is None or k < 1:
+            raise EngineSpecDecodeError(
+                f"{self.url}: {info.display} states no MTP draft length ({_SPEC_INFO} with "
+                f"{' or '.join(_K_LABELS)}): {SPEC_HINT}"
+            )
+        model = request.model
+        start = before = self.counters(model)
+        completions: dict[int, Completion] = {}
+        parts: list[DraftCounts] = []
+
+        def counts(after: TrtllmCounters, prior: TrtllmCounters) -> DraftCounts:
+            drafted = round(after.drafted - prior.drafted)
+            return DraftCounts(drafted // k, drafted, round(after.accepted - prior.accepted), (), positions=k)
+
+        for group in request.split():
+            done = self.complete(
+                model,
+                [request.prompts[i] for i in group],
+                [request.max_tokens[i] for i in group],
+                request.sampling,
+                concurrency=request.concurrency,
+                indices=group,
+            )
+            completions.update(zip(group, done))
+            after = self._settled(model, before, len(group))
+            parts.append(counts(after, before))
+            before = after
+        total = counts(before, start)
+        if total.steps <= 0:
+            what = "exports no speculative-decoding counters" if not before.spec else "did not draft"
+            raise EngineSpecDecodeError(
+                f"{self.url}: {model} {what} during {len(completions)} requests: MTP speculative decoding is not "
+                f"configured ({SPEC_HINT})"
+            )
+        other = max(0, round(before.finished - start.finished) - len(completions))
+        return EngineRun(model, request.ordered(completions), total, other, True, tuple(parts))
+
+
+def probe(http: EngineHttp, generate_timeout: float) -> tuple[TrtllmClient, ServerInfo] | None:
+    """The client of the server behind ``http`` and what it says, when it is TensorRT-LLM; else None."""
+    if is_trtllm(http) is None:
+        return None
+    client = TrtllmClient(http.url, generate_timeout=generate_timeout, http=http)
+    return client, client.info()
+
+
+Client = TrtllmClient

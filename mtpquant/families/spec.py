@@ -279,8 +279,8 @@ class ModelSpec:
         """The exclusion patterns that cover the whole MTP of ``layers`` depths (default: the declared depth) in
         every form the engines match, as (ModelOpt ``exclude_modules`` / ``ignore`` patterns, compressed-tensors
         ``ignore`` patterns): ``mtp*`` and ``re:^mtp\\..*`` for the ``mtp.`` namespace, with TensorRT-LLM's
-        ``model.layers.<num_hidden_layers + i>*`` where it drafts the family (``engine/trtllm.py``); one per appended layer,
-        ``model.layers.61*``, plus the engine's own form of the name where its draft renames the layer
+        ``model.layers.<num_hidden_layers + i>*`` where it drafts the family (``engine/trtllm.py``); one per
+        appended layer, ``model.layers.61*``, plus the engine's own form of the name where its draft renames the layer
         (GLM-5.3-Flash: ``model.language_model.layers.45*`` and ``model.layers.45*``)."""
         names = self.mtp_names
         if names.kind != APPENDED:

@@ -264,7 +264,7 @@ def _side(
     plan: Sequence[PlannedSequence],
 ) -> Side:
     first = measured[0]
-    generated = sum(len(c.tokens) for c in first.measurement.completions)
+    generated = sum(c.generated for c in first.measurement.completions)
     prompt_tokens = sum(len(c.prompt) for c in first.measurement.completions)
     by_sampling = tuple(_acceptance(opts, measured, i, plan) for i in range(len(first.measurements)))
     return Side(
