@@ -48,7 +48,7 @@ def test_recognises_trtllm_first() -> None:
         assert info.display == f"TensorRT-LLM {VERSION}"
         assert info.speculative is not None and info.speculative.k == 2
         # its own route first: its /version answers as vLLM's does
-        assert [p for _, p, _ in server.requests][0] == "/prometheus/metrics"
+        assert server.requests[0][1] == "/prometheus/metrics"
 
 
 def test_validate_through_trtllm(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

@@ -8,8 +8,8 @@ counters read before and after each group (other traffic meanwhile is counted in
 per-request counters summed (exactly these requests), TensorRT-LLM's cumulative counters read around the run
 (AL and the acceptance rate only: it counts nothing per draft position). Either way: AL = 1 + accepted / verify
 steps, acceptance rate = accepted / drafted tokens, and per draft position i, accepted_i / verify steps (every step
-drafts all k). Each group is a sampling unit of the confidence intervals (``evidence.UnitCounts``; one prompt per unit at
-``concurrency`` 1).
+drafts all k). Each group is a sampling unit of the confidence intervals (``evidence.UnitCounts``; one prompt per
+unit at ``concurrency`` 1).
 """
 
 from __future__ import annotations
