@@ -336,3 +336,22 @@ def test_inspect_does_not_import_torch() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]
+
+
+def test_inspect_imports_only_its_own_command() -> None:
+    """``mtpquant inspect`` (and its ``--help``) builds a parser with its command alone: no other command's settings,
+    recipes or schema, no engine client's threads, and no text renderer for ``--json``."""
+    import subprocess
+    import sys
+
+    from mtpquant.cli import _command_of
+
+    assert _command_of(["-q", "inspect", "X"]) == "inspect" and _command_of(["--version"]) is None
+    assert _command_of(["bogus", "inspect"]) is None  # not a command: every one is registered (argparse's error)
+    code = (
+        "import sys, mtpquant.cli as c; p = c.build_parser('inspect'); p.parse_args(['inspect', 'X', '--json']); "
+        "print(sorted(m for m in ('mtpquant.search.settings', 'mtpquant.recipes', 'mtpquant.render', 'pydantic', "
+        "'concurrent.futures', 'mtpquant.cli.convert_cmd') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
