@@ -313,10 +313,11 @@ def _unmatched_exclusions(ckpt: Checkpoint, meta: QuantMetadata | None) -> list[
     patterns = list(dict.fromkeys(p for ps in (meta.exclude, *meta.exclude_by_file.values()) for p in ps))
     if not patterns:
         return []
-    modules = list(dict.fromkeys(name.rpartition(".")[0] for name in ckpt.tensors))
-    mtp = [m for m in modules if ckpt.is_mtp(m)]
+    # tensor names stand for their modules (a module's name starts each of its tensors'): already in order, as a
+    # checkpoint's index lists them, they sort in one pass
+    mtp = list(dict.fromkeys(e.name.rpartition(".")[0] for e in ckpt.mtp_tensors()))
     engines = [n for row in ENGINES for n in row.adapter.module_names(mtp, ckpt)]
-    return unmatched_exclusions(patterns, ["lm_head", *modules, *engines])
+    return unmatched_exclusions(patterns, [*ckpt.tensors, "lm_head", *engines])
 
 
 def _removed_on_purpose(ckpt: Checkpoint) -> str | None:

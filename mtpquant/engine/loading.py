@@ -369,18 +369,25 @@ def unmatched_exclusions(patterns: Sequence[str], names: Sequence[str]) -> list[
 
     Every engine's match (vLLM's and SGLang's substring or ``fnmatch``, TensorRT-LLM's ``fnmatchcase`` on a name or an
     ancestor, a ``re:`` entry) needs each literal run of the pattern inside some name, so an entry whose longest
-    literal run is in none matches nothing anywhere; one search of the joined names per entry."""
-    blob = "\n".join(names)
+    literal run is in none matches nothing anywhere. Most runs are a name's start (found by bisection in the sorted
+    names); the others are looked for in the joined names, joined only when one is."""
+    ordered = sorted(names)
+    blob: str | None = None
     out: list[str] = []
     for p in patterns:
         if p.startswith("re:"):
+            blob = blob if blob is not None else "\n".join(ordered)
             try:
                 hit = re.search(f"(?m)^(?:{p[3:]})", blob) is not None
             except re.error:
                 hit = False
         else:
             literal = max(_WILDCARDS.split(p), key=len)
-            hit = literal in blob
+            i = bisect.bisect_left(ordered, literal)
+            hit = i < len(ordered) and ordered[i].startswith(literal)
+            if not hit:
+                blob = blob if blob is not None else "\n".join(ordered)
+                hit = literal in blob
         if not hit:
             out.append(p)
     return out
