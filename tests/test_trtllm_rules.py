@@ -98,10 +98,17 @@ def _meta(exclude: list[str]):  # type: ignore[no-untyped-def]
 
 
 # ---- verdicts on checkpoints ---------------------------------------------------------------------------------------
+def _has_visual(path: Path) -> bool:
+    index = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    return any(name.startswith("model.visual.") for name in index)
+
+
 def _declare(path: Path, exclude: list[str]) -> Path:
     """The tiny BF16 Qwen3.5 MoE declared a ModelOpt NVFP4 checkpoint excluding ``exclude`` (its MTP stays BF16)."""
     config = json.loads((path / "config.json").read_text())
-    cfg, hfq = modelopt_nvfp4_metadata(config, exclude)
+    # the trunk stays BF16 too, excluded as a whole: the main model consistent, so only the MTP is in question
+    trunk = ["lm_head", "model.language_model*", *(["model.visual*"] if _has_visual(path) else [])]
+    cfg, hfq = modelopt_nvfp4_metadata(config, [*trunk, *exclude])
     (path / "config.json").write_text(json.dumps(cfg))
     (path / "hf_quant_config.json").write_text(json.dumps(hfq))
     return path
@@ -181,3 +188,18 @@ def test_inspect_names_an_exclusion_that_matches_nothing(tiny_copy: Factory) -> 
     ]
     clean = inspect_checkpoint(_declare(tiny_copy("qwen3_5"), _WHOLE))
     assert not [f for f in clean.warnings if "no module" in f.message]
+
+
+def test_a_main_model_that_does_not_load_is_said_first(tiny_copy: Factory) -> None:
+    """The same BF16 MTP, excluded in TensorRT-LLM's names, in a checkpoint declaring its BF16 trunk NVFP4: the MTP
+    would load, the model does not (inspect's main-model finding)."""
+    path = tiny_copy("qwen3_5_moe")
+    cfg, hfq = modelopt_nvfp4_metadata(json.loads((path / "config.json").read_text()), _WHOLE)
+    (path / "config.json").write_text(json.dumps(cfg))
+    (path / "hf_quant_config.json").write_text(json.dumps(hfq))
+    r = inspect_checkpoint(path)
+    assert r.verdicts["trtllm"] == (
+        "TensorRT-LLM will fail to load: the main model's metadata disagrees with its tensors (lm_head is BF16 on "
+        "disk but declared quantized)"
+    )
+    assert "trtllm" not in r.serve_commands

@@ -246,9 +246,12 @@ def mtp_verdict(facts: VerdictFacts) -> EngineVerdict:
 
 
 def late_verdict(facts: VerdictFacts, verdict: str) -> str | None:
-    """Nothing replaces TensorRT-LLM's MTP verdict once the family's status is known."""
-    del facts, verdict
-    return None
+    """Where the MTP would load but the main model's metadata disagrees with its tensors (inspect's main-model
+    findings), TensorRT-LLM does not load the checkpoint either: the first finding replaces the verdict."""
+    if not facts.main_findings or not verdict.startswith(f"{NAME}: MTP loads"):
+        return None
+    first = facts.main_findings[0].split("will fail to load: ", 1)[-1]
+    return f"{NAME} will fail to load: the main model's metadata disagrees with its tensors ({first})"
 
 
 def format_refusal(meta: QuantMetadata | None) -> str | None:
