@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mtpquant.checkpoint.precision import linears_text
-from mtpquant.engine.server import ENGINE_NAMES
+from mtpquant.engine.table import display as engine_display
 from mtpquant.records.table import acceptance_table
 from mtpquant.records.validation import Report, sides
 from mtpquant.units import format_bytes
@@ -63,7 +63,7 @@ def inspect_text(r: InspectReport) -> str:
         ("checkpoint", r.checkpoint),
         ("family", f"{r.family} ({r.architecture})"),
         *(
-            [("drafter", ", ".join(f"{ENGINE_NAMES.get(e, e)} {c or '(none)'}" for e, c in r.drafters.items()))]
+            [("drafter", ", ".join(f"{engine_display(e)} {c or '(none)'}" for e, c in r.drafters.items()))]
             if r.drafters
             else []
         ),
@@ -137,7 +137,7 @@ def inspect_text(r: InspectReport) -> str:
     lines += [f"fix   {command}" for command in r.fixes]
     if r.serve_commands:
         lines.append("")
-        lines += [f"serve ({ENGINE_NAMES.get(engine, engine)}): {cmd}" for engine, cmd in r.serve_commands.items()]
+        lines += [f"serve ({engine_display(engine)}): {cmd}" for engine, cmd in r.serve_commands.items()]
     lines.append("")
     lines.append("verdict: healthy" if r.healthy else f"verdict: {len(r.failures)} problem(s)")
     return "\n".join(lines)
@@ -282,7 +282,7 @@ def _merged_verdicts(verdicts: Mapping[str, str]) -> list[str]:
     """One line per distinct verdict: ``vLLM, SGLang: no MTP declared ...`` instead of the same words twice."""
     by_text: dict[str, list[str]] = {}
     for engine, verdict in verdicts.items():
-        name = ENGINE_NAMES.get(engine, engine)
+        name = engine_display(engine)
         body = verdict[len(name) + 2 :] if verdict.startswith(name + ": ") else None
         by_text.setdefault(body if body is not None else verdict, []).append(name if body is not None else "")
     return [f"{', '.join(names)}: {text}" if all(names) else text for text, names in by_text.items()]
@@ -470,7 +470,7 @@ def acceptance_text(report: Report) -> str:
     for e in report.engine:
         which = f"{e.side}: " if e.side and report.candidate is not None else ""
         lines.append(
-            f"engine: {which}{ENGINE_NAMES.get(e.name, e.name)} {e.version} at {e.url}, model {e.model}, "
+            f"engine: {which}{engine_display(e.name)} {e.version} at {e.url}, model {e.model}, "
             f"k={e.k} ({e.k_source})"
         )
     if report.predicted:

@@ -21,7 +21,8 @@ import pytest
 
 from mtpquant.api import ConvertOptions, GraftOptions, ValidateOptions, convert, graft, inspect_checkpoint, validate
 from mtpquant.cli import main as cli
-from mtpquant.engine.launch import ENGINE_MODULES, free_port
+from mtpquant.engine.launch import free_port
+from mtpquant.engine.table import engine as engine_row
 from mtpquant.errors import ExitCode
 from mtpquant.synth.train import TINY_MTP_ASSET
 from tests.support.engine import CONCURRENCY, CPU_ENV, EnginePool
@@ -525,7 +526,7 @@ def test_engine_that_fails_to_start_names_its_log(
     # started through the entry point vLLM supports: its log warned that `python -m vllm.entrypoints.openai.api_server`
     # "is deprecated and may be removed in a future release"
     text = log.read_text()
-    assert text.split()[1:3] == ["-m", ENGINE_MODULES["vllm"]] and "deprecated" not in text
+    assert text.split()[1:3] == ["-m", engine_row("vllm").launch_module] and "deprecated" not in text
 
 
 def _requests_running(port: int) -> bool:
@@ -604,7 +605,7 @@ def test_ctrl_c_leaves_no_server_behind(
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == ExitCode.INTERRUPTED, err
     assert err.strip().splitlines()[-1] == "mtpquant: interrupted; no output was left behind"
-    pattern = f"{ENGINE_MODULES['vllm']} --model {outputs['keep']} --host 127.0.0.1 --port {port} "
+    pattern = f"{engine_row('vllm').launch_module} --model {outputs['keep']} --host 127.0.0.1 --port {port} "
     for _ in range(60):  # the server and its engine-core workers are gone
         alive = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split()
         if not alive:

@@ -105,7 +105,11 @@ def test_compressed_tensors_matching() -> None:
 def test_bf16_source_is_healthy(tiny_factory: Factory) -> None:
     r = inspect_checkpoint(tiny_factory("qwen3_5_moe"))
     assert r.healthy and r.exit_code(strict=True) == 0
-    assert r.verdicts == {"vllm": "vLLM: MTP loads (BF16)", "sglang": "SGLang: MTP loads (BF16)"}
+    assert r.verdicts == {
+        "vllm": "vLLM: MTP loads (BF16)",
+        "sglang": "SGLang: MTP loads (BF16)",
+        "trtllm": "TensorRT-LLM: MTP loads (BF16)",
+    }
     assert r.mtp_present_tensors == r.mtp_expected_tensors == 29
     assert '"num_speculative_tokens":3' in r.serve_commands["vllm"]
     assert "--speculative-algorithm NEXTN" in r.serve_commands["sglang"]
@@ -138,6 +142,7 @@ def test_modelopt_export_without_mtp_is_declared_but_missing(naive_export_factor
         assert [line for line in text if "declared but missing" in line and not line.startswith("FAIL")] == [
             "vLLM: MTP declared but missing: speculative decoding will accept nothing",
             "SGLang: MTP declared but missing: speculative decoding will accept nothing",
+            "TensorRT-LLM: MTP declared but missing: speculative decoding will accept nothing",
         ]
 
 
@@ -333,3 +338,22 @@ def test_inspect_does_not_import_torch() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]
+
+
+def test_inspect_imports_only_its_own_command() -> None:
+    """``mtpquant inspect`` (and its ``--help``) builds a parser with its command alone: no other command's settings,
+    recipes or schema, no engine client's threads, and no text renderer for ``--json``."""
+    import subprocess
+    import sys
+
+    from mtpquant.cli import _command_of
+
+    assert _command_of(["-q", "inspect", "X"]) == "inspect" and _command_of(["--version"]) is None
+    assert _command_of(["bogus", "inspect"]) is None  # not a command: every one is registered (argparse's error)
+    code = (
+        "import sys, mtpquant.cli as c; p = c.build_parser('inspect'); p.parse_args(['inspect', 'X', '--json']); "
+        "print(sorted(m for m in ('mtpquant.search.settings', 'mtpquant.recipes', 'mtpquant.render', 'pydantic', "
+        "'concurrent.futures', 'mtpquant.cli.convert_cmd') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

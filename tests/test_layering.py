@@ -26,17 +26,31 @@ def _room(module: str) -> str:
     return parts[1] if len(parts) > 1 else ""
 
 
-def _imports(path: Path) -> set[str]:
-    """Every ``mtpquant`` module or package this file imports, anywhere in it."""
+def _package_of(path: Path) -> str:
+    """The package a file is in (``mtpquant/cli/x.py`` -> ``mtpquant.cli``; ``mtpquant/cli/__init__.py`` too)."""
+    rel = path.resolve().relative_to(PACKAGE.parent) if path.resolve().is_relative_to(PACKAGE.parent) else None
+    return ".".join(rel.parent.parts) if rel is not None else "mtpquant"
+
+
+def _imports(path: Path, package: str | None = None) -> set[str]:
+    """Every ``mtpquant`` module or package this file imports, anywhere in it; a relative import resolved against
+    the file's package (``package``: as if the file were in that one), ``from . import x`` as the module ``x``."""
     found: set[str] = set()
+    here = package if package is not None else _package_of(path)
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names if a.name.startswith("mtpquant."))
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            if node.module == "mtpquant":
-                found.update(f"mtpquant.{a.name}" for a in node.names)
-            elif node.module.startswith("mtpquant."):
-                found.add(node.module)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = here.split(".")
+                base = ".".join(parts[: len(parts) - (node.level - 1)])
+                module = f"{base}.{node.module}" if node.module else base
+            else:
+                module = node.module or ""
+            if module == "mtpquant" or (node.level and not node.module):
+                found.update(f"{module}.{a.name}" for a in node.names)
+            elif module.startswith("mtpquant."):
+                found.add(module)
     return found
 
 
@@ -78,3 +92,26 @@ def test_the_rule_is_read_from_real_imports(tmp_path: Path) -> None:
     )
     assert _imports(path) == {"mtpquant.graft.run", "mtpquant.heal.options", "mtpquant.validate",
                               "mtpquant.records.validation"}
+
+
+def _commands_imported(path: Path) -> set[str]:
+    """The other ``cli/*_cmd`` modules a ``cli/*_cmd.py`` file imports (absolute or relative)."""
+    mine = f"mtpquant.cli.{path.stem}"
+    return {m for m in _imports(path) if m.startswith("mtpquant.cli.") and m.endswith("_cmd") and m != mine}
+
+
+def test_no_cli_command_module_imports_another() -> None:
+    """The floor rule reaches the CLI: a command's module (``cli/*_cmd.py``) imports no other command's; what two
+    share lives in a module of its own (``cli/heal_args.py``, ``cli/search_args.py``)."""
+    modules = sorted((PACKAGE / "cli").glob("*_cmd.py"))
+    assert len(modules) >= 8  # the command modules were read
+    assert {p.name: sorted(_commands_imported(p)) for p in modules if _commands_imported(p)} == {}
+
+
+def test_relative_imports_are_read(tmp_path: Path) -> None:
+    """``from .heal_cmd import x`` and ``from . import heal_cmd`` in a cli module are imports of ``cli.heal_cmd``."""
+    path = tmp_path / "convert_cmd.py"
+    path.write_text(
+        "from .heal_cmd import add_schedule_arguments\nfrom . import tune_mtp_cmd\nfrom ..heal import run\n"
+    )
+    assert _imports(path, "mtpquant.cli") == {"mtpquant.cli.heal_cmd", "mtpquant.cli.tune_mtp_cmd", "mtpquant.heal"}

@@ -69,7 +69,11 @@ def test_nvidia_deepseek_fp4_keeps_the_mtp_bf16_and_excluded(skeletons: Factory)
     drops the quant config for modelopt_fp4 (deepseek_nextn.py): the whole draft BF16, as on disk."""
     r = inspect_checkpoint(skeletons("deepseek-r1-nvfp4"))
     assert "model.layers.61*" in r.quantization.exclude and r.mtp_precision == "BF16"
-    assert r.verdicts == {"vllm": "vLLM: MTP loads (BF16)", "sglang": "SGLang: MTP loads (BF16)"}
+    assert r.verdicts == {
+        "vllm": "vLLM: MTP loads (BF16)",
+        "sglang": "SGLang: MTP loads (BF16)",
+        "trtllm": "TensorRT-LLM: MTP loads (BF16)",  # DeepseekV3MTP: model.layers.61 excluded, the layer whole
+    }
     assert r.healthy and r.exit_code(strict=True) == 0 and r.fixes == []
 
 

@@ -222,7 +222,11 @@ def test_quant_skeleton_is_the_declared_but_missing_case(real_layouts: Path, tmp
     assert (w.dtype, w.shape) == ("U8", (8192, 1280))
     assert sum(p.stat().st_blocks * 512 for p in result.path.iterdir()) < 2 * 10**6
     report = inspect_checkpoint(result.path)
-    assert report.verdicts == {"vllm": f"vLLM: {MISSING}", "sglang": f"SGLang: {MISSING}"}
+    assert report.verdicts == {
+        "vllm": f"vLLM: {MISSING}",
+        "sglang": f"SGLang: {MISSING}",
+        "trtllm": f"TensorRT-LLM: {MISSING}",
+    }
     assert [f.category for f in report.failures] == ["declared_missing"]  # exclusions agree with tensors
     assert report.main_model.quantized == 200 and report.main_model.inconsistent_modules == []
     assert report.quantization.algorithm == "NVFP4" and "lm_head" in report.quantization.exclude

@@ -56,8 +56,8 @@ def test_recognises_sglang_and_its_chain() -> None:
         spec = info.speculative
         assert spec is not None and spec.to_json() == {"algorithm": "EAGLE", "k": 2, "topk": 1, "draft_tokens": 3}
         assert client.check_chain(info) == 2
-        # vLLM's route first (SGLang answers it 404, as recorded), then SGLang's own
-        assert [p for _, p, _ in server.requests] == ["/version", "/get_server_info"]
+        # TensorRT-LLM's route, then vLLM's (SGLang answers both 404, as recorded), then SGLang's own
+        assert [p for _, p, _ in server.requests] == ["/prometheus/metrics", "/version", "/get_server_info"]
 
 
 def test_counts_of_the_recorded_answers() -> None:

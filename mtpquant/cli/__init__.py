@@ -202,8 +202,16 @@ def add_sampling_arguments(p: argparse.ArgumentParser, options: type, temperatur
     return g
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The top-level parser with every subcommand registered."""
+def _command_of(argv: Sequence[str]) -> str | None:
+    """The subcommand ``argv`` names (its first word that is not a flag; the top-level flags take no value), when it
+    is one of ``COMMANDS``; else None."""
+    word = next((a for a in argv if not a.startswith("-")), None)
+    return word if word in COMMANDS else None
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The top-level parser with every subcommand registered (``only``: that one alone, so a command imports only
+    its own module: ``mtpquant inspect --help`` loads no other command's settings, recipes or schema)."""
     parser = argparse.ArgumentParser(
         prog="mtpquant",
         description=(
@@ -215,7 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"mtpquant {__version__}")
     _add_logging_flags(parser)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name in COMMANDS:
+    for name in (only,) if only is not None else COMMANDS:
         where = f"mtpquant.cli.{name.replace('-', '_')}_cmd"
         try:
             module = importlib.import_module(where)
@@ -236,8 +244,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     # down. Off unless the user chose (huggingface_hub's own setting; read when huggingface_hub is first imported).
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
     tuned = tune_cpu_runtime()  # before any command imports torch (machine.tune_cpu_runtime says why)
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    words = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(_command_of(words))
+    args = parser.parse_args(words)
     args.verbose += args.sub_verbose
     args.quiet = args.quiet or args.sub_quiet
     args.command_line = recorded_command(sys.argv[1:] if argv is None else argv)

@@ -17,7 +17,7 @@ from mtpquant.cli import (
     options_from,
     progress_bars,
 )
-from mtpquant.cli.heal_cmd import add_schedule_arguments, check_schedule_values, schedule_options
+from mtpquant.cli.heal_args import add_schedule_arguments, check_schedule_values, schedule_options
 from mtpquant.cli.search_args import add_search_arguments, search_settings
 from mtpquant.convert.options import ConvertOptions  # torch-free: the defaults and choices at start-up
 from mtpquant.errors import ExitCode

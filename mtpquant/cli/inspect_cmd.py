@@ -8,7 +8,6 @@ import os
 
 from mtpquant.cli import MTP_KIND_CODES, READ_CODES, add_command
 from mtpquant.errors import ExitCode
-from mtpquant.render import inspect_text
 
 EXAMPLES = """\
 examples:
@@ -56,5 +55,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report.to_json(), indent=2))
     else:
+        from mtpquant.render import inspect_text  # the text form only: --json and --help do not load it
+
         print(inspect_text(report))
     return report.exit_code(strict=args.strict)

@@ -12,7 +12,7 @@ from mtpquant.records.record import field_choices, field_default
 from mtpquant.search.settings import SearchSettings
 from mtpquant.search.space import PRECISIONS
 
-__all__ = ["SEARCH_FLAGS", "add_search_arguments", "search_settings"]
+__all__ = ["SEARCH_FLAGS", "add_search_arguments", "search_engine_choices", "search_settings"]
 
 # flag -> SearchSettings field
 SEARCH_FLAGS = {
@@ -26,6 +26,14 @@ SEARCH_FLAGS = {
 }
 
 
+def search_engine_choices() -> tuple[str, ...]:
+    """``--engine``'s values: the engines whose loader rules the search applies (``engine.table.searched``), and
+    ``any``: the settings' type admits every engine of the table, the search only those."""
+    from mtpquant.engine.table import searched
+
+    return tuple(c for c in field_choices(SearchSettings, "engine") if c in (*searched(), "any"))
+
+
 def add_search_arguments(p: argparse.ArgumentParser, when: str = "") -> None:
     """``--al-budget``, ``--engine``, ``--mtp-precisions``, ``--search-prompts``, ``--confirm-prompts``,
     ``--search-temperature``, ``--search-seed`` (``when``: the help's condition, e.g. ``with --mtp auto: ``)."""
@@ -36,7 +44,7 @@ def add_search_arguments(p: argparse.ArgumentParser, when: str = "") -> None:
         f"{field_default(SearchSettings, 'budget')}; 0 writes the BF16 MTP byte for byte, measuring no quantized one)",
     )  # fmt: skip
     p.add_argument(
-        "--engine", choices=field_choices(SearchSettings, "engine"),
+        "--engine", choices=search_engine_choices(),
         help=f"{when}the engines that must load the result (any: every one; default "
         f"{field_default(SearchSettings, 'engine')})",
     )  # fmt: skip

@@ -8,7 +8,7 @@ import os
 from typing import Any
 
 from mtpquant.cli import HUB_CODES, add_command, add_device_argument, add_shard_size_argument
-from mtpquant.cli.heal_cmd import add_schedule_arguments, check_schedule_values, schedule_options
+from mtpquant.cli.heal_args import add_schedule_arguments, check_schedule_values, schedule_options
 from mtpquant.cli.search_args import add_search_arguments, search_settings
 from mtpquant.errors import ExitCode
 

@@ -16,6 +16,7 @@ from mtpquant.cli import (
     add_sampling_arguments,
     options_from,
 )
+from mtpquant.engine.table import launchable
 from mtpquant.errors import ExitCode
 from mtpquant.records.record import field_choices, field_default
 from mtpquant.validate.options import ValidateOptions  # torch-free: the defaults and choices at start-up
@@ -131,10 +132,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="upper ends of context-length buckets (tokens, ascending): prompts are cut and extended to fill each "
         "bucket, and per-position acceptance is reported per bucket (default: four spans up to --max-len)",
     )
-    e = p.add_argument_group("through a serving engine (vLLM's or SGLang's own speculative-decoding counters)")
-    e.add_argument(
-        "--server", metavar="URL", help="a running vLLM or SGLang server (the reference or the one checkpoint)"
+    e = p.add_argument_group(
+        "through a serving engine (its own speculative-decoding counters: vLLM, SGLang, TensorRT-LLM with --server)"
     )
+    e.add_argument(
+        "--server", metavar="URL",
+        help="a running vLLM, SGLang or trtllm-serve server (the reference or the one checkpoint; TensorRT-LLM: AL "
+        "only, its counters have no per-position acceptance)",
+    )  # fmt: skip
     e.add_argument("--candidate-server", metavar="URL", help="a second running server to compare (e.g. the NVFP4 one)")
     e.add_argument(
         "--api-key-file",
@@ -144,7 +149,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "(never put a key or password in the URL: it is removed from every report and message)",
     )
     e.add_argument("--served-model", metavar="NAME", help="the model name to ask for (default: the only one served)")
-    e.add_argument("--engine", choices=field_choices(ValidateOptions, "engine"),
+    e.add_argument("--engine", choices=launchable(),
                    help="start the engine for CHECKPOINT [CANDIDATE] on 127.0.0.1")
     e.add_argument("--vllm-python", type=Path, metavar="PATH", help="the python of the vLLM environment")
     e.add_argument("--sglang-python", type=Path, metavar="PATH", help="the python of the SGLang environment")

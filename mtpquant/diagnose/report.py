@@ -27,19 +27,11 @@ from mtpquant.engine.loading import (
     Expectation,
     FusedShardsError,
     engine_modules,
-    vllm_expectation,
-    vllm_format_refusal,
+    unmatched_exclusions,
 )
-from mtpquant.engine.server import ENGINE_NAMES
-from mtpquant.engine.verdicts import (
-    MISSING,
-    ModuleReport,
-    engine_verdicts,
-    label_refusal,
-    sglang_keeps_quantized_mtp,
-    sglang_mismatch,
-    unquantized_why,
-)
+from mtpquant.engine.table import ENGINES, display
+from mtpquant.engine.verdicts import MISSING, ModuleReport, VerdictFacts, engine_verdicts, label_refusal
+from mtpquant.engine.vllm import unquantized_why, vllm_expectation
 from mtpquant.errors import ExitCode
 from mtpquant.families import NEVER_SHIPPED, NOT_MTP, RECOGNISED, EngineRules, matches
 from mtpquant.formats.quant_config import QuantMetadata
@@ -313,6 +305,21 @@ def _excluded_as(mod: EngineModule, meta: QuantMetadata | None, rules: EngineRul
         return False
 
 
+def _unmatched_exclusions(ckpt: Checkpoint, meta: QuantMetadata | None) -> list[str]:
+    """The exclusion entries (every file's) that match no module of the checkpoint, under its own names or any
+    engine's (``engine.loading.unmatched_exclusions``); the LM head counts as a module even when tied."""
+    if meta is None or not (meta.is_modelopt or meta.is_compressed_tensors):
+        return []
+    patterns = list(dict.fromkeys(p for ps in (meta.exclude, *meta.exclude_by_file.values()) for p in ps))
+    if not patterns:
+        return []
+    # tensor names stand for their modules (a module's name starts each of its tensors'): already in order, as a
+    # checkpoint's index lists them, they sort in one pass
+    mtp = list(dict.fromkeys(e.name.rpartition(".")[0] for e in ckpt.mtp_tensors()))
+    engines = [n for row in ENGINES for n in row.adapter.module_names(mtp, ckpt)]
+    return unmatched_exclusions(patterns, [*ckpt.tensors, "lm_head", *engines])
+
+
 def _removed_on_purpose(ckpt: Checkpoint) -> str | None:
     """``drop`` / ``extract`` when an mtpquant run removed the MTP of a checkpoint whose family has no config key to
     un-declare it (Qwen3-Next: engines assume one layer), as its provenance file records; else None."""
@@ -322,21 +329,6 @@ def _removed_on_purpose(ckpt: Checkpoint) -> str | None:
 
     mode = source_provenance(ckpt.source).mode
     return mode if mode in ("drop", "extract") else None
-
-
-def _vllm_without_mtp(ckpt: Checkpoint, meta: QuantMetadata | None) -> str | None:
-    """What vLLM's drafter does with a declared MTP none of whose weights it finds, for families whose drafter is
-    named in the registry (the family's own check, else its model loader's: ``DefaultModelLoader.track_weights_loading``
-    runs for an unquantized checkpoint only); None: the generic verdict stands."""
-    rules = ckpt.spec.family.engine
-    if not rules.drafters.get("vllm"):
-        return None
-    if rules.missing_mtp_error:
-        layer = ckpt.spec.mtp_names.first
-        return f"{MISSING}; vLLM will fail to load: {rules.missing_mtp_error.format(layer=layer)}"
-    if meta is None:
-        return f"{MISSING}; vLLM will fail to load: ValueError: Following weights were not initialized from checkpoint"
-    return f"{MISSING}; vLLM loads without an error and drafts from uninitialized MTP weights"
 
 
 def _mtp_section(ckpt: Checkpoint, meta: QuantMetadata | None, report: dict[str, Any]) -> list[Finding]:
@@ -486,25 +478,35 @@ def _inspect(ckpt: Checkpoint, t0: float) -> InspectReport:
     failures += [Finding("index", p.message) for p in index_problems]
     warnings += [Finding("note", p.message) for p in ckpt.problems if not p.fatal]
     label = ckpt.label
-    sglang_mixed = sglang_keeps_quantized_mtp(ckpt, meta)
-    verdicts, serve, notes = engine_verdicts(
-        report, label, meta, ckpt.spec.family.engine, sglang_mixed, ckpt.spec.mtp_names.is_mtp
+    facts = VerdictFacts(
+        report,
+        label,
+        meta,
+        ckpt.spec.family.engine,
+        ckpt.spec.mtp_names.is_mtp,
+        ckpt,
+        tuple(f.message for f in main_findings),
     )
-    sglang_problem = sglang_mismatch(ckpt, meta) if sglang_mixed and meta is not None else None
-    if sglang_problem is not None:
-        verdicts["sglang"] = f"SGLang will fail to load: {sglang_problem}"
-        serve.pop("sglang", None)
+    verdicts, serve, notes = engine_verdicts(facts)
     warnings += [Finding("exclusions", n) for n in notes]
     if ckpt.mtp_only and report["mtp_declared"] and not report["mtp_missing"]:
         # nothing to serve on its own: say what it is for instead of what an engine would do with it as a model
         what = f"MTP-only checkpoint ({report['mtp_precision']}), no model to serve"
         use = f"graft it into a quant of its base model: mtpquant graft QUANT --from {label}"
-        verdicts = {"vllm": f"vLLM: {what}; {use}", "sglang": f"SGLang: {what}; {use}"}
+        verdicts = {e.key: f"{e.display}: {what}; {use}" for e in ENGINES}
         serve = {}
-    if main_findings and verdicts["vllm"].startswith("vLLM: MTP loads"):
-        # the MTP would load, but the main model does not: that is what a user sees
-        verdicts["vllm"] = main_findings[0].message
-        serve.pop("vllm", None)
+    dead = _unmatched_exclusions(ckpt, meta)
+    if dead:
+        shown = ", ".join(dead[:3]) + (", ..." if len(dead) > 3 else "")
+        warnings.append(
+            Finding(
+                "note",
+                f"{len(dead)} exclusion{'s' if len(dead) > 1 else ''} match{'' if len(dead) > 1 else 'es'} no "
+                f"module of this checkpoint by any engine's rule ({shown}): "
+                "whatever they were written for is quantized (a ModelOpt export's corrupt exclude_modules, "
+                "TensorRT-LLM PR #18607)",
+            )
+        )
     if meta is not None and len(set(meta.exclude_by_file.values())) > 1:
         warnings.append(
             Finding("note", "config.json and hf_quant_config.json list different exclusions; vLLM reads config.json")
@@ -515,35 +517,30 @@ def _inspect(ckpt: Checkpoint, t0: float) -> InspectReport:
     if family.status in (NEVER_SHIPPED, NOT_MTP):  # no MTP question to answer: say what the family's drafter is
         failures = [f for f in failures if f.category not in ("declared_missing", "exclusions")]
         failures.insert(0, Finding(family.status, family.status_note))
-        verdicts = {e: f"{ENGINE_NAMES[e]}: no MTP to draft with: {family.status_note}" for e in ENGINE_NAMES}
+        verdicts = {e.key: f"{e.display}: no MTP to draft with: {family.status_note}" for e in ENGINES}
         serve = {}
     elif family.status == RECOGNISED:
         warnings.append(Finding("note", family.status_note))
-    if report["mtp_declared"] and not report["mtp_present_tensors"] and report["mtp_removed"] is None:
-        missing = _vllm_without_mtp(ckpt, meta)
-        if missing is not None:
-            verdicts["vllm"] = missing
-            serve.pop("vllm", None)
-    if family.engine.drafters.get("sglang") == "" and "sglang" in verdicts and family.status != NEVER_SHIPPED:
-        verdicts["sglang"] = f"SGLang: has no MTP drafter for {family.display} (SGLang 0.5.23)"
-        serve.pop("sglang", None)
+    for row in ENGINES:  # what only the engine's own rules say once the rest is known (engine/<engine>.py)
+        late = row.adapter.late_verdict(facts, verdicts[row.key])
+        if late is not None:
+            verdicts[row.key] = late
+            serve.pop(row.key, None)
     unknown_label = label_refusal(ckpt)
-    if unknown_label is not None:  # neither engine resolves the architecture: nothing else matters until relabelled
+    if unknown_label is not None:  # no engine resolves the architecture: nothing else matters until relabelled
         failures.append(Finding("format", f"engines will fail to load: {unknown_label}"))
-        verdicts = {
-            "vllm": f"vLLM will fail to load: {unknown_label}",
-            "sglang": f"SGLang will fail to load: {unknown_label}",
-        }
+        verdicts = {e.key: f"{e.display} will fail to load: {unknown_label}" for e in ENGINES}
         serve = {}
-    refusal = vllm_format_refusal(meta)
-    if refusal is not None:
-        failures.append(Finding("format", f"vLLM will fail to load: {refusal}"))
-        verdicts["vllm"] = f"vLLM will fail to load: {refusal}"
-        serve.pop("vllm", None)
+    for row in ENGINES:
+        refusal = row.adapter.format_refusal(meta)
+        if refusal is not None:
+            failures.append(Finding("format", f"{row.display} will fail to load: {refusal}"))
+            verdicts[row.key] = f"{row.display} will fail to load: {refusal}"
+            serve.pop(row.key, None)
     if index_problems:
         verdicts = dict.fromkeys(verdicts, f"index corrupt: {index_problems[0].message}")
         serve = {}
-    verdicts = {e: v if v.startswith(ENGINE_NAMES[e]) else f"{ENGINE_NAMES[e]}: {v}" for e, v in verdicts.items()}
+    verdicts = {e: v if v.startswith(display(e)) else f"{display(e)}: {v}" for e, v in verdicts.items()}
     quant = QuantizationInfo(
         method=meta.method if meta else None,
         vllm_method=meta.vllm_method if meta else None,

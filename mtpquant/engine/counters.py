@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["SPEC_PREFIX", "CounterSnapshot", "metric_total", "parse_metrics"]
+__all__ = ["SPEC_PREFIX", "CounterSnapshot", "metric_total", "parse_metrics", "samples"]
 
 SPEC_PREFIX = "vllm:spec_decode_"
 _DRAFTS = "vllm:spec_decode_num_drafts"
@@ -65,7 +65,7 @@ def _at(values: tuple[float, ...], i: int) -> float:
     return values[i] if i < len(values) else 0.0
 
 
-def _samples(text: str) -> list[tuple[str, dict[str, str], float]]:
+def samples(text: str) -> list[tuple[str, dict[str, str], float]]:
     """Every sample of a Prometheus text body (prometheus_client's own parser; ValueError when it is not one)."""
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -78,7 +78,7 @@ def _samples(text: str) -> list[tuple[str, dict[str, str], float]]:
 
 def metric_total(text: str, name: str, model: str) -> float:
     """The sum of the samples called ``name`` labelled ``model_name=model`` (0 when there is none)."""
-    return sum(v for n, labels, v in _samples(text) if n == name and labels.get("model_name") == model)
+    return sum(v for n, labels, v in samples(text) if n == name and labels.get("model_name") == model)
 
 
 def parse_metrics(text: str, model: str | None = None) -> CounterSnapshot:
@@ -86,10 +86,10 @@ def parse_metrics(text: str, model: str | None = None) -> CounterSnapshot:
 
     Uses prometheus_client's own text parser; samples of other models are ignored.
     """
-    samples = _samples(text)
-    models = tuple(sorted({labels["model_name"] for _, labels, _ in samples if "model_name" in labels}))
+    every = samples(text)
+    models = tuple(sorted({labels["model_name"] for _, labels, _ in every if "model_name" in labels}))
     chosen = model if model is not None else (models[0] if len(models) == 1 else "")
-    mine = [(n, labels, v) for n, labels, v in samples if labels.get("model_name") == chosen]
+    mine = [(n, labels, v) for n, labels, v in every if labels.get("model_name") == chosen]
 
     def total(name: str) -> float:
         return sum(v for n, _, v in mine if n == name + "_total")

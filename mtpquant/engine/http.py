@@ -25,7 +25,6 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -226,6 +225,8 @@ class EngineClientBase:
             return call(local.http, item)
 
         try:
+            from concurrent.futures import ThreadPoolExecutor  # requests in flight together only: inspect never
+
             with ThreadPoolExecutor(max_workers=concurrency) as pool:
                 return list(pool.map(work, items))
         finally:

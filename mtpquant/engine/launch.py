@@ -13,7 +13,6 @@ SGLang's scheduler and detokenizer), so no server is left orphaned.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import re
@@ -23,20 +22,17 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
+from mtpquant.engine.table import engine as engine_row
 from mtpquant.errors import EngineStartError
 
-__all__ = ["ENGINE_MODULES", "EngineProcess", "free_port", "server_args"]
+__all__ = ["EngineProcess", "free_port", "server_args"]
 
 log = logging.getLogger(__name__)
 
 _STOP_GRACE_S = 15.0
-# How each engine's OpenAI/HTTP server is started (``PYTHON -m MODULE``), and its name in messages.
-ENGINE_MODULES = {"vllm": "vllm.entrypoints.launchers.api_server.entry", "sglang": "sglang.launch_server"}
-_DISPLAY = {"vllm": "vLLM", "sglang": "SGLang"}
 # An exception line of the server log, and the generic ones that only wrap the real cause.
 _ERROR_LINE = re.compile(r"^(?:[\w.]+(?:Error|Exception)|AssertionError)\b[:(]?")
 _WRAPPERS = re.compile(r"Engine core initialization failed|validation error for |^Traceback")
@@ -47,35 +43,6 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-@dataclass(frozen=True)
-class _Flags:
-    """How an engine's server is told the common things (model, seed, tensor parallelism, the CPU backend)."""
-
-    model: str
-    seed: str
-    tensor_parallel: str
-    cpu: tuple[str, ...]
-
-
-_FLAGS = {
-    # vLLM's CPU backend for these hybrid models: bf16, prefix caching off for MTP, eager.
-    "vllm": _Flags(
-        "--model",
-        "--seed",
-        "--tensor-parallel-size",
-        ("--dtype", "bfloat16", "--no-enable-prefix-caching", "--enforce-eager"),
-    ),
-    # The settings of the real SGLang 0.5.23 CPU server recorded in ``tests/fixtures/sglang-cpu`` (device cpu, bf16,
-    # radix cache off, no warm-up request).
-    "sglang": _Flags(
-        "--model-path",
-        "--random-seed",
-        "--tp-size",
-        ("--device", "cpu", "--dtype", "bfloat16", "--disable-radix-cache", "--skip-server-warmup"),
-    ),
-}
 
 
 def server_args(
@@ -100,21 +67,17 @@ def server_args(
     encoder cache. ``cpu``: what the engine's CPU backend needs for these models. ``memory``: the memory settings
     (``engine/sizing.py``); ``extra`` comes last, so it overrides any of these.
     """
-    from mtpquant.engine.sglang import nextn_args
-
-    flags = _FLAGS[engine]
+    row = engine_row(engine)
+    flags = row.flags
+    if flags is None:
+        raise EngineStartError(f"mtpquant does not start {row.display} servers: measure a running one with --server")
     args = [flags.model, checkpoint, "--host", "127.0.0.1", "--port", str(port), flags.seed, "0"]
     if tensor_parallel_size > 1:
         args += [flags.tensor_parallel, str(tensor_parallel_size)]
     args += memory
-    vllm = engine == "vllm"
-    if k is not None and vllm:
-        config = {"method": "mtp", "num_speculative_tokens": k, **(speculative or {})}
-        args += ["--speculative-config", json.dumps(config)]
-    elif k is not None:
-        args += nextn_args(k)
-    if vllm and text_only:
-        args += ["--limit-mm-per-prompt", json.dumps({"image": 0, "video": 0})]
+    if k is not None:
+        args += row.adapter.speculative_args(k, speculative)
+    args += row.adapter.text_only_args(text_only)
     if cpu:
         args += flags.cpu
     return [*args, *extra]
@@ -144,10 +107,12 @@ class EngineProcess:
         startup_timeout: float = 600.0,
         env: dict[str, str] | None = None,
     ) -> None:
-        if engine not in ENGINE_MODULES:
-            raise ValueError(f"unknown engine {engine!r}")
+        row = engine_row(engine)  # ValueError for an unknown engine
+        if row.launch_module is None:
+            raise ValueError(f"mtpquant does not start {row.display} servers")
         self.engine = engine
-        self.name = _DISPLAY[engine]
+        self.module = row.launch_module
+        self.name = row.display
         self.python = str(python)
         self.args = list(args)
         self.log_path = Path(log_path)
@@ -170,7 +135,7 @@ class EngineProcess:
             raise EngineStartError(f"{self.python}: no such Python (give the {self.name} environment's python)")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, **(self.env or {})}
-        cmd = [self.python, "-m", ENGINE_MODULES[self.engine], *self.args]
+        cmd = [self.python, "-m", self.module, *self.args]
         log.info("starting %s: %s (log %s)", self.name, " ".join(cmd), self.log_path)
         with self.log_path.open("wb") as fh:
             fh.write((" ".join(cmd) + "\n").encode())
@@ -210,14 +175,11 @@ class EngineProcess:
 
     def failure_cause(self) -> str:
         """Why the server did not start, in one line: what it needs, for a refusal the engine words for its own
-        developers (``engine.sglang.start_refusal``), else the most telling line of its log (``failure_line``)."""
-        if self.engine == "sglang":
-            from mtpquant.engine.sglang import start_refusal
-
-            with contextlib.suppress(OSError):
-                explained = start_refusal(self.log_path.read_text(errors="replace"))
-                if explained is not None:
-                    return explained
+        developers (the engine module's ``start_refusal``), else the most telling line of its log (``failure_line``)."""
+        with contextlib.suppress(OSError):
+            explained = engine_row(self.engine).adapter.start_refusal(self.log_path.read_text(errors="replace"))
+            if explained is not None:
+                return str(explained)
         return self.failure_line()
 
     def failure_line(self) -> str:

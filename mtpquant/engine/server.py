@@ -16,11 +16,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from mtpquant.engine.table import display as engine_display
 from mtpquant.errors import EngineModelError
 from mtpquant.records.sampling import SamplingSettings
 
 __all__ = [
-    "ENGINE_NAMES",
     "Completion",
     "DraftCounts",
     "EngineRun",
@@ -33,8 +33,6 @@ __all__ = [
     "split_groups",
     "sum_counts",
 ]
-
-ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang"}
 
 
 @dataclass(frozen=True)
@@ -65,7 +63,7 @@ class ServerInfo:
     """What the server says about itself."""
 
     url: str
-    engine: str  # "vllm" | "sglang"
+    engine: str  # a key of engine.table
     version: str
     models: tuple[str, ...]
     max_model_len: int | None
@@ -75,7 +73,7 @@ class ServerInfo:
     @property
     def display(self) -> str:
         """``SGLang 0.5.23``."""
-        return f"{ENGINE_NAMES.get(self.engine, self.engine)} {self.version}"
+        return f"{engine_display(self.engine)} {self.version}"
 
 
 @dataclass(frozen=True)
@@ -85,6 +83,12 @@ class Completion:
     prompt: tuple[int, ...]
     tokens: tuple[int, ...]
     finish_reason: str | None
+    count: int | None = None  # tokens generated, where the server counts them without returning their ids
+
+    @property
+    def generated(self) -> int:
+        """Tokens generated."""
+        return self.count if self.count is not None else len(self.tokens)
 
 
 @dataclass(frozen=True)
@@ -95,11 +99,12 @@ class DraftCounts:
     drafted: int
     accepted: int
     accepted_per_position: tuple[int, ...]  # position i: steps whose first i+1 drafts were all accepted
+    positions: int | None = None  # k, where the engine counts no acceptance per position (TensorRT-LLM)
 
     @property
     def k(self) -> int:
-        """Draft positions counted."""
-        return len(self.accepted_per_position)
+        """Draft positions per step (those counted, or the k the engine states)."""
+        return self.positions if self.positions is not None else len(self.accepted_per_position)
 
 
 @dataclass(frozen=True)

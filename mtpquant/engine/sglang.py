@@ -1,4 +1,24 @@
-"""A running SGLang server (``python -m sglang.launch_server``), measured by its per-request speculative counters.
+"""SGLang: how it builds a checkpoint's MTP (its loader's rules), what inspect says of it, and a running SGLang server
+(``python -m sglang.launch_server``), measured by its per-request speculative counters.
+
+SGLang (0.5.23, as recorded from a real server in ``tests/fixtures/sglang-cpu/README.md``; the source:
+sgl-project/sglang ``python/sglang/srt/models/qwen3_5_mtp.py::_mtp_quant_config`` and
+``qwen3_next_mtp.py::Qwen3NextForCausalLMMTP.__init__``) decides the MTP's quantization for the whole layer
+before any per-module rule:
+
+- ``modelopt_fp4`` (every exported checkpoint is serialized): the MTP is built unquantized, in BF16, whatever is
+  on disk ("Serialized Qwen3.5 ModelOpt checkpoints keep embedded MTP weights in BF16"; Qwen3-Next's MTP drops a
+  ``modelopt_fp4`` config outright);
+- ``modelopt_mixed``: quantized only when ``quantized_layers`` lists ``mtp.*`` modules, then module by module as
+  listed; otherwise BF16;
+- any other format (compressed-tensors, ...): the checkpoint's quantization config, with its own per-module rules;
+- ``mtp.fc`` is a plain ``nn.Linear`` in both models: never quantized.
+
+What a mismatch does there: SGLang's Linear weight loaders assert the checkpoint tensor's shape
+(``layers/linear.py``: ``assert param_data.shape == loaded_weight.shape``) and copy it into the module's dtype;
+scales a BF16 module has no parameter for are skipped (``ignore_suffixes`` in ``load_weights``, or "not found in
+params_dict, skip loading"). So a packed NVFP4 weight in a module SGLang built in BF16 stops the server at load,
+and an FP8 weight of the same shape loads as its raw values, without its scales: a wrong MTP that drafts badly.
 
 What SGLang 0.5.23 answers (recorded in ``tests/fixtures/sglang-cpu``, from a real server):
 
@@ -23,10 +43,22 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
+from mtpquant.checkpoint.modules import linear_modules
+from mtpquant.checkpoint.precision import is_quantized, module_precision
 from mtpquant.engine.http import EngineClientBase, EngineHttp
+from mtpquant.engine.loading import (
+    LM_HEADS,
+    EngineModule,
+    Expectation,
+    FusedShardsError,
+    ct_ignored,
+    engine_modules,
+    mixed_algo,
+    modelopt_excluded,
+)
 from mtpquant.engine.server import (
     Completion,
     DraftCounts,
@@ -38,11 +70,31 @@ from mtpquant.engine.server import (
     sum_counts,
 )
 from mtpquant.errors import EngineAnswerError, EngineSpecDecodeError
+from mtpquant.families import QWEN_MTP_NAMES, EngineRules, family, matches
+from mtpquant.formats.quant_config import QuantMetadata
 from mtpquant.records.sampling import SamplingSettings
 
-__all__ = ["CHAIN_ALGORITHMS", "SglangClient", "nextn_args", "sglang_settings", "start_refusal"]
+if TYPE_CHECKING:
+    from mtpquant.checkpoint.table import Checkpoint
+    from mtpquant.engine.sizing import EngineMemory, Machine
+    from mtpquant.engine.verdicts import EngineVerdict, ModuleReport, VerdictFacts
+    from mtpquant.records.sampling import SpecRule
+
+__all__ = [
+    "CHAIN_ALGORITHMS",
+    "SglangClient",
+    "nextn_args",
+    "sglang_builds_quantized",
+    "sglang_keeps_quantized_mtp",
+    "sglang_mismatch",
+    "sglang_mtp_build",
+    "sglang_settings",
+    "start_refusal",
+]
 
 log = logging.getLogger(__name__)
+
+_QWEN3 = family("qwen3_5").engine
 
 # SGLang's algorithms that draft with the checkpoint's own MTP layer: NEXTN is an alias of EAGLE.
 CHAIN_ALGORITHMS = ("EAGLE", "NEXTN")
@@ -77,6 +129,284 @@ REPORTED_ARGS = (
 #   text: "Can't load image processor for 'PATH'. ... containing a preprocessor_config.json file".
 _NO_DRAFT_BACKEND = re.compile(r"EAGLE is not supported in (?:decode )?attention backend (\w+)")
 _NO_PREPROCESSOR = re.compile(r"Can't load image processor for '([^']*)'.*preprocessor_config\.json")
+
+
+# ---- loading rules ---------------------------------------------------------------------------------------------
+def sglang_mtp_build(
+    meta: QuantMetadata | None, is_mtp: Callable[[str], bool] = QWEN_MTP_NAMES.is_mtp
+) -> tuple[bool, str]:
+    """Whether SGLang builds the MTP with the checkpoint's quantization at all, and why (see the module docstring);
+    ``is_mtp``: the family's MTP name test (``ModelSpec.is_mtp``; the ``mtp.`` namespace by default)."""
+    if meta is None:
+        return False, "the checkpoint declares no quantization"
+    method = meta.vllm_method  # SGLang names the ModelOpt and compressed-tensors formats as vLLM does
+    if method == "modelopt_fp4":
+        return False, "SGLang builds the MTP of a serialized modelopt_fp4 checkpoint in BF16"
+    if method == "modelopt_mixed":
+        if any(is_mtp(name) for name in meta.quantized_layers):
+            return True, "quantized_layers lists the MTP"
+        return False, "SGLang builds the MTP in BF16: modelopt_mixed lists no MTP module in quantized_layers"
+    return True, f"SGLang builds the MTP with the checkpoint's {method} quantization"
+
+
+def sglang_builds_quantized(
+    module: EngineModule,
+    meta: QuantMetadata | None,
+    rules: EngineRules = _QWEN3,
+    is_mtp: Callable[[str], bool] = QWEN_MTP_NAMES.is_mtp,
+) -> tuple[bool, str]:
+    """Whether SGLang builds this MTP module quantized, and a short reason (``rules``, ``is_mtp``: the family's; the
+    Qwen3.5 ones by default). Raises FusedShardsError."""
+    if matches(module.prefix, rules.sglang_plain):
+        return False, f"SGLang builds {module.prefix} as a plain Linear"
+    if module.kind == "unquantized":
+        return False, "SGLang builds it without a quantization config"
+    whole, why = sglang_mtp_build(meta, is_mtp)
+    if not whole or meta is None:
+        return False, why
+    if meta.is_compressed_tensors:
+        ignored = ct_ignored(module.prefix, meta.exclude)
+        return not ignored, "in compressed-tensors ignore" if ignored else "not in compressed-tensors ignore"
+    if meta.is_modelopt and meta.algo.upper() == "MIXED_PRECISION":
+        algo = mixed_algo(module.prefix, meta)
+        return algo is not None, f"quantized_layers: {algo}" if algo else "absent from quantized_layers"
+    if meta.is_modelopt:
+        excluded = modelopt_excluded(module.prefix, meta.exclude)
+        return not excluded, "excluded" if excluded else "not excluded"
+    if meta.vllm_method == "fp8" and matches(module.prefix, LM_HEADS):
+        return False, "SGLang builds the MTP head unquantized (its Fp8Config quantizes Linear layers and experts only)"
+    return True, why
+
+
+
+
+def build_expectation(module: EngineModule, meta: QuantMetadata | None, rules: EngineRules) -> Expectation:
+    """The engine table's hook (``loading.mtp_load_refusal``): how SGLang builds ``module`` (the MTP decided as a
+    whole first; the Qwen3.5 rules, as the precision search has always applied them)."""
+    del rules
+    q, reason = sglang_builds_quantized(module, meta)
+    return Expectation(q, reason)
+
+
+def sglang_keeps_quantized_mtp(ckpt: Checkpoint, meta: QuantMetadata | None) -> bool:
+    """SGLang 0.5.23 ``_mtp_quant_config`` (models/qwen3_5_mtp.py 50-69, used by qwen4_exp_mtp.py 47): a
+    MIXED_PRECISION config whose quantized_layers list ``mtp.*`` entries builds the MTP quantized; every other
+    ModelOpt NVFP4 checkpoint gets an unquantized MTP. Applied where the registry says so (``sglang_mixed_mtp``)."""
+    return (
+        ckpt.spec.family.sglang_mixed_mtp
+        and meta is not None
+        and meta.vllm_method == "modelopt_mixed"
+        and any(ckpt.is_mtp(k) for k in meta.quantized_layers)
+    )
+
+
+def sglang_mismatch(ckpt: Checkpoint, meta: QuantMetadata) -> str | None:
+    """Where SGLang builds the MTP with the MIXED_PRECISION config, the first MTP module whose disk format its
+    resolved quant_algo does not load. SGLang's MTP is one decoder layer under its own index (``mtp.layers.0``,
+    qwen4_exp_mtp.py 42-65), so the checkpoint's names are looked up unchanged."""
+    from mtpquant.engine.vllm import vllm_expectation  # SGLang resolves MIXED_PRECISION as vLLM does
+
+    rules = ckpt.spec.family.engine
+    present = {e.name: e for e in ckpt.mtp_tensors()}
+    names = linear_modules(present)
+    precision = {m: module_precision(ckpt.tensors, m) for m in names}
+    for mod in engine_modules(names, rules):
+        precs = {precision[m] for m in mod.members}
+        disk = precs.pop() if len(precs) == 1 else "mixed"
+        try:
+            e = vllm_expectation(mod, meta, rules)
+        except FusedShardsError as exc:
+            return str(exc)
+        if disk in ("mixed", "missing") or (not e.quantized and not is_quantized(disk)):
+            continue
+        if not e.quantized or (e.expects is not None and disk != e.expects):
+            return f"{mod.prefix} is {disk} on disk but SGLang resolves {e.reason}"
+    return None
+
+
+# ---- what inspect says ------------------------------------------------------------------------------------------
+# Precisions whose weight is packed (not the BF16 shape): SGLang cannot load them into a module it built in BF16.
+_PACKED_PRECISIONS = ("NVFP4", "NVFP4-CT")
+
+
+def _module_kind(m: ModuleReport, rules: EngineRules) -> str:
+    return next((e.kind for e in engine_modules(m.members, rules) if e.prefix == m.module), "linear")
+
+
+def _build(
+    m: ModuleReport, meta: QuantMetadata | None, rules: EngineRules, is_mtp: Callable[[str], bool]
+) -> tuple[bool | None, str]:
+    module = EngineModule(m.module, tuple(m.members), _module_kind(m, rules))
+    try:
+        return sglang_builds_quantized(module, meta, rules, is_mtp)
+    except FusedShardsError as exc:
+        return None, str(exc)
+
+
+def _verdict(
+    mods: Sequence[ModuleReport],
+    meta: QuantMetadata | None,
+    precision: str,
+    rules: EngineRules,
+    is_mtp: Callable[[str], bool],
+) -> tuple[str, bool]:
+    """What SGLang does with this MTP (its loader's rules, above), and whether it serves it with NEXTN."""
+    built = {m.module: _build(m, meta, rules, is_mtp) for m in mods}
+    for m in mods:
+        q, reason = built[m.module]
+        disk_q = m.disk != "mixed" and is_quantized(m.disk)
+        if m.disk == "missing" or (q == disk_q and m.disk != "mixed"):
+            continue
+        if q is None:
+            return f"SGLang will fail to load the MTP (NEXTN): {reason}", False
+        if m.disk == "mixed":
+            return f"SGLang will fail to load the MTP (NEXTN): {m.module} mixes precisions across its tensors", False
+        if q:
+            return (
+                f"SGLang will fail to load the MTP (NEXTN): it builds {m.module} quantized ({reason}), but it is "
+                f"{m.disk} on disk",
+                False,
+            )
+        if m.disk in _PACKED_PRECISIONS:
+            return (
+                f"SGLang will fail to load the MTP (NEXTN): {reason}, and the packed {m.disk} weight of {m.module} "
+                "does not fit a BF16 module; serve without speculative decoding, or with vLLM",
+                False,
+            )
+        return (
+            f"SGLang will draft with a wrong MTP (NEXTN): {reason}, and loads the {m.disk} values of {m.module} "
+            "without their scales",
+            False,
+        )
+    if any(is_quantized(m.disk) for m in mods):
+        _, why = sglang_mtp_build(meta, is_mtp)
+        return f"SGLang: MTP loads ({precision}; {why})", True
+    return f"SGLang: MTP loads ({precision})", True
+
+
+def mtp_verdict(facts: VerdictFacts) -> EngineVerdict:
+    """SGLang's verdict: the family's own MIXED_PRECISION resolution where it keeps the MTP quantized (qwen4_exp:
+    ``sglang_mismatch`` checks it), else SGLang's decision for the whole MTP, module by module."""
+    from mtpquant.engine.verdicts import EngineVerdict
+
+    precision = facts.report["mtp_precision"]
+    ckpt, meta = facts.ckpt, facts.meta
+    if ckpt is not None and sglang_keeps_quantized_mtp(ckpt, meta):
+        problem = sglang_mismatch(ckpt, meta) if meta is not None else None
+        if problem is not None:
+            return EngineVerdict(f"SGLang will fail to load: {problem}", False)
+        return EngineVerdict(f"SGLang: MTP loads ({precision}; quantized_layers lists the MTP)", True)
+    line, serves = _verdict(facts.report["mtp_modules"], meta, precision, facts.rules or _QWEN3, facts.is_mtp)
+    return EngineVerdict(line, serves)
+
+
+def module_names(modules: Sequence[str], ckpt: Checkpoint) -> list[str]:
+    """SGLang's MTP keeps the checkpoint's names (one decoder layer under its own index)."""
+    del modules, ckpt
+    return []
+
+
+def late_verdict(facts: VerdictFacts, verdict: str) -> str | None:
+    """A family SGLang has no MTP drafter for (``drafters["sglang"] == ""``) says so, whatever its MTP holds."""
+    del verdict
+    from mtpquant.families import NEVER_SHIPPED
+
+    if facts.ckpt is None:
+        return None
+    family_ = facts.ckpt.spec.family
+    if family_.engine.drafters.get("sglang") == "" and family_.status != NEVER_SHIPPED:
+        return f"SGLang: has no MTP drafter for {family_.display} (SGLang 0.5.23)"
+    return None
+
+
+def format_refusal(meta: QuantMetadata | None) -> str | None:
+    """SGLang refuses no quantization format inspect reads before its MTP question."""
+    del meta
+    return None
+
+
+def serve_command(ref: str, k: int) -> str:
+    """``sglang.launch_server`` with the NEXTN chain of ``k`` drafts."""
+    return (
+        f"python -m sglang.launch_server --model-path {ref} --speculative-algorithm NEXTN "
+        f"--speculative-num-steps {k} --speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}"
+    )
+
+
+def plain_serve_command(ref: str) -> str:
+    """SGLang serving ``ref`` without speculative decoding."""
+    return f"python -m sglang.launch_server --model-path {ref}"
+
+
+def card_without_mtp(precision: str, verdict: str, plain: str) -> list[str]:
+    """The card's SGLang paragraph for a quantized MTP it does not load: why, and how to serve it without MTP."""
+    return [
+        f"> **SGLang and this {precision} MTP**: {verdict}. SGLang decides the MTP's "
+        "quantization for the whole layer (a serialized `modelopt_fp4` checkpoint gets a BF16 MTP, "
+        "`modelopt_mixed` a quantized one only when `quantized_layers` lists `mtp.*` modules). Use vLLM for MTP "
+        "speculative decoding, or serve it in SGLang without it:",
+        "",
+        "```bash",
+        plain,
+        "```",
+        "",
+    ]
+
+
+# ---- validate's launch and options -------------------------------------------------------------------------------
+def cpu_sampling_note() -> str | None:
+    """SGLang's CPU server needs no note for sampled requests."""
+    return None
+
+
+def rule_refusal(rule: str, spec: SpecRule) -> str | None:
+    """An SGLang NEXTN chain verifies with the target's probability of the argmax draft: ``--rule vllm`` only."""
+    del spec
+    if rule != "vllm":  # the verification rule's name (records.sampling.RULES), not an engine's
+        return (
+            f"--rule {rule}: an SGLang NEXTN chain verifies with the target's probability of the argmax "
+            "draft (--rule vllm); the other rules are built-in predictions only"
+        )
+    return None
+
+
+def speculative_args(k: int, speculative: Mapping[str, str] | None) -> list[str]:
+    """SGLang's NEXTN chain of ``k`` drafts (it takes no further speculative keys)."""
+    del speculative
+    return nextn_args(k)
+
+
+def text_only_args(text_only: bool) -> list[str]:
+    """SGLang serves text as it is: nothing to switch off."""
+    del text_only
+    return []
+
+
+def memory_args(mem: EngineMemory) -> list[str]:
+    """SGLang's arguments for a memory plan: the context, the requests, the KV pool in tokens and the static
+    fraction that covers the weights and that pool."""
+    out: list[str] = []
+    if not mem.user_length:
+        out += ["--context-length", str(mem.max_model_len)]
+    if not mem.user_sized:
+        out += ["--max-running-requests", str(mem.seqs), "--max-total-tokens", str(mem.seqs * mem.max_model_len)]
+        if mem.fraction is not None:
+            out += ["--mem-fraction-static", f"{mem.fraction:.3f}"]
+    return out
+
+
+def memory_fraction(machine: Machine, per_device: int, kv: int) -> float | None:
+    """``--mem-fraction-static``: the weights, the KV pool and the engine's own buffers, of the device's memory (at
+    least the recorded CPU server's 0.05, at most what is free)."""
+    from mtpquant.engine.sizing import GPU_HEADROOM, MIN_FRACTION, OVERHEAD
+
+    total, free = machine.total, machine.free
+    if not total:
+        return None
+    fraction = max(MIN_FRACTION, min((per_device + kv + OVERHEAD) / total, 0.9))
+    if free is not None:
+        fraction = min(fraction, max(MIN_FRACTION, GPU_HEADROOM * free / total))
+    return fraction
 
 
 def start_refusal(log_text: str) -> str | None:
@@ -316,3 +646,17 @@ class SglangClient(EngineClientBase):
         after = self.finished_requests(model) if before is not None else None
         other = max(0, round(after - before) - len(completions)) if after is not None and before is not None else 0
         return EngineRun(model, request.ordered(completions), counts, other, False, tuple(parts))
+
+
+def probe(http: EngineHttp, generate_timeout: float) -> tuple[SglangClient, ServerInfo] | None:
+    """The client of the server behind ``http`` and what it says, when it is SGLang (``/get_server_info``); else
+    None."""
+    settings = sglang_settings(http)
+    if settings is None:
+        return None
+    client = SglangClient(http.url, generate_timeout=generate_timeout, http=http)
+    return client, client.info_from(settings)
+
+
+Client = SglangClient
+PROBE_MISS = 'not an SGLang server (no /get_server_info answering {"version": ..., "model_path": ...})'

@@ -27,22 +27,32 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from mtpquant.engine.table import engine as engine_row
 from mtpquant.families import ModelSpec
 from mtpquant.runtime.machine import available_cpu_bytes, gpu_memory, total_cpu_bytes
 from mtpquant.units import format_bytes
 
-__all__ = ["KV_FLOOR", "SEQS", "EngineMemory", "Machine", "kv_bytes", "plan_engine_memory", "probe_machine"]
+__all__ = [
+    "GPU_HEADROOM",
+    "KV_FLOOR",
+    "MIN_FRACTION",
+    "OVERHEAD",
+    "SEQS",
+    "EngineMemory",
+    "Machine",
+    "kv_bytes",
+    "plan_engine_memory",
+    "probe_machine",
+]
 
 log = logging.getLogger(__name__)
 
 SEQS = 4  # sequences at once: validate sends one request at a time; the rest is slack
 KV_FLOOR = 512 * 2**20
 _MARGIN = 2.0
-_GPU_HEADROOM = 0.97  # of the free memory, for the utilization vLLM checks at start
-_MIN_FRACTION = 0.05  # SGLang's mem_fraction_static of the recorded CPU server (tests/fixtures/sglang-cpu)
-_OVERHEAD = 2**30  # activations, workspaces, the engine's own buffers (per device)
-VLLM_MEMORY_FLAGS = ("--kv-cache-memory-bytes", "--gpu-memory-utilization", "--max-num-seqs")
-SGLANG_MEMORY_FLAGS = ("--mem-fraction-static", "--max-total-tokens", "--max-running-requests")
+GPU_HEADROOM = 0.97  # of the free memory, for the utilization vLLM checks at start
+MIN_FRACTION = 0.05  # SGLang's mem_fraction_static of the recorded CPU server (tests/fixtures/sglang-cpu)
+OVERHEAD = 2**30  # activations, workspaces, the engine's own buffers (per device)
 LENGTH_FLAGS = ("--max-model-len", "--context-length")
 
 
@@ -103,28 +113,10 @@ class EngineMemory:
     user_length: bool = False  # --engine-arg names the context length
 
     def args(self) -> list[str]:
-        """The engine's arguments for these settings."""
-        out: list[str] = []
-        if self.engine == "sglang":
-            if not self.user_length:
-                out += ["--context-length", str(self.max_model_len)]
-            if not self.user_sized:
-                out += [
-                    "--max-running-requests",
-                    str(self.seqs),
-                    "--max-total-tokens",
-                    str(self.seqs * self.max_model_len),
-                ]
-                if self.fraction is not None:
-                    out += ["--mem-fraction-static", f"{self.fraction:.3f}"]
-            return out
-        if not self.user_length:
-            out += ["--max-model-len", str(self.max_model_len)]
-        if not self.user_sized:
-            out += ["--max-num-seqs", str(self.seqs), "--kv-cache-memory-bytes", str(self.kv)]
-            if self.fraction is not None:
-                out += ["--gpu-memory-utilization", f"{self.fraction:.3f}"]
-        return out
+        """The engine's arguments for these settings (its module's ``memory_args``)."""
+        from mtpquant.engine.table import engine
+
+        return list(engine(self.engine).adapter.memory_args(self))
 
     def describe(self) -> str:
         """One line for the log and the report's notes."""
@@ -166,18 +158,10 @@ def plan_engine_memory(
     tp = max(tensor_parallel_size, 1)
     kv = max(KV_FLOOR, math.ceil(_MARGIN * kv_bytes(spec, max_model_len, seqs) / tp))
     per_device = math.ceil(weights / tp)
-    flags = SGLANG_MEMORY_FLAGS if engine == "sglang" else VLLM_MEMORY_FLAGS
-    user_sized = _names(user_args, flags) or (engine == "vllm" and "VLLM_CPU_KVCACHE_SPACE" in user_env)
+    row = engine_row(engine)
+    user_sized = _names(user_args, row.memory_flags) or any(name in user_env for name in row.memory_env)
     user_length = _names(user_args, LENGTH_FLAGS)
-    fraction: float | None = None
-    total, free = machine.total, machine.free
-    if engine == "sglang" and total:
-        need = (per_device + kv + _OVERHEAD) / total
-        fraction = max(_MIN_FRACTION, min(need, 0.9))
-        if free is not None:
-            fraction = min(fraction, max(_MIN_FRACTION, _GPU_HEADROOM * free / total))
-    elif engine == "vllm" and machine.device != "cpu" and total and free is not None:
-        fraction = min(0.9, _GPU_HEADROOM * free / total)  # what the start-up check accepts
+    fraction: float | None = row.adapter.memory_fraction(machine, per_device, kv)
     plan = EngineMemory(engine, machine, max_model_len, seqs, kv, per_device, fraction, user_sized, user_length)
     log.info("%s", plan.describe())
     return plan

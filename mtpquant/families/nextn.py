@@ -308,11 +308,13 @@ def _family(key: str, display: str, model_types: set[str], archs: set[str], mtp:
 
 
 def _engine(packed: Mapping[str, tuple[str, ...]], vllm: str, sglang: str, **kw: Any) -> EngineRules:
+    """The family's engine rules; ``trtllm=``: TensorRT-LLM's MTP class where mtpquant reproduces its rules."""
+    trtllm = kw.pop("trtllm", None)
     return EngineRules(
         packed=packed,
         built_unquantized=kw.pop("built_unquantized", _NEXTN_UNQUANTIZED),
         sglang_plain=_NEXTN_SGLANG,
-        drafters={"vllm": vllm, "sglang": sglang},
+        drafters={"vllm": vllm, "sglang": sglang, **({"trtllm": trtllm} if trtllm is not None else {})},
         **kw,
     )
 
@@ -328,7 +330,9 @@ DEEPSEEK_V3 = _family(
     _mtp(_deepseek_shapes(indexer=False), copies=COPIES, copies_required=True, unquantized=("*.self_attn.*",),
          engine_rename=_layer_rename(_MODEL_LAYER), groups=_MLA_GROUPS,
          appended=AppendedForward("deepseek_v3", "DeepseekV3", recycle_normed=True)),
-    _engine(_DEEPSEEK_PACKED, "DeepSeekMTPModel", "DeepseekV3ForCausalLMNextN", missing_mtp_error=_COMPLETENESS),
+    # TensorRT-LLM: DeepseekV3MTP (_torch/models/modeling_deepseekv3.py)
+    _engine(_DEEPSEEK_PACKED, "DeepSeekMTPModel", "DeepseekV3ForCausalLMNextN", trtllm="DeepseekV3MTP",
+            missing_mtp_error=_COMPLETENESS),
     "DeepseekV3ForCausalLM",
     unquantized=_MLA_UNQUANTIZED,
     lineage_keys=_DEEPSEEK_LINEAGE,
@@ -383,7 +387,9 @@ GLM4_MOE = _family(
     {"Glm4MoeForCausalLM"},
     _mtp(glm4_moe_shapes, copies=COPIES, engine_rename=_layer_rename(_MODEL_LAYER), groups=_GQA_GROUPS,
          appended=AppendedForward("glm4_moe", "Glm4Moe", recycle_normed=False)),
-    _engine(_GLM_PACKED, "Glm4MoeMTPModel", "Glm4MoeForCausalLMNextN", head_from_target="shared_head.head"),
+    # TensorRT-LLM: Glm4MTP (_torch/models/modeling_glm.py)
+    _engine(_GLM_PACKED, "Glm4MoeMTPModel", "Glm4MoeForCausalLMNextN", trtllm="Glm4MTP",
+            head_from_target="shared_head.head"),
     "Glm4MoeForCausalLM",
     lineage_keys=("head_dim", "n_routed_experts", "n_shared_experts", "first_k_dense_replace", "use_qk_norm",
                   "attention_bias"),

@@ -158,6 +158,8 @@ _ENGINE = EngineRules(
     packed=_PACKED,
     built_unquantized=("*.mlp.gate", "*.mlp.shared_expert_gate"),
     forced_unquantized=(_FC_WORKAROUND,),
+    # TensorRT-LLM drafts Qwen3.5 and Qwen3-Next with Qwen3NextMTP (_torch/models/modeling_qwen3_next.py)
+    drafters={"trtllm": "Qwen3NextMTP"},
 )
 
 _COMMON_UNQUANTIZED = (

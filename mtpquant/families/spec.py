@@ -278,13 +278,20 @@ class ModelSpec:
     def mtp_exclusion_patterns(self, layers: int | None = None) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """The exclusion patterns that cover the whole MTP of ``layers`` depths (default: the declared depth) in
         every form the engines match, as (ModelOpt ``exclude_modules`` / ``ignore`` patterns, compressed-tensors
-        ``ignore`` patterns): ``mtp*`` and ``re:^mtp\\..*`` for the ``mtp.`` namespace; one per appended layer,
-        ``model.layers.61*``, plus the engine's own form of the name where its draft renames the layer
+        ``ignore`` patterns): ``mtp*`` and ``re:^mtp\\..*`` for the ``mtp.`` namespace, with TensorRT-LLM's
+        ``model.layers.<num_hidden_layers + i>*`` where it drafts the family (``engine/trtllm.py``); one per
+        appended layer, ``model.layers.61*``, plus the engine's own form of the name where its draft renames the layer
         (GLM-5.3-Flash: ``model.language_model.layers.45*`` and ``model.layers.45*``)."""
         names = self.mtp_names
         if names.kind != APPENDED:
             stem = names.namespace.rstrip(".")
-            return (f"{stem}*",), (f"re:^{re.escape(stem)}\\..*",)
+            # TensorRT-LLM builds the namespace's layers as model.layers.<num_hidden_layers + i> (its weight mapper)
+            # and matches exclusions on those names: its form too, where it drafts the family's MTP
+            extra: list[str] = []
+            if self.family.engine.drafters.get("trtllm") and stem == "mtp":
+                n, depth = self._layers_or_zero(), self.mtp.layers if layers is None else layers
+                extra = [f"model.layers.{n + i}" for i in range(max(depth, 1))] if n else []
+            return (f"{stem}*", *(f"{e}*" for e in extra)), (f"re:^{re.escape(stem)}\\..*",)
         depth = self.mtp.layers if layers is None else layers
         prefix = self.appended_prefix()
         stems: list[str] = []

@@ -193,12 +193,11 @@ def field_default(cls: type, name: str) -> Any:
 
 
 def field_choices(cls: type, name: str) -> tuple[str, ...]:
-    """The values ``cls``'s field ``name`` may take (its ``Literal`` type's, ``None`` aside): the one place the
-    choices are written, which the CLI's ``choices`` take."""
+    """The values ``cls``'s field ``name`` may take (its ``Literal`` types', in order, ``None`` aside): the one place
+    the choices are written, which the CLI's ``choices`` take."""
     tp = _hints(cls)[name]
     members = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
-    literal = next(m for m in members if typing.get_origin(m) is typing.Literal)
-    return tuple(typing.get_args(literal))
+    return tuple(v for m in members if typing.get_origin(m) is typing.Literal for v in typing.get_args(m))
 
 
 def finite_or_none(v: float) -> float | None:

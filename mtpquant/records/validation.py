@@ -186,7 +186,7 @@ class Settings(Record):
 class EngineInfo(Record):
     """The serving engine that measured the acceptance (engine path only)."""
 
-    name: str  # "vllm" | "sglang"
+    name: str  # a key of engine.table ("vllm", ...)
     version: str
     url: str
     model: str

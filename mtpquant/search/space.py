@@ -29,6 +29,7 @@ from mtpquant.checkpoint.header import DTYPE_BITS
 from mtpquant.checkpoint.modules import linear_modules
 from mtpquant.checkpoint.precision import is_quantized, linear_precisions
 from mtpquant.engine.loading import mtp_load_refusal
+from mtpquant.engine.table import NAMES, EngineName, searched
 from mtpquant.families import FUSED_EXPERT_PIECES, Family, MtpGroup
 from mtpquant.formats.quant_config import QuantMetadata
 from mtpquant.recipes.recipe import recipe_excludes
@@ -37,7 +38,6 @@ from mtpquant.records.record import Record
 __all__ = [
     "BLOCK",
     "ENGINE_CHOICES",
-    "MTP_ENGINES",
     "PRECISIONS",
     "Assignment",
     "Declaration",
@@ -49,16 +49,15 @@ __all__ = [
 
 Precision = Literal["bf16", "fp8", "nvfp4"]
 PRECISIONS: tuple[str, ...] = get_args(Precision)  # widest first
-MTP_ENGINES = ("vllm", "sglang")
-EngineChoice = Literal["vllm", "sglang", "any"]
-ENGINE_CHOICES: tuple[str, ...] = get_args(EngineChoice)
+EngineChoice = EngineName | Literal["any"]
+ENGINE_CHOICES: tuple[str, ...] = (*NAMES, "any")
 BLOCK = 16  # NVFP4 block: a quantized Linear's input dimension must be a multiple of it
 _DISK = {"bf16": "BF16", "fp8": "FP8", "nvfp4": "NVFP4"}
 
 
 def engines_of(choice: str) -> tuple[str, ...]:
     """The engines ``--engine`` names (``any``: every one, so a configuration must load in all of them)."""
-    return MTP_ENGINES if choice == "any" else (choice,)
+    return searched() if choice == "any" else (choice,)
 
 
 def layer_entry(precision: str, main_algo: str) -> dict[str, Any]:
@@ -177,9 +176,11 @@ class MtpSpace:
         precisions: Sequence[str] = PRECISIONS,
         exclude: Sequence[str] = (),
     ) -> None:
-        unknown = [e for e in engines if e not in MTP_ENGINES]
+        unknown = [e for e in engines if e not in searched()]
         if unknown:
-            raise ValueError(f"unknown engine {unknown[0]!r} (known: {', '.join(MTP_ENGINES)})")
+            raise ValueError(
+                f"the search does not apply engine {unknown[0]!r}'s rules (it applies {', '.join(searched())})"
+            )
         self.family = family
         self.main_algo = main_algo
         self.activations = activations

@@ -253,6 +253,20 @@ def plan_metadata(
                 still = uncovered_modules(unquantized, pats, is_ct, rename)
                 if still:
                     warnings.append(f"{f}: MTP module {still[0]} is still not excluded")
+    if meta is not None and meta.is_modelopt and all_plain and unquantized and meta.algo.upper() != "MIXED_PRECISION":
+        # the whole-MTP patterns in every engine's form (TensorRT-LLM's model.layers.<n>* too): a list that covers
+        # the MTP for vLLM only gets the forms it lacks (ModelOpt lists only; compressed-tensors lists are vLLM's)
+        family_patterns = resolve(config).mtp_exclusion_patterns(mtp_layers or None)[0]
+        lacking = [p for p in family_patterns if any(p not in pats for _, is_ct, pats in lists if not is_ct)]
+        if lacking:
+            config, hfq = with_exclusions(config, hfq, lacking, ())
+            old_lists, lists = lists, exclusion_lists(config, hfq)
+            for f, is_ct, pats in lists:
+                old = next((p for g, _, p in old_lists if g == f), [])
+                added = [p for p in pats if p not in old]
+                if added and not is_ct:
+                    what = "ignore" if f == "config.json" else "exclude_modules"
+                    changes.append(f"{f}: {what} += {', '.join(added)}")
     quantized_but_excluded = [
         (f, m)
         for f, ct, pats in lists

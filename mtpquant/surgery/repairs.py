@@ -20,7 +20,8 @@ from typing import Any
 
 from mtpquant.checkpoint.header import FLOAT_DTYPES
 from mtpquant.checkpoint.precision import table_precision
-from mtpquant.engine.loading import FusedShardsError, engine_modules, mixed_algo, vllm_expectation
+from mtpquant.engine.loading import FusedShardsError, engine_modules, mixed_algo
+from mtpquant.engine.vllm import vllm_expectation
 from mtpquant.families import ModelSpec
 from mtpquant.formats.quant_config import HF_QUANT_CONFIG, QuantMetadata, read_quant_metadata, with_exclusions
 

@@ -32,8 +32,10 @@ from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.engine.connect import client_for, connect
 from mtpquant.engine.http import engine_api_key
 from mtpquant.engine.launch import EngineProcess, free_port, server_args
-from mtpquant.engine.server import ENGINE_NAMES, EngineServer, ServerInfo, SpecConfig, resolve_model
+from mtpquant.engine.server import EngineServer, ServerInfo, SpecConfig, resolve_model
 from mtpquant.engine.sizing import Machine, plan_engine_memory, probe_machine
+from mtpquant.engine.table import display as engine_display
+from mtpquant.engine.table import engine as engine_row
 from mtpquant.errors import EngineAnswerError, ValidateError
 from mtpquant.public import public_args, public_checkpoint
 from mtpquant.records.acceptance import Acceptance, AcceptanceRow, ContextBucket
@@ -51,21 +53,6 @@ __all__ = ["server_logs", "validate_engine"]
 log = logging.getLogger(__name__)
 
 ENGINE_NOTE = "The same prompts, lengths and sampling settings as the built-in path (ignore_eos)."
-CPU_SAMPLING_NOTE = (
-    "vLLM 0.32.0's CPU build mis-expands each request's temperature, top-k and top-p to its drafts in the rejection "
-    "sampler (vllm/utils/cpu_triton_utils.py::_expand_kernel_impl fills an int64 copy that is never read back), so "
-    "an unpatched CPU server judges sampled drafts against uninitialized distributions and accepts almost none; "
-    "mtpquant's test engine environment corrects it (tests/support/vllm_env.py). GPU builds run the Triton kernel."
-)
-COUNTER_NOTES = {
-    "vllm": "vLLM's speculative-decoding counters are server-wide: its numbers are the difference of two snapshots.",
-    "sglang": (
-        "SGLang's speculative counters come with each request (meta_info: spec_verify_ct, "
-        "spec_correct_drafts_histogram, ...): its numbers cover exactly these requests."
-    ),
-}
-
-
 @dataclasses.dataclass(frozen=True)
 class _Measured:
     """One side measured at one k, at every sampling setting: the engine's numbers and the server that gave them."""
@@ -277,14 +264,14 @@ def _side(
     plan: Sequence[PlannedSequence],
 ) -> Side:
     first = measured[0]
-    generated = sum(len(c.tokens) for c in first.measurement.completions)
+    generated = sum(c.generated for c in first.measurement.completions)
     prompt_tokens = sum(len(c.prompt) for c in first.measurement.completions)
     by_sampling = tuple(_acceptance(opts, measured, i, plan) for i in range(len(first.measurements)))
     return Side(
         checkpoint=public_checkpoint(label_checkpoint),  # one path style in the report: a directory by its name
         family=family,
         precision={},
-        target_source=f"engine {ENGINE_NAMES.get(first.engine.name, first.engine.name)} {first.engine.version} at "
+        target_source=f"engine {engine_display(first.engine.name)} {first.engine.version} at "
         f"{first.engine.url}",
         sequences=len(plan),
         tokens=prompt_tokens + generated,
@@ -401,8 +388,9 @@ def validate_engine(opts: ValidateOptions, opened: Opened, logs: Path | None = N
         assert opts.reference is not None and plan is not None
         assert logs is not None, "--engine needs a directory for the servers' logs (server_logs)"
         cpu = _device_is_cpu(opts)
-        if cpu and opts.engine == "vllm" and any(not x.greedy for x in opts.sampling_settings):
-            notes.append(CPU_SAMPLING_NOTE)
+        cpu_note = engine_row(opts.engine).adapter.cpu_sampling_note() if opts.engine is not None else None
+        if cpu and cpu_note is not None and any(not x.greedy for x in opts.sampling_settings):
+            notes.append(cpu_note)
         machine = probe_machine(cpu)
         for label, name, opened_ckpt in (
             ("reference", opts.reference, opened.reference),
@@ -424,7 +412,7 @@ def validate_engine(opts: ValidateOptions, opened: Opened, logs: Path | None = N
             )
     every = [x for side in measured.values() for x in side]
     for name in sorted({m.engine.name for m in every}):
-        notes.append(COUNTER_NOTES[name])
+        notes.append(engine_row(name).counter_note)
     for note in dict.fromkeys(n for m in every for n in m.notes):
         notes.append(note)
     for m in every:

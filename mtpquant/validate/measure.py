@@ -5,10 +5,11 @@ The same prompts as the built-in path (token ids, ``ignore_eos``, the same lengt
 prompt i with seed ``seed + i``) are sent in consecutive groups of at most ``concurrency`` requests, the requests
 of a group in flight together. Each engine counts in its own way (``mtpquant.engine``): vLLM's server-wide
 counters read before and after each group (other traffic meanwhile is counted in, and reported), SGLang's
-per-request counters summed (exactly these requests). Either way: AL = 1 + accepted / verify steps, acceptance
-rate = accepted / drafted tokens, and per draft position i, accepted_i / verify steps (every step drafts all k).
-Each group is a sampling unit of the confidence intervals (``evidence.UnitCounts``; one prompt per unit at
-``concurrency`` 1).
+per-request counters summed (exactly these requests), TensorRT-LLM's cumulative counters read around the run
+(AL and the acceptance rate only: it counts nothing per draft position). Either way: AL = 1 + accepted / verify
+steps, acceptance rate = accepted / drafted tokens, and per draft position i, accepted_i / verify steps (every step
+drafts all k). Each group is a sampling unit of the confidence intervals (``evidence.UnitCounts``; one prompt per
+unit at ``concurrency`` 1).
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def engine_stats(counts: DraftCounts) -> AcceptanceStats:
         num_accepted=counts.accepted,
         acceptance_rate=counts.accepted / counts.drafted,
         mean_acceptance_length=1.0 + counts.accepted / steps,
-        drafted_per_position=(steps,) * counts.k,
+        drafted_per_position=(steps,) * len(counts.accepted_per_position),  # none where none is counted
         accepted_per_position=counts.accepted_per_position,
         acceptance_per_position=tuple(a / steps for a in counts.accepted_per_position),
     )
@@ -91,15 +92,17 @@ def measure(
     run = server.run(RunRequest(model, prompts, max_tokens, sampling, concurrency, groups), info)
     parts = run.group_counts or (run.counts,)
     k = run.counts.k
+    width = len(run.counts.accepted_per_position)  # positions counted: k, or none (TensorRT-LLM counts AL only)
 
     def per_position(counts: DraftCounts) -> tuple[float, ...]:
-        return tuple(float(a) for a in counts.accepted_per_position) + (0.0,) * (k - counts.k)
+        counted = counts.accepted_per_position
+        return tuple(float(a) for a in counted) + (0.0,) * (width - len(counted))
 
     units = UnitCounts(
         tuple(float(p.steps) for p in parts),
         tuple(float(p.accepted) for p in parts),
         tuple(per_position(p) for p in parts),
-        tuple((float(p.steps),) * k for p in parts),
+        tuple((float(p.steps),) * width for p in parts),
     )
     unit_groups = tuple(groups) if run.group_counts else (tuple(range(len(prompts))),)
     return EngineMeasurement(model, k, engine_stats(run.counts), run, units, sampling, unit_groups)

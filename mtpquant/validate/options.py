@@ -5,20 +5,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from itertools import pairwise
 from pathlib import Path
-from typing import Annotated, Literal, get_args
+from typing import Annotated
 
 from annotated_types import Ge, Interval
 
+from mtpquant.engine.table import EngineName, launchable
+from mtpquant.engine.table import engine as engine_row
 from mtpquant.errors import OutputExistsError, ValidateError
 from mtpquant.measure import HIDDEN_FORMAT, Activations
 from mtpquant.records.record import FLAG, Options
 from mtpquant.records.sampling import SamplingSettings, check_sampling, sampling_settings
 from mtpquant.runtime.machine import ComputeDtype
 
-__all__ = ["ENGINES", "ValidateOptions", "check_hidden_destination"]
-
-Engine = Literal["vllm", "sglang"]
-ENGINES: tuple[str, ...] = get_args(Engine)
+__all__ = ["ValidateOptions", "check_hidden_destination"]
 Positive = Annotated[int, Ge(1)]
 
 
@@ -87,7 +86,7 @@ class ValidateOptions(Options):
     api_key_file: Path | None = None  # the servers' key (else MTPQUANT_ENGINE_API_KEY); never stored
     candidate_server: str | None = None
     served_model: str | None = None  # the model name to ask the server(s) for (default: the only one served)
-    engine: Engine | None = None  # start the engine for REFERENCE [and CANDIDATE]
+    engine: EngineName | None = None  # start the engine for REFERENCE [and CANDIDATE]
     vllm_python: Path | None = None  # the python of the vLLM environment
     sglang_python: Path | None = None  # the python of the SGLang environment
     tensor_parallel_size: Positive = 1
@@ -116,7 +115,8 @@ class ValidateOptions(Options):
     @property
     def engine_python(self) -> Path | None:
         """The python of the environment of ``engine``."""
-        return self.sglang_python if self.engine == "sglang" else self.vllm_python
+        python: Path | None = getattr(self, f"{self.engine}_python", None) if self.engine is not None else None
+        return python
 
     @property
     def engine_path(self) -> bool:
@@ -136,21 +136,21 @@ class ValidateOptions(Options):
             _, spec_rule = check_sampling(self.temperatures, self.top_p, self.top_k, self.seed, self.rule)
         except ValueError as exc:
             raise ValidateError(str(exc)) from None
-        if self.engine == "vllm" and spec_rule.vllm_config is None:
-            raise ValidateError(
-                f"--rule {self.rule}: vLLM 0.32 has no such verification mode; it is a built-in prediction only"
-            )
-        if self.engine == "sglang" and self.rule != "vllm":
-            raise ValidateError(
-                f"--rule {self.rule}: an SGLang NEXTN chain verifies with the target's probability of the argmax "
-                "draft (--rule vllm); the other rules are built-in predictions only"
-            )
+        if self.engine is not None:
+            refusal = engine_row(self.engine).adapter.rule_refusal(self.rule, spec_rule)
+            if refusal is not None:
+                raise ValidateError(refusal)
         if self.server is not None and self.engine is not None:
             raise ValidateError("--server and --engine exclude each other (measure a running server, or start one)")
         if self.candidate_server is not None and self.server is None:
             raise ValidateError("--candidate-server needs --server (the reference server)")
         if self.engine is not None:
-            name = "SGLang" if self.engine == "sglang" else "vLLM"
+            name = engine_row(self.engine).display
+            if self.engine not in launchable():
+                raise ValidateError(
+                    f"--engine {self.engine}: mtpquant does not start {name} servers; measure a running one with "
+                    "--server URL"
+                )
             if self.engine_python is None:
                 raise ValidateError(
                     f"--engine {self.engine} needs --{self.engine}-python PATH (the python of the {name} environment)"
@@ -160,7 +160,7 @@ class ValidateOptions(Options):
         if self.engine_path and (self.hidden is not None or self.save_hidden is not None):
             raise ValidateError("--hidden / --save-hidden belong to the built-in path, not to --server / --engine")
         if self.compare_reference and self.engine is None:
-            raise ValidateError("--compare-reference needs --engine vllm|sglang (and a local checkpoint)")
+            raise ValidateError(f"--compare-reference needs --engine {'|'.join(launchable())} (and a local checkpoint)")
         if not self.engine_path and self.reference is None:
             raise ValidateError("give a CHECKPOINT (or --server URL)")
         buckets = self.context_buckets

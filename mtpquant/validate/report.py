@@ -26,7 +26,8 @@ from typing import Any
 
 from mtpquant.checkpoint.filesystem import json_bytes
 from mtpquant.checkpoint.precision import linears_text
-from mtpquant.engine.server import ENGINE_NAMES
+from mtpquant.engine.table import NAMES as ENGINE_KEYS
+from mtpquant.engine.table import display as engine_display
 from mtpquant.errors import OutputExistsError
 from mtpquant.public import public_json, public_text
 from mtpquant.records.evidence import Interval
@@ -56,7 +57,7 @@ PLOTS = ("acceptance", "context", "kl")  # each written as NAME.png when there i
 _WRITTEN = frozenset({REPORT_FILE, MARKDOWN_FILE, PROFILE_FILE, *(f"{p}.png" for p in PLOTS)})
 # what earlier runs left that validate wrote: server logs beside the report (mtpquant before logs/ was used), and the
 # temporary file of an atomic write a kill interrupted (filesystem.replace_atomically)
-_ENGINE_LOG = re.compile(r"(vllm|sglang)-(reference|candidate)-k\d+\.log")
+_ENGINE_LOG = re.compile(rf"({'|'.join(ENGINE_KEYS)})-(reference|candidate)-k\d+\.log")
 _INTERRUPTED = re.compile(r"\..+\.tmp-[0-9a-f]{8}")
 
 
@@ -175,7 +176,7 @@ def render_markdown(report: Report, plots: dict[str, str], shown: Sequence[tuple
             "|---|---|---|---|---|---|",
         ]
         for e in report.engine:
-            name = ENGINE_NAMES.get(e.name, e.name)
+            name = engine_display(e.name)
             out.append(
                 f"| {e.side} | {name} {e.version} | {e.url} | `{e.model}` | {e.k} ({e.k_source}) | {e.other_requests} |"
             )

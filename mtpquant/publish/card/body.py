@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from mtpquant import __version__
 from mtpquant.card_marker import card_head, seal
 from mtpquant.checkpoint.precision import is_quantized
+from mtpquant.engine.table import ENGINES
 from mtpquant.engine.verdicts import serve_command
 from mtpquant.publish.card.facts import (
     VALIDATION_PROFILE,
@@ -179,8 +180,7 @@ def _mtp_table(facts: CardFacts) -> list[str]:
         ),
         ("Precision", r.mtp_precision),
         ("Shard(s)", shards),
-        ("vLLM", _md_escape(r.verdicts.get("vllm", "unknown"))),
-        ("SGLang", _md_escape(r.verdicts.get("sglang", "unknown"))),
+        *((e.display, _md_escape(r.verdicts.get(e.key, "unknown"))) for e in ENGINES),
     ]
     lines = ["| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows)]
     if r.mtp_modules:
@@ -350,29 +350,16 @@ def _serving_lines(facts: CardFacts) -> list[str]:
     lines: list[str] = []
     if k is not None and cmds:
         lines += [f"Drafting k = {k} tokens per step, the largest k the validation report measured.", ""]
-    if "vllm" in cmds:
-        lines += ["vLLM, with the MTP as draft model:", "", "```bash", cmds["vllm"], "```", ""]
-    else:
-        lines += [f"vLLM: no MTP serve command: {_md_escape(r.verdicts.get('vllm', 'unknown'))}.", ""]
     quantized_mtp = any(is_quantized(m.disk) for m in r.mtp_modules)
-    if "sglang" in cmds:
-        lines += ["SGLang (NEXTN speculative decoding):", "", "```bash", cmds["sglang"], "```", ""]
-    elif quantized_mtp:
-        plain = _with_revision(f"python -m sglang.launch_server --model-path {repo}", facts.revision)
-        verdict = r.verdicts.get("sglang", "")
-        lines += [
-            f"> **SGLang and this {r.mtp_precision} MTP**: {_md_escape(verdict)}. SGLang decides the MTP's "
-            "quantization for the whole layer (a serialized `modelopt_fp4` checkpoint gets a BF16 MTP, "
-            "`modelopt_mixed` a quantized one only when `quantized_layers` lists `mtp.*` modules). Use vLLM for MTP "
-            "speculative decoding, or serve it in SGLang without it:",
-            "",
-            "```bash",
-            plain,
-            "```",
-            "",
-        ]
-    else:
-        lines += [f"SGLang: no MTP serve command: {_md_escape(r.verdicts.get('sglang', 'unknown'))}.", ""]
+    for e in ENGINES:
+        verdict = r.verdicts.get(e.key, "unknown")
+        if e.key in cmds:
+            lines += [e.card_heading, "", "```bash", cmds[e.key], "```", ""]
+        elif quantized_mtp and hasattr(e.adapter, "card_without_mtp"):  # the engine serves it without its MTP
+            plain = _with_revision(e.adapter.plain_serve_command(repo), facts.revision)
+            lines += e.adapter.card_without_mtp(r.mtp_precision, _md_escape(r.verdicts.get(e.key, "")), plain)
+        else:
+            lines += [f"{e.display}: no MTP serve command: {_md_escape(verdict)}.", ""]
     return lines
 
 
