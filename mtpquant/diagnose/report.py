@@ -41,7 +41,7 @@ from mtpquant.engine.verdicts import (
     unquantized_why,
 )
 from mtpquant.errors import ExitCode
-from mtpquant.families import NEVER_SHIPPED, NOT_MTP, RECOGNISED, EngineRules, matches
+from mtpquant.families import NEVER_SHIPPED, NOT_MTP, RECOGNISED, SEPARATE, EngineRules, matches
 from mtpquant.formats.quant_config import QuantMetadata
 
 __all__ = [
@@ -519,6 +519,10 @@ def _inspect(ckpt: Checkpoint, t0: float) -> InspectReport:
         serve = {}
     elif family.status == RECOGNISED:
         warnings.append(Finding("note", family.status_note))
+    elif family.status == SEPARATE:  # the target holds no MTP by design: say where the drafter is instead
+        warnings.append(Finding("note", family.status_note))
+        verdicts = {e: f"{ENGINE_NAMES[e]}: {family.status_note}" for e in ENGINE_NAMES}
+        serve = {}
     if report["mtp_declared"] and not report["mtp_present_tensors"] and report["mtp_removed"] is None:
         missing = _vllm_without_mtp(ckpt, meta)
         if missing is not None:

@@ -37,6 +37,7 @@ __all__ = [
     "NEXTN_STANDALONE",
     "STEP3P5",
     "AppendedForward",
+    "layer_rename",
     "mla_shapes",
     "moe_shapes",
     "nextn_glue_shapes",
@@ -210,7 +211,7 @@ def _glue_only(head: str, embed: bool) -> Any:
     return shapes
 
 
-def _layer_rename(pattern: re.Pattern[str], block_infix: str = "", head: str = "head") -> Any:
+def layer_rename(pattern: re.Pattern[str], block_infix: str = "", head: str = "head") -> Any:
     """vLLM's draft name of an MTP module: the layer prefix normalised to ``model.layers.{n}.``; the shared head
     ``{layer}.head`` (DeepSeek / GLM: ``SharedHead(prefix=layer)``; Step: ``{layer}.shared_head.head``); the block
     under ``block_infix`` (Step: ``mtp_block.``)."""
@@ -315,7 +316,7 @@ DEEPSEEK_V3 = _family(
     {"deepseek_v3"},
     {"DeepseekV3ForCausalLM"},
     _mtp(_deepseek_shapes(indexer=False), copies=COPIES, copies_required=True, unquantized=("*.self_attn.*",),
-         engine_rename=_layer_rename(_MODEL_LAYER),
+         engine_rename=layer_rename(_MODEL_LAYER),
          appended=AppendedForward("deepseek_v3", "DeepseekV3", recycle_normed=True)),
     _engine(_DEEPSEEK_PACKED, "DeepSeekMTPModel", "DeepseekV3ForCausalLMNextN", missing_mtp_error=_COMPLETENESS),
     "DeepseekV3ForCausalLM",
@@ -340,7 +341,7 @@ DEEPSEEK_V32 = _family(
     {"deepseek_v32"},
     {"DeepseekV32ForCausalLM"},
     _mtp(_deepseek_shapes(indexer=True), copies=COPIES, copies_required=True, unquantized=("*.self_attn.*",),
-         setting_keys=("index_share_for_mtp_iteration",), engine_rename=_layer_rename(_MODEL_LAYER),
+         setting_keys=("index_share_for_mtp_iteration",), engine_rename=layer_rename(_MODEL_LAYER),
          appended=AppendedForward("deepseek_v32", "DeepseekV32", recycle_normed=True)),
     _engine(_DEEPSEEK_PACKED, "DeepseekV32MTPModel", "DeepseekV3ForCausalLMNextN", **_V32_ENGINE),
     "DeepseekV32ForCausalLM",
@@ -356,7 +357,7 @@ GLM_MOE_DSA = _family(
     {"glm_moe_dsa"},
     {"GlmMoeDsaForCausalLM"},
     _mtp(_deepseek_shapes(indexer=True), copies=COPIES, unquantized=("*.self_attn.*",),
-         setting_keys=("index_share_for_mtp_iteration",), engine_rename=_layer_rename(_MODEL_LAYER),
+         setting_keys=("index_share_for_mtp_iteration",), engine_rename=layer_rename(_MODEL_LAYER),
          appended=AppendedForward("glm_moe_dsa", "GlmMoeDsa", recycle_normed=True)),
     _engine(_DEEPSEEK_PACKED, "DeepseekV32MTPModel", "GlmMoeDsaForCausalLMNextN", **_V32_ENGINE),
     "GlmMoeDsaForCausalLM",
@@ -370,7 +371,7 @@ GLM4_MOE = _family(
     "GLM-4.5 / 4.6 / 4.7 / 4.5-Air",
     {"glm4_moe"},
     {"Glm4MoeForCausalLM"},
-    _mtp(glm4_moe_shapes, copies=COPIES, engine_rename=_layer_rename(_MODEL_LAYER),
+    _mtp(glm4_moe_shapes, copies=COPIES, engine_rename=layer_rename(_MODEL_LAYER),
          appended=AppendedForward("glm4_moe", "Glm4Moe", recycle_normed=False)),
     _engine(_GLM_PACKED, "Glm4MoeMTPModel", "Glm4MoeForCausalLMNextN", head_from_target="shared_head.head"),
     "Glm4MoeForCausalLM",
@@ -388,7 +389,7 @@ GLM5_NEXT = _family(
     {"glm5_next", "glm5_next_text"},
     {"Glm5NextForConditionalGeneration", "Glm5NextForCausalLM"},
     _mtp(_glue_only("head", embed=False), copies=COPIES, inventory="glue",
-         setting_keys=("index_share_for_mtp_iteration",), engine_rename=_layer_rename(_ANY_LAYER)),
+         setting_keys=("index_share_for_mtp_iteration",), engine_rename=layer_rename(_ANY_LAYER)),
     _engine(_DEEPSEEK_PACKED, "Glm5NextMTPModel", "", missing_mtp_error=_COMPLETENESS),
     "Glm5NextForCausalLM",
     unquantized=_MLA_UNQUANTIZED,
@@ -406,7 +407,7 @@ STEP3P5 = _family(
     {"Step3p5ForCausalLM", "Step3p7ForConditionalGeneration"},
     _mtp(_glue_only("output", embed=False), copies=("shared_head.output.weight",), copies_required=True,
          inventory="glue",
-         engine_rename=_layer_rename(_MODEL_LAYER, block_infix="mtp_block.", head="shared_head.head")),
+         engine_rename=layer_rename(_MODEL_LAYER, block_infix="mtp_block.", head="shared_head.head")),
     _engine({"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")},
             "Step3p5MTP", "Step3p5MTP",
             missing_mtp_error="RuntimeError: Some parameters like model.layers.{layer}... are not in the checkpoint "

@@ -1,7 +1,6 @@
 """Registry entries beyond the appended layer: Nemotron-H (``mtp.layers.{j}``, sub-layers of one depth), MiMo-7B and
 MiMo-V2-Flash (a sub-namespace of ``model.``), and the families mtpquant recognises but does not repair: MiniMax-M2
-(an MTP declared and never shipped), DeepSeek-V4 (its MTP under ``mtp.{i}``: recognised, its drafter named) and
-DeepSeek-V4.1 (``mtp.*`` holds a DSpark drafter, not an MTP).
+(an MTP declared and never shipped) and DeepSeek-V4.1 (``mtp.*`` holds a DSpark drafter, not an MTP).
 
 Facts from vLLM 0.32 (``model_executor/models/nemotron_h_mtp.py``, ``mimo_mtp.py``, ``mimo_v2_mtp.py``,
 ``config/speculative.py``, ``model_executor/models/registry.py``) and transformers 5.19 (``nemotron_h``,
@@ -15,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from mtpquant.families.mtp_config import config_int
-from mtpquant.families.schema import NEVER_SHIPPED, NOT_MTP, RECOGNISED, EngineRules, Family, MtpLayout
+from mtpquant.families.schema import NEVER_SHIPPED, NOT_MTP, EngineRules, Family, MtpLayout
 from mtpquant.families.storage import NAMESPACE, SUBSPACE, MtpStorage
 
 __all__ = ["OTHER_FAMILIES"]
@@ -195,19 +194,6 @@ MINIMAX_M2 = _family(
         "vLLM serves MTP only for MiniMax-M3"
     ),
 )
-DEEPSEEK_V4 = _family(
-    "deepseek_v4",
-    "DeepSeek-V4 / V4-Flash",
-    {"deepseek_v4"},
-    {"DeepseekV4ForCausalLM", "DeepseekV4ForConditionalGeneration"},
-    _layout(MtpStorage(NAMESPACE, layer=""), _none, "none"),
-    drafters={"vllm": "DeepSeekV4MTPModel", "sglang": "DeepseekV4ForCausalLMNextN"},
-    status=RECOGNISED,
-    status_note=(
-        "DeepSeek-V4's MTP (mtp.{i}.*, drafted by vLLM's DeepSeekV4MTPModel and SGLang's DeepseekV4ForCausalLMNextN) "
-        "is recognised, not modelled: mtpquant reports whether it is there and repairs nothing"
-    ),
-)
 DEEPSEEK_V41 = _family(
     "deepseek_v41",
     "DeepSeek-V4.1",
@@ -222,4 +208,4 @@ DEEPSEEK_V41 = _family(
     ),
 )
 
-OTHER_FAMILIES: tuple[Family, ...] = (NEMOTRON_H, MIMO, MIMO_V2_FLASH, MINIMAX_M2, DEEPSEEK_V4, DEEPSEEK_V41)
+OTHER_FAMILIES: tuple[Family, ...] = (NEMOTRON_H, MIMO, MIMO_V2_FLASH, MINIMAX_M2, DEEPSEEK_V41)

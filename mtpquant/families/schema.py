@@ -25,6 +25,7 @@ __all__ = [
     "NEVER_SHIPPED",
     "NOT_MTP",
     "RECOGNISED",
+    "SEPARATE",
     "SUPPORTED",
     "EngineRules",
     "Family",
@@ -46,6 +47,9 @@ SUPPORTED = "supported"
 RECOGNISED = "recognised"
 NOT_MTP = "not_mtp"
 NEVER_SHIPPED = "never_shipped"
+# The drafter is a model of its own, never stored in the target (Gemma-4's assistant checkpoint): inspect says so and
+# the target is judged without an MTP; every surgery refuses in one line (there is nothing of it to graft or extract).
+SEPARATE = "separate_drafter"
 
 # (text config, MTP depth, per-expert bank) -> every mtp.* tensor name with its shape
 Shapes = Callable[[Mapping[str, Any], int, bool], dict[str, tuple[int, ...]]]
@@ -259,6 +263,12 @@ class Family:
     # scripts/export_deepseek_nextn.py: "DeepseekV3ForCausalLMNextN", num_hidden_layers 1, the MTP at layer 0,
     # without the head / embedding copies, in nextn_layer_parameters.safetensors); None: the family has none
     nextn_architecture: str | None = None
+    # vLLM 0.32's drafter classes for this family where ``engine.drafters`` does not name them (the Qwen families)
+    vllm_drafters: tuple[str, ...] = ()
+    # How vLLM 0.32's drafter renames the checkpoint's MTP names as it loads them (prose, for ``mtpquant families``)
+    vllm_remap: str = ""
+    # The vLLM 0.32 files whose loader these facts are read from (under vllm/), for ``mtpquant families``
+    sources: tuple[str, ...] = ()
 
     @property
     def mtp_key(self) -> str | None:

@@ -22,6 +22,7 @@ from mtpquant.families.nextn import NEXTN_FAMILIES
 from mtpquant.families.others import OTHER_FAMILIES
 from mtpquant.families.qwen3 import QWEN3_FAMILIES
 from mtpquant.families.qwen4_exp import QWEN4_EXP
+from mtpquant.families.released import RELEASED_FAMILIES
 from mtpquant.families.schema import MTP_PREFIX, NEVER_SHIPPED, SUPPORTED, Family
 from mtpquant.families.storage import APPENDED, NAMESPACE, MtpNames
 
@@ -36,6 +37,7 @@ __all__ = [
     "classify_tensor",
     "dimension_differences",
     "mtp_config",
+    "nested_key",
     "resolve",
     "supported_architectures",
     "surgery_refusal",
@@ -44,7 +46,7 @@ __all__ = [
 
 VISION_PREFIX = "model.visual."
 
-FAMILIES: tuple[Family, ...] = (*QWEN3_FAMILIES, QWEN4_EXP, *NEXTN_FAMILIES, *OTHER_FAMILIES)
+FAMILIES: tuple[Family, ...] = (*QWEN3_FAMILIES, QWEN4_EXP, *NEXTN_FAMILIES, *OTHER_FAMILIES, *RELEASED_FAMILIES)
 
 _PER_EXPERT_MTP = re.compile(r"\.mlp\.experts\.\d+\.")
 # The name test of the ``mtp.`` namespace (Qwen's storage): what a caller with no config at hand may assume.
@@ -347,12 +349,22 @@ def _identify(config: Mapping[str, Any]) -> tuple[Family, str]:
     )
 
 
-def _declaration(family: Family, text: Mapping[str, Any], wrapped: bool) -> MtpDeclaration:
+def nested_key(config: Mapping[str, Any], key: str) -> Any:
+    """The value of a dotted depth key (``mtp_config.num_nextn_predict_layers``: Inkling's), read from config.json's
+    top level; None where any step is missing."""
+    value: Any = config
+    for part in key.split("."):
+        value = value.get(part) if isinstance(value, Mapping) else None
+    return value
+
+
+def _declaration(family: Family, config: Mapping[str, Any], text: Mapping[str, Any], wrapped: bool) -> MtpDeclaration:
     for key in family.mtp.depth_keys:
-        value = text.get(key)
+        dotted = "." in key  # a path from config.json's top level, not a key of the text config
+        value = nested_key(config, key) if dotted else text.get(key)
         if value is None:
             continue
-        where = f"text_config.{key}" if wrapped else key
+        where = key if dotted or not wrapped else f"text_config.{key}"
         if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
             return MtpDeclaration(value, where, value)
         raise ConfigError(f"config.json: {where} must be a non-negative integer, got {value!r}")
@@ -366,7 +378,7 @@ def resolve(config: Mapping[str, Any]) -> ModelSpec:
     family, arch = _identify(config)
     wrapped = isinstance(config.get("text_config"), Mapping)
     text: Mapping[str, Any] = config["text_config"] if wrapped else config
-    mtp = _declaration(family, text, wrapped)
+    mtp = _declaration(family, config, text, wrapped)
     return ModelSpec(family=family, architecture=arch, config=config, text=text, wrapped=wrapped, mtp=mtp)
 
 

@@ -159,6 +159,16 @@ def declare_mtp(spec: ModelSpec, layers: int, reference: Mapping[str, Any] | Non
         return config
     target = config["text_config"] if spec.wrapped else config
     key = next((k for k in keys if target.get(k) is not None), keys[0])
+    if "." in key:  # a dotted key (Inkling's mtp_config.num_nextn_predict_layers): a path from the top level
+        *parents, leaf = key.split(".")
+        node = config
+        for part in parents:
+            child = node.get(part)
+            node[part] = child = dict(child) if isinstance(child, Mapping) else {}
+            node = child
+        if layers > 0 or leaf in node or spec.family.mtp.default_layers > 0:
+            node[leaf] = max(layers, 0)
+        return config
     if layers <= 0:
         if key in target or spec.family.mtp.default_layers > 0:
             target[key] = 0
