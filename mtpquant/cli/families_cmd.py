@@ -10,7 +10,7 @@ from mtpquant.cli import add_command
 EXAMPLES = """\
 examples:
   mtpquant families
-  mtpquant families --json | jq '.[] | select(.works.convert) | .key'
+  mtpquant families --json
 
 """
 

@@ -88,6 +88,7 @@ def _family(key: str, display: str, model_types: set[str], archs: set[str], stor
         fused_groups=(("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")),
         storage=storage,
         copies=kw.pop("copies", ()),
+        depth_at_top=kw.pop("depth_at_top", False),
         engine_rename=kw.pop("engine_rename", None),
         inventory="glue" if glue else "none",
     )
@@ -207,7 +208,7 @@ EXAONE_MOE = _family(
 )
 EXAONE_4_5 = _family(
     "exaone4_5", "EXAONE 4.5", {"exaone4_5"}, {"Exaone4_5_ForConditionalGeneration"},
-    MtpStorage(NAMESPACE), glue=_FC_GLUE, vllm="Exaone4_5_MTP",
+    MtpStorage(NAMESPACE), glue=_FC_GLUE, vllm="Exaone4_5_MTP", depth_at_top=True,
     wrapper_prefix="model.language_model.", text_only_prefixes=("model.language_model.", "model."),
     vllm_remap="mtp. -> model.; language_model. stripped from the shared embed_tokens",
     sources=("model_executor/models/exaone4_5_mtp.py",),

@@ -129,6 +129,9 @@ class MtpLayout:
     config_check: Callable[[Mapping[str, Any]], None] | None = None
     # Where the MTP tensors live (the storage class); Qwen's own ``mtp.`` namespace by default.
     storage: MtpStorage = QWEN_STORAGE
+    # Whether the depth keys sit at config.json's top level even in a wrapper config (EXAONE 4.5: exaone4_5_mtp.py
+    # reads config.num_nextn_predict_layers, text_config.num_hidden_layers); a dotted key is always such a path
+    depth_at_top: bool = False
     # Copies of the head and the embedding some checkpoints carry inside each MTP layer (leaf names relative to the
     # layer: DeepSeek-V3's and GLM-4.5's ``shared_head.head.weight`` and ``embed_tokens.weight``), all or none.
     copies: tuple[str, ...] = ()

@@ -360,7 +360,7 @@ def nested_key(config: Mapping[str, Any], key: str) -> Any:
 
 def _declaration(family: Family, config: Mapping[str, Any], text: Mapping[str, Any], wrapped: bool) -> MtpDeclaration:
     for key in family.mtp.depth_keys:
-        dotted = "." in key  # a path from config.json's top level, not a key of the text config
+        dotted = "." in key or family.mtp.depth_at_top  # a path from config.json's top level
         value = nested_key(config, key) if dotted else text.get(key)
         if value is None:
             continue
