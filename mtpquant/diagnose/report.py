@@ -41,7 +41,7 @@ from mtpquant.engine.verdicts import (
     unquantized_why,
 )
 from mtpquant.errors import ExitCode
-from mtpquant.families import NEVER_SHIPPED, NOT_MTP, RECOGNISED, SEPARATE, EngineRules, matches
+from mtpquant.families import NEVER_SHIPPED, NOT_MTP, RECOGNISED, SEPARATE, UNKNOWN, EngineRules, matches
 from mtpquant.formats.quant_config import QuantMetadata
 
 __all__ = [
@@ -403,6 +403,14 @@ def _mtp_section(ckpt: Checkpoint, meta: QuantMetadata | None, report: dict[str,
                 f"{missing[0]})",
             )
         )
+    elif spec.mtp.declared and 0 < depth < spec.mtp.layers:  # no inventory to miss: the depth alone says it
+        findings.append(
+            Finding(
+                "declared_missing",
+                f"MTP incomplete ({spec.mtp.describe()}, the checkpoint holds {depth} "
+                f"layer{'' if depth == 1 else 's'})",
+            )
+        )
     elif not spec.mtp.declared and present:
         findings.append(
             Finding(
@@ -517,7 +525,7 @@ def _inspect(ckpt: Checkpoint, t0: float) -> InspectReport:
         failures.insert(0, Finding(family.status, family.status_note))
         verdicts = {e: f"{ENGINE_NAMES[e]}: no MTP to draft with: {family.status_note}" for e in ENGINE_NAMES}
         serve = {}
-    elif family.status == RECOGNISED:
+    elif family.status in (RECOGNISED, UNKNOWN):
         warnings.append(Finding("note", family.status_note))
     elif family.status == SEPARATE:  # the target holds no MTP by design: say where the drafter is instead
         warnings.append(Finding("note", family.status_note))

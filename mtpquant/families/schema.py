@@ -27,6 +27,7 @@ __all__ = [
     "RECOGNISED",
     "SEPARATE",
     "SUPPORTED",
+    "UNKNOWN",
     "EngineRules",
     "Family",
     "ForcedUnquantized",
@@ -50,6 +51,9 @@ NEVER_SHIPPED = "never_shipped"
 # The drafter is a model of its own, never stored in the target (Gemma-4's assistant checkpoint): inspect says so and
 # the target is judged without an MTP; every surgery refuses in one line (there is nothing of it to graft or extract).
 SEPARATE = "separate_drafter"
+# An architecture the registry does not know whose config declares an MTP (``families.generic``): inspect's generic
+# checks for the storage its tensors show, with one line saying so; every surgery refuses (exit 4).
+UNKNOWN = "unknown"
 
 # (text config, MTP depth, per-expert bank) -> every mtp.* tensor name with its shape
 Shapes = Callable[[Mapping[str, Any], int, bool], dict[str, tuple[int, ...]]]

@@ -17,13 +17,14 @@ from mtpquant.errors import (
     NotAnMtpError,
     UnsupportedArchitectureError,
 )
+from mtpquant.families.generic import declares_mtp, generic_family
 from mtpquant.families.mtp_config import MtpConfig, config_int
 from mtpquant.families.nextn import NEXTN_FAMILIES
 from mtpquant.families.others import OTHER_FAMILIES
 from mtpquant.families.qwen3 import QWEN3_FAMILIES
 from mtpquant.families.qwen4_exp import QWEN4_EXP
 from mtpquant.families.released import RELEASED_FAMILIES
-from mtpquant.families.schema import MTP_PREFIX, NEVER_SHIPPED, SUPPORTED, Family
+from mtpquant.families.schema import MTP_PREFIX, NEVER_SHIPPED, SUPPORTED, UNKNOWN, Family
 from mtpquant.families.storage import APPENDED, NAMESPACE, MtpNames
 
 __all__ = [
@@ -130,7 +131,7 @@ class ModelSpec:
 
     def main_prefix_for(self, names: Iterable[str]) -> str:
         """The main-model prefix actually used by a tensor name set (text-only exports vary)."""
-        if self.wrapped:
+        if self.wrapped and self.family.status != UNKNOWN:  # an unknown family's prefix is whatever its names use
             return self.family.wrapper_prefix
         names = list(names)
         for prefix in self.family.text_only_prefixes:
@@ -327,7 +328,7 @@ def classify_tensor(name: str, main_prefix: str, has_vision: bool = True, names:
     return tensor_classifier(main_prefix, has_vision, names)(name)
 
 
-def _identify(config: Mapping[str, Any]) -> tuple[Family, str]:
+def _identify(config: Mapping[str, Any], names: Iterable[str] | None = None) -> tuple[Family, str]:
     model_type = config.get("model_type")
     architectures = config.get("architectures") or []
     if not isinstance(architectures, list):
@@ -344,6 +345,9 @@ def _identify(config: Mapping[str, Any]) -> tuple[Family, str]:
             text = model_type.endswith("_text") or family.wrapper_class is None
             return family, family.text_class if text else str(family.wrapper_class)
     found = ", ".join(map(str, architectures)) or f"model_type {model_type!r}"
+    if declares_mtp(config):  # release day: the generic checks for the storage the tensors show
+        generic = generic_family(config, names)
+        return generic, generic.text_class
     raise UnsupportedArchitectureError(
         f"config.json: unsupported architecture {found}; supported: {', '.join(supported_architectures())}"
     )
@@ -371,11 +375,13 @@ def _declaration(family: Family, config: Mapping[str, Any], text: Mapping[str, A
     return MtpDeclaration(family.mtp.default_layers, None, None)
 
 
-def resolve(config: Mapping[str, Any]) -> ModelSpec:
-    """Resolve a ``config.json`` mapping into a ModelSpec, or fail listing what is supported."""
+def resolve(config: Mapping[str, Any], names: Iterable[str] | None = None) -> ModelSpec:
+    """Resolve a ``config.json`` mapping into a ModelSpec, or fail listing what is supported. ``names`` (the
+    checkpoint's tensor names) matter only for an architecture the registry does not know whose config declares an MTP:
+    they show where its MTP is (``families.generic``)."""
     if not isinstance(config, Mapping):
         raise ConfigError("config.json: top level must be a JSON object")
-    family, arch = _identify(config)
+    family, arch = _identify(config, names)
     wrapped = isinstance(config.get("text_config"), Mapping)
     text: Mapping[str, Any] = config["text_config"] if wrapped else config
     mtp = _declaration(family, config, text, wrapped)
@@ -387,6 +393,8 @@ def surgery_refusal(family: Family, label: str, what: str) -> MtpquantError | No
     family mtpquant does not repair (its own exit code: never shipped, or not an MTP), or None."""
     if family.status == SUPPORTED:
         return None
+    if family.status == UNKNOWN:
+        return UnsupportedArchitectureError(f"{label}: {what} refused: {family.status_note}; inspect only")
     error = MtpNeverShippedError if family.status == NEVER_SHIPPED else NotAnMtpError
     return error(f"{label}: {what} refused: {family.status_note}")
 
