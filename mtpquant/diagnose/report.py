@@ -556,6 +556,10 @@ def _inspect(ckpt: Checkpoint, t0: float) -> InspectReport:
         verdicts = dict.fromkeys(verdicts, f"index corrupt: {index_problems[0].message}")
         serve = {}
     verdicts = {e: v if v.startswith(ENGINE_NAMES[e]) else f"{ENGINE_NAMES[e]}: {v}" for e, v in verdicts.items()}
+    if family.status == UNKNOWN:  # the checks are the engines' generic rules; whether they draft for it is not known
+        arch = ckpt.spec.architecture
+        verdicts = {e: f"{v} (if {ENGINE_NAMES[e]} has a drafter for {arch}: mtpquant does not know it)"
+                    for e, v in verdicts.items()}
     quant = QuantizationInfo(
         method=meta.method if meta else None,
         vllm_method=meta.vllm_method if meta else None,

@@ -100,7 +100,7 @@ def generic_family(config: Mapping[str, Any], names: Iterable[str] | None = None
     )
     return Family(
         key="unknown",
-        display=f"unknown family ({arch})",
+        display="unknown family",
         model_types=frozenset({str(config.get("model_type"))}),
         architectures=frozenset(map(str, architectures)),
         moe=False,

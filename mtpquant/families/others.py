@@ -155,6 +155,8 @@ NEMOTRON_H = _family(
     packed={"qkv_proj": ("q_proj", "k_proj", "v_proj")},  # the experts and shared experts are ungated (up, down)
     built_unquantized=("*.mixer.gate",),
     drafters={"vllm": "NemotronHMTPModel", "sglang": "NemotronHForCausalLMMTP"},
+    sources=("model_executor/models/nemotron_h_mtp.py", "config/speculative.py"),
+    vllm_remap="mtp.layers. -> model.layers., embeddings -> embed_tokens, language_model. dropped (hf_to_vllm_mapper)",
     # the releases store the trunk under backbone. (transformers' conversion_mapping renames it to model.)
     wrapper_prefix="backbone.",
     text_only_prefixes=("backbone.", "model."),
@@ -168,6 +170,8 @@ MIMO = _family(
     moe=False,
     built_unquantized=("*.input_proj",),  # a plain nn.Linear (mimo_mtp.py 56)
     drafters={"vllm": "MiMoMTPModel", "sglang": "MiMoMTP"},
+    sources=("model_executor/models/mimo_mtp.py", "config/speculative.py"),
+    vllm_remap="model.mtp_layers.{i} -> model.layers.{N+i}, the block under mtp_block.",
 )
 # MiMo-V2-Flash ships 3 MTP layers; vLLM (_MIMO_V2_FLASH_NUM_MTP_LAYERS = 1) builds the first, eh_proj a
 # ReplicatedLinear without a quant config (mimo_v2_mtp.py 75)
@@ -179,6 +183,8 @@ MIMO_V2_FLASH = _family(
     _layout(MtpStorage(SUBSPACE, root="model.mtp."), mimo_v2_shapes, "glue", default_layers=1),
     built_unquantized=("*.mlp.gate", "*.eh_proj"),
     drafters={"vllm": "MiMoV2MTPModel", "sglang": "MiMoV2MTP"},
+    sources=("model_executor/models/mimo_v2_mtp.py", "config/speculative.py"),
+    vllm_remap="the checkpoint's own names (model.mtp.layers.{i}); vLLM builds the first layer only",
 )
 MINIMAX_M2 = _family(
     "minimax_m2",
@@ -187,6 +193,7 @@ MINIMAX_M2 = _family(
     {"MiniMaxM2ForCausalLM"},
     _layout(MtpStorage(NAMESPACE), _none, "none", depth_keys=("num_mtp_modules",)),
     drafters={"vllm": "", "sglang": ""},
+    sources=("config/speculative.py",),
     status=NEVER_SHIPPED,
     status_note=(
         "MiniMax-M2 configs declare num_mtp_modules (use_mtp: true), but MiniMax never published MTP weights for "
@@ -201,6 +208,7 @@ DEEPSEEK_V41 = _family(
     {"DeepseekV41ForCausalLM"},
     _layout(MtpStorage(NAMESPACE, layer=""), _none, "none"),
     drafters={"vllm": "", "sglang": "DSPARK"},
+    sources=("config/speculative.py", "model_executor/models/registry.py"),
     status=NOT_MTP,
     status_note=(
         "DeepSeek-V4.1 keeps a DSpark drafter under mtp.* (dspark_block_size), not an MTP: vLLM 0.32 refuses "
