@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -226,3 +227,35 @@ def test_families_table_in_the_docs_is_the_registrys(capsys: pytest.CaptureFixtu
     if "<!-- families:begin -->" in readme:
         assert block is not None and block.group(1) == table
     assert len(table.splitlines()) == len(FAMILIES) + 2
+
+
+def test_tiny_step3p5_is_three_appended_layers_graft_and_extract_carry(
+    tiny_factory: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """``tiny --variant step3p5``: Step-3.5-Flash's three appended MTP layers (step3p5_mtp.py: model.layers.{N+i},
+    each with enorm / hnorm / eh_proj / shared_head.{norm,output}) alone in the last shard; a quant that lost them
+    gets them back, byte for byte, and extract writes them alone."""
+    src = tiny_factory("step3p5")
+    ckpt = Checkpoint.open(src)
+    mtp = sorted(e.name for e in ckpt.mtp_tensors())
+    assert {n.split(".")[2] for n in mtp} == {"2", "3", "4"} and ckpt.config["num_hidden_layers"] == 2
+    for i in (2, 3, 4):
+        assert {f"model.layers.{i}.{g}.weight" for g in ("enorm", "hnorm", "eh_proj", "shared_head.norm",
+                                                         "shared_head.output")} <= set(mtp)
+    assert {e.shard for e in ckpt.mtp_tensors()} == {"model-00003-of-00003.safetensors"}
+    r = inspect_checkpoint(src)
+    assert r.healthy and r.mtp_layers_present == 3 and r.drafters["vllm"] == "Step3p5MTP"
+    lost = tmp_path / "lost"
+    lost.mkdir()
+    index = json.loads((src / INDEX_NAME).read_text())
+    index["weight_map"] = {n: s for n, s in index["weight_map"].items() if not ckpt.is_mtp(n)}
+    for f in src.iterdir():
+        if f.name != "model-00003-of-00003.safetensors" and f.name != INDEX_NAME:
+            (lost / f.name).write_bytes(f.read_bytes())
+    (lost / INDEX_NAME).write_text(json.dumps(index))
+    assert inspect_checkpoint(lost).exit_code() == ExitCode.INSPECT_MTP
+    graft(GraftOptions(quant=lost, source=src, out=tmp_path / "out"))
+    out = Checkpoint.open(tmp_path / "out")
+    assert {n: out.read_raw(out.tensors[n]) for n in mtp} == {n: ckpt.read_raw(ckpt.tensors[n]) for n in mtp}
+    assert inspect_checkpoint(tmp_path / "out").healthy
+    assert extract_mtp(ExtractOptions(src, tmp_path / "side")).mtp_tensors == len(mtp)
