@@ -259,3 +259,31 @@ def test_tiny_step3p5_is_three_appended_layers_graft_and_extract_carry(
     assert {n: out.read_raw(out.tensors[n]) for n in mtp} == {n: ckpt.read_raw(ckpt.tensors[n]) for n in mtp}
     assert inspect_checkpoint(tmp_path / "out").healthy
     assert extract_mtp(ExtractOptions(src, tmp_path / "side")).mtp_tensors == len(mtp)
+
+
+def test_the_committed_drafter_list_is_the_installed_vllms() -> None:
+    """The test data above is the installed vLLM 0.32's registry (skipped where the test engine is not built), and
+    every vLLM file a family cites exists in it."""
+    import ast
+
+    from tests.support.vllm_env import vllm_env_dir
+    from tests.support.vllm_source import vllm_source
+
+    tree = vllm_source("model_executor/models/registry.py")
+    table = next(
+        n.value for n in tree.body
+        if isinstance(n, ast.AnnAssign | ast.Assign) and isinstance(n.value, ast.Dict)
+        and any(isinstance(t, ast.Name) and t.id == "_SPECULATIVE_DECODING_MODELS"
+                for t in (n.targets if isinstance(n, ast.Assign) else [n.target]))
+    )
+    drafters = {}
+    for key, value in zip(table.keys, table.values, strict=True):
+        assert isinstance(key, ast.Constant) and isinstance(value, ast.Tuple)
+        name = key.value
+        if "MTP" in name and not name.startswith("Eagle"):
+            module, cls = (e.value for e in value.elts if isinstance(e, ast.Constant))
+            drafters[name] = {"module": module, "class": cls}
+    assert drafters == DRAFTERS
+    vllm = next(vllm_env_dir().glob("lib/python3*/site-packages/vllm"))
+    cited = {s for f in FAMILIES for s in f.sources}
+    assert cited and sorted(s for s in cited if not (vllm / s).is_file()) == []
