@@ -94,3 +94,21 @@ def test_an_unknown_architecture_without_an_mtp_is_still_unsupported(tmp_path: P
     assert cli(["inspect", str(_write(tmp_path / "plain", config, _TRUNK))]) == ExitCode.ARCHITECTURE
     # an mtp_* key alone (MiniMax-M2's use_mtp style) is a declaration too
     assert resolve(_config(use_mtp=True)).family.key == "unknown"
+
+
+def test_kimi_k3_with_an_appended_layer_no_longer_exits_4(tmp_path: Path) -> None:
+    """The issue's case: a text-only KimiK3ForCausalLM with its MTP appended at model.layers.{N} was exit 4; it is the
+    registry's kimi_k3 now (vLLM's KimiK3MTPModel), and any other unknown name gets the generic checks."""
+    names = [*_TRUNK, "model.layers.2.enorm.weight", "model.layers.2.hnorm.weight", "model.layers.2.eh_proj.weight",
+             "model.layers.2.shared_head.norm.weight", "model.layers.2.self_attn.o_proj.weight"]
+    shapes = {"enorm": (H,), "hnorm": (H,), "norm.weight": (H,), "eh_proj": (H, 2 * H), "embed_tokens": (V, H),
+              "lm_head": (V, H)}
+    path = tmp_path / "k3"
+    path.mkdir()
+    config = {**_config(num_nextn_predict_layers=1), "architectures": ["KimiK3ForCausalLM"], "model_type": "kimi_k3"}
+    (path / "config.json").write_text(json.dumps(config))
+    tensors = [SkeletonTensor(n, "BF16", next((s for k, s in shapes.items() if k in n), (H, H)), "") for n in names]
+    write_sparse_safetensors(path / "model.safetensors", tensors)
+    r = inspect_checkpoint(path)
+    assert r.healthy and r.mtp_status == "supported" and r.drafters["vllm"] == "KimiK3MTPModel"
+    assert r.mtp_present_tensors == 5 and r.mtp_expected_tensors == 4  # the glue, by name and shape
