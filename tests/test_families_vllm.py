@@ -287,3 +287,22 @@ def test_the_committed_drafter_list_is_the_installed_vllms() -> None:
     vllm = next(vllm_env_dir().glob("lib/python3*/site-packages/vllm"))
     cited = {s for f in FAMILIES for s in f.sources}
     assert cited and sorted(s for s in cited if not (vllm / s).is_file()) == []
+
+
+@pytest.mark.parametrize(
+    ("key", "layer"),
+    [("ernie4_5_moe", "model.mtp_block.0.self_attn.o_proj"), ("hy_v4", "model.mtp_layers.0.self_attn.o_proj"),
+     ("deepseek_v4", "mtp.0.attn.wo"), ("longcat_flash", "model.mtp.layers.0.self_attn.o_proj")],
+)
+def test_the_mtp_exclusions_cover_the_drafts_own_names(key: str, layer: str) -> None:
+    """Where vLLM's draft builds a sub-namespace layer as model.layers.{k} (ernie_mtp.py WeightsMapper, hy_v4's
+    _remap_mtp_quant_exclusions, deepseek_v4's _to_spec_layer_name, LongCat's 2 x num_hidden_layers), the whole-MTP
+    exclusions name that too, and the compressed-tensors form matches the checkpoint's names."""
+    config = CASES[key][0]
+    spec = resolve(config)
+    modelopt, ct = spec.mtp_exclusion_patterns()
+    engine = spec.engine_mtp_name(layer)
+    k = 2 * N if key == "longcat_flash" else N
+    assert engine.startswith(f"model.layers.{k}.")
+    assert f"model.layers.{k}*" in modelopt and any(re.match(p[3:], layer) for p in ct)
+    assert any(re.match(p[3:], engine) for p in ct)

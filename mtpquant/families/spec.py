@@ -285,10 +285,19 @@ class ModelSpec:
         ``model.layers.61*``, plus the engine's own form of the name where its draft renames the layer
         (GLM-5.3-Flash: ``model.language_model.layers.45*`` and ``model.layers.45*``)."""
         names = self.mtp_names
+        depth = self.mtp.layers if layers is None else layers
         if names.kind != APPENDED:
             stem = names.namespace.rstrip(".")
-            return (f"{stem}*",), (f"re:^{re.escape(stem)}\\..*",)
-        depth = self.mtp.layers if layers is None else layers
+            modelopt, ct = [f"{stem}*"], [f"re:^{re.escape(names.namespace)}.*"]
+            # where the engine's draft builds a layer under another name (MiMo-7B, ERNIE, HY-V4, LongCat, DeepSeek-V4:
+            # model.layers.{k}), that name too: the exclusions are matched against the draft's module names
+            for i in range(depth * names.sublayers):
+                for root in names.roots:
+                    engine = self.engine_mtp_name(f"{root}{i}.x")[:-2]
+                    if not engine.startswith(names.namespace) and f"{engine}*" not in modelopt:
+                        modelopt.append(f"{engine}*")
+                        ct.append(f"re:^{re.escape(engine)}\\..*")
+            return tuple(modelopt), tuple(ct)
         prefix = self.appended_prefix()
         stems: list[str] = []
         for i in range(depth):
