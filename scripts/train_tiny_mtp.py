@@ -10,6 +10,8 @@ Usage (the assets in the repository were made with these commands)::
         --eval-every 500 --overwrite                 # -> mtpquant/assets/tiny-glm4_moe-mtp
     .venv/bin/python scripts/train_tiny_mtp.py --family qwen3_5_moe --seq-len 64 --batch-size 8 --steps 1500 \
         --eval-every 500 --overwrite                 # -> mtpquant/assets/tiny-qwen3_5_moe-mtp
+    .venv/bin/python scripts/train_tiny_mtp.py --family deepseek_v3 --seq-len 64 --batch-size 8 --steps 1500 \
+        --eval-every 500 --overwrite                 # -> mtpquant/assets/tiny-deepseek_v3-mtp
 
 Trains on the offline corpus minus the held-out documents (``mtpquant.text.prompts``), writes
 BF16 safetensors (2 shards, MTP on both), configs, tokenizer and ``training.json``, then runs

@@ -152,17 +152,25 @@ def test_deepseek_v41_dspark_is_not_an_mtp(tmp_path: Path, capsys: pytest.Captur
     assert "graft refused: DeepSeek-V4.1 keeps a DSpark drafter under mtp.*" in capsys.readouterr().err
 
 
-def test_deepseek_v4_is_recognised_with_its_drafter(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_deepseek_v4_mtp_is_repaired_as_its_drafter_loads_it(tmp_path: Path) -> None:
+    """DeepSeek-V4 keeps its MTP under mtp.{i}.* with separate e_proj / h_proj (vLLM 0.32
+    models/deepseek_v4/nvidia/mtp.py): a quant that lost it fails inspect, and --fix-metadata un-declares it."""
     cfg = {"architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "hidden_size": 64,
            "vocab_size": 128, "num_hidden_layers": 1, "num_nextn_predict_layers": 1}
     path = _write(tmp_path / "v4", cfg, _TRUNK)  # a quant that lost mtp.0.* (RedHat's V4-Flash NVFP4)
     r = inspect_checkpoint(path)
     assert r.drafters == {"vllm": "DeepSeekV4MTPModel", "sglang": "DeepseekV4ForCausalLMNextN"}
-    assert r.exit_code() == ExitCode.INSPECT_MTP and r.mtp_status == "recognised" and r.fixes == []
-    assert any("recognised, not modelled" in w.message for w in r.warnings)
-    assert cli(["graft", str(path), "--fix-metadata", "--out", str(tmp_path / "out")]) == ExitCode.NOT_AN_MTP
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "graft --fix-metadata refused: DeepSeek-V4's MTP (mtp.{i}.*" in err
+    assert r.exit_code() == ExitCode.INSPECT_MTP and r.mtp_status == "supported"
+    assert cli(["graft", str(path), "--fix-metadata", "--out", str(tmp_path / "out")]) == 0
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["num_nextn_predict_layers"] == 0
+    assert inspect_checkpoint(tmp_path / "out").healthy
+    glue = {"mtp.0.enorm.weight": ("BF16", (64,)), "mtp.0.hnorm.weight": ("BF16", (64,)),
+            "mtp.0.e_proj.weight": ("BF16", (64, 64)), "mtp.0.h_proj.weight": ("BF16", (64, 64)),
+            "mtp.0.mlp.experts.0.w1.weight": ("BF16", (32, 64))}
+    whole = inspect_checkpoint(_write(tmp_path / "whole", cfg, {**_TRUNK, **glue}))
+    assert whole.healthy and whole.mtp_present_tensors == 5 and whole.mtp_expected_tensors == 4
+    torn = inspect_checkpoint(_write(tmp_path / "torn", cfg, {**_TRUNK, "mtp.0.enorm.weight": ("BF16", (64,))}))
+    assert torn.exit_code() == ExitCode.INSPECT_MTP and torn.mtp_missing[0] == "mtp.0.hnorm.weight"
 
 
 def test_convert_refuses_the_families_it_does_not_quantize(tiny_factory: Factory, tmp_path: Path) -> None:

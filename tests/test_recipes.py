@@ -113,9 +113,11 @@ def test_recipe_by_path_and_unknown_keys(tmp_path: Path) -> None:
         ),
         (
             {"families": ["qwen9"]},
-            "families: unknown family 'qwen9' (known: deepseek_v3, deepseek_v32, deepseek_v4, deepseek_v41, glm4_moe, "
-            "glm5_next, glm_moe_dsa, mimo, mimo_v2_flash, minimax_m2, nemotron_h, "
-            "qwen3_5, qwen3_5_moe, qwen3_next, qwen4_exp, step3p5)",
+            "families: unknown family 'qwen9' (known: bailing_moe_v25, bailing_moe_v3, deepseek_v3, deepseek_v32, "
+            "deepseek_v4, deepseek_v41, dots3_note, ernie4_5_moe, exaone4_5, exaone_moe, gemma4, glm4_moe, "
+            "glm4_moe_lite, glm5_next, glm_moe_dsa, glm_ocr, hy_v3, hy_v4, inkling, interns2, kimi_k3, longcat_flash, "
+            "mimo, mimo_v2_flash, mimo_v2_omni, minimax_m2, minimax_m3, nemotron_h, pangu_ultra_moe, qwen3_5, "
+            "qwen3_5_moe, qwen3_next, qwen4_exp, step3p5)",
         ),
         ({"mtp": ["keep"]}, "mtp: must be a mapping, got ['keep']"),
         ({"description": 5}, "description: input should be a valid string, got 5"),

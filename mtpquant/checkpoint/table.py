@@ -27,7 +27,7 @@ from mtpquant.checkpoint.header import (
 from mtpquant.checkpoint.index import INDEX_NAME, SINGLE_NAME, Problem, check_shard_name, parse_index, validate_index
 from mtpquant.checkpoint.source import CheckpointSource, open_source, read_json
 from mtpquant.errors import CheckpointError, ConfigError, MtpquantError
-from mtpquant.families import APPENDED, ModelSpec, resolve, tensor_classifier
+from mtpquant.families import APPENDED, UNKNOWN, ModelSpec, resolve, tensor_classifier
 from mtpquant.formats.quant_config import HF_QUANT_CONFIG, QuantMetadata, read_quant_metadata
 
 if TYPE_CHECKING:
@@ -161,6 +161,8 @@ class Checkpoint:
                 for name, entry in header.tensors.items():
                     if weight_map.get(name, shard) == shard:
                         tensors[name] = entry
+        if spec.family.status == UNKNOWN:  # an unknown MTP family: its tensors show where the MTP is
+            spec = resolve(config, tensors)
         ckpt = cls(source, config, spec, shards, headers, tensors, index, problems, fingerprints=fingerprints)
         ckpt.main_prefix = spec.main_prefix_for(tensors)
         _check_config_matches_tensors(ckpt)
@@ -273,7 +275,7 @@ class Checkpoint:
         view = dataclasses.replace(
             self,
             config=config,
-            spec=resolve(config),
+            spec=resolve(config, self.tensors if tensors is None else tensors),
             tensors=self.tensors if tensors is None else tensors,
             problems=self.problems if problems is None else problems,
         )

@@ -43,7 +43,9 @@ __all__ = [
 
 # Subcommands, each a module (``tune-mtp``: ``tune_mtp_cmd``) with `register(subparsers)` setting `func(args) -> int`
 # on its parser.
-COMMANDS = ("demo", "convert", "graft", "extract", "heal", "tune-mtp", "inspect", "validate", "publish", "tiny")
+COMMANDS = (
+    "demo", "convert", "graft", "extract", "heal", "tune-mtp", "inspect", "validate", "publish", "tiny", "families"
+)
 
 # Every command can end with these; a command's epilog adds its own (``exit_codes_epilog``).
 _COMMON_CODES = (ExitCode.OK, ExitCode.INTERNAL, ExitCode.USAGE, ExitCode.IO, ExitCode.INTERRUPTED)

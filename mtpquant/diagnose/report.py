@@ -33,7 +33,7 @@ from mtpquant.engine.table import ENGINES, display
 from mtpquant.engine.verdicts import MISSING, ModuleReport, VerdictFacts, engine_verdicts, label_refusal
 from mtpquant.engine.vllm import unquantized_why, vllm_expectation
 from mtpquant.errors import ExitCode
-from mtpquant.families import NEVER_SHIPPED, NOT_MTP, RECOGNISED, EngineRules, matches
+from mtpquant.families import NEVER_SHIPPED, NOT_MTP, RECOGNISED, SEPARATE, UNKNOWN, EngineRules, matches
 from mtpquant.formats.quant_config import QuantMetadata
 
 __all__ = [
@@ -395,6 +395,14 @@ def _mtp_section(ckpt: Checkpoint, meta: QuantMetadata | None, report: dict[str,
                 f"{missing[0]})",
             )
         )
+    elif spec.mtp.declared and 0 < depth < spec.mtp.layers:  # no inventory to miss: the depth alone says it
+        findings.append(
+            Finding(
+                "declared_missing",
+                f"MTP incomplete ({spec.mtp.describe()}, the checkpoint holds {depth} "
+                f"layer{'' if depth == 1 else 's'})",
+            )
+        )
     elif not spec.mtp.declared and present:
         findings.append(
             Finding(
@@ -519,8 +527,12 @@ def _inspect(ckpt: Checkpoint, t0: float) -> InspectReport:
         failures.insert(0, Finding(family.status, family.status_note))
         verdicts = {e.key: f"{e.display}: no MTP to draft with: {family.status_note}" for e in ENGINES}
         serve = {}
-    elif family.status == RECOGNISED:
+    elif family.status in (RECOGNISED, UNKNOWN):
         warnings.append(Finding("note", family.status_note))
+    elif family.status == SEPARATE:  # the target holds no MTP by design: say where the drafter is instead
+        warnings.append(Finding("note", family.status_note))
+        verdicts = {e.key: f"{e.display}: {family.status_note}" for e in ENGINES}
+        serve = {}
     for row in ENGINES:  # what only the engine's own rules say once the rest is known (engine/<engine>.py)
         late = row.adapter.late_verdict(facts, verdicts[row.key])
         if late is not None:
@@ -541,6 +553,10 @@ def _inspect(ckpt: Checkpoint, t0: float) -> InspectReport:
         verdicts = dict.fromkeys(verdicts, f"index corrupt: {index_problems[0].message}")
         serve = {}
     verdicts = {e: v if v.startswith(display(e)) else f"{display(e)}: {v}" for e, v in verdicts.items()}
+    if family.status == UNKNOWN:  # the checks are the engines' generic rules; whether they draft for it is not known
+        arch = ckpt.spec.architecture
+        verdicts = {e: f"{v} (if {display(e)} has a drafter for {arch}: mtpquant does not know it)"
+                    for e, v in verdicts.items()}
     quant = QuantizationInfo(
         method=meta.method if meta else None,
         vllm_method=meta.vllm_method if meta else None,

@@ -1,7 +1,6 @@
 """Registry entries beyond the appended layer: Nemotron-H (``mtp.layers.{j}``, sub-layers of one depth), MiMo-7B and
 MiMo-V2-Flash (a sub-namespace of ``model.``), and the families mtpquant recognises but does not repair: MiniMax-M2
-(an MTP declared and never shipped), DeepSeek-V4 (its MTP under ``mtp.{i}``: recognised, its drafter named) and
-DeepSeek-V4.1 (``mtp.*`` holds a DSpark drafter, not an MTP).
+(an MTP declared and never shipped) and DeepSeek-V4.1 (``mtp.*`` holds a DSpark drafter, not an MTP).
 
 Facts from vLLM 0.32 (``model_executor/models/nemotron_h_mtp.py``, ``mimo_mtp.py``, ``mimo_v2_mtp.py``,
 ``config/speculative.py``, ``model_executor/models/registry.py``) and transformers 5.19 (``nemotron_h``,
@@ -15,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from mtpquant.families.mtp_config import config_int
-from mtpquant.families.schema import NEVER_SHIPPED, NOT_MTP, RECOGNISED, EngineRules, Family, MtpLayout
+from mtpquant.families.schema import NEVER_SHIPPED, NOT_MTP, EngineRules, Family, MtpLayout
 from mtpquant.families.storage import NAMESPACE, SUBSPACE, MtpStorage
 
 __all__ = ["OTHER_FAMILIES"]
@@ -156,6 +155,8 @@ NEMOTRON_H = _family(
     packed={"qkv_proj": ("q_proj", "k_proj", "v_proj")},  # the experts and shared experts are ungated (up, down)
     built_unquantized=("*.mixer.gate",),
     drafters={"vllm": "NemotronHMTPModel", "sglang": "NemotronHForCausalLMMTP"},
+    sources=("model_executor/models/nemotron_h_mtp.py", "config/speculative.py"),
+    vllm_remap="mtp.layers. -> model.layers., embeddings -> embed_tokens, language_model. dropped (hf_to_vllm_mapper)",
     # the releases store the trunk under backbone. (transformers' conversion_mapping renames it to model.)
     wrapper_prefix="backbone.",
     text_only_prefixes=("backbone.", "model."),
@@ -169,6 +170,8 @@ MIMO = _family(
     moe=False,
     built_unquantized=("*.input_proj",),  # a plain nn.Linear (mimo_mtp.py 56)
     drafters={"vllm": "MiMoMTPModel", "sglang": "MiMoMTP"},
+    sources=("model_executor/models/mimo_mtp.py", "config/speculative.py"),
+    vllm_remap="model.mtp_layers.{i} -> model.layers.{N+i}, the block under mtp_block.",
 )
 # MiMo-V2-Flash ships 3 MTP layers; vLLM (_MIMO_V2_FLASH_NUM_MTP_LAYERS = 1) builds the first, eh_proj a
 # ReplicatedLinear without a quant config (mimo_v2_mtp.py 75)
@@ -180,6 +183,8 @@ MIMO_V2_FLASH = _family(
     _layout(MtpStorage(SUBSPACE, root="model.mtp."), mimo_v2_shapes, "glue", default_layers=1),
     built_unquantized=("*.mlp.gate", "*.eh_proj"),
     drafters={"vllm": "MiMoV2MTPModel", "sglang": "MiMoV2MTP"},
+    sources=("model_executor/models/mimo_v2_mtp.py", "config/speculative.py"),
+    vllm_remap="the checkpoint's own names (model.mtp.layers.{i}); vLLM builds the first layer only",
 )
 MINIMAX_M2 = _family(
     "minimax_m2",
@@ -188,24 +193,12 @@ MINIMAX_M2 = _family(
     {"MiniMaxM2ForCausalLM"},
     _layout(MtpStorage(NAMESPACE), _none, "none", depth_keys=("num_mtp_modules",)),
     drafters={"vllm": "", "sglang": ""},
+    sources=("config/speculative.py",),
     status=NEVER_SHIPPED,
     status_note=(
         "MiniMax-M2 configs declare num_mtp_modules (use_mtp: true), but MiniMax never published MTP weights for "
         "M2 (MiniMax-AI/MiniMax-M2#47): declared, never shipped, so there is nothing to inspect, graft or repair; "
         "vLLM serves MTP only for MiniMax-M3"
-    ),
-)
-DEEPSEEK_V4 = _family(
-    "deepseek_v4",
-    "DeepSeek-V4 / V4-Flash",
-    {"deepseek_v4"},
-    {"DeepseekV4ForCausalLM", "DeepseekV4ForConditionalGeneration"},
-    _layout(MtpStorage(NAMESPACE, layer=""), _none, "none"),
-    drafters={"vllm": "DeepSeekV4MTPModel", "sglang": "DeepseekV4ForCausalLMNextN"},
-    status=RECOGNISED,
-    status_note=(
-        "DeepSeek-V4's MTP (mtp.{i}.*, drafted by vLLM's DeepSeekV4MTPModel and SGLang's DeepseekV4ForCausalLMNextN) "
-        "is recognised, not modelled: mtpquant reports whether it is there and repairs nothing"
     ),
 )
 DEEPSEEK_V41 = _family(
@@ -215,6 +208,7 @@ DEEPSEEK_V41 = _family(
     {"DeepseekV41ForCausalLM"},
     _layout(MtpStorage(NAMESPACE, layer=""), _none, "none"),
     drafters={"vllm": "", "sglang": "DSPARK"},
+    sources=("config/speculative.py", "model_executor/models/registry.py"),
     status=NOT_MTP,
     status_note=(
         "DeepSeek-V4.1 keeps a DSpark drafter under mtp.* (dspark_block_size), not an MTP: vLLM 0.32 refuses "
@@ -222,4 +216,4 @@ DEEPSEEK_V41 = _family(
     ),
 )
 
-OTHER_FAMILIES: tuple[Family, ...] = (NEMOTRON_H, MIMO, MIMO_V2_FLASH, MINIMAX_M2, DEEPSEEK_V4, DEEPSEEK_V41)
+OTHER_FAMILIES: tuple[Family, ...] = (NEMOTRON_H, MIMO, MIMO_V2_FLASH, MINIMAX_M2, DEEPSEEK_V41)

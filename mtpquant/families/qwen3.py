@@ -181,6 +181,11 @@ _LINEAR_ATTN_KEYS = (
     "layer_types",
 )
 
+# vLLM 0.32 config/speculative.py hf_config_override -> registry.py _SPECULATIVE_DECODING_MODELS (qwen3_5_mtp.py,
+# qwen3_next_mtp.py): the drafter class each family's MTP loads as
+_SOURCES = ("model_executor/models/qwen3_5_mtp.py", "config/speculative.py")
+
+
 def _qwen3_5(key: str, display: str, stem: str, moe: bool) -> Family:
     """A Qwen3.5 / Qwen3.6 entry (dense or MoE): the wrapper with vision and its text-only re-export."""
     shapes, groups = (_moe_shapes, _MOE_GROUPS) if moe else (_dense_shapes, _DENSE_GROUPS)
@@ -206,6 +211,9 @@ def _qwen3_5(key: str, display: str, stem: str, moe: bool) -> Family:
         unquantized=(*_COMMON_UNQUANTIZED, "*linear_attn.in_proj_a", "*linear_attn.in_proj_b"),
         fused_main_experts=moe,
         lineage_keys=_LINEAR_ATTN_KEYS,
+        vllm_drafters=("Qwen3_5MoeMTP",) if moe else ("Qwen3_5MTP",),
+        vllm_remap="mtp. -> model. (the drafter's module; its quantization prefix stays mtp.)",
+        sources=_SOURCES,
     )
 
 
@@ -233,5 +241,8 @@ QWEN3_FAMILIES: tuple[Family, ...] = (
         unquantized=(*_COMMON_UNQUANTIZED, "*linear_attn.in_proj_ba"),
         fused_main_experts=False,
         lineage_keys=_LINEAR_ATTN_KEYS,
+        vllm_drafters=("Qwen3NextMTP",),
+        vllm_remap="mtp. -> model. (the drafter's module; its quantization prefix stays mtp.)",
+        sources=("model_executor/models/qwen3_next_mtp.py", "config/speculative.py"),
     ),
 )

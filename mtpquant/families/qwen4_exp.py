@@ -239,4 +239,7 @@ QWEN4_EXP = Family(
         "layer_types",
     ),
     sglang_mixed_mtp=True,
+    vllm_drafters=("Qwen4ExpMTP",),
+    vllm_remap="mtp.layers.{i} -> mtp.layers.{N+i}, in module names and in ignore / exclude / quantized_layers entries",
+    sources=("models/qwen4_exp/nvidia/mtp.py", "config/speculative.py"),
 )

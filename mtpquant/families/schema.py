@@ -25,7 +25,9 @@ __all__ = [
     "NEVER_SHIPPED",
     "NOT_MTP",
     "RECOGNISED",
+    "SEPARATE",
     "SUPPORTED",
+    "UNKNOWN",
     "EngineRules",
     "Family",
     "ForcedUnquantized",
@@ -46,6 +48,12 @@ SUPPORTED = "supported"
 RECOGNISED = "recognised"
 NOT_MTP = "not_mtp"
 NEVER_SHIPPED = "never_shipped"
+# The drafter is a model of its own, never stored in the target (Gemma-4's assistant checkpoint): inspect says so and
+# the target is judged without an MTP; every surgery refuses in one line (there is nothing of it to graft or extract).
+SEPARATE = "separate_drafter"
+# An architecture the registry does not know whose config declares an MTP (``families.generic``): inspect's generic
+# checks for the storage its tensors show, with one line saying so; every surgery refuses (exit 4).
+UNKNOWN = "unknown"
 
 # (text config, MTP depth, per-expert bank) -> every mtp.* tensor name with its shape
 Shapes = Callable[[Mapping[str, Any], int, bool], dict[str, tuple[int, ...]]]
@@ -125,6 +133,9 @@ class MtpLayout:
     config_check: Callable[[Mapping[str, Any]], None] | None = None
     # Where the MTP tensors live (the storage class); Qwen's own ``mtp.`` namespace by default.
     storage: MtpStorage = QWEN_STORAGE
+    # Whether the depth keys sit at config.json's top level even in a wrapper config (EXAONE 4.5: exaone4_5_mtp.py
+    # reads config.num_nextn_predict_layers, text_config.num_hidden_layers); a dotted key is always such a path
+    depth_at_top: bool = False
     # Copies of the head and the embedding some checkpoints carry inside each MTP layer (leaf names relative to the
     # layer: DeepSeek-V3's and GLM-4.5's ``shared_head.head.weight`` and ``embed_tokens.weight``), all or none.
     copies: tuple[str, ...] = ()
@@ -259,6 +270,12 @@ class Family:
     # scripts/export_deepseek_nextn.py: "DeepseekV3ForCausalLMNextN", num_hidden_layers 1, the MTP at layer 0,
     # without the head / embedding copies, in nextn_layer_parameters.safetensors); None: the family has none
     nextn_architecture: str | None = None
+    # vLLM 0.32's drafter classes for this family where ``engine.drafters`` does not name them (the Qwen families)
+    vllm_drafters: tuple[str, ...] = ()
+    # How vLLM 0.32's drafter renames the checkpoint's MTP names as it loads them (prose, for ``mtpquant families``)
+    vllm_remap: str = ""
+    # The vLLM 0.32 files whose loader these facts are read from (under vllm/), for ``mtpquant families``
+    sources: tuple[str, ...] = ()
 
     @property
     def mtp_key(self) -> str | None:

@@ -17,12 +17,14 @@ from mtpquant.errors import (
     NotAnMtpError,
     UnsupportedArchitectureError,
 )
+from mtpquant.families.generic import declares_mtp, generic_family
 from mtpquant.families.mtp_config import MtpConfig, config_int
 from mtpquant.families.nextn import NEXTN_FAMILIES
 from mtpquant.families.others import OTHER_FAMILIES
 from mtpquant.families.qwen3 import QWEN3_FAMILIES
 from mtpquant.families.qwen4_exp import QWEN4_EXP
-from mtpquant.families.schema import MTP_PREFIX, NEVER_SHIPPED, SUPPORTED, Family
+from mtpquant.families.released import RELEASED_FAMILIES
+from mtpquant.families.schema import MTP_PREFIX, NEVER_SHIPPED, SUPPORTED, UNKNOWN, Family
 from mtpquant.families.storage import APPENDED, NAMESPACE, MtpNames
 
 __all__ = [
@@ -36,6 +38,7 @@ __all__ = [
     "classify_tensor",
     "dimension_differences",
     "mtp_config",
+    "nested_key",
     "resolve",
     "supported_architectures",
     "surgery_refusal",
@@ -44,7 +47,7 @@ __all__ = [
 
 VISION_PREFIX = "model.visual."
 
-FAMILIES: tuple[Family, ...] = (*QWEN3_FAMILIES, QWEN4_EXP, *NEXTN_FAMILIES, *OTHER_FAMILIES)
+FAMILIES: tuple[Family, ...] = (*QWEN3_FAMILIES, QWEN4_EXP, *NEXTN_FAMILIES, *OTHER_FAMILIES, *RELEASED_FAMILIES)
 
 _PER_EXPERT_MTP = re.compile(r"\.mlp\.experts\.\d+\.")
 # The name test of the ``mtp.`` namespace (Qwen's storage): what a caller with no config at hand may assume.
@@ -128,7 +131,7 @@ class ModelSpec:
 
     def main_prefix_for(self, names: Iterable[str]) -> str:
         """The main-model prefix actually used by a tensor name set (text-only exports vary)."""
-        if self.wrapped:
+        if self.wrapped and self.family.status != UNKNOWN:  # an unknown family's prefix is whatever its names use
             return self.family.wrapper_prefix
         names = list(names)
         for prefix in self.family.text_only_prefixes:
@@ -283,16 +286,24 @@ class ModelSpec:
         appended layer, ``model.layers.61*``, plus the engine's own form of the name where its draft renames the layer
         (GLM-5.3-Flash: ``model.language_model.layers.45*`` and ``model.layers.45*``)."""
         names = self.mtp_names
+        depth = self.mtp.layers if layers is None else layers
         if names.kind != APPENDED:
             stem = names.namespace.rstrip(".")
+            modelopt, ct = [f"{stem}*"], [f"re:^{re.escape(names.namespace)}.*"]
             # TensorRT-LLM builds the namespace's layers as model.layers.<num_hidden_layers + i> (its weight mapper)
             # and matches exclusions on those names: its form too, where it drafts the family's MTP
-            extra: list[str] = []
-            if self.family.engine.drafters.get("trtllm") and stem == "mtp":
-                n, depth = self._layers_or_zero(), self.mtp.layers if layers is None else layers
-                extra = [f"model.layers.{n + i}" for i in range(max(depth, 1))] if n else []
-            return (f"{stem}*", *(f"{e}*" for e in extra)), (f"re:^{re.escape(stem)}\\..*",)
-        depth = self.mtp.layers if layers is None else layers
+            n = self._layers_or_zero()
+            if self.family.engine.drafters.get("trtllm") and stem == "mtp" and n:
+                modelopt += [f"model.layers.{n + i}*" for i in range(max(depth, 1))]
+            # where the engine's draft builds a layer under another name (MiMo-7B, ERNIE, HY-V4, LongCat, DeepSeek-V4:
+            # model.layers.{k}), that name too: the exclusions are matched against the draft's module names
+            for i in range(depth * names.sublayers):
+                for root in names.roots:
+                    engine = self.engine_mtp_name(f"{root}{i}.x")[:-2]
+                    if not engine.startswith(names.namespace) and f"{engine}*" not in modelopt:
+                        modelopt.append(f"{engine}*")
+                        ct.append(f"re:^{re.escape(engine)}\\..*")
+            return tuple(modelopt), tuple(ct)
         prefix = self.appended_prefix()
         stems: list[str] = []
         for i in range(depth):
@@ -332,7 +343,7 @@ def classify_tensor(name: str, main_prefix: str, has_vision: bool = True, names:
     return tensor_classifier(main_prefix, has_vision, names)(name)
 
 
-def _identify(config: Mapping[str, Any]) -> tuple[Family, str]:
+def _identify(config: Mapping[str, Any], names: Iterable[str] | None = None) -> tuple[Family, str]:
     model_type = config.get("model_type")
     architectures = config.get("architectures") or []
     if not isinstance(architectures, list):
@@ -349,31 +360,46 @@ def _identify(config: Mapping[str, Any]) -> tuple[Family, str]:
             text = model_type.endswith("_text") or family.wrapper_class is None
             return family, family.text_class if text else str(family.wrapper_class)
     found = ", ".join(map(str, architectures)) or f"model_type {model_type!r}"
+    if declares_mtp(config):  # release day: the generic checks for the storage the tensors show
+        generic = generic_family(config, names)
+        return generic, generic.text_class
     raise UnsupportedArchitectureError(
         f"config.json: unsupported architecture {found}; supported: {', '.join(supported_architectures())}"
     )
 
 
-def _declaration(family: Family, text: Mapping[str, Any], wrapped: bool) -> MtpDeclaration:
+def nested_key(config: Mapping[str, Any], key: str) -> Any:
+    """The value of a dotted depth key (``mtp_config.num_nextn_predict_layers``: Inkling's), read from config.json's
+    top level; None where any step is missing."""
+    value: Any = config
+    for part in key.split("."):
+        value = value.get(part) if isinstance(value, Mapping) else None
+    return value
+
+
+def _declaration(family: Family, config: Mapping[str, Any], text: Mapping[str, Any], wrapped: bool) -> MtpDeclaration:
     for key in family.mtp.depth_keys:
-        value = text.get(key)
+        dotted = "." in key or family.mtp.depth_at_top  # a path from config.json's top level
+        value = nested_key(config, key) if dotted else text.get(key)
         if value is None:
             continue
-        where = f"text_config.{key}" if wrapped else key
+        where = key if dotted or not wrapped else f"text_config.{key}"
         if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
             return MtpDeclaration(value, where, value)
         raise ConfigError(f"config.json: {where} must be a non-negative integer, got {value!r}")
     return MtpDeclaration(family.mtp.default_layers, None, None)
 
 
-def resolve(config: Mapping[str, Any]) -> ModelSpec:
-    """Resolve a ``config.json`` mapping into a ModelSpec, or fail listing what is supported."""
+def resolve(config: Mapping[str, Any], names: Iterable[str] | None = None) -> ModelSpec:
+    """Resolve a ``config.json`` mapping into a ModelSpec, or fail listing what is supported. ``names`` (the
+    checkpoint's tensor names) matter only for an architecture the registry does not know whose config declares an MTP:
+    they show where its MTP is (``families.generic``)."""
     if not isinstance(config, Mapping):
         raise ConfigError("config.json: top level must be a JSON object")
-    family, arch = _identify(config)
+    family, arch = _identify(config, names)
     wrapped = isinstance(config.get("text_config"), Mapping)
     text: Mapping[str, Any] = config["text_config"] if wrapped else config
-    mtp = _declaration(family, text, wrapped)
+    mtp = _declaration(family, config, text, wrapped)
     return ModelSpec(family=family, architecture=arch, config=config, text=text, wrapped=wrapped, mtp=mtp)
 
 
@@ -382,6 +408,8 @@ def surgery_refusal(family: Family, label: str, what: str) -> MtpquantError | No
     family mtpquant does not repair (its own exit code: never shipped, or not an MTP), or None."""
     if family.status == SUPPORTED:
         return None
+    if family.status == UNKNOWN:
+        return UnsupportedArchitectureError(f"{label}: {what} refused: {family.status_note}; inspect only")
     error = MtpNeverShippedError if family.status == NEVER_SHIPPED else NotAnMtpError
     return error(f"{label}: {what} refused: {family.status_note}")
 

@@ -39,6 +39,9 @@ class MtpStorage:
     # NAMESPACE / SUBSPACE: what follows ``root`` up to and including the depth's layer number ("layers.{i}.", or
     # "{i}." for MiMo-7B's model.mtp_layers.{i}); the glue outside any layer (Qwen's mtp.fc) has no number
     layer: str = "layers."
+    # SUBSPACE with several numbered roots (ERNIE-4.5: ``model.mtp_emb_norm.{i}``, ``model.mtp_block.{i}``, ...): each
+    # infix after ``root`` that a depth number follows; (): ``layer`` alone
+    layers: tuple[str, ...] = ()
     # Config keys (the first present wins) whose length is the number of sub-layers one depth stores (Nemotron-H:
     # each character of mtp_hybrid_override_pattern is one mtp.layers.{j}; the depth is j // len + 1); (): one layer
     sublayers_key: tuple[str, ...] = ()
@@ -49,7 +52,8 @@ class MtpStorage:
         if self.kind == APPENDED:
             roots = tuple(dict.fromkeys(p + "layers." for p in prefixes))
             return MtpNames(APPENDED, roots, first, 1)
-        return MtpNames(self.kind, (self.root + self.layer,), 0, max(1, sublayers), self.root)
+        roots = tuple(self.root + infix for infix in (self.layers or (self.layer,)))
+        return MtpNames(self.kind, roots, 0, max(1, sublayers), self.root)
 
 
 @dataclass(frozen=True)

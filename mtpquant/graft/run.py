@@ -283,6 +283,9 @@ def graft(options: GraftOptions) -> GraftResult:
 
     assert options.source is not None
     src = Checkpoint.open(options.source, revision=options.source_revision, token=options.token, name_errors=True)
+    refusal = surgery_refusal(src.spec.family, src.label, what)  # an SRC of a family graft does not repair
+    if refusal is not None:
+        raise refusal
     src_mtp = src.mtp_tensors()
     tracked = TrackedSource(src.source, src_mtp)
     src = dataclasses.replace(src, source=cast(CheckpointSource, tracked))

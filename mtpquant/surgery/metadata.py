@@ -17,7 +17,7 @@ from typing import Any
 
 from mtpquant.checkpoint.precision import is_quantized, linear_precisions
 from mtpquant.engine.loading import FusedShardsError, ct_ignored, mixed_algo, modelopt_excluded
-from mtpquant.families import ModelSpec, resolve
+from mtpquant.families import ModelSpec, nested_key, resolve
 from mtpquant.formats.quant_config import (
     HF_QUANT_CONFIG,
     QuantMetadata,
@@ -158,7 +158,18 @@ def declare_mtp(spec: ModelSpec, layers: int, reference: Mapping[str, Any] | Non
     if not keys:
         return config
     target = config["text_config"] if spec.wrapped else config
-    key = next((k for k in keys if target.get(k) is not None), keys[0])
+    key = next((k for k in keys if nested_key(config, k) is not None), keys[0]) if spec.family.mtp.depth_at_top or any(
+        "." in k for k in keys) else next((k for k in keys if target.get(k) is not None), keys[0])
+    if "." in key or spec.family.mtp.depth_at_top:  # a path from the top level (Inkling: mtp_config.*)
+        *parents, leaf = key.split(".")
+        node = config
+        for part in parents:
+            child = node.get(part)
+            node[part] = child = dict(child) if isinstance(child, Mapping) else {}
+            node = child
+        if layers > 0 or leaf in node or spec.family.mtp.default_layers > 0:
+            node[leaf] = max(layers, 0)
+        return config
     if layers <= 0:
         if key in target or spec.family.mtp.default_layers > 0:
             target[key] = 0

@@ -138,6 +138,24 @@ NEXTN_CONFIGS: dict[str, dict[str, Any]] = {
         "rms_norm_eps": 1e-5,
         "num_nextn_predict_layers": 1,
     },
+    # Step-3.5-Flash-like (text-only Step3p5ForCausalLM): full + sliding attention with the head-wise gate, a dense
+    # first layer then MoE; three appended MTP layers (sliding, dense), each with its own head (shared_head.output)
+    "step3p5": {
+        "architectures": ["Step3p5ForCausalLM"],
+        "model_type": "step3p5",
+        **{k: v for k, v in _COMMON.items() if k not in ("n_routed_experts", "n_shared_experts")},
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 64,
+        "n_routed_experts": 4,
+        "share_expert_dim": 64,
+        "sliding_window": 64,
+        "layer_types": ["full_attention", "sliding_attention"],
+        "mlp_layer_types": ["dense", "sparse"],
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "num_nextn_predict_layers": 3,
+    },
     # MiMo-7B-like: a Qwen2 trunk (the release loads with trust_remote_code; vLLM's MiMoForCausalLM)
     "mimo": {
         "architectures": ["MiMoForCausalLM"],
@@ -167,6 +185,7 @@ _TRUNK = {
     "nemotron_h": ("NemotronHForCausalLM", "nemotron_h"),
     "mimo_v2_flash": ("MiMoV2FlashForCausalLM", "mimo_v2_flash"),
     "mimo": ("Qwen2ForCausalLM", "qwen2"),
+    "step3p5": ("Step3p7TextModel", "step3p5"),  # transformers has no text-only Step head: lm_head added here
 }
 # per family: config keys the trunk builder needs beyond the release's, for N + depth layers
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
@@ -191,7 +210,7 @@ def _trunk_config(family: str, config: Mapping[str, Any], depth: int) -> dict[st
         cfg["num_hidden_layers"] = len(pattern)
         cfg["num_nextn_predict_layers"] = 0
         return cfg
-    if family == "mimo_v2_flash":
+    if family in ("mimo_v2_flash", "step3p5"):
         cfg["layer_types"] = [*cfg["layer_types"], *["sliding_attention"] * depth]
         cfg["mlp_layer_types"] = [*cfg["mlp_layer_types"], *["dense"] * depth]
     cfg["num_hidden_layers"] = n + depth
@@ -218,7 +237,8 @@ def _glue(shapes: Mapping[str, tuple[int, ...]], have: Mapping[str, Any], gen: A
     (plain RMSNorm), the projections random, scaled by their input width."""
     import torch
 
-    copies = {".shared_head.head.weight": "lm_head.weight", ".embed_tokens.weight": "model.embed_tokens.weight"}
+    copies = {".shared_head.head.weight": "lm_head.weight", ".shared_head.output.weight": "lm_head.weight",
+              ".embed_tokens.weight": "model.embed_tokens.weight"}
     out: dict[str, Any] = {}
     for name, shape in shapes.items():
         if name in have:
@@ -246,7 +266,11 @@ def nextn_tensors(family: str, config: Mapping[str, Any], seed: int = 0, copies:
     hf_config = transformers.CONFIG_MAPPING[model_type](**_trunk_config(family, config, depth))
     model = getattr(transformers, cls_name)(hf_config)
     tensors: dict[str, Any] = {}
-    for name, t in model.state_dict().items():
+    state = model.state_dict()
+    if family == "step3p5":  # the text model alone: its names under model., the LM head its own (untied)
+        state = {f"model.{n}": t for n, t in state.items()}
+        state["lm_head.weight"] = torch.randn(config["vocab_size"], config["hidden_size"]) * 0.02
+    for name, t in state.items():
         keep_f32 = name.endswith(("e_score_correction_bias", ".A_log", ".D", ".dt_bias"))
         t = t.detach().to(torch.float32 if keep_f32 else torch.bfloat16).contiguous()
         if t.dim() == 3 and ".experts." in name:

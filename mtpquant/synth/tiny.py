@@ -126,6 +126,7 @@ TINY_VARIANTS: dict[str, TinySpec] = {
     "nemotron_h": TinySpec("nemotron_h", shards=3),
     "mimo_v2_flash": TinySpec("mimo_v2_flash", shards=3),
     "mimo": TinySpec("mimo", shards=3),
+    "step3p5": TinySpec("step3p5", shards=3),
 }
 
 

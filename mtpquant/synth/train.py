@@ -46,7 +46,7 @@ from tqdm.auto import tqdm
 from mtpquant.checkpoint.dtypes import planned
 from mtpquant.checkpoint.index import SINGLE_NAME
 from mtpquant.checkpoint.writer import OutputDir
-from mtpquant.families import family
+from mtpquant.families import family, resolve
 from mtpquant.mtp.module import MtpConfig, MtpLayer
 from mtpquant.mtp.names import checkpoint_name
 from mtpquant.mtp.schedule import warmup_cosine
@@ -73,7 +73,9 @@ log = logging.getLogger(__name__)
 
 # The trained checkpoints shipped with the package (scripts/train_tiny_mtp.py writes them), by family.
 _ASSETS = Path(__file__).resolve().parent.parent / "assets"
-TINY_MTP_ASSETS = {key: _ASSETS / f"tiny-{key}-mtp" for key in ("qwen3_5", "qwen3_5_moe", "qwen4_exp", "glm4_moe")}
+TINY_MTP_ASSETS = {
+    key: _ASSETS / f"tiny-{key}-mtp" for key in ("qwen3_5", "qwen3_5_moe", "qwen4_exp", "glm4_moe", "deepseek_v3")
+}
 TINY_MTP_ASSET = TINY_MTP_ASSETS["qwen3_5"]  # the default (demo, skeleton tokenizer)
 
 # Real Qwen3.5 checkpoints keep the Gated DeltaNet A_log and gated norm in float32 (as synth.tiny).
@@ -84,7 +86,7 @@ _KEEP_F32 = (".linear_attn.A_log", ".linear_attn.norm.weight")
 class TrainSpec:
     """What to train and how; every field is recorded in the asset's ``training.json``."""
 
-    family: str = "qwen3_5"  # qwen3_5 | qwen3_5_moe | qwen4_exp | glm4_moe
+    family: str = "qwen3_5"  # qwen3_5 | qwen3_5_moe | qwen4_exp | glm4_moe | deepseek_v3
     hidden_size: int = 128
     intermediate_size: int = 384  # qwen3_5 (dense MLP); qwen4_exp keeps synth.qwen4_exp's tiny expert sizes
     vocab_size: int = 2048
@@ -105,7 +107,13 @@ class TrainSpec:
 
 FAMILIES = tuple(TINY_MTP_ASSETS)
 # The appended-layer families trained here, in synth.nextn's tiny layout (GLM-4.7-style: the MTP in its own file)
-_NEXTN = {"glm4_moe": TinySpec("glm4_moe", shards=2, copies=False, mtp_file="mtp.safetensors")}
+# DeepSeek-V3's layout: MLA, the MTP (with its head and embedding copies, which its drafter loads) in the last shard
+_NEXTN = {
+    "glm4_moe": TinySpec("glm4_moe", shards=2, copies=False, mtp_file="mtp.safetensors"),
+    "deepseek_v3": TinySpec("deepseek_v3", shards=2),
+}
+# The head / embedding copy a DeepSeek MTP layer carries (COPIES), from the trunk tensor it copies
+_COPY_OF = {"shared_head.head.weight": "lm_head.weight", "embed_tokens.weight": "model.embed_tokens.weight"}
 # Qwen3.5-MoE's experts: synth.tiny's 4 (top 2), twice its width, so a token's routed + shared MLP width (2 x 128 +
 # 128) is the dense model's intermediate_size (384)
 _MOE_SIZES = {"moe_intermediate_size": 128, "shared_expert_intermediate_size": 128}
@@ -370,6 +378,12 @@ def _save(
 ) -> Path:
     tensors = _checkpoint_tensors(spec, model, config)
     tensors |= _layout({checkpoint_name(mtp, n): t for n, t in mtp.state_dict().items()}, spec.family in _NEXTN)
+    layout = family(spec.family).mtp
+    if layout.copies_required:  # the trained trunk's head and embedding, copied into each MTP layer as releases do
+        for name in resolve(config).expected_mtp_shapes():
+            leaf = next((c for c in layout.copies if name.endswith("." + c)), None)
+            if leaf is not None and name not in tensors:
+                tensors[name] = tensors[_COPY_OF[leaf]].clone()
     names = sorted(tensors)
     tiny = _tiny_spec(spec)
     where = (_nextn_shards if spec.family in _NEXTN else _assign_shards)(names, tiny, config)
