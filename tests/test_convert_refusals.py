@@ -48,15 +48,23 @@ def test_unsupported_architecture(tiny_copy: Factory, work: Path, capsys: pytest
     code, msg = _run(capsys, str(src), str(work / "out"))
     assert code == 4
     assert msg == (
-        "config.json: unsupported architecture LlamaForCausalLM; supported: DeepseekV32ForCausalLM, "
+        "config.json: unsupported architecture LlamaForCausalLM; supported: BailingMoeV2_5ForCausalLM, "
+        "BailingMoeV3ForCausalLM, BailingMoeV3VLForConditionalGeneration, DeepseekV32ForCausalLM, "
         "DeepseekV3ForCausalLM, DeepseekV41ForCausalLM, DeepseekV4ForCausalLM, "
-        "DeepseekV4ForConditionalGeneration, Glm4MoeForCausalLM, Glm5NextForCausalLM, "
-        "Glm5NextForConditionalGeneration, GlmMoeDsaForCausalLM, MiMoForCausalLM, "
-        "MiMoV2FlashForCausalLM, MiMoV2ForCausalLM, MiniMaxM2ForCausalLM, NemotronHForCausalLM, "
-        "NemotronHPuzzleForCausalLM, Qwen3NextForCausalLM, Qwen3_5ForCausalLM, "
-        "Qwen3_5ForConditionalGeneration, Qwen3_5MoeForCausalLM, "
-        "Qwen3_5MoeForConditionalGeneration, Qwen4ExpForCausalLM, Qwen4ExpForConditionalGeneration, "
-        "Step3p5ForCausalLM, Step3p7ForConditionalGeneration"
+        "DeepseekV4ForConditionalGeneration, Dots3NoteForCausalLM, Ernie4_5_MoeForCausalLM, "
+        "Exaone4_5_ForConditionalGeneration, ExaoneMoEForCausalLM, ExaoneMoeForCausalLM, Gemma4ForCausalLM, "
+        "Gemma4ForConditionalGeneration, Gemma4UnifiedForConditionalGeneration, Glm4MoeForCausalLM, "
+        "Glm4MoeLiteForCausalLM, Glm5NextForCausalLM, Glm5NextForConditionalGeneration, "
+        "GlmMoeDsaForCausalLM, GlmOcrForConditionalGeneration, HYV3ForCausalLM, HYV4ForCausalLM, "
+        "InklingForCausalLM, InklingForConditionalGeneration, InternS2MobiusForConditionalGeneration, "
+        "InternS2PreviewForConditionalGeneration, KimiK3ForCausalLM, KimiK3ForConditionalGeneration, "
+        "LongcatFlashForCausalLM, LongcatFlashNgramForCausalLM, MiMoForCausalLM, MiMoV2FlashForCausalLM, "
+        "MiMoV2ForCausalLM, MiMoV2OmniForCausalLM, MiniMaxM2ForCausalLM, MiniMaxM3SparseForCausalLM, "
+        "MiniMaxM3SparseForConditionalGeneration, NemotronHForCausalLM, NemotronHPuzzleForCausalLM, "
+        "PanguUltraMoEForCausalLM, Qwen3NextForCausalLM, Qwen3_5ForCausalLM, "
+        "Qwen3_5ForConditionalGeneration, Qwen3_5MoeForCausalLM, Qwen3_5MoeForConditionalGeneration, "
+        "Qwen4ExpForCausalLM, Qwen4ExpForConditionalGeneration, Step3p5ForCausalLM, "
+        "Step3p7ForConditionalGeneration"
     )
     _nothing_written(work)
 

@@ -23,7 +23,7 @@ from mtpquant.cli import main as cli
 from mtpquant.diagnose.report import inspect_checkpoint
 from mtpquant.errors import ExitCode
 from mtpquant.families import FAMILIES, family, resolve
-from mtpquant.families.catalogue import CAPABILITIES, catalogue, render_markdown
+from mtpquant.families.catalogue import CAPABILITIES, catalogue, render_markdown, render_summary
 from mtpquant.graft.extract import ExtractOptions, extract_mtp
 from mtpquant.graft.run import GraftOptions, graft
 from tests.support.skeleton import SkeletonTensor, write_sparse_safetensors
@@ -217,15 +217,17 @@ def test_families_json_names_every_drafter_and_what_works(capsys: pytest.Capture
 
 
 def test_families_table_in_the_docs_is_the_registrys(capsys: pytest.CaptureFixture[str]) -> None:
-    """docs/families-table.md (and the README block between the families markers, where it has them) is the table
-    rendered from the registry: regenerate it with ``mtpquant families > docs/families-table.md``."""
+    """docs/families-table.md is the table rendered from the registry (regenerate it with ``mtpquant families >
+    docs/families-table.md``), and the README block between the families markers its summary."""
     table = render_markdown()
     assert cli(["families"]) == 0 and capsys.readouterr().out == table
     assert (ROOT / "docs/families-table.md").read_text() == table
     readme = (ROOT / "README.md").read_text()
     block = re.search(r"<!-- families:begin -->\n(.*?)<!-- families:end -->", readme, re.DOTALL)
-    if "<!-- families:begin -->" in readme:
-        assert block is not None and block.group(1) == table
+    assert block is not None and block.group(1) == render_summary()
+    summary_rows = block.group(1).splitlines()[2:]
+    for f in FAMILIES:  # every family in exactly one row of the summary
+        assert sum(f"{f.display} (" in row for row in summary_rows) == 1, f.display
     assert len(table.splitlines()) == len(FAMILIES) + 2
 
 

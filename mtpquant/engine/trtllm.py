@@ -44,7 +44,7 @@ from mtpquant.checkpoint.precision import is_quantized
 from mtpquant.engine.http import EngineClientBase as _ClientBase
 from mtpquant.engine.loading import LM_HEADS, EngineModule, Expectation
 from mtpquant.errors import EngineAnswerError, EngineSpecDecodeError
-from mtpquant.families import EngineRules, matches
+from mtpquant.families import QWEN_MTP_NAMES, EngineRules, matches
 from mtpquant.formats.quant_config import QuantMetadata
 
 if TYPE_CHECKING:
@@ -109,8 +109,9 @@ def experts_excluded(layer: str, patterns: Sequence[str], *, fixed: bool = True)
 
 def module_names(modules: Sequence[str], ckpt: Checkpoint) -> list[str]:
     """The MTP ``modules`` as TensorRT-LLM names them, where that differs (``module_name``)."""
-    n = ckpt.spec.dim("num_hidden_layers") if any(m.startswith("mtp.") for m in modules) else 0
-    return [module_name(m, n) for m in modules if m.startswith("mtp.")]
+    qwen = [m for m in modules if QWEN_MTP_NAMES.is_mtp(m)]
+    n = ckpt.spec.dim("num_hidden_layers") if qwen else 0
+    return [module_name(m, n) for m in qwen]
 
 
 def module_name(name: str, num_hidden_layers: int) -> str:
@@ -119,8 +120,8 @@ def module_name(name: str, num_hidden_layers: int) -> str:
     found = _MTP_LAYER.match(name)
     if found is not None:
         return f"model.layers.{num_hidden_layers + int(found.group(1))}.{found.group(2)}"
-    if name.startswith("mtp."):
-        leaf = name[len("mtp.") :]
+    if QWEN_MTP_NAMES.is_mtp(name):
+        leaf = name[len(QWEN_MTP_NAMES.namespace) :]
         head, dot, rest = leaf.partition(".")
         return f"model.layers.{num_hidden_layers}.{MTP_GLUE.get(head, head)}{dot}{rest}"
     return name

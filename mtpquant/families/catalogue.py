@@ -1,8 +1,8 @@
 """The registry as a table: each family's model types, drafters, where its MTP lives and what mtpquant does with it.
 
 ``mtpquant families`` prints it (``--json``: the rows), ``docs/families-table.md`` is its Markdown, and the README's
-block between ``<!-- families:begin -->`` and ``<!-- families:end -->`` is the same Markdown: all from the registry,
-so none of them can drift from it (a test renders the table and compares).
+block between ``<!-- families:begin -->`` and ``<!-- families:end -->`` is its summary (the families grouped by what
+works on them): all from the registry, so none of them can drift from it (a test renders both and compares).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from mtpquant.families.schema import SEPARATE, SUPPORTED, Family
 from mtpquant.families.spec import FAMILIES
 from mtpquant.families.storage import APPENDED
 
-__all__ = ["CAPABILITIES", "FamilyRow", "catalogue", "family_row", "render_markdown"]
+__all__ = ["CAPABILITIES", "FamilyRow", "catalogue", "family_row", "render_markdown", "render_summary"]
 
 # What a family can be put through, in the order the table lists them.
 CAPABILITIES = ("inspect", "graft", "extract", "fix_metadata", "convert", "validate", "heal", "search")
@@ -119,4 +119,20 @@ def render_markdown(rows: list[FamilyRow] | None = None) -> str:
             *("yes" if r.works[c] else "no" for c in CAPABILITIES),
         )
         lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def render_summary(rows: list[FamilyRow] | None = None) -> str:
+    """The README's compact family table: one line per set of capabilities, naming every family that has it (the
+    families in registry order, the groups from the most capable down)."""
+    rows = catalogue() if rows is None else rows
+    groups: dict[tuple[str, ...], list[FamilyRow]] = {}
+    for r in rows:
+        groups.setdefault(tuple(c for c in CAPABILITIES if r.works[c]), []).append(r)
+    lines = ["| what works | families (`model_type`) |", "|---|---|"]
+    for works, members in sorted(groups.items(), key=lambda g: -len(g[0])):
+        what = ", ".join(c.replace("_", " ") for c in works)
+        what = what if len(works) > 1 else "inspect only (no MTP in the target to repair)"
+        names = ", ".join(f"{r.display} ({', '.join(f'`{t}`' for t in r.model_types)})" for r in members)
+        lines.append(f"| {_cell(what)} | {_cell(names)} |")
     return "\n".join(lines) + "\n"

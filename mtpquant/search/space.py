@@ -30,7 +30,7 @@ from mtpquant.checkpoint.modules import linear_modules
 from mtpquant.checkpoint.precision import is_quantized, linear_precisions
 from mtpquant.engine.loading import mtp_load_refusal
 from mtpquant.engine.table import NAMES, EngineName, searched
-from mtpquant.families import FUSED_EXPERT_PIECES, Family, MtpGroup
+from mtpquant.families import FUSED_EXPERT_PIECES, QWEN_MTP_NAMES, Family, MtpGroup
 from mtpquant.formats.quant_config import QuantMetadata
 from mtpquant.recipes.recipe import recipe_excludes
 from mtpquant.records.record import Record
@@ -145,7 +145,7 @@ class Declaration:
 def _namespace(module: str) -> str:
     """The MTP namespace a module lies in: ``mtp`` (the Qwen families), or its appended layer ``model.layers.N`` (the
     planner excludes a whole BF16 MTP as ``mtp*`` / ``model.layers.N*``)."""
-    return "mtp" if module.startswith("mtp.") else ".".join(module.split(".")[:3])
+    return QWEN_MTP_NAMES.namespace.rstrip(".") if QWEN_MTP_NAMES.is_mtp(module) else ".".join(module.split(".")[:3])
 
 
 def _split_experts(name: str, dtype: str, shape: tuple[int, ...]) -> list[tuple[str, Planned]] | None:
