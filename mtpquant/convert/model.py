@@ -18,6 +18,7 @@ import torch
 
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.families import ModelSpec
+from mtpquant.runtime.hf_classes import model_class
 from mtpquant.runtime.libraries import modelopt_quiet
 from mtpquant.runtime.memory import MemoryPlan
 
@@ -55,14 +56,12 @@ def load_main_model(src: Path, ckpt: Checkpoint, memory: MemoryPlan, device: str
     with what does not fit left on disk, read from SRC's safetensors (experts transformers fuses while
     loading too: ``offload.py``; ``offload_dir`` takes whatever transformers must still re-save).
     """
-    import transformers
-
     from mtpquant.convert.offload import fused_offload, install_fused_loader
     from mtpquant.runtime.memory import release_file_pages
     from mtpquant.units import format_bytes
 
     spec = ckpt.spec
-    cls = getattr(transformers, spec.architecture)
+    cls = model_class(spec.architecture)
     kwargs: dict[str, Any] = {"dtype": source_dtype(spec)}
     if memory.caps is not None or device == "cuda":
         kwargs["device_map"] = "auto"

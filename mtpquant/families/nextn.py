@@ -41,6 +41,8 @@ __all__ = [
     "mla_shapes",
     "moe_shapes",
     "nextn_glue_shapes",
+    "step3p5_mtp_check",
+    "step3p5_mtp_layer_types",
 ]
 
 _APPENDED = MtpStorage(APPENDED)
@@ -71,8 +73,12 @@ class AppendedForward:
     recycle_normed: bool
     hidden_first: bool = False
     # vLLM's NextN layers zero the token embedding at position 0 ("masking inputs at position 0, as not needed by
-    # MTP": deepseek_mtp.py, glm4_moe_mtp.py)
+    # MTP": deepseek_mtp.py, glm4_moe_mtp.py); Step3p5AMultiTokenPredictorLayer does not
     mask_position_zero: bool = True
+    # The head each layer drafts with where it is the layer's own (its leaf under the layer: Step's
+    # ``shared_head.output``; vLLM's Step3p5MTPProposer._maybe_share_lm_head keeps it, ``has_own_lm_head``); "": the
+    # target's LM head (every other drafter: the proposer shares the target's head into the layer)
+    own_head: str = ""
 
 
 def nextn_glue_shapes(
@@ -229,6 +235,43 @@ def layer_rename(pattern: re.Pattern[str], block_infix: str = "", head: str = "h
         return layer + block_infix + rest.replace("transformer.", "", 1)
 
     return rename
+
+
+def step3p5_mtp_layer_types(text: Mapping[str, Any], depth: int) -> tuple[list[str], list[str]]:
+    """The attention and MLP kinds of Step's MTP layers: the trailing entries of the legacy padded per-layer lists (as
+    the releases write them: ``layer_types`` / ``mlp_layer_types`` of ``num_hidden_layers + depth`` entries, which
+    vLLM's Step3p5DecoderLayer indexes by the layer's number), transformers' ``mtp_layer_types`` /
+    ``mtp_mlp_layer_types``, else ``moe_layers_enum`` (MoE where listed, as vLLM and transformers read it) and full
+    attention (transformers' Step3p7TextConfig default). ``MtpConfigError`` where the config says neither."""
+    from mtpquant.errors import MtpConfigError
+
+    n = config_int(text, "num_hidden_layers")
+    kinds: list[list[str]] = []
+    for padded, own in (("layer_types", "mtp_layer_types"), ("mlp_layer_types", "mtp_mlp_layer_types")):
+        value, mine = text.get(padded), text.get(own)
+        if isinstance(value, list) and len(value) == n + depth:
+            kinds.append([str(v) for v in value[n:]])
+        elif isinstance(mine, list) and len(mine) == depth:
+            kinds.append([str(v) for v in mine])
+        elif padded == "layer_types" and value is None:
+            kinds.append(["full_attention"] * depth)
+        elif padded == "mlp_layer_types" and isinstance(enum := text.get("moe_layers_enum"), (str, list)):
+            listed = {int(i) for i in (enum.split(",") if isinstance(enum, str) else enum) if str(i).strip()}
+            kinds.append(["sparse" if n + i in listed else "dense" for i in range(depth)])
+        else:
+            raise MtpConfigError(
+                f"config.json: {padded} does not list Step's {depth} MTP layers (num_hidden_layers + "
+                f"num_nextn_predict_layers entries, as the releases write it) and {own} is not set: the MTP layers' "
+                "kinds are unknown"
+            )
+    return kinds[0], kinds[1]
+
+
+def step3p5_mtp_check(text: Mapping[str, Any]) -> None:
+    """Step's MTP forward needs its layers' attention and MLP kinds (``step3p5_mtp_layer_types``)."""
+    depth = text.get("num_nextn_predict_layers")
+    if isinstance(depth, int) and depth > 0:
+        step3p5_mtp_layer_types(text, depth)
 
 
 _MODEL_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
@@ -426,26 +469,35 @@ GLM5_NEXT = _family(
     wrapper_class="Glm5NextForConditionalGeneration",
 )
 # Step-3.5 / 3.7: three appended layers, the head stored as shared_head.output; vLLM's Step3p5MTP builds the block as
-# model.layers.{n}.mtp_block.* and strips a .transformer. infix (step3p5_mtp.py 74, 286-289, 323-345)
+# model.layers.{n}.mtp_block.* and strips a .transformer. infix (step3p5_mtp.py 74, 286-289, 323-345). Draft step i runs
+# layer N + i (spec_step_idx % num_mtp_layers) and drafts with that layer's own head (has_own_lm_head); its eh_proj is
+# a plain nn.Linear (never quantized), its norms GemmaRMSNorm (1 + w), the block and the head take the draft quant
+# config (step3p5_mtp.py 46-75, v1/spec_decode/step3p5.py _maybe_share_lm_head)
 STEP3P5 = _family(
     "step3p5",
     "Step-3.5 / 3.7-Flash",
     {"step3p5", "step3p7"},
     {"Step3p5ForCausalLM", "Step3p7ForConditionalGeneration"},
     _mtp(_glue_only("output", embed=False), copies=("shared_head.output.weight",), copies_required=True,
-         inventory="glue",
-         engine_rename=layer_rename(_MODEL_LAYER, block_infix="mtp_block.", head="shared_head.head")),
+         inventory="glue", unquantized=("*.shared_head.output",), config_check=step3p5_mtp_check,
+         engine_rename=layer_rename(_MODEL_LAYER, block_infix="mtp_block.", head="shared_head.head"),
+         appended=AppendedForward("step3p7", "Step3p7", recycle_normed=False, mask_position_zero=False,
+                                  own_head="shared_head.output")),
     _engine({"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")},
             "Step3p5MTP", "Step3p5MTP",
             missing_mtp_error="RuntimeError: Some parameters like model.layers.{layer}... are not in the checkpoint "
             "and will falsely use random initialization"),
     "Step3p5ForCausalLM",
-    sources=("model_executor/models/step3p5_mtp.py", "config/speculative.py"),
+    sources=("model_executor/models/step3p5_mtp.py", "v1/spec_decode/step3p5.py", "config/speculative.py"),
     vllm_remap="block -> model.layers.{N}.mtp_block.* (a .transformer. infix stripped); shared_head.output -> "
     "shared_head.head",
     wrapper_prefix="model.language_model.",
     text_only_prefixes=("model.language_model.", "model."),
     wrapper_class="Step3p7ForConditionalGeneration",
+    # the main model's router (Step3p7TopKRouter) is a Parameter, not a Linear; its head-wise attention gate g_proj a
+    # ColumnParallelLinear with the quant config (step3p5.py 226-232): quantized like q/k/v
+    mtp_forward=True,
+    convert=True,
 )
 
 NEXTN_FAMILIES: tuple[Family, ...] = (DEEPSEEK_V3, DEEPSEEK_V32, GLM_MOE_DSA, GLM4_MOE, GLM5_NEXT, STEP3P5)

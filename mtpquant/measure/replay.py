@@ -29,7 +29,7 @@ from mtpquant.measure.metrics import (
     unit_counts,
 )
 from mtpquant.measure.rules import target_probs, terms
-from mtpquant.mtp.drafting import chain_logits, draft_rows, mtp_logits
+from mtpquant.mtp.drafting import chain_logits, draft_rows, mtp_logits, step_head
 from mtpquant.mtp.step import MtpStep
 from mtpquant.records.acceptance import Acceptance, AcceptanceRow, AcceptanceStats, ContextBucket
 from mtpquant.records.evidence import CONFIDENCE, Bootstrap, UnitCounts
@@ -361,8 +361,10 @@ def compare_mtp(ref: MtpBundle, cand: MtpBundle, run: TargetRun) -> LogitAgreeme
     pairs = []
     for seq in run.sequences:
         n = seq.length - 1  # rows of the engine's sequence (the lookahead left out)
-        out_r, out_c = _tf_pass(ref, seq).out[:, :n], _tf_pass(cand, seq).out[:, :n]
-        pairs.append((_chunked_logits(out_r, ref.lm_head_weight), _chunked_logits(out_c, cand.lm_head_weight)))
+        step_r, step_c = _tf_pass(ref, seq), _tf_pass(cand, seq)
+        out_r, out_c = step_r.out[:, :n], step_c.out[:, :n]
+        head_r, head_c = step_head(step_r, ref.lm_head_weight), step_head(step_c, cand.lm_head_weight)
+        pairs.append((_chunked_logits(out_r, head_r), _chunked_logits(out_c, head_c)))
     return _compare(pairs)
 
 

@@ -284,9 +284,9 @@ def _device_map(
 
 def text_model_class(weights: CheckpointWeights) -> Any:
     """The family's transformers text class (``Qwen3_5ForCausalLM``, ...); importing it takes seconds."""
-    import transformers
+    from mtpquant.runtime.hf_classes import model_class
 
-    return getattr(transformers, weights.spec.family.text_class)
+    return model_class(weights.spec.family.text_class)
 
 
 def load_target(

@@ -44,18 +44,30 @@ def _qwen4_exp(
 def _nextn(spec: ModelSpec, config: Mapping[str, Any], tensors: Mapping[str, Tensor], dtype: Any, device: Any) -> Any:
     from mtpquant.mtp.nextn import NextnMtp
 
+    return _appended(NextnMtp, spec, config, tensors, dtype, device)
+
+
+def _step3p5(spec: ModelSpec, config: Mapping[str, Any], tensors: Mapping[str, Tensor], dtype: Any, device: Any) -> Any:
+    from mtpquant.mtp.step3p5 import Step3p5Mtp
+
+    return _appended(Step3p5Mtp, spec, config, tensors, dtype, device)
+
+
+def _appended(cls: Any, spec: ModelSpec, config: Mapping[str, Any], tensors: Mapping[str, Tensor], dtype: Any,
+              device: Any) -> Any:
     check_mtp_forward(config)
     root = spec.appended_prefix(tensors) + "layers."
     expected = spec.expected_mtp_shapes(tensors)
     forward = spec.family.mtp.appended
-    return NextnMtp.from_state_dict(
+    return cls.from_state_dict(
         spec.text, forward, spec.mtp.layers, root, spec.mtp_names.first, expected, tensors, dtype=dtype, device=device
     )
 
 
-# The reference forward of each family that has one (Family.mtp_forward); the appended-layer one for the families
-# whose layout says how it computes (MtpLayout.appended); the Qwen3 forward by default.
-_BUILDERS: dict[str, _Builder] = {"qwen4_exp": _qwen4_exp}
+# The reference forward of each family that has one of its own (Family.mtp_forward): Qwen4-Exp's, Step-3.5's (its
+# layers drafting in turn, each with its head and cache); the appended-layer one for the other families whose layout
+# says how it computes (MtpLayout.appended); the Qwen3 forward by default.
+_BUILDERS: dict[str, _Builder] = {"qwen4_exp": _qwen4_exp, "step3p5": _step3p5}
 
 
 def reference_mtp(
@@ -68,6 +80,7 @@ def reference_mtp(
     """The family's reference MTP with the checkpoint's MTP tensors (names and shapes checked; MtpLayoutError
     names what does not fit, MtpConfigError what the forward cannot compute)."""
     spec = resolve(config)
-    if spec.family.mtp.appended is not None:
-        return _nextn(spec, config, tensors, dtype, device)
-    return _BUILDERS.get(spec.family.key, _qwen3)(spec, config, tensors, dtype, device)
+    build = _BUILDERS.get(spec.family.key)
+    if build is None:
+        build = _nextn if spec.family.mtp.appended is not None else _qwen3
+    return build(spec, config, tensors, dtype, device)

@@ -30,6 +30,7 @@ __all__ = [
     "draft_chain",
     "draft_rows",
     "mtp_logits",
+    "step_head",
     "teacher_forced",
 ]
 
@@ -37,6 +38,11 @@ __all__ = [
 def mtp_logits(mtp_out: Tensor, lm_head_weight: Tensor) -> Tensor:
     """Logits from the MTP output with the target's ``lm_head`` ``[V, H]``, in the head's dtype."""
     return F.linear(mtp_out.to(lm_head_weight.dtype), lm_head_weight)
+
+
+def step_head(step: MtpStep, lm_head_weight: Tensor) -> Tensor:
+    """The head a step drafts with: its layer's own (Step-3.5's ``shared_head.output``), else the target's."""
+    return lm_head_weight if step.head is None else step.head.to(lm_head_weight.device)
 
 
 @dataclass(frozen=True)
@@ -63,7 +69,7 @@ def teacher_forced(
     """One causal pass over ``h_0..h_{T-1}`` ``[B, T, *]`` and ``x_1..x_T`` ``[B, T]`` (k = 1)."""
     with torch.no_grad():
         step = layer.step(hidden, embed_fn(next_tokens), positions)
-        return TeacherForcedResult(step, mtp_logits(step.out, lm_head_weight))
+        return TeacherForcedResult(step, mtp_logits(step.out, step_head(step, lm_head_weight)))
 
 
 @dataclass(frozen=True)
@@ -116,7 +122,7 @@ def draft_chain(
             if j == 0 and layer.index_share and step.selection is not None:
                 shared = step.selection[:, :, -1:]
             last = step.out[:, -1:]
-            step_logits = mtp_logits(last, lm_head_weight)
+            step_logits = mtp_logits(last, step_head(step, lm_head_weight))
             token = step_logits.argmax(dim=-1)
             tokens.append(token)
             logits.append(step_logits)
@@ -157,7 +163,7 @@ def chain_logits(
         for start in range(rows.start, rows.stop, chunk):
             t = torch.arange(start, min(start + chunk, rows.stop), device=out.device)
             h = nxt[0, t][:, None]  # [R, 1, *]
-            step_logits = mtp_logits(out[0, t][:, None], lm_head_weight)  # [R, 1, V]
+            step_logits = mtp_logits(out[0, t][:, None], step_head(teacher, lm_head_weight))  # [R, 1, V]
             logits = [step_logits]
             prefix = torch.arange(cache.length, device=out.device)[None, :] <= t[:, None]  # [R, L]
             first = teacher.selection[0, 0, t].to(out.device) if shared and teacher.selection is not None else None
@@ -178,7 +184,7 @@ def chain_logits(
                     selection = torch.cat((first, torch.zeros_like(own)), dim=1)[:, None, None, :]
                 new = layer.step(h, embed_fn(token), (t + step)[:, None], past, mask, step=step, selection=selection)
                 parts.append(new.cache.last(1))
-                step_logits = mtp_logits(new.out, lm_head_weight)
+                step_logits = mtp_logits(new.out, step_head(new, lm_head_weight))
                 h = new.next_hidden
                 logits.append(step_logits)
             yield t, torch.cat(logits, dim=1)

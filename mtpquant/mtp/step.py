@@ -44,12 +44,16 @@ class MtpCache(Protocol):
 class MtpStep:
     """One MTP step over T rows: ``out`` ``[B, T, H]`` for the LM head (row t's logits predict the token two after
     its hidden state), ``next_hidden`` for the next draft step, ``cache`` extended by the T rows, and ``selection``
-    (bool ``[B, 1, T, L + T]``: the keys the QSA indexer chose for each row; None without an indexer)."""
+    (bool ``[B, 1, T, L + T]``: the keys the QSA indexer chose for each row; None without an indexer), and ``head``
+    where the step's layer drafts with a head of its own."""
 
     out: Tensor
     next_hidden: Tensor
     cache: Any
     selection: Tensor | None = None
+    # The LM head this step drafts with where it is the MTP layer's own ``[V, H]`` (Step-3.5's per-layer
+    # ``shared_head.output``); None: the target's
+    head: Tensor | None = None
 
 
 class MtpForward(Protocol):

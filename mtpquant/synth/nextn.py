@@ -150,8 +150,9 @@ NEXTN_CONFIGS: dict[str, dict[str, Any]] = {
         "n_routed_experts": 4,
         "share_expert_dim": 64,
         "sliding_window": 64,
-        "layer_types": ["full_attention", "sliding_attention"],
-        "mlp_layer_types": ["dense", "sparse"],
+        # the legacy per-layer lists of the releases: the trunk's layers, then the three MTP layers' (sliding, dense)
+        "layer_types": ["full_attention", "sliding_attention", *["sliding_attention"] * 3],
+        "mlp_layer_types": ["dense", "sparse", *["dense"] * 3],
         "rms_norm_eps": 1e-5,
         "rope_theta": 10000.0,
         "num_nextn_predict_layers": 3,
@@ -196,6 +197,9 @@ def nextn_config(family: str, mtp: bool = True) -> dict[str, Any]:
     config = copy.deepcopy(NEXTN_CONFIGS[family])
     if not mtp:
         config["num_nextn_predict_layers"] = 0
+        for key in ("layer_types", "mlp_layer_types"):  # Step's padded lists lose the MTP layers' entries too
+            if key in config and family == "step3p5":
+                config[key] = config[key][: config["num_hidden_layers"]]
     return config
 
 
@@ -210,9 +214,12 @@ def _trunk_config(family: str, config: Mapping[str, Any], depth: int) -> dict[st
         cfg["num_hidden_layers"] = len(pattern)
         cfg["num_nextn_predict_layers"] = 0
         return cfg
-    if family in ("mimo_v2_flash", "step3p5"):
+    if family == "mimo_v2_flash":
         cfg["layer_types"] = [*cfg["layer_types"], *["sliding_attention"] * depth]
         cfg["mlp_layer_types"] = [*cfg["mlp_layer_types"], *["dense"] * depth]
+    if family == "step3p5":  # the release's padded lists: the trunk's entries, then the MTP layers' (as many as built)
+        cfg["layer_types"] = cfg["layer_types"][: n + depth]
+        cfg["mlp_layer_types"] = cfg["mlp_layer_types"][: n + depth]
     cfg["num_hidden_layers"] = n + depth
     cfg.pop("num_nextn_predict_layers", None)
     return cfg
