@@ -200,7 +200,8 @@ class MtpMode:
         if not self.needs_mtp:
             return ModeCheck(self._family_notes(ckpt))
         names = _check_mtp_complete(ckpt, f"--mtp {self.name}")
-        extra = sorted(names - set(ckpt.spec.expected_mtp_shapes(names)))
+        # beyond the family's inventory (where that is the glue only, Step's: outside the declared layers)
+        extra = ckpt.spec.mtp_unexpected(names, ckpt.spec.expected_mtp_shapes(names))
         notes = []
         if extra:
             notes.append(f"{len(extra)} MTP tensors beyond the expected layout are copied too (first: {extra[0]})")
@@ -372,7 +373,9 @@ def check_quantizable(ckpt: Checkpoint, flag: str) -> set[str]:
         check_mtp_forward(ckpt.config)
     except MtpConfigError as exc:
         raise MtpModeError(f"{label}: {flag} cannot calibrate this MTP: {exc}; use --mtp keep") from None
-    extra = sorted(names - set(ckpt.spec.expected_mtp_shapes(names)))
+    # beyond the family's inventory (where it is the glue only, Step's: a tensor outside the declared layers; the
+    # reference forward then checks the block against its own modules)
+    extra = ckpt.spec.mtp_unexpected(names, ckpt.spec.expected_mtp_shapes(names))
     if extra:
         raise MtpModeError(f"{label}: unexpected MTP tensor {extra[0]}; {flag} needs the exact layout")
     bad_dtype = sorted(n for n in names if ckpt.tensors[n].dtype not in FLOAT_DTYPES)
