@@ -41,6 +41,7 @@ def test_builtin_recipes_load_and_cover_the_issue() -> None:
         "qwen3_5_moe-nvfp4",
         "qwen3_next-nvfp4",
         "qwen4_exp-nvfp4",
+        "step3p5-nvfp4",
     ]
     for name in names:
         recipe = load_recipe(name)
@@ -64,6 +65,7 @@ def test_default_recipe_per_family() -> None:
     assert default_recipe_name(FAMILY["deepseek_v3"]) == "deepseek_v3-nvfp4"
     assert default_recipe_name(FAMILY["deepseek_v32"]) == "deepseek_v32-nvfp4"
     assert default_recipe_name(FAMILY["glm_moe_dsa"]) == "glm_moe_dsa-nvfp4"
+    assert default_recipe_name(FAMILY["step3p5"]) == "step3p5-nvfp4"
     for family in FAMILIES:
         load_recipe(default_recipe_name(family)).check_family(family)
         load_recipe("nvfp4-w4a16").check_family(family)

@@ -241,11 +241,11 @@ def per_expert(name: str, t: Any) -> dict[str, Any]:
 def _glue(shapes: Mapping[str, tuple[int, ...]], have: Mapping[str, Any], gen: Any) -> dict[str, Any]:
     """The MTP tensors the registry names that the trunk's layer does not give: the head and embedding copies the
     trunk's own (as the releases ship them: DeepSeek-V3's layer 61 copies ``lm_head`` and ``embed_tokens``), norms 1
-    (plain RMSNorm), the projections random, scaled by their input width."""
+    (plain RMSNorm), the projections (Step's own heads too) random, scaled by their input width."""
     import torch
 
-    copies = {".shared_head.head.weight": "lm_head.weight", ".shared_head.output.weight": "lm_head.weight",
-              ".embed_tokens.weight": "model.embed_tokens.weight"}
+    # Step's shared_head.output is each layer's own head (vLLM's Step3p5MTP drafts with it): random, not a copy
+    copies = {".shared_head.head.weight": "lm_head.weight", ".embed_tokens.weight": "model.embed_tokens.weight"}
     out: dict[str, Any] = {}
     for name, shape in shapes.items():
         if name in have:
