@@ -35,6 +35,7 @@ def test_builtin_recipes_load_and_cover_the_issue() -> None:
         "deepseek_v32-nvfp4",
         "glm4_moe-nvfp4",
         "glm_moe_dsa-nvfp4",
+        "mimo_v2_flash-nvfp4",
         "nvfp4-w4a16",
         "qwen3_5-nvfp4",
         "qwen3_5_moe-experts-nvfp4",
@@ -66,6 +67,7 @@ def test_default_recipe_per_family() -> None:
     assert default_recipe_name(FAMILY["deepseek_v32"]) == "deepseek_v32-nvfp4"
     assert default_recipe_name(FAMILY["glm_moe_dsa"]) == "glm_moe_dsa-nvfp4"
     assert default_recipe_name(FAMILY["step3p5"]) == "step3p5-nvfp4"
+    assert default_recipe_name(FAMILY["mimo_v2_flash"]) == "mimo_v2_flash-nvfp4"
     for family in FAMILIES:
         load_recipe(default_recipe_name(family)).check_family(family)
         load_recipe("nvfp4-w4a16").check_family(family)

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from mtpquant.families.mtp_config import config_int
+from mtpquant.families.nextn import AppendedForward
 from mtpquant.families.schema import NEVER_SHIPPED, NOT_MTP, EngineRules, Family, MtpLayout
 from mtpquant.families.storage import NAMESPACE, SUBSPACE, MtpStorage
 
@@ -136,9 +137,9 @@ def _family(key: str, display: str, model_types: set[str], archs: set[str], mtp:
         fused_groups=(("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("gate_proj", "up_proj")),
         unquantized=("lm_head", "*embed_tokens", "*.mlp.gate", "*norm*"),
         fused_main_experts=False,
-        mtp_forward=False,
+        mtp_forward=kw.pop("mtp_forward", False),
         mtp_heal=False,
-        convert=False,
+        convert=kw.pop("convert", False),
         **kw,
     )
 
@@ -175,16 +176,23 @@ MIMO = _family(
 )
 # MiMo-V2-Flash ships 3 MTP layers; vLLM (_MIMO_V2_FLASH_NUM_MTP_LAYERS = 1) builds the first, eh_proj a
 # ReplicatedLinear without a quant config (mimo_v2_mtp.py 75)
+# MiMo-V2-Flash ships 3 MTP layers; vLLM (_MIMO_V2_FLASH_NUM_MTP_LAYERS = 1) builds the first, eh_proj a
+# ReplicatedLinear without a quant config (mimo_v2_mtp.py 75), the attention and the dense MLP with it; its forward is
+# mtp/mimo_v2.py (the first layer at every draft step, final_layernorm's output recycled, the target's head)
 MIMO_V2_FLASH = _family(
     "mimo_v2_flash",
     "MiMo-V2-Flash / V2.5",
     {"mimo_v2_flash", "mimo_v2"},
     {"MiMoV2FlashForCausalLM", "MiMoV2ForCausalLM"},
-    _layout(MtpStorage(SUBSPACE, root="model.mtp."), mimo_v2_shapes, "glue", default_layers=1),
+    _layout(MtpStorage(SUBSPACE, root="model.mtp."), mimo_v2_shapes, "glue", default_layers=1,
+            appended=AppendedForward("mimo_v2_flash", "MiMoV2Flash", recycle_normed=True, mask_position_zero=False)),
     built_unquantized=("*.mlp.gate", "*.eh_proj"),
     drafters={"vllm": "MiMoV2MTPModel", "sglang": "MiMoV2MTP"},
     sources=("model_executor/models/mimo_v2_mtp.py", "config/speculative.py"),
     vllm_remap="the checkpoint's own names (model.mtp.layers.{i}); vLLM builds the first layer only",
+    text_class="MiMoV2FlashForCausalLM",
+    mtp_forward=True,
+    convert=True,
 )
 MINIMAX_M2 = _family(
     "minimax_m2",

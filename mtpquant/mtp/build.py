@@ -53,6 +53,18 @@ def _step3p5(spec: ModelSpec, config: Mapping[str, Any], tensors: Mapping[str, T
     return _appended(Step3p5Mtp, spec, config, tensors, dtype, device)
 
 
+def _mimo_v2(spec: ModelSpec, config: Mapping[str, Any], tensors: Mapping[str, Tensor], dtype: Any, device: Any) -> Any:
+    from mtpquant.mtp.mimo_v2 import VLLM_LAYERS, MimoV2Mtp
+
+    check_mtp_forward(config)
+    root = spec.mtp_names.roots[0]
+    depth = min(spec.mtp.layers, VLLM_LAYERS)  # vLLM builds (and drafts with) the first layer only
+    read = {n: tensors[n] for n in tensors if (d := spec.mtp_names.depth_of(n)) is not None and d < depth}
+    expected = {n: s for n, s in spec.expected_mtp_shapes(tensors).items() if n in read}
+    return MimoV2Mtp.from_state_dict(spec.text, spec.family.mtp.appended, depth, root, 0, expected, read, dtype=dtype,
+                                     device=device)  # fmt: skip
+
+
 def _appended(cls: Any, spec: ModelSpec, config: Mapping[str, Any], tensors: Mapping[str, Tensor], dtype: Any,
               device: Any) -> Any:
     check_mtp_forward(config)
@@ -65,9 +77,9 @@ def _appended(cls: Any, spec: ModelSpec, config: Mapping[str, Any], tensors: Map
 
 
 # The reference forward of each family that has one of its own (Family.mtp_forward): Qwen4-Exp's, Step-3.5's (its
-# layers drafting in turn, each with its head and cache); the appended-layer one for the other families whose layout
+# layers drafting in turn, each with its head and cache), MiMo-V2-Flash's (its first layer, as vLLM builds it); the appended-layer one for the other families whose layout
 # says how it computes (MtpLayout.appended); the Qwen3 forward by default.
-_BUILDERS: dict[str, _Builder] = {"qwen4_exp": _qwen4_exp, "step3p5": _step3p5}
+_BUILDERS: dict[str, _Builder] = {"qwen4_exp": _qwen4_exp, "step3p5": _step3p5, "mimo_v2_flash": _mimo_v2}
 
 
 def reference_mtp(

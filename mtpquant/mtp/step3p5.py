@@ -127,7 +127,7 @@ class Step3p5Mtp(NextnMtp):
         nn.Module.__init__(self)
         if depth < 1:
             raise ValueError(f"an MTP has at least one layer, got {depth}")
-        cfg = step3p5_mtp_config(text, depth)
+        cfg = self.mtp_config(text, depth)
         classes = importlib.import_module(f"transformers.models.{forward.module}.modeling_{forward.module}")
         decoder, norm = getattr(classes, f"{forward.prefix}DecoderLayer"), getattr(classes, f"{forward.prefix}RMSNorm")
         self.config = cfg
@@ -138,10 +138,16 @@ class Step3p5Mtp(NextnMtp):
         for i in range(depth):
             layer = HfMtpLayer(cfg, decoder, norm, i, use_post_norm=False)
             layer.post_norm = norm(cfg.hidden_size, eps=cfg.rms_norm_eps)  # shared_head.norm, applied in forward()
-            layer.register_buffer("own_head", torch.empty(cfg.vocab_size, cfg.hidden_size), persistent=False)
+            if forward.own_head:
+                layer.register_buffer("own_head", torch.empty(cfg.vocab_size, cfg.hidden_size), persistent=False)
             layers.append(layer)
         self.layers = nn.ModuleList(layers)
         self.rotary_emb = getattr(classes, f"{forward.prefix}RotaryEmbedding")(cfg)
+
+    @staticmethod
+    def mtp_config(text: Mapping[str, Any], depth: int) -> Any:
+        """transformers' config of the MTP layers (``step3p5_mtp_config``)."""
+        return step3p5_mtp_config(text, depth)
 
     @classmethod
     def from_state_dict(
@@ -164,18 +170,22 @@ class Step3p5Mtp(NextnMtp):
 
         with torch.device("meta"):
             mtp = cls(text, forward, depth, root, first)
-        head = "." + forward.own_head + ".weight"
-        fused = fuse_mtp_experts(tensors, int(text.get("n_routed_experts") or 0), skip=(head,))
+        head = "." + forward.own_head + ".weight" if forward.own_head else None
+        fused = fuse_mtp_experts(tensors, int(text.get("n_routed_experts") or 0), skip=(head,) if head else ())
         want = {mtp.checkpoint_name(n): tuple(p.shape) for n, p in mtp.named_parameters()}
         want |= {mtp.checkpoint_name(n): tuple(b.shape) for n, b in mtp.named_buffers() if _persistent(mtp, n)}
-        have = {**fused, **{n: tensors[n] for n in tensors if n.endswith(head)}}
-        want |= {f"{root}{first + i}{head}": (mtp.config.vocab_size, mtp.config.hidden_size) for i in range(depth)}
+        have = dict(fused)
+        if head is not None:
+            have |= {n: tensors[n] for n in tensors if n.endswith(head)}
+            want |= {f"{root}{first + i}{head}": (mtp.config.vocab_size, mtp.config.hidden_size) for i in range(depth)}
         del expected  # the registry's glue inventory: a subset of the module's (tests/test_mtp_step3p5.py)
         check_mtp_tensors(want, have)
         state = {mtp.parameter_name(n): t.to(device=device, dtype=dtype) for n, t in fused.items()}
         mtp.load_state_dict(state, strict=True, assign=True)
         target = next(iter(state.values())).device
         for i, layer in enumerate(mtp.layers):
+            if head is None:
+                break
             own = tensors[f"{root}{first + i}{head}"]
             layer.own_head = own.to(device=target if own.device.type != "meta" else "meta", dtype=dtype or own.dtype)
         with torch.device(target):
@@ -240,6 +250,8 @@ class Step3p5Mtp(NextnMtp):
             window = self.config.sliding_window
             if kind == "sliding_attention" and window:
                 mask = mask & (key_pos[:, None, None, :] > positions[:, None, :, None] - window)
+            if self.config._attn_implementation == "eager":  # an additive mask (MiMo's sinks need eager attention)
+                mask = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill(~mask, torch.finfo(dtype).min)
             cache = _CacheAdapter(past.layer(i) if past is not None else None)
             x = layer(
                 embeds,
@@ -259,8 +271,8 @@ class Step3p5Mtp(NextnMtp):
         rows = LayeredKVCache(tuple(keys), tuple(values), torch.stack(valid, dim=1), positions)
         cache_out = rows if past is None else past.cat([rows])
         x, out = result
-        head: Tensor = self.layers[current].own_head
-        return MtpStep(out, x, cache_out, None, head)
+        head: Tensor | None = getattr(self.layers[current], "own_head", None)
+        return MtpStep(out, out if self.forward_data.recycle_normed else x, cache_out, None, head)
 
 
 def _persistent(module: nn.Module, name: str) -> bool:

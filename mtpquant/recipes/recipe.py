@@ -90,6 +90,7 @@ DEFAULT_RECIPES = {
     "deepseek_v32": "deepseek_v32-nvfp4",
     "glm_moe_dsa": "glm_moe_dsa-nvfp4",
     "step3p5": "step3p5-nvfp4",
+    "mimo_v2_flash": "mimo_v2_flash-nvfp4",
 }
 
 # Routed-expert Linears as modelopt names their quantizers (fused 3-D and per-expert experts);

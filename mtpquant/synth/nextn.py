@@ -136,6 +136,7 @@ NEXTN_CONFIGS: dict[str, dict[str, Any]] = {
         "n_group": 1,
         "topk_group": 1,
         "rms_norm_eps": 1e-5,
+        "add_swa_attention_sink_bias": True,  # the sliding layers' (and the MTP's) attention_sink_bias
         "num_nextn_predict_layers": 1,
     },
     # Step-3.5-Flash-like (text-only Step3p5ForCausalLM): full + sliding attention with the head-wise gate, a dense
@@ -282,6 +283,8 @@ def nextn_tensors(family: str, config: Mapping[str, Any], seed: int = 0, copies:
         t = t.detach().to(torch.float32 if keep_f32 else torch.bfloat16).contiguous()
         if t.dim() == 3 and ".experts." in name:
             tensors |= per_expert(name, t)
+        elif name.endswith(".sinks") and family == "mimo_v2_flash":  # the release's name (transformers renames it)
+            tensors[name.removesuffix(".sinks") + ".attention_sink_bias"] = t
         elif not name.endswith(".sinks"):
             tensors[name] = t
     n = config["num_hidden_layers"]
