@@ -191,6 +191,7 @@ MIMO_V2_FLASH = _family(
     sources=("model_executor/models/mimo_v2_mtp.py", "config/speculative.py"),
     vllm_remap="the checkpoint's own names (model.mtp.layers.{i}); vLLM builds the first layer only",
     text_class="MiMoV2FlashForCausalLM",
+    hf_renames=((".self_attn.attention_sink_bias", ".self_attn.sinks"),),  # conversion_mapping "mimo_v2_flash"
     mtp_forward=True,
     convert=True,
 )

@@ -276,6 +276,10 @@ class Family:
     vllm_remap: str = ""
     # The vLLM 0.32 files whose loader these facts are read from (under vllm/), for ``mtpquant families``
     sources: tuple[str, ...] = ()
+    # Leaf renames transformers' conversion_mapping applies to the family's main-model tensors as it loads them
+    # (checkpoint suffix -> transformers suffix: MiMo-V2's ``self_attn.attention_sink_bias`` -> ``self_attn.sinks``),
+    # for loaders that place tensors by name (validate's target)
+    hf_renames: tuple[tuple[str, str], ...] = ()
 
     @property
     def mtp_key(self) -> str | None:

@@ -64,7 +64,11 @@ def _model_name(weights: CheckpointWeights, logical: str) -> str | None:
     if klass == TensorClass.LM_HEAD:
         return logical
     if klass in (TensorClass.MAIN, TensorClass.EMBED):
-        return "model." + logical[len(weights.main_prefix) :]
+        name = "model." + logical[len(weights.main_prefix) :]
+        for theirs, ours in weights.spec.family.hf_renames:  # what transformers' conversion_mapping renames on load
+            if name.endswith(theirs):
+                return name[: -len(theirs)] + ours
+        return name
     return None
 
 
