@@ -33,7 +33,7 @@ MTP = "model.mtp.layers.0."
 
 
 class Mimo:
-    """The tiny MiMo-V2-Flash checkpoint's MTP (ours, float32), its trunk and transformers' layer on the same weights."""
+    """The tiny MiMo-V2-Flash checkpoint's MTP (ours, float32), its trunk, transformers' layer on the same weights."""
 
     def __init__(self, path: Path) -> None:
         import transformers

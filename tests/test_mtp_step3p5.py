@@ -1,14 +1,15 @@
 """Step-3.5's MTP forward (mtpquant/mtp/step3p5.py) against transformers' own Step3p7 layer classes and vLLM's wiring.
 
-1. The oracle: per MTP layer, transformers 5.19's generic ``modeling_layers.MtpLayer`` built with ``Step3p7DecoderLayer``
-   and ``Step3p7RMSNorm`` from transformers' own MTP config (``Step3p7TextConfig.get_mtp_config()``: the layers' kinds
-   split off the release's padded per-layer lists by transformers), its weights read here from the checkpoint's
+1. The oracle: per MTP layer, transformers 5.19's generic ``modeling_layers.MtpLayer`` built with
+   ``Step3p7DecoderLayer`` and ``Step3p7RMSNorm`` from transformers' own MTP config
+   (``Step3p7TextConfig.get_mtp_config()``: the layers' kinds split off the release's padded per-layer lists by
+   transformers), its weights read here from the checkpoint's
    safetensors by vLLM's renaming (``Step3p5MTP._rewrite_spec_layer_name``: the glue kept, the rest under
    ``mtp_block.``; ``shared_head.norm`` is the post-norm), its RoPE ``Step3p7RotaryEmbedding`` for the layer's kind, its
    mask transformers' ``create_sliding_window_causal_mask``, the logits through the layer's own ``shared_head.output``
    (vLLM's ``Step3p5AMultiTokenPredictor.compute_logits``): equal to ours over more rows than the sliding window.
-2. vLLM's chain: draft step i runs layer N + i (``spec_step_idx % num_mtp_layers``) with its own head; the next step reads
-   the block's output (pre-norm); the chain of ``draft_rows`` is the engines' loop ``draft_chain`` from every row.
+2. vLLM's chain: draft step i runs layer N + i (``spec_step_idx % num_mtp_layers``) with its own head; the next step
+   reads the block's output (pre-norm); the chain of ``draft_rows`` is the engines' loop ``draft_chain`` from every row.
 """
 
 from __future__ import annotations
@@ -72,8 +73,8 @@ class Step:
         cfg = Step3p7TextConfig(**text).get_mtp_config()
         cfg._attn_implementation = "sdpa"
         if cfg.per_layer_config is None:  # transformers' MTP config drops it; rebuilt for the MTP layers' own kinds
-            cfg.per_layer_config = {j: {"num_attention_heads": cfg.num_sliding_attention_heads}
-                                    for j, kind in enumerate(cfg.layer_types) if kind == "sliding_attention"}  # fmt: skip
+            heads = {"num_attention_heads": cfg.num_sliding_attention_heads}
+            cfg.per_layer_config = {j: heads for j, kind in enumerate(cfg.layer_types) if kind == "sliding_attention"}
         layer = MtpLayer(cfg, Step3p7DecoderLayer, Step3p7RMSNorm, i, use_post_norm=True)
         prefix = f"model.layers.{self.n + i}."
         state: dict[str, Tensor] = {}

@@ -77,8 +77,9 @@ def _appended(cls: Any, spec: ModelSpec, config: Mapping[str, Any], tensors: Map
 
 
 # The reference forward of each family that has one of its own (Family.mtp_forward): Qwen4-Exp's, Step-3.5's (its
-# layers drafting in turn, each with its head and cache), MiMo-V2-Flash's (its first layer, as vLLM builds it); the appended-layer one for the other families whose layout
-# says how it computes (MtpLayout.appended); the Qwen3 forward by default.
+# layers drafting in turn, each with its head and cache), MiMo-V2-Flash's (its first layer, as vLLM builds it); the
+# appended-layer one for the other families whose layout says how it computes (MtpLayout.appended); the Qwen3 forward
+# by default.
 _BUILDERS: dict[str, _Builder] = {"qwen4_exp": _qwen4_exp, "step3p5": _step3p5, "mimo_v2_flash": _mimo_v2}
 
 

@@ -1,5 +1,5 @@
-"""Step-3.5 / 3.7-Flash's MTP forward: three appended layers, draft step ``i`` on layer ``N + i``, each drafting with its
-own head, as vLLM 0.32's ``Step3p5MTP`` computes it; used by convert (``--mtp quantize`` calibration) and validate.
+"""Step-3.5 / 3.7-Flash's MTP forward: three appended layers, draft step ``i`` on layer ``N + i``, each drafting with
+its own head, as vLLM 0.32's ``Step3p5MTP`` computes it; used by convert (``--mtp quantize`` calibration) and validate.
 
 vLLM (``model_executor/models/step3p5_mtp.py``, ``v1/spec_decode/step3p5.py``):
 
@@ -117,8 +117,8 @@ class LayeredKVCache:
 
 
 class Step3p5Mtp(NextnMtp):
-    """Step's ``depth`` appended MTP layers (``NextnMtp``'s names: ``layers.{i}.mtp_block.X`` <-> ``{root}{N+i}.X``), each
-    with its own head (a buffer ``layers.{i}.own_head``, ``shared_head.output`` on disk: drafted with, never
+    """Step's ``depth`` appended MTP layers (``NextnMtp``'s names: ``layers.{i}.mtp_block.X`` <-> ``{root}{N+i}.X``),
+    each with its own head (a buffer ``layers.{i}.own_head``, ``shared_head.output`` on disk: drafted with, never
     trained or quantized)."""
 
     def __init__(self, text: Mapping[str, Any], forward: AppendedForward, depth: int, root: str, first: int) -> None:
@@ -198,7 +198,7 @@ class Step3p5Mtp(NextnMtp):
         hidden: Tensor,
         next_tokens_embeds: Tensor,
         positions: Tensor | None = None,
-        past: LayeredKVCache | None = None,
+        past: Any = None,
         attn_mask: Tensor | None = None,
         *,
         step: int = 0,
@@ -209,6 +209,8 @@ class Step3p5Mtp(NextnMtp):
         block's output (the tensor ``Step3p5AMultiTokenPredictorLayer.forward`` returns). ``selection`` unused (no
         indexer)."""
         del selection
+        if past is not None and not isinstance(past, LayeredKVCache):
+            raise TypeError(f"Step's MTP layers extend a LayeredKVCache, got {type(past).__name__}")
         if hidden.dim() != 3 or hidden.shape != next_tokens_embeds.shape:
             raise ValueError(
                 f"hidden {tuple(hidden.shape)} and next_tokens_embeds {tuple(next_tokens_embeds.shape)} must both be "

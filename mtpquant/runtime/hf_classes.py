@@ -42,12 +42,11 @@ def _step3p5_for_causal_lm() -> Any:
     from transformers.models.step3p7.configuration_step3p7 import Step3p7TextConfig
     from transformers.models.step3p7.modeling_step3p7 import Step3p7PreTrainedModel, Step3p7TextModel
 
-    class Step3p5ForCausalLM(Step3p7PreTrainedModel, GenerationMixin):  # type: ignore[misc]
+    class Step3p5ForCausalLM(Step3p7PreTrainedModel, GenerationMixin):
         """Step-3.5-Flash's text model: ``Step3p7TextModel`` as ``model``, an untied ``lm_head``."""
 
         config_class = Step3p7TextConfig
         base_model_prefix = "model"
-        _tied_weights_keys: dict[str, str] = {}
 
         def __init__(self, config: Any) -> None:
             super().__init__(config)
