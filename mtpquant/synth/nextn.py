@@ -151,9 +151,10 @@ NEXTN_CONFIGS: dict[str, dict[str, Any]] = {
         "n_routed_experts": 4,
         "share_expert_dim": 64,
         "sliding_window": 64,
-        # the legacy per-layer lists of the releases: the trunk's layers, then the three MTP layers' (sliding, dense)
+        # the releases' legacy per-layer forms: layer_types padded with the three MTP layers' (sliding), the MoE layers
+        # by index (moe_layers_enum: the MTP layers, not listed, are dense), as vLLM's Step3p5Config reads them
         "layer_types": ["full_attention", "sliding_attention", *["sliding_attention"] * 3],
-        "mlp_layer_types": ["dense", "sparse", *["dense"] * 3],
+        "moe_layers_enum": "1",
         "rms_norm_eps": 1e-5,
         "rope_theta": 10000.0,
         "num_nextn_predict_layers": 3,
@@ -198,7 +199,7 @@ def nextn_config(family: str, mtp: bool = True) -> dict[str, Any]:
     config = copy.deepcopy(NEXTN_CONFIGS[family])
     if not mtp:
         config["num_nextn_predict_layers"] = 0
-        for key in ("layer_types", "mlp_layer_types"):  # Step's padded lists lose the MTP layers' entries too
+        for key in ("layer_types",):  # Step's padded list loses the MTP layers' entries too
             if key in config and family == "step3p5":
                 config[key] = config[key][: config["num_hidden_layers"]]
     return config
@@ -220,7 +221,6 @@ def _trunk_config(family: str, config: Mapping[str, Any], depth: int) -> dict[st
         cfg["mlp_layer_types"] = [*cfg["mlp_layer_types"], *["dense"] * depth]
     if family == "step3p5":  # the release's padded lists: the trunk's entries, then the MTP layers' (as many as built)
         cfg["layer_types"] = cfg["layer_types"][: n + depth]
-        cfg["mlp_layer_types"] = cfg["mlp_layer_types"][: n + depth]
     cfg["num_hidden_layers"] = n + depth
     cfg.pop("num_nextn_predict_layers", None)
     return cfg
