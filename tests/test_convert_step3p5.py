@@ -57,7 +57,9 @@ def outputs(
     def get(mode: str) -> tuple[Path, ConvertResult]:
         if mode not in done:
             out = root / mode
-            done[mode] = (out, convert(ConvertOptions(src=str(tiny_factory("step3p5")), out=out, mtp=mode, **CALIB)))
+            extra: dict[str, Any] = {"mtp_out": root / "extract-mtp"} if mode == "extract" else {}
+            opts = ConvertOptions(src=str(tiny_factory("step3p5")), out=out, mtp=mode, **extra, **CALIB)
+            done[mode] = (out, convert(opts))
         return done[mode]
 
     yield get
@@ -111,6 +113,26 @@ def test_quantize_calibrates_every_mtp_layer_and_shares_packed_scales(
                 assert len({ckpt.read_raw(ckpt.tensors[f"{m}.{leaf}"]) for m in names}) == 1, (names, leaf)
     per_layer = [float(ckpt.read_tensor(f"{p}self_attn.o_proj.input_scale")) for p in LAYERS]
     assert all(s > 0 for s in per_layer) and len(set(per_layer)) == 3
+
+
+def test_drop_cuts_the_padded_lists_and_graft_puts_them_back(
+    outputs: Callable[[str], tuple[Path, ConvertResult]], tmp_path: Path
+) -> None:
+    """Without its MTP the config lists the trunk's layers only (transformers' Step3p7TextConfig refuses a
+    ``layer_types`` longer than the layers it builds); graft of the extracted MTP restores the release's padded list:
+    the config is keep's again."""
+    from mtpquant.graft.run import GraftOptions, graft
+
+    keep, _ = outputs("keep")
+    for mode in ("drop", "extract"):
+        out, _ = outputs(mode)
+        config = json.loads((out / "config.json").read_text())
+        assert config["num_nextn_predict_layers"] == 0 and len(config["layer_types"]) == 2, mode
+        assert inspect_checkpoint(out).healthy, mode
+    extract, _ = outputs("extract")
+    grafted = tmp_path / "grafted"
+    graft(GraftOptions(quant=str(extract), source=str(extract.parent / "extract-mtp"), out=grafted))
+    assert json.loads((grafted / "config.json").read_text()) == json.loads((keep / "config.json").read_text())
 
 
 # ---- validate ----------------------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from typing import Any
 from mtpquant.checkpoint.precision import is_quantized, linear_precisions
 from mtpquant.engine.loading import FusedShardsError, ct_ignored, mixed_algo, modelopt_excluded
 from mtpquant.families import ModelSpec, nested_key, resolve
+from mtpquant.families.storage import APPENDED
 from mtpquant.formats.quant_config import (
     HF_QUANT_CONFIG,
     QuantMetadata,
@@ -173,6 +174,7 @@ def declare_mtp(spec: ModelSpec, layers: int, reference: Mapping[str, Any] | Non
     if layers <= 0:
         if key in target or spec.family.mtp.default_layers > 0:
             target[key] = 0
+        _per_layer_lists(spec, target, 0, {})
         return config
     ref_text: Mapping[str, Any] = {}
     if reference is not None:
@@ -181,10 +183,36 @@ def declare_mtp(spec: ModelSpec, layers: int, reference: Mapping[str, Any] | Non
             ref_text = {}
     if spec.wrapped:
         config["text_config"] = _insert_after(config["text_config"], key, layers, list(ref_text))
+        _per_layer_lists(spec, config["text_config"], layers, ref_text)
     else:
         config = _insert_after(config, key, layers, list(ref_text))
+        _per_layer_lists(spec, config, layers, ref_text)
     assert resolve(config).mtp.layers == layers
     return config
+
+
+# Per-layer lists an appended-layer family's release may pad with its MTP layers' entries (Step-3.5: layer_types,
+# swiglu limits, per-layer RoPE; transformers' Step3p7TextConfig splits them off, vLLM's Step3p5DecoderLayer indexes
+# them by the layer's number)
+_PER_LAYER_KEYS = ("layer_types", "mlp_layer_types", "swiglu_limits", "swiglu_limits_shared", "rope_theta",
+                   "partial_rotary_factors")
+
+
+def _per_layer_lists(spec: ModelSpec, text: dict[str, Any], layers: int, reference: Mapping[str, Any]) -> None:
+    """Keep an appended-layer family's padded per-layer lists in step with the declared depth, in place: undeclared
+    (``layers`` 0), the MTP layers' trailing entries go (a list of ``num_hidden_layers`` + old depth entries is cut
+    to ``num_hidden_layers``: transformers refuses a list longer than the layers it builds); declared, a list the
+    reference (SRC) pads to ``num_hidden_layers + layers`` is taken from it."""
+    if spec.family.mtp.storage.kind != APPENDED or not isinstance(n := text.get("num_hidden_layers"), int):
+        return
+    for key in _PER_LAYER_KEYS:
+        value, ref = text.get(key), reference.get(key)
+        if not isinstance(value, list):
+            continue
+        if layers == 0 and len(value) == n + spec.mtp.layers and spec.mtp.layers > 0:
+            text[key] = value[:n]
+        elif layers > 0 and len(value) == n and isinstance(ref, list) and len(ref) == n + layers and ref[:n] == value:
+            text[key] = list(ref)
 
 
 def spec_with_mtp_layers(spec: ModelSpec, layers: int) -> ModelSpec:
