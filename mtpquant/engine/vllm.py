@@ -334,6 +334,11 @@ CPU_SAMPLING_NOTE = (
 )
 
 
+def quantized_mtp_note() -> str | None:
+    """What heal's plan says of a healed MTP kept quantized, for this engine. vLLM loads a quantized MTP (heal's output for it): no note."""
+    return None
+
+
 def cpu_sampling_note() -> str | None:
     """The note a sampled measurement on vLLM's CPU backend carries (``CPU_SAMPLING_NOTE``)."""
     return CPU_SAMPLING_NOTE
