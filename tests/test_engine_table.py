@@ -58,9 +58,9 @@ def branches(source: str) -> list[tuple[int, str]]:
             if any(_is_rule(o) for o in operands):
                 continue
             found += [(node.lineno, n) for o in operands for n in _names_in(o)]
-        elif isinstance(node, ast.MatchValue) and (n := _named(node.value)):
-            found.append((node.lineno, n))
-        elif isinstance(node, ast.Subscript) and (n := _named(node.slice)):
+        elif isinstance(node, (ast.MatchValue, ast.Subscript)) and (
+            n := _named(node.value if isinstance(node, ast.MatchValue) else node.slice)
+        ):
             found.append((node.lineno, n))
         elif isinstance(node, ast.Dict):
             found += [(node.lineno, n) for k in node.keys if (n := _named(k))]
@@ -108,8 +108,9 @@ def test_a_planted_branch_fails_the_check(tmp_path: Path) -> None:
 
     copy = tmp_path / "mtpquant"
     shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("assets", "__pycache__"))
-    (copy / "cli" / "planted.py").write_text('def f(engine: str) -> int:\n    if engine == "vllm":\n        return 1\n'
-                                             '    return 0\n')
+    (copy / "cli" / "planted.py").write_text(
+        'def f(engine: str) -> int:\n    if engine == "vllm":\n        return 1\n    return 0\n'
+    )
     (copy / "validate" / "planted.py").write_text('def f(e: str) -> bool:\n    return e in ("sglang", "other")\n')
     with (copy / "search" / "__init__.py").open("a") as f:
         f.write('\n\ndef _planted(name: str) -> bool:\n    return name.startswith("TensorRT-LLM")\n')
@@ -142,7 +143,7 @@ def test_a_planted_branch_fails_the_check(tmp_path: Path) -> None:
         ('ok = line.startswith("SGLang")', [(1, "sglang")]),
         ('ok = e.key.endswith(("vllm", "x"))', [(1, "vllm")]),
         ('match engine:\n    case "sglang":\n        pass', [(2, "sglang")]),
-        ('if engine == ENGINE: pass', []),  # a name from the table, not a literal
+        ("if engine == ENGINE: pass", []),  # a name from the table, not a literal
     ],
 )
 def test_the_check_sees_every_form_of_branch(source: str, expected: list[tuple[int, str]]) -> None:

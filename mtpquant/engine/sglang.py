@@ -355,7 +355,8 @@ def card_without_mtp(precision: str, verdict: str, plain: str) -> list[str]:
 
 # ---- validate's launch and options -------------------------------------------------------------------------------
 def quantized_mtp_note() -> str | None:
-    """What heal's plan says of a healed MTP kept quantized, for this engine. SGLang builds a ModelOpt NVFP4 checkpoint's MTP BF16 whatever is on disk (``_mtp_quant_config``)."""
+    """What heal's plan says of a healed MTP kept quantized, for this engine.
+    SGLang builds a ModelOpt NVFP4 checkpoint's MTP BF16 whatever is on disk (``_mtp_quant_config``)."""
     return "SGLang serves only a BF16 MTP; the healed quantized MTP is for vLLM, as before"
 
 

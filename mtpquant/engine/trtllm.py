@@ -274,7 +274,8 @@ def serve_command(ref: str, k: int) -> str:
 
 # ---- validate ---------------------------------------------------------------------------------------------------
 def quantized_mtp_note() -> str | None:
-    """What heal's plan says of a healed MTP kept quantized, for this engine. TensorRT-LLM builds an MTP its exclusions do not cover quantized: no note."""
+    """What heal's plan says of a healed MTP kept quantized, for this engine.
+    TensorRT-LLM builds an MTP its exclusions do not cover quantized: no note."""
     return None
 
 

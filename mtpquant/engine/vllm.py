@@ -335,7 +335,8 @@ CPU_SAMPLING_NOTE = (
 
 
 def quantized_mtp_note() -> str | None:
-    """What heal's plan says of a healed MTP kept quantized, for this engine. vLLM loads a quantized MTP (heal's output for it): no note."""
+    """What heal's plan says of a healed MTP kept quantized, for this engine.
+    vLLM loads a quantized MTP (heal's output for it): no note."""
     return None
 
 
