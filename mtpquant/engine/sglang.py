@@ -78,6 +78,7 @@ if TYPE_CHECKING:
     from mtpquant.checkpoint.table import Checkpoint
     from mtpquant.engine.sizing import EngineMemory, Machine
     from mtpquant.engine.verdicts import EngineVerdict, ModuleReport, VerdictFacts
+    from mtpquant.families import ModelSpec
     from mtpquant.records.sampling import SpecRule
 
 __all__ = [
@@ -300,9 +301,9 @@ def mtp_verdict(facts: VerdictFacts) -> EngineVerdict:
     return EngineVerdict(line, serves)
 
 
-def module_names(modules: Sequence[str], ckpt: Checkpoint) -> list[str]:
+def module_names(modules: Sequence[str], spec: ModelSpec) -> list[str]:
     """SGLang's MTP keeps the checkpoint's names (one decoder layer under its own index)."""
-    del modules, ckpt
+    del modules, spec
     return []
 
 

@@ -43,9 +43,9 @@ from mtpquant.formats.quant_config import QuantMetadata
 from mtpquant.records.sampling import GREEDY, SamplingSettings
 
 if TYPE_CHECKING:
-    from mtpquant.checkpoint.table import Checkpoint
     from mtpquant.engine.sizing import EngineMemory, Machine
     from mtpquant.engine.verdicts import EngineVerdict, VerdictFacts
+    from mtpquant.families import ModelSpec
     from mtpquant.records.sampling import SpecRule
 
 __all__ = [
@@ -301,9 +301,9 @@ def _without_mtp(facts: VerdictFacts) -> str | None:
     return f"{MISSING}; vLLM loads without an error and drafts from uninitialized MTP weights"
 
 
-def module_names(modules: Sequence[str], ckpt: Checkpoint) -> list[str]:
+def module_names(modules: Sequence[str], spec: ModelSpec) -> list[str]:
     """The MTP ``modules`` as vLLM's draft names them, where it renames them (``ModelSpec.engine_mtp_name``)."""
-    return [n for n in (ckpt.spec.engine_mtp_name(m) for m in modules) if n not in modules]
+    return [n for n in (spec.engine_mtp_name(m) for m in modules) if n not in modules]
 
 
 def late_verdict(facts: VerdictFacts, verdict: str) -> str | None:
