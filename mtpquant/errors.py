@@ -98,7 +98,7 @@ class ExitCode(IntEnum):
     HUB_ACCESS = 31  # the repo, revision or file does not exist, or is gated / private / needs a token
     HUB_REFUSED = 32  # the Hub refused the request or rate-limited it beyond the retries
     ENGINE_UNREACHABLE = 40  # the engine server cannot be reached
-    ENGINE_ANSWER = 41  # the server is not a vLLM or SGLang server, or answered something unexpected
+    ENGINE_ANSWER = 41  # the server is none of the engine table's, or answered something unexpected
     ENGINE_MODEL = 42  # the server serves another model than asked
     ENGINE_SPEC_DECODE = 43  # no MTP-chain speculative decoding: none, another drafter, a tree, adaptive k
     ENGINE_START = 44  # the engine server failed to start (its log is named)

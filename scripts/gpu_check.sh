@@ -49,9 +49,10 @@
 #      keep and quantize) is served by SGLang with NEXTN (`validate --engine sglang`, k = 2), and what SGLang does
 #      is checked against inspect's SGLang verdict: "MTP loads" must start and draft (AL > 1.3 on the tiny
 #      model), "will fail to load" must fail to start (exit 44), "wrong MTP" must draft badly
-#   8. (with GPU_CHECK_TRTLLM_SERVE, the trtllm-serve command of a TensorRT-LLM GPU environment, e.g. the
-#      nvcr.io/nvidia/tensorrt-llm/release image) NVFP4 + TensorRT-LLM: the tiny model's keep output (converted in
-#      step 2) is served with MTP (inspect's own trtllm-serve line: --extra_llm_api_options with decoding_type MTP,
+#   8. (with a trtllm-serve on PATH, or GPU_CHECK_TRTLLM_SERVE naming the trtllm-serve of a TensorRT-LLM GPU
+#      environment, e.g. the nvcr.io/nvidia/tensorrt-llm/release image; skipped without one) NVFP4 + TensorRT-LLM: the
+#      tiny model's keep output (converted in step 2, its MTP BF16) and its --mtp quantize output (NVFP4 MTP) are each
+#      served with MTP (inspect's own trtllm-serve line: --extra_llm_api_options with decoding_type MTP,
 #      num_nextn_predict_layers 2) and measured through it (`validate --server`: the OpenAI API for the requests,
 #      /prometheus/metrics's cumulative counters for AL; no acceptance per position); what TensorRT-LLM does is
 #      checked against inspect's TensorRT-LLM verdict: "MTP loads" must serve and draft (AL > 1.3), "will fail to
@@ -311,42 +312,55 @@ EOF2
 else
   echo "NVFP4 + SGLang: skipped (set GPU_CHECK_SGLANG_PYTHON to the python of an SGLang GPU environment)"
 fi
-if [[ -n "${GPU_CHECK_TRTLLM_SERVE:-}" ]]; then
+# GPU_CHECK_TRTLLM_SERVE defaults to the trtllm-serve on PATH; without one the step is skipped
+GPU_CHECK_TRTLLM_SERVE=${GPU_CHECK_TRTLLM_SERVE:-$(command -v trtllm-serve || true)}
+if [[ -n "$GPU_CHECK_TRTLLM_SERVE" ]]; then
   TRT=$GPU_CHECK_TRTLLM_SERVE
   TRT_PORT=${GPU_CHECK_TRTLLM_PORT:-8391}
-  "$PY" -m mtpquant inspect "$WORK/tiny-q" --json >"$WORK/trt.inspect.json" || true
+  # the tiny model's NVFP4 quant with its MTP kept (BF16, step 2) and quantized (NVFP4, TensorRT-LLM's names of the
+  # BF16 glue excluded)
+  step trt-quantize 60 "$PY" -m mtpquant convert --mtp quantize --device "$DEVICE" --overwrite --json "$TINY" \
+    "$WORK/tiny-q-quantize" "${CAL[@]}"
   printf 'speculative_config: {decoding_type: MTP, num_nextn_predict_layers: 2}\n' >"$WORK/trt-mtp.yaml"
-  set +e
-  $TRT "$WORK/tiny-q" --host 127.0.0.1 --port "$TRT_PORT" --extra_llm_api_options "$WORK/trt-mtp.yaml" \
-    >"$WORK/trt.serve.log" 2>&1 &
-  TRT_PID=$!
-  up=0
-  for _ in $(seq 1 300); do
-    if curl -fs "http://127.0.0.1:$TRT_PORT/health" >/dev/null 2>&1; then up=1; break; fi
-    kill -0 "$TRT_PID" 2>/dev/null || break
-    sleep 1
-  done
-  code=44
-  if [[ $up == 1 ]]; then
-    timeout 300 "$PY" -m mtpquant validate "$TINY" --server "http://127.0.0.1:$TRT_PORT" --num-prompts 8 \
-      --max-len 96 --report-dir "$WORK/trt.report" --json >"$WORK/trt.validate.json" 2>"$WORK/trt.validate.log"
-    code=$?
-  fi
-  kill "$TRT_PID" 2>/dev/null; wait "$TRT_PID" 2>/dev/null
-  set -e
-  "$PY" - "$WORK" "$code" <<'EOF3'
+  trt_failed=0
+  for OUT in "$WORK/tiny-q" "$WORK/tiny-q-quantize"; do
+    name=$(basename "$OUT")
+    "$PY" -m mtpquant inspect "$OUT" --json >"$WORK/trt.$name.inspect.json" || true
+    set +e
+    $TRT "$OUT" --host 127.0.0.1 --port "$TRT_PORT" --extra_llm_api_options "$WORK/trt-mtp.yaml" \
+      >"$WORK/trt.$name.serve.log" 2>&1 &
+    TRT_PID=$!
+    up=0
+    for _ in $(seq 1 300); do
+      if curl -fs "http://127.0.0.1:$TRT_PORT/health" >/dev/null 2>&1; then up=1; break; fi
+      kill -0 "$TRT_PID" 2>/dev/null || break
+      sleep 1
+    done
+    code=44
+    if [[ $up == 1 ]]; then
+      timeout 300 "$PY" -m mtpquant validate "$TINY" --server "http://127.0.0.1:$TRT_PORT" --num-prompts 8 \
+        --max-len 96 --report-dir "$WORK/trt.$name.report" --json >"$WORK/trt.$name.validate.json" \
+        2>"$WORK/trt.$name.validate.log"
+      code=$?
+    fi
+    kill "$TRT_PID" 2>/dev/null; wait "$TRT_PID" 2>/dev/null
+    set -e
+    "$PY" - "$WORK" "$name" "$code" <<'EOF3' || trt_failed=1
 import json, sys
 from pathlib import Path
-work, code = Path(sys.argv[1]), int(sys.argv[2])
-verdict = json.loads((work / "trt.inspect.json").read_text())["verdicts"]["trtllm"]
+work, name, code = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+verdict = json.loads((work / f"trt.{name}.inspect.json").read_text())["verdicts"]["trtllm"]
 al = None
 if code == 0:
-    al = json.loads((work / "trt.validate.json").read_text())["reference"]["acceptance"]["by_k"][0]["mean_acceptance_length"]
+    report = json.loads((work / f"trt.{name}.validate.json").read_text())
+    al = report["reference"]["acceptance"]["by_k"][0]["mean_acceptance_length"]
 agrees = (al is not None and al > 1.3) if verdict.startswith("TensorRT-LLM: MTP loads") else code != 0
-print(f"TensorRT-LLM  inspect: {verdict[:80]}  exit {code}  AL {al}  agrees: {'yes' if agrees else 'NO'}")
+print(f"TensorRT-LLM  {name}  inspect: {verdict[:80]}  exit {code}  AL {al}  agrees: {'yes' if agrees else 'NO'}")
 sys.exit(0 if agrees else 1)
 EOF3
+  done
+  [[ $trt_failed == 0 ]] || { echo "FAILED: TensorRT-LLM disagrees with inspect's verdict"; exit 1; }
 else
-  echo "NVFP4 + TensorRT-LLM: skipped (set GPU_CHECK_TRTLLM_SERVE to the trtllm-serve of a TensorRT-LLM GPU environment)"
+  echo "NVFP4 + TensorRT-LLM: skipped (no trtllm-serve on PATH; or set GPU_CHECK_TRTLLM_SERVE to the trtllm-serve of a TensorRT-LLM GPU environment)"
 fi
 echo "gpu check: $(( $(date +%s) - T0 )) s in all"

@@ -203,3 +203,56 @@ def test_a_main_model_that_does_not_load_is_said_first(tiny_copy: Factory) -> No
         "disk but declared quantized)"
     )
     assert "trtllm" not in r.serve_commands
+
+
+# ---- each rule on a checkpoint: a layout that passes and one that fails for the documented reason -------------------
+_EXPERTS_FAIL = (
+    f"TensorRT-LLM will fail to load: mtp.layers.0.mlp.experts is BF16 on disk but TensorRT-LLM builds it quantized "
+    f"as {LAYER}.mlp.experts (no exclusion matches {LAYER}.mlp.experts; its exclusions match its own names, "
+    f"{LAYER}.*): add {LAYER}* to the exclusions (mtpquant graft CHECKPOINT --fix-metadata)"
+)
+_BY_ANCESTOR = (
+    f"TensorRT-LLM: MTP loads (BF16); {LAYER}.mlp.experts stays unquantized only by the ancestor matcher of "
+    f"TensorRT-LLM PR #17051 (earlier releases take only {LAYER}* or {LAYER}.mlp.experts* and build it quantized)"
+)
+# the tiny Qwen3.5 MoE's MTP routed experts (4 experts), one entry per expert Linear, as per-module lists are written
+_PER_EXPERT = [f"{LAYER}.mlp.experts.{e}.{x}_proj" for e in range(4) for x in ("gate", "up", "down")]
+_ALL_BUT_EXPERTS = [f"{LAYER}.fc", f"{LAYER}.self_attn*", f"{LAYER}.mlp.shared_expert*", f"{LAYER}.mlp.gate"]
+
+
+@pytest.mark.parametrize(
+    ("exclude", "verdict"),
+    [
+        # passes: the layer named without a glob covers every module below it, the fused experts included
+        ([LAYER], _BY_ANCESTOR),
+        # fails: the entries name the experts' children; TensorRT-LLM builds them as one module, model.layers.4.mlp
+        # .experts, and matches upward from it (its name, then its ancestors), never down to its children
+        ([*_ALL_BUT_EXPERTS, *_PER_EXPERT], _EXPERTS_FAIL),
+    ],
+    ids=["layer-as-ancestor", "children-only"],
+)
+def test_ancestor_matching_on_a_checkpoint(tiny_copy: Factory, exclude: list[str], verdict: str) -> None:
+    r = inspect_checkpoint(_declare(tiny_copy("qwen3_5_moe"), exclude))
+    assert r.verdicts["trtllm"] == verdict
+    assert ("trtllm" in r.serve_commands) is verdict.startswith("TensorRT-LLM: MTP loads")
+    # the oracle of the matcher, by hand: no entry is the experts module or one of its ancestors in the failing list
+    ancestors = {LAYER, f"{LAYER}.mlp", f"{LAYER}.mlp.experts"}
+    assert bool(ancestors & {p.rstrip("*").rstrip(".") for p in exclude}) is verdict.startswith("TensorRT-LLM: MTP")
+
+
+@pytest.mark.parametrize(
+    ("exclude", "verdict"),
+    [
+        # passes: the experts named by the pattern PR #16936 takes and PR #17051 keeps
+        ([*_ALL_BUT_EXPERTS, f"{LAYER}.mlp.experts*"], "TensorRT-LLM: MTP loads (BF16)"),
+        # passes only by PR #17051's ancestor matcher (the MoE block as a parent): said so
+        ([*_ALL_BUT_EXPERTS, f"{LAYER}.mlp*"], _BY_ANCESTOR),
+        # fails: every other MTP module excluded, the routed experts not: built quantized over BF16 weights
+        (_ALL_BUT_EXPERTS, _EXPERTS_FAIL),
+    ],
+    ids=["experts-glob", "mlp-parent", "experts-not-excluded"],
+)
+def test_mtp_expert_rule_on_a_checkpoint(tiny_copy: Factory, exclude: list[str], verdict: str) -> None:
+    r = inspect_checkpoint(_declare(tiny_copy("qwen3_5_moe"), exclude))
+    assert r.verdicts["trtllm"] == verdict
+    assert r.to_json()["verdicts"]["trtllm"] == verdict

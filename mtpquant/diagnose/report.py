@@ -316,7 +316,7 @@ def _unmatched_exclusions(ckpt: Checkpoint, meta: QuantMetadata | None) -> list[
     # tensor names stand for their modules (a module's name starts each of its tensors'): already in order, as a
     # checkpoint's index lists them, they sort in one pass
     mtp = list(dict.fromkeys(e.name.rpartition(".")[0] for e in ckpt.mtp_tensors()))
-    engines = [n for row in ENGINES for n in row.adapter.module_names(mtp, ckpt)]
+    engines = [n for row in ENGINES for n in row.adapter.module_names(mtp, ckpt.spec)]
     return unmatched_exclusions(patterns, [*ckpt.tensors, "lm_head", *engines])
 
 

@@ -78,6 +78,7 @@ if TYPE_CHECKING:
     from mtpquant.checkpoint.table import Checkpoint
     from mtpquant.engine.sizing import EngineMemory, Machine
     from mtpquant.engine.verdicts import EngineVerdict, ModuleReport, VerdictFacts
+    from mtpquant.families import ModelSpec
     from mtpquant.records.sampling import SpecRule
 
 __all__ = [
@@ -300,9 +301,9 @@ def mtp_verdict(facts: VerdictFacts) -> EngineVerdict:
     return EngineVerdict(line, serves)
 
 
-def module_names(modules: Sequence[str], ckpt: Checkpoint) -> list[str]:
+def module_names(modules: Sequence[str], spec: ModelSpec) -> list[str]:
     """SGLang's MTP keeps the checkpoint's names (one decoder layer under its own index)."""
-    del modules, ckpt
+    del modules, spec
     return []
 
 
@@ -354,6 +355,12 @@ def card_without_mtp(precision: str, verdict: str, plain: str) -> list[str]:
 
 
 # ---- validate's launch and options -------------------------------------------------------------------------------
+def quantized_mtp_note() -> str | None:
+    """What heal's plan says of a healed MTP kept quantized, for this engine.
+    SGLang builds a ModelOpt NVFP4 checkpoint's MTP BF16 whatever is on disk (``_mtp_quant_config``)."""
+    return "SGLang serves only a BF16 MTP; the healed quantized MTP is for vLLM, as before"
+
+
 def cpu_sampling_note() -> str | None:
     """SGLang's CPU server needs no note for sampled requests."""
     return None

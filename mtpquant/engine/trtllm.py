@@ -48,11 +48,11 @@ from mtpquant.families import QWEN_MTP_NAMES, EngineRules, matches
 from mtpquant.formats.quant_config import QuantMetadata
 
 if TYPE_CHECKING:
-    from mtpquant.checkpoint.table import Checkpoint
     from mtpquant.engine.http import EngineHttp
     from mtpquant.engine.server import Completion, DraftCounts, EngineRun, RunRequest, ServerInfo
     from mtpquant.engine.sizing import EngineMemory, Machine
     from mtpquant.engine.verdicts import EngineVerdict, ModuleReport, VerdictFacts
+    from mtpquant.families import ModelSpec
     from mtpquant.records.sampling import SamplingSettings, SpecRule
 
 __all__ = [
@@ -107,10 +107,10 @@ def experts_excluded(layer: str, patterns: Sequence[str], *, fixed: bool = True)
     return any(p in (f"{layer}*", f"{layer}.mlp.experts*") for p in patterns)
 
 
-def module_names(modules: Sequence[str], ckpt: Checkpoint) -> list[str]:
+def module_names(modules: Sequence[str], spec: ModelSpec) -> list[str]:
     """The MTP ``modules`` as TensorRT-LLM names them, where that differs (``module_name``)."""
     qwen = [m for m in modules if QWEN_MTP_NAMES.is_mtp(m)]
-    n = ckpt.spec.dim("num_hidden_layers") if qwen else 0
+    n = spec.dim("num_hidden_layers") if qwen else 0
     return [module_name(m, n) for m in qwen]
 
 
@@ -273,6 +273,12 @@ def serve_command(ref: str, k: int) -> str:
 
 
 # ---- validate ---------------------------------------------------------------------------------------------------
+def quantized_mtp_note() -> str | None:
+    """What heal's plan says of a healed MTP kept quantized, for this engine.
+    TensorRT-LLM builds an MTP its exclusions do not cover quantized: no note."""
+    return None
+
+
 def cpu_sampling_note() -> str | None:
     """TensorRT-LLM runs on GPUs only."""
     return None

@@ -43,9 +43,9 @@ from mtpquant.formats.quant_config import QuantMetadata
 from mtpquant.records.sampling import GREEDY, SamplingSettings
 
 if TYPE_CHECKING:
-    from mtpquant.checkpoint.table import Checkpoint
     from mtpquant.engine.sizing import EngineMemory, Machine
     from mtpquant.engine.verdicts import EngineVerdict, VerdictFacts
+    from mtpquant.families import ModelSpec
     from mtpquant.records.sampling import SpecRule
 
 __all__ = [
@@ -301,9 +301,9 @@ def _without_mtp(facts: VerdictFacts) -> str | None:
     return f"{MISSING}; vLLM loads without an error and drafts from uninitialized MTP weights"
 
 
-def module_names(modules: Sequence[str], ckpt: Checkpoint) -> list[str]:
+def module_names(modules: Sequence[str], spec: ModelSpec) -> list[str]:
     """The MTP ``modules`` as vLLM's draft names them, where it renames them (``ModelSpec.engine_mtp_name``)."""
-    return [n for n in (ckpt.spec.engine_mtp_name(m) for m in modules) if n not in modules]
+    return [n for n in (spec.engine_mtp_name(m) for m in modules) if n not in modules]
 
 
 def late_verdict(facts: VerdictFacts, verdict: str) -> str | None:
@@ -332,6 +332,12 @@ CPU_SAMPLING_NOTE = (
     "an unpatched CPU server judges sampled drafts against uninitialized distributions and accepts almost none; "
     "mtpquant's test engine environment corrects it (tests/support/vllm_env.py). GPU builds run the Triton kernel."
 )
+
+
+def quantized_mtp_note() -> str | None:
+    """What heal's plan says of a healed MTP kept quantized, for this engine.
+    vLLM loads a quantized MTP (heal's output for it): no note."""
+    return None
 
 
 def cpu_sampling_note() -> str | None:

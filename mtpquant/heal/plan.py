@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from mtpquant.checkpoint.index import INDEX_NAME
 from mtpquant.checkpoint.table import Checkpoint
+from mtpquant.engine.table import ENGINES
 from mtpquant.errors import (
     CheckpointError,
     GraftError,
@@ -231,8 +232,8 @@ def plan_heal(options: HealOptions) -> tuple[HealPlan, Checkpoint, Checkpoint, C
                                 shard_bytes=options.max_shard_bytes)
     data_bytes = options.samples * seq_len * (H * DTYPE_BYTES[dtype] * (1 + streams) + 8)
     notes: list[str] = list(lineage.warnings)
-    if storage.fmt != "bf16" and "SGLang" not in " ".join(notes):
-        notes.append("SGLang serves only a BF16 MTP; the healed quantized MTP is for vLLM, as before")
+    if storage.fmt != "bf16":  # what each engine makes of a quantized MTP (the table's rows say)
+        notes += [n for e in ENGINES if (n := e.adapter.quantized_mtp_note()) is not None and n not in notes]
     mode = "out" if out is not None else "in-place"
     destination = str(out) if out is not None else str(quant.source.local_root)
     plan = HealPlan(

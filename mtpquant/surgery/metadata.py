@@ -17,6 +17,7 @@ from typing import Any
 
 from mtpquant.checkpoint.precision import is_quantized, linear_precisions
 from mtpquant.engine.loading import FusedShardsError, ct_ignored, mixed_algo, modelopt_excluded
+from mtpquant.engine.table import ENGINES
 from mtpquant.families import ModelSpec, nested_key, resolve
 from mtpquant.families.storage import APPENDED
 from mtpquant.formats.quant_config import (
@@ -292,20 +293,23 @@ def plan_metadata(
                 still = uncovered_modules(unquantized, pats, is_ct, rename)
                 if still:
                     warnings.append(f"{f}: MTP module {still[0]} is still not excluded")
+    partial = unquantized and not all_plain
+    if meta is not None and meta.is_modelopt and partial and meta.algo.upper() != "MIXED_PRECISION":
+        # the unquantized modules of a partly quantized MTP by every drafting engine's own name of them (TensorRT-LLM's
+        # model.layers.<n>.fc for Qwen's mtp.fc: engine/trtllm.py), where a ModelOpt list lacks it: each engine
+        # matches exclusions against the modules it builds (ModelOpt lists only: TensorRT-LLM's rules are ModelOpt's)
+        drafting = [row for row in ENGINES if spec.family.engine.drafters.get(row.key)]
+        own = sorted({n for row in drafting for n in row.adapter.module_names(unquantized, spec)} - set(unquantized))
+        lacking = [n for n in own if any(n not in pats for _, is_ct, pats in lists if not is_ct)]
+        if lacking:
+            config, hfq, lists = _add_modelopt_forms(config, hfq, lists, lacking, changes)
     if meta is not None and meta.is_modelopt and all_plain and unquantized and meta.algo.upper() != "MIXED_PRECISION":
         # the whole-MTP patterns in every engine's form (TensorRT-LLM's model.layers.<n>* too): a list that covers
         # the MTP for vLLM only gets the forms it lacks (ModelOpt lists only; compressed-tensors lists are vLLM's)
         family_patterns = resolve(config).mtp_exclusion_patterns(mtp_layers or None)[0]
         lacking = [p for p in family_patterns if any(p not in pats for _, is_ct, pats in lists if not is_ct)]
         if lacking:
-            config, hfq = with_exclusions(config, hfq, lacking, ())
-            old_lists, lists = lists, exclusion_lists(config, hfq)
-            for f, is_ct, pats in lists:
-                old = next((p for g, _, p in old_lists if g == f), [])
-                added = [p for p in pats if p not in old]
-                if added and not is_ct:
-                    what = "ignore" if f == "config.json" else "exclude_modules"
-                    changes.append(f"{f}: {what} += {', '.join(added)}")
+            config, hfq, lists = _add_modelopt_forms(config, hfq, lists, lacking, changes)
     quantized_but_excluded = [
         (f, m)
         for f, ct, pats in lists
@@ -324,6 +328,26 @@ def plan_metadata(
         tuple(changes),
         tuple(warnings),
     )
+
+
+def _add_modelopt_forms(
+    config: dict[str, Any],
+    hfq: dict[str, Any] | None,
+    lists: list[tuple[str, bool, list[str]]],
+    patterns: list[str],
+    changes: list[str],
+) -> tuple[dict[str, Any], dict[str, Any] | None, list[tuple[str, bool, list[str]]]]:
+    """``patterns`` added to the ModelOpt exclusion lists (an engine's own form of names already excluded), each
+    addition a line of ``changes``; the new lists."""
+    config, hfq = with_exclusions(config, hfq, patterns, ())
+    old_lists, lists = lists, exclusion_lists(config, hfq)
+    for f, is_ct, pats in lists:
+        old = next((p for g, _, p in old_lists if g == f), [])
+        added = [p for p in pats if p not in old]
+        if added and not is_ct:
+            what = "ignore" if f == "config.json" else "exclude_modules"
+            changes.append(f"{f}: {what} += {', '.join(added)}")
+    return config, hfq, lists
 
 
 def _listed(module: str, meta: QuantMetadata, packed: Mapping[str, tuple[str, ...]]) -> bool:
