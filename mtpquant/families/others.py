@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 from mtpquant.families.mtp_config import config_int
-from mtpquant.families.schema import NEVER_SHIPPED, NOT_MTP, EngineRules, Family, MtpLayout
+from mtpquant.families.schema import NEVER_SHIPPED, NOT_MTP, EngineRules, Family, MtpGroup, MtpLayout
 from mtpquant.families.storage import NAMESPACE, SUBSPACE, MtpStorage
 
 __all__ = ["OTHER_FAMILIES"]
@@ -144,22 +145,42 @@ def _family(key: str, display: str, model_types: set[str], archs: set[str], mtp:
 
 
 # Nemotron-H: eh_proj is a ColumnParallelLinear with the draft quant config (quantizable); the draft's
-# hf_to_vllm_mapper drops "language_model." so the checkpoint's own names match (nemotron_h_mtp.py 336-339)
-NEMOTRON_H = _family(
-    "nemotron_h",
-    "Nemotron-H / Nemotron-3",
-    {"nemotron_h", "nemotron_h_puzzle"},
-    {"NemotronHForCausalLM", "NemotronHPuzzleForCausalLM"},
-    _layout(MtpStorage(NAMESPACE, sublayers_key=_SUBLAYER_KEYS), nemotron_h_shapes, "glue",
-            setting_keys=(*_SUBLAYER_KEYS, "mtp_n_routed_experts")),
-    packed={"qkv_proj": ("q_proj", "k_proj", "v_proj")},  # the experts and shared experts are ungated (up, down)
-    built_unquantized=("*.mixer.gate",),
-    drafters={"vllm": "NemotronHMTPModel", "sglang": "NemotronHForCausalLMMTP"},
-    sources=("model_executor/models/nemotron_h_mtp.py", "config/speculative.py"),
-    vllm_remap="mtp.layers. -> model.layers., embeddings -> embed_tokens, language_model. dropped (hf_to_vllm_mapper)",
-    # the releases store the trunk under backbone. (transformers' conversion_mapping renames it to model.)
-    wrapper_prefix="backbone.",
-    text_only_prefixes=("backbone.", "model."),
+# hf_to_vllm_mapper drops "language_model." so the checkpoint's own names match (nemotron_h_mtp.py 336-339).
+# What NVFP4 leaves BF16 follows NVIDIA's Nemotron-3 releases (docs/families.md): the routed and shared experts are
+# quantized; attention, the Mamba mixers (in_proj, out_proj, conv1d), the latent MoE projections, the router (a
+# GateLinear without a quantization config, nemotron_h.py NemotronHMoE), norms, embeddings and lm_head stay BF16.
+_NEMOTRON_H_BF16 = ("*.mixer.q_proj", "*.mixer.k_proj", "*.mixer.v_proj", "*.mixer.o_proj", "*.mixer.in_proj",
+                    "*.mixer.out_proj", "*.mixer.conv1d", "*.mixer.fc1_latent_proj", "*.mixer.fc2_latent_proj")
+NEMOTRON_H = replace(
+    _family(
+        "nemotron_h",
+        "Nemotron-H / Nemotron-3",
+        {"nemotron_h", "nemotron_h_puzzle"},
+        {"NemotronHForCausalLM", "NemotronHPuzzleForCausalLM"},
+        replace(
+            _layout(MtpStorage(NAMESPACE, sublayers_key=_SUBLAYER_KEYS), nemotron_h_shapes, "glue",
+                    setting_keys=(*_SUBLAYER_KEYS, "mtp_n_routed_experts"),
+                    groups=(MtpGroup("shared_expert", "shared expert", ("*.mixer.shared_experts.*_proj",)),
+                            MtpGroup("experts", "routed experts", ("*.mixer.experts.*_proj",)))),
+            # the MTP as the trunk: its attention BF16, eh_proj BF16 as every family's (vLLM could quantize it)
+            unquantized=("*.eh_proj", "*norm*", "*.mixer.gate", *_NEMOTRON_H_BF16),
+            fused_groups=(("q_proj", "k_proj", "v_proj"),),
+        ),
+        packed={"qkv_proj": ("q_proj", "k_proj", "v_proj")},  # the experts and shared experts are ungated (up, down)
+        built_unquantized=("*.mixer.gate",),
+        drafters={"vllm": "NemotronHMTPModel", "sglang": "NemotronHForCausalLMMTP"},
+        sources=("model_executor/models/nemotron_h_mtp.py", "config/speculative.py"),
+        vllm_remap="mtp.layers. -> model.layers., embeddings -> embed_tokens, language_model. dropped "
+        "(hf_to_vllm_mapper)",
+        # the releases store the trunk under backbone. (transformers' conversion_mapping renames it to model.)
+        wrapper_prefix="backbone.",
+        text_only_prefixes=("backbone.", "model."),
+    ),
+    fused_groups=(("mixer.q_proj", "mixer.k_proj", "mixer.v_proj"),),
+    unquantized=("lm_head", "*embeddings", "*embed_tokens", "*.mixer.gate", "*norm*", *_NEMOTRON_H_BF16),
+    mtp_forward=True,  # mtp/nemotron_h.py
+    mtp_heal=False,
+    convert=True,
 )
 MIMO = _family(
     "mimo",

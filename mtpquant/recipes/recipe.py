@@ -89,6 +89,7 @@ DEFAULT_RECIPES = {
     "deepseek_v3": "deepseek_v3-nvfp4",
     "deepseek_v32": "deepseek_v32-nvfp4",
     "glm_moe_dsa": "glm_moe_dsa-nvfp4",
+    "nemotron_h": "nemotron_h-nvfp4",
 }
 
 # Routed-expert Linears as modelopt names their quantizers (fused 3-D and per-expert experts);
