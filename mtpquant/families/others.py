@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
+from mtpquant.errors import MtpConfigError
 from mtpquant.families.mtp_config import config_int
 from mtpquant.families.schema import NEVER_SHIPPED, NOT_MTP, EngineRules, Family, MtpGroup, MtpLayout
 from mtpquant.families.storage import NAMESPACE, SUBSPACE, MtpStorage
@@ -24,19 +25,59 @@ _SUBLAYER_KEYS = ("mtp_hybrid_override_pattern", "mtp_layers_block_type")
 
 
 def nemotron_h_shapes(text: Mapping[str, Any], layers: int, per_expert: bool) -> dict[str, tuple[int, ...]]:
-    """Nemotron-H's MTP glue: per depth, ``enorm`` / ``hnorm`` / ``eh_proj`` on its first sub-layer, ``final_layernorm``
-    on its last, a ``norm`` on each (nemotron_h_mtp.py: has_start_projections / has_end_norm); the mixers follow the
-    hybrid pattern and are not enumerated."""
+    """Nemotron-H's MTP, every tensor: per depth, ``enorm`` / ``hnorm`` / ``eh_proj`` on its first sub-layer,
+    ``final_layernorm`` on its last, a ``norm`` on each (nemotron_h_mtp.py: has_start_projections / has_end_norm),
+    and each sub-layer's mixer by its pattern character (nemotron_h.py): ``*`` attention ``q/k/v/o_proj``; ``E`` the
+    ungated MoE (router ``gate`` with its F32 ``e_score_correction_bias``, ``shared_experts.{up,down}_proj``, per-expert
+    ``experts.{e}.{up,down}_proj``, with ``moe_latent_size`` the latent ``fc1/fc2_latent_proj``); ``-`` a dense
+    ``up/down_proj``. Nemotron-3 Super ("*E", 512 experts, latent MoE): 8 + 1,032 = 1,040 tensors."""
     del per_expert
     H = config_int(text, "hidden_size")
     pattern = next((text[k] for k in _SUBLAYER_KEYS if text.get(k)), "*E")
+    if isinstance(pattern, list):  # mtp_layers_block_type: transformers' names
+        pattern = "".join({"full_attention": "*", "attention": "*", "moe": "E", "mlp": "-"}.get(t, "?") for t in pattern)
     per = len(pattern)
     out: dict[str, tuple[int, ...]] = {}
     for d in range(layers):
         first, last = f"mtp.layers.{d * per}.", f"mtp.layers.{d * per + per - 1}."
         out |= {first + "enorm.weight": (H,), first + "hnorm.weight": (H,), first + "eh_proj.weight": (H, 2 * H)}
-        out |= {f"mtp.layers.{d * per + j}.norm.weight": (H,) for j in range(per)}
+        for j, kind in enumerate(pattern):
+            p = f"mtp.layers.{d * per + j}."
+            out[p + "norm.weight"] = (H,)
+            out |= _nemotron_h_mixer(p + "mixer.", kind, text)
         out[last + "final_layernorm.weight"] = (H,)
+    return out
+
+
+def _nemotron_h_mixer(p: str, kind: str, text: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+    H = config_int(text, "hidden_size")
+    if kind == "*":
+        heads, kv = config_int(text, "num_attention_heads"), config_int(text, "num_key_value_heads")
+        hd = int(text.get("head_dim") or H // heads)
+        return {p + "q_proj.weight": (heads * hd, H), p + "k_proj.weight": (kv * hd, H),
+                p + "v_proj.weight": (kv * hd, H), p + "o_proj.weight": (H, heads * hd)}
+    if kind == "-":
+        inter = config_int(text, "intermediate_size")
+        return {p + "up_proj.weight": (inter, H), p + "down_proj.weight": (H, inter)}
+    if kind != "E":
+        raise MtpConfigError(f"mtp_hybrid_override_pattern: sub-layer {kind!r} is not one vLLM's NemotronH MTP "
+                             "builds (nemotron_h_mtp.py: '*' attention, 'E' MoE)")
+    E = config_int(text, "n_routed_experts")
+    inter = config_int(text, "moe_intermediate_size")
+    latent = text.get("moe_latent_size")
+    width = int(latent) if latent else H
+    # vLLM's shared expert is moe_shared_expert_intermediate_size * n_shared_experts wide (NemotronHMoE)
+    shared = config_int(text, "moe_shared_expert_intermediate_size") * int(text.get("n_shared_experts") or 1)
+    out: dict[str, tuple[int, ...]] = {
+        p + "gate.weight": (E, H),
+        p + "gate.e_score_correction_bias": (E,),
+        p + "shared_experts.up_proj.weight": (shared, H),
+        p + "shared_experts.down_proj.weight": (H, shared),
+    }
+    if latent:
+        out |= {p + "fc1_latent_proj.weight": (width, H), p + "fc2_latent_proj.weight": (H, width)}
+    for e in range(E):
+        out |= {p + f"experts.{e}.up_proj.weight": (inter, width), p + f"experts.{e}.down_proj.weight": (width, inter)}
     return out
 
 
@@ -158,7 +199,7 @@ NEMOTRON_H = replace(
         {"nemotron_h", "nemotron_h_puzzle"},
         {"NemotronHForCausalLM", "NemotronHPuzzleForCausalLM"},
         replace(
-            _layout(MtpStorage(NAMESPACE, sublayers_key=_SUBLAYER_KEYS), nemotron_h_shapes, "glue",
+            _layout(MtpStorage(NAMESPACE, sublayers_key=_SUBLAYER_KEYS), nemotron_h_shapes, "exact",
                     setting_keys=(*_SUBLAYER_KEYS, "mtp_n_routed_experts"),
                     groups=(MtpGroup("shared_expert", "shared expert", ("*.mixer.shared_experts.*_proj",)),
                             MtpGroup("experts", "routed experts", ("*.mixer.experts.*_proj",)))),

@@ -53,9 +53,18 @@ def _nextn(spec: ModelSpec, config: Mapping[str, Any], tensors: Mapping[str, Ten
     )
 
 
+def _nemotron_h(
+    spec: ModelSpec, config: Mapping[str, Any], tensors: Mapping[str, Tensor], dtype: Any, device: Any
+) -> Any:
+    from mtpquant.mtp.nemotron_h import NemotronHMtp
+
+    check_mtp_tensors(spec.expected_mtp_shapes(tensors), tensors)
+    return NemotronHMtp.from_state_dict(spec.text, spec.mtp.layers, tensors, dtype=dtype, device=device)
+
+
 # The reference forward of each family that has one (Family.mtp_forward); the appended-layer one for the families
 # whose layout says how it computes (MtpLayout.appended); the Qwen3 forward by default.
-_BUILDERS: dict[str, _Builder] = {"qwen4_exp": _qwen4_exp}
+_BUILDERS: dict[str, _Builder] = {"qwen4_exp": _qwen4_exp, "nemotron_h": _nemotron_h}
 
 
 def reference_mtp(
