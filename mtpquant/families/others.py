@@ -209,6 +209,7 @@ NEMOTRON_H = replace(
         ),
         packed={"qkv_proj": ("q_proj", "k_proj", "v_proj")},  # the experts and shared experts are ungated (up, down)
         built_unquantized=("*.mixer.gate",),
+        text_class="NemotronHForCausalLM",  # transformers has no NemotronHPuzzle class
         drafters={"vllm": "NemotronHMTPModel", "sglang": "NemotronHForCausalLMMTP"},
         sources=("model_executor/models/nemotron_h_mtp.py", "config/speculative.py"),
         vllm_remap="mtp.layers. -> model.layers., embeddings -> embed_tokens, language_model. dropped "
