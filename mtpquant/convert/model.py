@@ -355,7 +355,7 @@ def repair_exported_names(export_dir: Path) -> list[str]:
         data = _without_sentinel(json.loads(text))
         dumped = json.dumps(data, indent=2, ensure_ascii=False)
         if "\\u0000" in dumped or "\x00" in dumped:
-            raise OutputVerificationError(f"{path}: modelopt wrote a module name with a NUL that mtpquant cannot repair")
+            raise OutputVerificationError(f"{path}: modelopt wrote a module name with a NUL mtpquant cannot repair")
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text(dumped + "\n", encoding="utf-8")
         os.replace(tmp, path)

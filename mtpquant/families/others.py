@@ -35,7 +35,8 @@ def nemotron_h_shapes(text: Mapping[str, Any], layers: int, per_expert: bool) ->
     H = config_int(text, "hidden_size")
     pattern = next((text[k] for k in _SUBLAYER_KEYS if text.get(k)), "*E")
     if isinstance(pattern, list):  # mtp_layers_block_type: transformers' names
-        pattern = "".join({"full_attention": "*", "attention": "*", "moe": "E", "mlp": "-"}.get(t, "?") for t in pattern)
+        chars = {"full_attention": "*", "attention": "*", "moe": "E", "mlp": "-"}
+        pattern = "".join(chars.get(t, "?") for t in pattern)
     per = len(pattern)
     out: dict[str, tuple[int, ...]] = {}
     for d in range(layers):

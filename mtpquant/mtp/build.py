@@ -58,6 +58,7 @@ def _nemotron_h(
 ) -> Any:
     from mtpquant.mtp.nemotron_h import NemotronHMtp
 
+    del config
     check_mtp_tensors(spec.expected_mtp_shapes(tensors), tensors)
     return NemotronHMtp.from_state_dict(spec.text, spec.mtp.layers, tensors, dtype=dtype, device=device)
 

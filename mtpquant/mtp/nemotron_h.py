@@ -71,7 +71,8 @@ class _PerExpert(nn.ModuleList):
         for e in torch.unique(top_k_index).tolist():
             token, slot = torch.where(top_k_index == e)
             expert: Any = self[e]
-            y = expert["down_proj"](self.act_fn(expert["up_proj"](hidden[token])))
+            act: Any = self.act_fn
+            y = expert["down_proj"](act(expert["up_proj"](hidden[token])))
             out.index_add_(0, token, (y * top_k_weights[token, slot, None]).to(out.dtype))
         return out.to(hidden.dtype)
 
