@@ -40,7 +40,9 @@ def outputs(
     def get(mode: str) -> tuple[Path, ConvertResult]:
         if mode not in done:
             out = root / mode
-            done[mode] = (out, convert(ConvertOptions(src=str(tiny_factory("nemotron_h")), out=out, mtp=mode, **CALIB)))
+            extra: dict[str, Any] = {"mtp_out": root / "extract-mtp"} if mode == "extract" else {}
+            opts = ConvertOptions(src=str(tiny_factory("nemotron_h")), out=out, mtp=mode, **extra, **CALIB)
+            done[mode] = (out, convert(opts))
         return done[mode]
 
     yield get
@@ -84,7 +86,22 @@ def test_keep_and_quantize(
         assert result.verdicts["vllm"] == "vLLM: MTP loads (mixed: BF16, NVFP4)"
 
 
-@pytest.mark.parametrize("mode", ["keep", "quantize"])
+@pytest.mark.parametrize("mode", ["extract", "drop"])
+def test_extract_and_drop(
+    mode: str, tiny_factory: Callable[[str], Path], outputs: Callable[[str], tuple[Path, ConvertResult]]
+) -> None:
+    """No MTP in OUT, none declared; extract's side checkpoint holds the source's MTP bytes."""
+    out, _ = outputs(mode)
+    source, ckpt = Checkpoint.open(tiny_factory("nemotron_h"), strict=True), Checkpoint.open(out, strict=True)
+    assert list(ckpt.mtp_tensors()) == [] and inspect_checkpoint(out).healthy
+    assert json.loads((out / "config.json").read_text())["num_nextn_predict_layers"] == 0
+    if mode == "extract":
+        side = Checkpoint.open(out.parent / "extract-mtp", strict=True)
+        mtp_src = sorted(e.name for e in source.mtp_tensors())
+        assert sorted(side.tensors) == mtp_src and all(raw(side, n) == raw(source, n) for n in mtp_src)
+
+
+@pytest.mark.parametrize("mode", ["keep", "quantize", "drop"])
 def test_carried_tensors_are_the_sources_bytes(
     mode: str, tiny_factory: Callable[[str], Path], outputs: Callable[[str], tuple[Path, ConvertResult]]
 ) -> None:
