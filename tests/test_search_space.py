@@ -64,7 +64,8 @@ def test_every_quantizable_mtp_linear_is_in_one_group_with_its_packed_partners(k
     layout = fam.mtp
     text = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
             "intermediate_size": 96, "num_experts": 4, "moe_intermediate_size": 32,
-            "shared_expert_intermediate_size": 32, "moe_shared_expert_intermediate_size": 32, "hc_count": 2, "hc_lowrank": 8, "indexer_n_heads": 2,
+            "shared_expert_intermediate_size": 32, "moe_shared_expert_intermediate_size": 32, "hc_count": 2,
+            "hc_lowrank": 8, "indexer_n_heads": 2,
             "indexer_kv_heads": 1, "indexer_head_dim": 32, "n_routed_experts": 4, "n_shared_experts": 1,
             "num_hidden_layers": 2, "q_lora_rank": 32, "kv_lora_rank": 32, "qk_rope_head_dim": 16,
             "qk_nope_head_dim": 16, "v_head_dim": 16, "index_n_heads": 2, "index_head_dim": 32,
