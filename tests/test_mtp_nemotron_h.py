@@ -111,3 +111,22 @@ def test_reference_mtp_is_built_from_the_checkpoint_by_its_names(tiny_factory: C
     assert state["mtp.layers.1.mixer.gate.e_score_correction_bias"].dtype == torch.float32
     linears = {checkpoint_name(layer, n) for n, m in layer.named_modules() if isinstance(m, torch.nn.Linear)}
     assert "mtp.layers.1.mixer.experts.3.down_proj" in linears and "mtp.layers.0.eh_proj" in linears
+
+
+def test_the_inventory_has_nemotron_3_supers_published_count() -> None:
+    """1,040 MTP tensors in Nemotron-3 Super (shared/reference/mtp-families.md §8, as ml-explore/mlx-lm#1161 counts
+    them): "*E" with 512 experts and the latent MoE. The sizes here are Super-like; the count depends only on the
+    pattern, the expert count and the latent projections."""
+    from mtpquant.families import resolve
+
+    config = {"architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h", "hidden_size": 4096,
+              "num_hidden_layers": 88, "num_attention_heads": 32, "num_key_value_heads": 2, "head_dim": 128,
+              "n_routed_experts": 512, "moe_intermediate_size": 2688, "moe_shared_expert_intermediate_size": 5376,
+              "n_shared_experts": 1, "moe_latent_size": 1024, "mtp_hybrid_override_pattern": "*E",
+              "num_nextn_predict_layers": 1, "vocab_size": 131072}  # fmt: skip
+    spec = resolve(config)
+    shapes = spec.expected_mtp_shapes()
+    assert len(shapes) == 1040 and spec.family.mtp.inventory == "exact"
+    assert shapes["mtp.layers.1.mixer.experts.511.up_proj.weight"] == (2688, 1024)  # experts read the latent
+    assert shapes["mtp.layers.1.mixer.fc1_latent_proj.weight"] == (1024, 4096)
+    assert shapes["mtp.layers.0.mixer.k_proj.weight"] == (256, 4096)
