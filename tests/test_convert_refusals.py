@@ -184,8 +184,8 @@ def test_already_quantized_source(tiny_copy: Factory, work: Path, capsys: pytest
             ["--recipe", "nope"],
             2,
             "unknown recipe 'nope'; built-in recipes: deepseek_v3-nvfp4, deepseek_v32-nvfp4, glm4_moe-nvfp4, "
-            "glm_moe_dsa-nvfp4, mimo_v2_flash-nvfp4, nvfp4-w4a16, qwen3_5-nvfp4, qwen3_5_moe-experts-nvfp4, "
-            "qwen3_5_moe-nvfp4, qwen3_next-nvfp4, qwen4_exp-nvfp4, step3p5-nvfp4",
+            "glm_moe_dsa-nvfp4, mimo_v2_flash-nvfp4, nemotron_h-nvfp4, nvfp4-w4a16, qwen3_5-nvfp4, "
+            "qwen3_5_moe-experts-nvfp4, qwen3_5_moe-nvfp4, qwen3_next-nvfp4, qwen4_exp-nvfp4, step3p5-nvfp4",
         ),
         (
             ["--recipe", "qwen3_5_moe-nvfp4"],

@@ -177,8 +177,8 @@ def test_convert_refuses_the_families_it_does_not_quantize(tiny_factory: Factory
     from mtpquant.convert.plan import plan_convert
     from mtpquant.convert.run import ConvertOptions
 
-    with pytest.raises(UnsupportedArchitectureError, match=r"convert does not quantize Nemotron-H") as err:
-        plan_convert(ConvertOptions(src=tiny_factory("nemotron_h"), out=tmp_path / "out"))
+    with pytest.raises(UnsupportedArchitectureError, match=r"convert does not quantize MiMo-7B") as err:
+        plan_convert(ConvertOptions(src=tiny_factory("mimo"), out=tmp_path / "out"))
     assert "DeepSeek-V3 / R1 / V3.1" in str(err.value) and "GLM-4.5 / 4.6 / 4.7" in str(err.value)  # what it converts
     assert not (tmp_path / "out").exists()
-    assert family("nemotron_h").convert is False and family("deepseek_v3").convert is True
+    assert family("mimo").convert is False and family("deepseek_v3").convert is True

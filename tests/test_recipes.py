@@ -36,6 +36,7 @@ def test_builtin_recipes_load_and_cover_the_issue() -> None:
         "glm4_moe-nvfp4",
         "glm_moe_dsa-nvfp4",
         "mimo_v2_flash-nvfp4",
+        "nemotron_h-nvfp4",
         "nvfp4-w4a16",
         "qwen3_5-nvfp4",
         "qwen3_5_moe-experts-nvfp4",

@@ -48,8 +48,10 @@ def test_the_families_with_precision_groups() -> None:
     appended-layer ones mtpquant converts: GLM-4.5, DeepSeek-V3/V3.2, GLM-5); the others are refused at plan time
     (``SearchMode.check``) until theirs are stated."""
     assert sorted(f.key for f in FAMILIES if f.mtp.groups) == [
-        "deepseek_v3", "deepseek_v32", "glm4_moe", "glm_moe_dsa", "qwen3_5", "qwen3_5_moe", "qwen3_next", "qwen4_exp"]
-    for key in ("deepseek_v3", "deepseek_v32", "glm_moe_dsa"):  # MLA stays BF16, as in their main model
+        "deepseek_v3", "deepseek_v32", "glm4_moe", "glm_moe_dsa", "nemotron_h", "qwen3_5", "qwen3_5_moe", "qwen3_next",
+        "qwen4_exp"]  # fmt: skip
+    # MLA stays BF16, as in their main model; Nemotron-H's attention too (NVIDIA's Nemotron-3 NVFP4 releases)
+    for key in ("deepseek_v3", "deepseek_v32", "glm_moe_dsa", "nemotron_h"):
         assert [g.key for g in family(key).mtp.groups] == ["shared_expert", "experts"]
     assert [g.key for g in family("glm4_moe").mtp.groups] == ["attention", "shared_expert", "experts"]
 
@@ -62,7 +64,8 @@ def test_every_quantizable_mtp_linear_is_in_one_group_with_its_packed_partners(k
     layout = fam.mtp
     text = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
             "intermediate_size": 96, "num_experts": 4, "moe_intermediate_size": 32,
-            "shared_expert_intermediate_size": 32, "hc_count": 2, "hc_lowrank": 8, "indexer_n_heads": 2,
+            "shared_expert_intermediate_size": 32, "moe_shared_expert_intermediate_size": 32, "hc_count": 2,
+            "hc_lowrank": 8, "indexer_n_heads": 2,
             "indexer_kv_heads": 1, "indexer_head_dim": 32, "n_routed_experts": 4, "n_shared_experts": 1,
             "num_hidden_layers": 2, "q_lora_rank": 32, "kv_lora_rank": 32, "qk_rope_head_dim": 16,
             "qk_nope_head_dim": 16, "v_head_dim": 16, "index_n_heads": 2, "index_head_dim": 32,
@@ -78,7 +81,8 @@ def test_every_quantizable_mtp_linear_is_in_one_group_with_its_packed_partners(k
             assert not layout.is_unquantized(m), m
     for module in engine_modules(modules, fam.engine):
         assert len({groups[m] for m in module.members}) == 1, module
-    if layout.appended is None:  # the Qwen families' input projection; an appended layer's eh_proj stays BF16
+    # the Qwen families' input projection; an appended layer's eh_proj and Nemotron-H's stay BF16
+    if layout.appended is None and key != "nemotron_h":
         assert [g.key for g in layout.groups][:2] == ["input", "attention"]
     assert {g.key for g in layout.groups} >= ({"shared_expert", "experts"} if fam.moe else {"mlp"})
 

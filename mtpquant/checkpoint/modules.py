@@ -47,4 +47,5 @@ def linear_modules(tensors: Mapping[str, Any]) -> list[str]:
             mods.add(name[:-14])
         elif name.endswith(FUSED_EXPERT_PARAMS) and len(getattr(e, "shape", e)) == 3:
             mods.add(name)
-    return sorted(m for m in mods if not m.endswith(("embed_tokens", "pos_embed")))
+    # embedding tables, not Linears (Nemotron-H names its table ``backbone.embeddings``)
+    return sorted(m for m in mods if not m.endswith(("embed_tokens", "pos_embed", ".embeddings")))

@@ -9,7 +9,10 @@ models. modelopt prints progress to stdout; here that text goes to the debug log
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import re
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -17,6 +20,7 @@ from typing import Any
 import torch
 
 from mtpquant.checkpoint.table import Checkpoint
+from mtpquant.errors import OutputVerificationError
 from mtpquant.families import ModelSpec
 from mtpquant.runtime.hf_classes import model_class
 from mtpquant.runtime.libraries import modelopt_quiet
@@ -33,6 +37,7 @@ __all__ = [
     "mtp_hidden_states",
     "placement",
     "quantize_main_model",
+    "repair_exported_names",
     "source_dtype",
 ]
 
@@ -313,3 +318,46 @@ def export_quantized(
     finally:
         for h in hooks:
             h.remove()
+    repair_exported_names(export_dir)
+
+
+# modelopt 0.47 (export/quant_aware_conversion.py build_reverse_name_mapper) renames each exclusion back to the hub's
+# names with ".\x00modelopt_name_sentinel" appended and then strips that suffix; a rename rule that matches "model."
+# with its dot as any character (Nemotron-H's model. -> backbone.) rewrites the sentinel too ("modelo" ->
+# "backbone."), so the suffix stays: "backbone.layers.0.\x00backbone.pt_name_sentinel*" matches no module and vLLM
+# quantizes what the export left BF16 (the exclude_modules "corrupt suffix" of TensorRT-LLM#18607)
+_SENTINEL = re.compile(r"\.?\x00[^*]*?_name_sentinel")
+
+
+def _without_sentinel(value: Any) -> Any:
+    if isinstance(value, str):
+        return _SENTINEL.sub("", value)
+    if isinstance(value, list):
+        return [_without_sentinel(v) for v in value]
+    if isinstance(value, dict):
+        return {_without_sentinel(k): _without_sentinel(v) for k, v in value.items()}
+    return value
+
+
+def repair_exported_names(export_dir: Path) -> list[str]:
+    """Strip modelopt's leftover name sentinel from the exclusions of ``export_dir``'s ``hf_quant_config.json`` and
+    ``config.json`` (rewritten in place, only when one is there); returns the repaired files' names. An exclusion
+    that still holds a NUL after the repair is an error (one line), never written on."""
+    repaired = []
+    for name in ("hf_quant_config.json", "config.json"):
+        path = export_dir / name
+        if not path.is_file():
+            continue
+        text = path.read_text(encoding="utf-8")
+        if "\\u0000" not in text and "\x00" not in text:
+            continue
+        data = _without_sentinel(json.loads(text))
+        dumped = json.dumps(data, indent=2, ensure_ascii=False)
+        if "\\u0000" in dumped or "\x00" in dumped:
+            raise OutputVerificationError(f"{path}: modelopt wrote a module name with a NUL mtpquant cannot repair")
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(dumped + "\n", encoding="utf-8")
+        os.replace(tmp, path)
+        repaired.append(name)
+        log.info("%s: removed modelopt's name sentinel from its exclusions", name)
+    return repaired

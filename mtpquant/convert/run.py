@@ -394,7 +394,10 @@ def _run(
     if mode.needs_target:  # --mtp auto: the search measures on the main model as OUT now holds it
         from mtpquant.surgery.modes import MeasureContext
 
-        with timer("search"), _main_view(od, exported.config) as target:
+        # the source's config with the export's quantization: transformers' own save writes an infinity as
+        # {"__float__": "Infinity"} (Nemotron-H's time_step_limit), which its from_dict then refuses
+        view_config = {**ckpt.config, "quantization_config": exported.config.get("quantization_config")}
+        with timer("search"), _main_view(od, view_config) as target:
             od.doing = "measuring the MTP's precision configurations"
             q = recipe.quantization
             context = MeasureContext(ckpt, target, tokenizer, cal, plan.search, q.quant_algo, q.activations,

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
+from mtpquant.errors import MtpConfigError
 from mtpquant.families.mtp_config import config_int
 from mtpquant.families.nextn import AppendedForward
-from mtpquant.families.schema import NEVER_SHIPPED, NOT_MTP, EngineRules, Family, MtpLayout
+from mtpquant.families.schema import NEVER_SHIPPED, NOT_MTP, EngineRules, Family, MtpGroup, MtpLayout
 from mtpquant.families.storage import NAMESPACE, SUBSPACE, MtpStorage
 
 __all__ = ["OTHER_FAMILIES"]
@@ -24,19 +26,60 @@ _SUBLAYER_KEYS = ("mtp_hybrid_override_pattern", "mtp_layers_block_type")
 
 
 def nemotron_h_shapes(text: Mapping[str, Any], layers: int, per_expert: bool) -> dict[str, tuple[int, ...]]:
-    """Nemotron-H's MTP glue: per depth, ``enorm`` / ``hnorm`` / ``eh_proj`` on its first sub-layer, ``final_layernorm``
-    on its last, a ``norm`` on each (nemotron_h_mtp.py: has_start_projections / has_end_norm); the mixers follow the
-    hybrid pattern and are not enumerated."""
+    """Nemotron-H's MTP, every tensor: per depth, ``enorm`` / ``hnorm`` / ``eh_proj`` on its first sub-layer,
+    ``final_layernorm`` on its last, a ``norm`` on each (nemotron_h_mtp.py: has_start_projections / has_end_norm),
+    and each sub-layer's mixer by its pattern character (nemotron_h.py): ``*`` attention ``q/k/v/o_proj``; ``E`` the
+    ungated MoE (router ``gate`` with its F32 ``e_score_correction_bias``, ``shared_experts.{up,down}_proj``, per-expert
+    ``experts.{e}.{up,down}_proj``, with ``moe_latent_size`` the latent ``fc1/fc2_latent_proj``); ``-`` a dense
+    ``up/down_proj``. Nemotron-3 Super ("*E", 512 experts, latent MoE): 8 + 1,032 = 1,040 tensors."""
     del per_expert
     H = config_int(text, "hidden_size")
     pattern = next((text[k] for k in _SUBLAYER_KEYS if text.get(k)), "*E")
+    if isinstance(pattern, list):  # mtp_layers_block_type: transformers' names
+        chars = {"full_attention": "*", "attention": "*", "moe": "E", "mlp": "-"}
+        pattern = "".join(chars.get(t, "?") for t in pattern)
     per = len(pattern)
     out: dict[str, tuple[int, ...]] = {}
     for d in range(layers):
         first, last = f"mtp.layers.{d * per}.", f"mtp.layers.{d * per + per - 1}."
         out |= {first + "enorm.weight": (H,), first + "hnorm.weight": (H,), first + "eh_proj.weight": (H, 2 * H)}
-        out |= {f"mtp.layers.{d * per + j}.norm.weight": (H,) for j in range(per)}
+        for j, kind in enumerate(pattern):
+            p = f"mtp.layers.{d * per + j}."
+            out[p + "norm.weight"] = (H,)
+            out |= _nemotron_h_mixer(p + "mixer.", kind, text)
         out[last + "final_layernorm.weight"] = (H,)
+    return out
+
+
+def _nemotron_h_mixer(p: str, kind: str, text: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+    H = config_int(text, "hidden_size")
+    if kind == "*":
+        heads, kv = config_int(text, "num_attention_heads"), config_int(text, "num_key_value_heads")
+        hd = int(text.get("head_dim") or H // heads)
+        return {p + "q_proj.weight": (heads * hd, H), p + "k_proj.weight": (kv * hd, H),
+                p + "v_proj.weight": (kv * hd, H), p + "o_proj.weight": (H, heads * hd)}
+    if kind == "-":
+        inter = config_int(text, "intermediate_size")
+        return {p + "up_proj.weight": (inter, H), p + "down_proj.weight": (H, inter)}
+    if kind != "E":
+        raise MtpConfigError(f"mtp_hybrid_override_pattern: sub-layer {kind!r} is not one vLLM's NemotronH MTP "
+                             "builds (nemotron_h_mtp.py: '*' attention, 'E' MoE)")
+    E = config_int(text, "n_routed_experts")
+    inter = config_int(text, "moe_intermediate_size")
+    latent = text.get("moe_latent_size")
+    width = int(latent) if latent else H
+    # vLLM's shared expert is moe_shared_expert_intermediate_size * n_shared_experts wide (NemotronHMoE)
+    shared = config_int(text, "moe_shared_expert_intermediate_size") * int(text.get("n_shared_experts") or 1)
+    out: dict[str, tuple[int, ...]] = {
+        p + "gate.weight": (E, H),
+        p + "gate.e_score_correction_bias": (E,),
+        p + "shared_experts.up_proj.weight": (shared, H),
+        p + "shared_experts.down_proj.weight": (H, shared),
+    }
+    if latent:
+        out |= {p + "fc1_latent_proj.weight": (width, H), p + "fc2_latent_proj.weight": (H, width)}
+    for e in range(E):
+        out |= {p + f"experts.{e}.up_proj.weight": (inter, width), p + f"experts.{e}.down_proj.weight": (width, inter)}
     return out
 
 
@@ -145,22 +188,43 @@ def _family(key: str, display: str, model_types: set[str], archs: set[str], mtp:
 
 
 # Nemotron-H: eh_proj is a ColumnParallelLinear with the draft quant config (quantizable); the draft's
-# hf_to_vllm_mapper drops "language_model." so the checkpoint's own names match (nemotron_h_mtp.py 336-339)
-NEMOTRON_H = _family(
-    "nemotron_h",
-    "Nemotron-H / Nemotron-3",
-    {"nemotron_h", "nemotron_h_puzzle"},
-    {"NemotronHForCausalLM", "NemotronHPuzzleForCausalLM"},
-    _layout(MtpStorage(NAMESPACE, sublayers_key=_SUBLAYER_KEYS), nemotron_h_shapes, "glue",
-            setting_keys=(*_SUBLAYER_KEYS, "mtp_n_routed_experts")),
-    packed={"qkv_proj": ("q_proj", "k_proj", "v_proj")},  # the experts and shared experts are ungated (up, down)
-    built_unquantized=("*.mixer.gate",),
-    drafters={"vllm": "NemotronHMTPModel", "sglang": "NemotronHForCausalLMMTP"},
-    sources=("model_executor/models/nemotron_h_mtp.py", "config/speculative.py"),
-    vllm_remap="mtp.layers. -> model.layers., embeddings -> embed_tokens, language_model. dropped (hf_to_vllm_mapper)",
-    # the releases store the trunk under backbone. (transformers' conversion_mapping renames it to model.)
-    wrapper_prefix="backbone.",
-    text_only_prefixes=("backbone.", "model."),
+# hf_to_vllm_mapper drops "language_model." so the checkpoint's own names match (nemotron_h_mtp.py 336-339).
+# What NVFP4 leaves BF16 follows NVIDIA's Nemotron-3 releases (docs/families.md): the routed and shared experts are
+# quantized; attention, the Mamba mixers (in_proj, out_proj, conv1d), the latent MoE projections, the router (a
+# GateLinear without a quantization config, nemotron_h.py NemotronHMoE), norms, embeddings and lm_head stay BF16.
+_NEMOTRON_H_BF16 = ("*.mixer.q_proj", "*.mixer.k_proj", "*.mixer.v_proj", "*.mixer.o_proj", "*.mixer.in_proj",
+                    "*.mixer.out_proj", "*.mixer.conv1d", "*.mixer.fc1_latent_proj", "*.mixer.fc2_latent_proj")
+NEMOTRON_H = replace(
+    _family(
+        "nemotron_h",
+        "Nemotron-H / Nemotron-3",
+        {"nemotron_h", "nemotron_h_puzzle"},
+        {"NemotronHForCausalLM", "NemotronHPuzzleForCausalLM"},
+        replace(
+            _layout(MtpStorage(NAMESPACE, sublayers_key=_SUBLAYER_KEYS), nemotron_h_shapes, "exact",
+                    setting_keys=(*_SUBLAYER_KEYS, "mtp_n_routed_experts"),
+                    groups=(MtpGroup("shared_expert", "shared expert", ("*.mixer.shared_experts.*_proj",)),
+                            MtpGroup("experts", "routed experts", ("*.mixer.experts.*_proj",)))),
+            # the MTP as the trunk: its attention BF16, eh_proj BF16 as every family's (vLLM could quantize it)
+            unquantized=("*.eh_proj", "*norm*", "*.mixer.gate", *_NEMOTRON_H_BF16),
+            fused_groups=(("q_proj", "k_proj", "v_proj"),),
+        ),
+        packed={"qkv_proj": ("q_proj", "k_proj", "v_proj")},  # the experts and shared experts are ungated (up, down)
+        built_unquantized=("*.mixer.gate",),
+        text_class="NemotronHForCausalLM",  # transformers has no NemotronHPuzzle class
+        drafters={"vllm": "NemotronHMTPModel", "sglang": "NemotronHForCausalLMMTP"},
+        sources=("model_executor/models/nemotron_h_mtp.py", "config/speculative.py"),
+        vllm_remap="mtp.layers. -> model.layers., embeddings -> embed_tokens, language_model. dropped "
+        "(hf_to_vllm_mapper)",
+        # the releases store the trunk under backbone. (transformers' conversion_mapping renames it to model.)
+        wrapper_prefix="backbone.",
+        text_only_prefixes=("backbone.", "model."),
+    ),
+    fused_groups=(("mixer.q_proj", "mixer.k_proj", "mixer.v_proj"),),
+    unquantized=("lm_head", "*embeddings", "*embed_tokens", "*.mixer.gate", "*norm*", *_NEMOTRON_H_BF16),
+    mtp_forward=True,  # mtp/nemotron_h.py
+    mtp_heal=False,
+    convert=True,
 )
 MIMO = _family(
     "mimo",

@@ -64,17 +64,22 @@ def emulate_fused_experts(
 ) -> None:
     """Replace a transformers fused-experts forward by the same loop with activation fake-quant.
 
-    Mirrors ``Qwen3_5MoeExperts.forward`` / ``Qwen3NextExperts.forward`` (transformers 5.x).
+    Mirrors ``Qwen3_5MoeExperts.forward`` / ``Qwen3NextExperts.forward`` (transformers 5.x), and the ungated
+    ``NemotronHExperts.forward`` (``up_proj`` without ``gate_up_proj``).
     """
     mod: Any = experts
+    ungated = not hasattr(mod, "gate_up_proj")
 
     def forward(hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
         final = torch.zeros_like(hidden_states)
         x_all = q_in(hidden_states) if q_in else hidden_states
         for e in torch.unique(top_k_index).tolist():
             token_idx, slot = torch.where(top_k_index == e)
-            gate, up = nn.functional.linear(x_all[token_idx], mod.gate_up_proj[e]).chunk(2, dim=-1)
-            mid = mod.act_fn(gate) * up
+            if ungated:  # Nemotron-H's NemotronHExperts: down(act(up(x)))
+                mid = mod.act_fn(nn.functional.linear(x_all[token_idx], mod.up_proj[e]))
+            else:
+                gate, up = nn.functional.linear(x_all[token_idx], mod.gate_up_proj[e]).chunk(2, dim=-1)
+                mid = mod.act_fn(gate) * up
             if q_mid:
                 mid = q_mid(mid)
             out = nn.functional.linear(mid, mod.down_proj[e]) * top_k_weights[token_idx, slot, None]

@@ -45,8 +45,12 @@ log = logging.getLogger(__name__)
 
 _PER_EXPERT_PROJS = {p for pieces in FUSED_EXPERT_PIECES.values() for p in pieces}
 _EXPERT_RE = re.compile(
-    r"^(?P<stem>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>" + "|".join(sorted(_PER_EXPERT_PROJS)) + r")\.weight$"
+    r"^(?P<stem>.*\.(?:mlp|mixer)\.experts)\.(?P<e>\d+)\.(?P<proj>" + "|".join(sorted(_PER_EXPERT_PROJS))
+    + r")\.weight$"
 )
+# Nemotron-H's ungated experts (``mixer.experts.{e}.{up,down}_proj``): transformers' NemotronHExperts keeps each
+# projection as its own 3-D parameter
+_UNGATED_PIECES = {"up_proj": ("up_proj",), "down_proj": ("down_proj",)}
 
 
 def _text_config(weights: CheckpointWeights) -> dict[str, Any]:
@@ -219,10 +223,12 @@ def _target_tensors(
         yield target, read(logical)
     for stem, by_expert in experts.items():
         count = max(by_expert) + 1
-        missing = [e for e in range(count) if set(by_expert.get(e, {})) != _PER_EXPERT_PROJS]
+        gated = any("gate_proj" in projs for projs in by_expert.values())
+        want = _PER_EXPERT_PROJS if gated else set(_UNGATED_PIECES)
+        missing = [e for e in range(count) if set(by_expert.get(e, {})) != want]
         if missing:
             raise ValidateLoadError(f"{weights.label}: {stem}: experts {missing[:8]} lack gate/up/down tensors")
-        for fused, pieces in FUSED_EXPERT_PIECES.items():
+        for fused, pieces in (FUSED_EXPERT_PIECES if gated else _UNGATED_PIECES).items():
             yield f"{stem}.{fused}", fuse(by_expert, count, pieces)
 
 

@@ -255,8 +255,10 @@ class CheckpointWeights:
         return self.ckpt.main_prefix
 
     def embed_name(self) -> str:
-        """Logical name of ``embed_tokens.weight``."""
-        return f"{self.main_prefix}embed_tokens.weight"
+        """Logical name of ``embed_tokens.weight`` (Nemotron-H's ``backbone.embeddings.weight``)."""
+        name = f"{self.main_prefix}embed_tokens.weight"
+        other = f"{self.main_prefix}embeddings.weight"
+        return other if not self.has(name) and self.has(other) else name
 
     def lm_head_name(self) -> str:
         """Logical name of the output head (the embeddings when tied and no ``lm_head.weight`` exists)."""

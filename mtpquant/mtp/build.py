@@ -76,11 +76,23 @@ def _appended(cls: Any, spec: ModelSpec, config: Mapping[str, Any], tensors: Map
     )
 
 
+def _nemotron_h(
+    spec: ModelSpec, config: Mapping[str, Any], tensors: Mapping[str, Tensor], dtype: Any, device: Any
+) -> Any:
+    from mtpquant.mtp.nemotron_h import NemotronHMtp
+
+    del config
+    check_mtp_tensors(spec.expected_mtp_shapes(tensors), tensors)
+    return NemotronHMtp.from_state_dict(spec.text, spec.mtp.layers, tensors, dtype=dtype, device=device)
+
+
 # The reference forward of each family that has one of its own (Family.mtp_forward): Qwen4-Exp's, Step-3.5's (its
-# layers drafting in turn, each with its head and cache), MiMo-V2-Flash's (its first layer, as vLLM builds it); the
+# layers drafting in turn, each with its head and cache), MiMo-V2-Flash's (its first layer, as vLLM builds it),
+# Nemotron-H's (two sub-layers of one depth); the
 # appended-layer one for the other families whose layout says how it computes (MtpLayout.appended); the Qwen3 forward
 # by default.
-_BUILDERS: dict[str, _Builder] = {"qwen4_exp": _qwen4_exp, "step3p5": _step3p5, "mimo_v2_flash": _mimo_v2}
+_BUILDERS: dict[str, _Builder] = {"qwen4_exp": _qwen4_exp, "step3p5": _step3p5, "mimo_v2_flash": _mimo_v2,
+                               "nemotron_h": _nemotron_h}
 
 
 def reference_mtp(

@@ -62,7 +62,8 @@ MTP_FORMATS = ("nvfp4", "fp8")
 # Which MTP Linears stay unquantized and which share an input is family data (``MtpLayout.unquantized`` /
 # ``fused_groups``); the Qwen3.5 / Qwen3-Next layout (one and the same) is the default.
 _QWEN3_MTP = family("qwen3_5").mtp
-_EXPERT = re.compile(r"^(?P<moe>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>\w+)$")
+# routed experts under mlp. (Qwen, DeepSeek, GLM) or mixer. (Nemotron-H)
+_EXPERT = re.compile(r"^(?P<moe>.*\.(?:mlp|mixer)\.experts)\.(?P<e>\d+)\.(?P<proj>\w+)$")
 
 
 # one Linear of a per-expert bank (``mtp.layers.0.mlp.experts.3.gate_proj``): the bank, the expert, the projection

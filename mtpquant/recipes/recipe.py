@@ -91,6 +91,7 @@ DEFAULT_RECIPES = {
     "glm_moe_dsa": "glm_moe_dsa-nvfp4",
     "step3p5": "step3p5-nvfp4",
     "mimo_v2_flash": "mimo_v2_flash-nvfp4",
+    "nemotron_h": "nemotron_h-nvfp4",
 }
 
 # Routed-expert Linears as modelopt names their quantizers (fused 3-D and per-expert experts);

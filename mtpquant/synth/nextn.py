@@ -100,7 +100,8 @@ NEXTN_CONFIGS: dict[str, dict[str, Any]] = {
         "rms_norm_eps": 1e-5,
         "num_nextn_predict_layers": 1,
     },
-    # Nemotron-3 Super-like: a Mamba layer and an MoE layer; the MTP one depth of two sub-layers ("*E")
+    # Nemotron-3 Super-like: a Mamba layer, an attention layer and an MoE layer (transformers' hybrid cache needs one
+    # attention layer to count its length); the MTP one depth of two sub-layers ("*E")
     "nemotron_h": {
         "architectures": ["NemotronHForCausalLM"],
         "model_type": "nemotron_h",
@@ -109,7 +110,8 @@ NEXTN_CONFIGS: dict[str, dict[str, Any]] = {
         "num_key_value_heads": 1,
         "head_dim": 64,
         "intermediate_size": 256,
-        "hybrid_override_pattern": "ME",
+        "num_hidden_layers": 3,
+        "hybrid_override_pattern": "M*E",
         "mtp_hybrid_override_pattern": "*E",
         "num_nextn_predict_layers": 1,
         "mamba_num_heads": 4,
