@@ -485,7 +485,8 @@ def test_server_that_is_not_vllm(not_vllm: str, capsys: pytest.CaptureFixture[st
     assert code == ExitCode.ENGINE_ANSWER
     assert err == (
         f'mtpquant: error: {not_vllm}: not a vLLM server (no /version answering {{"version": ...}}) and not an '
-        'SGLang server (no /get_server_info answering {"version": ..., "model_path": ...})'
+        'SGLang server (no /get_server_info answering {"version": ..., "model_path": ...}) and not a TensorRT-LLM '
+        "server (no /prometheus/metrics with trtllm_ metrics)"
     )
 
 
