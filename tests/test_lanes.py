@@ -155,3 +155,26 @@ def test_modules_sharing_engine_servers_are_one_xdist_unit() -> None:
     assert work_unit("tests/test_writer.py::test_a[x]") == work_unit("tests/test_writer.py::test_b") == (
         "tests/test_writer.py"
     )
+
+
+def test_last_failed_reruns_only_the_failed_tests(project: pytest.Pytester) -> None:
+    """pytest's cache is on (nothing in pyproject.toml's addopts or .ci/run turns it off): after a run with one
+    failure, ``--lf`` runs that test alone."""
+    project.makepyfile(
+        test_mixed=(
+            "import pytest\npytestmark = pytest.mark.dev\n"
+            "def test_ok(): pass\n"
+            "def test_also_ok(): pass\n"
+            "def test_broken(): assert 1 == 2\n"
+        )
+    )
+    project.runpytest().assert_outcomes(passed=2, failed=1)
+    rerun = project.runpytest("--lf", "-v")
+    rerun.assert_outcomes(failed=1)  # the two that passed are not run (pytest 9 does not even collect them)
+    rerun.stdout.fnmatch_lines(["run-last-failure: rerun previous 1 failure*", "*test_mixed.py::test_broken FAILED*"])
+    assert "::test_ok" not in rerun.stdout.str() and "::test_also_ok" not in rerun.stdout.str()
+    root = TESTS.parent
+    addopts = re.search(r"^addopts = (.*)$", (root / "pyproject.toml").read_text(), re.M)
+    assert addopts is not None and "cacheprovider" not in addopts.group(1)
+    assert "cacheprovider" not in (root / ".ci" / "run").read_text()
+    assert ".pytest_cache/" in (root / ".gitignore").read_text().splitlines()
