@@ -213,9 +213,7 @@ def train(
     from mtpquant.heal.precision import master_weights
 
     master, _ = master_weights(quant, src, storage)
-    appended = quant.spec.family.mtp.appended is not None
-    return train_layer(quant.config, master, storage, data, shared, schedule, appended=appended, device=device,
-                       progress=progress)
+    return train_layer(quant.config, master, storage, data, shared, schedule, device=device, progress=progress)
 
 
 def train_layer(
@@ -226,19 +224,21 @@ def train_layer(
     shared: tuple[Tensor, Tensor],
     schedule: Schedule,
     *,
-    appended: bool = False,
     device: torch.device,
     progress: bool = True,
 ) -> tuple[dict[str, Tensor], TrainLog]:
     """``train``'s work on the MTP weights ``master`` (float32, checkpoint names) of a model with ``config``, stored
     as ``storage`` says (each quantized Linear fake-quantized in its own format): also the precision search's heal of
-    each finalist (``heal.finalists``). ``appended``: GLM / DeepSeek's appended layer (its state, buffers included, goes
-    back under the checkpoint's names, the head and embedding copies it does not read kept from ``master``)."""
+    each finalist (``heal.finalists``). An appended-layer MTP (GLM / DeepSeek, the registry's ``MtpLayout.appended``)
+    goes back as its whole state, buffers included, under the checkpoint's names, with the head and embedding copies
+    it does not read kept from ``master``."""
+    from mtpquant.families import resolve
     from mtpquant.heal.qat import quantize_for_training
     from mtpquant.mtp.build import reference_mtp
     from mtpquant.mtp.names import checkpoint_name
     from mtpquant.mtp.quantize import per_expert_weights
 
+    appended = resolve(config).family.mtp.appended is not None  # as reference_mtp resolves it
     torch.manual_seed(schedule.seed)
     layer: Any = reference_mtp(config, master, dtype=torch.float32, device=device)
     embed, head = shared
