@@ -137,8 +137,15 @@ def quantize_for_training(layer: nn.Module, storage: MtpStorage, calibrate: Call
     def rename(name: str) -> str:
         return module_name(layer, name)
 
+    config = fake_quant_config(storage, fused, rename)
     with modelopt_quiet(progress=False), torch.no_grad():
-        mtq.quantize(layer, fake_quant_config(storage, fused, rename), calibrate)
+        mtq.quantize(layer, config, calibrate)
+    # modelopt matches quantizer names as patterns: one that names no quantizer of the layer is silently skipped
+    wanted = {e["quantizer_name"] for e in config["quant_cfg"] if e.get("cfg")}
+    enabled = {name for name, mod in layer.named_modules() if getattr(mod, "is_enabled", False) is True}
+    if wanted != enabled:
+        odd = sorted(wanted ^ enabled)[0]
+        raise RuntimeError(f"internal: heal's fake quantization would not match QUANT's quantized Linears ({odd})")
     if storage.activations:
         scales: dict[str, float] = {}  # input quantizer -> its amax from QUANT's input scale (a fused bank's: largest)
         for module in storage.quantized:
