@@ -28,10 +28,6 @@ CT = (
     "--format compressed-tensors --mtp quantize stores OUT's MTP as compressed-tensors NVFP4; heal writes back BF16, "
     "ModelOpt NVFP4 and ModelOpt FP8 per tensor (use --format modelopt, or --mtp keep)"
 )
-GLM_QUANTIZE = (
-    "--mtp quantize: heal trains the GLM-4.5 / 4.6 / 4.7 / 4.5-Air MTP in BF16 only yet (use --mtp keep); nothing was "
-    "converted"
-)
 MEMORY = (
     "--heal: --max-memory cpu=1MiB leaves the model's first weights (the embedding, 1.05 MB) on disk, where "
     "modelopt's export cannot run the model from: they and the room accelerate keeps for one layer need 2.69 MB "
@@ -40,7 +36,6 @@ MEMORY = (
 # (SRC, extra flags, exit code, the one line): each converted in full and then refused by heal before
 CASES = {
     "qwen4_exp-extract": (Q4, ["--mtp", "extract"], ExitCode.HEAL_REFUSED, NO_HEAL.format("extract")),
-    "glm-quantize": (TINY_MTP_ASSETS["glm4_moe"], ["--mtp", "quantize"], ExitCode.HEAL_REFUSED, GLM_QUANTIZE),
     "mtp-drop": (ASSET, ["--mtp", "drop"], ExitCode.HEAL_REFUSED, NO_HEAL.format("drop")),
     "mtp-extract": (ASSET, ["--mtp", "extract"], ExitCode.HEAL_REFUSED, NO_HEAL.format("extract")),
     "ct-quantize": (ASSET, ["--format", "compressed-tensors", "--mtp", "quantize"], ExitCode.HEAL_REFUSED, CT),
@@ -82,6 +77,17 @@ def test_convert_heal_refused_at_plan_time(
     argv = ["convert", str(src), str(out), "--heal", "--device", "cpu", *flags, *(["--dry-run"] if dry_run else [])]
     assert _refused(capsys, argv) == (code, text)
     assert list(tmp_path.iterdir()) == []  # nothing written, not even beside OUT
+
+
+def test_quantized_appended_layer_mtp_is_planned(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--mtp quantize --heal`` of an appended-layer family (GLM-4.5, DeepSeek-V3) is no longer refused: heal trains
+    its NVFP4 MTP with fake quantization (``tests/test_heal_nextn.py``); the dry run plans it and writes nothing."""
+    for key in ("glm4_moe", "deepseek_v3"):
+        out = tmp_path / key
+        argv = ["-q", "convert", str(TINY_MTP_ASSETS[key]), str(out), "--heal", "--mtp", "quantize", "--device", "cpu",
+                "--dry-run"]  # fmt: skip
+        assert cli(argv) == 0, capsys.readouterr().err
+        assert not out.exists()
 
 
 def test_source_without_mtp(tmp_path: Path, capsys: pytest.CaptureFixture[str], no_work: None) -> None:

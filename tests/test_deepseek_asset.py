@@ -48,3 +48,22 @@ def test_the_asset_has_the_tiny_variants_tensor_set(tiny_factory: Callable[[str]
     tiny = Checkpoint.open(tiny_factory("deepseek_v3"), strict=True)
     assert sorted(ckpt.tensors) == sorted(tiny.tensors)
     assert {n: e.dtype for n, e in ckpt.tensors.items()} == {n: e.dtype for n, e in tiny.tensors.items()}
+
+
+@pytest.mark.slow
+def test_validate_measures_the_asset_and_its_nvfp4_quant_above_1_3(tmp_path: Path) -> None:
+    """``mtpquant validate ASSET QUANT`` (the built-in replay, greedy, vLLM's rule) on the asset's
+    ``convert --mtp quantize`` quant: AL at k = 1 of at least 1.3 on both sides, measured now from the weights (not
+    the number training.json recorded), so a regressed asset fails here (docs/BENCHMARKS.md: 1.590 / 1.526 on 32
+    prompts)."""
+    from mtpquant.convert.run import ConvertOptions, convert
+    from mtpquant.validate.run import ValidateOptions, validate
+
+    quant = tmp_path / "quantize"
+    convert(ConvertOptions(src=str(ASSET), out=quant, mtp="quantize", calib_samples=8, calib_seq_len=64, device="cpu",
+                           progress=False))  # fmt: skip
+    report = validate(ValidateOptions(ASSET, quant, num_prompts=16, k=1, device="cpu", progress=False)).to_json()
+    al = {side: report[side]["acceptance"]["by_k"][0] for side in ("reference", "candidate")}
+    assert all(row["k"] == 1 for row in al.values())
+    assert al["reference"]["mean_acceptance_length"] >= 1.3, al
+    assert al["candidate"]["mean_acceptance_length"] >= 1.3, al

@@ -4,11 +4,12 @@ GLM's decoder block, the chain reading the pre-norm stream as vLLM's ``Glm4MoeMT
 checkpoint's names (routed experts per expert, the router's ``e_score_correction_bias`` F32), and measured better on
 held-out prompts; the same for the tiny DeepSeek-V3-layout model (its MLA block on the CPU through transformers'
 ``DeepseekV3DecoderLayer``, the chain reading ``shared_head.norm``'s output as vLLM's ``DeepSeekMTP`` does; no
-trained asset: its random MTP accepts nothing before the heal); a quantized appended-layer MTP is refused before
-anything loads."""
+trained asset: its random MTP accepts nothing before the heal); the trained DeepSeek-V3 asset's NVFP4 MTP
+(``--mtp quantize``) heals with modelopt's fake quantization and goes back NVFP4."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,7 +18,6 @@ import pytest
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.convert.run import ConvertOptions, convert
 from mtpquant.diagnose.report import inspect_checkpoint
-from mtpquant.errors import HealRefusedError
 from mtpquant.heal.options import HealOptions
 from mtpquant.heal.run import heal
 from mtpquant.synth.train import TINY_MTP_ASSETS
@@ -64,14 +64,68 @@ def test_heal_trains_the_glm_mtp_and_the_held_out_al_rises(quants: dict[str, Pat
     assert inspect_checkpoint(out).healthy
 
 
-def test_a_quantized_appended_layer_mtp_is_refused(quants: dict[str, Path], tmp_path: Path) -> None:
-    opts = HealOptions(quant=str(quants["quantize"]), source=str(SOURCE), out=tmp_path / "healed", device="cpu",
-                       progress=False)  # fmt: skip
-    said = r"heal trains the GLM-4.5 / 4.6 / 4.7 / 4.5-Air MTP in BF16 only yet, and this one is quantized \(F8_E4M3"
-    with pytest.raises(HealRefusedError, match=said):
-        heal(opts)
-    assert not (tmp_path / "healed").exists()
+def test_heal_trains_the_quantized_deepseek_mtp_and_writes_it_back_nvfp4(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The trained DeepSeek-V3-layout asset's ``--mtp quantize`` quant (its routed and shared experts NVFP4 W4A4,
+    eh_proj / MLA / router BF16) heals through modelopt's fake quantization on exactly its NVFP4 Linears (the
+    appended layer's names mapped by the layer itself), trains from SRC's BF16 MTP, and goes back in the same
+    layout: every MTP tensor in QUANT's dtype and shape, the NVFP4 Linears re-quantized (their input scales QUANT's
+    own bytes, gate and up of each expert sharing one global scale as modelopt exports them), the copies and the
+    router's correction bias unchanged, every tensor outside the MTP and the quant config byte for byte."""
+    source = TINY_MTP_ASSETS["deepseek_v3"]
+    quant = tmp_path / "quantize"
+    convert(ConvertOptions(src=str(source), out=quant, mtp="quantize", **CALIB))  # type: ignore[arg-type]
+    before = Checkpoint.open(quant, strict=True)
+    nvfp4 = sorted(e.name[: -len(".weight")] for e in before.mtp_tensors() if e.dtype == "U8")
+    assert len(nvfp4) == 15  # 4 routed experts and the shared expert, gate / up / down each
+    out = tmp_path / "healed"
+    # --force: written whatever the check says (a quant whose MTP is barely hurt may not heal beyond noise)
+    opts = HealOptions(quant=str(quant), source=str(source), out=out, samples=32, check_prompts=24, steps=40,
+                       force=True, device="cpu", progress=False)  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="mtpquant.heal.qat"):
+        result = heal(opts)
+    assert f"modelopt fake quantization on {len(nvfp4)} MTP Linears (NVFP4 (W4A4))" in caplog.text
+    assert result.plan.storage.fmt == "nvfp4" and result.plan.master == "SRC"
+    assert sorted(result.plan.storage.quantized) == nvfp4
+    assert result.check is not None and result.training is not None
+    assert result.training.last_loss < result.training.first_loss
+    after = Checkpoint.open(out, strict=True)
+    assert {n: (e.dtype, e.shape) for n, e in before.tensors.items()} == {
+        n: (e.dtype, e.shape) for n, e in after.tensors.items()
+    }
+    changed = {n for n in before.tensors if before.read_raw(before.tensors[n]) != after.read_raw(after.tensors[n])}
+    mtp = {e.name for e in before.mtp_tensors()}
+    assert changed <= mtp  # the trunk byte for byte
+    for m in nvfp4:
+        assert {m + ".weight", m + ".weight_scale"} <= changed, m  # re-quantized from the trained weights
+        assert m + ".input_scale" not in changed  # QUANT's own activation scale, which training used
+    untouched = {"model.layers.2.shared_head.head.weight", "model.layers.2.embed_tokens.weight",
+                 "model.layers.2.mlp.gate.e_score_correction_bias"}  # fmt: skip
+    assert not untouched & changed
+    assert {"model.layers.2.eh_proj.weight", "model.layers.2.self_attn.q_a_proj.weight"} <= changed
+    for name in ("config.json", "hf_quant_config.json"):
+        assert (out / name).read_bytes() == (quant / name).read_bytes()
+    # the format as declared: every NVFP4 Linear decodes with its scales; one global scale per modelopt group (gate
+    # and up of one MLP, down alone) = the group's max|W| / (6 x 448), so the group's largest block scale is E4M3's 448
+    from mtpquant.formats.nvfp4 import dequantize_nvfp4
 
+    groups: dict[str, list[str]] = {}
+    for m in nvfp4:
+        stem, _, proj = m.rpartition(".")
+        groups.setdefault(f"{stem}.{'down' if proj == 'down_proj' else 'gate_up'}", []).append(m)
+    for group, members in groups.items():
+        scales_2 = {after.read_raw(after.tensors[m + ".weight_scale_2"]) for m in members}
+        assert len(scales_2) == 1, group
+        largest = 0.0
+        for m in members:
+            packed, scale = after.read_tensor(m + ".weight"), after.read_tensor(m + ".weight_scale")
+            w = dequantize_nvfp4(packed, scale, after.read_tensor(m + ".weight_scale_2"))
+            assert w.shape == (packed.shape[0], 2 * packed.shape[1]) and bool(w.isfinite().all()), m
+            largest = max(largest, float(scale.float().max()))
+        assert 416 <= largest <= 448, (group, largest)  # E4M3's two largest values: rounding of 448
+    report = inspect_checkpoint(out)
+    assert report.healthy and report.mtp_precision == inspect_checkpoint(quant).mtp_precision
 
 
 def test_heal_trains_the_deepseek_mtp_and_writes_back_only_its_trained_tensors(

@@ -384,7 +384,7 @@ DEEPSEEK_V3 = _family(
     lineage_keys=_DEEPSEEK_LINEAGE,
     nextn_architecture=NEXTN_STANDALONE,
     mtp_forward=True,
-    # a BF16 MTP (heal.support.check_storage): the MLA block trains on the CPU through transformers' decoder layer
+    # BF16 or NVFP4 / FP8 (heal.qat): the MLA block trains on the CPU through transformers' decoder layer
     mtp_heal=True,
     convert=True,
 )
@@ -446,7 +446,7 @@ GLM4_MOE = _family(
     lineage_keys=("head_dim", "n_routed_experts", "n_shared_experts", "first_k_dense_replace", "use_qk_norm",
                   "attention_bias"),
     mtp_forward=True,
-    mtp_heal=True,  # a BF16 MTP (heal.support.check_storage): the appended-layer forward trains as Qwen3's does
+    mtp_heal=True,  # BF16 or NVFP4 / FP8 (heal.qat): the appended-layer forward trains as Qwen3's does
     convert=True,
 )
 # GLM-5.3-Flash: the text tower under model.language_model.; vLLM's Glm5NextMTP strips that prefix (mtp.py 332-337)

@@ -25,7 +25,7 @@ from mtpquant.errors import (
 )
 from mtpquant.heal.options import SAMPLED, HealOptions
 from mtpquant.heal.precision import MtpStorage, mtp_storage
-from mtpquant.heal.support import check_family, check_storage, mtp_input_streams, plan_target_memory, training_bytes
+from mtpquant.heal.support import check_family, mtp_input_streams, plan_target_memory, training_bytes
 from mtpquant.runtime.machine import DTYPE_BYTES, compute_dtype, resolve_device
 from mtpquant.units import format_bytes
 
@@ -188,7 +188,6 @@ def plan_heal(options: HealOptions) -> tuple[HealPlan, Checkpoint, Checkpoint, C
             f"`mtpquant graft {quant.label} --from SRC`"
         )
     check_family(quant.spec.family, quant.label)
-    check_storage(quant.spec.family, (e.dtype for e in quant.mtp_tensors()), quant.label)
     # a quantized Linear keeps its .weight name (ModelOpt), or stores .weight_packed (compressed-tensors)
     missing = sorted(
         n for n in quant.spec.expected_mtp_shapes(present)

@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import tempfile
-from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mtpquant.checkpoint.header import FLOAT_DTYPES
 from mtpquant.errors import GraftError, HealRefusedError, MemoryPlanError
 from mtpquant.families import Family
 from mtpquant.heal.options import HealOptions
@@ -30,7 +28,6 @@ __all__ = [
     "WRITES_BACK",
     "check_convert",
     "check_family",
-    "check_storage",
     "mtp_input_streams",
     "plan_target_memory",
     "target_blocks",
@@ -47,18 +44,6 @@ def check_family(family: Family, label: str, then: str = "the quant is left as i
     through its ``step``, ``mtp.step.MtpForward``); ``then``: what the user is told happens instead."""
     if not family.mtp_heal:
         raise HealRefusedError(f"{label}: heal does not train the {family.display} MTP yet; {then}")
-
-
-def check_storage(family: Family, dtypes: Iterable[str], label: str) -> None:
-    """Refuse a quantized appended-layer MTP (GLM, DeepSeek): heal trains it in BF16 only (``dtypes``: those of
-    QUANT's MTP tensors)."""
-    stored = sorted(set(dtypes) - FLOAT_DTYPES)
-    if family.mtp.appended is not None and stored:
-        raise HealRefusedError(
-            f"{label}: heal trains the {family.display} MTP in BF16 only yet, and this one is quantized "
-            f"({', '.join(stored)} tensors); heal the "
-            "--mtp keep output (or graft the source's MTP back with `mtpquant graft --replace`)"
-        )
 
 
 def mtp_input_streams(quant: Checkpoint) -> int:
@@ -123,11 +108,6 @@ def check_convert(
         raise HealRefusedError(
             f"--mtp {mode} leaves OUT without its MTP, so --heal would have nothing to heal (use --mtp keep or "
             "--mtp quantize)"
-        )
-    if mode == "quantize" and src.spec.family.mtp.appended is not None:
-        raise HealRefusedError(
-            f"--mtp quantize: heal trains the {src.spec.family.display} MTP in BF16 only yet (use --mtp keep); "
-            "nothing was converted"
         )
     if output_format == "compressed-tensors" and mode == "quantize":
         raise HealRefusedError(

@@ -213,9 +213,7 @@ def train(
     from mtpquant.heal.precision import master_weights
 
     master, _ = master_weights(quant, src, storage)
-    appended = quant.spec.family.mtp.appended is not None
-    return train_layer(quant.config, master, storage, data, shared, schedule, appended=appended, device=device,
-                       progress=progress)
+    return train_layer(quant.config, master, storage, data, shared, schedule, device=device, progress=progress)
 
 
 def train_layer(
@@ -226,33 +224,40 @@ def train_layer(
     shared: tuple[Tensor, Tensor],
     schedule: Schedule,
     *,
-    appended: bool = False,
     device: torch.device,
     progress: bool = True,
 ) -> tuple[dict[str, Tensor], TrainLog]:
     """``train``'s work on the MTP weights ``master`` (float32, checkpoint names) of a model with ``config``, stored
     as ``storage`` says (each quantized Linear fake-quantized in its own format): also the precision search's heal of
-    each finalist (``heal.finalists``). ``appended``: GLM / DeepSeek's appended layer (BF16, no fake quantization)."""
+    each finalist (``heal.finalists``). An appended-layer MTP (GLM / DeepSeek, the registry's ``MtpLayout.appended``)
+    goes back as its whole state, buffers included, under the checkpoint's names, with the head and embedding copies
+    it does not read kept from ``master``."""
+    from mtpquant.families import resolve
     from mtpquant.heal.qat import quantize_for_training
     from mtpquant.mtp.build import reference_mtp
     from mtpquant.mtp.names import checkpoint_name
     from mtpquant.mtp.quantize import per_expert_weights
 
+    appended = resolve(config).family.mtp.appended is not None  # as reference_mtp resolves it
     torch.manual_seed(schedule.seed)
     layer: Any = reference_mtp(config, master, dtype=torch.float32, device=device)
     embed, head = shared
-    # GLM / DeepSeek: the appended layer (``mtp.nextn.NextnMtp``), BF16 in QUANT (support.py): no fake quantization
-    if not appended:
 
-        def calibrate(module: nn.Module) -> None:
-            rows = data.batch(range(min(schedule.batch_size, data.sequences)), device)
-            module(rows.mtp_hidden[:, :-1].float(), F.embedding(rows.tokens[:, 1:], embed).float())
+    def calibrate(module: nn.Module) -> None:
+        rows = data.batch(range(min(schedule.batch_size, data.sequences)), device)
+        module(rows.mtp_hidden[:, :-1].float(), F.embedding(rows.tokens[:, 1:], embed).float())
 
-        quantize_for_training(cast(nn.Module, layer), storage, calibrate)
+    # every family's layer (Qwen's, the appended GLM / DeepSeek one) names QUANT's Linears through mtp.names
+    quantize_for_training(cast(nn.Module, layer), storage, calibrate)
     log_ = distill(layer, data, embed, head, schedule, device=device, progress=progress)
     if appended:  # its weights under the checkpoint's names, experts per expert; the copies it does not read kept
-        state = {checkpoint_name(layer, n): t.detach().float().cpu() for n, t in layer.state_dict().items()}
-        trained = per_expert_weights(state)
-        return {**master, **{n: t.contiguous() for n, t in trained.items()}}, log_
+        # the state (the router's correction bias is a buffer) without modelopt's quantizer state (amax)
+        state = {checkpoint_name(layer, n): t.detach().float().cpu() for n, t in layer.state_dict().items()
+                 if "_quantizer" not in n}
+        trained = {n: t.contiguous() for n, t in per_expert_weights(state).items()}
+        odd = sorted(set(trained) - set(master))
+        if odd:
+            raise RuntimeError(f"internal: the trained appended MTP has {odd[0]}, which the checkpoint has not")
+        return {**master, **trained}, log_
     named = cast(nn.Module, layer).named_parameters()
     return {checkpoint_name(layer, n): p.detach().float().cpu() for n, p in named}, log_
