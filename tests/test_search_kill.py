@@ -3,9 +3,10 @@ directory, QUANT locked and snapshotted before anything is measured, ``--in-plac
 
 The quant is a keep convert of the trained tiny Qwen3.5; the search is small and its budget (10 AL) one every
 configuration meets, so finalists exist and ``--heal`` trains them. A child process (``tests/support/kills.py``) with
-TMPDIR pointed at an empty folder is killed at a named step; what it leaves is read from the file system: nothing
-beside OUT but its partial directory (the one the next run's clean-up finds) and its lock file, nothing in TMPDIR over
-1 MB; the next run cleans it and succeeds.
+TMPDIR pointed at an empty folder is killed (SIGKILL) at a named step; a poller in the test reads the file system
+every 20 ms while the child runs (TMPDIR's size, the names beside OUT) and what it leaves is read afterwards: nothing
+beside OUT but its partial directory (the one the next run's clean-up finds) and its lock file at any poll, TMPDIR
+never over 1 MB; the next run cleans it and succeeds.
 """
 
 from __future__ import annotations
@@ -16,7 +17,10 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -91,41 +95,93 @@ _DRIVER = KILL_PRELUDE + textwrap.dedent(
 )
 
 
+@dataclass
+class Watched:
+    """A child run and what a poller saw while it ran (every ``POLL`` seconds): TMPDIR's largest size and every name
+    that appeared beside OUT (and in the child's empty working directory)."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+    tmp_peak: int
+    seen_beside: set[str]
+    polls: int
+
+    @property
+    def tags(self) -> list[str]:
+        """The wrapped steps the child went through (the driver prints them when it finishes)."""
+        lines = self.stdout.strip().splitlines()
+        return list(json.loads(lines[-1])["tags"]) if lines else []
+
+
+POLL = 0.02
+
+
 def _child(
-    tmp: Path, argv: list[str], hook: tuple[str, str, str] | None, tmpdir: Path, *, untrained: bool = False
-) -> subprocess.CompletedProcess[str]:
+    tmp: Path, argv: list[str], hook: tuple[str, str, str] | None, tmpdir: Path, *, untrained: bool = False,
+    kill_at: int = 1, final: Path | None = None,
+) -> Watched:
+    """Run the driver in a child with TMPDIR ``tmpdir`` and an empty working directory, killed at the ``kill_at``-th
+    call of ``hook`` (None: run to the end); poll TMPDIR's size and what sits beside ``final`` while it runs."""
     script = tmp / "driver.py"
     script.write_text(_DRIVER)
-    env = {**os.environ, "TMPDIR": str(tmpdir), "TQDM_DISABLE": "1"}
-    arg = json.dumps({"argv": argv, "hook": hook, "kill_at": 1 if hook else 0, "untrained": untrained})
-    return subprocess.run([sys.executable, str(script), arg], capture_output=True, text=True, timeout=600, env=env,
-                          cwd=Path(__file__).resolve().parents[1])  # fmt: skip
+    cwd = tmp / "cwd"
+    cwd.mkdir(exist_ok=True)
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TMPDIR": str(tmpdir), "TQDM_DISABLE": "1", "PYTHONPATH": str(repo)}
+    arg = json.dumps({"argv": argv, "hook": hook, "kill_at": kill_at if hook else 0, "untrained": untrained})
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen([sys.executable, str(script), arg], stdout=out, stderr=err, text=True, env=env,
+                                cwd=cwd)  # fmt: skip
+        peak, seen, polls, start = 0, set(), 0, time.monotonic()
+        while proc.poll() is None:
+            assert time.monotonic() - start < 900, "the child ran past 15 minutes"
+            try:
+                peak = max(peak, du(tmpdir))
+                seen |= set(beside(final)) if final is not None else set()
+                seen |= {"cwd/" + p.name for p in cwd.iterdir()}
+            except FileNotFoundError:  # a file removed while it was walked: the next poll sees the rest
+                pass
+            polls += 1
+            time.sleep(POLL)
+        peak = max(peak, du(tmpdir))
+        out.seek(0)
+        err.seek(0)
+        return Watched(proc.returncode, out.read(), err.read(), peak, seen, polls)
 
 
 def test_tune_mtp_heal_scratch_lives_in_outs_partial_directory(keep: Path, tmp_path: Path) -> None:
-    """Killed as it heals its first finalist (the heal data collected): beside OUT only OUT's partial directory,
-    which holds the search's scratch (the heal data); TMPDIR under 1 MB. The next run removes it, succeeds, and
-    leaves nothing beside OUT; TMPDIR still under 1 MB. (Each finalist is "healed" without a training step here:
-    what is measured is where the files go, and heal's training writes none; tests/test_search_heal.py trains.)"""
+    """Killed (SIGKILL) as it heals its second finalist (the first one trained, heal's data collected): beside OUT only
+    OUT's partial directory, which holds the search's scratch (the heal data); TMPDIR, polled every 20 ms while the
+    child ran, never above 1 MB, and nothing appeared beside OUT but its partial directory at any poll. The next run
+    (every finalist trained, polled the same way) removes it, succeeds, and leaves nothing beside OUT; TMPDIR never
+    above 1 MB. The child's working directory stays empty throughout."""
     out = tmp_path / "work" / "tuned"
     out.parent.mkdir()
     tmpdir = tmp_path / "tmpdir"
     tmpdir.mkdir()
     argv = ["tune-mtp", str(keep), "--from", str(TINY_MTP_ASSET), "--out", str(out), "--device", "cpu", *SEARCH,
             *HEAL]  # fmt: skip
-    killed = _child(tmp_path, argv, ("mtpquant.heal.finalists", "FinalistHealer", "heal"), tmpdir, untrained=True)
-    assert killed.returncode == -9, killed.stderr[-3000:]
+    partial = f".{out.name}{PARTIAL_MARK}"
+    killed = _child(tmp_path, argv, ("mtpquant.heal.finalists", "FinalistHealer", "heal"), tmpdir, kill_at=2,
+                    final=out)  # fmt: skip
+    assert killed.returncode == -9, killed.stderr[-3000:]  # killed mid-run: in its second heal, after the first
+    assert killed.polls > 10  # the poller watched the run
     left = beside(out)
-    assert len(left) == 1 and left[0].startswith(f".{out.name}{PARTIAL_MARK}"), left
+    assert len(left) == 1 and left[0].startswith(partial), left
+    assert all(n.startswith(partial) for n in killed.seen_beside), killed.seen_beside
     scratch = out.parent / left[0] / ".search-scratch" / "heal-data"
     assert scratch.is_dir() and du(scratch) > 0  # the heal data, where the clean-up finds it
-    assert du(tmpdir) <= MB, sorted(p.name for p in tmpdir.rglob("*"))
-    done = _child(tmp_path, argv, None, tmpdir, untrained=True)
+    assert killed.tmp_peak <= MB, (killed.tmp_peak, sorted(p.name for p in tmpdir.rglob("*")))
+    done = _child(tmp_path, argv, None, tmpdir, final=out)
     assert done.returncode == 0 and json.loads(done.stdout.strip().splitlines()[-1])["code"] == 0, done.stderr[-3000:]
     assert beside(out) == [] and not (out / ".search-scratch").exists()
-    assert du(tmpdir) <= MB, sorted(p.name for p in tmpdir.rglob("*"))
+    assert all(n.startswith(partial) for n in done.seen_beside), done.seen_beside
+    assert done.tmp_peak <= MB, (done.tmp_peak, sorted(p.name for p in tmpdir.rglob("*")))
+    assert not any((tmp_path / "cwd").iterdir())
     report = json.loads((out / "mtp_search/report.json").read_text())
-    assert report["healed"]  # the finalists were healed
+    healed = [j for j in report["evaluated"] if j["role"] == "healed"]
+    assert report["healed"] and len(healed) >= 2  # every finalist healed, the killed run reached the second
 
 
 def test_tune_mtp_in_place(keep: Path, tmp_path: Path) -> None:
@@ -176,12 +232,15 @@ def test_tune_mtp_in_place_killed_during_the_search(keep: Path, tmp_path: Path) 
     tmpdir.mkdir()
     before = tree(quant)
     argv = ["tune-mtp", str(quant), "--from", str(TINY_MTP_ASSET), "--in-place", "--device", "cpu", *SEARCH]
-    killed = _child(tmp_path, argv, ("mtpquant.search.run", "", "search"), tmpdir)
+    killed = _child(tmp_path, argv, ("mtpquant.search.run", "", "search"), tmpdir, final=quant)
     assert killed.returncode == -9, killed.stderr[-3000:]
     assert tree(quant) == before
     left = beside(quant)
-    assert len(left) == 1 and left[0].startswith(f".{quant.name}{PARTIAL_MARK}"), left
-    done = _child(tmp_path, argv, None, tmpdir)
+    partial = f".{quant.name}{PARTIAL_MARK}"
+    assert len(left) == 1 and left[0].startswith(partial), left
+    assert all(n.startswith(partial) for n in killed.seen_beside) and killed.tmp_peak <= MB
+    done = _child(tmp_path, argv, None, tmpdir, final=quant)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert all(n.startswith(partial) for n in done.seen_beside) and done.tmp_peak <= MB
     assert beside(quant) == [] and digests(quant, mtp=False) == digests(keep, mtp=False)
     assert digests(quant, mtp=True) != digests(keep, mtp=True)

@@ -11,6 +11,7 @@ the report names the group the recipe fixed. ``--recipe`` replaces QUANT's recip
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import json
 from pathlib import Path
@@ -18,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from mtpquant.api import ConvertOptions, SearchSettings, TuneOptions, convert, tune_mtp
+from mtpquant.api import ConvertOptions, SearchSettings, TuneOptions, convert, inspect_checkpoint, tune_mtp
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.cli import main as cli
 from mtpquant.synth.train import TINY_MTP_ASSETS
@@ -57,6 +58,16 @@ def test_tune_mtp_keeps_what_quants_recipe_excludes(keep: Path, tmp_path: Path) 
     out = Checkpoint.open(tmp_path / "tuned")
     src = _experts(Checkpoint.open(MOE))
     assert len(src) == 12 and _experts(out) == src  # SRC's BF16 bytes, and no scale beside them
+    assert {e.dtype for e in out.mtp_tensors() if ".mlp.experts." in e.name} == {"BF16"}
+    # declared unquantized, as the engines read the declaration: excluded by name, or absent from MIXED_PRECISION's
+    # quantized layers
+    modules = {n.rsplit(".", 1)[0] for n in src}
+    hfq = json.loads((tmp_path / "tuned" / "hf_quant_config.json").read_text())["quantization"]
+    if hfq["quant_algo"] == "MIXED_PRECISION":
+        assert not modules & set(hfq["quantized_layers"]), hfq["quantized_layers"]
+    else:
+        assert all(any(fnmatch.fnmatch(m, pat) for pat in hfq["exclude_modules"]) for m in modules), hfq
+    assert inspect_checkpoint(tmp_path / "tuned").verdicts["vllm"].startswith("vLLM: MTP loads")
     report = json.loads((tmp_path / "tuned" / "mtp_search/report.json").read_text())
     assert report["fixed"] == ["experts"]
     assert len(report["selection_prompts"]) == len(report["confirmation_prompts"]) == 8
