@@ -138,9 +138,17 @@ def engine(
 
 
 def measure(path: Path, prompts: int, ks: tuple[int, ...], temperature: float, cache: Path) -> list[dict[str, Any]]:
-    """The engine beside the prediction on the same prompts and settings: one row per k (``PredictedRow``'s keys)."""
+    """The engine beside the prediction on the same prompts and settings: one row per k (``PredictedRow``'s keys).
+    The engine's rows are kept in ``--work`` too (``engine-*.json``), so a run that adds settings or checkpoints
+    (``--sampled``, ``--glm``) starts only the servers it has not run; delete them to measure again."""
     predicted = predict(path, prompts, ks, temperature, cache)
-    measured, label, seconds = engine(path, prompts, ks, temperature)
+    kept = cache.with_name(cache.name.replace("predicted-", "engine-", 1))
+    if kept.exists():
+        data = json.loads(kept.read_text())
+        measured, label, seconds = {int(k): v for k, v in data["by_k"].items()}, data["label"], data["seconds"]
+    else:
+        measured, label, seconds = engine(path, prompts, ks, temperature)
+        kept.write_text(json.dumps({"by_k": measured, "label": label, "seconds": seconds}, indent=1))
     return [{"sampling": {"temperature": temperature}, "label": label, "k": k, "predicted_al": predicted[k]["al"],
              "engine_al": e["al"], "difference": e["al"] - predicted[k]["al"],
              "predicted_acceptance_rate": predicted[k]["rate"], "engine_acceptance_rate": e["rate"],
@@ -230,7 +238,9 @@ def markdown(rows: list[dict[str, Any]], prompts: int, facts: dict[str, Any], se
         HEADING,
         "",
         f"Command: `flock /tmp/mtpquant-heavy.lock {command_line('bench_engine_agreement.py')}` on {today()} "
-        f"({seconds / 60:.1f} min).",
+        f"({seconds / 60:.1f} min; the engine runs, one validate per checkpoint and setting: "
+        f"{sum({(r['which'], r['label']): r['seconds'] for r in rows}.values()) / 60:.1f} min), the built-in "
+        "predictions computed first by the same command with `--predict-only` (no server, outside the lock).",
         "",
         machine_line(facts),
         "",
