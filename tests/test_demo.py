@@ -54,8 +54,8 @@ def test_demo_tells_the_whole_story_and_decides(tmp_path: Path, capsys: pytest.C
     profile = json.loads((quant / "validation" / "speculation_profile.json").read_text())
     assert profile["measurement_conditions"]["activations"] == "emulate"
     assert profile["mean_accept_length"] == pytest.approx(by_k[-1], abs=1e-9)
-    assert "NOT quantized" not in out and "activations emulated as the engines run them." in (
-        quant / "validation" / "report.md").read_text()
+    report_md = (quant / "validation" / "report.md").read_text()
+    assert "NOT quantized" not in out and "activations emulated as the engines run them." in report_md
     # the report's notes are printed, every one of them (twice: once per validation)
     notes = [line for line in out.splitlines() if line.startswith("note: ")]
     assert notes[len(notes) // 2 :] == [f"note: {n}" for n in report["notes"]]
