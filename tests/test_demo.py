@@ -53,7 +53,7 @@ def test_demo_tells_the_whole_story_and_decides(tmp_path: Path, capsys: pytest.C
     assert report["candidate"]["mtp"]["emulated_activations"] == []  # the kept MTP is BF16: nothing to emulate
     profile = json.loads((quant / "validation" / "speculation_profile.json").read_text())
     assert profile["measurement_conditions"]["activations"] == "emulate"
-    assert profile["mean_accept_length"] == pytest.approx(by_k[-1], abs=1e-9)
+    assert profile["mean_accept_length"] == pytest.approx(by_k[-1], abs=1e-6)  # the profile rounds to 6 places
     report_md = (quant / "validation" / "report.md").read_text()
     assert "NOT quantized" not in out and "activations emulated as the engines run them." in report_md
     # the report's notes are printed, every one of them (twice: once per validation)
