@@ -14,8 +14,11 @@ prompts (validate's default prompts and lengths: 128-token sequences, the prompt
 Options: ``--sampled`` adds T = 0.8 at k = 2 (one more server per checkpoint); ``--glm`` adds the trained tiny
 GLM-4.5-layout model (source, and its keep / quantize converts with the routed experts left BF16: vLLM's CPU build
 has no NVFP4 MoE kernel). ``--write`` replaces this benchmark's section of docs/BENCHMARKS.md. Engine runs are
-heavy: run it under ``flock /tmp/mtpquant-heavy.lock``.
+heavy: run them under ``flock /tmp/mtpquant-heavy.lock``. The built-in predictions are deterministic CPU work with no
+server: ``--predict-only`` computes them first (kept in ``--work``; a shared machine's lock then covers only the
+servers), and the run reads them from there.
 
+    .venv/bin/python scripts/bench_engine_agreement.py --work /tmp/agree --predict-only
     flock /tmp/mtpquant-heavy.lock .venv/bin/python scripts/bench_engine_agreement.py --work /tmp/agree --write
 """
 
@@ -25,7 +28,7 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -77,8 +80,49 @@ def checkpoints(work: Path, glm: bool) -> dict[str, Path]:
     return out
 
 
-def measure(path: Path, prompts: int, ks: tuple[int, ...], temperature: float) -> list[dict[str, Any]]:
-    """validate --engine vllm --compare-reference (defaults otherwise): one row per k."""
+def _per_k(acceptance: Any) -> dict[int, dict[str, Any]]:
+    """One acceptance's rows by k: AL, acceptance rate, per-position acceptance and steps."""
+    return {
+        r.k: {
+            "al": r.mean_acceptance_length,
+            "rate": r.acceptance_rate,
+            "per_position": list(r.acceptance_per_position),
+            "steps": r.num_steps,
+        }
+        for r in acceptance.by_k
+    }
+
+
+def _cached(cache: Path, compute: Callable[[], dict[int, dict[str, Any]]]) -> dict[int, dict[str, Any]]:
+    """``compute()``'s rows, kept in ``cache`` (JSON) so that a rerun, or the engine half of a run split with
+    ``--predict-only``, reads them instead of recomputing them (the prediction is deterministic)."""
+    if cache.exists():
+        return {int(k): v for k, v in json.loads(cache.read_text()).items()}
+    rows = compute()
+    cache.write_text(json.dumps(rows, indent=1))
+    return rows
+
+
+def predict(
+    path: Path, prompts: int, ks: tuple[int, ...], temperature: float, cache: Path
+) -> dict[int, dict[str, Any]]:
+    """validate's built-in prediction with its **default** settings (what ``--compare-reference`` runs beside the
+    engine: the same options, no engine), per k."""
+    from mtpquant.api import ValidateOptions, validate
+
+    def compute() -> dict[int, dict[str, Any]]:
+        report = validate(ValidateOptions(path, num_prompts=prompts, ks=ks, device="cpu", temperatures=(temperature,),
+                                          progress=False)).report  # fmt: skip
+        assert report.settings.activations == "emulate" and report.reference.acceptance is not None
+        return _per_k(report.reference.acceptance)
+
+    return _cached(cache, compute)
+
+
+def engine(
+    path: Path, prompts: int, ks: tuple[int, ...], temperature: float
+) -> tuple[dict[int, dict[str, Any]], str, float]:
+    """validate --engine vllm (defaults otherwise): vLLM's own counters per k, the setting's label, the seconds."""
     from mtpquant.api import ValidateOptions, validate
     from tests.support.engine import CONCURRENCY, CPU_ENV
     from tests.support.vllm_env import vllm_python
@@ -86,23 +130,44 @@ def measure(path: Path, prompts: int, ks: tuple[int, ...], temperature: float) -
     t0 = time.perf_counter()
     report = validate(ValidateOptions(path, num_prompts=prompts, ks=ks, device="cpu", engine="vllm",
                                       vllm_python=vllm_python(), env=CPU_ENV, concurrency=CONCURRENCY,
-                                      compare_reference=True, temperatures=(temperature,), progress=False)).report
-    assert report.predicted is not None and all(e.other_requests == 0 for e in report.engine)
-    seconds = time.perf_counter() - t0
-    return [{**r.to_json(), "seconds": seconds} for r in report.predicted.reference or ()]
+                                      temperatures=(temperature,), progress=False)).report  # fmt: skip
+    assert report.reference.acceptance is not None and all(e.other_requests == 0 for e in report.engine)
+    sampling = report.reference.acceptance.sampling
+    label = sampling.label if sampling is not None else f"T={temperature:g}"
+    return _per_k(report.reference.acceptance), label, time.perf_counter() - t0
 
 
-def old_prediction(path: Path, prompts: int, ks: tuple[int, ...]) -> dict[int, dict[str, Any]]:
+def measure(path: Path, prompts: int, ks: tuple[int, ...], temperature: float, cache: Path) -> list[dict[str, Any]]:
+    """The engine beside the prediction on the same prompts and settings: one row per k (``PredictedRow``'s keys).
+    The engine's rows are kept in ``--work`` too (``engine-*.json``), so a run that adds settings or checkpoints
+    (``--sampled``, ``--glm``) starts only the servers it has not run; delete them to measure again."""
+    predicted = predict(path, prompts, ks, temperature, cache)
+    kept = cache.with_name(cache.name.replace("predicted-", "engine-", 1))
+    if kept.exists():
+        data = json.loads(kept.read_text())
+        measured, label, seconds = {int(k): v for k, v in data["by_k"].items()}, data["label"], data["seconds"]
+    else:
+        measured, label, seconds = engine(path, prompts, ks, temperature)
+        kept.write_text(json.dumps({"by_k": measured, "label": label, "seconds": seconds}, indent=1))
+    return [{"sampling": {"temperature": temperature}, "label": label, "k": k, "predicted_al": predicted[k]["al"],
+             "engine_al": e["al"], "difference": e["al"] - predicted[k]["al"],
+             "predicted_acceptance_rate": predicted[k]["rate"], "engine_acceptance_rate": e["rate"],
+             "predicted_per_position": predicted[k]["per_position"], "engine_per_position": e["per_position"],
+             "engine_steps": e["steps"], "seconds": seconds} for k, e in sorted(measured.items())]  # fmt: skip
+
+
+def old_prediction(path: Path, prompts: int, ks: tuple[int, ...], cache: Path) -> dict[int, dict[str, Any]]:
     """The built-in prediction as validate made it by default before issue 43, per k."""
     from mtpquant.api import ValidateOptions, validate
 
-    with old_accounting():
-        report = validate(ValidateOptions(path, num_prompts=prompts, ks=ks, device="cpu", activations="off",
-                                          progress=False)).report
-    acc = report.reference.acceptance
-    assert acc is not None
-    return {r.k: {"al": r.mean_acceptance_length, "per_position": list(r.acceptance_per_position)}
-            for r in acc.by_k}  # fmt: skip
+    def compute() -> dict[int, dict[str, Any]]:
+        with old_accounting():
+            report = validate(ValidateOptions(path, num_prompts=prompts, ks=ks, device="cpu", activations="off",
+                                              progress=False)).report  # fmt: skip
+        assert report.reference.acceptance is not None
+        return _per_k(report.reference.acceptance)
+
+    return _cached(cache, compute)
 
 
 CAUSE = [
@@ -173,7 +238,9 @@ def markdown(rows: list[dict[str, Any]], prompts: int, facts: dict[str, Any], se
         HEADING,
         "",
         f"Command: `flock /tmp/mtpquant-heavy.lock {command_line('bench_engine_agreement.py')}` on {today()} "
-        f"({seconds / 60:.1f} min).",
+        f"({seconds / 60:.1f} min; the engine runs, one validate per checkpoint and setting: "
+        f"{sum({(r['which'], r['label']): r['seconds'] for r in rows}.values()) / 60:.1f} min), the built-in "
+        "predictions computed first by the same command with `--predict-only` (no server, outside the lock).",
         "",
         machine_line(facts),
         "",
@@ -209,10 +276,13 @@ def markdown(rows: list[dict[str, Any]], prompts: int, facts: dict[str, Any], se
     src = {r["k"]: r for r in qwen if "source" in r["which"] and r.get("old_al") is not None}
     if 3 in src:
         s3 = src[3]
-        lines += ["", f"On the BF16 source (nothing to quantize, so the old and new defaults differ only in the last "
-                  f"steps' accounting) vLLM's AL at k = 3 is {s3['engine_al']:.3f}: the old replay predicted "
-                  f"{s3['old_al']:.3f} ({s3['engine_al'] - s3['old_al']:+.3f}), the new one {s3['predicted_al']:.3f} "
-                  f"({s3['difference']:+.3f})."]
+        lines += [
+            "",
+            f"On the BF16 source (nothing to quantize, so the old and new defaults differ only in the last "
+            f"steps' accounting) vLLM's AL at k = 3 is {s3['engine_al']:.3f}: the old replay predicted "
+            f"{s3['old_al']:.3f} ({s3['engine_al'] - s3['old_al']:+.3f}), the new one {s3['predicted_al']:.3f} "
+            f"({s3['difference']:+.3f}).",
+        ]
     return "\n".join(lines)
 
 
@@ -227,8 +297,16 @@ def main() -> int:
     p.add_argument("--json", type=Path, help="also write the rows here")
     p.add_argument("--from-json", type=Path, help="render (and --write) the rows a run wrote with --json; run nothing")
     p.add_argument("--seconds", type=float, default=0.0, help="with --from-json: that run's wall time")
-    p.add_argument("--check-emulation", action="store_true",
-                   help="only compare mtpquant's NVFP4 activation emulation with vLLM's on the same inputs")
+    p.add_argument(
+        "--predict-only",
+        action="store_true",
+        help="only compute (and keep in --work) the built-in predictions: no engine runs, no lock needed",
+    )
+    p.add_argument(
+        "--check-emulation",
+        action="store_true",
+        help="only compare mtpquant's NVFP4 activation emulation with vLLM's on the same inputs",
+    )
     args = p.parse_args()
     if args.check_emulation:
         print(check_emulation())
@@ -242,17 +320,24 @@ def main() -> int:
     t0 = time.perf_counter()
     args.work.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
+    settings = [((1, 3), 0.0)] + ([((2,), 0.8)] if args.sampled else [])
     for which, path in checkpoints(args.work, args.glm).items():
-        old = {} if args.no_old else old_prediction(path, args.prompts, (1, 3))
-        for r in measure(path, args.prompts, (1, 3), 0.0):
-            rows.append({"which": which, **r, "old_al": old.get(r["k"], {}).get("al")})
-            print(json.dumps(rows[-1]), flush=True)
-        if args.sampled:
-            for r in measure(path, args.prompts, (2,), 0.8):
-                rows.append({"which": which, **r, "old_al": None})
+        tag = f"{path.name}-{args.prompts}"
+        old = {} if args.no_old else old_prediction(path, args.prompts, (1, 3), args.work / f"old-{tag}.json")
+        for ks, temperature in settings:
+            cache = args.work / f"predicted-{tag}-k{'_'.join(map(str, ks))}-T{temperature:g}.json"
+            if args.predict_only:
+                predict(path, args.prompts, ks, temperature, cache)
+                print(f"{which}: predicted {ks} at T = {temperature:g} ({cache})")
+                continue
+            for r in measure(path, args.prompts, ks, temperature, cache):
+                old_al = old.get(r["k"], {}).get("al") if temperature == 0 else None
+                rows.append({"which": which, **r, "old_al": old_al})
                 print(json.dumps(rows[-1]), flush=True)
-        if args.json:
+        if args.json and rows:
             args.json.write_text(json.dumps(rows, indent=1))
+    if args.predict_only:
+        return 0
     text = markdown(rows, args.prompts, machine(args.work), time.perf_counter() - t0)
     print(text)
     if args.write:

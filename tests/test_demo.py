@@ -47,6 +47,15 @@ def test_demo_tells_the_whole_story_and_decides(tmp_path: Path, capsys: pytest.C
     assert report["verdict"]["status"] == "pass" and report["settings"]["num_prompts"] == 64
     by_k = [row["mean_acceptance_length"] for row in report["candidate"]["acceptance"]["by_k"]]
     assert [f"{x:.3f}" for x in by_k] == [f"{x:.3f}" for x in al[1]]
+    # issue 43: the demo's numbers are the W4A4 quant's as the engines run it (activations emulated), and its
+    # profile says so; the opt-out's label appears nowhere
+    assert report["settings"]["activations"] == "emulate"
+    assert report["candidate"]["mtp"]["emulated_activations"] == []  # the kept MTP is BF16: nothing to emulate
+    profile = json.loads((quant / "validation" / "speculation_profile.json").read_text())
+    assert profile["measurement_conditions"]["activations"] == "emulate"
+    assert profile["mean_accept_length"] == pytest.approx(by_k[-1], abs=1e-6)  # the profile rounds to 6 places
+    report_md = (quant / "validation" / "report.md").read_text()
+    assert "NOT quantized" not in out and "activations emulated as the engines run them." in report_md
     # the report's notes are printed, every one of them (twice: once per validation)
     notes = [line for line in out.splitlines() if line.startswith("note: ")]
     assert notes[len(notes) // 2 :] == [f"note: {n}" for n in report["notes"]]
