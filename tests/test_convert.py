@@ -528,7 +528,7 @@ def test_hub_source_through_the_cli(
     argv = ["convert", "org/tiny-next", str(out), "--keep-mtp", "--calib-samples", "2", "--calib-seq-len", "32"]
     assert main(["-q", *argv, "--device", "cpu"]) == 0
     printed = capsys.readouterr().out
-    assert printed.startswith(f"wrote {out} (") and "verdict    vLLM, SGLang: MTP loads (BF16)" in printed
+    assert printed.startswith(f"wrote {out} (") and "verdict    vLLM, SGLang, TensorRT-LLM: MTP loads (BF16)" in printed
     # the Hub's own .gitattributes came down with the snapshot but is not part of the checkpoint
     assert (local_hub.repo_dir("org/tiny-next") / ".gitattributes").is_file()
     assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == []

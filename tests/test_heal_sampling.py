@@ -107,7 +107,7 @@ def test_heal_checks_each_setting_and_refuses_a_sampled_fall_unless_forced(
     code, err = one_error(capsys, "-q", "heal", *argv, "--in-place")
     assert code == ExitCode.HEAL_NOT_BETTER, err
     assert "the healed MTP is worse beyond noise at T=0 and T=0.8 on 16 held-out prompts" in err
-    assert "T=0.8 (worse): k=1: " in err and err.endswith("nothing written")
+    assert "T=0.8 (worse): k=1 " in err and err.endswith("nothing written")
     assert tree_state(quant) == before and leftovers(tmp_path) == []
     # --force: written, and the record says what the check found
     assert cli(["-q", "heal", *argv, "--out", str(tmp_path / "b"), "--force"]) == 0
