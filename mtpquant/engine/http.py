@@ -233,6 +233,14 @@ class EngineClientBase:
             for http in made:
                 http.close()
 
+    def listed_models(self, what: str) -> list[Any]:
+        """``GET /v1/models``'s ``data`` list (``what``: the server kind its error names); refuses one listing none."""
+        models = self.http.json("/v1/models", what=what)
+        data = models.get("data") if isinstance(models, dict) else None
+        if not isinstance(data, list) or not data:
+            raise EngineAnswerError(f"{self.url}/v1/models: no model listed")
+        return data
+
     def tokenize(self, model: str, text: str) -> list[int]:
         """The server's own tokenization of ``text`` without special tokens, as the built-in path tokenizes."""
         body = self.http.json("/tokenize", payload={"model": model, "prompt": text, "add_special_tokens": False})

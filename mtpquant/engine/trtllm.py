@@ -398,10 +398,7 @@ class TrtllmClient(_ClientBase):
         if text is None:
             raise EngineAnswerError(f"{self.url}: {PROBE_MISS}")
         version = self.http.json("/version", what="a TensorRT-LLM")
-        models = self.http.json("/v1/models", what="a TensorRT-LLM OpenAI")
-        data = models.get("data") if isinstance(models, dict) else None
-        if not isinstance(data, list) or not data:
-            raise EngineAnswerError(f"{self.url}/v1/models: no model listed")
+        data = self.listed_models("a TensorRT-LLM OpenAI")
         ids = tuple(str(m.get("id")) for m in data if isinstance(m, dict))
         k = parse_metrics(text, ids[0]).k
         spec = SpecConfig("MTP", k) if k is not None else None

@@ -424,10 +424,7 @@ class VllmClient(EngineClientBase):
         version = is_vllm(self.http)
         if version is None:
             raise EngineAnswerError(f'{self.url}: not a vLLM server (no /version answering {{"version": ...}})')
-        models = self.http.json("/v1/models", what="a vLLM OpenAI")
-        data = models.get("data") if isinstance(models, dict) else None
-        if not isinstance(data, list) or not data:
-            raise EngineAnswerError(f"{self.url}/v1/models: no model listed")
+        data = self.listed_models("a vLLM OpenAI")
         ids = tuple(str(m.get("id")) for m in data if isinstance(m, dict))
         mml = data[0].get("max_model_len") if isinstance(data[0], dict) else None
         return ServerInfo(self.url, "vllm", version, ids, mml if isinstance(mml, int) else None)
