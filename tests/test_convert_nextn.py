@@ -456,7 +456,11 @@ def test_capped_load_gives_back_the_source_pages_it_read(tiny_factory: Callable[
     shards = {str((src / s).resolve()) for s in ckpt.shards}
     maps = [line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines()]
     assert shards & set(maps)  # still mapped (the main model's shards): the resident weights live in them
-    assert _mapped_rss(shards) == 0  # but none of their pages resident
+    # but (almost) none of their pages resident. Without the page-out 860 of these 1,294 kB stay resident (measured);
+    # MADV_PAGEOUT is best effort: it skips pages it cannot isolate at that instant (those still in another CPU's
+    # LRU batch), 48 kB once in CI. An eighth of the shards' bytes separates the two.
+    total = sum(Path(s).stat().st_size for s in shards)
+    assert _mapped_rss(shards) * 1024 <= total // 8
     next(model.parameters())  # (the model is alive while RSS is read)
 
 
