@@ -10,7 +10,7 @@ The keep heal runs in the full lane (CI): one server per checkpoint at k = 3 (k 
 positions), the unhealed one shared with tests/test_engine_search.py (the same checkpoint at the same k), on 44
 held-out prompts. heal writes only a heal that its own held-out check finds better beyond noise, so the engine
 measures a real gain, not a forced one. The quantize heal, the same proof on the NVFP4 MTP, takes another default
-heal and two more servers: it runs with ``MTPQUANT_HEAL_PROOF=1``.
+heal and two more servers: it runs in the nightly lane (``MTPQUANT_NIGHTLY=1``).
 """
 
 from __future__ import annotations

@@ -59,6 +59,11 @@ def test_vllm_loads_the_chosen_mtp_and_measures_its_al_within_the_budget(
     _engine_within_the_budget(auto, healed_tiny.quant("keep"), settings, vllm, tmp_path)
 
 
+@pytest.mark.nightly(
+    reason="the MoE's search served by vLLM (a second search, two more servers): the full lane serves the dense "
+    "search's choice (test_vllm_loads_the_chosen_mtp_and_measures_its_al_within_the_budget) and checks the MoE "
+    "search's choices without an engine (tests/test_search.py)"
+)
 def test_the_moe_search_with_its_experts_bf16_measures_within_the_budget(vllm: EnginePool, tmp_path: Path) -> None:
     """The trained tiny Qwen3.5-MoE, its routed experts excluded by the recipe: the search quantizes only what the
     recipe lets it (the experts stay BF16 in every configuration) and vLLM's CPU build serves its choice."""

@@ -289,9 +289,34 @@ def test_without_report_dir_the_servers_logs_are_removed(
 
 # The tests from here to test_default_prediction_agrees_with_vllm_without_bias take their servers from the session's
 # pool, which keeps 2 alive and stops the least recently used (tests/support/engine.py): in this order every
-# (output, k) starts once, 7 servers (the keep output at k = 2 for the tests up to test_server_serving_another_model,
-# the grafted one, the drop output, then the default-prediction test's four); with the default-prediction test
-# between the two keep k = 2 groups, the keep server was stopped and started again.
+# (output, k) starts once, 3 servers in the full lane (the keep output at k = 2 for the tests up to
+# test_server_serving_another_model, the grafted one, the drop output), 7 in the nightly lane (the default-prediction
+# test's four).
+def test_running_server_reports_each_sampling_setting(
+    outputs: dict[str, Path], vllm: EnginePool, tmp_path: Path
+) -> None:
+    """``--server URL`` on the keep output, greedy and T = 0.8 / top-p 0.9 on one running server: one measurement per
+    setting, the server's k, the requests in flight, and the profile naming the engine (the prediction's agreement
+    with these numbers is the test below's, and test_engine_measures_what_the_builtin_path_predicts')."""
+    server = vllm.get(outputs["keep"], 2)
+    report = validate(
+        ValidateOptions(outputs["keep"], server=server.server.url, concurrency=CONCURRENCY, num_prompts=8, max_len=64,
+                        report_dir=tmp_path / "r", progress=False, **SAMPLING["keep"])
+    ).report  # fmt: skip
+    assert report.engine[0].k == 2 and report.engine[0].sampling["concurrency"] == CONCURRENCY
+    measured = report.reference.acceptance_by_sampling
+    assert [a.sampling.label for a in measured] == LABELS["keep"]
+    assert [a.sampling.top_p for a in measured] == [1.0, 0.9]
+    assert all(a.by_k[0].k == 2 and a.by_k[0].num_steps > 0 for a in measured)
+    profile = json.loads((tmp_path / "r" / "speculation_profile.json").read_text())
+    assert profile["num_speculative_tokens"] == 2 and profile["measurement_conditions"]["engine"] == "vllm 0.32.0"
+
+
+@pytest.mark.nightly(
+    reason="the --server measurement against the prediction at 48 prompts per setting: the full lane checks the same "
+    "agreement through --engine (test_engine_measures_what_the_builtin_path_predicts) and --server's settings on 8 "
+    "prompts (test_running_server_reports_each_sampling_setting)"
+)
 def test_running_server_measures_what_the_builtin_path_predicts(
     outputs: dict[str, Path], vllm: EnginePool, tmp_path: Path
 ) -> None:
@@ -424,6 +449,11 @@ CELL_TOLERANCE = 0.05  # every (output, k): |engine AL - predicted AL|
 MEAN_TOLERANCE = 0.02  # the mean signed difference over the cells: no bias
 
 
+@pytest.mark.nightly(
+    reason="issue 43's 96-prompt agreement (four more servers): the full lane checks the prediction against vLLM on "
+    "48 prompts per setting (test_engine_measures_what_the_builtin_path_predicts); scripts/bench_engine_agreement.py "
+    "measures these cells and the source's for docs/BENCHMARKS.md"
+)
 def test_default_prediction_agrees_with_vllm_without_bias(outputs: dict[str, Path], vllm: EnginePool) -> None:
     """The keep and quantize outputs through running vLLM servers (k = 1 and 3, greedy, ``--concurrency 8``) beside
     validate's built-in prediction with its DEFAULT settings (activations emulated as served, the last steps counted

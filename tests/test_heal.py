@@ -3,7 +3,7 @@
 The tests use the trained tiny model (``mtpquant/assets``), converted with ``--keep-mtp`` (BF16 MTP) and
 ``--mtp quantize`` (NVFP4 MTP) (``tests/support/heal.py``, shared with the engine test). The mechanics tests heal
 with a schedule of seconds (and ``force`` where it cannot improve); the proof that the default heal improves
-acceptance beyond noise takes CPU-minutes per mode and runs with ``MTPQUANT_HEAL_PROOF=1``.
+acceptance beyond noise takes CPU-minutes per mode and runs in the nightly lane (``MTPQUANT_NIGHTLY=1``).
 """
 
 from __future__ import annotations

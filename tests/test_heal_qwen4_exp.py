@@ -4,8 +4,8 @@ The trained tiny Qwen4-Exp (``mtpquant/assets/tiny-qwen4_exp-mtp``) converted wi
 ``--mtp quantize`` (NVFP4 MTP, its experts per expert): a seconds-long forced heal of each shows what is written
 (only ``mtp.*`` bytes, in QUANT's names, dtypes, shapes and scales); the default heal's gain (held-out AL at
 k = 3 beyond noise, none worse, and validate's AL of the healed quant above the unhealed one's) takes CPU-minutes per
-mode and runs with ``MTPQUANT_HEAL_PROOF=1``; the keep quant's default heal through the CLI (issue 43: written under
-the served-k rule) runs always (``scripts/bench_heal.py`` records the same numbers in docs/BENCHMARKS.md).
+mode and runs in the nightly lane (``MTPQUANT_NIGHTLY=1``); the keep quant's default heal through the CLI (issue 43:
+written under the served-k rule) runs always (``scripts/bench_heal.py`` records the same numbers in docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations

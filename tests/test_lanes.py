@@ -10,7 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.lanes import ALLOWED_SKIPS, DEV_LANE, FULL_LANE_ENV, LANES, skip_allowed, work_unit
+from tests.support.lanes import (
+    ALLOWED_SKIPS,
+    DEV_LANE,
+    FULL_LANE_ENV,
+    LANES,
+    NIGHTLY_ENV,
+    skip_allowed,
+    work_unit,
+)
 
 pytestmark = pytest.mark.dev
 
@@ -28,8 +36,9 @@ def pytest_configure(config):
 def project(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytest.Pytester:
     """A throwaway test project with this suite's lanes plugin and markers, outside the full lane."""
     monkeypatch.delenv(FULL_LANE_ENV, raising=False)
+    monkeypatch.delenv(NIGHTLY_ENV, raising=False)
     pytester.makeconftest(CONFTEST)
-    pytester.makeini("[pytest]\nmarkers =\n    dev\n    slow\n    engine\n")
+    pytester.makeini("[pytest]\nmarkers =\n    dev\n    slow\n    engine\n    nightly\n")
     return pytester
 
 
@@ -119,6 +128,53 @@ def test_a_documented_skip_alone_passes_the_full_lane(
     result = project.runpytest("-p", "no:cacheprovider")
     result.assert_outcomes(passed=1, skipped=1)
     assert result.ret == pytest.ExitCode.OK
+
+
+NIGHTLY = """
+import pytest
+pytestmark = pytest.mark.slow
+
+@pytest.mark.nightly(reason="96 prompts through six servers")
+def test_at_scale():
+    pass
+
+def test_small():
+    pass
+
+def test_pretends():
+    pytest.skip("nightly: not marked, so not a nightly test")
+"""
+
+
+@pytest.mark.parametrize("lane", ["full", "nightly"])
+def test_nightly_tests_run_only_in_the_nightly_lane(
+    project: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, lane: str
+) -> None:
+    """Outside the nightly lane a marked test skips with its reason, a skip the full lane allows; a skip that only
+    says "nightly:" on an unmarked test is not allowed. In the nightly lane the marked test runs."""
+    project.makepyfile(test_scale=NIGHTLY)
+    monkeypatch.setenv(FULL_LANE_ENV, "1")
+    if lane == "nightly":
+        monkeypatch.setenv(NIGHTLY_ENV, "1")
+    result = project.runpytest("-p", "no:cacheprovider", "-rs")
+    out = result.stdout.str()
+    assert result.ret == pytest.ExitCode.TESTS_FAILED  # the unmarked "nightly:" skip, in both lanes
+    assert "test_scale.py::test_pretends: nightly: not marked, so not a nightly test" in out
+    if lane == "full":
+        result.assert_outcomes(passed=1, skipped=2)
+        assert f"nightly: 96 prompts through six servers ({NIGHTLY_ENV}=1 runs it)" in out
+        assert "test_scale.py::test_at_scale:" not in out.split("unexpected skips")[1]  # allowed
+        assert f"1 nightly tests skipped ({NIGHTLY_ENV}=1 runs them)" in out
+    else:
+        result.assert_outcomes(passed=2, skipped=1)
+
+
+def test_a_nightly_mark_without_a_reason_is_a_usage_error(project: pytest.Pytester) -> None:
+    project.makepyfile(test_scale="import pytest\npytestmark = pytest.mark.dev\n"
+                                  "@pytest.mark.nightly\ndef test_at_scale(): pass\n")  # fmt: skip
+    result = project.runpytest("-p", "no:cacheprovider")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*test_scale.py::test_at_scale: @pytest.mark.nightly needs reason=*"])
 
 
 def test_every_allowed_skip_is_one_a_test_makes() -> None:

@@ -4,13 +4,12 @@ tests, the publish test and the engine test share them.
 ``small(mode)`` is a heal with a schedule that runs in seconds, written with ``force`` (the mechanics: what is
 written, how, and the record); ``healed(mode)`` is the default heal (the proof that heal improves acceptance: a
 couple of CPU-minutes each; the full lane runs one, the keep heal measured by vLLM in tests/test_engine_heal.py, and
-the other proofs run only with ``MTPQUANT_HEAL_PROOF=1``; ``scripts/bench_heal.py`` runs the same heal and records its
-numbers in docs/BENCHMARKS.md).
+the other proofs run in the nightly lane, ``MTPQUANT_NIGHTLY=1``; ``scripts/bench_heal.py`` runs the same heal and
+records its numbers in docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,7 @@ from mtpquant.heal.options import HealOptions, HealSizes
 from mtpquant.heal.run import HealResult, heal
 from mtpquant.synth.train import TINY_MTP_ASSET
 
-__all__ = ["CALIB", "PROOF", "SMALL", "HealedTiny", "proof"]
+__all__ = ["CALIB", "SMALL", "HealedTiny", "proof"]
 
 CALIB = {"calib_samples": 16, "calib_seq_len": 128}
 
@@ -36,10 +35,12 @@ SMALL: dict[str, Any] = {
     "progress": False,
 }
 
-PROOF = os.environ.get("MTPQUANT_HEAL_PROOF", "") not in ("", "0")
-# The default heal's other proofs: minutes of CPU per mode, beyond the full lane's budget; run them with
-# MTPQUANT_HEAL_PROOF=1 (an allowed skip: tests/support/lanes.py ALLOWED_SKIPS).
-proof = pytest.mark.skipif(not PROOF, reason="the default heal takes CPU-minutes: set MTPQUANT_HEAL_PROOF=1")
+# The default heal's other proofs: minutes of CPU per mode, beyond the full lane's budget: the nightly lane's
+# (tests/support/lanes.py).
+proof = pytest.mark.nightly(
+    reason="a default heal's proof takes CPU-minutes; the full lane measures one, the Qwen3.5 keep heal through "
+    "vLLM (tests/test_engine_heal.py)"
+)
 
 
 @dataclass

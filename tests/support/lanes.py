@@ -8,7 +8,12 @@ naming it. A single heavier test inside a ``dev`` module carries ``@pytest.mark.
 - development lane: ``pytest -m "not slow and not engine"`` (DEV_LANE);
 - full lane: plain ``pytest`` (``.ci/run``), with ``MTPQUANT_FULL_LANE=1``: a test skipped for a reason that is not
   in ``ALLOWED_SKIPS`` fails the run (a skip that hides a missing engine, a lost platform feature or a missing
-  dependency is a test that did not run).
+  dependency is a test that did not run);
+- nightly lane: ``MTPQUANT_NIGHTLY=1 pytest`` (NIGHTLY_ENV): the full lane plus the tests marked
+  ``@pytest.mark.nightly(reason=...)``, the measurements at scale (many prompts, every family's demo, every heal
+  proof) whose behaviour a smaller test checks in the full lane. Outside it they skip with ``nightly: <reason>``, the
+  one skip the full lane allows besides ``ALLOWED_SKIPS``, and only on a test that carries the mark. A nightly mark
+  without a reason is a usage error naming the test.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ __all__ = [
     "DEV_LANE",
     "FULL_LANE_ENV",
     "LANES",
+    "NIGHTLY_ENV",
+    "NIGHTLY_PREFIX",
     "SHARED_UNITS",
     "LanesPlugin",
     "lane_problem",
@@ -37,15 +44,12 @@ __all__ = [
 LANES = ("dev", "slow", "engine")
 DEV_LANE = "not slow and not engine"
 FULL_LANE_ENV = "MTPQUANT_FULL_LANE"
+NIGHTLY_ENV = "MTPQUANT_NIGHTLY"
+NIGHTLY_PREFIX = "nightly: "
 
-# The skips the full lane allows: (pattern the skip's reason must match, why the test cannot run in CI). Any other
-# skip in the full lane is a failure.
+# The skips the full lane allows besides the nightly tests': (pattern the skip's reason must match, why the test
+# cannot run in CI). Any other skip in the full lane is a failure.
 ALLOWED_SKIPS: tuple[tuple[str, str], ...] = (
-    (
-        r"the default heal takes CPU-minutes: set MTPQUANT_HEAL_PROOF=1",
-        "heal's default-schedule proofs (tests/support/heal.py ``proof``): CPU-minutes per mode; one engine-measured "
-        "gain with a reduced schedule runs in the full lane instead (tests/test_engine_heal.py)",
-    ),
     (
         r"MTPQUANT_SGLANG_URL names no SGLang server",
         "a real SGLang server needs a GPU (SGLang's CPU build is not installable here): the client is tested on "
@@ -97,16 +101,40 @@ def lane_problem(module: ModuleType) -> str | None:
     return f"declares {len(lanes)} test lanes ({', '.join(lanes)}): exactly one of dev, slow, engine"
 
 
+def nightly_reason(item: pytest.Item) -> str | None:
+    """The reason of ``item``'s nightly mark (None: not a nightly test); a mark without one is a usage error."""
+    mark = item.get_closest_marker("nightly")
+    if mark is None:
+        return None
+    reason = mark.kwargs.get("reason") or (mark.args[0] if mark.args else "")
+    if not isinstance(reason, str) or not reason.strip():
+        raise pytest.UsageError(f"{item.nodeid}: @pytest.mark.nightly needs reason='why it is nightly, and what "
+                                "checks the behaviour in the full lane'")
+    return reason
+
+
 @dataclass(eq=False)  # a plugin object: registered by identity
 class LanesPlugin:
-    """Collection fails for a test module without exactly one lane; in the full lane, an unexpected skip fails."""
+    """Collection fails for a test module without exactly one lane; nightly tests skip outside the nightly lane; in
+    the full lane, an unexpected skip fails."""
 
     full_lane: bool = False
+    nightly: bool = False
     unexpected: list[tuple[str, str]] = field(default_factory=list)
+    nightly_skipped: int = 0
 
     @classmethod
     def from_env(cls) -> LanesPlugin:
-        return cls(full_lane=os.environ.get(FULL_LANE_ENV, "") not in ("", "0"))
+        def on(name: str) -> bool:
+            return os.environ.get(name, "") not in ("", "0")
+
+        return cls(full_lane=on(FULL_LANE_ENV), nightly=on(NIGHTLY_ENV))
+
+    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
+        for item in items:
+            reason = nightly_reason(item)
+            if reason is not None and not self.nightly:
+                item.add_marker(pytest.mark.skip(reason=f"{NIGHTLY_PREFIX}{reason} ({NIGHTLY_ENV}=1 runs it)"))
 
     @pytest.hookimpl(wrapper=True)
     def pytest_make_collect_report(self, collector: pytest.Collector) -> Generator[None, pytest.CollectReport,
@@ -125,8 +153,11 @@ class LanesPlugin:
             longrepr = report.longrepr
             # (path, line, "Skipped: reason"); a list once it has crossed from an xdist worker
             reason = str(longrepr[2]) if isinstance(longrepr, (tuple, list)) and len(longrepr) == 3 else str(longrepr)
-            if not skip_allowed(reason):
-                self.unexpected.append((report.nodeid, reason.removeprefix("Skipped: ")))
+            reason = reason.removeprefix("Skipped: ")
+            if reason.startswith(NIGHTLY_PREFIX) and "nightly" in report.keywords:
+                self.nightly_skipped += 1
+            elif not skip_allowed(reason):
+                self.unexpected.append((report.nodeid, reason))
 
     @pytest.hookimpl(trylast=True)
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
@@ -134,6 +165,8 @@ class LanesPlugin:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        if self.nightly_skipped:
+            terminalreporter.line(f"{self.nightly_skipped} nightly tests skipped ({NIGHTLY_ENV}=1 runs them)")
         if self.unexpected:
             terminalreporter.section(f"unexpected skips in the full lane ({FULL_LANE_ENV}=1)", red=True)
             for nodeid, reason in self.unexpected:
