@@ -1,6 +1,7 @@
-"""Real vLLM servers for the engine tests, one pool for the whole session: a server starts once per (checkpoint,
-K, engine settings) and every test that needs the same one shares it, across modules (the engine modules run in
-one xdist group, ``tests/conftest.py``, so in one process and one pool).
+"""Real vLLM servers for the engine tests, one pool per test process (xdist worker): a server starts once per
+(checkpoint, K, engine settings) and every test of the process that needs the same one shares it, across modules (the
+modules that need the same servers are one xdist work unit, tests/support/lanes.py ``SHARED_UNITS``, so one process
+runs them all).
 
 Servers start lazily through mtpquant's own launcher (``mtpquant.engine.launch``) from the engine
 environment ``tests/support/vllm_env.py`` builds; the least recently used one is stopped when a new one
@@ -39,8 +40,24 @@ __all__ = [
     "record_engine_starts",
 ]
 
-# The servers' environment: nothing about memory (mtpquant sizes it, engine/sizing.py), no tokenizer threads.
-CPU_ENV = {"TOKENIZERS_PARALLELISM": "false"}
+
+
+def _cpu_env() -> dict[str, str]:
+    """The servers' environment: nothing about memory (mtpquant sizes it, engine/sizing.py), no tokenizer threads,
+    and under xdist each worker's servers on a core of their own. vLLM's CPU backend binds its OpenMP threads to the
+    first core it may use and reserves the rest (``VLLM_CPU_OMP_THREADS_BIND=auto``): two workers' servers measuring
+    at once both ran on core 0 while core 1 did the rest (the worker's process pinned to ``cpus=[0]``, measured
+    2026-12-07). Unbound (``nobind``) is worse: its two OpenMP threads spin against the suite's other work (8 requests
+    of 200 tokens: 274 s against 24 s bound, on the busy 2-core machine)."""
+    env = {"TOKENIZERS_PARALLELISM": "false"}
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")  # gw0, gw1, ... (unset without xdist: vLLM's own binding)
+    if worker.startswith("gw") and worker[2:].isdigit() and hasattr(os, "sched_getaffinity"):
+        cpus = sorted(os.sched_getaffinity(0))
+        env["VLLM_CPU_OMP_THREADS_BIND"] = str(cpus[int(worker[2:]) % len(cpus)])
+    return env
+
+
+CPU_ENV = _cpu_env()
 MAX_LEN = 256  # the longest sequences the tests send
 CONCURRENCY = 8  # the most requests a test keeps in flight at once (validate --concurrency)
 STARTS_ENV = "MTPQUANT_ENGINE_STARTS"
