@@ -107,6 +107,7 @@ def _heal_cli(quant: Path, source: Path, out: Path) -> dict[str, Any]:
     r = run.output
     return {"cpu_s": r["cpu_seconds"], "timings": r["timings"], "wall_s": time.perf_counter() - t0,
             "max_rss": run.max_rss, "kl": [r["training"]["first_loss"], r["training"]["last_loss"]],
+            "action": r["action"], "bytes_written": r["bytes_written"], "new_shards": r["new_shards"],
             "check": [[c["k"], c["before"], c["after"], c["low"], c["high"]] for c in r["record"]["by_k"]]}
 
 
@@ -127,25 +128,34 @@ def tiny(work: Path, family: str = "qwen3_5") -> str:
             subprocess.run(["rm", "-rf", str(out)], check=True)
         rows.append((mode, _heal_cli(quant, asset, out)))
     lines = [
-        "| MTP | k | BF16 source AL | quant AL (before) | healed AL | change [95 % interval] | healed - source |",
-        "|---|---:|---:|---:|---:|---|---:|",
+        "| MTP | k | BF16 source AL | quant AL (before) | healed AL | change [95 % interval] | verdict "
+        "| healed - source |",
+        "|---|---:|---:|---:|---:|---|---|---:|",
     ]
     for mode, r in rows:
         for k, before, after, low, high in r["check"]:
             src = src_al[k - 1]
             label = "BF16 (`--keep-mtp`)" if mode == "keep" else "NVFP4 (`--mtp quantize`)"
             lines.append(f"| {label} | {k} | {src:.3f} | {before:.3f} | {after:.3f} | {after - before:+.3f} "
-                         f"[{low:+.3f}, {high:+.3f}] | {after - src:+.3f} |")
+                         f"[{low:+.3f}, {high:+.3f}] | {_verdict(low, high)} | {after - src:+.3f} |")
     lines += [
         "",
-        "| MTP | CPU time | ratio to the 120 CPU-s goal | wall | peak RSS | KL start -> end | phases (wall s) |",
-        "|---|---:|---:|---:|---:|---|---|",
+        "| MTP | heal's action (exit 0) | new shards | bytes written | CPU time | ratio to the 120 CPU-s goal | wall "
+        "| peak RSS | KL start -> end | phases (wall s) |",
+        "|---|---|---|---:|---:|---:|---:|---:|---|---|",
     ]
     for mode, r in rows:
         phases = ", ".join(f"{k} {v:.0f}" for k, v in r["timings"].items() if k not in ("total", "plan"))
-        lines.append(f"| {mode} | {r['cpu_s']:.0f} s | {r['cpu_s'] / 120:.2f}x | {r['wall_s']:.0f} s | "
+        lines.append(f"| {mode} | {r['action']} | {', '.join(r['new_shards'])} | {format_bytes(r['bytes_written'])} | "
+                     f"{r['cpu_s']:.0f} s | {r['cpu_s'] / 120:.2f}x | {r['wall_s']:.0f} s | "
                      f"{format_bytes(r['max_rss'])} | {r['kl'][0]:.3f} -> {r['kl'][1]:.3f} | {phases} |")
     return "\n".join(lines)
+
+
+def _verdict(low: float, high: float) -> str:
+    """A k's verdict from its paired 95 % interval of the change: better / worse beyond noise when the interval lies
+    wholly above / below zero, else no change (``records.evidence``'s rule)."""
+    return "better" if low > 0 else "worse" if high < 0 else "no change"
 
 
 def _last_json(run: Any) -> Any:
