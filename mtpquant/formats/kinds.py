@@ -34,6 +34,7 @@ __all__ = [
     "WRITTEN",
     "IncompleteKindError",
     "StorageKind",
+    "by_label",
     "kind",
     "kind_of",
     "precision_kind",
@@ -286,6 +287,7 @@ FP8_PB = StorageKind(
 
 KINDS: tuple[StorageKind, ...] = (NVFP4, NVFP4_CT, FP8, FP8_BLOCK, FP8_PB)
 _BY_NAME = {k.name: k for k in KINDS}
+_BY_LABEL = {k.label: k for k in KINDS}
 # The MTP precision choices mtpquant writes a Linear in (--mtp-format, the search's precisions), to their kinds.
 WRITTEN: Mapping[str, StorageKind] = {"nvfp4": NVFP4, "fp8": FP8}
 # The NVFP4 kind each output format (convert's --format) stores a quantized Linear in.
@@ -298,6 +300,11 @@ def kind(name: str) -> StorageKind:
         return _BY_NAME[name]
     except KeyError:
         raise ValueError(f"unknown storage kind {name!r} (known: {', '.join(_BY_NAME)})") from None
+
+
+def by_label(label: str) -> StorageKind | None:
+    """The kind inspect's on-disk precision ``label`` names (``StorageKind.label``); None for any other precision."""
+    return _BY_LABEL.get(label)
 
 
 def precision_kind(precision: str) -> StorageKind | None:
