@@ -83,11 +83,12 @@ class StorageKind:
     data: str  # suffix of the stored weight (``weight``, compressed-tensors ``weight_packed``)
     dtype: str  # the stored weight's safetensors dtype
     scales: tuple[str, ...]  # the weight's scale tensors
-    input_scale: str | None  # the activation scale's suffix (compressed-tensors': a reciprocal)
+    input_scale: str | None  # the activation scale's suffix
     packed: bool  # two 4-bit codes a byte: the weight's input dimension is twice the stored one
     activation: str  # how the engines quantize its input: "nvfp4" (dynamic fp8 blocks) | "fp8" (static)
     scheme: str  # with its input scales: W4A4 | W8A8
     dynamic: str | None  # without an input scale the engines quantize it dynamically: how validate's caveat calls it
+    reciprocal: bool = False  # global scales stored as reciprocals (compressed-tensors: 1 / ModelOpt's)
     static_inputs: bool = False  # written W8A8 only: the engines load it with a static input scale, not weight-only
     heal_writes: bool = False  # heal writes a healed MTP back in it (ModelOpt layout, modelopt's export math)
     group_size: int | None = None  # elements a block scale covers along a row (None: per tensor or 2-D blocks)
@@ -133,7 +134,7 @@ class StorageKind:
         if self.input_scale is None:
             raise ValueError(f"{self.label} has no input scale")
         value = float(read(f"{module}.{self.input_scale}").float().max())
-        return 1.0 / value if self.input_scale == "input_global_scale" else value
+        return 1.0 / value if self.reciprocal else value
 
     # ---- writing (the kinds mtpquant writes) -------------------------------------------------------
     def quantize(self, weight: Tensor, weight_scale_2: Tensor | None = None) -> dict[str, Tensor]:
@@ -167,8 +168,8 @@ class StorageKind:
         if self.plan is None:
             raise ValueError(f"mtpquant does not write {self.label}")
         out = self.plan(rows, cols)
-        if activations:
-            out["input_scale"] = ("F32", ())
+        if activations and self.input_scale is not None:
+            out[self.input_scale] = ("F32", ())
         return out
 
     def layer_entry(self, main_algo: str) -> dict[str, Any]:
@@ -263,7 +264,7 @@ NVFP4 = StorageKind(
 NVFP4_CT = StorageKind(
     name="nvfp4-ct", label="NVFP4-CT", data="weight_packed", dtype="U8", scales=("weight_scale", "weight_global_scale"),
     input_scale="input_global_scale", packed=True, activation="nvfp4", scheme="W4A4", dynamic=None,
-    group_size=NVFP4_BLOCK, shared_scale=True, reader=_nvfp4_ct, writer=_quantize_nvfp4_ct,
+    reciprocal=True, group_size=NVFP4_BLOCK, shared_scale=True, reader=_nvfp4_ct, writer=_quantize_nvfp4_ct,
 )  # fmt: skip
 # ModelOpt FP8: weight fp8, weight_scale fp32 per tensor (or per output channel, [out] / [out, 1])
 FP8 = StorageKind(
