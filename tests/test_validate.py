@@ -307,7 +307,7 @@ def test_dequantization_is_exact(
     source = Checkpoint.open(tiny_factory("qwen3_5"))
     stored = load_file(quantized_mtp[kind] / "model.safetensors")
     assert set(weights.formats) == set(MTP_LINEARS)
-    assert {f.kind for f in weights.formats.values()} == {kind}
+    assert {f.kind.name for f in weights.formats.values()} == {kind}
     for m in MTP_LINEARS:
         got = weights.tensor(f"{m}.weight")
         if kind == "nvfp4":
@@ -430,7 +430,7 @@ def test_modelopt_export_loads(
     ids = torch.randint(0, 400, (1, 16), generator=torch.Generator().manual_seed(0))
     src = load_target(CheckpointWeights.open(tiny_factory("qwen3_5_moe")), device=CPU, dtype=torch.float32)
     weights = CheckpointWeights.open(naive_export_factory("qwen3_5_moe"))
-    assert {f.kind for f in weights.formats.values()} == {"nvfp4"}
+    assert {f.kind.name for f in weights.formats.values()} == {"nvfp4"}
     quant = load_target(weights, device=CPU, dtype=torch.float32)
     emulated = load_target(weights, device=CPU, dtype=torch.float32, activations="emulate")
     assert any(".mlp.experts" in m for m in emulated.emulated)

@@ -7,6 +7,7 @@ from typing import Any
 
 from mtpquant.checkpoint.header import FLOAT_DTYPES
 from mtpquant.checkpoint.modules import FUSED_EXPERT_PARAMS, linear_modules
+from mtpquant.formats.kinds import FP8, kind_of
 
 __all__ = [
     "is_quantized",
@@ -17,25 +18,20 @@ __all__ = [
 ]
 
 def module_precision(tensors: Mapping[str, Any], module: str) -> str:
-    """BF16/F16/F32, NVFP4 (ModelOpt layout), NVFP4-CT (compressed-tensors), FP8 (per tensor or channel), FP8-block
-    (``weight_scale_inv`` blocks), FP8-PB (ModelOpt FP8_PB_WO ``weight_scale`` blocks), missing, other."""
+    """BF16/F16/F32, a storage kind's label (``formats.kinds``: NVFP4, NVFP4-CT, FP8, FP8-block, FP8-PB), missing,
+    other."""
     if module.endswith(FUSED_EXPERT_PARAMS):
         e = tensors.get(module)
         return "missing" if e is None else (e.dtype if e.dtype in FLOAT_DTYPES else f"other ({e.dtype})")
+    kind = kind_of(tensors, module)
+    if kind is not None:
+        return kind.label
     if module + ".weight_packed" in tensors:
-        return "NVFP4-CT" if module + ".weight_global_scale" in tensors else "other (weight_packed)"
+        return "other (weight_packed)"
     w = tensors.get(module + ".weight")
     if w is None:
         return "missing"
     scale = tensors.get(module + ".weight_scale")
-    if w.dtype == "U8" and scale is not None and scale.dtype == "F8_E4M3" and module + ".weight_scale_2" in tensors:
-        return "NVFP4"
-    if w.dtype == "F8_E4M3":
-        if module + ".weight_scale_inv" in tensors:
-            return "FP8-block"
-        if scale is not None:
-            # ModelOpt's FP8_PB_WO exports 128x128 block scales as `weight_scale` [out/128, 1, in/128, 1]
-            return "FP8-PB" if len(scale.shape) >= 2 else "FP8"
     if w.dtype in FLOAT_DTYPES and scale is None and module + ".weight_scale_inv" not in tensors:
         return str(w.dtype)
     return f"other ({w.dtype})"
@@ -56,8 +52,8 @@ def table_precision(tensors: Mapping[str, Any], table: str, shards: Sequence[str
     (dtype,) = dtypes
     if dtype in FLOAT_DTYPES:
         return str(dtype)
-    if dtype == "F8_E4M3" and table + ".weight_scale" in tensors:
-        return "FP8"
+    if FP8.stores(dtype) and table + ".weight_scale" in tensors:
+        return FP8.label
     return f"other ({dtype})"
 
 

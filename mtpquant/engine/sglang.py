@@ -71,6 +71,7 @@ from mtpquant.engine.server import (
 )
 from mtpquant.errors import EngineAnswerError, EngineSpecDecodeError
 from mtpquant.families import QWEN_MTP_NAMES, EngineRules, family, matches
+from mtpquant.formats.kinds import by_label
 from mtpquant.formats.quant_config import QuantMetadata
 from mtpquant.records.sampling import SamplingSettings
 
@@ -226,10 +227,6 @@ def sglang_mismatch(ckpt: Checkpoint, meta: QuantMetadata) -> str | None:
 
 
 # ---- what inspect says ------------------------------------------------------------------------------------------
-# Precisions whose weight is packed (not the BF16 shape): SGLang cannot load them into a module it built in BF16.
-_PACKED_PRECISIONS = ("NVFP4", "NVFP4-CT")
-
-
 def _module_kind(m: ModuleReport, rules: EngineRules) -> str:
     return next((e.kind for e in engine_modules(m.members, rules) if e.prefix == m.module), "linear")
 
@@ -268,7 +265,8 @@ def _verdict(
                 f"{m.disk} on disk",
                 False,
             )
-        if m.disk in _PACKED_PRECISIONS:
+        # a packed weight (not the BF16 shape): SGLang cannot load it into a module it built in BF16
+        if (stored := by_label(m.disk)) is not None and stored.packed:
             return (
                 f"SGLang will fail to load the MTP (NEXTN): {reason}, and the packed {m.disk} weight of {m.module} "
                 "does not fit a BF16 module; serve without speculative decoding, or with vLLM",

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from torch import Tensor
 
     from mtpquant.checkpoint.source import CheckpointSource
+    from mtpquant.formats.kinds import StorageKind
     from mtpquant.heal.data import HealData
 
 __all__ = ["FinalistHealer"]
@@ -80,7 +81,7 @@ class FinalistHealer:
         self,
         config: Mapping[str, object],
         master: dict[str, Tensor],
-        precision: Mapping[str, str],
+        kinds: Mapping[str, StorageKind],
         input_scales: Mapping[str, float],
         *,
         shared: tuple[Tensor, Tensor],
@@ -91,10 +92,7 @@ class FinalistHealer:
 
         if self.data is None:
             raise RuntimeError("internal: a finalist healed before the training data was collected")
-        kinds = set(precision.values())
-        fmt = "bf16" if not kinds else next(iter(kinds)) if len(kinds) == 1 else "mixed"
-        storage = MtpStorage(fmt, tuple(sorted(precision)), bool(input_scales), dict(input_scales),
-                             dict(precision) if fmt == "mixed" else {})  # fmt: skip
+        storage = MtpStorage(dict(kinds), bool(input_scales), dict(input_scales))
         log.info("heal: a finalist, %s", storage.label)
         weights, trained = train_layer(dict(config), master, storage, self.data, shared, self.schedule, device=device,
                                        progress=self.options.progress)  # fmt: skip

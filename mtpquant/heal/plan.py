@@ -96,7 +96,7 @@ class HealPlan:
             f"{format_bytes(self.mtp_bytes)}) -> {self.destination} ({self.mode})",
             f"weights    training starts from {self.master}'s MTP"
             + ("; modelopt fake quantization in the loop, written back as " + self.storage.label
-               if self.storage.fmt != "bf16" else "; written back as BF16"),
+               if self.storage.kinds else "; written back as BF16"),
             f"data       {o.samples} prompts of {sizes.prompt_len} tokens ({o.data}) continued by QUANT's target for "
             f"{sizes.new_tokens} tokens: {greedy} greedy, {o.samples - greedy} at temperature {o.data_temperature:g}",
             f"schedule   {t.steps} steps x {t.batch_size} sequences, lr {t.lr:g}, chain {t.chain}, seed {t.seed}; "
@@ -231,7 +231,7 @@ def plan_heal(options: HealOptions) -> tuple[HealPlan, Checkpoint, Checkpoint, C
                                 shard_bytes=options.max_shard_bytes)
     data_bytes = options.samples * seq_len * (H * DTYPE_BYTES[dtype] * (1 + streams) + 8)
     notes: list[str] = list(lineage.warnings)
-    if storage.fmt != "bf16":  # what each engine makes of a quantized MTP (the table's rows say)
+    if storage.kinds:  # what each engine makes of a quantized MTP (the table's rows say)
         notes += [n for e in ENGINES if (n := e.adapter.quantized_mtp_note()) is not None and n not in notes]
     mode = "out" if out is not None else "in-place"
     destination = str(out) if out is not None else str(quant.source.local_root)
@@ -242,7 +242,7 @@ def plan_heal(options: HealOptions) -> tuple[HealPlan, Checkpoint, Checkpoint, C
         mode=mode,
         family=spec.family.key,
         storage=storage,
-        master="QUANT" if storage.fmt == "bf16" else "SRC",
+        master="SRC" if storage.kinds else "QUANT",
         mtp_tensors=len(present),
         mtp_bytes=sum(e.nbytes for e in quant.mtp_tensors()),
         device=device,

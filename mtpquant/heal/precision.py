@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from mtpquant.checkpoint.dtypes import planned, torch_dtype
@@ -33,12 +33,14 @@ from mtpquant.checkpoint.modules import linear_modules
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.checkpoint.writer import PlannedTensor
 from mtpquant.errors import HealRefusedError
-from mtpquant.heal.support import WRITABLE, WRITES_BACK
+from mtpquant.formats.kinds import UNQUANTIZED, WRITTEN, StorageKind
+from mtpquant.heal.support import WRITES_BACK
 
 if TYPE_CHECKING:
     from torch import Tensor
 
     from mtpquant.families import MtpLayout
+    from mtpquant.measure.weights import LinearFormat
 
 # torch and the torch-side MTP code (``mtp.quantize``) are imported where they are used: planning a heal
 # (``mtp_storage``) must not load them before QUANT and SRC are open (an unreachable Hub id is refused first).
@@ -48,41 +50,50 @@ __all__ = ["MtpStorage", "export_mtp", "master_weights", "mtp_storage"]
 
 @dataclass(frozen=True)
 class MtpStorage:
-    """How QUANT stores its MTP: ``fmt`` ``"bf16"`` (unquantized, whatever the float dtype), ``"nvfp4"`` or ``"fp8"``
-    (ModelOpt layout), or ``"mixed"`` (each precision group in its own: ``formats``, as ``convert --mtp auto`` and
-    ``tune-mtp`` write it); the quantized Linears; whether they carry input scales (W4A4 / W8A8)."""
+    """How QUANT stores its MTP: each quantized Linear's storage kind (``kinds``; empty: unquantized, whatever the float
+    dtype), in ModelOpt's layout, each precision group in one kind (``convert --mtp auto`` and ``tune-mtp`` may store
+    groups in different ones); whether they carry input scales (W4A4 / W8A8)."""
 
-    fmt: str
-    quantized: tuple[str, ...]  # module names (``mtp.layers.0.self_attn.q_proj``)
+    kinds: Mapping[str, StorageKind]  # module name (``mtp.layers.0.self_attn.q_proj``) -> its kind
     activations: bool
     input_scales: Mapping[str, float]  # module -> QUANT's input_scale (modelopt convention)
-    formats: Mapping[str, str] = field(default_factory=dict)  # module -> nvfp4 | fp8 (empty: ``fmt`` for every one)
 
-    def format_of(self, module: str) -> str:
-        """The format quantized Linear ``module`` is stored in."""
-        return self.formats.get(module, self.fmt)
+    @property
+    def quantized(self) -> tuple[str, ...]:
+        """The quantized Linears' module names, sorted."""
+        return tuple(sorted(self.kinds))
+
+    @property
+    def fmt(self) -> str:
+        """``bf16`` (unquantized), the one kind's name (``nvfp4``, ``fp8``), or ``mixed``."""
+        names = {k.name for k in self.kinds.values()}
+        return UNQUANTIZED if not names else names.pop() if len(names) == 1 else "mixed"
+
+    def kind_of(self, module: str) -> StorageKind:
+        """The kind quantized Linear ``module`` is stored in."""
+        return self.kinds[module]
 
     @property
     def precision(self) -> dict[str, str]:
-        """Every quantized Linear -> its format (``quantize_mtp``'s ``precision``)."""
-        return {m: self.format_of(m) for m in self.quantized}
+        """Every quantized Linear -> its precision choice (``quantize_mtp``'s ``precision``)."""
+        return {m: self.kinds[m].name for m in self.quantized}
 
     @property
     def label(self) -> str:
         """``BF16`` / ``NVFP4 (W4A4)`` / ``FP8 (weights only)`` / ``mixed: 4 NVFP4, 3 FP8 (W4A4 / W8A8)``, for the
         plan and the record."""
-        if self.fmt == "bf16":
+        kinds = set(self.kinds.values())
+        if not kinds:
             return "BF16"
-        if self.fmt == "mixed":
-            counts = Counter(self.precision.values())
-            parts = ", ".join(f"{counts[f]} {f.upper()}" for f in ("nvfp4", "fp8") if counts[f])
+        if len(kinds) > 1:
+            counts = Counter(self.kinds.values())
+            parts = ", ".join(f"{counts[k]} {k.label}" for k in WRITTEN.values() if counts[k])
             return f"mixed: {parts} ({'W4A4 / W8A8' if self.activations else 'weights only'})"
-        return f"{self.fmt.upper()} ({'W4A4' if self.fmt == 'nvfp4' else 'W8A8'})" if self.activations else (
-            f"{self.fmt.upper()} (weights only)"
-        )
+        (kind,) = kinds
+        return f"{kind.label} ({kind.scheme if self.activations else 'weights only'})"
 
 
-def mtp_storage(quant: Checkpoint, formats: Mapping[str, object]) -> MtpStorage:
+def mtp_storage(quant: Checkpoint, formats: Mapping[str, LinearFormat]) -> MtpStorage:
     """QUANT's MTP storage from its header table and the quantized-Linear formats validate's reader found
     (``CheckpointWeights.formats``); refuses what heal cannot write back."""
     label = quant.label
@@ -92,14 +103,12 @@ def mtp_storage(quant: Checkpoint, formats: Mapping[str, object]) -> MtpStorage:
         if bad:
             dtype = quant.tensors[bad[0]].dtype
             raise HealRefusedError(f"{label}: MTP tensor {bad[0]} is {dtype}; heal cannot read that layout")
-        return MtpStorage("bf16", (), False, {})
-    kinds = {getattr(f, "kind", "") for f in mtp_formats.values()}
-    if not kinds <= set(WRITABLE):
-        shown = ", ".join(sorted(kinds))
+        return MtpStorage({}, False, {})
+    stored: dict[str, StorageKind] = {m: f.kind for m, f in mtp_formats.items()}
+    if not all(k.heal_writes for k in stored.values()):
+        shown = ", ".join(sorted({k.name for k in stored.values()}))
         raise HealRefusedError(f"{label}: its MTP is stored as {shown}; {WRITES_BACK}")
-    stored: dict[str, str] = {m: WRITABLE[str(getattr(f, "kind", ""))] for m, f in mtp_formats.items()}
-    fmt = next(iter(stored.values())) if len(set(stored.values())) == 1 else "mixed"
-    pre = sorted(m for m, f in mtp_formats.items() if getattr(f, "has_pre_quant_scale", False))
+    pre = sorted(m for m, f in mtp_formats.items() if f.has_pre_quant_scale)
     if pre:
         raise HealRefusedError(f"{label}: {pre[0]} has an AWQ pre_quant_scale; heal cannot write that layout back")
     # the Linears by their .weight names alone (a packed or fused-expert name is not one modelopt's layout writes)
@@ -110,15 +119,14 @@ def mtp_storage(quant: Checkpoint, formats: Mapping[str, object]) -> MtpStorage:
             f"{label}: its MTP quantizes another set of Linears than modelopt's MTP layout or whole precision groups "
             f"({odd}); heal cannot write it back in the same layout"
         )
-    scales = {m: getattr(f, "input_scale", None) for m, f in mtp_formats.items()}
+    scales = {m: f.input_scale for m, f in mtp_formats.items()}
     have = {m for m, s in scales.items() if s is not None}
     if have and have != set(scales):
         raise HealRefusedError(f"{label}: only some MTP Linears have an input_scale ({sorted(have)[0]})")
-    return MtpStorage(fmt, tuple(sorted(mtp_formats)), bool(have), {m: float(s) for m, s in scales.items() if s},
-                      stored if fmt == "mixed" else {})
+    return MtpStorage(stored, bool(have), {m: float(s) for m, s in scales.items() if s})
 
 
-def _odd_module(modules: list[str], formats: Mapping[str, str], layout: MtpLayout) -> str | None:
+def _odd_module(modules: list[str], formats: Mapping[str, StorageKind], layout: MtpLayout) -> str | None:
     """A quantized Linear heal could not write back as it is stored (None: all fine): QUANT quantizes exactly
     modelopt's MTP set in one format (``convert --mtp quantize``), or whole precision groups of the family, each in
     one format (``convert --mtp auto``, ``tune-mtp``: ``quantize_mtp``'s precision per group)."""
@@ -139,7 +147,7 @@ def master_weights(quant: Checkpoint, src: Checkpoint, storage: MtpStorage) -> t
     """The float32 MTP weights healing starts from, and which checkpoint they come from."""
     import torch
 
-    origin = quant if storage.fmt == "bf16" else src
+    origin = src if storage.kinds else quant
     names = sorted(e.name for e in origin.mtp_tensors())
     bad = [n for n in names if origin.tensors[n].dtype not in FLOAT_DTYPES]
     if bad:
@@ -170,7 +178,7 @@ def export_mtp(
 
     entries = {e.name: e for e in quant.mtp_tensors()}
     out: dict[str, Tensor] = {}
-    if storage.fmt != "bf16":
+    if storage.kinds:
         # quantize as convert does: from the source's dtype (the healed float32 rounded to it), modelopt's math
         src_dtype = {n: torch_dtype(src.tensors[n].dtype) for n in healed if n in src.tensors}
         weights = _as_stored({n: t.to(src_dtype.get(n, torch.bfloat16)) for n, t in healed.items()}, entries)

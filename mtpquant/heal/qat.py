@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from mtpquant.formats.kinds import NVFP4
 from mtpquant.formats.nvfp4 import (
     E2M1_MAX,
     E4M3_MAX,
@@ -50,8 +51,8 @@ __all__ = ["NVFP4_BACKEND", "fake_quant_config", "nvfp4_fake_quant", "quantize_f
 log = logging.getLogger(__name__)
 
 NVFP4_BACKEND = "mtpquant_nvfp4"
-_NVFP4_CFG: dict[str, Any] = {"num_bits": (2, 1), "block_sizes": {-1: 16, "type": "dynamic", "scale_bits": (4, 3)}}
-_FP8_CFG: dict[str, Any] = {"num_bits": (4, 3), "axis": None}
+# modelopt fake-quantizes NVFP4 only in CUDA code: its quantizers run through mtpquant's backend instead (module text)
+_BACKENDS = {NVFP4: NVFP4_BACKEND}
 
 
 def nvfp4_fake_quant(inputs: Tensor, quantizer: Any) -> Tensor:
@@ -101,10 +102,10 @@ def fake_quant_config(
             if names[kind] in seen:  # a fused bank's shared input quantizer, or gate and up of one expert
                 continue
             seen.add(names[kind])
-            if storage.format_of(module) == "nvfp4":
-                cfg = {**_NVFP4_CFG, "backend": NVFP4_BACKEND, "backend_extra_args": {"role": kind}}
-            else:
-                cfg = dict(_FP8_CFG)
+            stored = storage.kind_of(module)
+            cfg = dict(stored.modelopt_cfg)
+            if (backend := _BACKENDS.get(stored)) is not None:
+                cfg |= {"backend": backend, "backend_extra_args": {"role": kind}}
             entries.append({"quantizer_name": names[kind], "cfg": cfg})
     return {"quant_cfg": entries, "algorithm": "max"}
 
@@ -129,7 +130,7 @@ def quantize_for_training(layer: nn.Module, storage: MtpStorage, calibrate: Call
 
     from mtpquant.runtime.libraries import modelopt_quiet
 
-    if storage.fmt == "bf16":
+    if not storage.kinds:
         return 0
     _register_backend()
     fused = {name for name, mod in layer.named_modules() if is_fused_experts(mod)}
@@ -150,7 +151,7 @@ def quantize_for_training(layer: nn.Module, storage: MtpStorage, calibrate: Call
         scales: dict[str, float] = {}  # input quantizer -> its amax from QUANT's input scale (a fused bank's: largest)
         for module in storage.quantized:
             name = _quantizers(module, fused, rename)["input"]
-            factor = E2M1_MAX * E4M3_MAX if storage.format_of(module) == "nvfp4" else E4M3_MAX
+            factor = storage.kind_of(module).input_amax_factor
             scales[name] = max(scales.get(name, 0.0), storage.input_scales[module] * factor)
         for name, amax in scales.items():
             quantizer: Any = layer.get_submodule(name)

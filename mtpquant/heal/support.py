@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from mtpquant.errors import GraftError, HealRefusedError, MemoryPlanError
 from mtpquant.families import Family
+from mtpquant.formats.kinds import OUTPUT_FORMATS
 from mtpquant.heal.options import HealOptions
 from mtpquant.measure.memory import plan_target_memory, target_blocks
 from mtpquant.runtime.machine import DTYPE_BYTES, compute_dtype, resolve_device
@@ -24,7 +25,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DTYPE_BYTES",
-    "WRITABLE",
     "WRITES_BACK",
     "check_convert",
     "check_family",
@@ -34,8 +34,7 @@ __all__ = [
     "training_bytes",
 ]
 
-WRITABLE = {"nvfp4": "nvfp4", "fp8": "fp8"}  # the quantized kinds heal writes back (LinearFormat.kind -> format)
-WRITES_BACK = "heal writes back BF16, ModelOpt NVFP4 and ModelOpt FP8 per tensor"
+WRITES_BACK = "heal writes back BF16, ModelOpt NVFP4 and ModelOpt FP8 per tensor"  # the kinds with heal_writes
 _RUNTIME_BYTES = 1_000_000_000  # torch + transformers + modelopt imported and running (as convert's plan)
 
 
@@ -109,7 +108,7 @@ def check_convert(
             f"--mtp {mode} leaves OUT without its MTP, so --heal would have nothing to heal (use --mtp keep or "
             "--mtp quantize)"
         )
-    if output_format == "compressed-tensors" and mode == "quantize":
+    if mode == "quantize" and not OUTPUT_FORMATS[output_format].heal_writes:
         raise HealRefusedError(
             f"--format compressed-tensors --mtp quantize stores OUT's MTP as compressed-tensors NVFP4; {WRITES_BACK} "
             "(use --format modelopt, or --mtp keep)"

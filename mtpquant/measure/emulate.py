@@ -12,29 +12,21 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from mtpquant.formats.fp8 import FP8_E4M3_MAX
-from mtpquant.formats.nvfp4 import quantize_activation_nvfp4
 from mtpquant.measure.weights import LinearFormat
 
 __all__ = ["activation_quantizer", "emulate_expert_banks", "emulate_fused_experts", "pre_hook", "shared_quantizer"]
-
-
-def _fp8_activation(x: Tensor, scale: float) -> Tensor:
-    q = (x.float() / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
-    return (q.float() * scale).to(x.dtype)
 
 
 def activation_quantizer(fmt: LinearFormat, pre_quant_scale: Tensor | None) -> Callable[[Tensor], Tensor] | None:
     """The input fake-quantizer of a quantized Linear (None when it has no input scale: weight-only)."""
     if fmt.input_scale is None:
         return None
-    scale = fmt.input_scale
-    nvfp4 = fmt.kind in ("nvfp4", "nvfp4-ct")
+    scale, kind = fmt.input_scale, fmt.kind
 
     def quantize(x: Tensor) -> Tensor:
         if pre_quant_scale is not None:
             x = x * pre_quant_scale.to(device=x.device, dtype=x.dtype)
-        return quantize_activation_nvfp4(x, scale) if nvfp4 else _fp8_activation(x, scale)
+        return kind.fake_quantize_input(x, scale)
 
     return quantize
 

@@ -16,7 +16,6 @@ hand-made ones need no metadata.
 from __future__ import annotations
 
 import logging
-import math
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,22 +26,12 @@ from torch import Tensor
 from mtpquant.checkpoint.header import FLOAT_DTYPES
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.errors import ConfigError, ValidateLoadError
-from mtpquant.formats.fp8 import dequantize_fp8_block, dequantize_fp8_per_tensor
-from mtpquant.formats.nvfp4 import dequantize_nvfp4, from_compressed_tensors
+from mtpquant.formats.kinds import SCALE_SUFFIXES, IncompleteKindError, StorageKind, block_shape, kind_of
 
 __all__ = ["CheckpointWeights", "LinearFormat"]
 
 log = logging.getLogger(__name__)
 
-_SCALE_SUFFIXES = (
-    "weight_scale",
-    "weight_scale_2",
-    "weight_scale_inv",
-    "weight_global_scale",
-    "input_scale",
-    "input_global_scale",
-    "pre_quant_scale",
-)
 # KV-cache scales (modelopt ``k_proj.k_scale`` ...): not weights; the KV cache is not emulated.
 _KV_SCALE_SUFFIXES = ("k_scale", "v_scale")
 
@@ -52,7 +41,7 @@ class LinearFormat:
     """How one Linear's weight is stored."""
 
     module: str
-    kind: str  # nvfp4 | nvfp4-ct | fp8 | fp8-block
+    kind: StorageKind  # resolved once, from the Linear's tensor names and dtypes (``formats.kinds.kind_of``)
     input_scale: float | None = None  # modelopt convention (compressed-tensors' reciprocal undone)
     has_pre_quant_scale: bool = False
 
@@ -88,34 +77,35 @@ class CheckpointWeights:
     # ---- layout analysis ----------------------------------------------------------------------
     def _analyse(self) -> None:
         tensors = self.ckpt.tensors
-        by_module: dict[str, dict[str, str]] = defaultdict(dict)
-        for name, entry in tensors.items():
+        by_module: dict[str, set[str]] = defaultdict(set)
+        for name in tensors:
             module, suffix = _split(name)
-            by_module[module][suffix] = entry.dtype
+            by_module[module].add(suffix)
         block = self._block_size()
         for module, parts in by_module.items():
-            kind = self._kind(module, parts)
+            kind = self._kind(module)
             if kind is not None:
                 self.formats[module] = LinearFormat(
                     module,
                     kind,
-                    self._input_scale(module, parts),
+                    self._input_scale(module, kind, parts),
                     "pre_quant_scale" in parts,
                 )
-                if kind == "fp8-block":
-                    self._check_block(module, block)
+                if kind.blocks:
+                    self._check_block(module, kind, block)
         for name in tensors:
             module, suffix = _split(name)
             if suffix in _KV_SCALE_SUFFIXES:
                 self.skipped.append(name)
                 continue
-            if module in self.formats:
-                if suffix in ("weight", "weight_packed"):
+            fmt = self.formats.get(module)
+            if fmt is not None:
+                if suffix == fmt.kind.data:
                     self._logical[f"{module}.weight"] = name
-                elif suffix not in _SCALE_SUFFIXES:
+                elif suffix not in SCALE_SUFFIXES:
                     self._logical[name] = name
                 continue
-            if suffix in _SCALE_SUFFIXES:
+            if suffix in SCALE_SUFFIXES:
                 # A scale next to a float weight: an exported leftover; engines reject it, we ignore it.
                 self.skipped.append(name)
                 continue
@@ -123,37 +113,19 @@ class CheckpointWeights:
         if self.skipped:
             log.info("%s: ignoring %d scale tensors of unquantized modules / KV cache", self.label, len(self.skipped))
 
-    def _kind(self, module: str, parts: dict[str, str]) -> str | None:
-        w = parts.get("weight")
-        if "weight_packed" in parts:
-            if "weight_global_scale" not in parts or "weight_scale" not in parts:
-                raise ValidateLoadError(f"{self.label}: {module}.weight_packed without its scales")
-            return "nvfp4-ct"
-        if w == "U8":
-            if parts.get("weight_scale") != "F8_E4M3" or "weight_scale_2" not in parts:
-                raise ValidateLoadError(
-                    f"{self.label}: {module}.weight is uint8 but weight_scale (fp8) / weight_scale_2 are missing"
-                )
-            return "nvfp4"
-        if w == "F8_E4M3":
-            if "weight_scale_inv" in parts:
-                return "fp8-block"
-            if "weight_scale" in parts:
-                shape = self.ckpt.tensors[f"{module}.weight_scale"].shape
-                wshape = self.ckpt.tensors[f"{module}.weight"].shape
-                if len(shape) == 2 and shape[-1] > 1 and len(wshape) == 2:
-                    return "fp8-block"
-                return "fp8"
-            raise ValidateLoadError(f"{self.label}: {module}.weight is fp8 but has no weight_scale / weight_scale_inv")
-        if w is not None and w not in FLOAT_DTYPES:
-            raise ValidateLoadError(f"{self.label}: {module}.weight has unsupported dtype {w}")
-        return None
+    def _kind(self, module: str) -> StorageKind | None:
+        try:
+            kind = kind_of(self.ckpt.tensors, module, strict=True)
+        except IncompleteKindError as exc:
+            raise ValidateLoadError(f"{self.label}: {module}.{exc}") from None
+        w = self.ckpt.tensors.get(f"{module}.weight")
+        if kind is None and w is not None and w.dtype not in FLOAT_DTYPES:
+            raise ValidateLoadError(f"{self.label}: {module}.weight has unsupported dtype {w.dtype}")
+        return kind
 
-    def _input_scale(self, module: str, parts: dict[str, str]) -> float | None:
-        if "input_scale" in parts:
-            return float(self.ckpt.read_tensor(f"{module}.input_scale").float().max())
-        if "input_global_scale" in parts:
-            return float(1.0 / self.ckpt.read_tensor(f"{module}.input_global_scale").float().max())
+    def _input_scale(self, module: str, kind: StorageKind, parts: set[str]) -> float | None:
+        if kind.input_scale in parts:
+            return kind.read_input_scale(self.ckpt.read_tensor, module)
         return None
 
     def _block_size(self) -> tuple[int, int]:
@@ -163,17 +135,12 @@ class CheckpointWeights:
             return int(size[0]), int(size[1])
         return 128, 128
 
-    def _check_block(self, module: str, block: tuple[int, int]) -> None:
-        rows, cols = self.ckpt.tensors[f"{module}.weight"].shape
-        scale_name = self._scale_name(module)
+    def _check_block(self, module: str, kind: StorageKind, block: tuple[int, int]) -> None:
+        scale_name = f"{module}.{kind.scales[0]}"
         got = tuple(self.ckpt.tensors[scale_name].shape)
-        want = (math.ceil(rows / block[0]), math.ceil(cols / block[1]))
-        if got != want:
+        want = block_shape(tuple(self.ckpt.tensors[f"{module}.weight"].shape), got, block)
+        if want is not None:
             raise ValidateLoadError(f"{self.label}: {scale_name} shape {got} does not fit blocks {block} (want {want})")
-
-    def _scale_name(self, module: str) -> str:
-        inv = f"{module}.weight_scale_inv"
-        return inv if inv in self.ckpt.tensors else f"{module}.weight_scale"
 
     # ---- queries ------------------------------------------------------------------------------
     def names(self, klass: str | None = None) -> list[str]:
@@ -192,8 +159,8 @@ class CheckpointWeights:
         stored = self.ckpt.tensors[self._logical[name]]
         module, _ = _split(name)
         fmt = self.formats.get(module)
-        if fmt is not None and fmt.kind in ("nvfp4", "nvfp4-ct") and name == f"{module}.weight":
-            return (*stored.shape[:-1], stored.shape[-1] * 2)
+        if fmt is not None and name == f"{module}.weight":
+            return fmt.kind.logical_shape(tuple(stored.shape))
         return tuple(stored.shape)
 
     def tensor(self, name: str, dtype: torch.dtype = torch.float32, *, fold_pre_quant: bool = True) -> Tensor:
@@ -209,21 +176,7 @@ class CheckpointWeights:
         if fmt is None or name != f"{module}.weight":
             t = read(stored)
             return t.to(dtype) if t.is_floating_point() else t  # integer buffers (PLE hashing) keep their dtype
-        if fmt.kind == "nvfp4":
-            w = dequantize_nvfp4(read(stored), read(f"{module}.weight_scale"), read(f"{module}.weight_scale_2"))
-        elif fmt.kind == "nvfp4-ct":
-            w = from_compressed_tensors(
-                read(stored), read(f"{module}.weight_scale"), read(f"{module}.weight_global_scale")
-            ).dequantize()
-        elif fmt.kind == "fp8":
-            scale = read(f"{module}.weight_scale").float()
-            q = read(stored)
-            if scale.numel() == 1:
-                w = dequantize_fp8_per_tensor(q, scale)
-            else:  # per output channel, [out] or [out, 1]
-                w = q.float() * scale.reshape(-1, *([1] * (q.dim() - 1)))
-        else:
-            w = dequantize_fp8_block(read(stored), read(self._scale_name(module)).float(), self._block_size())
+        w = fmt.kind.dequantize(read, module, self._block_size())
         if fmt.has_pre_quant_scale and fold_pre_quant:
             w = w * read(f"{module}.pre_quant_scale").float()
         return w.to(dtype)
@@ -245,7 +198,7 @@ class CheckpointWeights:
                 continue
             klass = self.ckpt.classify(name)
             fmt = self.formats.get(module)
-            kind = fmt.kind if fmt else self.ckpt.tensors[self._logical[name]].dtype.lower()
+            kind = fmt.kind.name if fmt else self.ckpt.tensors[self._logical[name]].dtype.lower()
             out[klass][kind] += 1
         return {k: dict(v) for k, v in sorted(out.items())}
 

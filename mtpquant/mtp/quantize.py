@@ -35,8 +35,8 @@ from torch import Tensor, nn
 
 from mtpquant.checkpoint.modules import linear_modules
 from mtpquant.families import FUSED_EXPERT_PIECES, MtpLayout, family, matches
-from mtpquant.formats.fp8 import fp8_scale_from_amax, quantize_fp8_per_tensor
-from mtpquant.formats.nvfp4 import input_scale_from_amax, quantize_nvfp4, shared_global_scale
+from mtpquant.formats.kinds import UNQUANTIZED, WRITTEN, StorageKind, precision_kind
+from mtpquant.formats.nvfp4 import shared_global_scale
 from mtpquant.mtp.module import MtpLayoutError
 from mtpquant.mtp.names import checkpoint_name
 from mtpquant.recipes.recipe import recipe_excludes
@@ -57,7 +57,7 @@ __all__ = [
     "quantize_mtp",
 ]
 
-MTP_FORMATS = ("nvfp4", "fp8")
+MTP_FORMATS = tuple(WRITTEN)  # the precision choices that quantize an MTP Linear (``formats.kinds``)
 
 # Which MTP Linears stay unquantized and which share an input is family data (``MtpLayout.unquantized`` /
 # ``fused_groups``); the Qwen3.5 / Qwen3-Next layout (one and the same) is the default.
@@ -347,6 +347,14 @@ def _input_amax(
     return amax
 
 
+_CHOICES = (UNQUANTIZED, *WRITTEN)  # the MTP precision choices: kept, or one of the kinds mtpquant writes
+
+
+def _stored(module: str, kind: StorageKind, weight: Tensor, global_scale: Tensor | None) -> dict[str, Tensor]:
+    """``module``'s weight quantized in ``kind``, under its full tensor names."""
+    return {f"{module}.{suffix}": t for suffix, t in kind.quantize(weight, global_scale).items()}
+
+
 def quantize_mtp(
     weights: Mapping[str, Tensor],
     input_amax: Mapping[str, Tensor] | None,
@@ -374,36 +382,33 @@ def quantize_mtp(
     if precision is None:
         if fmt not in MTP_FORMATS:
             raise ValueError(f"MTP format {fmt!r} is not one of {', '.join(MTP_FORMATS)}")
-        chosen = dict.fromkeys(mtp_quantized_modules(modules, layout, targets, exclude), fmt)
+        kinds = dict.fromkeys(mtp_quantized_modules(modules, layout, targets, exclude), WRITTEN[fmt])
         excluded = mtp_excluded_modules(modules, layout, targets, exclude)
     else:
         unknown = sorted(set(precision) - set(modules))
         if unknown:
             raise ValueError(f"MTP precision given for {unknown[0]}, which is not an MTP Linear of the weights")
-        wrong = sorted(p for p in precision.values() if p not in (*MTP_FORMATS, "bf16"))
+        wrong = sorted(p for p in precision.values() if p not in _CHOICES)
         if wrong:
-            raise ValueError(f"MTP precision {wrong[0]!r} is not one of bf16, {', '.join(MTP_FORMATS)}")
-        chosen = {m: p for m, p in sorted(precision.items()) if p != "bf16"}
+            raise ValueError(f"MTP precision {wrong[0]!r} is not one of {', '.join(_CHOICES)}")
+        kinds = {m: k for m, p in sorted(precision.items()) if (k := precision_kind(p)) is not None}
         built = {m for m in modules if _engine_linear(m, layout)}
-        excluded = sorted(m for m in modules if m not in chosen and (m in built or layout.is_unquantized(m)))
-        fmt = next(iter(set(chosen.values()))) if len(set(chosen.values())) == 1 else "mixed"
-    quantized = sorted(chosen)
+        excluded = sorted(m for m in modules if m not in kinds and (m in built or layout.is_unquantized(m)))
+        names = {k.name for k in kinds.values()}
+        fmt = names.pop() if len(names) == 1 else "mixed"
+    quantized = sorted(kinds)
     amax = _input_amax(quantized, input_amax or {}, layout, targets) if activations else {}
     out: dict[str, Tensor] = {}
-    for group in _fused_among({m for m, p in chosen.items() if p == "nvfp4"}, layout):
+    # kinds whose fused groups share a global scale first (modelopt's export: one weight_scale_2 per group)
+    for group in _fused_among({m for m, k in kinds.items() if k.shared_scale}, layout):
         g = shared_global_scale([weights[m + ".weight"] for m in group])
         for m in group:
-            q = quantize_nvfp4(weights[m + ".weight"], weight_scale_2=g)
-            out[m + ".weight"] = q.packed
-            out[m + ".weight_scale"] = q.weight_scale
-            out[m + ".weight_scale_2"] = q.weight_scale_2
-    for m in (m for m in quantized if chosen[m] == "fp8"):
-        w8, scale = quantize_fp8_per_tensor(weights[m + ".weight"])
-        out[m + ".weight"] = w8
-        out[m + ".weight_scale"] = scale
+            out |= _stored(m, kinds[m], weights[m + ".weight"], g)
+    for m in (m for m in quantized if not kinds[m].shared_scale):
+        out |= _stored(m, kinds[m], weights[m + ".weight"], None)
     for m in quantized if activations else ():
-        nvfp4 = chosen[m] == "nvfp4"
-        out[m + ".input_scale"] = input_scale_from_amax(amax[m]) if nvfp4 else fp8_scale_from_amax(amax[m])
+        out[m + ".input_scale"] = kinds[m].input_scale_from_amax(amax[m])
+    chosen = {m: k.name for m, k in kinds.items()}
     quantized_weights = {m + ".weight" for m in quantized}
     kept = sorted(n for n in weights if n not in quantized_weights)
     return MtpQuantResult(out, quantized, excluded, kept, fmt, chosen)

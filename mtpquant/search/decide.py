@@ -34,6 +34,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
+from mtpquant.formats.kinds import quantizes
 from mtpquant.records.evidence import CONFIDENCE, MIN_UNITS, Bootstrap, Interval, UnitCounts, units_to_decide
 from mtpquant.records.record import Record
 from mtpquant.records.sampling import SamplingSettings
@@ -215,7 +216,7 @@ def holm(p_values: Sequence[float], alpha: float) -> list[tuple[float, bool]]:
 def predicted_change(assignment: Assignment, singles: dict[tuple[str, str], Judged]) -> list[float]:
     """The change predicted for ``assignment`` at every (setting, k): the sum of its groups' changes measured alone
     (NaN where a group was not measured alone)."""
-    parts = [singles.get((g, p)) for g, p in zip(assignment.groups, assignment.precisions) if p != "bf16"]
+    parts = [singles.get((g, p)) for g, p in zip(assignment.groups, assignment.precisions) if quantizes(p)]
     if not parts:
         return []
     if any(p is None for p in parts):
@@ -349,7 +350,7 @@ def search(
     singles: dict[tuple[str, str], Judged] = {}
     for key in space.group_keys:  # every group alone, loadable or not: what quantizing it costs
         for p in space.precisions:
-            if p != "bf16" and space.refusal(key, p) is None:
+            if quantizes(p) and space.refusal(key, p) is None:
                 singles[(key, p)] = measure(space.bf16.with_group(key, p), "sensitivity")
     best = min(j.nbytes for j in judged if j.accepted)
     for _ in range(settings.max_confirm):

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from torch import Tensor
 
     from mtpquant.checkpoint.source import CheckpointSource
+    from mtpquant.formats.kinds import StorageKind
 
 __all__ = ["HealSettings", "HealedFinalist", "Healer", "Training"]
 
@@ -85,13 +86,13 @@ class Healer(Protocol):
         self,
         config: Mapping[str, object],
         master: dict[str, Tensor],
-        precision: Mapping[str, str],
+        kinds: Mapping[str, StorageKind],
         input_scales: Mapping[str, float],
         *,
         shared: tuple[Tensor, Tensor],
         device: Any,
     ) -> tuple[dict[str, Tensor], Training]:
-        """The MTP weights ``master`` (float32, checkpoint names) healed with each Linear of ``precision`` (module ->
-        nvfp4 | fp8) fake-quantized in its format (``input_scales``: module -> its input scale; empty: weights
+        """The MTP weights ``master`` (float32, checkpoint names) healed with each Linear of ``kinds`` (module -> its
+        storage kind, NVFP4 or FP8) fake-quantized in it (``input_scales``: module -> its input scale; empty: weights
         only), against the embedding and LM head ``shared``: the healed float32 weights by checkpoint name."""
         ...

@@ -20,8 +20,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import Tensor, nn
 
-from mtpquant.formats.fp8 import dequantize_fp8_per_tensor
-from mtpquant.formats.nvfp4 import dequantize_nvfp4
+from mtpquant.formats.kinds import WRITTEN, quantizes
 from mtpquant.measure.drafter import MtpBundle, mtp_bundle
 from mtpquant.measure.replay import TargetRun, evaluate_acceptance
 from mtpquant.measure.weights import LinearFormat
@@ -195,21 +194,18 @@ class Candidates:
         t = result.tensors
         weights: dict[str, Tensor] = {}
         formats: dict[str, LinearFormat] = {}
+        kind = WRITTEN[precision]
         for m in members:
-            if precision == "nvfp4":
-                w = dequantize_nvfp4(t[m + ".weight"], t[m + ".weight_scale"], t[m + ".weight_scale_2"])
-            else:
-                w = dequantize_fp8_per_tensor(t[m + ".weight"], t[m + ".weight_scale"])
-            weights[m + ".weight"] = w.to(self.dtype)
+            weights[m + ".weight"] = kind.dequantize(t.__getitem__, m).to(self.dtype)
             scale = t.get(m + ".input_scale")
-            formats[m] = LinearFormat(m, precision, None if scale is None else float(scale.float().max()))
+            formats[m] = LinearFormat(m, kind, None if scale is None else float(scale.float().max()))
         return weights, formats
 
     def formats(self, assignment: Assignment) -> dict[str, LinearFormat]:
         """Every quantized Linear of ``assignment`` -> its format and input scale (what ``--heal`` trains with)."""
         out: dict[str, LinearFormat] = {}
         for key, precision in zip(assignment.groups, assignment.precisions):
-            if precision != "bf16":
+            if quantizes(precision):
                 out.update(self.group(key, precision)[1])
         return out
 
@@ -221,7 +217,7 @@ class Candidates:
         tensors = {n: t.to(self.dtype) for n, t in source.items()}
         formats: dict[str, LinearFormat] = {}
         for key, precision in zip(assignment.groups, assignment.precisions):
-            if precision == "bf16":
+            if not quantizes(precision):
                 continue
             quantized, fmts = self.group(key, precision) if weights is None else self._quantized(source, key, precision)
             tensors.update(quantized)

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from mtpquant import __version__
+from mtpquant.formats.kinds import precision_kind
 from mtpquant.records.acceptance import Acceptance
 from mtpquant.records.profile import (
     PROFILE_FILE,
@@ -168,6 +169,12 @@ def healed_lines(result: SearchResult, head: str = "##") -> list[str]:
     return [*lines, ""]
 
 
+def _initial(precision: str) -> str:
+    """A precision's letter in the plot: B (BF16), F (FP8), N (NVFP4)."""
+    kind = precision_kind(precision)
+    return (kind.label if kind is not None else precision.upper())[0]
+
+
 def _pareto_png(result: SearchResult) -> bytes:
     """Bytes (x) against the worst AL loss over every k and setting (y), the front joined, budget and choice marked."""
     import matplotlib
@@ -191,7 +198,7 @@ def _pareto_png(result: SearchResult) -> bytes:
         ax.scatter([xs[chosen]], [ys[chosen]], s=160, facecolors="none", edgecolors="black", zorder=4, label="chosen")
         ax.axhline(result.settings.budget, color="black", ls="--", lw=1, label=f"budget {result.settings.budget:g}")
         for j, x, y in zip(result.evaluated, xs, ys):
-            short = "/".join(p[0].upper() if p != "nvfp4" else "N" for p in j.assignment.precisions)
+            short = "/".join(_initial(p) for p in j.assignment.precisions)
             ax.annotate(short, (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
         groups = "/".join(result.evaluated[0].assignment.groups)
         ax.set(xlabel="MTP bytes on disk (MB)", ylabel="worst AL loss vs BF16 (estimate)",

@@ -280,10 +280,10 @@ def _heal(
 
     shared = (candidates.inputs.embed, candidates.inputs.head)
     formats = candidates.formats(a)
-    precision = {m: f.kind for m, f in formats.items()}
+    kinds = {m: f.kind for m, f in formats.items()}
     scales = {m: f.input_scale for m, f in formats.items() if f.input_scale is not None}
     master = {n: t.to(torch.float32, copy=True) for n, t in source_mtp.items()}  # the layer adopts (trains) them
-    trained, training = healer.heal(config, master, precision, scales, shared=shared, device=device)
+    trained, training = healer.heal(config, master, kinds, scales, shared=shared, device=device)
     return source_form(trained, source_mtp), training
 
 

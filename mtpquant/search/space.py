@@ -31,6 +31,7 @@ from mtpquant.checkpoint.precision import is_quantized, linear_precisions
 from mtpquant.engine.loading import mtp_load_refusal
 from mtpquant.engine.table import NAMES, EngineName, searched
 from mtpquant.families import FUSED_EXPERT_PIECES, QWEN_MTP_NAMES, Family, MtpGroup
+from mtpquant.formats.kinds import NVFP4_BLOCK, UNQUANTIZED, WRITTEN, precision_kind, quantizes
 from mtpquant.formats.quant_config import QuantMetadata
 from mtpquant.recipes.recipe import recipe_excludes
 from mtpquant.records.record import Record
@@ -51,8 +52,7 @@ Precision = Literal["bf16", "fp8", "nvfp4"]
 PRECISIONS: tuple[str, ...] = get_args(Precision)  # widest first
 EngineChoice = EngineName | Literal["any"]
 ENGINE_CHOICES: tuple[str, ...] = (*NAMES, "any")
-BLOCK = 16  # NVFP4 block: a quantized Linear's input dimension must be a multiple of it
-_DISK = {"bf16": "BF16", "fp8": "FP8", "nvfp4": "NVFP4"}
+BLOCK = NVFP4_BLOCK  # NVFP4 block: a quantized Linear's input dimension must be a multiple of it
 
 
 def engines_of(choice: str) -> tuple[str, ...]:
@@ -63,7 +63,7 @@ def engines_of(choice: str) -> tuple[str, ...]:
 def layer_entry(precision: str, main_algo: str) -> dict[str, Any]:
     """A quantized MTP module's ``quantized_layers`` entry: NVFP4 as the main model's (its quant_algo, group 16), FP8
     per tensor."""
-    return {"quant_algo": main_algo, "group_size": BLOCK} if precision == "nvfp4" else {"quant_algo": "FP8"}
+    return WRITTEN[precision].layer_entry(main_algo)
 
 
 @dataclass(frozen=True)
@@ -98,7 +98,7 @@ class Assignment(Record):
 
     def changed(self) -> tuple[str, ...]:
         """The groups not in BF16."""
-        return tuple(g for g, p in zip(self.groups, self.precisions) if p != "bf16")
+        return tuple(g for g, p in zip(self.groups, self.precisions) if quantizes(p))
 
     @property
     def all_bf16(self) -> bool:
@@ -185,7 +185,7 @@ class MtpSpace:
         self.main_algo = main_algo
         self.activations = activations
         self.engines = tuple(engines)
-        self.precisions = tuple(p for p in PRECISIONS if p in precisions or p == "bf16")
+        self.precisions = tuple(p for p in PRECISIONS if p in precisions or not quantizes(p))
         self.exclude = tuple(exclude)  # the recipe's quantization.exclude: the MTP Linears it matches stay BF16
         self.source: dict[str, Planned] = {}
         self.split: dict[str, list[str]] = {}  # a fused 3-D source tensor -> the per-expert weights it holds
@@ -234,24 +234,17 @@ class MtpSpace:
         """Every ``mtp.*`` tensor the configuration writes, with its dtype and shape (what ``quantize_mtp`` makes of
         it; a group in BF16 keeps the source's tensors, fused 3-D experts fused)."""
         precision = self.module_precision(assignment)
-        quantized = {m for m, p in precision.items() if p != "bf16"}
+        quantized = {m for m, p in precision.items() if quantizes(p)}
         out: dict[str, Planned] = {}
         for name, entry in self.source.items():
             module = name[: -len(".weight")] if name.endswith(".weight") else None
-            p = precision.get(module or "", "bf16")
-            if p == "bf16":
+            kind = precision_kind(precision.get(module or "", UNQUANTIZED))
+            if kind is None:
                 out[name] = entry
                 continue
             rows, cols = entry.shape
-            if p == "nvfp4":
-                out[name] = Planned("U8", (rows, cols // 2))
-                out[f"{module}.weight_scale"] = Planned("F8_E4M3", (rows, cols // BLOCK))
-                out[f"{module}.weight_scale_2"] = Planned("F32", ())
-            else:
-                out[name] = Planned("F8_E4M3", (rows, cols))
-                out[f"{module}.weight_scale"] = Planned("F32", ())
-            if self.activations:
-                out[f"{module}.input_scale"] = Planned("F32", ())
+            for suffix, (dtype, shape) in kind.planned(rows, cols, self.activations).items():
+                out[f"{module}.{suffix}"] = Planned(dtype, shape)
         for fused, pieces in self.split.items():  # experts left in BF16 stay the source's fused tensors
             if not any(p[: -len(".weight")] in quantized for p in pieces):
                 for p in pieces:
@@ -284,15 +277,18 @@ class MtpSpace:
         NVFP4 block that does not divide a Linear's input, FP8 beside a weight-only recipe (no input scales)."""
         if precision not in self.precisions:
             return f"{precision} is not searched"
-        kept = next((m for m in self.members[key] if precision != "bf16" and recipe_excludes(self.exclude, m)), None)
+        kind = precision_kind(precision)
+        if kind is None:
+            return None
+        kept = next((m for m in self.members[key] if recipe_excludes(self.exclude, m)), None)
         if kept is not None:
             return f"{kept}: the recipe's quantization.exclude keeps it BF16"
-        if precision == "fp8" and not self.activations:
-            return "FP8 needs input scales, and the recipe quantizes weights only"
-        if precision == "nvfp4":
-            odd = next((m for m in self.members[key] if self.source[m + ".weight"].shape[-1] % BLOCK), None)
+        if kind.static_inputs and not self.activations:
+            return f"{kind.label} needs input scales, and the recipe quantizes weights only"
+        if (block := kind.group_size) is not None:
+            odd = next((m for m in self.members[key] if self.source[m + ".weight"].shape[-1] % block), None)
             if odd is not None:
-                return f"{odd}: input dimension {self.source[odd + '.weight'].shape[-1]} is not a multiple of {BLOCK}"
+                return f"{odd}: input dimension {self.source[odd + '.weight'].shape[-1]} is not a multiple of {block}"
         return None
 
     def metadata(self, assignment: Assignment, kind: str) -> QuantMetadata:
@@ -304,7 +300,7 @@ class MtpSpace:
             plain = tuple(sorted({_namespace(m) + "*" for m in disk}))
         if kind == "plain":
             return QuantMetadata("modelopt", self.main_algo, BLOCK, None, plain)
-        layers = {m: layer_entry(p, self.main_algo) for m, p in sorted(precision.items()) if p != "bf16"}
+        layers = {m: layer_entry(p, self.main_algo) for m, p in sorted(precision.items()) if quantizes(p)}
         return QuantMetadata("modelopt", "MIXED_PRECISION", None, None, plain, layers)
 
     def disk_precision(self, assignment: Assignment) -> dict[str, str]:

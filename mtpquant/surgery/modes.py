@@ -33,6 +33,7 @@ from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.checkpoint.writer import OutputDir, PlannedTensor
 from mtpquant.errors import IndivisibleDimensionError, MtpConfigError, MtpModeError, OutputVerificationError
 from mtpquant.families import check_mtp_forward
+from mtpquant.formats.kinds import NVFP4_BLOCK, WRITTEN
 from mtpquant.surgery.shards import mtp_planned_tensors, write_mtp_shards, write_planned_mtp
 
 __all__ = [
@@ -51,7 +52,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-BLOCK = 16  # NVFP4 block size: a quantized Linear's input dimension must be a multiple of it
+BLOCK = NVFP4_BLOCK  # NVFP4 block size: a quantized Linear's input dimension must be a multiple of it
 
 
 def _leaf_names(patterns: tuple[str, ...]) -> list[str]:
@@ -301,15 +302,16 @@ class QuantizeMode(MtpMode):
         check_quantizable(ckpt, "--mtp quantize")
         shapes = per_expert_shapes({e.name: e.shape for e in ckpt.mtp_tensors()})
         quantized = tuple(mtp_quantized_modules(linear_modules(shapes), ckpt.spec.family.mtp, targets, exclude))
-        if fmt == "nvfp4":
+        kind = WRITTEN[fmt]
+        if kind.group_size is not None:
             for m in quantized:
                 in_dim = shapes[m + ".weight"][-1]
-                if in_dim % BLOCK:
+                if in_dim % kind.group_size:
                     raise IndivisibleDimensionError(
-                        f"{m}: input dimension {in_dim} is not a multiple of {BLOCK} (the NVFP4 block size); use "
-                        "--mtp-format fp8 or --mtp keep"
+                        f"{m}: input dimension {in_dim} is not a multiple of {kind.group_size} (the {kind.label} block "
+                        "size); use --mtp-format fp8 or --mtp keep"
                     )
-        if fmt == "fp8":
+        if kind.layer_algo is not None:  # not the main model's NVFP4 algo: a quantized_layers entry of its own
             notes = [
                 "FP8 MTP with an NVFP4 main model is written as MIXED_PRECISION (vLLM modelopt_mixed); it lists the "
                 "mtp.* modules in quantized_layers, so SGLang builds this MTP quantized too"
@@ -358,7 +360,7 @@ class QuantizeMode(MtpMode):
         planned += mtp_planned_tensors(ctx.ckpt, kept)
         shards = write_planned_mtp(ctx.od, planned, ctx.max_bytes)
         outcome = MtpOutcome(sorted(t.name for t in planned), shards)
-        layer_algo = "FP8" if ctx.fmt == "fp8" else ctx.main_algo
+        layer_algo = WRITTEN[ctx.fmt].layer_algo or ctx.main_algo
         if layer_algo != ctx.main_algo:
             outcome.quantized_layers = {m: {"quant_algo": layer_algo} for m in result.quantized_modules}
         return outcome

@@ -23,15 +23,16 @@ from mtpquant.checkpoint.precision import table_precision
 from mtpquant.engine.loading import FusedShardsError, engine_modules, mixed_algo
 from mtpquant.engine.vllm import vllm_expectation
 from mtpquant.families import ModelSpec
+from mtpquant.formats.kinds import FP8, FP8_BLOCK, NVFP4, StorageKind, by_label
 from mtpquant.formats.quant_config import HF_QUANT_CONFIG, QuantMetadata, read_quant_metadata, with_exclusions
 
 __all__ = ["repair_labels"]
 
 # The label that selects the method loading what is on disk (vLLM 0.32 modelopt.py 1864-1890).
-_LABEL_FOR_DISK: dict[str, dict[str, Any]] = {
-    "FP8-block": {"quant_algo": "FP8_PB_WO", "group_size": 128},
-    "NVFP4": {"quant_algo": "NVFP4", "group_size": 16},
-    "FP8": {"quant_algo": "FP8"},
+_LABEL_FOR_DISK: dict[StorageKind, dict[str, Any]] = {
+    FP8_BLOCK: {"quant_algo": "FP8_PB_WO", "group_size": 128},
+    NVFP4: {"quant_algo": "NVFP4", "group_size": 16},
+    FP8: {"quant_algo": "FP8"},
 }
 
 
@@ -116,7 +117,8 @@ def _relabel_experts(ck: _Checkpoint, config: dict[str, Any], hfq: dict[str, Any
         if len(disks) != 1:
             continue
         (disk,) = disks
-        want = _LABEL_FOR_DISK.get(disk)
+        stored = by_label(disk)
+        want = None if stored is None else _LABEL_FOR_DISK.get(stored)
         try:
             e = vllm_expectation(mod, meta, rules)
             algo = mixed_algo(mod.prefix, meta, rules.packed)
@@ -128,7 +130,8 @@ def _relabel_experts(ck: _Checkpoint, config: dict[str, Any], hfq: dict[str, Any
             for m in mod.members:
                 layers[m] = dict(want)
             _sort_in_place(layers)
-            note = " (weight_scale_inv on disk)" if disk == "FP8-block" else ""
+            # a block scale under a name the method does not register by default
+            note = f" ({stored.scales[0]} on disk)" if stored is not None and stored.blocks else ""
             ck.changes.append(
                 f"{f}: quantized_layers: {mod.prefix} ({len(mod.members)} entries) {algo or 'absent'} -> "
                 f"{want['quant_algo']}{note}"

@@ -57,9 +57,6 @@ from mtpquant.validate.preflight import Opened
 
 __all__ = ["activation_caveats", "validate_builtin"]
 
-# Formats whose activations the engines quantize dynamically (no input scale): not emulated here yet.
-_DYNAMIC = {"fp8": "dynamic FP8", "fp8-block": "block FP8"}
-
 
 def activation_caveats(activations: str, weights: Sequence[CheckpointWeights]) -> list[str]:
     """What the measurement does not model about the checkpoints' activations, for the verdict line: their inputs
@@ -69,8 +66,9 @@ def activation_caveats(activations: str, weights: Sequence[CheckpointWeights]) -
     dynamic: dict[str, int] = {}
     for w in weights:
         for f in w.formats.values():
-            if f.input_scale is None and f.kind in _DYNAMIC:
-                dynamic[_DYNAMIC[f.kind]] = dynamic.get(_DYNAMIC[f.kind], 0) + 1
+            # a kind the engines quantize dynamically without an input scale: not emulated here yet
+            if f.input_scale is None and (what := f.kind.dynamic) is not None:
+                dynamic[what] = dynamic.get(what, 0) + 1
     out = []
     if activations == "off" and static:
         out.append(f"activations NOT quantized (--activations off): the engines quantize the inputs of the {static} "
