@@ -505,16 +505,24 @@ def inspect_checkpoint(
     are what a non-strict open finds: a strict open that succeeded collects the same list.
     """
     t0 = time.perf_counter()
-    ckpt = checkpoint if checkpoint is not None else Checkpoint.open(ref, revision=revision, token=token, strict=False)
-    with bulk_parse():  # per-module records over a table of up to ~300,000 tensors
-        main = _MainModules.of(ckpt)
-        report = _inspect(ckpt, t0, main)
-        if report.exit_code(strict=True):  # each fix is checked on a view whose main model is ckpt's: reuse it
-            report.fixes = fix_commands(
-                ckpt, lambda c: not _inspect(c, t0, _MainModules.of(c, main)).exit_code(strict=True)
-            )
-            report.seconds = round(time.perf_counter() - t0, 3)
-        return report
+    # the table (up to ~300,000 entries) and the records built from it hold no cycles: the collector stays off from the
+    # open to the report, and a table opened here is freed (an argument, not a name) before it is back on, so that it
+    # has none of it to pass over then
+    with bulk_parse():
+        if checkpoint is not None:
+            return _report(checkpoint, t0)
+        return _report(Checkpoint.open(ref, revision=revision, token=token, strict=False), t0)
+
+
+def _report(ckpt: Checkpoint, t0: float) -> InspectReport:
+    main = _MainModules.of(ckpt)
+    report = _inspect(ckpt, t0, main)
+    if report.exit_code(strict=True):  # each fix is checked on a view whose main model is ckpt's: reuse it
+        report.fixes = fix_commands(
+            ckpt, lambda c: not _inspect(c, t0, _MainModules.of(c, main)).exit_code(strict=True)
+        )
+        report.seconds = round(time.perf_counter() - t0, 3)
+    return report
 
 
 def _inspect(ckpt: Checkpoint, t0: float, main_modules: _MainModules) -> InspectReport:
