@@ -4,8 +4,9 @@ Read from the source with ``ast``: a comparison with an engine's name (``engine 
 a lookup by it (``verdicts["vllm"]``, ``.get("sglang")``, ``.pop("vllm")``) or a dict keyed by it, anywhere in the
 package except that engine's own module (``engine/<name>.py``), the table (``engine/table.py``) and the family
 entries (``EngineRules.drafters``: each engine's drafter class per family, which the issue keeps with the families).
-The verification rule called ``vllm`` (``records.sampling.RULES``) is another vocabulary: a comparison whose other
-side is named ``rule`` is not an engine's. An engine is named by its key (``"trtllm"``) or its display name
+A comparison with ``"vllm"`` is flagged whatever its other side is called: the verification rule ``--rule vllm``
+selects is a record (``records.sampling.ARGMAX_DRAFT``), asked for its properties, never compared by that spelling.
+An engine is named by its key (``"trtllm"``) or its display name
 (``"TensorRT-LLM"``), alone or in a tuple, list or set it is compared against, in a ``match`` case, or as the prefix
 of ``startswith``/``endswith``.
 """
@@ -44,19 +45,12 @@ def _names_in(node: ast.AST) -> list[str]:
     return [n] if n else []
 
 
-def _is_rule(node: ast.AST) -> bool:
-    name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else ""
-    return name == "rule"
-
-
 def branches(source: str) -> list[tuple[int, str]]:
     """(line, engine) of every branch on an engine's name in ``source``."""
     found: list[tuple[int, str]] = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Compare):
             operands = [node.left, *node.comparators]
-            if any(_is_rule(o) for o in operands):
-                continue
             found += [(node.lineno, n) for o in operands for n in _names_in(o)]
         elif isinstance(node, (ast.MatchValue, ast.Subscript)) and (
             n := _named(node.value if isinstance(node, ast.MatchValue) else node.slice)
@@ -134,8 +128,8 @@ def test_a_planted_branch_fails_the_check(tmp_path: Path) -> None:
         ('v = r.verdicts.get("sglang", "")', [(1, "sglang")]),
         ('serve.pop("vllm", None)', [(1, "vllm")]),
         ('d = {"vllm": 1}', [(1, "vllm")]),
-        ('if rule == "vllm": pass', []),  # the verification rule, not the engine
-        ('if self.rule != "vllm": pass', []),
+        ('if rule == "vllm": pass', [(1, "vllm")]),  # a rule is a record (records.sampling.RULES), not a spelling
+        ('if self.rule != "vllm": pass', [(1, "vllm")]),
         ('x = "vllm-python"', []),
         ('ok = engine in ("vllm", "sglang")', [(1, "vllm"), (1, "sglang")]),
         ('ok = engine not in ["trtllm"]', [(1, "trtllm")]),

@@ -10,7 +10,8 @@ import torch
 
 from mtpquant.measure.replay import walk
 from mtpquant.measure.rules import draft_probs, target_probs, terms
-from mtpquant.records.sampling import RULES, SamplingSettings
+from mtpquant.records import sampling
+from mtpquant.records.sampling import ARGMAX_DRAFT, PROBABILISTIC, RULES, STRICT, SamplingSettings
 
 pytestmark = pytest.mark.dev
 
@@ -55,6 +56,17 @@ def test_draft_probs_per_rule() -> None:
     for rule in ("probabilistic", "strict"):  # sampled drafts: the temperature only (no top-k/top-p)
         _close(draft_probs(logits, SamplingSettings(0.8, top_p=0.5, top_k=1), rule), [v / sum(soft) for v in soft])
     _close(draft_probs(logits, SamplingSettings(), "probabilistic"), [0, 1, 0])  # greedy requests: argmax
+
+
+def test_the_rules_are_records_their_cli_spelling_selects() -> None:
+    """``--rule vllm`` (the spelling users type and records store, unchanged) selects the argmax-draft record; the
+    record's properties, not a spelling, decide how drafts are verified."""
+    assert tuple(RULES) == ("vllm", "probabilistic", "strict")
+    assert tuple(map(sampling.rule, RULES)) == (ARGMAX_DRAFT, PROBABILISTIC, STRICT)
+    assert ARGMAX_DRAFT.name == "argmax-draft" and ARGMAX_DRAFT.flag == "vllm"
+    assert [(r.sampled_draft, r.exact_match) for r in RULES.values()] == [(False, False), (True, False), (True, True)]
+    with pytest.raises(ValueError, match="unknown rule 'argmax-draft'; choose one of vllm, probabilistic, strict"):
+        sampling.rule("argmax-draft")  # the record's name is not a spelling --rule takes
 
 
 P = torch.tensor([0.5, 0.3, 0.2])

@@ -25,19 +25,54 @@ from mtpquant.checkpoint.header import (
     read_header_length,
 )
 from mtpquant.checkpoint.index import INDEX_NAME, SINGLE_NAME, Problem, check_shard_name, parse_index, validate_index
+from mtpquant.checkpoint.modules import linear_modules
+from mtpquant.checkpoint.precision import module_precision
 from mtpquant.checkpoint.source import CheckpointSource, open_source, read_json
 from mtpquant.errors import CheckpointError, ConfigError, MtpquantError
-from mtpquant.families import APPENDED, UNKNOWN, ModelSpec, resolve, tensor_classifier
+from mtpquant.families import APPENDED, UNKNOWN, ModelSpec, MtpNames, TensorClass, group_by_class, resolve
 from mtpquant.formats.quant_config import HF_QUANT_CONFIG, QuantMetadata, read_quant_metadata
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["PICKLE_SUFFIXES", "Checkpoint"]
+__all__ = ["PICKLE_SUFFIXES", "Checkpoint", "TableClasses"]
 
 log = logging.getLogger(__name__)
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
+
+
+@dataclass(frozen=True)
+class TableClasses:
+    """A tensor table by class (``ModelSpec.classify``: main, mtp, vision, ...): each class's entries in table order
+    (``groups``), and each class's Linear modules (``modules.linear_modules``) with their precision on disk
+    (``precision.module_precision``), sorted by module name (``linears``). Read-only: shared by a checkpoint and its
+    amended views."""
+
+    groups: Mapping[str, dict[str, TensorEntry]]
+    linears: Mapping[str, dict[str, str]]
+
+    @classmethod
+    def of(
+        cls, tensors: Mapping[str, TensorEntry], main_prefix: str, has_vision: bool, names: MtpNames
+    ) -> TableClasses:
+        """Classify every tensor of ``tensors`` (``families.group_by_class``)."""
+        groups = group_by_class(tensors, main_prefix, has_vision, names)
+        return cls(groups, {c: _linears(tensors, group) for c, group in groups.items()})
+
+    def with_mtp(self, tensors: Mapping[str, TensorEntry], mtp: dict[str, TensorEntry]) -> TableClasses:
+        """These classes for ``tensors``: this table's entries less its MTP, plus ``mtp`` (MTP entries)."""
+        groups = {c: g for c, g in self.groups.items() if c != TensorClass.MTP}
+        linears = {c: p for c, p in self.linears.items() if c != TensorClass.MTP}
+        if mtp:
+            groups[TensorClass.MTP] = mtp
+            linears[TensorClass.MTP] = _linears(tensors, mtp)
+        return TableClasses(groups, linears)
+
+
+def _linears(tensors: Mapping[str, TensorEntry], group: Mapping[str, TensorEntry]) -> dict[str, str]:
+    """The Linear modules of ``group`` (one class of ``tensors``) -> their precision on disk, sorted by name."""
+    return {m: module_precision(tensors, m) for m in linear_modules(group)}
 
 
 @dataclass
@@ -59,6 +94,11 @@ class Checkpoint:
     fingerprints: dict[str, tuple[int, int, int, int]] = field(default_factory=dict)
     _mtp_names: list[str] | None = field(default=None, init=False, repr=False, compare=False)
     _forgotten: dict[str, dict[str, TensorEntry]] | None = field(default=None, init=False, repr=False, compare=False)
+    _classes: TableClasses | None = field(default=None, init=False, repr=False, compare=False)
+    # an amended view: the checkpoint whose table it shares but for the MTP entries, and those entries' names (None:
+    # the very same table), so that its classes, Linear precisions and byte total are derived, not recomputed
+    _base: Checkpoint | None = field(default=None, init=False, repr=False, compare=False)
+    _base_mtp: list[str] | None = field(default=None, init=False, repr=False, compare=False)
 
     # ---- opening ------------------------------------------------------------------------------
     @classmethod
@@ -181,14 +221,32 @@ class Checkpoint:
 
     def by_class(self) -> dict[str, list[TensorEntry]]:
         """Tensors grouped by class, each group sorted by name."""
-        classify = tensor_classifier(
-            self.main_prefix or self.spec.main_prefix, self.spec.family.has_vision, self.spec.mtp_names
-        )
-        groups: dict[str, list[TensorEntry]] = defaultdict(list)
-        tensors = self.tensors
-        for name in sorted(tensors):
-            groups[classify(name)].append(tensors[name])
-        return dict(groups)
+        groups = {c: [g[n] for n in sorted(g)] for c, g in self.classes().groups.items()}
+        return dict(sorted(groups.items(), key=lambda cg: cg[1][0].name))  # each class where its first name sorts
+
+    def classes(self) -> TableClasses:
+        """The table by class, with each class's Linear modules and their precisions (once per table: an amended view
+        that keeps this table's classifier and all but its MTP entries derives them from this one's)."""
+        if self._classes is None:
+            base = self._base
+            if base is not None and base._classifier_key() == self._classifier_key():
+                if self._base_mtp is None:
+                    self._classes = base.classes()
+                else:
+                    mtp = {n: self.tensors[n] for n in self._base_mtp}
+                    self._classes = base.classes().with_mtp(self.tensors, mtp)
+            else:
+                self._classes = TableClasses.of(self.tensors, *self._classifier_key())
+        return self._classes
+
+    def _classifier_key(self) -> tuple[str, bool, MtpNames]:
+        return self.main_prefix or self.spec.main_prefix, self.spec.family.has_vision, self.spec.mtp_names
+
+    def linear_precisions(self) -> dict[str, str]:
+        """Every Linear module of the table -> its precision on disk, sorted by module name: what
+        ``checkpoint.precision.linear_precisions`` gives for ``tensors``, from the classes (a new dict)."""
+        merged = {m: p for linears in self.classes().linears.values() for m, p in linears.items()}
+        return dict(sorted(merged.items()))
 
     def is_mtp(self, name: str) -> bool:
         """Whether a tensor or module name belongs to the MTP, by the family's storage (``ModelSpec.is_mtp``)."""
@@ -203,8 +261,11 @@ class Checkpoint:
         # classify() answers MTP exactly for the names the family's test accepts (its first test): filter with that,
         # then sort the few MTP names only, not the whole table; once (the table does not change after open)
         if self._mtp_names is None:
-            is_mtp = self.spec.mtp_names.matcher
-            self._mtp_names = sorted(n for n in self.tensors if is_mtp(n))
+            if self._base is not None:  # an amended view: the rest of its table is its base's, which has no MTP name
+                self._mtp_names = self._base._mtp() if self._base_mtp is None else sorted(self._base_mtp)
+            else:
+                is_mtp = self.spec.mtp_names.matcher
+                self._mtp_names = sorted(n for n in self.tensors if is_mtp(n))
         return self._mtp_names
 
     def mtp_tensors(self) -> list[TensorEntry]:
@@ -260,33 +321,50 @@ class Checkpoint:
         self,
         config: dict[str, Any],
         hf_quant_config: dict[str, Any] | None,
-        tensors: dict[str, TensorEntry] | None = None,
+        mtp: Mapping[str, TensorEntry] | None = None,
         problems: list[Problem] | None = None,
         *,
         indexed_forgotten: bool = False,
     ) -> Checkpoint:
-        """This checkpoint's header-level view as a repair would leave it: new metadata, and (where given) a new
-        tensor table and index problems; ``indexed_forgotten``: the MTP shards the index forgot are indexed (their
-        tensors in ``tensors``, their stray-shard notes gone). Nothing is read or written."""
+        """This checkpoint's header-level view as a repair would leave it: new metadata, and (where given) the MTP
+        entries that take the place of this checkpoint's (``mtp``: the rest of the table stays this one's, in its
+        order, the new entries after it) and new index problems; ``indexed_forgotten``: the MTP shards the index forgot
+        are indexed (their tensors in ``mtp``, their stray-shard notes gone). Nothing is read or written. The view
+        derives its classes, Linear precisions and byte total from this checkpoint's where its MTP name test is this
+        one's (the rest of its table is then this one's, entry for entry)."""
         if indexed_forgotten:
             adopted = set(self.forgotten_mtp())
             problems = [p for p in (self.problems if problems is None else problems)
                         if not (p.code == "stray_shard" and p.message.split(":", 1)[0] in adopted)]
+        tensors = self.tensors
+        if mtp is not None:
+            tensors = dict(tensors)
+            for name in self._mtp():
+                del tensors[name]
+            tensors.update(mtp)
         view = dataclasses.replace(
             self,
             config=config,
-            spec=resolve(config, self.tensors if tensors is None else tensors),
-            tensors=self.tensors if tensors is None else tensors,
+            spec=resolve(config, tensors),
+            tensors=tensors,
             problems=self.problems if problems is None else problems,
         )
         view.__dict__["hf_quant_config"] = hf_quant_config  # the cached_property's slot: never read from the source
         if indexed_forgotten:
             view._forgotten = {}
+        if view.spec.mtp_names == self.spec.mtp_names and (mtp is None or all(map(view.spec.mtp_names.matcher, mtp))):
+            view._base, view._base_mtp = self, None if mtp is None else list(mtp)
         return view
 
     @property
     def total_bytes(self) -> int:
         """Sum of tensor bytes."""
+        base = self._base
+        if base is not None:  # an amended view: the base's table less its MTP, plus the view's MTP
+            if self._base_mtp is None:
+                return base.total_bytes
+            old = sum(base.tensors[n].nbytes for n in base._mtp())
+            return base.total_bytes - old + sum(self.tensors[n].nbytes for n in self._base_mtp)
         if len(self.tensors) == sum(len(h.tensors) for h in self.headers.values()):
             # every header's tensors are in the table, and they tile its data region exactly
             return sum(h.file_size - h.data_start for h in self.headers.values())

@@ -200,7 +200,7 @@ def add_sampling_arguments(p: argparse.ArgumentParser, options: type, temperatur
     g.add_argument("--top-k", type=int, nargs="+", default=list(top_k), metavar="K",
                    help=f"top-k sampling of the target (default {top_k[0]}: off); {each}")
     g.add_argument("--rule", choices=tuple(RULES), default=field_default(options, "rule"),
-                   help="how drafts are verified: " + "; ".join(f"{r.name}: {r.description}" for r in RULES.values()))
+                   help="how drafts are verified: " + "; ".join(f"{r.flag}: {r.description}" for r in RULES.values()))
     return g
 
 

@@ -27,15 +27,25 @@ _UNDECLARE_NOTE = "   (or serve it without MTP: un-declares the MTP it does not 
 
 
 def _after(
-    ckpt: Checkpoint, tensors: dict[str, TensorEntry], layers: int, *, lost_dropped: bool, adopted: bool = False
+    ckpt: Checkpoint,
+    mtp: dict[str, TensorEntry] | None,
+    layers: int,
+    *,
+    lost_dropped: bool,
+    adopted: bool = False,
 ) -> Checkpoint:
-    """``ckpt`` as graft leaves it with this tensor table: the metadata planned for it, (``lost_dropped``) the index
-    rewritten without the entries of shards that do not exist, (``adopted``) with the MTP shards it forgot."""
-    plan = plan_metadata(ckpt.spec, ckpt.hf_quant_config, tensors, mtp_layers=layers)
+    """``ckpt`` as graft leaves it with these MTP entries in place of its own (None: its own table): the metadata
+    planned for it, (``lost_dropped``) the index rewritten without the entries of shards that do not exist,
+    (``adopted``) with the MTP shards it forgot. The main model's entries are ``ckpt``'s, so are their classes and
+    precisions (``Checkpoint.amended``): only the MTP's are worked out again."""
+    problems = [p for p in ckpt.problems if not p.fatal] if lost_dropped else None
+    table = ckpt.amended(ckpt.config, ckpt.hf_quant_config, mtp, problems, indexed_forgotten=adopted)
+    plan = plan_metadata(
+        ckpt.spec, ckpt.hf_quant_config, table.tensors, mtp_layers=layers, precision=table.linear_precisions()
+    )
     config = plan.config if plan.config is not None else ckpt.config
     hfq = plan.hf_quant_config if plan.hf_quant_config is not None else ckpt.hf_quant_config
-    problems = [p for p in ckpt.problems if not p.fatal] if lost_dropped else None
-    return ckpt.amended(config, hfq, tensors, problems, indexed_forgotten=adopted)
+    return table.amended(config, hfq)
 
 
 def _src_mtp(spec: ModelSpec) -> dict[str, TensorEntry]:
@@ -59,21 +69,18 @@ def fix_commands(ckpt: Checkpoint, clean: Callable[[Checkpoint], bool]) -> list[
     present = [e.name for e in ckpt.mtp_tensors()]
     if present and not fatal:
         layers = ckpt.spec.mtp_depth(present) or ckpt.spec.mtp.layers
-        if clean(_after(ckpt, ckpt.tensors, layers, lost_dropped=False)):
+        if clean(_after(ckpt, None, layers, lost_dropped=False)):
             return [f"mtpquant graft {label} --fix-metadata --out {name}-fixed"]
     forgotten = ckpt.forgotten_mtp() if ckpt.spec.mtp.declared and not present and not fatal else {}
     if forgotten:  # the MTP is there, in a shard the index forgot: indexing it is the repair
-        table = {**ckpt.tensors, **{n: e for shard in forgotten.values() for n, e in shard.items()}}
-        layers = ckpt.spec.mtp_depth(table) or ckpt.spec.mtp.layers
-        if clean(_after(ckpt, table, layers, lost_dropped=False, adopted=True)):
+        mtp = {n: e for shard in forgotten.values() for n, e in shard.items()}
+        layers = ckpt.spec.mtp_depth({**ckpt.tensors, **mtp}) or ckpt.spec.mtp.layers
+        if clean(_after(ckpt, mtp, layers, lost_dropped=False, adopted=True)):
             return [f"mtpquant graft {label} --fix-metadata --out {name}-fixed"]
     commands = []
     grafted_clean = False
     if ckpt.spec.mtp.declared and (not fatal or ckpt.only_mtp_lost):
-        is_mtp = ckpt.spec.mtp_names.matcher
-        table = {n: e for n, e in ckpt.tensors.items() if not is_mtp(n)}
-        table.update(_src_mtp(ckpt.spec))
-        grafted_clean = clean(_after(ckpt, table, ckpt.spec.mtp.layers, lost_dropped=True))
+        grafted_clean = clean(_after(ckpt, _src_mtp(ckpt.spec), ckpt.spec.mtp.layers, lost_dropped=True))
         if grafted_clean:
             # an MTP already there (part of one, or one that differs) is replaced only when asked to
             replace = " --replace" if present else ""
@@ -81,6 +88,6 @@ def fix_commands(ckpt: Checkpoint, clean: Callable[[Checkpoint], bool]) -> list[
     # declared, never shipped (or lost): --fix-metadata un-declares it, so engines stop waiting for it
     # (where the MTP put back leaves it clean, so does no MTP at all: the same model and metadata, nothing declared)
     undeclarable = not present and not fatal and ckpt.spec.mtp.declared and ckpt.spec.family.mtp_key is not None
-    if undeclarable and (grafted_clean or clean(_after(ckpt, ckpt.tensors, 0, lost_dropped=False))):
+    if undeclarable and (grafted_clean or clean(_after(ckpt, None, 0, lost_dropped=False))):
         commands.append(f"mtpquant graft {label} --fix-metadata --out {name}-no-mtp{_UNDECLARE_NOTE}")
     return commands

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import operator
 import os
 import time
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -33,7 +35,16 @@ from mtpquant.engine.table import ENGINES, display
 from mtpquant.engine.verdicts import MISSING, ModuleReport, VerdictFacts, engine_verdicts, label_refusal
 from mtpquant.engine.vllm import unquantized_why, vllm_expectation
 from mtpquant.errors import ExitCode
-from mtpquant.families import NEVER_SHIPPED, NOT_MTP, RECOGNISED, SEPARATE, UNKNOWN, EngineRules, matches
+from mtpquant.families import (
+    NEVER_SHIPPED,
+    NOT_MTP,
+    RECOGNISED,
+    SEPARATE,
+    UNKNOWN,
+    EngineRules,
+    TensorClass,
+    matches,
+)
 from mtpquant.formats.quant_config import QuantMetadata
 
 __all__ = [
@@ -219,9 +230,14 @@ def _missing_param(ckpt: Checkpoint, mod: EngineModule, engine_prefix: str, e: E
 
 
 def _module_reports(
-    ckpt: Checkpoint, names: list[str], meta: QuantMetadata | None, precision: dict[str, str] | None = None
+    ckpt: Checkpoint,
+    names: list[str],
+    meta: QuantMetadata | None,
+    precision: dict[str, str] | None = None,
+    modules: list[EngineModule] | None = None,
 ) -> tuple[list[ModuleReport], list[Finding]]:
-    """``precision``: each name's ``module_precision``, when the caller has it already."""
+    """``precision``: each name's ``module_precision``, and ``modules``: the names' ``engine_modules``, when the caller
+    has them already."""
     if precision is None:
         precision = {m: module_precision(ckpt.tensors, m) for m in names}
     family = ckpt.spec.family
@@ -230,7 +246,7 @@ def _module_reports(
     findings: list[Finding] = []
     one_form: list[tuple[str, str]] = []  # (checkpoint name, engine name) excluded only under the checkpoint's name
     is_mtp = ckpt.spec.mtp_names.matcher
-    for mod in engine_modules(names, family.engine):
+    for mod in engine_modules(names, family.engine) if modules is None else modules:
         if mod.kind == "embedding":  # shards of one table, one table-wide scale
             disk = table_precision(ckpt.tensors, mod.prefix, mod.members)
             precision.update(dict.fromkeys(mod.members, disk))
@@ -418,12 +434,36 @@ def _mtp_section(ckpt: Checkpoint, meta: QuantMetadata | None, report: dict[str,
     return findings
 
 
-def _main_section(ckpt: Checkpoint, meta: QuantMetadata | None) -> tuple[MainModelInfo, VisionInfo, list[Finding]]:
-    groups = ckpt.by_class()
-    main_tensors = {e.name: e for cls in ("main", "lm_head") for e in groups.get(cls, [])}
-    mods = linear_modules(main_tensors)
-    precision = {m: module_precision(ckpt.tensors, m) for m in mods}
-    reports, findings = _module_reports(ckpt, mods, meta, precision)  # embedding-table shards: the table's precision
+@dataclass(frozen=True)
+class _MainModules:
+    """The main model's Linear modules (the main and lm_head classes' ``TableClasses.linears``) with their precisions,
+    sorted, and the modules the engines build of them (``engine_modules``): worked out once for a checkpoint and
+    reused for each view of it a fix is checked on (``Checkpoint.amended`` shares the classes of the main model)."""
+
+    linears: tuple[Mapping[str, str], ...]
+    rules: EngineRules
+    precision: Mapping[str, str]
+    modules: list[EngineModule]
+
+    @classmethod
+    def of(cls, ckpt: Checkpoint, known: _MainModules | None = None) -> _MainModules:
+        """``ckpt``'s main model: ``known`` where it is that of the same classes under the same rules."""
+        classes = ckpt.classes()
+        linears = tuple(classes.linears.get(c, {}) for c in (TensorClass.MAIN, TensorClass.LM_HEAD))
+        rules = ckpt.spec.family.engine
+        if known is not None and known.rules == rules and all(map(operator.is_, linears, known.linears)):
+            return known
+        precision = dict(sorted({m: p for part in linears for m, p in part.items()}.items()))
+        return cls(linears, rules, precision, engine_modules(list(precision), rules))
+
+
+def _main_section(
+    ckpt: Checkpoint, meta: QuantMetadata | None, known: _MainModules
+) -> tuple[MainModelInfo, VisionInfo, list[Finding]]:
+    classes = ckpt.classes()
+    precision = dict(known.precision)  # embedding-table shards get their table's precision (_module_reports)
+    mods = list(precision)
+    reports, findings = _module_reports(ckpt, mods, meta, precision, known.modules)
     precs = Counter(precision.values())
     quantized = sum(n for p, n in precs.items() if is_quantized(p))
     bad = [r for r in reports if not r.consistent]
@@ -434,8 +474,8 @@ def _main_section(ckpt: Checkpoint, meta: QuantMetadata | None) -> tuple[MainMod
         precisions=dict(sorted(precs.items())),
         inconsistent_modules=[r.module for r in bad],
     )
-    vision_entries = groups.get("vision", [])
-    vprecs = Counter(module_precision(ckpt.tensors, m) for m in linear_modules({e.name: e for e in vision_entries}))
+    vision_entries = classes.groups.get(TensorClass.VISION, {})
+    vprecs = Counter(classes.linears.get(TensorClass.VISION, {}).values())
     vision = VisionInfo(
         present=bool(vision_entries),
         tensors=len(vision_entries),
@@ -465,22 +505,33 @@ def inspect_checkpoint(
     are what a non-strict open finds: a strict open that succeeded collects the same list.
     """
     t0 = time.perf_counter()
-    ckpt = checkpoint if checkpoint is not None else Checkpoint.open(ref, revision=revision, token=token, strict=False)
-    with bulk_parse():  # per-module records over a table of up to ~300,000 tensors
-        report = _inspect(ckpt, t0)
-        if report.exit_code(strict=True):
-            report.fixes = fix_commands(ckpt, lambda c: not _inspect(c, t0).exit_code(strict=True))
-            report.seconds = round(time.perf_counter() - t0, 3)
-        return report
+    # the table (up to ~300,000 entries) and the records built from it hold no cycles: the collector stays off from the
+    # open to the report, and a table opened here is freed (an argument, not a name) before it is back on, so that it
+    # has none of it to pass over then
+    with bulk_parse():
+        if checkpoint is not None:
+            return _report(checkpoint, t0)
+        return _report(Checkpoint.open(ref, revision=revision, token=token, strict=False), t0)
 
 
-def _inspect(ckpt: Checkpoint, t0: float) -> InspectReport:
+def _report(ckpt: Checkpoint, t0: float) -> InspectReport:
+    main = _MainModules.of(ckpt)
+    report = _inspect(ckpt, t0, main)
+    if report.exit_code(strict=True):  # each fix is checked on a view whose main model is ckpt's: reuse it
+        report.fixes = fix_commands(
+            ckpt, lambda c: not _inspect(c, t0, _MainModules.of(c, main)).exit_code(strict=True)
+        )
+        report.seconds = round(time.perf_counter() - t0, 3)
+    return report
+
+
+def _inspect(ckpt: Checkpoint, t0: float, main_modules: _MainModules) -> InspectReport:
     meta = ckpt.quant_metadata
     report: dict[str, Any] = {}
     failures: list[Finding] = []
     warnings: list[Finding] = []
     failures += _mtp_section(ckpt, meta, report)
-    main, vision, main_findings = _main_section(ckpt, meta)
+    main, vision, main_findings = _main_section(ckpt, meta, main_modules)
     failures += main_findings
     index_problems = [p for p in ckpt.problems if p.fatal]
     failures += [Finding("index", p.message) for p in index_problems]

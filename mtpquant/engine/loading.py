@@ -96,22 +96,28 @@ def packed_base(
 @dataclass(frozen=True)
 class _Exclusions:
     """A modelopt exclusion list compiled once: the expanded names, and one regex each for the substring and the
-    fnmatch tests (the same answers as testing pattern by pattern, in C)."""
+    fnmatch tests (the same answers as testing pattern by pattern, in C; the fnmatch one holds only the patterns with
+    a wildcard: any other matches its own name alone, which the expanded names answer; None: there is none)."""
 
     expanded: frozenset[str]
     ordered: tuple[str, ...]
     substring: re.Pattern[str]
-    glob: re.Pattern[str]
+    glob: re.Pattern[str] | None
+
+
+_GLOB_CHARS = re.compile(r"[*?\[]")  # fnmatch's special characters: a pattern without one matches only itself
 
 
 @functools.lru_cache(maxsize=64)
 def _exclusions(patterns: tuple[str, ...]) -> _Exclusions:
     expanded = expand_modelopt_patterns(patterns)
+    wild = [p for p in expanded if _GLOB_CHARS.search(p)]
     return _Exclusions(
         frozenset(expanded),
         tuple(expanded),
         re.compile("|".join(re.escape(p) for p in sorted(expanded, key=len, reverse=True))),
-        re.compile("|".join(f"(?:{translate(p)})" for p in expanded)),  # fnmatch: translate + match (POSIX case)
+        # fnmatch: translate + match (POSIX case)
+        re.compile("|".join(f"(?:{translate(p)})" for p in wild)) if wild else None,
     )
 
 
@@ -140,7 +146,7 @@ def modelopt_excluded(
     found = rules.substring.search(prefix)
     if found is not None and (found.group(0) != prefix or any(p != prefix and p in prefix for p in rules.ordered)):
         return True
-    return rules.glob.match(prefix) is not None
+    return prefix in expanded or (rules.glob is not None and rules.glob.match(prefix) is not None)
 
 
 def _ct_match(name: str, patterns: Sequence[str]) -> bool:

@@ -366,8 +366,7 @@ def cpu_sampling_note() -> str | None:
 
 def rule_refusal(rule: str, spec: SpecRule) -> str | None:
     """An SGLang NEXTN chain verifies with the target's probability of the argmax draft: ``--rule vllm`` only."""
-    del spec
-    if rule != "vllm":  # the verification rule's name (records.sampling.RULES), not an engine's
+    if spec.sampled_draft:  # argmax-draft (records.sampling.ARGMAX_DRAFT) is the one a NEXTN chain follows
         return (
             f"--rule {rule}: an SGLang NEXTN chain verifies with the target's probability of the argmax "
             "draft (--rule vllm); the other rules are built-in predictions only"

@@ -286,8 +286,7 @@ def cpu_sampling_note() -> str | None:
 
 def rule_refusal(rule: str, spec: SpecRule) -> str | None:
     """TensorRT-LLM's MTP verifies greedily against the target (its ``MTPSampler``): ``--rule vllm`` only."""
-    del spec
-    if rule != "vllm":  # the verification rule's name (records.sampling.RULES), not an engine's
+    if spec.sampled_draft:  # argmax-draft (records.sampling.ARGMAX_DRAFT) is the one TensorRT-LLM's MTP follows
         return f"--rule {rule}: {NAME}'s MTP verification is not reproduced by the built-in rules other than vllm"
     return None
 

@@ -303,7 +303,8 @@ def _without_mtp(facts: VerdictFacts) -> str | None:
 
 def module_names(modules: Sequence[str], spec: ModelSpec) -> list[str]:
     """The MTP ``modules`` as vLLM's draft names them, where it renames them (``ModelSpec.engine_mtp_name``)."""
-    return [n for n in (spec.engine_mtp_name(m) for m in modules) if n not in modules]
+    given = set(modules)
+    return [n for n in (spec.engine_mtp_name(m) for m in modules) if n not in given]
 
 
 def late_verdict(facts: VerdictFacts, verdict: str) -> str | None:

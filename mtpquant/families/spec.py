@@ -4,10 +4,11 @@ inventory) and the header table's tensor classes. Recognition goes through the r
 from __future__ import annotations
 
 import re
+from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
-from typing import Any
+from typing import Any, TypeVar
 
 from mtpquant.errors import (
     ConfigError,
@@ -37,6 +38,7 @@ __all__ = [
     "check_mtp_forward",
     "classify_tensor",
     "dimension_differences",
+    "group_by_class",
     "mtp_config",
     "nested_key",
     "resolve",
@@ -46,6 +48,7 @@ __all__ = [
 ]
 
 VISION_PREFIX = "model.visual."
+V = TypeVar("V")
 
 FAMILIES: tuple[Family, ...] = (*QWEN3_FAMILIES, QWEN4_EXP, *NEXTN_FAMILIES, *OTHER_FAMILIES, *RELEASED_FAMILIES)
 
@@ -336,6 +339,31 @@ def tensor_classifier(
         return TensorClass.OTHER
 
     return classify
+
+
+def group_by_class(
+    tensors: Mapping[str, V], main_prefix: str, has_vision: bool = True, names: MtpNames = QWEN_MTP_NAMES
+) -> dict[str, dict[str, V]]:
+    """``tensors`` (a table: name -> entry) by class (``tensor_classifier``), each group in the table's order. Where
+    the MTP test reads a fixed prefix (``MtpNames.prefix_width``) every test does, so a name's class is that of its
+    first characters up to the longest prefix tested: the classifier runs once per distinct head (a few thousand in a
+    table of ~300,000 names), not once per name."""
+    classify = tensor_classifier(main_prefix, has_vision, names)
+    groups: dict[str, dict[str, V]] = defaultdict(dict)
+    width = names.prefix_width
+    if width is None:
+        for name, value in tensors.items():
+            groups[classify(name)][name] = value
+        return dict(groups)
+    width = max(width, len(VISION_PREFIX) if has_vision else 0, len("lm_head."), len(main_prefix + "embed_tokens."))
+    memo: dict[str, str] = {}
+    for name, value in tensors.items():
+        head = name[:width]
+        cls = memo.get(head)
+        if cls is None:
+            cls = memo[head] = classify(head)
+        groups[cls][name] = value
+    return dict(groups)
 
 
 def classify_tensor(name: str, main_prefix: str, has_vision: bool = True, names: MtpNames = QWEN_MTP_NAMES) -> str:

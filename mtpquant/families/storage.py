@@ -79,6 +79,13 @@ class MtpNames:
         layer_number = self._layer_number
         return lambda name: layer_number(name) is not None  # layer 0 (a standalone NextN export's) is an MTP
 
+    @property
+    def prefix_width(self) -> int | None:
+        """How many leading characters of a name ``matcher`` reads: ``len(namespace)`` where it is a prefix test (every
+        storage but appended layers), so names that share that many characters share the answer; None for appended
+        layers (the layer number decides, whatever its length)."""
+        return None if self.kind == APPENDED else len(self.namespace)
+
     def _layer_number(self, name: str) -> int | None:
         """APPENDED: the absolute layer number of a name at or past the trunk's end; None otherwise."""
         for root in self.roots:

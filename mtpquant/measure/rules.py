@@ -4,17 +4,17 @@
 (``vllm/v1/sample/rejection_sampler.py::apply_sampling_constraints``: logits in float32 divided by the temperature,
 then ``vllm/v1/sample/ops/topk_topp_sampler.py::apply_top_k_top_p_pytorch``: top-k keeps the logits at or above the
 k-th largest, top-p drops the tokens whose ascending cumulative probability is at most 1 - p, keeping at least the
-most likely one; then softmax). ``draft_probs`` is the MTP's: its argmax for the ``vllm`` rule and greedy requests,
-softmax(logits / temperature) for the sampled-draft rules (vLLM applies no top-k/top-p to drafts:
+most likely one; then softmax). ``draft_probs`` is the MTP's: its argmax for the argmax-draft rule (``--rule vllm``)
+and greedy requests, softmax(logits / temperature) for the sampled-draft rules (vLLM applies no top-k/top-p to drafts:
 ``llm_base_proposer.py::compute_probs_and_sample_next_token``).
 
 For one draft position with target distribution p, draft distribution q and the token x the target's sequence
 actually has there (``mtpquant.records.sampling`` describes the rules), ``terms`` gives
 
 - ``expected``: the probability that the draft is accepted, beta = sum_v A(v) with A(v) = P(accepted and the
-  emitted token is v): min(p, q) for ``vllm`` (q one-hot: p(d)) and ``probabilistic``, p * q for ``strict``;
+  emitted token is v): min(p, q) for argmax-draft (q one-hot: p(d)) and ``probabilistic``, p * q for ``strict``;
 - ``posterior``: the probability that it was accepted given that the emitted token is x, w = A(x) / p(x): 1[x = d]
-  for ``vllm``, min(p(x), q(x)) / p(x) for ``probabilistic``, q(x) for ``strict``;
+  for argmax-draft, min(p(x), q(x)) / p(x) for ``probabilistic``, q(x) for ``strict``;
 - ``draft``: the draft token (q's argmax; for sampled drafts the token the chain continues with is x).
 
 Why these two suffice (``replay.walk``): a sequence sampled from the target is distributed as speculative decoding's
@@ -59,7 +59,8 @@ def target_probs(logits: Tensor, sampling: SamplingSettings) -> Tensor:
 
 
 def draft_probs(logits: Tensor, sampling: SamplingSettings, rule: str) -> Tensor:
-    """The MTP's draft distribution ``[..., V]`` under ``rule`` (argmax rules and greedy requests: one-hot)."""
+    """The MTP's draft distribution ``[..., V]`` under ``rule`` (``--rule``'s spelling; argmax rules and greedy
+    requests: one-hot)."""
     logits = logits.float()
     if sampling.greedy or not RULES[rule].sampled_draft:
         return torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).float()
@@ -79,17 +80,18 @@ class DraftTerms:
 def terms(p: Tensor, q_logits: Tensor, x: Tensor, sampling: SamplingSettings, rule: str) -> DraftTerms:
     """The rule's terms for target distributions ``p`` ``[..., V]`` (``target_probs``), MTP logits ``q_logits``
     ``[..., V]`` and the sequence's tokens ``x`` ``[...]`` at the same positions."""
-    if rule not in RULES:
+    spec = RULES.get(rule)
+    if spec is None:
         raise ValueError(f"unknown rule {rule!r}")
     q = draft_probs(q_logits, sampling, rule)
     draft = q_logits.argmax(dim=-1)
     p_x = p.gather(-1, x[..., None])[..., 0]
     q_x = q.gather(-1, x[..., None])[..., 0]
-    if sampling.greedy or rule == "vllm":
-        # one-hot q: A = p(d) at d, 0 elsewhere
+    if sampling.greedy or not spec.sampled_draft:
+        # one-hot q (argmax-draft): A = p(d) at d, 0 elsewhere
         expected = p.gather(-1, draft[..., None])[..., 0]
         posterior = (x == draft).float()
-    elif rule == "probabilistic":
+    elif not spec.exact_match:  # probabilistic: rejection sampling, accepted with min(1, p/q)
         expected = torch.minimum(p, q).sum(dim=-1)
         posterior = torch.where(p_x > 0, torch.minimum(p_x, q_x) / p_x.clamp_min(1e-30), torch.zeros_like(p_x))
     else:  # strict: the draft must equal the target's own independent sample

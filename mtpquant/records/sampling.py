@@ -14,14 +14,15 @@ rules, as vLLM 0.32.0 implements the first two (``vllm/config/speculative.py``: 
 ``rejection_random_sample_kernel``, ``sample_recovered_tokens_kernel``; ``vllm/v1/spec_decode/llm_base_proposer.py``:
 ``compute_probs_and_sample_next_token``):
 
-- ``vllm`` (vLLM's default): the MTP proposes its argmax; the draft is accepted with probability p(d), p the
-  target's distribution after temperature, top-k and top-p; otherwise a token is sampled from p with d removed.
+- ``argmax-draft`` (vLLM's default, spelled ``--rule vllm``): the MTP proposes its argmax; the draft is accepted
+  with probability p(d), p the target's distribution after temperature, top-k and top-p; otherwise a token is sampled
+  from p with d removed.
 - ``probabilistic`` (``draft_sample_method: probabilistic``): the MTP samples its draft from q = softmax(logits /
   temperature) (vLLM applies only the temperature to the draft); accepted with probability min(1, p(d) / q(d)),
   so sum(min(p, q)) on average; otherwise a token is sampled from max(p - q, 0).
 - ``strict`` (exact match, as local runtimes verify; vLLM 0.32 has no such mode): the draft is sampled from q as
   above and kept only when it equals the token the target samples from p: sum(p * q) on average. (With an argmax
-  draft, exact match accepts with p(d) and emits exactly what ``vllm`` emits.)
+  draft, exact match accepts with p(d) and emits exactly what ``argmax-draft`` emits.)
 
 A greedy request is greedy under every rule: the draft is accepted when it equals the target's argmax.
 """
@@ -34,8 +35,8 @@ from typing import Any
 
 from mtpquant.records.record import Record
 
-__all__ = ["GREEDY", "GREEDY_EPS", "RULES", "SamplingSettings", "SpecRule", "check_sampling", "rule",
-           "sampling_settings"]
+__all__ = ["ARGMAX_DRAFT", "GREEDY", "GREEDY_EPS", "PROBABILISTIC", "RULES", "STRICT", "SamplingSettings", "SpecRule",
+           "check_sampling", "rule", "sampling_settings"]
 
 GREEDY_EPS = 1e-5  # vLLM's _SAMPLING_EPS: a temperature below it samples greedily
 
@@ -107,37 +108,47 @@ GREEDY = SamplingSettings()
 
 @dataclass(frozen=True)
 class SpecRule:
-    """A verification rule: its name, whether the draft is sampled, and the vLLM speculative-config keys that select
-    it (None: vLLM 0.32 does not implement it)."""
+    """A verification rule: what it is (``name``), the spelling ``--rule`` takes and records store (``flag``), whether
+    the draft is sampled from the MTP (``sampled_draft``; else it is the MTP's argmax), whether a sampled draft is kept
+    only when it equals the target's own sample (``exact_match``; else it is accepted with probability
+    min(1, p/q)), and the vLLM speculative-config keys that select it (None: vLLM 0.32 does not implement it)."""
 
     name: str
+    flag: str
     sampled_draft: bool
+    exact_match: bool
     vllm_config: Mapping[str, str] | None
     description: str
 
 
-RULES: dict[str, SpecRule] = {
-    r.name: r
-    for r in (
-        SpecRule(
-            "vllm",
-            False,
-            {},  # the defaults: rejection_sample_method "standard", draft_sample_method "greedy"
-            "argmax draft, accepted with probability p(draft) (vLLM's default)",
-        ),
-        SpecRule(
-            "probabilistic",
-            True,
-            {"rejection_sample_method": "standard", "draft_sample_method": "probabilistic"},
-            "draft sampled from the MTP, accepted with probability min(1, p/q)",
-        ),
-        SpecRule("strict", True, None, "draft sampled from the MTP, kept only when it equals the target's own sample"),
-    )
-}
+# vLLM's default verification, spelled ``--rule vllm`` (and so recorded): the MTP's argmax is the draft, accepted
+# with probability p(draft). A rule, not the engine: engines that verify this way (SGLang's NEXTN chain,
+# TensorRT-LLM's MTPSampler) say so through ``sampled_draft``.
+ARGMAX_DRAFT = SpecRule(
+    "argmax-draft",
+    "vllm",
+    False,
+    False,
+    {},  # the defaults: rejection_sample_method "standard", draft_sample_method "greedy"
+    "argmax draft, accepted with probability p(draft) (vLLM's default)",
+)
+PROBABILISTIC = SpecRule(
+    "probabilistic",
+    "probabilistic",
+    True,
+    False,
+    {"rejection_sample_method": "standard", "draft_sample_method": "probabilistic"},
+    "draft sampled from the MTP, accepted with probability min(1, p/q)",
+)
+STRICT = SpecRule(
+    "strict", "strict", True, True, None, "draft sampled from the MTP, kept only when it equals the target's own sample"
+)
+# The rules by the spelling ``--rule`` takes and records store (``rule``: one of them -> its record).
+RULES: dict[str, SpecRule] = {r.flag: r for r in (ARGMAX_DRAFT, PROBABILISTIC, STRICT)}
 
 
 def rule(name: str) -> SpecRule:
-    """The rule called ``name``; ``ValueError`` naming the choices otherwise."""
+    """The rule ``--rule name`` selects (``SpecRule.flag``); ``ValueError`` naming the choices otherwise."""
     try:
         return RULES[name]
     except KeyError:

@@ -230,10 +230,12 @@ def plan_metadata(
     *,
     mtp_layers: int,
     reference_config: Mapping[str, Any] | None = None,
+    precision: Mapping[str, str] | None = None,
 ) -> MetadataPlan:
     """What config.json / hf_quant_config.json need so that the MTP in ``tensors`` is declared and excluded.
 
-    ``tensors`` is the full tensor table of the result (name -> header entry). Unquantized MTP
+    ``tensors`` is the full tensor table of the result (name -> header entry); ``precision``: its
+    ``linear_precisions``, where the caller has them (``Checkpoint.linear_precisions``). Unquantized MTP
     modules must be excluded everywhere quantization is declared; when every MTP module is
     unquantized the family patterns are added (``mtp*``; ``re:^mtp\\..*`` for compressed-tensors),
     otherwise the exact names of the uncovered unquantized modules.
@@ -256,7 +258,7 @@ def plan_metadata(
         )
 
     hfq = copy.deepcopy(dict(hf_quant_config)) if hf_quant_config is not None else None
-    precision = linear_precisions(tensors)
+    precision = linear_precisions(tensors) if precision is None else precision
     config, hfq, meta = repair_labels(spec, config, hfq, tensors, precision, changes)
     lists = exclusion_lists(config, hfq)  # the repaired files' lists, read with their metadata
     borrowed = spec.mtp_borrowed_head(tensors)
