@@ -54,30 +54,30 @@ def pytest_report_header(config: pytest.Config) -> str:
 # the last 9 minutes alone), so these are collected first and the many small modules fill in around them.
 # (test_engine_heal's weight also puts it before test_engine_search, the module it shares a worker and servers with
 # (tests/support/lanes.py SHARED_UNITS): their shared server is started first and still alive when search needs it.)
-# test_inspect_fixes, test_validate_sglang, test_nextn_inspect, test_publish: from the development lane's
-# --durations on 2026-12-07 (load ~7, halved).
+# From the full lane's --durations on 2026-12-07 after the nightly lane took the measurements at scale (load 8-10,
+# the first 43 minutes: the engine modules and the heavy slow ones); the rest from the development lane's.
 HEAVY_MODULES = {
-    "test_engine_validate.py": 800,
-    "test_demo.py": 300,
-    "test_engine_nextn.py": 260,
-    "test_engine_heal.py": 470,
-    "test_engine_search.py": 460,
-    "test_engine_peers.py": 190,
-    "test_nextn_vllm.py": 150,
-    "test_convert_scale.py": 160,
-    "test_search_heal.py": 150,
-    "test_convert_nextn.py": 150,
-    "test_graft_hub.py": 90,
-    "test_search.py": 90,
-    "test_heal_sampling.py": 60,
-    "test_heal_nextn.py": 50,
+    "test_engine_validate.py": 1330,
+    "test_engine_heal.py": 560,
+    "test_engine_search.py": 310,
+    "test_search.py": 385,
+    "test_demo.py": 315,
+    "test_engine_peers.py": 275,
+    "test_convert_scale.py": 265,
+    "test_heal.py": 240,
+    "test_graft_hub.py": 195,
+    "test_heal_nextn.py": 185,
+    "test_engine_nextn.py": 170,
+    "test_nextn_vllm.py": 170,
     "test_inspect_fixes.py": 220,
-    "test_validate_sglang.py": 45,
+    "test_validate_tiny.py": 115,
+    "test_convert_nextn.py": 150,
+    "test_search_heal.py": 150,
+    "test_heal_sampling.py": 75,
+    "test_validate_sglang.py": 50,
     "test_nextn_inspect.py": 35,
     "test_publish.py": 30,
-    "test_heal.py": 50,
     "test_convert_qwen4_exp.py": 40,
-    "test_validate_tiny.py": 60,
     "test_skeleton.py": 30,
 }
 
