@@ -41,7 +41,6 @@ __all__ = [
 ]
 
 
-
 def _cpu_env() -> dict[str, str]:
     """The servers' environment: nothing about memory (mtpquant sizes it, engine/sizing.py), no tokenizer threads,
     and under xdist each worker's servers on a core of their own. vLLM's CPU backend binds its OpenMP threads to the
