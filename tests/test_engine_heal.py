@@ -7,10 +7,11 @@ the engine's own counters give the AL of each on the same prompts, and validate'
 positive and agrees with the predicted improvement within 0.1 at each k.
 
 The keep heal runs in the full lane (CI): one server per checkpoint at k = 3 (k = 1 and 2 from its first
-positions), the unhealed one shared with tests/test_engine_search.py (the same checkpoint at the same k), on 44
-held-out prompts. heal writes only a heal that its own held-out check finds better beyond noise, so the engine
-measures a real gain, not a forced one. The quantize heal, the same proof on the NVFP4 MTP, takes another default
-heal and two more servers: it runs in the nightly lane (``MTPQUANT_NIGHTLY=1``).
+positions), the unhealed one shared with tests/test_engine_search.py (the same checkpoint at the same k, served and
+predicted once: tests/support/engine.py ``engine_acceptance``), on 44 held-out prompts. heal writes only a heal
+that its own held-out check finds better beyond noise, so the engine measures a real gain, not a forced one. The
+quantize heal, the same proof on the NVFP4 MTP, takes another default heal and two more servers: it runs in the
+nightly lane (``MTPQUANT_NIGHTLY=1``).
 """
 
 from __future__ import annotations

@@ -42,21 +42,31 @@ MIN_STEPS = 1000
 CPU_MOE = 'quantization.exclude=["*mlp.experts*"]'  # the routed experts BF16: the CPU build has no NVFP4 MoE kernel
 
 
+class Checkpoints:
+    """The source, and its keep and quantize outputs, each converted on first use (the keep output only in the
+    nightly lane)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.made: dict[str, Path] = {"source": SOURCE}
+
+    def __getitem__(self, which: str) -> Path:
+        if which not in self.made:
+            out = self.root / which
+            convert(ConvertOptions(src=str(SOURCE), out=out, mtp=which, calib_samples=8, calib_seq_len=128,
+                                   device="cpu", progress=False, overrides=(CPU_MOE,)))  # fmt: skip
+            self.made[which] = out
+        return self.made[which]
+
+
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("engine-nextn")
-    out = {"source": SOURCE}
-    out["keep"] = root / "keep"
-    for mode in ("keep", "quantize"):
-        out[mode] = root / mode
-        convert(ConvertOptions(src=str(SOURCE), out=out[mode], mtp=mode, calib_samples=8, calib_seq_len=128,
-                               device="cpu", progress=False, overrides=(CPU_MOE,)))  # fmt: skip
-    return out
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Checkpoints:
+    return Checkpoints(tmp_path_factory.mktemp("engine-nextn"))
 
 
 @pytest.fixture(scope="module")
 def compared(
-    checkpoints: dict[str, Path], vllm: EnginePool, tmp_path_factory: pytest.TempPathFactory
+    checkpoints: Checkpoints, vllm: EnginePool, tmp_path_factory: pytest.TempPathFactory
 ) -> Callable[[str], tuple[Report, Path]]:
     """``validate --engine vllm --compare-reference`` of a checkpoint at k = 2, greedy and at T = 0.8 (its report and
     report directory), run once per module: the heal test below takes the keep output's greedy measurement."""
@@ -97,7 +107,7 @@ NIGHTLY_SIDE = pytest.mark.nightly(
 
 @pytest.mark.parametrize("which", [pytest.param("source", marks=NIGHTLY_SIDE), pytest.param("keep", marks=NIGHTLY_SIDE),
                                    "quantize"])
-def test_engine_measures_what_validate_predicts(which: str, checkpoints: dict[str, Path],
+def test_engine_measures_what_validate_predicts(which: str, checkpoints: Checkpoints,
                                                 compared: Callable[[str], tuple[Report, Path]]) -> None:  # fmt: skip
     if which == "quantize":  # the MTP's attention W4A4 with its calibrated input scale, its expert bank BF16
         mtp = Checkpoint.open(checkpoints[which]).tensors
@@ -122,7 +132,7 @@ def test_engine_measures_what_validate_predicts(which: str, checkpoints: dict[st
 
 @proof
 def test_heal_raises_the_engine_measured_al(
-    checkpoints: dict[str, Path],
+    checkpoints: Checkpoints,
     compared: Callable[[str], tuple[Report, Path]],
     vllm: EnginePool,
     tmp_path: Path,

@@ -25,7 +25,7 @@ from mtpquant.engine.launch import free_port
 from mtpquant.engine.table import engine as engine_row
 from mtpquant.errors import ExitCode
 from mtpquant.synth.train import TINY_MTP_ASSET
-from tests.support.engine import CONCURRENCY, CPU_ENV, EnginePool
+from tests.support.engine import CONCURRENCY, CPU_ENV, MP_CPU_ENV, EnginePool
 from tests.support.hubserver import LocalHub
 from tests.support.sglang_replay import SglangReplay
 
@@ -122,7 +122,7 @@ def test_engine_measures_what_the_builtin_path_predicts(
     (every sampling setting on it, ``--concurrency`` requests in flight) against the built-in prediction (the rule's
     probabilities along sequences the target samples) on the same prompts, lengths and seeds, per setting and draft
     position. Also: the engine starts with no memory argument and no memory variable from the test (mtpquant sizes
-    it)."""
+    it), and with vLLM's default CPU executor (``MP_CPU_ENV``: the other tests' servers run one process less)."""
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     report_dir = tmp_path / "report"
     result = validate(
@@ -135,7 +135,7 @@ def test_engine_measures_what_the_builtin_path_predicts(
             activations="emulate",  # the engine runs the W4A4 activations too
             engine="vllm",
             vllm_python=vllm.python,
-            env=CPU_ENV,
+            env=MP_CPU_ENV,
             concurrency=CONCURRENCY,
             compare_reference=True,
             report_dir=report_dir,
@@ -167,7 +167,9 @@ def test_engine_measures_what_the_builtin_path_predicts(
     assert profile["num_speculative_tokens"] == 3 and profile["measurement_conditions"]["engine"] == "vllm 0.32.0"
     md = (report_dir / "report.md").read_text()
     assert "## Engine vs built-in prediction" in md and "| reference | T=0.8 | 3 |" in md
-    assert "GiB for KV cache on node" in (report_dir / "logs" / "vllm-reference-k3.log").read_text()  # took the size
+    log = (report_dir / "logs" / "vllm-reference-k3.log").read_text()
+    assert "GiB for KV cache on node" in log  # took the size
+    assert "(Worker pid=" in log  # vLLM's default executor: the model runs in a worker process of its own
 
 
 @pytest.mark.parametrize("mode", [

@@ -32,6 +32,7 @@ from mtpquant.errors import EngineStartError
 __all__ = [
     "CONCURRENCY",
     "CPU_ENV",
+    "MP_CPU_ENV",
     "STARTS_ENV",
     "EnginePool",
     "RunningServer",
@@ -42,12 +43,24 @@ __all__ = [
 
 
 def _cpu_env() -> dict[str, str]:
-    """The servers' environment: nothing about memory (mtpquant sizes it, engine/sizing.py), no tokenizer threads,
-    and under xdist each worker's servers on a core of their own. vLLM's CPU backend binds its OpenMP threads to the
-    first core it may use and reserves the rest (``VLLM_CPU_OMP_THREADS_BIND=auto``): two workers' servers measuring
-    at once both ran on core 0 while core 1 did the rest (the worker's process pinned to ``cpus=[0]``, measured
-    2026-12-07). Unbound (``nobind``) is worse: its two OpenMP threads spin against the suite's other work (8 requests
-    of 200 tokens: 274 s against 24 s bound, on the busy 2-core machine)."""
+    """The servers' environment: nothing about memory (mtpquant sizes it, engine/sizing.py), no tokenizer threads, and
+    two processes instead of vLLM's three. vLLM's CPU platform turns the single-process executor into the
+    multiprocessing one unless ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (``CpuPlatform.check_and_update_config``): a third
+    process that imports torch and vLLM again (~10 s of CPU each). Without it the trained tiny model's server is ready
+    in 24 s instead of 37 s (idle machine, 2026-12-07, scripts in docs/BENCHMARKS.md "the test lanes"), with the same
+    tokens and the same speculative counters on 8 greedy prompts at k = 2. Nothing binds the model's threads then:
+    ``OMP_NUM_THREADS=1`` gives each server one thread, so two workers' servers compute on the two cores (vLLM's own
+    binding put both on core 0, ``MP_CPU_ENV``'s note)."""
+    return {"TOKENIZERS_PARALLELISM": "false", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1"}
+
+
+def _mp_cpu_env() -> dict[str, str]:
+    """vLLM's default CPU executor (engine core, worker process, OpenMP threads bound by vLLM), as users get it: the
+    test of the server mtpquant starts for ``validate --engine vllm`` runs it. Under xdist each worker's servers are
+    bound to a core of their own: vLLM binds its OpenMP threads to the first core it may use and reserves the rest
+    (``VLLM_CPU_OMP_THREADS_BIND=auto``): two workers' servers measuring at once both ran on core 0 while core 1 did
+    the rest (measured 2026-12-07). Unbound (``nobind``) is worse: its two OpenMP threads spin against the suite's
+    other work (8 requests of 200 tokens: 274 s against 24 s bound, on the busy 2-core machine)."""
     env = {"TOKENIZERS_PARALLELISM": "false"}
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")  # gw0, gw1, ... (unset without xdist: vLLM's own binding)
     if worker.startswith("gw") and worker[2:].isdigit() and hasattr(os, "sched_getaffinity"):
@@ -57,6 +70,7 @@ def _cpu_env() -> dict[str, str]:
 
 
 CPU_ENV = _cpu_env()
+MP_CPU_ENV = _mp_cpu_env()
 MAX_LEN = 256  # the longest sequences the tests send
 CONCURRENCY = 8  # the most requests a test keeps in flight at once (validate --concurrency)
 STARTS_ENV = "MTPQUANT_ENGINE_STARTS"
@@ -183,6 +197,12 @@ def prompt_ids(checkpoint: Path, n: int, max_len: int = 96) -> tuple[list[list[i
     return ids, [max_len - len(i) for i in ids]
 
 
+# engine_acceptance's two measurements by (checkpoint, k, prompts, max_len): the same checkpoint measured twice in a
+# process (tests/test_engine_heal.py's unhealed keep quant is tests/test_engine_search.py's BF16-MTP baseline) is
+# served and predicted once. The tests never change a checkpoint they measure.
+_MEASURED: dict[tuple[str, int, int, int], tuple[Any, Any]] = {}
+
+
 def engine_acceptance(
     path: Path, vllm: EnginePool, report_dir: Path, *, ks: tuple[int, ...], prompts: int = 32, max_len: int = 128
 ) -> dict[int, dict[str, Any]]:
@@ -196,20 +216,25 @@ def engine_acceptance(
     measures the same checkpoint at the same k gets the same server): vLLM accepts draft i with the same probability,
     given the context, whatever k >= i, so a k-server's first j positions measure what a j-server accepts (AL at j:
     1 + their sum; checked in tests/test_engine_validate.py). The prediction is ``validate`` of the same prompts and
-    lengths at the same k, without an engine."""
+    lengths at the same k, without an engine. A checkpoint measured before in the process at the same k, prompts and
+    length is not measured again (``_MEASURED``): ``report_dir`` then stays empty."""
     from mtpquant.api import ValidateOptions, validate
 
     k = max(ks)
-    common: dict[str, Any] = {"num_prompts": prompts, "max_len": max_len, "progress": False}
-    server = vllm.get(path, k)
-    measured = validate(
-        ValidateOptions(path, server=server.server.url, concurrency=CONCURRENCY, report_dir=report_dir, **common)
-    ).report
-    assert [e.k for e in measured.engine] == [k] and all(e.other_requests == 0 for e in measured.engine)
-    (engine,) = measured.reference.acceptance_by_sampling[0].by_k
-    predicted = validate(ValidateOptions(path, ks=(k,), device="cpu", activations="emulate", **common)).report
-    built_in = predicted.reference.acceptance_by_sampling[0].by_k[-1]
-    assert engine.k == built_in.k == k
+    key = (str(Path(path).resolve()), k, prompts, max_len)
+    if key not in _MEASURED:
+        common: dict[str, Any] = {"num_prompts": prompts, "max_len": max_len, "progress": False}
+        server = vllm.get(path, k)
+        measured = validate(
+            ValidateOptions(path, server=server.server.url, concurrency=CONCURRENCY, report_dir=report_dir, **common)
+        ).report
+        assert [e.k for e in measured.engine] == [k] and all(e.other_requests == 0 for e in measured.engine)
+        (engine,) = measured.reference.acceptance_by_sampling[0].by_k
+        predicted = validate(ValidateOptions(path, ks=(k,), device="cpu", activations="emulate", **common)).report
+        built_in = predicted.reference.acceptance_by_sampling[0].by_k[-1]
+        assert engine.k == built_in.k == k
+        _MEASURED[key] = (engine, built_in)
+    engine, built_in = _MEASURED[key]
     out = {}
     for j in ks:
         e, p = list(engine.acceptance_per_position[:j]), list(built_in.acceptance_per_position[:j])
