@@ -147,4 +147,9 @@ def test_graft_from_the_hub_reads_a_1553_tensor_mtp_in_a_few_requests(
         assert len(hub.requests) <= header_reads + len(mtp_shards) + 8, len(hub.requests)
         assert f"in {len(hub.requests)} requests" in printed, printed.splitlines()[:4]
         assert hub.errors == []
-    assert tensor_digests(out, mtp=True) == tensor_digests(src.path, mtp=True)
+    # every MTP tensor's bytes compared directly, not through sha256 digests: 2 x 3.3 GB hashed took ~20 s here
+    got, want = Checkpoint.open(out), Checkpoint.open(src.path)
+    names = sorted(e.name for e in want.mtp_tensors())
+    assert sorted(e.name for e in got.mtp_tensors()) == names
+    for name in names:
+        assert got.read_raw(got.tensors[name]) == want.read_raw(want.tensors[name]), name
