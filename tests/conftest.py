@@ -49,7 +49,7 @@ def pytest_report_header(config: pytest.Config) -> str:
 
 
 # The modules that take longest (seconds of one worker, beside the other, from a full run's --durations), heaviest
-# first. pytest-xdist hands whole modules to the two workers in collection order (``--no-loadscope-reorder`` in
+# first. pytest-xdist hands whole modules to the workers in collection order (``--no-loadscope-reorder`` in
 # pyproject.toml; its default order, by number of tests, left the few-test engine modules to the end: one worker ran
 # the last 9 minutes alone), so these are collected first and the many small modules fill in around them.
 # (test_engine_heal's weight also puts it before test_engine_search, the module it shares a worker and servers with
