@@ -1,7 +1,7 @@
 """How long a vLLM CPU server takes to be ready, per environment the tests start it with (issue 42).
 
 The trained tiny Qwen3.5 (``mtpquant/assets/tiny-qwen3_5-mtp``) served by vLLM 0.32 CPU at k = 2 through mtpquant's
-own launcher (``mtpquant.engine.launch``, the memory settings the test pool gives it), under each environment of
+own launcher, started as the test pool starts it (``tests.support.engine.pool_server``), under each environment of
 ``--env`` (default: both), ``--repeat`` times each, alternating:
 
 - ``mp``: vLLM's default CPU executor (API server, engine core, a worker process; OpenMP threads bound to core 1 as
@@ -26,27 +26,22 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from mtpquant.engine.launch import EngineProcess, free_port, server_args
 from mtpquant.engine.server import RunRequest
 from mtpquant.engine.vllm import VllmClient
 from mtpquant.records.sampling import GREEDY
 from mtpquant.synth.train import TINY_MTP_ASSET
-from tests.support.engine import CPU_ENV, prompt_ids
+from tests.support.engine import CPU_ENV, MP_CPU_ENV, pool_server, prompt_ids
 from tests.support.vllm_env import vllm_python
 
 ENVS = {
-    "mp": {"TOKENIZERS_PARALLELISM": "false", "VLLM_CPU_OMP_THREADS_BIND": "1"},
+    "mp": {**MP_CPU_ENV, "VLLM_CPU_OMP_THREADS_BIND": "1"},  # as the tests bind the second xdist worker's servers
     "uni": CPU_ENV,
 }
-MEMORY = ["--max-model-len", "512", "--max-num-seqs", "8", "--kv-cache-memory-bytes", str(512 * 2**20)]
 
 
 def one(name: str, log_dir: Path) -> dict[str, object]:
     """Start, measure 8 greedy prompts, stop: the seconds and the digest of what was served."""
-    port = free_port()
-    args = server_args("vllm", str(TINY_MTP_ASSET), port, k=2, cpu=True, memory=MEMORY)
-    server = EngineProcess("vllm", vllm_python(), args, log_dir / f"{name}-{port}.log", port=port,
-                           startup_timeout=600, env=ENVS[name])  # fmt: skip
+    server = pool_server(vllm_python(), log_dir / name, TINY_MTP_ASSET, 2, env=ENVS[name])
     t0 = time.monotonic()
     server.start()
     ready = time.monotonic() - t0

@@ -28,6 +28,7 @@ from mtpquant.engine.server import ServerInfo
 from mtpquant.engine.sizing import plan_engine_memory, probe_machine
 from mtpquant.engine.vllm import VllmClient
 from mtpquant.errors import EngineStartError
+from mtpquant.records.acceptance import AcceptanceRow
 
 __all__ = [
     "CONCURRENCY",
@@ -37,6 +38,7 @@ __all__ = [
     "EnginePool",
     "RunningServer",
     "engine_acceptance",
+    "pool_server",
     "prompt_ids",
     "record_engine_starts",
 ]
@@ -108,6 +110,27 @@ def record_engine_starts() -> Iterator[None]:
         EngineProcess.start = original  # type: ignore[method-assign]
 
 
+def pool_server(
+    python: Path, logs: Path, checkpoint: Path, k: int | None, env: dict[str, str] = CPU_ENV
+) -> EngineProcess:
+    """The (not yet started) vLLM server the pool starts for ``checkpoint`` at ``k``: mtpquant's memory sizing for
+    ``CONCURRENCY`` sequences of ``MAX_LEN`` tokens, the CPU backend's flags, ``env`` (the pool's: ``CPU_ENV``), its
+    log in ``logs``."""
+    port = free_port()
+    memory = plan_engine_memory(
+        "vllm",
+        Checkpoint.open(checkpoint).spec,
+        0,
+        max_len=MAX_LEN,
+        k=k or 0,
+        machine=probe_machine(cpu=True),
+        sequences=CONCURRENCY,
+    )
+    args = server_args("vllm", str(checkpoint), port, k=k, cpu=True, memory=memory.args())
+    log = logs / f"{checkpoint.name}-k{k}-{port}.log"
+    return EngineProcess("vllm", python, args, log, port=port, startup_timeout=300, env=env)
+
+
 @dataclass
 class RunningServer:
     """A started server, its client and the model name it serves."""
@@ -134,21 +157,6 @@ class EnginePool:
     startup_seconds: list[float] = field(default_factory=list)
     started: list[Key] = field(default_factory=list)  # every start, in order (a key twice: restarted after eviction)
 
-    def _server(self, checkpoint: Path, k: int | None) -> EngineProcess:
-        port = free_port()
-        name = f"{checkpoint.name}-k{k}-{port}.log"
-        memory = plan_engine_memory(
-            "vllm",
-            Checkpoint.open(checkpoint).spec,
-            0,
-            max_len=MAX_LEN,
-            k=k or 0,
-            machine=probe_machine(cpu=True),
-            sequences=CONCURRENCY,
-        )
-        args = server_args("vllm", str(checkpoint), port, k=k, cpu=True, memory=memory.args())
-        return EngineProcess("vllm", self.python, args, self.logs / name, port=port, startup_timeout=300, env=CPU_ENV)
-
     def get(self, checkpoint: Path, k: int | None) -> RunningServer:
         """A running server for ``checkpoint`` with ``k`` MTP drafts (started if needed)."""
         key: Key = (str(Path(checkpoint).resolve()), k, SETTINGS)
@@ -158,7 +166,7 @@ class EnginePool:
         while len(self.alive) >= self.max_alive:
             _, old = self.alive.popitem(last=False)
             old.server.stop()
-        server = self._server(checkpoint, k)
+        server = pool_server(self.python, self.logs, checkpoint, k)
         t0 = time.monotonic()
         server.start()
         self.startup_seconds.append(time.monotonic() - t0)
@@ -170,7 +178,7 @@ class EnginePool:
 
     def start_failure(self, checkpoint: Path, k: int | None) -> EngineStartError:
         """The error of a server that must fail to start (it is stopped either way)."""
-        server = self._server(checkpoint, k)
+        server = pool_server(self.python, self.logs, checkpoint, k)
         try:
             server.start()
         except EngineStartError as exc:
@@ -200,7 +208,7 @@ def prompt_ids(checkpoint: Path, n: int, max_len: int = 96) -> tuple[list[list[i
 # engine_acceptance's two measurements by (checkpoint, k, prompts, max_len): the same checkpoint measured twice in a
 # process (tests/test_engine_heal.py's unhealed keep quant is tests/test_engine_search.py's BF16-MTP baseline) is
 # served and predicted once. The tests never change a checkpoint they measure.
-_MEASURED: dict[tuple[str, int, int, int], tuple[Any, Any]] = {}
+_MEASURED: dict[tuple[str, int, int, int], tuple[AcceptanceRow, AcceptanceRow]] = {}
 
 
 def engine_acceptance(
