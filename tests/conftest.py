@@ -11,13 +11,26 @@ from typing import Any
 
 import pytest
 
-from mtpquant.runtime.machine import tune_cpu_runtime
+from mtpquant.runtime.machine import compute_cores, tune_cpu_runtime
+
+
+def _worker_threads() -> None:
+    """Under pytest-xdist, each worker computes on its share of the cores (``OMP_NUM_THREADS``, unless set): the
+    workers already keep every core busy, and the tiny models' operations are too small to gain from threads that
+    wake and wait at each of them (three slow modules, two workers on 2 cores: 396 -> 327 CPU-s, 216 -> 179 s,
+    docs/BENCHMARKS.md "the test lanes"). The subprocesses and engines the tests start inherit it."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, compute_cores() // workers)))
+
 
 # The tests run the API in this process: under the CLI's OpenMP settings (torch's threads otherwise spin while they
 # wait, which on a shared machine burns the CPU other jobs need), chosen before torch is first imported.
+_worker_threads()
 tune_cpu_runtime()
 
 from mtpquant.synth.tiny import make_tiny_checkpoint  # noqa: E402
+from tests.support.demo import DemoRun, run_demo  # noqa: E402
 from tests.support.engine import EnginePool, record_engine_starts  # noqa: E402
 from tests.support.heal import HealedTiny  # noqa: E402
 from tests.support.hubserver import LocalHub  # noqa: E402
@@ -191,6 +204,12 @@ def peer_quant() -> Iterator[Callable[[str], Path]]:
 def healed_tiny(tmp_path_factory: pytest.TempPathFactory) -> HealedTiny:
     """The trained tiny model converted (keep / quantize) and healed with heal's defaults, built on first use."""
     return HealedTiny(tmp_path_factory.mktemp("healed-tiny"))
+
+
+@pytest.fixture(scope="session")
+def demo_run(tmp_path_factory: pytest.TempPathFactory) -> DemoRun:
+    """``mtpquant demo`` as the README runs it, once per process (tests/test_demo.py, tests/test_engine_heal.py)."""
+    return run_demo(tmp_path_factory.mktemp("demo"))
 
 
 @pytest.fixture(scope="session")

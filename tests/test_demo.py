@@ -9,16 +9,18 @@ from pathlib import Path
 import pytest
 
 from mtpquant.cli import main as cli
+from tests.support.demo import DemoRun
 
 pytestmark = pytest.mark.slow
 
 
-def test_demo_tells_the_whole_story_and_decides(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_demo_tells_the_whole_story_and_decides(demo_run: DemoRun) -> None:
     """The README's main job as a user runs it: convert, validate, heal, validate again, inspect, and a decision at
-    the end (the demo used to stop at "INCONCLUSIVE ... no practical number of prompts settles it")."""
-    assert cli(["-q", "demo", "--workdir", str(tmp_path), "--device", "cpu"]) == 0
-    out = capsys.readouterr().out
-    quant = tmp_path / "tiny-qwen3_5-nvfp4"
+    the end (the demo used to stop at "INCONCLUSIVE ... no practical number of prompts settles it"). The run is the
+    session's (tests/support/demo.py): tests/test_engine_heal.py serves its healed quant."""
+    assert demo_run.code == 0, demo_run.out
+    out = demo_run.out
+    quant = demo_run.quant
     heads = [line for line in out.splitlines() if line.startswith("== ")]
     assert heads == [
         f"== convert tiny-qwen3_5-mtp -> {quant} (NVFP4, --keep-mtp)",

@@ -512,7 +512,7 @@ def test_the_healed_checkpoint_does_not_show_the_unhealed_quants_report(
             f"({created}) before `mtpquant heal` changed this checkpoint ({healed_at}): its figures describe the "
             "checkpoint as it was then, not this one, so this card does not show them") in text
     assert "measured this checkpoint" not in text and "Speculation profile" not in text
-    assert "Drafting k = " not in text  # the serve command's k is not taken from it either
+    assert "the largest k the validation report measured" not in text  # nor the serve command's k
 
 
 def test_publish_card_shows_the_heal(healed_tiny: HealedTiny, capsys: pytest.CaptureFixture[str]) -> None:

@@ -622,7 +622,7 @@ def test_card_serves_the_k_validation_measured(made: Path) -> None:
     validate(ValidateOptions(made, num_prompts=2, max_len=40, k=2, device="cpu", report_dir=made / "validation",
                              progress=False))  # fmt: skip
     card = publish(PublishOptions(out=made, repo=REPO, dry_run=True)).card
-    assert "Drafting k = 2 tokens per step, the largest k the validation report measured." in card
+    assert "Drafting 2 tokens per step (k = 2), the largest k the validation report measured." in card
     assert f'vllm serve {REPO} --speculative-config \'{{"method":"mtp","num_speculative_tokens":2}}\'' in card
     assert (
         f"python -m sglang.launch_server --model-path {REPO} --speculative-algorithm NEXTN --speculative-num-steps 2 "

@@ -3,9 +3,9 @@ tests, the publish test and the engine test share them.
 
 ``small(mode)`` is a heal with a schedule that runs in seconds, written with ``force`` (the mechanics: what is
 written, how, and the record); ``healed(mode)`` is the default heal (the proof that heal improves acceptance: a
-couple of CPU-minutes each; the full lane runs one, the keep heal measured by vLLM in tests/test_engine_heal.py, and
-the other proofs run in the nightly lane, ``MTPQUANT_NIGHTLY=1``; ``scripts/bench_heal.py`` runs the same heal and
-records its numbers in docs/BENCHMARKS.md).
+couple of CPU-minutes each: the nightly lane's proofs, ``MTPQUANT_NIGHTLY=1``; ``scripts/bench_heal.py`` runs the
+same heal and records its numbers in docs/BENCHMARKS.md). The full lane runs one default heal, of ``quant("keep")``'s
+convert: the demo's (tests/support/demo.py), which tests/test_engine_heal.py measures through vLLM.
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ SMALL: dict[str, Any] = {
 # The default heal's other proofs: minutes of CPU per mode, beyond the full lane's budget: the nightly lane's
 # (tests/support/lanes.py).
 proof = pytest.mark.nightly(
-    reason="a default heal's proof takes CPU-minutes; the full lane measures one, the Qwen3.5 keep heal through "
-    "vLLM (tests/test_engine_heal.py)"
+    reason="a default heal's proof takes CPU-minutes; the full lane measures one, the Qwen3.5 keep heal (the demo's) "
+    "through vLLM (tests/test_engine_heal.py)"
 )
 
 

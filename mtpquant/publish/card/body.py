@@ -349,7 +349,8 @@ def _serving_lines(facts: CardFacts) -> list[str]:
     }
     lines: list[str] = []
     if k is not None and cmds:
-        lines += [f"Drafting k = {k} tokens per step, the largest k the validation report measured.", ""]
+        drafts = "1 token" if k == 1 else f"{k} tokens"
+        lines += [f"Drafting {drafts} per step (k = {k}), the largest k the validation report measured.", ""]
     quantized_mtp = any(is_quantized(m.disk) for m in r.mtp_modules)
     for e in ENGINES:
         verdict = r.verdicts.get(e.key, "unknown")
