@@ -71,10 +71,10 @@ def pytest_report_header(config: pytest.Config) -> str:
 # the first 43 minutes: the engine modules and the heavy slow ones); the rest from the development lane's.
 HEAVY_MODULES = {
     "test_engine_validate.py": 1330,
-    "test_engine_heal.py": 560,
+    "test_engine_heal.py": 700,  # it runs the demo (tests/support/demo.py) for itself and test_demo
     "test_engine_search.py": 310,
     "test_search.py": 385,
-    "test_demo.py": 315,
+    "test_demo.py": 60,
     "test_engine_peers.py": 275,
     "test_convert_scale.py": 265,
     "test_heal.py": 240,

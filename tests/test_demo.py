@@ -108,6 +108,11 @@ def test_qwen4_exp_asset_layout() -> None:
     assert training["acceptance"]["by_k"][0]["acceptance_rate"] >= 0.4
 
 
+@pytest.mark.nightly(
+    reason="the demo on another family: the full lane runs the default family's demo and each of this family's "
+    "steps on its own (tests/test_convert_nextn.py, tests/test_heal_nextn.py's GLM heal whose held-out AL rises, "
+    "tests/test_engine_nextn.py's GLM quant through vLLM)"
+)
 def test_demo_glm4_moe(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The same job on the trained tiny GLM-4.5-layout model (the appended-layer MTP ``model.layers.2``): the kept
     MTP drafts exactly as the source's; heal trains it through the family's MTP forward and writes it, better beyond
