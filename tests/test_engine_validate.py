@@ -69,7 +69,8 @@ def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
     return code, capsys.readouterr().err.strip()
 
 
-# Sampled and greedy, on both outputs: the quantize output at T = 0 and 0.8 through a server mtpquant starts (k = 3),
+# Sampled and greedy, on both outputs: the quantize output at T = 0 and 0.8 through a server mtpquant starts (k = 3;
+# the full lane: T = 0 alone),
 # the keep output at T = 0 and T = 0.8 with top-p 0.9 through a running one (k = 2: the pool's, shared with the pair
 # tests below). One server per output, every setting on it. vLLM accepts draft i with the same probability, given the
 # context, whatever k >= i (the argmax draft accepted with the target's probability of it, given drafts 1..i-1 were),
