@@ -18,17 +18,16 @@ proof on the NVFP4 MTP, takes another default heal and two more servers: it runs
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
 import pytest
 
-from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.records.provenance import read_provenance
 from tests.support.demo import DemoRun
 from tests.support.engine import EnginePool, engine_acceptance
 from tests.support.heal import HealedTiny, proof
+from tests.test_graft import tensor_digests
 
 pytestmark = pytest.mark.engine
 
@@ -39,19 +38,13 @@ KS = (1, 2, 3)
 TOLERANCE = 0.1  # engine gain against predicted gain (measured at k = 1, 2: differences up to 0.052)
 
 
-def _main_digests(path: Path) -> dict[str, str]:
-    ckpt = Checkpoint.open(path)
-    names = [n for n in ckpt.tensors if not ckpt.is_mtp(n)]
-    return {e.name: hashlib.sha256(data).hexdigest() for e, data in ckpt.iter_raw(names)}
-
-
 def _gains(
     unhealed_path: Path, healed_path: Path, vllm: EnginePool, tmp_path: Path, mode: str
 ) -> dict[int, dict[str, float]]:
     """The engine's and the prediction's AL gain at each k, healed over unhealed (the same quantized target)."""
     record = read_provenance(healed_path).heal
     assert record is not None and record.better and not record.forced, record  # heal's own rule wrote it
-    assert _main_digests(healed_path) == _main_digests(unhealed_path)  # only the MTP differs
+    assert tensor_digests(healed_path, mtp=False) == tensor_digests(unhealed_path, mtp=False)  # only the MTP differs
     unhealed = engine_acceptance(unhealed_path, vllm, tmp_path / "unhealed", ks=KS, prompts=PROMPTS, max_len=MAX_LEN)
     healed = engine_acceptance(healed_path, vllm, tmp_path / "healed", ks=KS, prompts=PROMPTS, max_len=MAX_LEN)
     gains = {

@@ -20,7 +20,6 @@ Qwen3.8-Flash-Next is not served: its MTP's experts are fused with the trunk's r
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -28,11 +27,10 @@ from typing import Any
 import pytest
 
 from mtpquant.api import ConvertOptions, ConvertResult, SearchSettings, convert
-from mtpquant.checkpoint.table import Checkpoint
-from mtpquant.families import is_mtp_name
 from mtpquant.synth.train import TINY_MTP_ASSET, TINY_MTP_ASSETS
 from tests.support.engine import EnginePool, engine_acceptance
 from tests.support.heal import CALIB, HealedTiny
+from tests.test_graft import tensor_digests
 
 pytestmark = pytest.mark.engine
 
@@ -42,12 +40,6 @@ MOE_PROMPTS = 50  # the MoE's MTP accepts more (AL 2.5 at k = 3): 44 prompts gav
 MIN_STEPS = 1290  # what 32 prompts gave a k = 1 server (see above)
 CPU_MOE = 'quantization.exclude=["*mlp.experts*"]'  # the routed experts BF16: the CPU build has no NVFP4 MoE kernel
 TOLERANCE = 0.05  # the engine against the prediction: the prompts' sampling noise, the engine's own numerics
-
-
-def _main_digests(path: Path) -> dict[str, str]:
-    ckpt = Checkpoint.open(path)
-    names = [n for n in ckpt.tensors if not is_mtp_name(n)]
-    return {e.name: hashlib.sha256(data).hexdigest() for e, data in ckpt.iter_raw(names)}
 
 
 def test_vllm_loads_the_chosen_mtp_and_measures_its_al_within_the_budget(
@@ -87,7 +79,7 @@ def _engine_within_the_budget(
     assert search is not None and auto.output is not None
     chosen = search.choice
     assert chosen.verdict == "within" and chosen.nbytes < search.bf16_bytes  # some group fits: smaller than BF16
-    assert _main_digests(auto.output) == _main_digests(keep)  # the same quantized target
+    assert tensor_digests(auto.output, mtp=False) == tensor_digests(keep, mtp=False)  # the same quantized target
     bf16 = engine_acceptance(keep, vllm, tmp_path / "bf16", ks=(K,), prompts=prompts)[K]
     measured = engine_acceptance(auto.output, vllm, tmp_path / "auto-validate", ks=(K,), prompts=prompts)[K]
     numbers = {"chosen": chosen.assignment.label, "bytes": [chosen.nbytes, search.bf16_bytes], "bf16": bf16,

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from mtpquant.cli import demo_cmd
 from mtpquant.convert.run import ConvertOptions, convert
 from mtpquant.heal.options import HealOptions, HealSizes
 from mtpquant.heal.run import HealResult, heal
@@ -23,7 +24,9 @@ from mtpquant.synth.train import TINY_MTP_ASSET
 
 __all__ = ["CALIB", "SMALL", "HealedTiny", "proof"]
 
-CALIB = {"calib_samples": 16, "calib_seq_len": 128}
+# The demo's calibration: quant("keep") is then the demo's convert before its heal (tests/test_engine_heal.py serves
+# the demo's healed quant against it).
+CALIB = {"calib_samples": demo_cmd.CALIB_SAMPLES, "calib_seq_len": demo_cmd.CALIB_SEQ_LEN}
 
 # A schedule that runs in seconds: for the mechanics, not for gains.
 SMALL: dict[str, Any] = {
