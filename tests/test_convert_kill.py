@@ -22,7 +22,10 @@ pytestmark = pytest.mark.slow
 SEED = 20260501
 
 
-@pytest.mark.parametrize("point", range(3))
+@pytest.mark.parametrize("point", [0, pytest.param(1, marks=pytest.mark.nightly(
+    reason="a third seeded kill point, the latest (0.79 s into the work: on a fast machine after convert finished): "
+    "the full lane kills at the other two"
+)), 2])  # fmt: skip
 def test_sigkill_leaves_no_output_and_rerun_succeeds(
     tiny_factory: Callable[[str], Path], tmp_path: Path, point: int
 ) -> None:

@@ -177,7 +177,10 @@ def _killed_run(src: Path, out: Path, after_layer: int, *extra: str) -> None:
     assert any(RESUME_MARK in n for n in names) and any(PARTIAL_MARK in n for n in names)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [f if f == "qwen3_5" else pytest.param(f, marks=pytest.mark.nightly(
+    reason="the kill and resume of a layer-wise convert on a second and third family: the full lane kills Qwen3.5's "
+    "and checks every family's layer-wise output against its one-pass one (test_layerwise_in_memory_matches_one_pass)"
+)) for f in FAMILIES])  # fmt: skip
 def test_sigkill_during_layerwise_calibration_then_rerun_resumes(
     family: str, tiny_factory: Callable[[str], Path], in_memory: Callable[..., tuple[Path, ConvertResult]],
     tmp_path: Path, caplog: pytest.LogCaptureFixture,

@@ -35,6 +35,11 @@ def _drafts(vllm: EnginePool, path: Path) -> None:
     assert m.stats.num_steps > 0 and m.stats.num_accepted > 0, m.stats  # loads, and its MTP drafts usefully
 
 
+@pytest.mark.nightly(
+    reason="two peers' healthy quants served by vLLM (a server each): the full lane serves mtpquant's own outputs in "
+    "both layouts (modelopt's and compressed-tensors', tests/test_engine_validate.py), checks inspect's verdict on "
+    "every peer quant without an engine (tests/test_peers.py) and serves the repaired AutoRound quant below"
+)
 @pytest.mark.parametrize("name", ["llmcompressor-nvfp4-dense", "modelopt-hfptq-dense"])
 def test_healthy_peer_quant_loads_and_drafts(vllm: EnginePool, peer_quant: Factory, name: str) -> None:
     path = peer_quant(name)
