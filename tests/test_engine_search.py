@@ -16,6 +16,9 @@ with the default search's choice, input FP8 / attention NVFP4 / MLP FP8), while 
 the main model and the MTP (``--set quantization.exclude=["*mlp.experts*"]``, which the search honours: the CPU backend
 runs no NVFP4 MoE); its all-NVFP4 choice is served by ``scripts/gpu_check.sh`` step 5a. (The trained tiny
 Qwen3.8-Flash-Next is not served: its MTP's experts are fused with the trunk's recipe.)
+
+The full lane serves the dense search's choice and checks that vLLM accepts its drafts; both measurements within the
+budget (the dense and the MoE's, a server more each and ~90 s of measuring) run in the nightly lane.
 """
 
 from __future__ import annotations
@@ -27,8 +30,10 @@ from typing import Any
 import pytest
 
 from mtpquant.api import ConvertOptions, ConvertResult, SearchSettings, convert
+from mtpquant.records.sampling import GREEDY
 from mtpquant.synth.train import TINY_MTP_ASSET, TINY_MTP_ASSETS
-from tests.support.engine import EnginePool, engine_acceptance
+from mtpquant.validate.measure import measure
+from tests.support.engine import EnginePool, engine_acceptance, prompt_ids
 from tests.support.heal import CALIB, HealedTiny
 from tests.test_graft import tensor_digests
 
@@ -42,15 +47,47 @@ CPU_MOE = 'quantization.exclude=["*mlp.experts*"]'  # the routed experts BF16: t
 TOLERANCE = 0.05  # the engine against the prediction: the prompts' sampling noise, the engine's own numerics
 
 
-def test_vllm_loads_the_chosen_mtp_and_measures_its_al_within_the_budget(
-    healed_tiny: HealedTiny, vllm: EnginePool, tmp_path: Path
-) -> None:
+@pytest.fixture(scope="module")
+def auto(tmp_path_factory: pytest.TempPathFactory) -> tuple[ConvertResult, SearchSettings]:
+    """``convert --mtp auto`` of the trained tiny Qwen3.5 for vLLM's CPU build, and its search settings."""
     # what vLLM's CPU build runs (see above), selected and confirmed on tests/test_search.py's prompts (24 each, of 96
     # tokens): the same choice as the default 64 prompts' on this model, in a fifth of the time
     settings = SearchSettings(precisions=("nvfp4",), num_prompts=24, confirm_prompts=24, max_len=96)
-    auto = convert(ConvertOptions(src=str(TINY_MTP_ASSET), out=tmp_path / "auto", mtp="auto", search=settings,
-                                  device="cpu", progress=False, **CALIB))  # fmt: skip
-    _engine_within_the_budget(auto, healed_tiny.quant("keep"), settings, vllm, tmp_path)
+    out = tmp_path_factory.mktemp("engine-search") / "auto"
+    result = convert(ConvertOptions(src=str(TINY_MTP_ASSET), out=out, mtp="auto", search=settings, device="cpu",
+                                    progress=False, **CALIB))  # fmt: skip
+    return result, settings
+
+
+def test_vllm_serves_the_chosen_mixed_mtp_and_drafts(
+    auto: tuple[ConvertResult, SearchSettings], vllm: EnginePool
+) -> None:
+    """The search's choice (some MTP groups NVFP4, the rest BF16, declared as vLLM loads them) starts in vLLM and its
+    drafts are accepted (the full lane's check; its AL against the BF16 MTP's at scale is the nightly test below)."""
+    result, _ = auto
+    search = result.search
+    assert search is not None and result.output is not None
+    assignment = search.choice.assignment
+    assert not assignment.all_bf16 and search.choice.nbytes < search.bf16_bytes  # a mixed MTP: what this serves
+    running = vllm.get(result.output, K)
+    ids, n = prompt_ids(result.output, 8)
+    m = measure(running.client, running.info, running.model, ids, n, GREEDY)
+    assert m.k == K and m.other_requests == 0
+    assert m.stats.num_steps > 0 and m.stats.num_accepted > 0, m.stats
+
+
+@pytest.mark.nightly(
+    reason="the search's choice measured by vLLM against the BF16 MTP at 44 prompts (a second server and ~90 s of "
+    "measurement): the full lane serves the choice and checks its drafts are accepted "
+    "(test_vllm_serves_the_chosen_mixed_mtp_and_drafts), measures the prediction against vLLM per position "
+    "(tests/test_engine_validate.py) and checks the search's confirmed choice against a simulated truth "
+    "(tests/test_search_decide.py)"
+)
+def test_vllm_loads_the_chosen_mtp_and_measures_its_al_within_the_budget(
+    auto: tuple[ConvertResult, SearchSettings], healed_tiny: HealedTiny, vllm: EnginePool, tmp_path: Path
+) -> None:
+    result, settings = auto
+    _engine_within_the_budget(result, healed_tiny.quant("keep"), settings, vllm, tmp_path)
 
 
 @pytest.mark.nightly(

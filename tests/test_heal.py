@@ -9,7 +9,6 @@ acceptance beyond noise takes CPU-minutes per mode and runs in the nightly lane 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import shutil
 import signal
@@ -44,7 +43,7 @@ from mtpquant.surgery.inplace import clean_stale
 from mtpquant.synth.train import TINY_MTP_ASSET
 from tests.support.cli import one_error
 from tests.support.heal import CALIB, SMALL, HealedTiny, proof
-from tests.test_graft import leftovers, private_copy, tree_state
+from tests.test_graft import leftovers, private_copy, tensor_digests, tree_state
 
 pytestmark = pytest.mark.slow
 
@@ -54,11 +53,6 @@ Factory = Callable[[str], Path]
 TINY = {**SMALL, "samples": 4, "steps": 1, "check_prompts": 5,
         "sizes": dataclasses.replace(SMALL["sizes"], new_tokens=8, check_len=16)}
 
-
-def digests(path: Path, *, mtp: bool) -> dict[str, str]:
-    ckpt = Checkpoint.open(path)
-    names = [n for n in ckpt.tensors if is_mtp_name(n) == mtp]
-    return {e.name: hashlib.sha256(data).hexdigest() for e, data in ckpt.iter_raw(names)}
 
 
 def layout(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -246,8 +240,8 @@ def test_heal_changes_only_the_mtp_and_records_the_heal(healed_tiny: HealedTiny,
     assert result.action in ("healed", "forced") and check is not None and check.sequences == 6
     assert [c.k for c in check.by_k] == [1, 2, 3]
     # only mtp.* bytes changed: every other tensor and file is QUANT's
-    assert digests(out, mtp=False) == digests(quant, mtp=False)
-    assert digests(out, mtp=True) != digests(quant, mtp=True)
+    assert tensor_digests(out, mtp=False) == tensor_digests(quant, mtp=False)
+    assert tensor_digests(out, mtp=True) != tensor_digests(quant, mtp=True)
     assert layout(out) == layout(quant)  # same names, dtypes, shapes: the MTP keeps its format
     changed = {k for k, v in tree_state(out).items() if tree_state(quant).get(k) != v}
     assert {PROVENANCE_FILE, *result.new_shards} <= changed <= {"model.safetensors.index.json", PROVENANCE_FILE,
@@ -280,7 +274,7 @@ def test_default_heal_improves_held_out_acceptance(healed_tiny: HealedTiny, mode
     assert [c.k for c in check.by_k] == [1, 2, 3]
     for c in check.by_k:  # better beyond noise at every k
         assert c.better and c.low > 0 and c.after > c.before, c
-    assert digests(out, mtp=False) == digests(quant, mtp=False) and layout(out) == layout(quant)
+    assert tensor_digests(out, mtp=False) == tensor_digests(quant, mtp=False) and layout(out) == layout(quant)
     record = read_provenance(out).heal
     assert record is not None and record.better and not record.forced
     assert (record.steps, record.chain, record.seed, record.sequences) == (100, 2, 0, 64)
@@ -308,8 +302,8 @@ def test_heal_is_deterministic_and_force_writes_with_the_record(healed_tiny: Hea
     quant = healed_tiny.quant("keep")
     first, a = healed_tiny.small("keep")
     b = heal(HealOptions(quant=quant, source=TINY_MTP_ASSET, out=tmp_path / "b", force=True, **SMALL))
-    assert digests(first, mtp=True) == digests(tmp_path / "b", mtp=True)
-    assert digests(first, mtp=True) != digests(quant, mtp=True)
+    assert tensor_digests(first, mtp=True) == tensor_digests(tmp_path / "b", mtp=True)
+    assert tensor_digests(first, mtp=True) != tensor_digests(quant, mtp=True)
     assert a.check == b.check and a.training is not None and b.training is not None
     assert (a.training.first_loss, a.training.last_loss) == (b.training.first_loss, b.training.last_loss)
     record = read_provenance(first).heal
@@ -343,7 +337,7 @@ def test_heal_under_a_memory_cap_reads_the_rest_of_the_target_from_disk(
                          max_memory="cpu=4MB", **SMALL))
     assert b.plan.memory.disk_bytes > 0 and b.plan.memory.caps is not None
     assert chosen == ["return_freed_memory"]
-    assert digests(tmp_path / "b", mtp=True) == digests(first, mtp=True)
+    assert tensor_digests(tmp_path / "b", mtp=True) == tensor_digests(first, mtp=True)
     assert b.check == a.check
 
 
@@ -364,7 +358,7 @@ def test_a_head_trained_in_bfloat16_is_checked_in_the_compute_dtype(
     assert b.plan.memory.disk_bytes == 0 and chosen == ["keep_freed_memory"]
     assert a.check is not None and b.check is not None
     assert [c.before for c in b.check.by_k] == [c.before for c in a.check.by_k]
-    assert digests(tmp_path / "b", mtp=True) != digests(first, mtp=True)  # trained against another head
+    assert tensor_digests(tmp_path / "b", mtp=True) != tensor_digests(first, mtp=True)  # trained against another head
 
 
 # ---------------------------------------------------------------------------------------------- other families
@@ -381,8 +375,8 @@ def test_moe_and_qwen3_next_heal_without_error(tiny_factory: Factory, tmp_path: 
     result = heal(HealOptions(quant=quant, source=src, out=tmp_path / "out", force=True, **SMALL))
     out = tmp_path / "out"
     assert result.record is not None and result.record.steps == 3
-    assert digests(out, mtp=False) == digests(quant, mtp=False)
-    assert digests(out, mtp=True) != digests(quant, mtp=True)
+    assert tensor_digests(out, mtp=False) == tensor_digests(quant, mtp=False)
+    assert tensor_digests(out, mtp=True) != tensor_digests(quant, mtp=True)
     assert layout(out) == layout(quant)
     assert inspect_checkpoint(out).verdicts == inspect_checkpoint(quant).verdicts
 
@@ -440,7 +434,7 @@ def test_kill_during_an_in_place_heal_leaves_the_old_or_the_new_quant(healed_tin
         else:  # the healed quant: only the MTP shard and the provenance changed
             changed = {k for k, v in tree_state(quant).items() if before.get(k) != v}
             assert changed == {"mtp-00001-of-00001.safetensors", PROVENANCE_FILE}
-            assert digests(quant, mtp=False) == digests(base, mtp=False)
+            assert tensor_digests(quant, mtp=False) == tensor_digests(base, mtp=False)
             assert [s.tool for s in read_provenance(quant).steps] == ["convert", "heal"]
         with OutputLock.acquire(quant):
             clean_stale(quant)
@@ -474,9 +468,10 @@ def test_convert_heal_runs_heal_after_the_conversion(tmp_path: Path, capsys: pyt
     assert [s.tool for s in provenance.steps] == ["convert", "heal"]
     assert provenance.heal is not None and provenance.heal.forced  # type: ignore[union-attr]
     assert "--heal-force" in provenance.steps[1].command
-    assert digests(forced, mtp=False) == digests(out, mtp=False)  # convert is deterministic; heal leaves the rest
-    changed = digests(forced, mtp=True)
-    assert changed.keys() == digests(out, mtp=True).keys() and changed != digests(out, mtp=True)
+    # convert is deterministic; heal leaves the rest
+    assert tensor_digests(forced, mtp=False) == tensor_digests(out, mtp=False)
+    changed = tensor_digests(forced, mtp=True)
+    assert changed.keys() == tensor_digests(out, mtp=True).keys() and changed != tensor_digests(out, mtp=True)
 
 
 def test_the_healed_checkpoint_does_not_show_the_unhealed_quants_report(

@@ -281,6 +281,12 @@ def test_the_card_describes_the_chosen_mtp(made: dict[str, Any], monkeypatch: py
     assert "chosen by search" not in keep.card
 
 
+@pytest.mark.nightly(
+    reason="the dense search measured twice with its seed (greedy and T = 0.7): the full lane measures the MoE search "
+    "twice with the same seed and settings (test_the_qwen3_5_moe_search_is_deterministic_and_a_budget_of_zero_keeps_"
+    "bf16) and tune-mtp's search against convert's, measuring the same (test_tune_mtp_writes_only_the_mtp_and_chooses_"
+    "what_convert_chose), and report.md's table per setting on the MoE search"
+)
 def test_the_search_is_deterministic_with_its_seed(made: dict[str, Any], tmp_path: Path) -> None:
     """Two tune-mtp runs of the same quant with the same seed, greedy and sampled at T = 0.7: the same configurations
     measured, the same numbers (every AL and interval in report.json; only the timings differ), the same choice and
@@ -415,13 +421,18 @@ def _moe_auto(out: Path, settings: SearchSettings) -> ConvertResult:
 def test_the_qwen3_5_moe_search_is_deterministic_and_a_budget_of_zero_keeps_bf16(tmp_path: Path) -> None:
     """On the trained tiny Qwen3.5-MoE (BF16 / NVFP4, greedy and T = 0.7, seed 7) for vLLM: every group alone measured
     (the shared expert too, which vLLM does not load quantized beside BF16 routed experts: measured, never chosen);
-    two --mtp auto converts measure the same numbers (report.json but its timings), choose the same, write the same
-    MTP bytes as the plan of the choice says, loaded by vLLM; with a budget of 0 the MTP is the source's BF16 bytes."""
+    two --mtp auto converts measure the same numbers (report.json but its timings; report.md a table per setting),
+    choose the same, write the same MTP bytes as the plan of the choice says, loaded by vLLM; with a budget of 0 the
+    MTP is the source's BF16 bytes."""
     small = SearchSettings(num_prompts=8, confirm_prompts=8, max_len=48, k=2, precisions=("nvfp4",), max_confirm=1,
                            seed=7, temperatures=(0.7,))  # fmt: skip
     results = [_moe_auto(tmp_path / name, small) for name in ("one", "two")]
     reports = _reports_without_timings(tmp_path, ("one", "two"))
     assert reports[0] == reports[1] and reports[0]["settings"]["seed"] == 7
+    md = (tmp_path / "one" / "mtp_search/report.md").read_text()
+    for label in ("T=0", "T=0.7"):  # a table of every configuration per sampling setting
+        table = md.split(f"### {label}\n", 1)[1].split("\n\n", 1)[0].strip()
+        assert len(table.splitlines()) == 2 + len(reports[0]["evaluated"])  # the head, the rule, every configuration
     assert digests(tmp_path / "one", mtp=True) == digests(tmp_path / "two", mtp=True)
     search = results[0].search
     assert search is not None

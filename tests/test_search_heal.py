@@ -11,7 +11,6 @@ trains each Linear in its own format and writes each one back in it.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -39,7 +38,6 @@ from mtpquant.api import (
 from mtpquant.checkpoint.dtypes import st_dtype
 from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.errors import ExitCode
-from mtpquant.families import is_mtp_name
 from mtpquant.heal.precision import export_mtp, master_weights, mtp_storage
 from mtpquant.measure.weights import CheckpointWeights
 from mtpquant.mtp.quantize import quantize_mtp
@@ -49,6 +47,7 @@ from mtpquant.search.run import search_space
 from mtpquant.search.space import Assignment
 from mtpquant.synth.train import TINY_MTP_ASSETS
 from tests.support.cli import one_error
+from tests.test_graft import tensor_digests
 
 pytestmark = pytest.mark.slow
 
@@ -59,11 +58,6 @@ SIZES = HealSizes(prompt_len=32, new_tokens=32, batch_size=4, check_len=32, batc
 HEAL = {"samples": 16, "steps": 16, "lr": 2e-4, "seed": 3, "sizes": SIZES, "device": "cpu", "progress": False}
 MIXED = Assignment.of({"input": "fp8", "attention": "nvfp4", "mlp": "bf16"})
 
-
-def digests(path: Path, *, mtp: bool) -> dict[str, str]:
-    ckpt = Checkpoint.open(path)
-    names = [n for n in ckpt.tensors if is_mtp_name(n) == mtp]
-    return {e.name: hashlib.sha256(data).hexdigest() for e, data in ckpt.iter_raw(names)}
 
 
 def _without_times(report: dict[str, Any]) -> dict[str, Any]:
@@ -113,7 +107,7 @@ def test_tune_mtp_heal_chooses_a_healed_finalist(made: dict[str, Any]) -> None:
     assert chosen.role == "healed" and chosen.confirmed, "no healed finalist confirmed on the tiny model"
     assert "healed finalist" in search.reason
     # only the MTP written, and healed: its quantized weights are not those of SRC's BF16 weights quantized
-    assert digests(root / "tuned", mtp=False) == digests(root / "keep", mtp=False)
+    assert tensor_digests(root / "tuned", mtp=False) == tensor_digests(root / "keep", mtp=False)
     assert tuned.new_shards == ["mtp-00001-of-00001.safetensors"]
     src = Checkpoint.open(ASSET)
     out = Checkpoint.open(root / "tuned")
@@ -165,7 +159,7 @@ def test_convert_auto_heal_is_tune_mtp_heal_and_deterministic(made: dict[str, An
     a, b = (_without_times(r) for r in reports)
     a.pop("target"), b.pop("target")
     assert a == b and a["heal"]["seed"] == HEAL["seed"]
-    assert digests(root / "auto", mtp=True) == digests(root / "tuned", mtp=True)
+    assert tensor_digests(root / "auto", mtp=True) == tensor_digests(root / "tuned", mtp=True)
     assert "\n  healed: true\n" in (root / "auto" / RECIPE_FILE).read_text()
 
 
@@ -231,7 +225,7 @@ def test_heal_writes_each_group_in_its_format(mixed: Path, tmp_path: Path) -> No
     for m in fp8 + nvfp4:
         assert h.read_raw(h.tensors[m + ".input_scale"]) == q.read_raw(q.tensors[m + ".input_scale"])
         assert h.read_raw(h.tensors[m + ".weight"]) != q.read_raw(q.tensors[m + ".weight"])
-    assert digests(tmp_path / "healed", mtp=False) == digests(mixed, mtp=False)
+    assert tensor_digests(tmp_path / "healed", mtp=False) == tensor_digests(mixed, mtp=False)
     for name in ("hf_quant_config.json", "config.json"):
         assert (tmp_path / "healed" / name).read_bytes() == (mixed / name).read_bytes()
     report, before = inspect_checkpoint(tmp_path / "healed"), inspect_checkpoint(mixed)

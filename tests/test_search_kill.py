@@ -28,12 +28,11 @@ import pytest
 
 from mtpquant.api import ConvertOptions, SearchSettings, TuneOptions, convert, tune_mtp
 from mtpquant.checkpoint.lock import lock_path
-from mtpquant.checkpoint.table import Checkpoint
 from mtpquant.checkpoint.writer import PARTIAL_MARK
 from mtpquant.errors import GraftError
-from mtpquant.families import is_mtp_name
 from mtpquant.synth.train import TINY_MTP_ASSET
 from tests.support.kills import KILL_PRELUDE
+from tests.test_graft import tensor_digests
 
 pytestmark = pytest.mark.slow
 
@@ -56,11 +55,6 @@ def tree(root: Path) -> dict[str, str]:
     return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(root.rglob("*")) if p.is_file()}  # fmt: skip
 
-
-def digests(path: Path, *, mtp: bool) -> dict[str, str]:
-    ckpt = Checkpoint.open(path)
-    names = [n for n in ckpt.tensors if is_mtp_name(n) == mtp]
-    return {e.name: hashlib.sha256(data).hexdigest() for e, data in ckpt.iter_raw(names)}
 
 
 def du(root: Path) -> int:
@@ -191,8 +185,8 @@ def test_tune_mtp_in_place(keep: Path, tmp_path: Path) -> None:
     result = tune_mtp(TuneOptions(quant=quant, source=TINY_MTP_ASSET, in_place=True, search=SETTINGS, device="cpu",
                                   progress=False))  # fmt: skip
     assert result.search is not None and not result.search.choice.assignment.all_bf16
-    assert digests(quant, mtp=False) == digests(keep, mtp=False)
-    assert digests(quant, mtp=True) != digests(keep, mtp=True)
+    assert tensor_digests(quant, mtp=False) == tensor_digests(keep, mtp=False)
+    assert tensor_digests(quant, mtp=True) != tensor_digests(keep, mtp=True)
     assert (quant / "mtp_search/report.json").is_file() and beside(quant) == []
 
 
@@ -242,5 +236,5 @@ def test_tune_mtp_in_place_killed_during_the_search(keep: Path, tmp_path: Path) 
     done = _child(tmp_path, argv, None, tmpdir, final=quant)
     assert done.returncode == 0, done.stderr[-3000:]
     assert all(n.startswith(partial) for n in done.seen_beside) and done.tmp_peak <= MB
-    assert beside(quant) == [] and digests(quant, mtp=False) == digests(keep, mtp=False)
-    assert digests(quant, mtp=True) != digests(keep, mtp=True)
+    assert beside(quant) == [] and tensor_digests(quant, mtp=False) == tensor_digests(keep, mtp=False)
+    assert tensor_digests(quant, mtp=True) != tensor_digests(keep, mtp=True)

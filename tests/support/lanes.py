@@ -66,9 +66,9 @@ ALLOWED_SKIPS: tuple[tuple[str, str], ...] = (
 # Modules that need the same engine servers (the same checkpoint at the same k) or the same expensive run are one
 # xdist work unit, so they run in one worker process with one session pool (tests/support/engine.py) and one session
 # fixture: test_engine_heal's unhealed keep quant at k = 3 is test_engine_search's BF16-MTP baseline (both convert it
-# through the one ``healed_tiny``), and its healed quant is test_demo's (the demo's default heal, run once:
-# tests/support/demo.py). Every other module is its own unit, as ``--dist loadscope`` makes them (tests/conftest.py
-# ``pytest_xdist_make_scheduler``).
+# through the one ``healed_tiny``; the nightly lane's), and its healed quant is test_demo's (the demo's default heal,
+# run once: tests/support/demo.py). Every other module is its own unit, as ``--dist loadscope`` makes them
+# (tests/conftest.py ``pytest_xdist_make_scheduler``).
 # xdist's own ``--dist loadgroup`` with ``xdist_group`` marks does not group on pytest 9.2
 # (pytest-dev/pytest-xdist#1386). All engine modules in one unit would put ~60 % of the suite's time on one worker.
 SHARED_UNITS = {
