@@ -24,8 +24,8 @@ from mtpquant.records.provenance import PROVENANCE_FILE, read_provenance
 from mtpquant.synth.train import TINY_MTP_ASSETS
 from mtpquant.validate.run import ValidateOptions, validate
 from tests.support.heal import HealedTiny, proof
-from tests.test_graft import tree_state
-from tests.test_heal import digests, layout
+from tests.test_graft import tensor_digests, tree_state
+from tests.test_heal import layout
 
 ASSET = TINY_MTP_ASSETS["qwen4_exp"]
 
@@ -54,8 +54,8 @@ def test_heal_changes_only_the_mtp_and_inspects_healthy(healed_tiny_qwen4: Heale
     check = result.check
     assert result.action in ("healed", "forced") and check is not None and check.sequences == 6
     assert [c.k for c in check.by_k] == [1, 2, 3]
-    assert digests(out, mtp=False) == digests(quant, mtp=False)  # every other tensor bit-identical
-    assert digests(out, mtp=True) != digests(quant, mtp=True)
+    assert tensor_digests(out, mtp=False) == tensor_digests(quant, mtp=False)  # every other tensor bit-identical
+    assert tensor_digests(out, mtp=True) != tensor_digests(quant, mtp=True)
     assert layout(out) == layout(quant)  # same names, dtypes, shapes
     changed = {k for k, v in tree_state(out).items() if tree_state(quant).get(k) != v}
     assert {PROVENANCE_FILE, *result.new_shards} <= changed <= {"model.safetensors.index.json", PROVENANCE_FILE,
@@ -95,7 +95,7 @@ def test_default_heal_of_the_keep_quant_is_written(healed_tiny_qwen4: HealedTiny
     line = next(x for x in printed.splitlines() if x.startswith("healed the MTP into "))
     assert "better beyond noise at the served k = 3 and worse beyond noise at no k: k=1 " in line
     assert "k=3 better: " in line and "; k=2 " in line
-    assert digests(out, mtp=False) == digests(quant, mtp=False) and layout(out) == layout(quant)
+    assert tensor_digests(out, mtp=False) == tensor_digests(quant, mtp=False) and layout(out) == layout(quant)
     changed = {k for k, v in tree_state(out).items() if tree_state(quant).get(k) != v}
     new_shards = {n for n in changed if n.endswith(".safetensors")}
     assert new_shards and changed - new_shards <= {"model.safetensors.index.json", PROVENANCE_FILE}
@@ -117,7 +117,7 @@ def test_default_heal_improves_acceptance(healed_tiny_qwen4: HealedTiny, tmp_pat
     assert record is not None and record.better and not record.forced
     assert [r.k for r in record.by_k] == [1, 2, 3]
     assert record.by_k[-1].low > 0 and all(r.high >= 0 and r.after > r.before for r in record.by_k), record.by_k
-    assert digests(out, mtp=False) == digests(quant, mtp=False) and layout(out) == layout(quant)
+    assert tensor_digests(out, mtp=False) == tensor_digests(quant, mtp=False) and layout(out) == layout(quant)
     report = validate(ValidateOptions(quant, out, num_prompts=32, k=3, device="cpu", progress=False)).to_json()
     before = [r["mean_acceptance_length"] for r in report["reference"]["acceptance"]["by_k"]]
     after = [r["mean_acceptance_length"] for r in report["candidate"]["acceptance"]["by_k"]]
