@@ -17,22 +17,12 @@ from pathlib import Path
 import pytest
 
 from mtpquant.api import GraftOptions, graft, inspect_checkpoint
-from mtpquant.records.sampling import GREEDY
-from mtpquant.validate.measure import measure
-from tests.support.engine import EnginePool, prompt_ids
+from tests.support.engine import EnginePool, assert_drafts
 
 pytestmark = pytest.mark.engine
 
 Factory = Callable[[str], Path]
 K = 2
-
-
-def _drafts(vllm: EnginePool, path: Path) -> None:
-    running = vllm.get(path, K)
-    ids, n = prompt_ids(path, 4)
-    m = measure(running.client, running.info, running.model, ids, n, GREEDY)
-    assert m.k == K and m.other_requests == 0
-    assert m.stats.num_steps > 0 and m.stats.num_accepted > 0, m.stats  # loads, and its MTP drafts usefully
 
 
 @pytest.mark.nightly(
@@ -44,7 +34,7 @@ def _drafts(vllm: EnginePool, path: Path) -> None:
 def test_healthy_peer_quant_loads_and_drafts(vllm: EnginePool, peer_quant: Factory, name: str) -> None:
     path = peer_quant(name)
     assert inspect_checkpoint(path).verdicts["vllm"] == "vLLM: MTP loads (BF16)"
-    _drafts(vllm, path)
+    assert_drafts(vllm, path, K, 4)
 
 
 def test_autoround_quant_fails_as_predicted_and_drafts_once_repaired(
@@ -60,5 +50,5 @@ def test_autoround_quant_fails_as_predicted_and_drafts_once_repaired(
     fixed = tmp_path / "fixed"
     graft(GraftOptions(quant=path, out=fixed, fix_metadata=True))
     assert inspect_checkpoint(fixed).verdicts["vllm"] == "vLLM: MTP loads (BF16)"
-    _drafts(vllm, fixed)
+    assert_drafts(vllm, fixed, K, 4)
 

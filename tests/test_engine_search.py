@@ -30,10 +30,8 @@ from typing import Any
 import pytest
 
 from mtpquant.api import ConvertOptions, ConvertResult, SearchSettings, convert
-from mtpquant.records.sampling import GREEDY
 from mtpquant.synth.train import TINY_MTP_ASSET, TINY_MTP_ASSETS
-from mtpquant.validate.measure import measure
-from tests.support.engine import EnginePool, engine_acceptance, prompt_ids
+from tests.support.engine import EnginePool, assert_drafts, engine_acceptance
 from tests.support.heal import CALIB, HealedTiny
 from tests.test_graft import tensor_digests
 
@@ -69,11 +67,7 @@ def test_vllm_serves_the_chosen_mixed_mtp_and_drafts(
     assert search is not None and result.output is not None
     assignment = search.choice.assignment
     assert not assignment.all_bf16 and search.choice.nbytes < search.bf16_bytes  # a mixed MTP: what this serves
-    running = vllm.get(result.output, K)
-    ids, n = prompt_ids(result.output, 8)
-    m = measure(running.client, running.info, running.model, ids, n, GREEDY)
-    assert m.k == K and m.other_requests == 0
-    assert m.stats.num_steps > 0 and m.stats.num_accepted > 0, m.stats
+    assert_drafts(vllm, result.output, K, 8)
 
 
 @pytest.mark.nightly(

@@ -37,6 +37,7 @@ __all__ = [
     "STARTS_ENV",
     "EnginePool",
     "RunningServer",
+    "assert_drafts",
     "engine_acceptance",
     "pool_server",
     "prompt_ids",
@@ -203,6 +204,19 @@ def prompt_ids(checkpoint: Path, n: int, max_len: int = 96) -> tuple[list[list[i
     tok = Tokenizer.from_file(str(checkpoint / "tokenizer.json"))
     ids = [tok.encode(p, add_special_tokens=False).ids[: max_len // 2] for p in default_prompts(n)]
     return ids, [max_len - len(i) for i in ids]
+
+
+def assert_drafts(vllm: EnginePool, path: Path, k: int, prompts: int) -> None:
+    """``path`` served at ``k`` from the pool loads and its MTP drafts usefully: the first ``prompts`` default prompts,
+    greedy, verify steps and accept drafts (and no other request reached the server)."""
+    from mtpquant.records.sampling import GREEDY
+    from mtpquant.validate.measure import measure
+
+    running = vllm.get(path, k)
+    ids, n = prompt_ids(path, prompts)
+    m = measure(running.client, running.info, running.model, ids, n, GREEDY)
+    assert m.k == k and m.other_requests == 0
+    assert m.stats.num_steps > 0 and m.stats.num_accepted > 0, m.stats
 
 
 # engine_acceptance's two measurements by (checkpoint, k, prompts, max_len): the same checkpoint measured twice in a
