@@ -57,12 +57,12 @@ def test_hub_src_is_read_by_ranges_only_its_mtp(
     # between them in a shard's data, not one per tensor (at scale, the 1,553 tensors of Qwen3-Next-80B-A3B's MTP: the
     # nightly test below)
     ckpt = Checkpoint.open(src)
-    mtp = {e.name for e in ckpt.mtp_tensors()}
+    mtp = ckpt.mtp_tensors()
+    spans = {shard: [(e.start, e.end) for e in mtp if e.shard == shard] for shard in {e.shard for e in mtp}}
     runs: dict[str, int] = {}
-    for shard in {e.shard for e in ckpt.mtp_tensors()}:
-        order = [e.name in mtp for e in sorted(ckpt.tensors.values(), key=lambda e: e.start) if e.shard == shard]
+    for shard in spans:
+        order = [ckpt.is_mtp(e.name) for e in sorted(ckpt.tensors.values(), key=lambda e: e.start) if e.shard == shard]
         runs[shard] = sum(1 for i, m in enumerate(order) if m and (i == 0 or not order[i - 1]))
-    spans = {shard: [(e.start, e.end) for e in ckpt.mtp_tensors() if e.shard == shard] for shard in runs}
     mtp_reads = dict.fromkeys(runs, 0)
     for r in hub.requests:
         if r.kind == "resolve" and r.range and r.filename in runs:
@@ -133,7 +133,7 @@ def test_a_server_ignoring_range_for_tensor_data_makes_graft_download_only_the_m
 
 @pytest.mark.nightly(
     reason="3.3 GB of MTP through the local Hub (a minute of I/O): the full lane checks the merged ranged reads on the "
-    "tiny MoE's MTP (test_hub_src_is_read_by_ranges_only_its_mtp: one data read per MTP shard)"
+    "tiny MoE's MTP (test_hub_src_is_read_by_ranges_only_its_mtp: one data read per run of adjacent MTP tensors)"
 )
 def test_graft_from_the_hub_reads_a_1553_tensor_mtp_in_a_few_requests(
     real_layouts: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]

@@ -54,7 +54,6 @@ TINY = {**SMALL, "samples": 4, "steps": 1, "check_prompts": 5,
         "sizes": dataclasses.replace(SMALL["sizes"], new_tokens=8, check_len=16)}
 
 
-
 def layout(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     return {n: (e.dtype, tuple(e.shape)) for n, e in Checkpoint.open(path).tensors.items()}
 

@@ -59,7 +59,6 @@ HEAL = {"samples": 16, "steps": 16, "lr": 2e-4, "seed": 3, "sizes": SIZES, "devi
 MIXED = Assignment.of({"input": "fp8", "attention": "nvfp4", "mlp": "bf16"})
 
 
-
 def _without_times(report: dict[str, Any]) -> dict[str, Any]:
     report = dict(report)
     report.pop("seconds")
